@@ -1,0 +1,57 @@
+# fedkernels: `make demo` runs the main job, `make test` the tests. Each sets itself up:
+# creates .venv, installs torch 2.13.0 (CPU) first, then the project and its native build.
+PY      ?= python3
+VENV    := .venv
+PYBIN   := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+DEPS    := numpy pyyaml tqdm matplotlib pytest hypothesis expecttest scipy ninja setuptools wheel
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
+PYTEST_ARGS ?= -q
+
+.PHONY: all build test demo bench bench-cpu clean venv dataset
+
+all: build
+
+$(VENV)/.stamp-torch:
+	$(PY) -m venv $(VENV)
+	$(PYBIN) -m pip install -q $(TORCH)
+	touch $@
+
+$(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
+	$(PYBIN) -m pip install -q $(DEPS)
+	touch $@
+
+# First time: editable install (compiles the extension in place). Afterwards only changed
+# kernel files are recompiled (setup.py build_ext --inplace reuses build/).
+$(VENV)/.stamp-build: $(VENV)/.stamp-deps $(SOURCES)
+	@if [ -f $(VENV)/.stamp-installed ]; then \
+	  $(PYBIN) setup.py -q build_ext --inplace; \
+	else \
+	  $(PYBIN) -m pip install -q --no-build-isolation --no-deps -e . && touch $(VENV)/.stamp-installed; \
+	fi
+	$(PYBIN) -c "import fedkernels, json; print('fedkernels build:', json.dumps(fedkernels.build_info()))"
+	touch $@
+
+venv: $(VENV)/.stamp-deps
+build: $(VENV)/.stamp-build
+
+test: build
+	$(PYBIN) -m pytest $(PYTEST_ARGS)
+
+# Fashion-MNIST from Debian when we are root and it is missing; otherwise the demo uses
+# scikit-learn's digits.
+dataset:
+	@if [ ! -d /usr/share/datasets/fashion-mnist ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null) || echo "could not install dataset-fashion-mnist; the demo will fall back to digits"; \
+	fi
+
+demo: build dataset
+	$(PYBIN) -m fedkernels.sim.demo
+
+bench-cpu: build
+	$(PYBIN) -m bench.cpu
+
+bench: bench-cpu
+
+clean:
+	rm -rf build fedkernels/_C*.so $(VENV)/.stamp-build $(VENV)/.stamp-installed

@@ -1,0 +1,52 @@
+// Shared helpers for the CPU kernels. Light headers only (no torch/extension.h).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fedkernels {
+
+// Fixed column chunk for streaming kernels: a chunk of K rows x kChunk columns stays in L2.
+constexpr int64_t kChunk = 2048;
+
+// Reads a small 1-D float tensor (coefficients, weights) into a host double vector.
+inline std::vector<double> to_double_vector(const at::Tensor& t) {
+  std::vector<double> v(t.numel());
+  auto tc = t.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, tc.scalar_type(), "to_double_vector", [&] {
+    const scalar_t* p = tc.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < tc.numel(); ++i) v[i] = static_cast<double>(p[i]);
+  });
+  return v;
+}
+
+// Reads an optional int64 row-index tensor; checks range [0, K). Empty optional -> 0..K-1.
+inline std::vector<int64_t> row_list(const c10::optional<at::Tensor>& rows, int64_t K, const char* op) {
+  std::vector<int64_t> r;
+  if (!rows.has_value()) {
+    r.resize(K);
+    for (int64_t i = 0; i < K; ++i) r[i] = i;
+    return r;
+  }
+  auto t = rows->to(at::kLong).contiguous();
+  TORCH_CHECK(t.dim() == 1, op, ": rows must be 1-D, got ", t.dim(), "-D");
+  const int64_t* p = t.data_ptr<int64_t>();
+  r.assign(p, p + t.numel());
+  for (int64_t x : r)
+    TORCH_CHECK(x >= 0 && x < K, op, ": rows entry ", x, " out of range [0, ", K, ")");
+  return r;
+}
+
+// A 2-D matrix accepted by streaming kernels: unit stride along columns, any row stride.
+inline void check_rowmajor(const at::Tensor& U, const char* op, const char* name) {
+  TORCH_CHECK(U.dim() == 2, op, ": ", name, " must be 2-D [K, d], got ", U.dim(), "-D");
+  TORCH_CHECK(U.size(1) <= 1 || U.stride(1) == 1, op, ": ", name,
+              " must have unit column stride (the Python wrapper makes it so)");
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,51 @@
+// finite_rows: ok[k] = all(isfinite(U[k, :])), one read of U with no K x d temporary.
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace fedkernels {
+namespace {
+
+template <typename T>
+void finite_impl(const at::Tensor& U, bool* ok) {
+  const int64_t K = U.size(0), d = U.size(1), s0 = U.stride(0);
+  const T* u = U.data_ptr<T>();
+  constexpr int64_t CH = 1 << 14;
+  const int64_t nch = (d + CH - 1) / CH;
+  std::vector<unsigned char> flag(K * nch, 1);
+  at::parallel_for(0, K * nch, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k = t / nch, q = t % nch, j0 = q * CH, len = std::min(CH, d - j0);
+      const T* x = u + k * s0 + j0;
+      using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+      A acc = 0;  // x*0 is 0 for finite x and NaN for NaN/Inf: one vectorisable reduction
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < len; ++j) acc += A(x[j]) * A(0);
+      flag[t] = (acc == A(0));
+    }
+  });
+  for (int64_t k = 0; k < K; ++k) {
+    bool all = true;
+    for (int64_t q = 0; q < nch; ++q) all = all && flag[k * nch + q];
+    ok[k] = all;
+  }
+}
+
+at::Tensor finite_rows_cpu(const at::Tensor& U) {
+  check_rowmajor(U, "finite_rows", "U");
+  auto ok = at::empty({U.size(0)}, U.options().dtype(at::kBool));
+  if (U.size(0) == 0) return ok;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "finite_rows_cpu", [&] {
+    finite_impl<scalar_t>(U, ok.data_ptr<bool>());
+  });
+  return ok;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("finite_rows", &finite_rows_cpu); }
+
+}  // namespace fedkernels

@@ -1,0 +1,107 @@
+// weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]], one pass over the rows.
+//
+// Column-blocked: a chunk of kChunk columns is accumulated over all rows in a small L1-resident
+// accumulator, so every element of U is read once. fp32 inputs accumulate in fp32, fp64 in fp64,
+// fp16/bf16 in fp32. Each output element is summed in row order: deterministic for any thread count.
+// out may alias base (in-place apply).
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+namespace fedkernels {
+namespace {
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T>
+void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::vector<int64_t>& rows,
+               const at::Tensor* base, double alpha, at::Tensor& out) {
+  using A = typename Acc<T>::type;
+  const int64_t d = U.size(1), n = (int64_t)rows.size(), stride0 = U.stride(0);
+  const T* u = U.data_ptr<T>();
+  const T* b = base ? base->data_ptr<T>() : nullptr;
+  T* o = out.data_ptr<T>();
+  std::vector<A> c(n);
+  for (int64_t i = 0; i < n; ++i) c[i] = static_cast<A>(alpha * coef[i]);
+  constexpr int64_t CH = 1024;
+  const int64_t nch = (d + CH - 1) / CH;
+  at::parallel_for(0, nch, 1, [&](int64_t q0, int64_t q1) {
+    alignas(64) A acc[CH];
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t j0 = q * CH, len = std::min(CH, d - j0);
+      for (int64_t j = 0; j < len; ++j) acc[j] = A(0);
+      int64_t i = 0;
+      for (; i + 4 <= n; i += 4) {
+        const T* x0 = u + rows[i] * stride0 + j0;
+        const T* x1 = u + rows[i + 1] * stride0 + j0;
+        const T* x2 = u + rows[i + 2] * stride0 + j0;
+        const T* x3 = u + rows[i + 3] * stride0 + j0;
+        const A c0 = c[i], c1 = c[i + 1], c2 = c[i + 2], c3 = c[i + 3];
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j)
+          acc[j] += c0 * A(x0[j]) + c1 * A(x1[j]) + c2 * A(x2[j]) + c3 * A(x3[j]);
+      }
+      for (; i < n; ++i) {
+        const T* x0 = u + rows[i] * stride0 + j0;
+        const A c0 = c[i];
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) acc[j] += c0 * A(x0[j]);
+      }
+      T* oo = o + j0;
+      if (b) {
+        const T* bb = b + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(A(bb[j]) + acc[j]);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(acc[j]);
+      }
+    }
+  });
+}
+
+void check_args(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                const std::vector<int64_t>& rows, const at::Tensor& out) {
+  check_rowmajor(U, "weighted_sum", "U");
+  TORCH_CHECK(coef.dim() == 1 && coef.numel() == (int64_t)rows.size(), "weighted_sum: coef must be 1-D of length ",
+              rows.size(), " (one per selected row), got shape ", coef.sizes());
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == U.size(1) && out.is_contiguous() && out.scalar_type() == U.scalar_type(),
+              "weighted_sum: out must be a contiguous 1-D tensor of length ", U.size(1), " and dtype ", U.scalar_type());
+  if (base.has_value())
+    TORCH_CHECK(base->dim() == 1 && base->size(0) == U.size(1) && base->is_contiguous() &&
+                    base->scalar_type() == U.scalar_type(),
+                "weighted_sum: base must be a contiguous 1-D tensor of length ", U.size(1), " and dtype ",
+                U.scalar_type());
+}
+
+void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                          double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  auto r = row_list(rows, U.dim() == 2 ? U.size(0) : 0, "weighted_sum");
+  check_args(U, coef, base, r, out);
+  if (U.size(1) == 0) return;
+  auto cv = to_double_vector(coef);
+  const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
+    wsum_impl<scalar_t>(U, cv, r, bp, alpha, out);
+  });
+}
+
+at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                            double alpha, const c10::optional<at::Tensor>& rows) {
+  TORCH_CHECK(U.dim() == 2, "weighted_sum: U must be 2-D [K, d], got ", U.dim(), "-D");
+  auto out = at::empty({U.size(1)}, U.options());
+  weighted_sum_out_cpu(U, coef, base, alpha, rows, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
+  m.impl("weighted_sum", &weighted_sum_cpu);
+  m.impl("weighted_sum_out", &weighted_sum_out_cpu);
+}
+
+}  // namespace fedkernels

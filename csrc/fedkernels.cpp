@@ -1,0 +1,63 @@
+// fedkernels op schemas and build facts. This is the only translation unit that includes
+// torch/extension.h (pybind11); the kernel files in cpu/ and cuda/ include only ATen headers.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(fedkernels, m) {
+  // ---- aggregation core (gram, weighted_sum) ----------------------------------------------
+  // G = U[rows] @ U^T with float64 accumulation and a fixed reduction order: [k or K, K] fp64.
+  // U: [K, d] with unit column stride (any row stride, so a column chunk U[:, a:b] is a view).
+  m.def("gram(Tensor U, Tensor? rows=None) -> Tensor");
+  // out = base + alpha * sum_i coef[i] * U[rows[i]]  (rows defaults to all K rows).
+  // out may alias base (in-place apply). coef: float tensor of len(rows) (read as float64).
+  m.def("weighted_sum(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> Tensor");
+  m.def("weighted_sum_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> ()");
+  // ok[k] = all(isfinite(U[k])): [K] bool, one read of U (bad-update screening).
+  m.def("finite_rows(Tensor U) -> Tensor");
+
+  // ---- min-norm solver (FedAWARE) -------------------------------------------------------------
+
+
+  // ---- small dense linear algebra (FedECADO) --------------------------------------------------
+
+
+  // ---- gradient centralization (GC-Fed) -------------------------------------------------------
+
+
+  // ---- fused local steps (SCAFFOLD, FedPVR, Local GC) ----------------------------------------
+
+
+  // ---- end of schemas ---------------------------------------------------------------------------
+}
+
+namespace {
+pybind11::dict build_info() {
+  pybind11::dict d;
+#ifdef FEDKERNELS_WITH_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+#ifdef _OPENMP
+  d["openmp"] = true;
+  d["openmp_version"] = _OPENMP;
+#else
+  d["openmp"] = false;
+#endif
+  d["torch_version"] = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
+                       "." + std::to_string(TORCH_VERSION_PATCH);
+#ifdef __AVX512F__
+  d["simd"] = "avx512";
+#elif defined(__AVX2__)
+  d["simd"] = "avx2";
+#else
+  d["simd"] = "baseline";
+#endif
+  return d;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fedkernels native ops (registered under torch.ops.fedkernels)";
+  m.def("build_info", &build_info, "Build facts: CUDA compiled, OpenMP, torch version, SIMD level");
+}

@@ -1,0 +1,285 @@
+"""Aggregator and ClientRule interfaces, shared validation, and the registry.
+
+An ``Aggregator`` is the server side of a method. It is stateful (``state_dict`` /
+``load_state_dict``) and works on flat vectors only:
+
+    new_global, info = agg.aggregate(global_flat, updates, num_examples, client_ids, payloads)
+
+* ``global_flat``: [d] current global model.
+* ``updates``: [K, d] matrix, row k = client k's update ``local - global`` (see fedkernels.flat).
+* ``num_examples``: K sample counts (> 0); ``client_ids``: K ints naming the clients (state rows);
+  ``payloads``: optional K dicts of extra client outputs (control-variate deltas, step counts, ...).
+
+A ``ClientRule`` is the client side of a method that changes local training. The training loop
+(fedkernels.sim, or the user's own) calls its hooks; see ``ClientRule`` below.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import ops
+
+log = logging.getLogger("fedkernels")
+
+BAD_UPDATE_POLICIES = ("raise", "exclude")
+
+
+class AggResult(NamedTuple):
+    params: torch.Tensor   # the new global flat vector
+    info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
+
+
+class BadUpdateError(ValueError):
+    """A client update is not usable (NaN/Inf, wrong length, no samples)."""
+
+
+@dataclass
+class RoundInput:
+    """Validated inputs of one aggregation (what ``Aggregator._aggregate`` receives)."""
+
+    global_flat: torch.Tensor
+    U: torch.Tensor                 # [K, d] updates of the accepted clients
+    num_examples: torch.Tensor      # [K] float64 (cpu)
+    client_ids: List[int]
+    payloads: List[Dict[str, Any]]
+    excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
+
+    @property
+    def K(self) -> int:
+        return self.U.size(0)
+
+    @property
+    def d(self) -> int:
+        return self.U.size(1)
+
+    def sample_weights(self) -> torch.Tensor:
+        """p_k = n_k / sum n (float64, cpu)."""
+        return self.num_examples / self.num_examples.sum()
+
+
+class Aggregator:
+    """Base class of every server-side method. Subclasses implement ``_aggregate``."""
+
+    name = "base"
+    client_rule_cls: Optional[type] = None
+
+    def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0):
+        if on_bad_update not in BAD_UPDATE_POLICIES:
+            raise ValueError(f"on_bad_update must be one of {BAD_UPDATE_POLICIES}, got {on_bad_update!r}")
+        self.on_bad_update = on_bad_update
+        self.server_lr = float(server_lr)
+        self.round = 0
+        self.num_clients: Optional[int] = None
+        self.spec = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def setup(self, spec=None, num_clients: Optional[int] = None, global_flat: Optional[torch.Tensor] = None) -> None:
+        """Called once before the first round by a simulator that knows the whole federation.
+
+        ``spec``: the FlatSpec of the model (layer-aware methods need it); ``num_clients``: N,
+        the number of client ids (stateful methods size their tables with it)."""
+        self.spec = spec
+        self.num_clients = num_clients
+
+    def client_rule(self) -> Optional["ClientRule"]:
+        """A fresh ClientRule for local training, or None if the method trains like FedAvg."""
+        return self.client_rule_cls(self) if self.client_rule_cls is not None else None
+
+    def client_payload(self, client_id: int) -> Dict[str, Any]:
+        """What the server sends a client besides the global model (e.g. control variates)."""
+        return {}
+
+    # ---- aggregation ------------------------------------------------------------------------------
+    def aggregate(self, global_flat: torch.Tensor, updates: torch.Tensor, num_examples,
+                  client_ids: Optional[Sequence[int]] = None,
+                  payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
+        rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
+        if rin.K == 0:
+            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
+        else:
+            res = self._aggregate(rin)
+        res.info.setdefault("num_clients", rin.K)
+        if rin.excluded:
+            res.info["excluded"] = rin.excluded
+        self.round += 1
+        return res
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement _aggregate")
+
+    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None) -> RoundInput:
+        """Checks every argument; applies the on_bad_update policy to bad clients."""
+        if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
+            raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
+                             f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
+        d = global_flat.numel()
+        if not bool(torch.isfinite(global_flat).all()):
+            raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+        if isinstance(updates, (list, tuple)):
+            bad_len = [i for i, u in enumerate(updates) if not isinstance(u, torch.Tensor) or u.numel() != d]
+            if bad_len and self.on_bad_update == "raise":
+                i = bad_len[0]
+                raise BadUpdateError(f"{self.name}.aggregate: updates[{i}] has {updates[i].numel()} elements, expected d={d}")
+            updates = torch.stack([u.reshape(-1) if i not in bad_len else global_flat.new_full((d,), float("nan"))
+                                   for i, u in enumerate(updates)]) if len(updates) else global_flat.new_zeros((0, d))
+        if not isinstance(updates, torch.Tensor) or updates.dim() != 2:
+            raise ValueError(f"{self.name}.aggregate: updates must be a [K, d] tensor, got "
+                             f"{tuple(updates.shape) if isinstance(updates, torch.Tensor) else type(updates).__name__}")
+        K = updates.size(0)
+        if updates.size(1) != d:
+            raise BadUpdateError(f"{self.name}.aggregate: updates has {updates.size(1)} columns, expected d={d} (len(global_flat))")
+        if updates.dtype != global_flat.dtype:
+            raise ValueError(f"{self.name}.aggregate: updates dtype {updates.dtype} != global_flat dtype {global_flat.dtype}")
+        if updates.device != global_flat.device:
+            raise ValueError(f"{self.name}.aggregate: updates on {updates.device} but global_flat on {global_flat.device}")
+        n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1).cpu()
+        if n.numel() != K:
+            raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
+        ids = list(range(K)) if client_ids is None else [int(c) for c in client_ids]
+        if len(ids) != K:
+            raise ValueError(f"{self.name}.aggregate: client_ids has {len(ids)} entries, expected K={K}")
+        if len(set(ids)) != K:
+            raise ValueError(f"{self.name}.aggregate: client_ids must be distinct, got {ids}")
+        if self.num_clients is not None and any(c < 0 or c >= self.num_clients for c in ids):
+            raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
+        pl = [dict(p) for p in payloads] if payloads is not None else [{} for _ in range(K)]
+        if len(pl) != K:
+            raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
+
+        reasons: Dict[int, str] = {}
+        finite = ops.finite_rows(updates) if K else torch.ones(0, dtype=torch.bool)
+        for k in range(K):
+            if not bool(finite[k]):
+                reasons[k] = "update contains NaN/Inf"
+            elif not (n[k] > 0 and torch.isfinite(n[k])):
+                reasons[k] = f"num_examples must be > 0, got {float(n[k])}"
+            else:
+                r = self.check_payload(pl[k])
+                if r:
+                    reasons[k] = r
+        excluded = []
+        if reasons:
+            if self.on_bad_update == "raise":
+                k = min(reasons)
+                raise BadUpdateError(f"{self.name}.aggregate: client {ids[k]} (row {k}): {reasons[k]}; "
+                                     f"pass on_bad_update='exclude' to drop such clients instead")
+            keep = [k for k in range(K) if k not in reasons]
+            excluded = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
+            for e in excluded:
+                log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
+            idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
+            updates = updates.index_select(0, idx)
+            n = n[keep]
+            ids = [ids[k] for k in keep]
+            pl = [pl[k] for k in keep]
+        return RoundInput(global_flat, updates, n, ids, pl, excluded)
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        """Returns a reason string if a client's payload is unusable (subclasses extend)."""
+        for key, v in payload.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                return f"payload {key!r} contains NaN/Inf"
+        return None
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue identically: tensors and plain Python values only."""
+        return {"round": self.round, "num_clients": self.num_clients}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.num_clients = state.get("num_clients")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+@dataclass
+class ClientContext:
+    """What a ClientRule sees during one client's local training in one round."""
+
+    client_id: int
+    round: int
+    global_flat: torch.Tensor            # [d] the global model the client started from (read-only)
+    spec: Any                            # FlatSpec of the model
+    lr: float                            # the client's learning rate this round
+    num_examples: int
+    payload: Dict[str, Any]              # Aggregator.client_payload(client_id)
+    step: int = 0                        # local steps taken so far (the loop increments it)
+    batch: Any = None                    # the current (inputs, targets)
+    loss: Optional[torch.Tensor] = None  # the current loss (after loss_term)
+    extras: Dict[str, Any] = field(default_factory=dict)  # scratch space for the rule
+
+
+class ClientRule:
+    """Client-side hooks. The local loop does, per step::
+
+        rule.begin(ctx, model)                       # once, before the first step
+        loss = criterion(model(x), y) + (rule.loss_term(ctx, model) or 0)
+        loss.backward()
+        rule.before_step(ctx, model)                 # transform p.grad in place
+        if not rule.step(ctx, model, optimizer):     # a rule may do the step itself
+            optimizer.step()
+        ctx.step += 1; rule.after_step(ctx, model)
+        ...
+        payload = rule.end(ctx, model)               # once; dict sent with the update
+
+    Every hook has a no-op default.
+    """
+
+    def __init__(self, aggregator: Optional[Aggregator] = None):
+        self.aggregator = aggregator
+
+    def begin(self, ctx: ClientContext, model) -> None:
+        pass
+
+    def loss_term(self, ctx: ClientContext, model) -> Optional[torch.Tensor]:
+        return None
+
+    def before_step(self, ctx: ClientContext, model) -> None:
+        pass
+
+    def step(self, ctx: ClientContext, model, optimizer) -> bool:
+        return False
+
+    def after_step(self, ctx: ClientContext, model) -> None:
+        pass
+
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        return {}
+
+
+# ---- registry ------------------------------------------------------------------------------------
+_REGISTRY: Dict[str, Callable[..., Aggregator]] = {}
+
+
+def register(name: str, *aliases: str):
+    """Class decorator: makes the aggregator available as ``build(name, **options)``."""
+
+    def deco(cls):
+        for n in (name,) + aliases:
+            key = n.lower()
+            if key in _REGISTRY and _REGISTRY[key] is not cls:
+                raise ValueError(f"aggregator name {n!r} registered twice")
+            _REGISTRY[key] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def build(name: str, **options) -> Aggregator:
+    """An aggregator by registered name, e.g. ``build("kuramoto", mode="S", kappa0=0.5)``."""
+    key = name.lower()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown aggregator {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[key](**options)
+
+
+def available() -> List[str]:
+    return sorted(_REGISTRY)

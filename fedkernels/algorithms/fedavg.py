@@ -1,0 +1,30 @@
+"""FedAvg (McMahan et al., 2017): global <- global + eta_g * sum_k p_k U_k, p_k = n_k / sum n."""
+from __future__ import annotations
+
+from .. import ops
+from .base import AggResult, Aggregator, RoundInput, register
+
+
+@register("fedavg")
+class FedAvg(Aggregator):
+    """Sample-weighted average of the client updates, applied with server learning rate ``server_lr``.
+
+    ``weighting="samples"`` (default) uses p_k = n_k / sum n; ``"uniform"`` uses 1/K.
+    One native ``weighted_sum`` pass over the K x d updates; no per-layer loop.
+    """
+
+    def __init__(self, weighting: str = "samples", **kw):
+        super().__init__(**kw)
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"fedavg: weighting must be 'samples' or 'uniform', got {weighting!r}")
+        self.weighting = weighting
+
+    def weights(self, rin: RoundInput):
+        if self.weighting == "uniform":
+            return rin.num_examples.new_full((rin.K,), 1.0 / rin.K)
+        return rin.sample_weights()
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        p = self.weights(rin)
+        new = ops.weighted_sum(rin.U, p.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        return AggResult(new, {"weights": p.tolist()})

@@ -1,0 +1,178 @@
+"""Validated Python API over the native ops (torch.ops.fedkernels.*).
+
+Every function checks its arguments and raises ValueError (TypeError for non-tensors) naming
+the argument and what was expected. Non-contiguous inputs are accepted: a matrix only needs a
+unit column stride (a column chunk ``U[:, a:b]`` of a contiguous buffer is used without a copy);
+anything else is copied once.
+
+NaN policy: the ops do not scan their inputs for NaN/Inf on the hot path; NaN and Inf propagate
+as in IEEE arithmetic (a NaN in a selected row of ``U`` makes the matching output entries NaN).
+Screening is explicit and cheap: ``finite_rows(U)`` reads U once and says which rows are finite;
+the aggregators call it and reject or exclude bad clients before any arithmetic.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _native
+
+_native.require()
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+RowsLike = Optional[Union[torch.Tensor, Sequence[int]]]
+
+__all__ = ["gram", "weighted_sum", "finite_rows"]
+
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers (shared by every wrapper)
+# ---------------------------------------------------------------------------------------------
+def _tensor(x, op: str, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _float_dtype(x: torch.Tensor, op: str, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+
+
+def _matrix(U, op: str, name: str = "U") -> torch.Tensor:
+    """A 2-D float matrix with unit column stride (copied once if it has none)."""
+    U = _tensor(U, op, name)
+    if U.dim() != 2:
+        raise ValueError(f"{op}: {name} must be a 2-D [K, d] tensor, got shape {tuple(U.shape)}")
+    _float_dtype(U, op, name)
+    if U.size(1) > 1 and U.stride(1) != 1:
+        U = U.contiguous()
+    if U.size(0) > 1 and U.stride(0) < U.size(1):  # e.g. expanded or overlapping rows
+        U = U.contiguous()
+    return U
+
+
+def _vector(v, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
+    v = _tensor(v, op, name)
+    if v.dim() != 1 or v.size(0) != length:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {length}, got shape {tuple(v.shape)}")
+    if v.dtype != like.dtype:
+        raise ValueError(f"{op}: {name} must have dtype {like.dtype} (the dtype of U), got {v.dtype}")
+    if v.device != like.device:
+        raise ValueError(f"{op}: {name} is on {v.device} but U is on {like.device}")
+    return v
+
+
+def _rows(rows: RowsLike, K: int, op: str, device: torch.device) -> Optional[torch.Tensor]:
+    if rows is None:
+        return None
+    r = torch.as_tensor(rows, device=device)
+    if r.dim() != 1:
+        raise ValueError(f"{op}: rows must be a 1-D sequence of row indices, got shape {tuple(r.shape)}")
+    if r.numel() and (r.dtype.is_floating_point or r.dtype == torch.bool):
+        raise ValueError(f"{op}: rows must hold integer row indices, got dtype {r.dtype}")
+    r = r.to(torch.long)
+    if r.numel() and (device.type == "cpu") and (int(r.min()) < 0 or int(r.max()) >= K):
+        raise ValueError(f"{op}: rows must lie in [0, {K}), got min {int(r.min())} max {int(r.max())}")
+    return r.contiguous()
+
+
+def _coef(coef, n: int, op: str, device: torch.device) -> torch.Tensor:
+    c = torch.as_tensor(coef, dtype=torch.float64, device=device) if not isinstance(coef, torch.Tensor) else coef
+    if c.dim() != 1 or c.size(0) != n:
+        raise ValueError(f"{op}: coef must be a 1-D tensor of length {n} (one per selected row), got shape {tuple(c.shape)}")
+    if not c.dtype.is_floating_point:
+        c = c.to(torch.float64)
+    if c.device != device:
+        raise ValueError(f"{op}: coef is on {c.device} but U is on {device}")
+    if c.device.type == "cpu" and not bool(torch.isfinite(c).all()):
+        raise ValueError(f"{op}: coef must be finite, got {c.tolist() if n <= 16 else 'non-finite entries'}")
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation core
+# ---------------------------------------------------------------------------------------------
+def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
+    """Gram matrix ``U[rows] @ U.T`` in float64: shape [K, K] (or [len(rows), K]).
+
+    Accumulates in float64 in a fixed order: the same input gives the same bits with any number
+    of threads. For models larger than memory, sum ``gram(U[:, a:b])`` over column chunks.
+    """
+    U = _matrix(U, "gram")
+    r = _rows(rows, U.size(0), "gram", U.device)
+    return torch.ops.fedkernels.gram(U, r)
+
+
+def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                 rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``base + alpha * sum_i coef[i] * U[rows[i]]`` in one pass over the selected rows.
+
+    U: [K, d]; coef: [len(rows)] (read as float64, applied in the accumulation dtype: fp32 for
+    fp32/fp16/bf16 inputs, fp64 for fp64); base: optional [d] of U's dtype; out: optional [d]
+    contiguous of U's dtype, may be ``base`` itself (in-place apply). Returns out.
+    """
+    U = _matrix(U, "weighted_sum")
+    K, d = U.shape
+    r = _rows(rows, K, "weighted_sum", U.device)
+    n = K if r is None else r.numel()
+    c = _coef(coef, n, "weighted_sum", U.device)
+    if not isinstance(alpha, (int, float)) or alpha != alpha or alpha in (float("inf"), float("-inf")):
+        raise ValueError(f"weighted_sum: alpha must be a finite number, got {alpha!r}")
+    if base is not None:
+        base = _vector(base, "weighted_sum", "base", d, U)
+        if not base.is_contiguous():
+            base = base.contiguous()
+    if out is None:
+        return torch.ops.fedkernels.weighted_sum(U, c, base, float(alpha), r)
+    out = _vector(out, "weighted_sum", "out", d, U)
+    if not out.is_contiguous():
+        raise ValueError("weighted_sum: out must be contiguous")
+    torch.ops.fedkernels.weighted_sum_out(U, c, base, float(alpha), r, out)
+    return out
+
+
+def finite_rows(U: torch.Tensor) -> torch.Tensor:
+    """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
+    U = _matrix(U, "finite_rows")
+    return torch.ops.fedkernels.finite_rows(U)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake (meta) kernels, so the ops work under torch.compile / opcheck
+# ---------------------------------------------------------------------------------------------
+@torch.library.register_fake("fedkernels::gram")
+def _gram_fake(U, rows=None):
+    k = U.size(0) if rows is None else rows.size(0)
+    return U.new_empty((k, U.size(0)), dtype=torch.float64)
+
+
+@torch.library.register_fake("fedkernels::weighted_sum")
+def _wsum_fake(U, coef, base=None, alpha=1.0, rows=None):
+    return U.new_empty((U.size(1),))
+
+
+@torch.library.register_fake("fedkernels::weighted_sum_out")
+def _wsum_out_fake(U, coef, base, alpha, rows, out):
+    return None
+
+
+@torch.library.register_fake("fedkernels::finite_rows")
+def _finite_rows_fake(U):
+    return U.new_empty((U.size(0),), dtype=torch.bool)
+
+
+# ---- min-norm solver (FedAWARE) --------------------------------------------------------------
+
+
+# ---- small dense linear algebra (FedECADO) ---------------------------------------------------
+
+
+# ---- gradient centralization (GC-Fed) --------------------------------------------------------
+
+
+# ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
+
+
+# ---- end of ops ------------------------------------------------------------------------------
