@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+
 _C = None
 _error: Exception | None = None
 try:
