@@ -16,7 +16,10 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("finite_rows(Tensor U) -> Tensor");
 
   // ---- min-norm solver (FedAWARE) -------------------------------------------------------------
-
+  // lam = argmin_{lam in simplex} lam^T G lam on the symmetrised G (fp64). method: away | pairwise
+  // | fw | code_compat; init: best_pair | min_diag; polish: face solves (away/pairwise); lam0: warm start.
+  // Returns (lam [K] f64, iterations i64 [], gap f64 []).
+  m.def("min_norm(Tensor G, int max_iter=1000, float tol_rel=1e-12, float tol_abs=1e-15, str method=\"away\", str init=\"best_pair\", bool polish=True, Tensor? lam0=None) -> (Tensor, Tensor, Tensor)");
 
   // ---- small dense linear algebra (FedECADO) --------------------------------------------------
 

@@ -38,6 +38,158 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
 
 
 # ---- min-norm solver (FedAWARE) --------------------------------------------------------------
+def _segment(a: float, b: float, c: float, code: bool = False):
+    """min over gamma in [0, 1] of |gamma u + (1 - gamma) w|^2 (a=|u|^2, b=<u,w>, c=|w|^2):
+    (gamma = weight on u, value). code=True: the authors' 0.999/0.001 corner variant."""
+    if code:
+        if b >= a:
+            return 0.999, a
+        if b >= c:
+            return 0.001, c
+        g = -1.0 * ((b - c) / (a + c - 2.0 * b))
+        return g, c + g * (b - c)
+    den = a - 2.0 * b + c
+    g = 0.5 if not den > 0.0 else min(1.0, max(0.0, (c - b) / den))
+    return g, g * g * a + 2.0 * g * (1.0 - g) * b + (1.0 - g) * (1.0 - g) * c
+
+
+def _face_polish(G: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """Exact minimisation over the affine hull of supp(lam) (bordered KKT system, least squares),
+    then the ratio-test move toward it; a blocking vertex leaves the support and it repeats."""
+    K = G.size(0)
+    for _ in range(K):
+        S = torch.nonzero(lam > 0).flatten()
+        n = S.numel()
+        if n <= 1:
+            break
+        A = torch.zeros(n + 1, n + 1, dtype=torch.float64)
+        A[:n, :n] = G[S][:, S]
+        A[:n, n] = 1.0
+        A[n, :n] = 1.0
+        rhs = torch.zeros(n + 1, dtype=torch.float64)
+        rhs[n] = 1.0
+        x = torch.linalg.lstsq(A, rhs[:, None], driver="gelsd").solution[:n, 0]
+        cur = lam[S]
+        dirn = x - cur
+        neg = dirn < 0
+        ratios = torch.where(neg, -cur / torch.where(neg, dirn, torch.ones_like(dirn)), torch.full_like(dirn, 2.0))
+        tmax, blk = float(ratios.min()), int(torch.argmin(ratios))
+        block = tmax < 1.0
+        tmax = min(tmax, 1.0)
+        new = lam.clone()
+        new[S] = (cur + tmax * dirn).clamp_min(0.0)
+        if block:
+            new[S[blk]] = 0.0
+        new = new / new.sum()
+        if float(new @ G @ new) > float(lam @ G @ lam):
+            break
+        lam = new
+        if not block:
+            break
+    return lam
+
+
+def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
+             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True, lam0=None):
+    """Frank-Wolfe min-norm point (fedaware.md section 2.6), written plainly in float64.
+
+    Same arguments and result as ops.min_norm: (lam [K] float64, iterations, gap)."""
+    G = G.detach().to(device="cpu", dtype=torch.float64)
+    G = 0.5 * (G + G.T)
+    K = G.size(0)
+    Gl = G.tolist()
+    lam = torch.zeros(K, dtype=torch.float64)
+    code = method == "code_compat"
+    if K == 1:
+        lam[0] = 1.0
+        v = G @ lam
+        return lam, 0, float(lam @ v - v.min())
+    if lam0 is not None:
+        lam = torch.as_tensor(lam0, dtype=torch.float64).clone()
+        lam = lam / lam.sum()
+    elif init == "best_pair" or code:
+        best, pair = float("inf"), (0, 1, 0.5)
+        for i in range(K):
+            for j in range(i + 1, K):
+                g, val = _segment(Gl[i][i], Gl[i][j], Gl[j][j], code)
+                if val < best:
+                    best, pair = val, (i, j, g)
+        lam[pair[0]], lam[pair[1]] = pair[2], 1.0 - pair[2]
+    else:
+        lam[int(torch.argmin(torch.diagonal(G)))] = 1.0
+    it = 0
+    if code:
+        if K >= 3:
+            while it < max_iter:
+                v = G @ lam
+                t = int(torch.argmin(v))
+                nc, _ = _segment(float(lam @ v), float(v[t]), Gl[t][t], True)
+                new = nc * lam
+                new[t] += 1.0 - nc
+                if float((new - lam).abs().sum()) < 1e-5:
+                    break
+                lam = new
+                it += 1
+    else:
+        thr_abs = tol_abs * float(torch.diagonal(G).abs().max())
+        v = G @ lam
+        q = float(lam @ v)
+        while True:
+            if it > 0 and it % 64 == 0:
+                if polish and method != "fw":
+                    lam = _face_polish(G, lam)
+                v = G @ lam
+                q = float(lam @ v)
+            t = int(torch.argmin(v))  # first index on ties
+            supp = lam > 0
+            vs = torch.where(supp, v, torch.full_like(v, -float("inf")))
+            a = int(torch.argmax(vs))
+            vt, va = float(v[t]), float(v[a])
+            gap = q - vt
+            if not gap > tol * q + thr_abs:
+                break
+            if it >= max_iter:
+                if polish and method != "fw":
+                    lam = _face_polish(G, lam)
+                break
+            if method == "pairwise":
+                if a == t or not va - vt > 0.0:
+                    break
+                den = Gl[t][t] - 2.0 * Gl[t][a] + Gl[a][a]
+                gmax = float(lam[a])
+                gamma = min(gmax, (va - vt) / den) if den > 0.0 else gmax
+                if not gamma > 0.0:
+                    break
+                lam[t] += gamma
+                lam[a] = 0.0 if gamma >= gmax else lam[a] - gamma
+                v = v + gamma * (G[:, t] - G[:, a])
+            elif method == "fw" or gap >= va - q or float(lam[a]) >= 1.0:
+                den = q - 2.0 * vt + Gl[t][t]
+                gamma = min(1.0, gap / den) if den > 0.0 else 1.0
+                if not gamma > 0.0:
+                    break
+                if gamma >= 1.0:
+                    lam = torch.zeros_like(lam)
+                    lam[t] = 1.0
+                    v = G[:, t].clone()
+                else:
+                    lam = (1.0 - gamma) * lam
+                    lam[t] += gamma
+                    v = (1.0 - gamma) * v + gamma * G[:, t]
+            else:  # away step
+                la = float(lam[a])
+                gmax = la / (1.0 - la)
+                den = q - 2.0 * va + Gl[a][a]
+                gamma = min(gmax, (va - q) / den) if den > 0.0 else gmax
+                if not gamma > 0.0:
+                    break
+                lam = (1.0 + gamma) * lam
+                lam[a] = 0.0 if gamma >= gmax else lam[a] - gamma
+                v = (1.0 + gamma) * v - gamma * G[:, a]
+            q = float(lam @ v)
+            it += 1
+    v = G @ lam
+    return lam, it, float(lam @ v - v.min())
 
 
 # ---- small dense linear algebra (FedECADO) ---------------------------------------------------

@@ -1,0 +1,332 @@
+"""min_norm: spec fedaware.md section 9 vectors, exact-QP optimality (scipy), KKT, reference
+agreement, properties and bad inputs."""
+import math
+
+import numpy as np
+import pytest
+import scipy.optimize
+import torch
+
+from fedkernels import ops, reference
+
+METHODS = ["away", "pairwise", "fw", "code_compat"]
+
+
+def gram_of(m):
+    m = torch.tensor(m, dtype=torch.float64)
+    return m @ m.T
+
+
+def normalised_gram(m):
+    m = torch.tensor(m, dtype=torch.float64)
+    u = m / m.norm(dim=1, keepdim=True)
+    return u @ u.T
+
+
+def solve(G, **kw):
+    kw.setdefault("tol", 1e-12)
+    kw.setdefault("tol_abs", 1e-15)
+    return ops.min_norm(G, **kw)
+
+
+def exact_qp(G: np.ndarray):
+    """Exact min-norm point via Lawson-Hanson: LDP -> NNLS on a factor of G, then an exact
+    re-solve on the support (G_S z = 1, lam = z / sum z) when that is feasible and no worse."""
+    K = G.shape[0]
+    w, V = np.linalg.eigh(G)
+    B = (V * np.sqrt(np.clip(w, 0, None))).T
+    E = np.vstack([B, np.ones((1, K))])
+    f = np.zeros(K + 1)
+    f[-1] = 1.0
+    u, _ = scipy.optimize.nnls(E, f, maxiter=100 * K)
+    lam = u / u.sum()
+    S = np.where(lam > 1e-12)[0]
+    try:
+        z = np.linalg.solve(G[np.ix_(S, S)], np.ones(len(S)))
+        l2 = np.zeros(K)
+        l2[S] = z / z.sum()
+        if (l2 >= 0).all() and l2 @ G @ l2 <= lam @ G @ lam:
+            lam = l2
+    except np.linalg.LinAlgError:
+        pass
+    return lam, float(lam @ G @ lam)
+
+
+def check_kkt(G, lam, tol=1e-9):
+    G = 0.5 * (G + G.T)
+    assert bool((lam >= 0).all())
+    assert abs(float(lam.sum()) - 1.0) < 1e-12
+    v = G @ lam
+    q = float(lam @ v)
+    scale = max(float(torch.diagonal(G).abs().max()), 1e-300)
+    assert float(v.min()) >= q - tol * scale, (float(v.min()), q)
+    supp = lam > 1e-9
+    assert float((v[supp] - q).abs().max()) <= tol * scale
+
+
+# ---- spec section 9 vectors --------------------------------------------------------------------
+def test_a1_segment_closed_form():
+    lam, it, gap = solve(torch.tensor([[4.0, 0.0], [0.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(lam, torch.tensor([0.2, 0.8], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert float(lam @ torch.tensor([[4.0, 0], [0, 1.0]], dtype=torch.float64) @ lam) == pytest.approx(0.8, abs=1e-15)
+    lam, _, _ = solve(torch.ones(2, 2, dtype=torch.float64))  # u = v: gamma = 0.5
+    torch.testing.assert_close(lam, torch.tensor([0.5, 0.5], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("method", ["away", "pairwise", "fw"])
+def test_a2_a3_two_and_orthogonal(method):
+    lam, _, _ = solve(gram_of([[2, 0], [0, 1]]), method=method)
+    torch.testing.assert_close(lam, torch.tensor([0.2, 0.8], dtype=torch.float64), rtol=0, atol=1e-12)
+    lam, _, _ = solve(normalised_gram([[2, 0], [0, 1]]), method=method)
+    torch.testing.assert_close(lam, torch.tensor([0.5, 0.5], dtype=torch.float64), rtol=0, atol=1e-12)
+    G = gram_of([[1, 0, 0], [0, 2, 0], [0, 0, 3]])
+    lam, _, _ = solve(G, method=method)
+    torch.testing.assert_close(lam, torch.tensor([36 / 49, 9 / 49, 4 / 49], dtype=torch.float64), rtol=0, atol=1e-6)
+    assert float(lam @ G @ lam) == pytest.approx(36 / 49, abs=1e-10)
+    lam, _, _ = solve(normalised_gram([[1, 0, 0], [0, 2, 0], [0, 0, 3]]), method=method)
+    torch.testing.assert_close(lam, torch.full((3,), 1 / 3, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
+def test_a4_dominated_vertex():
+    m = [[1, 0], [2, 1], [3, -1]]
+    G = gram_of(m)
+    torch.testing.assert_close(G, torch.tensor([[1, 2, 3], [2, 5, 5], [3, 5, 10.0]], dtype=torch.float64))
+    lam, _, gap = solve(G)
+    torch.testing.assert_close(lam, torch.tensor([1.0, 0, 0], dtype=torch.float64), rtol=0, atol=1e-12)
+    lam, _, _ = solve(normalised_gram(m))
+    torch.testing.assert_close(lam, torch.tensor([0, 0.5, 0.5], dtype=torch.float64), rtol=0, atol=1e-6)
+    Gn = normalised_gram(m)
+    assert float(lam @ Gn @ lam) == pytest.approx(0.8535533906, abs=1e-10)
+    mt = torch.tensor(m, dtype=torch.float64)
+    d = lam @ (mt / mt.norm(dim=1, keepdim=True))
+    torch.testing.assert_close(d, torch.tensor([0.9215552445, 0.0654929147], dtype=torch.float64), rtol=0, atol=1e-9)
+    # the authors' solver: 0.999 corner nudges, returns the previous iterate
+    lam, it, _ = ops.min_norm(G, method="code_compat")
+    torch.testing.assert_close(lam, torch.tensor([0.999999, 1e-6, 0], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["away", "pairwise"])
+def test_a5_origin_in_hull(method):
+    m = [[1, 0], [-1, 1], [-1, -1]]
+    lam, _, _ = solve(gram_of(m), method=method)
+    torch.testing.assert_close(lam, torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64), rtol=0, atol=1e-6)
+    assert float(lam @ gram_of(m) @ lam) <= 1e-12
+    lam, _, _ = solve(normalised_gram(m), method=method)
+    r2 = math.sqrt(2.0)
+    exp = torch.tensor([r2, 1, 1], dtype=torch.float64) / (2 + r2)
+    torch.testing.assert_close(lam, exp, rtol=0, atol=1e-6)
+
+
+def test_a5_code_compat_stops_early():
+    lam, it, _ = ops.min_norm(gram_of([[1, 0], [-1, 1], [-1, -1]]), method="code_compat")
+    q = float(lam @ gram_of([[1, 0], [-1, 1], [-1, -1]]) @ lam)
+    assert it < 1000 and 0.0 < q < 1e-8  # stops on ||dlam||_1 < 1e-5 well before the optimum q = 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a6_duplicates(method):
+    m = [[1, 1], [1, 1], [1, -1]]
+    G = gram_of(m)
+    lam, _, _ = solve(G, method=method)
+    d = lam @ torch.tensor(m, dtype=torch.float64)
+    tol = 1e-2 if method == "code_compat" else 1e-7
+    torch.testing.assert_close(d, torch.tensor([1.0, 0], dtype=torch.float64), rtol=0, atol=tol)
+    if method != "code_compat":
+        torch.testing.assert_close(lam, torch.tensor([0.5, 0, 0.5], dtype=torch.float64), rtol=0, atol=1e-12)
+        Gn = normalised_gram(m)
+        lam, _, _ = solve(Gn, method=method)
+        assert float(lam @ Gn @ lam) == pytest.approx(0.5, abs=1e-10)
+
+
+A7 = [[1.0, 0.2, 0.0], [0.3, 1.0, 0.1], [-0.2, 0.4, 1.0], [0.5, 0.5, 0.5]]
+
+
+@pytest.mark.parametrize("method", ["away", "pairwise"])
+@pytest.mark.parametrize("init", ["best_pair", "min_diag"])
+def test_a7_generic(method, init):
+    m = torch.tensor(A7, dtype=torch.float64)
+    G = gram_of(A7)
+    lam, _, gap = solve(G, method=method, init=init)
+    torch.testing.assert_close(lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0],
+                                                 dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lam @ m, torch.tensor([0.432154340836, 0.321345535493, 0.454316101905],
+                                                     dtype=torch.float64), rtol=0, atol=1e-7)
+    assert float(lam @ G @ lam) == pytest.approx(0.496423447934702, abs=1e-10)
+    assert 0 <= gap <= 1e-12 * 0.5 + 1e-14
+    Gn = normalised_gram(A7)
+    lam, _, _ = solve(Gn, method=method, init=init)
+    torch.testing.assert_close(lam, torch.tensor([0.480867327294, 0.035552475857, 0.483580196849, 0],
+                                                 dtype=torch.float64), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lam @ (m / m.norm(dim=1, keepdim=True)),
+                               torch.tensor([0.393409334695, 0.304782318879, 0.444836099197], dtype=torch.float64),
+                               rtol=0, atol=1e-7)
+    assert float(lam @ Gn @ lam) == pytest.approx(0.445542321675432, abs=1e-10)
+
+
+def test_a7_code_compat_close():
+    G = gram_of(A7)
+    lam, it, _ = ops.min_norm(G, method="code_compat")
+    assert it < 1000
+    torch.testing.assert_close(lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0],
+                                                 dtype=torch.float64), rtol=0, atol=1e-4)
+
+
+def test_a8_one_fw_step():
+    G = torch.diag(torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64))
+    lam, it, _ = ops.min_norm(G, max_iter=1, method="fw", lam0=torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert it == 1
+    torch.testing.assert_close(lam, torch.tensor([13, 2, 2], dtype=torch.float64) / 17, rtol=0, atol=1e-15)
+    assert float(lam @ G @ lam) == pytest.approx(13 / 17, abs=1e-15)
+    lam_r, it_r, _ = reference.min_norm(G, max_iter=1, method="fw", lam0=torch.full((3,), 1 / 3))
+    torch.testing.assert_close(lam, lam_r, rtol=0, atol=1e-15)
+
+
+# ---- optimality against an exact QP solve ------------------------------------------------------
+CASES = [(3, 5, 0.0), (7, 3, 0.0), (10, 50, 0.3), (33, 20, 0.5), (100, 1000, 0.3), (100, 50, 0.3),
+         (300, 1000, 0.3), (300, 100, 0.3), (150, 400, 0.0)]
+
+
+@pytest.mark.parametrize("K,d,shift", CASES)
+@pytest.mark.parametrize("method", ["away", "pairwise"])
+def test_exact_optimum_and_kkt(K, d, shift, method):
+    g = torch.Generator().manual_seed(1000 * K + d)
+    U = torch.randn(K, d, generator=g, dtype=torch.float64) + shift
+    G = U @ U.T
+    lam, it, gap = solve(G, method=method)
+    lam_e, q_e = exact_qp(G.numpy())
+    q = float(lam @ G @ lam)
+    scale = float(torch.diagonal(G).max())
+    assert q - q_e <= 1e-9 * max(q_e, 1e-3 * scale), (q, q_e)
+    check_kkt(G, lam)
+    assert it <= 1000 and gap <= 1e-9 * scale
+
+
+@pytest.mark.parametrize("method", ["away", "pairwise"])
+def test_plain_frank_wolfe_is_worse(method):
+    """Plain FW stalls well above the optimum at K=100 (the reason for away/pairwise steps)."""
+    g = torch.Generator().manual_seed(5)
+    U = torch.randn(100, 1000, generator=g, dtype=torch.float64) + 0.3
+    G = U @ U.T
+    q_fw = float((lambda l: l @ G @ l)(solve(G, method="fw")[0]))
+    q_as = float((lambda l: l @ G @ l)(solve(G, method=method)[0]))
+    assert (q_fw - q_as) / q_as > 1e-6
+
+
+@pytest.mark.parametrize("method", ["away", "pairwise"])
+def test_no_polish_still_converges_small(method):
+    G = gram_of(A7)
+    lam, _, _ = solve(G, method=method, polish=False)
+    assert float(lam @ G @ lam) == pytest.approx(0.496423447934702, abs=1e-10)
+
+
+# ---- agreement with the float64 reference ------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("K,d", [(1, 3), (2, 4), (5, 3), (17, 40), (64, 30)])
+def test_matches_reference(method, K, d):
+    g = torch.Generator().manual_seed(K * 31 + d)
+    U = torch.randn(K, d, generator=g, dtype=torch.float64) + 0.2
+    G = U @ U.T
+    lam, it, gap = ops.min_norm(G, method=method)
+    lam_r, it_r, gap_r = reference.min_norm(G, method=method)
+    qd = float(lam @ G @ lam - lam_r @ G @ lam_r)
+    assert abs(qd) <= 1e-10 * float(torch.diagonal(G).max())
+    if method in ("fw", "code_compat") or d >= K:  # unique lam (independent vectors) or identical path
+        torch.testing.assert_close(lam, lam_r, rtol=0, atol=1e-7)
+
+
+# ---- properties --------------------------------------------------------------------------------
+def test_permutation_permutes_lambda():
+    g = torch.Generator().manual_seed(3)
+    U = torch.randn(20, 60, generator=g, dtype=torch.float64) + 0.4
+    G = U @ U.T
+    perm = torch.randperm(20, generator=g)
+    lam, _, _ = solve(G)
+    lam_p, _, _ = solve(G[perm][:, perm])
+    torch.testing.assert_close(lam_p, lam[perm], rtol=0, atol=1e-9)
+
+
+def test_scale_invariance_and_determinism():
+    g = torch.Generator().manual_seed(4)
+    U = torch.randn(40, 30, generator=g, dtype=torch.float64)
+    G = U @ U.T
+    a = solve(G)
+    b = solve(G)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+    c = solve(G * 1e6)
+    torch.testing.assert_close(c[0], a[0], rtol=0, atol=1e-9)
+    d_a, d_c = a[0] @ U, c[0] @ U  # the min-norm point itself is unchanged by scaling G
+    torch.testing.assert_close(d_c, d_a, rtol=0, atol=1e-9)
+
+
+def test_degenerate_inputs():
+    lam, it, gap = ops.min_norm(torch.tensor([[2.5]]))
+    assert lam.tolist() == [1.0] and it == 0 and gap == 0.0
+    lam, it, gap = ops.min_norm(torch.zeros(5, 5))
+    assert float(lam.sum()) == pytest.approx(1.0) and bool((lam >= 0).all()) and gap == 0.0
+    # duplicated vectors: q unique, lam on the lowest index of each duplicate group
+    v = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]], dtype=torch.float64)
+    U = torch.cat([v[0:1], v[0:1], v[1:2], v[1:2], v[0:1]])
+    G = U @ U.T
+    lam, _, _ = solve(G)
+    lam2, _, _ = solve(v @ v.T)
+    assert float(lam @ G @ lam) == pytest.approx(float(lam2 @ (v @ v.T) @ lam2), abs=1e-12)
+    # asymmetric input is symmetrised
+    A = torch.tensor([[1.0, 0.0], [2.0, 4.0]], dtype=torch.float64)
+    torch.testing.assert_close(solve(A)[0], solve(0.5 * (A + A.T))[0], rtol=0, atol=0)
+
+
+def test_dtypes_and_noncontiguous():
+    g = torch.Generator().manual_seed(6)
+    U = torch.randn(12, 40, generator=g, dtype=torch.float64)
+    G = U @ U.T
+    lam, _, _ = solve(G)
+    lam32, _, _ = ops.min_norm(G.float(), tol=1e-12)
+    torch.testing.assert_close(lam32, lam, rtol=0, atol=1e-4)
+    big = torch.zeros(24, 24, dtype=torch.float64)
+    big[::2, ::2] = G
+    Gv = big[::2, ::2]
+    assert not Gv.is_contiguous()
+    torch.testing.assert_close(solve(Gv)[0], lam, rtol=0, atol=0)
+    torch.testing.assert_close(solve(G.T)[0], lam, rtol=0, atol=0)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="square"):
+        ops.min_norm(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="square"):
+        ops.min_norm(torch.zeros(3))
+    with pytest.raises(ValueError, match="at least 1"):
+        ops.min_norm(torch.zeros(0, 0))
+    for bad in (float("nan"), float("inf")):
+        G = torch.eye(3)
+        G[1, 2] = bad
+        with pytest.raises(ValueError, match="finite"):
+            ops.min_norm(G)
+    with pytest.raises(ValueError, match="floating"):
+        ops.min_norm(torch.eye(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="method"):
+        ops.min_norm(torch.eye(3), method="newton")
+    with pytest.raises(ValueError, match="init"):
+        ops.min_norm(torch.eye(3), init="random")
+    with pytest.raises(ValueError, match="max_iter"):
+        ops.min_norm(torch.eye(3), max_iter=-1)
+    with pytest.raises(ValueError, match="tol"):
+        ops.min_norm(torch.eye(3), tol=float("nan"))
+    with pytest.raises(ValueError, match="lam0"):
+        ops.min_norm(torch.eye(3), lam0=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="lam0"):
+        ops.min_norm(torch.eye(3), lam0=torch.ones(2))
+    with pytest.raises(TypeError):
+        ops.min_norm([[1.0]])
+    # the native op checks too
+    with pytest.raises(RuntimeError, match="finite"):
+        torch.ops.fedkernels.min_norm(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64))
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(7)
+    U = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    G = U @ U.T
+    torch.library.opcheck(torch.ops.fedkernels.min_norm.default, (G,))
+    torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
+                          (G, 50, 1e-9, 1e-15, "pairwise", "min_diag", True, torch.ones(9, dtype=torch.float64)))
