@@ -1,0 +1,65 @@
+"""FedAvgM (Hsu, Qi & Brown, 2019): FedAvg with server momentum.
+
+In the update convention of fedkernels (U_k = local - global):
+
+    v   <- beta * v + sum_k p_k U_k
+    new <- global + server_lr * v            (nesterov: global + server_lr * (beta * v + sum_k p_k U_k))
+
+``beta = 0`` is FedAvg with server learning rate ``server_lr``. The momentum vector v (length d,
+dtype and device of the global model) is the only state; it is allocated at the first round.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from .. import ops
+from .base import AggResult, RoundInput, register
+from .fedavg import FedAvg
+
+
+@register("fedavgm")
+class FedAvgM(FedAvg):
+    """Server momentum ``beta`` (default 0.9) on the sample-weighted mean update.
+
+    Options: ``beta`` in [0, 1), ``server_lr`` (default 1.0), ``nesterov`` (default False),
+    ``weighting`` ("samples" or "uniform", as FedAvg). One ``weighted_sum`` pass over U that
+    accumulates straight into the momentum buffer, then one axpy over d.
+    """
+
+    def __init__(self, beta: float = 0.9, nesterov: bool = False, **kw):
+        super().__init__(**kw)
+        beta = float(beta)
+        if not (0.0 <= beta < 1.0):
+            raise ValueError(f"fedavgm: beta must lie in [0, 1), got {beta}")
+        self.beta = beta
+        self.nesterov = bool(nesterov)
+        self.momentum: Optional[torch.Tensor] = None
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        p = self.weights(rin)
+        g = rin.global_flat
+        if self.momentum is None or self.momentum.shape != g.shape:
+            self.momentum = torch.zeros_like(g)
+        v = self.momentum.to(device=g.device, dtype=g.dtype)
+        v.mul_(self.beta)
+        ops.weighted_sum(rin.U, p.to(rin.U.device), base=v, out=v)        # v = beta v + sum p U
+        self.momentum = v
+        if self.nesterov:
+            mean = ops.weighted_sum(rin.U, p.to(rin.U.device))
+            step = mean.add_(v, alpha=self.beta)
+            new = g.add(step, alpha=self.server_lr)
+        else:
+            new = g.add(v, alpha=self.server_lr)
+        return AggResult(new, {"weights": p.tolist(), "beta": self.beta})
+
+    def state_dict(self) -> Dict[str, Any]:
+        st = super().state_dict()
+        st["momentum"] = None if self.momentum is None else self.momentum.clone()
+        return st
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        m = state.get("momentum")
+        self.momentum = None if m is None else m.clone()

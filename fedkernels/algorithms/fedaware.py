@@ -1,0 +1,320 @@
+"""FedAWARE (Zeng et al., "On the Power of Adaptive Weighted Aggregation"), per
+shared/specs/fedaware.md.
+
+The server keeps an exponential moving average ("momentum") m_i of every client's update, for all
+N clients (stale rows kept for non-participants), and steps along the minimum-norm point of their
+convex hull:
+
+    m_i   <- (1 - alpha) m_i + alpha U_i            for the round's participants i        (M)
+    lam   =  argmin_{lam in simplex} || sum_i lam_i m~_i ||^2                               (Q)
+    new   =  x + server_lr * sum_i c_i m_i,   c_i = lam_i / ||m_i|| (normalize) or lam_i     (U)
+
+Sign: fedkernels updates are U_i = local - global = -g_i (the paper's pseudo-gradient), so the
+table M stores the momenta of the *updates* (-m_i of the paper) and the step is ``x + ...``; the
+Gram matrix, lam and the projection are unchanged by that sign.
+
+Options (spec §3 [OURS] defaults): ``alpha`` 0.5; ``normalize`` True (the authors' code; False =
+paper text: raw momenta); ``warmup`` "explore" (FedAvg steps until every client has been seen;
+the round that completes exploration already uses the AWARE step), "startup_full" (AWARE from
+round 0 over all N rows; unseen rows are zero), "mask" (AWARE from round 0 over seen clients
+only); ``init`` "ema_from_zero" (code) or "first_update" (m_i := U_i at first participation);
+solver ``method`` ("away" = Frank-Wolfe with away steps and face polish (default: the §2.6
+stopping rule, but linear convergence where plain Frank-Wolfe zig-zags at O(1/t)); "fw" = the
+plain §2.6 Frank-Wolfe; "pairwise"; ``code_compat=True`` selects the authors' solver), ``solver_init`` "best_pair" / "min_diag", ``max_iter`` 1000, ``tol`` 1e-6
+(relative), ``tol_abs`` 1e-12, ``warm_start`` (start from the previous lam; default False);
+``zero_fallback`` "zero" (origin in the hull: zero step, flagged ``zero_direction``) or "na";
+``variant`` "aware" or "na" (FedAWARE-NA ablation: x + server_lr sum_i p_i m_i over all clients);
+``extension`` None, "fedavg" or "fedavgm" (the AWARE projection extension: the base method's step
+G is replaced by (<G, d>/<d, d>) d; its own state evolves unchanged), ``ext_beta`` (0.7, for
+fedavgm); ``elud`` (log the empirical local-update diversity, one extra Gram pass over U);
+``num_clients`` (N, or from ``setup``); ``solver`` (a callable with the signature of
+``fedkernels.ops.min_norm``; default ops.min_norm).
+
+Hot path per round: the EMA on the k participant rows, one ``ops.gram(M, rows=participants)``
+([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the
+N x N matrix (host, fp64), and one ``ops.weighted_sum`` over the support rows of M. No K x d
+temporaries.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .. import ops
+from .base import AggResult, Aggregator, RoundInput, register
+
+WARMUPS = ("explore", "startup_full", "mask")
+INITS = ("ema_from_zero", "first_update")
+ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
+
+
+def elud(G_S: torch.Tensor):
+    """Empirical local-update diversity of the participants from their [k, k] Gram matrix:
+    (ratio, sqrt_ratio) with ratio = mean_i ||g_i||^2 / ||mean_i g_i||^2 (None if the mean is 0)."""
+    G = torch.as_tensor(G_S, dtype=torch.float64)
+    k = G.size(0)
+    if k == 0:
+        return None, None
+    num = float(torch.diagonal(G).sum()) / k
+    den = float(G.sum()) / (k * k)
+    if not den > 0:
+        return None, None
+    r = num / den
+    return r, math.sqrt(r)
+
+
+def aware_project(G_tilde: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The AWARE extension: (<G~, d> / <d, d>) d (zero when d = 0). Sign-invariant in d."""
+    dd = float(torch.dot(d.double(), d.double()))
+    if not dd > 0:
+        return torch.zeros_like(d)
+    return d * (float(torch.dot(G_tilde.double(), d.double())) / dd)
+
+
+class ExploreSampler:
+    """The authors' ``FeedbackSampler``: explore every client once, then sample uniformly.
+
+    ``perm`` (or a seeded shuffle of range(N)) fixes the exploration order. Round 0 takes the first
+    k ids of ``perm``; later exploration rounds take the remaining ids in ascending order (the code
+    rebuilds the list through a Python set); a last exploration round with fewer than k unexplored
+    ids is topped up uniformly from the explored ones. After exploration: k of N uniformly without
+    replacement (``generator``). ``sample`` returns sorted ids.
+    """
+
+    def __init__(self, num_clients: int, perm: Optional[Sequence[int]] = None, seed: int = 0):
+        self.N = int(num_clients)
+        if perm is None:
+            perm = torch.randperm(self.N, generator=torch.Generator().manual_seed(seed)).tolist()
+        perm = [int(i) for i in perm]
+        if sorted(perm) != list(range(self.N)):
+            raise ValueError(f"ExploreSampler: perm must be a permutation of range({self.N}), got {perm}")
+        self.remaining: List[int] = perm
+        self.rounds = 0
+
+    @property
+    def exploring(self) -> bool:
+        return bool(self.remaining)
+
+    def sample(self, k: int, generator: Optional[torch.Generator] = None) -> List[int]:
+        k = int(k)
+        if not 1 <= k <= self.N:
+            raise ValueError(f"ExploreSampler: k must lie in [1, {self.N}], got {k}")
+        if self.remaining:
+            take, self.remaining = self.remaining[:k], sorted(self.remaining[k:])
+            if len(take) < k:
+                others = [i for i in range(self.N) if i not in take]
+                pick = torch.randperm(len(others), generator=generator)[: k - len(take)].tolist()
+                take += [others[i] for i in pick]
+        else:
+            take = torch.randperm(self.N, generator=generator)[:k].tolist()
+        self.rounds += 1
+        return sorted(take)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"N": self.N, "remaining": list(self.remaining), "rounds": self.rounds}
+
+    def load_state_dict(self, st: Dict[str, Any]) -> None:
+        self.N, self.remaining, self.rounds = int(st["N"]), list(st["remaining"]), int(st["rounds"])
+
+
+def _default_solver(*args, **kw):
+    return ops.min_norm(*args, **kw)
+
+
+@register("fedaware")
+class FedAWARE(Aggregator):
+    """FedAWARE server aggregator (see module docstring for the options)."""
+
+    def __init__(self, alpha: float = 0.5, normalize: bool = True, warmup: str = "explore",
+                 init: str = "ema_from_zero", method: str = "away", solver_init: str = "best_pair",
+                 max_iter: int = 1000, tol: float = 1e-6, tol_abs: float = 1e-12, warm_start: bool = False,
+                 code_compat: bool = False, zero_fallback: str = "zero", variant: str = "aware",
+                 extension: Optional[str] = None, ext_beta: float = 0.7, elud: bool = True,
+                 num_clients: Optional[int] = None, solver: Optional[Callable] = None, **kw):
+        super().__init__(**kw)
+        self.alpha = float(alpha)
+        if not (0.0 < self.alpha <= 1.0):
+            raise ValueError(f"fedaware: alpha must lie in (0, 1], got {alpha}")
+        for name, v, allowed in (("warmup", warmup, WARMUPS), ("init", init, INITS),
+                                 ("zero_fallback", zero_fallback, ("zero", "na")),
+                                 ("variant", variant, ("aware", "na")),
+                                 ("extension", extension, (None, "fedavg", "fedavgm")),
+                                 ("solver_init", solver_init, ("best_pair", "min_diag"))):
+            if v not in allowed:
+                raise ValueError(f"fedaware: {name} must be one of {allowed}, got {v!r}")
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+            raise ValueError(f"fedaware: max_iter must be an int >= 0, got {max_iter!r}")
+        if not (0.0 <= float(tol) < math.inf and 0.0 <= float(tol_abs) < math.inf):
+            raise ValueError(f"fedaware: tol and tol_abs must be finite numbers >= 0, got {tol}, {tol_abs}")
+        if not (0.0 <= float(ext_beta) < 1.0):
+            raise ValueError(f"fedaware: ext_beta must lie in [0, 1), got {ext_beta}")
+        if solver is not None and not callable(solver):
+            raise ValueError("fedaware: solver must be a callable like fedkernels.ops.min_norm")
+        self.normalize, self.warmup, self.init = bool(normalize), warmup, init
+        self.method = "code_compat" if code_compat else method
+        self.code_compat = bool(code_compat)
+        self.solver_init, self.max_iter, self.tol, self.tol_abs = solver_init, max_iter, float(tol), float(tol_abs)
+        self.warm_start, self.zero_fallback, self.variant = bool(warm_start), zero_fallback, variant
+        self.extension, self.ext_beta, self.log_elud = extension, float(ext_beta), bool(elud)
+        self.solver = solver if solver is not None else _default_solver
+        if num_clients is not None:
+            self.num_clients = self._check_n(num_clients)
+        self.M: Optional[torch.Tensor] = None        # [N, d] momenta of the updates
+        self.Gm: Optional[torch.Tensor] = None       # [N, N] fp64 cache of M M^T (CPU)
+        self.seen: Optional[torch.Tensor] = None     # [N] bool
+        self.n_examples: Optional[torch.Tensor] = None  # [N] fp64: last reported sample count
+        self.lam_prev: Optional[torch.Tensor] = None    # [N] fp64
+        self.ext_momentum: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def _check_n(n) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fedaware: num_clients must be a positive int, got {n!r}")
+        return n
+
+    def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
+        n = self.num_clients if num_clients is None else self._check_n(num_clients)
+        if self.M is not None and n != self.M.size(0):
+            raise ValueError(f"fedaware: the momentum table has N={self.M.size(0)} rows, setup got num_clients={n}")
+        super().setup(spec, n, global_flat)
+
+    # ---- state tables -------------------------------------------------------------------------------
+    def _alloc(self, like: torch.Tensor) -> None:
+        if self.num_clients is None:
+            raise ValueError("fedaware needs the number of clients N: pass num_clients=N to the constructor "
+                             "or call setup(num_clients=N) before the first round")
+        N, d = self.num_clients, like.numel()
+        if self.M is None:
+            self.M = like.new_zeros((N, d))
+            self.Gm = torch.zeros(N, N, dtype=torch.float64)
+            self.seen = torch.zeros(N, dtype=torch.bool)
+            self.n_examples = torch.zeros(N, dtype=torch.float64)
+        elif self.M.size(1) != d:
+            raise ValueError(f"fedaware: global_flat has d={d} but the momentum table has d={self.M.size(1)}")
+
+    def _update_momenta(self, rin: RoundInput) -> None:
+        M, a = self.M, self.alpha
+        for j, cid in enumerate(rin.client_ids):
+            row = M[cid]
+            if self.init == "first_update" and not bool(self.seen[cid]):
+                row.copy_(rin.U[j])
+            else:
+                row.mul_(1.0 - a).add_(rin.U[j], alpha=a)
+            self.seen[cid] = True
+            self.n_examples[cid] = rin.num_examples[j]
+        idx = torch.tensor(rin.client_ids, dtype=torch.long)
+        Gr = ops.gram(M, rows=idx.to(M.device)).to("cpu")                 # [k, N] fp64
+        self.Gm[idx, :] = Gr
+        self.Gm[:, idx] = Gr.T
+
+    def gram_matrix(self, active: torch.Tensor):
+        """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised)."""
+        G = self.Gm.index_select(0, active).index_select(1, active)
+        norms = torch.diagonal(G).clamp_min(0).sqrt()
+        if self.normalize:
+            nz = torch.where(norms > 0, norms, torch.ones_like(norms))
+            G = G / nz[:, None] / nz[None, :]
+        else:
+            nz = torch.ones_like(norms)
+        return 0.5 * (G + G.T), nz
+
+    def _solve(self, G: torch.Tensor, active: torch.Tensor):
+        lam0 = None
+        if self.warm_start and self.lam_prev is not None:
+            l = self.lam_prev.index_select(0, active)
+            if float(l.sum()) > 0:
+                lam0 = l
+        lam, iters, gap = self.solver(G, self.max_iter, self.tol, method=self.method, init=self.solver_init,
+                                      tol_abs=self.tol_abs, lam0=lam0)
+        return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
+
+    def _na_coef(self):
+        act = torch.nonzero(self.seen).reshape(-1)
+        n = self.n_examples.index_select(0, act)
+        return act, n / n.sum()
+
+    # ---- aggregation ------------------------------------------------------------------------------
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        x = rin.global_flat
+        self._alloc(x)
+        dev = rin.U.device
+        info: Dict[str, Any] = {}
+        if self.log_elud:
+            info["elud"], info["elud_sqrt"] = elud(ops.gram(rin.U).cpu())
+        # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
+        p = rin.sample_weights()
+        base_step = None
+        if self.extension == "fedavgm":
+            if self.ext_momentum is None:
+                self.ext_momentum = torch.zeros_like(x)
+            v = self.ext_momentum.mul_(self.ext_beta)
+            ops.weighted_sum(rin.U, p.to(dev), base=v, out=v)
+            base_step = v
+        elif self.extension == "fedavg":
+            base_step = ops.weighted_sum(rin.U, p.to(dev))
+        self._update_momenta(rin)
+        exploring = self.warmup == "explore" and not bool(self.seen.all())
+        info["phase"] = "explore" if exploring else "aware"
+        if exploring:
+            if base_step is not None:
+                new = x.add(base_step, alpha=self.server_lr)
+            else:
+                new = ops.weighted_sum(rin.U, p.to(dev), base=x, alpha=self.server_lr)
+            info.update(weights=p.tolist(), num_seen=int(self.seen.sum()))
+            return AggResult(new, info)
+        if self.variant == "na":
+            act, coef = self._na_coef()
+            new = ops.weighted_sum(self.M, coef.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+            info.update(support=act.tolist(), coef=coef.tolist())
+            return AggResult(new, info)
+        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
+        G, nz = self.gram_matrix(active)
+        lam, iters, gap = self._solve(G, active)
+        q = float(lam @ (G @ lam))
+        gmax = float(torch.diagonal(G).max())
+        zero_dir = not (q > ZERO_REL * gmax)
+        lam_full = torch.zeros(self.num_clients, dtype=torch.float64)
+        lam_full[active] = lam
+        self.lam_prev = lam_full
+        coef = lam / nz
+        sup = torch.nonzero(coef != 0).reshape(-1)
+        rows, c = active.index_select(0, sup), coef.index_select(0, sup)
+        info.update(lam=lam_full.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
+                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        if zero_dir:
+            if self.zero_fallback == "na":
+                act, cna = self._na_coef()
+                new = ops.weighted_sum(self.M, cna.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+                info["fallback"] = "na"
+            elif base_step is not None:
+                new = x.add(base_step, alpha=self.server_lr)
+                info["fallback"] = "base"
+            else:
+                new = x.clone()
+                info["fallback"] = "zero step"
+            return AggResult(new, info)
+        if base_step is not None:
+            d = ops.weighted_sum(self.M, c.to(dev), rows=rows.to(dev))
+            dd = float(torch.dot(d.double(), d.double()))
+            scale = float(torch.dot(base_step.double(), d.double())) / dd if dd > 0 else 0.0
+            new = x.add(d, alpha=self.server_lr * scale)
+            info["projection_scale"] = scale
+            return AggResult(new, info)
+        new = ops.weighted_sum(self.M, c.to(dev), base=x, alpha=self.server_lr, rows=rows.to(dev))
+        return AggResult(new, info)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        st = super().state_dict()
+        for k in ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum"):
+            v = getattr(self, k)
+            st[k] = None if v is None else v.clone()
+        return st
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for k in ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum"):
+            v = state.get(k)
+            setattr(self, k, None if v is None else v.clone())

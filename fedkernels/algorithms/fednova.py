@@ -1,0 +1,121 @@
+"""FedNova (Wang et al., 2020): normalised averaging that removes the objective inconsistency
+caused by clients taking different numbers of local steps.
+
+Client i reports tau_i local steps (payload ``local_steps``). Its update is normalised by
+``a_i = ||a_i||_1``, the l1 norm of its local-solver coefficient vector:
+
+* plain SGD: a_i = tau_i;
+* SGD with (PyTorch-style) momentum rho: a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho);
+* any other local solver: the client may send ``a_norm`` directly.
+
+Then, with p_i = n_i / sum n over the round's clients (or 1/K with ``weighting="uniform"``),
+
+    tau_eff = sum_i p_i a_i,        new = global + server_lr * tau_eff * sum_i p_i U_i / a_i
+
+i.e. one ``weighted_sum`` with coefficients p_i tau_eff / a_i. Equal a_i gives FedAvg.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+from .. import ops
+from .base import AggResult, ClientContext, ClientRule, RoundInput, register
+from .fedavg import FedAvg
+
+
+def momentum_steps(tau: float, rho: float = 0.0) -> float:
+    """||a||_1 for tau steps of SGD with momentum rho (buf = rho buf + g; w -= lr buf)."""
+    tau, rho = float(tau), float(rho)
+    if not (0.0 <= rho < 1.0):
+        raise ValueError(f"momentum must lie in [0, 1), got {rho}")
+    if rho == 0.0:
+        return tau
+    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+
+
+def optimizer_momentum(optimizer) -> float:
+    """The momentum of the optimizer's first parameter group (0 when it has none)."""
+    try:
+        return float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
+    except (AttributeError, IndexError):
+        return 0.0
+
+
+class FedNovaRule(ClientRule):
+    """Counts local steps and records the optimizer's momentum; ``end`` returns
+    ``{"local_steps": tau, "momentum": rho}``. Training itself is unchanged."""
+
+    def step(self, ctx: ClientContext, model, optimizer) -> bool:
+        ctx.extras["momentum"] = optimizer_momentum(optimizer)
+        return False
+
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        return {"local_steps": int(ctx.step), "momentum": float(ctx.extras.get("momentum", 0.0))}
+
+
+def _number(v) -> Optional[float]:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            return None
+        v = v.item()
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+@register("fednova")
+class FedNova(FedAvg):
+    """Normalised averaging by the clients' local work (see module docstring).
+
+    Options: ``local_momentum`` (rho used when a payload has no ``momentum``; default 0),
+    ``weighting`` ("samples" default, or "uniform"), ``server_lr``. Payload per client:
+    ``local_steps`` (required, > 0), optional ``momentum`` and ``a_norm``.
+    """
+
+    client_rule_cls = FedNovaRule
+
+    def __init__(self, local_momentum: float = 0.0, **kw):
+        super().__init__(**kw)
+        momentum_steps(1, local_momentum)  # validates
+        self.local_momentum = float(local_momentum)
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r:
+            return r
+        if "a_norm" in payload:
+            a = _number(payload["a_norm"])
+            if a is None or not math.isfinite(a) or a <= 0:
+                return f"payload 'a_norm' must be a finite number > 0, got {payload['a_norm']!r}"
+            return None
+        if "local_steps" not in payload:
+            return "fednova needs payload 'local_steps' (the client's number of local steps)"
+        tau = _number(payload["local_steps"])
+        if tau is None or not math.isfinite(tau) or tau <= 0:
+            return f"payload 'local_steps' must be a number > 0, got {payload['local_steps']!r}"
+        rho = _number(payload.get("momentum", self.local_momentum))
+        if rho is None or not (0.0 <= rho < 1.0):
+            return f"payload 'momentum' must lie in [0, 1), got {payload.get('momentum')!r}"
+        return None
+
+    def a_norms(self, rin: RoundInput) -> torch.Tensor:
+        out = []
+        for pl in rin.payloads:
+            if "a_norm" in pl:
+                out.append(_number(pl["a_norm"]))
+            else:
+                out.append(momentum_steps(_number(pl["local_steps"]), _number(pl.get("momentum", self.local_momentum))))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        p = self.weights(rin)
+        a = self.a_norms(rin)
+        tau_eff = float((p * a).sum())
+        coef = p * (tau_eff / a)
+        new = ops.weighted_sum(rin.U, coef.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff,
+                               "coef": coef.tolist()})

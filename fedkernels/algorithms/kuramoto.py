@@ -1,0 +1,249 @@
+"""Kuramoto-FedAvg (Muhebwa et al., 2025), per shared/specs/kuramoto_fedavg.md.
+
+Each client update U_k gets a phase theta_k = arccos(cos(U_k, mean)), measured against the
+p-weighted mean update; the server re-weights the clients with s_k = sin(theta_bar - theta_k),
+theta_bar the plain mean phase, and applies the weighted sum. Three modes:
+
+* ``mode="P"``: **paper-literal** (eqs. (1)-(5), Alg. 1 line 23): rho_k = s_k / sum_j s_j,
+  new = w + server_lr * kappa_t * sum_k rho_k U_k, behind the spec's guard: the round is degenerate
+  (rho := p, ``degenerate=True``) when fewer than 3 clients are valid, S is not finite, or
+  |S| <= tau * sum_j |s_j| (tau = 0.05). ``guard=False`` drops the 3-client and tau tests (the
+  literal formula; only S = 0 or non-finite S still falls back).
+* ``mode="S"`` (default, [OURS] "coupled"): a_k = p_k (1 + kappa s_k) / sum_j p_j (1 + kappa s_j),
+  kappa = clamp(kappa_t, 0, 1), delta clipped to [-pi/2, pi/2] (``clip_delta``); kappa = 0 is
+  FedAvg bit for bit (a = p, same kernel call).
+* ``mode="C"``: the authors' code. Phases are scalars phi_k sent by the clients (payload ``phase``,
+  the mean local gradient norm, measured by ``KuramotoPhaseRule``);
+  new = w + server_lr * (sum_k p_k U_k + K_t * clamp(sum_k b_k U_k, -clip, clip)),
+  b_k = (c'_k - p_k sum_j c'_j) / max(1, K - 1), c'_k = sum_{j != k} cos(phi_k - phi_j).
+
+kappa_t = kappa0 * beta^t with t the aggregator's round counter (default beta = 1: constant).
+
+Hot path (modes P and S): one ``ops.gram`` pass over U (K x K fp64 Gram G; then
+dot = G p, nsq = diag G, nbar = p^T G p, all fp64) and one ``ops.weighted_sum`` pass. No K x d
+temporary. Mode C: two ``weighted_sum`` passes (the elementwise clamp needs the sync vector).
+Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+
+MODES = ("P", "S", "C")
+DEFAULT_KAPPA0 = {"P": 0.5, "S": 0.5, "C": 0.2}
+EPS2 = 1e-30          # absolute floor on squared norms (fp64)
+REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
+
+
+def kuramoto_stats(U: torch.Tensor, p) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """(dot [K], nsq [K], nbar) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
+    nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U."""
+    G = ops.gram(U).to("cpu")
+    p64 = torch.as_tensor(p, dtype=torch.float64).reshape(-1).cpu()
+    if p64.numel() != G.size(0):
+        raise ValueError(f"kuramoto_stats: p must have K={G.size(0)} entries, got {p64.numel()}")
+    dot = G @ p64
+    nsq = torch.diagonal(G).clone()
+    nbar = float(p64 @ dot)
+    return dot, nsq, nbar
+
+
+def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Mode C: (b, a) with sync = sum_k b_k U_k and, while the clamp is inactive, a = p + kappa b."""
+    phase = phase.to(torch.float64)
+    K = phase.numel()
+    cp = torch.cos(phase[:, None] - phase[None, :])
+    cp = cp.sum(1) - torch.diagonal(cp)                     # c'_k = sum_{j != k} cos(phi_k - phi_j)
+    b = (cp - p * cp.sum()) / max(1, K - 1)
+    return b, p + kappa * b
+
+
+def kuramoto_weights(dot, nsq, nbar: float, p, mode: str = "S", kappa: float = 0.5, tau: float = 0.05,
+                     clip_delta: bool = True, theta_bar: str = "uniform",
+                     guard: bool = True) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """Weights from the phase statistics (modes "P" and "S"), all in fp64.
+
+    Mode S returns the coefficients a (sum 1, >= 0). Mode P returns rho (sum 1 unless degenerate,
+    may be negative); the caller multiplies by kappa_t at apply time. ``info`` holds theta, s, S,
+    ratio = |S| / sum|s|, valid flags, degenerate / reason, mean_zero.
+    """
+    if mode not in ("P", "S"):
+        raise ValueError(f"kuramoto_weights: mode must be 'P' or 'S' (mode C uses code_weights), got {mode!r}")
+    if theta_bar not in ("uniform", "p"):
+        raise ValueError(f"kuramoto_weights: theta_bar must be 'uniform' or 'p', got {theta_bar!r}")
+    dot = torch.as_tensor(dot, dtype=torch.float64).reshape(-1)
+    nsq = torch.as_tensor(nsq, dtype=torch.float64).reshape(-1)
+    p = torch.as_tensor(p, dtype=torch.float64).reshape(-1)
+    K = p.numel()
+    nbar = float(nbar)
+    mean_zero = not (math.isfinite(nbar) and nbar > EPS2 and nbar > REL_NBAR * float((p * nsq).sum()))
+    valid = torch.isfinite(dot) & torch.isfinite(nsq) & (nsq > EPS2)
+    if mean_zero:
+        valid = torch.zeros_like(valid)
+    theta = torch.full((K,), float("nan"), dtype=torch.float64)
+    s = torch.zeros(K, dtype=torch.float64)
+    nvalid = int(valid.sum())
+    tbar = float("nan")
+    if nvalid:
+        den = (nsq[valid] * nbar).sqrt()                    # one rounding: identical rows give c = 1
+        big = ~torch.isfinite(den)
+        if bool(big.any()):                                 # product overflowed fp64: split the sqrt
+            den[big] = nsq[valid][big].sqrt() * math.sqrt(nbar)
+        c = (dot[valid] / den).clamp(-1.0, 1.0)
+        theta[valid] = torch.arccos(c)
+        if theta_bar == "uniform":
+            tbar = float(theta[valid].mean())
+        else:
+            pv = p[valid]
+            tbar = float((pv * theta[valid]).sum() / pv.sum())
+        delta = tbar - theta[valid]
+        if mode == "S" and clip_delta:
+            delta = delta.clamp(-math.pi / 2, math.pi / 2)
+        s[valid] = torch.sin(delta)
+    S = float(s.sum())
+    abs_sum = float(s.abs().sum())
+    info: Dict[str, Any] = {"theta": theta.tolist(), "theta_bar": tbar, "s": s.tolist(), "S": S,
+                            "ratio": (abs(S) / abs_sum) if abs_sum > 0 else None,
+                            "valid": valid.tolist(), "num_valid": nvalid, "mean_zero": mean_zero,
+                            "degenerate": False}
+    if mode == "S":
+        if kappa == 0.0:
+            return p, info
+        num = p * (1.0 + kappa * s)
+        den = float(num.sum())
+        if not (den > 1e-12):
+            info.update(degenerate=True, reason="coupling denominator <= 1e-12")
+            return p, info
+        return num / den, info
+    # mode P (paper-literal, with the guard)
+    reason = None
+    if not math.isfinite(S):
+        reason = "S is not finite"
+    elif S == 0.0:
+        reason = "S = 0"
+    elif guard and nvalid < 3:
+        reason = f"fewer than 3 valid clients ({nvalid})"
+    elif guard and abs(S) <= tau * abs_sum:
+        reason = f"|S| <= tau * sum|s| (ratio {abs(S) / abs_sum:.3g}, tau {tau})"
+    if reason is not None:
+        info.update(degenerate=True, reason=reason)
+        return p, info
+    return s / S, info
+
+
+class KuramotoPhaseRule(ClientRule):
+    """Mode C client side: phase = mean over local steps of the full-model gradient l2 norm."""
+
+    def before_step(self, ctx: ClientContext, model) -> None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        with torch.no_grad():
+            n = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([g.detach() for g in grads])).double())
+        acc = ctx.extras.get("phase_sum")
+        ctx.extras["phase_sum"] = n if acc is None else acc + n
+        ctx.extras["phase_steps"] = ctx.extras.get("phase_steps", 0) + 1
+
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        n = ctx.extras.get("phase_steps", 0)
+        return {"phase": float(ctx.extras["phase_sum"]) / n if n else 0.0}
+
+
+@register("kuramoto", "kuramoto_fedavg")
+class KuramotoFedAvg(Aggregator):
+    """Kuramoto-FedAvg aggregator (see module docstring).
+
+    Options: ``mode`` ("S" default, "P" paper-literal, "C" authors' code); ``kappa0`` (default by
+    mode: S 0.5, P 0.5, C 0.2 = the code's K_t); ``beta`` (kappa decay, default 1.0); ``tau``
+    (mode P guard, 0.05); ``guard`` (mode P, True); ``clip_delta`` (mode S, True);
+    ``theta_bar`` ("uniform" as the paper, or "p"); ``clip`` (mode C elementwise clamp, 10.0);
+    ``weighting`` ("samples" p = n/sum n, or "uniform"); ``server_lr`` (eta_g, 1.0).
+    """
+
+    def __init__(self, mode: str = "S", kappa0: Optional[float] = None, beta: float = 1.0, tau: float = 0.05,
+                 guard: bool = True, clip_delta: bool = True, theta_bar: str = "uniform", clip: float = 10.0,
+                 weighting: str = "samples", **kw):
+        super().__init__(**kw)
+        mode = str(mode).upper()
+        if mode not in MODES:
+            raise ValueError(f"kuramoto: mode must be one of {MODES} (P = paper-literal, S = coupled, C = authors' code), got {mode!r}")
+        self.mode = mode
+        self.kappa0 = float(DEFAULT_KAPPA0[mode] if kappa0 is None else kappa0)
+        if not math.isfinite(self.kappa0) or self.kappa0 < 0:
+            raise ValueError(f"kuramoto: kappa0 must be a finite number >= 0, got {kappa0}")
+        self.beta = float(beta)
+        if not (0.0 < self.beta <= 1.0):
+            raise ValueError(f"kuramoto: beta must lie in (0, 1], got {beta}")
+        self.tau = float(tau)
+        if not (self.tau >= 0.0):
+            raise ValueError(f"kuramoto: tau must be >= 0, got {tau}")
+        if theta_bar not in ("uniform", "p"):
+            raise ValueError(f"kuramoto: theta_bar must be 'uniform' or 'p', got {theta_bar!r}")
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"kuramoto: weighting must be 'samples' or 'uniform', got {weighting!r}")
+        self.clip = float(clip)
+        if not (self.clip > 0):
+            raise ValueError(f"kuramoto: clip must be > 0, got {clip}")
+        self.guard, self.clip_delta, self.theta_bar, self.weighting = bool(guard), bool(clip_delta), theta_bar, weighting
+
+    def kappa(self, t: Optional[int] = None) -> float:
+        """kappa_t = kappa0 * beta^t (t defaults to the current round)."""
+        t = self.round if t is None else int(t)
+        return self.kappa0 * self.beta ** t
+
+    def client_rule(self) -> Optional[ClientRule]:
+        return KuramotoPhaseRule(self) if self.mode == "C" else None
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r or self.mode != "C":
+            return r
+        v = payload.get("phase")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return "kuramoto mode C needs payload 'phase' (a number; see KuramotoPhaseRule)"
+        if not math.isfinite(v):
+            return f"payload 'phase' must be finite, got {v}"
+        return None
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        if self.weighting == "uniform":
+            p = rin.num_examples.new_full((rin.K,), 1.0 / rin.K)
+        else:
+            p = rin.sample_weights()
+        kt = self.kappa()
+        dev = rin.U.device
+        if self.mode == "C":
+            phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
+            b, a = code_weights(phase, p, kt)
+            new = ops.weighted_sum(rin.U, p.to(dev), base=rin.global_flat, alpha=self.server_lr)
+            sync = ops.weighted_sum(rin.U, b.to(dev))
+            clipped = bool((sync.abs() > self.clip).any())
+            sync.clamp_(-self.clip, self.clip)
+            new.add_(sync, alpha=self.server_lr * kt)
+            info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
+                    "sync_coef": b.tolist(), "clipped": clipped}
+            return AggResult(new, info)
+        dot, nsq, nbar = kuramoto_stats(rin.U, p)
+        if self.mode == "S":
+            kap = min(max(kt, 0.0), 1.0)
+            a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,
+                                       theta_bar=self.theta_bar)
+            alpha = self.server_lr
+        else:
+            kap = kt
+            a, info = kuramoto_weights(dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar,
+                                       guard=self.guard)
+            alpha = self.server_lr * kt
+        new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=alpha)
+        info.update(mode=self.mode, kappa=kap, weights=a.tolist(), p=p.tolist(),
+                    guard_fired=bool(self.mode == "P" and info["degenerate"]))
+        if self.mode == "P" and not info["degenerate"]:
+            info["max_abs_rho"] = float(a.abs().max())
+        return AggResult(new, info)
