@@ -102,7 +102,7 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     """
     U = _matrix(U, "gram")
     r = _rows(rows, U.size(0), "gram", U.device)
-    return torch.ops.fedkernels.gram(U, r)
+    return _shard_sum(torch.ops.fedkernels.gram(U, r))
 
 
 def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -136,7 +136,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
 def finite_rows(U: torch.Tensor) -> torch.Tensor:
     """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
     U = _matrix(U, "finite_rows")
-    return torch.ops.fedkernels.finite_rows(U)
+    return _shard_and(torch.ops.fedkernels.finite_rows(U))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +319,50 @@ def _gc_project_fake(tensors, vector_policy="skip", min_fanin=2):
 
 
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
+
+
+# ---- sharded reductions over d (fedkernels.distributed) ---------------------------------------
+# When a ``fedkernels.distributed.sharded(...)`` context is active, every d-vector an aggregator
+# sees is this rank's column slice. Reductions over d must then be summed across ranks: ``gram``
+# and ``finite_rows`` above do it themselves; aggregators route any other reduction over a
+# d-vector through the helpers below (single process: plain local reductions, no overhead).
+__all__ += ["dot", "sqnorm", "all_", "any_"]
+
+_SHARD = None  # the active fedkernels.distributed.ShardContext, or None (set only by sharded())
+
+
+def _shard_sum(t: torch.Tensor) -> torch.Tensor:
+    return t if _SHARD is None else _SHARD.all_reduce_sum(t)
+
+
+def _shard_and(mask: torch.Tensor) -> torch.Tensor:
+    return mask if _SHARD is None else _SHARD.all_reduce_and(mask)
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``<a, b>`` over d, accumulated in float64 (summed across ranks in sharded mode)."""
+    a, b = _tensor(a, "dot", "a"), _tensor(b, "dot", "b")
+    if a.numel() != b.numel():
+        raise ValueError(f"dot: a and b must have the same number of elements, got {a.numel()} and {b.numel()}")
+    return float(_shard_sum(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()).reshape(1)))
+
+
+def sqnorm(a: torch.Tensor) -> float:
+    """``||a||^2`` over d, accumulated in float64 (summed across ranks in sharded mode)."""
+    a = _tensor(a, "sqnorm", "a").reshape(-1).double()
+    return float(_shard_sum(torch.dot(a, a).reshape(1)))
+
+
+def all_(mask: torch.Tensor) -> bool:
+    """``bool(mask.all())`` over a d-sized mask (logical and across ranks in sharded mode)."""
+    m = _tensor(mask, "all_", "mask")
+    return bool(_shard_and(m.all().reshape(1)))
+
+
+def any_(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` over a d-sized mask (logical or across ranks in sharded mode)."""
+    m = _tensor(mask, "any_", "mask")
+    return not bool(_shard_and((~m.any()).reshape(1)))
 
 
 # ---- end of ops ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -13,6 +14,13 @@ namespace fedkernels {
 
 // Fixed column chunk for streaming kernels: a chunk of K rows x kChunk columns stays in L2.
 constexpr int64_t kChunk = 2048;
+
+// Grain for at::parallel_for over tasks of `work_per_task` elements each: small inputs run on the
+// calling thread (waking OpenMP workers costs more than the work below ~64K elements).
+inline int64_t grain_for(int64_t work_per_task) {
+  constexpr int64_t kMinParallelWork = 1 << 16;
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(work_per_task, 1));
+}
 
 // Reads a small 1-D float tensor (coefficients, weights) into a host double vector.
 inline std::vector<double> to_double_vector(const at::Tensor& t) {

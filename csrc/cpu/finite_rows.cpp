@@ -16,7 +16,7 @@ void finite_impl(const at::Tensor& U, bool* ok) {
   constexpr int64_t CH = 1 << 14;
   const int64_t nch = (d + CH - 1) / CH;
   std::vector<unsigned char> flag(K * nch, 1);
-  at::parallel_for(0, K * nch, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, K * nch, grain_for(std::min(CH, d)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t k = t / nch, q = t % nch, j0 = q * CH, len = std::min(CH, d - j0);
       const T* x = u + k * s0 + j0;

@@ -99,7 +99,7 @@ void gram_impl(const at::Tensor& U, const std::vector<int64_t>& rows, bool symme
   Buf partials = alloc_doubles(nparts * kp * Kp);
   std::fill(partials.get(), partials.get() + nparts * kp * Kp, 0.0);
 
-  at::parallel_for(0, nparts, 1, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, nparts, grain_for(part_cols * kp * Kp / 4), [&](int64_t p0, int64_t p1) {
     const int64_t ldb = (C + VW - 1) / VW * VW;
     Buf bufB = alloc_doubles(Kp * ldb);
     Buf bufA = symmetric ? Buf(nullptr) : alloc_doubles(kp * ldb);

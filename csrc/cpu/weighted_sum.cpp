@@ -32,7 +32,7 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
   for (int64_t i = 0; i < n; ++i) c[i] = static_cast<A>(alpha * coef[i]);
   constexpr int64_t CH = WSUM_CHUNK;
   const int64_t nch = (d + CH - 1) / CH;
-  at::parallel_for(0, nch, 1, [&](int64_t q0, int64_t q1) {
+  at::parallel_for(0, nch, grain_for(std::min(CH, d) * std::max<int64_t>(n, 1)), [&](int64_t q0, int64_t q1) {
     std::vector<A> accv(CH);
     A* acc = accv.data();
     for (int64_t q = q0; q < q1; ++q) {
