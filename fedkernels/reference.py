@@ -262,6 +262,32 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
 
 
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------
+def _gc_one(x: torch.Tensor, vector_policy: str, min_fanin: int) -> torch.Tensor:
+    x64 = x.detach().to(torch.float64)
+    if x.dim() == 0 or x.numel() == 0:
+        return x64.clone()
+    if x.dim() == 1:
+        if vector_policy == "skip" or x.numel() < min_fanin:
+            return x64.clone()
+        return x64 - x64.mean()
+    if x.numel() // x.size(0) < min_fanin:
+        return x64.clone()
+    return x64 - x64.mean(dim=tuple(range(1, x.dim())), keepdim=True)
+
+
+def gc_project(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> list:
+    """float64 GC: ``x - x.mean(dim=tuple(range(1, x.ndim)), keepdim=True)`` with the policies of
+    GC-Fed §2.1 (1-D: skip or centre the whole vector; 0-D, empty, fan-in < min_fanin: unchanged)."""
+    return [_gc_one(x, vector_policy, min_fanin) for x in tensors]
+
+
+def gc_project_(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> list:
+    """In-place form of :func:`gc_project` (computed in float64, written back in each tensor's dtype)."""
+    for x, y in zip(tensors, gc_project(tensors, vector_policy, min_fanin)):
+        x.copy_(y)
+    return list(tensors)
+
+
 
 
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------

@@ -15,7 +15,7 @@ A ``ClientRule`` is the client side of a method that changes local training. The
 """
 from __future__ import annotations
 
-import copy
+import abc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -62,7 +62,7 @@ class RoundInput:
         return self.num_examples / self.num_examples.sum()
 
 
-class Aggregator:
+class Aggregator(abc.ABC):
     """Base class of every server-side method. Subclasses implement ``_aggregate``."""
 
     name = "base"
@@ -109,8 +109,9 @@ class Aggregator:
         self.round += 1
         return res
 
-    def _aggregate(self, rin: RoundInput) -> AggResult:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement _aggregate")
+    @abc.abstractmethod
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        """The method's arithmetic on validated inputs (rin.K >= 1)."""
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients."""

@@ -1,0 +1,76 @@
+"""Timing and roofline helpers shared by the CPU benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def timeit(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
+    """Median wall time (s) of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    t_all = time.perf_counter()
+    while len(ts) < repeats or (time.perf_counter() - t_all) < min_time:
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if len(ts) >= 50:
+            break
+    return statistics.median(ts)
+
+
+_COPY_BW = None
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Measured memory bandwidth of a large tensor copy in bytes/s (read + write counted)."""
+    global _COPY_BW
+    if _COPY_BW is None:
+        n = nbytes // 4
+        src = torch.ones(n)
+        dst = torch.empty(n)
+        t = timeit(lambda: dst.copy_(src), repeats=repeats, warmup=2)
+        _COPY_BW = 2 * n * 4 / t
+    return _COPY_BW
+
+
+def machine() -> Dict[str, object]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def print_table(rows: List[Dict[str, object]], cols: List[str]) -> None:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    w = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w[i]) for i, c in enumerate(cols)))
+    for x in cells:
+        print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
+
+
+def write_json(name: str, rows: List[Dict[str, object]], extra: Dict[str, object] | None = None) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name)
+    payload = {"machine": machine(), "copy_bandwidth_GBps": copy_bandwidth() / 1e9, "results": rows}
+    if extra:
+        payload.update(extra)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    return path

@@ -1,0 +1,1 @@
+"""fedkernels.sim: the federated-learning simulator (data, partitions, models, training loop, CLI)."""
