@@ -22,7 +22,13 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("min_norm(Tensor G, int max_iter=1000, float tol_rel=1e-12, float tol_abs=1e-15, str method=\"away\", str init=\"best_pair\", bool polish=True, Tensor? lam0=None) -> (Tensor, Tensor, Tensor)");
 
   // ---- small dense linear algebra (FedECADO) --------------------------------------------------
-
+  // Partial-pivoting LU of A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics:
+  // (LU, pivots int32 1-based, info int32: first zero pivot (1-based) or 0).
+  m.def("lu_factor(Tensor A) -> (Tensor, Tensor, Tensor)");
+  // X = A^{-1} R from lu_factor's (LU, pivots); R [n, m] or [B, n, m], streamed over the m columns.
+  m.def("lu_solve(Tensor LU, Tensor pivots, Tensor R) -> Tensor");
+  // [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column (Schur complement on x): (x [m], I [K, m]).
+  m.def("arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (Tensor, Tensor)");
 
   // ---- gradient centralization (GC-Fed) -------------------------------------------------------
   // Every output-channel row (dim 0) of every tensor has its mean over the other dims removed, in one

@@ -12,6 +12,7 @@ the aggregators call it and reject or exclude bad clients before any arithmetic.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
 import torch
@@ -230,6 +231,132 @@ def _min_norm_fake(G, max_iter=1000, tol_rel=1e-12, tol_abs=1e-15, method="away"
 
 
 # ---- small dense linear algebra (FedECADO) ---------------------------------------------------
+__all__ += ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve"]
+
+LU_MAX_N = 64
+
+
+def _lu_input(A, op: str) -> torch.Tensor:
+    A = _tensor(A, op, "A")
+    if A.dim() not in (2, 3) or A.size(-1) != A.size(-2):
+        raise ValueError(f"{op}: A must be a square [n, n] or batched [B, n, n] matrix, got shape {tuple(A.shape)}")
+    if A.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: A must be float32 or float64, got {A.dtype}")
+    n = A.size(-1)
+    if not 1 <= n <= LU_MAX_N:
+        raise ValueError(f"{op}: n must be in [1, {LU_MAX_N}] (small systems; use torch.linalg for larger), got {n}")
+    if A.device.type != "cpu":
+        raise ValueError(f"{op}: A must be on the CPU, got {A.device}")
+    if not bool(torch.isfinite(A).all()):
+        raise ValueError(f"{op}: A must be finite (got NaN or Inf entries)")
+    return A.contiguous()
+
+
+def lu_factor_ex(A: torch.Tensor):
+    """LU with partial pivoting of small A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics.
+
+    Returns ``(LU, pivots, info)`` like ``torch.linalg.lu_factor_ex``: LU holds the unit-lower L
+    below the diagonal and U on and above it (row-major, A's dtype); pivots int32, 1-based, the
+    lowest row index on ties; info int32 (per matrix): 0, or k (1-based) where U[k-1, k-1] is the
+    first exactly-zero pivot (that column is left unscaled: no NaN).
+    """
+    A = _lu_input(A, "lu_factor_ex")
+    return torch.ops.fedkernels.lu_factor(A)
+
+
+def lu_factor(A: torch.Tensor):
+    """``(LU, pivots)`` of small A (see lu_factor_ex); a singular A raises ValueError naming the
+    matrix and the zero pivot."""
+    A = _lu_input(A, "lu_factor")
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A)
+    bad = torch.nonzero(info.reshape(-1)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        k = int(info.reshape(-1)[b])
+        where = f" (matrix {b} of the batch)" if A.dim() == 3 else ""
+        raise ValueError(f"lu_factor: A is singular{where}: pivot {k} is zero (U[{k - 1}, {k - 1}] = 0)")
+    return LU, piv
+
+
+def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """Solves ``A X = R`` from ``(LU, pivots) = lu_factor(A)``; R [n, m] or [B, n, m] (m may be huge:
+    the columns are streamed once, in parallel chunks). float32 R gives float32 X (float64 inside).
+    Also accepts torch.linalg.lu_factor's output (any strides)."""
+    op = "lu_solve"
+    LU = _tensor(LU, op, "LU")
+    pivots = _tensor(pivots, op, "pivots")
+    R = _tensor(R, op, "R")
+    if LU.dim() not in (2, 3) or LU.size(-1) != LU.size(-2):
+        raise ValueError(f"{op}: LU must be [n, n] or [B, n, n], got shape {tuple(LU.shape)}")
+    n = LU.size(-1)
+    if not LU.dtype.is_floating_point:
+        raise ValueError(f"{op}: LU must have a floating dtype, got {LU.dtype}")
+    if pivots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: pivots must be int32 or int64, got {pivots.dtype}")
+    if pivots.shape != LU.shape[:-1]:
+        raise ValueError(f"{op}: pivots must have shape {tuple(LU.shape[:-1])}, got {tuple(pivots.shape)}")
+    if R.dim() != LU.dim() or R.size(-2) != n or (LU.dim() == 3 and R.size(0) != LU.size(0)):
+        want = f"[{LU.size(0)}, {n}, m]" if LU.dim() == 3 else f"[{n}, m]"
+        raise ValueError(f"{op}: R must be {want}, got shape {tuple(R.shape)}")
+    if R.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
+    if any(t.device.type != "cpu" for t in (LU, pivots, R)):
+        raise ValueError(f"{op}: LU, pivots and R must be on the CPU")
+    if R.size(-1) > 1 and R.stride(-1) != 1:
+        R = R.contiguous()
+    return torch.ops.fedkernels.lu_solve(LU.contiguous(), pivots.contiguous(), R)
+
+
+def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
+    """Solves the (K+1) x (K+1) arrowhead system ``[[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]``
+    for every column (r0 [m], R [K, m]) in closed form (Schur complement on x, no fill-in).
+    a, b, c: length-K coefficients (read as float64). Returns ``(x [m], I [K, m])`` in R's dtype.
+    FedECADO's backward-Euler matrix: alpha = 1, b = -dt, c = dt / L, a_i = 1 + dt / (L g_i).
+    """
+    op = "arrowhead_solve"
+    R = _tensor(R, op, "R")
+    if R.dim() != 2:
+        raise ValueError(f"{op}: R must be a 2-D [K, m] tensor, got shape {tuple(R.shape)}")
+    if R.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
+    K, m = R.shape
+    coefs = []
+    for name, v in (("a", a), ("b", b), ("c", c)):
+        v = torch.as_tensor(v, dtype=torch.float64)
+        if v.dim() == 0:
+            v = v.expand(K)
+        if v.dim() != 1 or v.size(0) != K:
+            raise ValueError(f"{op}: {name} must be a scalar or a length-{K} vector, got shape {tuple(v.shape)}")
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{op}: {name} must be finite")
+        coefs.append(v.contiguous())
+    if bool((coefs[0] == 0).any()):
+        raise ValueError(f"{op}: a must be nonzero (the diagonal block is diag(a))")
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    den = float(alpha) - float((coefs[1] * coefs[2] / coefs[0]).sum())
+    if den == 0.0:
+        raise ValueError(f"{op}: singular system (Schur complement alpha - sum b c / a = 0)")
+    r0 = _vector(r0, op, "r0", m, R)
+    if m > 1 and R.stride(1) != 1:
+        R = R.contiguous()
+    return torch.ops.fedkernels.arrowhead_solve(coefs[0], coefs[1], coefs[2], float(alpha), r0.contiguous(), R)
+
+
+@torch.library.register_fake("fedkernels::lu_factor")
+def _lu_factor_fake(A):
+    return (torch.empty_like(A, memory_format=torch.contiguous_format), A.new_empty(A.shape[:-1], dtype=torch.int32),
+            A.new_empty(A.shape[:-2], dtype=torch.int32))
+
+
+@torch.library.register_fake("fedkernels::lu_solve")
+def _lu_solve_fake(LU, pivots, R):
+    return torch.empty_like(R, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fedkernels::arrowhead_solve")
+def _arrowhead_fake(a, b, c, alpha, r0, R):
+    return R.new_empty((R.size(1),)), R.new_empty((R.size(0), R.size(1)))
 
 
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------

@@ -193,6 +193,72 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
 
 
 # ---- small dense linear algebra (FedECADO) ---------------------------------------------------
+def lu_factor_ex(A: torch.Tensor):
+    """LAPACK getf2 (partial pivoting, lowest index on ties, 1-based pivots, info = first zero
+    pivot) written as a plain loop in float64. Returns (LU, pivots int32, info int32)."""
+    batched = A.dim() == 3
+    As = A.to(torch.float64).reshape(-1, A.size(-1), A.size(-1)).clone()
+    n = As.size(-1)
+    piv = torch.zeros(As.size(0), n, dtype=torch.int32)
+    info = torch.zeros(As.size(0), dtype=torch.int32)
+    for b in range(As.size(0)):
+        a = As[b]
+        for k in range(n):
+            col = a[k:, k].abs()
+            p = k + int(torch.nonzero(col == col.max())[0])  # first maximum
+            piv[b, k] = p + 1
+            if a[p, k] != 0:
+                if p != k:
+                    a[[k, p]] = a[[p, k]]
+                a[k + 1:, k] /= a[k, k]
+            elif info[b] == 0:
+                info[b] = k + 1
+            a[k + 1:, k + 1:] -= torch.outer(a[k + 1:, k], a[k, k + 1:])
+    if not batched:
+        return As[0], piv[0], info[0]
+    return As, piv, info
+
+
+def lu_factor(A: torch.Tensor):
+    LU, piv, info = lu_factor_ex(A)
+    if bool((info != 0).any()):
+        raise ValueError("lu_factor: A is singular")
+    return LU, piv
+
+
+def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """X = A^{-1} R from (LU, pivots): row swaps, unit-lower then upper triangular solves, float64."""
+    batched = LU.dim() == 3
+    LUs = LU.to(torch.float64).reshape(-1, LU.size(-1), LU.size(-1))
+    Ps = pivots.to(torch.long).reshape(LUs.size(0), -1)
+    Rs = R.to(torch.float64).reshape(LUs.size(0), R.size(-2), R.size(-1))
+    out = []
+    for b in range(LUs.size(0)):
+        x = Rs[b].clone()
+        for i in range(x.size(0)):
+            p = int(Ps[b, i]) - 1
+            if p != i:
+                x[[i, p]] = x[[p, i]]
+        x = torch.linalg.solve_triangular(LUs[b], x, upper=False, unitriangular=True)
+        x = torch.linalg.solve_triangular(LUs[b], x, upper=True)
+        out.append(x)
+    X = torch.stack(out)
+    return X if batched else X[0]
+
+
+def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
+    """Dense oracle: builds the (K+1) x (K+1) arrowhead matrix and solves it with torch.linalg.solve."""
+    K = R.size(0)
+    f64 = lambda v: torch.as_tensor(v, dtype=torch.float64).expand(K) if torch.as_tensor(v).dim() == 0 \
+        else torch.as_tensor(v, dtype=torch.float64)
+    a, b, c = f64(a), f64(b), f64(c)
+    M = torch.zeros(K + 1, K + 1, dtype=torch.float64)
+    M[0, 0] = alpha
+    M[0, 1:] = b
+    M[1:, 0] = c
+    M[1:, 1:] = torch.diag(a)
+    Z = torch.linalg.solve(M, torch.cat([r0.to(torch.float64)[None], R.to(torch.float64)]))
+    return Z[0], Z[1:]
 
 
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------

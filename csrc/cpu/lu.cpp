@@ -1,0 +1,236 @@
+// Small dense linear algebra for FedECADO (spec fedecado.md sections 2.6, 5.3).
+//
+// lu_factor(A): LU with partial pivoting of A [n, n] or [B, n, n] (n <= 64), LAPACK getf2
+//   semantics: pivot = first index of max |a_ik| (lowest index on ties), 1-based int32 pivots as in
+//   torch.linalg.lu_factor, info = first zero pivot (1-based) or 0; a zero pivot column is left
+//   unscaled (no division by zero, no NaN). Computed in the input dtype. Batch in parallel.
+// lu_solve(LU, piv, R): X = A^{-1} R for R [n, m] or [B, n, m] with many right-hand sides. One pass
+//   over R and X: the m columns are streamed in chunks that stay in L2 (row permutation applied on
+//   load, unit-lower forward and upper back substitution in float64 registers, store), chunks in
+//   parallel. Memory-bound: bytes = n*m*(in + out).
+// arrowhead_solve(a, b, c, alpha, r0, R): the (K+1) x (K+1) arrowhead system
+//     [alpha  b^T    ] [x]   [r0]
+//     [c      diag(a)] [I] = [R ]       per column of r0 [m], R [K, m]
+//   by the Schur complement on x (no fill-in): x = (r0 - sum_i b_i R_i / a_i) / (alpha - sum_i b_i c_i / a_i),
+//   I_i = (R_i - c_i x) / a_i. FedECADO's backward-Euler matrix has alpha = 1, b_i = -dt, c_i = dt/L.
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+namespace fedkernels {
+namespace {
+
+template <typename T>
+void getf2(T* a, int64_t n, int32_t* piv, int32_t* info) {
+  *info = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t p = k;
+    T best = std::abs(a[k * n + k]);
+    for (int64_t i = k + 1; i < n; ++i) {
+      const T v = std::abs(a[i * n + k]);
+      if (v > best) { best = v; p = i; }
+    }
+    piv[k] = (int32_t)(p + 1);
+    if (a[p * n + k] != T(0)) {
+      if (p != k)
+        for (int64_t j = 0; j < n; ++j) std::swap(a[k * n + j], a[p * n + j]);
+      const T d = a[k * n + k];
+      for (int64_t i = k + 1; i < n; ++i) a[i * n + k] /= d;
+    } else if (*info == 0) {
+      *info = (int32_t)(k + 1);
+    }
+    for (int64_t i = k + 1; i < n; ++i) {
+      const T l = a[i * n + k];
+      if (l == T(0)) continue;
+      T* ai = a + i * n;
+      const T* ak = a + k * n;
+      for (int64_t j = k + 1; j < n; ++j) ai[j] -= l * ak[j];
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lu_factor_cpu(const at::Tensor& A) {
+  TORCH_CHECK(A.dim() == 2 || A.dim() == 3, "lu_factor: A must be [n, n] or [B, n, n], got shape ", A.sizes());
+  const int64_t n = A.size(-1);
+  TORCH_CHECK(A.size(-2) == n, "lu_factor: A must be square, got shape ", A.sizes());
+  TORCH_CHECK(n >= 1 && n <= 64, "lu_factor: n must be in [1, 64] (small systems), got ", n);
+  TORCH_CHECK(A.scalar_type() == at::kFloat || A.scalar_type() == at::kDouble,
+              "lu_factor: A must be float32 or float64, got ", A.scalar_type());
+  const bool batched = A.dim() == 3;
+  const int64_t B = batched ? A.size(0) : 1;
+  auto LU = A.contiguous().clone();
+  auto piv = at::empty(batched ? std::vector<int64_t>{B, n} : std::vector<int64_t>{n}, A.options().dtype(at::kInt));
+  auto info = at::empty(batched ? std::vector<int64_t>{B} : std::vector<int64_t>{}, A.options().dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES(A.scalar_type(), "lu_factor_cpu", [&] {
+    scalar_t* a = LU.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < B * n * n; ++i)
+      TORCH_CHECK(std::isfinite((double)a[i]), "lu_factor: A must be finite, got ", (double)a[i], " in matrix ",
+                  i / (n * n), " at [", (i / n) % n, ", ", i % n, "]");
+    int32_t* pp = piv.data_ptr<int32_t>();
+    int32_t* ip = info.data_ptr<int32_t>();
+    const int64_t grain = std::max<int64_t>(1, 4096 / (n * n));
+    at::parallel_for(0, B, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) getf2<scalar_t>(a + b * n * n, n, pp + b * n, ip + b);
+    });
+  });
+  return {LU, piv, info};
+}
+
+// Solve one chunk of columns [c0, c0 + C) of one system; R and X are row-major with row strides.
+template <typename T>
+void solve_chunk(const double* lu, const int64_t* perm, int64_t n, const T* R, int64_t rs, T* X, int64_t xs,
+                 int64_t c0, int64_t C, double* buf /* n x C */) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* src = R + perm[i] * rs + c0;
+    double* dst = buf + i * C;
+    for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<double>(src[c]);
+  }
+  for (int64_t i = 1; i < n; ++i) {  // forward: unit lower
+    double* xi = buf + i * C;
+    for (int64_t j = 0; j < i; ++j) {
+      const double l = lu[i * n + j];
+      const double* xj = buf + j * C;
+      for (int64_t c = 0; c < C; ++c) xi[c] -= l * xj[c];
+    }
+  }
+  for (int64_t i = n - 1; i >= 0; --i) {  // back: upper
+    double* xi = buf + i * C;
+    for (int64_t j = i + 1; j < n; ++j) {
+      const double u = lu[i * n + j];
+      const double* xj = buf + j * C;
+      for (int64_t c = 0; c < C; ++c) xi[c] -= u * xj[c];
+    }
+    const double d = lu[i * n + i];
+    T* dst = X + i * xs + c0;
+    for (int64_t c = 0; c < C; ++c) {
+      xi[c] /= d;
+      dst[c] = static_cast<T>(xi[c]);
+    }
+  }
+}
+
+at::Tensor lu_solve_cpu(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor& R) {
+  TORCH_CHECK(LU.dim() == 2 || LU.dim() == 3, "lu_solve: LU must be [n, n] or [B, n, n], got ", LU.sizes());
+  const bool batched = LU.dim() == 3;
+  const int64_t n = LU.size(-1), B = batched ? LU.size(0) : 1;
+  TORCH_CHECK(LU.size(-2) == n, "lu_solve: LU must be square, got ", LU.sizes());
+  TORCH_CHECK(R.dim() == LU.dim() && R.size(-2) == n && (!batched || R.size(0) == B),
+              "lu_solve: R must be [n, m] (or [B, n, m] for batched LU) with n = ", n, ", got ", R.sizes());
+  TORCH_CHECK(piv.dim() == LU.dim() - 1 && piv.size(-1) == n && (!batched || piv.size(0) == B),
+              "lu_solve: pivots must be [n] (or [B, n]), got ", piv.sizes());
+  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
+              "lu_solve: R must be float32 or float64, got ", R.scalar_type());
+  TORCH_CHECK(R.size(-1) <= 1 || R.stride(-1) == 1, "lu_solve: R must have unit column stride");
+  const int64_t m = R.size(-1);
+  auto X = at::empty(R.sizes(), R.options());
+  if (m == 0) return X;
+  auto lu64 = LU.to(at::kDouble).contiguous();
+  auto p32 = piv.to(at::kInt).contiguous();
+  const double* lup = lu64.data_ptr<double>();
+  const int32_t* pp = p32.data_ptr<int32_t>();
+  // Row permutation of each system: perm[i] = source row of row i after the LAPACK swaps.
+  std::vector<int64_t> perm(B * n);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t* pr = perm.data() + b * n;
+    for (int64_t i = 0; i < n; ++i) pr[i] = i;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = (int64_t)pp[b * n + i] - 1;
+      TORCH_CHECK(p >= i && p < n, "lu_solve: pivots[", i, "] = ", p + 1, " out of range [", i + 1, ", ", n, "]");
+      std::swap(pr[i], pr[p]);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(lup[b * n * n + i * n + i] != 0.0, "lu_solve: U[", i, ", ", i, "] = 0 in system ", b,
+                  " (singular factor)");
+  }
+  const int64_t C = std::max<int64_t>(64, std::min<int64_t>(1024, (96 * 1024 / 8) / n)) / 16 * 16;
+  const int64_t nchunks = (m + C - 1) / C;
+  const int64_t rb = batched ? R.stride(0) : 0, rs = R.stride(-2);
+  const int64_t xb = batched ? X.stride(0) : 0, xs = X.stride(-2);
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (n * std::min(C, m)));
+  AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "lu_solve_cpu", [&] {
+    const scalar_t* r = R.data_ptr<scalar_t>();
+    scalar_t* x = X.data_ptr<scalar_t>();
+    at::parallel_for(0, B * nchunks, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<double> buf(n * C);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / nchunks, c0 = (t % nchunks) * C;
+        solve_chunk<scalar_t>(lup + b * n * n, perm.data() + b * n, n, r + b * rb, rs, x + b * xb, xs, c0,
+                              std::min(C, m - c0), buf.data());
+      }
+    });
+  });
+  return X;
+}
+
+std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                                                       double alpha, const at::Tensor& r0, const at::Tensor& R) {
+  TORCH_CHECK(R.dim() == 2, "arrowhead_solve: R must be [K, m], got ", R.sizes());
+  const int64_t K = R.size(0), m = R.size(1);
+  TORCH_CHECK(a.dim() == 1 && a.size(0) == K && b.dim() == 1 && b.size(0) == K && c.dim() == 1 && c.size(0) == K,
+              "arrowhead_solve: a, b, c must be 1-D of length K = ", K);
+  TORCH_CHECK(r0.dim() == 1 && r0.size(0) == m, "arrowhead_solve: r0 must be [m] with m = ", m, ", got ", r0.sizes());
+  TORCH_CHECK(r0.scalar_type() == R.scalar_type(), "arrowhead_solve: r0 and R must have the same dtype");
+  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
+              "arrowhead_solve: R must be float32 or float64, got ", R.scalar_type());
+  TORCH_CHECK(m <= 1 || R.stride(1) == 1, "arrowhead_solve: R must have unit column stride");
+  auto av = to_double_vector(a), bv = to_double_vector(b), cv = to_double_vector(c);
+  std::vector<double> ba(K), inv_a(K);
+  double den = alpha;
+  for (int64_t i = 0; i < K; ++i) {
+    TORCH_CHECK(av[i] != 0.0 && std::isfinite(av[i]), "arrowhead_solve: a[", i, "] = ", av[i],
+                " must be finite and nonzero");
+    inv_a[i] = 1.0 / av[i];
+    ba[i] = bv[i] / av[i];
+    den -= bv[i] * cv[i] / av[i];
+  }
+  TORCH_CHECK(den != 0.0 && std::isfinite(den), "arrowhead_solve: singular system (Schur complement ", den, ")");
+  const double inv_den = 1.0 / den;
+  auto x = at::empty({m}, R.options());
+  auto I = at::empty({K, m}, R.options());
+  auto r0c = r0.contiguous();
+  const int64_t C = 1024, rs = R.stride(0);
+  AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "arrowhead_solve_cpu", [&] {
+    const scalar_t* rp = R.data_ptr<scalar_t>();
+    const scalar_t* r0p = r0c.data_ptr<scalar_t>();
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* Ip = I.data_ptr<scalar_t>();
+    at::parallel_for(0, (m + C - 1) / C, 1, [&](int64_t t0, int64_t t1) {
+      double acc[C];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t c0 = t * C, cl = std::min(C, m - c0);
+        for (int64_t j = 0; j < cl; ++j) acc[j] = static_cast<double>(r0p[c0 + j]);
+        for (int64_t i = 0; i < K; ++i) {
+          const scalar_t* ri = rp + i * rs + c0;
+          const double f = ba[i];
+          for (int64_t j = 0; j < cl; ++j) acc[j] -= f * static_cast<double>(ri[j]);
+        }
+        for (int64_t j = 0; j < cl; ++j) {
+          acc[j] *= inv_den;
+          xp[c0 + j] = static_cast<scalar_t>(acc[j]);
+        }
+        for (int64_t i = 0; i < K; ++i) {
+          const scalar_t* ri = rp + i * rs + c0;
+          scalar_t* Ii = Ip + i * m + c0;
+          const double ci = cv[i], ia = inv_a[i];
+          for (int64_t j = 0; j < cl; ++j) Ii[j] = static_cast<scalar_t>((static_cast<double>(ri[j]) - ci * acc[j]) * ia);
+        }
+      }
+    });
+  });
+  return {x, I};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
+  m.impl("lu_factor", &lu_factor_cpu);
+  m.impl("lu_solve", &lu_solve_cpu);
+  m.impl("arrowhead_solve", &arrowhead_solve_cpu);
+}
+
+}  // namespace fedkernels
