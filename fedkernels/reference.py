@@ -291,6 +291,58 @@ def gc_project_(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> lis
 
 
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
+def fused_sgd_step_(params, grads, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0, first_step=False,
+                    c_add=None, c_sub=None, gc_mask=None, vector_policy="skip", min_fanin=2) -> list:
+    """float64 reference of ops.fused_sgd_step_: d = GC(g) + c_add - c_sub + wd*p; buf = d (first
+    step) or momentum*buf + d; p -= lr*buf. Writes p (and buf) back in their dtypes."""
+    n = len(params)
+    if gc_mask is None or gc_mask is False:
+        mask = [False] * n
+    elif gc_mask is True:
+        mask = [True] * n
+    else:
+        mask = list(gc_mask)
+    for i, p in enumerate(params):
+        p64 = p.detach().to(torch.float64)
+        g = grads[i].to(torch.float64)
+        if mask[i]:
+            g = _gc_one(g, vector_policy, min_fanin)
+        d = g + weight_decay * p64
+        if c_add is not None and c_add[i] is not None:
+            d = d + c_add[i].to(torch.float64)
+        if c_sub is not None and c_sub[i] is not None:
+            d = d - c_sub[i].to(torch.float64)
+        if momentum != 0:
+            b = momentum_bufs[i]
+            d = d if first_step else momentum * b.to(torch.float64) + d
+            b.copy_(d)
+        p.copy_(p64 - lr * d)
+    return list(params)
+
+
+def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0,
+                        first_step=False, subset=None) -> list:
+    n = len(params)
+    keep = [True] * n if subset is None else [False] * n
+    if subset is not None:
+        subset = list(subset)
+        if subset and all(isinstance(s, bool) for s in subset):
+            keep = subset
+        else:
+            for s in subset:
+                keep[s] = True
+    ca = [x if k else None for x, k in zip(c, keep)]
+    cs = None if c_i is None else [x if k else None for x, k in zip(c_i, keep)]
+    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           first_step=first_step, c_add=ca, c_sub=cs)
+
+
+def gc_sgd_step_(params, grads, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0, first_step=False,
+                 gc_mask=True, vector_policy="skip", min_fanin=2) -> list:
+    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           first_step=first_step, gc_mask=gc_mask, vector_policy=vector_policy, min_fanin=min_fanin)
+
+
 
 
 # ---- end of references -----------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""fused_sgd_step_ / corrected_sgd_step_ / gc_sgd_step_: the fused local steps against the float64
+reference, torch.optim.SGD, and the GC-Fed spec §9 T5/T6 vectors."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+from fedkernels import ops, reference as ref
+
+SHAPES = [(64, 3, 3, 3), (32, 3, 5, 5), (16, 64, 3, 3), (6, 512, 3, 3), (2, 25088), (10, 512), (7, 13), (5, 1),
+          (100,), (7,), (1,), ()]
+
+
+def _rand(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _set(dtype, seed):
+    return [_rand(s, dtype, seed * 100 + i) for i, s in enumerate(SHAPES)]
+
+
+def _tol(dtype):
+    return {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+
+
+def _clone(xs):
+    return [None if x is None else x.clone() for x in xs]
+
+
+# ---- spec §9 vectors ---------------------------------------------------------------------------------
+def test_t5_code_order_step():
+    w = torch.tensor([[1.0, 2, 3]], dtype=torch.float64)
+    g = torch.tensor([[0.3, 0.6, 0.9]], dtype=torch.float64)
+    g0 = g.clone()
+    ops.gc_sgd_step_([w], [g], lr=0.1, weight_decay=0.1)
+    assert_close(w, torch.tensor([[1.02, 1.98, 2.94]], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.equal(g, g0)  # the gradient is read, not modified
+    assert abs(float(w.mean()) - 1.98) < 1e-12
+
+
+def test_t6_momentum_two_steps():
+    w = torch.tensor([[1.0, 2, 3]], dtype=torch.float64)
+    buf = torch.full_like(w, 123.0)  # ignored on the first step
+    ops.gc_sgd_step_([w], [torch.tensor([[0.3, 0.6, 0.9]], dtype=torch.float64)], [buf], lr=0.1, momentum=0.9,
+                     first_step=True)
+    assert_close(buf, torch.tensor([[-0.3, 0, 0.3]], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert_close(w, torch.tensor([[1.03, 2.0, 2.97]], dtype=torch.float64), rtol=0, atol=1e-12)
+    ops.gc_sgd_step_([w], [torch.tensor([[1.0, -1, 0]], dtype=torch.float64)], [buf], lr=0.1, momentum=0.9)
+    assert_close(buf, torch.tensor([[0.73, -1, 0.27]], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert_close(w, torch.tensor([[0.957, 2.1, 2.943]], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert abs(float(w.mean()) - 2.0) < 1e-12
+
+
+# ---- against the float64 reference --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("momentum,first", [(0.0, False), (0.9, True), (0.9, False)])
+@pytest.mark.parametrize("policy", ["skip", "center"])
+def test_matches_reference(dtype, momentum, first, policy):
+    n = len(SHAPES)
+    P, G, B, C, Ci = (_set(dtype, s) for s in range(5))
+    mask = [i % 3 != 1 for i in range(n)]
+    c_add = [c if i % 2 == 0 else None for i, c in enumerate(C)]
+    c_sub = [c if i % 4 != 3 else None for i, c in enumerate(Ci)]
+    kw = dict(lr=0.05, momentum=momentum, weight_decay=1e-2, first_step=first, c_add=c_add, c_sub=c_sub,
+              gc_mask=mask, vector_policy=policy)
+    P2, B2, G0 = _clone(P), _clone(B), _clone(G)
+    ops.fused_sgd_step_(P, G, B, **kw)
+    P64 = [p.double() for p in P2]
+    B64 = [b.double() for b in B2]
+    ref.fused_sgd_step_(P64, [g.double() for g in G], B64, **{**kw, "c_add": [None if c is None else c.double() for c in c_add],
+                                                                 "c_sub": [None if c is None else c.double() for c in c_sub]})
+    tol = _tol(dtype)
+    for i in range(n):
+        assert torch.equal(G[i], G0[i])
+        scale = max(1.0, float(P64[i].abs().max()) if P64[i].numel() else 1.0)
+        assert_close(P[i].double(), P64[i], rtol=0, atol=tol * scale * 4)
+        if momentum:
+            bscale = max(1.0, float(B64[i].abs().max()) if B64[i].numel() else 1.0)
+            assert_close(B[i].double(), B64[i], rtol=0, atol=tol * bscale * 4)
+        else:
+            assert torch.equal(B[i], B2[i])  # no momentum: buffers untouched
+
+
+def test_gc_step_equals_gc_then_torch_sgd():
+    """Spec §9 T9: the fused op equals gc_project_ followed by torch.optim.SGD.step (3 steps)."""
+    shapes = [(32, 3, 5, 5), (32,), (64, 32, 5, 5), (512, 256), (10, 512), (10,)]
+    P = [torch.nn.Parameter(_rand(s, seed=i)) for i, s in enumerate(shapes)]
+    Q = [p.detach().clone() for p in P]
+    bufs = [torch.zeros_like(q) for q in Q]
+    opt = torch.optim.SGD(P, lr=0.01, momentum=0.9, weight_decay=1e-5)
+    for step in range(3):
+        grads = [_rand(s, seed=1000 * (step + 1) + i) for i, s in enumerate(shapes)]
+        for p, g in zip(P, grads):
+            p.grad = g.clone()
+        ops.gc_project_([p.grad for p in P], "center")
+        opt.step()
+        ops.gc_sgd_step_(Q, grads, bufs, lr=0.01, momentum=0.9, weight_decay=1e-5, first_step=step == 0,
+                         vector_policy="center")
+        for p, q in zip(P, Q):
+            assert_close(q, p.detach(), rtol=1e-6, atol=1e-6)
+    for p, b in zip(P, bufs):
+        assert_close(b, opt.state[p]["momentum_buffer"], rtol=1e-6, atol=1e-6)
+
+
+def test_corrected_step_equals_torch_sgd_on_corrected_grad():
+    shapes = [(16, 3, 3, 3), (16,), (10, 64), (10,)]
+    P = [torch.nn.Parameter(_rand(s, seed=i)) for i, s in enumerate(shapes)]
+    Q = [p.detach().clone() for p in P]
+    bufs = [torch.zeros_like(q) for q in Q]
+    c = [_rand(s, seed=50 + i) for i, s in enumerate(shapes)]
+    ci = [_rand(s, seed=60 + i) for i, s in enumerate(shapes)]
+    opt = torch.optim.SGD(P, lr=0.02, momentum=0.9, weight_decay=1e-4)
+    subset = [2, 3]  # FedPVR: only the classifier is corrected
+    for step in range(3):
+        grads = [_rand(s, seed=500 * (step + 1) + i) for i, s in enumerate(shapes)]
+        for i, (p, g) in enumerate(zip(P, grads)):
+            p.grad = g - ci[i] + c[i] if i in subset else g.clone()
+        opt.step()
+        ops.corrected_sgd_step_(Q, grads, c, ci, bufs, lr=0.02, momentum=0.9, weight_decay=1e-4,
+                                first_step=step == 0, subset=subset)
+        for p, q in zip(P, Q):
+            assert_close(q, p.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_corrected_step_forms_agree():
+    """c, c_i read separately == precomputed c - c_i (fp64), full set and bool subset; no momentum."""
+    P, G, C, Ci = (_set(torch.float64, s) for s in range(4))
+    n = len(P)
+    A, Bp = _clone(P), _clone(P)
+    ops.corrected_sgd_step_(A, G, C, Ci, lr=0.1)
+    ops.corrected_sgd_step_(Bp, G, [c - ci for c, ci in zip(C, Ci)], lr=0.1)
+    for a, b, p, g, c, ci in zip(A, Bp, P, G, C, Ci):
+        assert_close(a, b, rtol=0, atol=1e-12)
+        assert_close(a, p - 0.1 * (g - ci + c), rtol=0, atol=1e-12)
+    mask = [i % 2 == 0 for i in range(n)]
+    D = _clone(P)
+    ops.corrected_sgd_step_(D, G, [c if m else None for c, m in zip(C, mask)], Ci, lr=0.1, subset=mask)
+    for d, p, g, c, ci, m in zip(D, P, G, C, Ci, mask):
+        assert_close(d, p - 0.1 * ((g - ci + c) if m else g), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_noncontiguous_tensors(dtype):
+    base = [_rand((24, 18), dtype, seed=i) for i in range(5)]
+    P = [base[0].T, _rand((20, 9, 3), dtype, seed=7)[::2]]  # transposed, sliced
+    G = [base[1].T, _rand((10, 9, 3), dtype, seed=8)]  # non-contiguous grad too
+    B = [base[2].T, _rand((10, 9, 3), dtype, seed=9).permute(1, 0, 2).contiguous().permute(1, 0, 2)]
+    C = [base[3].T, None]
+    P2, B2 = [p.clone() for p in P], [b.clone() for b in B]
+    parent = base[0].clone()
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=0.01, c_add=C, gc_mask=[True, True], vector_policy="skip")
+    ops.fused_sgd_step_(P, G, B, **kw)
+    P64, B64 = [p.double() for p in P2], [b.double() for b in B2]
+    ref.fused_sgd_step_(P64, [g.double() for g in G], B64, **{**kw, "c_add": [C[0].double(), None]})
+    for p, e in zip(P + B, P64 + B64):
+        assert_close(p.double(), e, rtol=0, atol=_tol(dtype) * max(1.0, float(e.abs().max())) * 4)
+    assert not torch.equal(base[0], parent)  # the transposed view wrote through to its base
+
+
+def test_deterministic_across_threads():
+    P, G, B = (_set(torch.float32, s) for s in range(3))
+    outs = []
+    n_threads = torch.get_num_threads()
+    try:
+        for th in (n_threads, 1, n_threads):
+            torch.set_num_threads(th)
+            p, b = _clone(P), _clone(B)
+            ops.gc_sgd_step_(p, G, b, lr=0.01, momentum=0.9, weight_decay=1e-5)
+            outs.append(p + b)
+    finally:
+        torch.set_num_threads(n_threads)
+    for o in outs[1:]:
+        for x, y in zip(outs[0], o):
+            assert torch.equal(x, y)
+
+
+def test_empty_and_mask_forms():
+    assert ops.fused_sgd_step_([], [], lr=0.1) == []
+    p, g = _rand((4, 5), seed=1), _rand((4, 5), seed=2)
+    q = p.clone()
+    ops.gc_sgd_step_([p], [g], lr=0.5, gc_mask=False)  # plain SGD
+    assert_close(p, q - 0.5 * g, rtol=0, atol=1e-6)
+    r = q.clone()
+    ops.fused_sgd_step_([r], [g], lr=0.5, gc_mask=[True])
+    assert_close(r, q - 0.5 * (g - g.mean(1, keepdim=True)), rtol=0, atol=1e-6)
+
+
+def test_bad_inputs():
+    p, g = torch.zeros(3, 4), torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="grads\\[0\\]"):
+        ops.fused_sgd_step_([p], [torch.zeros(4, 3)], lr=0.1)
+    with pytest.raises(ValueError, match="grads\\[0\\]"):
+        ops.fused_sgd_step_([p], [g.double()], lr=0.1)
+    with pytest.raises(ValueError, match="one entry per parameter"):
+        ops.fused_sgd_step_([p], [g, g], lr=0.1)
+    with pytest.raises(ValueError, match="momentum_bufs"):
+        ops.fused_sgd_step_([p], [g], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="lr"):
+        ops.fused_sgd_step_([p], [g], lr=float("nan"))
+    with pytest.raises(ValueError, match="momentum"):
+        ops.fused_sgd_step_([p], [g], [g.clone()], lr=0.1, momentum=-0.5)
+    with pytest.raises(ValueError, match="params\\[0\\]"):
+        ops.fused_sgd_step_([torch.zeros(3, dtype=torch.int64)], [torch.zeros(3, dtype=torch.int64)], lr=0.1)
+    with pytest.raises(ValueError, match="c_add\\[0\\]"):
+        ops.fused_sgd_step_([p], [g], lr=0.1, c_add=[torch.zeros(2)])
+    with pytest.raises(ValueError, match="gc_mask"):
+        ops.fused_sgd_step_([p], [g], lr=0.1, gc_mask=[True, False])
+    with pytest.raises(ValueError, match="vector_policy"):
+        ops.fused_sgd_step_([p], [g], lr=0.1, gc_mask=True, vector_policy="all")
+    with pytest.raises(ValueError, match="min_fanin"):
+        ops.gc_sgd_step_([p], [g], lr=0.1, min_fanin=0)
+    with pytest.raises(ValueError, match="subset"):
+        ops.corrected_sgd_step_([p], [g], [g], lr=0.1, subset=[3])
+    with pytest.raises(ValueError, match="None for a parameter"):
+        ops.corrected_sgd_step_([p], [g], [None], lr=0.1)
+    with pytest.raises(RuntimeError, match="momentum_bufs"):  # the native op checks too
+        torch.ops.fedkernels.fused_sgd_step_([p], [g], [], [], [], [], 0.1, 0.9, 0.0, False, "skip", 2)
+
+
+def test_opcheck():
+    def args():
+        P = [torch.randn(6, 3, 3, 3), torch.randn(5, dtype=torch.float64), torch.randn(4, 7)]
+        G = [torch.randn_like(x) for x in P]
+        B = [torch.randn_like(x) for x in P]
+        C = [torch.randn_like(P[0]), None, torch.randn_like(P[2])]
+        Ci = [None, torch.randn_like(P[1]), torch.randn_like(P[2])]
+        return (P, G, B, C, Ci, [True, True, False], 0.1, 0.9, 1e-4, False, "center", 2)
+    torch.library.opcheck(torch.ops.fedkernels.fused_sgd_step_.default, args())
