@@ -1,0 +1,95 @@
+// Launchers of the fedkernels CUDA kernels: plain C++ (raw pointers, cudaStream_t), no torch
+// headers, so each csrc/cuda/<op>.cu compiles alone with nvcc (CI compile check) and the torch
+// glue (torch_glue.cpp) is the only file that sees ATen.
+//
+// Conventions:
+// - Every launcher enqueues work on `stream` and returns cudaGetLastError() of its launches; it
+//   never synchronises the host. Shapes are validated by the caller (the glue).
+// - Matrices are row-major with unit column stride; `ld` is the row stride in elements.
+// - Reductions use a fixed order (no floating-point atomics): same inputs and shapes on the same
+//   device give the same bits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fedkernels {
+namespace cuda {
+
+enum class DType : int { Float16 = 0, BFloat16 = 1, Float32 = 2, Float64 = 3 };
+
+// ---- gram: G[k, K] = U[rows] @ U^T, exact float64 products and float64 accumulation ----------
+// rows: device int64 [k] or nullptr (all K rows, symmetric: only upper tiles are computed and G
+// is mirrored exactly). The d columns are split into `gram_parts(...)` parts (a function of the
+// shapes only); per-part tiles go to `workspace` (gram_workspace_bytes) and are reduced over the
+// parts in index order.
+int64_t gram_parts(int64_t k, int64_t K, int64_t d, bool symmetric);
+size_t gram_workspace_bytes(int64_t k, int64_t K, int64_t d, bool symmetric);
+cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const int64_t* rows, int64_t k,
+                 double* G, void* workspace, cudaStream_t stream);
+
+// ---- weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]] -----------------------------
+// coef: device float64 [n]; rows: device int64 [n] or nullptr (n == K, rows 0..K-1); base: [d] or
+// nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64; each
+// output element sums the rows in index order.
+cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
+                         const int64_t* rows, int64_t n, const void* base, double alpha, void* out,
+                         cudaStream_t stream);
+
+// ---- finite_rows: ok[k] = all(isfinite(U[k, :])) -----------------------------------------------
+cudaError_t finite_rows(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, bool* ok, cudaStream_t stream);
+
+// ---- min_norm: Frank-Wolfe min-norm point of the convex hull, on a float64 Gram matrix ---------
+// One thread block, float64 throughout (fedaware.md §2.6; same rules as csrc/cpu/min_norm.cpp
+// without its face polish and code_compat modes). G: device [N, N] float64, symmetrised into the
+// workspace (min_norm_workspace_bytes(N)). method: 0 = plain FW, 1 = away steps, 2 = pairwise.
+// lam0: device float64 [N] warm start or nullptr (normalised; a non-positive sum falls back to
+// init). init: 0 = best pair, 1 = e_{argmin G_ii}. Stop: gap <= tol_rel * q + tol_abs * max|G_ii|.
+// Outputs (device): lam [N], iterations (int64 scalar), gap (float64 scalar, exact at lam).
+constexpr int kMinNormMaxN = 8192;
+size_t min_norm_workspace_bytes(int64_t N);
+cudaError_t min_norm(const double* G, int64_t N, const double* lam0, int method, int init, int64_t max_iter,
+                     double tol_rel, double tol_abs, double* lam, int64_t* iterations, double* gap, void* workspace,
+                     cudaStream_t stream);
+
+// ---- gc_project_: in-place per-row mean removal over many tensors in one launch ---------------
+// A tensor is viewed as a [rows, cols] row-major matrix (cols = fan-in). All tensors of one call
+// share one dtype. The host builds a work table with gc_plan(); the caller copies tensors and work
+// to the device (gc_table_bytes() bytes: the GcTensor array, then the GcWork array, 16-byte
+// aligned) and launches gc_project(). Paths by row length M: warp per row (M <= 1024), block per
+// row with the row in registers (M <= 8192), block per row reading twice (longer rows).
+struct GcTensor {
+  void* ptr;        // output rows (the tensor itself when in place)
+  const void* src;  // input rows (== ptr when in place)
+  int64_t rows;
+  int64_t cols;
+};
+struct GcWork {
+  int32_t tensor;
+  int32_t path;  // 0: warp per row, 1: block per row (registers), 2: block per row (two reads)
+  int64_t row0;
+  int64_t nrows;
+};
+int64_t gc_plan(const GcTensor* tensors, int64_t ntensors, GcWork* work /* nullptr: count only */);
+size_t gc_table_bytes(int64_t ntensors, int64_t nwork);
+cudaError_t gc_project(const void* device_table, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream);
+
+// ---- lu_factor / lu_solve (FedECADO dense path, fedecado.md §5.3(b)) ---------------------------
+// A: [B, n, n] row-major, LU written to `LU` (may alias A); piv: int32 [B, n] 1-based (LAPACK
+// getrf: first index of max |a_ik| on ties, zero pivot -> info = k+1 (first occurrence), no
+// division, factorisation continues). info: int32 [B]. n <= kLuMaxN (warp per matrix for n <= 32,
+// block per matrix with the matrix in shared memory above).
+constexpr int kLuMaxN = 64;
+cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
+                              cudaStream_t stream);
+// X = A^{-1} R for each batch entry, with A = P L U from lu_factor_batched (LU given in float64;
+// arithmetic in float64). R, X: [B, n, m] of dtype dt (float32/float64; X may alias R). The m
+// right-hand sides are streamed: one thread per column, the factor and the permutation in shared
+// memory. A zero U diagonal gives Inf/NaN (the caller checks it where a host sync is acceptable).
+cudaError_t lu_solve(const double* LU, const int32_t* piv, const void* R, void* X, DType dt, int64_t B, int64_t n,
+                     int64_t m, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels

@@ -1,0 +1,320 @@
+// min_norm: Frank-Wolfe min-norm point of the convex hull of N vectors given their Gram matrix
+// (fedaware.md §2.6), in one thread block, float64 throughout, no host synchronisation.
+//
+//  1. A small kernel writes Gs = (G + G^T) / 2 to the workspace (rows of Gs are read coalesced).
+//  2. One block of 256 threads: lam and v = Gs lam live in shared memory; thread `tid` owns the
+//     entries i = tid + s * 256. Per iteration: one fused block reduction gives the FW vertex t
+//     (argmin v, ties -> smallest index), the away vertex a (argmax v over the support) and
+//     q = lam . v (as the CPU op's refresh_q); then every thread applies the same scalar step
+//     (plain FW, away or pairwise, as csrc/cpu/min_norm.cpp) and updates the entries it owns from
+//     rows t / a of Gs. One __syncthreads per iteration (double-buffered reduction scratch).
+//     Every 64 iterations v is recomputed from lam (drift control), summing the support in index
+//     order. The returned gap is recomputed exactly at the returned lam.
+// Stopping: gap = q - v_t <= tol_rel * q + tol_abs * max_i |G_ii|.
+// Initialisation: warm start lam0 (normalised), else the best pair (closed form on every
+// segment, smallest value, ties -> lexicographically smallest (i, j)), or e_{argmin G_ii}.
+// Not on the GPU: the CPU op's face polish and the code_compat solver. Deterministic: every
+// reduction runs in a fixed order.
+#include "common.cuh"
+
+#include <cmath>
+
+namespace fedkernels {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRecompute = 64;
+
+__global__ void symmetrize_kernel(const double* __restrict__ G, int64_t N, double* __restrict__ Gs) {
+  const int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (e >= N * N) return;
+  const int64_t i = e / N, j = e % N;
+  Gs[e] = 0.5 * (G[i * N + j] + G[j * N + i]);
+}
+
+// Key for arg-reductions: smaller (v, i) wins ("better"), payload x travels along.
+struct Arg {
+  double v;
+  int64_t i;
+  double x;
+};
+__device__ __forceinline__ bool better_min(const Arg& a, const Arg& b) { return a.v < b.v || (a.v == b.v && a.i < b.i); }
+__device__ __forceinline__ bool better_max(const Arg& a, const Arg& b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }
+
+__device__ __forceinline__ Arg shfl(const Arg& a, int o) {
+  Arg b;
+  b.v = __shfl_xor_sync(0xffffffffu, a.v, o);
+  b.i = __shfl_xor_sync(0xffffffffu, a.i, o);
+  b.x = __shfl_xor_sync(0xffffffffu, a.x, o);
+  return b;
+}
+
+struct Scratch {
+  Arg mn[2][kWarps];
+  Arg mx[2][kWarps];
+  double s[2][kWarps];
+  int64_t pj[2][kWarps];  // second index of the best pair
+};
+
+// Block arg-min and arg-max (max only when want_max) with one barrier; every thread gets the
+// results. `parity` alternates between calls so that the scratch is never overwritten early.
+__device__ void block_argminmax(Scratch& sc, int& parity, Arg mn, Arg mx, bool want_max, Arg& omn, Arg& omx) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Arg b = shfl(mn, o);
+    if (better_min(b, mn)) mn = b;
+    if (want_max) {
+      Arg c = shfl(mx, o);
+      if (better_max(c, mx)) mx = c;
+    }
+  }
+  if (lane == 0) {
+    sc.mn[parity][warp] = mn;
+    if (want_max) sc.mx[parity][warp] = mx;
+  }
+  __syncthreads();
+  omn = sc.mn[parity][0];
+  if (want_max) omx = sc.mx[parity][0];
+  for (int w = 1; w < kWarps; ++w) {
+    if (better_min(sc.mn[parity][w], omn)) omn = sc.mn[parity][w];
+    if (want_max && better_max(sc.mx[parity][w], omx)) omx = sc.mx[parity][w];
+  }
+  parity ^= 1;
+}
+
+// Fixed-order block sum (or max when is_max) with one barrier.
+__device__ double block_reduce(Scratch& sc, int& parity, double x, bool is_max) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = is_max ? fmax(x, y) : x + y;
+  }
+  if (lane == 0) sc.s[parity][warp] = x;
+  __syncthreads();
+  double r = sc.s[parity][0];
+  for (int w = 1; w < kWarps; ++w) r = is_max ? fmax(r, sc.s[parity][w]) : r + sc.s[parity][w];
+  parity ^= 1;
+  return r;
+}
+
+// v = Gs lam over the support (index order).
+__device__ void recompute_v(const double* __restrict__ Gs, int64_t N, const double* lam, double* v) {
+  __syncthreads();  // lam written by its owners
+  for (int64_t i = threadIdx.x; i < N; i += kThreads) v[i] = 0.0;
+  for (int64_t j = 0; j < N; ++j) {
+    const double lj = lam[j];
+    if (lj != 0.0) {
+      const double* row = Gs + j * N;
+      for (int64_t i = threadIdx.x; i < N; i += kThreads) v[i] = fma(lj, row[i], v[i]);
+    }
+  }
+}
+
+// Fused scan: FW vertex t (argmin v), away vertex a (argmax v over lam > 0, payload lam_a), q.
+__device__ void scan(Scratch& sc, int& parity, int64_t N, const double* lam, const double* v, Arg& t, Arg& a,
+                     double& q) {
+  Arg mn{INFINITY, N, 0.0}, mx{-INFINITY, N, 0.0};
+  double part = 0.0;
+  for (int64_t i = threadIdx.x; i < N; i += kThreads) {
+    const Arg c{v[i], i, lam[i]};
+    if (better_min(c, mn)) mn = c;
+    if (lam[i] > 0.0 && better_max(c, mx)) mx = c;
+    part = fma(lam[i], v[i], part);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (threadIdx.x % 32 == 0) sc.s[parity][threadIdx.x / 32] = part;
+  block_argminmax(sc, parity, mn, mx, true, t, a);  // its barrier also publishes sc.s[parity ^ 1]
+  const int p = parity ^ 1;
+  q = sc.s[p][0];
+  for (int w = 1; w < kWarps; ++w) q += sc.s[p][w];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    min_norm_kernel(const double* __restrict__ Gs, int64_t N, const double* __restrict__ lam0, int method, int init,
+                    int64_t max_iter, double tol_rel, double tol_abs, double* __restrict__ lam_out,
+                    int64_t* __restrict__ it_out, double* __restrict__ gap_out) {
+  extern __shared__ double smem[];
+  double* lam = smem;         // [N]
+  double* v = smem + N;       // [N]
+  double* dg = smem + 2 * N;  // [N] diagonal
+  __shared__ Scratch sc;
+  int parity = 0;
+  const int tid = threadIdx.x;
+
+  double dmax = 0.0;
+  for (int64_t i = tid; i < N; i += kThreads) {
+    dg[i] = Gs[i * N + i];
+    lam[i] = 0.0;
+    dmax = fmax(dmax, fabs(dg[i]));
+  }
+  dmax = block_reduce(sc, parity, dmax, true);
+
+  // ---- initialisation ----
+  bool done_init = false;
+  if (N == 1) {
+    if (tid == 0) lam[0] = 1.0;
+    done_init = true;
+  }
+  if (!done_init && lam0 != nullptr) {
+    double s = 0.0;
+    for (int64_t i = tid; i < N; i += kThreads) {
+      const double x = lam0[i];
+      lam[i] = (x > 0.0 && isfinite(x)) ? x : 0.0;
+      s += lam[i];
+    }
+    s = block_reduce(sc, parity, s, false);
+    if (s > 0.0 && isfinite(s)) {
+      for (int64_t i = tid; i < N; i += kThreads) lam[i] /= s;
+      done_init = true;
+    } else {
+      for (int64_t i = tid; i < N; i += kThreads) lam[i] = 0.0;
+    }
+  }
+  if (!done_init && init == 1) {
+    Arg mn{INFINITY, N, 0.0}, mx{-INFINITY, N, 0.0};
+    for (int64_t i = tid; i < N; i += kThreads) {
+      const Arg c{dg[i], i, 0.0};
+      if (better_min(c, mn)) mn = c;
+    }
+    Arg omn, omx;
+    block_argminmax(sc, parity, mn, mx, false, omn, omx);
+    if (tid == 0) lam[omn.i < N ? omn.i : 0] = 1.0;
+    done_init = true;
+  }
+  if (!done_init) {  // best pair: warps over i, lanes over j > i
+    const int warp = tid / 32, lane = tid % 32;
+    double bv = INFINITY, bg = 0.5;
+    int64_t bi = N, bj = N;
+    for (int64_t i = warp; i < N; i += kWarps) {
+      const double a = dg[i];
+      const double* row = Gs + i * N;
+      for (int64_t j = i + 1 + lane; j < N; j += 32) {
+        const double b = row[j], c = dg[j];
+        const double den = a - 2.0 * b + c;
+        double g = 0.5;
+        if (den > 0.0) g = fmin(1.0, fmax(0.0, (c - b) / den));
+        const double val = g * g * a + 2.0 * g * (1.0 - g) * b + (1.0 - g) * (1.0 - g) * c;
+        if (val < bv || (val == bv && (i < bi || (i == bi && j < bj)))) {
+          bv = val;
+          bi = i;
+          bj = j;
+          bg = g;
+        }
+      }
+    }
+    // lexicographic key (val, i, j): (i, j) encoded as i * N + j
+    Arg mn{bv, bi < N ? bi * N + bj : N * N, bg}, mx{-INFINITY, 0, 0.0};
+    Arg omn, omx;
+    block_argminmax(sc, parity, mn, mx, false, omn, omx);
+    if (tid == 0) {
+      if (omn.i < N * N) {
+        lam[omn.i / N] = omn.x;
+        lam[omn.i % N] = 1.0 - omn.x;
+      } else {
+        lam[0] = 0.5;  // every pair value was NaN: start from the first pair, as the CPU op does
+        lam[1] = 0.5;
+      }
+    }
+  }
+
+  recompute_v(Gs, N, lam, v);
+
+  // ---- iterations ----
+  int64_t it = 0;
+  for (;; ++it) {
+    if (it > 0 && it % kRecompute == 0) recompute_v(Gs, N, lam, v);
+    Arg t, a;
+    double q;
+    scan(sc, parity, N, lam, v, t, a, q);
+    const double gap = q - t.v;
+    if (!(gap > tol_rel * q + tol_abs * dmax)) break;
+    if (it >= max_iter) break;
+    const double* gt = Gs + t.i * N;
+    bool fw_step = true;
+    if (method == 1) fw_step = a.i >= N || gap >= a.v - q || a.x >= 1.0;
+    if (method == 2) {  // pairwise: move mass from a to t
+      if (a.i >= N || a.i == t.i) break;
+      const double* ga = Gs + a.i * N;
+      const double slope = a.v - t.v;
+      if (!(slope > 0.0)) break;
+      const double den = dg[t.i] - 2.0 * ga[t.i] + dg[a.i];
+      const double gmax = a.x;
+      const double g = den > 0.0 ? fmin(gmax, slope / den) : gmax;
+      if (!(g > 0.0)) break;
+      for (int64_t i = tid; i < N; i += kThreads) {
+        if (i == t.i) lam[i] += g;
+        if (i == a.i) lam[i] = g >= gmax ? 0.0 : lam[i] - g;
+        v[i] += g * (gt[i] - ga[i]);
+      }
+    } else if (fw_step) {
+      const double den = q - 2.0 * t.v + dg[t.i];
+      const double g = den > 0.0 ? fmin(1.0, gap / den) : 1.0;
+      if (!(g > 0.0)) break;
+      if (g >= 1.0) {
+        for (int64_t i = tid; i < N; i += kThreads) {
+          lam[i] = i == t.i ? 1.0 : 0.0;
+          v[i] = gt[i];
+        }
+      } else {
+        const double om = 1.0 - g;
+        for (int64_t i = tid; i < N; i += kThreads) {
+          lam[i] = om * lam[i] + (i == t.i ? g : 0.0);
+          v[i] = om * v[i] + g * gt[i];
+        }
+      }
+    } else {  // away step from vertex a
+      const double* ga = Gs + a.i * N;
+      const double gmax = a.x / (1.0 - a.x);
+      const double den = q - 2.0 * a.v + dg[a.i];
+      const double g = den > 0.0 ? fmin(gmax, (a.v - q) / den) : gmax;
+      if (!(g > 0.0)) break;
+      const double op = 1.0 + g;
+      for (int64_t i = tid; i < N; i += kThreads) {
+        lam[i] = i == a.i ? (g >= gmax ? 0.0 : op * lam[i] - g) : op * lam[i];
+        v[i] = op * v[i] - g * ga[i];
+      }
+    }
+  }
+
+  // exact gap at the returned lam
+  recompute_v(Gs, N, lam, v);
+  Arg t, a;
+  double q;
+  scan(sc, parity, N, lam, v, t, a, q);
+  for (int64_t i = tid; i < N; i += kThreads) lam_out[i] = lam[i];
+  if (tid == 0) {
+    *it_out = it;
+    *gap_out = q - t.v;
+  }
+}
+
+}  // namespace
+
+size_t min_norm_workspace_bytes(int64_t N) { return size_t(N) * size_t(N) * sizeof(double); }
+
+cudaError_t min_norm(const double* G, int64_t N, const double* lam0, int method, int init, int64_t max_iter,
+                     double tol_rel, double tol_abs, double* lam, int64_t* iterations, double* gap, void* workspace,
+                     cudaStream_t stream) {
+  if (N <= 0 || N > kMinNormMaxN || method < 0 || method > 2) return cudaErrorInvalidValue;
+  double* Gs = static_cast<double*>(workspace);
+  const int64_t nn = N * N;
+  symmetrize_kernel<<<(unsigned)((nn + 255) / 256), 256, 0, stream>>>(G, N, Gs);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const size_t smem = size_t(3 * N) * sizeof(double);
+  if (smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(min_norm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  min_norm_kernel<<<1, kThreads, smem, stream>>>(Gs, N, lam0, method, init, max_iter, tol_rel, tol_abs, lam,
+                                                 iterations, gap);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace fedkernels

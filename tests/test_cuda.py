@@ -1,0 +1,280 @@
+"""CUDA kernels against the float64 reference, the CPU ops and opcheck.
+
+Marked ``cuda``; skipped (cleanly, at collection time) without a CUDA device or without the CUDA
+build of fedkernels (``fedkernels.build_info()['cuda']``). Run on a GPU machine with
+``python -m pytest -m cuda tests/test_cuda.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fedkernels
+from fedkernels import ops, reference
+
+
+def _cuda_build() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return bool(fedkernels.build_info().get("cuda", False))
+    except Exception:  # pragma: no cover - broken install
+        return False
+
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _cuda_build(), reason="needs a CUDA device and the CUDA build of fedkernels"),
+]
+
+DEV = "cuda"
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed), dtype=torch.float64).to(dtype).to(DEV)
+
+
+# ---- gram -----------------------------------------------------------------------------------------
+GRAM_SHAPES = [(1, 1), (2, 3), (3, 7), (10, 4099), (16, 1000), (17, 513), (33, 2000), (70, 1031)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", GRAM_SHAPES)
+def test_gram_matches_reference(K, d, dtype):
+    U = _randn(K, d, dtype=dtype, seed=K * 1000 + d)
+    G = ops.gram(U)
+    assert G.dtype == torch.float64 and G.device.type == "cuda" and G.shape == (K, K)
+    ref = reference.gram(U)  # exact float64 products: only the summation order differs
+    torch.testing.assert_close(G, ref, rtol=1e-11, atol=1e-11 * d)
+    assert torch.equal(G, G.T)
+
+
+@pytest.mark.parametrize("K,d", [(5, 100), (12, 3333), (40, 777)])
+def test_gram_rows_and_noncontiguous(K, d):
+    base = _randn(K, d + 9, seed=3)
+    U = base[:, 4:4 + d]  # row stride d + 9, unaligned start
+    rows = torch.tensor([K - 1, 0, 2, 2], device=DEV)
+    G = ops.gram(U, rows=rows)
+    torch.testing.assert_close(G, reference.gram(U, rows=rows), rtol=1e-11, atol=1e-11 * d)
+    torch.testing.assert_close(ops.gram(U), reference.gram(U), rtol=1e-11, atol=1e-11 * d)
+
+
+@pytest.mark.parametrize("K,d", [(10, 100_003), (64, 20_000)])
+def test_gram_deterministic_and_matches_cpu(K, d):
+    U = _randn(K, d, seed=11)
+    G1, G2 = ops.gram(U), ops.gram(U)
+    assert torch.equal(G1, G2)  # bitwise: fixed-order reduction, no atomics
+    torch.testing.assert_close(G1.cpu(), ops.gram(U.cpu()), rtol=1e-11, atol=1e-11 * d)
+
+
+def test_gram_empty():
+    U = torch.empty(3, 0, device=DEV)
+    assert torch.equal(ops.gram(U), torch.zeros(3, 3, dtype=torch.float64, device=DEV))
+
+
+# ---- weighted_sum ---------------------------------------------------------------------------------
+def _wsum_tol(dtype):
+    return {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2),
+            torch.bfloat16: (2e-2, 2e-2)}[dtype]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 5), (10, 4099), (7, 1024), (300, 257)])
+def test_weighted_sum_matches_reference(K, d, dtype):
+    U = _randn(K, d, dtype=dtype, seed=K + d)
+    coef = torch.randn(K, generator=_gen(1), dtype=torch.float64).to(DEV)
+    base = _randn(d, dtype=dtype, seed=5)
+    out = ops.weighted_sum(U, coef, base=base, alpha=0.7)
+    ref = reference.weighted_sum(U, coef, base=base, alpha=0.7)
+    rtol, atol = _wsum_tol(dtype)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol * max(1.0, float(K) ** 0.5))
+    torch.testing.assert_close(out.cpu().double(), ops.weighted_sum(U.cpu(), coef.cpu(), base=base.cpu(), alpha=0.7).double(),
+                               rtol=rtol, atol=atol * max(1.0, float(K) ** 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weighted_sum_rows_inplace_unaligned(dtype):
+    K, d = 9, 5001
+    big = _randn(K, d + 3, dtype=dtype, seed=2)
+    U = big[:, 1:1 + d]  # unaligned rows: scalar path
+    rows = torch.tensor([8, 1, 1, 4], device=DEV)
+    coef = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64, device=DEV)
+    w = _randn(d, dtype=dtype, seed=4)
+    ref = reference.weighted_sum(U, coef, base=w, alpha=-2.0, rows=rows)
+    got = ops.weighted_sum(U, coef, base=w, alpha=-2.0, rows=rows, out=w)  # in place
+    assert got.data_ptr() == w.data_ptr()
+    rtol, atol = _wsum_tol(dtype)
+    torch.testing.assert_close(w.double(), ref, rtol=rtol, atol=atol * 4)
+
+
+def test_weighted_sum_nan_propagates():
+    U = _randn(4, 300, seed=9)
+    U[2, 17] = float("nan")
+    out = ops.weighted_sum(U, torch.ones(4, dtype=torch.float64, device=DEV))
+    assert torch.isnan(out[17]) and torch.isfinite(out[:17]).all() and torch.isfinite(out[18:]).all()
+
+
+# ---- finite_rows ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", [(1, 1), (5, 7), (6, 70_001)])
+def test_finite_rows(K, d, dtype):
+    U = _randn(K, d, dtype=dtype, seed=d)
+    if K > 1:
+        U[0, d - 1] = float("nan")
+        U[K - 1, d // 2] = float("inf")
+    ok = ops.finite_rows(U)
+    assert ok.dtype == torch.bool
+    assert torch.equal(ok.cpu(), reference.finite_rows(U.cpu()))
+    view = U[:, 1:] if d > 1 else U
+    assert torch.equal(ops.finite_rows(view).cpu(), reference.finite_rows(view.cpu()))
+
+
+# ---- min_norm -------------------------------------------------------------------------------------
+def _kkt(G, lam, tol=1e-9):
+    G = 0.5 * (G + G.T)
+    v = G @ lam
+    q = float(lam @ v)
+    assert float(lam.min()) >= 0.0
+    assert abs(float(lam.sum()) - 1.0) < 1e-12
+    assert float(v.min()) >= q - tol * max(1.0, float(G.diagonal().abs().max()))
+    return q
+
+
+@pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
+@pytest.mark.parametrize("K", [1, 2, 3, 10, 100, 1000])
+def test_min_norm_matches_reference(K, method):
+    U = torch.randn(K, max(2, K // 2), generator=_gen(K), dtype=torch.float64)
+    G = (U @ U.T).to(DEV)
+    lam, it, gap = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, method, "best_pair", False, None)
+    assert lam.device.type == "cuda" and it.dtype == torch.long and gap.dtype == torch.float64
+    lam_c = lam.cpu()
+    q = _kkt(G.cpu(), lam_c, tol=1e-7)
+    lam_r, _, _ = reference.min_norm(G.cpu(), max_iter=5000, tol=1e-12, method=method, polish=False)
+    q_r = float(lam_r @ (G.cpu() @ lam_r))
+    assert abs(q - q_r) <= 1e-9 * max(1.0, float(G.diagonal().max()))
+    d_gpu, d_ref = U.T @ lam_c, U.T @ lam_r  # the min-norm point is unique even when lam is not
+    torch.testing.assert_close(d_gpu, d_ref, rtol=0, atol=1e-6)
+    lam2, it2, gap2 = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, method, "best_pair", False, None)
+    assert torch.equal(lam, lam2) and torch.equal(it, it2) and torch.equal(gap, gap2)
+
+
+@pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
+def test_min_norm_spec_vectors(method):
+    # fedaware.md §9 A3 (raw), A4 (raw), A5 (origin in the hull), A7 (raw)
+    cases = [
+        ([[1, 0, 0], [0, 2, 0], [0, 0, 3]], 36 / 49),
+        ([[1, 0], [2, 1], [3, -1]], 1.0),
+        ([[1, 0], [-1, 1], [-1, -1]], 0.0),
+        ([[1.0, 0.2, 0.0], [0.3, 1.0, 0.1], [-0.2, 0.4, 1.0], [0.5, 0.5, 0.5]], 0.496423447934702),
+    ]
+    for m, q_exp in cases:
+        M = torch.tensor(m, dtype=torch.float64)
+        G = (M @ M.T).to(DEV)
+        lam, _, _ = torch.ops.fedkernels.min_norm(G, 10000, 1e-14, 1e-15, method, "best_pair", False, None)
+        q = _kkt(G.cpu(), lam.cpu())
+        assert abs(q - q_exp) <= 1e-10
+
+
+def test_min_norm_warm_start_and_min_diag():
+    U = torch.randn(30, 12, generator=_gen(3), dtype=torch.float64)
+    G = (U @ U.T).to(DEV)
+    lam0 = torch.rand(30, generator=_gen(4), dtype=torch.float64).to(DEV)
+    for init, l0 in (("min_diag", None), ("best_pair", lam0)):
+        lam, _, _ = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, "away", init, False, l0)
+        _kkt(G.cpu(), lam.cpu(), tol=1e-7)
+
+
+def test_min_norm_rejects_host_only_modes():
+    G = torch.eye(3, dtype=torch.float64, device=DEV)
+    with pytest.raises(RuntimeError, match="polish"):
+        torch.ops.fedkernels.min_norm(G, 100, 1e-12, 1e-15, "away", "best_pair", True, None)
+    with pytest.raises(RuntimeError, match="code_compat"):
+        torch.ops.fedkernels.min_norm(G, 100, 1e-12, 1e-15, "code_compat", "best_pair", False, None)
+
+
+# ---- gc_project_ ----------------------------------------------------------------------------------
+GC_SHAPES = [(8, 3, 3, 3), (64, 64, 3, 3), (16, 2048), (4, 3000), (6, 25088), (10,), (5, 1), (), (0, 4)]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("policy", ["skip", "center"])
+def test_gc_project_matches_reference(dtype, policy):
+    ts = [_randn(*s, dtype=dtype, seed=i) if len(s) else torch.tensor(1.5, dtype=dtype, device=DEV)
+          for i, s in enumerate(GC_SHAPES)]
+    ts.append(_randn(32, 40, dtype=dtype, seed=99).T)  # non-contiguous: goes through a copy
+    ref = reference.gc_project([t.cpu() for t in ts], vector_policy=policy)
+    out = ops.gc_project(ts, vector_policy=policy)
+    work = [t.clone() for t in ts]
+    ops.gc_project_(work, vector_policy=policy)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for o, w, r in zip(out, work, ref):
+        torch.testing.assert_close(o.cpu().double(), r.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(w.cpu().double(), r.double(), rtol=tol, atol=tol)
+    cpu = ops.gc_project([t.cpu() for t in ts], vector_policy=policy)
+    for o, c in zip(out, cpu):
+        torch.testing.assert_close(o.cpu().double(), c.double(), rtol=tol, atol=tol)
+
+
+def test_gc_project_deterministic():
+    t = _randn(256, 4608, seed=1)
+    a, b = ops.gc_project([t])[0], ops.gc_project([t])[0]
+    assert torch.equal(a, b)
+
+
+# ---- LU -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 4, 11, 21, 32, 33, 64])
+def test_lu_factor_solve(n, dtype):
+    B, m = 37, 300
+    A = torch.randn(B, n, n, generator=_gen(n), dtype=torch.float64).to(dtype)
+    A[0] = 0.0  # singular: info = 1, no NaN from a division
+    if n > 2:
+        A[1, :, 1] = 0.0  # zero pivot in column 1 -> info = 2
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(DEV))
+    LU_c, piv_c, info_c = torch.ops.fedkernels.lu_factor(A)  # CPU op: same LAPACK getf2 rules
+    assert torch.equal(piv.cpu(), piv_c) and torch.equal(info.cpu(), info_c)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(LU.cpu(), LU_c, rtol=tol, atol=tol)
+    LU_r, piv_r, info_r = torch.linalg.lu_factor_ex(A[2:].double())
+    assert torch.equal(piv.cpu()[2:], piv_r.to(torch.int32))
+    R = torch.randn(B - 2, n, m, generator=_gen(n + 1), dtype=torch.float64).to(dtype)
+    X = torch.ops.fedkernels.lu_solve(LU[2:], piv[2:], R.to(DEV))
+    assert X.dtype == dtype and X.shape == R.shape
+    X_c = torch.ops.fedkernels.lu_solve(LU_c[2:], piv_c[2:], R)
+    torch.testing.assert_close(X.cpu(), X_c, rtol=tol * 10, atol=tol * 10)
+    X_r = torch.linalg.solve(A[2:].double(), R.double())
+    torch.testing.assert_close(X.cpu().double(), X_r, rtol=tol * 100, atol=tol * 100)
+    A1 = A[5].to(DEV)  # unbatched
+    LU1, piv1, info1 = torch.ops.fedkernels.lu_factor(A1)
+    assert LU1.shape == (n, n) and piv1.shape == (n,) and info1.shape == ()
+    torch.testing.assert_close(LU1.cpu(), LU_c[5], rtol=tol, atol=tol)
+
+
+# ---- opcheck --------------------------------------------------------------------------------------
+def test_opcheck_cuda():
+    U = _randn(6, 300, seed=1)
+    rows = torch.tensor([1, 3], device=DEV)
+    coef = torch.randn(6, generator=_gen(2), dtype=torch.float64).to(DEV)
+    base = _randn(300, seed=3)
+    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
+    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, rows))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, coef, base, 0.5, None))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, coef[:2], None, 1.0, rows))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default, (U, coef, base, 1.0, None, base.clone()))
+    torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, (U,))
+    G = (U.double() @ U.double().T).contiguous()
+    torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
+                          (G, 1000, 1e-12, 1e-15, "away", "best_pair", False, None))
+    torch.library.opcheck(torch.ops.fedkernels.gc_project_.default, ([_randn(8, 27, seed=5), _randn(4, 2000, seed=6)],
+                                                                      "center", 2))
+    torch.library.opcheck(torch.ops.fedkernels.gc_project.default, ([_randn(8, 27, seed=5), _randn(7, seed=6)],
+                                                                     "center", 2))
+    A = _randn(3, 5, 5, dtype=torch.float64, seed=7)
+    torch.library.opcheck(torch.ops.fedkernels.lu_factor.default, (A,))
+    LU, piv, _ = torch.ops.fedkernels.lu_factor(A)
+    torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU, piv, _randn(3, 5, 40, dtype=torch.float64, seed=8)))
