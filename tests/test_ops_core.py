@@ -191,3 +191,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c[:2], None, 1.0, torch.tensor([4, 0])))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default, (U, c, b, 0.5, None, torch.empty(300)))
     torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, (U,))
+
+
+def test_weighted_sum_coefficients_beyond_float_range():
+    # lam / ||m|| for a denormal m: coef 1e40 does not fit in fp32, the products do
+    U = torch.full((2, 5), 1e-40)
+    out = ops.weighted_sum(U, [1e40, 1e40])
+    assert_close(out.double(), ref.weighted_sum(U, [1e40, 1e40]), rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(out).all()

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 
 #ifndef WSUM_CHUNK
 #define WSUM_CHUNK 8192  // columns per task: 8 pages of each fp32 row stream, so prefetchers keep streaming
@@ -20,10 +21,12 @@ namespace {
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
-template <typename T>
+// A = accumulation type: float for fp32/fp16/bf16 inputs, double for fp64 inputs, and double for
+// any input when a scaled coefficient does not fit in float (e.g. lam / ||m|| for a denormal m),
+// so finite inputs never give an overflowed coefficient.
+template <typename T, typename A>
 void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::vector<int64_t>& rows,
                const at::Tensor* base, double alpha, at::Tensor& out) {
-  using A = typename Acc<T>::type;
   const int64_t d = U.size(1), n = (int64_t)rows.size(), stride0 = U.stride(0);
   const T* u = U.data_ptr<T>();
   const T* b = base ? base->data_ptr<T>() : nullptr;
@@ -105,8 +108,13 @@ void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10
   if (U.size(1) == 0) return;
   auto cv = to_double_vector(coef);
   const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
+  bool fits_float = true;
+  for (double c : cv) fits_float = fits_float && std::abs(alpha * c) <= 3.0e38;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
-    wsum_impl<scalar_t>(U, cv, r, bp, alpha, out);
+    if (fits_float)
+      wsum_impl<scalar_t, typename Acc<scalar_t>::type>(U, cv, r, bp, alpha, out);
+    else
+      wsum_impl<scalar_t, double>(U, cv, r, bp, alpha, out);
   });
 }
 
