@@ -400,6 +400,10 @@ def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", mi
     NaN/Inf propagate to the whole row. An empty list is a no-op. Returns the list.
     """
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project_")
+    for i, t in enumerate(tensors):
+        if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:  # 1 = MemOverlap::Yes
+            raise ValueError(f"gc_project_: tensors[{i}] has internally overlapping memory (e.g. from expand()) and "
+                             "cannot be written in place; clone() it or use gc_project")
     if tensors:
         torch.ops.fedkernels.gc_project_(tensors, vector_policy, min_fanin)
     return tensors
@@ -573,6 +577,8 @@ def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr: f
     read per step). ``subset``: indices (or a bool list) of the parameters that get the correction
     (FedPVR's S_ctrl); the others take a plain SGD step. Entries of c/c_i outside the subset may be None.
     """
+    if isinstance(params, torch.Tensor) or not isinstance(params, (list, tuple)):
+        raise TypeError(f"corrected_sgd_step_: params must be a list or tuple of tensors, got {type(params).__name__}")
     n = len(params)
     if subset is None:
         keep = [True] * n
@@ -626,7 +632,7 @@ def _fused_sgd_step_fake(params, grads, momentum_bufs, c_add, c_sub, gc_mask, lr
 # sees is this rank's column slice. Reductions over d must then be summed across ranks: ``gram``
 # and ``finite_rows`` above do it themselves; aggregators route any other reduction over a
 # d-vector through the helpers below (single process: plain local reductions, no overhead).
-__all__ += ["dot", "sqnorm", "all_", "any_"]
+__all__ += ["dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
 
 _SHARD = None  # the active fedkernels.distributed.ShardContext, or None (set only by sharded())
 
@@ -663,6 +669,25 @@ def any_(mask: torch.Tensor) -> bool:
     """``bool(mask.any())`` over a d-sized mask (logical or across ranks in sharded mode)."""
     m = _tensor(mask, "any_", "mask")
     return not bool(_shard_and((~m.any()).reshape(1)))
+
+
+def amax_d(x: torch.Tensor) -> torch.Tensor:
+    """``x.amax(dim=-1)`` over the last (d) dimension (max across ranks in sharded mode)."""
+    x = _tensor(x, "amax_d", "x")
+    if _SHARD is None:   # d = 0: -inf (the identity of max, as in the sharded branch) instead of an IndexError
+        return x.amax(dim=-1) if x.size(-1) else x.new_full(x.shape[:-1], float("-inf"))
+    loc = x.amax(dim=-1) if x.size(-1) else x.new_full(x.shape[:-1], float("-inf"))
+    return _SHARD.all_reduce_max(loc)
+
+
+def mean_d(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(dim=-1)`` over the last (d) dimension (global mean across ranks in sharded mode)."""
+    x = _tensor(x, "mean_d", "x")
+    if _SHARD is None:
+        return x.mean(dim=-1)
+    s = _SHARD.all_reduce_sum(x.sum(dim=-1, dtype=torch.float64))
+    n = float(_SHARD.all_reduce_sum(torch.tensor([float(x.size(-1))], dtype=torch.float64)))
+    return (s / n).to(x.dtype)
 
 
 # ---- end of ops ------------------------------------------------------------------------------

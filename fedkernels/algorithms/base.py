@@ -119,13 +119,16 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
         d = global_flat.numel()
-        if not bool(torch.isfinite(global_flat).all()):
+        if not ops.all_(torch.isfinite(global_flat)):
             raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+        bad_len: List[int] = []
         if isinstance(updates, (list, tuple)):
             bad_len = [i for i, u in enumerate(updates) if not isinstance(u, torch.Tensor) or u.numel() != d]
             if bad_len and self.on_bad_update == "raise":
                 i = bad_len[0]
-                raise BadUpdateError(f"{self.name}.aggregate: updates[{i}] has {updates[i].numel()} elements, expected d={d}")
+                got = f"has {updates[i].numel()} elements" if isinstance(updates[i], torch.Tensor) else \
+                    f"is a {type(updates[i]).__name__}, not a tensor"
+                raise BadUpdateError(f"{self.name}.aggregate: updates[{i}] {got}, expected d={d} elements")
             updates = torch.stack([u.reshape(-1) if i not in bad_len else global_flat.new_full((d,), float("nan"))
                                    for i, u in enumerate(updates)]) if len(updates) else global_flat.new_zeros((0, d))
         if not isinstance(updates, torch.Tensor) or updates.dim() != 2:
@@ -138,10 +141,21 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}.aggregate: updates dtype {updates.dtype} != global_flat dtype {global_flat.dtype}")
         if updates.device != global_flat.device:
             raise ValueError(f"{self.name}.aggregate: updates on {updates.device} but global_flat on {global_flat.device}")
-        n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1).cpu()
+        if not updates.dtype.is_floating_point:
+            raise ValueError(f"{self.name}.aggregate: updates and global_flat must have a floating dtype, got {updates.dtype}")
+        try:
+            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1).cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{self.name}.aggregate: num_examples must be K={K} numbers, got {num_examples!r:.100}") from None
         if n.numel() != K:
             raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
-        ids = list(range(K)) if client_ids is None else [int(c) for c in client_ids]
+        try:
+            ids = list(range(K)) if client_ids is None else [int(c) for c in client_ids]
+            bad_id = client_ids is not None and any(bool(c != i) for c, i in zip(client_ids, ids))
+        except (TypeError, ValueError, RuntimeError):
+            bad_id = True
+        if bad_id:
+            raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}")
         if len(ids) != K:
             raise ValueError(f"{self.name}.aggregate: client_ids has {len(ids)} entries, expected K={K}")
         if len(set(ids)) != K:
@@ -163,6 +177,8 @@ class Aggregator(abc.ABC):
                 r = self.check_payload(pl[k])
                 if r:
                     reasons[k] = r
+        for k in bad_len:   # (with d = 0 the NaN placeholder row is empty: flag wrong lengths directly)
+            reasons[k] = f"update has the wrong number of elements (expected d={d})"
         excluded = []
         if reasons:
             if self.on_bad_update == "raise":
@@ -183,7 +199,7 @@ class Aggregator(abc.ABC):
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         """Returns a reason string if a client's payload is unusable (subclasses extend)."""
         for key, v in payload.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not ops.all_(torch.isfinite(v)):
                 return f"payload {key!r} contains NaN/Inf"
         return None
 

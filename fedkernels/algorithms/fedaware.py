@@ -67,10 +67,10 @@ def elud(G_S: torch.Tensor):
 
 def aware_project(G_tilde: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The AWARE extension: (<G~, d> / <d, d>) d (zero when d = 0). Sign-invariant in d."""
-    dd = float(torch.dot(d.double(), d.double()))
+    dd = ops.sqnorm(d)
     if not dd > 0:
         return torch.zeros_like(d)
-    return d * (float(torch.dot(G_tilde.double(), d.double())) / dd)
+    return d * (ops.dot(G_tilde, d) / dd)
 
 
 class ExploreSampler:
@@ -132,8 +132,12 @@ class FedAWARE(Aggregator):
                  max_iter: int = 1000, tol: float = 1e-6, tol_abs: float = 1e-12, warm_start: bool = False,
                  code_compat: bool = False, zero_fallback: str = "zero", variant: str = "aware",
                  extension: Optional[str] = None, ext_beta: float = 0.7, elud: bool = True,
-                 num_clients: Optional[int] = None, solver: Optional[Callable] = None, **kw):
+                 num_clients: Optional[int] = None, solver: Optional[Callable] = None,
+                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None, **kw):
         super().__init__(**kw)
+        # storage of the N x d momentum table (default: the global model's dtype and device), e.g.
+        # torch.bfloat16 (half the memory) and/or "cpu" (host) for large models on one device
+        self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
         self.alpha = float(alpha)
         if not (0.0 < self.alpha <= 1.0):
             raise ValueError(f"fedaware: alpha must lie in (0, 1], got {alpha}")
@@ -186,8 +190,14 @@ class FedAWARE(Aggregator):
             raise ValueError("fedaware needs the number of clients N: pass num_clients=N to the constructor "
                              "or call setup(num_clients=N) before the first round")
         N, d = self.num_clients, like.numel()
+        self._like = (like.dtype, like.device)
         if self.M is None:
-            self.M = like.new_zeros((N, d))
+            from .._memory import check_alloc
+            check_alloc(N * d * like.element_size(), f"fedaware momentum table N={N} x d={d} {like.dtype}",
+                        like.device, hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "
+                        "aggregate in column chunks (fedkernels.streaming).")
+            self.M = torch.zeros((N, d), dtype=self.momentum_dtype or like.dtype,
+                                 device=like.device if self.momentum_device is None else self.momentum_device)
             self.Gm = torch.zeros(N, N, dtype=torch.float64)
             self.seen = torch.zeros(N, dtype=torch.bool)
             self.n_examples = torch.zeros(N, dtype=torch.float64)
@@ -201,7 +211,7 @@ class FedAWARE(Aggregator):
             if self.init == "first_update" and not bool(self.seen[cid]):
                 row.copy_(rin.U[j])
             else:
-                row.mul_(1.0 - a).add_(rin.U[j], alpha=a)
+                row.mul_(1.0 - a).add_(rin.U[j].to(row.device), alpha=a)
             self.seen[cid] = True
             self.n_examples[cid] = rin.num_examples[j]
         idx = torch.tensor(rin.client_ids, dtype=torch.long)
@@ -229,6 +239,13 @@ class FedAWARE(Aggregator):
         lam, iters, gap = self.solver(G, self.max_iter, self.tol, method=self.method, init=self.solver_init,
                                       tol_abs=self.tol_abs, lam0=lam0)
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
+
+    def _wsum_M(self, coef, base=None, alpha=1.0, rows=None):
+        dt, dev = getattr(self, "_like", (self.M.dtype, self.M.device))
+        if self.M.dtype == dt and self.M.device == dev:
+            return ops.weighted_sum(self.M, coef, base=base, alpha=alpha, rows=rows)
+        from ..streaming import weighted_sum_chunked     # bf16 / host table: converted chunk by chunk
+        return weighted_sum_chunked(self.M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
 
     def _na_coef(self):
         act = torch.nonzero(self.seen).reshape(-1)
@@ -266,7 +283,7 @@ class FedAWARE(Aggregator):
             return AggResult(new, info)
         if self.variant == "na":
             act, coef = self._na_coef()
-            new = ops.weighted_sum(self.M, coef.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+            new = self._wsum_M(coef.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
             info.update(support=act.tolist(), coef=coef.tolist())
             return AggResult(new, info)
         active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
@@ -286,7 +303,7 @@ class FedAWARE(Aggregator):
         if zero_dir:
             if self.zero_fallback == "na":
                 act, cna = self._na_coef()
-                new = ops.weighted_sum(self.M, cna.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+                new = self._wsum_M(cna.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
                 info["fallback"] = "na"
             elif base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
@@ -296,13 +313,13 @@ class FedAWARE(Aggregator):
                 info["fallback"] = "zero step"
             return AggResult(new, info)
         if base_step is not None:
-            d = ops.weighted_sum(self.M, c.to(dev), rows=rows.to(dev))
-            dd = float(torch.dot(d.double(), d.double()))
-            scale = float(torch.dot(base_step.double(), d.double())) / dd if dd > 0 else 0.0
+            d = self._wsum_M(c.to(dev), rows=rows.to(dev))
+            dd = ops.sqnorm(d)
+            scale = ops.dot(base_step, d) / dd if dd > 0 else 0.0
             new = x.add(d, alpha=self.server_lr * scale)
             info["projection_scale"] = scale
             return AggResult(new, info)
-        new = ops.weighted_sum(self.M, c.to(dev), base=x, alpha=self.server_lr, rows=rows.to(dev))
+        new = self._wsum_M(c.to(dev), base=x, alpha=self.server_lr, rows=rows.to(dev))
         return AggResult(new, info)
 
     # ---- state ------------------------------------------------------------------------------------

@@ -61,9 +61,10 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
     K = r.size(0)
     if solver == "auto":
         arrow = _native("arrowhead_solve", r)
-        if arrow is not None:
+        native_ok = r.dtype in (torch.float32, torch.float64)   # the native solvers take fp32/fp64 only
+        if arrow is not None and native_ok:
             return arrow(a.to(torch.float64), -dt, c, 1.0, b0.contiguous(), r)
-        if _native("lu_factor", r) is not None and _native("lu_solve", r) is not None:
+        if native_ok and _native("lu_factor", r) is not None and _native("lu_solve", r) is not None:
             solver = "lu"
     if solver != "lu":
         inv_a = (1.0 / a).to(torch.float64)
@@ -110,8 +111,8 @@ def interp(xc0: torch.Tensor, xend: torch.Tensor, T, tau: float, mode: str = "li
 
 def _norm(v: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "inf":
-        return v.abs().amax(dim=-1)
-    return v.pow(2).mean(dim=-1).sqrt()
+        return ops.amax_d(v.abs())
+    return ops.mean_d(v.pow(2)).sqrt()
 
 
 def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_off=None,
@@ -489,7 +490,7 @@ class FedECADO(Aggregator):
                 "L": L, "T_max": Tmax, "max_extrap_ratio": Tmax / min(T), "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
         xc, Inew = res["xc"], res["I"]
-        if not (bool(torch.isfinite(xc).all()) and bool(torch.isfinite(Inew).all())):
+        if not (ops.all_(torch.isfinite(xc)) and ops.all_(torch.isfinite(Inew))):
             log.warning("%s: central integration produced NaN/Inf; round rolled back", self.name)
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)

@@ -255,7 +255,9 @@ class GCFed(Aggregator):
             return []
         if self.global_scope == "all":
             return entries
-        return [e for e, m in zip(entries, self.local_mask(spec)) if not m]
+        full = getattr(spec, "full", spec)     # a distributed ShardSpec: the sets are the whole model's
+        names = {e.name for e, m in zip(self._param_entries(full), self.local_mask(full)) if not m}
+        return [e for e in entries if e.name in names]
 
     # ---- aggregation ------------------------------------------------------------------------------
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:

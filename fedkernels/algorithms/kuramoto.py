@@ -224,7 +224,7 @@ class KuramotoFedAvg(Aggregator):
             b, a = code_weights(phase, p, kt)
             new = ops.weighted_sum(rin.U, p.to(dev), base=rin.global_flat, alpha=self.server_lr)
             sync = ops.weighted_sum(rin.U, b.to(dev))
-            clipped = bool((sync.abs() > self.clip).any())
+            clipped = ops.any_(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
