@@ -227,6 +227,10 @@ class UpdateBuffer:
             raise ValueError(f"UpdateBuffer: K must be a positive int, got {K!r}")
         self.spec = spec_or_d if isinstance(spec_or_d, FlatSpec) else None
         self.K, self.d = K, d
+        from ._memory import check_alloc
+        check_alloc(K * d * torch.empty((), dtype=dtype).element_size(), f"UpdateBuffer K={K} x d={d} {dtype}",
+                    device, hint="Aggregate in column chunks (fedkernels.streaming), store updates in bfloat16, "
+                    "or use fewer clients per round.")
         self.data = torch.zeros(K, d, device=device, dtype=dtype)
         self.client_ids: List[int] = []
         self.num_examples: List[float] = []
