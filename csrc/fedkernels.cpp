@@ -27,6 +27,7 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("lu_factor(Tensor A) -> (Tensor, Tensor, Tensor)");
   // X = A^{-1} R from lu_factor's (LU, pivots); R [n, m] or [B, n, m], streamed over the m columns.
   m.def("lu_solve(Tensor LU, Tensor pivots, Tensor R) -> Tensor");
+  m.def("lu_solve_out(Tensor LU, Tensor pivots, Tensor R, Tensor(a!) out) -> ()");
   // [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column (Schur complement on x): (x [m], I [K, m]).
   m.def("arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (Tensor, Tensor)");
 

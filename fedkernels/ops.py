@@ -278,10 +278,12 @@ def lu_factor(A: torch.Tensor):
     return LU, piv
 
 
-def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Solves ``A X = R`` from ``(LU, pivots) = lu_factor(A)``; R [n, m] or [B, n, m] (m may be huge:
     the columns are streamed once, in parallel chunks). float32 R gives float32 X (float64 inside).
-    Also accepts torch.linalg.lu_factor's output (any strides)."""
+    Also accepts torch.linalg.lu_factor's output (any strides). out: optional contiguous tensor of
+    R's shape and dtype (reusing it across calls avoids the page faults of a fresh output)."""
     op = "lu_solve"
     LU = _tensor(LU, op, "LU")
     pivots = _tensor(pivots, op, "pivots")
@@ -304,7 +306,13 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.T
         raise ValueError(f"{op}: LU, pivots and R must be on the CPU")
     if R.size(-1) > 1 and R.stride(-1) != 1:
         R = R.contiguous()
-    return torch.ops.fedkernels.lu_solve(LU.contiguous(), pivots.contiguous(), R)
+    if out is None:
+        return torch.ops.fedkernels.lu_solve(LU.contiguous(), pivots.contiguous(), R)
+    out = _tensor(out, op, "out")
+    if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
+        raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on the CPU")
+    torch.ops.fedkernels.lu_solve_out(LU.contiguous(), pivots.contiguous(), R, out)
+    return out
 
 
 def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
@@ -352,6 +360,11 @@ def _lu_factor_fake(A):
 @torch.library.register_fake("fedkernels::lu_solve")
 def _lu_solve_fake(LU, pivots, R):
     return torch.empty_like(R, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fedkernels::lu_solve_out")
+def _lu_solve_out_fake(LU, pivots, R, out):
+    return None
 
 
 @torch.library.register_fake("fedkernels::arrowhead_solve")

@@ -190,11 +190,18 @@ def test_noncontiguous_inputs():
     assert ops.lu_solve(LU, piv, torch.empty(4, 9, 0, dtype=torch.float64)).shape == (4, 9, 0)
 
 
-def test_deterministic():
+def test_deterministic_and_out():
     A = well_conditioned(1, 11, torch.float32, 5)[0]
     R = torch.randn(11, 300_001)
     LU, piv = ops.lu_factor(A)
-    assert torch.equal(ops.lu_solve(LU, piv, R), ops.lu_solve(LU, piv, R))
+    X = ops.lu_solve(LU, piv, R)
+    assert torch.equal(X, ops.lu_solve(LU, piv, R))
+    out = torch.full_like(R, float("nan"))
+    assert ops.lu_solve(LU, piv, R, out=out) is out and torch.equal(out, X)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.lu_solve(LU, piv, R, out=torch.empty(11, 5))
+    torch.library.opcheck(torch.ops.fedkernels.lu_solve_out.default, (LU, piv, R[:, :100].contiguous(),
+                                                                      torch.empty(11, 100)))
 
 
 def test_bad_inputs():
