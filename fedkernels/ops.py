@@ -463,10 +463,12 @@ def _gc_project_fake(tensors, vector_policy="skip", min_fanin=2):
 
 
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
-# Native, because it pays: one pass instead of the 5-6 _foreach passes (bench/cpu_gc.py, 1 thread,
-# loaded 2-core AVX-512 machine): SCAFFOLD step with c, c_i, momentum, wd is 2.2-4.6x faster than the
-# _foreach composition (CNN 2.2M and ResNet18-GN 11.2M parameters) and Local GC + momentum SGD is
-# 2.2-3.4x faster than gc_project_ + _foreach; see bench/results/cpu-gc.json for the current numbers.
+# Native, because it pays (bench/cpu_gc.py, 1 thread, loaded 2-core AVX-512 machine, median time of
+# the composition / time of the fused op; CNN 2.2M and ResNet18-GN 11.2M parameters, fp32):
+#   SCAFFOLD step (c, c_i, momentum, wd): 2.7-2.8x over the _foreach composition (1.7-2.1x over
+#     _foreach correction + torch._fused_sgd_);
+#   Local GC + momentum SGD: 2.1-2.6x over gc_project_ + _foreach (1.1-1.3x over gc_project_ +
+#     torch._fused_sgd_). Current numbers: bench/results/cpu-gc.json.
 __all__ += ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 
 

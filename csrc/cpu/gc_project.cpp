@@ -28,14 +28,30 @@ namespace {
 template <typename T> struct GcAcc { using type = float; };
 template <> struct GcAcc<double> { using type = double; };
 
+// Sum of a row in a fixed order: kLanes independent partial sums (several vector accumulators, so
+// the reduction runs at load throughput instead of add latency), then the partials in lane order.
+template <typename T>
+inline typename GcAcc<T>::type row_sum(const T* __restrict__ x, int64_t M) {
+  using A = typename GcAcc<T>::type;
+  constexpr int64_t L = 128 / sizeof(A);  // 32 floats / 16 doubles: four 256-bit accumulators
+  alignas(64) A part[L];
+  for (int64_t l = 0; l < L; ++l) part[l] = A(0);
+  int64_t j = 0;
+  for (; j + L <= M; j += L) {
+#pragma omp simd aligned(part : 64)
+    for (int64_t l = 0; l < L; ++l) part[l] += static_cast<A>(x[j + l]);
+  }
+  for (int64_t l = 0; j + l < M; ++l) part[l] += static_cast<A>(x[j + l]);
+  A s = A(0);
+  for (int64_t l = 0; l < L; ++l) s += part[l];
+  return s;
+}
+
 // dst[j] = src[j] - mean(src) for one row of M elements (dst may equal src).
 template <typename T>
-inline void gc_row(const T* __restrict__ src, T* dst, int64_t M) {
+inline void gc_row(const T* src, T* dst, int64_t M) {
   using A = typename GcAcc<T>::type;
-  A s = A(0);
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < M; ++j) s += static_cast<A>(src[j]);
-  const A mean = s / static_cast<A>(M);
+  const A mean = row_sum<T>(src, M) / static_cast<A>(M);
 #pragma omp simd
   for (int64_t j = 0; j < M; ++j) dst[j] = static_cast<T>(static_cast<A>(src[j]) - mean);
 }
