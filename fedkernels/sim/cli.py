@@ -1,0 +1,236 @@
+"""Command line: ``fedkernels run|compare|bench|info|presets`` (also ``python -m fedkernels``).
+
+    fedkernels run CONFIG.yaml [key=value ...]            a run from a YAML config
+    fedkernels run --preset smoke [key=value ...]          a run from a preset
+    fedkernels run --resume runs/NAME [key=value ...]      continue a run from its last checkpoint
+    fedkernels compare --preset kuramoto-digits --methods fedavg,kuramoto-S0.5 --seeds 0,1,2 [--rounds N] [--out DIR]
+    fedkernels bench --suite cpu|gpu [args ...]
+    fedkernels info                                        build facts, algorithms, datasets, presets
+    fedkernels presets                                     the presets and their methods
+
+Overrides are dotted keys parsed as YAML values: ``train.lr=0.05 rounds=20
+algorithm.name=kuramoto algorithm.options.kappa0=1.0 partition.options.alpha=0.1``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from .config import RunConfig, apply_overrides
+
+
+def _split_args(items: Sequence[str]):
+    """(config paths, overrides) from positional arguments."""
+    paths, ovs = [], []
+    for it in items:
+        (ovs if "=" in it else paths).append(it)
+    return paths, ovs
+
+
+def _base_config(config: Optional[str], preset: Optional[str]) -> RunConfig:
+    from . import presets
+    if config and preset:
+        raise SystemExit("give a CONFIG file or --preset, not both")
+    if preset:
+        return presets.get(preset)
+    if config:
+        if not os.path.exists(config):
+            raise SystemExit(f"config file not found: {config}")
+        return RunConfig.from_yaml(config)
+    raise SystemExit("give a CONFIG file, --preset NAME or --resume RUN_DIR")
+
+
+def cmd_run(a) -> int:
+    from .server import Simulation
+    paths, ovs = _split_args(a.args)
+    if len(paths) > 1:
+        raise SystemExit(f"one CONFIG file expected, got {paths}")
+    if a.resume:
+        if paths or a.preset:
+            raise SystemExit("--resume takes its config from RUN_DIR/config.yaml; give only key=value overrides")
+        cfg_path = os.path.join(a.resume, "config.yaml")
+        if not os.path.exists(cfg_path):
+            raise SystemExit(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
+        cfg = apply_overrides(RunConfig.from_yaml(cfg_path), ovs)
+        if ovs:
+            print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
+                  "settings makes it differ from an uninterrupted run", file=sys.stderr)
+        run_dir = a.resume
+    else:
+        cfg = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
+        if a.out:
+            cfg.out_dir = a.out
+        if a.name:
+            cfg.name = a.name
+        run_dir = None
+    if a.no_progress:
+        cfg.progress = False
+    if a.quiet:
+        cfg.verbose = False
+    cfg.validate()
+    sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume))
+    s = sim.run()
+    if a.quiet:
+        print(json.dumps({k: s.get(k) for k in ("final_accuracy", "best_accuracy", "run_dir")}))
+    return 0 if not s.get("diverged") else 3
+
+
+def cmd_compare(a) -> int:
+    from . import presets
+    from .compare import compare
+    paths, ovs = _split_args(a.args)
+    base = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
+    if a.no_progress:
+        base.progress = False
+    base.verbose = not a.quiet
+    known = presets.variants(a.preset) if a.preset else {}
+    labels = [m for m in (a.methods.split(",") if a.methods else list(known) or [base.algorithm.name]) if m]
+    methods = [presets.parse_method(m, known) for m in labels]
+    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    out = a.out or os.path.join(base.out_dir, f"compare-{a.preset or base.data.name}")
+    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True)
+    print(f"wrote {os.path.join(out, 'compare.json')}" + (f" and {res['plot']}" if res.get("plot") else ""))
+    return 0
+
+
+def cmd_bench(a, rest: List[str]) -> int:
+    mod = f"bench.{a.suite}"
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        m = importlib.import_module(mod)
+    except ImportError as e:
+        print(f"benchmark suite {mod!r} is not importable ({e}); run from the repository root, "
+              f"where bench/ lives (e.g. `python -m {mod}` or `make bench`)", file=sys.stderr)
+        return 2
+    fn = getattr(m, "main", None)
+    if fn is None:
+        print(f"{mod} has no main()", file=sys.stderr)
+        return 2
+    old = sys.argv
+    sys.argv = [mod] + list(rest)
+    try:
+        r = fn()
+    finally:
+        sys.argv = old
+    return int(r or 0) if isinstance(r, (int, type(None))) else 0
+
+
+def _datasets_found():
+    out = {}
+    try:
+        from . import data
+    except ImportError as e:
+        return {"error": str(e)}
+    for name in getattr(data, "DATASETS", ()):
+        try:
+            tr, te = data.load_dataset(name, download_hint=False, max_train=10, max_test=10)
+            out[name] = f"ok ({tr.meta.get('source', '')})"
+        except Exception as e:  # noqa: BLE001 - report, do not fail
+            out[name] = f"not found ({type(e).__name__})"
+    return out
+
+
+def cmd_info(a) -> int:
+    import torch
+    import fedkernels
+    from .. import algorithms
+    from . import presets
+    info = {"fedkernels": fedkernels.__version__, "torch": torch.__version__,
+            "cuda_available": torch.cuda.is_available(), "build_info": fedkernels.build_info(),
+            "algorithms": algorithms.available(), "presets": presets.names()}
+    try:
+        from .models import MODELS
+        info["models"] = sorted(MODELS)
+    except ImportError:
+        pass
+    info["datasets"] = _datasets_found()
+    if a.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for k, v in info.items():
+        if isinstance(v, dict):
+            print(f"{k}:")
+            for kk, vv in v.items():
+                print(f"  {kk}: {vv}")
+        elif isinstance(v, list):
+            print(f"{k}: {', '.join(map(str, v))}")
+        else:
+            print(f"{k}: {v}")
+    return 0
+
+
+def cmd_presets(a) -> int:
+    from . import presets
+    for name, doc in presets.describe().items():
+        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fedkernels", description="fedkernels federated-learning simulator",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one run from a config or preset")
+    r.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
+    r.add_argument("--preset")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
+    r.add_argument("--out", help="output root directory (default: config out_dir, 'runs')")
+    r.add_argument("--name", help="run directory name")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--quiet", action="store_true")
+    c = sub.add_parser("compare", help="several methods x seeds on one setup, with a table")
+    c.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
+    c.add_argument("--preset")
+    c.add_argument("--methods", help="comma-separated: preset variant labels, algorithm names, or algo:key=value")
+    c.add_argument("--seeds", default="0")
+    c.add_argument("--rounds", type=int)
+    c.add_argument("--out")
+    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="no per-round lines")
+    b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)")
+    b.add_argument("--suite", choices=("cpu", "gpu"), default="cpu")
+    i = sub.add_parser("info", help="build facts, algorithms, models, datasets, presets")
+    i.add_argument("--json", action="store_true")
+    sub.add_parser("presets", help="list the presets")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
+    a, rest = ap.parse_known_args(argv)
+    if a.cmd in ("run", "compare"):   # positionals after options (CONFIG, key=value) land in rest
+        bad = [x for x in rest if x.startswith("-")]
+        if bad:
+            ap.error(f"unrecognized arguments: {' '.join(bad)}")
+        a.args = list(a.args) + rest
+        rest = []
+    if rest and a.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if a.cmd == "run":
+            return cmd_run(a)
+        if a.cmd == "compare":
+            return cmd_compare(a)
+        if a.cmd == "bench":
+            return cmd_bench(a, rest)
+        if a.cmd == "info":
+            return cmd_info(a)
+        if a.cmd == "presets":
+            return cmd_presets(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fedkernels {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

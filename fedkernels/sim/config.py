@@ -1,0 +1,269 @@
+"""Run configuration: nested dataclasses, YAML load/save and dotted ``key=value`` overrides.
+
+A run is described by one :class:`RunConfig`::
+
+    cfg = RunConfig.from_yaml("exp.yaml")            # or presets.get("smoke")
+    cfg = apply_overrides(cfg, ["train.lr=0.05", "algorithm.name=kuramoto",
+                                "algorithm.options.kappa0=0.5", "rounds=20"])
+    cfg.to_yaml("resolved.yaml")
+
+Override values are parsed with ``yaml.safe_load`` (so ``0.1`` is a float, ``[1, 5]`` a list, ``null``
+None, ``true`` a bool). Keys under the free-form ``options`` dicts may be new; any other unknown key
+is an error naming the valid keys.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"                 # fmnist | mnist5k | digits | mnist | cifar10 | cifar100
+    root: Optional[str] = None           # user directory for datasets that are not bundled
+    train_subset: Optional[int] = None   # keep this many training examples (seeded, stratified-free)
+    test_subset: Optional[int] = None
+    augment: Any = False                 # True: the dataset's suggested train augmentation; or a recipe ("crop_flip")
+    options: Dict[str, Any] = field(default_factory=dict)  # extra load_dataset keyword arguments
+
+
+@dataclass
+class PartitionConfig:
+    scheme: str = "iid"                  # iid | shards | dirichlet
+    seed: Optional[int] = None           # None: the run seed (the partition is shared by all methods)
+    options: Dict[str, Any] = field(default_factory=dict)  # e.g. shards_per_client, alpha, convention, min_size
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    options: Dict[str, Any] = field(default_factory=dict)  # extra build_model keyword arguments
+
+
+@dataclass
+class HeteroConfig:
+    """Per-client heterogeneous compute (FedECADO §6): lr_i ~ U[lr_range], E_i ~ U{epochs_range}."""
+
+    enabled: bool = False
+    lr_range: Optional[List[float]] = None      # [low, high]; None: every client uses train.lr
+    lr_dist: str = "uniform"                    # uniform | loguniform
+    epochs_range: Optional[List[int]] = None    # [low, high] inclusive; None: train.epochs
+    redraw: str = "run"                         # run: drawn once per client; round: redrawn every round
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1                      # local epochs (ignored when steps is set)
+    steps: Optional[int] = None          # local steps (mini-batches) instead of epochs
+    batch_size: int = 32
+    optimizer: str = "sgd"               # sgd | adam
+    lr: float = 0.01
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    lr_schedule: str = "constant"        # constant | cosine | step  (over rounds)
+    lr_min: float = 0.0                  # cosine floor
+    lr_step: int = 1                     # step schedule: multiply by lr_gamma every lr_step rounds
+    lr_gamma: float = 0.99
+    drop_last: bool = False
+    grad_clip: Optional[float] = None    # max global grad norm (None: no clipping)
+    hetero: HeteroConfig = field(default_factory=HeteroConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "fedavg"
+    options: Dict[str, Any] = field(default_factory=dict)  # algorithms.build(name, **options)
+
+
+@dataclass
+class RunConfig:
+    name: Optional[str] = None           # run directory name under out_dir (default: derived)
+    seed: int = 0
+    rounds: int = 10
+    num_clients: int = 10
+    participation: float = 1.0           # fraction of clients per round (used when clients_per_round is None)
+    clients_per_round: Optional[int] = None
+    eval_every: int = 1                  # evaluate every N rounds (and always after the last)
+    eval_batch_size: int = 1024
+    client_loss: str = "participants"    # global model's loss on clients' train data: participants | all | none
+    target_accuracy: Optional[float] = None  # for rounds-to-target in the summary (fraction, e.g. 0.85)
+    bad_client_policy: str = "exclude"   # exclude | raise
+    device: str = "cpu"                  # cpu | cuda | auto
+    threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default)
+    deterministic: Optional[bool] = None  # torch.use_deterministic_algorithms; None: on CUDA only (CPU kernels
+                                          # are deterministic at a fixed thread count, and the flag slows them)
+    out_dir: str = "runs"
+    checkpoint_every: int = 0            # 0: no checkpoints
+    keep_checkpoints: int = 2
+    plots: bool = True
+    progress: Optional[bool] = None      # None: only when stderr is a tty
+    verbose: bool = True                 # one printed line per evaluated round
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+    # ---- derived ---------------------------------------------------------------------------------
+    def per_round(self) -> int:
+        """Clients sampled per round."""
+        if self.clients_per_round is not None:
+            m = int(self.clients_per_round)
+        else:
+            m = int(round(self.participation * self.num_clients))
+        return max(1, min(self.num_clients, m))
+
+    def run_name(self) -> str:
+        return self.name or f"{self.data.name}-{self.algorithm.name}-s{self.seed}"
+
+    def validate(self) -> "RunConfig":
+        errs = []
+        if self.rounds < 1:
+            errs.append(f"rounds must be >= 1, got {self.rounds}")
+        if self.num_clients < 1:
+            errs.append(f"num_clients must be >= 1, got {self.num_clients}")
+        if self.clients_per_round is None and not 0 < self.participation <= 1:
+            errs.append(f"participation must be in (0, 1], got {self.participation}")
+        if self.clients_per_round is not None and not 1 <= self.clients_per_round <= self.num_clients:
+            errs.append(f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}")
+        if self.eval_every < 1:
+            errs.append(f"eval_every must be >= 1, got {self.eval_every}")
+        if self.client_loss not in ("participants", "all", "none"):
+            errs.append(f"client_loss must be participants|all|none, got {self.client_loss!r}")
+        if self.bad_client_policy not in ("exclude", "raise"):
+            errs.append(f"bad_client_policy must be exclude|raise, got {self.bad_client_policy!r}")
+        t = self.train
+        if t.lr_schedule not in ("constant", "cosine", "step"):
+            errs.append(f"train.lr_schedule must be constant|cosine|step, got {t.lr_schedule!r}")
+        if t.optimizer not in ("sgd", "adam"):
+            errs.append(f"train.optimizer must be sgd|adam, got {t.optimizer!r}")
+        if t.batch_size < 1:
+            errs.append(f"train.batch_size must be >= 1, got {t.batch_size}")
+        if t.steps is None and t.epochs < 1:
+            errs.append(f"train.epochs must be >= 1, got {t.epochs}")
+        if t.steps is not None and t.steps < 1:
+            errs.append(f"train.steps must be >= 1 or null, got {t.steps}")
+        h = t.hetero
+        if h.redraw not in ("run", "round"):
+            errs.append(f"train.hetero.redraw must be run|round, got {h.redraw!r}")
+        if h.lr_dist not in ("uniform", "loguniform"):
+            errs.append(f"train.hetero.lr_dist must be uniform|loguniform, got {h.lr_dist!r}")
+        for nm, rg in (("lr_range", h.lr_range), ("epochs_range", h.epochs_range)):
+            if rg is not None and (len(rg) != 2 or rg[0] > rg[1] or rg[0] <= 0):
+                errs.append(f"train.hetero.{nm} must be [low, high] with 0 < low <= high, got {rg}")
+        if errs:
+            raise ValueError("invalid config: " + "; ".join(errs))
+        return self
+
+    # ---- (de)serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "RunConfig":
+        return _from_dict(cls, d or {}, "")
+
+    def to_yaml(self, path: Optional[str] = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str) -> "RunConfig":
+        if "\n" not in path_or_text and not path_or_text.lstrip().startswith("{"):
+            with open(path_or_text) as f:
+                text = f.read()
+        else:
+            text = path_or_text
+        d = yaml.safe_load(text)
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"config YAML must be a mapping at the top level, got {type(d).__name__}")
+        return cls.from_dict(d or {})
+
+    def copy(self) -> "RunConfig":
+        return copy.deepcopy(self)
+
+
+def _from_dict(cls, d: Dict[str, Any], prefix: str):
+    if not isinstance(d, dict):
+        raise ValueError(f"config section {prefix or '<root>'!r} must be a mapping, got {type(d).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+                         f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {', '.join(known)}")
+    kw = {}
+    for k, v in d.items():
+        sub = _dataclass_type(cls, k)
+        kw[k] = _from_dict(sub, v if v is not None else {}, prefix + k + ".") if sub is not None else v
+    return cls(**kw)
+
+
+_SECTIONS = {
+    (RunConfig, "data"): DataConfig, (RunConfig, "partition"): PartitionConfig,
+    (RunConfig, "model"): ModelConfig, (RunConfig, "train"): TrainConfig,
+    (RunConfig, "algorithm"): AlgorithmConfig, (TrainConfig, "hetero"): HeteroConfig,
+}
+
+
+def _dataclass_type(cls, name: str):
+    return _SECTIONS.get((cls, name))
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value, parsed as YAML (``0.1`` -> float, ``[1,2]`` -> list, ``null`` -> None)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def set_dotted(cfg: RunConfig, key: str, value: Any) -> None:
+    """Sets ``cfg.<key>`` for a dotted key such as ``train.hetero.enabled``; free-form under ``options``."""
+    parts = key.split(".")
+    obj: Any = cfg
+    path = []
+    for i, p in enumerate(parts):
+        last = i == len(parts) - 1
+        path.append(p)
+        if dataclasses.is_dataclass(obj):
+            names = [f.name for f in fields(obj)]
+            if p not in names:
+                raise ValueError(f"unknown config key {'.'.join(path)!r}; valid keys"
+                                 f"{' under ' + '.'.join(path[:-1]) if len(path) > 1 else ''}: {', '.join(names)}")
+            if last:
+                sub = _dataclass_type(type(obj), p)
+                if sub is not None:
+                    if not isinstance(value, dict):
+                        raise ValueError(f"config key {key!r} is a section: give a mapping or set its fields")
+                    value = _from_dict(sub, value, key + ".")
+                setattr(obj, p, value)
+                return
+            obj = getattr(obj, p)
+        elif isinstance(obj, dict):
+            if last:
+                obj[p] = value
+                return
+            obj = obj.setdefault(p, {})
+            if not isinstance(obj, dict):
+                raise ValueError(f"config key {'.'.join(path)!r} is not a mapping")
+        else:
+            raise ValueError(f"config key {'.'.join(path[:-1])!r} is a value, not a section")
+
+
+def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
+    """A copy of ``cfg`` with ``key=value`` overrides applied in order."""
+    cfg = cfg.copy()
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} must look like key=value (e.g. train.lr=0.05)")
+        k, v = ov.split("=", 1)
+        set_dotted(cfg, k.strip(), parse_value(v.strip()))
+    return cfg

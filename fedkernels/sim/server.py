@@ -1,0 +1,488 @@
+"""The federated round loop.
+
+    from fedkernels.sim import presets
+    from fedkernels.sim.server import Simulation
+    summary = Simulation(presets.get("smoke")).run()
+
+Per round ``r``: the clients of the pre-drawn sampling stream (:func:`sample_schedule`; it depends
+only on the seed, N, the per-round count and the number of rounds, so every method sees the same
+client sequence) train locally from the global model and write ``local - global`` into their
+rows of one ``UpdateBuffer``; then ``aggregator.aggregate(global, U, n, ids, payloads)`` gives the
+new global model. Evaluation (test accuracy and loss; the global model's loss on the clients'
+training data and its variance over clients, Kuramoto §2.8) runs every ``eval_every`` rounds and
+after the last one.
+
+Bad clients (``bad_client_policy="exclude"``, the default): a client whose training raises, or
+whose update contains NaN/Inf, is left out of the round and logged (``excluded`` in metrics.jsonl);
+the aggregator is built with ``on_bad_update="exclude"`` too, so unusable payloads are dropped
+the same way. With ``"raise"`` the first bad client stops the run.
+
+If the global model itself becomes non-finite the run stops early, ``diverged`` is recorded and
+the outputs are written.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import algorithms
+from ..flat import FlatSpec, UpdateBuffer
+from . import checkpoint as ckpt
+from .client import (STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, ClientTrainer, HeteroCompute, client_losses,
+                     client_seed, derive_seed, evaluate, schedule_factor)
+from .config import RunConfig
+from .report import RunWriter, json_safe, summarize
+
+log = logging.getLogger("fedkernels.sim")
+
+
+class BadClientError(RuntimeError):
+    """A client failed and bad_client_policy is "raise"."""
+
+
+def sample_schedule(seed: int, num_clients: int, per_round: int, rounds: int) -> List[List[int]]:
+    """Client ids of every round, drawn up front (uniform without replacement, sorted within a
+    round). Round r's draw does not depend on ``rounds``: a longer run extends a shorter one."""
+    rng = np.random.default_rng(derive_seed(seed, STREAM_SAMPLING, num_clients, per_round))
+    out = []
+    for _ in range(rounds):
+        if per_round >= num_clients:
+            out.append(list(range(num_clients)))
+            rng.permutation(num_clients)  # keep the stream aligned whatever per_round is
+        else:
+            out.append(sorted(int(c) for c in rng.choice(num_clients, per_round, replace=False)))
+    return out
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available (use device=cpu or auto)")
+    return dev
+
+
+def _subset(data, n: Optional[int], seed: int, which: int):
+    if n is None or n >= len(data.y):
+        return data.x, data.y
+    g = torch.Generator().manual_seed(derive_seed(seed, STREAM_SUBSET, which))
+    idx = torch.randperm(len(data.y), generator=g)[: int(n)].sort().values
+    return data.x[idx], data.y[idx]
+
+
+@contextmanager
+def _deterministic(on: bool):
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    if on:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        if on:
+            torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+# config keys that may change on resume without changing the computation
+_RESUME_FREE = {"name", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
+                "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss"}
+
+
+def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> List[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if not prefix and k in _RESUME_FREE:
+            continue
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, prefix + k + ".")
+        elif a != b:
+            out.append(prefix + k)
+    return out
+
+
+class Simulation:
+    """One federated run described by a RunConfig.
+
+    Optional injections (tests, notebooks): ``train``/``test`` objects with ``x`` [N,...] float,
+    ``y`` [N] int64 and ``num_classes`` (default: ``fedkernels.sim.data.load_dataset``);
+    ``model_fn(num_classes, in_channels, input_size) -> nn.Module`` (default:
+    ``fedkernels.sim.models.build_model``); ``client_indices`` a list of index arrays (default:
+    ``fedkernels.sim.partition.partition``); ``transform(x, generator) -> x`` for train batches.
+    """
+
+    def __init__(self, cfg: RunConfig, *, run_dir: Optional[str] = None, resume: bool = False,
+                 train=None, test=None, model_fn: Optional[Callable[..., nn.Module]] = None,
+                 client_indices: Optional[Sequence] = None, transform: Optional[Callable] = None,
+                 write_outputs: bool = True):
+        self.cfg = cfg.copy().validate()
+        self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
+        self.resume = resume
+        self._train, self._test, self._model_fn = train, test, model_fn
+        self._client_indices, self._transform = client_indices, transform
+        self.write_outputs = write_outputs
+        self.metrics: List[Dict[str, Any]] = []
+        self.start_round = 0
+        self._ready = False
+        self.rules: Dict[int, Any] = {}   # stateful client rules, by client id
+        self.summary: Optional[Dict[str, Any]] = None
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def _load_data(self):
+        cfg = self.cfg
+        if self._train is None or self._test is None:
+            from .data import load_dataset
+            kw = dict(cfg.data.options)
+            kw.setdefault("max_train", cfg.data.train_subset)
+            kw.setdefault("max_test", cfg.data.test_subset)
+            tr, te = load_dataset(cfg.data.name, root=cfg.data.root, **kw)
+            self._train, self._test = tr, te
+            x, y, xt, yt = tr.x, tr.y, te.x, te.y
+        else:  # injected data: a seeded random subset when asked
+            x, y = _subset(self._train, cfg.data.train_subset, 0, 0)
+            xt, yt = _subset(self._test, cfg.data.test_subset, 0, 1)
+        self.num_classes = int(getattr(self._train, "num_classes", int(y.max()) + 1))
+        return x, y, xt, yt
+
+    def _partition(self, y: torch.Tensor):
+        cfg = self.cfg
+        if self._client_indices is not None:
+            parts = self._client_indices
+        else:
+            from .partition import partition
+            pseed = cfg.partition.seed if cfg.partition.seed is not None else cfg.seed
+            parts = partition(y.cpu().numpy(), cfg.num_clients, cfg.partition.scheme, pseed,
+                              **cfg.partition.options)
+        if len(parts) != cfg.num_clients:
+            raise ValueError(f"partition gave {len(parts)} clients, expected num_clients={cfg.num_clients}")
+        return [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
+
+    def _build_model(self, x: torch.Tensor) -> nn.Module:
+        cfg = self.cfg
+        in_ch = int(x.shape[1]) if x.dim() >= 2 else 1
+        size = int(x.shape[-1]) if x.dim() >= 3 else int(x.shape[-1])
+        torch.manual_seed(derive_seed(cfg.seed, STREAM_INIT))
+        if self._model_fn is not None:
+            return self._model_fn(self.num_classes, in_ch, size)
+        from .models import build_model
+        return build_model(cfg.model.name, self.num_classes, in_ch, size, **cfg.model.options)
+
+    def _train_transform(self):
+        if self._transform is not None or not self.cfg.data.augment:
+            return self._transform
+        from .data import Augment
+        recipe = self.cfg.data.augment if isinstance(self.cfg.data.augment, str) else "auto"
+        tr = Augment.for_data(self._train, recipe) if hasattr(self._train, "augment") else None
+        if tr is None:
+            log.warning("data.augment is set but dataset %r has no train transform; training without one",
+                        self.cfg.data.name)
+        return tr
+
+    def _build_aggregator(self):
+        cfg = self.cfg
+        opts = dict(cfg.algorithm.options)
+        opts.setdefault("on_bad_update", cfg.bad_client_policy)
+        try:
+            return algorithms.build(cfg.algorithm.name, **opts)
+        except TypeError:
+            if "on_bad_update" in cfg.algorithm.options:
+                raise
+            opts.pop("on_bad_update")
+            return algorithms.build(cfg.algorithm.name, **opts)
+
+    def setup(self) -> "Simulation":
+        if self._ready:
+            return self
+        cfg = self.cfg
+        self.device = resolve_device(cfg.device)
+        x, y, xt, yt = self._load_data()
+        parts = self._partition(y)
+        self.num_examples_all = [int(p.numel()) for p in parts]
+        dev = self.device
+        self.x, self.y = x.to(dev), y.to(dev)
+        self.xt, self.yt = xt.to(dev), yt.to(dev)
+        self.parts = [p.to(dev) for p in parts]
+        model = self._build_model(x).to(dev)
+        self.model = model
+        self.spec = FlatSpec.from_module(model, include_buffers=True)
+        self.global_flat = self.spec.flatten(model).clone()
+        self.trainer = ClientTrainer(model, self.spec, self.x, self.y, self.parts, cfg.train,
+                                     transform=self._train_transform())
+        self.hetero = HeteroCompute(cfg.train, cfg.num_clients, cfg.seed)
+        self.per_round = cfg.per_round()
+        self.schedule = sample_schedule(cfg.seed, cfg.num_clients, self.per_round, cfg.rounds)
+        self.agg = self._build_aggregator()
+        self.agg.setup(self.spec, cfg.num_clients, self.global_flat)
+        self.buf = UpdateBuffer(self.per_round, self.spec, device=dev, dtype=self.spec.dtype)
+        self.writer = RunWriter(self.run_dir) if self.write_outputs else None
+        self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        if self.resume:
+            self._load_checkpoint()
+        if self.writer is not None:
+            self.writer.write_config(cfg)
+            self.writer.reset_metrics(self.metrics)
+        self._ready = True
+        return self
+
+    # ---- client rules ---------------------------------------------------------------------------
+    def _rule(self, cid: int):
+        if cid in self.rules:
+            return self.rules[cid]
+        rule = self.agg.client_rule()
+        if rule is not None and hasattr(rule, "state_dict") and hasattr(rule, "load_state_dict"):
+            self.rules[cid] = rule   # stateful across rounds: kept per client and checkpointed
+        return rule
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def state(self, rnd: int) -> Dict[str, Any]:
+        return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
+                "aggregator": self.agg.state_dict(),
+                "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
+                "rng": {"torch": torch.get_rng_state()},
+                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict()}
+
+    def save_checkpoint(self, rnd: int) -> str:
+        p = ckpt.save(ckpt.path_for(self.ckpt_dir, rnd), self.state(rnd))
+        ckpt.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
+        return p
+
+    def _load_checkpoint(self) -> None:
+        found = ckpt.load_latest(self.ckpt_dir, map_location=self.device)
+        if found is None:
+            log.warning("resume: no checkpoint in %s; starting from round 0", self.ckpt_dir)
+            return
+        path, st = found
+        diff = _config_diff(st.get("config", {}), self.cfg.to_dict())
+        if diff:
+            log.warning("resume: the config differs from the checkpoint's in %s; the run will not repeat "
+                        "an uninterrupted one", ", ".join(diff))
+        if st["global"].numel() != self.global_flat.numel():
+            raise ckpt.CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
+                                       f"config's model has {self.global_flat.numel()}")
+        self.global_flat.copy_(st["global"].to(self.global_flat.device))
+        self.agg.load_state_dict(st["aggregator"])
+        for c, rs in st.get("rules", {}).items():
+            rule = self.agg.client_rule()
+            rule.load_state_dict(rs)
+            self.rules[int(c)] = rule
+        if "rng" in st and "torch" in st["rng"]:
+            torch.set_rng_state(st["rng"]["torch"].cpu())
+        self.metrics = list(st.get("metrics", []))
+        self.start_round = int(st["round"])
+        log.info("resumed from %s at round %d", path, self.start_round)
+        self._print(f"resumed from {path} (round {self.start_round})")
+
+    # ---- output helpers ---------------------------------------------------------------------------
+    def _progress_enabled(self) -> bool:
+        p = self.cfg.progress
+        return bool(p) if p is not None else sys.stderr.isatty()
+
+    def _print(self, msg: str) -> None:
+        if not self.cfg.verbose:
+            return
+        if getattr(self, "_bar", None) is not None and not self._bar.disable:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- one round --------------------------------------------------------------------------------
+    def run_round(self, r: int) -> Dict[str, Any]:
+        cfg = self.cfg
+        ids = self.schedule[r]
+        buf = self.buf
+        buf.reset()
+        payloads, results, excluded = [], [], []
+        factor = schedule_factor(cfg.train, r, cfg.rounds)
+        from tqdm.auto import tqdm
+        self._sync()
+        t0 = time.perf_counter()
+        for cid in tqdm(ids, desc=f"round {r + 1} clients", leave=False,
+                        disable=not self._progress_enabled(), dynamic_ncols=True):
+            base_lr, epochs = self.hetero.get(cid, r)
+            try:
+                rule = self._rule(cid)
+                res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
+                                         client_seed(cfg.seed, r, cid), rule=rule,
+                                         payload=self.agg.client_payload(cid), base_lr=base_lr)
+                slot = buf.add(cid, res.num_examples)
+                row = buf.write_delta(slot, self.model, self.global_flat)
+                if not bool(torch.isfinite(row).all()):
+                    buf.client_ids.pop()
+                    buf.num_examples.pop()
+                    raise BadClientError("update contains NaN/Inf")
+                if not math.isfinite(res.train_loss):
+                    log.warning("client %d: non-finite train loss with a finite update", cid)
+            except Exception as e:  # noqa: BLE001 - the policy decides
+                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+                if cfg.bad_client_policy == "raise":
+                    raise BadClientError(f"round {r + 1}, client {cid}: {reason}") from e
+                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
+                excluded.append({"client_id": int(cid), "reason": reason})
+                continue
+            payloads.append(res.payload)
+            results.append(res)
+        self._sync()
+        t_local = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        new, info = self.agg.aggregate(self.global_flat, buf.matrix(), list(buf.num_examples),
+                                       list(buf.client_ids), payloads)
+        if new is not self.global_flat:
+            self.global_flat.copy_(new)
+        self._sync()
+        t_agg = time.perf_counter() - t1
+        info = dict(info)
+        for e in info.pop("excluded", []):
+            excluded.append(dict(e))
+            log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
+
+        losses = [res.train_loss for res in results]
+        m: Dict[str, Any] = {
+            "round": r + 1, "clients": list(ids), "num_updates": len(results),
+            "lr": float(cfg.train.lr * factor),
+            "train_loss_mean": float(np.mean(losses)) if losses else None,
+            "train_loss_var": float(np.var(losses)) if losses else None,
+            "local_steps": [res.steps for res in results],
+            "t_local": t_local, "t_agg": t_agg,
+            "agg_share": t_agg / (t_local + t_agg) if t_local + t_agg > 0 else None,
+            "excluded": excluded,
+        }
+        diverged = not bool(torch.isfinite(self.global_flat).all())
+        if diverged:
+            m["diverged"] = True
+        if not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
+            te = time.perf_counter()
+            self.trainer.work.copy_(self.global_flat)
+            acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
+            m.update(accuracy=acc, test_loss=tl)
+            if cfg.client_loss != "none":
+                who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else [res.client_id for res in results]
+                cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
+                if cl:
+                    m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
+            self._sync()
+            m["t_eval"] = time.perf_counter() - te
+        m["agg"] = json_safe(info)
+        return m
+
+    # ---- the run ------------------------------------------------------------------------------------
+    def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
+        """Runs the remaining rounds (or up to round ``stop_after``, to simulate an interruption)
+        and returns the summary; writes the run directory unless ``write_outputs`` is False."""
+        from tqdm.auto import tqdm
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        det = cfg.deterministic if cfg.deterministic is not None else resolve_device(cfg.device).type == "cuda"
+        if det and resolve_device(cfg.device).type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        prev_threads = torch.get_num_threads()
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        with _deterministic(det):
+            self.setup()
+            end = cfg.rounds if stop_after is None else min(cfg.rounds, int(stop_after))
+            self._bar = tqdm(total=cfg.rounds, initial=self.start_round, desc=f"{cfg.algorithm.name}",
+                             disable=not self._progress_enabled(), dynamic_ncols=True)
+            interrupted = False
+            try:
+                for r in range(self.start_round, end):
+                    m = self.run_round(r)
+                    self.metrics.append(m)
+                    if self.writer is not None:
+                        self.writer.append(m)
+                    if "accuracy" in m:
+                        self._bar.set_postfix(acc=f"{100 * m['accuracy']:.2f}")
+                        self._print(self._line(m))
+                    self._bar.update(1)
+                    self.start_round = r + 1
+                    if m.get("diverged"):
+                        self._print(f"round {r + 1}: the global model is not finite; stopping (diverged)")
+                        break
+                    if self.writer is not None and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
+                        self.save_checkpoint(r + 1)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                self._bar.close()
+                self._bar = None
+                if cfg.threads:
+                    torch.set_num_threads(prev_threads)
+        self.summary = summarize(self.metrics, cfg.rounds, cfg.target_accuracy)
+        self.summary.update(name=cfg.run_name(), algorithm=cfg.algorithm.name, seed=cfg.seed,
+                            dataset=cfg.data.name, model=cfg.model.name, num_clients=cfg.num_clients,
+                            clients_per_round=self.per_round, d=self.spec.d, device=str(self.device),
+                            wall_s=time.perf_counter() - t_start, run_dir=self.run_dir if self.writer else None)
+        if self.writer is not None:
+            self.writer.write_summary(self.summary)
+            if self.start_round >= cfg.rounds or (stop_after is None and not interrupted):
+                self.save_final_model()
+            if cfg.plots:
+                self.writer.plot(self.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})")
+        if cfg.verbose:
+            self._print(format_summary(self.summary))
+        if interrupted:
+            print(f"interrupted after round {self.start_round}; continue with "
+                  f"`fedkernels run --resume {self.run_dir}` (from its last checkpoint)", file=sys.stderr)
+            raise KeyboardInterrupt
+        return self.summary
+
+    def save_final_model(self) -> str:
+        self.trainer.work.copy_(self.global_flat)
+        path = os.path.join(self.run_dir, "final_model.pt")
+        torch.save({"flat": self.global_flat.detach().cpu().clone(),
+                    "state_dict": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                    "names": self.spec.names, "round": self.start_round}, path)
+        return path
+
+    def _line(self, m: Dict[str, Any]) -> str:
+        s = (f"round {m['round']:4d}/{self.cfg.rounds}  acc {100 * m['accuracy']:6.2f}%  "
+             f"test loss {m['test_loss']:.4f}")
+        if m.get("train_loss_mean") is not None:
+            s += f"  train loss {m['train_loss_mean']:.4f}"
+        if m.get("client_loss_var") is not None:
+            s += f"  client-loss var {m['client_loss_var']:.4f}"
+        s += f"  t_local {m['t_local']:.2f}s  t_agg {1e3 * m['t_agg']:.2f}ms"
+        if m["excluded"]:
+            s += f"  excluded {[e['client_id'] for e in m['excluded']]}"
+        return s
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    def pct(v):
+        return f"{100 * v:.2f}%" if isinstance(v, (int, float)) else "n/a"
+    lines = [f"== {s.get('name')} ({s.get('algorithm')}, seed {s.get('seed')}): "
+             f"{s.get('rounds_completed')}/{s.get('rounds')} rounds on {s.get('device')}",
+             f"   final accuracy {pct(s.get('final_accuracy'))}, best {pct(s.get('best_accuracy'))} "
+             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct'))}"]
+    if s.get("target_accuracy") is not None:
+        lines.append(f"   rounds to {pct(s['target_accuracy'])}: {s.get('rounds_to_target') or 'not reached'}")
+    share = s.get("agg_share")
+    lines.append(f"   local training {s.get('t_local_total', 0):.2f}s, aggregation {s.get('t_agg_total', 0):.3f}s"
+                 f" ({'n/a' if share is None else f'{100 * share:.2f}%'} of the two), eval "
+                 f"{s.get('t_eval_total', 0):.2f}s, wall {s.get('wall_s', 0):.1f}s")
+    if s.get("excluded_total"):
+        lines.append(f"   excluded client updates: {s['excluded_total']}")
+    if s.get("diverged"):
+        lines.append("   DIVERGED: the global model became non-finite")
+    if s.get("run_dir"):
+        lines.append(f"   outputs: {s['run_dir']}")
+    return "\n".join(lines)
+
+
+def run(cfg: RunConfig, **kw) -> Dict[str, Any]:
+    """Convenience: ``Simulation(cfg, **kw).run()``."""
+    return Simulation(cfg, **kw).run()

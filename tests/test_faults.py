@@ -1,0 +1,53 @@
+"""Fault injection in the simulator: a client that raises mid-training, returns NaN, or returns a
+wrong-size update is excluded (default policy) and logged; the run finishes with a finite model;
+with bad_client_policy="raise" the first bad client stops the run."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fedkernels.sim import presets
+from fedkernels.sim.server import BadClientError, Simulation
+
+
+def _cfg(**kw):
+    cfg = presets.get("smoke")
+    return dataclasses.replace(cfg, **kw) if kw else cfg
+
+
+def _sim(tmp_path, fault, **kw):
+    sim = Simulation(_cfg(**kw), run_dir=str(tmp_path / "run"))
+    sim.setup()
+    real_train = sim.trainer.train
+    victim = sim.schedule[0][0]
+
+    def train(cid, rnd, global_flat, *a, **k):
+        res = real_train(cid, rnd, global_flat, *a, **k)
+        if cid == victim and rnd == 0:
+            if fault == "raise":
+                raise RuntimeError("injected failure mid-training")
+            if fault == "nan":
+                with torch.no_grad():
+                    next(sim.model.parameters()).view(-1)[0] = float("nan")
+            if fault == "flatten_error":   # the update cannot be formed (e.g. a wrong-size model)
+                raise ValueError("FlatSpec: out must be a 1-D tensor of length d (injected wrong-size update)")
+        return res
+
+    sim.trainer.train = train
+    return sim, victim
+
+
+@pytest.mark.parametrize("fault", ["raise", "nan", "flatten_error"])
+def test_bad_client_is_excluded_and_run_finishes(tmp_path, fault):
+    sim, victim = _sim(tmp_path, fault)
+    summary = sim.run()
+    assert torch.isfinite(sim.global_flat).all()
+    assert summary.get("excluded_total", 0) >= 1
+
+
+@pytest.mark.parametrize("fault", ["raise", "nan"])
+def test_bad_client_with_raise_policy_stops(tmp_path, fault):
+    sim, victim = _sim(tmp_path, fault, bad_client_policy="raise")
+    with pytest.raises(BadClientError, match=f"client {victim}"):
+        sim.run()

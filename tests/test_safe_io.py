@@ -1,0 +1,119 @@
+"""Safe loading: checksummed atomic checkpoints, weights_only unpickling, yaml.safe_load configs."""
+import hashlib
+import io
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedkernels import safe_io
+from fedkernels.safe_io import CheckpointError, ConfigError, load_checkpoint, load_config, save_checkpoint
+
+
+class _Evil:
+    """Unpickling this would create the marker file (a classic __reduce__ gadget)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _wrap(payload: bytes) -> bytes:
+    """A file with a VALID header and checksum around an arbitrary payload."""
+    return safe_io.MAGIC + f"{hashlib.sha256(payload).hexdigest()} {len(payload)}\n".encode() + payload
+
+
+def test_roundtrip(tmp_path):
+    st = {"round": 3, "params": torch.arange(10.0), "nested": {"ids": [1, 2], "m": torch.ones(2, 3).bfloat16()},
+          "none": None, "name": "fedavg"}
+    p = save_checkpoint(st, tmp_path / "c.pt")
+    out = load_checkpoint(p)
+    assert out["round"] == 3 and out["name"] == "fedavg" and out["none"] is None
+    assert torch.equal(out["params"], st["params"]) and out["nested"]["m"].dtype == torch.bfloat16
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]        # no temp file left
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_code_carrying_pickle_is_rejected_and_never_runs(tmp_path, wrap):
+    marker = tmp_path / "PWNED"
+    buf = io.BytesIO()
+    torch.save({"params": torch.zeros(2), "x": _Evil(str(marker))}, buf)     # a torch-format evil file
+    assert not marker.exists()
+    path = tmp_path / "evil.pt"
+    path.write_bytes(_wrap(buf.getvalue()) if wrap else buf.getvalue())
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(path)
+    assert not marker.exists()
+    assert ("cannot unpickle" in str(ei.value)) if wrap else ("not a fedkernels checkpoint" in str(ei.value))
+
+
+def test_raw_pickle_gadget_is_rejected(tmp_path):
+    marker = tmp_path / "PWNED2"
+    path = tmp_path / "evil2.pt"
+    path.write_bytes(_wrap(pickle.dumps(_Evil(str(marker)))))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_truncated_file_is_detected(tmp_path):
+    p = save_checkpoint({"w": torch.randn(1000)}, tmp_path / "t.pt")
+    data = open(p, "rb").read()
+    for cut in (len(data) - 1, len(data) // 2, len(safe_io.MAGIC) + 3, 5, 0):
+        open(p, "wb").write(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated|corrupted|not a fedkernels"):
+            load_checkpoint(p)
+
+
+def test_corrupted_byte_is_detected(tmp_path):
+    p = save_checkpoint({"w": torch.randn(1000)}, tmp_path / "x.pt")
+    data = bytearray(open(p, "rb").read())
+    data[-100] ^= 0x01
+    open(p, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_checkpoint(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(tmp_path / "nope.pt")
+
+
+def test_atomic_save_keeps_old_file_when_killed_mid_write(tmp_path):
+    """SIGKILL during save: the previous checkpoint stays loadable (temp file + os.replace)."""
+    p = tmp_path / "a.pt"
+    save_checkpoint({"v": 1, "w": torch.zeros(3)}, p)
+    code = (
+        "import os, sys, torch\n"
+        "from fedkernels.sim import checkpoint as ck\n"
+        "real = os.fsync\n"
+        "def die(fd):\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "os.fsync = die\n"
+        f"ck.save({str(p)!r}, {{'v': 2, 'w': torch.ones(10**6)}})\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == -9
+    assert load_checkpoint(p)["v"] == 1
+
+
+def test_load_config_safe(tmp_path):
+    good = tmp_path / "c.yaml"
+    good.write_text("method: fedavg\nrounds: 3\nopts: {mu: 0.1}\n")
+    assert load_config(good) == {"method": "fedavg", "rounds": 3, "opts": {"mu": 0.1}}
+    marker = tmp_path / "YAMLPWNED"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"x: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(evil)
+    assert not marker.exists()
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == {}
