@@ -119,7 +119,7 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
         d = global_flat.numel()
-        if not ops.all_(torch.isfinite(global_flat)):
+        if global_flat.is_floating_point() and not bool(ops.finite_rows(global_flat.unsqueeze(0))[0]):  # native, no [d] temp
             raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
         bad_len: List[int] = []
         if isinstance(updates, (list, tuple)):
