@@ -164,7 +164,9 @@ def test_scaffold_rule_correction_and_option_two(linear):
     d = spec.d
     g0 = spec.flatten(model).clone()
     c, ci = torch.randn(d) * 0.1, torch.randn(d) * 0.1
-    rule = build("scaffold").client_rule()
+    # the gradient-edit path (fused_step=False) exposes the corrected p.grad after before_step;
+    # the fused native step gives the same training (tests/test_fused_rules.py)
+    rule = build("scaffold", fused_step=False).client_rule()
     U, pl, grads = local_train(rule, model, spec, g0, {"c": c, "c_i": ci}, steps=5, lr=0.05)
     for raw, new, _ in grads:
         close(torch.cat([q.reshape(-1) for q in new]), torch.cat([r.reshape(-1) for r in raw]) - ci + c,

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .. import ops
+from ._fused import fused_sgd_step
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
 
 VECTOR_POLICIES = ("center", "skip")
@@ -153,10 +154,19 @@ class LocalGCRule(ClientRule):
         self.all = [params[e.name] for e in entries]
         self.bufs: Dict[int, torch.Tensor] = {}
 
+    def _fusable(self) -> bool:
+        agg = self.aggregator
+        return bool(self.local) and agg.fused_step and agg.local_order == "pre_wd" and agg.mu == "cout"
+
+    def _gc_local_grads(self) -> None:
+        agg = self.aggregator
+        grads = [p.grad for p in self.local if p.grad is not None]
+        apply_gc_(grads, agg.vector_policy, agg.min_fanin, agg.mu)
+
     def before_step(self, ctx: ClientContext, model) -> None:
         agg = self.aggregator
-        if not self.local or agg.local_order == "post_momentum":
-            return
+        if not self.local or agg.local_order == "post_momentum" or self._fusable():
+            return  # post_momentum and the fused pre_wd path act in step()
         grads = [p.grad for p in self.local if p.grad is not None]
         if agg.local_order == "post_wd" and agg.weight_decay:
             torch._foreach_add_(grads, [p.detach() for p in self.local if p.grad is not None], alpha=agg.weight_decay)
@@ -164,6 +174,13 @@ class LocalGCRule(ClientRule):
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
         agg = self.aggregator
+        if self._fusable():
+            local_ids = {id(p) for p in self.local}
+            if fused_sgd_step(optimizer, self.all, gc_mask=[id(p) in local_ids for p in self.all],
+                              vector_policy=agg.vector_policy, min_fanin=agg.min_fanin):
+                return True          # GC(g) + wd p, momentum, p -= lr buf: one native pass
+            self._gc_local_grads()   # optimizer not plain SGD: centre the gradients, let it step
+            return False
         if agg.local_order != "post_momentum":
             return False
         local_ids = {id(p) for p in self.local}
@@ -203,7 +220,9 @@ class GCFed(Aggregator):
     = the non-local tensors; none), ``vector_policy`` (center = official code; skip = standard GC),
     ``min_fanin`` 2, ``mu`` (mean-vector variant for conv weights, MU_VARIANTS), ``weighting``
     (uniform|samples), ``local_order`` (pre_wd|post_wd|post_momentum), ``weight_decay`` and
-    ``momentum`` (used by the rule only for post_wd / post_momentum)."""
+    ``momentum`` (used by the rule only for post_wd / post_momentum), ``fused_step`` (default True:
+    with local_order="pre_wd", mu="cout" and a plain torch SGD optimizer, the client does Local GC +
+    weight decay + momentum + update in one native pass, ``ops.fused_sgd_step_``)."""
 
     client_rule_cls = LocalGCRule
     _defaults = dict(local_layers="all_except", global_scope="all")
@@ -211,7 +230,7 @@ class GCFed(Aggregator):
     def __init__(self, local_layers: Optional[str] = None, global_layers: Optional[Sequence[str]] = None,
                  lam: Optional[float] = None, global_scope: Optional[str] = None, vector_policy: str = "center",
                  min_fanin: int = 2, mu: str = "cout", weighting: str = "uniform", local_order: str = "pre_wd",
-                 weight_decay: float = 0.0, momentum: float = 0.0, **kw):
+                 weight_decay: float = 0.0, momentum: float = 0.0, fused_step: bool = True, **kw):
         super().__init__(**kw)
         local_layers = local_layers or self._defaults["local_layers"]
         global_scope = global_scope or self._defaults["global_scope"]
@@ -231,6 +250,7 @@ class GCFed(Aggregator):
         self.global_scope, self.vector_policy, self.min_fanin, self.mu = global_scope, vector_policy, int(min_fanin), mu
         self.weighting, self.local_order = weighting, local_order
         self.weight_decay, self.momentum = float(weight_decay), float(momentum)
+        self.fused_step = bool(fused_step)
         self._buf: Optional[torch.Tensor] = None
         self._views: List[torch.Tensor] = []
 

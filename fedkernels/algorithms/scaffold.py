@@ -27,6 +27,7 @@ import torch
 
 from .. import ops
 from ..flat import FlatSpec
+from ._fused import fused_sgd_step
 from .base import AggResult, ClientContext, ClientRule, RoundInput, register
 from .fedavg import FedAvg
 from .fednova import momentum_steps, optimizer_momentum
@@ -36,8 +37,10 @@ from .fedprox import param_flat_pairs
 class ScaffoldRule(ClientRule):
     """Gradient correction g - c_i + c, and option-II control-variate delta in ``end``."""
 
-    def __init__(self, aggregator=None, momentum_correction: Optional[bool] = None):
+    def __init__(self, aggregator=None, momentum_correction: Optional[bool] = None, fused: Optional[bool] = None):
         super().__init__(aggregator)
+        # fused=True: use the native corrected SGD step when the optimizer is plain torch SGD
+        self.fused = bool(fused if fused is not None else getattr(aggregator, "fused_step", True))
         self.momentum_correction = bool(momentum_correction if momentum_correction is not None
                                         else getattr(aggregator, "momentum_correction", False))
 
@@ -58,7 +61,12 @@ class ScaffoldRule(ClientRule):
     def before_step(self, ctx: ClientContext, model) -> None:
         if "scaffold_pairs" not in ctx.extras:
             self.begin(ctx, model)
-        pairs = ctx.extras["scaffold_pairs"]
+        if not self.fused:          # unfused: g <- g - c_i + c here, then the optimizer steps
+            self._correct_grads(ctx)
+        # fused: the correction is applied in step(), inside the native SGD update
+
+    def _correct_grads(self, ctx: ClientContext) -> None:
+        pairs = ctx.extras.get("scaffold_pairs")
         if pairs is None:
             return
         sel = [(p.grad, v) for p, v in zip(*pairs) if p.grad is not None]
@@ -68,6 +76,13 @@ class ScaffoldRule(ClientRule):
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
         ctx.extras["momentum"] = optimizer_momentum(optimizer)
+        pairs = ctx.extras.get("scaffold_pairs")
+        if not self.fused or pairs is None:
+            return False
+        params, views = pairs
+        if fused_sgd_step(optimizer, params, c_add=[v.to(p.dtype) for p, v in zip(params, views)]):
+            return True          # p -= lr * (g - c_i + c) (+ momentum, wd) in one native pass
+        self._correct_grads(ctx)  # optimizer not plain SGD: edit the gradients, let it step
         return False
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
@@ -95,14 +110,17 @@ class Scaffold(FedAvg):
 
     Options: ``server_lr`` (default 1.0), ``weighting`` ("samples" default, "uniform" = the paper's
     1/|S|; the c update is always the paper's uniform (1/N) sum), ``momentum_correction`` (default
-    False). Payload per client: ``delta_c`` ([d] tensor, required).
+    False). Payload per client: ``delta_c`` ([d] tensor, required). ``fused_step`` (default True): the
+    client rule does ``p -= lr * (g - c_i + c)`` (with the optimizer's momentum and weight decay) in one
+    native pass (``ops.fused_sgd_step_``) when the optimizer is plain ``torch.optim.SGD``.
     """
 
     client_rule_cls = ScaffoldRule
 
-    def __init__(self, momentum_correction: bool = False, **kw):
+    def __init__(self, momentum_correction: bool = False, fused_step: bool = True, **kw):
         super().__init__(**kw)
         self.momentum_correction = bool(momentum_correction)
+        self.fused_step = bool(fused_step)  # clients use the native corrected SGD step when they can
         self.c: Optional[torch.Tensor] = None
         self.c_table: Optional[torch.Tensor] = None           # [N, d] when num_clients is known
         self.c_rows: Dict[int, torch.Tensor] = {}             # otherwise, client id -> [d]
