@@ -114,7 +114,15 @@ def list_checkpoints(ckpt_dir: str) -> List[Tuple[int, str]]:
 
 def load_latest(ckpt_dir: str, map_location="cpu") -> Optional[Tuple[str, Dict[str, Any]]]:
     """(path, state) of the newest readable checkpoint; corrupted ones are skipped with a warning.
-    None when there is no checkpoint; CheckpointError when every one is unreadable."""
+    None when there is no checkpoint; CheckpointError when every one is unreadable.
+    Temp files of writes that a crash interrupted (``.tmp-*.pt``) are removed: at resume nothing else
+    writes to this run's directory, and they are never read as checkpoints."""
+    for tmp in glob.glob(os.path.join(ckpt_dir, ".tmp-*.pt")):
+        try:
+            os.unlink(tmp)
+            log.warning("removed an unfinished checkpoint write: %s", tmp)
+        except OSError:
+            pass
     cks = list_checkpoints(ckpt_dir)
     errors = []
     for _, p in reversed(cks):
