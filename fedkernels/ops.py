@@ -176,6 +176,10 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
              lam0: Optional[torch.Tensor] = None):
     """Minimum-norm point of the convex hull of K vectors, given their K x K Gram matrix ``G``.
 
+    ``G`` must be positive semi-definite, as every Gram matrix is: for an indefinite ``G`` the
+    problem is non-convex and the returned ``lam`` is a stationary point, not the global minimum
+    (no eigenvalue check is made on this hot path).
+
     Solves ``lam = argmin_{lam >= 0, sum lam = 1} lam^T G lam`` in float64 on ``(G + G^T)/2``
     (host solve: G is copied to the CPU once). Returns ``(lam [K] float64 on G's device,
     iterations: int, gap: float)`` where ``gap = q - min_i (G lam)_i`` is the Frank-Wolfe duality
