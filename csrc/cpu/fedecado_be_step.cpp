@@ -49,6 +49,7 @@ void be_chunk(const BeCoefs& cf, int64_t K, const T* __restrict__ xc, const T* I
               const T* __restrict__ xc0, const T* U, int64_t ldu, const T* Ik, int64_t ldk,
               const T* __restrict__ S, T* __restrict__ xo, T* Io, int64_t ldo, int64_t j0, int64_t n,
               double* __restrict__ rbuf /* K x n */, double* __restrict__ acc, double* __restrict__ dsum,
+              double* __restrict__ dx,
               double& max_c, double& max_e) {
   const double c = cf.c, dt = cf.dt;
   // pass 1: r_i and acc = sum_i r_i / a_i
@@ -81,17 +82,17 @@ void be_chunk(const BeCoefs& cf, int64_t K, const T* __restrict__ xc, const T* I
     }
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
-      o[j] = static_cast<T>(acc[j]);
+      const T xs = static_cast<T>(acc[j]);
+      o[j] = xs;
+      dx[j] = double(xs) - double(x[j]);
       dsum[j] = 0.0;
     }
   }
-  // pass 2: I'_i (from the unrounded x'), dsum, e_i (from the stored x' and I')
+  // pass 2: I'_i (from the unrounded x'), dsum, e_i (from the stored x' and I': dx = x'_stored - xc)
   double me = 0.0;
   for (int64_t i = 0; i < K; ++i) {
     const T* __restrict__ u = U + i * ldu + j0;
     const T* __restrict__ ic = Icur + i * ldi + j0;
-    const T* __restrict__ x = xc + j0;
-    const T* __restrict__ xs = xo + j0;
     const double* __restrict__ r = rbuf + i * n;
     T* __restrict__ io = Io + i * ldo + j0;
     const double ia = cf.inv_a[i], ig = cf.ig[i], dth = cf.dth[i];
@@ -101,7 +102,7 @@ void be_chunk(const BeCoefs& cf, int64_t K, const T* __restrict__ xc, const T* I
       io[j] = In;
       const double D = double(In) - double(ic[j]);
       dsum[j] += D;
-      const double e = (dth * double(u[j]) - ig * D) - (double(xs[j]) - double(x[j]));
+      const double e = (dth * double(u[j]) - ig * D) - dx[j];
       me = std::max(me, abs_nan_inf(e));
     }
   }
@@ -203,14 +204,16 @@ void be_step_out_cpu(const at::Tensor& xc, const at::Tensor& Icur, const at::Ten
     scalar_t* ox = xc_out.data_ptr<scalar_t>();
     scalar_t* oI = I_out.data_ptr<scalar_t>();
     at::parallel_for(0, nch, grain_for(C * (3 * K + 3)), [&](int64_t q0, int64_t q1) {
-      std::vector<double> scratch((K + 2) * C);
+      std::vector<double> scratch((K + 3) * C);
       double* rbuf = scratch.data();
       double* acc = rbuf + K * C;
       double* dsum = acc + C;
+      double* dx = dsum + C;
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t j0 = q * C, n = std::min(C, d - j0);
         double mc = 0.0, me = 0.0;
-        be_chunk<scalar_t>(cf, K, px, pI, ldi, p0, pU, ldu, pK, ldk, pS, ox, oI, d, j0, n, rbuf, acc, dsum, mc, me);
+        be_chunk<scalar_t>(cf, K, px, pI, ldi, p0, pU, ldu, pK, ldk, pS, ox, oI, d, j0, n, rbuf, acc, dsum, dx, mc,
+                           me);
         mx[2 * q] = mc;
         mx[2 * q + 1] = me;
       }
