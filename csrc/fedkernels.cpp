@@ -30,6 +30,15 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("lu_solve_out(Tensor LU, Tensor pivots, Tensor R, Tensor(a!) out) -> ()");
   // [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column (Schur complement on x): (x [m], I [K, m]).
   m.def("arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (Tensor, Tensor)");
+  // One fused FedECADO backward-Euler attempt (fedecado.md §2.6/§2.7/§5.3(a)), one pass over d:
+  // U = x_end - xc0 [K, d]; theta_new/theta_old/inv_g: [K] host (CPU) coefficients (inv_g >= 0).
+  // Returns (x_c' [d], I' [K, d], lte f64 [2] = (LTE_c, LTE_I), inf-norm, NaN -> +inf).
+  // The _out variant writes into caller buffers, which must not overlap the inputs.
+  m.def("fedecado_be_step(Tensor xc, Tensor Icur, Tensor xc0, Tensor U, Tensor Ik, Tensor? S_off, Tensor theta_new, "
+        "Tensor theta_old, Tensor inv_g, float dt, float L) -> (Tensor, Tensor, Tensor)");
+  m.def("fedecado_be_step_out(Tensor xc, Tensor Icur, Tensor xc0, Tensor U, Tensor Ik, Tensor? S_off, "
+        "Tensor theta_new, Tensor theta_old, Tensor inv_g, float dt, float L, Tensor(a!) xc_out, Tensor(b!) I_out, "
+        "Tensor(c!) lte) -> ()");
 
   // ---- gradient centralization (GC-Fed) -------------------------------------------------------
   // Every output-channel row (dim 0) of every tensor has its mean over the other dims removed, in one

@@ -376,6 +376,110 @@ def _arrowhead_fake(a, b, c, alpha, r0, R):
     return R.new_empty((R.size(1),)), R.new_empty((R.size(0), R.size(1)))
 
 
+__all__ += ["fedecado_be_step"]
+
+
+def _host_coef(v, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
+    t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
+    if t.dim() != 1 or t.size(0) != K:
+        raise ValueError(f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), got shape {tuple(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} must be a float tensor, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: {name} must be a CPU (host) tensor: the per-client coefficients are host scalars, got {t.device}")
+    t = t.to(torch.float64).contiguous()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{op}: {name} must be finite, got {t.tolist() if K <= 16 else 'non-finite entries'}")
+    if nonneg and bool((t < 0).any()):
+        raise ValueError(f"{op}: {name} must be >= 0 (1/g_i; 0 = ECADO limit), got {t.tolist() if K <= 16 else 'negative entries'}")
+    return t
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
+                     S_off: Optional[torch.Tensor], theta_new, theta_old, inv_g, dt: float, L: float,
+                     out: Optional[Sequence[torch.Tensor]] = None, lte_out: Optional[torch.Tensor] = None):
+    """One fused FedECADO backward-Euler attempt (spec fedecado.md §2.6, §2.7, §5.3(a)) in one pass
+    over d, with no K x d temporaries.
+
+    xc [d] central state, Icur [K, d] current flows, xc0 [d] round-start state, U [K, d] =
+    x_end - xc0, Ik [K, d] round-start flows, S_off [d] or None (frozen inactive flows);
+    theta_new / theta_old [K]: (tau + dt) / T_i and tau / T_i; inv_g [K] = 1/g_i >= 0 (0 = ECADO
+    limit); all three host (CPU) float sequences. dt, L > 0. All tensors share one float32/float64
+    dtype and device; matrices need a unit column stride (other layouts are copied once).
+
+    Returns ``(x_c' [d], I' [K, d], lte)`` with lte a float64 tensor [2] = (LTE_c, LTE_I) in the
+    inf-norm: LTE_c = dt/2 max_j |sum_i (I'_i - Icur_i)|, LTE_I = dt/(2L) max_ij |e_ij|, e_i =
+    (theta_new_i - theta_old_i) U_i - inv_g_i (I'_i - Icur_i) - (x_c' - xc); NaN maps to +inf.
+    out: optional (xc_out [d], I_out [K, d]) contiguous buffers (reused across attempts: nothing is
+    allocated); they must not share storage with any input. lte_out: optional float64 [2] buffer.
+    Arithmetic is float64 inside for both dtypes on the CPU.
+    """
+    op = "fedecado_be_step"
+    U = _matrix(U, op, "U")
+    if U.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
+    K, d = U.shape
+    mats = {}
+    for name, M in (("Icur", Icur), ("Ik", Ik)):
+        M = _matrix(M, op, name)
+        if tuple(M.shape) != (K, d):
+            raise ValueError(f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}")
+        if M.dtype != U.dtype or M.device != U.device:
+            raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
+        mats[name] = M
+    vecs = {}
+    for name, v in (("xc", xc), ("xc0", xc0), ("S_off", S_off)):
+        if v is None and name == "S_off":
+            vecs[name] = None
+            continue
+        vecs[name] = _vector(v, op, name, d, U).contiguous()
+    thn = _host_coef(theta_new, K, op, "theta_new")
+    tho = _host_coef(theta_old, K, op, "theta_old")
+    ig = _host_coef(inv_g, K, op, "inv_g", nonneg=True)
+    for name, v in (("dt", dt), ("L", L)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+            raise ValueError(f"{op}: {name} must be a finite number > 0, got {v!r}")
+    if U.device.type != "cpu" and not hasattr(torch.ops.fedkernels, "fedecado_be_step"):
+        raise ValueError(f"{op}: no kernel for device {U.device}")
+    if lte_out is None:
+        lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
+    elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64
+          or lte_out.device != U.device or not lte_out.is_contiguous()):
+        raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
+    if out is None:
+        xo, Io = torch.empty(d, dtype=U.dtype, device=U.device), torch.empty(K, d, dtype=U.dtype, device=U.device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"{op}: out must be a pair (xc_out [d], I_out [K, d])")
+        xo, Io = out
+        for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
+            t = _tensor(t, op, name)
+            if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
+                                 f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
+        for name, t in (("xc_out", xo), ("I_out", Io)):
+            if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
+                raise ValueError(f"{op}: {name} must not share storage with an input or the other output")
+    torch.ops.fedkernels.fedecado_be_step_out(vecs["xc"], mats["Icur"], vecs["xc0"], U, mats["Ik"], vecs["S_off"],
+                                              thn, tho, ig, float(dt), float(L), xo, Io, lte_out)
+    return xo, Io, lte_out
+
+
+@torch.library.register_fake("fedkernels::fedecado_be_step")
+def _be_step_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L):
+    return U.new_empty((U.size(1),)), U.new_empty((U.size(0), U.size(1))), U.new_empty((2,), dtype=torch.float64)
+
+
+@torch.library.register_fake("fedkernels::fedecado_be_step_out")
+def _be_step_out_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, xc_out, I_out, lte):
+    return None
+
+
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------
 GC_VECTOR_POLICIES = ("skip", "center")
 

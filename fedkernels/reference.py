@@ -5,6 +5,7 @@ function here on random inputs. They accept the same arguments as the functions 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -259,6 +260,36 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
     M[1:, 1:] = torch.diag(a)
     Z = torch.linalg.solve(M, torch.cat([r0.to(torch.float64)[None], R.to(torch.float64)]))
     return Z[0], Z[1:]
+
+
+def fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt: float, L: float):
+    """One FedECADO BE attempt in float64, literally as spec fedecado.md §2.6/§2.7: Gamma_i at tau
+    and tau + dt, the dense (K+1) x (K+1) system M z = R solved by torch.linalg.solve, and the LTE
+    from the sensitivity-model client states x~_i (inf-norm; NaN -> +inf). Returns (x_c', I', lte [2])."""
+    f = lambda t: torch.as_tensor(t).to(torch.float64)   # noqa: E731
+    xc, Icur, xc0, U, Ik = f(xc), f(Icur), f(xc0), f(U), f(Ik)
+    thn, tho, ig = f(theta_new), f(theta_old), f(inv_g)
+    K, d = U.shape
+    S = torch.zeros(d, dtype=torch.float64) if S_off is None else f(S_off)
+    c = dt / L
+    G_new = xc0[None] + thn[:, None] * U                 # Gamma_i(tau + dt)
+    G_old = xc0[None] + tho[:, None] * U                 # Gamma_i(tau)
+    a = 1.0 + c * ig                                     # 1 + dt / (L g_i)
+    M = torch.zeros(K + 1, K + 1, dtype=torch.float64)
+    M[0, 0] = 1.0
+    M[0, 1:] = -dt
+    M[1:, 0] = c
+    M[1:, 1:] = torch.diag(a)
+    R = torch.cat([(xc + dt * S)[None], Icur + c * (G_new + ig[:, None] * Ik)])
+    Z = torch.linalg.solve(M, R)
+    xn, In = Z[0], Z[1:]
+    inf_nan = lambda t: torch.where(torch.isnan(t), torch.full_like(t, math.inf), t.abs())   # noqa: E731
+    lte_c = 0.5 * dt * float(inf_nan(In.sum(0) - Icur.sum(0)).max()) if d else 0.0
+    xt_new = G_new - (In - Ik) * ig[:, None]
+    xt_old = G_old - (Icur - Ik) * ig[:, None]
+    e = (xt_new - xn[None]) - (xt_old - xc[None])
+    lte_I = 0.5 * dt / L * float(inf_nan(e).max()) if e.numel() else 0.0
+    return xn, In, torch.tensor([lte_c, lte_I], dtype=torch.float64)
 
 
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------

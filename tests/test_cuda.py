@@ -278,3 +278,62 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.fedkernels.lu_factor.default, (A,))
     LU, piv, _ = torch.ops.fedkernels.lu_factor(A)
     torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU, piv, _randn(3, 5, 40, dtype=torch.float64, seed=8)))
+
+
+# ---- fedecado_be_step (fused FedECADO backward-Euler attempt) -------------------------------------
+def _be_inputs(K, d, dtype, seed):
+    g = _gen(seed)
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)   # noqa: E731
+    T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
+    tl = 0.3 * float(T.max())
+    dt = 0.5 * (float(T.max()) - tl)
+    ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
+    dev = lambda x: x.to(dtype).to(DEV)   # noqa: E731
+    return [dev(rn(d)), dev(rn(K, d)), dev(rn(d)), dev(rn(K, d)), dev(rn(K, d)), dev(rn(d)),
+            (tl + dt) / T, tl / T, ig, dt, 1.7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 1000), (5, 4099), (16, 777), (32, 2049), (33, 513), (70, 300)])
+def test_be_step_matches_reference_and_cpu(K, d, dtype):
+    args = _be_inputs(K, d, dtype, seed=K * 31 + d)
+    xn, In, lte = ops.fedecado_be_step(*args)
+    assert xn.is_cuda and In.is_cuda and lte.is_cuda and lte.dtype == torch.float64
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    rx, rI, rl = reference.fedecado_be_step(*cpu)
+    cx, cI, cl = ops.fedecado_be_step(*cpu)
+    tol = 1e-11 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(xn.cpu().double(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(In.cpu().double(), rI, rtol=tol, atol=tol)
+    torch.testing.assert_close(xn.cpu(), cx, rtol=tol, atol=tol)
+    torch.testing.assert_close(lte.cpu(), rl, rtol=tol * 100, atol=tol * 100)
+    torch.testing.assert_close(lte.cpu(), cl, rtol=tol * 100, atol=tol * 100)
+
+
+def test_be_step_noncontiguous_out_nan_deterministic():
+    K, d = 6, 3001
+    args = _be_inputs(K, d, torch.float32, seed=5)
+    big = torch.zeros(K, d + 5, device=DEV)
+    big[:, 5:] = args[3]
+    a2 = list(args)
+    a2[3] = big[:, 5:]                                  # row-strided column chunk
+    x1, I1, l1 = ops.fedecado_be_step(*args)
+    xo, Io, lo = torch.empty(d, device=DEV), torch.empty(K, d, device=DEV), torch.empty(2, dtype=torch.float64, device=DEV)
+    ops.fedecado_be_step(*a2, out=(xo, Io), lte_out=lo)
+    assert torch.equal(xo, x1) and torch.equal(Io, I1) and torch.equal(lo, l1)
+    for _ in range(3):                                  # atomicMax of a max: bitwise repeatable
+        x2, I2, l2 = ops.fedecado_be_step(*args)
+        assert torch.equal(x2, x1) and torch.equal(I2, I1) and torch.equal(l2, l1)
+    a3 = list(args)
+    a3[3] = args[3].clone()
+    a3[3][2, 1234] = float("nan")
+    _, _, l3 = ops.fedecado_be_step(*a3)
+    assert torch.isinf(l3[1]) and float(l3[1]) > 0
+
+
+def test_be_step_opcheck_cuda():
+    args = _be_inputs(3, 70, torch.float64, seed=2)
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, tuple(args))
+    outs = (torch.empty(70, dtype=torch.float64, device=DEV), torch.empty(3, 70, dtype=torch.float64, device=DEV),
+            torch.empty(2, dtype=torch.float64, device=DEV))
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step_out.default, tuple(args) + outs)

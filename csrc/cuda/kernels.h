@@ -91,5 +91,18 @@ cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int6
 cudaError_t lu_solve(const double* LU, const int32_t* piv, const void* R, void* X, DType dt, int64_t B, int64_t n,
                      int64_t m, cudaStream_t stream);
 
+// ---- fedecado_be_step: one fused FedECADO backward-Euler attempt (fedecado.md §5.3(a)) ---------
+// Inputs [dtype ty: Float32 or Float64]: xc, xc0, S_off (nullptr: none) [d] contiguous; Icur, U,
+// Ik [K, d] with row strides ld_*. coef: device float64 [4K] = (theta_new, theta_new - theta_old,
+// inv_g, 1 / a) with a_i = 1 + c inv_g_i; c = dt / L; inv_den = 1 / (1 + dt c sum_i 1 / a_i).
+// Outputs: xc_out [d], I_out [K, d] contiguous (must not overlap the inputs); lte: device float64
+// [2] = (scale_c max_j |sum_i (I'_i - Icur_i)|, scale_I max_ij |e_ij|) with NaN -> +inf (scale_c =
+// dt / 2, scale_I = dt / (2 L)); cleared and reduced on `stream` (atomicMax on the bit patterns of
+// the non-negative maxima: deterministic). K <= 32: one read of every input element.
+cudaError_t fedecado_be_step(const void* xc, const void* Icur, int64_t ld_icur, const void* xc0, const void* U,
+                             int64_t ld_u, const void* Ik, int64_t ld_ik, const void* S_off, const double* coef,
+                             int64_t K, int64_t d, double c, double dt, double inv_den, double scale_c, double scale_I,
+                             void* xc_out, void* I_out, double* lte, DType ty, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fedkernels

@@ -12,6 +12,8 @@ their stored ("frozen") flows (§2.10). Units (§2.11): ``grad_weight="normalize
 
 The per-coordinate BE system is a (K+1) x (K+1) arrowhead matrix shared by all d coordinates; it is
 solved by ``_solve_be_system`` (closed form, or LU through ops.lu_factor/ops.lu_solve when present).
+For fp32/fp64 CPU tensors and the inf-norm LTE, each whole BE attempt (RHS, solve, LTE maxima) is the
+native fused op ``ops.fedecado_be_step`` (solver "auto" -> "fused"), writing into two reused buffers.
 """
 from __future__ import annotations
 
@@ -115,12 +117,36 @@ def _norm(v: torch.Tensor, kind: str) -> torch.Tensor:
     return ops.mean_d(v.pow(2)).sqrt()
 
 
+def _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm: str) -> bool:
+    """The native fused attempt (ops.fedecado_be_step) applies: inf-norm LTE and fp32/fp64 CPU
+    tensors of one dtype (the torch composition in be_step serves every other case)."""
+    if lte_norm != "inf" or getattr(ops, "fedecado_be_step", None) is None:
+        return False
+    if U.dtype not in (torch.float32, torch.float64) or U.device.type != "cpu":
+        return False
+    return all(t.dtype == U.dtype and t.device == U.device for t in (xc, Icur, xc0, Ik) + (() if S_off is None else (S_off,)))
+
+
 def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_off=None,
-            lte_norm: str = "inf", solver: str = "auto"):
+            lte_norm: str = "inf", solver: str = "auto", out=None):
     """One Backward-Euler attempt (spec §2.6/§2.7, reference ``be_step``).
 
     U = x_end - x_c0 [K, d] (the client updates); th_new/th_old [K] interpolation factors at
-    tau + dt and tau; inv_g [K] = 1/g_i (0 = ECADO limit). Returns (x_c', I', LTE_c, LTE_I)."""
+    tau + dt and tau; inv_g [K] = 1/g_i (0 = ECADO limit). Returns (x_c', I', LTE_c, LTE_I).
+
+    solver="fused": the native fused op ops.fedecado_be_step (one pass over d, no K x d
+    temporaries; needs lte_norm="inf" and fp32/fp64 CPU tensors of one dtype, else ValueError);
+    out=(xc_buf [d], I_buf [K, d]) then receives x_c', I' (buffers sharing no storage with the
+    inputs). Other solvers: the torch composition below with _solve_be_system's switch (out unused).
+    central_round with solver="auto" picks "fused" whenever it applies."""
+    if solver == "fused":
+        if not _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm):
+            raise ValueError("be_step: solver='fused' needs lte_norm='inf', the native op and float32/float64 CPU "
+                             "tensors of one dtype")
+        xn, In, lte = ops.fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, th_new, th_old, inv_g, float(dt), float(L),
+                                           out=out)
+        lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()   # max across ranks in sharded mode
+        return xn, In, lc, li
     c = dt / L
     dev, dt_ = U.device, U.dtype
     thn = th_new.to(dt_).to(dev).unsqueeze(1)
@@ -148,7 +174,8 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     """The server's integration over one round window [0, T_max] (spec §2.8 step 5-6, §9.1).
 
     xc0 [d]; I_act [K, d] the flows of the active clients at the round start (= I^k); U [K, d];
-    T, w, hbar: K floats. Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I)."""
+    T, w, hbar: K floats. Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
+    solver="auto" uses the native fused attempt (be_step solver="fused") when it applies."""
     Tl = [float(t) for t in T]
     Tmax = max(Tl)
     wv = torch.as_tensor(w, dtype=torch.float64)
@@ -165,15 +192,31 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
             return torch.zeros_like(wv)
         return 1.0 / (1.0 / dtt + wv * hv)
 
+    # Native fused attempts write into two preallocated (x_c, I) buffer pairs: an attempt writes the
+    # pair that is not the current state, a rejection retries into the same pair, an acceptance
+    # makes it current (swap). Nothing K x d is allocated per attempt.
+    fused = solver in ("auto", "fused") and _fused_ok(xc0, I_act, xc0, U, I_act, S_off, lte_norm)
+    if fused:
+        solver = "fused"
+    bufs: List[Any] = [None, None]
+    nxt = 0
+
     def attempt(dtt):
         th_n = theta(Tl, tl + dtt, extrap, max_extrap_ratio)
         th_o = theta(Tl, tl, extrap, max_extrap_ratio)
-        return be_step(xc, Icur, xc0, U, Ik, th_n, th_o, inv_g(dtt), dtt, L, S_off, lte_norm, solver)
+        out = None
+        if fused:
+            if bufs[nxt] is None:
+                bufs[nxt] = (torch.empty_like(xc0, memory_format=torch.contiguous_format),
+                             torch.empty(U.shape, dtype=U.dtype, device=U.device))
+            out = bufs[nxt]
+        return be_step(xc, Icur, xc0, U, Ik, th_n, th_o, inv_g(dtt), dtt, L, S_off, lte_norm, solver, out=out)
 
     while Tmax - tl > 1e-12 * Tmax:
         if steps >= max_steps:        # safety: finish the window in one forced step
             dtt = Tmax - tl
             xc, Icur, lc, li = attempt(dtt)
+            nxt ^= 1
             tl, steps, truncated = Tmax, steps + 1, True
             if trace is not None:
                 trace.append((tl - dtt, dtt, lc, li, "forced"))
@@ -195,6 +238,7 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         lte_max = [max(lte_max[0], lc), max(lte_max[1], li)]
         tl += dtt
         xc, Icur = xn, In
+        nxt ^= 1
         steps += 1
         if not clipped:
             dt = dtt
@@ -298,7 +342,7 @@ class FedECADO(Aggregator):
     normalized|paper, ``lte_norm`` inf|rms, ``hessian`` hutchinson|identity|global|none (none =
     ECADO limit, 1/g = 0), ``hbar`` (float or N floats: fixed values), ``weights`` (N explicit w_i),
     ``data_sizes`` (N sizes n_i -> p_i), ``num_clients``, ``time_unit`` lr_sum|epoch,
-    ``solver`` auto|closed_form|lu, ``loss_fn`` (client Hutchinson loss), ``hutchinson_probes`` 4,
+    ``solver`` auto|fused|closed_form|lu (auto: the native fused attempt when it applies), ``loss_fn`` (client Hutchinson loss), ``hutchinson_probes`` 4,
     ``hutchinson_batches`` 2."""
 
     client_rule_cls = FedECADORule
@@ -334,7 +378,7 @@ class FedECADO(Aggregator):
                                   ("grad_weight", grad_weight, ("normalized", "paper")),
                                   ("lte_norm", lte_norm, ("inf", "rms")), ("hessian", hessian, HESSIANS),
                                   ("time_unit", time_unit, ("lr_sum", "epoch")),
-                                  ("solver", solver, ("auto", "closed_form", "lu"))):
+                                  ("solver", solver, ("auto", "fused", "closed_form", "lu"))):
             if val not in allowed:
                 raise ValueError(f"{n}: {opt} must be one of {allowed}, got {val!r}")
         if not max_extrap_ratio >= 1.0:

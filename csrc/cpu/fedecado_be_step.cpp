@@ -1,0 +1,251 @@
+// fedecado_be_step: one fused FedECADO backward-Euler attempt (fedecado.md §2.6, §2.7, §5.3(a)).
+//
+// Inputs (d = number of parameters, K = active clients):
+//   xc [d] current central state, Icur [K, d] current flows, xc0 [d] central state at the round
+//   start, U [K, d] = x_end - xc0 (client updates), Ik [K, d] flows at the round start, S_off [d]
+//   (frozen flows of the inactive clients, optional), per-client host coefficients theta_new [K] =
+//   (tau + dt) / T_i, theta_old [K] = tau / T_i, inv_g [K] = 1 / g_i (>= 0; 0 = ECADO limit), dt, L.
+// Per coordinate j (c = dt / L, a_i = 1 + c inv_g_i, den = 1 + dt c sum_i 1 / a_i):
+//   r_i   = Icur_i + c (xc0 + theta_new_i U_i + inv_g_i Ik_i)
+//   x'    = (xc + dt S_off + dt sum_i r_i / a_i) / den            (Schur complement on the x row)
+//   I'_i  = (r_i - c x') / a_i
+//   D_i   = I'_i - Icur_i,  dsum = sum_i D_i
+//   e_i   = (theta_new_i - theta_old_i) U_i - inv_g_i D_i - (x' - xc)
+//         = (x~_i' - x') - (x~_i - xc) with x~ from the sensitivity model (§2.7)
+// Outputs: xc_out [d] = x', I_out [K, d] = I', lte [2] float64 = (dt/2 max_j |dsum_j|,
+//   dt/(2L) max_{i,j} |e_ij|); NaN anywhere in a maximum is mapped to +inf (forces a rejection).
+//
+// One pass over d: at::parallel_for over column chunks, the K loop inner and every loop along the
+// chunk vectorised. The chunk's r_i are kept in an L2-resident float64 scratch between the two
+// K loops (the spec's "register array"), so each of xc, xc0, S_off, U, Icur, Ik is read once
+// and x', I' are written once: 16 (K + 1) d bytes in fp32. Arithmetic in float64 for fp32 and fp64
+// (as arrowhead_solve); the LTE uses the stored (rounded) x' and I', as the torch composition does.
+// The maxima are taken per chunk and combined in chunk order (max is order-independent anyway).
+#include "common.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+namespace fedkernels {
+namespace {
+
+struct BeCoefs {
+  std::vector<double> thn, dth, ig, inv_a;
+  double c = 0, dt = 0, inv_den = 1;
+};
+
+// |v| with NaN -> +inf (branch-free select: vectorises).
+inline double abs_nan_inf(double v) {
+  const double a = std::abs(v);
+  return a == a ? a : std::numeric_limits<double>::infinity();
+}
+
+template <typename T>
+void be_chunk(const BeCoefs& cf, int64_t K, const T* __restrict__ xc, const T* Icur, int64_t ldi,
+              const T* __restrict__ xc0, const T* U, int64_t ldu, const T* Ik, int64_t ldk,
+              const T* __restrict__ S, T* __restrict__ xo, T* Io, int64_t ldo, int64_t j0, int64_t n,
+              double* __restrict__ rbuf /* K x n */, double* __restrict__ acc, double* __restrict__ dsum,
+              double* __restrict__ dx,
+              double& max_c, double& max_e) {
+  const double c = cf.c, dt = cf.dt;
+  // pass 1: r_i and acc = sum_i r_i / a_i
+  for (int64_t j = 0; j < n; ++j) acc[j] = 0.0;
+  for (int64_t i = 0; i < K; ++i) {
+    const T* __restrict__ u = U + i * ldu + j0;
+    const T* __restrict__ ic = Icur + i * ldi + j0;
+    const T* __restrict__ ik = Ik + i * ldk + j0;
+    const T* __restrict__ x0 = xc0 + j0;
+    double* __restrict__ r = rbuf + i * n;
+    const double thn = cf.thn[i], ig = cf.ig[i], ia = cf.inv_a[i];
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const double rv = double(ic[j]) + c * ((double(x0[j]) + thn * double(u[j])) + ig * double(ik[j]));
+      r[j] = rv;
+      acc[j] += ia * rv;
+    }
+  }
+  // x' (stored rounded; acc now holds the unrounded x'), dsum = 0
+  {
+    const T* __restrict__ x = xc + j0;
+    const T* __restrict__ s = S ? S + j0 : nullptr;
+    T* __restrict__ o = xo + j0;
+    if (s) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) acc[j] = ((double(x[j]) + dt * double(s[j])) + dt * acc[j]) * cf.inv_den;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) acc[j] = (double(x[j]) + dt * acc[j]) * cf.inv_den;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const T xs = static_cast<T>(acc[j]);
+      o[j] = xs;
+      dx[j] = double(xs) - double(x[j]);
+      dsum[j] = 0.0;
+    }
+  }
+  // pass 2: I'_i (from the unrounded x'), dsum, e_i (from the stored x' and I': dx = x'_stored - xc)
+  double me = 0.0;
+  for (int64_t i = 0; i < K; ++i) {
+    const T* __restrict__ u = U + i * ldu + j0;
+    const T* __restrict__ ic = Icur + i * ldi + j0;
+    const double* __restrict__ r = rbuf + i * n;
+    T* __restrict__ io = Io + i * ldo + j0;
+    const double ia = cf.inv_a[i], ig = cf.ig[i], dth = cf.dth[i];
+#pragma omp simd reduction(max : me)
+    for (int64_t j = 0; j < n; ++j) {
+      const T In = static_cast<T>((r[j] - c * acc[j]) * ia);
+      io[j] = In;
+      const double D = double(In) - double(ic[j]);
+      dsum[j] += D;
+      const double e = (dth * double(u[j]) - ig * D) - dx[j];
+      me = std::max(me, abs_nan_inf(e));
+    }
+  }
+  double mc = 0.0;
+#pragma omp simd reduction(max : mc)
+  for (int64_t j = 0; j < n; ++j) mc = std::max(mc, abs_nan_inf(dsum[j]));
+  max_c = std::max(max_c, mc);
+  max_e = std::max(max_e, me);
+}
+
+void check_vec(const at::Tensor& v, int64_t d, at::ScalarType st, const char* name) {
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == d, "fedecado_be_step: ", name, " must be 1-D of length d = ", d,
+              ", got shape ", v.sizes());
+  TORCH_CHECK(v.scalar_type() == st, "fedecado_be_step: ", name, " must have dtype ", st, " (the dtype of U), got ",
+              v.scalar_type());
+  TORCH_CHECK(v.device().is_cpu(), "fedecado_be_step: ", name, " must be on the CPU, got ", v.device());
+}
+
+void check_mat(const at::Tensor& m, int64_t K, int64_t d, at::ScalarType st, const char* name) {
+  check_rowmajor(m, "fedecado_be_step", name);
+  TORCH_CHECK(m.size(0) == K && m.size(1) == d, "fedecado_be_step: ", name, " must be [K, d] = [", K, ", ", d,
+              "], got ", m.sizes());
+  TORCH_CHECK(m.scalar_type() == st, "fedecado_be_step: ", name, " must have dtype ", st, ", got ", m.scalar_type());
+  TORCH_CHECK(m.device().is_cpu(), "fedecado_be_step: ", name, " must be on the CPU, got ", m.device());
+}
+
+BeCoefs make_coefs(const at::Tensor& thn, const at::Tensor& tho, const at::Tensor& inv_g, int64_t K, double dt,
+                   double L) {
+  TORCH_CHECK(std::isfinite(dt) && dt > 0, "fedecado_be_step: dt must be finite and > 0, got ", dt);
+  TORCH_CHECK(std::isfinite(L) && L > 0, "fedecado_be_step: L must be finite and > 0, got ", L);
+  for (auto* p : {&thn, &tho, &inv_g})
+    TORCH_CHECK(p->dim() == 1 && p->size(0) == K && p->is_floating_point() && p->device().is_cpu(),
+                "fedecado_be_step: theta_new, theta_old and inv_g must be 1-D float CPU tensors of length K = ", K,
+                ", got shape ", p->sizes(), " on ", p->device());
+  BeCoefs cf;
+  cf.thn = to_double_vector(thn);
+  auto to = to_double_vector(tho);
+  cf.ig = to_double_vector(inv_g);
+  cf.c = dt / L;
+  cf.dt = dt;
+  cf.dth.resize(K);
+  cf.inv_a.resize(K);
+  double s = 0.0;
+  for (int64_t i = 0; i < K; ++i) {
+    TORCH_CHECK(std::isfinite(cf.thn[i]) && std::isfinite(to[i]), "fedecado_be_step: theta_new[", i, "] = ", cf.thn[i],
+                " and theta_old[", i, "] = ", to[i], " must be finite");
+    TORCH_CHECK(std::isfinite(cf.ig[i]) && cf.ig[i] >= 0, "fedecado_be_step: inv_g[", i, "] = ", cf.ig[i],
+                " must be finite and >= 0");
+    cf.dth[i] = cf.thn[i] - to[i];
+    cf.inv_a[i] = 1.0 / (1.0 + cf.c * cf.ig[i]);
+    s += cf.inv_a[i];
+  }
+  cf.inv_den = 1.0 / (1.0 + dt * cf.c * s);
+  return cf;
+}
+
+void be_step_out_cpu(const at::Tensor& xc, const at::Tensor& Icur, const at::Tensor& xc0, const at::Tensor& U,
+                     const at::Tensor& Ik, const c10::optional<at::Tensor>& S_off, const at::Tensor& theta_new,
+                     const at::Tensor& theta_old, const at::Tensor& inv_g, double dt, double L, at::Tensor xc_out,
+                     at::Tensor I_out, at::Tensor lte) {
+  check_rowmajor(U, "fedecado_be_step", "U");
+  const int64_t K = U.size(0), d = U.size(1);
+  const auto st = U.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble, "fedecado_be_step: U must be float32 or float64, got ", st);
+  TORCH_CHECK(U.device().is_cpu(), "fedecado_be_step: U must be on the CPU, got ", U.device());
+  check_mat(Icur, K, d, st, "Icur");
+  check_mat(Ik, K, d, st, "Ik");
+  check_vec(xc, d, st, "xc");
+  check_vec(xc0, d, st, "xc0");
+  if (S_off.has_value()) check_vec(*S_off, d, st, "S_off");
+  check_vec(xc_out, d, st, "xc_out");
+  check_mat(I_out, K, d, st, "I_out");
+  TORCH_CHECK(xc_out.is_contiguous() && I_out.is_contiguous(), "fedecado_be_step: xc_out and I_out must be contiguous");
+  TORCH_CHECK(lte.dim() == 1 && lte.size(0) == 2 && lte.scalar_type() == at::kDouble && lte.device().is_cpu() &&
+                  lte.is_contiguous(),
+              "fedecado_be_step: lte must be a contiguous float64 CPU tensor of shape [2], got ", lte.sizes(), " ",
+              lte.scalar_type());
+  const BeCoefs cf = make_coefs(theta_new, theta_old, inv_g, K, dt, L);
+  auto xcc = xc.contiguous(), xc0c = xc0.contiguous();
+  at::Tensor Sc;
+  if (S_off.has_value()) Sc = S_off->contiguous();
+  double* lp = lte.data_ptr<double>();
+  if (d == 0) {
+    lp[0] = lp[1] = 0.0;
+    return;
+  }
+  // Chunk of columns: the K x C float64 r scratch stays in L2 (<= 128 KB); a multiple of 64.
+  const int64_t C = std::max<int64_t>(64, std::min<int64_t>(1024, (int64_t(16384) / std::max<int64_t>(K, 1)) / 64 * 64));
+  const int64_t nch = (d + C - 1) / C;
+  std::vector<double> mx(2 * nch, 0.0);
+  const int64_t ldi = K > 1 ? Icur.stride(0) : d, ldu = K > 1 ? U.stride(0) : d, ldk = K > 1 ? Ik.stride(0) : d;
+  AT_DISPATCH_FLOATING_TYPES(st, "fedecado_be_step_cpu", [&] {
+    const scalar_t* px = xcc.data_ptr<scalar_t>();
+    const scalar_t* pI = Icur.data_ptr<scalar_t>();
+    const scalar_t* p0 = xc0c.data_ptr<scalar_t>();
+    const scalar_t* pU = U.data_ptr<scalar_t>();
+    const scalar_t* pK = Ik.data_ptr<scalar_t>();
+    const scalar_t* pS = Sc.defined() ? Sc.data_ptr<scalar_t>() : nullptr;
+    scalar_t* ox = xc_out.data_ptr<scalar_t>();
+    scalar_t* oI = I_out.data_ptr<scalar_t>();
+    at::parallel_for(0, nch, grain_for(C * (3 * K + 3)), [&](int64_t q0, int64_t q1) {
+      std::vector<double> scratch((K + 3) * C);
+      double* rbuf = scratch.data();
+      double* acc = rbuf + K * C;
+      double* dsum = acc + C;
+      double* dx = dsum + C;
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t j0 = q * C, n = std::min(C, d - j0);
+        double mc = 0.0, me = 0.0;
+        be_chunk<scalar_t>(cf, K, px, pI, ldi, p0, pU, ldu, pK, ldk, pS, ox, oI, d, j0, n, rbuf, acc, dsum, dx, mc,
+                           me);
+        mx[2 * q] = mc;
+        mx[2 * q + 1] = me;
+      }
+    });
+  });
+  double mc = 0.0, me = 0.0;
+  for (int64_t q = 0; q < nch; ++q) {
+    mc = std::max(mc, mx[2 * q]);
+    me = std::max(me, mx[2 * q + 1]);
+  }
+  lp[0] = 0.5 * dt * mc;
+  lp[1] = 0.5 * dt / L * me;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> be_step_cpu(const at::Tensor& xc, const at::Tensor& Icur,
+                                                           const at::Tensor& xc0, const at::Tensor& U,
+                                                           const at::Tensor& Ik, const c10::optional<at::Tensor>& S_off,
+                                                           const at::Tensor& theta_new, const at::Tensor& theta_old,
+                                                           const at::Tensor& inv_g, double dt, double L) {
+  TORCH_CHECK(U.dim() == 2, "fedecado_be_step: U must be 2-D [K, d], got ", U.dim(), "-D");
+  auto xo = at::empty({U.size(1)}, U.options());
+  auto Io = at::empty({U.size(0), U.size(1)}, U.options());
+  auto lte = at::empty({2}, U.options().dtype(at::kDouble));
+  be_step_out_cpu(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, xo, Io, lte);
+  return {xo, Io, lte};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
+  m.impl("fedecado_be_step", &be_step_cpu);
+  m.impl("fedecado_be_step_out", &be_step_out_cpu);
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,276 @@
+"""fedecado_be_step (the fused FedECADO backward-Euler attempt): against the float64 reference (dense
+solve of spec fedecado.md §2.6 + the §2.7 LTE), against the torch composition in
+fedecado.be_step, spec §9 U2/U5d numbers, out buffers, NaN -> reject, opcheck, bad inputs, and the
+wiring into central_round / the FedECADO aggregator."""
+import math
+
+import pytest
+import torch
+
+from fedkernels import ops, reference
+from fedkernels.algorithms import build
+from fedkernels.algorithms import fedecado as fe
+
+D64 = torch.float64
+
+
+def _inputs(K, d, seed, dtype=D64, S=True, hold=False):
+    g = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=D64)   # noqa: E731
+    T = torch.rand(K, generator=g, dtype=D64) * 1.9 + 0.1
+    tl = float(torch.rand(1, generator=g, dtype=D64)) * float(T.max())
+    dt = (0.02 + 0.98 * float(torch.rand(1, generator=g, dtype=D64))) * (float(T.max()) - tl)
+    L = 0.1 + 9.9 * float(torch.rand(1, generator=g, dtype=D64))
+    w = torch.rand(K, generator=g, dtype=D64) * 2
+    h = torch.rand(K, generator=g, dtype=D64) * 5
+    thn, tho = fe.theta(T, tl + dt, "hold" if hold else "linear"), fe.theta(T, tl, "hold" if hold else "linear")
+    ig = 1.0 / (1.0 / dt + w * h)
+    t = lambda x: x.to(dtype)   # noqa: E731
+    return dict(xc=t(rn(d)), Icur=t(rn(K, d)), xc0=t(rn(d)), U=t(rn(K, d)), Ik=t(rn(K, d)),
+                S_off=t(rn(d)) if S else None, theta_new=thn, theta_old=tho, inv_g=ig, dt=dt, L=L)
+
+
+def _args(a):
+    return (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["S_off"], a["theta_new"], a["theta_old"], a["inv_g"],
+            a["dt"], a["L"])
+
+
+def _close_lte(x, y, rtol):
+    for u, v in zip(x, y):
+        assert abs(u - v) <= rtol * max(abs(v), 1e-300), (x, y)
+
+
+# ---- against the float64 reference (dense solve) --------------------------------------------------
+@pytest.mark.parametrize("K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65)])
+@pytest.mark.parametrize("S", [True, False])
+def test_matches_reference_f64(K, d, S):
+    a = _inputs(K, d, seed=K * 100 + d, S=S)
+    xn, In, lte = ops.fedecado_be_step(*_args(a))
+    rx, rI, rl = reference.fedecado_be_step(*_args(a))
+    assert xn.dtype == D64 and In.shape == (K, d) and lte.dtype == D64 and lte.shape == (2,)
+    torch.testing.assert_close(xn, rx, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(In, rI, rtol=1e-12, atol=1e-12)
+    _close_lte(lte.tolist(), rl.tolist(), 1e-9)
+
+
+@pytest.mark.parametrize("K,d", [(4, 1000), (10, 4097)])
+def test_matches_reference_f32(K, d):
+    a = _inputs(K, d, seed=7 + K, dtype=torch.float32)
+    xn, In, lte = ops.fedecado_be_step(*_args(a))
+    assert xn.dtype == torch.float32 and In.dtype == torch.float32
+    rx, rI, rl = reference.fedecado_be_step(*_args(a))
+    torch.testing.assert_close(xn.double(), rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(In.double(), rI, rtol=1e-5, atol=1e-5)
+    _close_lte(lte.tolist(), rl.tolist(), 1e-4)
+
+
+def test_hold_theta_and_ecado_limit():
+    a = _inputs(6, 301, seed=3, hold=True)
+    a["inv_g"] = torch.zeros(6, dtype=D64)   # ECADO limit: 1/g = 0, a_i = 1
+    xn, In, lte = ops.fedecado_be_step(*_args(a))
+    rx, rI, rl = reference.fedecado_be_step(*_args(a))
+    torch.testing.assert_close(xn, rx, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(In, rI, rtol=1e-12, atol=1e-12)
+    _close_lte(lte.tolist(), rl.tolist(), 1e-9)
+
+
+def test_noncontiguous_inputs():
+    K, d = 5, 211
+    a = _inputs(K, d, seed=11)
+    big = torch.randn(K, 2 * d + 3, dtype=D64)
+    big[:, 3:d + 3] = a["U"]
+    Ibig = torch.randn(2 * K, d, dtype=D64)
+    Ibig[::2] = a["Icur"]
+    b = dict(a)
+    b["U"] = big[:, 3:d + 3]                      # row stride 2d + 3 (column chunk of a buffer)
+    b["Icur"] = Ibig[::2]                         # every other row
+    b["Ik"] = a["Ik"].t().contiguous().t()        # column-major: copied once by the wrapper
+    b["xc"] = torch.stack([a["xc"], a["xc"]], 1)[:, 0]   # stride 2
+    b["theta_new"] = torch.stack([a["theta_new"], a["theta_new"]], 1)[:, 1]
+    assert not b["U"].is_contiguous() and not b["Icur"].is_contiguous() and not b["xc"].is_contiguous()
+    x1, I1, l1 = ops.fedecado_be_step(*_args(a))
+    x2, I2, l2 = ops.fedecado_be_step(*_args(b))
+    assert torch.equal(x1, x2) and torch.equal(I1, I2) and torch.equal(l1, l2)
+
+
+# ---- against the torch composition (fedecado.be_step) and spec numbers ---------------------------
+@pytest.mark.parametrize("dtype", [D64, torch.float32])
+@pytest.mark.parametrize("K,d", [(1, 9), (5, 777), (12, 2049)])
+def test_matches_torch_be_step(K, d, dtype):
+    a = _inputs(K, d, seed=K + d, dtype=dtype)
+    args = (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"], a["L"],
+            a["S_off"])
+    xt, It, lct, lit = fe.be_step(*args, solver="closed_form")
+    xf, If, lcf, lif = fe.be_step(*args, solver="fused")
+    tol = 1e-12 if dtype == D64 else 2e-5
+    torch.testing.assert_close(xf, xt, rtol=tol, atol=tol)
+    torch.testing.assert_close(If, It, rtol=tol, atol=tol)
+    assert abs(lcf - lct) <= tol * 10 * max(1.0, lct) and abs(lif - lit) <= tol * 10 * max(1.0, lit)
+
+
+def test_spec_u2_and_u5d():
+    z, I0, U = torch.tensor([0.0], dtype=D64), torch.zeros(2, 1, dtype=D64), torch.tensor([[1.0], [3.0]], dtype=D64)
+    thn, tho = fe.theta([1.0, 2.0], 1.0), fe.theta([1.0, 2.0], 0.0)
+    ig = 1.0 / (1.0 + torch.tensor([0.25, 0.75], dtype=D64))          # g = 1/dt + w hbar, dt = hbar = 1
+    xn, In, lte = ops.fedecado_be_step(z, I0, z, U, I0, None, thn, tho, ig, 1.0, 1.0)
+    assert float(xn) == pytest.approx(299 / 434, abs=1e-14)
+    torch.testing.assert_close(In[:, 0], torch.tensor([75 / 434, 224 / 434], dtype=D64), atol=1e-14, rtol=0)
+    _close_lte(lte.tolist(), [299 / 868, 224 / 868], 1e-13)
+    xn, In, lte = ops.fedecado_be_step(z, I0, z, U, I0, None, thn, tho, torch.zeros(2, dtype=D64), 1.0, 1.0)
+    assert float(xn) == pytest.approx(5 / 6, abs=1e-14)                 # U5d: ECADO limit
+    torch.testing.assert_close(In[:, 0], torch.tensor([1 / 6, 2 / 3], dtype=D64), atol=1e-14, rtol=0)
+    _close_lte(lte.tolist(), [5 / 12, 1 / 3], 1e-13)
+
+
+# ---- out buffers, NaN, determinism ----------------------------------------------------------------
+def test_out_buffers_and_determinism():
+    a = _inputs(7, 5000, seed=5, dtype=torch.float32)
+    x1, I1, l1 = ops.fedecado_be_step(*_args(a))
+    xo, Io, lo = torch.full((5000,), 7.0), torch.full((7, 5000), 7.0), torch.zeros(2, dtype=D64)
+    r = ops.fedecado_be_step(*_args(a), out=(xo, Io), lte_out=lo)
+    assert r[0] is xo and r[1] is Io and r[2] is lo
+    assert torch.equal(xo, x1) and torch.equal(Io, I1) and torch.equal(lo, l1)
+    for _ in range(2):
+        x2, I2, l2 = ops.fedecado_be_step(*_args(a))
+        assert torch.equal(x2, x1) and torch.equal(I2, I1) and torch.equal(l2, l1)
+
+
+def test_nan_forces_rejection():
+    a = _inputs(4, 300, seed=9)
+    a["U"][2, 123] = math.nan
+    _, _, lte = ops.fedecado_be_step(*_args(a))
+    assert math.isinf(lte[1]) and lte[1] > 0                  # e_2 is NaN at column 123
+    a = _inputs(4, 300, seed=9)
+    a["xc"][17] = math.nan                                   # x' NaN -> every I' NaN -> dsum NaN
+    _, _, lte = ops.fedecado_be_step(*_args(a))
+    assert math.isinf(lte[0]) and math.isinf(lte[1])
+    _, _, rl = reference.fedecado_be_step(*_args(a))
+    assert math.isinf(rl[0]) and math.isinf(rl[1])
+
+
+def test_empty_d():
+    a = _inputs(3, 0, seed=1)
+    xn, In, lte = ops.fedecado_be_step(*_args(a))
+    assert xn.shape == (0,) and In.shape == (3, 0) and lte.tolist() == [0.0, 0.0]
+
+
+# ---- opcheck and bad inputs -----------------------------------------------------------------------
+def test_opcheck():
+    a = _inputs(3, 70, seed=2)
+    args = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in _args(a))
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, args)
+    a32 = _inputs(3, 70, seed=2, dtype=torch.float32, S=False)
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, _args(a32))
+    outs = (torch.empty(70, dtype=D64), torch.empty(3, 70, dtype=D64), torch.empty(2, dtype=D64))
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step_out.default, args + outs)
+
+
+def test_bad_inputs():
+    a = _inputs(3, 20, seed=4)
+    f = lambda **kw: ops.fedecado_be_step(*_args({**a, **kw}))   # noqa: E731
+    with pytest.raises(ValueError, match="Icur must have shape"):
+        f(Icur=torch.zeros(2, 20, dtype=D64))
+    with pytest.raises(ValueError, match="Ik must have U's dtype"):
+        f(Ik=a["Ik"].float())
+    with pytest.raises(ValueError, match="xc must be a 1-D tensor of length 20"):
+        f(xc=torch.zeros(21, dtype=D64))
+    with pytest.raises(ValueError, match="S_off must have dtype"):
+        f(S_off=a["S_off"].float())
+    with pytest.raises(ValueError, match="U must be float32 or float64"):
+        f(U=a["U"].half(), Icur=a["Icur"].half(), Ik=a["Ik"].half())
+    with pytest.raises(ValueError, match="U must be a 2-D"):
+        f(U=a["U"][0])
+    with pytest.raises(ValueError, match="theta_new must be a 1-D sequence of length K = 3"):
+        f(theta_new=torch.zeros(4, dtype=D64))
+    with pytest.raises(ValueError, match="theta_old must be finite"):
+        f(theta_old=torch.tensor([0.0, math.nan, 1.0], dtype=D64))
+    with pytest.raises(ValueError, match="inv_g must be >= 0"):
+        f(inv_g=torch.tensor([0.1, -0.1, 0.2], dtype=D64))
+    with pytest.raises(ValueError, match="dt must be a finite number > 0"):
+        f(dt=0.0)
+    with pytest.raises(ValueError, match="L must be a finite number > 0"):
+        f(L=math.inf)
+    with pytest.raises(TypeError, match="U must be a torch.Tensor"):
+        f(U=[[1.0] * 20] * 3)
+    with pytest.raises(ValueError, match="I_out must be a contiguous"):
+        ops.fedecado_be_step(*_args(a), out=(torch.empty(20, dtype=D64), torch.empty(3, 21, dtype=D64)))
+    with pytest.raises(ValueError, match="xc_out must not share storage"):
+        ops.fedecado_be_step(*_args(a), out=(a["xc"], torch.empty(3, 20, dtype=D64)))
+    with pytest.raises(ValueError, match="I_out must not share storage"):
+        ops.fedecado_be_step(*_args(a), out=(torch.empty(20, dtype=D64), a["Icur"]))
+    with pytest.raises(ValueError, match="lte_out must be"):
+        ops.fedecado_be_step(*_args(a), lte_out=torch.empty(2))
+    # the raw op checks too (C++ errors)
+    with pytest.raises(RuntimeError, match="inv_g"):
+        torch.ops.fedkernels.fedecado_be_step(*_args({**a, "inv_g": torch.tensor([0.1, -1.0, 0.2], dtype=D64)}))
+    with pytest.raises(RuntimeError, match="dt must be finite"):
+        torch.ops.fedkernels.fedecado_be_step(*_args({**a, "dt": -1.0}))
+    with pytest.raises(ValueError, match="solver='fused' needs"):
+        fe.be_step(a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"],
+                   a["L"], a["S_off"], lte_norm="rms", solver="fused")
+
+
+# ---- wiring: central_round and the aggregator -----------------------------------------------------
+def _round_inputs(K, d, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    xc0 = torch.randn(d, generator=g, dtype=D64).to(dtype)
+    I = (0.3 * torch.randn(K, d, generator=g, dtype=D64)).to(dtype)
+    U = (0.5 * torch.randn(K, d, generator=g, dtype=D64)).to(dtype)
+    T = (torch.rand(K, generator=g, dtype=D64) * 0.5 + 0.1).tolist()
+    w = (torch.rand(K, generator=g, dtype=D64) + 0.5).tolist()
+    S = (0.1 * torch.randn(d, generator=g, dtype=D64)).to(dtype)
+    return xc0, I, U, T, w, S
+
+
+@pytest.mark.parametrize("dtype", [D64, torch.float32])
+def test_central_round_fused_vs_composition(dtype, monkeypatch):
+    xc0, I, U, T, w, S = _round_inputs(4, 501, seed=1, dtype=dtype)
+    kw = dict(L=0.5, delta=0.02, dt_init=max(T), S_off=S)
+    ref = fe.central_round(xc0, I, U, T, w, [1.0] * 4, solver="closed_form", **kw)
+    calls = []
+    real = ops.fedecado_be_step
+    monkeypatch.setattr(ops, "fedecado_be_step", lambda *a, **k: (calls.append(k.get("out")), real(*a, **k))[1])
+    res = fe.central_round(xc0, I, U, T, w, [1.0] * 4, solver="auto", **kw)
+    assert len(calls) == res["steps"] + res["rejects"] and res["rejects"] > 0 and res["steps"] > 2
+    ids = {id(o[0]) for o in calls}
+    assert len(ids) == 2 and all(o is not None for o in calls)          # two reused buffer pairs
+    assert (res["steps"], res["rejects"], res["dt"], res["truncated"]) == \
+        (ref["steps"], ref["rejects"], ref["dt"], ref["truncated"])
+    tol = 1e-12 if dtype == D64 else 1e-5
+    torch.testing.assert_close(res["xc"], ref["xc"], rtol=tol, atol=tol)
+    torch.testing.assert_close(res["I"], ref["I"], rtol=tol, atol=tol)
+    assert torch.equal(I, _round_inputs(4, 501, seed=1, dtype=dtype)[1])   # inputs untouched
+
+
+def test_central_round_forced_step_fused():
+    xc0, I, U, T, w, S = _round_inputs(3, 64, seed=2, dtype=D64)
+    kw = dict(L=0.5, delta=1e-9, dt_init=max(T), S_off=S, max_steps=3)
+    ref = fe.central_round(xc0, I, U, T, w, [1.0] * 3, solver="closed_form", **kw)
+    res = fe.central_round(xc0, I, U, T, w, [1.0] * 3, **kw)
+    assert res["truncated"] and (res["steps"], res["rejects"]) == (ref["steps"], ref["rejects"])
+    torch.testing.assert_close(res["xc"], ref["xc"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(res["I"], ref["I"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [D64, torch.float32])
+def test_aggregator_unchanged(dtype):
+    N, K, d = 6, 3, 301
+    res = {}
+    for solver in ("closed_form", "auto"):
+        agg = build("fedecado", num_clients=N, hessian="identity", delta=0.05, L=0.5)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(d, generator=g, dtype=D64).to(dtype)
+        agg.solver = solver
+        infos = []
+        for rnd in range(3):
+            ids = [(rnd + j) % N for j in range(K)]
+            U = (0.3 * torch.randn(K, d, generator=g, dtype=D64)).to(dtype)
+            pl = [{"T": 0.1 + 0.05 * j} for j in range(K)]
+            out = agg.aggregate(x, U, [10] * K, ids, pl)
+            x = out.params
+            infos.append((out.info["steps"], out.info["rejects"]))
+        res[solver] = (x, agg.I.clone(), infos)
+    tol = 1e-12 if dtype == D64 else 1e-5
+    assert res["auto"][2] == res["closed_form"][2]
+    torch.testing.assert_close(res["auto"][0], res["closed_form"][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(res["auto"][1], res["closed_form"][1], rtol=tol, atol=tol)
