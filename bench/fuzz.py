@@ -50,7 +50,7 @@ FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
 OP_TARGETS = ["gram", "weighted_sum", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
-              "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fused_sgd_step_", "corrected_sgd_step_",
+              "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
 
 
@@ -221,6 +221,16 @@ def _gen_arrowhead_solve(rnd, c):
     c["dtype"] = rnd.choice(["fp32", "fp64", "fp32", "fp64", "fp16", "bf16", "i64"])
     c["akind"] = rnd.choice(["fedecado", "fedecado", "random", "zero_a", "nan", "wrong_len", "huge"])
     c["layout"] = rnd.choice(["contig", "contig", "transposed", "colslice"])
+
+
+def _gen_fedecado_be_step(rnd, c):
+    c["K"] = rnd.choice([0, 1, 2, 3, 5, 17])
+    c["d"] = rnd.choice([0, 1, 2, 7, 64, 1001])
+    c["dtype"] = rnd.choice(["fp32", "fp64", "fp32", "fp64", "fp16", "bf16", "i64"])
+    c["kind"] = rnd.choice(["ok", "ok", "ok", "no_soff", "nan", "huge", "bad_dt", "neg_inv_g", "wrong_shape",
+                            "wrong_theta_len"])
+    c["layout"] = rnd.choice(["contig", "contig", "transposed", "colslice"])
+    c["use_out"] = rnd.choice([False, True])
 
 
 def _gen_sgd(rnd, c):
@@ -972,6 +982,63 @@ def _run_lu_factor_ex(g, c):
     return "ok"
 
 
+def _run_fedecado_be_step(g, c):
+    K, d = c["K"], c["d"]
+    dt_ = DTYPES[c["dtype"]]
+    f = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)   # noqa: E731
+    cast = lambda t: t.to(dt_) if dt_.is_floating_point else t.round().to(dt_)   # noqa: E731
+    kind = c["kind"]
+    U = f(K, d) * 0.1
+    if kind == "nan" and K and d:
+        U[0, 0] = float("nan")
+    if kind == "huge":
+        U = U * 1e300
+    xc, xc0 = f(d), f(d)
+    Icur, Ik = f(K, d) * 0.01, f(K, d) * 0.01
+    S_off = None if kind == "no_soff" else f(d) * 0.01
+    thn = (0.2 + torch.rand(K, generator=g, dtype=torch.float64)).tolist()
+    tho = [t * 0.5 for t in thn]
+    ig = torch.rand(K, generator=g, dtype=torch.float64).tolist()
+    if kind == "neg_inv_g" and K:
+        ig[0] = -1.0
+    if kind == "wrong_theta_len":
+        thn = thn + [0.5]
+    dt, L = (0.0 if kind == "bad_dt" else 0.05), 3.0
+    Uc = _layout(g, cast(U), c["layout"])
+    Icur_c, Ik_c = cast(Icur), cast(Ik)
+    if kind == "wrong_shape":
+        Ik_c = cast(f(K, d + 1))
+    args = (cast(xc), Icur_c, cast(xc0), Uc, Ik_c, None if S_off is None else cast(S_off), thn, tho, ig, dt, L)
+    out = None
+    if c["use_out"] and dt_.is_floating_point:
+        out = (torch.empty(d, dtype=dt_), torch.empty(K, d, dtype=dt_))
+    xn, In, lte = ops.fedecado_be_step(*args, out=out)
+    invalid = kind in ("bad_dt", "wrong_shape", "wrong_theta_len") or (kind == "neg_inv_g" and K > 0)
+    if dt_ not in (torch.float32, torch.float64) or invalid:
+        raise Fail(f"fedecado_be_step accepted dtype {dt_} / case {kind}")
+    if xn.shape != (d,) or In.shape != (K, d) or xn.dtype != dt_ or In.dtype != dt_ or lte.shape != (2,):
+        raise Fail(f"fedecado_be_step: shapes/dtypes {tuple(xn.shape)} {tuple(In.shape)} {xn.dtype} {lte.shape}")
+    if out is not None and (xn.data_ptr() != out[0].data_ptr() or In.data_ptr() != out[1].data_ptr()):
+        raise Fail("fedecado_be_step: results not written into out")
+    r = [t.to(torch.float64) if isinstance(t, torch.Tensor) else t for t in args]
+    rx, rI, rl = reference.fedecado_be_step(*r)
+    if kind == "nan" and K and d:
+        if not bool(torch.isinf(lte).any()):
+            raise Fail("fedecado_be_step: NaN input did not force a rejection (LTE must be +inf)")
+        return "ok"
+    if not bool(torch.isfinite(rx).all() and torch.isfinite(rI).all()):
+        return "ok"   # overflowing input: no finite reference to compare with
+    tol = 64 * (K + 2) * _eps(dt_)
+    for name, got, ref in (("x_c'", xn, rx), ("I'", In, rI)):
+        err = (got.to(torch.float64) - ref).abs()
+        if bool((err > tol * (ref.abs() + 1.0)).any()):
+            raise Fail(f"fedecado_be_step: {name} off by {float(err.max()):.3e} (tol {tol:.1e})")
+    if bool(torch.isfinite(rl).all()):
+        if bool(((lte - rl).abs() > 1e3 * tol * (rl.abs() + 1e-12) + 1e-9).any()):
+            raise Fail(f"fedecado_be_step: lte {lte.tolist()} vs reference {rl.tolist()}")
+    return "ok"
+
+
 def _run_arrowhead_solve(g, c):
     K, m = c["K"], c["m"]
     dt = DTYPES[c["dtype"]]
@@ -1517,6 +1584,8 @@ OP_ARG_NAMES = {
     "lu_factor": ["lu_factor", "A"],
     "lu_factor_ex": ["lu_factor_ex", "A"],
     "arrowhead_solve": ["arrowhead_solve", "R", "r0", "a", "b", "c", "alpha"],
+    "fedecado_be_step": ["fedecado_be_step", "xc", "Icur", "xc0", "U", "Ik", "S_off", "theta_new", "theta_old",
+                         "inv_g", "dt", "L", "out"],
     "fused_sgd_step_": ["fused_sgd_step_", "params", "grads", "momentum", "lr", "c_add", "c_sub", "gc_mask",
                         "weight_decay"],
     "corrected_sgd_step_": ["corrected_sgd_step_", "fused_sgd_step_", "params", "grads", "momentum", "lr", "c",

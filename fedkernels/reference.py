@@ -266,7 +266,8 @@ def fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, d
     """One FedECADO BE attempt in float64, literally as spec fedecado.md §2.6/§2.7: Gamma_i at tau
     and tau + dt, the dense (K+1) x (K+1) system M z = R solved by torch.linalg.solve, and the LTE
     from the sensitivity-model client states x~_i (inf-norm; NaN -> +inf). Returns (x_c', I', lte [2])."""
-    f = lambda t: torch.as_tensor(t).to(torch.float64)   # noqa: E731
+    # dtype given up front: a list of Python floats would otherwise become float32 first
+    f = lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) else torch.as_tensor(t, dtype=torch.float64)  # noqa: E731
     xc, Icur, xc0, U, Ik = f(xc), f(Icur), f(xc0), f(U), f(Ik)
     thn, tho, ig = f(theta_new), f(theta_old), f(inv_g)
     K, d = U.shape
