@@ -534,12 +534,12 @@ class FedECADO(Aggregator):
                 "L": L, "T_max": Tmax, "max_extrap_ratio": Tmax / min(T), "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
         xc, Inew = res["xc"], res["I"]
-        if not (ops.all_(torch.isfinite(xc)) and ops.all_(torch.isfinite(Inew))):
+        if not (bool(ops.finite_rows(xc.unsqueeze(0)).all()) and bool(ops.finite_rows(Inew).all())):  # no K x d temp
             log.warning("%s: central integration produced NaN/Inf; round rolled back", self.name)
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += (Inew - Ik).sum(0, dtype=torch.float64)
+        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik.sum(0, dtype=torch.float64)   # no K x d temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]
