@@ -3,6 +3,8 @@
     fedkernels run CONFIG.yaml [key=value ...]            a run from a YAML config
     fedkernels run --preset smoke [key=value ...]          a run from a preset
     fedkernels run --resume runs/NAME [key=value ...]      continue a run from its last checkpoint
+    torchrun --nproc_per_node 2 -m fedkernels run --preset smoke --distributed
+                                                           ranks train disjoint clients, aggregate slices
     fedkernels compare --preset kuramoto-digits --methods fedavg,kuramoto-S0.5 --seeds 0,1,2 [--rounds N] [--out DIR]
     fedkernels bench --suite cpu|gpu [args ...]
     fedkernels info                                        build facts, algorithms, datasets, presets
@@ -72,10 +74,14 @@ def cmd_run(a) -> int:
         cfg.progress = False
     if a.quiet:
         cfg.verbose = False
+    if a.distributed:
+        cfg.distributed = True
     cfg.validate()
+    if cfg.distributed:
+        from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
     sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume))
     s = sim.run()
-    if a.quiet:
+    if a.quiet and getattr(sim, "rank", 0) == 0:
         print(json.dumps({k: s.get(k) for k in ("final_accuracy", "best_accuracy", "run_dir")}))
     return 0 if not s.get("diverged") else 3
 
@@ -185,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--name", help="run directory name")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--quiet", action="store_true")
+    r.add_argument("--distributed", action="store_true",
+                   help="split each round's clients over torch.distributed ranks (launch with torchrun); "
+                        "same as distributed=true")
     c = sub.add_parser("compare", help="several methods x seeds on one setup, with a table")
     c.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
     c.add_argument("--preset")

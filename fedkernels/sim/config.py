@@ -103,6 +103,7 @@ class RunConfig:
     plots: bool = True
     progress: Optional[bool] = None      # None: only when stderr is a tty
     verbose: bool = True                 # one printed line per evaluated round
+    distributed: bool = False            # ranks of torch.distributed split each round's clients (sim.distributed_sim)
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -95,7 +95,8 @@ def _deterministic(on: bool):
 
 # config keys that may change on resume without changing the computation
 _RESUME_FREE = {"name", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
-                "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss"}
+                "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss",
+                "distributed"}
 
 
 def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> List[str]:

@@ -1,0 +1,402 @@
+"""The simulator over ``torch.distributed``: ranks train disjoint parts of each round's clients and
+aggregate column slices of all the updates.
+
+    torchrun --nproc_per_node 2 -m fedkernels run --preset smoke distributed=true
+    # or, from Python, inside an initialised process group (gloo on CPU, NCCL on GPUs):
+    summary = DistributedSimulation(cfg).run()
+
+Every rank runs the same config, so every rank holds the same data, partition, model and pre-drawn
+client schedule (``sample_schedule``). Per round ``r`` with clients ``ids = schedule[r]``:
+
+1. *Payloads.* Every rank calls ``client_payload(cid)`` for every client of the round, in schedule
+   order (a collective for methods whose payloads hold d-sized server state, e.g. SCAFFOLD's
+   ``c``/``c_i``: the slices are all-gathered into full vectors).
+2. *Local training.* The round's positions ``0..K-1`` are split into ``world`` contiguous blocks of
+   near-equal size (:func:`assign_positions`); rank ``q`` trains the clients of block ``q`` into
+   its local ``UpdateBuffer`` exactly as the single-process loop does (same seeds, same hooks).
+3. *Exchange.* The small per-client facts (position, id, sample count, scalar payload entries,
+   train loss, steps, exclusions, errors) are all-gathered as objects. One ``all_to_all_single``
+   then sends column block ``[a_s, b_s)`` (``distributed.shard_bounds``, aligned to the FlatSpec's
+   tensor boundaries) of every local update row to rank ``s``; because blocks are contiguous in
+   schedule order, rank ``s`` receives its ``[K, b_s - a_s]`` slice of *all* updates already in
+   schedule order (no reordering copy). Payload tensors with d elements (SCAFFOLD's ``delta_c``)
+   are sliced the same way, in a second exchange per dtype.
+4. *Aggregation.* Every rank runs ``ShardedAggregator.aggregate`` on its slice (the d-reductions
+   of Gram-based methods are all-reduced inside it) and the new global model is all-gathered, so
+   every rank holds the full model for the next round.
+5. *Evaluation and outputs* happen on rank 0 only (metrics.jsonl, summary, final model, plots).
+
+Agreement with one process: the client schedule is identical, every client's update is computed by
+the same code from the same global model and seed, and the rows reach the aggregator in the same
+order, so FedAvg-like methods (per-coordinate arithmetic) give the single-process model bit for
+bit; Gram-based methods sum per-rank fp64 partials, equal to fp32 rounding (see
+``fedkernels.distributed``). Local training uses the rank's intra-op thread count: run both with
+the same ``threads`` for bitwise-equal updates.
+
+Checkpoints: every rank's aggregator state is a column slice; at a checkpoint the slices are
+gathered and merged into the full state (tensors whose last dimension is the rank's slice width on
+every rank are concatenated), so rank 0 writes one ordinary checkpoint, readable by a
+single-process run and by a distributed run of any world size (``--resume`` re-slices it).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..distributed import ShardedAggregator
+from ..flat import UpdateBuffer
+from . import checkpoint as ckpt
+from .client import client_seed, client_losses, evaluate, schedule_factor
+from .config import RunConfig
+from .report import json_safe
+from .server import BadClientError, Simulation, resolve_device
+
+log = logging.getLogger("fedkernels.sim")
+
+__all__ = ["DistributedSimulation", "assign_positions", "init_from_env", "merge_sliced_state", "slice_state"]
+
+
+def init_from_env(device: str = "cpu") -> bool:
+    """Initialises the default process group from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) unless one is already initialised: gloo when the run is on the
+    CPU, NCCL on CUDA (each rank then uses GPU ``LOCAL_RANK``). Returns True if it initialised one."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("distributed=true needs an initialised torch.distributed process group or torchrun's "
+                           "environment (launch with `python -m torch.distributed.run --nproc_per_node N "
+                           "-m fedkernels run ... distributed=true`)")
+    cuda = resolve_device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return True
+
+
+def assign_positions(K: int, world: int) -> List[Tuple[int, int]]:
+    """Contiguous ``[start, stop)`` blocks of the round's positions ``0..K-1``, one per rank, sizes
+    differing by at most one (the first ``K % world`` ranks get one more)."""
+    q, rem = divmod(int(K), int(world))
+    out, s = [], 0
+    for r in range(world):
+        n = q + (1 if r < rem else 0)
+        out.append((s, s + n))
+        s += n
+    return out
+
+
+# ---- aggregator state: merge the ranks' slices / slice a full state --------------------------------
+def merge_sliced_state(states: Sequence[Any], widths: Sequence[int]):
+    """One full state from the per-rank states of a sliced aggregator: a tensor leaf whose last
+    dimension is ``widths[r]`` on every rank r (with ``sum(widths)`` columns in all) is concatenated
+    along it; any other leaf must be the same on every rank and is kept once."""
+    first = states[0]
+    if isinstance(first, dict):
+        return {k: merge_sliced_state([s[k] for s in states], widths) for k in first}
+    if isinstance(first, (list, tuple)) and not isinstance(first, str):
+        vals = [merge_sliced_state([s[i] for s in states], widths) for i in range(len(first))]
+        return type(first)(vals) if isinstance(first, tuple) else vals
+    if isinstance(first, torch.Tensor):
+        if all(isinstance(s, torch.Tensor) and s.dim() >= 1 and s.size(-1) == w and s.shape[:-1] == first.shape[:-1]
+               for s, w in zip(states, widths)):
+            return torch.cat([s.cpu() for s in states], dim=-1)
+        return first
+    return first
+
+
+def slice_state(state: Any, d: int, lo: int, hi: int):
+    """The inverse of :func:`merge_sliced_state` for one rank: every tensor leaf whose last
+    dimension is ``d`` keeps columns ``[lo, hi)``."""
+    if isinstance(state, dict):
+        return {k: slice_state(v, d, lo, hi) for k, v in state.items()}
+    if isinstance(state, (list, tuple)) and not isinstance(state, str):
+        vals = [slice_state(v, d, lo, hi) for v in state]
+        return type(state)(vals) if isinstance(state, tuple) else vals
+    if isinstance(state, torch.Tensor) and state.dim() >= 1 and state.size(-1) == d and hi - lo != d:
+        return state[..., lo:hi].clone()
+    return state
+
+
+class DistributedSimulation(Simulation):
+    """:class:`Simulation` with the round's clients trained on ``world`` ranks and the aggregation
+    sharded by columns (module docstring). All ranks construct it with the same config and call
+    ``run()`` together. ``group``: a process group (None: the default one, initialised from
+    torchrun's environment when needed). ``align``: slice boundaries on tensor ("tensor") or output-row
+    ("row") boundaries. Outputs are written by rank 0 only."""
+
+    def __init__(self, cfg: RunConfig, *, group=None, align: str = "tensor", **kw):
+        cfg = cfg.copy()
+        init_from_env(cfg.device)
+        self.group = group
+        self.align = align
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self._want_outputs = bool(kw.get("write_outputs", True))   # the same on every rank
+        kw["write_outputs"] = self._want_outputs and self.rank == 0
+        super().__init__(cfg, **kw)
+        self._agg_state_full: Optional[Dict[str, Any]] = None
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _build_aggregator(self):
+        return ShardedAggregator(super()._build_aggregator(), group=self.group, align=self.align)
+
+    def setup(self) -> "DistributedSimulation":
+        if self._ready:
+            return self
+        super().setup()
+        rows = max(1, -(-self.per_round // self.world))      # this rank's clients: at most ceil(K / world)
+        self.buf = UpdateBuffer(rows, self.spec, device=self.device, dtype=self.spec.dtype)
+        stateful = self.agg.client_rule()
+        self._by_client = stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict")
+        if self._by_client:
+            raise ValueError(f"distributed=true: {self.cfg.algorithm.name}'s client rule keeps state across rounds; "
+                             "the distributed simulator does not move client-rule state between ranks")
+        return self
+
+    def _progress_enabled(self) -> bool:
+        return self.rank == 0 and super()._progress_enabled()
+
+    def _print(self, msg: str) -> None:
+        if self.rank == 0:
+            super()._print(msg)
+
+    # ---- collectives --------------------------------------------------------------------------------
+    def _all_gather_object(self, obj):
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _exchange(self, rows: List[torch.Tensor], src: Optional[torch.Tensor], counts: List[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+        """All-to-all of column slices. This rank sends, for every rank s, columns ``bounds[s]`` of its
+        ``counts[rank]`` rows (``src`` [m, d] or the list ``rows`` of [d] tensors); returns the
+        ``[sum(counts), hi - lo]`` matrix of every rank's rows (rank order), this rank's columns."""
+        bounds = self.agg.bounds
+        lo, hi = self.agg.lo, self.agg.hi
+        w = hi - lo
+        m = counts[self.rank]
+        dev = self.device if (self.agg.ctx.backend != "gloo") else torch.device("cpu")
+        send = torch.empty(m * self.spec.d, dtype=dtype, device=dev)
+        in_splits, off = [], 0
+        for a, b in bounds:
+            n = m * (b - a)
+            blk = send[off:off + n].view(m, b - a)
+            if src is not None:
+                blk.copy_(src[:m, a:b])
+            else:
+                for i, r in enumerate(rows):
+                    blk[i].copy_(r.reshape(-1)[a:b])
+            in_splits.append(n)
+            off += n
+        out_splits = [c * w for c in counts]
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+        if self.world == 1:
+            recv.copy_(send)
+        else:
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        return recv.view(sum(counts), w).to(self.device)
+
+    # ---- one round --------------------------------------------------------------------------------
+    def run_round(self, r: int) -> Dict[str, Any]:
+        cfg = self.cfg
+        ids = list(self.schedule[r])
+        blocks = assign_positions(len(ids), self.world)
+        start, stop = blocks[self.rank]
+        buf = self.buf
+        buf.reset()
+        factor = schedule_factor(cfg.train, r, cfg.rounds)
+        d = self.spec.d
+        # 1. payloads: every rank, every client, schedule order (a collective for d-sized server state)
+        sent: Dict[int, Any] = {}
+        for pos, cid in enumerate(ids):
+            try:
+                p = self.agg.client_payload(cid)
+            except Exception as e:  # noqa: BLE001 - reported by the rank that trains the client
+                p = e
+            if start <= pos < stop:
+                sent[pos] = p
+        # 2. local training of this rank's block
+        from tqdm.auto import tqdm
+        self._sync()
+        t0 = time.perf_counter()
+        accepted, excluded, error = [], [], None
+        big: List[torch.Tensor] = []          # d-sized payload tensors, in (position, key) order
+        for pos in tqdm(range(start, stop), desc=f"round {r + 1} clients (rank {self.rank})", leave=False,
+                        disable=not self._progress_enabled(), dynamic_ncols=True):
+            cid = ids[pos]
+            base_lr, epochs = self.hetero.get(cid, r)
+            try:
+                if isinstance(sent[pos], Exception):
+                    raise sent[pos]
+                rule = self._rule(cid)
+                res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
+                                         client_seed(cfg.seed, r, cid), rule=rule, payload=sent[pos], base_lr=base_lr)
+                slot = buf.add(cid, res.num_examples)
+                row = buf.write_delta(slot, self.model, self.global_flat)
+                if not bool(torch.isfinite(row).all()):
+                    buf.client_ids.pop()
+                    buf.num_examples.pop()
+                    raise BadClientError("update contains NaN/Inf")
+                if not math.isfinite(res.train_loss):
+                    log.warning("client %d: non-finite train loss with a finite update", cid)
+            except Exception as e:  # noqa: BLE001 - the policy decides
+                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+                if cfg.bad_client_policy == "raise":
+                    error = (pos, f"round {r + 1}, client {cid}: {reason}")
+                    break
+                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
+                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
+                continue
+            small, keys = {}, []
+            for k in sorted(res.payload):
+                v = res.payload[k]
+                if isinstance(v, torch.Tensor) and v.numel() == d:
+                    keys.append((k, str(v.dtype).replace("torch.", ""), tuple(v.shape)))
+                    big.append(v)
+                else:
+                    small[k] = v.cpu() if isinstance(v, torch.Tensor) else v
+            accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": small,
+                             "big": keys, "loss": res.train_loss, "steps": res.steps})
+        self._sync()
+        t_local = time.perf_counter() - t0
+
+        # 3. exchange: the small facts as objects, then the column slices
+        t1 = time.perf_counter()
+        facts = self._all_gather_object({"accepted": accepted, "excluded": excluded, "error": error,
+                                         "t_local": t_local})
+        errs = sorted(f["error"] for f in facts if f["error"] is not None)
+        if errs:
+            raise BadClientError(errs[0][1])
+        acc = [a for f in facts for a in f["accepted"]]                  # rank order = schedule order
+        excluded = [e for _, e in sorted((x for f in facts for x in f["excluded"]), key=lambda x: x[0])]
+        U = self._exchange([], buf.data, [len(f["accepted"]) for f in facts], buf.data.dtype)
+        payloads = [dict(a["payload"]) for a in acc]
+        groups = sorted({k[1] for a in acc for k in a["big"]})
+        for g in groups:
+            dt = getattr(torch, g)
+            mine = [t for t, k in zip(big, [k for a in accepted for k in a["big"]]) if k[1] == g]
+            counts = [sum(1 for a in f["accepted"] for k in a["big"] if k[1] == g) for f in facts]
+            got = self._exchange(mine, None, counts, dt)
+            i = 0
+            for a, p in zip(acc, payloads):
+                for k, kdt, _shape in a["big"]:
+                    if kdt == g:
+                        p[k] = got[i]
+                        i += 1
+
+        # 4. sharded aggregation; every rank gets the full new model
+        new, info = self.agg.aggregate(self.global_flat, U, [a["n"] for a in acc], [a["cid"] for a in acc],
+                                       payloads, gather=True)
+        self.global_flat.copy_(new)
+        self._sync()
+        t_agg = time.perf_counter() - t1
+        info = dict(info)
+        for e in info.pop("excluded", []):
+            excluded.append(dict(e))
+            log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
+
+        losses = [a["loss"] for a in acc]
+        m: Dict[str, Any] = {
+            "round": r + 1, "clients": list(ids), "num_updates": len(acc),
+            "lr": float(cfg.train.lr * factor),
+            "train_loss_mean": float(np.mean(losses)) if losses else None,
+            "train_loss_var": float(np.var(losses)) if losses else None,
+            "local_steps": [a["steps"] for a in acc],
+            "t_local": max(f["t_local"] for f in facts), "t_agg": t_agg,
+            "excluded": excluded,
+        }
+        m["agg_share"] = m["t_agg"] / (m["t_local"] + t_agg) if m["t_local"] + t_agg > 0 else None
+        diverged = not bool(torch.isfinite(self.global_flat).all())
+        if diverged:
+            m["diverged"] = True
+        if self.rank == 0 and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
+            te = time.perf_counter()
+            self.trainer.work.copy_(self.global_flat)
+            a_, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
+            m.update(accuracy=a_, test_loss=tl)
+            if cfg.client_loss != "none":
+                who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else [a["cid"] for a in acc]
+                cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
+                if cl:
+                    m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
+            self._sync()
+            m["t_eval"] = time.perf_counter() - te
+        m["agg"] = json_safe(info)
+        # 5. a checkpoint this round: gather the aggregator's slices (a collective on every rank)
+        if (self._want_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0
+                and not diverged):
+            self._agg_state_full = self.full_aggregator_state()
+        return m
+
+    def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
+        """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""
+        out = super().run(stop_after)
+        dist.barrier(group=self.group)
+        return out
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def full_aggregator_state(self) -> Optional[Dict[str, Any]]:
+        """The wrapped aggregator's whole state (rank 0; None elsewhere): every rank's slice gathered
+        and merged with :func:`merge_sliced_state`. A collective."""
+        st = self.agg.agg.state_dict()
+        st = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()} if isinstance(st, dict) else st
+        allst = self._all_gather_object(st)
+        if self.rank != 0:
+            return None
+        return merge_sliced_state(allst, [b - a for a, b in self.agg.bounds])
+
+    def state(self, rnd: int) -> Dict[str, Any]:
+        if self._agg_state_full is None:
+            raise RuntimeError("distributed checkpoint: the merged aggregator state was not gathered this round")
+        return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
+                "aggregator": self._agg_state_full,
+                "rules": {},
+                "rng": {"torch": torch.get_rng_state()},
+                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), "world": self.world}
+
+    def _load_checkpoint(self) -> None:
+        # every rank reads the same (full) checkpoint and keeps its columns of the aggregator state
+        # rank 0 first: load_latest removes the temp files of interrupted writes
+        found = ckpt.load_latest(self.ckpt_dir, map_location="cpu") if self.rank == 0 else None
+        dist.barrier(group=self.group)
+        if self.rank != 0:
+            found = ckpt.load_latest(self.ckpt_dir, map_location="cpu")
+        rounds = self._all_gather_object(None if found is None else int(found[1]["round"]))
+        if len(set(rounds)) != 1:
+            raise ckpt.CheckpointError(f"resume: the ranks found different checkpoints (rounds {rounds}); "
+                                       f"they must all read {self.ckpt_dir}")
+        if found is None:
+            log.warning("resume: no checkpoint in %s; starting from round 0", self.ckpt_dir)
+            return
+        path, st = found
+        if st["global"].numel() != self.global_flat.numel():
+            raise ckpt.CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
+                                       f"config's model has {self.global_flat.numel()}")
+        self.global_flat.copy_(st["global"].to(self.global_flat.device))
+        loc = slice_state(st["aggregator"], self.spec.d, self.agg.lo, self.agg.hi)
+        loc = _to_device(loc, self.device)
+        self.agg.agg.load_state_dict(loc)
+        if "rng" in st and "torch" in st["rng"]:
+            torch.set_rng_state(st["rng"]["torch"].cpu())
+        self.metrics = list(st.get("metrics", []))
+        self.start_round = int(st["round"])
+        self._print(f"resumed from {path} (round {self.start_round})")
+
+
+def _to_device(state, device):
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_device(v, device) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_to_device(v, device) for v in state)
+    if isinstance(state, torch.Tensor) and state.is_floating_point():
+        return state.to(device)
+    return state

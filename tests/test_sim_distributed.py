@@ -1,0 +1,184 @@
+"""The distributed simulator (fedkernels.sim.distributed_sim): 2 gloo ranks on 127.0.0.1 train
+disjoint parts of each round's clients, exchange column slices and aggregate them; the result equals
+the single-process run of the same config (model, metrics, checkpoints)."""
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fedkernels.sim import checkpoint as ckpt
+from fedkernels.sim import presets
+from fedkernels.sim.config import apply_overrides
+from fedkernels.sim.distributed_sim import assign_positions, merge_sliced_state, slice_state
+from fedkernels.sim.report import TIMING_KEYS
+from fedkernels.sim.server import Simulation
+
+WORLD = 2
+# (algorithm, options, bitwise): per-coordinate methods give identical bits; Gram-based ones sum
+# per-rank fp64 partials (fp32 rounding)
+METHODS = [
+    ("fedavg", {}, True),
+    ("kuramoto", {"mode": "S", "kappa0": 0.5}, False),
+    ("fedaware", {}, False),
+    ("scaffold", {}, True),
+]
+
+
+def _cfg(out_dir, name, opts, **kw):
+    ov = [f"out_dir={out_dir}", f"algorithm.name={name}", "rounds=3", "clients_per_round=3", "plots=false",
+          "verbose=false", "progress=false", "threads=1"]
+    ov += [f"algorithm.options.{k}={v}" for k, v in opts.items()]
+    ov += [f"{k}={v}" for k, v in kw.items()]
+    return apply_overrides(presets.get("smoke"), ov)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, tmp, data):
+    try:
+        torch.set_num_threads(1)
+        from fedkernels.sim.distributed_sim import DistributedSimulation
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=120))
+        tr, te = data
+        for name, opts, _ in METHODS:
+            cp = 1 if name == "scaffold" else 0
+            sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp),
+                                        train=tr, test=te)
+            sim.run()
+            assert sim.writer is None if rank else sim.writer is not None
+        # an interrupted distributed run resumed from its (merged, full) checkpoint
+        cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
+        DistributedSimulation(cfg, train=tr, test=te).run(stop_after=2)
+        sim = DistributedSimulation(cfg, train=tr, test=te, resume=True)
+        sim.run()
+        assert sim.start_round == 3
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"err.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _final(run_dir):
+    return torch.load(os.path.join(run_dir, "final_model.pt"), weights_only=False)["flat"]
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in f if line.strip()]
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    from fedkernels.sim.data import load_dataset
+    torch.set_num_threads(1)
+    data = load_dataset("digits")
+    try:
+        mp.spawn(_worker, args=(_free_port(), str(tmp_path), data), nprocs=WORLD, join=True)
+    except Exception:
+        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
+        pytest.fail("worker failed:\n" + "\n".join(msgs))
+    for name, opts, bitwise in METHODS:
+        cp = 1 if name == "scaffold" else 0
+        cfg = _cfg(str(tmp_path / "single"), name, opts, checkpoint_every=cp)
+        s = Simulation(cfg, train=data[0], test=data[1])
+        s.run()
+        d_dir = os.path.join(str(tmp_path / "dist"), cfg.run_name())
+        got, ref = _final(d_dir), _final(s.run_dir)
+        assert ref.numel() == got.numel()
+        if bitwise:
+            assert torch.equal(got, ref), f"{name}: max diff {(got - ref).abs().max()}"
+        else:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        md, ms = _metrics(d_dir), _metrics(s.run_dir)
+        assert [m["clients"] for m in md] == [m["clients"] for m in ms] == [list(c) for c in s.schedule[:3]]
+        for a, b in zip(md, ms):
+            assert a["local_steps"] == b["local_steps"] and a["num_updates"] == b["num_updates"] == 3
+            if bitwise:
+                assert a == b, name
+            else:
+                assert a["accuracy"] == pytest.approx(b["accuracy"], abs=2e-3)
+                assert a["train_loss_mean"] == pytest.approx(b["train_loss_mean"], rel=1e-4)
+        if name == "scaffold":
+            # the merged distributed checkpoint is the single-process one (full-size control variates)
+            compared = 0
+            for rnd in (1, 2, 3):
+                pa, pb = (ckpt.path_for(os.path.join(r, "checkpoints"), rnd) for r in (d_dir, s.run_dir))
+                if not (os.path.exists(pa) and os.path.exists(pb)):
+                    continue            # pruned (keep_checkpoints)
+                a, b = ckpt.load(pa), ckpt.load(pb)
+                compared += 1
+                assert a["round"] == b["round"] == rnd and torch.equal(a["global"], b["global"])
+                assert a["aggregator"]["c_table"].shape == b["aggregator"]["c_table"].shape
+                for k, v in b["aggregator"].items():
+                    if isinstance(v, torch.Tensor):
+                        assert torch.equal(a["aggregator"][k], v), k
+            assert compared >= 2
+            # stop after 2 rounds, resume on 2 ranks from the merged checkpoint: same final model
+            assert torch.equal(_final(os.path.join(str(tmp_path / "resumed"), cfg.run_name())), ref)
+
+
+# ---- pieces without processes -------------------------------------------------------------------
+def test_assign_positions_contiguous_and_balanced():
+    for K in range(0, 9):
+        for world in (1, 2, 3, 4):
+            b = assign_positions(K, world)
+            assert len(b) == world and b[0][0] == 0 and b[-1][1] == K
+            assert all(b[i][1] == b[i + 1][0] for i in range(world - 1))
+            sizes = [hi - lo for lo, hi in b]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_merge_and_slice_state_round_trip():
+    d, bounds = 10, [(0, 4), (4, 10)]
+    full = {"c": torch.arange(d, dtype=torch.float32), "table": torch.randn(3, d), "round": 5,
+            "stats": torch.tensor([1.0, 2.0]), "nested": {"m": [torch.randn(d)]}}
+    parts = [slice_state(full, d, lo, hi) for lo, hi in bounds]
+    assert parts[0]["table"].shape == (3, 4) and parts[1]["c"].shape == (6,)
+    assert torch.equal(parts[0]["stats"], full["stats"])        # not d-sized: kept whole
+    merged = merge_sliced_state(parts, [hi - lo for lo, hi in bounds])
+    assert merged["round"] == 5 and torch.equal(merged["stats"], full["stats"])
+    for k in ("c", "table"):
+        assert torch.equal(merged[k], full[k])
+    assert torch.equal(merged["nested"]["m"][0], full["nested"]["m"][0])
+
+
+def test_needs_a_process_group(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group is active")
+    from fedkernels.sim.distributed_sim import DistributedSimulation
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        DistributedSimulation(presets.get("smoke"))
+
+
+def test_torchrun_cli(tmp_path):
+    """`torchrun --nproc_per_node 2 -m fedkernels run --preset smoke --distributed`: rank 0 alone
+    writes the run directory and prints; the final model is the single-process one."""
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    args = ["--preset", "smoke", f"out_dir={tmp_path}", "plots=false", "threads=1", "--quiet", "--no-progress"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                        "-m", "fedkernels", "run", "--distributed", "--name", "dist"] + args,
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and lines[0]["run_dir"].endswith("dist")          # rank 0 only
+    from fedkernels.sim.cli import main
+    assert main(["run", "--name", "single"] + args) == 0
+    assert torch.equal(_final(str(tmp_path / "dist")), _final(str(tmp_path / "single")))
+    assert _metrics(str(tmp_path / "dist")) == _metrics(str(tmp_path / "single"))
