@@ -1,4 +1,4 @@
-"""All CPU benchmark suites: python -m bench.cpu [--quick] [--only core,linalg,gc,round]
+"""All CPU benchmark suites: python -m bench.cpu [--quick] [--only core,linalg,gc,becado,round]
 
 Each suite measures an op against the baselines a user would otherwise run and against the
 memory-bandwidth floor, prints a table and writes bench/results/cpu-<suite>.json.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-SUITES = ["core", "linalg", "gc", "round"]
+SUITES = ["core", "linalg", "gc", "becado", "round"]
 
 
 def main(argv=None):

@@ -82,3 +82,21 @@ def test_state_dict_roundtrip():
     b = algorithms.build("fedavg")
     b.load_state_dict(a.state_dict())
     assert b.round == 1
+
+
+def test_fedavg_reads_updates_once_when_clean(monkeypatch):
+    """Stateless FedAvg aggregates first and scans the K x d rows only if the result is not finite."""
+    from fedkernels import ops
+    shapes = []
+    real = ops.finite_rows
+    monkeypatch.setattr(ops, "finite_rows", lambda U: (shapes.append(tuple(U.shape)), real(U))[1])
+    g, U = torch.zeros(6), torch.ones(3, 6)
+    algorithms.build("fedavg").aggregate(g, U, [1, 1, 1])
+    assert (3, 6) not in shapes
+    U[2, 1] = float("nan")
+    shapes.clear()
+    new, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(g, U, [1, 1, 1])
+    assert (3, 6) in shapes and torch.equal(new, torch.ones(6)) and info["excluded"][0]["client_id"] == 2
+    shapes.clear()
+    algorithms.build("fedavgm").aggregate(g, torch.ones(3, 6), [1, 1, 1])   # stateful: scans first
+    assert (3, 6) in shapes

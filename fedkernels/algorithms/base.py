@@ -67,6 +67,9 @@ class Aggregator(abc.ABC):
 
     name = "base"
     client_rule_cls: Optional[type] = None
+    # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg): they
+    # are run first without the row scan, which is only done when the result is not finite.
+    screen_after_pure = False
 
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0):
         if on_bad_update not in BAD_UPDATE_POLICIES:
@@ -98,6 +101,19 @@ class Aggregator(abc.ABC):
     def aggregate(self, global_flat: torch.Tensor, updates: torch.Tensor, num_examples,
                   client_ids: Optional[Sequence[int]] = None,
                   payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
+        if self.screen_after_pure:
+            # One pass instead of two for pure methods: aggregate unscreened, then check the [d]
+            # result. A NaN/Inf in any used update (or an overflow) makes it non-finite, and only
+            # then are the rows screened and the round redone under the on_bad_update policy.
+            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            if rin.K > 0:
+                res = self._aggregate(rin)
+                if bool(ops.finite_rows(res.params.unsqueeze(0))[0]):
+                    res.info.setdefault("num_clients", rin.K)
+                    if rin.excluded:            # e.g. wrong-length rows, screened without the scan
+                        res.info["excluded"] = rin.excluded
+                    self.round += 1
+                    return res
         rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
         if rin.K == 0:
             res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
@@ -113,8 +129,10 @@ class Aggregator(abc.ABC):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         """The method's arithmetic on validated inputs (rin.K >= 1)."""
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None) -> RoundInput:
-        """Checks every argument; applies the on_bad_update policy to bad clients."""
+    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None,
+                 screen: bool = True) -> RoundInput:
+        """Checks every argument; applies the on_bad_update policy to bad clients.
+        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_after_pure``)."""
         if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
@@ -167,7 +185,7 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
 
         reasons: Dict[int, str] = {}
-        finite = ops.finite_rows(updates) if K else torch.ones(0, dtype=torch.bool)
+        finite = ops.finite_rows(updates) if (K and screen) else torch.ones(K, dtype=torch.bool)
         for k in range(K):
             if not bool(finite[k]):
                 reasons[k] = "update contains NaN/Inf"

@@ -13,6 +13,8 @@ class FedAvg(Aggregator):
     One native ``weighted_sum`` pass over the K x d updates; no per-layer loop.
     """
 
+    screen_after_pure = True   # stateless: one pass over U; rows are scanned only if the result is not finite
+
     def __init__(self, weighting: str = "samples", **kw):
         super().__init__(**kw)
         if weighting not in ("samples", "uniform"):

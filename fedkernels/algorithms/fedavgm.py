@@ -28,6 +28,8 @@ class FedAvgM(FedAvg):
     accumulates straight into the momentum buffer, then one axpy over d.
     """
 
+    screen_after_pure = False   # keeps state across rounds: screen the rows first
+
     def __init__(self, beta: float = 0.9, nesterov: bool = False, **kw):
         super().__init__(**kw)
         beta = float(beta)

@@ -115,6 +115,8 @@ class Scaffold(FedAvg):
     native pass (``ops.fused_sgd_step_``) when the optimizer is plain ``torch.optim.SGD``.
     """
 
+    screen_after_pure = False   # keeps state across rounds: screen the rows first
+
     client_rule_cls = ScaffoldRule
 
     def __init__(self, momentum_correction: bool = False, fused_step: bool = True, **kw):
