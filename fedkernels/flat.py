@@ -12,7 +12,7 @@ Sign convention used everywhere in fedkernels: a client *update* is ``local_mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Callable, Iterator, Optional, Sequence, Tuple, Union
+from typing import Iterator, Optional, Tuple, Union
 
 import numpy as np
 import torch

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np

@@ -41,7 +41,6 @@ single-process run and by a distributed run of any world size (``--resume`` re-s
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -53,7 +52,7 @@ import torch.distributed as dist
 from ..distributed import ShardedAggregator
 from ..flat import UpdateBuffer
 from . import checkpoint as ckpt
-from .client import client_seed, client_losses, evaluate, schedule_factor
+from .client import client_losses, evaluate, schedule_factor
 from .config import RunConfig
 from .report import json_safe
 from .server import BadClientError, Simulation, resolve_device
@@ -235,17 +234,7 @@ class DistributedSimulation(Simulation):
             try:
                 if isinstance(sent[pos], Exception):
                     raise sent[pos]
-                rule = self._rule(cid)
-                res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
-                                         client_seed(cfg.seed, r, cid), rule=rule, payload=sent[pos], base_lr=base_lr)
-                slot = buf.add(cid, res.num_examples)
-                row = buf.write_delta(slot, self.model, self.global_flat)
-                if not bool(torch.isfinite(row).all()):
-                    buf.client_ids.pop()
-                    buf.num_examples.pop()
-                    raise BadClientError("update contains NaN/Inf")
-                if not math.isfinite(res.train_loss):
-                    log.warning("client %d: non-finite train loss with a finite update", cid)
+                res = self.train_client(buf, cid, r, base_lr, factor, epochs, sent[pos])
             except Exception as e:  # noqa: BLE001 - the policy decides
                 reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
                 if cfg.bad_client_policy == "raise":

@@ -134,14 +134,16 @@ class FedAvgCNN(nn.Module):
     MNIST/FMNIST (Kuramoto ``FedAvgNetMNIST``): 1,663,370 params; CIFAR-10 (GC-Fed CNN): 2,156,490.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28,
+                 widths: tuple = (32, 64, 512), name: str = "fedavg_cnn"):
         super().__init__()
-        _check_size("fedavg_cnn", input_size, 4)
-        self.conv1 = nn.Conv2d(in_channels, 32, 5, padding=2)
-        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+        _check_size(name, input_size, 4)
+        c1, c2, hidden = widths
+        self.conv1 = nn.Conv2d(in_channels, c1, 5, padding=2)
+        self.conv2 = nn.Conv2d(c1, c2, 5, padding=2)
         side = input_size // 2 // 2
-        self.fc1 = nn.Linear(64 * side * side, 512)
-        self.fc2 = nn.Linear(512, num_classes)
+        self.fc1 = nn.Linear(c2 * side * side, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -256,23 +258,13 @@ class SmallCNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
-class DigitCNN(nn.Module):
+class DigitCNN(FedAvgCNN):
     """GC-Fed's DigitCNN for 8x8 digits: conv5x5 1->16 p2, pool, conv5x5 16->32 p2, pool,
-    fc 128->64, fc 64->C. 8 parameter tensors, classifier ``fc2``; 22,154 params."""
+    fc 128->64, fc 64->C. 8 parameter tensors, classifier ``fc2``; 22,154 params.
+    (The FedAvg CNN's layout with narrower layers.)"""
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 8):
-        super().__init__()
-        _check_size("digit_cnn", input_size, 4)
-        self.conv1 = nn.Conv2d(in_channels, 16, 5, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
-        side = input_size // 2 // 2
-        self.fc1 = nn.Linear(32 * side * side, 64)
-        self.fc2 = nn.Linear(64, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        super().__init__(num_classes, in_channels, input_size, widths=(16, 32, 64), name="digit_cnn")
 
 
 class DigitCNNPGVC(nn.Module):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import algorithms
+from .. import algorithms, ops
 from ..flat import FlatSpec, UpdateBuffer
 from . import checkpoint as ckpt
 from .client import (STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, ClientTrainer, HeteroCompute, client_losses,
@@ -301,6 +301,22 @@ class Simulation:
             torch.cuda.synchronize(self.device)
 
     # ---- one round --------------------------------------------------------------------------------
+    def train_client(self, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload):
+        """Trains client ``cid`` in round ``r`` and writes its update into the next row of ``buf``.
+        Raises BadClientError (row released) when the update is not finite."""
+        res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
+                                 client_seed(self.cfg.seed, r, cid), rule=self._rule(cid),
+                                 payload=payload, base_lr=base_lr)
+        slot = buf.add(cid, res.num_examples)
+        row = buf.write_delta(slot, self.model, self.global_flat)
+        if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
+            buf.client_ids.pop()
+            buf.num_examples.pop()
+            raise BadClientError("update contains NaN/Inf")
+        if not math.isfinite(res.train_loss):
+            log.warning("client %d: non-finite train loss with a finite update", cid)
+        return res
+
     def run_round(self, r: int) -> Dict[str, Any]:
         cfg = self.cfg
         ids = self.schedule[r]
@@ -315,18 +331,7 @@ class Simulation:
                         disable=not self._progress_enabled(), dynamic_ncols=True):
             base_lr, epochs = self.hetero.get(cid, r)
             try:
-                rule = self._rule(cid)
-                res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
-                                         client_seed(cfg.seed, r, cid), rule=rule,
-                                         payload=self.agg.client_payload(cid), base_lr=base_lr)
-                slot = buf.add(cid, res.num_examples)
-                row = buf.write_delta(slot, self.model, self.global_flat)
-                if not bool(torch.isfinite(row).all()):
-                    buf.client_ids.pop()
-                    buf.num_examples.pop()
-                    raise BadClientError("update contains NaN/Inf")
-                if not math.isfinite(res.train_loss):
-                    log.warning("client %d: non-finite train loss with a finite update", cid)
+                res = self.train_client(buf, cid, r, base_lr, factor, epochs, self.agg.client_payload(cid))
             except Exception as e:  # noqa: BLE001 - the policy decides
                 reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
                 if cfg.bad_client_policy == "raise":
