@@ -280,16 +280,11 @@ class DistributedSimulation(Simulation):
                         p[k] = got[i]
                         i += 1
 
-        # 4. sharded aggregation; every rank gets the full new model
-        new, info = self.agg.aggregate(self.global_flat, U, [a["n"] for a in acc], [a["cid"] for a in acc],
-                                       payloads, gather=True)
-        self.global_flat.copy_(new)
-        self._sync()
-        t_agg = time.perf_counter() - t1
-        info = dict(info)
-        for e in info.pop("excluded", []):
-            excluded.append(dict(e))
-            log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
+        # 4. sharded aggregation; every rank gets the full new model (t_agg includes the exchange)
+        t_exchange = time.perf_counter() - t1
+        info, t_agg = self.apply_aggregate(r, excluded, U, [a["n"] for a in acc], [a["cid"] for a in acc],
+                                           payloads, gather=True)
+        t_agg += t_exchange
 
         losses = [a["loss"] for a in acc]
         m: Dict[str, Any] = {

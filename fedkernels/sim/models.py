@@ -68,6 +68,20 @@ def _check_size(name: str, size: int, need: int):
         raise ValueError(f"{name}: input_size {size} too small (needs >= {need})")
 
 
+def init_fanout_conv_small_linear(model: nn.Module) -> nn.Module:
+    """torchvision-VGG-style init used by FedAWARE's code: Kaiming-normal (fan_out) convs,
+    N(0, 0.01) linears, zero biases."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, 0.01)
+            nn.init.zeros_(m.bias)
+    return model
+
+
 def init_kaiming_fan_in(model: nn.Module) -> nn.Module:
     """Kaiming-normal(fan_in, ReLU gain) weights and zero biases for conv and linear layers."""
     for m in model.modules():
@@ -170,13 +184,7 @@ class ToyCifarNet(nn.Module):
         self.reset_spec_init()
 
     def reset_spec_init(self):
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, 0.01)
-                nn.init.zeros_(m.bias)
+        init_fanout_conv_small_linear(self)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -353,13 +361,7 @@ class VGG11(nn.Module):
         self.reset_spec_init()
 
     def reset_spec_init(self):
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        init_fanout_conv_small_linear(self)
 
     def forward(self, x):
         return self.classifier(self.avgpool(self.features(x)).flatten(1))

@@ -317,6 +317,21 @@ class Simulation:
             log.warning("client %d: non-finite train loss with a finite update", cid)
         return res
 
+    def apply_aggregate(self, r: int, excluded: List[Dict[str, Any]], U, n, ids, payloads, **kw):
+        """Aggregates into self.global_flat; returns (info without 'excluded', seconds). Clients the
+        aggregator excluded are appended to ``excluded`` and logged."""
+        t1 = time.perf_counter()
+        new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
+        if new is not self.global_flat:
+            self.global_flat.copy_(new)
+        self._sync()
+        t_agg = time.perf_counter() - t1
+        info = dict(info)
+        for e in info.pop("excluded", []):
+            excluded.append(dict(e))
+            log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
+        return info, t_agg
+
     def run_round(self, r: int) -> Dict[str, Any]:
         cfg = self.cfg
         ids = self.schedule[r]
@@ -344,17 +359,8 @@ class Simulation:
         self._sync()
         t_local = time.perf_counter() - t0
 
-        t1 = time.perf_counter()
-        new, info = self.agg.aggregate(self.global_flat, buf.matrix(), list(buf.num_examples),
-                                       list(buf.client_ids), payloads)
-        if new is not self.global_flat:
-            self.global_flat.copy_(new)
-        self._sync()
-        t_agg = time.perf_counter() - t1
-        info = dict(info)
-        for e in info.pop("excluded", []):
-            excluded.append(dict(e))
-            log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
+        info, t_agg = self.apply_aggregate(r, excluded, buf.matrix(), list(buf.num_examples),
+                                           list(buf.client_ids), payloads)
 
         losses = [res.train_loss for res in results]
         m: Dict[str, Any] = {
