@@ -500,3 +500,24 @@ def test_native_switch_call_conventions(monkeypatch):
     calls.clear()
     run("auto")
     assert calls == ["lu_factor", "lu_solve"]
+
+
+def test_sync_ablation_takes_every_T_as_T_max():
+    """sync=True (spec §8 E1(iii)/E2 "no multi-rate") = the same round with every T_i set to T_max."""
+    U = T_([[0.3, -0.2], [1.1, 0.4], [-0.5, 0.9]])
+    kw = dict(L=1.0, delta=1e-3, weights=[1.0, 1.0, 1.0], hbar=1.0)
+    a = FedECADO(sync=True, **kw)
+    a.setup(None, 3, T_([0.0, 0.0]))
+    x_sync, info = a.aggregate(T_([0.0, 0.0]), U, [1, 1, 1], [0, 1, 2], [{"T": 0.5}, {"T": 0.2}, {"T": 0.05}])
+    b = FedECADO(**kw)
+    b.setup(None, 3, T_([0.0, 0.0]))
+    x_ref, _ = b.aggregate(T_([0.0, 0.0]), U, [1, 1, 1], [0, 1, 2], [{"T": 0.5}] * 3)
+    c = FedECADO(**kw)
+    c.setup(None, 3, T_([0.0, 0.0]))
+    x_multi, _ = c.aggregate(T_([0.0, 0.0]), U, [1, 1, 1], [0, 1, 2], [{"T": 0.5}, {"T": 0.2}, {"T": 0.05}])
+    torch.testing.assert_close(x_sync, x_ref, atol=0, rtol=0)
+    torch.testing.assert_close(a.I, b.I, atol=0, rtol=0)
+    assert (x_sync - x_multi).abs().max() > 1e-3          # multi-rate changes the result
+    assert info["max_extrap_ratio"] == 10.0               # still reports the clients' real spread
+    with pytest.raises(ValueError, match="sync"):
+        FedECADO(sync="yes")

@@ -343,7 +343,8 @@ class FedECADO(Aggregator):
     ECADO limit, 1/g = 0), ``hbar`` (float or N floats: fixed values), ``weights`` (N explicit w_i),
     ``data_sizes`` (N sizes n_i -> p_i), ``num_clients``, ``time_unit`` lr_sum|epoch,
     ``solver`` auto|fused|closed_form|lu (auto: the native fused attempt when it applies), ``loss_fn`` (client Hutchinson loss), ``hutchinson_probes`` 4,
-    ``hutchinson_batches`` 2."""
+    ``hutchinson_batches`` 2, ``sync`` False (True: the spec's §8 "no multi-rate" ablation, every
+    active client's T_i is taken as the round's T_max, i.e. ECADO without multi-rate interpolation)."""
 
     client_rule_cls = FedECADORule
 
@@ -355,7 +356,7 @@ class FedECADO(Aggregator):
                  hbar=None, weights: Optional[Sequence[float]] = None,
                  data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None,
                  time_unit: str = "lr_sum", solver: str = "auto", loss_fn=None,
-                 hutchinson_probes: int = 4, hutchinson_batches: int = 2, **kw):
+                 hutchinson_probes: int = 4, hutchinson_batches: int = 2, sync: bool = False, **kw):
         super().__init__(**kw)
         n = self.name
         if self.server_lr != 1.0:
@@ -390,6 +391,9 @@ class FedECADO(Aggregator):
         self.extrap, self.max_extrap_ratio, self.inactive = extrap, float(max_extrap_ratio), inactive
         self.grad_weight, self.lte_norm, self.hessian = grad_weight, lte_norm, hessian
         self.time_unit, self.solver = time_unit, solver
+        if not isinstance(sync, bool):
+            raise ValueError(f"{n}: sync must be True or False, got {sync!r}")
+        self.sync = sync
         self.loss_fn = loss_fn if loss_fn is not None else (lambda out, y: F.cross_entropy(out, y))
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
@@ -515,6 +519,9 @@ class FedECADO(Aggregator):
         ids = torch.tensor(rin.client_ids, dtype=torch.long, device=dev)
         T = [float(p["T"]) for p in rin.payloads]
         Tmax = max(T)
+        ratio = Tmax / min(T)
+        if self.sync:       # no multi-rate: every client is taken to end at T_max
+            T = [Tmax] * len(T)
         hbar = self._hbar_for(rin)
         w = self.w[torch.tensor(rin.client_ids, dtype=torch.long)]
         L = self._L_for(Tmax)
@@ -531,7 +538,7 @@ class FedECADO(Aggregator):
                             max_extrap_ratio=self.max_extrap_ratio, lte_norm=self.lte_norm,
                             sensitivity=self.hessian != "none", solver=self.solver)
         info = {"steps": res["steps"], "rejects": res["rejects"], "dt": res["dt"], "truncated": res["truncated"],
-                "L": L, "T_max": Tmax, "max_extrap_ratio": Tmax / min(T), "lte_c": res["lte_c"],
+                "L": L, "T_max": Tmax, "max_extrap_ratio": ratio, "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
         xc, Inew = res["xc"], res["I"]
         if not (bool(ops.finite_rows(xc.unsqueeze(0)).all()) and bool(ops.finite_rows(Inew).all())):  # no K x d temp
