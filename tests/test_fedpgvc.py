@@ -337,6 +337,30 @@ def test_code_mode_runs_plain_steps_then_shrinks():
                                    (1 - 0.01 * r) * list(ref.parameters())[t].detach(), atol=1e-14, rtol=0)
 
 
+def test_lr_matched_control_scales_head_gradient_by_running_mean_loss():
+    """Spec §8 Exp A matched control: head step (1 + lam * lbar_running) g, the rest plain SGD."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(5, 3, dtype=D64), torch.randint(0, 2, (5,))) for _ in range(3)]
+    ref = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    m.load_state_dict(ref.state_dict())
+    U, out, _ = local_train(FedPGVC(n_ctrl=1, mode="lr_matched", lam=0.5), m, batches, 0.1)
+    # manual: running mean of the minibatch mean losses, head gradient scaled by 1 + 0.5 * lbar
+    hist = []
+    for x, y in batches:
+        ref.zero_grad()
+        loss = F.cross_entropy(ref(x), y)
+        hist.append(float(loss))
+        loss.backward()
+        scale = 1.0 + 0.5 * sum(hist) / len(hist)
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= 0.1 * (scale if i >= 2 else 1.0) * p.grad
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-14, rtol=0)
+    assert out["pgvc_mean_loss"] == pytest.approx(sum(hist) / len(hist), abs=1e-14)
+
+
 # ---- layer mask ------------------------------------------------------------------------------
 class CNN5(nn.Module):
     def __init__(self):

@@ -11,6 +11,9 @@ only the head (no double backprop). Update modes (spec §2.4, ``mode=``):
 * ``layer_scalar`` (``stat`` = mean | norm): u_l = s_l * g_l, s_l = mean(rho_l) or ||rho_l||_2 per tensor
 * ``layer_normalize`` (paper Eq. 9, target ``tau``): u_l = (tau / ||g_l||) g_l
 * ``code`` (released script): plain steps, then a one-off multiplicative shrink W_t <- (1 - eta r_t) W_t
+* ``lr_matched`` (spec §8 Exp A's matched control, not a FedPGVC variant): u = (1 + lam * lbar) g with
+  lbar the running mean of this client's minibatch losses in the current round. It gives the head the
+  same average step boost as ``additive`` (rho ~ lbar g) without the per-sample loss weighting.
 
 The server is a plain average (uniform by default, spec §2.3): w <- w + server_lr * sum_k a_k U_k,
 one ``ops.weighted_sum`` pass. ``server_rule="eq16_literal"`` gives the paper's Eq. 16 as printed,
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
 
-PGVC_MODES = ("hadamard", "additive", "layer_scalar", "layer_normalize", "code")
+PGVC_MODES = ("hadamard", "additive", "layer_scalar", "layer_normalize", "code", "lr_matched")
 _MODE_ALIASES = {"paper_literal": "hadamard", "paper": "hadamard"}
 NAN_POLICIES = ("skip", "raise", "propagate")
 
@@ -199,6 +202,8 @@ class FedPGVCRule(ClientRule):
         if agg.loss_clip is not None:
             w = w.clamp(max=agg.loss_clip)
         self.loss_history.append(float(w.mean()))
+        if agg.mode == "lr_matched":
+            return None
         # rho = (1/B) sum_b l_b grad l_b = grad of mean(stopgrad(l) * l): a first-order gradient
         self.last_rho = list(torch.autograd.grad((w * ell).mean(), self.ctrl, retain_graph=True,
                                                  allow_unused=True))
@@ -212,6 +217,10 @@ class FedPGVCRule(ClientRule):
         grads = [p.grad for p in self.ctrl]
         if any(g is None for g in grads):
             raise ValueError("FedPGVC client rule: a controlled parameter has no gradient after backward()")
+        if agg.mode == "lr_matched":
+            lbar = sum(self.loss_history) / len(self.loss_history)
+            torch._foreach_mul_(grads, 1.0 + agg.lam * lbar)
+            return
         pgvc_direction_(grads, self.last_rho, agg.mode, agg.lam, agg.stat, agg.tau)
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
