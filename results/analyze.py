@@ -86,6 +86,11 @@ def run_stats(paper, run_dir, target):
     if target is not None:
         hit = [r["round"] for r in m if r.get("accuracy") is not None and r["accuracy"] >= target]
         st["rounds_to_target"] = hit[0] if hit else None
+    gl = [r.get("global_loss") for r in m if r.get("global_loss") is not None]
+    if gl:
+        st["global_loss_final"] = float(gl[-1])
+        st["global_loss_min"] = float(np.nanmin(gl))
+        st["global_loss_first"] = float(gl[0])
     clv = [r.get("client_loss_var") for r in m if r.get("client_loss_var") is not None]
     if clv:
         st["client_loss_var_r1_10"] = float(np.mean(clv[:10]))
@@ -197,7 +202,7 @@ def main():
                         "max_abs_weight_max", "max_abs_weight_median", "sum_abs_weight_median", "min_weight_min",
                         "neg_weight_rounds_frac", "elud_mean", "extrap_ratio_median", "extrap_ratio_max", "L", "explore_rounds", "elud_explore_mean", "elud_aware_mean", "diff_std_2nd_half",
                         "diff_min_2nd_half", "be_steps_mean", "be_rejects_mean", "agg_share",
-                        "clipped_frac"):
+                        "clipped_frac", "global_loss_final", "global_loss_min"):
                 vals = [x.get(key) for x in runs]
                 if any(v is not None for v in vals):
                     mm, ss = ms(vals)
@@ -216,7 +221,7 @@ def main():
         mech = []
         for label, a in ent["methods"].items():
             bits = []
-            for key, k, nd in (("client_loss_var_r1_10", 1, 4), ("client_loss_var_last5", 1, 4),
+            for key, k, nd in (("global_loss_final", 1, 4), ("global_loss_min", 1, 4), ("client_loss_var_r1_10", 1, 4), ("client_loss_var_last5", 1, 4),
                                ("guard_fired_frac", 1, 3), ("ratio_median", 1, 4),
                                ("max_abs_weight_median", 1, 3), ("max_abs_weight_max", 1, 3),
                                ("sum_abs_weight_median", 1, 3), ("min_weight_min", 1, 3),

@@ -16,6 +16,10 @@ Schemes
                    into ``s*K/C`` shards; a shuffled multiset of labels (each label ``s*K/C`` times)
                    is dealt ``s`` per client. Every client has at most ``s`` distinct labels and
                    the same amount of data. Needs ``s*K`` divisible by ``C``.
+``natural``        the dataset's own owners: client k gets the samples whose owner id is k
+                   (``owners``, one int per sample, ids 0..U-1; e.g. ``train.meta["client_ids"]``
+                   of the FedProx ``synthetic`` data, which the simulator passes). Needs
+                   ``num_clients == U``; no randomness.
 ``dirichlet``      label skew by a Dirichlet(alpha) draw, two conventions:
 
   * ``convention="per_class"`` (default): for every class, proportions over the clients
@@ -45,7 +49,7 @@ import numpy as np
 __all__ = ["partition", "SCHEMES", "label_histograms", "partition_stats", "partition_report",
            "check_partition"]
 
-SCHEMES = ("iid", "shards", "label_shards", "dirichlet")
+SCHEMES = ("iid", "shards", "label_shards", "dirichlet", "natural")
 
 
 def _labels_np(labels) -> np.ndarray:
@@ -219,19 +223,41 @@ def _dirichlet_per_client(y, K, rng, alpha, num_classes, sizes, prior, min_size)
     return parts
 
 
+def _natural(n, K, owners):
+    if owners is None:
+        raise ValueError("scheme 'natural' needs owners (one owner id per sample, e.g. the "
+                         "dataset's meta['client_ids']); this dataset has none")
+    if hasattr(owners, "detach"):
+        owners = owners.detach().cpu().numpy()
+    o = np.asarray(owners)
+    if o.ndim != 1 or len(o) != n:
+        raise ValueError(f"owners: expected a 1-D array of {n} owner ids (one per sample), "
+                         f"got shape {o.shape}")
+    if o.size and (not np.issubdtype(o.dtype, np.integer) or o.min() < 0):
+        raise ValueError("owners: expected non-negative integer owner ids")
+    users = int(o.max()) + 1 if o.size else 0
+    if users != K:
+        raise ValueError(f"num_clients={K} but the data has {users} owners (ids 0..{users - 1}); "
+                         f"scheme 'natural' needs num_clients == the number of users")
+    o = o.astype(np.int64, copy=False)
+    order = np.argsort(o, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(o, minlength=K))[:-1])
+
+
 # ------------------------------------------------------------------------------------------------
 def partition(labels, num_clients: int, scheme: str = "iid", seed: int = 0, *,
               num_classes: Optional[int] = None, shards_per_client: int = 2,
               alpha: float = 0.5, convention: str = "per_class", min_size: int = 0,
               max_retries: int = 1000, balance: bool = True, sizes=None,
-              prior: str = "empirical") -> List[np.ndarray]:
+              prior: str = "empirical", owners=None) -> List[np.ndarray]:
     """Splits the sample indices of ``labels`` among ``num_clients`` clients.
 
-    scheme: "iid" | "shards" | "label_shards" | "dirichlet" (see the module docstring).
+    scheme: "iid" | "shards" | "label_shards" | "dirichlet" | "natural" (see the module docstring).
     seed: seeds this function's own numpy Generator (independent of training randomness).
     shards_per_client: s for "shards" / "label_shards".
     alpha, convention ("per_class" | "per_client"), min_size, max_retries, balance (per_class cap),
     sizes and prior (per_client): for "dirichlet".
+    owners: for "natural", the owner id (0..num_clients-1) of every sample.
     Returns a list of ``num_clients`` sorted int64 index arrays.
     """
     y = _labels_np(labels)
@@ -253,6 +279,8 @@ def partition(labels, num_clients: int, scheme: str = "iid", seed: int = 0, *,
         parts = _shards(y, K, rng, shards_per_client)
     elif scheme == "label_shards":
         parts = _label_shards(y, K, rng, shards_per_client, C)
+    elif scheme == "natural":
+        parts = _natural(len(y), K, owners)
     elif scheme in ("dirichlet", "dir", "hetero_dir"):
         if not alpha > 0 or not np.isfinite(alpha):
             raise ValueError(f"alpha must be a positive finite number, got {alpha}")

@@ -135,6 +135,54 @@ _add("gcfed-digits", "GC-Fed E1 on digits: N=50 hetero-dir alpha=0.05 (min 2), K
     "train": {"epochs": 5, "batch_size": 10, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-5},
 }, _GC)
 
+# ---- generated data (fedkernels.sim.data "synthetic" / "gmm"; no files, seconds to make) ----------
+# FedECADO §8 E2: FedProx Synthetic(1,1), 30 users kept as clients ("natural" partition), raw features.
+# The generator's seed follows the run seed (a new draw of the data per seed) unless data.options.seed is set.
+_SYNTH11 = {"name": "synthetic", "options": {"alpha": 1.0, "beta": 1.0, "num_users": 30}}
+_ECADO_E2 = dict(_ECADO, **{
+    # spec E2: L = 2 T_bar^2 ~ 72 for T_bar ~ 6, delta = 0.1; the ablations the spec lists
+    "fedecado": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1}},
+    "fedecado-exclude": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "inactive": "exclude"}},
+    "fedecado-identity": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "hessian": "identity"}},
+    "fedecado-sync": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "sync": True}},
+})
+_add("fedecado-synthetic", "FedECADO E2: FedProx Synthetic(1,1), 30 users as clients (natural), 30% "
+                           "participation, logreg (610), B=10, lr_i ~ U[0.005, 0.05], E_i ~ U{1..5} "
+                           "per client, T=150, global loss on all clients", {
+    "rounds": 150, "num_clients": 30, "participation": 0.3, "client_loss": "all",
+    "data": _SYNTH11, "partition": {"scheme": "natural"},
+    "model": {"name": "logreg"},
+    "train": {"batch_size": 10, "lr": 0.01,
+              "hetero": {"enabled": True, "lr_range": [0.005, 0.05], "epochs_range": [1, 5]}},
+}, _ECADO_E2)
+
+# FedAWARE §8 FR-1: label-skewed logistic regression on Gaussian-mixture features. Dir(0.1) per class
+# (as FR-2 and the paper) gives every client a few dominant classes, hence its own optimum, and
+# unbalanced sizes; lr 0.05 (FR-2's 0.01 is for the MLP; logreg on unit-variance features is stable
+# far above 0.05).
+_GMM = {"name": "gmm", "options": {"num_classes": 10, "dim": 64, "n_train": 6000, "n_test": 2000}}
+_AWARE_FR1 = {"fedavg": {"name": "fedavg"}, "fedaware": {"name": "fedaware"},
+              "fedaware-raw": {"name": "fedaware", "options": {"normalize": False}},
+              "fedaware-na": {"name": "fedaware", "options": {"variant": "na"}}}
+_add("fedaware-synthetic", "FedAWARE FR-1: Gaussian mixture (10 classes, 64 features, 6000/2000), "
+                           "N=50 Dir(0.1) (min 10), k=5, logreg, E=3, B=32, SGD 0.05, T=200", {
+    "rounds": 200, "num_clients": 50, "clients_per_round": 5, "client_loss": "all", "data": _GMM,
+    "partition": {"scheme": "dirichlet", "options": {"alpha": 0.1, "min_size": 10}},
+    "model": {"name": "logreg"},
+    "train": {"epochs": 3, "batch_size": 32, "lr": 0.05},
+}, _AWARE_FR1)
+
+# Kuramoto-FedAvg §8 KR-1: K=10 full participation, s=3 label shards, logreg on the mixture.
+_KUR_KR1 = dict(_KUR, **{"kuramoto-P": {"name": "kuramoto", "options": {"mode": "P"}},
+                         "kuramoto-P-noguard": {"name": "kuramoto", "options": {"mode": "P", "guard": False}}})
+_add("kuramoto-synthetic", "Kuramoto KR-1: Gaussian mixture (10 classes, 64 features, 6000/2000), "
+                           "K=10, s=3 label shards, logreg, E=2, B=64, SGD 0.01 m0.9 cosine, T=50", {
+    "rounds": 50, "num_clients": 10, "client_loss": "all", "data": _GMM,
+    "partition": {"scheme": "label_shards", "options": {"shards_per_client": 3}},
+    "model": {"name": "logreg"},
+    "train": _KUR_TRAIN,
+}, _KUR_KR1)
+
 # ---- GPU scale (data from a user directory, see fedkernels.sim.data) ------------------------------
 _add("kuramoto-cifar10", "Kuramoto KR-3 (GPU): CIFAR-10, VGG-11, K=10, 3 label shards, E=2, B=64, "
                          "SGD 0.01 m0.9 cosine, T=200", {

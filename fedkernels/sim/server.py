@@ -142,8 +142,10 @@ class Simulation:
     def _load_data(self):
         cfg = self.cfg
         if self._train is None or self._test is None:
-            from .data import load_dataset
+            from .data import GENERATED, _ALIASES, load_dataset
             kw = dict(cfg.data.options)
+            if _ALIASES.get(cfg.data.name.lower(), cfg.data.name.lower()) in GENERATED:
+                kw.setdefault("seed", cfg.seed)   # generated data: a new draw per run seed unless pinned
             kw.setdefault("max_train", cfg.data.train_subset)
             kw.setdefault("max_test", cfg.data.test_subset)
             tr, te = load_dataset(cfg.data.name, root=cfg.data.root, **kw)
@@ -162,8 +164,10 @@ class Simulation:
         else:
             from .partition import partition
             pseed = cfg.partition.seed if cfg.partition.seed is not None else cfg.seed
-            parts = partition(y.cpu().numpy(), cfg.num_clients, cfg.partition.scheme, pseed,
-                              **cfg.partition.options)
+            popts = dict(cfg.partition.options)
+            if cfg.partition.scheme.lower() == "natural":  # per-sample owners of the data (synthetic)
+                popts.setdefault("owners", (getattr(self._train, "meta", None) or {}).get("client_ids"))
+            parts = partition(y.cpu().numpy(), cfg.num_clients, cfg.partition.scheme, pseed, **popts)
         if len(parts) != cfg.num_clients:
             raise ValueError(f"partition gave {len(parts)} clients, expected num_clients={cfg.num_clients}")
         return [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
@@ -176,7 +180,10 @@ class Simulation:
         if self._model_fn is not None:
             return self._model_fn(self.num_classes, in_ch, size)
         from .models import build_model
-        return build_model(cfg.model.name, self.num_classes, in_ch, size, **cfg.model.options)
+        mopts = dict(cfg.model.options)
+        if x.dim() == 2:  # flat [N, F] rows (synthetic, gmm): MLP / logreg take in_features=F
+            mopts.setdefault("in_features", int(x.shape[1]))
+        return build_model(cfg.model.name, self.num_classes, in_ch, size, **mopts)
 
     def _train_transform(self):
         if self._transform is not None or not self.cfg.data.augment:
@@ -386,6 +393,9 @@ class Simulation:
                 cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
                 if cl:
                     m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
+                    if cfg.client_loss == "all":   # the federated objective sum_i n_i f_i / sum_i n_i
+                        n = np.asarray(self.num_examples_all, dtype=np.float64)
+                        m["global_loss"] = float(np.dot(n, cl) / max(n.sum(), 1.0))
             self._sync()
             m["t_eval"] = time.perf_counter() - te
         m["agg"] = json_safe(info)
@@ -467,6 +477,8 @@ class Simulation:
             s += f"  train loss {m['train_loss_mean']:.4f}"
         if m.get("client_loss_var") is not None:
             s += f"  client-loss var {m['client_loss_var']:.4f}"
+        if m.get("global_loss") is not None:
+            s += f"  global loss {m['global_loss']:.4f}"
         s += f"  t_local {m['t_local']:.2f}s  t_agg {1e3 * m['t_agg']:.2f}ms"
         if m["excluded"]:
             s += f"  excluded {[e['client_id'] for e in m['excluded']]}"
