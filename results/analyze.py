@@ -47,9 +47,12 @@ def load_metrics(run_dir):
 
 
 def head_stats(run_dir):
+    """Mean |W| of the first and the last two weight tensors of the final model. Computed from
+    final_model.pt and cached in head_stats.json, which stays when the .pt files are deleted."""
     p = os.path.join(run_dir, "final_model.pt")
+    cache = os.path.join(run_dir, "head_stats.json")
     if not os.path.exists(p):
-        return None
+        return json.load(open(cache)) if os.path.exists(cache) else None
     import torch
     d = torch.load(p, map_location="cpu", weights_only=False)
     sd = d.get("state_dict", {})
@@ -59,6 +62,8 @@ def head_stats(run_dir):
         out[k] = float(sd[k].abs().mean())
     for k in ws[:1]:
         out[k] = float(sd[k].abs().mean())
+    with open(cache, "w") as f:
+        json.dump(out, f)
     return out
 
 
@@ -124,6 +129,13 @@ def run_stats(paper, run_dir, target):
             st["elud_explore_mean"] = float(np.mean(ee))
         if ea:
             st["elud_aware_mean"] = float(np.mean(ea))
+    qs = [g["q"] for g in aggs if g.get("q") is not None]
+    if qs:   # FedAWARE: ||sum lam_i M_i / ||M_i|| ||^2 = q (normalised Gram), FW gap and iterations
+        st["q_sqrt_max"] = float(math.sqrt(max(qs)))
+        its = [g["iterations"] for g in aggs if g.get("iterations") is not None]
+        st["fw_converged_frac"] = float(np.mean([i < 1000 for i in its])) if its else None
+        gaps = [g["gap"] for g in aggs if g.get("gap") is not None]
+        st["fw_gap_max"] = float(max(gaps)) if gaps else None
     if any("steps" in g and "L" in g for g in aggs):
         st["be_steps_mean"] = float(np.mean([g["steps"] for g in aggs if "steps" in g]))
         st["be_rejects_mean"] = float(np.mean([g.get("rejects", 0) for g in aggs if "steps" in g]))
@@ -202,7 +214,8 @@ def main():
                         "max_abs_weight_max", "max_abs_weight_median", "sum_abs_weight_median", "min_weight_min",
                         "neg_weight_rounds_frac", "elud_mean", "extrap_ratio_median", "extrap_ratio_max", "L", "explore_rounds", "elud_explore_mean", "elud_aware_mean", "diff_std_2nd_half",
                         "diff_min_2nd_half", "be_steps_mean", "be_rejects_mean", "agg_share",
-                        "clipped_frac", "global_loss_final", "global_loss_min"):
+                        "clipped_frac", "global_loss_final", "global_loss_min", "q_sqrt_max",
+                        "fw_converged_frac", "fw_gap_max"):
                 vals = [x.get(key) for x in runs]
                 if any(v is not None for v in vals):
                     mm, ss = ms(vals)
@@ -227,8 +240,12 @@ def main():
                                ("sum_abs_weight_median", 1, 3), ("min_weight_min", 1, 3),
                                ("neg_weight_rounds_frac", 1, 3), ("clipped_frac", 1, 3), ("elud_mean", 1, 3),
                                ("explore_rounds", 1, 1), ("elud_explore_mean", 1, 3), ("elud_aware_mean", 1, 3), ("diff_std_2nd_half", 100, 2), ("diff_min_2nd_half", 100, 2),
+                               ("q_sqrt_max", 1, 4), ("fw_converged_frac", 1, 3), ("fw_gap_max", 1, 3),
                                ("be_steps_mean", 1, 2), ("extrap_ratio_median", 1, 1), ("extrap_ratio_max", 1, 1), ("L", 1, 2), ("be_rejects_mean", 1, 2), ("agg_share", 100, 3)):
                 if key in a and a[key]["mean"] is not None:
+                    if key == "fw_gap_max":
+                        bits.append(f"{key}={a[key]['mean']:.1e} ± {a[key]['std']:.1e}")
+                        continue
                     bits.append(f"{key}={fmt(a[key]['mean'], a[key]['std'], k, nd)}")
             hs = [x.get("weight_mean_abs") for x in a["per_seed"] if x.get("weight_mean_abs")]
             if hs:
