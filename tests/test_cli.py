@@ -10,12 +10,7 @@ from fedkernels.sim.cli import main
 from fedkernels.sim.config import RunConfig
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_run_smoke_end_to_end_and_resume(tmp_path, capsys):

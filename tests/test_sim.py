@@ -15,13 +15,7 @@ from fedkernels.sim.report import TIMING_KEYS, json_safe
 from fedkernels.sim.server import BadClientError, Simulation, sample_schedule
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread (two OpenMP threads on a busy 2-core box are far slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
