@@ -100,7 +100,11 @@ _add("fedaware-digits", "FedAWARE FR-2 fallback on digits: N=100 Dir(0.1) (min 1
 
 # ---- FedECADO §8 E3 (Dir(0.1), heterogeneous compute) ----------------------------------------------
 _ECADO = {"fedavg": {"name": "fedavg"}, "fedprox": {"name": "fedprox", "options": {"mu": 0.01}},
-          "fednova": {"name": "fednova"}, "fedecado": {"name": "fedecado"}}
+          "fednova": {"name": "fednova"}, "fedecado": {"name": "fedecado"},
+          # the ablations of results/REPORT.md §3: the paper's linear extrapolation diverges when client
+          # times differ ~50-200x; zero-order hold / no multi-rate train normally
+          "fedecado-hold": {"name": "fedecado", "options": {"extrap": "hold"}},
+          "fedecado-sync": {"name": "fedecado", "options": {"sync": True}}}
 _add("fedecado-fmnist", "FedECADO E3 on Fashion-MNIST: N=100 Dir(0.1), 10% participation, B=32, "
                         "lr_i ~ U[0.005, 0.05], E_i ~ U{1..5} per client, small CNN (~21k), T=50", {
     "rounds": 50, "num_clients": 100, "participation": 0.1, "data": _FMNIST,
@@ -145,6 +149,7 @@ _ECADO_E2 = dict(_ECADO, **{
     "fedecado-exclude": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "inactive": "exclude"}},
     "fedecado-identity": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "hessian": "identity"}},
     "fedecado-sync": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "sync": True}},
+    "fedecado-hold": {"name": "fedecado", "options": {"L": 72.0, "delta": 0.1, "extrap": "hold"}},
 })
 _add("fedecado-synthetic", "FedECADO E2: FedProx Synthetic(1,1), 30 users as clients (natural), 30% "
                            "participation, logreg (610), B=10, lr_i ~ U[0.005, 0.05], E_i ~ U{1..5} "
