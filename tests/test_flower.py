@@ -150,3 +150,86 @@ def test_failures_empty_and_decode_errors():
     fortran = np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3))
     decode_into(ndarrays_to_parameters([fortran]).tensors, out[:6], [(2, 3)])
     np.testing.assert_array_equal(out[:6], np.arange(6, dtype=np.float32))
+
+
+# ---- server -> client payloads (client_payloads=True) ----------------------------------------------
+def _quad_client(arrays, payload, b, lr=0.05, tau=4):
+    """SCAFFOLD option-II client on f(y) = 0.5 ||y - b||^2 over the flat model (numpy, float64)."""
+    x = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.float64)
+    c = payload["c"].double().numpy() if "c" in payload else np.zeros_like(x)
+    ci = payload["c_i"].double().numpy() if "c_i" in payload else np.zeros_like(x)
+    y = x.copy()
+    for _ in range(tau):
+        y -= lr * ((y - b) - ci + c)
+    dc = -c + (x - y) / (tau * lr)
+    out, off = [], 0
+    for a in arrays:
+        out.append(y[off:off + a.size].reshape(a.shape).astype(a.dtype))
+        off += a.size
+    return out, dc.astype(np.float32)
+
+
+def test_client_payloads_scaffold_matches_direct_loop():
+    from flwr.server.client_manager import SimpleClientManager
+    from fedkernels.integrations.flower import unpack_fit_ins
+    rng = np.random.default_rng(5)
+    glob = _arrays(rng)
+    d = sum(a.size for a in glob)
+    N, rounds = 4, 3
+    targets = [rng.standard_normal(d) for _ in range(N)]
+    cm = SimpleClientManager()
+    proxies = [Proxy(str(i)) for i in range(N)]
+    for p in proxies:
+        cm.register(p)
+    st = FedKernelsStrategy(algorithms.build("scaffold"), num_clients=N, vector_payloads=("delta_c",),
+                            client_payloads=True, fraction_fit=1.0, min_fit_clients=N, min_available_clients=N)
+    ref = algorithms.build("scaffold")
+    xr = torch.from_numpy(np.concatenate([a.reshape(-1) for a in glob]).astype(np.float32))
+    ref.setup(None, N, xr)
+    params = ndarrays_to_parameters(glob)
+    for r in range(1, rounds + 1):
+        pairs = st.configure_fit(r, params, cm)
+        assert len(pairs) == N
+        results, rows, pls, ids = [], [], [], []
+        for proxy, ins in pairs:
+            arrays, payload = unpack_fit_ins(parameters_to_ndarrays(ins.parameters), ins.config)
+            cid = ins.config["cid"]
+            assert len(arrays) == len(SHAPES) and json.loads(ins.config["fedkernels_payload"]) == ["c", "c_i"]
+            torch.testing.assert_close(payload["c"], ref.client_payload(cid)["c"], rtol=0, atol=0)
+            torch.testing.assert_close(payload["c_i"], ref.client_payload(cid)["c_i"], rtol=0, atol=0)
+            new_arrays, dc = _quad_client(arrays, payload, targets[int(proxy.cid)])
+            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new_arrays + [dc]), 10,
+                                          {"cid": cid})))
+            rows.append(torch.from_numpy(np.concatenate([a.reshape(-1) for a in new_arrays])) - xr)
+            pls.append({"delta_c": torch.from_numpy(dc)})
+            ids.append(cid)
+        params, _ = st.aggregate_fit(r, results, [])
+        xr, _ = ref.aggregate(xr, torch.stack(rows), [10] * N, ids, pls)
+        got = np.concatenate([a.reshape(-1) for a in parameters_to_ndarrays(params)])
+        np.testing.assert_allclose(got, xr.numpy(), rtol=1e-6, atol=1e-6)
+    assert float(ref.c.abs().sum()) > 0        # the control variates were exercised
+
+
+def test_client_payloads_off_sends_the_model_only_and_bad_payload_raises():
+    from flwr.server.client_manager import SimpleClientManager
+    from fedkernels.integrations.flower import unpack_fit_ins
+    glob = _arrays(np.random.default_rng(6))
+    cm = SimpleClientManager()
+    cm.register(Proxy("7"))
+    st = FedKernelsStrategy(algorithms.build("scaffold"), num_clients=1, min_fit_clients=1, min_available_clients=1)
+    (proxy, ins), = st.configure_fit(1, ndarrays_to_parameters(glob), cm)
+    assert len(ins.parameters.tensors) == len(SHAPES) and "fedkernels_payload" not in ins.config
+    arrays, payload = unpack_fit_ins(parameters_to_ndarrays(ins.parameters), ins.config)
+    assert len(arrays) == len(SHAPES) and payload == {}
+
+    class Odd(algorithms.base.Aggregator):
+        name = "odd"
+
+        def _aggregate(self, rin):
+            raise AssertionError("not used")
+
+        def client_payload(self, cid):
+            return {"table": {"a": 1}}
+    st = FedKernelsStrategy(Odd(), num_clients=1, client_payloads=True, min_fit_clients=1, min_available_clients=1)
+    with pytest.raises(TypeError, match="table"):
+        st.configure_fit(1, ndarrays_to_parameters(glob), cm)

@@ -25,6 +25,14 @@ What clients send besides their model:
 * ``vector_payloads=("delta_c",)``: that many extra tensors appended after the model tensors,
   each with d elements (e.g. SCAFFOLD's control-variate delta), become tensor payloads.
 
+What the server sends besides the model (``client_payloads=True``): ``configure_fit`` asks the
+aggregator for each sampled client's ``client_payload(cid)`` (SCAFFOLD's ``c`` and ``c_i``,
+FedECADO's flow ``I`` and weight ``w``, FedPVR's control variates, ...). Tensors are appended after
+the model tensors as float32 arrays, their names listed in ``config["fedkernels_payload"]`` (JSON);
+numbers, strings and booleans go into the ``config``; the client's id goes in ``config[cid_key]``
+so the client can echo it back in its metrics. On the client, ``unpack_fit_ins(arrays, config)``
+splits the received arrays into the model and a ``{name: tensor}`` payload dict.
+
 The global model the updates are measured against is the one ``configure_fit`` sent this round.
 """
 from __future__ import annotations
@@ -37,7 +45,7 @@ import numpy as np
 import torch
 
 try:
-    from flwr.common import (FitRes, Parameters, Scalar, ndarrays_to_parameters,
+    from flwr.common import (FitIns, FitRes, Parameters, Scalar, ndarray_to_bytes, ndarrays_to_parameters,
                              parameters_to_ndarrays)
     from flwr.server.strategy import FedAvg
 except ImportError as err:  # pragma: no cover - exercised only without flwr
@@ -45,7 +53,20 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 
 from ..algorithms.base import Aggregator
 
-__all__ = ["FedKernelsStrategy", "json_safe_metrics", "decode_into"]
+__all__ = ["FedKernelsStrategy", "json_safe_metrics", "decode_into", "unpack_fit_ins"]
+
+PAYLOAD_KEY = "fedkernels_payload"
+
+
+def unpack_fit_ins(arrays: Sequence[np.ndarray], config: Dict[str, Any]
+                   ) -> Tuple[List[np.ndarray], Dict[str, torch.Tensor]]:
+    """Client side of ``client_payloads=True``: (model arrays, {name: float32 tensor}) from the
+    arrays and config a client's ``fit`` received. Without payloads: (arrays, {})."""
+    names = json.loads(config.get(PAYLOAD_KEY, "[]")) if config is not None else []
+    if not isinstance(names, list) or len(names) > len(arrays):
+        raise ValueError(f"unpack_fit_ins: config[{PAYLOAD_KEY!r}] names {names!r} do not fit {len(arrays)} arrays")
+    nm = len(arrays) - len(names)
+    return list(arrays[:nm]), {n: torch.from_numpy(np.asarray(a)) for n, a in zip(names, arrays[nm:])}
 
 
 def json_safe_metrics(info: Dict[str, Any], prefix: str = "") -> Dict[str, Scalar]:
@@ -107,12 +128,14 @@ class FedKernelsStrategy(FedAvg):
 
     Extra options: ``num_clients`` (N, for stateful aggregators), ``cid_key`` (metrics key of the
     client id, default "cid"), ``vector_payloads`` (names of extra d-sized tensors after the model),
-    ``metrics_prefix`` (default ""), ``spec`` (a FlatSpec passed to ``aggregator.setup``). All other
-    keyword arguments go to ``flwr.server.strategy.FedAvg``.
+    ``client_payloads`` (send each client its ``aggregator.client_payload``; default False: the
+    clients get the model only), ``metrics_prefix`` (default ""), ``spec`` (a FlatSpec passed to
+    ``aggregator.setup``). All other keyword arguments go to ``flwr.server.strategy.FedAvg``.
     """
 
     def __init__(self, aggregator: Aggregator, *, num_clients: Optional[int] = None, cid_key: str = "cid",
-                 vector_payloads: Sequence[str] = (), metrics_prefix: str = "", spec=None, **fedavg_kw):
+                 vector_payloads: Sequence[str] = (), client_payloads: bool = False, metrics_prefix: str = "",
+                 spec=None, **fedavg_kw):
         super().__init__(**fedavg_kw)
         if not isinstance(aggregator, Aggregator):
             raise TypeError(f"FedKernelsStrategy: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}")
@@ -120,6 +143,7 @@ class FedKernelsStrategy(FedAvg):
         self.num_clients = num_clients
         self.cid_key = cid_key
         self.vector_payloads = tuple(vector_payloads)
+        self.client_payloads = bool(client_payloads)
         self.metrics_prefix = metrics_prefix
         self.spec = spec
         self._shapes: Optional[List[Tuple[int, ...]]] = None
@@ -154,7 +178,37 @@ class FedKernelsStrategy(FedAvg):
 
     def configure_fit(self, server_round, parameters, client_manager):
         self.set_global(parameters)
-        return super().configure_fit(server_round, parameters, client_manager)
+        pairs = super().configure_fit(server_round, parameters, client_manager)
+        if not self.client_payloads:
+            return pairs
+        self._setup()
+        return [(proxy, self._with_payload(proxy, ins)) for proxy, ins in pairs]
+
+    def _with_payload(self, proxy, ins: FitIns) -> FitIns:
+        cid = self._proxy_id(proxy)
+        config: Dict[str, Scalar] = dict(ins.config)
+        config[self.cid_key or "cid"] = cid
+        names, extra = [], []
+        for key, val in self.aggregator.client_payload(cid).items():
+            if val is None:
+                continue
+            if isinstance(val, torch.Tensor):
+                names.append(key)
+                extra.append(ndarray_to_bytes(val.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy()))
+            elif isinstance(val, (bool, int, float, str, np.generic)):
+                config[key] = val.item() if isinstance(val, np.generic) else val
+            else:
+                raise TypeError(f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
+                                f"(tensors, numbers, strings and booleans can)")
+        config[PAYLOAD_KEY] = json.dumps(names)
+        return FitIns(Parameters(tensors=list(ins.parameters.tensors) + extra,
+                                 tensor_type=ins.parameters.tensor_type), config)
+
+    def _setup(self) -> None:
+        if not self._ready:
+            n_cl = self.num_clients if self.num_clients is not None else self.aggregator.num_clients
+            self.aggregator.setup(self.spec if self.spec is not None else self.aggregator.spec, n_cl, self._global)
+            self._ready = True
 
     def _to_parameters(self, flat: torch.Tensor) -> Parameters:
         arrs, off = [], 0
@@ -166,13 +220,17 @@ class FedKernelsStrategy(FedAvg):
         return ndarrays_to_parameters(arrs)
 
     # ---- aggregation --------------------------------------------------------------------------------
-    def _client_id(self, proxy, res: FitRes) -> int:
-        if self.cid_key and self.cid_key in res.metrics:
-            return int(res.metrics[self.cid_key])
+    def _proxy_id(self, proxy) -> int:
+        """Dense ids in order of first appearance of each proxy's ``cid`` (configure or results)."""
         key = str(getattr(proxy, "cid", id(proxy)))
         if key not in self._ids:
             self._ids[key] = len(self._ids)
         return self._ids[key]
+
+    def _client_id(self, proxy, res: FitRes) -> int:
+        if self.cid_key and self.cid_key in res.metrics:
+            return int(res.metrics[self.cid_key])
+        return self._proxy_id(proxy)
 
     def aggregate_fit(self, server_round: int, results, failures):
         if not results:
@@ -207,10 +265,7 @@ class FedKernelsStrategy(FedAvg):
             ids.append(self._client_id(proxy, res))
             n.append(float(res.num_examples))
             pls.append(pl)
-        if not self._ready:
-            n_cl = self.num_clients if self.num_clients is not None else self.aggregator.num_clients
-            self.aggregator.setup(self.spec if self.spec is not None else self.aggregator.spec, n_cl, self._global)
-            self._ready = True
+        self._setup()
         new, info = self.aggregator.aggregate(self._global, U, n, ids, pls)
         self._global.copy_(new)
         metrics = json_safe_metrics(info, self.metrics_prefix)
