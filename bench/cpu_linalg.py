@@ -10,6 +10,10 @@
   measured copy bandwidth.
 * batched small systems (B matrices of n x n, m right-hand sides each): factor + solve.
 * arrowhead_solve (closed form of the same BE system): (K+1)*m*4*2 bytes.
+Both solvers return fresh tensors; at m = 1e7 (hundreds of MB) their first-touch page faults cost
+more than the arithmetic, so each row also gives ``pct_fresh_copy``: the time of copying the same
+bytes into a fresh tensor, as a % of ours (100 = as fast as a fresh copy). ``ours_out_ms`` (lu_solve
+into a reused ``out=``) is the cost inside a FedECADO round loop, which reuses its buffers.
 Run: python -m bench.cpu_linalg [--quick]
 """
 from __future__ import annotations
@@ -128,6 +132,7 @@ def bench_lu_solve(n: int, m: int, repeats: int):
     t_oo = timeit(ours_out, repeats=repeats, warmup=1)
     t_t = timeit(torch_lu, repeats=repeats, warmup=1)
     t_c = timeit(lambda: X.copy_(R), repeats=repeats, warmup=1)  # same bytes, same sizes
+    t_f = timeit(lambda: R.clone(), repeats=repeats, warmup=1)    # same bytes into a fresh allocation
     nbytes = 2 * n * m * 4
     bw = copy_bandwidth()
     err = float((ours().double() - torch.linalg.solve(A.double(), R.double())).abs().max())
@@ -135,7 +140,7 @@ def bench_lu_solve(n: int, m: int, repeats: int):
             "torch_ms": t_t * 1e3, "speedup_vs_torch": t_t / t_o, "GBps": nbytes / t_o / 1e9,
             "pct_copy_bw": 100 * nbytes / t_o / bw, "GBps_out": nbytes / t_oo / 1e9,
             "pct_copy_bw_out": 100 * nbytes / t_oo / bw, "pct_same_size_copy_out": 100 * t_c / t_oo,
-            "max_abs_err": err}
+            "pct_fresh_copy": 100 * t_f / t_o, "max_abs_err": err}
 
 
 def bench_batched(B: int, n: int, m: int, repeats: int):
@@ -173,10 +178,14 @@ def bench_arrowhead(K: int, m: int, repeats: int):
     M[0, 0], M[0, 1:], M[1:, 0], M[1:, 1:] = 1.0, -dt, dt / L, torch.diag(a.float())
     Rf = torch.cat([r0[None], R])
     t_t = timeit(lambda: torch.linalg.lu_solve(*torch.linalg.lu_factor(M), Rf), repeats=repeats, warmup=1)
+    # the outputs x [m] and I [K, m] are fresh allocations: first-touch page faults dominate at large m.
+    # Reference: the same bytes copied into fresh tensors (R.clone(), r0.clone()).
+    t_f = timeit(lambda: (R.clone(), r0.clone()), repeats=repeats, warmup=1)
     nbytes = 2 * (K + 1) * m * 4
     return {"op": "arrowhead_solve", "n": K + 1, "m": m, "B": 1, "ours_ms": t_o * 1e3, "torch_ms": t_t * 1e3,
             "speedup_vs_torch": t_t / t_o, "GBps": nbytes / t_o / 1e9,
-            "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth()}
+            "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth(), "fresh_copy_ms": t_f * 1e3,
+            "pct_fresh_copy": 100 * t_f / t_o}
 
 
 def run(quick: bool = False):
@@ -205,7 +214,7 @@ def main(argv=None):
     print()
     print_table([r for r in rows if r["op"] != "min_norm"],
                 ["op", "B", "n", "m", "ours_ms", "ours_out_ms", "torch_ms", "speedup_vs_torch", "GBps", "pct_copy_bw",
-                 "pct_copy_bw_out", "pct_same_size_copy_out"])
+                 "pct_copy_bw_out", "pct_same_size_copy_out", "pct_fresh_copy"])
     path = write_json("cpu-linalg.json", rows)
     print(f"wrote {path}")
     return rows
