@@ -5,9 +5,9 @@
 //   torch.linalg.lu_factor, info = first zero pivot (1-based) or 0; a zero pivot column is left
 //   unscaled (no division by zero, no NaN). Computed in the input dtype. Batch in parallel.
 // lu_solve(LU, piv, R): X = A^{-1} R for R [n, m] or [B, n, m] with many right-hand sides. One pass
-//   over R and X: the m columns are streamed in blocks of 64 that stay in L1 (row permutation
-//   applied on load, unit-lower forward and upper back substitution on float64 vectors, store),
-//   chunks of 4096 columns in parallel. Memory-bound: bytes = n*m*(in + out).
+//   over R and X: the m columns are streamed in blocks of 64 (float64) / 128 (float32) that stay in
+//   L1 (row permutation applied on load, unit-lower forward and upper back substitution in the data's
+//   precision, store), chunks of 4096 columns in parallel. Bytes = n*m*(in + out); n^2*m FMAs.
 // arrowhead_solve(a, b, c, alpha, r0, R): the (K+1) x (K+1) arrowhead system
 //     [alpha  b^T    ] [x]   [r0]
 //     [c      diag(a)] [I] = [R ]       per column of r0 [m], R [K, m]
@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace fedkernels {
 namespace {
@@ -83,45 +85,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lu_factor_cpu(const at::Tensor& A
 
 // Solve columns [c0, c0 + C) of one system; R and X are row-major with row strides. The columns
 // go through in blocks of W: the n x W block lives in L1 (a stack array), the permuted rows are
-// loaded once, the unit-lower forward and upper back substitutions run on W-wide float64 vectors
-// (U's diagonal applied as a precomputed reciprocal), and the block is stored once.
-constexpr int64_t W = 64;  // 8 AVX-512 / 16 AVX2 accumulators: enough independent FMA chains
+// loaded once, the unit-lower forward and upper back substitutions run on W-wide vectors of the
+// compute type A (float64 for float64 data, float32 for float32 data: twice the SIMD width where the
+// substitution is compute-bound; U's diagonal applied as a precomputed reciprocal), and the block is
+// stored once.
+template <typename A> struct Block;
+template <> struct Block<double> { static constexpr int64_t W = 64; };   // 8 AVX-512 / 16 AVX2 vectors
+template <> struct Block<float> { static constexpr int64_t W = 128; };   // the same 512 bytes per row
 
-template <typename T>
-inline void solve_block(const double* __restrict__ lu, const double* __restrict__ inv_d, const int64_t* perm,
+template <typename T, typename A>
+inline void solve_block(const A* __restrict__ lu, const A* __restrict__ inv_d, const int64_t* perm,
                         int64_t n, const T* R, int64_t rs, T* X, int64_t xs, int64_t c, int64_t w,
-                        double* __restrict__ x /* n x W */) {
+                        A* __restrict__ x /* n x W */) {
+  constexpr int64_t W = Block<A>::W;
   for (int64_t i = 0; i < n; ++i) {
     const T* src = R + perm[i] * rs + c;
-    double* xi = x + i * W;
+    A* xi = x + i * W;
     if (w == W) {
-      for (int64_t l = 0; l < W; ++l) xi[l] = static_cast<double>(src[l]);
+      for (int64_t l = 0; l < W; ++l) xi[l] = static_cast<A>(src[l]);
     } else {
-      for (int64_t l = 0; l < W; ++l) xi[l] = l < w ? static_cast<double>(src[l]) : 0.0;
+      for (int64_t l = 0; l < W; ++l) xi[l] = l < w ? static_cast<A>(src[l]) : A(0);
     }
   }
-  double acc[W];  // row i of the block, kept in registers across the j loop
+  A acc[W];  // row i of the block, kept in registers across the j loop
   for (int64_t i = 1; i < n; ++i) {
-    double* xi = x + i * W;
-    const double* li = lu + i * n;
+    A* xi = x + i * W;
+    const A* li = lu + i * n;
     for (int64_t q = 0; q < W; ++q) acc[q] = xi[q];
     for (int64_t j = 0; j < i; ++j) {
-      const double l = li[j];
-      const double* xj = x + j * W;
+      const A l = li[j];
+      const A* xj = x + j * W;
       for (int64_t q = 0; q < W; ++q) acc[q] -= l * xj[q];
     }
     for (int64_t q = 0; q < W; ++q) xi[q] = acc[q];
   }
   for (int64_t i = n - 1; i >= 0; --i) {
-    double* xi = x + i * W;
-    const double* ui = lu + i * n;
+    A* xi = x + i * W;
+    const A* ui = lu + i * n;
     for (int64_t q = 0; q < W; ++q) acc[q] = xi[q];
     for (int64_t j = i + 1; j < n; ++j) {
-      const double u = ui[j];
-      const double* xj = x + j * W;
+      const A u = ui[j];
+      const A* xj = x + j * W;
       for (int64_t q = 0; q < W; ++q) acc[q] -= u * xj[q];
     }
-    const double r = inv_d[i];
+    const A r = inv_d[i];
     for (int64_t q = 0; q < W; ++q) xi[q] = acc[q] * r;
     T* dst = X + i * xs + c;
     if (w == W) {
@@ -132,12 +139,13 @@ inline void solve_block(const double* __restrict__ lu, const double* __restrict_
   }
 }
 
-template <typename T>
-void solve_chunk(const double* lu, const double* inv_d, const int64_t* perm, int64_t n, const T* R, int64_t rs,
+template <typename T, typename A>
+void solve_chunk(const A* lu, const A* inv_d, const int64_t* perm, int64_t n, const T* R, int64_t rs,
                  T* X, int64_t xs, int64_t c0, int64_t C) {
-  alignas(64) double x[64 * W];
+  constexpr int64_t W = Block<A>::W;
+  alignas(64) A x[64 * W];
   for (int64_t c = c0; c < c0 + C; c += W)
-    solve_block<T>(lu, inv_d, perm, n, R, rs, X, xs, c, std::min(W, c0 + C - c), x);
+    solve_block<T, A>(lu, inv_d, perm, n, R, rs, X, xs, c, std::min(W, c0 + C - c), x);
 }
 
 void lu_solve_into(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor& R, at::Tensor& X);
@@ -189,19 +197,30 @@ void lu_solve_into(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor
       inv_d[b * n + i] = 1.0 / dii;
     }
   }
-  const int64_t C = 4096;  // columns per parallel task (a multiple of W)
+  const int64_t C = 4096;  // columns per parallel task (a multiple of both block widths)
   const int64_t nchunks = (m + C - 1) / C;
   const int64_t rb = batched ? R.stride(0) : 0, rs = R.stride(-2);
   const int64_t xb = batched ? X.stride(0) : 0, xs = X.stride(-2);
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (n * std::min(C, m)));
+  // float32 data: substitution in float32 (the factor rounded once), float64 data: in float64
+  std::vector<float> lu32, inv_d32;
+  if (R.scalar_type() == at::kFloat) {
+    lu32.assign(lup, lup + B * n * n);
+    inv_d32.assign(inv_d.begin(), inv_d.end());
+  }
   AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "lu_solve_cpu", [&] {
+    using A = scalar_t;
+    const A* lua = std::is_same<A, float>::value ? reinterpret_cast<const A*>(lu32.data())
+                                                  : reinterpret_cast<const A*>(lup);
+    const A* inva = std::is_same<A, float>::value ? reinterpret_cast<const A*>(inv_d32.data())
+                                                   : reinterpret_cast<const A*>(inv_d.data());
     const scalar_t* r = R.data_ptr<scalar_t>();
     scalar_t* x = X.data_ptr<scalar_t>();
     at::parallel_for(0, B * nchunks, grain, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / nchunks, c0 = (t % nchunks) * C;
-        solve_chunk<scalar_t>(lup + b * n * n, inv_d.data() + b * n, perm.data() + b * n, n, r + b * rb, rs,
-                              x + b * xb, xs, c0, std::min(C, m - c0));
+        solve_chunk<scalar_t, A>(lua + b * n * n, inva + b * n, perm.data() + b * n, n, r + b * rb, rs,
+                                 x + b * xb, xs, c0, std::min(C, m - c0));
       }
     });
   });
