@@ -350,7 +350,7 @@ def test_lr_matched_control_scales_head_gradient_by_running_mean_loss():
     for x, y in batches:
         ref.zero_grad()
         loss = F.cross_entropy(ref(x), y)
-        hist.append(float(loss))
+        hist.append(float(loss.detach()))
         loss.backward()
         scale = 1.0 + 0.5 * sum(hist) / len(hist)
         with torch.no_grad():
