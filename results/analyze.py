@@ -133,6 +133,7 @@ def run_stats(paper, run_dir, target):
     if qs:   # FedAWARE: ||sum lam_i M_i / ||M_i|| ||^2 = q (normalised Gram), FW gap and iterations
         st["q_sqrt_max"] = float(math.sqrt(max(qs)))
         its = [g["iterations"] for g in aggs if g.get("iterations") is not None]
+        # stopped on the gap test before fedaware's default max_iter (1000; none of these runs change it)
         st["fw_converged_frac"] = float(np.mean([i < 1000 for i in its])) if its else None
         gaps = [g["gap"] for g in aggs if g.get("gap") is not None]
         st["fw_gap_max"] = float(max(gaps)) if gaps else None

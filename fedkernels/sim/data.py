@@ -56,7 +56,7 @@ import torch
 __all__ = [
     "TensorData", "DatasetNotFoundError", "load_dataset", "DATASETS", "DEFAULT_ROOTS",
     "read_idx", "read_cifar_batch", "stratified_split", "stratified_subsample",
-    "generate_synthetic", "generate_gmm", "GENERATED",
+    "generate_synthetic", "generate_gmm", "GENERATED", "dataset_key",
     "normalize", "random_crop", "random_hflip", "Augment",
 ]
 
@@ -421,10 +421,6 @@ def _float_opt(ds: str, name: str, value, low: float, strict: bool) -> float:
     return v
 
 
-def _seed_opt(ds: str, seed) -> int:
-    return _int_opt(ds, "seed", seed, 0)
-
-
 def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 30, dim: int = 60,
                        num_classes: int = 10, seed: int = 0, iid: bool = False,
                        train_fraction: float = 0.9, max_user_samples: Optional[int] = None):
@@ -448,7 +444,7 @@ def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 3
     U = _int_opt(ds, "num_users", num_users, 1)
     D = _int_opt(ds, "dim", dim, 1)
     C = _int_opt(ds, "num_classes", num_classes, 2)
-    seed = _seed_opt(ds, seed)
+    seed = _int_opt(ds, "seed", seed, 0)
     if not isinstance(iid, (bool, np.bool_)):
         raise ValueError(f"{ds}: iid must be true or false, got {iid!r}")
     tf = _float_opt(ds, "train_fraction", train_fraction, 0.0, strict=True)
@@ -505,7 +501,7 @@ def generate_gmm(num_classes: int = 10, dim: int = 64, n_train: int = 6000, n_te
     ntr = _int_opt(ds, "n_train", n_train, C)
     nte = _int_opt(ds, "n_test", n_test, 1)
     sep = _float_opt(ds, "class_sep", class_sep, 0.0, strict=True)
-    seed = _seed_opt(ds, seed)
+    seed = _int_opt(ds, "seed", seed, 0)
     rng = np.random.default_rng(seed)
     means = rng.normal(0.0, sep, (C, D))
 
@@ -578,6 +574,11 @@ def _load_generated(key: str, options: dict, max_train, max_test, subsample_seed
     return make(xtr, ytr, otr, "train"), make(xte, yte, ote, "test")
 
 
+def dataset_key(name: str) -> str:
+    """The canonical dataset name of ``name`` (aliases such as "fashion-mnist" -> "fmnist")."""
+    return _ALIASES.get(name.lower(), name.lower())
+
+
 def load_dataset(name: str, root: Optional[Union[str, os.PathLike]] = None,
                  download_hint: bool = True, *, max_train: Optional[int] = None,
                  max_test: Optional[int] = None, subsample_seed: int = 0, split_seed: int = 0,
@@ -601,7 +602,7 @@ def load_dataset(name: str, root: Optional[Union[str, os.PathLike]] = None,
         ``normalize`` True/False alike (use ``standardize``). max_train / max_test subsample them
         stratified by label (``client_ids`` follow).
     """
-    key = _ALIASES.get(name.lower(), name.lower())
+    key = dataset_key(name)
     if key not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
     if key in GENERATED:

@@ -142,9 +142,9 @@ class Simulation:
     def _load_data(self):
         cfg = self.cfg
         if self._train is None or self._test is None:
-            from .data import GENERATED, _ALIASES, load_dataset
+            from .data import GENERATED, dataset_key, load_dataset
             kw = dict(cfg.data.options)
-            if _ALIASES.get(cfg.data.name.lower(), cfg.data.name.lower()) in GENERATED:
+            if dataset_key(cfg.data.name) in GENERATED:
                 kw.setdefault("seed", cfg.seed)   # generated data: a new draw per run seed unless pinned
             kw.setdefault("max_train", cfg.data.train_subset)
             kw.setdefault("max_test", cfg.data.test_subset)
