@@ -34,8 +34,7 @@ class AggResult(NamedTuple):
     info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
 
 
-class BadUpdateError(ValueError):
-    """A client update is not usable (NaN/Inf, wrong length, no samples)."""
+from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algorithms; re-exported here)
 
 
 @dataclass

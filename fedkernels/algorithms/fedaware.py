@@ -211,7 +211,7 @@ class FedAWARE(Aggregator):
         dt, dev = getattr(self, "_like", (self.M.dtype, self.M.device))
         if self.M.dtype == dt and self.M.device == dev:
             return ops.weighted_sum(self.M, coef, base=base, alpha=alpha, rows=rows)
-        from ..streaming import weighted_sum_chunked     # bf16 / host table: converted chunk by chunk
+        from ..ops import weighted_sum_chunked           # bf16 / host table: converted chunk by chunk
         return weighted_sum_chunked(self.M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
 
     def _na_coef(self):
