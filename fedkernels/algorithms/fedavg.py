@@ -26,5 +26,5 @@ class FedAvg(Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
-        new = ops.weighted_sum(rin.U, p.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": p.tolist()})

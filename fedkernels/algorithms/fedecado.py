@@ -71,7 +71,7 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
         solver = "closed_form"
     if solver != "lu":
         inv_a = (1.0 / a).to(torch.float64)
-        acc = ops.weighted_sum(r, inv_a.to(r.device))                   # sum_i r_i / a_i
+        acc = ops.weighted_sum(r, inv_a)                   # sum_i r_i / a_i
         den = 1.0 + dt * c * float(inv_a.sum())
         x = (b0 + dt * acc) / den
         # I_i = (r_i - c x) / a_i, written into r

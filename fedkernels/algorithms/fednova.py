@@ -104,6 +104,6 @@ class FedNova(FedAvg):
         a = self.a_norms(rin)
         tau_eff = float((p * a).sum())
         coef = p * (tau_eff / a)
-        new = ops.weighted_sum(rin.U, coef.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, coef, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff,
                                "coef": coef.tolist()})

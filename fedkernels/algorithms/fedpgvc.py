@@ -242,5 +242,5 @@ class FedPGVC(Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
-        new = ops.weighted_sum(rin.U, a.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})

@@ -302,14 +302,14 @@ class GCFed(Aggregator):
         a = client_weights(rin, self.weighting)
         dev = rin.U.device
         if self.global_scope == "none":
-            new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=self.server_lr)
+            new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
             return AggResult(new, {"weights": a.tolist()})
         if self.spec is None:
             raise ValueError(f"{self.name}: Global GC needs the model's FlatSpec (call setup(spec=...))")
         if self.spec.d != rin.d:
             raise ValueError(f"{self.name}: FlatSpec has d={self.spec.d} but the updates have d={rin.d}")
         delta = self._workspace(rin.global_flat)
-        ops.weighted_sum(rin.U, a.to(dev), out=delta)          # Delta = sum_k a_k U_k
+        ops.weighted_sum(rin.U, a, out=delta)          # Delta = sum_k a_k U_k
         apply_gc_(self._views, self.vector_policy, self.min_fanin, self.mu)   # P Delta on the global set
         new = torch.add(rin.global_flat, delta, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})

@@ -218,8 +218,8 @@ class KuramotoFedAvg(Aggregator):
         if self.mode == "C":
             phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
-            new = ops.weighted_sum(rin.U, p.to(dev), base=rin.global_flat, alpha=self.server_lr)
-            sync = ops.weighted_sum(rin.U, b.to(dev))
+            new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=self.server_lr)
+            sync = ops.weighted_sum(rin.U, b)
             clipped = ops.any_(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
@@ -237,7 +237,7 @@ class KuramotoFedAvg(Aggregator):
             a, info = kuramoto_weights(dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar,
                                        guard=self.guard)
             alpha = self.server_lr * kt
-        new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=alpha)
+        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=alpha)
         info.update(mode=self.mode, kappa=kap, weights=a.tolist(), p=p.tolist(),
                     guard_fired=bool(self.mode == "P" and info["degenerate"]))
         if self.mode == "P" and not info["degenerate"]:
