@@ -215,6 +215,12 @@ class Aggregator(abc.ABC):
             pl = [pl[k] for k in keep]
         return RoundInput(global_flat, updates, n, ids, pl, excluded)
 
+    def missing_payload(self, key: str, what: str) -> str:
+        """The one message for a payload entry the method's client side should have sent."""
+        return (f"{self.name} needs payload {key!r} ({what}) from its client side: train the client with "
+                f"rule = agg.client_rule() (hooks: fedkernels.algorithms.ClientRule) and pass what "
+                f"rule.end(ctx, model) returns as its entry of payloads")
+
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         """Returns a reason string if a client's payload is unusable (subclasses extend)."""
         for key, v in payload.items():

@@ -519,7 +519,7 @@ class FedECADO(Aggregator):
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         T = payload.get("T")
         if T is None:
-            return "payload 'T' (simulated time) missing"
+            return self.missing_payload("T", "the client's simulated time, the sum of its applied learning rates")
         try:
             T = float(T)
         except (TypeError, ValueError):

@@ -81,7 +81,7 @@ class FedNova(FedAvg):
                 return f"payload 'a_norm' must be a finite number > 0, got {payload['a_norm']!r}"
             return None
         if "local_steps" not in payload:
-            return "fednova needs payload 'local_steps' (the client's number of local steps)"
+            return self.missing_payload("local_steps", "the client's number of local steps")
         tau = _number(payload["local_steps"])
         if tau is None or not math.isfinite(tau) or tau <= 0:
             return f"payload 'local_steps' must be a number > 0, got {payload['local_steps']!r}"

@@ -133,6 +133,9 @@ class LocalGCRule(ClientRule):
         self.all = [params[e.name] for e in entries]
         self.bufs: Dict[int, torch.Tensor] = {}
 
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        return {"local_gc": len(self.local)}   # tensors centred (the server checks the rule ran)
+
     def _fusable(self) -> bool:
         agg = self.aggregator
         return bool(self.local) and agg.fused_step and agg.local_order == "pre_wd" and agg.mu == "cout"
@@ -266,6 +269,12 @@ class GCFed(Aggregator):
 
     def client_rule(self):
         return None if self.local_layers == "none" else LocalGCRule(self)
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r or self.local_layers == "none" or "local_gc" in payload:
+            return r
+        return self.missing_payload("local_gc", "the number of tensors Local GC centred")
 
     # ---- sets ----------------------------------------------------------------------------------
     def _param_entries(self, spec):

@@ -329,8 +329,7 @@ class ControlVariateServer(Aggregator):
             return r
         dc = payload.get("delta_c")
         if not isinstance(dc, torch.Tensor):
-            return (f"{self.name} needs payload 'delta_c' (a [d_c] tensor): train the client with "
-                    f"agg.client_rule() and send what rule.end(ctx, model) returns")
+            return self.missing_payload("delta_c", "the client's control-variate change, a [d_c] tensor")
         if self.d_c is not None and dc.numel() != self.d_c:
             return f"payload 'delta_c' has {dc.numel()} elements, expected d={self.d_c} (the length of the controlled range)"
         return None
