@@ -17,7 +17,7 @@ to the raw gradient (GC-Fed's [CODE] order). Nesterov, dampening and maximize ar
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import torch
 

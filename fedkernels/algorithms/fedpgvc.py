@@ -22,8 +22,7 @@ The FedPVR baseline (spec §2.6) is in fedpvr.py.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F

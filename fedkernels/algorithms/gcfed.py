@@ -14,7 +14,6 @@ first floor(lam L) tensors, no Global GC: the paper's Fig. 9 comparison curve).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from .. import ops
 from ._fused import fused_sgd_step
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .parts import WEIGHTINGS, check_choice, client_weights
+from .parts import WEIGHTINGS, check_choice, client_weights, split_layers
 
 VECTOR_POLICIES = ("center", "skip")
 # mean-vector variants for conv weights (spec §2.6): name -> axes reduced (None = the standard row)
@@ -65,45 +64,6 @@ def apply_gc_(tensors: Sequence[torch.Tensor], vector_policy: str, min_fanin: in
     for t in conv:
         gc_mean_variant_(t, mu)
     return tensors
-
-
-# ---------------------------------------------------------------------------------------------
-# layer borderline (spec §2.4)
-# ---------------------------------------------------------------------------------------------
-def _prefix_match(name: str, prefixes: Sequence[str]) -> bool:
-    for p in prefixes:
-        q = p if p.endswith(".") else p + "."
-        if name == p or name.startswith(q):
-            return True
-    return False
-
-
-def split_layers(names: Sequence[str], local_layers: str = "all_except",
-                 global_layers: Optional[Sequence[str]] = None, lam: Optional[float] = None) -> List[bool]:
-    """Per parameter tensor (``names`` in named_parameters order): True = in the local (Local GC) set.
-
-    local_layers: "all_except" (every tensor except those under the module prefixes
-    ``global_layers``, matched as exact module prefixes: "fc" does not match "fc1.weight"),
-    "first_fraction" (the first floor(lam * L + 1e-9) tensors), "all", "none"."""
-    L = len(names)
-    if local_layers == "all":
-        return [True] * L
-    if local_layers == "none":
-        return [False] * L
-    if local_layers == "first_fraction":
-        if lam is None or not 0.0 <= lam <= 1.0:
-            raise ValueError(f"split_layers: lam must lie in [0, 1] for 'first_fraction', got {lam!r}")
-        n = int(math.floor(lam * L + 1e-9))
-        return [i < n for i in range(L)]
-    if local_layers == "all_except":
-        if not global_layers:
-            raise ValueError("split_layers: 'all_except' needs global_layers (module prefixes)")
-        hit = [_prefix_match(n, global_layers) for n in names]
-        for p in global_layers:
-            if not any(_prefix_match(n, [p]) for n in names):
-                raise ValueError(f"split_layers: global layer prefix {p!r} matches no parameter; names: {list(names)}")
-        return [not h for h in hit]
-    raise ValueError(f"split_layers: local_layers must be all_except|first_fraction|all|none, got {local_layers!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 

@@ -4,7 +4,8 @@
   ``"uniform"`` 1/K (the papers' 1/|S|).
 * :class:`ServerMomentum` - v <- beta v + sum_k p_k U_k (FedAvgM; FedAWARE's ``fedavgm`` extension).
 * :func:`controlled_entries` / :func:`flat_ranges` - a masked parameter range of the flat vector
-  (FedPVR's last layers; every parameter for SCAFFOLD).
+  (FedPGVC's and FedPVR's last layers; every parameter for SCAFFOLD); :func:`split_layers` - GC-Fed's
+  local / global split of the parameter tensors.
 * :class:`ControlVariateRule` and :class:`ControlVariateServer` - SCAFFOLD option-II control
   variates over such a range: SCAFFOLD is the all-parameters case, FedPVR its masked case.
 * :func:`check_choice` - the one-line error for an option outside its allowed values.
@@ -13,6 +14,7 @@ Declared state (``Aggregator.state_attrs``) lives in ``base.py``.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -95,6 +97,42 @@ def controlled_entries(spec, n_ctrl: Union[int, str] = 2, modules: Optional[Sequ
     first = order.index(layers[-n_ctrl])
     sel = set(order[first:])
     return [e for e in params if e.module in sel]
+
+
+def _prefix_match(name: str, prefixes: Sequence[str]) -> bool:
+    for p in prefixes:
+        q = p if p.endswith(".") else p + "."
+        if name == p or name.startswith(q):
+            return True
+    return False
+
+
+def split_layers(names: Sequence[str], local_layers: str = "all_except",
+                 global_layers: Optional[Sequence[str]] = None, lam: Optional[float] = None) -> List[bool]:
+    """Per parameter tensor (``names`` in named_parameters order): True = in the local (Local GC) set.
+
+    local_layers: "all_except" (every tensor except those under the module prefixes
+    ``global_layers``, matched as exact module prefixes: "fc" does not match "fc1.weight"),
+    "first_fraction" (the first floor(lam * L + 1e-9) tensors), "all", "none"."""
+    L = len(names)
+    if local_layers == "all":
+        return [True] * L
+    if local_layers == "none":
+        return [False] * L
+    if local_layers == "first_fraction":
+        if lam is None or not 0.0 <= lam <= 1.0:
+            raise ValueError(f"split_layers: lam must lie in [0, 1] for 'first_fraction', got {lam!r}")
+        n = int(math.floor(lam * L + 1e-9))
+        return [i < n for i in range(L)]
+    if local_layers == "all_except":
+        if not global_layers:
+            raise ValueError("split_layers: 'all_except' needs global_layers (module prefixes)")
+        hit = [_prefix_match(n, global_layers) for n in names]
+        for p in global_layers:
+            if not any(_prefix_match(n, [p]) for n in names):
+                raise ValueError(f"split_layers: global layer prefix {p!r} matches no parameter; names: {list(names)}")
+        return [not h for h in hit]
+    raise ValueError(f"split_layers: local_layers must be all_except|first_fraction|all|none, got {local_layers!r}")
 
 
 def check_n_ctrl(method: str, n_ctrl) -> None:
