@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from . import _autograd as _ag
 from ._checks import FLOAT_DTYPES, _needs_kernel, _no_grad_through, _tensor, tracing
 
 __all__ = ["gc_project_", "gc_project", "gc_project_flat_", "GC_VECTOR_POLICIES"]
@@ -72,6 +73,8 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project")
     if not tensors:
         return []
+    if _ag.needs_grad(*tensors):
+        return _ag.gc_project(tensors, vector_policy, min_fanin)
     return list(torch.ops.fedkernels.gc_project(tensors, vector_policy, min_fanin))
 
 
