@@ -1432,7 +1432,8 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
     uniform = torch.full((K,), 1.0 / K, dtype=torch.float64)
     samples = n64 / n64.sum()
     if name in ("fedavg", "fedprox", "scaffold"):
-        p = uniform if kw.get("weighting") == "uniform" else samples
+        default = "uniform" if name == "scaffold" else "samples"     # SCAFFOLD: the paper's 1/|S|
+        p = uniform if kw.get("weighting", default) == "uniform" else samples
         return x64 + lr * _sum_rows64(U64, p), (p.abs()[:, None] * U64.abs()).sum(0)
     if name in ("fedpgvc", "fedpvr", "local_gc", "local_gc_only"):
         return x64 + lr * _sum_rows64(U64, uniform), (uniform[:, None] * U64.abs()).sum(0)
