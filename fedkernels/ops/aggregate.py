@@ -34,7 +34,7 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     """
     U = _matrix(U, "gram")
     r = _rows(rows, U.size(0), "gram")
-    G = _ag.gram(U, r) if _ag.needs_grad(U) else torch.ops.fedkernels.gram(U, r)
+    G = _ag.gram(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
     return shard_sum(G)
 
 
@@ -64,7 +64,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
     if out is None:
         if _ag.needs_grad(U, c, base):
             return _ag.weighted_sum(U, c, base, alpha, r)
-        return torch.ops.fedkernels.weighted_sum(U, c, base, alpha, r)
+        return _ag.call(torch.ops.fedkernels.weighted_sum, U, c, base, alpha, r)
     out = _vector(out, op, "out", d, U)
     if not out.is_contiguous():
         raise ValueError(f"{op}: out must be contiguous")

@@ -75,7 +75,7 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
         return []
     if _ag.needs_grad(*tensors):
         return _ag.gc_project(tensors, vector_policy, min_fanin)
-    return list(torch.ops.fedkernels.gc_project(tensors, vector_policy, min_fanin))
+    return list(_ag.call(torch.ops.fedkernels.gc_project, tensors, vector_policy, min_fanin))
 
 
 def gc_project_flat_(vec: torch.Tensor, spec, vector_policy: str = "skip", min_fanin: int = 2,

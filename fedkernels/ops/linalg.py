@@ -47,7 +47,7 @@ def lu_factor_ex(A: torch.Tensor):
     """
     A = _lu_input(A, "lu_factor_ex")
     _needs_kernel("lu_factor", A.device, "lu_factor_ex")
-    return _ag.no_derivative("lu_factor", torch.ops.fedkernels.lu_factor(A.detach()), A)
+    return _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
 
 
 def lu_factor(A: torch.Tensor):
@@ -55,7 +55,7 @@ def lu_factor(A: torch.Tensor):
     matrix and the zero pivot."""
     A = _lu_input(A, "lu_factor")
     _needs_kernel("lu_factor", A.device, "lu_factor")
-    LU, piv, info = _ag.no_derivative("lu_factor", torch.ops.fedkernels.lu_factor(A.detach()), A)
+    LU, piv, info = _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
     bad = torch.nonzero(info.reshape(-1)).flatten()
     if bad.numel():
         b = int(bad[0])
@@ -95,8 +95,8 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
     if R.size(-1) > 1 and R.stride(-1) != 1:
         R = R.contiguous()
     if out is None:
-        return _ag.no_derivative("lu_solve", torch.ops.fedkernels.lu_solve(LU.detach().contiguous(), pivots.contiguous(),
-                                                                           R.detach()), LU, R)
+        return _ag.no_derivative("lu_solve", _ag.call(torch.ops.fedkernels.lu_solve, LU.detach().contiguous(),
+                                                                     pivots.contiguous(), R.detach()), LU, R)
     out = _tensor(out, op, "out")
     if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
         raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on {R.device}")
@@ -141,8 +141,8 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
     _needs_kernel("arrowhead_solve", R.device, op)
     if m > 1 and R.stride(1) != 1:
         R = R.contiguous()
-    res = torch.ops.fedkernels.arrowhead_solve(*(v.detach() for v in coefs), float(alpha), r0.detach().contiguous(),
-                                               R.detach())
+    res = _ag.call(torch.ops.fedkernels.arrowhead_solve, *(v.detach() for v in coefs), float(alpha),
+                   r0.detach().contiguous(), R.detach())
     return _ag.no_derivative("arrowhead_solve", res, *coefs, r0, R)
 
 
