@@ -108,3 +108,16 @@ def test_compare_end_to_end_tables_progress_and_failures(tmp_path, capsys, monke
     assert "| fedavg | 2 |" in md and "sample standard deviation" in md and "paired" in md
     tex = (tmp_path / "compare.tex").read_text()
     assert "\\begin{tabular}" in tex and "fedprox:mu=0.1" in tex and "$\\pm$" in tex
+
+
+def test_presets_show_a_time_estimate():
+    from fedkernels.sim import presets
+    e = presets.estimate("kuramoto-digits")
+    assert e["rounds"] == presets.get("kuramoto-digits").rounds
+    assert e["s_per_run"] == pytest.approx(e["s_per_round"] * e["rounds"]) and e["source"].startswith("results/")
+    assert presets.estimate("kuramoto-cifar10") is None
+    r = subprocess.run([sys.executable, "-m", "fedkernels", "presets"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    times = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("time:")]
+    assert len(times) == len(presets.names())
+    assert any("s/round" in t and "estimate" in t for t in times) and any("not measured" in t for t in times)

@@ -186,7 +186,15 @@ def cmd_info(a) -> int:
 def cmd_presets(a) -> int:
     from . import presets
     for name, doc in presets.describe().items():
-        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}")
+        est = presets.estimate(name)
+        if est is None:
+            t = "not measured on CPU"
+        else:
+            sec = est["s_per_run"]
+            t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
+                f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
+                f"estimate from {est['source']})")
+        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}\n    time: {t}")
     return 0
 
 
