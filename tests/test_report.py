@@ -170,3 +170,12 @@ def test_run_writer_titles_name_the_setup(tmp_path):
     assert "digits, dirichlet(alpha=0.1), 4 clients, mlp, 3 rounds" in svg
     assert report.describe_setup(cfg, [0, 1], preset="p") == \
         "p: digits, dirichlet(alpha=0.1), 4 clients, mlp, 3 rounds, seeds 0,1"
+
+
+def test_atomic_files_get_the_usual_mode(tmp_path):
+    um = os.umask(0o022)
+    try:
+        report.write_text_atomic(str(tmp_path / "a.txt"), "x")
+    finally:
+        os.umask(um)
+    assert (os.stat(tmp_path / "a.txt").st_mode & 0o777) == 0o644

@@ -20,6 +20,12 @@ TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "t_local_tot
                "agg_share_incl_round1")
 
 
+def _umask() -> int:
+    um = os.umask(0)
+    os.umask(um)
+    return um
+
+
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
     """Yields a temporary path beside ``path``; when the block ends normally the file is renamed onto
@@ -30,6 +36,7 @@ def atomic_path(path: str) -> Iterator[str]:
     base, ext = os.path.splitext(os.path.basename(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{base}-", suffix=f".tmp{ext}", dir=d)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())          # mkstemp makes 0600; give the file the usual mode
     try:
         yield tmp
         os.replace(tmp, path)
@@ -339,6 +346,25 @@ def explore_rounds(metrics: Sequence[Dict[str, Any]]) -> List[int]:
     return [int(m["round"]) for m in metrics if isinstance(m.get("agg"), dict) and m["agg"].get("phase") == "explore"]
 
 
+def explore_notes(per_label: Dict[str, Sequence[Sequence[int]]]):
+    """From ``{label: [explore rounds of each seed]}``: the round spans to shade (one per distinct
+    span) and one caption line per span naming its methods."""
+    groups: Dict[tuple, List[str]] = {}
+    for label, seeds in per_label.items():
+        lens = [(min(r), max(r)) for r in seeds if r]
+        if not lens:
+            continue
+        lo, hi_min, hi_max = min(a for a, _ in lens), min(b for _, b in lens), max(b for _, b in lens)
+        groups.setdefault((lo, hi_min, hi_max), []).append(label)
+    spans, lines = [], []
+    for (lo, hmin, hmax), labels in groups.items():
+        spans.append((lo, hmax))
+        across = f"rounds {lo}-{hmax}" if hmin == hmax else f"rounds {lo}-{hmin} to {lo}-{hmax} across seeds"
+        lines.append(f"{', '.join(labels)}: {across} (shaded) are the explore warm-up, FedAvg steps by design "
+                     "(the base method's steps with an AWARE extension) until every client has been sampled once")
+    return spans, lines
+
+
 def _band(Y: np.ndarray, band: str):
     """(low, high) of the band around the mean of the rows of Y (seeds), or None."""
     n = Y.shape[0]
@@ -389,7 +415,8 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
     nrow = int(math.ceil(len(panels) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.9 * nrow + 0.9), squeeze=False)
     flat_axes = list(axes.ravel())
-    caption = []
+    explore: Dict[str, List[List[int]]] = {}
+    any_clipped = False
     markers = "osD^vP*Xh<>"
     nseeds = sorted({len(s) for s in norm.values() if s})
     for i, (label, seeds) in enumerate(norm.items()):
@@ -397,7 +424,7 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
             continue
         n = len(seeds)
         color = None
-        for ax, (key, _, scale, _) in zip(flat_axes, panels):
+        for ax, (key, _, scale, logy) in zip(flat_axes, panels):
             curves = [{m["round"]: m[key] for m in mm if _num(m.get(key)) is not None} for mm in seeds]
             curves = [c for c in curves if c]
             if not curves:
@@ -413,14 +440,17 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
             color = line.get_color()
             bd = _band(Y, band)
             if bd is not None:
-                ax.fill_between(rounds, bd[0], bd[1], alpha=0.18, color=color, linewidth=0)
-        ex = explore_rounds(seeds[0])
-        if ex:
-            lo, hi = min(ex), max(ex)
-            for ax in flat_axes[:len(panels)]:
-                ax.axvspan(lo - 0.5, hi + 0.5, color=color, alpha=0.07, linewidth=0)
-            caption.append(f"{label}: rounds {lo}-{hi} (shaded) are FedAvg steps by design "
-                           "(explore warm-up until every client has been sampled once)")
+                lo = bd[0]
+                if logy:      # a log axis cannot show mean - sd <= 0: clip there at the lowest seed
+                    clipped = lo <= 0
+                    lo = np.where(clipped, Y.min(0), lo)
+                    any_clipped = any_clipped or bool(clipped.any())
+                ax.fill_between(rounds, lo, bd[1], alpha=0.18, color=color, linewidth=0)
+        explore[label] = [explore_rounds(mm) for mm in seeds]
+    spans, caption = explore_notes(explore)
+    for lo, hi in spans:
+        for ax in flat_axes[:len(panels)]:
+            ax.axvspan(lo - 0.5, hi + 0.5, color="0.5", alpha=0.08, linewidth=0)
     for ax, (key, yl, _, logy) in zip(flat_axes, panels):
         ax.set_xlabel("round")
         ax.set_ylabel(yl, fontsize=9)
@@ -441,6 +471,8 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
                                           else "95% Student-t confidence interval of the mean")
     else:
         first = "Lines: one run per method"
+    if any_clipped:
+        first += " (on log axes the lower edge is clipped at the lowest seed where mean - sd <= 0)"
     cap = [first + "."] + caption + list(notes)
     if title:
         fig.suptitle(title, fontsize=11)
