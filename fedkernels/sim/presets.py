@@ -10,7 +10,7 @@ labels, plain algorithm names, or ``algo:key=value:key=value``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .config import RunConfig
 
@@ -238,8 +238,35 @@ def get(name: str) -> RunConfig:
     _check(name)
     d = copy.deepcopy(_P[name][1])
     d.setdefault("name", None)
+    d["preset"] = name
     cfg = RunConfig.from_dict(d)
     return cfg.validate()
+
+
+def default_method(name: str) -> Optional[str]:
+    """The method a preset's name says (``kuramoto-fmnist`` -> its first ``kuramoto*`` label; a
+    one-method preset -> that one); None when the name names none of its methods (then ask)."""
+    vs = variants(name)
+    if len(vs) == 1:
+        return next(iter(vs))
+    head = name.split("-")[0]
+    if head in vs:
+        return head
+    return next((k for k in vs if k.startswith(head)), None)
+
+
+def with_method(cfg: RunConfig, name: str, label: str) -> RunConfig:
+    """A copy of preset ``name``'s ``cfg`` running its method ``label``; ValueError naming the labels."""
+    vs = variants(name)
+    if label not in vs:
+        from .config import _suggest
+        raise ValueError(f"--method {label!r}: not a method of preset {name}{_suggest(label, list(vs))}; "
+                         f"its methods: {', '.join(vs)}")
+    cfg = cfg.copy()
+    cfg.algorithm.name = vs[label]["name"]
+    cfg.algorithm.options = dict(vs[label].get("options", {}))
+    cfg.method = label
+    return cfg
 
 
 def variants(name: str) -> Dict[str, Dict[str, Any]]:
