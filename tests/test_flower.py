@@ -475,3 +475,46 @@ def test_message_strategy_start_scaffold_with_client_app_matches_direct_loop():
     # the losses went down over the rounds (the run trained)
     losses = [result.evaluate_metrics_clientapp[r]["loss"] for r in (1, 2, 3)]
     assert losses[2] < losses[0]
+
+
+def test_message_strategy_under_flower_simulation_runtime():
+    """SCAFFOLD with client payloads under Flower's own simulation runtime (run_simulation, Ray
+    backend: supernodes in Ray workers) gives the library's direct loop. Needs `flwr[simulation]`."""
+    _message_api()
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    seed, nodes, rounds = 5, 3, 2
+    r = subprocess.run([sys.executable, os.path.join(here, "flower_sim_app.py"), str(seed), str(nodes), str(rounds)],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["rounds"] == list(range(1, rounds + 1))
+    rng = np.random.default_rng(seed)
+    glob = _arrays(rng)
+    d = sum(a.size for a in glob)
+    targets = [rng.standard_normal(d) for _ in range(nodes)]
+    ref = algorithms.build("scaffold")
+    xr = torch.from_numpy(np.concatenate([a.reshape(-1) for a in glob]).astype(np.float32))
+    ref.setup(None, nodes, xr)
+    for _ in range(rounds):
+        arrays, off = [a.copy() for a in glob], 0
+        for a in arrays:
+            a[...] = xr.numpy()[off:off + a.size].reshape(a.shape)
+            off += a.size
+        rows, pls = [], []
+        for cid in range(nodes):
+            new, dc = _quad_client(arrays, ref.client_payload(cid), targets[cid])
+            rows.append(torch.from_numpy(np.concatenate([a.reshape(-1) for a in new])) - xr)
+            pls.append({"delta_c": torch.from_numpy(dc)})
+        xr, _ = ref.aggregate(xr, torch.stack(rows), [10] * nodes, list(range(nodes)), pls)
+    np.testing.assert_allclose(np.asarray(out["final"], dtype=np.float32), xr.numpy(), rtol=1e-5, atol=1e-5)
+    assert float(ref.c.abs().sum()) > 0
