@@ -21,10 +21,16 @@ def _want_cuda() -> bool:
         and shutil.which("nvcc") is not None
 
 
+def _cxx_std() -> str:
+    """The C++ standard of the torch headers built against: C++20 from torch 2.14, else C++17."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def _ext():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-g0", "-fopenmp", "-std=c++17", "-ffp-contract=fast"]
+    cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast"]
     # The extension is built where it runs (editable/source install), so tune for this CPU unless
     # FEDKERNELS_MARCH says otherwise (e.g. FEDKERNELS_MARCH=x86-64-v3 for a portable wheel, or "").
     march = os.environ.get("FEDKERNELS_MARCH", "native")
@@ -32,9 +38,11 @@ def _ext():
         cxx.append(f"-march={march}")
     link = ["-fopenmp"]
     if _want_cuda():
+        # csrc/cuda/<op>.cu: kernels (nvcc); csrc/cuda/<op>_glue.cpp: that op's torch glue (host
+        # compiler), which registers itself under TORCH_LIBRARY_IMPL(fedkernels, CUDA, m).
         sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
-        sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*_glue.cpp")))
+        nvcc = ["-O3", f"-std={_cxx_std()}", "--expt-relaxed-constexpr", "-lineinfo"]
         return CUDAExtension("fedkernels._C", sources,
                              define_macros=[("FEDKERNELS_WITH_CUDA", "1")],
                              extra_compile_args={"cxx": cxx, "nvcc": nvcc},

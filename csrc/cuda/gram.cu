@@ -7,6 +7,7 @@
 // inputs give the same bits on every call.
 // Symmetric case (no rows): only tile pairs I <= J are computed and G[i][j] = G[j][i] is read
 // from the same partials, so G is exactly symmetric.
+// An out-of-range rows entry gives a NaN row of G (no device assert, no read outside U).
 // Paths:
 //  R (K <= 16): tiles of 8 rows; every thread owns columns and keeps the whole 8x8 (upper
 //    triangle on diagonal tiles) accumulator in registers, loading straight from global memory;
@@ -124,7 +125,9 @@ __global__ void __launch_bounds__(kThreads) gram_r_kernel(const T* __restrict__ 
     double s = 0.0;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) s += red[w][threadIdx.x];
-    ws[(part * kp + I * kTileR + i) * Kp + J * kTileR + j] = s;
+    const int64_t ia = I * kTileR + i;
+    const bool bad = rows != nullptr && ia < k && !(rows[ia] >= 0 && rows[ia] < K);  // NaN row, no assert
+    ws[(part * kp + ia) * Kp + J * kTileR + j] = bad ? NAN : s;
   }
 }
 
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) gram_s_kernel(const T* __restrict__ 
     int64_t ra = -1;
     if (ia < k) {
       ra = rows ? rows[ia] : ia;
-      if (ra < 0 || ra >= K) ra = -1;
+      if (ra < 0 || ra >= K) ra = -2;  // out of range: zeros while loading, NaN when written
     }
     rowA[tid] = ra;
     const int64_t jb = J * kTileS + tid;
@@ -213,7 +216,8 @@ __global__ void __launch_bounds__(kThreads) gram_s_kernel(const T* __restrict__ 
     for (int i = 0; i < kMicro; ++i)
 #pragma unroll
       for (int j = 0; j < kMicro; ++j)
-        ws[(part * kp + I * kTileS + ty * kMicro + i) * Kp + J * kTileS + tx * kMicro + j] = acc[i][j];
+        ws[(part * kp + I * kTileS + ty * kMicro + i) * Kp + J * kTileS + tx * kMicro + j] =
+            rowA[ty * kMicro + i] == -2 ? NAN : acc[i][j];
   }
 }
 
