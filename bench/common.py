@@ -28,6 +28,31 @@ def timeit(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, min_time
     return statistics.median(ts)
 
 
+def compare(fns: Dict[str, Callable[[], object]], repeats: int = 9, min_time: float = 0.02,
+            warmup: int = 1) -> Dict[str, Dict[str, float]]:
+    """Times several functions *interleaved* (one sample of each per round), so that load from
+    other processes hits all of them alike. Each sample loops a function until ``min_time`` has
+    passed (at least once) and records the per-call time. Returns {name: {median_s, min_s, ...}}."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    inner: Dict[str, int] = {}
+    for k, f in fns.items():
+        t0 = time.perf_counter()
+        f()
+        dt = time.perf_counter() - t0
+        inner[k] = max(1, int(min_time / max(dt, 1e-9))) if dt < min_time else 1
+    samples: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner[k]):
+                f()
+            samples[k].append((time.perf_counter() - t0) / inner[k])
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "repeats": repeats, "inner": inner[k]}
+            for k, v in samples.items()}
+
+
 _COPY_BW = None
 
 

@@ -28,8 +28,7 @@ import torch
 
 from fedkernels import ops
 
-from ._gc_timing import compare
-from .common import copy_bandwidth, print_table, write_json
+from .common import compare, copy_bandwidth, print_table, write_json
 
 # ---- the specs' models as parameter shape lists (named_parameters order) ------------------------------
 

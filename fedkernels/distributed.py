@@ -97,19 +97,17 @@ class ShardContext:
 def sharded(group=None) -> Iterator[ShardContext]:
     """Within this context ``ops.gram`` / ``ops.finite_rows`` / ``ops.dot`` / ``ops.sqnorm`` /
     ``ops.all_`` / ``ops.any_`` reduce across the ranks of ``group`` (a process group, None for the
-    default group, or a ShardContext). Every rank must make the same sequence of such calls."""
+    default group, or a ShardContext). Every rank must make the same sequence of such calls.
+    (The ShardContext is the :class:`fedkernels.ops.Reducer` of an ``ops.reduce_across`` block.)"""
     ctx = group if isinstance(group, ShardContext) else ShardContext(group)
-    prev = ops._SHARD
-    ops._SHARD = ctx
-    try:
+    with ops.reduce_across(ctx):
         yield ctx
-    finally:
-        ops._SHARD = prev
 
 
 def active() -> Optional[ShardContext]:
     """The active ShardContext, or None outside :func:`sharded`."""
-    return ops._SHARD
+    r = ops.active_reducer()
+    return r if isinstance(r, ShardContext) else None
 
 
 # ---- slicing ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference (oracle) for every native op, computed in float64.
 
 These are written for clarity, not speed: the tests compare each native op against the matching
-function here on random inputs. They accept the same arguments as the functions in ops.py.
+function here on random inputs. They accept the same arguments as the functions in fedkernels.ops.
 """
 from __future__ import annotations
 

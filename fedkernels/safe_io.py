@@ -9,19 +9,91 @@
   running it. Truncated or corrupted files raise :class:`CheckpointError` naming the problem.
 * :func:`load_config` reads YAML with ``yaml.safe_load`` (no arbitrary Python objects).
 
-The file format and the atomic writer are those of :mod:`fedkernels.sim.checkpoint` (the
-simulator's checkpoints); this module is the library-level entry point and reuses that code.
+File layout: ``MAGIC`` line, the SHA-256 hex digest of the payload and its byte length on the
+second line, then the payload: ``torch.save`` of a dict holding only tensors and plain Python values.
+The simulator's checkpoints (:mod:`fedkernels.sim.checkpoint`) are written and read with these
+functions; this module imports nothing from the layers above it.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import tempfile
 from typing import Any, Dict
 
-from .sim.checkpoint import MAGIC, CheckpointError
-from .sim.checkpoint import load as _load
-from .sim.checkpoint import save as _save
+import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_config", "CheckpointError", "ConfigError", "MAGIC"]
+
+MAGIC = b"FEDKERNELS-CKPT-v1\n"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupted or not a fedkernels checkpoint."""
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save(path: str, state: Dict[str, Any]) -> str:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    header = MAGIC + f"{digest} {len(payload)}\n".encode()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(d)
+    return path
+
+
+def _load(path: str, map_location="cpu") -> Dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{path} is not a fedkernels checkpoint (bad header)")
+    rest = data[len(MAGIC):]
+    nl = rest.find(b"\n")
+    try:
+        digest, length = rest[:nl].decode().split()
+        length = int(length)
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupted checkpoint header") from None
+    payload = rest[nl + 1:]
+    if len(payload) != length:
+        raise CheckpointError(f"{path}: truncated checkpoint ({len(payload)} of {length} payload bytes)")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
+    try:
+        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except Exception as e:  # a valid checksum but an unloadable payload
+        raise CheckpointError(f"{path}: cannot unpickle checkpoint payload: {e}") from None
 
 
 class ConfigError(ValueError):

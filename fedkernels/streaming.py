@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from . import ops
-from .algorithms.base import BadUpdateError
+from .errors import BadUpdateError
+from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
 
 __all__ = ["ChunkedUpdates", "streamed_gram", "streamed_finite_rows", "streamed_weighted_sum",
            "streamed_fedavg", "streamed_kuramoto", "weighted_sum_chunked"]
@@ -201,8 +202,8 @@ def streamed_weighted_sum(src, coef, base: Optional[torch.Tensor] = None, alpha:
         raise ValueError(f"streamed_weighted_sum: out must be [d={src.d}], got {tuple(out.shape)}")
     if base is not None and (base.dim() != 1 or base.numel() != src.d):
         raise ValueError(f"streamed_weighted_sum: base must be [d={src.d}], got {tuple(base.shape)}")
-    c64 = torch.as_tensor(coef, dtype=torch.float64).to(dev)
-    r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).to(dev)
+    c64 = torch.as_tensor(coef, dtype=torch.float64).cpu()    # host coefficients and rows for every device
+    r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
     fin = torch.ones(src.K, dtype=torch.bool)
     for a, b, c in src.chunks():
         bb = None if base is None else base[a:b].to(device=dev, dtype=c.dtype)
@@ -260,24 +261,3 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
     info.update(mode=agg.mode, kappa=kap, weights=a.tolist(), p=p.tolist(), num_clients=src.K)
     agg.round += 1
     return new, info
-
-
-def weighted_sum_chunked(M: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                         rows=None, out_dtype: Optional[torch.dtype] = None, device=None,
-                         chunk_cols: int = 1 << 18) -> torch.Tensor:
-    """``base + alpha * sum_i coef_i M[rows_i]`` for a table ``M`` stored in another dtype (bf16) or on
-    another device (the host) than the result: column chunks of the selected rows are converted to
-    ``out_dtype`` on ``device`` one at a time (temporary: len(rows) x chunk_cols)."""
-    dev = torch.device(device) if device is not None else (base.device if base is not None else M.device)
-    odt = out_dtype if out_dtype is not None else (base.dtype if base is not None else M.dtype)
-    d = M.size(1)
-    out = torch.empty(d, dtype=odt, device=dev)
-    r = torch.arange(M.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
-    c64 = torch.as_tensor(coef, dtype=torch.float64).to(dev)
-    ridx = r.to(M.device)
-    for a in range(0, d, chunk_cols):
-        b = min(d, a + chunk_cols)
-        blk = M[:, a:b].index_select(0, ridx).to(device=dev, dtype=odt)
-        bb = None if base is None else base[a:b]
-        out[a:b] = ops.weighted_sum(blk, c64, base=bb, alpha=alpha)
-    return out

@@ -188,7 +188,7 @@ def test_scaffold_rule_correction_and_option_two(linear):
 def test_scaffold_first_round_is_fedavg_and_server_float64(linear):
     model, spec = linear
     N = 6
-    a = build("scaffold", server_lr=0.8)
+    a = build("scaffold", server_lr=0.8, weighting="samples")
     a.setup(spec, num_clients=N)
     w = spec.flatten(model).clone()
     ref_c = torch.zeros(spec.d, dtype=F64)

@@ -9,7 +9,7 @@ import torch
 
 from fedkernels import ops
 from fedkernels.algorithms import BadUpdateError, build
-from fedkernels.algorithms.fedaware import ExploreSampler, aware_project, elud
+from fedkernels.algorithms.fedaware import aware_project, elud
 
 F64 = torch.float64
 TIGHT = dict(tol=1e-12, tol_abs=1e-15)
@@ -194,35 +194,21 @@ def test_a11_elud():
     close([r.info["elud"], r.info["elud_sqrt"]], [1.6153846154, 1.2709778186], atol=1e-9)
 
 
-def test_a12_exploration_sampler_and_phases():
-    s = ExploreSampler(4, perm=[2, 0, 3, 1])
+def test_a12_exploration_phases():
     a = mk(num_clients=4, alpha=0.5)
     x = torch.zeros(3, dtype=F64)
     gen = torch.Generator().manual_seed(0)
     U = {i: torch.randn(3, generator=gen, dtype=F64) for i in range(4)}
     n = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
-    ids = s.sample(2)
-    assert ids == [0, 2] and s.exploring
+    ids = [0, 2]                       # exploration: each client once (the authors' sampler order)
     r = a.aggregate(x, torch.stack([U[i] for i in ids]), [n[i] for i in ids], client_ids=ids)
     assert r.info["phase"] == "explore"
     close(r.params, (1 / 4) * U[0] + (3 / 4) * U[2], atol=1e-12)   # FedAvg with p_{0,2} / (p_0 + p_2)
     close(a.M[0], 0.5 * U[0], atol=0); close(a.M[2], 0.5 * U[2], atol=0)
     assert not a.M[1].any() and not a.M[3].any()
-    ids = s.sample(2)
-    assert ids == [1, 3] and not s.exploring
+    ids = [1, 3]
     r = a.aggregate(r.params, torch.stack([U[i] for i in ids]), [n[i] for i in ids], client_ids=ids)
     assert r.info["phase"] == "aware" and r.info["num_active"] == 4
-    ids = s.sample(2, generator=torch.Generator().manual_seed(1))
-    assert len(ids) == 2 and len(set(ids)) == 2 and all(0 <= i < 4 for i in ids)
-    s2 = ExploreSampler(5, perm=[4, 3, 2, 1, 0])
-    assert s2.sample(2) == [3, 4] and s2.sample(2) == [0, 1]
-    last = s2.sample(2)
-    assert 2 in last and len(set(last)) == 2                          # topped up from explored ids
-    st = s2.state_dict()
-    s3 = ExploreSampler(5, perm=[0, 1, 2, 3, 4]); s3.load_state_dict(st)
-    assert s3.sample(3, torch.Generator().manual_seed(4)) == s2.sample(3, torch.Generator().manual_seed(4))
-    with pytest.raises(ValueError, match="permutation"):
-        ExploreSampler(3, perm=[0, 0, 1])
 
 
 # ---- properties --------------------------------------------------------------------------------

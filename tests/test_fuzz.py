@@ -1,9 +1,9 @@
 """Property-based fuzzing (hypothesis) of every public op and every registered aggregator.
 
-Each example draws one case with bench.fuzz.gen_case (shapes with K = 0, 1, 2, large and d = 0, 1,
+Each example draws one case with fuzz_oracle.gen_case (shapes with K = 0, 1, 2, large and d = 0, 1,
 odd; fp16/bf16/fp32/fp64/int dtypes; non-contiguous, expanded and overlapping views; NaN/Inf/huge/
 denormal values; zero-norm and duplicate rows; mismatched ids and counts; singular or indefinite
-matrices) and bench.fuzz.execute checks that it ends in a correct result (against
+matrices) and fuzz_oracle.execute checks that it ends in a correct result (against
 fedkernels.reference in float64, or a float64 recomputation / invariants for aggregators) or a clean
 ValueError/TypeError naming the argument. The long campaign is ``python -m bench.fuzz``.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bench import fuzz
+import fuzz_oracle as fuzz   # tests/fuzz_oracle.py (the campaign runner is bench/fuzz.py)
 from fedkernels import ops
 
 

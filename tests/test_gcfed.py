@@ -5,7 +5,7 @@ from torch import nn
 
 from fedkernels.algorithms import ClientContext, build
 from fedkernels.algorithms import gcfed as G
-from fedkernels.algorithms.gcfed import (GCFed, _gc_project_torch, apply_gc_, gc_mean_variant_, gc_project_,
+from fedkernels.algorithms.gcfed import (GCFed, apply_gc_, gc_mean_variant_, gc_project_,
                                          split_layers)
 from fedkernels.flat import FlatSpec
 
@@ -97,19 +97,15 @@ def test_projection_random_noncontiguous_and_dtypes():
             torch.testing.assert_close(t.double(), r, atol=tol * max(1.0, float(r.abs().max())), rtol=0)
 
 
-def test_switch_point_and_torch_fallback(monkeypatch):
-    from fedkernels import ops, reference
+def test_native_gc_matches_reference():
+    from fedkernels import reference
     g = torch.Generator().manual_seed(1)
     ts = [torch.randn(6, 4, 3, 3, generator=g), torch.randn(5, generator=g), torch.randn(3, 1, generator=g)]
     a = [t.clone() for t in ts]
-    gc_project_(a, "center", 2)                      # whatever backend is current
-    monkeypatch.delattr(ops, "gc_project_", raising=False)
-    monkeypatch.delattr(reference, "gc_project_", raising=False)
-    calls = []
-    monkeypatch.setattr(G, "_gc_project_torch", lambda t, vp, mf: calls.append((len(t), vp, mf)) or _gc_project_torch(t, vp, mf))
+    gc_project_(a, "center", 2)                      # the native op (the extension is required)
     b = [t.clone() for t in ts]
-    gc_project_(b, "center", 2)
-    assert calls == [(3, "center", 2)]
+    reference.gc_project_(b, "center", 2)
+    assert not torch.equal(a[0], ts[0])
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
 
@@ -412,3 +408,44 @@ def test_bad_options_and_state():
     assert info["excluded"][0]["client_id"] == 2 and bool(torch.isfinite(new).all())
     assert build("local_gc_only", lam=0.5).client_rule() is not None
     assert build("global_gc").client_rule() is None
+
+
+def _post_wd_net():
+    net = nn.Sequential(nn.Linear(3, 2, bias=False), nn.Linear(2, 1, bias=False)).double()
+    with torch.no_grad():
+        net[0].weight.copy_(T([[1, 0.5, 0], [0, -0.5, 1]]))
+        net[1].weight.copy_(T([[1, 2]]))
+    return net
+
+
+def _post_wd_step(agg, opt_wd):
+    net = _post_wd_net()
+    spec = FlatSpec.from_module(net)
+    agg.setup(spec, 1, spec.flatten(net))
+    rule = agg.client_rule()
+    ctx = ClientContext(0, 0, spec.flatten(net), spec, 0.1, 1, {})
+    rule.begin(ctx, net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=opt_wd)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)            # zero gradients: only weight decay moves the weights
+    rule.before_step(ctx, net)
+    if not rule.step(ctx, net, opt):
+        opt.step()
+    assert opt.param_groups[0]["weight_decay"] == opt_wd     # the optimizer's setting is restored
+    return net
+
+
+def test_post_wd_decays_every_tensor_then_centres_the_local_ones():
+    """Spec §2.2 [GC2020]: d = g + wd p on every tensor, GC on the local ones (here layer 0), then SGD."""
+    W0 = T([[1, 0.5, 0], [0, -0.5, 1]])
+    d0 = 0.1 * W0
+    exp0 = W0 - 0.1 * (d0 - d0.mean(dim=1, keepdim=True))
+    for agg_wd, opt_wd in ((0.1, 0.0), (0.0, 0.1)):   # wd from the rule, or from the optimizer (the simulator)
+        net = _post_wd_step(build("gcfed", global_layers=["1"], local_order="post_wd", weight_decay=agg_wd), opt_wd)
+        torch.testing.assert_close(net[1].weight.detach(), T([[0.99, 1.98]]), atol=1e-15, rtol=0)
+        torch.testing.assert_close(net[0].weight.detach(), exp0, atol=1e-15, rtol=0)
+    with pytest.raises(ValueError, match="weight decay twice"):
+        _post_wd_step(build("gcfed", global_layers=["1"], local_order="post_wd", weight_decay=0.1), 0.1)
+    # pre_wd (official code): GC on the raw gradient (zero here), the optimizer's wd un-centred
+    net = _post_wd_step(build("gcfed", global_layers=["1"]), 0.1)
+    torch.testing.assert_close(net[0].weight.detach(), 0.99 * W0, atol=1e-15, rtol=0)

@@ -117,3 +117,12 @@ def test_load_config_safe(tmp_path):
         load_config(tmp_path / "list.yaml")
     (tmp_path / "empty.yaml").write_text("")
     assert load_config(tmp_path / "empty.yaml") == {}
+
+
+def test_safe_io_sits_below_the_simulator():
+    """fedkernels.safe_io imports nothing from fedkernels.sim (the simulator uses it, not the reverse)."""
+    code = ("import sys, fedkernels.safe_io\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('fedkernels.sim'))\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -30,8 +30,8 @@ METHODS = [
 ]
 
 
-def _cfg(out_dir, name, opts, **kw):
-    ov = [f"out_dir={out_dir}", f"algorithm.name={name}", "rounds=3", "clients_per_round=3", "plots=false",
+def _cfg(out_dir, algo, opts, **kw):
+    ov = [f"out_dir={out_dir}", f"algorithm.name={algo}", "rounds=3", "clients_per_round=3", "plots=false",
           "verbose=false", "progress=false", "threads=1"]
     ov += [f"algorithm.options.{k}={v}" for k, v in opts.items()]
     ov += [f"{k}={v}" for k, v in kw.items()]
@@ -57,6 +57,9 @@ def _worker(rank, port, tmp, data):
                                         train=tr, test=te)
             sim.run()
             assert sim.writer is None if rank else sim.writer is not None
+        # one round loop: the federated objective (client_loss=all) is evaluated in distributed runs too
+        DistributedSimulation(_cfg(os.path.join(tmp, "dist"), "fedavg", {}, client_loss="all", name="allloss"),
+                              train=tr, test=te).run()
         # an interrupted distributed run resumed from its (merged, full) checkpoint
         cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
         DistributedSimulation(cfg, train=tr, test=te).run(stop_after=2)
@@ -127,6 +130,16 @@ def test_two_ranks_match_one_process(tmp_path):
             assert compared >= 2
             # stop after 2 rounds, resume on 2 ranks from the merged checkpoint: same final model
             assert torch.equal(_final(os.path.join(str(tmp_path / "resumed"), cfg.run_name())), ref)
+
+
+    # distributed and single-process runs log the same metric keys and values (global_loss included)
+    cfg = _cfg(str(tmp_path / "single"), "fedavg", {}, client_loss="all", name="allloss")
+    s = Simulation(cfg, train=data[0], test=data[1])
+    s.run()
+    md, ms = _metrics(os.path.join(str(tmp_path / "dist"), cfg.run_name())), _metrics(s.run_dir)
+    assert len(md) == len(ms) == 3 and all("global_loss" in m for m in md)
+    assert [sorted(m) for m in md] == [sorted(m) for m in ms]
+    assert md == ms
 
 
 # ---- pieces without processes -------------------------------------------------------------------

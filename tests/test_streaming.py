@@ -105,3 +105,15 @@ def test_fedaware_bf16_and_host_momentum_table(data):
     c = torch.rand(K, dtype=torch.float64)
     got = weighted_sum_chunked(Mb, c, base=x, alpha=0.5, rows=list(range(K)), out_dtype=torch.float32, chunk_cols=100)
     assert torch.equal(got, ops.weighted_sum(Mb.float(), c, base=x, alpha=0.5))
+
+
+def test_layering_algorithms_do_not_import_streaming():
+    """Imports run downward: the aggregators need neither streaming nor distributed, and
+    BadUpdateError / weighted_sum_chunked live below them (fedkernels.errors / fedkernels.ops)."""
+    import subprocess
+    import sys
+    code = ("import sys, fedkernels.algorithms as a, fedkernels.errors as e, fedkernels.ops as o; "
+            "bad = [m for m in ('fedkernels.streaming', 'fedkernels.distributed') if m in sys.modules]; "
+            "assert not bad, bad; assert a.BadUpdateError is e.BadUpdateError; "
+            "import fedkernels.streaming as s; assert s.weighted_sum_chunked is o.weighted_sum_chunked")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,8 +34,7 @@ class AggResult(NamedTuple):
     info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
 
 
-class BadUpdateError(ValueError):
-    """A client update is not usable (NaN/Inf, wrong length, no samples)."""
+from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algorithms; re-exported here)
 
 
 @dataclass
@@ -71,7 +70,9 @@ class Aggregator(abc.ABC):
     # are run first without the row scan, which is only done when the result is not finite.
     screen_after_pure = False
 
-    def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0):
+    def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown):
+        if unknown:
+            raise ValueError(f"{self.name}: unknown option(s) {', '.join(sorted(unknown))}")
         if on_bad_update not in BAD_UPDATE_POLICIES:
             raise ValueError(f"on_bad_update must be one of {BAD_UPDATE_POLICIES}, got {on_bad_update!r}")
         self.on_bad_update = on_bad_update
@@ -222,16 +223,40 @@ class Aggregator(abc.ABC):
         return None
 
     # ---- state ------------------------------------------------------------------------------------
+    # Declared state: the attribute names a method carries across rounds. ``state_dict`` copies them
+    # (tensors cloned, dicts/lists/sets copied; a set is stored as a sorted list) and
+    # ``load_state_dict`` restores them, so no method writes this boilerplate itself.
+    state_attrs: Tuple[str, ...] = ()
+
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue identically: tensors and plain Python values only."""
-        return {"round": self.round, "num_clients": self.num_clients}
+        st: Dict[str, Any] = {"round": self.round, "num_clients": self.num_clients}
+        for k in self.state_attrs:
+            st[k] = _copy_state(getattr(self, k))
+        return st
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.round = int(state["round"])
         self.num_clients = state.get("num_clients")
+        for k in self.state_attrs:
+            if k in state:
+                v = _copy_state(state[k])
+                setattr(self, k, set(v) if isinstance(getattr(self, k, None), set) else v)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _copy_state(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {(int(k) if isinstance(k, (int, torch.Tensor)) else k): _copy_state(x) for k, x in v.items()}
+    if isinstance(v, set):
+        return sorted(v)
+    if isinstance(v, (list, tuple)):
+        return [_copy_state(x) for x in v]
+    return v
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .. import ops
 from .base import AggResult, Aggregator, RoundInput, register
+from .parts import WEIGHTINGS, check_choice, client_weights
 
 
 @register("fedavg")
@@ -17,14 +18,11 @@ class FedAvg(Aggregator):
 
     def __init__(self, weighting: str = "samples", **kw):
         super().__init__(**kw)
-        if weighting not in ("samples", "uniform"):
-            raise ValueError(f"fedavg: weighting must be 'samples' or 'uniform', got {weighting!r}")
+        check_choice(self.name, "weighting", weighting, WEIGHTINGS)
         self.weighting = weighting
 
     def weights(self, rin: RoundInput):
-        if self.weighting == "uniform":
-            return rin.num_examples.new_full((rin.K,), 1.0 / rin.K)
-        return rin.sample_weights()
+        return client_weights(rin, self.weighting)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)

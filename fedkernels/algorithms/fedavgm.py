@@ -5,18 +5,19 @@ In the update convention of fedkernels (U_k = local - global):
     v   <- beta * v + sum_k p_k U_k
     new <- global + server_lr * v            (nesterov: global + server_lr * (beta * v + sum_k p_k U_k))
 
-``beta = 0`` is FedAvg with server learning rate ``server_lr``. The momentum vector v (length d,
-dtype and device of the global model) is the only state; it is allocated at the first round.
+``beta = 0`` is FedAvg with server learning rate ``server_lr``. The momentum vector v
+(``parts.ServerMomentum``; length d, dtype and device of the global model) is the only state.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 
 from .. import ops
 from .base import AggResult, RoundInput, register
 from .fedavg import FedAvg
+from .parts import ServerMomentum
 
 
 @register("fedavgm")
@@ -29,6 +30,7 @@ class FedAvgM(FedAvg):
     """
 
     screen_after_pure = False   # keeps state across rounds: screen the rows first
+    state_attrs = ("momentum",)
 
     def __init__(self, beta: float = 0.9, nesterov: bool = False, **kw):
         super().__init__(**kw)
@@ -37,31 +39,23 @@ class FedAvgM(FedAvg):
             raise ValueError(f"fedavgm: beta must lie in [0, 1), got {beta}")
         self.beta = beta
         self.nesterov = bool(nesterov)
-        self.momentum: Optional[torch.Tensor] = None
+        self._mom = ServerMomentum(beta)
+
+    @property
+    def momentum(self) -> Optional[torch.Tensor]:
+        return self._mom.v
+
+    @momentum.setter
+    def momentum(self, v: Optional[torch.Tensor]) -> None:
+        self._mom.v = v
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
         g = rin.global_flat
-        if self.momentum is None or self.momentum.shape != g.shape:
-            self.momentum = torch.zeros_like(g)
-        v = self.momentum.to(device=g.device, dtype=g.dtype)
-        v.mul_(self.beta)
-        ops.weighted_sum(rin.U, p.to(rin.U.device), base=v, out=v)        # v = beta v + sum p U
-        self.momentum = v
+        v = self._mom.update(rin.U, p, g)                                # v = beta v + sum p U
         if self.nesterov:
-            mean = ops.weighted_sum(rin.U, p.to(rin.U.device))
-            step = mean.add_(v, alpha=self.beta)
+            step = ops.weighted_sum(rin.U, p.to(rin.U.device)).add_(v, alpha=self.beta)
             new = g.add(step, alpha=self.server_lr)
         else:
             new = g.add(v, alpha=self.server_lr)
         return AggResult(new, {"weights": p.tolist(), "beta": self.beta})
-
-    def state_dict(self) -> Dict[str, Any]:
-        st = super().state_dict()
-        st["momentum"] = None if self.momentum is None else self.momentum.clone()
-        return st
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        m = state.get("momentum")
-        self.momentum = None if m is None else m.clone()

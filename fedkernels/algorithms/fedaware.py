@@ -38,12 +38,13 @@ temporaries.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from .. import ops
 from .base import AggResult, Aggregator, RoundInput, register
+from .parts import ServerMomentum, check_choice
 
 WARMUPS = ("explore", "startup_full", "mask")
 INITS = ("ema_from_zero", "first_update")
@@ -65,58 +66,15 @@ def elud(G_S: torch.Tensor):
     return r, math.sqrt(r)
 
 
+def aware_scale(G_tilde: torch.Tensor, d: torch.Tensor) -> float:
+    """<G~, d> / <d, d> (0 when d = 0): the AWARE extension steps along d by this much."""
+    dd = ops.sqnorm(d)
+    return ops.dot(G_tilde, d) / dd if dd > 0 else 0.0
+
+
 def aware_project(G_tilde: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The AWARE extension: (<G~, d> / <d, d>) d (zero when d = 0). Sign-invariant in d."""
-    dd = ops.sqnorm(d)
-    if not dd > 0:
-        return torch.zeros_like(d)
-    return d * (ops.dot(G_tilde, d) / dd)
-
-
-class ExploreSampler:
-    """The authors' ``FeedbackSampler``: explore every client once, then sample uniformly.
-
-    ``perm`` (or a seeded shuffle of range(N)) fixes the exploration order. Round 0 takes the first
-    k ids of ``perm``; later exploration rounds take the remaining ids in ascending order (the code
-    rebuilds the list through a Python set); a last exploration round with fewer than k unexplored
-    ids is topped up uniformly from the explored ones. After exploration: k of N uniformly without
-    replacement (``generator``). ``sample`` returns sorted ids.
-    """
-
-    def __init__(self, num_clients: int, perm: Optional[Sequence[int]] = None, seed: int = 0):
-        self.N = int(num_clients)
-        if perm is None:
-            perm = torch.randperm(self.N, generator=torch.Generator().manual_seed(seed)).tolist()
-        perm = [int(i) for i in perm]
-        if sorted(perm) != list(range(self.N)):
-            raise ValueError(f"ExploreSampler: perm must be a permutation of range({self.N}), got {perm}")
-        self.remaining: List[int] = perm
-        self.rounds = 0
-
-    @property
-    def exploring(self) -> bool:
-        return bool(self.remaining)
-
-    def sample(self, k: int, generator: Optional[torch.Generator] = None) -> List[int]:
-        k = int(k)
-        if not 1 <= k <= self.N:
-            raise ValueError(f"ExploreSampler: k must lie in [1, {self.N}], got {k}")
-        if self.remaining:
-            take, self.remaining = self.remaining[:k], sorted(self.remaining[k:])
-            if len(take) < k:
-                others = [i for i in range(self.N) if i not in take]
-                pick = torch.randperm(len(others), generator=generator)[: k - len(take)].tolist()
-                take += [others[i] for i in pick]
-        else:
-            take = torch.randperm(self.N, generator=generator)[:k].tolist()
-        self.rounds += 1
-        return sorted(take)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"N": self.N, "remaining": list(self.remaining), "rounds": self.rounds}
-
-    def load_state_dict(self, st: Dict[str, Any]) -> None:
-        self.N, self.remaining, self.rounds = int(st["N"]), list(st["remaining"]), int(st["rounds"])
+    return d * aware_scale(G_tilde, d)
 
 
 def _default_solver(*args, **kw):
@@ -126,6 +84,8 @@ def _default_solver(*args, **kw):
 @register("fedaware")
 class FedAWARE(Aggregator):
     """FedAWARE server aggregator (see module docstring for the options)."""
+
+    state_attrs = ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum")
 
     def __init__(self, alpha: float = 0.5, normalize: bool = True, warmup: str = "explore",
                  init: str = "ema_from_zero", method: str = "away", solver_init: str = "best_pair",
@@ -146,8 +106,7 @@ class FedAWARE(Aggregator):
                                  ("variant", variant, ("aware", "na")),
                                  ("extension", extension, (None, "fedavg", "fedavgm")),
                                  ("solver_init", solver_init, ("best_pair", "min_diag"))):
-            if v not in allowed:
-                raise ValueError(f"fedaware: {name} must be one of {allowed}, got {v!r}")
+            check_choice(self.name, name, v, allowed)
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
             raise ValueError(f"fedaware: max_iter must be an int >= 0, got {max_iter!r}")
         if not (0.0 <= float(tol) < math.inf and 0.0 <= float(tol_abs) < math.inf):
@@ -170,7 +129,15 @@ class FedAWARE(Aggregator):
         self.seen: Optional[torch.Tensor] = None     # [N] bool
         self.n_examples: Optional[torch.Tensor] = None  # [N] fp64: last reported sample count
         self.lam_prev: Optional[torch.Tensor] = None    # [N] fp64
-        self.ext_momentum: Optional[torch.Tensor] = None
+        self._ext = ServerMomentum(self.ext_beta)      # the fedavgm extension's own momentum
+
+    @property
+    def ext_momentum(self) -> Optional[torch.Tensor]:
+        return self._ext.v
+
+    @ext_momentum.setter
+    def ext_momentum(self, v: Optional[torch.Tensor]) -> None:
+        self._ext.v = v
 
     @staticmethod
     def _check_n(n) -> int:
@@ -244,7 +211,7 @@ class FedAWARE(Aggregator):
         dt, dev = getattr(self, "_like", (self.M.dtype, self.M.device))
         if self.M.dtype == dt and self.M.device == dev:
             return ops.weighted_sum(self.M, coef, base=base, alpha=alpha, rows=rows)
-        from ..streaming import weighted_sum_chunked     # bf16 / host table: converted chunk by chunk
+        from ..ops import weighted_sum_chunked           # bf16 / host table: converted chunk by chunk
         return weighted_sum_chunked(self.M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
 
     def _na_coef(self):
@@ -264,11 +231,7 @@ class FedAWARE(Aggregator):
         p = rin.sample_weights()
         base_step = None
         if self.extension == "fedavgm":
-            if self.ext_momentum is None:
-                self.ext_momentum = torch.zeros_like(x)
-            v = self.ext_momentum.mul_(self.ext_beta)
-            ops.weighted_sum(rin.U, p.to(dev), base=v, out=v)
-            base_step = v
+            base_step = self._ext.update(rin.U, p, x)
         elif self.extension == "fedavg":
             base_step = ops.weighted_sum(rin.U, p.to(dev))
         self._update_momenta(rin)
@@ -314,24 +277,9 @@ class FedAWARE(Aggregator):
             return AggResult(new, info)
         if base_step is not None:
             d = self._wsum_M(c.to(dev), rows=rows.to(dev))
-            dd = ops.sqnorm(d)
-            scale = ops.dot(base_step, d) / dd if dd > 0 else 0.0
+            scale = aware_scale(base_step, d)
             new = x.add(d, alpha=self.server_lr * scale)
             info["projection_scale"] = scale
             return AggResult(new, info)
         new = self._wsum_M(c.to(dev), base=x, alpha=self.server_lr, rows=rows.to(dev))
         return AggResult(new, info)
-
-    # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        st = super().state_dict()
-        for k in ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum"):
-            v = getattr(self, k)
-            st[k] = None if v is None else v.clone()
-        return st
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        for k in ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum"):
-            v = state.get(k)
-            setattr(self, k, None if v is None else v.clone())

@@ -24,24 +24,12 @@ import torch
 from .. import ops
 from .base import AggResult, ClientContext, ClientRule, RoundInput, register
 from .fedavg import FedAvg
-
-
-def momentum_steps(tau: float, rho: float = 0.0) -> float:
-    """||a||_1 for tau steps of SGD with momentum rho (buf = rho buf + g; w -= lr buf)."""
-    tau, rho = float(tau), float(rho)
-    if not (0.0 <= rho < 1.0):
-        raise ValueError(f"momentum must lie in [0, 1), got {rho}")
-    if rho == 0.0:
-        return tau
-    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+from .parts import momentum_steps, optimizer_lr_momentum  # noqa: F401  (momentum_steps re-exported)
 
 
 def optimizer_momentum(optimizer) -> float:
     """The momentum of the optimizer's first parameter group (0 when it has none)."""
-    try:
-        return float(optimizer.param_groups[0].get("momentum", 0.0) or 0.0)
-    except (AttributeError, IndexError):
-        return 0.0
+    return optimizer_lr_momentum(optimizer)[1]
 
 
 class FedNovaRule(ClientRule):

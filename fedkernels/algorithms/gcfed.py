@@ -22,6 +22,7 @@ import torch
 from .. import ops
 from ._fused import fused_sgd_step
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .parts import WEIGHTINGS, check_choice, client_weights
 
 VECTOR_POLICIES = ("center", "skip")
 # mean-vector variants for conv weights (spec §2.6): name -> axes reduced (None = the standard row)
@@ -30,43 +31,18 @@ LOCAL_ORDERS = ("pre_wd", "post_wd", "post_momentum")
 
 
 # ---------------------------------------------------------------------------------------------
-# the GC projection (switch point for the native op)
+# the GC projection
 # ---------------------------------------------------------------------------------------------
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _gc_project_torch(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2):
-    """Pure-torch GC, in place, same signature as ops.gc_project_: subtract each output row's mean
-    (fp32 accumulation for half types, fp64 for fp64); 1-D tensors centred as one row under
-    "center", left alone under "skip"; 0-D, empty and fan-in < min_fanin tensors left alone."""
-    for t in tensors:
-        if t.dim() == 0 or t.numel() == 0:
-            continue
-        if t.dim() == 1:
-            if vector_policy == "skip" or t.numel() < min_fanin:
-                continue
-            rows, M = 1, t.numel()
-        else:
-            rows = t.shape[0]
-            M = t.numel() // rows
-            if M < min_fanin:
-                continue
-        acc = _acc_dtype(t)
-        v = t.detach().reshape(rows, M).to(acc)
-        t.detach().copy_((v - v.mean(dim=1, keepdim=True)).view(t.shape).to(t.dtype))
-    return tensors
-
-
 def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2):
-    """GC in place on many tensors in one call: ops.gc_project_ when the native op exists, else
-    fedkernels.reference.gc_project_, else the private torch version above."""
-    fn = getattr(ops, "gc_project_", None)
-    if fn is None:
-        from .. import reference
-        fn = getattr(reference, "gc_project_", None) or _gc_project_torch
+    """GC in place on many tensors in one native call (``ops.gc_project_``): subtract each output
+    row's mean; 1-D tensors centred as one row under "center", left alone under "skip"; 0-D, empty
+    and fan-in < min_fanin tensors left alone."""
     if tensors:
-        fn(list(tensors), vector_policy, min_fanin)
+        ops.gc_project_(list(tensors), vector_policy, min_fanin)
     return tensors
 
 
@@ -136,7 +112,10 @@ def split_layers(names: Sequence[str], local_layers: str = "all_except",
 class LocalGCRule(ClientRule):
     """Local GC (spec §2.2). ``order``:
     * "pre_wd" (official code): GC on the raw gradient; the loop's optimizer then adds wd and momentum.
-    * "post_wd" (GC2020): grad += weight_decay * p, then GC (the loop's optimizer must have wd = 0).
+    * "post_wd" (GC2020): grad += wd * p on every tensor, then GC on the local ones, then the
+      optimizer's momentum and step. wd is the aggregator's ``weight_decay`` or, when that is 0, the
+      optimizer's own ``weight_decay`` (suspended for that step so it is applied once); setting both
+      raises.
     * "post_momentum": the rule does the SGD step itself: d = g + wd p, buf = mu buf + d (un-centred),
       p -= lr * GC(buf) on the local set, p -= lr * buf elsewhere."""
 
@@ -165,15 +144,47 @@ class LocalGCRule(ClientRule):
 
     def before_step(self, ctx: ClientContext, model) -> None:
         agg = self.aggregator
-        if not self.local or agg.local_order == "post_momentum" or self._fusable():
-            return  # post_momentum and the fused pre_wd path act in step()
-        grads = [p.grad for p in self.local if p.grad is not None]
-        if agg.local_order == "post_wd" and agg.weight_decay:
-            torch._foreach_add_(grads, [p.detach() for p in self.local if p.grad is not None], alpha=agg.weight_decay)
-        apply_gc_(grads, agg.vector_policy, agg.min_fanin, agg.mu)
+        if not self.local or agg.local_order != "pre_wd" or self._fusable():
+            return  # post_wd, post_momentum and the fused pre_wd path act in step()
+        self._gc_local_grads()
+
+    def _post_wd_step(self, optimizer) -> bool:
+        """GC2020 order: g += wd p on every tensor, GC on the local ones, then the optimizer's step
+        (with its own weight decay suspended when that is where wd came from)."""
+        agg = self.aggregator
+        groups = list(getattr(optimizer, "param_groups", []))
+        opt_wd = {float(g.get("weight_decay", 0.0) or 0.0) for g in groups}
+        opt_wd.discard(0.0)
+        if agg.weight_decay and opt_wd:
+            raise ValueError(f"{agg.name}: local_order='post_wd' got weight decay twice (weight_decay="
+                             f"{agg.weight_decay} and the optimizer's weight_decay={sorted(opt_wd)}); set one of them")
+        if len(opt_wd) > 1:
+            raise ValueError(f"{agg.name}: local_order='post_wd' needs one weight_decay for all parameter groups, "
+                             f"got {sorted(opt_wd)}")
+        wd = agg.weight_decay or (opt_wd.pop() if opt_wd else 0.0)
+        withg = [p for p in self.all if p.grad is not None]
+        with torch.no_grad():
+            if wd and withg:
+                torch._foreach_add_([p.grad for p in withg], [p.detach() for p in withg], alpha=wd)
+            self._gc_local_grads()
+        if optimizer is None:
+            return False
+        saved = [g.get("weight_decay", 0.0) for g in groups]
+        for g in groups:
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        try:
+            optimizer.step()
+        finally:
+            for g, w in zip(groups, saved):
+                if "weight_decay" in g:
+                    g["weight_decay"] = w
+        return True
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
         agg = self.aggregator
+        if agg.local_order == "post_wd":
+            return self._post_wd_step(optimizer) if self.local or agg.weight_decay else False
         if self._fusable():
             local_ids = {id(p) for p in self.local}
             if fused_sgd_step(optimizer, self.all, gc_mask=[id(p) in local_ids for p in self.all],
@@ -238,10 +249,9 @@ class GCFed(Aggregator):
         checks = (("local_layers", local_layers, ("all_except", "first_fraction", "all", "none")),
                   ("global_scope", global_scope, ("all", "complement", "none")),
                   ("vector_policy", vector_policy, VECTOR_POLICIES), ("mu", mu, tuple(MU_VARIANTS)),
-                  ("weighting", weighting, ("uniform", "samples")), ("local_order", local_order, LOCAL_ORDERS))
+                  ("weighting", weighting, WEIGHTINGS), ("local_order", local_order, LOCAL_ORDERS))
         for opt, val, allowed in checks:
-            if val not in allowed:
-                raise ValueError(f"{n}: {opt} must be one of {allowed}, got {val!r}")
+            check_choice(n, opt, val, allowed)
         if local_layers == "first_fraction" and (lam is None or not 0.0 <= lam <= 1.0):
             raise ValueError(f"{n}: lam must lie in [0, 1] with local_layers='first_fraction', got {lam!r}")
         if int(min_fanin) < 1:
@@ -289,8 +299,7 @@ class GCFed(Aggregator):
         return self._buf
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
-        K = rin.K
-        a = rin.num_examples.new_full((K,), 1.0 / K) if self.weighting == "uniform" else rin.sample_weights()
+        a = client_weights(rin, self.weighting)
         dev = rin.U.device
         if self.global_scope == "none":
             new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=self.server_lr)

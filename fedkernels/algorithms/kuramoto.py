@@ -33,6 +33,7 @@ import torch
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .parts import WEIGHTINGS, check_choice, client_weights
 
 MODES = ("P", "S", "C")
 DEFAULT_KAPPA0 = {"P": 0.5, "S": 0.5, "C": 0.2}
@@ -182,10 +183,8 @@ class KuramotoFedAvg(Aggregator):
         self.tau = float(tau)
         if not (self.tau >= 0.0):
             raise ValueError(f"kuramoto: tau must be >= 0, got {tau}")
-        if theta_bar not in ("uniform", "p"):
-            raise ValueError(f"kuramoto: theta_bar must be 'uniform' or 'p', got {theta_bar!r}")
-        if weighting not in ("samples", "uniform"):
-            raise ValueError(f"kuramoto: weighting must be 'samples' or 'uniform', got {weighting!r}")
+        check_choice(self.name, "theta_bar", theta_bar, ("uniform", "p"))
+        check_choice(self.name, "weighting", weighting, WEIGHTINGS)
         self.clip = float(clip)
         if not (self.clip > 0):
             raise ValueError(f"kuramoto: clip must be > 0, got {clip}")
@@ -213,10 +212,7 @@ class KuramotoFedAvg(Aggregator):
         return None
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
-        if self.weighting == "uniform":
-            p = rin.num_examples.new_full((rin.K,), 1.0 / rin.K)
-        else:
-            p = rin.sample_weights()
+        p = client_weights(rin, self.weighting)
         kt = self.kappa()
         dev = rin.U.device
         if self.mode == "C":

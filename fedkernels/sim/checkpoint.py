@@ -1,4 +1,6 @@
-"""Atomic, checksummed checkpoints.
+"""The simulator's checkpoint directory: one file per round (``ckpt_round_NNNNNN.pt``), the newest
+usable one found at resume, old ones pruned. Each file is written and read by
+:func:`fedkernels.safe_io.save_checkpoint` / :func:`~fedkernels.safe_io.load_checkpoint`.
 
 File layout: ``MAGIC`` line, the SHA-256 hex digest of the payload and its byte length on the
 second line, then the payload: ``torch.save`` of a dict holding only tensors and plain Python values
@@ -12,90 +14,31 @@ previous checkpoint with a warning.
 from __future__ import annotations
 
 import glob
-import hashlib
-import io
 import logging
 import os
 import re
-import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
+from ..safe_io import MAGIC, CheckpointError
+from ..safe_io import load_checkpoint as _load
+from ..safe_io import save_checkpoint as _save
 
 log = logging.getLogger("fedkernels.sim")
 
-MAGIC = b"FEDKERNELS-CKPT-v1\n"
+__all__ = ["MAGIC", "CheckpointError", "save", "load", "path_for", "list_checkpoints", "load_latest", "prune"]
+
 _NAME = "ckpt_round_{:06d}.pt"
 _RE = re.compile(r"ckpt_round_(\d+)\.pt$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupted or not a fedkernels checkpoint."""
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(path: str, state: Dict[str, Any]) -> str:
     """Writes ``state`` to ``path`` atomically with a SHA-256 checksum; returns ``path``."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    digest = hashlib.sha256(payload).hexdigest()
-    header = MAGIC + f"{digest} {len(payload)}\n".encode()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(d)
-    return path
+    return _save(state, path)
 
 
 def load(path: str, map_location="cpu") -> Dict[str, Any]:
     """Reads and verifies a checkpoint; raises CheckpointError naming the problem."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{path} is not a fedkernels checkpoint (bad header)")
-    rest = data[len(MAGIC):]
-    nl = rest.find(b"\n")
-    try:
-        digest, length = rest[:nl].decode().split()
-        length = int(length)
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: corrupted checkpoint header") from None
-    payload = rest[nl + 1:]
-    if len(payload) != length:
-        raise CheckpointError(f"{path}: truncated checkpoint ({len(payload)} of {length} payload bytes)")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise CheckpointError(f"{path}: checksum mismatch (the file is corrupted)")
-    try:
-        return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
-    except Exception as e:  # a valid checksum but an unloadable payload
-        raise CheckpointError(f"{path}: cannot unpickle checkpoint payload: {e}") from None
+    return _load(path, map_location=map_location)
 
 
 def path_for(ckpt_dir: str, rnd: int) -> str:

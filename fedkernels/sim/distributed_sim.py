@@ -43,18 +43,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..distributed import ShardedAggregator
 from ..flat import UpdateBuffer
 from . import checkpoint as ckpt
-from .client import client_losses, evaluate, schedule_factor
 from .config import RunConfig
-from .report import json_safe
 from .server import BadClientError, Simulation, resolve_device
 
 log = logging.getLogger("fedkernels.sim")
@@ -125,10 +122,11 @@ def slice_state(state: Any, d: int, lo: int, hi: int):
 
 class DistributedSimulation(Simulation):
     """:class:`Simulation` with the round's clients trained on ``world`` ranks and the aggregation
-    sharded by columns (module docstring). All ranks construct it with the same config and call
-    ``run()`` together. ``group``: a process group (None: the default one, initialised from
-    torchrun's environment when needed). ``align``: slice boundaries on tensor ("tensor") or output-row
-    ("row") boundaries. Outputs are written by rank 0 only."""
+    sharded by columns (module docstring). It runs the single-process round loop and overrides only
+    which clients this rank trains, the payload phase (a collective) and the exchange. All ranks
+    construct it with the same config and call ``run()`` together. ``group``: a process group (None:
+    the default one, initialised from torchrun's environment when needed). ``align``: slice
+    boundaries on tensor ("tensor") or output-row ("row") boundaries. Outputs are written by rank 0."""
 
     def __init__(self, cfg: RunConfig, *, group=None, align: str = "tensor", **kw):
         cfg = cfg.copy()
@@ -137,10 +135,11 @@ class DistributedSimulation(Simulation):
         self.align = align
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self._want_outputs = bool(kw.get("write_outputs", True))   # the same on every rank
-        kw["write_outputs"] = self._want_outputs and self.rank == 0
         super().__init__(cfg, **kw)
-        self._agg_state_full: Optional[Dict[str, Any]] = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
     # ---- setup ------------------------------------------------------------------------------------
     def _build_aggregator(self):
@@ -166,14 +165,17 @@ class DistributedSimulation(Simulation):
         if self.rank == 0:
             super()._print(msg)
 
+    def _clients_desc(self, r: int) -> str:
+        return f"round {r + 1} clients (rank {self.rank})"
+
     # ---- collectives --------------------------------------------------------------------------------
     def _all_gather_object(self, obj):
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _exchange(self, rows: List[torch.Tensor], src: Optional[torch.Tensor], counts: List[int],
-                  dtype: torch.dtype) -> torch.Tensor:
+    def _exchange_columns(self, rows: List[torch.Tensor], src: Optional[torch.Tensor], counts: List[int],
+                          dtype: torch.dtype) -> torch.Tensor:
         """All-to-all of column slices. This rank sends, for every rank s, columns ``bounds[s]`` of its
         ``counts[rank]`` rows (``src`` [m, d] or the list ``rows`` of [d] tensors); returns the
         ``[sum(counts), hi - lo]`` matrix of every rank's rows (rank order), this rank's columns."""
@@ -202,122 +204,72 @@ class DistributedSimulation(Simulation):
             dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
         return recv.view(sum(counts), w).to(self.device)
 
-    # ---- one round --------------------------------------------------------------------------------
-    def run_round(self, r: int) -> Dict[str, Any]:
-        cfg = self.cfg
-        ids = list(self.schedule[r])
-        blocks = assign_positions(len(ids), self.world)
-        start, stop = blocks[self.rank]
-        buf = self.buf
-        buf.reset()
-        factor = schedule_factor(cfg.train, r, cfg.rounds)
-        d = self.spec.d
-        # 1. payloads: every rank, every client, schedule order (a collective for d-sized server state)
+    # ---- the phases this mode overrides -------------------------------------------------------------
+    def positions(self, K: int) -> range:
+        start, stop = assign_positions(K, self.world)[self.rank]
+        return range(start, stop)
+
+    def prepare_payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
+        """Every rank calls ``client_payload`` for every client of the round, in schedule order (a
+        collective for methods whose payloads hold d-sized server state); keeps its own."""
         sent: Dict[int, Any] = {}
         for pos, cid in enumerate(ids):
             try:
                 p = self.agg.client_payload(cid)
             except Exception as e:  # noqa: BLE001 - reported by the rank that trains the client
                 p = e
-            if start <= pos < stop:
+            if pos in mine:
                 sent[pos] = p
-        # 2. local training of this rank's block
-        from tqdm.auto import tqdm
-        self._sync()
-        t0 = time.perf_counter()
-        accepted, excluded, error = [], [], None
-        big: List[torch.Tensor] = []          # d-sized payload tensors, in (position, key) order
-        for pos in tqdm(range(start, stop), desc=f"round {r + 1} clients (rank {self.rank})", leave=False,
-                        disable=not self._progress_enabled(), dynamic_ncols=True):
-            cid = ids[pos]
-            base_lr, epochs = self.hetero.get(cid, r)
-            try:
-                if isinstance(sent[pos], Exception):
-                    raise sent[pos]
-                res = self.train_client(buf, cid, r, base_lr, factor, epochs, sent[pos])
-            except Exception as e:  # noqa: BLE001 - the policy decides
-                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
-                if cfg.bad_client_policy == "raise":
-                    error = (pos, f"round {r + 1}, client {cid}: {reason}")
-                    break
-                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
-                continue
+
+        def payload_of(pos: int):
+            if isinstance(sent[pos], Exception):
+                raise sent[pos]
+            return sent[pos]
+        return payload_of
+
+    def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
+        """The small facts as objects (all-gather), then the column slices of the update rows and of
+        the d-sized payload tensors (all-to-all)."""
+        d = self.spec.d
+        mine, big = [], []            # big: d-sized payload tensors, in (position, key) order
+        for a in local["accepted"]:
             small, keys = {}, []
-            for k in sorted(res.payload):
-                v = res.payload[k]
+            for k in sorted(a["payload"]):
+                v = a["payload"][k]
                 if isinstance(v, torch.Tensor) and v.numel() == d:
                     keys.append((k, str(v.dtype).replace("torch.", ""), tuple(v.shape)))
                     big.append(v)
                 else:
                     small[k] = v.cpu() if isinstance(v, torch.Tensor) else v
-            accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": small,
-                             "big": keys, "loss": res.train_loss, "steps": res.steps})
-        self._sync()
-        t_local = time.perf_counter() - t0
-
-        # 3. exchange: the small facts as objects, then the column slices
+            mine.append(dict(a, payload=small, big=keys))
         t1 = time.perf_counter()
-        facts = self._all_gather_object({"accepted": accepted, "excluded": excluded, "error": error,
-                                         "t_local": t_local})
+        err = local["error"]
+        facts = self._all_gather_object({"accepted": mine, "excluded": local["excluded"],
+                                         "error": None if err is None else err[:2], "t_local": local["t_local"]})
         errs = sorted(f["error"] for f in facts if f["error"] is not None)
         if errs:
             raise BadClientError(errs[0][1])
         acc = [a for f in facts for a in f["accepted"]]                  # rank order = schedule order
         excluded = [e for _, e in sorted((x for f in facts for x in f["excluded"]), key=lambda x: x[0])]
-        U = self._exchange([], buf.data, [len(f["accepted"]) for f in facts], buf.data.dtype)
+        U = self._exchange_columns([], self.buf.data, [len(f["accepted"]) for f in facts], self.buf.data.dtype)
         payloads = [dict(a["payload"]) for a in acc]
-        groups = sorted({k[1] for a in acc for k in a["big"]})
-        for g in groups:
+        my_keys = [k for a in mine for k in a["big"]]
+        for g in sorted({k[1] for a in acc for k in a["big"]}):
             dt = getattr(torch, g)
-            mine = [t for t, k in zip(big, [k for a in accepted for k in a["big"]]) if k[1] == g]
-            counts = [sum(1 for a in f["accepted"] for k in a["big"] if k[1] == g) for f in facts]
-            got = self._exchange(mine, None, counts, dt)
+            got = self._exchange_columns([t for t, k in zip(big, my_keys) if k[1] == g], None,
+                                         [sum(1 for a in f["accepted"] for k in a["big"] if k[1] == g)
+                                          for f in facts], dt)
             i = 0
             for a, p in zip(acc, payloads):
                 for k, kdt, _shape in a["big"]:
                     if kdt == g:
                         p[k] = got[i]
                         i += 1
+        return {"U": U, "accepted": acc, "payloads": payloads, "excluded": excluded,
+                "t_local": max(f["t_local"] for f in facts), "t_exchange": time.perf_counter() - t1}
 
-        # 4. sharded aggregation; every rank gets the full new model (t_agg includes the exchange)
-        t_exchange = time.perf_counter() - t1
-        info, t_agg = self.apply_aggregate(r, excluded, U, [a["n"] for a in acc], [a["cid"] for a in acc],
-                                           payloads, gather=True)
-        t_agg += t_exchange
-
-        losses = [a["loss"] for a in acc]
-        m: Dict[str, Any] = {
-            "round": r + 1, "clients": list(ids), "num_updates": len(acc),
-            "lr": float(cfg.train.lr * factor),
-            "train_loss_mean": float(np.mean(losses)) if losses else None,
-            "train_loss_var": float(np.var(losses)) if losses else None,
-            "local_steps": [a["steps"] for a in acc],
-            "t_local": max(f["t_local"] for f in facts), "t_agg": t_agg,
-            "excluded": excluded,
-        }
-        m["agg_share"] = m["t_agg"] / (m["t_local"] + t_agg) if m["t_local"] + t_agg > 0 else None
-        diverged = not bool(torch.isfinite(self.global_flat).all())
-        if diverged:
-            m["diverged"] = True
-        if self.rank == 0 and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
-            te = time.perf_counter()
-            self.trainer.work.copy_(self.global_flat)
-            a_, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
-            m.update(accuracy=a_, test_loss=tl)
-            if cfg.client_loss != "none":
-                who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else [a["cid"] for a in acc]
-                cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
-                if cl:
-                    m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
-            self._sync()
-            m["t_eval"] = time.perf_counter() - te
-        m["agg"] = json_safe(info)
-        # 5. a checkpoint this round: gather the aggregator's slices (a collective on every rank)
-        if (self._want_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0
-                and not diverged):
-            self._agg_state_full = self.full_aggregator_state()
-        return m
+    def aggregate_kwargs(self) -> Dict[str, Any]:
+        return {"gather": True}          # every rank gets the full new model
 
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""
@@ -326,7 +278,7 @@ class DistributedSimulation(Simulation):
         return out
 
     # ---- checkpoints ----------------------------------------------------------------------------------
-    def full_aggregator_state(self) -> Optional[Dict[str, Any]]:
+    def aggregator_state(self) -> Optional[Dict[str, Any]]:
         """The wrapped aggregator's whole state (rank 0; None elsewhere): every rank's slice gathered
         and merged with :func:`merge_sliced_state`. A collective."""
         st = self.agg.agg.state_dict()
@@ -336,18 +288,17 @@ class DistributedSimulation(Simulation):
             return None
         return merge_sliced_state(allst, [b - a for a, b in self.agg.bounds])
 
-    def state(self, rnd: int) -> Dict[str, Any]:
-        if self._agg_state_full is None:
-            raise RuntimeError("distributed checkpoint: the merged aggregator state was not gathered this round")
-        return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
-                "aggregator": self._agg_state_full,
-                "rules": {},
-                "rng": {"torch": torch.get_rng_state()},
-                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), "world": self.world}
+    full_aggregator_state = aggregator_state
 
-    def _load_checkpoint(self) -> None:
-        # every rank reads the same (full) checkpoint and keeps its columns of the aggregator state
-        # rank 0 first: load_latest removes the temp files of interrupted writes
+    def state(self, rnd: int) -> Optional[Dict[str, Any]]:
+        st = super().state(rnd)
+        if st is not None:
+            st["world"] = self.world
+        return st
+
+    def find_checkpoint(self):
+        """Every rank reads the same (full) checkpoint; rank 0 first (load_latest removes the temp
+        files of interrupted writes). The ranks must agree on the round."""
         found = ckpt.load_latest(self.ckpt_dir, map_location="cpu") if self.rank == 0 else None
         dist.barrier(group=self.group)
         if self.rank != 0:
@@ -356,22 +307,12 @@ class DistributedSimulation(Simulation):
         if len(set(rounds)) != 1:
             raise ckpt.CheckpointError(f"resume: the ranks found different checkpoints (rounds {rounds}); "
                                        f"they must all read {self.ckpt_dir}")
-        if found is None:
-            log.warning("resume: no checkpoint in %s; starting from round 0", self.ckpt_dir)
-            return
-        path, st = found
-        if st["global"].numel() != self.global_flat.numel():
-            raise ckpt.CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
-                                       f"config's model has {self.global_flat.numel()}")
-        self.global_flat.copy_(st["global"].to(self.global_flat.device))
-        loc = slice_state(st["aggregator"], self.spec.d, self.agg.lo, self.agg.hi)
-        loc = _to_device(loc, self.device)
-        self.agg.agg.load_state_dict(loc)
-        if "rng" in st and "torch" in st["rng"]:
-            torch.set_rng_state(st["rng"]["torch"].cpu())
-        self.metrics = list(st.get("metrics", []))
-        self.start_round = int(st["round"])
-        self._print(f"resumed from {path} (round {self.start_round})")
+        return found
+
+    def load_aggregator_state(self, state: Dict[str, Any]) -> None:
+        """Keeps this rank's columns of the full aggregator state."""
+        loc = slice_state(state, self.spec.d, self.agg.lo, self.agg.hi)
+        self.agg.agg.load_state_dict(_to_device(loc, self.device))
 
 
 def _to_device(state, device):

@@ -1,11 +1,13 @@
 """Run outputs: JSON-safe conversion, metrics.jsonl, summary.json/csv and PNG plots (Agg backend)."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+import tempfile
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -13,6 +15,40 @@ import torch
 # Keys that vary from run to run (wall-clock), left out when runs are compared for determinism.
 TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "t_local_total", "t_agg_total",
                "t_eval_total")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """Yields a temporary path beside ``path``; when the block ends normally the file is renamed onto
+    ``path`` (``os.replace``), otherwise (an error, a KeyboardInterrupt) it is removed, so ``path``
+    holds either its previous content or the complete new one, never a partial file."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    base, ext = os.path.splitext(os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}-", suffix=f".tmp{ext}", dir=d)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: str, text: str) -> str:
+    """Writes ``text`` to ``path`` through :func:`atomic_path` (flushed and fsync'ed); returns ``path``."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return path
+
+
+def write_json_atomic(path: str, obj: Any) -> str:
+    """``obj`` (made JSON-safe) as indented JSON at ``path``, atomically."""
+    return write_text_atomic(path, json.dumps(json_safe(obj), indent=2) + "\n")
 
 
 def json_safe(obj: Any, max_list: int = 4096) -> Any:

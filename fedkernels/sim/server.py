@@ -232,7 +232,7 @@ class Simulation:
         self.agg = self._build_aggregator()
         self.agg.setup(self.spec, cfg.num_clients, self.global_flat)
         self.buf = UpdateBuffer(self.per_round, self.spec, device=dev, dtype=self.spec.dtype)
-        self.writer = RunWriter(self.run_dir) if self.write_outputs else None
+        self.writer = RunWriter(self.run_dir) if self.write_outputs and self.is_main else None
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         if self.resume:
             self._load_checkpoint()
@@ -252,20 +252,39 @@ class Simulation:
         return rule
 
     # ---- checkpoints --------------------------------------------------------------------------------
-    def state(self, rnd: int) -> Dict[str, Any]:
+    def aggregator_state(self) -> Optional[Dict[str, Any]]:
+        """The aggregator's whole state (the distributed simulator gathers its slices: a collective,
+        None off the main process)."""
+        return self.agg.state_dict()
+
+    def state(self, rnd: int) -> Optional[Dict[str, Any]]:
+        agg = self.aggregator_state()
+        if not self.is_main:
+            return None
         return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
-                "aggregator": self.agg.state_dict(),
+                "aggregator": agg,
                 "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
                 "rng": {"torch": torch.get_rng_state()},
                 "metrics": json_safe(self.metrics), "config": self.cfg.to_dict()}
 
-    def save_checkpoint(self, rnd: int) -> str:
-        p = ckpt.save(ckpt.path_for(self.ckpt_dir, rnd), self.state(rnd))
+    def save_checkpoint(self, rnd: int) -> Optional[str]:
+        """Writes the round-``rnd`` checkpoint (called on every process: the state may be gathered)."""
+        st = self.state(rnd)
+        if self.writer is None or st is None:
+            return None
+        p = ckpt.save(ckpt.path_for(self.ckpt_dir, rnd), st)
         ckpt.prune(self.ckpt_dir, self.cfg.keep_checkpoints)
         return p
 
+    def find_checkpoint(self):
+        """(path, state) of the newest usable checkpoint, or None."""
+        return ckpt.load_latest(self.ckpt_dir, map_location=self.device)
+
+    def load_aggregator_state(self, state: Dict[str, Any]) -> None:
+        self.agg.load_state_dict(state)
+
     def _load_checkpoint(self) -> None:
-        found = ckpt.load_latest(self.ckpt_dir, map_location=self.device)
+        found = self.find_checkpoint()
         if found is None:
             log.warning("resume: no checkpoint in %s; starting from round 0", self.ckpt_dir)
             return
@@ -278,7 +297,7 @@ class Simulation:
             raise ckpt.CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
                                        f"config's model has {self.global_flat.numel()}")
         self.global_flat.copy_(st["global"].to(self.global_flat.device))
-        self.agg.load_state_dict(st["aggregator"])
+        self.load_aggregator_state(st["aggregator"])
         for c, rs in st.get("rules", {}).items():
             rule = self.agg.client_rule()
             rule.load_state_dict(rs)
@@ -303,11 +322,31 @@ class Simulation:
         else:
             print(msg, flush=True)
 
+    def _clients_desc(self, r: int) -> str:
+        return f"round {r + 1} clients"
+
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # ---- one round --------------------------------------------------------------------------------
+    # ---- one round: phases --------------------------------------------------------------------------
+    # payloads -> local training -> exchange -> aggregate -> evaluate -> log. The single-process and
+    # the distributed simulator share every phase; the distributed one overrides which positions this
+    # process trains, how payloads are prepared (a collective there) and the exchange.
+    @property
+    def is_main(self) -> bool:
+        """True on the process that evaluates and writes (always, in one process)."""
+        return True
+
+    def positions(self, K: int) -> range:
+        """The positions of the round's ``K`` clients that this process trains (all of them here)."""
+        return range(K)
+
+    def prepare_payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
+        """Phase 1: a function ``pos -> payload`` for the positions in ``mine`` (computed on demand
+        here, so no K payloads are held at once); an exception it raises counts as that client's."""
+        return lambda pos: self.agg.client_payload(ids[pos])
+
     def train_client(self, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload):
         """Trains client ``cid`` in round ``r`` and writes its update into the next row of ``buf``.
         Raises BadClientError (row released) when the update is not finite."""
@@ -324,9 +363,51 @@ class Simulation:
             log.warning("client %d: non-finite train loss with a finite update", cid)
         return res
 
+    def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
+                    factor: float) -> Dict[str, Any]:
+        """Phase 2: trains this process's clients into ``self.buf`` (schedule order). Returns
+        ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos, record)
+        pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise") and ``t_local``."""
+        from tqdm.auto import tqdm
+        cfg = self.cfg
+        self._sync()
+        t0 = time.perf_counter()
+        accepted: List[Dict[str, Any]] = []
+        excluded: List[Any] = []
+        error = None
+        for pos in tqdm(mine, desc=self._clients_desc(r), leave=False,
+                        disable=not self._progress_enabled(), dynamic_ncols=True):
+            cid = ids[pos]
+            base_lr, epochs = self.hetero.get(cid, r)
+            try:
+                res = self.train_client(self.buf, cid, r, base_lr, factor, epochs, payload_of(pos))
+            except Exception as e:  # noqa: BLE001 - the policy decides
+                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+                if cfg.bad_client_policy == "raise":
+                    error = (pos, f"round {r + 1}, client {cid}: {reason}", e)
+                    break
+                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
+                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
+                continue
+            accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": res.payload,
+                             "loss": res.train_loss, "steps": res.steps})
+        self._sync()
+        return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
+
+    def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
+        """Phase 3: every trained client of the round, in schedule order, as the aggregator takes them:
+        ``U`` (rows), ``accepted``, ``payloads``, ``excluded`` records, ``t_local`` (the slowest
+        process) and ``t_exchange``. Raises BadClientError for a client error under "raise"."""
+        if local["error"] is not None:
+            _, msg, exc = local["error"]
+            raise BadClientError(msg) from exc
+        acc = local["accepted"]
+        return {"U": self.buf.matrix(), "accepted": acc, "payloads": [a["payload"] for a in acc],
+                "excluded": [e for _, e in local["excluded"]], "t_local": local["t_local"], "t_exchange": 0.0}
+
     def apply_aggregate(self, r: int, excluded: List[Dict[str, Any]], U, n, ids, payloads, **kw):
-        """Aggregates into self.global_flat; returns (info without 'excluded', seconds). Clients the
-        aggregator excluded are appended to ``excluded`` and logged."""
+        """Phase 4: aggregates into self.global_flat; returns (info without 'excluded', seconds).
+        Clients the aggregator excluded are appended to ``excluded`` and logged."""
         t1 = time.perf_counter()
         new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
@@ -339,43 +420,50 @@ class Simulation:
             log.warning("round %d: aggregator excluded client %s: %s", r + 1, e.get("client_id"), e.get("reason"))
         return info, t_agg
 
-    def run_round(self, r: int) -> Dict[str, Any]:
+    def aggregate_kwargs(self) -> Dict[str, Any]:
+        return {}
+
+    def evaluate_round(self, r: int, m: Dict[str, Any], trained: Sequence[int]) -> None:
+        """Phase 5: test accuracy and loss; the global model's loss on the clients' training data,
+        its variance and (``client_loss="all"``) the federated objective ``global_loss``."""
         cfg = self.cfg
-        ids = self.schedule[r]
-        buf = self.buf
-        buf.reset()
-        payloads, results, excluded = [], [], []
+        te = time.perf_counter()
+        self.trainer.work.copy_(self.global_flat)
+        acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
+        m.update(accuracy=acc, test_loss=tl)
+        if cfg.client_loss != "none":
+            who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else list(trained)
+            cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
+            if cl:
+                m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
+                if cfg.client_loss == "all":   # the federated objective sum_i n_i f_i / sum_i n_i
+                    n = np.asarray(self.num_examples_all, dtype=np.float64)
+                    m["global_loss"] = float(np.dot(n, cl) / max(n.sum(), 1.0))
+        self._sync()
+        m["t_eval"] = time.perf_counter() - te
+
+    def run_round(self, r: int) -> Dict[str, Any]:
+        """One round, as its phases; returns the round's metrics (phase 6 writes them)."""
+        cfg = self.cfg
+        ids = list(self.schedule[r])
+        self.buf.reset()
         factor = schedule_factor(cfg.train, r, cfg.rounds)
-        from tqdm.auto import tqdm
-        self._sync()
-        t0 = time.perf_counter()
-        for cid in tqdm(ids, desc=f"round {r + 1} clients", leave=False,
-                        disable=not self._progress_enabled(), dynamic_ncols=True):
-            base_lr, epochs = self.hetero.get(cid, r)
-            try:
-                res = self.train_client(buf, cid, r, base_lr, factor, epochs, self.agg.client_payload(cid))
-            except Exception as e:  # noqa: BLE001 - the policy decides
-                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
-                if cfg.bad_client_policy == "raise":
-                    raise BadClientError(f"round {r + 1}, client {cid}: {reason}") from e
-                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-                excluded.append({"client_id": int(cid), "reason": reason})
-                continue
-            payloads.append(res.payload)
-            results.append(res)
-        self._sync()
-        t_local = time.perf_counter() - t0
-
-        info, t_agg = self.apply_aggregate(r, excluded, buf.matrix(), list(buf.num_examples),
-                                           list(buf.client_ids), payloads)
-
-        losses = [res.train_loss for res in results]
+        mine = self.positions(len(ids))
+        payload_of = self.prepare_payloads(ids, mine)                  # 1. payloads
+        local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
+        ex = self.exchange(local)                                      # 3. exchange
+        acc, excluded = ex["accepted"], list(ex["excluded"])
+        info, t_agg = self.apply_aggregate(r, excluded, ex["U"], [a["n"] for a in acc],   # 4. aggregate
+                                           [a["cid"] for a in acc], ex["payloads"], **self.aggregate_kwargs())
+        t_agg += ex["t_exchange"]
+        t_local = ex["t_local"]
+        losses = [a["loss"] for a in acc]
         m: Dict[str, Any] = {
-            "round": r + 1, "clients": list(ids), "num_updates": len(results),
+            "round": r + 1, "clients": list(ids), "num_updates": len(acc),
             "lr": float(cfg.train.lr * factor),
             "train_loss_mean": float(np.mean(losses)) if losses else None,
             "train_loss_var": float(np.var(losses)) if losses else None,
-            "local_steps": [res.steps for res in results],
+            "local_steps": [a["steps"] for a in acc],
             "t_local": t_local, "t_agg": t_agg,
             "agg_share": t_agg / (t_local + t_agg) if t_local + t_agg > 0 else None,
             "excluded": excluded,
@@ -383,21 +471,8 @@ class Simulation:
         diverged = not bool(torch.isfinite(self.global_flat).all())
         if diverged:
             m["diverged"] = True
-        if not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
-            te = time.perf_counter()
-            self.trainer.work.copy_(self.global_flat)
-            acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
-            m.update(accuracy=acc, test_loss=tl)
-            if cfg.client_loss != "none":
-                who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else [res.client_id for res in results]
-                cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
-                if cl:
-                    m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
-                    if cfg.client_loss == "all":   # the federated objective sum_i n_i f_i / sum_i n_i
-                        n = np.asarray(self.num_examples_all, dtype=np.float64)
-                        m["global_loss"] = float(np.dot(n, cl) / max(n.sum(), 1.0))
-            self._sync()
-            m["t_eval"] = time.perf_counter() - te
+        if self.is_main and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
+            self.evaluate_round(r, m, [a["cid"] for a in acc])      # 5. evaluate
         m["agg"] = json_safe(info)
         return m
 
@@ -434,7 +509,7 @@ class Simulation:
                     if m.get("diverged"):
                         self._print(f"round {r + 1}: the global model is not finite; stopping (diverged)")
                         break
-                    if self.writer is not None and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
+                    if self.write_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
                         self.save_checkpoint(r + 1)
             except KeyboardInterrupt:
                 interrupted = True

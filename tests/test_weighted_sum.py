@@ -1,7 +1,4 @@
-"""gram, weighted_sum, finite_rows: native CPU ops against the float64 reference."""
-import subprocess
-import sys
-
+"""weighted_sum: the native op against the float64 reference (shapes, rows, out=, layouts, bad inputs)."""
 import pytest
 import torch
 from torch.testing import assert_close
@@ -15,66 +12,6 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 def _tol(dtype):
     return {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
             torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}[dtype]
-
-
-# ---- gram ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("K,d", SHAPES)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gram_matches_reference(K, d, dtype):
-    U = torch.randn(K, d, dtype=torch.float64).to(dtype)
-    G = ops.gram(U)
-    assert G.dtype == torch.float64 and G.shape == (K, K)
-    # products of fp32/fp16/bf16 values are exact in fp64: gram matches the fp64 reference on the
-    # same (rounded) inputs to fp64 summation error, for every input dtype
-    assert_close(G, ref.gram(U), rtol=1e-12, atol=1e-12 * d)
-    assert torch.equal(G, G.T)
-
-
-@pytest.mark.parametrize("K,d", [(6, 1001), (13, 5000)])
-def test_gram_rows_subset(K, d):
-    U = torch.randn(K, d, dtype=torch.float64)
-    rows = [K - 1, 0, 3, 3]
-    assert_close(ops.gram(U, rows=rows), ref.gram(U, rows), rtol=1e-12, atol=1e-10)
-    assert_close(ops.gram(U, rows=torch.tensor(rows)), ref.gram(U, rows), rtol=1e-12, atol=1e-10)
-
-
-def test_gram_noncontiguous_and_column_chunks():
-    U = torch.randn(9, 3001, dtype=torch.float32)
-    # transposed storage (column stride != 1) is copied once
-    Ut = torch.randn(3001, 9).T
-    assert_close(ops.gram(Ut), ref.gram(Ut), rtol=1e-12, atol=1e-9)
-    # strided rows
-    assert_close(ops.gram(U[::2]), ref.gram(U[::2]), rtol=1e-12, atol=1e-9)
-    # column chunks are views (no copy) and their grams sum to the full gram
-    G = sum(ops.gram(U[:, a:a + 1000]) for a in range(0, 3001, 1000))
-    assert_close(G, ref.gram(U), rtol=1e-12, atol=1e-9)
-
-
-def test_gram_large_values_fp64_accuracy():
-    # fp32 inputs whose fp32 Gram would lose digits: we must match fp64 to ~1e-12 relative
-    U = (torch.randn(4, 200_000, dtype=torch.float64) * 1e3 + 1e4).float()
-    G = ops.gram(U)
-    R = ref.gram(U)
-    assert ((G - R).abs() / R.abs()).max() < 1e-12
-
-
-def test_gram_deterministic_across_calls_and_threads():
-    U = torch.randn(12, 300_001)
-    g1, g2 = ops.gram(U), ops.gram(U)
-    assert torch.equal(g1, g2)
-    code = (
-        "import torch, fedkernels.ops as o; torch.manual_seed(1); U = torch.randn(12, 300001); "
-        "torch.set_num_threads({n}); G = o.gram(U); import sys; sys.stdout.write(G.numpy().tobytes().hex())"
-    )
-    outs = [subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, check=True).stdout
-            for n in (1, 2)]
-    assert outs[0] == outs[1] and len(outs[0]) == 12 * 12 * 16
-
-
-def test_gram_empty_and_edge():
-    assert ops.gram(torch.zeros(0, 5)).shape == (0, 0)
-    assert torch.equal(ops.gram(torch.zeros(3, 0)), torch.zeros(3, 3, dtype=torch.float64))
-    assert ops.gram(torch.ones(3, 4), rows=[]).shape == (0, 3)
 
 
 # ---- weighted_sum --------------------------------------------------------------------------------
@@ -137,33 +74,9 @@ def test_weighted_sum_empty_rows_gives_base():
     assert torch.equal(ops.weighted_sum(torch.zeros(0, 11), [], base=b), b)
 
 
-# ---- finite_rows -----------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_finite_rows(dtype):
-    U = torch.randn(6, 40_000).to(dtype)
-    U[1, 39_999] = float("nan")
-    U[4, 0] = float("inf")
-    U[5, 20_000] = -float("inf")
-    expect = torch.tensor([True, False, True, True, False, False])
-    assert torch.equal(ops.finite_rows(U), expect)
-    assert torch.equal(ops.finite_rows(U), ref.finite_rows(U))
-    big = torch.full((2, 10), 3e38, dtype=torch.float32)  # huge but finite
-    assert ops.finite_rows(big).all()
 
-
-# ---- bad inputs --------------------------------------------------------------------------------
-def test_bad_inputs_name_the_argument():
+def test_weighted_sum_bad_inputs_name_the_argument():
     U = torch.randn(4, 10)
-    with pytest.raises(ValueError, match="U must be a 2-D"):
-        ops.gram(torch.randn(10))
-    with pytest.raises(TypeError, match="U must be a torch.Tensor"):
-        ops.gram([[1.0, 2.0]])
-    with pytest.raises(ValueError, match="floating dtype"):
-        ops.gram(torch.ones(2, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="rows must lie in"):
-        ops.gram(U, rows=[0, 4])
-    with pytest.raises(ValueError, match="rows must hold integer"):
-        ops.gram(U, rows=torch.tensor([0.5]))
     with pytest.raises(ValueError, match="coef must be a 1-D tensor of length 4"):
         ops.weighted_sum(U, [1.0, 2.0])
     with pytest.raises(ValueError, match="coef must be finite"):
@@ -180,17 +93,13 @@ def test_bad_inputs_name_the_argument():
         ops.weighted_sum(U, [1.0] * 4, base=torch.zeros(10, device="meta"))
 
 
-# ---- opcheck -----------------------------------------------------------------------------------
-def test_opcheck():
+def test_weighted_sum_opcheck():
     U = torch.randn(5, 300)
     c = torch.rand(5, dtype=torch.float64)
     b = torch.randn(300)
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, torch.tensor([1, 3])))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c, b, 0.5, None))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c[:2], None, 1.0, torch.tensor([4, 0])))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default, (U, c, b, 0.5, None, torch.empty(300)))
-    torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, (U,))
 
 
 def test_weighted_sum_coefficients_beyond_float_range():
@@ -199,3 +108,36 @@ def test_weighted_sum_coefficients_beyond_float_range():
     out = ops.weighted_sum(U, [1e40, 1e40])
     assert_close(out.double(), ref.weighted_sum(U, [1e40, 1e40]), rtol=1e-5, atol=1e-6)
     assert torch.isfinite(out).all()
+
+
+def test_rows_and_coef_are_checked_and_passed_on_the_host(monkeypatch):
+    """The native op gets host (CPU) int64 rows and host coefficients, whatever their type."""
+    from fedkernels.ops import _checks
+    r = _checks._rows(torch.tensor([2, 0], dtype=torch.int32), 3, "weighted_sum")
+    assert r.device.type == "cpu" and r.dtype == torch.int64 and r.is_contiguous()
+    c = _checks._coef([0.5, 1.5], 2, "weighted_sum")
+    assert c.device.type == "cpu" and c.dtype == torch.float64
+    seen = {}
+    real = torch.ops.fedkernels.weighted_sum
+
+    class Spy:
+        def __call__(self, U, coef, base, alpha, rows):
+            seen.update(coef=coef.device, rows=rows.device)
+            return real(U, coef, base, alpha, rows)
+
+    monkeypatch.setattr(torch.ops.fedkernels, "weighted_sum", Spy())
+    U = torch.randn(3, 8)
+    out = ops.weighted_sum(U, torch.tensor([1.0, 2.0]), rows=torch.tensor([2, 0]))
+    assert seen == {"coef": torch.device("cpu"), "rows": torch.device("cpu")}
+    assert_close(out.double(), ref.weighted_sum(U, [1.0, 2.0], rows=[2, 0]), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_rows_rejected_on_the_host_for_every_index_type():
+    U = torch.randn(4, 10)
+    for rows in ([0, 4], [-1], torch.tensor([5]), torch.tensor([0, 7], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"rows must lie in \[0, 4\)"):
+            ops.weighted_sum(U, [1.0] * len(rows), rows=rows)
+        with pytest.raises(ValueError, match=r"rows must lie in \[0, 4\)"):
+            ops.gram(U, rows=rows)
+    with pytest.raises(ValueError, match="rows must hold integer"):
+        ops.weighted_sum(U, [1.0], rows=[True])

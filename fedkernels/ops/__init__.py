@@ -1,0 +1,52 @@
+"""Validated Python API over the native ops (``torch.ops.fedkernels.*``), one module per op family:
+
+=================  ==========================================================================
+``aggregate``      ``gram``, ``weighted_sum``, ``finite_rows``, ``weighted_sum_chunked``
+``minnorm``        ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
+``gc``             ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
+``linalg``         ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve``,
+                   ``fedecado_be_step`` (FedECADO)
+``fused``          ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
+``reductions``     ``dot``, ``sqnorm``, ``all_``, ``any_``, ``amax_d``, ``mean_d`` and the sharded
+                   mode (``reduce_across``, ``active_reducer``)
+``_autograd``      derivatives (``weighted_sum``, ``gram``, ``gc_project``), vmap rules, and a
+                   clear error on backward through every other op
+=================  ==========================================================================
+
+Every function checks its arguments once, before any work, and raises ValueError (TypeError for
+non-tensors) naming the argument and what was expected (``_checks``). Non-contiguous inputs are
+accepted: a matrix only needs a unit column stride (a column chunk ``U[:, a:b]`` of a contiguous
+buffer is used without a copy); anything else is copied once. Small per-client vectors (``coef``,
+``rows``, FedECADO's scalars) are validated on the host and passed to the native op as host
+tensors for every device.
+
+NaN policy: the ops do not scan their inputs for NaN/Inf on the hot path; NaN and Inf propagate
+as in IEEE arithmetic (a NaN in a selected row of ``U`` makes the matching output entries NaN).
+Screening is explicit and cheap: ``finite_rows(U)`` reads U once and says which rows are finite;
+the aggregators call it and reject or exclude bad clients before any arithmetic.
+
+torch.compile: the wrappers trace with ``fullgraph=True``; checks that need tensor values are
+skipped while tracing (the kernels keep their own last-line checks), the others still raise.
+"""
+from __future__ import annotations
+
+from .. import _native
+
+_native.require()
+
+from ._checks import FLOAT_DTYPES, RowsLike  # noqa: E402
+from .aggregate import finite_rows, gram, weighted_sum, weighted_sum_chunked  # noqa: E402
+from .fused import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
+from .gc import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
+from .linalg import LU_MAX_N, arrowhead_solve, fedecado_be_step, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
+from .minnorm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
+from .reductions import (Reducer, active_reducer, all_, amax_d, any_, dot, mean_d, reduce_across,  # noqa: E402
+                         sqnorm)
+
+__all__ = ["gram", "weighted_sum", "finite_rows",
+           "min_norm",
+           "gc_project_", "gc_project", "gc_project_flat_",
+           "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step",
+           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
+           "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d",
+           "reduce_across", "active_reducer", "Reducer"]

@@ -1,0 +1,176 @@
+"""Argument checks shared by every op wrapper (private).
+
+One rule for the whole package: the Python wrapper validates each argument once, before any work,
+and raises ``TypeError`` (not a tensor) or ``ValueError`` with one line naming the op, the argument,
+the value and what was expected. The native ops keep only cheap ``TORCH_CHECK``s as a last line.
+
+Host-side index and coefficient checks (issue 18): ``rows`` and the small per-client vectors
+(``coef``, FedECADO's thetas) are checked and handed to the native op as HOST (CPU) tensors for
+every device of ``U``: a CUDA ``rows``/``coef`` is copied to the host once; the CUDA glue moves
+them to the device. So a bad index is a ValueError here and never a device assert.
+
+Under ``torch.compile`` tracing (``tracing()``), the checks that need a tensor's *values* (ranges,
+finiteness) are skipped: shapes, dtypes and devices are still checked, and the CPU kernels keep
+their own range checks, so a bad index still raises (a RuntimeError from the kernel) instead of
+reading out of bounds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+RowsLike = Optional[Union[torch.Tensor, Sequence[int]]]
+HOST = torch.device("cpu")
+
+
+def tracing() -> bool:
+    """True while torch.compile / torch.export traces the caller (value checks are skipped)."""
+    return torch.compiler.is_compiling()
+
+
+def _tensor(x, op: str, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _float_dtype(x: torch.Tensor, op: str, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+
+
+def _finite_number(x, op: str, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{op}: {name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def _matrix(U, op: str, name: str = "U") -> torch.Tensor:
+    """A 2-D float matrix with unit column stride (copied once if it has none)."""
+    U = _tensor(U, op, name)
+    if U.dim() != 2:
+        raise ValueError(f"{op}: {name} must be a 2-D [K, d] tensor, got shape {tuple(U.shape)}")
+    _float_dtype(U, op, name)
+    if U.size(1) > 1 and U.stride(1) != 1:
+        U = U.contiguous()
+    if U.size(0) > 1 and U.stride(0) < U.size(1):  # e.g. expanded or overlapping rows
+        U = U.contiguous()
+    return U
+
+
+def _vector(v, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
+    v = _tensor(v, op, name)
+    if v.dim() != 1 or v.size(0) != length:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {length}, got shape {tuple(v.shape)}")
+    if v.dtype != like.dtype:
+        raise ValueError(f"{op}: {name} must have dtype {like.dtype} (the dtype of U), got {v.dtype}")
+    if v.device != like.device:
+        raise ValueError(f"{op}: {name} is on {v.device} but U is on {like.device}")
+    return v
+
+
+def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]:
+    """Row indices as a contiguous int64 HOST tensor, each in [0, K) (checked on the host for every
+    device: a device tensor is copied to the host once)."""
+    if rows is None:
+        return None
+    if isinstance(rows, torch.Tensor):
+        r = rows.detach()
+        if r.device.type != "cpu":
+            r = r.to(HOST)
+    else:
+        r = torch.as_tensor(rows)
+    if r.dim() != 1:
+        raise ValueError(f"{op}: rows must be a 1-D sequence of row indices, got shape {tuple(r.shape)}")
+    if r.numel() and (r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool):
+        raise ValueError(f"{op}: rows must hold integer row indices, got dtype {r.dtype}")
+    r = r.to(torch.long)
+    if r.numel() and not tracing():
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= K:
+            raise ValueError(f"{op}: rows must lie in [0, {K}), got min {lo} max {hi}")
+    return r.contiguous()
+
+
+def _coef(coef, n: int, op: str, name: str = "coef") -> torch.Tensor:
+    """``n`` float coefficients as a HOST tensor (a device tensor is copied to the host once; the
+    copy is differentiable, so autograd still reaches a device ``coef``); finite in eager mode."""
+    c = coef if isinstance(coef, torch.Tensor) else torch.as_tensor(coef, dtype=torch.float64)
+    if c.dim() != 1 or c.size(0) != n:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {n} (one per selected row), "
+                         f"got shape {tuple(c.shape)}")
+    if not c.dtype.is_floating_point:
+        c = c.to(torch.float64)
+    if c.device.type != "cpu":
+        c = c.to(HOST)
+    if not tracing() and not bool(torch.isfinite(c).all()):
+        raise ValueError(f"{op}: {name} must be finite, got {c.tolist() if n <= 16 else 'non-finite entries'}")
+    return c
+
+
+def _host_coef(v, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
+    """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K."""
+    t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
+    if t.dim() != 1 or t.size(0) != K:
+        raise ValueError(f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), "
+                         f"got shape {tuple(t.shape)}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} must be a float tensor, got {t.dtype}")
+    t = t.detach().to(device=HOST, dtype=torch.float64).contiguous()
+    if not tracing():
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{op}: {name} must be finite, got {t.tolist() if K <= 16 else 'non-finite entries'}")
+        if nonneg and bool((t < 0).any()):
+            raise ValueError(f"{op}: {name} must be >= 0 (1/g_i; 0 = ECADO limit), "
+                             f"got {t.tolist() if K <= 16 else 'negative entries'}")
+    return t
+
+
+def _tensor_list(xs, n: int, op: str, name: str, params, optional_entries: bool = False) -> list:
+    """``n`` tensors, each matching ``params[i]`` in shape, dtype and device (None allowed with
+    ``optional_entries``)."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got {type(xs).__name__}")
+    xs = list(xs)
+    if len(xs) != n:
+        raise ValueError(f"{op}: {name} must have one entry per parameter ({n}), got {len(xs)}")
+    out = []
+    for i, (x, p) in enumerate(zip(xs, params)):
+        if x is None and optional_entries:
+            out.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != p.shape or x.dtype != p.dtype or x.device != p.device:
+            raise ValueError(f"{op}: {name}[{i}] must match params[{i}] (shape {tuple(p.shape)}, {p.dtype}, "
+                             f"{p.device}), got shape {tuple(x.shape)}, {x.dtype}, {x.device}")
+        out.append(x)
+    return out
+
+
+def _no_grad_through(op: str, *tensors) -> None:
+    """Mutating / out= variants have no derivative: refuse inputs that would need one."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(f"fedkernels.{op} has no derivative (it writes its result in place / into out=); "
+                           "call it under torch.no_grad(), or use the out-of-place op where one exists")
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and b.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+_DISPATCH_KEY = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "HIP"}
+
+
+def _needs_kernel(native: str, device: torch.device, op: str) -> None:
+    """One clear error before any work when ``fedkernels::<native>`` has no kernel for ``device``
+    in this build (e.g. a CPU-only build given CUDA tensors)."""
+    if device.type in ("cpu", "meta") or tracing():
+        return
+    key = _DISPATCH_KEY.get(device.type, "PrivateUse1")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fedkernels::{native}", key):
+        raise ValueError(f"{op}: this build of fedkernels has no {device.type} kernel for fedkernels::{native}; "
+                         f"pass CPU tensors (got {device})")

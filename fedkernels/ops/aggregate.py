@@ -1,0 +1,124 @@
+"""Aggregation core: ``gram``, ``weighted_sum``, ``finite_rows`` (and ``weighted_sum_chunked``).
+
+The two passes of every aggregator over the K x d update matrix ``U`` (one client per row): the
+K x K Gram matrix in float64 (the weights of Gram-based methods come from it) and the weighted sum
+``base + alpha * sum_i coef_i U[rows_i]``; ``finite_rows`` screens rows for NaN/Inf in one read.
+Native kernels: ``csrc/cpu/{gram,weighted_sum,finite_rows}.cpp`` and ``csrc/cuda/*.cu``; float64
+oracle: :mod:`fedkernels.reference`.
+
+``coef`` and ``rows`` are small host vectors: they are checked on the host and handed to the
+native op as CPU tensors for every device of ``U`` (see ``_checks``). In sharded mode
+(:func:`fedkernels.ops.reduce_across`) ``gram`` and ``finite_rows`` combine their results across
+ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._checks import RowsLike, _coef, _matrix, _no_grad_through, _rows, _tensor, _vector
+from .reductions import shard_and, shard_sum
+
+__all__ = ["gram", "weighted_sum", "finite_rows", "weighted_sum_chunked"]
+
+
+def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
+    """Gram matrix ``U[rows] @ U.T`` in float64: shape [K, K] (or [len(rows), K]).
+
+    Accumulates in float64 in a fixed order: the same input gives the same bits with any number
+    of threads. For models larger than memory, sum ``gram(U[:, a:b])`` over column chunks.
+    Differentiable w.r.t. ``U``.
+    """
+    U = _matrix(U, "gram")
+    r = _rows(rows, U.size(0), "gram")
+    return shard_sum(torch.ops.fedkernels.gram(U, r))
+
+
+def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                 rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``base + alpha * sum_i coef[i] * U[rows[i]]`` in one pass over the selected rows.
+
+    U: [K, d]; coef: [len(rows)] (read as float64, applied in the accumulation dtype: fp32 for
+    fp32/fp16/bf16 inputs, fp64 for fp64; a host vector, a device one is copied to the host once);
+    base: optional [d] of U's dtype; out: optional [d] contiguous of U's dtype, may be ``base``
+    itself (in-place apply). Returns out. Differentiable w.r.t. ``U``, ``coef`` and ``base``
+    (without ``out``).
+    """
+    op = "weighted_sum"
+    U = _matrix(U, op)
+    K, d = U.shape
+    r = _rows(rows, K, op)
+    n = K if r is None else r.numel()
+    c = _coef(coef, n, op)
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    alpha = float(alpha)
+    if base is not None:
+        base = _vector(base, op, "base", d, U)
+        if not base.is_contiguous():
+            base = base.contiguous()
+    if out is None:
+        return torch.ops.fedkernels.weighted_sum(U, c, base, alpha, r)
+    out = _vector(out, op, "out", d, U)
+    if not out.is_contiguous():
+        raise ValueError(f"{op}: out must be contiguous")
+    _no_grad_through("weighted_sum(out=...)", U, c, base, out)
+    torch.ops.fedkernels.weighted_sum_out(U, c, base, alpha, r, out)
+    return out
+
+
+def finite_rows(U: torch.Tensor) -> torch.Tensor:
+    """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
+    U = _matrix(U, "finite_rows")
+    return shard_and(torch.ops.fedkernels.finite_rows(U))
+
+
+def weighted_sum_chunked(M: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                         rows: RowsLike = None, out_dtype: Optional[torch.dtype] = None, device=None,
+                         chunk_cols: int = 1 << 18) -> torch.Tensor:
+    """``base + alpha * sum_i coef_i M[rows_i]`` for a table ``M`` stored in another dtype (bf16) or on
+    another device (the host) than the result: column chunks of the selected rows are converted to
+    ``out_dtype`` on ``device`` one at a time (temporary: len(rows) x chunk_cols)."""
+    op = "weighted_sum_chunked"
+    M = _tensor(M, op, "M")
+    if M.dim() != 2:
+        raise ValueError(f"{op}: M must be a 2-D [K, d] tensor, got shape {tuple(M.shape)}")
+    if isinstance(chunk_cols, bool) or not isinstance(chunk_cols, int) or chunk_cols < 1:
+        raise ValueError(f"{op}: chunk_cols must be an int >= 1, got {chunk_cols!r}")
+    dev = torch.device(device) if device is not None else (base.device if base is not None else M.device)
+    odt = out_dtype if out_dtype is not None else (base.dtype if base is not None else M.dtype)
+    d = M.size(1)
+    out = torch.empty(d, dtype=odt, device=dev)
+    r = torch.arange(M.size(0)) if rows is None else _rows(rows, M.size(0), op)
+    c64 = _coef(coef, r.numel(), op).to(torch.float64)
+    ridx = r.to(M.device)
+    for a in range(0, d, chunk_cols):
+        b = min(d, a + chunk_cols)
+        blk = M[:, a:b].index_select(0, ridx).to(device=dev, dtype=odt)
+        bb = None if base is None else base[a:b]
+        out[a:b] = weighted_sum(blk, c64, base=bb, alpha=alpha)
+    return out
+
+
+# ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
+@torch.library.register_fake("fedkernels::gram")
+def _gram_fake(U, rows=None):
+    k = U.size(0) if rows is None else rows.size(0)
+    return U.new_empty((k, U.size(0)), dtype=torch.float64)
+
+
+@torch.library.register_fake("fedkernels::weighted_sum")
+def _wsum_fake(U, coef, base=None, alpha=1.0, rows=None):
+    return U.new_empty((U.size(1),))
+
+
+@torch.library.register_fake("fedkernels::weighted_sum_out")
+def _wsum_out_fake(U, coef, base, alpha, rows, out):
+    return None
+
+
+@torch.library.register_fake("fedkernels::finite_rows")
+def _finite_rows_fake(U):
+    return U.new_empty((U.size(0),), dtype=torch.bool)

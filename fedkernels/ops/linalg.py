@@ -1,0 +1,245 @@
+"""Small dense linear algebra (FedECADO): ``lu_factor``, ``lu_factor_ex``, ``lu_solve``,
+``arrowhead_solve`` and the fused backward-Euler step ``fedecado_be_step``.
+
+Small systems (n <= 64, many right-hand sides streamed over d): ``csrc/cpu/lu.cpp`` and
+``csrc/cpu/fedecado_be_step.cpp`` (CUDA: ``csrc/cuda/lu.cu``, ``fedecado_be_step.cu``); float64
+oracle in :mod:`fedkernels.reference`. The per-client scalars (``a, b, c`` of the arrowhead system,
+FedECADO's thetas and 1/g_i) are host (CPU) float64 vectors for every device. None of these ops
+has a derivative: a backward through them raises.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from ._checks import (HOST, _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor,
+                      _vector, tracing)
+
+__all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "LU_MAX_N"]
+
+LU_MAX_N = 64
+
+
+def _lu_input(A, op: str) -> torch.Tensor:
+    A = _tensor(A, op, "A")
+    if A.dim() not in (2, 3) or A.size(-1) != A.size(-2):
+        raise ValueError(f"{op}: A must be a square [n, n] or batched [B, n, n] matrix, got shape {tuple(A.shape)}")
+    if A.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: A must be float32 or float64, got {A.dtype}")
+    n = A.size(-1)
+    if not 1 <= n <= LU_MAX_N:
+        raise ValueError(f"{op}: n must be in [1, {LU_MAX_N}] (small systems; use torch.linalg for larger), got {n}")
+    if not tracing() and not bool(torch.isfinite(A).all()):
+        raise ValueError(f"{op}: A must be finite (got NaN or Inf entries)")
+    return A.contiguous()
+
+
+def lu_factor_ex(A: torch.Tensor):
+    """LU with partial pivoting of small A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics.
+
+    Returns ``(LU, pivots, info)`` like ``torch.linalg.lu_factor_ex``: LU holds the unit-lower L
+    below the diagonal and U on and above it (row-major, A's dtype); pivots int32, 1-based, the
+    lowest row index on ties; info int32 (per matrix): 0, or k (1-based) where U[k-1, k-1] is the
+    first exactly-zero pivot (that column is left unscaled: no NaN).
+    """
+    A = _lu_input(A, "lu_factor_ex")
+    _needs_kernel("lu_factor", A.device, "lu_factor_ex")
+    return torch.ops.fedkernels.lu_factor(A)
+
+
+def lu_factor(A: torch.Tensor):
+    """``(LU, pivots)`` of small A (see lu_factor_ex); a singular A raises ValueError naming the
+    matrix and the zero pivot."""
+    A = _lu_input(A, "lu_factor")
+    _needs_kernel("lu_factor", A.device, "lu_factor")
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A)
+    bad = torch.nonzero(info.reshape(-1)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        k = int(info.reshape(-1)[b])
+        where = f" (matrix {b} of the batch)" if A.dim() == 3 else ""
+        raise ValueError(f"lu_factor: A is singular{where}: pivot {k} is zero (U[{k - 1}, {k - 1}] = 0)")
+    return LU, piv
+
+
+def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Solves ``A X = R`` from ``(LU, pivots) = lu_factor(A)``; R [n, m] or [B, n, m] (m may be huge:
+    the columns are streamed once, in parallel chunks). float32 R gives float32 X (float64 inside).
+    Also accepts torch.linalg.lu_factor's output (any strides). out: optional contiguous tensor of
+    R's shape and dtype (reusing it across calls avoids the page faults of a fresh output)."""
+    op = "lu_solve"
+    LU = _tensor(LU, op, "LU")
+    pivots = _tensor(pivots, op, "pivots")
+    R = _tensor(R, op, "R")
+    if LU.dim() not in (2, 3) or LU.size(-1) != LU.size(-2):
+        raise ValueError(f"{op}: LU must be [n, n] or [B, n, n], got shape {tuple(LU.shape)}")
+    n = LU.size(-1)
+    if not LU.dtype.is_floating_point:
+        raise ValueError(f"{op}: LU must have a floating dtype, got {LU.dtype}")
+    if pivots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: pivots must be int32 or int64, got {pivots.dtype}")
+    if pivots.shape != LU.shape[:-1]:
+        raise ValueError(f"{op}: pivots must have shape {tuple(LU.shape[:-1])}, got {tuple(pivots.shape)}")
+    if R.dim() != LU.dim() or R.size(-2) != n or (LU.dim() == 3 and R.size(0) != LU.size(0)):
+        want = f"[{LU.size(0)}, {n}, m]" if LU.dim() == 3 else f"[{n}, m]"
+        raise ValueError(f"{op}: R must be {want}, got shape {tuple(R.shape)}")
+    if R.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
+    if LU.device != R.device or pivots.device != R.device:
+        raise ValueError(f"{op}: LU, pivots and R must be on one device, got {LU.device}, {pivots.device}, {R.device}")
+    _needs_kernel("lu_solve" if out is None else "lu_solve_out", R.device, op)
+    if R.size(-1) > 1 and R.stride(-1) != 1:
+        R = R.contiguous()
+    if out is None:
+        return torch.ops.fedkernels.lu_solve(LU.contiguous(), pivots.contiguous(), R)
+    out = _tensor(out, op, "out")
+    if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
+        raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on {R.device}")
+    _no_grad_through("lu_solve(out=...)", LU, R, out)
+    torch.ops.fedkernels.lu_solve_out(LU.contiguous(), pivots.contiguous(), R, out)
+    return out
+
+
+def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
+    """Solves the (K+1) x (K+1) arrowhead system ``[[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]``
+    for every column (r0 [m], R [K, m]) in closed form (Schur complement on x, no fill-in).
+    a, b, c: length-K coefficients (read as float64). Returns ``(x [m], I [K, m])`` in R's dtype.
+    FedECADO's backward-Euler matrix: alpha = 1, b = -dt, c = dt / L, a_i = 1 + dt / (L g_i).
+    """
+    op = "arrowhead_solve"
+    R = _tensor(R, op, "R")
+    if R.dim() != 2:
+        raise ValueError(f"{op}: R must be a 2-D [K, m] tensor, got shape {tuple(R.shape)}")
+    if R.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
+    K, m = R.shape
+    coefs = []
+    for name, v in (("a", a), ("b", b), ("c", c)):
+        v = v.detach().to(device=HOST, dtype=torch.float64) if isinstance(v, torch.Tensor) else \
+            torch.as_tensor(v, dtype=torch.float64)
+        if v.dim() == 0:
+            v = v.expand(K)
+        if v.dim() != 1 or v.size(0) != K:
+            raise ValueError(f"{op}: {name} must be a scalar or a length-{K} vector, got shape {tuple(v.shape)}")
+        if not tracing() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{op}: {name} must be finite")
+        coefs.append(v.contiguous())
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    if not tracing():
+        if bool((coefs[0] == 0).any()):
+            raise ValueError(f"{op}: a must be nonzero (the diagonal block is diag(a))")
+        den = float(alpha) - float((coefs[1] * coefs[2] / coefs[0]).sum())
+        if den == 0.0:
+            raise ValueError(f"{op}: singular system (Schur complement alpha - sum b c / a = 0)")
+    r0 = _vector(r0, op, "r0", m, R)
+    _needs_kernel("arrowhead_solve", R.device, op)
+    if m > 1 and R.stride(1) != 1:
+        R = R.contiguous()
+    return torch.ops.fedkernels.arrowhead_solve(coefs[0], coefs[1], coefs[2], float(alpha), r0.contiguous(), R)
+
+
+@torch.library.register_fake("fedkernels::lu_factor")
+def _lu_factor_fake(A):
+    return (torch.empty_like(A, memory_format=torch.contiguous_format), A.new_empty(A.shape[:-1], dtype=torch.int32),
+            A.new_empty(A.shape[:-2], dtype=torch.int32))
+
+
+@torch.library.register_fake("fedkernels::lu_solve")
+def _lu_solve_fake(LU, pivots, R):
+    return torch.empty_like(R, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fedkernels::lu_solve_out")
+def _lu_solve_out_fake(LU, pivots, R, out):
+    return None
+
+
+@torch.library.register_fake("fedkernels::arrowhead_solve")
+def _arrowhead_fake(a, b, c, alpha, r0, R):
+    return R.new_empty((R.size(1),)), R.new_empty((R.size(0), R.size(1)))
+
+
+def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
+                     S_off: Optional[torch.Tensor], theta_new, theta_old, inv_g, dt: float, L: float,
+                     out: Optional[Sequence[torch.Tensor]] = None, lte_out: Optional[torch.Tensor] = None):
+    """One fused FedECADO backward-Euler attempt (spec fedecado.md §2.6, §2.7, §5.3(a)) in one pass
+    over d, with no K x d temporaries.
+
+    xc [d] central state, Icur [K, d] current flows, xc0 [d] round-start state, U [K, d] =
+    x_end - xc0, Ik [K, d] round-start flows, S_off [d] or None (frozen inactive flows);
+    theta_new / theta_old [K]: (tau + dt) / T_i and tau / T_i; inv_g [K] = 1/g_i >= 0 (0 = ECADO
+    limit); all three host (CPU) float sequences. dt, L > 0. All tensors share one float32/float64
+    dtype and device; matrices need a unit column stride (other layouts are copied once).
+
+    Returns ``(x_c' [d], I' [K, d], lte)`` with lte a float64 tensor [2] = (LTE_c, LTE_I) in the
+    inf-norm: LTE_c = dt/2 max_j |sum_i (I'_i - Icur_i)|, LTE_I = dt/(2L) max_ij |e_ij|, e_i =
+    (theta_new_i - theta_old_i) U_i - inv_g_i (I'_i - Icur_i) - (x_c' - xc); NaN maps to +inf.
+    out: optional (xc_out [d], I_out [K, d]) contiguous buffers (reused across attempts: nothing is
+    allocated); they must not share storage with any input. lte_out: optional float64 [2] buffer.
+    Arithmetic is float64 inside for both dtypes on the CPU.
+    """
+    op = "fedecado_be_step"
+    U = _matrix(U, op, "U")
+    if U.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
+    K, d = U.shape
+    mats = {}
+    for name, M in (("Icur", Icur), ("Ik", Ik)):
+        M = _matrix(M, op, name)
+        if tuple(M.shape) != (K, d):
+            raise ValueError(f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}")
+        if M.dtype != U.dtype or M.device != U.device:
+            raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
+        mats[name] = M
+    vecs = {}
+    for name, v in (("xc", xc), ("xc0", xc0), ("S_off", S_off)):
+        if v is None and name == "S_off":
+            vecs[name] = None
+            continue
+        vecs[name] = _vector(v, op, name, d, U).contiguous()
+    thn = _host_coef(theta_new, K, op, "theta_new")
+    tho = _host_coef(theta_old, K, op, "theta_old")
+    ig = _host_coef(inv_g, K, op, "inv_g", nonneg=True)
+    for name, v in (("dt", dt), ("L", L)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+            raise ValueError(f"{op}: {name} must be a finite number > 0, got {v!r}")
+    _needs_kernel("fedecado_be_step_out", U.device, op)
+    _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None])
+    if lte_out is None:
+        lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
+    elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64
+          or lte_out.device != U.device or not lte_out.is_contiguous()):
+        raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
+    if out is None:
+        xo, Io = torch.empty(d, dtype=U.dtype, device=U.device), torch.empty(K, d, dtype=U.dtype, device=U.device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"{op}: out must be a pair (xc_out [d], I_out [K, d])")
+        xo, Io = out
+        for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
+            t = _tensor(t, op, name)
+            if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
+                raise ValueError(f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
+                                 f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
+        for name, t in (("xc_out", xo), ("I_out", Io)):
+            if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
+                raise ValueError(f"{op}: {name} must not share storage with an input or the other output")
+    torch.ops.fedkernels.fedecado_be_step_out(vecs["xc"], mats["Icur"], vecs["xc0"], U, mats["Ik"], vecs["S_off"],
+                                              thn, tho, ig, float(dt), float(L), xo, Io, lte_out)
+    return xo, Io, lte_out
+
+
+@torch.library.register_fake("fedkernels::fedecado_be_step")
+def _be_step_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L):
+    return U.new_empty((U.size(1),)), U.new_empty((U.size(0), U.size(1))), U.new_empty((2,), dtype=torch.float64)
+
+
+@torch.library.register_fake("fedkernels::fedecado_be_step_out")
+def _be_step_out_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, xc_out, I_out, lte):
+    return None
+

@@ -1,0 +1,85 @@
+"""Min-norm point solver (FedAWARE): ``min_norm``.
+
+Frank-Wolfe variants on the K x K Gram matrix of the client updates, solved on the host in
+float64 (``csrc/cpu/min_norm.cpp``; ``csrc/cuda/min_norm.cu``); float64 oracle:
+``fedkernels.reference.min_norm``. The result has no derivative: a backward through it raises.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._checks import HOST, _float_dtype, _tensor, tracing
+
+__all__ = ["min_norm", "MIN_NORM_METHODS", "MIN_NORM_INITS"]
+
+MIN_NORM_METHODS = ("away", "pairwise", "fw", "code_compat")
+MIN_NORM_INITS = ("best_pair", "min_diag")
+
+
+def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
+             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
+             lam0: Optional[torch.Tensor] = None):
+    """Minimum-norm point of the convex hull of K vectors, given their K x K Gram matrix ``G``.
+
+    ``G`` must be positive semi-definite, as every Gram matrix is: for an indefinite ``G`` the
+    problem is non-convex and the returned ``lam`` is a stationary point, not the global minimum
+    (no eigenvalue check is made on this hot path).
+
+    Solves ``lam = argmin_{lam >= 0, sum lam = 1} lam^T G lam`` in float64 on ``(G + G^T)/2``
+    (host solve: G is copied to the CPU once). Returns ``(lam [K] float64 on G's device,
+    iterations: int, gap: float)`` where ``gap = q - min_i (G lam)_i`` is the Frank-Wolfe duality
+    gap at the returned ``lam`` (``q = lam^T G lam``; ``q - q* <= 2 gap``). Under torch.compile,
+    iterations and gap are returned as 0-d tensors (no host sync in the graph).
+
+    method: ``"away"`` (Frank-Wolfe with away steps, default), ``"pairwise"``, ``"fw"`` (plain
+    Frank-Wolfe, exact line search) or ``"code_compat"`` (the FedAWARE authors' solver: 0.999/0.001
+    corner nudges, stops when ``||dlam||_1 < 1e-5`` and returns the previous iterate).
+    Stop rule (all but code_compat): ``gap <= tol * q + tol_abs * max_i G_ii``. init:
+    ``"best_pair"`` (best 2-vertex segment, as in MGDA) or ``"min_diag"`` (``e_argmin G_ii``).
+    polish (away/pairwise): every 64 iterations and at max_iter, minimise exactly over the affine
+    hull of the current support (projected CG + ratio test; q never increases). This removes
+    Frank-Wolfe's slow tail on ill-conditioned G; polish=False gives the textbook method.
+    lam0: optional warm start (length K, >= 0, positive sum; normalised), e.g. the previous round's
+    lam; it replaces ``init``. Ties break toward the smallest index; the same G gives the same bits.
+    """
+    op = "min_norm"
+    G = _tensor(G, op, "G")
+    if G.dim() != 2 or G.size(0) != G.size(1):
+        raise ValueError(f"{op}: G must be a square [K, K] Gram matrix, got shape {tuple(G.shape)}")
+    _float_dtype(G, op, "G")
+    if G.size(0) == 0:
+        raise ValueError(f"{op}: G must be at least 1 x 1 (K >= 1 vectors), got shape {tuple(G.shape)}")
+    if method not in MIN_NORM_METHODS:
+        raise ValueError(f"{op}: method must be one of {MIN_NORM_METHODS}, got {method!r}")
+    if init not in MIN_NORM_INITS:
+        raise ValueError(f"{op}: init must be one of {MIN_NORM_INITS}, got {init!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+        raise ValueError(f"{op}: max_iter must be an int >= 0, got {max_iter!r}")
+    for name, t in (("tol", tol), ("tol_abs", tol_abs)):
+        if not isinstance(t, (int, float)) or not (0.0 <= float(t) < float("inf")):
+            raise ValueError(f"{op}: {name} must be a finite number >= 0, got {t!r}")
+    G64 = G.to(device=HOST, dtype=torch.float64).contiguous()   # not detached: backward raises (no derivative)
+    if not tracing() and not bool(torch.isfinite(G64).all()):
+        raise ValueError(f"{op}: G must be finite (got NaN or Inf entries)")
+    l0 = None
+    if lam0 is not None:
+        l0 = _tensor(lam0, op, "lam0").detach().to(device=HOST, dtype=torch.float64).contiguous()
+        if l0.dim() != 1 or l0.size(0) != G.size(0):
+            raise ValueError(f"{op}: lam0 must be a 1-D tensor of length {G.size(0)}, got shape {tuple(l0.shape)}")
+        if not tracing() and (not bool(torch.isfinite(l0).all()) or bool((l0 < 0).any()) or not float(l0.sum()) > 0.0):
+            raise ValueError(f"{op}: lam0 must be finite, >= 0 and have a positive sum")
+    lam, iters, gap = torch.ops.fedkernels.min_norm(G64, max_iter, float(tol), float(tol_abs), method, init,
+                                                    bool(polish), l0)
+    if tracing():   # torch.compile: no host sync; iterations and gap stay 0-d tensors
+        return lam.to(G.device), iters, gap
+    return lam.to(G.device), int(iters), float(gap)
+
+
+@torch.library.register_fake("fedkernels::min_norm")
+def _min_norm_fake(G, max_iter=1000, tol_rel=1e-12, tol_abs=1e-15, method="away", init="best_pair", polish=True,
+                   lam0=None):
+    return (G.new_empty((G.size(0),), dtype=torch.float64), G.new_empty((), dtype=torch.long),
+            G.new_empty((), dtype=torch.float64))
+

@@ -1,0 +1,80 @@
+"""arrowhead_solve: spec fedecado.md section 9 (U2, U5d, U9), the dense LU path and the float64
+reference, general coefficients, non-contiguous inputs, opcheck, bad inputs."""
+import pytest
+import torch
+
+from fedkernels import ops, reference
+
+
+def test_u2_arrowhead_closed_form():
+    # U2: dt = 1, L = 1, g = [5/4, 7/4] -> a = 1 + dt/(L g) = [9/5, 11/7]; r = [1, 3/2]; rhs0 = 0
+    x, I = ops.arrowhead_solve(torch.tensor([9 / 5, 11 / 7], dtype=torch.float64), -1.0, 1.0, 1.0, torch.zeros(1, dtype=torch.float64),
+                               torch.tensor([[1.0], [1.5]], dtype=torch.float64))
+    assert float(x[0]) == pytest.approx(299 / 434, abs=1e-15)
+    torch.testing.assert_close(I[:, 0], torch.tensor([75, 224], dtype=torch.float64) / 434, rtol=0, atol=1e-15)
+    # U5d, ECADO limit inv_g = 0: a = 1, r = Gamma' = [1, 3/2]
+    x, I = ops.arrowhead_solve(torch.ones(2), -1.0, 1.0, 1.0, torch.zeros(1, dtype=torch.float64),
+                               torch.tensor([[1.0], [1.5]], dtype=torch.float64))
+    assert float(x[0]) == pytest.approx(5 / 6, abs=1e-15)
+    torch.testing.assert_close(I[:, 0], torch.tensor([1 / 6, 2 / 3], dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("K", [1, 3, 10, 33])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_u9_arrowhead_vs_dense(K, dtype):
+    g = torch.Generator().manual_seed(K)
+    m = 7 if dtype == torch.float64 else 5001
+    dt, L = 0.3 + torch.rand(1, generator=g).item(), 0.1 + 9.9 * torch.rand(1, generator=g).item()
+    hbar = 5 * torch.rand(K, generator=g, dtype=torch.float64)
+    w = torch.distributions.Dirichlet(torch.ones(K)).sample().double() * K
+    ginv = 1.0 / (1.0 / dt + w * hbar)
+    a = 1.0 + dt * ginv / L
+    r0 = torch.randn(m, generator=g, dtype=torch.float64).to(dtype)
+    R = torch.randn(K, m, generator=g, dtype=torch.float64).to(dtype)
+    x, I = ops.arrowhead_solve(a, -dt, dt / L, 1.0, r0, R)
+    xr, Ir = reference.arrowhead_solve(a, -dt, dt / L, 1.0, r0, R)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(x.double(), xr, rtol=tol, atol=tol)
+    torch.testing.assert_close(I.double(), Ir, rtol=tol, atol=tol)
+    # permuting the clients permutes I and leaves x unchanged
+    p = torch.randperm(K, generator=g)
+    xp, Ip = ops.arrowhead_solve(a[p], -dt, dt / L, 1.0, r0, R[p])
+    torch.testing.assert_close(xp, x, rtol=tol, atol=tol)
+    torch.testing.assert_close(Ip, I[p], rtol=tol, atol=tol)
+    # the same system through the generic LU path
+    M = torch.zeros(K + 1, K + 1, dtype=torch.float64)
+    M[0, 0], M[0, 1:], M[1:, 0], M[1:, 1:] = 1.0, -dt, dt / L, torch.diag(a)
+    LU, piv = ops.lu_factor(M)
+    Z = ops.lu_solve(LU, piv, torch.cat([r0[None], R]).double())
+    torch.testing.assert_close(Z[0], xr, rtol=1e-12, atol=1e-12)
+
+
+def test_arrowhead_general_coefficients_and_noncontiguous():
+    g = torch.Generator().manual_seed(11)
+    K, m = 6, 301
+    a = 2 + torch.rand(K, generator=g, dtype=torch.float64)
+    b, c = torch.randn(K, generator=g, dtype=torch.float64), torch.randn(K, generator=g, dtype=torch.float64)
+    big = torch.randn(K, 2 * m, generator=g, dtype=torch.float64)
+    R = big[:, ::2]
+    r0 = torch.randn(2 * m, generator=g, dtype=torch.float64)[::2]
+    x, I = ops.arrowhead_solve(a, b, c, 3.0, r0, R)
+    xr, Ir = reference.arrowhead_solve(a, b, c, 3.0, r0, R)
+    torch.testing.assert_close(x, xr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(I, Ir, rtol=1e-12, atol=1e-12)
+
+
+def test_arrowhead_bad_inputs():
+    with pytest.raises(ValueError, match="a must be nonzero"):
+        ops.arrowhead_solve(torch.zeros(2), 1.0, 1.0, 1.0, torch.zeros(3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="singular"):
+        ops.arrowhead_solve(torch.ones(2), 0.5, 1.0, 1.0, torch.zeros(3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="r0"):
+        ops.arrowhead_solve(torch.ones(2), 1.0, 1.0, 1.0, torch.zeros(4), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="length-2"):
+        ops.arrowhead_solve(torch.ones(3), 1.0, 1.0, 1.0, torch.zeros(3), torch.zeros(2, 3))
+
+
+def test_arrowhead_opcheck():
+    a = torch.tensor([1.5, 2.0, 3.0], dtype=torch.float64)
+    torch.library.opcheck(torch.ops.fedkernels.arrowhead_solve.default,
+                          (a, -a, a, 1.0, torch.randn(11), torch.randn(3, 11)))
