@@ -10,7 +10,7 @@ labels, plain algorithm names, or ``algo:key=value:key=value``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .config import RunConfig
 
@@ -238,8 +238,35 @@ def get(name: str) -> RunConfig:
     _check(name)
     d = copy.deepcopy(_P[name][1])
     d.setdefault("name", None)
+    d["preset"] = name
     cfg = RunConfig.from_dict(d)
     return cfg.validate()
+
+
+def default_method(name: str) -> Optional[str]:
+    """The method a preset's name says (``kuramoto-fmnist`` -> its first ``kuramoto*`` label; a
+    one-method preset -> that one); None when the name names none of its methods (then ask)."""
+    vs = variants(name)
+    if len(vs) == 1:
+        return next(iter(vs))
+    head = name.split("-")[0]
+    if head in vs:
+        return head
+    return next((k for k in vs if k.startswith(head)), None)
+
+
+def with_method(cfg: RunConfig, name: str, label: str) -> RunConfig:
+    """A copy of preset ``name``'s ``cfg`` running its method ``label``; ValueError naming the labels."""
+    vs = variants(name)
+    if label not in vs:
+        from .config import _suggest
+        raise ValueError(f"--method {label!r}: not a method of preset {name}{_suggest(label, list(vs))}; "
+                         f"its methods: {', '.join(vs)}")
+    cfg = cfg.copy()
+    cfg.algorithm.name = vs[label]["name"]
+    cfg.algorithm.options = dict(vs[label].get("options", {}))
+    cfg.method = label
+    return cfg
 
 
 def variants(name: str) -> Dict[str, Dict[str, Any]]:
@@ -267,3 +294,35 @@ def parse_method(spec: str, known: Dict[str, Dict[str, Any]] = None) -> Tuple[st
     base.setdefault("options", {})
     base["options"].update(opts)
     return spec, base
+
+
+# ---- time estimates (``fedkernels presets``) ------------------------------------------------------
+# Wall seconds per round (setup and evaluation included: wall_s / rounds, median over the committed
+# runs of every method of that setup) on this project's 2-core x86 CPU machine, shared with other
+# work while they ran. ESTIMATES for that machine class: another machine, thread count or load moves
+# them several-fold, and slow methods (FedECADO, FedAWARE with 100 clients) take up to ~2x the median.
+_SECONDS_PER_ROUND: Dict[str, Tuple[float, str]] = {
+    "smoke": (5.3, "3-round smoke compare on a busy machine, 2026-11-24"),
+    "demo": (3.6, "issue 14: 172 s for 6 methods x 8 rounds"),
+    "kuramoto-fmnist": (1.34, "results/kuramoto/fmnist-s3"),
+    "kuramoto-digits": (0.07, "results/kuramoto/digits-s3"),
+    "fedaware-fmnist": (0.71, "results/fedaware/fmnist-T200"),
+    "fedecado-fmnist": (1.36, "results/fedecado/fmnist-T50"),
+    "fedpgvc-digits": (0.12, "results/fedpgvc/digits-a0.5-lr0.1"),
+    "gcfed-digits": (0.07, "results/gcfed/digits-a0.05"),
+    "fedecado-synthetic": (0.11, "results/fedecado/synthetic-e2"),
+    "fedaware-synthetic": (0.024, "results/fedaware/synthetic-fr1"),
+    "kuramoto-synthetic": (0.066, "results/kuramoto/synthetic-kr1"),
+}
+
+
+def estimate(name: str):
+    """``{"s_per_round", "rounds", "s_per_run", "source"}``: the measured seconds per round of preset
+    ``name`` on a 2-core CPU times its rounds (one method, one seed), or None when not measured
+    (the GPU presets, fedaware-digits)."""
+    _check(name)
+    if name not in _SECONDS_PER_ROUND:
+        return None
+    s, src = _SECONDS_PER_ROUND[name]
+    rounds = int(_P[name][1].get("rounds", RunConfig().rounds))
+    return {"s_per_round": s, "rounds": rounds, "s_per_run": s * rounds, "source": src}
