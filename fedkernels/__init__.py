@@ -21,12 +21,12 @@ from .flat import FlatSpec, UpdateBuffer
 # The single source of the version (pyproject.toml reads it from here without importing the package).
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("algorithms", "distributed", "streaming", "integrations", "sim")
+_LAZY_SUBMODULES = ("algorithms", "distributed", "streaming", "integrations", "sim", "optim")
 
 __all__ = ["ops", "reference", "FlatSpec", "UpdateBuffer", "build_info", "__version__", *_LAZY_SUBMODULES]
 
 if TYPE_CHECKING:  # static checkers see the submodules as attributes
-    from . import algorithms, distributed, integrations, sim, streaming
+    from . import algorithms, distributed, integrations, optim, sim, streaming
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,37 @@ import torch
 
 from . import ops
 
-__all__ = ["FusedSGD"]
+__all__ = ["FusedSGD", "sgd_step_"]
+
+
+def sgd_step_(params: Sequence[torch.Tensor], state, *, lr: float, momentum: float = 0.0,
+              weight_decay: float = 0.0, c_add: Optional[Sequence[Optional[torch.Tensor]]] = None,
+              gc_mask=None, vector_policy: str = "skip", min_fanin: int = 2) -> None:
+    """One torch-SGD step over ``params`` (those with a gradient) by ``ops.fused_sgd_step_``, with
+    the momentum buffers kept as torch.optim.SGD keeps them: ``state[p]["momentum_buffer"]``, created
+    on a parameter's first step (buf = d). ``c_add`` / ``gc_mask``: one entry per parameter of
+    ``params``. Shared by :class:`FusedSGD` and the client rules that step a torch SGD natively."""
+    keep = [i for i, p in enumerate(params) if p.grad is not None]
+    parts = [(keep, False)]
+    if momentum != 0:   # parameters whose buffer exists continue it; the others start it
+        parts = [([i for i in keep if state[params[i]].get("momentum_buffer") is not None], False),
+                 ([i for i in keep if state[params[i]].get("momentum_buffer") is None], True)]
+    for idx, first in parts:
+        if not idx:
+            continue
+        ps = [params[i] for i in idx]
+        if momentum != 0 and first:
+            for p in ps:
+                state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        ca = None if c_add is None else [c_add[i] for i in idx]
+        with torch.no_grad():
+            ops.fused_sgd_step_(ps, [p.grad for p in ps],
+                                [state[p]["momentum_buffer"] for p in ps] if momentum != 0 else None,
+                                lr=lr, momentum=momentum, weight_decay=weight_decay, first_step=first,
+                                c_add=ca if ca is not None and any(c is not None for c in ca) else None,
+                                gc_mask=gc_mask if isinstance(gc_mask, bool) or gc_mask is None
+                                else [bool(gc_mask[i]) for i in idx],
+                                vector_policy=vector_policy, min_fanin=min_fanin)
 
 
 class FusedSGD(torch.optim.Optimizer):
@@ -81,26 +111,9 @@ class FusedSGD(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            mom = float(group["momentum"])
-            # parameters whose momentum buffer exists continue it; the others start it (buf = d)
-            parts = [(ps, False)]
-            if mom != 0:
-                parts = [([p for p in ps if "momentum_buffer" in self.state[p]], False),
-                         ([p for p in ps if "momentum_buffer" not in self.state[p]], True)]
-            for sel, first in parts:
-                if not sel:
-                    continue
-                if mom != 0 and first:
-                    for p in sel:
-                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                corr = [self.state[p].get("correction") for p in sel]
-                ops.fused_sgd_step_(sel, [p.grad for p in sel],
-                                    [self.state[p]["momentum_buffer"] for p in sel] if mom != 0 else None,
-                                    lr=float(group["lr"]), momentum=mom, weight_decay=float(group["weight_decay"]),
-                                    first_step=first, c_add=corr if any(c is not None for c in corr) else None,
-                                    gc_mask=bool(group["gc"]), vector_policy=group["vector_policy"],
-                                    min_fanin=int(group["min_fanin"]))
+            ps = group["params"]
+            sgd_step_(ps, self.state, lr=float(group["lr"]), momentum=float(group["momentum"]),
+                      weight_decay=float(group["weight_decay"]), c_add=[self.state[p].get("correction") for p in ps],
+                      gc_mask=bool(group["gc"]), vector_policy=group["vector_policy"],
+                      min_fanin=int(group["min_fanin"]))
         return loss

@@ -1,7 +1,8 @@
 """Fused local steps for client rules: one native pass instead of gradient edits + optimizer.step().
 
 A rule's ``step(ctx, model, optimizer)`` hook calls :func:`fused_sgd_step` with its correction
-(SCAFFOLD/FedPVR ``c - c_i``) or its Local GC mask. When the optimizer is a plain
+(SCAFFOLD/FedPVR ``c - c_i``) or its Local GC mask (the step itself: ``fedkernels.optim.sgd_step_``,
+shared with the ``FusedSGD`` optimizer). When the optimizer is a plain
 ``torch.optim.SGD`` (one parameter group, dampening 0, no Nesterov, not maximising) over exactly
 those parameters, the step is done by ``ops.fused_sgd_step_`` with torch-SGD semantics and the
 optimizer's own momentum buffers (so a later ``optimizer.step()`` continues identically), and the
@@ -14,7 +15,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .. import ops
+from ..optim import sgd_step_
 
 
 def plain_sgd(optimizer, params: Sequence[torch.Tensor]) -> Optional[dict]:
@@ -39,26 +40,6 @@ def fused_sgd_step(optimizer, params: Sequence[torch.Tensor], *, c_add: Optional
     hp = plain_sgd(optimizer, params)
     if hp is None:
         return False
-    keep = [i for i, p in enumerate(params) if p.grad is not None]
-    ps = [params[i] for i in keep]
-    if not ps:
-        return True
-    bufs = None
-    first = False
-    if hp["momentum"] != 0:
-        states = [optimizer.state[p] for p in ps]
-        have = [s.get("momentum_buffer") is not None for s in states]
-        if any(have) and not all(have):
-            return False
-        first = not any(have)
-        if first:
-            for s, p in zip(states, ps):
-                s["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        bufs = [s["momentum_buffer"] for s in states]
-    with torch.no_grad():
-        ops.fused_sgd_step_(ps, [p.grad for p in ps], bufs, lr=hp["lr"], momentum=hp["momentum"],
-                            weight_decay=hp["weight_decay"], first_step=first,
-                            c_add=None if c_add is None else [c_add[i] for i in keep],
-                            gc_mask=None if gc_mask is None else [bool(gc_mask[i]) for i in keep],
-                            vector_policy=vector_policy, min_fanin=min_fanin)
+    sgd_step_(params, optimizer.state, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"],
+              c_add=c_add, gc_mask=gc_mask, vector_policy=vector_policy, min_fanin=min_fanin)
     return True
