@@ -40,10 +40,14 @@ def _pl_ecado(t, cid, d, g):
     return {"T": 1.0 + 0.25 * ((cid + t) % 3), "hbar": 0.5}
 
 
+def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+    return lambda t, cid, d, g: {key: value}
+
+
 CASES = [
     ("fedavg", {}, None),
     ("fedavgm", {"beta": 0.9, "nesterov": True}, None),
-    ("fedprox", {"mu": 0.1}, None),
+    ("fedprox", {"mu": 0.1}, _pl_rule("prox_mu", 0.1)),
     ("scaffold", {}, _pl_scaffold),
     ("fednova", {}, _pl_nova),
     ("kuramoto", {"mode": "S"}, None),
@@ -52,12 +56,16 @@ CASES = [
     ("fedaware", {"warmup": "startup_full", "extension": "fedavgm"}, None),
     ("fedaware", {"warmup": "explore"}, None),
     ("fedaware", {"warmup": "mask", "normalize": False, "zero_fallback": "na"}, None),
-    ("gcfed", {}, None),
+    ("gcfed", {}, _pl_rule("local_gc", 3)),
     ("global_gc", {}, None),
-    ("fedpgvc", {}, None),
+    ("fedpgvc", {}, _pl_rule("pgvc_skipped_steps", 0)),
     ("fedecado", {"lte_norm": "inf"}, _pl_ecado),
     ("fedecado", {"lte_norm": "rms"}, _pl_ecado),
 ]
+def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+    return lambda t, cid, d, g: {key: value}
+
+
 CASES = [c for c in CASES if c[0] in algorithms.available()]
 
 
