@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from ._checks import (FLOAT_DTYPES, RowsLike, _coef, _float_dtype, _matrix, _no_grad_through, _rows, _tensor,
-                      _vector)
+from ._checks import (FLOAT_DTYPES, RowsLike, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows,
+                      _tensor, _vector)
 from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
@@ -34,6 +34,7 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     Differentiable w.r.t. ``U``.
     """
     U = _matrix(U, "gram")
+    _needs_kernel("gram", U.device, "gram")
     r = _rows(rows, U.size(0), "gram")
     G = _ag.gram(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
     return shard_sum(G)
@@ -51,6 +52,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
     """
     op = "weighted_sum"
     U = _matrix(U, op)
+    _needs_kernel("weighted_sum" if out is None else "weighted_sum_out", U.device, op)
     K, d = U.shape
     r = _rows(rows, K, op)
     n = K if r is None else r.numel()
@@ -77,6 +79,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
 def finite_rows(U: torch.Tensor) -> torch.Tensor:
     """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
     U = _matrix(U, "finite_rows")
+    _needs_kernel("finite_rows", U.device, "finite_rows")
     return shard_and(torch.ops.fedkernels.finite_rows(U))
 
 
