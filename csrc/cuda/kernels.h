@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "lu.cuh"
+
 namespace fedkernels {
 namespace cuda {
 
@@ -95,7 +97,7 @@ cudaError_t gc_project(const void* device_table, int64_t ntensors, int64_t nwork
 // getrf: first index of max |a_ik| on ties, zero pivot -> info = k+1 (first occurrence), no
 // division, factorisation continues). info: int32 [B]. n <= kLuMaxN (warp per matrix for n <= 32,
 // block per matrix with the matrix in shared memory above).
-constexpr int kLuMaxN = 64;
+constexpr int kLuMaxN = lu::kMaxN;
 cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
                               cudaStream_t stream);
 // X = A^{-1} R for each batch entry, with A = P L U from lu_factor_batched (LU given in float64;

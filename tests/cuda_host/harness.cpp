@@ -169,9 +169,9 @@ int main() {
       const bool ok = lu::permutation(piv.data(), n, perm.data());
       std::vector<double> X(n * m);
       for (long long c = 0; c < m; ++c) {  // one thread per column
-        std::vector<double> x(n);
+        double x[lu::kMaxN] = {};  // as lu_solve_kernel<T, 64>: guards at i < n
         for (int i = 0; i < n; ++i) x[i] = R[perm[i] * m + c];
-        lu::solve_column([&](int i, int j) { return LU[i * n + j]; }, n, x.data());
+        lu::solve_column<lu::kMaxN>([&](int i, int j) { return LU[i * n + j]; }, n, x);
         for (int i = 0; i < n; ++i) X[i * m + c] = ok ? x[i] : NAN;
       }
       std::printf("%d", ok ? 1 : 0);
