@@ -12,7 +12,7 @@ Sign convention used everywhere in fedkernels: a client *update* is ``local_mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -127,7 +127,8 @@ class FlatSpec:
     def select(self, pred: Callable[[ParamEntry], bool]) -> List[ParamEntry]:
         return [e for e in self.entries if pred(e)]
 
-    def mask(self, pred: Callable[[ParamEntry], bool], device=None) -> torch.Tensor:
+    def mask(self, pred: Callable[[ParamEntry], bool], device: Optional[Union[str, torch.device]] = None
+             ) -> torch.Tensor:
         """[d] bool mask of the entries where ``pred`` holds."""
         m = torch.zeros(self.d, dtype=torch.bool, device=device)
         for e in self.entries:
@@ -221,7 +222,8 @@ class UpdateBuffer:
     is the [count, d] view the aggregator reads. ``reset()`` starts a new round without reallocating.
     """
 
-    def __init__(self, K: int, spec_or_d, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, K: int, spec_or_d: Union[FlatSpec, int], device: Optional[Union[str, torch.device]] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         d = spec_or_d.d if isinstance(spec_or_d, FlatSpec) else int(spec_or_d)
         if not isinstance(K, int) or K < 1:
             raise ValueError(f"UpdateBuffer: K must be a positive int, got {K!r}")
