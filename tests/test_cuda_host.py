@@ -282,3 +282,21 @@ def test_cuda_sources_have_no_device_assert_and_minimal_includes():
             assert "<cassert>" not in src and "assert(" not in src.replace("static_assert(", ""), \
                 f"{name}: a device assert poisons the CUDA context; validate on the host"
             assert "torch/" not in src and "ATen/" not in src, f"{name}: kernels stay free of torch headers"
+
+
+# ---- gc_project work plan -----------------------------------------------------------------------------
+def test_gc_plan_covers_every_row_once(harness):
+    # rows, cols of a ResNet-like list plus edge cases: one row, exactly the path limits, empty tensors
+    shapes = [(64, 147), (0, 5), (64, 576), (128, 1152), (1, 10), (512, 4608), (3, 1024), (2, 1025), (5, 8192),
+              (4, 8193), (100, 512), (0, 0), (65, 3), (1, 100000)]
+    ans = harness("gcplan", len(shapes), [r for r, _ in shapes], [c for _, c in shapes])
+    items = int(ans[0])
+    per = [tuple(int(x) for x in a.split(":")) for a in ans[1:]]
+    want_items = 0
+    for (rows, cols), (path, lo, hi) in zip(shapes, per):
+        want_path = 0 if cols <= 1024 else (1 if cols <= 8192 else 2)
+        assert path == want_path, (rows, cols)
+        assert lo == hi == 1, (rows, cols)            # every row exactly once
+        if rows and cols:
+            want_items += -(-rows // 64) if path == 0 else rows
+    assert items == want_items

@@ -13,6 +13,8 @@
 // memory, scaled by dt/2 (dt/(2L)) in float64 and combined with atomicMax on the bit patterns of
 // these non-negative doubles (monotone in the value; max is order-independent, so the result is
 // deterministic). The launcher clears lte[2] first (cudaMemsetAsync).
+// Verification: not host-tested; tests/test_cuda.py on a GPU compares with the float64 reference
+// and the CPU op (K <= 32 and K > 32 paths, NaN -> +inf LTE, bitwise repeatability).
 #include "common.cuh"
 
 namespace fedkernels {

@@ -1,6 +1,6 @@
 // gc_project_ / gc_project: Y[r, :] = X[r, :] - mean(X[r, :]) (Y may be X: in place) for every row of every tensor of one call, in one
-// launch (gcfed.md §5.4). The host plan (gc_plan) cuts the tensors into work items of one path
-// each; one 256-thread block runs one work item:
+// launch (gcfed.md §5.4). The host plan (gc::plan, gc_project.cuh) cuts the tensors into work
+// items of one path each; one 256-thread block runs one work item, found by gc::item:
 //   path 0 (M <= 1024): a warp per row, 8 warps x up to 8 rows per item; each lane keeps its
 //           <= 32 values of the row in registers (one read, one write);
 //   path 1 (M <= 8192): a block per row, each thread keeps <= 32 values in registers;
@@ -9,6 +9,7 @@
 // element is read before it is written by the same thread, and a barrier (path 1, 2) or the warp
 // reduction (path 0) separates the reduce and the write phases.
 #include "common.cuh"
+#include "gc_project.cuh"
 
 #include <algorithm>
 #include <cstring>
@@ -19,11 +20,11 @@ namespace {
 
 using namespace detail;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kShortMax = 1024;   // path 0: 32 values per lane
-constexpr int kMediumMax = 8192;  // path 1: 32 values per thread
-constexpr int kRowsPerWarp = 8;   // path 0 rows per warp per work item
+using gc::kMediumMax;
+using gc::kRowsPerWarp;
+using gc::kShortMax;
+using gc::kThreads;
+using gc::kWarps;
 
 template <typename A> __device__ A block_sum(A x, A* red) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -38,11 +39,17 @@ template <typename A> __device__ A block_sum(A x, A* red) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) gc_kernel(const GcTensor* __restrict__ tensors, const GcWork* __restrict__ work) {
+__global__ void __launch_bounds__(kThreads) gc_kernel(const GcTensor* __restrict__ tensors, int64_t ntensors) {
   using A = typename Acc<T>::type;
   __shared__ A red[kWarps];
-  const GcWork w = work[blockIdx.x];
-  const GcTensor t = tensors[w.tensor];
+  struct {
+    int64_t row0, nrows;
+    int path;
+  } w;
+  int64_t ti;
+  gc::item(tensors, ntensors, blockIdx.x, ti, w.row0, w.nrows);
+  const GcTensor t = tensors[ti];
+  w.path = t.path;
   T* base = static_cast<T*>(t.ptr);
   const T* sbase = static_cast<const T*>(t.src);
   const int64_t M = t.cols;
@@ -103,40 +110,14 @@ __global__ void __launch_bounds__(kThreads) gc_kernel(const GcTensor* __restrict
 
 }  // namespace
 
-int64_t gc_plan(const GcTensor* tensors, int64_t ntensors, GcWork* work) {
-  int64_t n = 0;
-  auto emit = [&](int64_t ti, int path, int64_t r0, int64_t nr) {
-    if (work) work[n] = GcWork{(int32_t)ti, (int32_t)path, r0, nr};
-    ++n;
-  };
-  for (int64_t ti = 0; ti < ntensors; ++ti) {
-    const int64_t R = tensors[ti].rows, M = tensors[ti].cols;
-    if (R <= 0 || M <= 0) continue;
-    if (M <= kShortMax) {
-      const int64_t per = (int64_t)kWarps * kRowsPerWarp;
-      for (int64_t r0 = 0; r0 < R; r0 += per) emit(ti, 0, r0, std::min(per, R - r0));
-    } else {
-      const int path = M <= kMediumMax ? 1 : 2;
-      for (int64_t r = 0; r < R; ++r) emit(ti, path, r, 1);
-    }
-  }
-  return n;
-}
+int64_t gc_plan(GcTensor* tensors, int64_t ntensors) { return gc::plan(tensors, ntensors); }
 
-size_t gc_table_bytes(int64_t ntensors, int64_t nwork) {
-  const size_t a = (size_t(ntensors) * sizeof(GcTensor) + 15) / 16 * 16;
-  return a + size_t(nwork) * sizeof(GcWork);
-}
-
-cudaError_t gc_project(const void* device_table, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream) {
+cudaError_t gc_project(const GcTensor* device_tensors, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream) {
   if (nwork <= 0) return cudaSuccess;
-  const GcTensor* tens = static_cast<const GcTensor*>(device_table);
-  const GcWork* work = reinterpret_cast<const GcWork*>(static_cast<const char*>(device_table) +
-                                                       (size_t(ntensors) * sizeof(GcTensor) + 15) / 16 * 16);
   if (nwork > 0x7fffffff) return cudaErrorInvalidConfiguration;
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    gc_kernel<T><<<(unsigned)nwork, kThreads, 0, stream>>>(tens, work);
+    gc_kernel<T><<<(unsigned)nwork, kThreads, 0, stream>>>(device_tensors, ntensors);
     return cudaGetLastError();
   });
 }

@@ -57,15 +57,13 @@ void run_gc(const std::vector<std::pair<fk::DType, fk::GcTensor>>& jobs, c10::De
   for (auto& kv : groups) {
     const auto& ts = kv.second;
     const int64_t nt = (int64_t)ts.size();
-    const int64_t nw = fk::gc_plan(ts.data(), nt, nullptr);
+    std::vector<fk::GcTensor> table = ts;
+    const int64_t nw = fk::gc_plan(table.data(), nt);
     if (nw == 0) continue;
-    const size_t bytes = fk::gc_table_bytes(nt, nw);
-    std::vector<char> host(bytes);
-    std::memcpy(host.data(), ts.data(), ts.size() * sizeof(fk::GcTensor));
-    const size_t off = (size_t(nt) * sizeof(fk::GcTensor) + 15) / 16 * 16;
-    fk::gc_plan(ts.data(), nt, reinterpret_cast<fk::GcWork*>(host.data() + off));
-    auto table = upload_bytes(host.data(), bytes, dev);  // kernel arguments: capture-safe, no pinned memory
-    C10_CUDA_CHECK(fk::gc_project(table.data_ptr(), nt, nw, static_cast<fk::DType>(kv.first), stream()));
+    // one 48-byte entry per tensor, uploaded as kernel arguments: capture-safe, no pinned memory
+    auto dev_table = upload_bytes(table.data(), table.size() * sizeof(fk::GcTensor), dev);
+    C10_CUDA_CHECK(fk::gc_project(static_cast<const fk::GcTensor*>(dev_table.data_ptr()), nt, nw,
+                                  static_cast<fk::DType>(kv.first), stream()));
   }
 }
 
@@ -80,10 +78,10 @@ void gc_project_inplace_cuda(at::TensorList tensors, c10::string_view vector_pol
     if (!row_shape(t, center, min_fanin, rows, M)) continue;
     const auto dt = to_dtype(t.scalar_type(), "gc_project_", "tensors");
     if (rows_dense(t, rows, M)) {
-      jobs.push_back({dt, fk::GcTensor{t.data_ptr(), t.data_ptr(), rows, M}});
+      jobs.push_back({dt, fk::GcTensor{t.data_ptr(), t.data_ptr(), rows, M, 0, 0, 0}});
     } else {
       auto c = t.contiguous();
-      jobs.push_back({dt, fk::GcTensor{c.data_ptr(), c.data_ptr(), rows, M}});
+      jobs.push_back({dt, fk::GcTensor{c.data_ptr(), c.data_ptr(), rows, M, 0, 0, 0}});
       copy_back.emplace_back(t, c);
     }
   }
@@ -109,14 +107,14 @@ std::vector<at::Tensor> gc_project_cuda(at::TensorList tensors, c10::string_view
     }
     const auto dt = to_dtype(t.scalar_type(), "gc_project", "tensors");
     if (rows_dense(t, rows, M) && out.strides() == t.strides()) {
-      jobs.push_back({dt, fk::GcTensor{out.data_ptr(), t.data_ptr(), rows, M}});
+      jobs.push_back({dt, fk::GcTensor{out.data_ptr(), t.data_ptr(), rows, M, 0, 0, 0}});
       continue;
     }
     auto src = t.contiguous();
     keep.push_back(src);
     at::Tensor dst = out.is_contiguous() ? out : at::empty(t.sizes(), t.options());
     if (!dst.is_same(out)) copy_back.emplace_back(out, dst);
-    jobs.push_back({dt, fk::GcTensor{dst.data_ptr(), src.data_ptr(), rows, M}});
+    jobs.push_back({dt, fk::GcTensor{dst.data_ptr(), src.data_ptr(), rows, M, 0, 0, 0}});
   }
   run_gc(jobs, tensors[0].device());
   for (auto& pr : copy_back) pr.first.copy_(pr.second);

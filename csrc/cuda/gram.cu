@@ -14,6 +14,8 @@
 //    block reduction in a fixed order at the end. Memory-bound regime (the usual FL round).
 //  S (K > 16): 64x64 tiles, 4x4 register micro-tiles, 32-column stages converted to float64 in
 //    shared memory. DFMA-bound for large K.
+// Verification: not host-tested; the tile/part maths and both reductions are checked only by
+// tests/test_cuda.py on a GPU (bitwise repeatability, exact symmetry, fp64 reference, NaN rows).
 #include "common.cuh"
 
 #include <algorithm>

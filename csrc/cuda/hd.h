@@ -5,6 +5,8 @@
 
 #if defined(__CUDACC__)
 #define FK_HD __host__ __device__ __forceinline__
+#define FK_UNROLL _Pragma("unroll")
 #else
 #define FK_HD inline
+#define FK_UNROLL
 #endif

@@ -19,6 +19,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gc_project.cuh"
+#include "lu.cuh"
+
 namespace fedkernels {
 namespace cuda {
 
@@ -70,32 +73,17 @@ cudaError_t min_norm(const double* G, int64_t N, const double* lam0, int method,
 
 // ---- gc_project_: in-place per-row mean removal over many tensors in one launch ---------------
 // A tensor is viewed as a [rows, cols] row-major matrix (cols = fan-in). All tensors of one call
-// share one dtype. The host builds a work table with gc_plan(); the caller copies tensors and work
-// to the device (gc_table_bytes() bytes: the GcTensor array, then the GcWork array, 16-byte
-// aligned) and launches gc_project(). Paths by row length M: warp per row (M <= 1024), block per
-// row with the row in registers (M <= 8192), block per row reading twice (longer rows).
-struct GcTensor {
-  void* ptr;        // output rows (the tensor itself when in place)
-  const void* src;  // input rows (== ptr when in place)
-  int64_t rows;
-  int64_t cols;
-};
-struct GcWork {
-  int32_t tensor;
-  int32_t path;  // 0: warp per row, 1: block per row (registers), 2: block per row (two reads)
-  int64_t row0;
-  int64_t nrows;
-};
-int64_t gc_plan(const GcTensor* tensors, int64_t ntensors, GcWork* work /* nullptr: count only */);
-size_t gc_table_bytes(int64_t ntensors, int64_t nwork);
-cudaError_t gc_project(const void* device_table, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream);
+// share one dtype. The host fills the GcTensor table (gc_project.cuh) with gc_plan(), which returns
+// the number of work items, uploads the table (ntensors x 48 bytes) and launches gc_project().
+int64_t gc_plan(GcTensor* tensors, int64_t ntensors);
+cudaError_t gc_project(const GcTensor* device_tensors, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream);
 
 // ---- lu_factor / lu_solve (FedECADO dense path, fedecado.md §5.3(b)) ---------------------------
 // A: [B, n, n] row-major, LU written to `LU` (may alias A); piv: int32 [B, n] 1-based (LAPACK
 // getrf: first index of max |a_ik| on ties, zero pivot -> info = k+1 (first occurrence), no
 // division, factorisation continues). info: int32 [B]. n <= kLuMaxN (warp per matrix for n <= 32,
 // block per matrix with the matrix in shared memory above).
-constexpr int kLuMaxN = 64;
+constexpr int kLuMaxN = lu::kMaxN;
 cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
                               cudaStream_t stream);
 // X = A^{-1} R for each batch entry, with A = P L U from lu_factor_batched (LU given in float64;

@@ -11,7 +11,7 @@
 // and X are converted on load and store, as the CPU op does). The factor and the final row permutation (the pivots
 // applied in order) sit in shared memory; each thread streams one right-hand-side column:
 // gathers it through the permutation, forward (unit L) and back (U) substitution in registers,
-// writes it (register arrays for n <= 32, runtime loops above). X may alias R (each column is read completely before it is written).
+// writes it (register arrays sized 8/16/32/64: no local memory, lu::solve_column). X may alias R (each column is read completely before it is written).
 // Pivots: lu::pivot_key / pivot_better (lu.cuh), a strict total order that matches the CPU scan
 // with NaN, so every lane of a warp picks the same pivot and every shuffle runs on all lanes.
 // An out-of-range pivot passed to lu_solve gives NaN columns (no device assert).
@@ -166,53 +166,11 @@ __global__ void lu_solve_kernel(const double* __restrict__ LU, const int32_t* __
   double x[NMAX];
 #pragma unroll
   for (int i = 0; i < NMAX; ++i) x[i] = i < n ? static_cast<double>(r[(int64_t)perm[i] * m + c]) : 0.0;
-#pragma unroll
-  for (int i = 1; i < NMAX; ++i) {
-    if (i < n) {
-      double acc = x[i];
-#pragma unroll
-      for (int j = 0; j < i; ++j) acc = fma(-s[i][j], x[j], acc);
-      x[i] = acc;
-    }
-  }
-#pragma unroll
-  for (int i = NMAX - 1; i >= 0; --i) {
-    if (i < n) {
-      double acc = x[i];
-#pragma unroll
-      for (int j = i + 1; j < NMAX; ++j)
-        if (j < n) acc = fma(-s[i][j], x[j], acc);
-      x[i] = acc / s[i][i];
-    }
-  }
+  lu::solve_column<NMAX>([&](int i, int j) { return s[i][j]; }, n, x);
   T* o = X + b * (int64_t)n * m;
 #pragma unroll
   for (int i = 0; i < NMAX; ++i)
     if (i < n) o[(int64_t)i * m + c] = static_cast<T>(bad_piv ? NAN : x[i]);
-}
-
-// n in (32, 64]: the same with runtime loops (x in local memory, L1-resident): keeps compile
-// time and code size small for this rarer case.
-template <typename T>
-__global__ void lu_solve_generic_kernel(const double* __restrict__ LU, const int32_t* __restrict__ piv, const T* R, T* X,
-                                        int n, int64_t m, int64_t nb) {
-  __shared__ double s[kLuMaxN][kLuMaxN + 1];
-  __shared__ int perm[kLuMaxN];
-  __shared__ bool bad_piv;
-  const int64_t gx = gridDim.x / nb, b = blockIdx.x / gx, bx = blockIdx.x % gx;  // 1-D grid: (b, column block)
-  const int64_t nn = (int64_t)n * n;
-  const double* lu = LU + b * nn;
-  for (int e = threadIdx.x; e < n * n; e += blockDim.x) s[e / n][e % n] = lu[e];
-  if (threadIdx.x == 0) bad_piv = !lu::permutation(piv + b * n, n, perm);
-  __syncthreads();
-  const int64_t c = bx * blockDim.x + threadIdx.x;
-  if (c >= m) return;
-  const T* r = R + b * (int64_t)n * m;
-  double x[kLuMaxN];
-  for (int i = 0; i < n; ++i) x[i] = static_cast<double>(r[(int64_t)perm[i] * m + c]);
-  lu::solve_column([&](int i, int j) { return s[i][j]; }, n, x);
-  T* o = X + b * (int64_t)n * m;
-  for (int i = 0; i < n; ++i) o[(int64_t)i * m + c] = static_cast<T>(bad_piv ? NAN : x[i]);
 }
 
 template <typename T>
@@ -246,7 +204,7 @@ cudaError_t solve_t(const double* LU, const int32_t* piv, const T* R, T* X, int6
   else if (n <= 32)
     lu_solve_kernel<T, 32><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
   else
-    lu_solve_generic_kernel<T><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
+    lu_solve_kernel<T, 64><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
   return cudaGetLastError();
 }
 

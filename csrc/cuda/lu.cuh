@@ -23,6 +23,8 @@ namespace fedkernels {
 namespace cuda {
 namespace lu {
 
+constexpr int kMaxN = 64;  // largest n of the CUDA LU kernels (kernels.h: kLuMaxN)
+
 struct PivotKey {
   int rank;  // 2: NaN diagonal (keeps row k), 1: a number, 0: NaN below the diagonal, -1: not a candidate
   double v;  // |a_ik| for rank 1, else 0
@@ -70,20 +72,30 @@ FK_HD bool permutation(const int32_t* piv, int n, int* perm) {
   return ok;
 }
 
-// One right-hand side: x = U^{-1} L^{-1} (P^T r), in place on x[0..n) (x holds r[perm[i]]).
+// One right-hand side: x = U^{-1} L^{-1} (P^T r), in place on x[0..n) (x holds r[perm[i]]), n <= NMAX.
 // lu(i, j) reads the factor. Forward substitution with the unit lower triangle, then back
-// substitution dividing by the diagonal, each sum in increasing j (fma).
-template <typename F>
-FK_HD void solve_column(const F& lu, int n, double* x) {
-  for (int i = 1; i < n; ++i) {
-    double acc = x[i];
-    for (int j = 0; j < i; ++j) acc = fma(-lu(i, j), x[j], acc);
-    x[i] = acc;
+// substitution dividing by the diagonal, each sum in increasing j (fma). The loops run to the
+// compile-time NMAX with `i < n` guards, so x stays in registers on the GPU (no local memory).
+template <int NMAX, typename F>
+FK_HD void solve_column(const F& lu, int n, double (&x)[NMAX]) {
+  FK_UNROLL
+  for (int i = 1; i < NMAX; ++i) {
+    if (i < n) {
+      double acc = x[i];
+      FK_UNROLL
+      for (int j = 0; j < i; ++j) acc = fma(-lu(i, j), x[j], acc);
+      x[i] = acc;
+    }
   }
-  for (int i = n - 1; i >= 0; --i) {
-    double acc = x[i];
-    for (int j = i + 1; j < n; ++j) acc = fma(-lu(i, j), x[j], acc);
-    x[i] = acc / lu(i, i);
+  FK_UNROLL
+  for (int i = NMAX - 1; i >= 0; --i) {
+    if (i < n) {
+      double acc = x[i];
+      FK_UNROLL
+      for (int j = i + 1; j < NMAX; ++j)
+        if (j < n) acc = fma(-lu(i, j), x[j], acc);
+      x[i] = acc / lu(i, i);
+    }
   }
 }
 

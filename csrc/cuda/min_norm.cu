@@ -15,6 +15,8 @@
 // segment, smallest value, ties -> lexicographically smallest (i, j)), or e_{argmin G_ii}.
 // Not on the GPU: the CPU op's face polish and the code_compat solver. Deterministic: every
 // reduction runs in a fixed order.
+// Verification: not host-tested (the step rules are the CPU op's, csrc/cpu/min_norm.cpp; the block
+// reductions need a GPU): tests/test_cuda.py compares with the reference and the CPU op.
 #include "common.cuh"
 
 #include <cmath>

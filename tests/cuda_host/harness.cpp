@@ -8,6 +8,8 @@
 //   pivot k n col[n]                                                               -> warp_p block_p
 //   lusolve n m LU[n*n] piv[n] R[n*m]                                              -> X[n*m]
 //   arrow K m inv_den coef[3K] r0[m] R[K*m]                                        -> x[m] I[K*m]
+//   gcplan n rows[n] cols[n]         -> items, then per tensor: path and how often each row was covered
+//                                       (emulating every block's gc::item and the per-path row loops)
 // wsum emulates weighted_sum_kernel: every (block, thread, element) through wsum::col, the staged
 // coefficient (A)(alpha*coef[i]) or NaN for a bad row, wsum::accumulate in row order, then base.
 // A = 4 (float accumulation, data given as float: fp16/bf16 values are exact in float) or 8.
@@ -19,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "gc_project.cuh"
 #include "lu.cuh"
 #include "weighted_sum.cuh"
 
@@ -169,9 +172,9 @@ int main() {
       const bool ok = lu::permutation(piv.data(), n, perm.data());
       std::vector<double> X(n * m);
       for (long long c = 0; c < m; ++c) {  // one thread per column
-        std::vector<double> x(n);
+        double x[lu::kMaxN] = {};  // as lu_solve_kernel<T, 64>: guards at i < n
         for (int i = 0; i < n; ++i) x[i] = R[perm[i] * m + c];
-        lu::solve_column([&](int i, int j) { return LU[i * n + j]; }, n, x.data());
+        lu::solve_column<lu::kMaxN>([&](int i, int j) { return LU[i * n + j]; }, n, x);
         for (int i = 0; i < n; ++i) X[i * m + c] = ok ? x[i] : NAN;
       }
       std::printf("%d", ok ? 1 : 0);
@@ -191,6 +194,39 @@ int main() {
       std::printf("ok");
       for (double v : x) put(v);
       for (double v : I) put(v);
+      std::printf("\n");
+    } else if (cmd == "gcplan") {
+      const long long n = ri(in);
+      std::vector<GcTensor> t(n);
+      for (auto& x : t) x.rows = ri(in);
+      for (auto& x : t) x.cols = ri(in);
+      const long long items = gc::plan(t.data(), n);
+      std::vector<std::vector<int>> cover(n);
+      for (long long i = 0; i < n; ++i) cover[i].assign(t[i].rows > 0 ? t[i].rows : 0, 0);
+      for (long long b = 0; b < items; ++b) {  // one block per item
+        int64_t ti, row0, nrows;
+        gc::item(t.data(), n, b, ti, row0, nrows);
+        if (t[ti].path == 0) {  // warp w handles rows row0 + rr * kWarps + w, rr < kRowsPerWarp
+          for (int w = 0; w < gc::kWarps; ++w)
+            for (int rr = 0; rr < gc::kRowsPerWarp; ++rr) {
+              const int64_t r = row0 + (int64_t)rr * gc::kWarps + w;
+              if (r >= row0 + nrows) break;
+              ++cover[ti][r];
+            }
+        } else {
+          ++cover[ti][row0];
+        }
+      }
+      std::printf("%lld", items);
+      for (long long i = 0; i < n; ++i) {
+        int mn = 1 << 30, mx = 0;
+        for (int c : cover[i]) {
+          mn = c < mn ? c : mn;
+          mx = c > mx ? c : mx;
+        }
+        if (cover[i].empty()) mn = mx = 1;
+        std::printf(" %d:%d:%d", t[i].path, mn, mx);
+      }
       std::printf("\n");
     } else if (!cmd.empty()) {
       std::printf("ERR unknown command %s\n", cmd.c_str());
