@@ -77,20 +77,8 @@ def check_kwargs(where: str, fn: Callable, options: Dict[str, Any], skip: Iterab
 
 
 def _check_algorithm(name: str, options: Dict[str, Any]) -> None:
-    try:   # the outputs engineer's validator (registry + constructor signature + types), when present
-        from .options import check_algorithm
-    except ImportError:
-        check_algorithm = None
-    if check_algorithm is not None:
-        check_algorithm(name, options)
-        return
-    from .. import algorithms
-    from ..algorithms import base
-    key = name.lower()
-    if key not in base._REGISTRY:
-        raise ValueError(f"algorithm.name: unknown algorithm {name!r}{_suggest(key, algorithms.available())}; "
-                         f"known: {', '.join(algorithms.available())}")
-    check_kwargs("algorithm.options", base._REGISTRY[key], options)
+    from .options import check_algorithm      # registry + constructor signature + types, one line
+    check_algorithm(name, options)
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
