@@ -56,11 +56,12 @@ def test_bad_invocations(tmp_path, capsys):
 
 
 def test_compare_table_and_outputs(tmp_path, capsys):
-    rc = main(["compare", "--preset", "smoke", "--methods", "fedavg,fedavgm:beta=0.5,nosuchmethod",
+    # an unknown method is an error before any run (tests/test_compare.py), no longer "skipped"
+    rc = main(["compare", "--preset", "smoke", "--methods", "fedavg,fedavgm:beta=0.5",
                "--seeds", "0,1", "--rounds", "1", "--out", str(tmp_path), "--quiet", "--no-progress"])
     assert rc == 0
     res = json.loads((tmp_path / "compare.json").read_text())
-    assert set(res["methods"]) == {"fedavg", "fedavgm:beta=0.5"} and res["skipped"] == ["nosuchmethod"]
+    assert set(res["methods"]) == {"fedavg", "fedavgm:beta=0.5"} and res["failed"] == []
     assert len(res["methods"]["fedavg"]["runs"]) == 2
     assert (tmp_path / "compare.png").exists() and (tmp_path / "fedavg-s1" / "metrics.jsonl").exists()
     out = capsys.readouterr().out

@@ -136,7 +136,7 @@ def _callbacks(a, cfg: RunConfig) -> list:
 
 def cmd_compare(a) -> int:
     from . import presets
-    from .compare import compare
+    from .compare import compare, resolve_methods
     paths, ovs = _split_args(a.args)
     base = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
     if a.no_progress:
@@ -144,11 +144,23 @@ def cmd_compare(a) -> int:
     base.verbose = not a.quiet
     known = presets.variants(a.preset) if a.preset else {}
     labels = [m for m in (a.methods.split(",") if a.methods else list(known) or [base.algorithm.name]) if m]
-    methods = [presets.parse_method(m, known) for m in labels]
-    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    methods = resolve_methods(labels, known)            # every method and option checked before any run
+    seeds = []
+    for s in a.seeds.split(","):
+        if s.strip():
+            try:
+                seeds.append(int(s))
+            except ValueError:
+                raise ValueError(f"--seeds: {s.strip()!r} is not an integer (e.g. --seeds 0,1,2)") from None
     out = a.out or os.path.join(base.out_dir, f"compare-{a.preset or base.data.name}")
-    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True)
-    print(f"wrote {os.path.join(out, 'compare.json')}" + (f" and {res['plot']}" if res.get("plot") else ""))
+    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
+                  preset=a.preset, band=a.band)
+    print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
+          + (f" and {res['plot']}" if res.get("plot") else ""))
+    if res.get("failed"):
+        print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
+              + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -222,7 +234,15 @@ def cmd_info(a) -> int:
 def cmd_presets(a) -> int:
     from . import presets
     for name, doc in presets.describe().items():
-        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}")
+        est = presets.estimate(name)
+        if est is None:
+            t = "not measured on CPU"
+        else:
+            sec = est["s_per_run"]
+            t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
+                f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
+                f"estimate from {est['source']})")
+        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}\n    time: {t}")
     return 0
 
 
@@ -255,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     c.add_argument("--rounds", type=int, help="override the number of rounds")
     c.add_argument("--out", help="output directory (default: OUT_DIR/compare-PRESET)")
+    c.add_argument("--baseline", help="method label the paired differences are taken against "
+                                      "(default: fedavg when compared, else the first method)")
+    c.add_argument("--band", choices=("std", "ci", "none"), default="std",
+                   help="band around the mean curve: sample std (default), 95%% CI, or none")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--quiet", action="store_true", help="no per-round lines")
     b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)")

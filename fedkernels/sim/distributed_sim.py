@@ -144,7 +144,7 @@ class DistributedSimulation(Simulation):
     the default one, initialised from torchrun's environment when needed). ``align``: slice
     boundaries on tensor ("tensor") or output-row ("row") boundaries. Outputs are written by rank 0."""
 
-    def __init__(self, cfg: RunConfig, *, group=None, align: str = "tensor", **kw):
+    def __init__(self, cfg: RunConfig, *, group=None, align: str = "bytes", **kw):
         cfg = cfg.copy()
         init_from_env(cfg.device)
         self.group = group

@@ -718,7 +718,7 @@ def format_summary(s: Dict[str, Any]) -> str:
     lines = [f"== {s.get('name')} ({s.get('algorithm')}, seed {s.get('seed')}): "
              f"{s.get('rounds_completed')}/{s.get('rounds')} rounds on {s.get('device')}",
              f"   final accuracy {pct(s.get('final_accuracy'))}, best {pct(s.get('best_accuracy'))} "
-             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct'))}"]
+             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct_rounds'))}"]
     if s.get("target_accuracy") is not None:
         lines.append(f"   rounds to {pct(s['target_accuracy'])}: {s.get('rounds_to_target') or 'not reached'}")
     share = s.get("agg_share")
