@@ -7,84 +7,50 @@ of the algorithm, data set, partition and model against the signature of what th
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from .config import RunConfig, _suggest
+from .options import _describe, _expected, _hints, _matches, check_algorithm, signature_params
 
 __all__ = ["check_run", "check_kwargs"]
 
-_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _type_error(value: Any, default: Any) -> Optional[str]:
-    """What ``value`` should be, judged by the parameter's default (None when it fits)."""
-    if default is None or default is inspect.Parameter.empty:
-        return None
-    t = type(default)
-    if t is bool:
-        ok = isinstance(value, bool)
-    elif t is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif t is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif t is str:
-        ok = isinstance(value, str)
-    else:
-        return None
-    return None if ok else _WORDS[t]
-
-
-def _init_params(cls) -> Dict[str, inspect.Parameter]:
-    """The keyword parameters of ``cls(...)``, following ``**kw`` passed on to the base classes."""
-    out: Dict[str, inspect.Parameter] = {}
-    for c in cls.__mro__:
-        if "__init__" not in vars(c) or c is object:
-            continue
-        sig = inspect.signature(vars(c)["__init__"])
-        for n, p in sig.parameters.items():
-            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                out.setdefault(n, p)
-        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            break
-    return out
+def _params(fn: Callable) -> Dict[str, Tuple[Any, Any]]:
+    """``{name: (annotation, default)}`` of the keyword parameters of a function or of a class's
+    constructor (through the ``**kw`` chain, :func:`fedkernels.sim.options.signature_params`)."""
+    if inspect.isclass(fn):
+        return signature_params(fn)
+    hints = _hints(fn)
+    return {n: (hints.get(n), p.default) for n, p in inspect.signature(fn).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def check_kwargs(where: str, fn: Callable, options: Dict[str, Any], skip: Iterable[str] = (),
                  var_kw: Optional[bool] = None) -> None:
-    """Every key of ``options`` must be a keyword parameter of ``fn`` (a function, or a class: its
-    constructor through the ``**kw`` chain), unless ``fn`` takes ``**kwargs`` (``var_kw`` overrides),
-    and match its default's type; ValueError naming ``where.key``, the value and what was expected."""
-    if inspect.isclass(fn):
-        params, takes_kw = _init_params(fn), False
-    else:
-        try:
-            sig = inspect.signature(fn)
-        except (TypeError, ValueError):
-            return
-        params = {n: p for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        takes_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    params = {n: p for n, p in params.items() if n not in skip}
-    var_kw = takes_kw if var_kw is None else var_kw
+    """Every key of ``options`` must be a keyword parameter of ``fn`` (a function or a class),
+    unless ``fn`` takes ``**kwargs`` (``var_kw`` overrides), and match its annotation (or its
+    default's type); ValueError naming ``where.key``, the value and what was expected otherwise."""
+    params = {n: v for n, v in _params(fn).items() if n not in skip}
+    if var_kw is None:
+        var_kw = not inspect.isclass(fn) and any(
+            p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
     for k, v in options.items():
         if k not in params:
             if var_kw:
                 continue
             raise ValueError(f"{where}.{k}: unknown option (value {v!r}){_suggest(k, list(params))}; "
                              f"valid: {', '.join(params) or 'none'}")
-        want = _type_error(v, params[k].default)
-        if want is not None:
-            raise ValueError(f"{where}.{k}: got {v!r} ({type(v).__name__}), expected {want}")
-
-
-def _check_algorithm(name: str, options: Dict[str, Any]) -> None:
-    from .options import check_algorithm      # registry + constructor signature + types, one line
-    check_algorithm(name, options)
+        ann, default = params[k]
+        exp = _expected(ann, default)
+        if v is None and default is None:
+            continue
+        if not _matches(v, exp):
+            raise ValueError(f"{where}.{k}: got {v!r} ({type(v).__name__}), expected {_describe(exp)}")
 
 
 def check_run(cfg: RunConfig) -> RunConfig:
     """``cfg.validate()`` plus the options of algorithm, data set, partition and model."""
     cfg.validate()
-    _check_algorithm(cfg.algorithm.name, dict(cfg.algorithm.options))
+    check_algorithm(cfg.algorithm.name, dict(cfg.algorithm.options))   # registry + signature + types
     from . import data
     key = data.dataset_key(cfg.data.name)
     if key not in data.DATASETS:
