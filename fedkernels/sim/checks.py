@@ -47,10 +47,23 @@ def check_kwargs(where: str, fn: Callable, options: Dict[str, Any], skip: Iterab
             raise ValueError(f"{where}.{k}: got {v!r} ({type(v).__name__}), expected {_describe(exp)}")
 
 
-def check_run(cfg: RunConfig) -> RunConfig:
-    """``cfg.validate()`` plus the options of algorithm, data set, partition and model."""
+def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, model: bool = True) -> RunConfig:
+    """``cfg.validate()`` plus the options of algorithm and, unless the caller supplies them
+    (``False``), data set, partition and model."""
     cfg.validate()
     check_algorithm(cfg.algorithm.name, dict(cfg.algorithm.options))   # registry + signature + types
+    if data_set:
+        _check_data(cfg)
+    if partition:
+        from .partition import partition as partition_fn
+        check_kwargs("partition.options", partition_fn, dict(cfg.partition.options),
+                     skip=("labels", "num_clients", "scheme", "seed"))
+    if model:
+        _check_model(cfg)
+    return cfg
+
+
+def _check_data(cfg: RunConfig) -> None:
     from . import data
     key = data.dataset_key(cfg.data.name)
     if key not in data.DATASETS:
@@ -68,9 +81,9 @@ def check_run(cfg: RunConfig) -> RunConfig:
         check_kwargs("data.options", gen, dict(cfg.data.options))
     else:
         check_kwargs("data.options", data.load_dataset, dict(cfg.data.options), skip=("name",), var_kw=False)
-    from .partition import partition
-    check_kwargs("partition.options", partition, dict(cfg.partition.options),
-                 skip=("labels", "num_clients", "scheme", "seed"))
+
+
+def _check_model(cfg: RunConfig) -> None:
     from .models import _MODEL_ALIASES, MODELS
     mkey = _MODEL_ALIASES.get(cfg.model.name.lower(), cfg.model.name.lower())
     if mkey not in MODELS:
@@ -78,4 +91,3 @@ def check_run(cfg: RunConfig) -> RunConfig:
                          f"known: {', '.join(sorted(MODELS))}")
     check_kwargs("model.options", MODELS[mkey], dict(cfg.model.options),
                  skip=("num_classes", "in_channels", "input_size"))
-    return cfg

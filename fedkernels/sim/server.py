@@ -127,7 +127,9 @@ class Simulation:
                  client_indices: Optional[Sequence] = None, transform: Optional[Callable] = None,
                  write_outputs: bool = True, overwrite: bool = False,
                  callbacks: Sequence[Callable[[int, Dict[str, Any], nn.Module], None]] = ()):
-        self.cfg = cfg.copy().validate()
+        from .checks import check_run     # keys, values and options: one-line ValueError before any work
+        self.cfg = check_run(cfg.copy(), data_set=train is None or test is None,
+                             partition=client_indices is None, model=model_fn is None)
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.resume = resume
         self._train, self._test, self._model_fn = train, test, model_fn
