@@ -254,7 +254,7 @@ class Simulation:
         self.parts = [p.to(dev) for p in parts]
         model = self._build_model(x).to(dev)
         self.model = model
-        self.spec = FlatSpec.from_module(model, include_buffers=True)
+        self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
         self.global_flat = self.spec.flatten(model).clone()
         self.trainer = ClientTrainer(model, self.spec, self.x, self.y, self.parts, cfg.train,
                                      transform=self._train_transform())
