@@ -1,6 +1,6 @@
 """Flat parameter space: a model <-> one flat vector, and the K x d client-update buffer.
 
-``FlatSpec.from_module(model)`` records, for every parameter (and float buffer, if asked), its
+``FlatSpec.from_module(model)`` records, for every parameter and float buffer (``include_buffers=False``: parameters only), its
 name, shape, offset in the flat vector, numel, kind and position from the output layer, so that
 layer-aware rules (GC channel rows, FedPGVC / GC-Fed classifier layers) work on views of a flat
 vector without copies. Aggregators see only flat vectors and a K x d matrix.
@@ -77,9 +77,11 @@ class FlatSpec:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_module(cls, model: nn.Module, include_buffers: bool = False,
+    def from_module(cls, model: nn.Module, include_buffers: bool = True,
                     trainable_only: bool = False) -> "FlatSpec":
-        """Records every parameter (and every float buffer when ``include_buffers``)."""
+        """Records every parameter and, with ``include_buffers`` (the default), every float buffer
+        (BatchNorm running statistics) after them: the flat vector is the model's floating-point
+        state, the one the simulator aggregates. ``include_buffers=False``: parameters only."""
         modules = dict(model.named_modules())
         owners = []  # (name, module_name, module, tensor, is_buffer)
         for name, p in model.named_parameters():

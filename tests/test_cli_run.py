@@ -158,6 +158,13 @@ def test_start_line_and_one_line_per_round_with_eta(tmp_path):
     rounds = [x for x in lines if x.startswith("round ")]
     assert [x.split()[1] for x in rounds] == ["1/3", "2/3", "3/3"] and all("ETA" in x for x in rounds)
     assert "acc" not in rounds[0] and "acc" in rounds[1]
+    # provenance (issue 14 item 6, the outputs engineer's module) and a timestamped run.log
+    run_dir = tmp_path / lines[0].split("outputs: ")[1]
+    prov = json.loads((run_dir / "provenance.json").read_text())
+    assert prov["status"] == "completed" and prov["rounds_completed"] == 3 and "end_time" in prov
+    log = (run_dir / "run.log").read_text().splitlines()
+    assert log[0].split(" ", 1)[1].startswith("fedkernels run: preset smoke") and log[0][:4].isdigit()
+    assert sum(x.split(" ", 1)[1].startswith("round ") for x in log) == 3 and log[-1].endswith("end: completed after round 3")
 
 
 # ---- item 4: SIGINT / SIGTERM -----------------------------------------------------------------------
@@ -184,6 +191,7 @@ def test_signal_checkpoints_exits_130_and_resume_is_bit_identical(tmp_path, sig)
     assert 1 <= n < 6, last
     assert f"checkpoint at round {n}; continue with `fedkernels run --resume runs/cut`" in last
     assert (tmp_path / "runs" / "cut" / "checkpoints" / f"ckpt_round_{n:06d}.pt").exists()
+    assert json.loads((tmp_path / "runs" / "cut" / "provenance.json").read_text())["status"] == "interrupted"
     r = fk("run", "--resume", "runs/cut", *QUICK[2:], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     ref = fk(*args, "--name", "ref", cwd=tmp_path)

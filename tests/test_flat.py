@@ -24,7 +24,7 @@ class Net(nn.Module):
 
 def test_spec_records_layout():
     m = Net()
-    s = FlatSpec.from_module(m)
+    s = FlatSpec.from_module(m, include_buffers=False)          # parameters only
     assert s.d == sum(p.numel() for p in m.parameters())
     kinds = {e.name: e.kind for e in s}
     assert kinds["conv1.weight"] == "conv" and kinds["conv1.bias"] == "vector"
@@ -56,6 +56,27 @@ def test_flatten_load_roundtrip_and_views():
     assert torch.equal(m(x), m2(x))
 
 
+def test_default_spec_is_the_simulators():
+    """Issue 14 item 12: FlatSpec.from_module and the simulator agree: float buffers (BatchNorm
+    running statistics) are in the flat vector by default, after the parameters."""
+    from fedkernels.sim import presets
+    from fedkernels.sim.config import apply_overrides
+    from fedkernels.sim.server import Simulation
+    m = Net()
+    s = FlatSpec.from_module(m)
+    n_par = sum(p.numel() for p in m.parameters())
+    assert s.d == n_par + sum(b.numel() for b in m.buffers() if b.is_floating_point())
+    assert s["bn1.running_mean"].is_buffer and s["bn1.running_mean"].offset >= n_par
+    cfg = apply_overrides(presets.get("smoke"), ["rounds=1", "data.train_subset=100", "verbose=false",
+                                                 "progress=false"])
+    sim = Simulation(cfg, write_outputs=False,
+                     model_fn=lambda c, ch, size: nn.Sequential(nn.Flatten(), nn.Linear(ch * size * size, 8),
+                                                                nn.BatchNorm1d(8), nn.Linear(8, c))).setup()
+    ref = FlatSpec.from_module(sim.model)
+    assert [(e.name, e.offset) for e in sim.spec] == [(e.name, e.offset) for e in ref] and sim.spec.d == ref.d
+    assert any(e.name.endswith("running_var") for e in ref)
+
+
 def test_buffers_and_bind():
     m = Net()
     s = FlatSpec.from_module(m, include_buffers=True)
@@ -72,7 +93,7 @@ def test_buffers_and_bind():
 
 
 def test_masks_and_ranges():
-    s = FlatSpec.from_module(Net())
+    s = FlatSpec.from_module(Net(), include_buffers=False)      # parameters only
     head = s.mask(lambda e: e.layer_from_output == 0)
     assert int(head.sum()) == 10 * 3 + 3
     r = s.ranges(lambda e: e.module in ("fc1", "fc2"))
@@ -89,7 +110,7 @@ def test_bad_vectors():
 
 def test_update_buffer_rows_in_place():
     m = Net()
-    s = FlatSpec.from_module(m)
+    s = FlatSpec.from_module(m, include_buffers=False)          # parameters only (all moved by 0.5)
     g = s.flatten(m).clone()
     buf = UpdateBuffer(3, s)
     slot = buf.add(client_id=5, num_examples=12)

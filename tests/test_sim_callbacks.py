@@ -70,3 +70,13 @@ def test_tensorboard_callback_writes_events(tmp_path):
     acc = ea.Scalars("accuracy")
     assert [e.step for e in acc] == [1, 2, 3]
     assert acc[-1].value == pytest.approx(sim.metrics[-1]["accuracy"])
+
+
+def test_simulation_checks_options_before_any_work(tmp_path):
+    """The library path gets the CLI's checks: one-line ValueError at construction, nothing written."""
+    cfg = apply_overrides(_cfg(tmp_path), ["algorithm.name=fedavgm", "algorithm.options.beta=abc"])
+    with pytest.raises(ValueError, match=r"algorithm\.options\.beta"):
+        Simulation(cfg)
+    with pytest.raises(ValueError, match="did you mean 'alpha'"):
+        Simulation(apply_overrides(_cfg(tmp_path), ["partition.options.alpa=0.1"]))
+    assert not os.listdir(tmp_path)

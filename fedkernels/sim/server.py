@@ -127,7 +127,9 @@ class Simulation:
                  client_indices: Optional[Sequence] = None, transform: Optional[Callable] = None,
                  write_outputs: bool = True, overwrite: bool = False,
                  callbacks: Sequence[Callable[[int, Dict[str, Any], nn.Module], None]] = ()):
-        self.cfg = cfg.copy().validate()
+        from .checks import check_run     # keys, values and options: one-line ValueError before any work
+        self.cfg = check_run(cfg.copy(), data_set=train is None or test is None,
+                             partition=client_indices is None, model=model_fn is None)
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.resume = resume
         self._train, self._test, self._model_fn = train, test, model_fn
@@ -142,6 +144,7 @@ class Simulation:
         self.callbacks = list(callbacks)     # cb(round, metrics, model) after every round (fedkernels.sim.callbacks)
         self._stop_signal: Optional[int] = None
         self._bar = None
+        self._runlog = None
         self._first_round = 0
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -251,7 +254,7 @@ class Simulation:
         self.parts = [p.to(dev) for p in parts]
         model = self._build_model(x).to(dev)
         self.model = model
-        self.spec = FlatSpec.from_module(model, include_buffers=True)
+        self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
         self.global_flat = self.spec.flatten(model).clone()
         self.trainer = ClientTrainer(model, self.spec, self.x, self.y, self.parts, cfg.train,
                                      transform=self._train_transform())
@@ -348,6 +351,10 @@ class Simulation:
         return bool(p) if p is not None else sys.stderr.isatty()
 
     def _print(self, msg: str) -> None:
+        """A progress line: to RUN_DIR/run.log (timestamped) always, to stdout when verbose."""
+        log_ = getattr(self, "_runlog", None)
+        if log_ is not None:
+            log_(msg)
         if not self.cfg.verbose:
             return
         if getattr(self, "_bar", None) is not None and not self._bar.disable:
@@ -528,10 +535,11 @@ class Simulation:
             torch.set_num_threads(int(cfg.threads))
         self._stop_signal: Optional[int] = None
         restore = self._install_signal_handlers()
-        interrupted, saved_at = False, None
+        interrupted, saved_at, status = False, None, "failed"
         try:
             with _deterministic(det):
                 self.setup()
+                self._start_provenance()
                 end = cfg.rounds if stop_after is None else min(cfg.rounds, int(stop_after))
                 self._print(self._start_line())
                 self._bar = tqdm(total=cfg.rounds, initial=self.start_round, desc=f"{cfg.algorithm.name}",
@@ -582,9 +590,12 @@ class Simulation:
                         interrupted = True
                         print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
                               file=sys.stderr)
-            if cfg.verbose:
-                self._print(format_summary(self.summary))
+            self._print(format_summary(self.summary))
+            status = ("interrupted" if interrupted or self._stop_signal is not None else
+                      "diverged" if self.summary.get("diverged") else
+                      "completed" if self.start_round >= cfg.rounds else "stopped")
         finally:
+            self._finish_provenance(status)
             restore()
             if cfg.threads:
                 torch.set_num_threads(prev_threads)
@@ -600,6 +611,26 @@ class Simulation:
                 print(f"interrupted after round {self.start_round}: {where}", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
         return self.summary
+
+    # ---- provenance and run.log ------------------------------------------------------------------------
+    def _start_provenance(self) -> None:
+        """provenance.json (versions, commit, hardware, command, start time) and a run.log beside it."""
+        self._runlog = None
+        if self.writer is None:
+            return
+        from . import provenance
+        provenance.write(self.run_dir, provenance.collect(sys.argv))
+        self._runlog = provenance.RunLog(self.run_dir)
+
+    def _finish_provenance(self, status: str) -> None:
+        log_ = getattr(self, "_runlog", None)
+        if log_ is None:
+            return
+        from . import provenance
+        log_(f"end: {status} after round {self.start_round}")
+        log_.close()
+        self._runlog = None
+        provenance.finish(self.run_dir, status=status, rounds_completed=self.start_round)
 
     # ---- interruption -------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> Callable[[], None]:
@@ -646,11 +677,13 @@ class Simulation:
         if "accuracy" in m and self._bar is not None:
             self._bar.set_postfix(acc=f"{100 * m['accuracy']:.2f}")
         bar = self._bar is not None and not self._bar.disable
+        done = m["round"] - self._first_round
+        eta = (time.perf_counter() - t_start) / max(done, 1) * (self.cfg.rounds - m["round"])
+        line = self._line(m) + f"  ETA {_hms(eta)}"
         if "accuracy" in m or not bar:
-            done = m["round"] - self._first_round
-            left = self.cfg.rounds - m["round"]
-            eta = (time.perf_counter() - t_start) / max(done, 1) * left
-            self._print(self._line(m) + ("" if bar else f"  ETA {_hms(eta)}"))
+            self._print(line if not bar else self._line(m))
+        elif self._runlog is not None:
+            self._runlog(line)
 
     def save_final_model(self) -> str:
         self.trainer.work.copy_(self.global_flat)
