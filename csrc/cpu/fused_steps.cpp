@@ -58,8 +58,9 @@ inline void step_span(T* __restrict__ p, const T* __restrict__ g, T* __restrict_
   }
 }
 
+// Runtime-dispatched to the widest vector ISA in portable builds (step_span is inlined into it).
 template <typename T, bool ADD, bool SUB, bool MOM, bool FIRST>
-void step_item(const StepJob& jb, int64_t r0, int64_t r1, const StepArgs& a) {
+FEDKERNELS_SIMD_CLONES void step_item(const StepJob& jb, int64_t r0, int64_t r1, const StepArgs& a) {
   using A = typename StepAcc<T>::type;
   T* p = static_cast<T*>(jb.p);
   const T* g = static_cast<const T*>(jb.g);

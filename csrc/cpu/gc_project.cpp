@@ -56,8 +56,9 @@ inline void gc_row(const T* src, T* dst, int64_t M) {
   for (int64_t j = 0; j < M; ++j) dst[j] = static_cast<T>(static_cast<A>(src[j]) - mean);
 }
 
+// Rows [r0, r1): runtime-dispatched to the widest vector ISA in portable builds.
 template <typename T>
-void gc_rows(const void* src, void* dst, int64_t r0, int64_t r1, int64_t M) {
+FEDKERNELS_SIMD_CLONES void gc_rows(const void* src, void* dst, int64_t r0, int64_t r1, int64_t M) {
   const T* s = static_cast<const T*>(src);
   T* d = static_cast<T*>(dst);
   for (int64_t r = r0; r < r1; ++r) gc_row<T>(s + r * M, d + r * M, M);

@@ -21,6 +21,56 @@ namespace {
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
+// One column chunk [j0, j0+len): acc = sum_i c[i] * U[rows[i], chunk] in row order, then
+// o = b + acc (or acc). Runtime-dispatched to the widest vector ISA in portable builds.
+template <typename T, typename A>
+FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_t* rows, const A* c, int64_t n,
+                                       int64_t j0, int64_t len, const T* b, T* o, A* acc) {
+  for (int64_t j = 0; j < len; ++j) acc[j] = A(0);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const T* x0 = u + rows[i] * stride0 + j0;
+    const T* x1 = u + rows[i + 1] * stride0 + j0;
+    const T* x2 = u + rows[i + 2] * stride0 + j0;
+    const T* x3 = u + rows[i + 3] * stride0 + j0;
+    const T* x4 = u + rows[i + 4] * stride0 + j0;
+    const T* x5 = u + rows[i + 5] * stride0 + j0;
+    const T* x6 = u + rows[i + 6] * stride0 + j0;
+    const T* x7 = u + rows[i + 7] * stride0 + j0;
+    const A c0 = c[i], c1 = c[i + 1], c2 = c[i + 2], c3 = c[i + 3];
+    const A c4 = c[i + 4], c5 = c[i + 5], c6 = c[i + 6], c7 = c[i + 7];
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j)
+      acc[j] += (c0 * A(x0[j]) + c1 * A(x1[j]) + c2 * A(x2[j]) + c3 * A(x3[j])) +
+                (c4 * A(x4[j]) + c5 * A(x5[j]) + c6 * A(x6[j]) + c7 * A(x7[j]));
+  }
+  for (; i + 4 <= n; i += 4) {
+    const T* x0 = u + rows[i] * stride0 + j0;
+    const T* x1 = u + rows[i + 1] * stride0 + j0;
+    const T* x2 = u + rows[i + 2] * stride0 + j0;
+    const T* x3 = u + rows[i + 3] * stride0 + j0;
+    const A c0 = c[i], c1 = c[i + 1], c2 = c[i + 2], c3 = c[i + 3];
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j)
+      acc[j] += c0 * A(x0[j]) + c1 * A(x1[j]) + c2 * A(x2[j]) + c3 * A(x3[j]);
+  }
+  for (; i < n; ++i) {
+    const T* x0 = u + rows[i] * stride0 + j0;
+    const A c0 = c[i];
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) acc[j] += c0 * A(x0[j]);
+  }
+  T* oo = o + j0;
+  if (b) {
+    const T* bb = b + j0;
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(A(bb[j]) + acc[j]);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(acc[j]);
+  }
+}
+
 // A = accumulation type: float for fp32/fp16/bf16 inputs, double for fp64 inputs, and double for
 // any input when a scaled coefficient does not fit in float (e.g. lam / ||m|| for a denormal m),
 // so finite inputs never give an overflowed coefficient.
@@ -37,52 +87,9 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
   const int64_t nch = (d + CH - 1) / CH;
   at::parallel_for(0, nch, grain_for(std::min(CH, d) * std::max<int64_t>(n, 1)), [&](int64_t q0, int64_t q1) {
     std::vector<A> accv(CH);
-    A* acc = accv.data();
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t j0 = q * CH, len = std::min(CH, d - j0);
-      for (int64_t j = 0; j < len; ++j) acc[j] = A(0);
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const T* x0 = u + rows[i] * stride0 + j0;
-        const T* x1 = u + rows[i + 1] * stride0 + j0;
-        const T* x2 = u + rows[i + 2] * stride0 + j0;
-        const T* x3 = u + rows[i + 3] * stride0 + j0;
-        const T* x4 = u + rows[i + 4] * stride0 + j0;
-        const T* x5 = u + rows[i + 5] * stride0 + j0;
-        const T* x6 = u + rows[i + 6] * stride0 + j0;
-        const T* x7 = u + rows[i + 7] * stride0 + j0;
-        const A c0 = c[i], c1 = c[i + 1], c2 = c[i + 2], c3 = c[i + 3];
-        const A c4 = c[i + 4], c5 = c[i + 5], c6 = c[i + 6], c7 = c[i + 7];
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j)
-          acc[j] += (c0 * A(x0[j]) + c1 * A(x1[j]) + c2 * A(x2[j]) + c3 * A(x3[j])) +
-                    (c4 * A(x4[j]) + c5 * A(x5[j]) + c6 * A(x6[j]) + c7 * A(x7[j]));
-      }
-      for (; i + 4 <= n; i += 4) {
-        const T* x0 = u + rows[i] * stride0 + j0;
-        const T* x1 = u + rows[i + 1] * stride0 + j0;
-        const T* x2 = u + rows[i + 2] * stride0 + j0;
-        const T* x3 = u + rows[i + 3] * stride0 + j0;
-        const A c0 = c[i], c1 = c[i + 1], c2 = c[i + 2], c3 = c[i + 3];
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j)
-          acc[j] += c0 * A(x0[j]) + c1 * A(x1[j]) + c2 * A(x2[j]) + c3 * A(x3[j]);
-      }
-      for (; i < n; ++i) {
-        const T* x0 = u + rows[i] * stride0 + j0;
-        const A c0 = c[i];
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) acc[j] += c0 * A(x0[j]);
-      }
-      T* oo = o + j0;
-      if (b) {
-        const T* bb = b + j0;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(A(bb[j]) + acc[j]);
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(acc[j]);
-      }
+      wsum_chunk<T, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data());
     }
   });
 }

@@ -53,7 +53,8 @@ except ImportError as err:  # pragma: no cover - exercised only without flwr
 
 from ..algorithms.base import Aggregator
 
-__all__ = ["FedKernelsStrategy", "json_safe_metrics", "decode_into", "unpack_fit_ins"]
+__all__ = ["FedKernelsStrategy", "FedKernelsMessageStrategy", "json_safe_metrics", "metric_record", "decode_into",
+           "unpack_fit_ins", "unpack_payload"]
 
 PAYLOAD_KEY = "fedkernels_payload"
 
@@ -135,7 +136,7 @@ class FedKernelsStrategy(FedAvg):
 
     def __init__(self, aggregator: Aggregator, *, num_clients: Optional[int] = None, cid_key: str = "cid",
                  vector_payloads: Sequence[str] = (), client_payloads: bool = False, metrics_prefix: str = "",
-                 spec=None, **fedavg_kw):
+                 spec: Any = None, **fedavg_kw: Any) -> None:
         super().__init__(**fedavg_kw)
         if not isinstance(aggregator, Aggregator):
             raise TypeError(f"FedKernelsStrategy: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}")
@@ -170,13 +171,14 @@ class FedKernelsStrategy(FedAvg):
         self._shapes, self._dtypes = shapes, dtypes
         decode_into(parameters.tensors, self._global.numpy(), shapes)
 
-    def initialize_parameters(self, client_manager):
+    def initialize_parameters(self, client_manager: Any) -> Optional[Parameters]:
         params = super().initialize_parameters(client_manager)
         if params is not None:
             self.set_global(params)
         return params
 
-    def configure_fit(self, server_round, parameters, client_manager):
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any
+                      ) -> List[Tuple[Any, FitIns]]:
         self.set_global(parameters)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         if not self.client_payloads:
@@ -232,7 +234,8 @@ class FedKernelsStrategy(FedAvg):
             return int(res.metrics[self.cid_key])
         return self._proxy_id(proxy)
 
-    def aggregate_fit(self, server_round: int, results, failures):
+    def aggregate_fit(self, server_round: int, results: List[Tuple[Any, FitRes]], failures: List[Any]
+                      ) -> Tuple[Optional[Parameters], Dict[str, Scalar]]:
         if not results:
             return None, {}
         if not self.accept_failures and failures:
@@ -272,3 +275,246 @@ class FedKernelsStrategy(FedAvg):
         if self.fit_metrics_aggregation_fn:
             metrics.update(self.fit_metrics_aggregation_fn([(r.num_examples, r.metrics) for _, r in results]))
         return self._to_parameters(new), metrics
+
+
+# ==== Flower's Message API (flwr.serverapp.strategy, ``strategy.start(grid=..., ...)``) ===========
+try:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg as _MessageFedAvg
+except ImportError:  # pragma: no cover - Flower older than the Message API (1.21)
+    _MessageFedAvg = None
+
+PAYLOAD_CONFIG_KEY = "fedkernels_payload_config"
+_MessageBase: Any = _MessageFedAvg if _MessageFedAvg is not None else object
+
+
+def unpack_payload(content: "RecordDict") -> Dict[str, Any]:
+    """Client side of ``FedKernelsMessageStrategy(client_payloads=True)``: the payload in a train
+    message's content, ``{name: float32 tensor}`` from its ``"fedkernels_payload"`` ArrayRecord and
+    ``{name: value}`` from its ``"fedkernels_payload_config"`` ConfigRecord ({} when none was sent).
+    A client sends tensors back the same way: an ArrayRecord under ``"fedkernels_payload"``."""
+    out: Dict[str, Any] = {}
+    if PAYLOAD_KEY in content.array_records:
+        for name, arr in content.array_records[PAYLOAD_KEY].items():
+            out[name] = torch.from_numpy(np.asarray(arr.numpy(), dtype=np.float32).reshape(-1))
+    if PAYLOAD_CONFIG_KEY in content.config_records:
+        out.update(dict(content.config_records[PAYLOAD_CONFIG_KEY]))
+    return out
+
+
+def metric_record(info: Dict[str, Any], prefix: str = "") -> "MetricRecord":
+    """A Flower ``MetricRecord`` of an aggregator's ``info``: numbers as they are (booleans as 0/1),
+    one-element tensors as numbers, lists/tensors of numbers as float lists. Entries a MetricRecord
+    cannot hold (strings, dicts, None) are left out; the full ``info`` is the strategy's ``last_info``."""
+    rec = MetricRecord()
+    for k, v in info.items():
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else v.detach().double().reshape(-1).tolist()
+        elif isinstance(v, np.generic):
+            v = v.item()
+        elif isinstance(v, np.ndarray):
+            v = v.astype(np.float64).reshape(-1).tolist()
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, (int, float)):
+            rec[f"{prefix}{k}"] = v
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                         for x in v):
+            rec[f"{prefix}{k}"] = [float(x) for x in v]
+    return rec
+
+
+class FedKernelsMessageStrategy(_MessageBase):
+    """Any fedkernels aggregator as a strategy of Flower's Message API (``flwr.serverapp.strategy``).
+
+    It is Flower's message-based ``FedAvg`` (node sampling, evaluation, ``start(grid, initial_arrays,
+    num_rounds, ...)``, all its options) with ``aggregate_train`` done by ``aggregator``: each reply's
+    model ArrayRecord is decoded straight into a row of a preallocated K x d float32 buffer as
+    ``local - global`` (the global model is the one ``configure_train`` sent this round) and handed to
+    ``aggregator.aggregate``; the new model goes back as an ArrayRecord with the original keys, shapes
+    and dtypes, with the aggregator's ``info`` (numbers) and the clients' averaged train metrics.
+
+    Replies: exactly one MetricRecord holding ``weighted_by_key`` (default ``"num-examples"``: the
+    client's sample count); its other numbers become the aggregator's payload for that client (e.g.
+    FedNova's ``local_steps``), and tensors in an optional ArrayRecord ``"fedkernels_payload"``
+    (e.g. SCAFFOLD's ``delta_c``) too. The client id is ``metrics[cid_key]`` when present (default
+    ``"cid"``), otherwise the sender's node id mapped to dense ids ``0, 1, ...`` in order of first
+    appearance (stateful aggregators index their tables by it, in ``[0, num_clients)``).
+
+    ``client_payloads=True``: each sampled node also receives its ``aggregator.client_payload(cid)``
+    (SCAFFOLD's ``c``/``c_i``, FedECADO's flow, FedPVR's variates): tensors in an ArrayRecord
+    ``"fedkernels_payload"``, numbers/strings/booleans in a ConfigRecord
+    ``"fedkernels_payload_config"``, and ``config[cid_key]`` = its id; clients read them with
+    ``unpack_payload(msg.content)``. Replies with an error are left out of the round (Flower's
+    FedAvg does the same) and counted in the metric ``fedkernels_failures``.
+    """
+
+    def __init__(self, aggregator: Aggregator, *, num_clients: Optional[int] = None, cid_key: str = "cid",
+                 client_payloads: bool = False, metrics_prefix: str = "", spec: Any = None, **fedavg_kw: Any) -> None:
+        if _MessageFedAvg is None:
+            raise ImportError("FedKernelsMessageStrategy needs Flower's Message API (flwr>=1.21): "
+                              "pip install --no-build-isolation '.[flower]'")
+        if not isinstance(aggregator, Aggregator):
+            raise TypeError(f"FedKernelsMessageStrategy: aggregator must be a fedkernels Aggregator, got "
+                            f"{type(aggregator).__name__}")
+        if num_clients is not None and (isinstance(num_clients, bool) or not isinstance(num_clients, int)
+                                        or num_clients < 1):
+            raise ValueError(f"FedKernelsMessageStrategy: num_clients must be a positive int, got {num_clients!r}")
+        super().__init__(**fedavg_kw)
+        self.aggregator = aggregator
+        self.num_clients = num_clients
+        self.cid_key = cid_key
+        self.client_payloads = bool(client_payloads)
+        self.metrics_prefix = metrics_prefix
+        self.spec = spec
+        self.last_info: Dict[str, Any] = {}
+        self._keys: List[str] = []
+        self._shapes: List[Tuple[int, ...]] = []
+        self._dtypes: List[np.dtype] = []
+        self._global: Optional[torch.Tensor] = None
+        self._buf: Optional[torch.Tensor] = None
+        self._ids: Dict[int, int] = {}
+        self._ready = False
+
+    def __repr__(self) -> str:
+        return f"FedKernelsMessageStrategy({self.aggregator!r})"
+
+    def summary(self) -> None:
+        super().summary()
+        from flwr.supercore import log
+        from logging import INFO
+        log(INFO, "\t└──> fedkernels aggregator: %r (client payloads: %s)", self.aggregator, self.client_payloads)
+
+    # ---- the global model -------------------------------------------------------------------------
+    def set_global(self, arrays: "ArrayRecord") -> None:
+        """Records the global model (keys, shapes, dtypes, values) the next replies are measured against."""
+        keys = list(arrays.keys())
+        if not keys:
+            raise ValueError("FedKernelsMessageStrategy: the global ArrayRecord is empty")
+        for k in keys:
+            if arrays[k].stype != "numpy.ndarray":
+                raise ValueError(f"FedKernelsMessageStrategy: array {k!r} has stype {arrays[k].stype!r}, "
+                                 "expected 'numpy.ndarray'")
+        shapes = [tuple(int(s) for s in arrays[k].shape) for k in keys]
+        d = int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
+        if self._global is None or self._global.numel() != d:
+            self._global = torch.empty(d, dtype=torch.float32)
+        self._keys, self._shapes = keys, shapes
+        self._dtypes = [np.dtype(arrays[k].dtype) for k in keys]
+        decode_into([arrays[k].data for k in keys], self._global.numpy(), shapes)
+
+    def _to_arrays(self, flat: torch.Tensor) -> "ArrayRecord":
+        v = flat.detach().cpu().numpy()
+        out, off = {}, 0
+        for key, shp, dt in zip(self._keys, self._shapes, self._dtypes):
+            n = int(np.prod(shp, dtype=np.int64))
+            out[key] = Array(np.ascontiguousarray(v[off:off + n].reshape(shp).astype(dt, copy=False)))
+            off += n
+        return ArrayRecord(out)
+
+    def _setup(self) -> None:
+        if not self._ready:
+            n_cl = self.num_clients if self.num_clients is not None else self.aggregator.num_clients
+            self.aggregator.setup(self.spec if self.spec is not None else self.aggregator.spec, n_cl, self._global)
+            self._ready = True
+
+    def _node_cid(self, node_id: int) -> int:
+        if node_id not in self._ids:
+            self._ids[node_id] = len(self._ids)
+        return self._ids[node_id]
+
+    # ---- training round -----------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: "ArrayRecord", config: "ConfigRecord",
+                        grid: Any) -> List["Message"]:
+        self.set_global(arrays)
+        msgs = list(super().configure_train(server_round, arrays, config, grid))
+        for m in msgs:
+            self._node_cid(m.metadata.dst_node_id)
+        if not self.client_payloads:
+            return msgs
+        self._setup()
+        return [self._with_payload(m) for m in msgs]
+
+    def _with_payload(self, msg: "Message") -> "Message":
+        cid = self._node_cid(msg.metadata.dst_node_id)
+        cfg = ConfigRecord(dict(msg.content.config_records[self.configrecord_key]))
+        cfg[self.cid_key or "cid"] = cid
+        tensors: Dict[str, Any] = {}
+        scalars = ConfigRecord()
+        for key, val in self.aggregator.client_payload(cid).items():
+            if val is None:
+                continue
+            if isinstance(val, torch.Tensor):
+                tensors[key] = Array(val.detach().to("cpu", torch.float32).contiguous().reshape(-1).numpy())
+            elif isinstance(val, (bool, int, float, str, np.generic)):
+                scalars[key] = val.item() if isinstance(val, np.generic) else val
+            else:
+                raise TypeError(f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
+                                f"(tensors, numbers, strings and booleans can)")
+        content = RecordDict({self.arrayrecord_key: msg.content.array_records[self.arrayrecord_key],
+                              self.configrecord_key: cfg, PAYLOAD_KEY: ArrayRecord(tensors),
+                              PAYLOAD_CONFIG_KEY: scalars})
+        return Message(content=content, dst_node_id=msg.metadata.dst_node_id, message_type=msg.metadata.message_type,
+                       group_id=msg.metadata.group_id or None)
+
+    def _reply_parts(self, k: int, msg: "Message") -> Tuple["ArrayRecord", "MetricRecord", Optional["ArrayRecord"]]:
+        c = msg.content
+        models = [name for name in c.array_records if name != PAYLOAD_KEY]
+        if len(models) != 1 or len(c.metric_records) != 1:
+            raise ValueError(f"flower: reply {k} (node {msg.metadata.src_node_id}) holds ArrayRecords {models} and "
+                             f"{len(c.metric_records)} MetricRecords; expected one model ArrayRecord (plus an "
+                             f"optional {PAYLOAD_KEY!r}) and one MetricRecord")
+        arrays = c.array_records[models[0]]
+        metrics = next(iter(c.metric_records.values()))
+        if list(arrays.keys()) != self._keys:
+            raise ValueError(f"flower: reply {k} has arrays {list(arrays.keys())}, expected the global model's "
+                             f"{self._keys}")
+        w = metrics.get(self.weighted_by_key)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+            raise ValueError(f"flower: reply {k} metrics[{self.weighted_by_key!r}] = {w!r}; expected the client's "
+                             "number of examples (a number >= 0)")
+        return arrays, metrics, c.array_records.get(PAYLOAD_KEY)
+
+    def aggregate_train(self, server_round: int, replies: Any) -> Tuple[Optional["ArrayRecord"], Optional["MetricRecord"]]:
+        replies = list(replies)
+        valid = [m for m in replies if not m.has_error()]
+        failures = len(replies) - len(valid)
+        if not valid:
+            return None, (MetricRecord({"fedkernels_failures": failures}) if failures else None)
+        if self._global is None:
+            raise RuntimeError("FedKernelsMessageStrategy.aggregate_train: no global model; configure_train "
+                               "(or set_global) must run first in the round")
+        parts = [self._reply_parts(k, m) for k, m in enumerate(valid)]
+        K, d = len(valid), self._global.numel()
+        if self._buf is None or self._buf.size(0) < K or self._buf.size(1) != d:
+            self._buf = torch.empty(K, d, dtype=torch.float32)
+        U = self._buf[:K]
+        Unp, gnp = U.numpy(), self._global.numpy()
+        ids, n, pls = [], [], []
+        for k, (msg, (arrays, metrics, extra)) in enumerate(zip(valid, parts)):
+            decode_into([arrays[key].data for key in self._keys], Unp[k], self._shapes, minus=gnp)
+            pl: Dict[str, Any] = {}
+            for key, val in metrics.items():
+                if key in (self.cid_key, self.weighted_by_key):
+                    continue
+                pl[key] = torch.tensor(val, dtype=torch.float64) if isinstance(val, list) else val
+            if extra is not None:
+                for name, arr in extra.items():
+                    pl[name] = torch.from_numpy(np.asarray(arr.numpy(), dtype=np.float32).reshape(-1))
+            if self.cid_key and self.cid_key in metrics:
+                ids.append(int(metrics[self.cid_key]))
+            else:
+                ids.append(self._node_cid(msg.metadata.src_node_id))
+            n.append(float(metrics[self.weighted_by_key]))
+            pls.append(pl)
+        self._setup()
+        new, info = self.aggregator.aggregate(self._global, U, n, ids, pls)
+        self._global.copy_(new)
+        self.last_info = dict(info)
+        out = metric_record(info, self.metrics_prefix)
+        client_avg = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
+        for key, val in client_avg.items():
+            if key != self.cid_key and key not in out:
+                out[key] = val
+        out["fedkernels_failures"] = failures
+        return self._to_arrays(new), out
