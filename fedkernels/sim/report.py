@@ -424,7 +424,7 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
             continue
         n = len(seeds)
         color = None
-        for ax, (key, _, scale, logy) in zip(flat_axes, panels):
+        for ax, (key, _, scale, _) in zip(flat_axes, panels):
             curves = [{m["round"]: m[key] for m in mm if _num(m.get(key)) is not None} for mm in seeds]
             curves = [c for c in curves if c]
             if not curves:
@@ -441,8 +441,8 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
             bd = _band(Y, band)
             if bd is not None:
                 lo = bd[0]
-                if logy:      # a log axis cannot show mean - sd <= 0: clip there at the lowest seed
-                    clipped = lo <= 0
+                if (Y >= 0).all():   # a loss, variance or accuracy is never negative (nor on a log
+                    clipped = lo < 0  # axis): clip mean - sd < 0 at the lowest seed
                     lo = np.where(clipped, Y.min(0), lo)
                     any_clipped = any_clipped or bool(clipped.any())
                 ax.fill_between(rounds, lo, bd[1], alpha=0.18, color=color, linewidth=0)
@@ -455,8 +455,11 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         ax.set_xlabel("round")
         ax.set_ylabel(yl, fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if logy and ax.lines and all(np.nanmin(ln.get_ydata()) > 0 for ln in ax.lines):
-            ax.set_yscale("log")
+        ys = [np.asarray(ln.get_ydata(), dtype=float) for ln in ax.lines]
+        if ys and all(np.nanmin(y) > 0 for y in ys):
+            lo_, hi_ = min(np.nanmin(y) for y in ys), max(np.nanmax(y) for y in ys)
+            if logy or hi_ / lo_ > 1e3:   # a diverged run spans orders of magnitude: log axis
+                ax.set_yscale("log")
         ax.grid(alpha=0.3)
     for ax in flat_axes[len(panels):]:
         ax.set_visible(False)
@@ -472,7 +475,7 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
     else:
         first = "Lines: one run per method"
     if any_clipped:
-        first += " (on log axes the lower edge is clipped at the lowest seed where mean - sd <= 0)"
+        first += " (where mean - sd < 0 the lower edge is the lowest seed)"
     cap = [first + "."] + caption + list(notes)
     if title:
         fig.suptitle(title, fontsize=11)
