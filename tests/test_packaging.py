@@ -141,8 +141,13 @@ def test_subpackages_load_lazily():
     assert "AE module 'fedkernels' has no attribute 'no_such_thing'" in r.stdout
 
 
-def test_cli_without_sim_extra_says_what_to_install():
-    r = _run("import sys; sys.modules['yaml'] = None\nfrom fedkernels.__main__ import main\nsys.exit(main(['info']))")
+def test_cli_without_sim_extra_says_what_to_install(tmp_path):
+    # an environment without pyyaml: a `yaml` on the path that fails to import as a missing one does
+    (tmp_path / "yaml").mkdir()
+    (tmp_path / "yaml" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'yaml'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "fedkernels", "info"], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=300)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "pyyaml" in lines[0] and "[sim]" in lines[0], r.stderr
