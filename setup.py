@@ -25,10 +25,16 @@ def _want_cuda() -> bool:
         and shutil.which("nvcc") is not None
 
 
+def _cxx_std() -> str:
+    """The C++ standard of the torch headers built against: C++20 from torch 2.14, else C++17."""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def _ext():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-g0", "-fopenmp", "-std=c++17", "-ffp-contract=fast"]
+    cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast"]
     # A source build (make, pip install -e .) runs where it is built: tuned for this CPU. A wheel for
     # other machines: FEDKERNELS_MARCH=x86-64-v2 python -m build --no-isolation, a portable baseline
     # whose hot loops are also compiled for AVX2 and AVX-512 and picked at load time (FEDKERNELS_DISPATCH,
@@ -43,9 +49,11 @@ def _ext():
         macros.append(("FEDKERNELS_DISPATCH", "1"))
     link = ["-fopenmp"]
     if _want_cuda():
+        # csrc/cuda/<op>.cu: kernels (nvcc); csrc/cuda/<op>_glue.cpp: that op's torch glue (host
+        # compiler), which registers itself under TORCH_LIBRARY_IMPL(fedkernels, CUDA, m).
         sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
-        sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+        sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*_glue.cpp")))
+        nvcc = ["-O3", f"-std={_cxx_std()}", "--expt-relaxed-constexpr", "-lineinfo"]
         return CUDAExtension("fedkernels._C", sources,
                              define_macros=macros + [("FEDKERNELS_WITH_CUDA", "1")],
                              extra_compile_args={"cxx": cxx, "nvcc": nvcc},

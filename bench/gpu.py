@@ -1,14 +1,19 @@
-"""GPU benchmarks of the fedkernels CUDA ops (run by bench/gpu.sh on a lent H100).
+"""GPU benchmarks of the fedkernels CUDA ops (run by ``bench/gpu.sh bench`` on a lent GPU).
 
-For every op: median time over many CUDA-event-timed calls after a warm-up, with inputs rotated
-so that repeated calls do not run from L2 (inputs below ~4x L2 size get several copies), the
-bytes the op must move at least, achieved GB/s, % of the measured device-to-device copy
-bandwidth, and speed-ups over the torch composition a user would write and over the per-layer
-Python loop. Writes bench/results/gpu-<device>.json (and $OUT/gpu-<device>.json when $OUT is set)
-and prints a table last.
+For every op: the median time of one call after a warm-up, with inputs rotated so that repeated
+calls do not run from L2 (inputs below ~4x L2 get several copies), the bytes the op must move at
+least, achieved GB/s, % of the measured device-to-device copy bandwidth, and the same for the
+torch baselines a user would write: ``coef @ U`` (FedAvg), fp64 ``U @ U.T`` (Gram),
+``torch.linalg.lu_solve``, a ``_foreach`` SGD step (the fused local step). Host-bound ops (small
+kernels: min_norm, gc_project_, the fused step, LU of small batches) are timed inside a CUDA graph
+(20 calls per replay) or, where capture is not possible, as 20 calls per CUDA-event pair.
+Writes ``<out>/gpu-<device>.json`` (default bench/results, and $OUT when set) and prints a table.
 
-Targets (DESIGN / issue): memory-bound ops >= 85% of copy bandwidth; gram >= fp32 torch.mm
-(TF32 off); min_norm K=1000 < 1 ms; FedAvg of 100 clients x 11M params < 5 ms.
+``--device cpu --quick`` runs the same harness on the CPU with small sizes (perf_counter timing,
+no graphs): CI runs it so that only the GPU numbers are new on the GPU.
+
+Targets (DESIGN / issue 18): memory-bound ops >= 85% of copy bandwidth; gram at K=100, d=11.2M
+within 2x of its memory floor; min_norm K=1000 < 1 ms; FedAvg of 100 clients x 11M params < 5 ms.
 """
 from __future__ import annotations
 
@@ -29,11 +34,24 @@ import fedkernels  # noqa: E402
 from fedkernels import ops  # noqa: E402
 
 DEV = "cuda"
+QUICK = False
 RESULTS: list = []
+CALLS = 20  # calls per timed unit for host-bound ops
 
 
 # ---- timing ---------------------------------------------------------------------------------------
+def is_cuda() -> bool:
+    return torch.device(DEV).type == "cuda"
+
+
+def sync():
+    if is_cuda():
+        torch.cuda.synchronize()
+
+
 def l2_bytes() -> int:
+    if not is_cuda():
+        return 32 << 20
     try:
         return int(torch.cuda.get_device_properties(0).L2_cache_size)
     except Exception:
@@ -41,31 +59,78 @@ def l2_bytes() -> int:
 
 
 def copies_needed(nbytes: int) -> int:
-    """Input sets to rotate so the working set exceeds 4x L2 (at most 8 sets)."""
+    """Input sets to rotate so the working set exceeds 4x L2 (at most 8 sets; 1 on the CPU quick run)."""
+    if QUICK and not is_cuda():
+        return 1
     return max(1, min(8, -(-4 * l2_bytes() // max(nbytes, 1))))
 
 
-def time_fns(fns, warmup: int = 5, reps: int = 30, max_seconds: float = 20.0) -> float:
-    """Median milliseconds of one call, cycling through fns (one closure per rotated input set)."""
+def _elapsed_ms(fn) -> float:
+    if is_cuda():
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_fns(fns, warmup: int = 5, reps: int = 30, max_seconds: float = 20.0, calls: int = 1) -> float:
+    """Median milliseconds of one call, cycling through fns (one closure per rotated input set);
+    `calls` calls per timed unit (host-bound ops)."""
+    if QUICK and not is_cuda():
+        warmup, reps, max_seconds = 1, 3, 2.0
     for i in range(max(warmup, len(fns))):
         fns[i % len(fns)]()
-    torch.cuda.synchronize()
+    sync()
     times = []
     t_start = time.perf_counter()
     for r in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fns[r % len(fns)]()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-        if time.perf_counter() - t_start > max_seconds and len(times) >= 5:
+        f = fns[r % len(fns)]
+        if calls == 1:
+            times.append(_elapsed_ms(f))
+        else:
+            def many(f=f):
+                for _ in range(calls):
+                    f()
+            times.append(_elapsed_ms(many) / calls)
+        if time.perf_counter() - t_start > max_seconds and len(times) >= 3:
             break
     return statistics.median(times)
 
 
-def record(op, case, ms, nbytes=None, flops=None, copy_gbs=None, baselines=None, extra=None):
-    row = {"op": op, "case": case, "ms": ms}
+def time_host_bound(fn, reps: int = 20):
+    """(ms per call, how): a CUDA graph of CALLS calls per replay when capture works, else CALLS
+    calls per event pair; on the CPU, plain calls."""
+    if not is_cuda():
+        return time_fns([fn], reps=reps), "calls"
+    try:
+        fn()
+        sync()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(CALLS):
+                fn()
+        ms = time_fns([g.replay], warmup=2, reps=reps) / CALLS
+        return ms, "cuda_graph"
+    except Exception as e:  # capture unsupported by this op: many calls per event pair
+        sync()
+        print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:80]}; timing {CALLS} calls per event pair)")
+        return time_fns([fn], reps=reps, calls=CALLS), "calls_per_event"
+
+
+def record(op, case, ms, nbytes=None, flops=None, copy_gbs=None, baselines=None, extra=None, sizes=None):
+    """One result row; baselines: {name: ms}, each reported with its own GB/s and % of copy bw."""
+    row = {"op": op, "case": case, "sizes": sizes or {}, "ms": ms}
     if nbytes:
         row["bytes_min"] = nbytes
         row["GBps"] = nbytes / ms / 1e6
@@ -75,58 +140,71 @@ def record(op, case, ms, nbytes=None, flops=None, copy_gbs=None, baselines=None,
         row["flops"] = flops
         row["TFLOPs"] = flops / ms / 1e9
     if baselines:
-        row["baselines_ms"] = baselines
-        row["speedup"] = {k: v / ms for k, v in baselines.items() if v}
+        row["baselines"] = {}
+        for k, v in baselines.items():
+            b = {"ms": v, "speedup": (v / ms) if v and ms else None}
+            if nbytes and v:
+                b["GBps"] = nbytes / v / 1e6
+                if copy_gbs:
+                    b["pct_copy_bw"] = 100.0 * b["GBps"] / copy_gbs
+            row["baselines"][k] = b
     if extra:
         row.update(extra)
     RESULTS.append(row)
-    sp = " ".join(f"{k}x{v:.2f}" for k, v in row.get("speedup", {}).items())
+    sp = " ".join(f"{k}x{b['speedup']:.2f}" for k, b in row.get("baselines", {}).items() if b["speedup"])
     bw = f"{row['GBps']:8.1f} GB/s {row.get('pct_copy_bw', 0):5.1f}%" if nbytes else " " * 23
     print(f"{op:14s} {case:34s} {ms:9.4f} ms {bw}  {sp}", flush=True)
     return row
 
 
 def free():
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    sync()
+    if is_cuda():
+        torch.cuda.empty_cache()
+
+
+def D(n_full: int, n_quick_gpu: int, n_cpu: int) -> int:
+    if not is_cuda():
+        return n_cpu
+    return n_quick_gpu if QUICK else n_full
 
 
 # ---- copy bandwidth -------------------------------------------------------------------------------
-def bench_copy(quick: bool) -> float:
-    n = (1 << 28) if not quick else (1 << 26)  # 1 GiB / 256 MiB of fp32
+def bench_copy() -> float:
+    n = D(1 << 28, 1 << 26, 1 << 20)  # 1 GiB / 256 MiB / 4 MiB of fp32
     a = torch.randn(n, device=DEV)
     b = torch.empty_like(a)
     ms = time_fns([lambda: b.copy_(a)], reps=20)
     gbs = 2 * a.numel() * 4 / ms / 1e6
-    record("copy", f"d2d {a.numel() * 4 >> 20} MiB", ms, nbytes=2 * a.numel() * 4)
+    record("copy", f"d2d {a.numel() * 4 >> 20} MiB", ms, nbytes=2 * a.numel() * 4, copy_gbs=gbs, sizes={"n": n})
     del a, b
     free()
     return gbs
 
 
-# ---- model layer sizes for the per-layer baselines -------------------------------------------------
+# ---- model layer sizes ----------------------------------------------------------------------------
 def layer_shapes(name: str):
-    try:
-        import torchvision
-
-        if name == "resnet18":
-            m = torchvision.models.resnet18(num_classes=100)
-        elif name == "vgg11":
-            m = torchvision.models.vgg11(num_classes=100)
-        else:
-            raise ValueError(name)
-        return [tuple(p.shape) for p in m.parameters()]
-    except Exception:
-        # torchvision missing: ResNet-18-like conv/linear shapes
-        shapes = [(64, 3, 7, 7), (64,), (64,)]
-        cin = 64
-        for cout in (64, 128, 256, 512):
-            for blk in range(2):
-                shapes += [(cout, cin if blk == 0 else cout, 3, 3), (cout,), (cout,), (cout, cout, 3, 3), (cout,), (cout,)]
-                if blk == 0 and cin != cout:
-                    shapes += [(cout, cin, 1, 1), (cout,), (cout,)]
+    """ResNet-18 / VGG-11 parameter shapes (100 classes) without torchvision."""
+    if name == "vgg11":
+        shapes, cin = [], 3
+        for cout in (64, 128, 256, 256, 512, 512, 512, 512):
+            shapes += [(cout, cin, 3, 3), (cout,)]
             cin = cout
-        return shapes + [(100, 512), (100,)]
+        return shapes + [(4096, 512 * 7 * 7), (4096,), (4096, 4096), (4096,), (100, 4096), (100,)]
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    cin = 64
+    for cout in (64, 128, 256, 512):
+        for blk in range(2):
+            shapes += [(cout, cin if blk == 0 else cout, 3, 3), (cout,), (cout,), (cout, cout, 3, 3), (cout,), (cout,)]
+            if blk == 0 and cin != cout:
+                shapes += [(cout, cin, 1, 1), (cout,), (cout,)]
+        cin = cout
+    return shapes + [(100, 512), (100,)]
+
+
+def small_shapes():
+    """CPU quick run: a few hundred thousand parameters with the same kinds of tensors."""
+    return [(32, 3, 3, 3), (32,), (64, 32, 3, 3), (64,), (128, 64, 3, 3), (128,), (10, 2048), (10,)]
 
 
 def numel(s):
@@ -137,89 +215,73 @@ def numel(s):
 
 
 # ---- weighted_sum (FedAvg apply) ------------------------------------------------------------------
-def bench_weighted_sum(copy_gbs, quick):
-    d = 11_220_132 if not quick else 2_000_003
-    shapes = layer_shapes("resnet18")
-    for K in ((10, 100) if not quick else (10, 32)):
+def bench_weighted_sum(copy_gbs):
+    d = D(11_220_132, 2_000_003, 50_003)
+    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
         for dtype in (torch.float32, torch.bfloat16):
             U = torch.randn(K, d, device=DEV).to(dtype)
             esz = U.element_size()
             nb = (K + 2) * d * esz
             sets = copies_needed(nb)
-            Us = [U] + [torch.randn_like(U, dtype=torch.float32).to(dtype) for _ in range(sets - 1)]
-            coef = torch.rand(K, device=DEV, dtype=torch.float64)
+            Us = [U] + [torch.randn(K, d, device=DEV).to(dtype) for _ in range(sets - 1)]
+            coef = torch.rand(K, dtype=torch.float64)  # host coefficients, as the algorithms pass them
             coef /= coef.sum()
             w = torch.randn(d, device=DEV).to(dtype)
             out = torch.empty_like(w)
             ms = time_fns([lambda u=u: ops.weighted_sum(u, coef, base=w, out=out) for u in Us])
-            c32 = coef.to(dtype)
-            base = {}
-            base["torch_gemv"] = time_fns([lambda u=u: torch.add(w, c32 @ u, out=out) for u in Us])
-            # per-layer loop, as an FL framework would aggregate a state dict
-            offs, o = [], 0
-            for s in shapes:
-                n = numel(s)
-                if o + n > d:
-                    break
-                offs.append((o, o + n))
-                o += n
-            offs.append((o, d))
-
-            def per_layer(u):
-                for a, b in offs:
-                    out[a:b] = w[a:b] + (c32[:, None] * u[:, a:b]).sum(0)
-
-            base["per_layer_loop"] = time_fns([lambda u=u: per_layer(u) for u in Us], reps=10)
+            c = coef.to(DEV, dtype)
+            base = {"torch_coef_at_U": time_fns([lambda u=u: torch.add(w, c @ u, out=out) for u in Us])}
             record("weighted_sum", f"K={K} d={d} {str(dtype)[6:]}", ms, nbytes=nb, flops=2 * K * d,
-                   copy_gbs=copy_gbs, baselines=base,
+                   copy_gbs=copy_gbs, baselines=base, sizes={"K": K, "d": d, "dtype": str(dtype)[6:]},
                    extra={"target": "FedAvg 100x11M < 5 ms; >= 85% copy bw"})
             del U, Us, w, out
             free()
 
 
 # ---- gram ---------------------------------------------------------------------------------------
-def bench_gram(copy_gbs, quick):
-    d = 11_220_132 if not quick else 2_000_003
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for K in ((10, 16, 32, 100) if not quick else (10, 32)):
+def bench_gram(copy_gbs):
+    d = D(11_220_132, 2_000_003, 50_003)
+    if is_cuda():
+        torch.backends.cuda.matmul.allow_tf32 = False
+    for K in ((10, 16, 32, 100) if is_cuda() and not QUICK else (4, 10)):
         U = torch.randn(K, d, device=DEV)
         nb = K * d * 4
         sets = copies_needed(nb)
         Us = [U] + [torch.randn_like(U) for _ in range(sets - 1)]
         ms = time_fns([lambda u=u: ops.gram(u) for u in Us], reps=20)
-        base = {"torch_mm_fp32_notf32": time_fns([lambda u=u: u @ u.T for u in Us], reps=20)}
-        if K <= 32:
-            U64 = U.double()
-            base["torch_mm_fp64"] = time_fns([lambda: U64 @ U64.T], reps=10)
-            del U64
+        U64 = U.double()
+        base = {"torch_fp64_U_UT": time_fns([lambda: U64 @ U64.T], reps=10),
+                "torch_fp32_U_UT_notf32": time_fns([lambda u=u: u @ u.T for u in Us], reps=20)}
         G1, G2 = ops.gram(U), ops.gram(U)
         same = bool(torch.equal(G1, G2))
-        ref = (U.double() @ U.double().T)
+        ref = U64 @ U64.T
         rel = float((G1 - ref).norm() / ref.norm())
-        del ref
+        del ref, U64
         record("gram", f"K={K} d={d} fp32", ms, nbytes=nb, flops=2 * K * K * d, copy_gbs=copy_gbs, baselines=base,
+               sizes={"K": K, "d": d, "dtype": "float32"},
                extra={"bitwise_repeatable": same, "rel_err_vs_fp64": rel,
-                      "target": ">= torch.mm fp32 (TF32 off) speed"})
+                      "target": "K=100: within 2x of the memory floor"})
         del U, Us
         free()
 
 
 # ---- finite_rows ----------------------------------------------------------------------------------
-def bench_finite_rows(copy_gbs, quick):
-    d = 11_220_132 if not quick else 2_000_003
-    K = 100 if not quick else 16
+def bench_finite_rows(copy_gbs):
+    d = D(11_220_132, 2_000_003, 50_003)
+    K = 100 if is_cuda() and not QUICK else 8
     U = torch.randn(K, d, device=DEV)
     nb = K * d * 4
     ms = time_fns([lambda: ops.finite_rows(U)])
     base = {"torch_isfinite_all": time_fns([lambda: torch.isfinite(U).all(1)])}
-    record("finite_rows", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base)
+    record("finite_rows", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base,
+           sizes={"K": K, "d": d})
     del U
     free()
 
 
 # ---- min_norm -------------------------------------------------------------------------------------
-def bench_min_norm(quick):
-    for K in ((10, 100, 1000) if not quick else (10, 100)):
+def bench_min_norm():
+    for K in ((10, 100, 1000) if is_cuda() and not QUICK else (10, 100)):
         g = torch.Generator(device="cpu").manual_seed(K)
         M = torch.randn(K, 2 * K, generator=g, dtype=torch.float64) + 0.3
         G = (M @ M.T)
@@ -229,100 +291,224 @@ def bench_min_norm(quick):
             def run():
                 return torch.ops.fedkernels.min_norm(Gd, 1000, 1e-6, 1e-12, method, "best_pair", False, None)
 
-            ms = time_fns([run], warmup=3, reps=10)
+            ms, how = time_host_bound(run, reps=5)
             lam, it, gap = run()
-            torch.cuda.synchronize()
-            # host solve (what ops.min_norm does), wall clock including the device->host copy
-            t0 = time.perf_counter()
-            for _ in range(3):
-                lam_h, it_h, gap_h = ops.min_norm(Gd, max_iter=1000, tol=1e-6, tol_abs=1e-12, method=method,
-                                                  polish=False)
-            host_ms = (time.perf_counter() - t0) / 3 * 1e3
-            q_gpu = float(lam.cpu() @ G @ lam.cpu())
-            q_cpu = float(lam_h.cpu() @ G @ lam_h.cpu())
-            record("min_norm", f"K={K} {method} tol_rel=1e-6", ms, baselines={"host_cpu_op": host_ms},
-                   extra={"iterations": int(it), "gap": float(gap), "q_gpu": q_gpu, "q_cpu": q_cpu,
-                          "cpu_iterations": it_h, "target": "K=1000 < 1 ms"})
+            sync()
+            q = float(lam.cpu() @ G @ lam.cpu())
+            lam_h, it_h, _ = torch.ops.fedkernels.min_norm(G, 1000, 1e-6, 1e-12, method, "best_pair", False, None)
+            host_ms = time_fns([lambda: torch.ops.fedkernels.min_norm(G, 1000, 1e-6, 1e-12, method, "best_pair",
+                                                                     False, None)], reps=5)
+            q_h = float(lam_h @ G @ lam_h)
+            record("min_norm", f"K={K} {method} tol_rel=1e-6", ms, baselines={"cpu_op": host_ms},
+                   sizes={"K": K, "method": method},
+                   extra={"timing": how, "iterations": int(it), "gap": float(gap), "q": q, "q_cpu": q_h,
+                          "cpu_iterations": int(it_h), "target": "K=1000 < 1 ms"})
 
 
 # ---- gc_project_ ----------------------------------------------------------------------------------
-def bench_gc(copy_gbs, quick):
-    for model in (("resnet18", "vgg11") if not quick else ("resnet18",)):
-        shapes = layer_shapes(model)
+def bench_gc(copy_gbs):
+    for model in (("resnet18", "vgg11") if is_cuda() and not QUICK else ("resnet18",)):
+        shapes = layer_shapes(model) if is_cuda() else small_shapes()
         n_total = sum(numel(s) for s in shapes)
         nb = 2 * n_total * 4
-        sets = copies_needed(nb // 2)
-        tsets = [[torch.randn(s, device=DEV) for s in shapes] for _ in range(sets)]
-        ms = time_fns([lambda ts=ts: ops.gc_project_(ts, "skip") for ts in tsets])
+        ts = [torch.randn(s, device=DEV) for s in shapes]
+        ms, how = time_host_bound(lambda: ops.gc_project_(ts, "skip"))
 
-        def loop(ts):
+        def loop():
             for t in ts:
                 if t.dim() > 1:
                     t.sub_(t.mean(dim=tuple(range(1, t.dim())), keepdim=True))
 
-        base = {"per_tensor_loop": time_fns([lambda ts=ts: loop(ts) for ts in tsets])}
-        record("gc_project_", f"{model} ({len(shapes)} tensors, {n_total} params)", ms, nbytes=nb,
-               copy_gbs=copy_gbs, baselines=base)
-        del tsets
+        base = {"per_tensor_loop": time_host_bound(loop)[0]}
+        record("gc_project_", f"{model if is_cuda() else 'small'} ({len(shapes)} tensors, {n_total} params)", ms,
+               nbytes=nb, copy_gbs=copy_gbs, baselines=base, sizes={"tensors": len(shapes), "params": n_total},
+               extra={"timing": how})
+        del ts
         free()
 
 
+# ---- fused local SGD step (SCAFFOLD with momentum) --------------------------------------------------
+def bench_fused_step(copy_gbs):
+    shapes = layer_shapes("resnet18") if is_cuda() else small_shapes()
+    n_total = sum(numel(s) for s in shapes)
+    mk = lambda: [torch.randn(s, device=DEV) * 0.01 for s in shapes]  # noqa: E731
+    p, g, buf, c, ci = mk(), mk(), mk(), mk(), mk()
+    nb = 7 * n_total * 4  # read p, g, buf, c, c_i; write p, buf
+    lr, mu, wd = 0.01, 0.9, 1e-4
+
+    def fused():
+        torch.ops.fedkernels.fused_sgd_step_(p, g, buf, c, ci, [], lr, mu, wd, False, "skip", 2)
+
+    def foreach():  # the torch composition a user would write
+        d = torch._foreach_add(g, c)
+        torch._foreach_sub_(d, ci)
+        torch._foreach_add_(d, p, alpha=wd)
+        torch._foreach_mul_(buf, mu)
+        torch._foreach_add_(buf, d)
+        torch._foreach_add_(p, buf, alpha=-lr)
+
+    ms, how = time_host_bound(fused)
+    base = {"torch_foreach_sgd": time_host_bound(foreach)[0]}
+    record("fused_sgd_step_", f"SCAFFOLD+momentum ({len(shapes)} tensors, {n_total} params)", ms, nbytes=nb,
+           copy_gbs=copy_gbs, baselines=base, sizes={"tensors": len(shapes), "params": n_total},
+           extra={"timing": how})
+    del p, g, buf, c, ci
+    free()
+
+
 # ---- LU -------------------------------------------------------------------------------------------
-def bench_lu(copy_gbs, quick):
-    for n, B, m in ((11, 10_000, 1_000), (33, 1_000, 10_000), (4, 1_000_000, 1)):
-        if quick and B * n * m > 2e7:
+def bench_lu(copy_gbs):
+    cases = ((11, 10_000, 1_000), (33, 1_000, 10_000), (4, 1_000_000, 1), (11, 1, 11_220_132))
+    for n, B, m in cases:
+        if not is_cuda():
+            B, m = min(B, 64), min(m, 2_000)
+        elif QUICK and B * n * m > 2e7:
             continue
-        A = torch.randn(B, n, n, device=DEV) + n * torch.eye(n, device=DEV)
+        A = torch.randn(B, n, n, device=DEV, dtype=torch.float64) + n * torch.eye(n, device=DEV, dtype=torch.float64)
         R = torch.randn(B, n, m, device=DEV)
-        ms_f = time_fns([lambda: torch.ops.fedkernels.lu_factor(A)], reps=10)
+        ms_f, how_f = time_host_bound(lambda: torch.ops.fedkernels.lu_factor(A), reps=10)
         LU, piv, _ = torch.ops.fedkernels.lu_factor(A)
         ms_s = time_fns([lambda: torch.ops.fedkernels.lu_solve(LU, piv, R)], reps=10)
         bf = {"torch_lu_factor": time_fns([lambda: torch.linalg.lu_factor(A)], reps=5)}
-        LUt, pivt = torch.linalg.lu_factor(A)
-        bs = {"torch_lu_solve": time_fns([lambda: torch.linalg.lu_solve(LUt, pivt, R)], reps=5)}
-        record("lu_factor", f"n={n} B={B}", ms_f, nbytes=2 * B * n * n * 4, copy_gbs=copy_gbs, baselines=bf)
-        record("lu_solve", f"n={n} B={B} m={m}", ms_s, nbytes=B * (n * n + 2 * n * m) * 4, copy_gbs=copy_gbs,
-               baselines=bs)
+        LUt, pivt = torch.linalg.lu_factor(A.float())
+        bs = {"torch_linalg_lu_solve": time_fns([lambda: torch.linalg.lu_solve(LUt, pivt, R)], reps=5)}
+        sizes = {"n": n, "B": B, "m": m}
+        record("lu_factor", f"n={n} B={B} fp64", ms_f, nbytes=2 * B * n * n * 8, copy_gbs=copy_gbs, baselines=bf,
+               sizes=sizes, extra={"timing": how_f})
+        record("lu_solve", f"n={n} B={B} m={m} fp32", ms_s, nbytes=B * (n * n * 8 + 2 * n * m * 4),
+               copy_gbs=copy_gbs, baselines=bs, sizes=sizes)
         del A, R, LU, LUt
         free()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--only", default="", help="comma list: copy,weighted_sum,gram,finite_rows,min_norm,gc,lu")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device; nothing to do")
-        return 0
-    info = fedkernels.build_info()
-    if not info.get("cuda"):
-        print("bench/gpu.py: fedkernels was built without CUDA; nothing to do")
+# ---- sanitizer subset ------------------------------------------------------------------------------
+def sanitize_subset() -> int:
+    """Every CUDA op once on small shapes (vector and scalar paths, both LU kernels, K above the
+    block size), synchronised: the workload of ``compute-sanitizer`` memcheck / racecheck in
+    ``bench/gpu.sh build-test``. Checks results loosely against the CPU ops so a silent failure shows."""
+    dev = "cuda"
+    g = torch.Generator().manual_seed(0)
+    rn = lambda *s, dt=torch.float32: torch.randn(*s, generator=g, dtype=torch.float64).to(dt)  # noqa: E731
+    bad = []
+
+    def close(name, a, b, tol):
+        if not torch.allclose(a.detach().cpu().double(), b.detach().cpu().double(), rtol=tol, atol=tol, equal_nan=True):
+            bad.append(name)
+
+    for dt in (torch.float32, torch.bfloat16, torch.float64):
+        for K, d, off in ((3, 1031, 0), (300, 70, 1), (17, 4099, 0)):
+            big = rn(K, d + 3, dt=dt)
+            U = big[:, off:off + d]
+            coef = torch.rand(K, generator=g, dtype=torch.float64)
+            Ud = big.to(dev)[:, off:off + d]
+            close(f"weighted_sum {dt} {K}x{d}", ops.weighted_sum(Ud, coef), ops.weighted_sum(U, coef), 2e-2)
+            close(f"gram {dt} {K}x{d}", ops.gram(Ud), ops.gram(U), 1e-6)
+            close(f"gram rows {dt}", ops.gram(Ud, rows=[0, K - 1]), ops.gram(U, rows=[0, K - 1]), 1e-6)
+            close(f"finite_rows {dt}", ops.finite_rows(Ud), ops.finite_rows(U), 0)
+    G = rn(40, 20, dt=torch.float64)
+    G = G @ G.T + torch.eye(40, dtype=torch.float64)
+    for m in ("fw", "away", "pairwise"):
+        lam, _, _ = torch.ops.fedkernels.min_norm(G.to(dev), 2000, 1e-10, 1e-15, m, "best_pair", False, None)
+        lam_c, _, _ = torch.ops.fedkernels.min_norm(G, 2000, 1e-10, 1e-15, m, "best_pair", False, None)
+        close(f"min_norm {m}", lam @ G.to(dev) @ lam, lam_c @ G @ lam_c, 1e-6)
+    ts = [rn(8, 3, 3, 3), rn(16, 2000), rn(4, 9000), rn(10)]
+    close("gc_project", torch.cat([t.reshape(-1) for t in ops.gc_project([t.to(dev) for t in ts], "center")]),
+          torch.cat([t.reshape(-1) for t in ops.gc_project(ts, "center")]), 1e-5)
+    for n in (5, 33):
+        A = rn(6, n, n, dt=torch.float64) + n * torch.eye(n, dtype=torch.float64)
+        LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(dev))
+        LUc, pivc, _ = torch.ops.fedkernels.lu_factor(A)
+        close(f"lu_factor n={n}", LU, LUc, 1e-10)
+        R = rn(6, n, 300)
+        close(f"lu_solve n={n}", torch.ops.fedkernels.lu_solve(LU, piv, R.to(dev)),
+              torch.ops.fedkernels.lu_solve(LUc, pivc, R), 1e-4)
+    a, b, c = torch.rand(5, generator=g, dtype=torch.float64) + 1, -torch.rand(5, generator=g, dtype=torch.float64), \
+        torch.rand(5, generator=g, dtype=torch.float64)
+    r0, R = rn(700), rn(5, 700)
+    xg, Ig = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0.to(dev), R.to(dev))
+    xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0, R)
+    close("arrowhead x", xg, xc, 1e-5)
+    close("arrowhead I", Ig, Ic, 1e-5)
+    for K in (3, 40):
+        d = 2049
+        T = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
+        args = [rn(d), rn(K, d), rn(d), rn(K, d), rn(K, d), rn(d), T, 0.5 * T, 0.2 * torch.rand(K, generator=g,
+                dtype=torch.float64), 0.3, 1.7]
+        dev_args = [x.to(dev) if isinstance(x, torch.Tensor) and i < 6 else x for i, x in enumerate(args)]
+        outs_g = torch.ops.fedkernels.fedecado_be_step(*dev_args)
+        outs_c = torch.ops.fedkernels.fedecado_be_step(*args)
+        for i, (x, y) in enumerate(zip(outs_g, outs_c)):
+            close(f"be_step K={K} out{i}", x, y, 1e-4)
+    shapes = [(8, 3, 3, 3), (8,), (10, 72)]
+    p_c = [rn(*s) for s in shapes]
+    gr = [rn(*s) for s in shapes]
+    bufs = [rn(*s) for s in shapes]
+    p_g, gr_g, bufs_g = [t.to(dev) for t in p_c], [t.to(dev) for t in gr], [t.to(dev) for t in bufs]
+    for p, gg, bb in ((p_g, gr_g, bufs_g), (p_c, gr, bufs)):
+        torch.ops.fedkernels.fused_sgd_step_(p, gg, bb, [], [], [True, False, True], 0.1, 0.9, 1e-3, False, "skip", 2)
+    for i in range(len(shapes)):
+        close(f"fused_sgd_step_ {i}", p_g[i], p_c[i], 1e-5)
+    torch.cuda.synchronize()
+    if bad:
+        print("sanitize subset: results differ from the CPU ops:", ", ".join(bad), file=sys.stderr)
         return 1
+    print("sanitize subset: every op ran and matched the CPU ops")
+    return 0
+
+
+def main(argv=None):
+    global DEV, QUICK
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    ap.add_argument("--only", default="",
+                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu (copy always runs)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
+    ap.add_argument("--sanitize-subset", action="store_true",
+                    help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
+    args = ap.parse_args(argv)
+    DEV, QUICK = args.device, args.quick
+    if args.sanitize_subset:
+        if not torch.cuda.is_available():
+            print("bench/gpu.py: --sanitize-subset needs a CUDA device", file=sys.stderr)
+            return 2
+        return sanitize_subset()
+    if not is_cuda():
+        torch.set_num_threads(1)  # the CPU smoke run: small sizes, repeatable on a shared CI machine
+    info = fedkernels.build_info()
+    if is_cuda():
+        if not torch.cuda.is_available():
+            print("bench/gpu.py: no CUDA device (use --device cpu for the CPU smoke run)", file=sys.stderr)
+            return 2
+        if not info.get("cuda"):
+            print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
+            return 2
+    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu"}
     only = set(filter(None, args.only.split(",")))
+    if only - known:
+        print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
+        return 2
     want = lambda k: not only or k in only  # noqa: E731
-    prop = torch.cuda.get_device_properties(0)
-    dev_name = torch.cuda.get_device_name(0)
-    print(f"device {dev_name}, {prop.multi_processor_count} SMs, {prop.total_memory >> 30} GiB, L2 {l2_bytes() >> 20} MiB")
+    if is_cuda():
+        prop = torch.cuda.get_device_properties(0)
+        dev_name, sms, mem = torch.cuda.get_device_name(0), prop.multi_processor_count, prop.total_memory
+    else:
+        dev_name, sms, mem = f"cpu-{platform.machine()}", 0, 0
+    print(f"device {dev_name}, {sms} SMs, {mem >> 30} GiB, L2 {l2_bytes() >> 20} MiB, quick={QUICK}")
     print(f"{'op':14s} {'case':34s} {'time':>12s} {'achieved':>23s}  speed-ups")
-    copy_gbs = bench_copy(args.quick)
-    if want("weighted_sum"):
-        bench_weighted_sum(copy_gbs, args.quick)
-    if want("gram"):
-        bench_gram(copy_gbs, args.quick)
-    if want("finite_rows"):
-        bench_finite_rows(copy_gbs, args.quick)
-    if want("min_norm"):
-        bench_min_norm(args.quick)
-    if want("gc"):
-        bench_gc(copy_gbs, args.quick)
-    if want("lu"):
-        bench_lu(copy_gbs, args.quick)
-    doc = {"device": dev_name, "sms": prop.multi_processor_count, "l2_bytes": l2_bytes(),
-           "copy_GBps": copy_gbs, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "build_info": info, "python": platform.python_version(), "quick": args.quick, "results": RESULTS}
+    copy_gbs = bench_copy()
+    benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
+               ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
+               ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
+               ("lu", lambda: bench_lu(copy_gbs))]
+    for name, fn in benches:
+        if want(name):
+            fn()
+    doc = {"device": dev_name, "sms": sms, "l2_bytes": l2_bytes(), "copy_GBps": copy_gbs,
+           "torch": torch.__version__, "cuda": torch.version.cuda, "build_info": info,
+           "python": platform.python_version(), "quick": QUICK, "results": RESULTS}
     slug = "".join(c if c.isalnum() else "-" for c in dev_name).strip("-").lower()
-    paths = [os.path.join(ROOT, "bench", "results", f"gpu-{slug}.json")]
+    paths = [os.path.join(args.out, f"gpu-{slug}.json")]
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], f"gpu-{slug}.json"))
     for p in paths:
@@ -330,11 +516,11 @@ def main():
         with open(p, "w") as f:
             json.dump(doc, f, indent=1)
     print("wrote", ", ".join(paths))
-    print("\nsummary (ms, % of copy bandwidth, speed-up over the torch composition):")
+    print("\nsummary (ms, % of copy bandwidth, speed-up over each torch baseline):")
     for r in RESULTS:
-        sp = ", ".join(f"{k} {v:.2f}x" for k, v in r.get("speedup", {}).items())
+        sp = ", ".join(f"{k} {b['speedup']:.2f}x" for k, b in r.get("baselines", {}).items() if b["speedup"])
         pct = f"{r['pct_copy_bw']:.0f}%" if "pct_copy_bw" in r else "-"
-        print(f"  {r['op']:13s} {r['case']:38s} {r['ms']:9.4f} ms  {pct:>5s}  {sp}")
+        print(f"  {r['op']:15s} {r['case']:40s} {r['ms']:9.4f} ms  {pct:>5s}  {sp}")
     return 0
 
 

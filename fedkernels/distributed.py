@@ -22,11 +22,15 @@ same on every rank, so every aggregator runs unchanged::
                                                             # [d_local] / [K, d_local] used as is
     new_full = agg.gather(new_local)                        # all ranks: the full [d] vector
 
-Slice boundaries: with a FlatSpec they fall on tensor boundaries (``align="tensor"``, default), or
-on output-channel row boundaries (``align="row"``, better balance when one tensor dominates), so a
-GC row or a layer mask never straddles two ranks; the rank's aggregator gets the matching
-``ShardSpec`` (offsets relative to ``lo``; ``layer_modules()`` still lists the whole model).
-Without a spec the split is even, in multiples of 64 elements.
+Slice boundaries (``align``): by default (``"bytes"``) every rank gets a near-equal share of the
+bytes of U (the same share of its d columns), each cut placed on the output-channel row boundary
+nearest to the ideal one, so a slice is off by at most one row (e.g. FedAvg's CNN, d = 1,663,370,
+2 ranks: [0, 832,960) and [832,960, d)). ``"tensor"`` puts every cut on a tensor boundary instead
+(whole tensors per rank; unbalanced when a few tensors dominate, e.g. rank 0 got [0, 52,096) of
+that CNN). Either way a GC row or a 1-D tensor never straddles two ranks; the rank's aggregator
+gets the matching ``ShardSpec`` (offsets relative to ``lo``; ``layer_modules()`` still lists the
+whole model). Without a spec the split is even, in multiples of 64 elements. (``"row"`` is the
+former name of ``"bytes"``.)
 
 Agreement with one process: weighted sums are bitwise equal (per-coordinate arithmetic); the Gram
 matrix is a sum of per-rank fp64 partials, equal to the one-process Gram to fp64 rounding (the
@@ -49,7 +53,8 @@ from .flat import FlatSpec, ParamEntry
 
 __all__ = ["ShardContext", "sharded", "active", "shard_bounds", "shard_spec", "ShardSpec", "ShardedAggregator"]
 
-ALIGNS = ("tensor", "row")
+ALIGNS = ("bytes", "row", "tensor")   # "row": the former name of "bytes" (the same split)
+DEFAULT_ALIGN = "bytes"
 EVEN_ALIGN = 64  # elements: slice starts of an unstructured split are multiples of this
 
 
@@ -111,12 +116,16 @@ def active() -> Optional[ShardContext]:
 
 
 # ---- slicing ----------------------------------------------------------------------------------------
-def shard_bounds(d: int, world: int, spec: Optional[FlatSpec] = None, align: str = "tensor") -> List[Tuple[int, int]]:
-    """``world`` contiguous ``[lo, hi)`` column ranges covering ``[0, d)``, near-equal in size.
+def shard_bounds(d: int, world: int, spec: Optional[FlatSpec] = None,
+                 align: str = DEFAULT_ALIGN) -> List[Tuple[int, int]]:
+    """``world`` contiguous ``[lo, hi)`` column ranges covering ``[0, d)``.
 
-    With ``spec``, every boundary is a tensor boundary (``align="tensor"``) or an output-row
-    boundary inside a tensor (``align="row"``). A rank may get an empty range when the model has
-    fewer tensors than ranks (its slice is then [K, 0]; the ops handle that)."""
+    With ``spec``: ``align="bytes"`` (default) balances the bytes per rank, each cut at the output-row
+    boundary nearest to ``i * d / world`` (inside a tensor of dim >= 2; 1-D tensors stay whole), so
+    every cut is within half a row (half a 1-D tensor) of the ideal one; ``align="tensor"`` cuts at
+    the nearest tensor
+    boundary. A rank may get an empty range when the model has fewer rows (tensors) than ranks (its
+    slice is then [K, 0]; the ops handle that)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"shard_bounds: world must be a positive int, got {world!r}")
     if isinstance(d, bool) or not isinstance(d, int) or d < 0:
@@ -136,7 +145,7 @@ def shard_bounds(d: int, world: int, spec: Optional[FlatSpec] = None, align: str
             e = spec.entries[j] if spec.entries else None
             if e is None:
                 b = 0
-            elif align == "row" and e.numel and len(e.shape) >= 2:
+            elif align in ("bytes", "row") and e.numel and len(e.shape) >= 2:
                 step = max(e.fan_in, 1)
                 b = e.offset + min(e.numel, round((t - e.offset) / step) * step)
             else:
@@ -190,7 +199,7 @@ class ShardedAggregator:
     aggregator's d-sized state holds only this rank's slice (``state_dict`` is per rank).
     """
 
-    def __init__(self, aggregator: Aggregator, group=None, align: str = "tensor"):
+    def __init__(self, aggregator: Aggregator, group=None, align: str = DEFAULT_ALIGN):
         if not isinstance(aggregator, Aggregator):
             raise TypeError(f"ShardedAggregator: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}")
         if align not in ALIGNS:

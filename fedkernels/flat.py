@@ -230,10 +230,16 @@ class UpdateBuffer:
         self.spec = spec_or_d if isinstance(spec_or_d, FlatSpec) else None
         self.K, self.d = K, d
         from ._memory import check_alloc
-        check_alloc(K * d * torch.empty((), dtype=dtype).element_size(), f"UpdateBuffer K={K} x d={d} {dtype}",
+        es = torch.empty((), dtype=dtype).element_size()
+        # Row stride padded to 16 bytes (128 bytes for rows of 4 KiB and more), so every row starts
+        # aligned for the 16-byte vector loads of the CUDA kernels (bf16/fp16 rows of odd length
+        # would otherwise all take the scalar path); ``data`` is the [K, d] view of the padded block.
+        pad = (128 if d * es >= 4096 else 16) // es
+        ld = -(-d // pad) * pad
+        check_alloc(K * ld * es, f"UpdateBuffer K={K} x d={d} {dtype}",
                     device, hint="Aggregate in column chunks (fedkernels.streaming), store updates in bfloat16, "
                     "or use fewer clients per round.")
-        self.data = torch.zeros(K, d, device=device, dtype=dtype)
+        self.data = torch.zeros(K, ld, device=device, dtype=dtype)[:, :d]
         self.client_ids: List[int] = []
         self.num_examples: List[float] = []
 

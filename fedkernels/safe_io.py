@@ -1,16 +1,17 @@
 """Safe loading and saving of checkpoints and configs.
 
 * :func:`save_checkpoint` writes atomically (a temporary file in the same directory, flushed and
-  fsync'ed, then ``os.replace``; the directory is fsync'ed too) with a SHA-256 checksum of the
-  payload stored in the file header.
-* :func:`load_checkpoint` verifies the header and checksum, then unpickles with
+  fsync'ed, then ``os.replace``; the directory is fsync'ed too). The file is a plain ``torch.save``
+  archive followed by one checksum line (``FEDKERNELS-CKPT-v2 <sha256> <bytes>``): ``torch.load(path,
+  weights_only=True)`` opens it as it is (zip readers ignore trailing bytes), and the checksum
+  travels in the same file, so the atomic rename covers both.
+* :func:`load_checkpoint` verifies the checksum line, then unpickles with
   ``torch.load(weights_only=True)``: only tensors and plain Python containers/values load; a
   pickle that would import or call anything else (``__reduce__`` gadgets) is refused without
   running it. Truncated or corrupted files raise :class:`CheckpointError` naming the problem.
+  Files of the first format (``MAGIC`` header line, then the payload) are still read.
 * :func:`load_config` reads YAML with ``yaml.safe_load`` (no arbitrary Python objects).
 
-File layout: ``MAGIC`` line, the SHA-256 hex digest of the payload and its byte length on the
-second line, then the payload: ``torch.save`` of a dict holding only tensors and plain Python values.
 The simulator's checkpoints (:mod:`fedkernels.sim.checkpoint`) are written and read with these
 functions; this module imports nothing from the layers above it.
 """
@@ -24,9 +25,10 @@ from typing import Any, Dict
 
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_config", "CheckpointError", "ConfigError", "MAGIC"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_config", "CheckpointError", "ConfigError", "MAGIC", "TRAILER"]
 
-MAGIC = b"FEDKERNELS-CKPT-v1\n"
+MAGIC = b"FEDKERNELS-CKPT-v1\n"      # the first format's header (read only)
+TRAILER = b"FEDKERNELS-CKPT-v2"       # the checksum line after the torch.save archive
 
 
 class CheckpointError(RuntimeError):
@@ -50,15 +52,14 @@ def _save(path: str, state: Dict[str, Any]) -> str:
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
-    digest = hashlib.sha256(payload).hexdigest()
-    header = MAGIC + f"{digest} {len(payload)}\n".encode()
+    trailer = b"\n" + TRAILER + f" {hashlib.sha256(payload).hexdigest()} {len(payload)}\n".encode()
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
             f.write(payload)
+            f.write(trailer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -70,22 +71,37 @@ def _save(path: str, state: Dict[str, Any]) -> str:
     return path
 
 
+def _split(path: str, data: bytes):
+    """(payload, sha256 hex, length) of a checkpoint file of either format."""
+    if data.startswith(MAGIC):                      # first format: header line, then the payload
+        rest = data[len(MAGIC):]
+        nl = rest.find(b"\n")
+        try:
+            digest, length = rest[:nl].decode().split()
+            return rest[nl + 1:], digest, int(length)
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointError(f"{path}: corrupted checkpoint header") from None
+    i = data.rfind(b"\n" + TRAILER + b" ")
+    if i < 0:
+        raise CheckpointError(f"{path} is not a fedkernels checkpoint (bad header) or is truncated: "
+                              "it has no checksum line")
+    line = data[i + 1:]
+    if not line.endswith(b"\n"):
+        raise CheckpointError(f"{path}: truncated checkpoint (incomplete checksum line)")
+    try:
+        _, digest, length = line.decode("ascii").split()
+        return data[:i], digest, int(length)
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: checksum mismatch (the checksum line is damaged)") from None
+
+
 def _load(path: str, map_location="cpu") -> Dict[str, Any]:
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-    if not data.startswith(MAGIC):
-        raise CheckpointError(f"{path} is not a fedkernels checkpoint (bad header)")
-    rest = data[len(MAGIC):]
-    nl = rest.find(b"\n")
-    try:
-        digest, length = rest[:nl].decode().split()
-        length = int(length)
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: corrupted checkpoint header") from None
-    payload = rest[nl + 1:]
+    payload, digest, length = _split(path, data)
     if len(payload) != length:
         raise CheckpointError(f"{path}: truncated checkpoint ({len(payload)} of {length} payload bytes)")
     if hashlib.sha256(payload).hexdigest() != digest:

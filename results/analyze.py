@@ -1,11 +1,22 @@
-"""Builds results/summary.json and results/tables.md from the `fedkernels compare` outputs under results/.
+"""Builds results/summary.json and results/tables.md from the committed `fedkernels compare` outputs.
 
-    .venv/bin/python results/analyze.py          # run from the checkout root, after the compare runs
+    PYTHONPATH=. .venv/bin/python results/analyze.py       # from the checkout root
 
-Reads every results/<paper>/<setup>/compare.json and the per-run metrics.jsonl (mechanism statistics:
-Kuramoto guard/weights, FedAWARE e-LUD, FedECADO BE steps, first-difference spikiness, rounds to a
-target) and, where present, final_model.pt (FedPGVC head-weight magnitudes; read before the .pt files
-are deleted).
+Reads every results/<paper>/<setup>/compare.json and the per-run metrics.jsonl(.gz) (accuracy
+metrics, mechanism statistics: Kuramoto guard/weights, FedAWARE e-LUD, FedECADO BE steps,
+first-difference spikiness, rounds to a target) and, where present, final_model.pt (FedPGVC
+head-weight magnitudes, cached in head_stats.json).
+
+Statistics (fedkernels.sim.stats): ± is the SAMPLE standard deviation over seeds (n - 1); 95% CIs
+are Student-t intervals; methods are compared with FedAvg (or the named baseline) by PAIRED
+differences over the same seeds, since runs with the same seed share the partition and the
+client-sampling stream, with a 95% t interval and a two-sided paired t-test. The claims of
+results/REPORT.md are listed in CLAIMS with their setting and metric; tables.md says for each
+whether the paired difference is significant at the 5% level. With 2-3 seeds a t interval is wide
+(t_{0.975} = 12.71 at 2 seeds, 4.30 at 3): "not significant" means "not shown", not "no effect".
+
+Provenance: the logs record no fedkernels commit, torch version or CPU before run directories got a
+provenance.json; for those runs the commit that added the results to git is named instead.
 """
 from __future__ import annotations
 
@@ -13,24 +24,81 @@ import glob
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
 
 ROOT = os.environ.get("RESULTS_ROOT", os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from fedkernels.sim.stats import describe, paired  # noqa: E402
+
 TARGETS = {"kuramoto": None, "fedaware": None, "fedecado": None, "fedpgvc": 0.85, "gcfed": 0.80}
+# each paper's own accuracy metric (results/REPORT.md, "Numbers in the first table")
+PAPER_METRIC = {"kuramoto": "final", "fedaware": "last10pct", "fedecado": "final", "fedpgvc": "best",
+                "gcfed": "last10"}
+METRIC_NAMES = {"final": "final acc", "best": "best acc", "last10pct": "mean acc, last 10% of rounds",
+                "last10": "mean acc, last 10 rounds"}
+BASELINE = "fedavg"
+
+# The comparisons the verdicts of results/REPORT.md rest on:
+# (paper, claim, (setup, method), (setup, baseline method), metric, expected sign of method - baseline)
+CLAIMS = [
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg, FMNIST s = 3", ("fmnist-s3", "kuramoto-S0.5"),
+     ("fmnist-s3", "fedavg"), "final", +1),
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg, digits s = 3", ("digits-s3", "kuramoto-S0.5"),
+     ("digits-s3", "fedavg"), "final", +1),
+    ("kuramoto", "paper-literal mode P is below FedAvg, FMNIST s = 3", ("fmnist-s3", "kuramoto:mode=P"),
+     ("fmnist-s3", "fedavg"), "final", -1),
+    ("kuramoto", "SCAFFOLD with the momentum divisor beats FedAvg, FMNIST s = 3",
+     ("fmnist-s3-scaffold-mc", "scaffold:momentum_correction=True"), ("fmnist-s3", "fedavg"), "final", +1),
+    ("fedaware", "FedAWARE (normalised) beats FedAvg, 100 rounds", ("fmnist", "fedaware"), ("fmnist", "fedavg"),
+     "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvg, 200 rounds (2 seeds)", ("fmnist-T200", "fedaware"),
+     ("fmnist-T200", "fedavg"), "last10pct", +1),
+    ("fedaware", "paper-text FedAWARE (normalize=False) beats FedAvg, 100 rounds",
+     ("fmnist", "fedaware:normalize=False"), ("fmnist", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAWARE-NA (no min-norm) vs FedAWARE, 100 rounds", ("fmnist-na", "fedaware:variant=na"),
+     ("fmnist", "fedaware"), "last10pct", +1),
+    ("fedaware", "×AWARE lifts FedAvgM, 100 rounds", ("fmnist-xaware", "fedaware:extension=fedavgm"),
+     ("fmnist", "fedavgm"), "last10pct", +1),
+    ("fedecado", "FedECADO (default) beats FedNova, E3 30 rounds", ("fmnist", "fedecado"), ("fmnist", "fednova"),
+     "final", +1),
+    ("fedecado", "FedECADO with extrap=hold beats FedNova, E3 30 rounds", ("fmnist-hold", "fedecado:extrap=hold"),
+     ("fmnist", "fednova"), "final", +1),
+    ("fedecado", "FedECADO with extrap=hold beats FedAvg, E3 30 rounds", ("fmnist-hold", "fedecado:extrap=hold"),
+     ("fmnist", "fedavg"), "final", +1),
+    ("fedecado", "FedECADO with extrap=hold beats FedAvg, E3 50 rounds (2 seeds)",
+     ("fmnist-T50-ecado", "fedecado-hold"), ("fmnist-T50", "fedavg"), "final", +1),
+    ("fedpgvc", "FedPGVC code mode beats FedAvg, α = 0.5, η_l = 0.2", ("digits-a0.5-lr0.2", "fedpgvc:mode=code"),
+     ("digits-a0.5-lr0.2", "fedavg"), "best", +1),
+    ("fedpgvc", "FedPGVC additive beats the matched head-lr control, α = 0.5, η_l = 0.05",
+     ("digits-a0.5-lr0.05", "fedpgvc-additive"), ("digits-a0.5-lr0.05-matched", "fedpgvc:mode=lr_matched"),
+     "best", +1),
+    ("fedpgvc", "paper-literal FedPGVC (hadamard) is below FedAvg, α = 0.5, η_l = 0.05",
+     ("digits-a0.5-lr0.05", "fedpgvc"), ("digits-a0.5-lr0.05", "fedavg"), "best", -1),
+    ("gcfed", "GC-Fed beats FedAvg, α = 0.05", ("digits-a0.05", "gcfed"), ("digits-a0.05", "fedavg"), "last10", +1),
+    ("gcfed", "GC-Fed with standard GC (skip) beats FedAvg, α = 0.05", ("digits-a0.05", "gcfed-skip"),
+     ("digits-a0.05", "fedavg"), "last10", +1),
+    ("gcfed", "Local GC beats FedAvg, α = 0.05", ("digits-a0.05", "local_gc"), ("digits-a0.05", "fedavg"),
+     "last10", +1),
+    ("gcfed", "GC-Fed beats FedAvg, α = 0.1", ("digits-a0.1", "gcfed"), ("digits-a0.1", "fedavg"), "last10", +1),
+]
 
 
 def ms(v):
-    v = [x for x in v if x is not None and isinstance(x, (int, float)) and math.isfinite(x)]
-    if not v:
-        return None, None
-    return float(np.mean(v)), float(np.std(v))
+    """(mean, sample std) of the finite values; std None for fewer than two."""
+    d = describe(v)
+    return d["mean"], d["std"]
 
 
 def fmt(m, s, k=100.0, nd=2):
     if m is None:
         return "n/a"
+    if s is None:
+        return f"{k * m:.{nd}f}" if abs(k * m) < 1e4 else f"{k * m:.3g}"
     if abs(k * m) >= 1e4 or abs(k * s) >= 1e4:
         return f"{k * m:.3g} ± {k * s:.3g}"
     return f"{k * m:.{nd}f} ± {k * s:.{nd}f}"
@@ -182,14 +250,150 @@ def partial_compare(setup_dir):
     return {"setup": cfg, "seeds": seeds, "rounds": rounds, "methods": methods, "partial": True}
 
 
+def _cfg_key(cfg, rounds, seeds, loose=False):
+    """What two setups must share for their runs to pair by seed: data, partition, federation,
+    rounds and seeds (and, unless ``loose``, the model and the local training)."""
+    keys = ["data", "partition", "num_clients", "participation", "clients_per_round"]
+    if not loose:
+        keys += ["model", "train"]
+    return json.dumps([{k: (cfg or {}).get(k) for k in keys}, rounds, list(seeds)], sort_keys=True, default=str)
+
+
+def _run_dirs(setup_dir):
+    return {os.path.basename(d) for d in glob.glob(os.path.join(setup_dir, "*-s[0-9]*")) if os.path.isdir(d)}
+
+
+def find_baseline(setup_dir, c, all_setups):
+    """(setup dir, label) of the FedAvg runs the methods of this setup pair with: this setup's own,
+    else a sibling setup of the same paper with the same data, partition, model, training, rounds
+    and seeds; None when there is none."""
+    if any(f"{BASELINE}-s{s}" in _run_dirs(setup_dir) for s in c["seeds"]):
+        return setup_dir, BASELINE
+    key = _cfg_key(c["setup"], c["rounds"], c["seeds"])
+    paper = os.path.dirname(setup_dir)
+    for other, oc in all_setups:
+        if other != setup_dir and os.path.dirname(other) == paper and oc is not None \
+                and _cfg_key(oc["setup"], oc["rounds"], oc["seeds"]) == key \
+                and all(f"{BASELINE}-s{s}" in _run_dirs(other) for s in c["seeds"]):
+            return other, BASELINE
+    return None
+
+
+def per_seed_metric(paper, setup_dir, label, seeds, key, target=None, cache={}):
+    """{seed: metric} of the runs ``setup_dir/label-s<seed>`` (None for a missing run)."""
+    out = {}
+    for s in seeds:
+        rd = os.path.join(setup_dir, f"{label}-s{s}")
+        if rd not in cache:
+            cache[rd] = run_stats(paper, rd, target) if os.path.isdir(rd) else {}
+        out[s] = cache[rd].get(key)
+    return out
+
+
+def _git(*args):
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def provenance(setup_dir):
+    """What the logs record about where a setup ran; else the commit that added its results."""
+    recs = []
+    for p in sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*", "provenance.json"))):
+        with open(p) as f:
+            j = json.load(f)
+        recs.append({"fedkernels_commit": (j.get("git") or {}).get("commit"), "dirty": (j.get("git") or {}).get("dirty"),
+                     "torch": j.get("torch"), "cpu": j.get("cpu"), "gpus": j.get("gpus"),
+                     "threads": j.get("torch_threads"), "start_time": j.get("start_time")})
+    if recs:
+        uniq = {json.dumps({k: v for k, v in r.items() if k != "start_time"}, sort_keys=True) for r in recs}
+        return {"recorded": True, "runs": len(recs), "distinct": [json.loads(u) for u in sorted(uniq)]}
+    rel = os.path.relpath(setup_dir, REPO)
+    line = _git("log", "--diff-filter=A", "--format=%H %ad", "--date=short", "--", rel)
+    first = line.splitlines()[-1].split() if line else None
+    return {"recorded": False,
+            "note": "the run logs record no fedkernels commit, torch version or CPU (written before provenance.json); "
+                    "results/REPORT.md states the machine (2-core CPU); the checkout then pinned torch 2.13.0",
+            "results_committed_in": first[0] if first else None, "committed_on": first[1] if first else None}
+
+
+def _pp(x):
+    return "n/a" if x is None else f"{100 * x:+.2f}"
+
+
+def fmt_paired(p):
+    """'+1.23 [-0.40, +2.86]' in percentage points."""
+    if p is None or p.get("mean_diff") is None:
+        return "n/a"
+    if p.get("ci_low") is None:
+        return _pp(p["mean_diff"])
+    return f"{_pp(p['mean_diff'])} [{_pp(p['ci_low'])}, {_pp(p['ci_high'])}]"
+
+
+def fmt_p(p):
+    v = (p or {}).get("p")
+    if v is None:
+        return "n/a"
+    return f"{v:.3f}" if v >= 1e-3 else f"{v:.1e}"
+
+
+def support(p, sign):
+    """Whether the paired difference supports the claimed direction at the 5% level."""
+    if p is None or p.get("significant") is None:
+        return "n/a (fewer than 2 paired seeds)"
+    if not p["significant"]:
+        return "not significant"
+    ok = (p["mean_diff"] > 0) == (sign > 0)
+    return "supported (p < 0.05)" if ok else "significant, opposite direction"
+
+
+def _strip(p):
+    return {k: v for k, v in p.items() if k not in ("keys",)}
+
+
+def claims_section():
+    rows, out = [], []
+    for paper, text, (ms_, ml), (bs, bl), metric, sign in CLAIMS:
+        md, bd = os.path.join(ROOT, paper, ms_), os.path.join(ROOT, paper, bs)
+        if not (os.path.isdir(md) and os.path.isdir(bd)):
+            continue
+        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])
+                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))})
+        x = per_seed_metric(paper, md, ml, seeds, metric)
+        y = per_seed_metric(paper, bd, bl, seeds, metric)
+        p = paired(x, y)
+        dm, db = describe(list(x.values())), describe(list(y.values()))
+        verdict = support(p, sign)
+        out.append({"paper": paper, "claim": text, "method": f"{ms_}/{ml}", "baseline": f"{bs}/{bl}",
+                    "metric": metric, "seeds": seeds, "method_mean": dm["mean"], "method_std": dm["std"],
+                    "baseline_mean": db["mean"], "baseline_std": db["std"], "paired": _strip(p),
+                    "expected_sign": sign, "verdict": verdict})
+        rows.append(f"| {paper} | {text} | `{ms_}/{ml}` vs `{bs}/{bl}` | {METRIC_NAMES[metric]} | {p['n']} | "
+                    f"{fmt(dm['mean'], dm['std'])} vs {fmt(db['mean'], db['std'])} | {fmt_paired(p)} | {fmt_p(p)} | "
+                    f"{verdict} |")
+    lines = ["## Statistical support of the report's comparisons\n",
+             "Paired over the same seeds (same partition and client-sampling stream); Δ = method - baseline in "
+             "percentage points with its 95% Student-t interval; p = two-sided paired t-test; ± = sample std "
+             "over seeds (n - 1). \"supported\" = significant at 5% in the claimed direction. With 2-3 seeds the "
+             "test has little power: \"not significant\" means the difference is not shown, not that it is zero.\n",
+             "| paper | claim | method vs baseline | metric | n | mean ± sd (method vs baseline) | Δ pp [95% CI] | p | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+    return lines, out
+
+
 def main():
     summary = {}
     lines = []
+    setups = []
     for setup_dir in sorted(d for d in glob.glob(os.path.join(ROOT, "*", "*")) if os.path.isdir(d)):
         cj = os.path.join(setup_dir, "compare.json")
+        c = json.load(open(cj)) if os.path.exists(cj) else partial_compare(setup_dir)
+        setups.append((setup_dir, c))
+    for setup_dir, c in setups:
         paper = os.path.basename(os.path.dirname(setup_dir))
         setup = os.path.basename(setup_dir)
-        c = json.load(open(cj)) if os.path.exists(cj) else partial_compare(setup_dir)
         if c is None:
             continue
         target = TARGETS.get(paper)
@@ -219,8 +423,9 @@ def main():
                         "fw_converged_frac", "fw_gap_max"):
                 vals = [x.get(key) for x in runs]
                 if any(v is not None for v in vals):
-                    mm, ss = ms(vals)
-                    agg[key] = {"mean": mm, "std": ss}
+                    d = describe(vals)
+                    agg[key] = {"mean": d["mean"], "std": d["std"], "n": d["n"], "ci_low": d["ci_low"],
+                                "ci_high": d["ci_high"]}
             if target is not None:
                 agg["rounds_to_target"] = [x.get("rounds_to_target") for x in runs]
             ent["methods"][label] = agg
@@ -245,7 +450,8 @@ def main():
                                ("be_steps_mean", 1, 2), ("extrap_ratio_median", 1, 1), ("extrap_ratio_max", 1, 1), ("L", 1, 2), ("be_rejects_mean", 1, 2), ("agg_share", 100, 3)):
                 if key in a and a[key]["mean"] is not None:
                     if key == "fw_gap_max":
-                        bits.append(f"{key}={a[key]['mean']:.1e} ± {a[key]['std']:.1e}")
+                        sd = a[key]["std"]
+                        bits.append(f"{key}={a[key]['mean']:.1e}" + ("" if sd is None else f" ± {sd:.1e}"))
                         continue
                     bits.append(f"{key}={fmt(a[key]['mean'], a[key]['std'], k, nd)}")
             hs = [x.get("weight_mean_abs") for x in a["per_seed"] if x.get("weight_mean_abs")]
@@ -255,15 +461,55 @@ def main():
             if bits:
                 mech.append(f"- {label}: " + "; ".join(bits))
         if mech:
-            lines.append("Mechanism statistics (mean ± std over seeds):\n")
+            lines.append("Mechanism statistics (mean ± sample std over seeds):\n")
             lines += mech
             lines.append("")
+        base = find_baseline(setup_dir, c, setups)
+        pm = PAPER_METRIC.get(paper, "final")
+        mets = [pm] + (["final"] if pm != "final" else [])
+        if base is not None:
+            bdir, blabel = base
+            bname = os.path.relpath(bdir, ROOT) + "/" + blabel
+            ent["baseline"] = bname
+            ent["paired"] = {}
+            prow = []
+            for label, r in c["methods"].items():
+                if bdir == setup_dir and label == blabel:
+                    continue
+                seeds = r.get("seeds_done", c["seeds"])
+                ent["paired"][label] = {}
+                cells = []
+                for k in mets:
+                    p = paired(per_seed_metric(paper, setup_dir, label, seeds, k, target),
+                               per_seed_metric(paper, bdir, blabel, seeds, k, target))
+                    ent["paired"][label][k] = _strip(p)
+                    cells += [fmt_paired(p), fmt_p(p), "yes" if p.get("significant") else ("no" if p.get("significant") is False else "n/a")]
+                prow.append(f"| {label} | " + " | ".join(cells) + " |")
+            if prow:
+                head = "| method | " + " | ".join(f"Δ {METRIC_NAMES[k]} (pp) [95% CI] | p | p < 0.05" for k in mets) + " |"
+                lines.append(f"Paired differences vs `{bname}` (same seeds; 95% t interval; two-sided paired t-test):\n")
+                lines += [head, "|" + "---|" * (head.count("|") - 1)] + prow + [""]
+        ent["provenance"] = provenance(setup_dir)
         summary[f"{paper}/{setup}"] = ent
+    claim_lines, claims = claims_section()
+    summary = {"_meta": {"generated_by": "PYTHONPATH=. python results/analyze.py",
+                         "std": "sample standard deviation over seeds (n - 1)",
+                         "ci": "95% Student-t interval of the mean over seeds",
+                         "paired": "method - baseline per seed over the same seeds (shared partition and sampling "
+                                   "stream): mean, sample std, 95% t interval, two-sided paired t-test",
+                         "metrics": {"final": "accuracy at the last evaluation", "best": "maximum over evaluations",
+                                     "last10pct": "mean over the last ceil(10%) of evaluations (every round here)",
+                                     "last10": "mean over the last 10 evaluations"}},
+               "_claims": claims, **summary}
+    head = ["# Tables regenerated from the committed run logs\n",
+            "`PYTHONPATH=. python results/analyze.py` writes this file and results/summary.json. ± is the sample "
+            "standard deviation over seeds (n - 1). Per-setup 95% CIs of every metric are in summary.json; "
+            "paired differences vs FedAvg follow each setup's tables.\n"]
     with open(os.path.join(ROOT, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(ROOT, "tables.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write("\n".join(head + claim_lines + lines) + "\n")
+    print("\n".join(claim_lines))
 
 
 if __name__ == "__main__":

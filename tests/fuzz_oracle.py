@@ -1295,6 +1295,15 @@ def _payloads(name, agg, K, d, dt, g, kw, ids):
     elif name == "fedecado":
         for p in pl:
             p["T"] = float(torch.rand(1, generator=g)) * 0.5 + 0.05
+    elif name == "fedprox":             # what the client rules send to show they ran
+        for p in pl:
+            p["prox_mu"] = agg.mu
+    elif name in ("gcfed", "local_gc", "local_gc_only") and agg.local_layers != "none":
+        for p in pl:
+            p["local_gc"] = 1
+    elif name == "fedpgvc":
+        for p in pl:
+            p["pgvc_skipped_steps"] = 0
     return pl
 
 

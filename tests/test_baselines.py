@@ -131,7 +131,9 @@ def test_fedavgm_state_round_trip_and_bad_input():
 def test_fedprox_server_is_fedavg():
     U, n = rand_round(6, 50, 1)
     w = torch.randn(50)
-    assert torch.equal(build("fedprox", mu=0.1).aggregate(w, U, n).params, build("fedavg").aggregate(w, U, n).params)
+    pl = [{"prox_mu": 0.1}] * len(n)                       # what FedProxRule.end sends
+    assert torch.equal(build("fedprox", mu=0.1).aggregate(w, U, n, payloads=pl).params,
+                       build("fedavg").aggregate(w, U, n).params)
     with pytest.raises(ValueError, match="mu"):
         build("fedprox", mu=-1)
     with pytest.raises(ValueError, match="prox"):

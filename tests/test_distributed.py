@@ -40,10 +40,14 @@ def _pl_ecado(t, cid, d, g):
     return {"T": 1.0 + 0.25 * ((cid + t) % 3), "hbar": 0.5}
 
 
+def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+    return lambda t, cid, d, g: {key: value}
+
+
 CASES = [
     ("fedavg", {}, None),
     ("fedavgm", {"beta": 0.9, "nesterov": True}, None),
-    ("fedprox", {"mu": 0.1}, None),
+    ("fedprox", {"mu": 0.1}, _pl_rule("prox_mu", 0.1)),
     ("scaffold", {}, _pl_scaffold),
     ("fednova", {}, _pl_nova),
     ("kuramoto", {"mode": "S"}, None),
@@ -52,12 +56,16 @@ CASES = [
     ("fedaware", {"warmup": "startup_full", "extension": "fedavgm"}, None),
     ("fedaware", {"warmup": "explore"}, None),
     ("fedaware", {"warmup": "mask", "normalize": False, "zero_fallback": "na"}, None),
-    ("gcfed", {}, None),
+    ("gcfed", {}, _pl_rule("local_gc", 3)),
     ("global_gc", {}, None),
-    ("fedpgvc", {}, None),
+    ("fedpgvc", {}, _pl_rule("pgvc_skipped_steps", 0)),
     ("fedecado", {"lte_norm": "inf"}, _pl_ecado),
     ("fedecado", {"lte_norm": "rms"}, _pl_ecado),
 ]
+def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+    return lambda t, cid, d, g: {key: value}
+
+
 CASES = [c for c in CASES if c[0] in algorithms.available()]
 
 
@@ -213,3 +221,36 @@ def test_wrapper_needs_initialised_process_group():
         pytest.skip("a process group is active")
     with pytest.raises(RuntimeError, match="not initialised"):
         ShardedAggregator(algorithms.build("fedavg"))
+
+
+def test_default_split_is_balanced_by_bytes():
+    """Issue 15 item 8: the default split balances the columns (bytes) per rank, cutting inside
+    tensors at output-row boundaries; align="tensor" keeps whole tensors per rank."""
+    from fedkernels.distributed import DEFAULT_ALIGN
+    assert DEFAULT_ALIGN == "bytes"
+    torch.manual_seed(0)
+    # small first layers, one dominating tensor: tensor-aligned cuts are badly unbalanced
+    m = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 26 * 26, 500), nn.ReLU(), nn.Linear(500, 10))
+    spec = FlatSpec.from_module(m)
+    rows = {e.offset: (e.fan_in if len(e.shape) >= 2 else e.numel) for e in spec.entries}
+    for world in (2, 3, 4, 7):
+        b = shard_bounds(spec.d, world, spec)
+        assert b == shard_bounds(spec.d, world, spec, "bytes") == shard_bounds(spec.d, world, spec, "row")
+        assert b[0][0] == 0 and b[-1][1] == spec.d and all(b[i][1] == b[i + 1][0] for i in range(world - 1))
+        for i in range(1, world):
+            cut, ideal = b[i][0], spec.d * i / world
+            e = max((e for e in spec.entries if e.offset <= ideal), key=lambda e: e.offset)
+            assert abs(cut - ideal) <= rows[e.offset] / 2 + 1, (world, i, cut, ideal)
+        for lo, hi in b:
+            shard_spec(spec, lo, hi)                       # no row is cut
+        widths = [hi - lo for lo, hi in b]
+        assert max(widths) <= spec.d / world + max(rows.values())
+        t = shard_bounds(spec.d, world, spec, "tensor")
+        offs = {e.offset for e in spec.entries} | {spec.d}
+        assert all(lo in offs and hi in offs for lo, hi in t)
+    # the reported imbalance: with whole tensors one of 2 ranks gets nearly all columns, with the
+    # default each gets half to within one row of the dominating tensor
+    t2 = shard_bounds(spec.d, 2, spec, "tensor")
+    b2 = shard_bounds(spec.d, 2, spec)
+    assert max(hi - lo for lo, hi in t2) > 0.9 * spec.d
+    assert abs(b2[0][1] - spec.d / 2) <= rows[spec.entries[2].offset]

@@ -496,10 +496,6 @@ def test_native_switch_call_conventions(monkeypatch):
         torch.testing.assert_close(out[0], ref[0], atol=1e-14, rtol=0)
         torch.testing.assert_close(out[1], ref[1], atol=1e-14, rtol=0)
         assert abs(out[2] - ref[2]) < 1e-14 and abs(out[3] - ref[3]) < 1e-14
-    monkeypatch.delattr(ops, "arrowhead_solve")
-    calls.clear()
-    run("auto")
-    assert calls == ["lu_factor", "lu_solve"]
 
 
 def test_sync_ablation_takes_every_T_as_T_max():
@@ -521,3 +517,52 @@ def test_sync_ablation_takes_every_T_as_T_max():
     assert info["max_extrap_ratio"] == 10.0               # still reports the clients' real spread
     with pytest.raises(ValueError, match="sync"):
         FedECADO(sync="yes")
+
+
+def _three_rounds(agg, dtype=D64):
+    N, K, d = 6, 3, 41
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(d, generator=g, dtype=D64).to(dtype)
+    infos = []
+    for rnd in range(3):
+        ids = [(rnd + j) % N for j in range(K)]
+        U = (0.3 * torch.randn(K, d, generator=g, dtype=D64)).to(dtype)
+        out = agg.aggregate(x, U, [10] * K, ids, [{"T": 0.1 + 0.05 * j} for j in range(K)])
+        x = out.params
+        infos.append((out.info["steps"], out.info["rejects"]))
+    return x, agg.I.clone(), infos
+
+
+def test_solver_lu_is_a_tested_option():
+    """solver="lu" (dense LU of the BE matrix via ops.lu_factor/lu_solve) gives the closed form's rounds."""
+    res = {s: _three_rounds(build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, solver=s))
+           for s in ("lu", "closed_form", "auto")}
+    for s in ("lu", "auto"):
+        assert res[s][2] == res["closed_form"][2]
+        torch.testing.assert_close(res[s][0], res["closed_form"][0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(res[s][1], res["closed_form"][1], atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="solver"):
+        build("fedecado", solver="qr")
+
+
+def test_grouped_options_and_flat_options_agree():
+    import inspect
+    from fedkernels.algorithms.fedecado import Ablations, Stepping
+    flat = build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, extrap="hold", growth=1.5)
+    grouped = FedECADO(stepping=Stepping(delta=0.05, L=0.5, growth=1.5),
+                       ablations=Ablations(hessian="identity", extrap="hold"), num_clients=6)
+    assert flat.stepping == grouped.stepping and flat.ablations == grouped.ablations
+    a, b = _three_rounds(flat), _three_rounds(grouped)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+    # a flat option overrides the group's field; the paper-literal preset is named
+    assert FedECADO(ablations=Ablations.PAPER_LITERAL, grad_weight="normalized").ablations.time_unit == "epoch"
+    assert (Ablations.PAPER_LITERAL.grad_weight, Ablations.PAPER_LITERAL.time_unit) == ("paper", "epoch")
+    lit = FedECADO(ablations=Ablations.PAPER_LITERAL, num_clients=4)
+    assert lit.client_payload(0)["w"] == 0.25          # w_i = p_i (the paper's units)
+    # the signature lists every flat option (configs are checked against it)
+    params = inspect.signature(FedECADO).parameters
+    assert {"delta", "L", "extrap", "sync", "time_unit", "solver", "hbar"} <= set(params)
+    with pytest.raises(ValueError, match="unknown option"):
+        build("fedecado", delt=0.1)
+    with pytest.raises(ValueError, match="lte_norm"):
+        build("fedecado", lte_norm="l1")

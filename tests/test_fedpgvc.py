@@ -22,6 +22,11 @@ def bce(out, t):
     return F.binary_cross_entropy_with_logits(out.reshape(-1), t, reduction="none")
 
 
+def PL(K):
+    """What K FedPGVC client rules send (the server checks the client side ran)."""
+    return [{"pgvc_skipped_steps": 0} for _ in range(K)]
+
+
 def local_train(agg, model, batches, lr, loss_fn=None, client_id=0, payload=None, optimizer=None, extras=None):
     """Manual local loop following the hook order of base.ClientRule."""
     loss_fn = loss_fn or (lambda o, t: F.cross_entropy(o, t, reduction="none"))
@@ -223,7 +228,7 @@ U4_n = [10, 30, 60]
     ({"weighting": "samples"}, [1.5, -2.35]),
 ])
 def test_u4_server(opts, expected):
-    new, _ = build("fedpgvc", **opts).aggregate(U4_w, U4_Y - U4_w, U4_n)
+    new, _ = build("fedpgvc", **opts).aggregate(U4_w, U4_Y - U4_w, U4_n, payloads=PL(3))
     torch.testing.assert_close(new, T(expected), atol=1e-11, rtol=0)
 
 
@@ -231,12 +236,12 @@ def test_u4_nan_client_and_order_independence():
     Y = U4_Y.clone()
     Y[1] = T([float("nan"), 0.0])
     with pytest.raises(BadUpdateError):
-        FedPGVC().aggregate(U4_w, Y - U4_w, U4_n)
-    new, info = FedPGVC(on_bad_update="exclude").aggregate(U4_w, Y - U4_w, U4_n, client_ids=[0, 1, 2])
+        FedPGVC().aggregate(U4_w, Y - U4_w, U4_n, payloads=PL(3))
+    new, info = FedPGVC(on_bad_update="exclude").aggregate(U4_w, Y - U4_w, U4_n, client_ids=[0, 1, 2], payloads=PL(3))
     torch.testing.assert_close(new, T([1.75, -1.5]), atol=1e-12, rtol=0)
     assert info["excluded"][0]["client_id"] == 1
-    a = FedPGVC().aggregate(U4_w, U4_Y - U4_w, U4_n)[0]
-    b = FedPGVC().aggregate(U4_w, (U4_Y - U4_w)[[2, 0, 1]], [60, 10, 30], client_ids=[2, 0, 1])[0]
+    a = FedPGVC().aggregate(U4_w, U4_Y - U4_w, U4_n, payloads=PL(3))[0]
+    b = FedPGVC().aggregate(U4_w, (U4_Y - U4_w)[[2, 0, 1]], [60, 10, 30], client_ids=[2, 0, 1], payloads=PL(3))[0]
     torch.testing.assert_close(a, b, atol=1e-15, rtol=0)
 
 
@@ -247,7 +252,7 @@ def test_server_against_float64_recomputation():
         U = torch.randn(K, d, generator=g)
         n = torch.randint(1, 50, (K,), generator=g).tolist()
         for weighting in ("uniform", "samples"):
-            new, _ = FedPGVC(weighting=weighting, server_lr=0.7).aggregate(w, U, n)
+            new, _ = FedPGVC(weighting=weighting, server_lr=0.7).aggregate(w, U, n, payloads=PL(len(n)))
             a = torch.full((K,), 1.0 / K, dtype=D64) if weighting == "uniform" else T(n) / sum(n)
             exp = w.double() + 0.7 * (a[:, None] * U.double()).sum(0)
             torch.testing.assert_close(new.double(), exp, atol=1e-5, rtol=1e-5)
@@ -255,11 +260,11 @@ def test_server_against_float64_recomputation():
 
 def test_degenerate_rounds():
     w = T([1.0, 2.0, 3.0])
-    new, _ = FedPGVC().aggregate(w, torch.zeros(2, 3, dtype=D64), [1, 1])
+    new, _ = FedPGVC().aggregate(w, torch.zeros(2, 3, dtype=D64), [1, 1], payloads=PL(2))
     assert torch.equal(new, w)
-    new, _ = FedPGVC().aggregate(w, T([[1.0, -1.0, 0.5]]), [4])
+    new, _ = FedPGVC().aggregate(w, T([[1.0, -1.0, 0.5]]), [4], payloads=PL(1))
     torch.testing.assert_close(new, T([2.0, 1.0, 3.5]))
-    new, info = FedPGVC(on_bad_update="exclude").aggregate(w, T([[float("inf"), 0, 0]]), [4])
+    new, info = FedPGVC(on_bad_update="exclude").aggregate(w, T([[float("inf"), 0, 0]]), [4], payloads=PL(1))
     assert torch.equal(new, w) and info["skipped"]
 
 
@@ -281,15 +286,16 @@ def test_u5_full_round(mode):
     for eta_g, expected in ((1.0, s1), (0.5, s05)):
         agg = FedPGVC(n_ctrl=0 if mode == "sgd" else 1, mode="hadamard" if mode == "sgd" else mode,
                       loss_fn=bce, server_lr=eta_g)
-        rows = []
+        rows, pls = [], []
         for k, (x, y) in enumerate(data):
             m = logistic()
-            U, _, _ = local_train(agg, m, [(x, y), (x, y)], 0.1, loss_fn=bce, client_id=k)
+            U, pl, _ = local_train(agg, m, [(x, y), (x, y)], 0.1, loss_fn=bce, client_id=k)
             rows.append(U)
+            pls.append(pl)
         w0 = T([0.5, -0.25])
         torch.testing.assert_close(w0 + rows[0], T(y1e), atol=1e-11, rtol=0)
         torch.testing.assert_close(w0 + rows[1], T(y2e), atol=1e-11, rtol=0)
-        new, _ = agg.aggregate(w0, torch.stack(rows), [2, 2], client_ids=[0, 1])
+        new, _ = agg.aggregate(w0, torch.stack(rows), [2, 2], client_ids=[0, 1], payloads=pls)
         torch.testing.assert_close(new, T(expected), atol=1e-11, rtol=0)
 
 
@@ -403,7 +409,7 @@ def test_n_ctrl_zero_is_fedavg_bitwise():
         assert torch.equal(U, Uref)
     w = torch.randn(20)
     Us = torch.randn(4, 20)
-    a = FedPGVC(n_ctrl=0).aggregate(w, Us, [1, 2, 3, 4])[0]
+    a = FedPGVC(n_ctrl=0).aggregate(w, Us, [1, 2, 3, 4], payloads=PL(4))[0]
     b = build("fedavg", weighting="uniform").aggregate(w, Us, [1, 2, 3, 4])[0]
     assert torch.equal(a, b)
 

@@ -107,3 +107,24 @@ def test_update_buffer_rows_in_place():
     assert buf.count == 0
     with pytest.raises(ValueError, match="K must be a positive int"):
         UpdateBuffer(0, s)
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 7), (torch.bfloat16, 11), (torch.float16, 4099),
+                                     (torch.float64, 1), (torch.float32, 1024)])
+def test_update_buffer_rows_are_16_byte_aligned(dtype, d):
+    """Padded row stride (16 bytes, 128 for long rows): every row starts aligned for the CUDA kernels'
+    vector path; the view is [K, d] and the ops read it like a dense matrix."""
+    from fedkernels import ops, reference
+    buf = UpdateBuffer(5, d, dtype=dtype)
+    U = buf.data
+    es = U.element_size()
+    assert U.shape == (5, d) and U.stride(1) == 1 and U.stride(0) >= d
+    assert (U.stride(0) * es) % 16 == 0 and U.data_ptr() % 16 == 0
+    if d * es >= 4096:
+        assert (U.stride(0) * es) % 128 == 0
+    assert U.stride(0) * es - d * es < (128 if d * es >= 4096 else 16)   # no more padding than needed
+    U.copy_(torch.randn(5, d, generator=torch.Generator().manual_seed(d), dtype=torch.float64).to(dtype))
+    coef = torch.tensor([0.5, -1.0, 2.0, 0.25, 1.5], dtype=torch.float64)
+    torch.testing.assert_close(ops.weighted_sum(U, coef).double(), reference.weighted_sum(U, coef),
+                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ops.gram(U), reference.gram(U), rtol=1e-11, atol=1e-11 * d)

@@ -159,7 +159,7 @@ def test_neutral_is_fedavg_bitwise_and_random_vs_float64():
         for scope in ("all", "complement"):
             agg = build("gcfed", global_scope=scope, weighting="samples", server_lr=0.8)
             agg.setup(spec, 10, w)
-            new, _ = agg.aggregate(w, U, n)
+            new, _ = agg.aggregate(w, U, n, payloads=[{"local_gc": 2}] * K)   # as LocalGCRule.end sends
             p = T(n) / sum(n)
             delta = (p[:, None] * U.double()).sum(0)
             ents = [e for e in spec.entries if scope == "all" or e.module == "2"]
@@ -242,6 +242,9 @@ def t7_net():
     return net
 
 
+ROUND_PAYLOADS = []   # what the client rules of the last local_train calls sent
+
+
 def local_train(agg, net, batches, lr, cid=0):
     spec = FlatSpec.from_module(net)
     g0 = spec.flatten(net).clone()
@@ -262,8 +265,8 @@ def local_train(agg, net, batches, lr, cid=0):
         ctx.step += 1
         if rule:
             rule.after_step(ctx, net)
-    if rule:
-        rule.end(ctx, net)
+    out = rule.end(ctx, net) if rule else {}
+    ROUND_PAYLOADS.append(out)
     return spec.flatten(net) - g0
 
 
@@ -278,12 +281,13 @@ def test_t7_full_round(name, scope):
     spec = FlatSpec.from_module(t7_net())
     w0 = spec.flatten(t7_net())
     agg.setup(spec, 2, w0)
+    ROUND_PAYLOADS.clear()
     rows = [local_train(agg, t7_net(), [(x, y), (x, y)], 0.1, k) for k, (x, y) in enumerate(data)]
     if name == "local_gc":
         torch.testing.assert_close(rows[0][:6].view(2, 3), T([[-0.019744444444, -0.078977777778, 0.098722222222],
                                                               [0.032355555556, 0.129422222222, -0.161777777778]]),
                                    atol=1e-11, rtol=0)
-    new, _ = agg.aggregate(w0, torch.stack(rows), [1, 1], [0, 1])
+    new, _ = agg.aggregate(w0, torch.stack(rows), [1, 1], [0, 1], payloads=ROUND_PAYLOADS)
     W1, W2 = T7[name]
     torch.testing.assert_close(new[:6].view(2, 3), T(W1), atol=1e-9, rtol=0)
     torch.testing.assert_close(new[6:].view(2, 2), T(W2), atol=1e-9, rtol=0)

@@ -126,3 +126,20 @@ def test_safe_io_sits_below_the_simulator():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_checkpoint_opens_with_plain_torch_load(tmp_path):
+    """Issue 15 item 9: a checkpoint is a torch.save archive a user opens with torch.load as it is."""
+    st = {"round": 2, "global": torch.randn(7), "aggregator": {"c": torch.ones(3)}}
+    p = save_checkpoint(st, tmp_path / "c.pt")
+    plain = torch.load(p, weights_only=True)
+    assert plain["round"] == 2 and torch.equal(plain["global"], st["global"])
+    raw = open(p, "rb").read()
+    assert raw.startswith(b"PK") and raw.splitlines()[-1].startswith(safe_io.TRAILER)
+
+
+def test_first_format_files_still_load(tmp_path):
+    buf = io.BytesIO()
+    torch.save({"round": 1, "w": torch.arange(3.0)}, buf)
+    (tmp_path / "old.pt").write_bytes(_wrap(buf.getvalue()))
+    assert torch.equal(load_checkpoint(tmp_path / "old.pt")["w"], torch.arange(3.0))

@@ -30,6 +30,12 @@ template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <typename T> __device__ __forceinline__ T from_acc(double x);
 template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+// double -> narrow types through float, as c10::Half / c10::BFloat16 (the CPU op's casts) do.
+template <> __device__ __forceinline__ float from_acc<float>(double x) { return static_cast<float>(x); }
+template <> __device__ __forceinline__ __half from_acc<__half>(double x) { return __float2half_rn(static_cast<float>(x)); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(double x) {
+  return __float2bfloat16_rn(static_cast<float>(x));
+}
 
 template <typename T> __device__ __forceinline__ double to_double(T x) { return static_cast<double>(to_float(x)); }
 

@@ -3,10 +3,11 @@
 // Work split: output tiles x column parts. grid.x runs over tile pairs (fastest, so the blocks
 // that share a column part run together and re-read U from L2), grid.y over column parts. Each
 // block writes its float64 partial tile to a workspace [parts, kp, Kp]; a second kernel sums the
-// parts in index order (no atomics). The number of parts depends only on (k, K, d), so the same
+// parts in a fixed order (32 elements x 8 warps per block, no atomics). The number of parts depends only on (k, K, d), so the same
 // inputs give the same bits on every call.
 // Symmetric case (no rows): only tile pairs I <= J are computed and G[i][j] = G[j][i] is read
 // from the same partials, so G is exactly symmetric.
+// An out-of-range rows entry gives a NaN row of G (no device assert, no read outside U).
 // Paths:
 //  R (K <= 16): tiles of 8 rows; every thread owns columns and keeps the whole 8x8 (upper
 //    triangle on diagonal tiles) accumulator in registers, loading straight from global memory;
@@ -124,7 +125,9 @@ __global__ void __launch_bounds__(kThreads) gram_r_kernel(const T* __restrict__ 
     double s = 0.0;
 #pragma unroll
     for (int w = 0; w < kThreads / 32; ++w) s += red[w][threadIdx.x];
-    ws[(part * kp + I * kTileR + i) * Kp + J * kTileR + j] = s;
+    const int64_t ia = I * kTileR + i;
+    const bool bad = rows != nullptr && ia < k && !(rows[ia] >= 0 && rows[ia] < K);  // NaN row, no assert
+    ws[(part * kp + ia) * Kp + J * kTileR + j] = bad ? NAN : s;
   }
 }
 
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) gram_s_kernel(const T* __restrict__ 
     int64_t ra = -1;
     if (ia < k) {
       ra = rows ? rows[ia] : ia;
-      if (ra < 0 || ra >= K) ra = -1;
+      if (ra < 0 || ra >= K) ra = -2;  // out of range: zeros while loading, NaN when written
     }
     rowA[tid] = ra;
     const int64_t jb = J * kTileS + tid;
@@ -213,23 +216,38 @@ __global__ void __launch_bounds__(kThreads) gram_s_kernel(const T* __restrict__ 
     for (int i = 0; i < kMicro; ++i)
 #pragma unroll
       for (int j = 0; j < kMicro; ++j)
-        ws[(part * kp + I * kTileS + ty * kMicro + i) * Kp + J * kTileS + tx * kMicro + j] = acc[i][j];
+        ws[(part * kp + I * kTileS + ty * kMicro + i) * Kp + J * kTileS + tx * kMicro + j] =
+            rowA[ty * kMicro + i] == -2 ? NAN : acc[i][j];
   }
 }
 
-__global__ void gram_reduce_kernel(const double* __restrict__ ws, int64_t nparts, int64_t k, int64_t K, int64_t kp,
-                                   int64_t Kp, bool symmetric, double* __restrict__ G) {
-  const int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (e >= k * K) return;
-  int64_t i = e / K, j = e % K;
-  if (symmetric && i > j) {
-    const int64_t t = i;
-    i = j;
-    j = t;
-  }
+// Final reduction over the column parts: a block owns 32 consecutive output elements (one per
+// lane, so every load of a part is one coalesced 256-byte row segment) and its 8 warps split the
+// parts (warp w adds parts w, w + 8, ... in increasing order); the 8 partials are then added in
+// warp order. Deterministic, and 8 x 32 loads in flight per block instead of one thread walking
+// all parts of an element. Symmetric case: only i <= j is reduced and written to G[i][j] and
+// G[j][i] (exact symmetry). GPU run to confirm: the reduction is < 10% of gram at K=100.
+constexpr int kRedWarps = kThreads / 32;
+__global__ void __launch_bounds__(kThreads) gram_reduce_kernel(const double* __restrict__ ws, int64_t nparts, int64_t k,
+                                                               int64_t K, int64_t kp, int64_t Kp, bool symmetric,
+                                                               double* __restrict__ G) {
+  __shared__ double part[kRedWarps][32];
+  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int64_t e = (int64_t)blockIdx.x * 32 + lane;
+  const int64_t i = e / K, j = e % K;
+  const bool active = e < k * K && !(symmetric && i > j);
   double s = 0.0;
-  for (int64_t p = 0; p < nparts; ++p) s += ws[(p * kp + i) * Kp + j];
-  G[e] = s;
+  if (active)
+    for (int64_t p = w; p < nparts; p += kRedWarps) s += ws[(p * kp + i) * Kp + j];
+  part[w][lane] = s;
+  __syncthreads();
+  if (w == 0 && active) {
+    double t = part[0][lane];
+#pragma unroll
+    for (int q = 1; q < kRedWarps; ++q) t += part[q][lane];
+    G[i * K + j] = t;
+    if (symmetric && i != j) G[j * K + i] = t;
+  }
 }
 
 }  // namespace
@@ -282,8 +300,9 @@ cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, cons
     return cudaGetLastError();
   });
   if (err != cudaSuccess) return err;
-  const int64_t n = k * K;
-  gram_reduce_kernel<<<(unsigned)ceil_div(n, 256), 256, 0, stream>>>(ws, nparts, k, K, kp, Kp, symmetric, G);
+  const int64_t n = k * K;  // 32 output elements per block
+  if (ceil_div(n, 32) > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  gram_reduce_kernel<<<(unsigned)ceil_div(n, 32), kThreads, 0, stream>>>(ws, nparts, k, K, kp, Kp, symmetric, G);
   return cudaGetLastError();
 }
 

@@ -1,11 +1,15 @@
 // Launchers of the fedkernels CUDA kernels: plain C++ (raw pointers, cudaStream_t), no torch
-// headers, so each csrc/cuda/<op>.cu compiles alone with nvcc (CI compile check) and the torch
-// glue (torch_glue.cpp) is the only file that sees ATen.
+// headers, so each csrc/cuda/<op>.cu compiles alone with nvcc (CI compile check); the torch glue
+// of op <op> sits beside it in csrc/cuda/<op>_glue.cpp (host compiler, ATen headers, registers
+// itself with TORCH_LIBRARY_IMPL(fedkernels, CUDA, m)).
 //
 // Conventions:
 // - Every launcher enqueues work on `stream` and returns cudaGetLastError() of its launches; it
 //   never synchronises the host. Shapes are validated by the caller (the glue).
 // - Matrices are row-major with unit column stride; `ld` is the row stride in elements.
+// - Row indices are not range-checked by a device assert (an assert poisons the CUDA context):
+//   an out-of-range entry gives NaN in the rows of the result it touches, and never a read
+//   outside U. The glue checks host-resident indices; the Python wrappers check every device.
 // - Reductions use a fixed order (no floating-point atomics): same inputs and shapes on the same
 //   device give the same bits.
 #pragma once
@@ -20,6 +24,14 @@ namespace cuda {
 
 enum class DType : int { Float16 = 0, BFloat16 = 1, Float32 = 2, Float64 = 3 };
 
+// ---- upload: host bytes -> device buffer through kernel arguments ------------------------------
+// Small host tables (coefficients, row indices, work lists) reach the device as the by-value
+// argument of one tiny kernel per kUploadBytes: stream-ordered, no pinned staging buffer, no host
+// sync, and safe under CUDA-graph capture (the values are captured with the launch). dev must be
+// 16-byte aligned with room for `bytes` rounded up to 16.
+constexpr size_t kUploadBytes = 3840;
+cudaError_t upload(const void* host, size_t bytes, void* dev, cudaStream_t stream);
+
 // ---- gram: G[k, K] = U[rows] @ U^T, exact float64 products and float64 accumulation ----------
 // rows: device int64 [k] or nullptr (all K rows, symmetric: only upper tiles are computed and G
 // is mirrored exactly). The d columns are split into `gram_parts(...)` parts (a function of the
@@ -32,10 +44,12 @@ cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, cons
 
 // ---- weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]] -----------------------------
 // coef: device float64 [n]; rows: device int64 [n] or nullptr (n == K, rows 0..K-1); base: [d] or
-// nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64; each
-// output element sums the rows in index order.
+// nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64, fp64
+// for every dtype when some |alpha * coef[i]| > 3e38 (the CPU op's rule). wide: 1 / 0 when the
+// caller knows (host coefficients), -1 to let every block decide from coef. Each output element
+// sums the rows in index order.
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
-                         const int64_t* rows, int64_t n, const void* base, double alpha, void* out,
+                         const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
                          cudaStream_t stream);
 
 // ---- finite_rows: ok[k] = all(isfinite(U[k, :])) -----------------------------------------------
@@ -90,6 +104,14 @@ cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int6
 // memory. A zero U diagonal gives Inf/NaN (the caller checks it where a host sync is acceptable).
 cudaError_t lu_solve(const double* LU, const int32_t* piv, const void* R, void* X, DType dt, int64_t B, int64_t n,
                      int64_t m, cudaStream_t stream);
+
+// ---- arrowhead_solve: [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column -----------------
+// coef: device float64 [3K] = (b_i / a_i, c_i, 1 / a_i), inv_den = 1 / (alpha - sum_i b_i c_i / a_i)
+// (computed and checked on the host, as the CPU op). r0, x: [m]; R: [K, m] with row stride ld_r;
+// I: [K, m] contiguous. One thread per column, float64 arithmetic, rows in index order (the CPU
+// op's order): x = (r0 - sum_i (b_i/a_i) R_i) * inv_den, I_i = (R_i - c_i x) / a_i.
+cudaError_t arrowhead_solve(const double* coef, int64_t K, int64_t m, double inv_den, const void* r0, const void* R,
+                            int64_t ld_r, void* x, void* I, DType dt, cudaStream_t stream);
 
 // ---- fedecado_be_step: one fused FedECADO backward-Euler attempt (fedecado.md §5.3(a)) ---------
 // Inputs [dtype ty: Float32 or Float64]: xc, xc0, S_off (nullptr: none) [d] contiguous; Icur, U,

@@ -12,7 +12,13 @@
 // applied in order) sit in shared memory; each thread streams one right-hand-side column:
 // gathers it through the permutation, forward (unit L) and back (U) substitution in registers,
 // writes it (register arrays for n <= 32, runtime loops above). X may alias R (each column is read completely before it is written).
+// Pivots: lu::pivot_key / pivot_better (lu.cuh), a strict total order that matches the CPU scan
+// with NaN, so every lane of a warp picks the same pivot and every shuffle runs on all lanes.
+// An out-of-range pivot passed to lu_solve gives NaN columns (no device assert).
+// arrowhead_solve: one thread per column (lu::arrowhead_column); all threads read the same
+// coefficient at a time (a broadcast from L1).
 #include "common.cuh"
+#include "lu.cuh"
 
 namespace fedkernels {
 namespace cuda {
@@ -36,27 +42,25 @@ __global__ void __launch_bounds__(128) lu_warp_kernel(const T* __restrict__ A, T
 #pragma unroll
   for (int k = 0; k < NMAX; ++k) {
     if (k >= n) break;
-    // arg-max of |row[k]| over lanes k..n-1, ties -> smallest lane (idamax)
-    T best = (lane >= k && lane < n) ? fabs(row[k]) : T(-1);
-    int bi = lane;
+    // Pivot: the arg-max of lu::pivot_key over lanes k..n-1, a strict total order (NaN-safe), so
+    // the butterfly leaves the same p on every lane; every shuffle below runs on all 32 lanes.
+    lu::PivotKey best = lu::pivot_key(static_cast<double>(row[k]), lane, k, n);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-      const T ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > best || (ov == best && oi < bi)) {
-        best = ov;
-        bi = oi;
-      }
+      lu::PivotKey other;
+      other.rank = __shfl_xor_sync(0xffffffffu, best.rank, o);
+      other.v = __shfl_xor_sync(0xffffffffu, best.v, o);
+      other.i = __shfl_xor_sync(0xffffffffu, best.i, o);
+      if (lu::pivot_better(other, best)) best = other;
     }
-    const int p = bi;
+    const int p = best.i;  // in [k, n): lane k always has rank >= 1
     if (lane == 0) piv[b * n + k] = p + 1;
     const T pv = __shfl_sync(0xffffffffu, row[k], p);
-    if (pv != T(0)) {
-      if (p != k) {
-        const int src = lane == k ? p : (lane == p ? k : lane);
+    const bool nonzero = pv != T(0);  // the same on every lane (NaN counts as nonzero, as on the CPU)
+    const int src = (nonzero && p != k) ? (lane == k ? p : (lane == p ? k : lane)) : lane;
 #pragma unroll
-        for (int j = 0; j < NMAX; ++j) row[j] = __shfl_sync(0xffffffffu, row[j], src);
-      }
+    for (int j = 0; j < NMAX; ++j) row[j] = __shfl_sync(0xffffffffu, row[j], src);
+    if (nonzero) {
       if (lane > k && lane < n) row[k] = row[k] / pv;
     } else if (inf == 0) {
       inf = k + 1;
@@ -94,29 +98,25 @@ __global__ void __launch_bounds__(256) lu_block_kernel(const T* __restrict__ A, 
   int32_t inf = 0;
   for (int k = 0; k < n; ++k) {
     if (tid < 32) {
-      T best = T(-1);
-      int bi = n;
+      // Each lane scans rows k + tid, k + tid + 32, ...; then a butterfly. lu::pivot_better is a
+      // strict total order, so the result does not depend on the reduction tree (lu.cuh).
+      lu::PivotKey best = lu::pivot_key(0.0, -1, k, n);  // rank -1: loses to every candidate
       for (int i = k + tid; i < n; i += 32) {
-        const T v = fabs(s[i][k]);
-        if (v > best) {  // strided ascending scan: keeps the first maximum of this lane
-          best = v;
-          bi = i;
-        }
+        const lu::PivotKey c = lu::pivot_key(static_cast<double>(s[i][k]), i, k, n);
+        if (lu::pivot_better(c, best)) best = c;
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
-        const T ov = __shfl_xor_sync(0xffffffffu, best, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > best || (ov == best && oi < bi)) {
-          best = ov;
-          bi = oi;
-        }
+        lu::PivotKey other;
+        other.rank = __shfl_xor_sync(0xffffffffu, best.rank, o);
+        other.v = __shfl_xor_sync(0xffffffffu, best.v, o);
+        other.i = __shfl_xor_sync(0xffffffffu, best.i, o);
+        if (lu::pivot_better(other, best)) best = other;
       }
       if (tid == 0) {
-        if (bi >= n) bi = k;  // NaN column: keep the diagonal
-        sp = bi;
-        spv = s[bi][k];
-        piv[b * n + k] = bi + 1;
+        sp = best.i;
+        spv = s[best.i][k];
+        piv[b * n + k] = best.i + 1;
       }
     }
     __syncthreads();
@@ -153,20 +153,12 @@ __global__ void lu_solve_kernel(const double* __restrict__ LU, const int32_t* __
                                 int64_t m, int64_t nb) {
   __shared__ double s[NMAX][NMAX];
   __shared__ int perm[NMAX];
+  __shared__ bool bad_piv;
   const int64_t gx = gridDim.x / nb, b = blockIdx.x / gx, bx = blockIdx.x % gx;  // 1-D grid: (b, column block)
   const int64_t nn = (int64_t)n * n;
   const double* lu = LU + b * nn;
   for (int e = threadIdx.x; e < n * n; e += blockDim.x) s[e / n][e % n] = lu[e];
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < n; ++i) perm[i] = i;
-    for (int k = 0; k < n; ++k) {
-      int p = piv[b * n + k] - 1;
-      if (p < 0 || p >= n) p = k;
-      const int t = perm[k];
-      perm[k] = perm[p];
-      perm[p] = t;
-    }
-  }
+  if (threadIdx.x == 0) bad_piv = !lu::permutation(piv + b * n, n, perm);
   __syncthreads();
   const int64_t c = bx * blockDim.x + threadIdx.x;
   if (c >= m) return;
@@ -196,7 +188,7 @@ __global__ void lu_solve_kernel(const double* __restrict__ LU, const int32_t* __
   T* o = X + b * (int64_t)n * m;
 #pragma unroll
   for (int i = 0; i < NMAX; ++i)
-    if (i < n) o[(int64_t)i * m + c] = static_cast<T>(x[i]);
+    if (i < n) o[(int64_t)i * m + c] = static_cast<T>(bad_piv ? NAN : x[i]);
 }
 
 // n in (32, 64]: the same with runtime loops (x in local memory, L1-resident): keeps compile
@@ -206,38 +198,21 @@ __global__ void lu_solve_generic_kernel(const double* __restrict__ LU, const int
                                         int n, int64_t m, int64_t nb) {
   __shared__ double s[kLuMaxN][kLuMaxN + 1];
   __shared__ int perm[kLuMaxN];
+  __shared__ bool bad_piv;
   const int64_t gx = gridDim.x / nb, b = blockIdx.x / gx, bx = blockIdx.x % gx;  // 1-D grid: (b, column block)
   const int64_t nn = (int64_t)n * n;
   const double* lu = LU + b * nn;
   for (int e = threadIdx.x; e < n * n; e += blockDim.x) s[e / n][e % n] = lu[e];
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < n; ++i) perm[i] = i;
-    for (int k = 0; k < n; ++k) {
-      int p = piv[b * n + k] - 1;
-      if (p < 0 || p >= n) p = k;
-      const int t = perm[k];
-      perm[k] = perm[p];
-      perm[p] = t;
-    }
-  }
+  if (threadIdx.x == 0) bad_piv = !lu::permutation(piv + b * n, n, perm);
   __syncthreads();
   const int64_t c = bx * blockDim.x + threadIdx.x;
   if (c >= m) return;
   const T* r = R + b * (int64_t)n * m;
   double x[kLuMaxN];
   for (int i = 0; i < n; ++i) x[i] = static_cast<double>(r[(int64_t)perm[i] * m + c]);
-  for (int i = 1; i < n; ++i) {
-    double acc = x[i];
-    for (int j = 0; j < i; ++j) acc = fma(-s[i][j], x[j], acc);
-    x[i] = acc;
-  }
-  for (int i = n - 1; i >= 0; --i) {
-    double acc = x[i];
-    for (int j = i + 1; j < n; ++j) acc = fma(-s[i][j], x[j], acc);
-    x[i] = acc / s[i][i];
-  }
+  lu::solve_column([&](int i, int j) { return s[i][j]; }, n, x);
   T* o = X + b * (int64_t)n * m;
-  for (int i = 0; i < n; ++i) o[(int64_t)i * m + c] = static_cast<T>(x[i]);
+  for (int i = 0; i < n; ++i) o[(int64_t)i * m + c] = static_cast<T>(bad_piv ? NAN : x[i]);
 }
 
 template <typename T>
@@ -275,7 +250,39 @@ cudaError_t solve_t(const double* LU, const int32_t* piv, const T* R, T* X, int6
   return cudaGetLastError();
 }
 
+// ---- arrowhead: one thread per column ----
+template <typename T>
+__global__ void __launch_bounds__(256) arrowhead_kernel(const double* __restrict__ coef, int64_t K, int64_t m,
+                                                        double inv_den, const T* __restrict__ r0,
+                                                        const T* __restrict__ R, int64_t ld_r, T* __restrict__ x,
+                                                        T* __restrict__ I) {
+  const int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (c >= m) return;
+  auto rd = [&](int64_t i) { return static_cast<double>(R[i * ld_r + c]); };
+  auto put = [&](int64_t i, double v) { I[i * m + c] = static_cast<T>(v); };
+  x[c] = static_cast<T>(lu::arrowhead_column(coef, K, static_cast<double>(r0[c]), inv_den, rd, put));
+}
+
 }  // namespace
+
+cudaError_t arrowhead_solve(const double* coef, int64_t K, int64_t m, double inv_den, const void* r0, const void* R,
+                            int64_t ld_r, void* x, void* I, DType dt, cudaStream_t stream) {
+  if (m <= 0) return cudaSuccess;
+  const int64_t blocks = (m + 255) / 256;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (dt == DType::Float32)
+    arrowhead_kernel<float><<<(unsigned)blocks, 256, 0, stream>>>(coef, K, m, inv_den, static_cast<const float*>(r0),
+                                                                   static_cast<const float*>(R), ld_r,
+                                                                   static_cast<float*>(x), static_cast<float*>(I));
+  else if (dt == DType::Float64)
+    arrowhead_kernel<double><<<(unsigned)blocks, 256, 0, stream>>>(coef, K, m, inv_den,
+                                                                    static_cast<const double*>(r0),
+                                                                    static_cast<const double*>(R), ld_r,
+                                                                    static_cast<double*>(x), static_cast<double*>(I));
+  else
+    return cudaErrorInvalidValue;
+  return cudaGetLastError();
+}
 
 cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
                               cudaStream_t stream) {

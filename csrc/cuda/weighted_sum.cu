@@ -1,40 +1,37 @@
 // weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]], one pass over the selected rows.
 //
 // Each thread owns a 16-byte group of columns (float4 / 8 x half / 2 x double) when every row,
-// base and out are 16-byte aligned, otherwise single columns (coalesced scalar path). The
-// coefficients (alpha * coef[i], rounded once to the accumulation type as on the CPU) and row
-// pointers are staged in shared memory in batches of 256 rows. Each output element accumulates
-// the rows in index order with fma: deterministic. out may alias base: every element of base is
-// read by the thread that writes the same element of out, before the write.
+// base and out are 16-byte aligned, otherwise single columns (coalesced scalar path); see
+// weighted_sum.cuh (wsum::col, wsum::vec_ok). The coefficients (alpha * coef[i], rounded once to
+// the accumulation type) and row pointers are staged in shared memory in batches of 256 rows.
+// Accumulation type as the CPU op: float for fp16/bf16/fp32 data, double for fp64 data, and
+// double for any data when some |alpha * coef[i]| does not fit in float (each block checks all
+// coefficients first: one __syncthreads_or over n values). Each output element accumulates the
+// rows in index order with fma: deterministic. An out-of-range rows entry contributes NaN (no
+// device assert, no read outside U). out may alias base: every element of base is read by the
+// thread that writes the same element of out, before the write.
 #include "common.cuh"
-
-#include <cassert>
+#include "weighted_sum.cuh"
 
 namespace fedkernels {
 namespace cuda {
 namespace {
 
 using namespace detail;
+using wsum::kThreads;
 
-constexpr int kThreads = 256;
-
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(kThreads)
-    wsum_kernel(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld, const double* __restrict__ coef,
-                const int64_t* __restrict__ rows, int64_t n, const T* base, double alpha, T* out) {
-  using A = typename Acc<T>::type;
+template <typename T, typename A, bool VEC>
+__device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld,
+                                          const double* __restrict__ coef, const int64_t* __restrict__ rows, int64_t n,
+                                          const T* base, double alpha, T* out, A* cs, const T** rp) {
   constexpr int V = Vec16<T>::n;
-  __shared__ A cs[kThreads];
-  __shared__ const T* rp[kThreads];
-
   const int tid = threadIdx.x;
-  const int64_t col0 = (int64_t)blockIdx.x * (kThreads * V);
+  const int64_t b = blockIdx.x;
   A acc[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) acc[e] = A(0);
 
-  // VEC: this thread's columns are [jv, jv + V); scalar: col0 + e * kThreads + tid.
-  const int64_t jv = col0 + (int64_t)tid * V;
+  const int64_t jv = wsum::col(b, tid, 0, V, true);
   const bool full = VEC && jv + V <= d;
 
   for (int64_t i0 = 0; i0 < n; i0 += kThreads) {
@@ -42,9 +39,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     if (tid < nb) {
       const int64_t r = rows ? rows[i0 + tid] : i0 + tid;
-      const bool ok = r >= 0 && r < K;
-      assert(ok && "weighted_sum: rows entry out of range");
-      cs[tid] = ok ? static_cast<A>(alpha * coef[i0 + tid]) : A(0);
+      const bool ok = wsum::row_ok(r, K);
+      // A bad row reads row 0 with a NaN coefficient: the output is NaN, never a plausible value.
+      cs[tid] = ok ? static_cast<A>(alpha * coef[i0 + tid]) : static_cast<A>(NAN);
       rp[tid] = U + (ok ? r : 0) * ld;
     }
     __syncthreads();
@@ -59,10 +56,10 @@ __global__ void __launch_bounds__(kThreads)
         const A c0 = cs[i], c1 = cs[i + 1], c2 = cs[i + 2], c3 = cs[i + 3];
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          acc[e] = fma(c0, x0[e], acc[e]);
-          acc[e] = fma(c1, x1[e], acc[e]);
-          acc[e] = fma(c2, x2[e], acc[e]);
-          acc[e] = fma(c3, x3[e], acc[e]);
+          acc[e] = wsum::accumulate(acc[e], c0, x0[e]);
+          acc[e] = wsum::accumulate(acc[e], c1, x1[e]);
+          acc[e] = wsum::accumulate(acc[e], c2, x2[e]);
+          acc[e] = wsum::accumulate(acc[e], c3, x3[e]);
         }
       }
       for (; i < nb; ++i) {
@@ -70,23 +67,16 @@ __global__ void __launch_bounds__(kThreads)
         load16<T, A>(rp[i] + jv, x0);
         const A c0 = cs[i];
 #pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = fma(c0, x0[e], acc[e]);
+        for (int e = 0; e < V; ++e) acc[e] = wsum::accumulate(acc[e], c0, x0[e]);
       }
-    } else if (VEC) {  // tail of the last block: fewer than V columns left for this thread
-      for (int i = 0; i < nb; ++i) {
-        const A c0 = cs[i];
-#pragma unroll
-        for (int e = 0; e < V; ++e)
-          if (jv + e < d) acc[e] = fma(c0, static_cast<A>(to_float(rp[i][jv + e])), acc[e]);
-      }
-    } else {
+    } else {  // scalar path, or the tail of the last block on the vector path
       for (int i = 0; i < nb; ++i) {
         const A c0 = cs[i];
         const T* p = rp[i];
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const int64_t j = col0 + (int64_t)e * kThreads + tid;
-          if (j < d) acc[e] = fma(c0, static_cast<A>(to_float(__ldg(p + j))), acc[e]);
+          const int64_t j = wsum::col(b, tid, e, V, VEC);
+          if (j < d) acc[e] = wsum::accumulate(acc[e], c0, static_cast<A>(to_float(__ldg(p + j))));
         }
       }
     }
@@ -94,16 +84,16 @@ __global__ void __launch_bounds__(kThreads)
 
   if (full) {
     if (base) {
-      A b[V];
-      load16_rw<T, A>(base + jv, b);
+      A bv[V];
+      load16_rw<T, A>(base + jv, bv);
 #pragma unroll
-      for (int e = 0; e < V; ++e) acc[e] = b[e] + acc[e];
+      for (int e = 0; e < V; ++e) acc[e] = bv[e] + acc[e];
     }
     store16<T, A>(out + jv, acc);
   } else {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const int64_t j = VEC ? jv + e : col0 + (int64_t)e * kThreads + tid;
+      const int64_t j = wsum::col(b, tid, e, V, VEC);
       if (j < d) {
         A v = acc[e];
         if (base) v = static_cast<A>(to_float(base[j])) + v;
@@ -113,10 +103,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// wide: 1 = accumulate in double, 0 = in the data's accumulation type, -1 = decide here from coef.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+    wsum_kernel(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld, const double* __restrict__ coef,
+                const int64_t* __restrict__ rows, int64_t n, const T* base, double alpha, T* out, int wide) {
+  __shared__ double cs[kThreads];
+  __shared__ const T* rp[kThreads];
+  if (wide < 0) {
+    bool bad = false;
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) bad |= !wsum::fits_float(alpha, coef[i]);
+    wide = __syncthreads_or(bad) ? 1 : 0;
+  }
+  using A = typename Acc<T>::type;
+  if (wide == 0 || sizeof(A) == sizeof(double))
+    wsum_body<T, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp);
+  else
+    wsum_body<T, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp);
+}
+
 }  // namespace
 
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
-                         const int64_t* rows, int64_t n, const void* base, double alpha, void* out,
+                         const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
                          cudaStream_t stream) {
   if (d <= 0) return cudaSuccess;
   return dispatch(dt, [&](auto tag) {
@@ -125,14 +134,14 @@ cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t 
     const T* u = static_cast<const T*>(U);
     const T* b = static_cast<const T*>(base);
     T* o = static_cast<T*>(out);
-    const bool vec = aligned16(u) && ((ld * (int64_t)sizeof(T)) % 16 == 0 || K <= 1) && aligned16(o) &&
-                     (b == nullptr || aligned16(b));
-    const int64_t blocks = (d + (int64_t)kThreads * V - 1) / ((int64_t)kThreads * V);
+    const bool vec = wsum::vec_ok(reinterpret_cast<uintptr_t>(u), ld * (int64_t)sizeof(T), K,
+                                  reinterpret_cast<uintptr_t>(o), reinterpret_cast<uintptr_t>(b));
+    const int64_t blocks = wsum::num_blocks(d, V);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     if (vec)
-      wsum_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o);
+      wsum_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide);
     else
-      wsum_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o);
+      wsum_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide);
     return cudaGetLastError();
   });
 }

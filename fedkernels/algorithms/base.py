@@ -29,6 +29,16 @@ log = logging.getLogger("fedkernels")
 BAD_UPDATE_POLICIES = ("raise", "exclude")
 
 
+def tracing() -> bool:
+    """True while torch.compile / torch.export traces the caller: value checks are skipped."""
+    return torch.compiler.is_compiling()
+
+
+def info_values(t: torch.Tensor):
+    """A tensor for ``AggResult.info``: a list in eager mode, the tensor itself while tracing."""
+    return t if tracing() else t.tolist()
+
+
 class AggResult(NamedTuple):
     params: torch.Tensor   # the new global flat vector
     info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
@@ -102,6 +112,17 @@ class Aggregator(abc.ABC):
     def aggregate(self, global_flat: torch.Tensor, updates: torch.Tensor, num_examples,
                   client_ids: Optional[Sequence[int]] = None,
                   payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
+        """One round. Under ``torch.compile`` / ``torch.export`` (see :func:`tracing`) the shape,
+        dtype, device and option checks still run at trace time, but the value checks (NaN/Inf
+        screening of rows, results and payloads, sample counts > 0) are skipped: the eager call
+        raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
+        the eager call gives lists."""
+        if tracing():
+            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            res = self._aggregate(rin)
+            res.info.setdefault("num_clients", rin.K)
+            self.round += 1
+            return res
         if self.screen_after_pure:
             # One pass instead of two for pure methods: aggregate unscreened, then check the [d]
             # result. A NaN/Inf in any used update (or an overflow) makes it non-finite, and only
@@ -138,7 +159,10 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
         d = global_flat.numel()
-        if global_flat.is_floating_point() and not bool(ops.finite_rows(global_flat.unsqueeze(0))[0]):  # native, no [d] temp
+        traced = tracing()
+        if traced:
+            screen = False
+        if global_flat.is_floating_point() and not traced and not bool(ops.finite_rows(global_flat.unsqueeze(0))[0]):  # native, no [d] temp
             raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
         bad_len: List[int] = []
         if isinstance(updates, (list, tuple)):
@@ -187,7 +211,7 @@ class Aggregator(abc.ABC):
 
         reasons: Dict[int, str] = {}
         finite = ops.finite_rows(updates) if (K and screen) else torch.ones(K, dtype=torch.bool)
-        for k in range(K):
+        for k in range(0 if traced else K):          # value checks: eager only (see aggregate)
             if not bool(finite[k]):
                 reasons[k] = "update contains NaN/Inf"
             elif not (n[k] > 0 and torch.isfinite(n[k])):
@@ -214,6 +238,12 @@ class Aggregator(abc.ABC):
             ids = [ids[k] for k in keep]
             pl = [pl[k] for k in keep]
         return RoundInput(global_flat, updates, n, ids, pl, excluded)
+
+    def missing_payload(self, key: str, what: str) -> str:
+        """The one message for a payload entry the method's client side should have sent."""
+        return (f"{self.name} needs payload {key!r} ({what}) from its client side: train the client with "
+                f"rule = agg.client_rule() (hooks: fedkernels.algorithms.ClientRule) and pass what "
+                f"rule.end(ctx, model) returns as its entry of payloads")
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         """Returns a reason string if a client's payload is unusable (subclasses extend)."""

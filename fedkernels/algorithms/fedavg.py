@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import ops
-from .base import AggResult, Aggregator, RoundInput, register
+from .base import AggResult, Aggregator, RoundInput, info_values, register
 from .parts import WEIGHTINGS, check_choice, client_weights
 
 
@@ -26,5 +26,5 @@ class FedAvg(Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
-        new = ops.weighted_sum(rin.U, p.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
-        return AggResult(new, {"weights": p.tolist()})
+        new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=self.server_lr)
+        return AggResult(new, {"weights": info_values(p)})

@@ -54,7 +54,7 @@ class FedAvgM(FedAvg):
         g = rin.global_flat
         v = self._mom.update(rin.U, p, g)                                # v = beta v + sum p U
         if self.nesterov:
-            step = ops.weighted_sum(rin.U, p.to(rin.U.device)).add_(v, alpha=self.beta)
+            step = ops.weighted_sum(rin.U, p).add_(v, alpha=self.beta)
             new = g.add(step, alpha=self.server_lr)
         else:
             new = g.add(v, alpha=self.server_lr)

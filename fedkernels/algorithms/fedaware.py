@@ -182,7 +182,7 @@ class FedAWARE(Aggregator):
             self.seen[cid] = True
             self.n_examples[cid] = rin.num_examples[j]
         idx = torch.tensor(rin.client_ids, dtype=torch.long)
-        Gr = ops.gram(M, rows=idx.to(M.device)).to("cpu")                 # [k, N] fp64
+        Gr = ops.gram(M, rows=idx).to("cpu")                 # [k, N] fp64
         self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
 
@@ -233,7 +233,7 @@ class FedAWARE(Aggregator):
         if self.extension == "fedavgm":
             base_step = self._ext.update(rin.U, p, x)
         elif self.extension == "fedavg":
-            base_step = ops.weighted_sum(rin.U, p.to(dev))
+            base_step = ops.weighted_sum(rin.U, p)
         self._update_momenta(rin)
         exploring = self.warmup == "explore" and not bool(self.seen.all())
         info["phase"] = "explore" if exploring else "aware"
@@ -241,12 +241,12 @@ class FedAWARE(Aggregator):
             if base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
             else:
-                new = ops.weighted_sum(rin.U, p.to(dev), base=x, alpha=self.server_lr)
+                new = ops.weighted_sum(rin.U, p, base=x, alpha=self.server_lr)
             info.update(weights=p.tolist(), num_seen=int(self.seen.sum()))
             return AggResult(new, info)
         if self.variant == "na":
             act, coef = self._na_coef()
-            new = self._wsum_M(coef.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+            new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act)
             info.update(support=act.tolist(), coef=coef.tolist())
             return AggResult(new, info)
         active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
@@ -266,7 +266,7 @@ class FedAWARE(Aggregator):
         if zero_dir:
             if self.zero_fallback == "na":
                 act, cna = self._na_coef()
-                new = self._wsum_M(cna.to(dev), base=x, alpha=self.server_lr, rows=act.to(dev))
+                new = self._wsum_M(cna, base=x, alpha=self.server_lr, rows=act)
                 info["fallback"] = "na"
             elif base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
@@ -276,10 +276,10 @@ class FedAWARE(Aggregator):
                 info["fallback"] = "zero step"
             return AggResult(new, info)
         if base_step is not None:
-            d = self._wsum_M(c.to(dev), rows=rows.to(dev))
+            d = self._wsum_M(c, rows=rows)
             scale = aware_scale(base_step, d)
             new = x.add(d, alpha=self.server_lr * scale)
             info["projection_scale"] = scale
             return AggResult(new, info)
-        new = self._wsum_M(c.to(dev), base=x, alpha=self.server_lr, rows=rows.to(dev))
+        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows)
         return AggResult(new, info)

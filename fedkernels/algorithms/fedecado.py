@@ -17,9 +17,11 @@ native fused op ``ops.fedecado_be_step`` (solver "auto" -> "fused"), writing int
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import statistics
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .parts import check_choice
 
 log = logging.getLogger("fedkernels")
 
@@ -35,12 +38,11 @@ HESSIANS = ("hutchinson", "identity", "global", "none")
 
 
 # ---------------------------------------------------------------------------------------------
-# the linear solve (switch point for the native LU ops)
+# the linear solve
 # ---------------------------------------------------------------------------------------------
-def _native(name: str, t: torch.Tensor):
-    """ops.<name> when the native op exists and t is on the CPU (the native linalg ops are CPU only)."""
-    fn = getattr(ops, name, None)
-    return fn if fn is not None and t.device.type == "cpu" else None
+def _native_ok(t: torch.Tensor) -> bool:
+    """The native linear-algebra ops take float32/float64 CPU tensors (elsewhere: the torch path)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: torch.Tensor,
@@ -52,25 +54,24 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
     a: [K] float64 (a_i >= 1); b0: [d]; r: [K, d] (a scratch buffer: may be overwritten).
     Returns (x [d], I [K, d]).
 
-    SWITCH POINT (native linalg ops):
-    * solver="auto": ops.arrowhead_solve (native closed form, one pass) when it exists, else
-      ops.lu_factor/ops.lu_solve when they exist, else the pure-torch closed form below.
-    * "closed_form": always the pure-torch closed form (Schur complement on the x row = LU without
-      pivoting with x ordered last; a_i >= 1 and the Schur denominator >= 1, so it never breaks down).
-    * "lu": dense LU of the (K+1) x (K+1) matrix ordered [I_1..I_K, x] (no fill-in): ops.lu_factor /
-      ops.lu_solve when they exist, else torch.linalg.lu_factor / lu_solve.
+    ``solver``:
+    * "auto": the native closed form ``ops.arrowhead_solve`` (one pass) for float32/float64 CPU
+      tensors, else the torch closed form below.
+    * "closed_form": the torch closed form (Schur complement on the x row = LU without pivoting with
+      x ordered last; a_i >= 1 and the Schur denominator >= 1, so it never breaks down).
+    * "lu": dense LU of the (K+1) x (K+1) matrix ordered [I_1..I_K, x] (no fill-in), factored once
+      and applied to all d right-hand sides: ``ops.lu_factor`` / ``ops.lu_solve`` on the CPU,
+      ``torch.linalg.lu_factor`` / ``lu_solve`` elsewhere. Same result as the closed form (to
+      rounding); it is the general path a non-arrowhead sensitivity model would need.
     """
     K = r.size(0)
     if solver == "auto":
-        arrow = _native("arrowhead_solve", r)
-        native_ok = r.dtype in (torch.float32, torch.float64)   # the native solvers take fp32/fp64 only
-        if arrow is not None and native_ok:
-            return arrow(a.to(torch.float64), -dt, c, 1.0, b0.contiguous(), r)
-        if native_ok and _native("lu_factor", r) is not None and _native("lu_solve", r) is not None:
-            solver = "lu"
+        if _native_ok(r):
+            return ops.arrowhead_solve(a.to(torch.float64), -dt, c, 1.0, b0.contiguous(), r)
+        solver = "closed_form"
     if solver != "lu":
         inv_a = (1.0 / a).to(torch.float64)
-        acc = ops.weighted_sum(r, inv_a.to(r.device))                   # sum_i r_i / a_i
+        acc = ops.weighted_sum(r, inv_a)                   # sum_i r_i / a_i
         den = 1.0 + dt * c * float(inv_a.sum())
         x = (b0 + dt * acc) / den
         # I_i = (r_i - c x) / a_i, written into r
@@ -82,10 +83,9 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
     M[K, :K] = -dt
     M[K, K] = 1.0
     R = torch.cat([r, b0.unsqueeze(0)], 0)
-    fac, sol = _native("lu_factor", r), _native("lu_solve", r)
-    if fac is not None and sol is not None:
-        LU, piv = fac(M)
-        Z = sol(LU, piv, R)
+    if r.device.type == "cpu":
+        LU, piv = ops.lu_factor(M)
+        Z = ops.lu_solve(LU, piv, R)
     else:
         LU, piv = torch.linalg.lu_factor(M.to(dtype=r.dtype, device=r.device))
         Z = torch.linalg.lu_solve(LU, piv, R)
@@ -120,7 +120,7 @@ def _norm(v: torch.Tensor, kind: str) -> torch.Tensor:
 def _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm: str) -> bool:
     """The native fused attempt (ops.fedecado_be_step) applies: inf-norm LTE and fp32/fp64 CPU
     tensors of one dtype (the torch composition in be_step serves every other case)."""
-    if lte_norm != "inf" or getattr(ops, "fedecado_be_step", None) is None:
+    if lte_norm != "inf":
         return False
     if U.dtype not in (torch.float32, torch.float64) or U.device.type != "cpu":
         return False
@@ -314,7 +314,7 @@ class FedECADORule(ClientRule):
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
         T = self.T
-        if self.aggregator.time_unit == "epoch":
+        if self.aggregator.ablations.time_unit == "epoch":
             if "epochs" not in ctx.extras:
                 raise ValueError("FedECADO time_unit='epoch' needs ctx.extras['epochs']")
             T = ctx.lr * float(ctx.extras["epochs"])
@@ -329,71 +329,114 @@ class FedECADORule(ClientRule):
 # ---------------------------------------------------------------------------------------------
 # server
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stepping:
+    """The server's time stepping (spec §2.7, §3): inductance ``L`` (None: c_L * T_bar^2 with T_bar
+    from ``T_bar`` or round 1's T_max, re-set once to the median of the first 5 rounds), LTE
+    tolerances ``delta`` / ``delta_I`` (None = delta; math.inf = fixed steps) measured in ``lte_norm``
+    (inf | rms), first step ``dt0`` (None: T_max), backtracking factor ``beta``, step ``growth`` per
+    round, and the caps ``max_backtracks`` / ``max_steps``."""
+    L: Optional[float] = None
+    c_L: float = 2.0
+    T_bar: Optional[float] = None
+    delta: float = 1e-2
+    delta_I: Optional[float] = None
+    dt0: Optional[float] = None
+    beta: float = 0.5
+    growth: float = 1.0
+    max_backtracks: int = 30
+    max_steps: int = 1000
+    lte_norm: str = "inf"
+
+    def __post_init__(self):
+        n = "fedecado"
+        if self.L is not None and not self.L > 0:
+            raise ValueError(f"{n}: L must be > 0, got {self.L!r}")
+        if not self.c_L > 0:
+            raise ValueError(f"{n}: c_L must be > 0, got {self.c_L!r}")
+        if not self.delta > 0 or (self.delta_I is not None and not self.delta_I > 0):
+            raise ValueError(f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {self.delta!r}, {self.delta_I!r}")
+        if not 0 < self.beta < 1:
+            raise ValueError(f"{n}: beta must lie in (0, 1), got {self.beta!r}")
+        if not self.growth >= 1.0:
+            raise ValueError(f"{n}: growth must be >= 1, got {self.growth!r}")
+        if self.dt0 is not None and not self.dt0 > 0:
+            raise ValueError(f"{n}: dt0 must be > 0, got {self.dt0!r}")
+        if int(self.max_backtracks) < 0 or int(self.max_steps) < 1:
+            raise ValueError(f"{n}: max_backtracks >= 0 and max_steps >= 1 required")
+        check_choice(n, "lte_norm", self.lte_norm, ("inf", "rms"))
+
+
+@dataclass(frozen=True)
+class Ablations:
+    """Where the paper is ambiguous or an experiment switches a part off (spec §2.4, §2.5, §2.10,
+    §2.11, §8). Defaults are the spec's [OURS] choices; ``Ablations.PAPER_LITERAL`` is the paper's
+    literal form: gradient weights w_i = p_i (``grad_weight="paper"``; an exact reparametrisation of
+    the default N p_i) and client time T_i = lr_i * epochs (``time_unit="epoch"``).
+
+    ``extrap`` linear | hold, ``max_extrap_ratio`` (inf), ``inactive`` frozen | exclude (flows of
+    non-participants), ``grad_weight`` normalized | paper, ``hessian`` hutchinson | identity | global |
+    none (none = ECADO limit, 1/g = 0), ``time_unit`` lr_sum | epoch, ``sync`` (True: "no multi-rate",
+    every active client's T_i is taken as the round's T_max)."""
+    extrap: str = "linear"
+    max_extrap_ratio: float = math.inf
+    inactive: str = "frozen"
+    grad_weight: str = "normalized"
+    hessian: str = "hutchinson"
+    time_unit: str = "lr_sum"
+    sync: bool = False
+
+    def __post_init__(self):
+        n = "fedecado"
+        for opt, allowed in (("extrap", ("linear", "hold")), ("inactive", INACTIVE),
+                             ("grad_weight", ("normalized", "paper")), ("hessian", HESSIANS),
+                             ("time_unit", ("lr_sum", "epoch"))):
+            check_choice(n, opt, getattr(self, opt), allowed)
+        if not self.max_extrap_ratio >= 1.0:
+            raise ValueError(f"{n}: max_extrap_ratio must be >= 1, got {self.max_extrap_ratio!r}")
+        if not isinstance(self.sync, bool):
+            raise ValueError(f"{n}: sync must be True or False, got {self.sync!r}")
+
+
+Ablations.PAPER_LITERAL = Ablations(grad_weight="paper", time_unit="epoch")
+SOLVERS = ("auto", "fused", "closed_form", "lu")
+_STEP_KEYS = tuple(f.name for f in fields(Stepping))
+_ABL_KEYS = tuple(f.name for f in fields(Ablations))
+
+
 @register("fedecado")
 class FedECADO(Aggregator):
     """FedECADO server (spec §2.8). Clients send payload ``T`` (simulated time, > 0) and, once,
     ``hbar`` (their Hessian scalar). State (§2.9): flows I [N, d], S_all = sum_j I_j (float64),
     central time t, carried dt, hbar per client, L.
 
-    Options: ``L`` (None: c_L * T_bar^2; T_bar from ``T_bar`` or round-1 T_max, re-set once to the
-    median of the first 5 rounds), ``c_L`` 2.0, ``delta`` 1e-2, ``delta_I`` (None = delta), ``dt0``
-    (None: T_max), ``beta`` 0.5, ``growth`` 1.0, ``max_backtracks`` 30, ``max_steps`` 1000,
-    ``extrap`` linear|hold, ``max_extrap_ratio`` inf, ``inactive`` frozen|exclude, ``grad_weight``
-    normalized|paper, ``lte_norm`` inf|rms, ``hessian`` hutchinson|identity|global|none (none =
-    ECADO limit, 1/g = 0), ``hbar`` (float or N floats: fixed values), ``weights`` (N explicit w_i),
-    ``data_sizes`` (N sizes n_i -> p_i), ``num_clients``, ``time_unit`` lr_sum|epoch,
-    ``solver`` auto|fused|closed_form|lu (auto: the native fused attempt when it applies), ``loss_fn`` (client Hutchinson loss), ``hutchinson_probes`` 4,
-    ``hutchinson_batches`` 2, ``sync`` False (True: the spec's §8 "no multi-rate" ablation, every
-    active client's T_i is taken as the round's T_max, i.e. ECADO without multi-rate interpolation)."""
+    Options, grouped: ``stepping`` (:class:`Stepping`), ``ablations`` (:class:`Ablations`;
+    ``Ablations.PAPER_LITERAL`` for the paper's literal form), ``solver`` (the BE linear solve:
+    "auto" = the native fused attempt ``ops.fedecado_be_step`` when it applies, else the native
+    closed form; "fused"; "closed_form"; "lu" = dense LU through ``ops.lu_factor``/``ops.lu_solve``).
+    Every field of the two groups may also be given flat (``build("fedecado", delta=0.1,
+    extrap="hold")``, as configs do); a flat option overrides the group's field. The federation:
+    ``hbar`` (float or N floats: fixed values), ``weights`` (N explicit w_i), ``data_sizes`` (N sizes
+    n_i -> p_i), ``num_clients``; client Hutchinson estimate: ``loss_fn``, ``hutchinson_probes`` 4,
+    ``hutchinson_batches`` 2."""
 
     client_rule_cls = FedECADORule
+    state_attrs = ("I", "S_all", "t", "dt_prev", "hbar_tab", "hbar_known", "w", "L", "Tmax_hist", "L_reset_done")
 
-    def __init__(self, L: Optional[float] = None, c_L: float = 2.0, T_bar: Optional[float] = None,
-                 delta: float = 1e-2, delta_I: Optional[float] = None, dt0: Optional[float] = None,
-                 beta: float = 0.5, growth: float = 1.0, max_backtracks: int = 30, max_steps: int = 1000,
-                 extrap: str = "linear", max_extrap_ratio: float = math.inf, inactive: str = "frozen",
-                 grad_weight: str = "normalized", lte_norm: str = "inf", hessian: str = "hutchinson",
-                 hbar=None, weights: Optional[Sequence[float]] = None,
-                 data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None,
-                 time_unit: str = "lr_sum", solver: str = "auto", loss_fn=None,
-                 hutchinson_probes: int = 4, hutchinson_batches: int = 2, sync: bool = False, **kw):
-        super().__init__(**kw)
+    def __init__(self, stepping: Optional[Stepping] = None, ablations: Optional[Ablations] = None,
+                 solver: str = "auto", hbar=None, weights: Optional[Sequence[float]] = None,
+                 data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None, loss_fn=None,
+                 hutchinson_probes: int = 4, hutchinson_batches: int = 2, **options):
+        flat_step = {k: options.pop(k) for k in _STEP_KEYS if k in options}
+        flat_abl = {k: options.pop(k) for k in _ABL_KEYS if k in options}
+        super().__init__(**options)
         n = self.name
         if self.server_lr != 1.0:
             raise ValueError(f"{n}: server_lr is not used by FedECADO (the BE integration sets the step); got {self.server_lr}")
-        if L is not None and not L > 0:
-            raise ValueError(f"{n}: L must be > 0, got {L!r}")
-        if not c_L > 0:
-            raise ValueError(f"{n}: c_L must be > 0, got {c_L!r}")
-        if not delta > 0 or (delta_I is not None and not delta_I > 0):
-            raise ValueError(f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {delta!r}, {delta_I!r}")
-        if not 0 < beta < 1:
-            raise ValueError(f"{n}: beta must lie in (0, 1), got {beta!r}")
-        if not growth >= 1.0:
-            raise ValueError(f"{n}: growth must be >= 1, got {growth!r}")
-        if dt0 is not None and not dt0 > 0:
-            raise ValueError(f"{n}: dt0 must be > 0, got {dt0!r}")
-        if int(max_backtracks) < 0 or int(max_steps) < 1:
-            raise ValueError(f"{n}: max_backtracks >= 0 and max_steps >= 1 required")
-        for opt, val, allowed in (("extrap", extrap, ("linear", "hold")), ("inactive", inactive, INACTIVE),
-                                  ("grad_weight", grad_weight, ("normalized", "paper")),
-                                  ("lte_norm", lte_norm, ("inf", "rms")), ("hessian", hessian, HESSIANS),
-                                  ("time_unit", time_unit, ("lr_sum", "epoch")),
-                                  ("solver", solver, ("auto", "fused", "closed_form", "lu"))):
-            if val not in allowed:
-                raise ValueError(f"{n}: {opt} must be one of {allowed}, got {val!r}")
-        if not max_extrap_ratio >= 1.0:
-            raise ValueError(f"{n}: max_extrap_ratio must be >= 1, got {max_extrap_ratio!r}")
-        self.L, self.c_L, self.T_bar = (None if L is None else float(L)), float(c_L), T_bar
-        self.delta, self.delta_I, self.dt0 = float(delta), delta_I, dt0
-        self.beta, self.growth = float(beta), float(growth)
-        self.max_backtracks, self.max_steps = int(max_backtracks), int(max_steps)
-        self.extrap, self.max_extrap_ratio, self.inactive = extrap, float(max_extrap_ratio), inactive
-        self.grad_weight, self.lte_norm, self.hessian = grad_weight, lte_norm, hessian
-        self.time_unit, self.solver = time_unit, solver
-        if not isinstance(sync, bool):
-            raise ValueError(f"{n}: sync must be True or False, got {sync!r}")
-        self.sync = sync
+        self.stepping = replace(stepping or Stepping(), **flat_step)
+        self.ablations = replace(ablations or Ablations(), **flat_abl)
+        check_choice(n, "solver", solver, SOLVERS)
+        self.solver = solver
         self.loss_fn = loss_fn if loss_fn is not None else (lambda out, y: F.cross_entropy(out, y))
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
@@ -407,7 +450,8 @@ class FedECADO(Aggregator):
         self.hbar_known: Optional[torch.Tensor] = None  # [N] bool
         self.w: Optional[torch.Tensor] = None          # [N] float64
         self.Tmax_hist: List[float] = []
-        self.L_reset_done = L is not None or T_bar is not None
+        self.L = self.stepping.L
+        self.L_reset_done = self.stepping.L is not None or self.stepping.T_bar is not None
 
     # ---- setup / tables -------------------------------------------------------------------------
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
@@ -439,9 +483,9 @@ class FedECADO(Aggregator):
                 n = torch.as_tensor(self._sizes_opt, dtype=torch.float64)
                 if n.numel() != N or bool((n < 0).any()) or not float(n.sum()) > 0:
                     raise ValueError(f"{self.name}: data_sizes must be N={N} non-negative numbers with a positive sum")
-                w = n / n.sum() * (N if self.grad_weight == "normalized" else 1.0)
+                w = n / n.sum() * (N if self.ablations.grad_weight == "normalized" else 1.0)
             else:
-                w = torch.full((N,), 1.0 if self.grad_weight == "normalized" else 1.0 / N, dtype=torch.float64)
+                w = torch.full((N,), 1.0 if self.ablations.grad_weight == "normalized" else 1.0 / N, dtype=torch.float64)
             if w.numel() != N or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
                 raise ValueError(f"{self.name}: weights must be N={N} finite non-negative numbers")
             self.w = w
@@ -455,7 +499,7 @@ class FedECADO(Aggregator):
                 self.hbar_tab, self.hbar_known = tab.clamp(min=0.0), torch.ones(N, dtype=torch.bool)
             else:
                 self.hbar_tab = torch.ones(N, dtype=torch.float64)
-                self.hbar_known = torch.full((N,), self.hessian in ("identity", "none"), dtype=torch.bool)
+                self.hbar_known = torch.full((N,), self.ablations.hessian in ("identity", "none"), dtype=torch.bool)
 
     def _flows(self, global_flat: torch.Tensor) -> None:
         if self.num_clients is None:
@@ -469,13 +513,13 @@ class FedECADO(Aggregator):
         self._tables()
         cid = int(client_id)
         return {"I": None if self.I is None else self.I[cid], "w": float(self.w[cid]),
-                "need_hbar": bool(self.hessian in ("hutchinson", "global") and not self.hbar_known[cid])}
+                "need_hbar": bool(self.ablations.hessian in ("hutchinson", "global") and not self.hbar_known[cid])}
 
     # ---- validation -------------------------------------------------------------------------------
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         T = payload.get("T")
         if T is None:
-            return "payload 'T' (simulated time) missing"
+            return self.missing_payload("T", "the client's simulated time, the sum of its applied learning rates")
         try:
             T = float(T)
         except (TypeError, ValueError):
@@ -500,17 +544,17 @@ class FedECADO(Aggregator):
                 self.hbar_tab[cid] = max(float(p["hbar"]), 0.0)
                 self.hbar_known[cid] = True
         ids = torch.tensor(rin.client_ids, dtype=torch.long)
-        if self.hessian == "global":
+        if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
         return self.hbar_tab[ids].clone()
 
     def _L_for(self, Tmax: float) -> float:
         if self.L is None:
-            Tb = self.T_bar if self.T_bar is not None else Tmax
-            self.L = self.c_L * float(Tb) ** 2
+            Tb = self.stepping.T_bar if self.stepping.T_bar is not None else Tmax
+            self.L = self.stepping.c_L * float(Tb) ** 2
         elif not self.L_reset_done and len(self.Tmax_hist) >= 5:
-            self.L = self.c_L * statistics.median(self.Tmax_hist[:5]) ** 2
+            self.L = self.stepping.c_L * statistics.median(self.Tmax_hist[:5]) ** 2
             self.L_reset_done = True
         return self.L
 
@@ -520,23 +564,23 @@ class FedECADO(Aggregator):
         T = [float(p["T"]) for p in rin.payloads]
         Tmax = max(T)
         ratio = Tmax / min(T)
-        if self.sync:       # no multi-rate: every client is taken to end at T_max
+        if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
             T = [Tmax] * len(T)
         hbar = self._hbar_for(rin)
         w = self.w[torch.tensor(rin.client_ids, dtype=torch.long)]
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
-        if self.inactive == "frozen":
+        if self.ablations.inactive == "frozen":
             S_off = (self.S_all - Ik.sum(0, dtype=torch.float64)).to(rin.U.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
-        dt_init = self.dt_prev if self.dt_prev is not None else (self.dt0 if self.dt0 is not None else Tmax)
-        res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.delta, dt_init, S_off,
-                            delta_I=self.delta_I, beta=self.beta,
-                            growth=self.growth if self.dt_prev is not None else 1.0,
-                            max_backtracks=self.max_backtracks, max_steps=self.max_steps, extrap=self.extrap,
-                            max_extrap_ratio=self.max_extrap_ratio, lte_norm=self.lte_norm,
-                            sensitivity=self.hessian != "none", solver=self.solver)
+        dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
+        res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
+                            delta_I=self.stepping.delta_I, beta=self.stepping.beta,
+                            growth=self.stepping.growth if self.dt_prev is not None else 1.0,
+                            max_backtracks=self.stepping.max_backtracks, max_steps=self.stepping.max_steps, extrap=self.ablations.extrap,
+                            max_extrap_ratio=self.ablations.max_extrap_ratio, lte_norm=self.stepping.lte_norm,
+                            sensitivity=self.ablations.hessian != "none", solver=self.solver)
         info = {"steps": res["steps"], "rejects": res["rejects"], "dt": res["dt"], "truncated": res["truncated"],
                 "L": L, "T_max": Tmax, "max_extrap_ratio": ratio, "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
@@ -553,19 +597,16 @@ class FedECADO(Aggregator):
         self.Tmax_hist.append(Tmax)
         return AggResult(xc, info)
 
-    # ---- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        s = super().state_dict()
-        cl = lambda x: None if x is None else x.clone()   # noqa: E731
-        s.update({"I": cl(self.I), "S_all": cl(self.S_all), "t": self.t, "dt_prev": self.dt_prev,
-                  "hbar_tab": cl(self.hbar_tab), "hbar_known": cl(self.hbar_known), "w": cl(self.w),
-                  "L": self.L, "Tmax_hist": list(self.Tmax_hist), "L_reset_done": self.L_reset_done})
-        return s
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        cl = lambda x: None if x is None else x.clone()   # noqa: E731
-        self.I, self.S_all = cl(state["I"]), cl(state["S_all"])
-        self.t, self.dt_prev = float(state["t"]), state["dt_prev"]
-        self.hbar_tab, self.hbar_known, self.w = cl(state["hbar_tab"]), cl(state["hbar_known"]), cl(state["w"])
-        self.L, self.Tmax_hist, self.L_reset_done = state["L"], list(state["Tmax_hist"]), bool(state["L_reset_done"])
+def _flat_signature() -> inspect.Signature:
+    """FedECADO's signature with the groups' fields as keyword options (what configs may pass flat),
+    so tools that read constructor signatures (config checks, help) see every option."""
+    sig = inspect.signature(FedECADO.__init__)
+    ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+           for cls in (Stepping, Ablations) for f in fields(cls)]
+    ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+    return sig.replace(parameters=ps)
+
+
+FedECADO.__init__.__signature__ = _flat_signature()

@@ -81,7 +81,7 @@ class FedNova(FedAvg):
                 return f"payload 'a_norm' must be a finite number > 0, got {payload['a_norm']!r}"
             return None
         if "local_steps" not in payload:
-            return "fednova needs payload 'local_steps' (the client's number of local steps)"
+            return self.missing_payload("local_steps", "the client's number of local steps")
         tau = _number(payload["local_steps"])
         if tau is None or not math.isfinite(tau) or tau <= 0:
             return f"payload 'local_steps' must be a number > 0, got {payload['local_steps']!r}"
@@ -104,6 +104,6 @@ class FedNova(FedAvg):
         a = self.a_norms(rin)
         tau_eff = float((p * a).sum())
         coef = p * (tau_eff / a)
-        new = ops.weighted_sum(rin.U, coef.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, coef, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff,
                                "coef": coef.tolist()})

@@ -240,7 +240,13 @@ class FedPGVC(Aggregator):
             raise ValueError(f"{self.name}: the controlled layers need a FlatSpec (call setup(spec=...))")
         return controlled_entries(spec, self.n_ctrl, self.ctrl_modules)
 
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r or "pgvc_skipped_steps" in payload:
+            return r
+        return self.missing_payload("pgvc_skipped_steps", "the client's count of skipped steps")
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
-        new = ops.weighted_sum(rin.U, a.to(rin.U.device), base=rin.global_flat, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})

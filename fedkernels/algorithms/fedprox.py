@@ -84,6 +84,9 @@ class FedProxRule(ClientRule):
             torch._foreach_add_(grads, [p.detach() for p, _ in sel], alpha=self.mu)
             torch._foreach_add_(grads, [g for _, g in sel], alpha=-self.mu)
 
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        return {"prox_mu": self.mu}          # the server checks the clients trained with its mu
+
 
 @register("fedprox")
 class FedProx(FedAvg):
@@ -104,6 +107,20 @@ class FedProx(FedAvg):
             raise ValueError(f"fedprox: prox must be 'grad' or 'loss', got {prox!r}")
         self.mu = mu
         self.prox = prox
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r or self.mu == 0.0:
+            return r
+        if "prox_mu" not in payload:
+            return self.missing_payload("prox_mu", "the mu the client's proximal term used")
+        try:
+            mu = float(payload["prox_mu"])
+        except (TypeError, ValueError):
+            return f"payload 'prox_mu' must be a number, got {payload['prox_mu']!r}"
+        if mu != self.mu:
+            return f"the client trained with mu={mu} but the server has mu={self.mu}"
+        return None
 
     def _aggregate(self, rin):
         res = super()._aggregate(rin)

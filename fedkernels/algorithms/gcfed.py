@@ -133,6 +133,9 @@ class LocalGCRule(ClientRule):
         self.all = [params[e.name] for e in entries]
         self.bufs: Dict[int, torch.Tensor] = {}
 
+    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+        return {"local_gc": len(self.local)}   # tensors centred (the server checks the rule ran)
+
     def _fusable(self) -> bool:
         agg = self.aggregator
         return bool(self.local) and agg.fused_step and agg.local_order == "pre_wd" and agg.mu == "cout"
@@ -267,6 +270,12 @@ class GCFed(Aggregator):
     def client_rule(self):
         return None if self.local_layers == "none" else LocalGCRule(self)
 
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        r = super().check_payload(payload)
+        if r or self.local_layers == "none" or "local_gc" in payload:
+            return r
+        return self.missing_payload("local_gc", "the number of tensors Local GC centred")
+
     # ---- sets ----------------------------------------------------------------------------------
     def _param_entries(self, spec):
         return [e for e in spec.entries if not e.is_buffer]
@@ -302,14 +311,14 @@ class GCFed(Aggregator):
         a = client_weights(rin, self.weighting)
         dev = rin.U.device
         if self.global_scope == "none":
-            new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=self.server_lr)
+            new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
             return AggResult(new, {"weights": a.tolist()})
         if self.spec is None:
             raise ValueError(f"{self.name}: Global GC needs the model's FlatSpec (call setup(spec=...))")
         if self.spec.d != rin.d:
             raise ValueError(f"{self.name}: FlatSpec has d={self.spec.d} but the updates have d={rin.d}")
         delta = self._workspace(rin.global_flat)
-        ops.weighted_sum(rin.U, a.to(dev), out=delta)          # Delta = sum_k a_k U_k
+        ops.weighted_sum(rin.U, a, out=delta)          # Delta = sum_k a_k U_k
         apply_gc_(self._views, self.vector_policy, self.min_fanin, self.mu)   # P Delta on the global set
         new = torch.add(rin.global_flat, delta, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
 from .parts import WEIGHTINGS, check_choice, client_weights
 
 MODES = ("P", "S", "C")
@@ -41,8 +41,8 @@ EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
 
-def kuramoto_stats(U: torch.Tensor, p) -> Tuple[torch.Tensor, torch.Tensor, float]:
-    """(dot [K], nsq [K], nbar) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
+def kuramoto_stats(U: torch.Tensor, p) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
     nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U."""
     G = ops.gram(U).to("cpu")
     p64 = torch.as_tensor(p, dtype=torch.float64).reshape(-1).cpu()
@@ -50,8 +50,7 @@ def kuramoto_stats(U: torch.Tensor, p) -> Tuple[torch.Tensor, torch.Tensor, floa
         raise ValueError(f"kuramoto_stats: p must have K={G.size(0)} entries, got {p64.numel()}")
     dot = G @ p64
     nsq = torch.diagonal(G).clone()
-    nbar = float(p64 @ dot)
-    return dot, nsq, nbar
+    return dot, nsq, p64 @ dot
 
 
 def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +63,17 @@ def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[to
     return b, p + kappa * b
 
 
-def kuramoto_weights(dot, nsq, nbar: float, p, mode: str = "S", kappa: float = 0.5, tau: float = 0.05,
+def _info(**kv) -> Dict[str, Any]:
+    """Phase statistics for AggResult.info: Python values in eager mode, tensors while tracing."""
+    out = {}
+    for k, v in kv.items():
+        if isinstance(v, torch.Tensor) and not tracing():
+            v = v.item() if v.dim() == 0 else v.tolist()
+        out[k] = v
+    return out
+
+
+def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau: float = 0.05,
                      clip_delta: bool = True, theta_bar: str = "uniform",
                      guard: bool = True) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """Weights from the phase statistics (modes "P" and "S"), all in fp64.
@@ -80,47 +89,43 @@ def kuramoto_weights(dot, nsq, nbar: float, p, mode: str = "S", kappa: float = 0
     dot = torch.as_tensor(dot, dtype=torch.float64).reshape(-1)
     nsq = torch.as_tensor(nsq, dtype=torch.float64).reshape(-1)
     p = torch.as_tensor(p, dtype=torch.float64).reshape(-1)
-    K = p.numel()
-    nbar = float(nbar)
-    mean_zero = not (math.isfinite(nbar) and nbar > EPS2 and nbar > REL_NBAR * float((p * nsq).sum()))
-    valid = torch.isfinite(dot) & torch.isfinite(nsq) & (nsq > EPS2)
-    if mean_zero:
-        valid = torch.zeros_like(valid)
-    theta = torch.full((K,), float("nan"), dtype=torch.float64)
-    s = torch.zeros(K, dtype=torch.float64)
-    nvalid = int(valid.sum())
-    tbar = float("nan")
-    if nvalid:
-        den = (nsq[valid] * nbar).sqrt()                    # one rounding: identical rows give c = 1
-        big = ~torch.isfinite(den)
-        if bool(big.any()):                                 # product overflowed fp64: split the sqrt
-            den[big] = nsq[valid][big].sqrt() * math.sqrt(nbar)
-        c = (dot[valid] / den).clamp(-1.0, 1.0)
-        theta[valid] = torch.arccos(c)
-        if theta_bar == "uniform":
-            tbar = float(theta[valid].mean())
-        else:
-            pv = p[valid]
-            tbar = float((pv * theta[valid]).sum() / pv.sum())
-        delta = tbar - theta[valid]
-        if mode == "S" and clip_delta:
-            delta = delta.clamp(-math.pi / 2, math.pi / 2)
-        s[valid] = torch.sin(delta)
-    S = float(s.sum())
-    abs_sum = float(s.abs().sum())
-    info: Dict[str, Any] = {"theta": theta.tolist(), "theta_bar": tbar, "s": s.tolist(), "S": S,
-                            "ratio": (abs(S) / abs_sum) if abs_sum > 0 else None,
-                            "valid": valid.tolist(), "num_valid": nvalid, "mean_zero": mean_zero,
-                            "degenerate": False}
+    nbar = torch.as_tensor(nbar, dtype=torch.float64)
+    # tensor-only from here to the weights (traceable by torch.compile; no host syncs)
+    mean_zero = ~(torch.isfinite(nbar) & (nbar > EPS2) & (nbar > REL_NBAR * (p * nsq).sum()))
+    valid = torch.isfinite(dot) & torch.isfinite(nsq) & (nsq > EPS2) & ~mean_zero
+    den = (nsq * nbar).sqrt()                               # one rounding: identical rows give c = 1
+    den = torch.where(torch.isfinite(den), den, nsq.sqrt() * nbar.sqrt())   # product overflowed fp64
+    c = torch.where(valid, dot / den, torch.zeros_like(dot)).clamp(-1.0, 1.0)
+    theta = torch.where(valid, torch.arccos(c), torch.full_like(c, float("nan")))
+    wt = valid.to(torch.float64) if theta_bar == "uniform" else torch.where(valid, p, torch.zeros_like(p))
+    tbar = torch.where(valid, theta, torch.zeros_like(theta)).mul(wt).sum() / wt.sum()
+    delta = tbar - theta
+    if mode == "S" and clip_delta:
+        delta = delta.clamp(-math.pi / 2, math.pi / 2)
+    s = torch.where(valid, torch.sin(delta), torch.zeros_like(delta))
+    S, abs_sum = s.sum(), s.abs().sum()
+    nvalid = valid.sum()
     if mode == "S":
-        if kappa == 0.0:
-            return p, info
         num = p * (1.0 + kappa * s)
-        den = float(num.sum())
-        if not (den > 1e-12):
-            info.update(degenerate=True, reason="coupling denominator <= 1e-12")
-            return p, info
-        return num / den, info
+        nden = num.sum()
+        ok = nden > 1e-12
+        a = p if kappa == 0.0 else torch.where(ok, num / nden, p)
+        info = _info(theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero,
+                     degenerate=~ok if kappa != 0.0 else torch.zeros((), dtype=torch.bool))
+        if tracing():
+            info["ratio"] = torch.where(abs_sum > 0, S.abs() / abs_sum, torch.full_like(S, float("nan")))
+        else:
+            info["ratio"] = (abs(info["S"]) / float(abs_sum)) if float(abs_sum) > 0 else None
+        if info["degenerate"] is True:
+            info["reason"] = "coupling denominator <= 1e-12"
+        return a, info
+    if tracing():
+        raise NotImplementedError("kuramoto mode P under torch.compile: its guard is host logic; use mode S, "
+                                  "or call the aggregator eagerly")
+    nvalid, S, abs_sum = int(nvalid), float(S), float(abs_sum)
+    info = _info(theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero,
+                 degenerate=False)
+    info["ratio"] = (abs(S) / abs_sum) if abs_sum > 0 else None
     # mode P (paper-literal, with the guard)
     reason = None
     if not math.isfinite(S):
@@ -214,12 +219,11 @@ class KuramotoFedAvg(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = client_weights(rin, self.weighting)
         kt = self.kappa()
-        dev = rin.U.device
         if self.mode == "C":
             phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
-            new = ops.weighted_sum(rin.U, p.to(dev), base=rin.global_flat, alpha=self.server_lr)
-            sync = ops.weighted_sum(rin.U, b.to(dev))
+            new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=self.server_lr)
+            sync = ops.weighted_sum(rin.U, b)
             clipped = ops.any_(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
@@ -237,9 +241,9 @@ class KuramotoFedAvg(Aggregator):
             a, info = kuramoto_weights(dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar,
                                        guard=self.guard)
             alpha = self.server_lr * kt
-        new = ops.weighted_sum(rin.U, a.to(dev), base=rin.global_flat, alpha=alpha)
-        info.update(mode=self.mode, kappa=kap, weights=a.tolist(), p=p.tolist(),
-                    guard_fired=bool(self.mode == "P" and info["degenerate"]))
+        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=alpha)
+        info.update(mode=self.mode, kappa=kap, weights=info_values(a), p=info_values(p),
+                    guard_fired=self.mode == "P" and info["degenerate"])
         if self.mode == "P" and not info["degenerate"]:
             info["max_abs_rho"] = float(a.abs().max())
         return AggResult(new, info)

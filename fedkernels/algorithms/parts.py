@@ -56,7 +56,7 @@ class ServerMomentum:
             self.v = torch.zeros_like(like)
         v = self.v.to(device=like.device, dtype=like.dtype)
         v.mul_(self.beta)
-        ops.weighted_sum(U, p.to(U.device), base=v, out=v)
+        ops.weighted_sum(U, p, base=v, out=v)
         self.v = v
         return v
 
@@ -329,8 +329,7 @@ class ControlVariateServer(Aggregator):
             return r
         dc = payload.get("delta_c")
         if not isinstance(dc, torch.Tensor):
-            return (f"{self.name} needs payload 'delta_c' (a [d_c] tensor): train the client with "
-                    f"agg.client_rule() and send what rule.end(ctx, model) returns")
+            return self.missing_payload("delta_c", "the client's control-variate change, a [d_c] tensor")
         if self.d_c is not None and dc.numel() != self.d_c:
             return f"payload 'delta_c' has {dc.numel()} elements, expected d={self.d_c} (the length of the controlled range)"
         return None
@@ -338,7 +337,7 @@ class ControlVariateServer(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat
         p = client_weights(rin, self.weighting)
-        new = ops.weighted_sum(rin.U, p.to(rin.U.device), base=g, alpha=self.server_lr)
+        new = ops.weighted_sum(rin.U, p, base=g, alpha=self.server_lr)
         self.seen.update(rin.client_ids)
         N = self.num_clients if self.num_clients is not None else len(self.seen)
         dsum = torch.zeros_like(self.c)

@@ -50,3 +50,4 @@ __all__ = ["gram", "weighted_sum", "finite_rows",
            "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
            "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer"]
+from . import _autograd  # noqa: E402,F401  (derivatives and vmap rules of the native ops)

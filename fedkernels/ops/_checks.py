@@ -9,7 +9,7 @@ Host-side index and coefficient checks (issue 18): ``rows`` and the small per-cl
 every device of ``U``: a CUDA ``rows``/``coef`` is copied to the host once; the CUDA glue moves
 them to the device. So a bad index is a ValueError here and never a device assert.
 
-Under ``torch.compile`` tracing (``tracing()``), the checks that need a tensor's *values* (ranges,
+Under ``torch.compile`` tracing (``tracing()``) and torch.func transforms, the checks that need a tensor's *values* (ranges,
 finiteness) are skipped: shapes, dtypes and devices are still checked, and the CPU kernels keep
 their own range checks, so a bad index still raises (a RuntimeError from the kernel) instead of
 reading out of bounds.
@@ -29,6 +29,12 @@ HOST = torch.device("cpu")
 def tracing() -> bool:
     """True while torch.compile / torch.export traces the caller (value checks are skipped)."""
     return torch.compiler.is_compiling()
+
+
+def _batched(t) -> bool:
+    """True inside torch.func transforms (vmap, grad, ...): a vmapped tensor's values cannot be read
+    on the host, so value checks are skipped there as under tracing."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def _tensor(x, op: str, name: str) -> torch.Tensor:
@@ -88,7 +94,7 @@ def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]:
     if r.numel() and (r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool):
         raise ValueError(f"{op}: rows must hold integer row indices, got dtype {r.dtype}")
     r = r.to(torch.long)
-    if r.numel() and not tracing():
+    if r.numel() and not tracing() and not _batched(r):
         lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= K:
             raise ValueError(f"{op}: rows must lie in [0, {K}), got min {lo} max {hi}")
@@ -106,7 +112,7 @@ def _coef(coef, n: int, op: str, name: str = "coef") -> torch.Tensor:
         c = c.to(torch.float64)
     if c.device.type != "cpu":
         c = c.to(HOST)
-    if not tracing() and not bool(torch.isfinite(c).all()):
+    if not tracing() and not _batched(c) and not bool(torch.isfinite(c).all()):
         raise ValueError(f"{op}: {name} must be finite, got {c.tolist() if n <= 16 else 'non-finite entries'}")
     return c
 

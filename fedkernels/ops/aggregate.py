@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ._checks import RowsLike, _coef, _matrix, _no_grad_through, _rows, _tensor, _vector
+from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
 __all__ = ["gram", "weighted_sum", "finite_rows", "weighted_sum_chunked"]
@@ -33,7 +34,8 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     """
     U = _matrix(U, "gram")
     r = _rows(rows, U.size(0), "gram")
-    return shard_sum(torch.ops.fedkernels.gram(U, r))
+    G = _ag.gram(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
+    return shard_sum(G)
 
 
 def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -60,7 +62,9 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
         if not base.is_contiguous():
             base = base.contiguous()
     if out is None:
-        return torch.ops.fedkernels.weighted_sum(U, c, base, alpha, r)
+        if _ag.needs_grad(U, c, base):
+            return _ag.weighted_sum(U, c, base, alpha, r)
+        return _ag.call(torch.ops.fedkernels.weighted_sum, U, c, base, alpha, r)
     out = _vector(out, op, "out", d, U)
     if not out.is_contiguous():
         raise ValueError(f"{op}: out must be contiguous")

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from . import _autograd as _ag
 from ._checks import FLOAT_DTYPES, _needs_kernel, _no_grad_through, _tensor, tracing
 
 __all__ = ["gc_project_", "gc_project", "gc_project_flat_", "GC_VECTOR_POLICIES"]
@@ -72,7 +73,9 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project")
     if not tensors:
         return []
-    return list(torch.ops.fedkernels.gc_project(tensors, vector_policy, min_fanin))
+    if _ag.needs_grad(*tensors):
+        return _ag.gc_project(tensors, vector_policy, min_fanin)
+    return list(_ag.call(torch.ops.fedkernels.gc_project, tensors, vector_policy, min_fanin))
 
 
 def gc_project_flat_(vec: torch.Tensor, spec, vector_policy: str = "skip", min_fanin: int = 2,

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import _autograd as _ag
 from ._checks import (HOST, _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor,
                       _vector, tracing)
 
@@ -46,7 +47,7 @@ def lu_factor_ex(A: torch.Tensor):
     """
     A = _lu_input(A, "lu_factor_ex")
     _needs_kernel("lu_factor", A.device, "lu_factor_ex")
-    return torch.ops.fedkernels.lu_factor(A)
+    return _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
 
 
 def lu_factor(A: torch.Tensor):
@@ -54,7 +55,7 @@ def lu_factor(A: torch.Tensor):
     matrix and the zero pivot."""
     A = _lu_input(A, "lu_factor")
     _needs_kernel("lu_factor", A.device, "lu_factor")
-    LU, piv, info = torch.ops.fedkernels.lu_factor(A)
+    LU, piv, info = _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
     bad = torch.nonzero(info.reshape(-1)).flatten()
     if bad.numel():
         b = int(bad[0])
@@ -94,7 +95,8 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
     if R.size(-1) > 1 and R.stride(-1) != 1:
         R = R.contiguous()
     if out is None:
-        return torch.ops.fedkernels.lu_solve(LU.contiguous(), pivots.contiguous(), R)
+        return _ag.no_derivative("lu_solve", _ag.call(torch.ops.fedkernels.lu_solve, LU.detach().contiguous(),
+                                                                     pivots.contiguous(), R.detach()), LU, R)
     out = _tensor(out, op, "out")
     if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
         raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on {R.device}")
@@ -118,8 +120,8 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
     K, m = R.shape
     coefs = []
     for name, v in (("a", a), ("b", b), ("c", c)):
-        v = v.detach().to(device=HOST, dtype=torch.float64) if isinstance(v, torch.Tensor) else \
-            torch.as_tensor(v, dtype=torch.float64)
+        v = v.to(device=HOST, dtype=torch.float64) if isinstance(v, torch.Tensor) else \
+            torch.as_tensor(v, dtype=torch.float64)   # not detached: a backward through the op raises
         if v.dim() == 0:
             v = v.expand(K)
         if v.dim() != 1 or v.size(0) != K:
@@ -130,16 +132,18 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
     if not tracing():
-        if bool((coefs[0] == 0).any()):
+        if bool((coefs[0].detach() == 0).any()):
             raise ValueError(f"{op}: a must be nonzero (the diagonal block is diag(a))")
-        den = float(alpha) - float((coefs[1] * coefs[2] / coefs[0]).sum())
+        den = float(alpha) - float((coefs[1] * coefs[2] / coefs[0]).detach().sum())
         if den == 0.0:
             raise ValueError(f"{op}: singular system (Schur complement alpha - sum b c / a = 0)")
     r0 = _vector(r0, op, "r0", m, R)
     _needs_kernel("arrowhead_solve", R.device, op)
     if m > 1 and R.stride(1) != 1:
         R = R.contiguous()
-    return torch.ops.fedkernels.arrowhead_solve(coefs[0], coefs[1], coefs[2], float(alpha), r0.contiguous(), R)
+    res = _ag.call(torch.ops.fedkernels.arrowhead_solve, *(v.detach() for v in coefs), float(alpha),
+                   r0.detach().contiguous(), R.detach())
+    return _ag.no_derivative("arrowhead_solve", res, *coefs, r0, R)
 
 
 @torch.library.register_fake("fedkernels::lu_factor")
@@ -208,7 +212,8 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
             raise ValueError(f"{op}: {name} must be a finite number > 0, got {v!r}")
     _needs_kernel("fedecado_be_step_out", U.device, op)
-    _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None])
+    _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None],
+                     theta_new, theta_old, inv_g)
     if lte_out is None:
         lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
     elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from . import _autograd as _ag
 from ._checks import HOST, _float_dtype, _tensor, tracing
 
 __all__ = ["min_norm", "MIN_NORM_METHODS", "MIN_NORM_INITS"]
@@ -70,8 +71,9 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
             raise ValueError(f"{op}: lam0 must be a 1-D tensor of length {G.size(0)}, got shape {tuple(l0.shape)}")
         if not tracing() and (not bool(torch.isfinite(l0).all()) or bool((l0 < 0).any()) or not float(l0.sum()) > 0.0):
             raise ValueError(f"{op}: lam0 must be finite, >= 0 and have a positive sum")
-    lam, iters, gap = torch.ops.fedkernels.min_norm(G64, max_iter, float(tol), float(tol_abs), method, init,
+    lam, iters, gap = _ag.call(torch.ops.fedkernels.min_norm, G64.detach(), max_iter, float(tol), float(tol_abs), method, init,
                                                     bool(polish), l0)
+    lam = _ag.no_derivative("min_norm", lam, G64)
     if tracing():   # torch.compile: no host sync; iterations and gap stay 0-d tensors
         return lam.to(G.device), iters, gap
     return lam.to(G.device), int(iters), float(gap)

@@ -2,9 +2,8 @@
 usable one found at resume, old ones pruned. Each file is written and read by
 :func:`fedkernels.safe_io.save_checkpoint` / :func:`~fedkernels.safe_io.load_checkpoint`.
 
-File layout: ``MAGIC`` line, the SHA-256 hex digest of the payload and its byte length on the
-second line, then the payload: ``torch.save`` of a dict holding only tensors and plain Python values
-(so it loads with ``torch.load(weights_only=True)``).
+File layout: a plain ``torch.save`` archive of a dict holding only tensors and plain Python values
+(``torch.load(path, weights_only=True)`` opens it), then one line with its SHA-256 and byte length.
 
 Writing is atomic: a temporary file in the same directory, flushed and fsync'ed, then
 ``os.replace`` onto the final name (and the directory fsync'ed). A truncated or corrupted file fails

@@ -2,6 +2,7 @@
 
     fedkernels run CONFIG.yaml [key=value ...]            a run from a YAML config
     fedkernels run --preset smoke [key=value ...]          a run from a preset
+    fedkernels run --preset kuramoto-fmnist --method fedavg   one of a preset's methods (default: its own)
     fedkernels run --resume runs/NAME [key=value ...]      continue a run from its last checkpoint
     torchrun --nproc_per_node 2 -m fedkernels run --preset smoke --distributed
                                                            ranks train disjoint clients, aggregate slices
@@ -37,34 +38,65 @@ def _split_args(items: Sequence[str]):
 def _base_config(config: Optional[str], preset: Optional[str]) -> RunConfig:
     from . import presets
     if config and preset:
-        raise SystemExit("give a CONFIG file or --preset, not both")
+        raise ValueError("give a CONFIG file or --preset, not both")
     if preset:
         return presets.get(preset)
     if config:
         if not os.path.exists(config):
-            raise SystemExit(f"config file not found: {config}")
+            raise ValueError(f"config file not found: {config}")
         return RunConfig.from_yaml(config)
-    raise SystemExit("give a CONFIG file, --preset NAME or --resume RUN_DIR")
+    raise ValueError("give a CONFIG file, --preset NAME or --resume RUN_DIR")
+
+
+def _run_config(config: Optional[str], preset: Optional[str], method: Optional[str], ovs: List[str]) -> RunConfig:
+    """The config of one run. A preset runs the method its name says, ``--method LABEL`` (or
+    ``algorithm.name=LABEL``) one of its methods; a preset whose name says none asks for one."""
+    from . import presets
+    if method and not preset:
+        raise ValueError("--method LABEL picks one of a preset's methods; give --preset too "
+                         "(or set algorithm.name= and algorithm.options.*)")
+    cfg = _base_config(config, preset)
+    if not preset:
+        return apply_overrides(cfg, ovs)
+    labels = presets.variants(preset)
+    rest, algo_set = [], False
+    for ov in ovs:
+        k, _, v = ov.partition("=")
+        if k.strip() == "algorithm.name":
+            if v.strip() in labels and method is None:
+                method = v.strip()
+                continue
+            algo_set = True
+        rest.append(ov)
+    if method is None and not algo_set:
+        method = presets.default_method(preset)
+        if method is None:
+            raise ValueError(f"preset {preset} compares {len(labels)} methods; choose one with --method LABEL "
+                             f"({', '.join(labels)}) or run them all with `fedkernels compare --preset {preset}`")
+    if method is not None:
+        cfg = presets.with_method(cfg, preset, method)
+    return apply_overrides(cfg, rest)
 
 
 def cmd_run(a) -> int:
+    from .checks import check_run
     from .server import Simulation
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:
-        raise SystemExit(f"one CONFIG file expected, got {paths}")
+        raise ValueError(f"one CONFIG file expected, got {paths}")
     if a.resume:
-        if paths or a.preset:
-            raise SystemExit("--resume takes its config from RUN_DIR/config.yaml; give only key=value overrides")
+        if paths or a.preset or a.method:
+            raise ValueError("--resume takes its config from RUN_DIR/config.yaml; give only key=value overrides")
         cfg_path = os.path.join(a.resume, "config.yaml")
         if not os.path.exists(cfg_path):
-            raise SystemExit(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
+            raise ValueError(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
         cfg = apply_overrides(RunConfig.from_yaml(cfg_path), ovs)
         if ovs:
             print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
                   "settings makes it differ from an uninterrupted run", file=sys.stderr)
         run_dir = a.resume
     else:
-        cfg = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
+        cfg = _run_config(paths[0] if paths else None, a.preset, a.method, ovs)
         if a.out:
             cfg.out_dir = a.out
         if a.name:
@@ -76,19 +108,35 @@ def cmd_run(a) -> int:
         cfg.verbose = False
     if a.distributed:
         cfg.distributed = True
-    cfg.validate()
+    check_run(cfg)            # every key, value and option, before anything is written
     if cfg.distributed:
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
-    sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume))
-    s = sim.run()
+    sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite,
+                     callbacks=_callbacks(a, cfg))
+    try:
+        s = sim.run()
+    except KeyboardInterrupt:
+        return 130           # the run printed its one line (checkpoint written)
+    except RuntimeError as e:
+        if type(e).__name__ != "LostRankError":
+            raise
+        print(f"fedkernels run: error: {e}", file=sys.stderr, flush=True)
+        return 1
     if a.quiet and getattr(sim, "rank", 0) == 0:
         print(json.dumps({k: s.get(k) for k in ("final_accuracy", "best_accuracy", "run_dir")}))
     return 0 if not s.get("diverged") else 3
 
 
+def _callbacks(a, cfg: RunConfig) -> list:
+    if not getattr(a, "tensorboard", False):
+        return []
+    from .callbacks import TensorBoardCallback
+    return [TensorBoardCallback()]
+
+
 def cmd_compare(a) -> int:
     from . import presets
-    from .compare import compare
+    from .compare import compare, resolve_methods
     paths, ovs = _split_args(a.args)
     base = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
     if a.no_progress:
@@ -96,11 +144,23 @@ def cmd_compare(a) -> int:
     base.verbose = not a.quiet
     known = presets.variants(a.preset) if a.preset else {}
     labels = [m for m in (a.methods.split(",") if a.methods else list(known) or [base.algorithm.name]) if m]
-    methods = [presets.parse_method(m, known) for m in labels]
-    seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+    methods = resolve_methods(labels, known)            # every method and option checked before any run
+    seeds = []
+    for s in a.seeds.split(","):
+        if s.strip():
+            try:
+                seeds.append(int(s))
+            except ValueError:
+                raise ValueError(f"--seeds: {s.strip()!r} is not an integer (e.g. --seeds 0,1,2)") from None
     out = a.out or os.path.join(base.out_dir, f"compare-{a.preset or base.data.name}")
-    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True)
-    print(f"wrote {os.path.join(out, 'compare.json')}" + (f" and {res['plot']}" if res.get("plot") else ""))
+    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
+                  preset=a.preset, band=a.band)
+    print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
+          + (f" and {res['plot']}" if res.get("plot") else ""))
+    if res.get("failed"):
+        print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
+              + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -174,7 +234,15 @@ def cmd_info(a) -> int:
 def cmd_presets(a) -> int:
     from . import presets
     for name, doc in presets.describe().items():
-        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}")
+        est = presets.estimate(name)
+        if est is None:
+            t = "not measured on CPU"
+        else:
+            sec = est["s_per_run"]
+            t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
+                f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
+                f"estimate from {est['source']})")
+        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}\n    time: {t}")
     return 0
 
 
@@ -182,31 +250,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fedkernels", description="fedkernels federated-learning simulator",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="one run from a config or preset")
     r.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
-    r.add_argument("--preset")
+    r.add_argument("--preset", help="start from a named preset (see `fedkernels presets`)")
+    r.add_argument("--method", metavar="LABEL",
+                   help="which of the preset's methods to run (default: the one its name says)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
     r.add_argument("--out", help="output root directory (default: config out_dir, 'runs')")
-    r.add_argument("--name", help="run directory name")
-    r.add_argument("--no-progress", action="store_true")
-    r.add_argument("--quiet", action="store_true")
+    r.add_argument("--name", help="run directory name (default: preset-method-seed-confighash)")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace a run directory that holds a run with a different config")
+    r.add_argument("--tensorboard", action="store_true",
+                   help="log every round's metrics to RUN_DIR/tensorboard (needs the tensorboard package)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars (one line per round instead)")
+    r.add_argument("--quiet", action="store_true", help="no per-round lines; print a JSON summary at the end")
     r.add_argument("--distributed", action="store_true",
                    help="split each round's clients over torch.distributed ranks (launch with torchrun); "
                         "same as distributed=true")
     c = sub.add_parser("compare", help="several methods x seeds on one setup, with a table")
     c.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
-    c.add_argument("--preset")
+    c.add_argument("--preset", help="start from a named preset (see `fedkernels presets`)")
     c.add_argument("--methods", help="comma-separated: preset variant labels, algorithm names, or algo:key=value")
-    c.add_argument("--seeds", default="0")
-    c.add_argument("--rounds", type=int)
-    c.add_argument("--out")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    c.add_argument("--rounds", type=int, help="override the number of rounds")
+    c.add_argument("--out", help="output directory (default: OUT_DIR/compare-PRESET)")
+    c.add_argument("--baseline", help="method label the paired differences are taken against "
+                                      "(default: fedavg when compared, else the first method)")
+    c.add_argument("--band", choices=("std", "ci", "none"), default="std",
+                   help="band around the mean curve: sample std (default), 95%% CI, or none")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--quiet", action="store_true", help="no per-round lines")
     b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)")
-    b.add_argument("--suite", choices=("cpu", "gpu"), default="cpu")
+    b.add_argument("--suite", choices=("cpu", "gpu"), default="cpu", help="which benchmark suite (default: cpu)")
     i = sub.add_parser("info", help="build facts, algorithms, models, datasets, presets")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="machine-readable JSON output")
     sub.add_parser("presets", help="list the presets")
     return ap
 
@@ -224,6 +302,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from .checkpoint import CheckpointError
     try:
         if a.cmd == "run":
             return cmd_run(a)
@@ -235,9 +314,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_info(a)
         if a.cmd == "presets":
             return cmd_presets(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"fedkernels {a.cmd}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:       # `fedkernels presets | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return 1
 
 

@@ -1,115 +1,382 @@
-"""Runs several methods (and seeds) on one setup and tabulates them (``fedkernels compare``)."""
+"""Runs several methods (and seeds) on one setup and tabulates them (``fedkernels compare``).
+
+Every method and option is validated before the first run (:mod:`.options`); a bad one is a
+ValueError naming it (exit 2 on the command line). Each run goes to ``out_dir/<label>-s<seed>``.
+The results are written as ``compare.json`` and as tables ``compare.csv`` (one row per method and
+metric), ``compare.md`` and ``compare.tex``, with the sample std over seeds (n - 1), a 95% Student-t
+CI and, since runs with the same seed share the partition and the client-sampling stream, the paired
+difference to the baseline method with its 95% CI and paired-t p value; ``compare.png`` (+ .pdf,
+.svg) plots the curves (:func:`.report.plot_curves`).
+
+:func:`method_stats` and :func:`write_tables` are also used by ``results/analyze.py`` on committed
+run logs.
+"""
 from __future__ import annotations
 
+import csv
+import io
 import json
-import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import statistics
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import numpy as np
-
-from .. import algorithms
+from . import stats
 from .config import RunConfig
-from .report import json_safe, plot_curves
-from .server import Simulation
+from .options import check_algorithm, check_method
+from .report import describe_setup, json_safe, metric, plot_curves, write_json_atomic, write_text_atomic
+
+# (summary key, table heading): accuracy metrics, in percent, compared pairwise with the baseline
+METRICS: Tuple[Tuple[str, str], ...] = (
+    ("final_accuracy", "final acc"),
+    ("best_accuracy", "best acc"),
+    ("mean_last_10pct_rounds", "mean acc, last 10% of rounds"),
+    ("mean_last_10_rounds", "mean acc, last 10 rounds"),
+)
+# metrics shown in the Markdown/LaTeX tables (the CSV has all)
+HEADLINE = ("final_accuracy", "mean_last_10pct_rounds")
+
+Method = Union[str, Tuple[str, Dict[str, Any]]]
 
 
-def _ms(vals: Sequence[Optional[float]]) -> Tuple[Optional[float], Optional[float]]:
-    """(mean, population std) of the finite values; std None for fewer than two."""
-    v = [x for x in vals if isinstance(x, (int, float)) and math.isfinite(x)]
-    if not v:
-        return None, None
-    return float(np.mean(v)), (float(np.std(v)) if len(v) > 1 else None)
+def resolve_methods(methods: Sequence[Method], known: Optional[Mapping[str, Dict[str, Any]]] = None
+                    ) -> List[Tuple[str, Dict[str, Any]]]:
+    """``[(label, {"name", "options"})]`` from labels/specs or pairs, every one validated (algorithm
+    registered, options valid for its constructor); ValueError naming the first bad one."""
+    out: List[Tuple[str, Dict[str, Any]]] = []
+    for m in methods:
+        if isinstance(m, str):
+            label, var = check_method(m, known)
+        else:
+            label, var = m
+            var = {"name": var.get("name"), "options": dict(var.get("options") or {})}
+            check_algorithm(var["name"], var["options"], where=f"method {label!r}")
+        out.append((label, var))
+    labels = [lab for lab, _ in out]
+    dup = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if dup:
+        raise ValueError(f"methods: label {dup[0]!r} given twice (each label names one run directory per seed)")
+    if not out:
+        raise ValueError("methods: none given")
+    return out
 
 
-def _fmt(m, s, pct=True):
-    if m is None:
-        return "n/a"
-    k = 100.0 if pct else 1.0
-    return f"{k * m:.2f} ± {k * s:.2f}" if s is not None else f"{k * m:.2f}"
+def _check_seeds(seeds: Sequence[Any]) -> List[int]:
+    out = []
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"seeds: {s!r} is not an integer")
+        out.append(int(s))
+    if not out:
+        raise ValueError("seeds: none given")
+    if len(set(out)) != len(out):
+        raise ValueError(f"seeds: {out} repeats a seed")
+    return out
 
 
-def compare(base: RunConfig, methods: Sequence[Tuple[str, Dict[str, Any]]], seeds: Sequence[int] = (0,),
+def method_stats(runs: Mapping[str, Mapping[int, Optional[Mapping[str, Any]]]], baseline: Optional[str],
+                 conf: float = 0.95, metrics: Sequence[Tuple[str, str]] = METRICS) -> Dict[str, Dict[str, Any]]:
+    """Per method label: ``{"n_seeds", "stats": {metric: stats.describe}, "paired": {metric:
+    stats.paired vs baseline}}`` from ``runs[label][seed] = summary`` (None: a failed run). Old
+    summaries with the ambiguous metric names are read through :func:`.report.metric`."""
+    if baseline is not None and baseline not in runs:
+        raise ValueError(f"baseline {baseline!r} is not one of the methods: {', '.join(runs)}")
+    out: Dict[str, Dict[str, Any]] = {}
+    for label, by_seed in runs.items():
+        vals = {k: {s: (metric(r, k) if r else None) for s, r in by_seed.items()} for k, _ in metrics}
+        st = {k: stats.describe(list(v.values()), conf) for k, v in vals.items()}
+        pr = {}
+        if baseline is not None and label != baseline:
+            base = runs[baseline]
+            for k, _ in metrics:
+                bv = {s: (metric(r, k) if r else None) for s, r in base.items()}
+                pr[k] = stats.paired(vals[k], bv, conf)
+        out[label] = {"n_seeds": sum(1 for r in by_seed.values() if r), "seeds": list(by_seed), "stats": st,
+                      "paired": pr}
+    return out
+
+
+def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (0,),
             out_dir: str = "runs/compare", rounds: Optional[int] = None, verbose: bool = True,
-            skip_unknown: bool = True, run_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Runs every (label, {"name", "options"}) method for every seed; each run goes to
-    ``out_dir/<label>-s<seed>``. Returns and writes ``out_dir/compare.json`` (per-method mean and std
-    of final/best accuracy, per-run summaries) and ``out_dir/compare.png``; prints a table."""
+            run_kwargs: Optional[Dict[str, Any]] = None, baseline: Optional[str] = None,
+            known: Optional[Mapping[str, Dict[str, Any]]] = None, title: Optional[str] = None,
+            band: str = "std", preset: Optional[str] = None) -> Dict[str, Any]:
+    """Runs every method for every seed (``out_dir/<label>-s<seed>``) and writes ``compare.json``,
+    ``compare.csv``, ``compare.md``, ``compare.tex`` and the figure. ``methods`` are labels/specs
+    (resolved with ``known``, a preset's variants) or ``(label, {"name", "options"})`` pairs; all
+    are validated before the first run. ``title`` (default: :func:`describe_setup`, naming ``preset``)
+    heads the figure; ``band`` is its band: sample std, 95% CI or none. ``baseline`` (default: ``fedavg`` when compared, else the
+    first method) is the reference of the paired differences. A run that fails is recorded
+    (``failed``) and the others go on. Returns the compare.json content."""
+    from .server import Simulation
+    meths = resolve_methods(methods, known)
+    seeds = _check_seeds(list(seeds))
+    labels = [lab for lab, _ in meths]
+    if baseline is None:
+        baseline = "fedavg" if "fedavg" in labels else labels[0]
+    elif baseline not in labels:
+        raise ValueError(f"baseline={baseline!r}: not one of the compared methods ({', '.join(labels)})")
+    if band not in ("std", "ci", "none"):
+        raise ValueError(f"band={band!r}: expected 'std', 'ci' or 'none'")
+    base = base.copy()
+    if rounds is not None:
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"rounds={rounds!r}: expected an integer >= 1")
+        base.rounds = int(rounds)
+    base.validate()
+    title = title or describe_setup(base, seeds, preset)
     os.makedirs(out_dir, exist_ok=True)
-    avail = set(algorithms.available())
-    results: Dict[str, Any] = {}
-    curves: Dict[str, List[List[Dict[str, Any]]]] = {}
-    skipped = []
-    for label, var in methods:
-        if var["name"].lower() not in avail:
-            msg = f"skipping {label!r}: algorithm {var['name']!r} is not registered (available: {', '.join(sorted(avail))})"
-            if not skip_unknown:
-                raise ValueError(msg)
-            print(msg, flush=True)
-            skipped.append(label)
-            continue
-        runs = []
-        curves[label] = []
+
+    total = len(meths) * len(seeds)
+    runs: Dict[str, Dict[int, Optional[Dict[str, Any]]]] = {lab: {} for lab in labels}
+    curves: Dict[str, List[List[Dict[str, Any]]]] = {lab: [] for lab in labels}
+    failed: List[Dict[str, Any]] = []
+    t0 = time.perf_counter()
+    k = 0
+    for label, var in meths:
         for seed in seeds:
+            k += 1
             cfg = base.copy()
             cfg.seed = int(seed)
-            if rounds is not None:
-                cfg.rounds = int(rounds)
             cfg.algorithm.name = var["name"]
             cfg.algorithm.options = dict(var.get("options", {}))
             cfg.name = f"{label}-s{seed}"
             cfg.out_dir = out_dir
             if verbose:
-                print(f"--- {label} (seed {seed}) ---", flush=True)
+                print(f"[{k}/{total}] {label} (seed {seed}) ...", flush=True)
+            tr = time.perf_counter()
             sim = Simulation(cfg, **(run_kwargs or {}))
             try:
                 s = sim.run()
-            except Exception as e:  # one failing method must not lose the others
-                print(f"{label} (seed {seed}) failed: {type(e).__name__}: {e}", flush=True)
-                s = {"error": f"{type(e).__name__}: {e}", "seed": seed}
-            runs.append(s)
-            curves[label].append(sim.metrics)
-        fm, fs = _ms([r.get("final_accuracy") for r in runs])
-        bm, bs = _ms([r.get("best_accuracy") for r in runs])
-        lm, ls = _ms([r.get("mean_last_10pct") for r in runs])
-        am, _ = _ms([r.get("agg_share") for r in runs])
-        rt = [r.get("rounds_to_target") for r in runs]
-        results[label] = {"algorithm": var["name"], "options": var.get("options", {}),
-                          "final_mean": fm, "final_std": fs, "best_mean": bm, "best_std": bs,
-                          "last10pct_mean": lm, "last10pct_std": ls, "agg_share_mean": am,
-                          "rounds_to_target": rt, "runs": runs}
-    out = {"setup": base.to_dict(), "seeds": list(seeds), "rounds": rounds or base.rounds,
-           "target_accuracy": base.target_accuracy, "methods": results, "skipped": skipped}
-    with open(os.path.join(out_dir, "compare.json"), "w") as f:
-        json.dump(json_safe(out), f, indent=2)
-    if base.plots and curves:
-        out["plot"] = plot_curves({k: v for k, v in curves.items() if any(v)}, os.path.join(out_dir, "compare.png"),
-                                  title=f"{base.data.name}: {len(seeds)} seed(s)")
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 - one failing run must not lose the others
+                msg = f"{type(e).__name__}: {' '.join(str(e).split())}"
+                print(f"[{k}/{total}] {label} (seed {seed}) FAILED: {msg}", flush=True)
+                failed.append({"method": label, "seed": seed, "error": msg})
+                s = None
+            runs[label][seed] = s
+            curves[label].append(list(sim.metrics))
+            el = time.perf_counter() - t0
+            eta = el / k * (total - k)
+            acc = s.get("final_accuracy") if s else None
+            print(f"[{k}/{total}] done {label} (seed {seed}) in {time.perf_counter() - tr:.0f}s"
+                  + (f", final acc {100 * acc:.2f}%" if isinstance(acc, (int, float)) else "")
+                  + f"; elapsed {_hms(el)}, ETA {_hms(eta)}", flush=True)
+
+    st = method_stats(runs, baseline)
+    methods_out: Dict[str, Any] = {}
+    for label, var in meths:
+        methods_out[label] = {"algorithm": var["name"], "options": var.get("options", {}), **st[label],
+                              "rounds_to_target": [(runs[label][s] or {}).get("rounds_to_target") for s in seeds],
+                              "timing": _timing(runs[label].values()),
+                              "runs": [runs[label][s] or {"error": _err(failed, label, s), "seed": s}
+                                       for s in seeds]}
+    out: Dict[str, Any] = {
+        "preset": preset, "title": title, "setup": base.to_dict(), "seeds": seeds, "rounds": base.rounds,
+        "target_accuracy": base.target_accuracy,
+        "baseline": baseline, "conf": 0.95,
+        "notes": {"std": "sample standard deviation over seeds (n - 1)",
+                  "ci": "95% Student-t interval of the mean over seeds",
+                  "paired": "method - baseline per seed (same partition and sampling stream), mean, 95% CI "
+                            "and two-sided paired t-test p value"},
+        "methods": methods_out, "failed": failed, "wall_s": time.perf_counter() - t0}
+    write_json_atomic(os.path.join(out_dir, "compare.json"), out)
+    out["tables"] = write_tables(out, os.path.join(out_dir, "compare"))
+    if base.plots:
+        out["plot"] = plot_curves({lab: c for lab, c in curves.items() if any(c)}, os.path.join(out_dir, "compare.png"),
+                                  title=title, band=band)
     if verbose:
         print(format_table(out), flush=True)
     return out
 
 
-def format_table(out: Dict[str, Any]) -> str:
-    tgt = out.get("target_accuracy")
-    head = ["method", "final acc %", "best acc %", "last-10% acc %"]
-    if tgt is not None:
-        head.append(f"rounds to {100 * tgt:.0f}%")
-    head.append("agg share %")
+def _err(failed, label, seed):
+    return next((f["error"] for f in failed if f["method"] == label and f["seed"] == seed), None)
+
+
+def _hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _timing(summaries) -> Dict[str, Any]:
+    """Median over seeds of the round-1 time and of the median later-round time; mean aggregation share."""
+    ok = [s for s in summaries if s]
+
+    def med(key):
+        v = stats.finite([s.get(key) for s in ok])
+        return float(statistics.median(v)) if v else None
+    return {"t_round1_s": med("t_round1_s"), "t_round_median_s": med("t_round_median_s"),
+            "agg_share": stats.describe([s.get("agg_share") for s in ok])["mean"]}
+
+
+# ---- tables --------------------------------------------------------------------------------------------
+def _pct(v, digits=2):
+    return "" if v is None else f"{100 * v:.{digits}f}"
+
+
+def _p(v):
+    if v is None:
+        return ""
+    return f"{v:.2g}" if v >= 1e-3 else f"{v:.1e}"
+
+
+def table_rows(out: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """Long-format rows (one per method and metric) of a compare result: mean, sample std, CI, and
+    the paired difference to the baseline (in accuracy fractions, not percent), per-seed values."""
     rows = []
     for label, r in out["methods"].items():
-        row = [label, _fmt(r["final_mean"], r["final_std"]), _fmt(r["best_mean"], r["best_std"]),
-               _fmt(r["last10pct_mean"], r["last10pct_std"])]
+        for key, _ in METRICS:
+            d = r["stats"][key]
+            p = (r.get("paired") or {}).get(key) or {}
+            vals = [metric(x, key) if "error" not in x else None for x in r.get("runs", [])]
+            rows.append({"method": label, "algorithm": r.get("algorithm"), "options": json.dumps(r.get("options") or {}),
+                         "metric": key, "n": d["n"], "mean": d["mean"], "std": d["std"], "ci_low": d["ci_low"],
+                         "ci_high": d["ci_high"], "baseline": None if label == out.get("baseline") else out.get("baseline"),
+                         "diff_mean": p.get("mean_diff"), "diff_std": p.get("std_diff"),
+                         "diff_ci_low": p.get("ci_low"), "diff_ci_high": p.get("ci_high"), "diff_n": p.get("n"),
+                         "t": p.get("t"), "p": p.get("p"), "significant": p.get("significant"),
+                         "values": json.dumps(json_safe(vals))})
+    return rows
+
+
+def _mean_sd(d):
+    return stats.fmt_mean_ci(d, 100)
+
+
+def _ci(d):
+    return "" if d.get("ci_low") is None else f"[{_pct(d['ci_low'])}, {_pct(d['ci_high'])}]"
+
+
+def _diff(p):
+    if not p or p.get("mean_diff") is None:
+        return ""
+    s = f"{100 * p['mean_diff']:+.2f}"
+    if p.get("ci_low") is not None:
+        s += f" [{100 * p['ci_low']:+.2f}, {100 * p['ci_high']:+.2f}]"
+    return s
+
+
+def _sig(p):
+    if not p or p.get("significant") is None:
+        return "n/a" if p else ""
+    return "yes" if p["significant"] else "no"
+
+
+def markdown_table(out: Mapping[str, Any]) -> str:
+    """The headline metrics as a Markdown table with its legend."""
+    base = out.get("baseline")
+    head = ["method", "seeds"]
+    for key in HEADLINE:
+        name = dict(METRICS)[key]
+        head += [f"{name} % (mean ± sd)", "95% CI", f"Δ vs {base} (pp) [95% CI]", "p", "sig."]
+    head += ["round 1 s", "median round s", "agg share %"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for label, r in out["methods"].items():
+        row = [label, str(r.get("n_seeds", ""))]
+        for key in HEADLINE:
+            d, p = r["stats"][key], (r.get("paired") or {}).get(key)
+            row += [_mean_sd(d), _ci(d), _diff(p) if label != base else "(baseline)", _p((p or {}).get("p")), _sig(p)]
+        t = r.get("timing") or {}
+        row += ["" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
+                "" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
+                _pct(t.get("agg_share"), 3)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append(legend(out))
+    return "\n".join(lines) + "\n"
+
+
+def legend(out: Mapping[str, Any]) -> str:
+    n = len(out.get("seeds", []))
+    return (f"{n} seed(s) ({', '.join(map(str, out.get('seeds', [])))}), {out.get('rounds')} rounds. "
+            "mean ± sd: sample standard deviation over seeds (n - 1); 95% CI: Student-t interval of the mean; "
+            f"Δ: paired difference to {out.get('baseline')} over the same seeds (same partition and client "
+            "sampling), in percentage points, with its 95% t interval; p: two-sided paired t-test; sig.: p < 0.05 "
+            "(n/a with fewer than 2 paired seeds). Round 1 (warm-up) is timed apart from the median of the later "
+            "rounds; the aggregation share leaves round 1 out.")
+
+
+def _tex(s: str) -> str:
+    rep = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+    return "".join(rep.get(c, c) for c in str(s))
+
+
+def latex_table(out: Mapping[str, Any]) -> str:
+    """A booktabs ``tabular`` of the headline metrics (mean ± sd, paired Δ with 95% CI; † p < 0.05)."""
+    base = out.get("baseline")
+    cols = "l" + "rr" * len(HEADLINE)
+    head = ["Method"] + [h for key in HEADLINE for h in (f"{_tex(dict(METRICS)[key])} (\\%)",
+                                                           f"$\\Delta$ vs {_tex(base)} (pp)")]
+    lines = [f"% {_tex(legend(out))}", f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(head) + " \\\\",
+             "\\midrule"]
+    for label, r in out["methods"].items():
+        cells = [_tex(label)]
+        for key in HEADLINE:
+            d, p = r["stats"][key], (r.get("paired") or {}).get(key)
+            ms = _mean_sd(d).replace("±", "$\\pm$")
+            cells.append(ms)
+            if label == base:
+                cells.append("--")
+            else:
+                c = _diff(p) or "n/a"
+                if p and p.get("significant"):
+                    c += "$^\\dagger$"
+                cells.append(c)
+        lines.append(" & ".join(cells) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}", ""]
+    return "\n".join(lines)
+
+
+def write_tables(out: Mapping[str, Any], stem: str) -> Dict[str, str]:
+    """``STEM.csv`` (long format, all metrics), ``STEM.md`` and ``STEM.tex`` (headline metrics),
+    each written atomically; returns the paths."""
+    rows = table_rows(out)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["method"])
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: ("" if v is None else v) for k, v in row.items()})
+    paths = {"csv": stem + ".csv", "md": stem + ".md", "tex": stem + ".tex"}
+    write_text_atomic(paths["csv"], buf.getvalue())
+    write_text_atomic(paths["md"], markdown_table(out))
+    write_text_atomic(paths["tex"], latex_table(out))
+    return paths
+
+
+def format_table(out: Mapping[str, Any]) -> str:
+    """The terminal table: headline metrics as mean ± sample std and the paired Δ vs the baseline."""
+    tgt = out.get("target_accuracy")
+    base = out.get("baseline")
+    head = ["method"]
+    for key in HEADLINE:
+        head += [f"{dict(METRICS)[key]} %", f"Δ vs {base} [95% CI]", "p"]
+    if tgt is not None:
+        head.append(f"rounds to {100 * tgt:.0f}%")
+    head += ["round 1 s", "median round s", "agg share %"]
+    rows = []
+    for label, r in out["methods"].items():
+        row = [label]
+        for key in HEADLINE:
+            p = (r.get("paired") or {}).get(key)
+            row += [_mean_sd(r["stats"][key]), "(baseline)" if label == base else (_diff(p) or "n/a"),
+                    _p((p or {}).get("p"))]
         if tgt is not None:
-            row.append(",".join("-" if v is None else str(v) for v in r["rounds_to_target"]))
-        row.append("n/a" if r["agg_share_mean"] is None else f"{100 * r['agg_share_mean']:.3f}")
+            row.append(",".join("-" if v is None else str(v) for v in r.get("rounds_to_target", [])))
+        t = r.get("timing") or {}
+        row += ["n/a" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
+                "n/a" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
+                "n/a" if t.get("agg_share") is None else f"{100 * t['agg_share']:.3f}"]
         rows.append(row)
     w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(k) for c, k in zip(cells, w))
+    line = lambda cells: "  ".join(str(c).ljust(k) for c, k in zip(cells, w))  # noqa: E731
     n = len(out.get("seeds", []))
-    txt = [f"== {n} seed(s), {out.get('rounds')} rounds" + (" (mean ± std over seeds)" if n > 1 else ""), line(head),
-           line(["-" * k for k in w])]
+    txt = [f"== {n} seed(s), {out.get('rounds')} rounds"
+           + (" (mean ± sample std over seeds; Δ: paired difference, pp)" if n > 1 else ""),
+           line(head), line(["-" * k for k in w])]
     txt += [line(r) for r in rows]
-    if out.get("skipped"):
-        txt.append(f"skipped (not registered): {', '.join(out['skipped'])}")
+    for f in out.get("failed", []):
+        txt.append(f"FAILED: {f['method']} seed {f['seed']}: {f['error']}")
     return "\n".join(txt)

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import hashlib
+import json
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -82,7 +86,9 @@ class AlgorithmConfig:
 
 @dataclass
 class RunConfig:
-    name: Optional[str] = None           # run directory name under out_dir (default: derived)
+    name: Optional[str] = None           # run directory name under out_dir (default: derived, see run_name)
+    preset: Optional[str] = None         # the preset this config came from (a label; set by presets.get)
+    method: Optional[str] = None         # the preset's method label that was run (a label)
     seed: int = 0
     rounds: int = 10
     num_clients: int = 10
@@ -120,7 +126,16 @@ class RunConfig:
         return max(1, min(self.num_clients, m))
 
     def run_name(self) -> str:
-        return self.name or f"{self.data.name}-{self.algorithm.name}-s{self.seed}"
+        """``name``, or ``<preset or dataset>-<method label or algorithm>-s<seed>-<config hash>``: a
+        different computation never lands in the same directory."""
+        if self.name:
+            return self.name
+        return f"{self.preset or self.data.name}-{self.method or self.algorithm.name}-s{self.seed}-{self.config_hash()}"
+
+    def config_hash(self, n: int = 8) -> str:
+        """A short hash of everything that changes the computation (not output/progress settings)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in PRESENTATION_KEYS}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
         errs = []
@@ -192,18 +207,83 @@ class RunConfig:
         return copy.deepcopy(self)
 
 
+# keys that do not change what is computed (left out of config_hash; free to change on resume)
+PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "checkpoint_every",
+                     "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy",
+                     "distributed")
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    m = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, List):
+        (arg,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, arg) for v in value)
+    if origin in (dict, Dict):
+        return isinstance(value, dict)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_word(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        words = [_type_word(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(words) + (" or null" if type(None) in typing.get_args(tp) else "")
+    if origin in (list, List):
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_type_word(arg).replace('an ', '').replace('a ', '')}s"
+    if origin in (dict, Dict):
+        return "a mapping"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def check_field(cls, key: str, name: str, value: Any) -> Any:
+    """``value`` for field ``name`` of config dataclass ``cls`` (dotted ``key`` for messages), type-checked
+    against the field's annotation; an int given for a float field becomes a float."""
+    tp = typing.get_type_hints(cls)[name]
+    if not _type_ok(value, tp):
+        raise ValueError(f"config key {key}: got {value!r} ({type(value).__name__}), expected {_type_word(tp)}")
+    if tp is float or (typing.get_origin(tp) is typing.Union and float in typing.get_args(tp)):
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+    return value
+
+
 def _from_dict(cls, d: Dict[str, Any], prefix: str):
     if not isinstance(d, dict):
         raise ValueError(f"config section {prefix or '<root>'!r} must be a mapping, got {type(d).__name__}")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}"
+                         f"{_suggest(unknown[0], list(known))}; "
                          f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {', '.join(known)}")
     kw = {}
     for k, v in d.items():
         sub = _dataclass_type(cls, k)
-        kw[k] = _from_dict(sub, v if v is not None else {}, prefix + k + ".") if sub is not None else v
+        kw[k] = (_from_dict(sub, v if v is not None else {}, prefix + k + ".") if sub is not None
+                 else check_field(cls, prefix + k, k, v))
     return cls(**kw)
 
 
@@ -237,7 +317,7 @@ def set_dotted(cfg: RunConfig, key: str, value: Any) -> None:
         if dataclasses.is_dataclass(obj):
             names = [f.name for f in fields(obj)]
             if p not in names:
-                raise ValueError(f"unknown config key {'.'.join(path)!r}; valid keys"
+                raise ValueError(f"unknown config key {'.'.join(path)!r}{_suggest(p, names)}; valid keys"
                                  f"{' under ' + '.'.join(path[:-1]) if len(path) > 1 else ''}: {', '.join(names)}")
             if last:
                 sub = _dataclass_type(type(obj), p)
@@ -245,6 +325,8 @@ def set_dotted(cfg: RunConfig, key: str, value: Any) -> None:
                     if not isinstance(value, dict):
                         raise ValueError(f"config key {key!r} is a section: give a mapping or set its fields")
                     value = _from_dict(sub, value, key + ".")
+                else:
+                    value = check_field(type(obj), key, p, value)
                 setattr(obj, p, value)
                 return
             obj = getattr(obj, p)

@@ -4,7 +4,8 @@ FedAvg, then a short comparison against the paper methods that are registered (K
 FedAWARE, FedECADO, FedPGVC, GC-Fed), on 10 clients holding 2 label shards each of a 12k/2k
 subsample of Fashion-MNIST (scikit-learn's digits when /usr/share/datasets/fashion-mnist is
 missing), with a small CNN and 1 local epoch. Prints the test accuracy per round, a table at the end,
-and writes runs/demo/ (one directory per method, compare.json, compare.png).
+and writes runs/demo/ (one directory per method, compare.json, the tables compare.csv/.md/.tex and
+the figure compare.png/.pdf/.svg).
 
 Options: ``--rounds N``, ``--methods a,b,c`` (default: all demo methods), ``--fedavg-only``,
 ``--out DIR``, ``--seed S``.
@@ -16,9 +17,8 @@ import os
 import sys
 import time
 
-from .. import algorithms
 from . import presets
-from .compare import compare
+from .compare import compare, resolve_methods
 
 FMNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -59,25 +59,23 @@ def main(argv=None) -> int:
     cfg = demo_config(a.rounds, a.seed)
     known = presets.variants("demo")
     labels = ["fedavg"] if a.fedavg_only else (a.methods.split(",") if a.methods else list(known))
-    methods = []
-    for lab in labels:
-        label, var = presets.parse_method(lab, known)
-        if var["name"].lower() not in algorithms.available():
-            print(f"skipping {label}: algorithm {var['name']!r} is not registered yet", flush=True)
-            continue
-        methods.append((label, var))
-    if not methods:
-        print("no registered method to run", file=sys.stderr)
-        return 1
+    try:
+        methods = resolve_methods(labels, known)     # every method checked before the first run
+    except ValueError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
     print(f"fedkernels demo: {cfg.data.name}, {cfg.num_clients} clients x "
           f"{cfg.partition.options.get('shards_per_client')} label shards, model {cfg.model.name}, "
           f"{cfg.rounds} rounds, {cfg.train.epochs} local epoch(s); methods: {', '.join(m for m, _ in methods)}",
           flush=True)
-    out = compare(cfg, methods, seeds=[cfg.seed], out_dir=a.out, verbose=True)
+    out = compare(cfg, methods, seeds=[cfg.seed], out_dir=a.out, verbose=True, preset="demo")
     fed = out["methods"].get("fedavg")
-    print(f"\nchance level {100.0 / 10:.0f}%; outputs in {a.out}/ (compare.png, compare.json, one run "
-          f"directory per method); total {time.perf_counter() - t0:.0f}s", flush=True)
-    if fed is not None and (fed["final_mean"] or 0) < 0.3:
+    print(f"\nchance level {100.0 / 10:.0f}%; outputs in {a.out}/ (compare.png/.pdf/.svg, compare.json, "
+          f"compare.csv/.md/.tex, one run directory per method); total {time.perf_counter() - t0:.0f}s", flush=True)
+    if out.get("failed"):
+        print(f"demo: {len(out['failed'])} run(s) failed", file=sys.stderr)
+        return 1
+    if fed is not None and (fed["stats"]["final_accuracy"]["mean"] or 0) < 0.3:
         print("WARNING: FedAvg did not get well above chance", file=sys.stderr)
         return 2
     return 0

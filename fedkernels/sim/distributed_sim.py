@@ -56,7 +56,23 @@ from .server import BadClientError, Simulation, resolve_device
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["DistributedSimulation", "assign_positions", "init_from_env", "merge_sliced_state", "slice_state"]
+__all__ = ["DistributedSimulation", "LostRankError", "assign_positions", "init_from_env", "merge_sliced_state",
+           "slice_state"]
+
+
+class LostRankError(RuntimeError):
+    """Another rank of the run stopped (killed, or failed with its own error) while this one waited
+    for it in a collective; this rank stops too (its last checkpoint is the one to resume)."""
+
+
+def _is_peer_loss(e: BaseException) -> bool:
+    """Whether a collective failed because a peer went away (gloo: connection closed/reset; NCCL:
+    a DistError from the watchdog)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and any(w in msg for w in ("connection closed", "connection reset",
+                                                                 "broken pipe", "gloo", "nccl"))
 
 
 def init_from_env(device: str = "cpu") -> bool:
@@ -128,7 +144,7 @@ class DistributedSimulation(Simulation):
     the default one, initialised from torchrun's environment when needed). ``align``: slice
     boundaries on tensor ("tensor") or output-row ("row") boundaries. Outputs are written by rank 0."""
 
-    def __init__(self, cfg: RunConfig, *, group=None, align: str = "tensor", **kw):
+    def __init__(self, cfg: RunConfig, *, group=None, align: str = "bytes", **kw):
         cfg = cfg.copy()
         init_from_env(cfg.device)
         self.group = group
@@ -268,8 +284,27 @@ class DistributedSimulation(Simulation):
         return {"U": U, "accepted": acc, "payloads": payloads, "excluded": excluded,
                 "t_local": max(f["t_local"] for f in facts), "t_exchange": time.perf_counter() - t1}
 
+    def _stop_agreed(self) -> bool:
+        """A signal seen by any rank stops every rank after this round (a small collective)."""
+        return any(f is not None for f in self._all_gather_object(self._stop_signal))
+
     def aggregate_kwargs(self) -> Dict[str, Any]:
         return {"gather": True}          # every rank gets the full new model
+
+    def run_round(self, r: int) -> Dict[str, Any]:
+        """:meth:`Simulation.run_round`; a peer lost inside one of its collectives stops this rank with
+        one line naming the lost rank (the run is resumable from its last checkpoint)."""
+        try:
+            return super().run_round(r)
+        except BadClientError:
+            raise
+        except Exception as e:  # noqa: BLE001 - only a peer's loss is translated
+            if not _is_peer_loss(e):
+                raise
+            who = f"rank {1 - self.rank}" if self.world == 2 else f"a rank other than {self.rank}"
+            raise LostRankError(f"{who} of {self.world} stopped during round {r + 1} (killed, or failed with its own "
+                                f"error); rank {self.rank} stops too; continue with `fedkernels run --resume "
+                                f"{self.run_dir}` on {self.world} ranks") from None
 
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""

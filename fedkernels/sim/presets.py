@@ -10,7 +10,7 @@ labels, plain algorithm names, or ``algo:key=value:key=value``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .config import RunConfig
 
@@ -61,8 +61,9 @@ _KUR = {
     "kuramoto-S1.0": {"name": "kuramoto", "options": {"mode": "S", "kappa0": 1.0}},
     "kuramoto-C": {"name": "kuramoto", "options": {"mode": "C", "kappa0": 0.2, "clip": 10.0}},
     # the paper's SCAFFOLD baseline divides by the momentum-adjusted step count (spec §6, [CODE]);
-    # plain SCAFFOLD with local momentum 0.9 diverged in every run of results/REPORT.md
-    "scaffold": {"name": "scaffold", "options": {"momentum_correction": True}},
+    # plain SCAFFOLD with local momentum 0.9 diverged in every run of results/REPORT.md; the authors'
+    # SCAFFOLD server weights by n_k / sum n (spec §1), not the SCAFFOLD paper's 1/|S|
+    "scaffold": {"name": "scaffold", "options": {"momentum_correction": True, "weighting": "samples"}},
 }
 _KUR_TRAIN = {"epochs": 2, "batch_size": 64, "lr": 0.01, "momentum": 0.9, "lr_schedule": "cosine"}
 _add("kuramoto-fmnist", "Kuramoto KR-2 on Fashion-MNIST: K=10, 3 label shards each (code version), "
@@ -117,7 +118,7 @@ _add("fedecado-fmnist", "FedECADO E3 on Fashion-MNIST: N=100 Dir(0.1), 10% parti
 # ---- FedPGVC §8 Exp A (digits, N=10 full participation) --------------------------------------------
 _PGVC = {"fedavg": {"name": "fedavg"}, "fedpgvc": {"name": "fedpgvc"},
          "fedpgvc-additive": {"name": "fedpgvc", "options": {"mode": "additive", "lam": 1.0}},
-         "fedpvr": {"name": "fedpvr"}, "scaffold": {"name": "scaffold"}}
+         "fedpvr": {"name": "fedpvr"}, "scaffold": {"name": "scaffold"}}   # SCAFFOLD: the paper's 1/|S|
 _add("fedpgvc-digits", "FedPGVC Exp A on digits: N=10 all participating, Dir(0.5) min 10, "
                        "MLP 64-64-32-10, B=32, E=2, SGD 0.1, R=40, target 85%", {
     "rounds": 40, "num_clients": 10, "target_accuracy": 0.85, "data": _DIGITS,
@@ -237,8 +238,35 @@ def get(name: str) -> RunConfig:
     _check(name)
     d = copy.deepcopy(_P[name][1])
     d.setdefault("name", None)
+    d["preset"] = name
     cfg = RunConfig.from_dict(d)
     return cfg.validate()
+
+
+def default_method(name: str) -> Optional[str]:
+    """The method a preset's name says (``kuramoto-fmnist`` -> its first ``kuramoto*`` label; a
+    one-method preset -> that one); None when the name names none of its methods (then ask)."""
+    vs = variants(name)
+    if len(vs) == 1:
+        return next(iter(vs))
+    head = name.split("-")[0]
+    if head in vs:
+        return head
+    return next((k for k in vs if k.startswith(head)), None)
+
+
+def with_method(cfg: RunConfig, name: str, label: str) -> RunConfig:
+    """A copy of preset ``name``'s ``cfg`` running its method ``label``; ValueError naming the labels."""
+    vs = variants(name)
+    if label not in vs:
+        from .config import _suggest
+        raise ValueError(f"--method {label!r}: not a method of preset {name}{_suggest(label, list(vs))}; "
+                         f"its methods: {', '.join(vs)}")
+    cfg = cfg.copy()
+    cfg.algorithm.name = vs[label]["name"]
+    cfg.algorithm.options = dict(vs[label].get("options", {}))
+    cfg.method = label
+    return cfg
 
 
 def variants(name: str) -> Dict[str, Dict[str, Any]]:
@@ -266,3 +294,35 @@ def parse_method(spec: str, known: Dict[str, Dict[str, Any]] = None) -> Tuple[st
     base.setdefault("options", {})
     base["options"].update(opts)
     return spec, base
+
+
+# ---- time estimates (``fedkernels presets``) ------------------------------------------------------
+# Wall seconds per round (setup and evaluation included: wall_s / rounds, median over the committed
+# runs of every method of that setup) on this project's 2-core x86 CPU machine, shared with other
+# work while they ran. ESTIMATES for that machine class: another machine, thread count or load moves
+# them several-fold, and slow methods (FedECADO, FedAWARE with 100 clients) take up to ~2x the median.
+_SECONDS_PER_ROUND: Dict[str, Tuple[float, str]] = {
+    "smoke": (5.3, "3-round smoke compare on a busy machine, 2026-11-24"),
+    "demo": (3.6, "issue 14: 172 s for 6 methods x 8 rounds"),
+    "kuramoto-fmnist": (1.34, "results/kuramoto/fmnist-s3"),
+    "kuramoto-digits": (0.07, "results/kuramoto/digits-s3"),
+    "fedaware-fmnist": (0.71, "results/fedaware/fmnist-T200"),
+    "fedecado-fmnist": (1.36, "results/fedecado/fmnist-T50"),
+    "fedpgvc-digits": (0.12, "results/fedpgvc/digits-a0.5-lr0.1"),
+    "gcfed-digits": (0.07, "results/gcfed/digits-a0.05"),
+    "fedecado-synthetic": (0.11, "results/fedecado/synthetic-e2"),
+    "fedaware-synthetic": (0.024, "results/fedaware/synthetic-fr1"),
+    "kuramoto-synthetic": (0.066, "results/kuramoto/synthetic-kr1"),
+}
+
+
+def estimate(name: str):
+    """``{"s_per_round", "rounds", "s_per_run", "source"}``: the measured seconds per round of preset
+    ``name`` on a 2-core CPU times its rounds (one method, one seed), or None when not measured
+    (the GPU presets, fedaware-digits)."""
+    _check(name)
+    if name not in _SECONDS_PER_ROUND:
+        return None
+    s, src = _SECONDS_PER_ROUND[name]
+    rounds = int(_P[name][1].get("rounds", RunConfig().rounds))
+    return {"s_per_round": s, "rounds": rounds, "s_per_run": s * rounds, "source": src}

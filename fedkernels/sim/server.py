@@ -39,7 +39,7 @@ from ..flat import FlatSpec, UpdateBuffer
 from . import checkpoint as ckpt
 from .client import (STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, ClientTrainer, HeteroCompute, client_losses,
                      client_seed, derive_seed, evaluate, schedule_factor)
-from .config import RunConfig
+from .config import PRESENTATION_KEYS, RunConfig
 from .report import RunWriter, json_safe, summarize
 
 log = logging.getLogger("fedkernels.sim")
@@ -94,19 +94,19 @@ def _deterministic(on: bool):
 
 
 # config keys that may change on resume without changing the computation
-_RESUME_FREE = {"name", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
+_RESUME_FREE = {"name", "preset", "method", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
                 "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss",
                 "distributed"}
 
 
-def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "") -> List[str]:
+def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "", free=_RESUME_FREE) -> List[str]:
     out = []
     for k in sorted(set(old) | set(new)):
-        if not prefix and k in _RESUME_FREE:
+        if not prefix and k in free:
             continue
         a, b = old.get(k), new.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, prefix + k + ".")
+            out += _config_diff(a, b, prefix + k + ".", free)
         elif a != b:
             out.append(prefix + k)
     return out
@@ -125,7 +125,8 @@ class Simulation:
     def __init__(self, cfg: RunConfig, *, run_dir: Optional[str] = None, resume: bool = False,
                  train=None, test=None, model_fn: Optional[Callable[..., nn.Module]] = None,
                  client_indices: Optional[Sequence] = None, transform: Optional[Callable] = None,
-                 write_outputs: bool = True):
+                 write_outputs: bool = True, overwrite: bool = False,
+                 callbacks: Sequence[Callable[[int, Dict[str, Any], nn.Module], None]] = ()):
         self.cfg = cfg.copy().validate()
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.resume = resume
@@ -137,6 +138,11 @@ class Simulation:
         self._ready = False
         self.rules: Dict[int, Any] = {}   # stateful client rules, by client id
         self.summary: Optional[Dict[str, Any]] = None
+        self.overwrite = overwrite
+        self.callbacks = list(callbacks)     # cb(round, metrics, model) after every round (fedkernels.sim.callbacks)
+        self._stop_signal: Optional[int] = None
+        self._bar = None
+        self._first_round = 0
 
     # ---- setup -----------------------------------------------------------------------------------
     def _load_data(self):
@@ -208,10 +214,33 @@ class Simulation:
             opts.pop("on_bad_update")
             return algorithms.build(cfg.algorithm.name, **opts)
 
+    def _check_run_dir(self) -> None:
+        """Never overwrite another run: an existing run directory must hold this config (or
+        ``overwrite``, which also removes its checkpoints; or ``resume``)."""
+        old_path = os.path.join(self.run_dir, "config.yaml")
+        if self.resume or not self.write_outputs or not os.path.exists(old_path):
+            return
+        try:
+            old = RunConfig.from_yaml(old_path).to_dict()
+        except (OSError, ValueError):
+            old = None
+        diff = (["<unreadable config.yaml>"] if old is None else
+                _config_diff(old, self.cfg.to_dict(), free=PRESENTATION_KEYS))
+        if not diff:
+            return
+        if not self.overwrite:
+            raise ValueError(f"run directory {self.run_dir} holds a run with a different config "
+                             f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); give another --name, "
+                             "--overwrite to replace it, or --resume to continue it")
+        if self.is_main:
+            import shutil
+            shutil.rmtree(os.path.join(self.run_dir, "checkpoints"), ignore_errors=True)
+
     def setup(self) -> "Simulation":
         if self._ready:
             return self
         cfg = self.cfg
+        self._check_run_dir()
         self.device = resolve_device(cfg.device)
         x, y, xt, yt = self._load_data()
         parts = self._partition(y)
@@ -236,6 +265,10 @@ class Simulation:
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         if self.resume:
             self._load_checkpoint()
+        self._first_round = self.start_round
+        for cb in self.callbacks:
+            if hasattr(cb, "bind"):
+                cb.bind(self.run_dir)
         if self.writer is not None:
             self.writer.write_config(cfg)
             self.writer.reset_metrics(self.metrics)
@@ -479,7 +512,11 @@ class Simulation:
     # ---- the run ------------------------------------------------------------------------------------
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """Runs the remaining rounds (or up to round ``stop_after``, to simulate an interruption)
-        and returns the summary; writes the run directory unless ``write_outputs`` is False."""
+        and returns the summary; writes the run directory unless ``write_outputs`` is False.
+
+        SIGINT / SIGTERM: the round under way finishes, a checkpoint of it is written, the outputs
+        too, one line says how to continue, and KeyboardInterrupt is raised (the CLI exits 130). A
+        second signal abandons the round at once (the last checkpoint stays the one to resume)."""
         from tqdm.auto import tqdm
         cfg = self.cfg
         t_start = time.perf_counter()
@@ -489,53 +526,131 @@ class Simulation:
         prev_threads = torch.get_num_threads()
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
-        with _deterministic(det):
-            self.setup()
-            end = cfg.rounds if stop_after is None else min(cfg.rounds, int(stop_after))
-            self._bar = tqdm(total=cfg.rounds, initial=self.start_round, desc=f"{cfg.algorithm.name}",
-                             disable=not self._progress_enabled(), dynamic_ncols=True)
-            interrupted = False
-            try:
-                for r in range(self.start_round, end):
-                    m = self.run_round(r)
-                    self.metrics.append(m)
-                    if self.writer is not None:
-                        self.writer.append(m)
-                    if "accuracy" in m:
-                        self._bar.set_postfix(acc=f"{100 * m['accuracy']:.2f}")
-                        self._print(self._line(m))
-                    self._bar.update(1)
-                    self.start_round = r + 1
-                    if m.get("diverged"):
-                        self._print(f"round {r + 1}: the global model is not finite; stopping (diverged)")
-                        break
-                    if self.write_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
-                        self.save_checkpoint(r + 1)
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
-                self._bar.close()
-                self._bar = None
-                if cfg.threads:
-                    torch.set_num_threads(prev_threads)
-        self.summary = summarize(self.metrics, cfg.rounds, cfg.target_accuracy)
-        self.summary.update(name=cfg.run_name(), algorithm=cfg.algorithm.name, seed=cfg.seed,
-                            dataset=cfg.data.name, model=cfg.model.name, num_clients=cfg.num_clients,
-                            clients_per_round=self.per_round, d=self.spec.d, device=str(self.device),
-                            wall_s=time.perf_counter() - t_start, run_dir=self.run_dir if self.writer else None)
-        if self.writer is not None:
-            self.writer.write_summary(self.summary)
-            if self.start_round >= cfg.rounds or (stop_after is None and not interrupted):
-                self.save_final_model()
-            if cfg.plots:
-                self.writer.plot(self.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})")
-        if cfg.verbose:
-            self._print(format_summary(self.summary))
-        if interrupted:
-            print(f"interrupted after round {self.start_round}; continue with "
-                  f"`fedkernels run --resume {self.run_dir}` (from its last checkpoint)", file=sys.stderr)
+        self._stop_signal: Optional[int] = None
+        restore = self._install_signal_handlers()
+        interrupted, saved_at = False, None
+        try:
+            with _deterministic(det):
+                self.setup()
+                end = cfg.rounds if stop_after is None else min(cfg.rounds, int(stop_after))
+                self._print(self._start_line())
+                self._bar = tqdm(total=cfg.rounds, initial=self.start_round, desc=f"{cfg.algorithm.name}",
+                                 disable=not self._progress_enabled(), dynamic_ncols=True)
+                try:
+                    for r in range(self.start_round, end):
+                        m = self.run_round(r)
+                        self.metrics.append(m)
+                        if self.writer is not None:
+                            self.writer.append(m)
+                        self._bar.update(1)
+                        self.start_round = r + 1
+                        self._report_round(m, t_start)
+                        if self.callbacks and self.is_main:
+                            self.trainer.work.copy_(self.global_flat)      # the model holds the new global model
+                            for cb in self.callbacks:
+                                cb(r + 1, m, self.model)
+                        if m.get("diverged"):
+                            self._print(f"round {r + 1}: the global model is not finite; stopping (diverged)")
+                            break
+                        if self.write_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
+                            self.save_checkpoint(r + 1)
+                            saved_at = r + 1
+                        if self._stop_agreed():
+                            interrupted = True
+                            if self.write_outputs and saved_at != r + 1:
+                                self.save_checkpoint(r + 1)
+                                saved_at = r + 1
+                            break
+                except KeyboardInterrupt:
+                    interrupted = True
+                finally:
+                    self._bar.close()
+                    self._bar = None
+            self.summary = summarize(self.metrics, cfg.rounds, cfg.target_accuracy)
+            self.summary.update(name=cfg.run_name(), algorithm=cfg.algorithm.name, seed=cfg.seed,
+                                dataset=cfg.data.name, model=cfg.model.name, num_clients=cfg.num_clients,
+                                clients_per_round=self.per_round, d=self.spec.d, device=str(self.device),
+                                wall_s=time.perf_counter() - t_start, run_dir=self.run_dir if self.writer else None)
+            if self.writer is not None:
+                self.writer.write_summary(self.summary)
+                if self.start_round >= cfg.rounds or (stop_after is None and not interrupted):
+                    self.save_final_model()
+                if cfg.plots:
+                    try:
+                        self.writer.plot(self.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})")
+                    except KeyboardInterrupt:
+                        interrupted = True
+                        print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
+                              file=sys.stderr)
+            if cfg.verbose:
+                self._print(format_summary(self.summary))
+        finally:
+            restore()
+            if cfg.threads:
+                torch.set_num_threads(prev_threads)
+        for cb in self.callbacks:
+            close = getattr(cb, "close", None)
+            if close is not None:
+                close()
+        if interrupted or self._stop_signal is not None:
+            if self.is_main:
+                last = ckpt.list_checkpoints(self.ckpt_dir) if self.write_outputs else []
+                where = (f"checkpoint at round {last[-1][0]}; continue with `fedkernels run --resume {self.run_dir}`"
+                         if last else "no checkpoint was written (write_outputs=False)")
+                print(f"interrupted after round {self.start_round}: {where}", file=sys.stderr, flush=True)
             raise KeyboardInterrupt
         return self.summary
+
+    # ---- interruption -------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        """SIGINT/SIGTERM set a stop flag (the loop ends after the round); a second one raises
+        KeyboardInterrupt. Only in the main thread; returns the function that restores the old ones."""
+        import signal
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def handler(signum, frame):
+            if self._stop_signal is not None:
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            if self.is_main:
+                print(f"{signal.Signals(signum).name}: finishing round {self.start_round + 1} and writing a "
+                      "checkpoint (again to abandon the round)", file=sys.stderr, flush=True)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore():
+            for s, h in old.items():
+                signal.signal(s, h)
+        return restore
+
+    def _stop_agreed(self) -> bool:
+        """Whether to stop after this round (every process must agree: see the distributed override)."""
+        return self._stop_signal is not None
+
+    # ---- progress ---------------------------------------------------------------------------------
+    def _start_line(self) -> str:
+        cfg = self.cfg
+        what = f"preset {cfg.preset}, method {cfg.method or cfg.algorithm.name}" if cfg.preset else cfg.algorithm.name
+        opts = ", ".join(f"{k}={v}" for k, v in cfg.algorithm.options.items())
+        return (f"fedkernels run: {what} ({cfg.algorithm.name}{'(' + opts + ')' if opts else ''}); "
+                f"{cfg.data.name}, {cfg.partition.scheme} partition, {cfg.num_clients} clients "
+                f"({self.per_round} per round), model {cfg.model.name} (d={self.spec.d}), "
+                f"{cfg.rounds} rounds, seed {cfg.seed}, {self.device}; outputs: "
+                f"{self.run_dir if self.writer is not None or self.write_outputs else '(not written)'}")
+
+    def _report_round(self, m: Dict[str, Any], t_start: float) -> None:
+        """The round's line: always for an evaluated round; outside a terminal (no progress bar) one
+        line per round with the ETA."""
+        if "accuracy" in m and self._bar is not None:
+            self._bar.set_postfix(acc=f"{100 * m['accuracy']:.2f}")
+        bar = self._bar is not None and not self._bar.disable
+        if "accuracy" in m or not bar:
+            done = m["round"] - self._first_round
+            left = self.cfg.rounds - m["round"]
+            eta = (time.perf_counter() - t_start) / max(done, 1) * left
+            self._print(self._line(m) + ("" if bar else f"  ETA {_hms(eta)}"))
 
     def save_final_model(self) -> str:
         self.trainer.work.copy_(self.global_flat)
@@ -546,8 +661,9 @@ class Simulation:
         return path
 
     def _line(self, m: Dict[str, Any]) -> str:
-        s = (f"round {m['round']:4d}/{self.cfg.rounds}  acc {100 * m['accuracy']:6.2f}%  "
-             f"test loss {m['test_loss']:.4f}")
+        s = f"round {m['round']:4d}/{self.cfg.rounds}"
+        if "accuracy" in m:
+            s += f"  acc {100 * m['accuracy']:6.2f}%  test loss {m['test_loss']:.4f}"
         if m.get("train_loss_mean") is not None:
             s += f"  train loss {m['train_loss_mean']:.4f}"
         if m.get("client_loss_var") is not None:
@@ -560,13 +676,18 @@ class Simulation:
         return s
 
 
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def format_summary(s: Dict[str, Any]) -> str:
     def pct(v):
         return f"{100 * v:.2f}%" if isinstance(v, (int, float)) else "n/a"
     lines = [f"== {s.get('name')} ({s.get('algorithm')}, seed {s.get('seed')}): "
              f"{s.get('rounds_completed')}/{s.get('rounds')} rounds on {s.get('device')}",
              f"   final accuracy {pct(s.get('final_accuracy'))}, best {pct(s.get('best_accuracy'))} "
-             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct'))}"]
+             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct_rounds'))}"]
     if s.get("target_accuracy") is not None:
         lines.append(f"   rounds to {pct(s['target_accuracy'])}: {s.get('rounds_to_target') or 'not reached'}")
     share = s.get("agg_share")

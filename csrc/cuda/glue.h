@@ -1,0 +1,111 @@
+// Helpers shared by the per-op torch glue files csrc/cuda/<op>_glue.cpp.
+//
+// Layout: csrc/cuda/<op>.cu holds the kernels and their launchers (plain CUDA, no torch header, so
+// the CI compile check builds each alone with nvcc in ~2 s), csrc/cuda/<op>_glue.cpp the torch
+// glue of that op (host compiler only: ATen headers through nvcc are slow and fragile), which
+// registers itself with TORCH_LIBRARY_IMPL(fedkernels, CUDA, m). Both are built only in the CUDA
+// build (setup.py). Includes only c10/cuda/CUDAStream.h for the stream: ATen/cuda/CUDAContext.h
+// would pull in the cuBLAS/cuSPARSE/cuSOLVER headers that a minimal toolkit lacks.
+//
+// Division of work: the Python wrappers (fedkernels.ops) validate values and name the argument;
+// the glue keeps cheap TORCH_CHECKs (shapes, dtypes, devices, host-resident indices) as a last line
+// of defence and never synchronises the host. Small per-client vectors (coef, rows, FedECADO's
+// per-client scalars) may come as host (CPU) tensors or as tensors on the op's device; host ones
+// reach the device through fedkernels::cuda::upload (kernel arguments: stream-ordered and safe
+// under CUDA-graph capture, no pinned table).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace fedkernels {
+namespace glue {
+
+namespace fk = fedkernels::cuda;
+
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline fk::DType to_dtype(at::ScalarType s, const char* op, const char* name) {
+  switch (s) {
+    case at::kHalf: return fk::DType::Float16;
+    case at::kBFloat16: return fk::DType::BFloat16;
+    case at::kFloat: return fk::DType::Float32;
+    case at::kDouble: return fk::DType::Float64;
+    default: TORCH_CHECK(false, op, ": ", name, " must be float16, bfloat16, float32 or float64, got ", s);
+  }
+}
+
+inline void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), op, ": ", name, " must be on ", like.device(), ", got ",
+              t.device());
+}
+
+// A small vector argument: on the op's device or on the host.
+inline void check_host_or_device(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() || t.device() == like.device(), op, ": ", name, " must be on the host (cpu) or on ",
+              like.device(), ", got ", t.device());
+}
+
+inline void check_rowmajor(const at::Tensor& U, const char* op) {
+  TORCH_CHECK(U.dim() == 2, op, ": U must be 2-D [K, d], got ", U.dim(), "-D");
+  TORCH_CHECK(U.size(1) <= 1 || U.stride(1) == 1, op, ": U must have unit column stride (the Python wrapper makes it so)");
+  TORCH_CHECK(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": U rows must not overlap");
+}
+
+inline int64_t row_stride(const at::Tensor& U) { return U.size(0) > 1 ? U.stride(0) : U.size(1); }
+
+// Host bytes -> a fresh 16-byte aligned device buffer (stream-ordered, capture-safe).
+inline at::Tensor upload_bytes(const void* host, size_t bytes, c10::Device dev) {
+  const int64_t n = (int64_t)((bytes + 15) / 16 * 16);
+  auto buf = at::empty({std::max<int64_t>(n, 16)}, at::TensorOptions().dtype(at::kByte).device(dev));
+  if (bytes) C10_CUDA_CHECK(fk::upload(host, bytes, buf.data_ptr(), stream()));
+  return buf;
+}
+
+// A 1-D small vector as a contiguous device tensor of dtype st: host tensors are converted on the
+// host and uploaded; device tensors are converted on the device.
+inline at::Tensor small_to_device(const at::Tensor& t, at::ScalarType st, c10::Device dev) {
+  if (!t.device().is_cpu()) return t.to(st).contiguous().view({-1});
+  auto h = t.to(st).contiguous();
+  const int64_t n = h.numel();
+  auto buf = upload_bytes(h.data_ptr(), size_t(n) * h.element_size(), dev);
+  return buf.view(st).narrow(0, 0, n);
+}
+
+// rows: 1-D integer indices; host-resident ones are range-checked here (device ones cannot be
+// without a sync: the kernels turn an out-of-range entry into NaN, and the Python wrapper checks).
+inline at::Tensor rows_to_device(const at::Tensor& rows, const at::Tensor& U, const char* op) {
+  TORCH_CHECK(rows.dim() == 1, op, ": rows must be 1-D, got ", rows.dim(), "-D");
+  TORCH_CHECK(!rows.is_floating_point() && rows.scalar_type() != at::kBool && !rows.is_complex(), op,
+              ": rows must hold integer indices, got ", rows.scalar_type());
+  check_host_or_device(rows, U, op, "rows");
+  if (rows.device().is_cpu()) {
+    auto h = rows.to(at::kLong).contiguous();
+    const int64_t* p = h.data_ptr<int64_t>();
+    const int64_t K = U.size(0);
+    for (int64_t i = 0; i < h.numel(); ++i)
+      TORCH_CHECK(p[i] >= 0 && p[i] < K, op, ": rows[", i, "] = ", p[i], " out of range [0, ", K, ")");
+  }
+  return small_to_device(rows, at::kLong, U.device());
+}
+
+// A host or device small float vector read as float64 on the host (values needed for host-side
+// checks or coefficients). Device tensors cost a device-to-host copy (a sync): the Python
+// wrappers pass these vectors on the host.
+inline std::vector<double> small_to_host(const at::Tensor& t) {
+  auto h = t.to(at::kCPU, at::kDouble).contiguous();
+  const double* p = h.data_ptr<double>();
+  return std::vector<double>(p, p + h.numel());
+}
+
+}  // namespace glue
+}  // namespace fedkernels

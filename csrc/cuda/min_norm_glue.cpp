@@ -1,0 +1,62 @@
+// Torch glue of min_norm (kernel: min_norm.cu). lam0 may be a host tensor or on G's device.
+#include <string>
+#include <tuple>
+
+#include "glue.h"
+
+namespace fedkernels {
+namespace {
+
+using namespace glue;
+
+// Schema (csrc/fedkernels.cpp): min_norm(Tensor G, int max_iter, float tol_rel, float tol_abs,
+// str method, str init, bool polish, Tensor? lam0) -> (lam [K] f64, iterations i64 [], gap f64 [])
+// On CUDA: methods fw, away, pairwise; polish=True is rejected for away/pairwise (the face polish
+// is host-only) and code_compat is host-only. Outputs stay on the device (no sync); G finiteness
+// and lam0 validity are not checked here (that would need a sync): ops.min_norm checks them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G, int64_t max_iter, double tol_rel,
+                                                             double tol_abs, c10::string_view method,
+                                                             c10::string_view init, bool polish,
+                                                             const c10::optional<at::Tensor>& lam0) {
+  TORCH_CHECK(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
+              G.sizes());
+  TORCH_CHECK(at::isFloatingType(G.scalar_type()), "min_norm: G must have a floating dtype, got ", G.scalar_type());
+  const int64_t N = G.size(0);
+  TORCH_CHECK(N >= 1, "min_norm: G must be at least 1 x 1");
+  TORCH_CHECK(N <= fk::kMinNormMaxN, "min_norm: the CUDA solver supports K <= ", fk::kMinNormMaxN, ", got ", N);
+  TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
+  TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
+  int meth = -1;
+  if (method == "fw") meth = 0;
+  else if (method == "away") meth = 1;
+  else if (method == "pairwise") meth = 2;
+  TORCH_CHECK(meth >= 0, "min_norm: method on CUDA must be one of 'away', 'pairwise', 'fw' (code_compat runs on the "
+              "CPU), got '", std::string(method), "'");
+  TORCH_CHECK(!polish || meth == 0, "min_norm: polish=True is implemented on the CPU only; on CUDA pass polish=False");
+  TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",
+              std::string(init), "'");
+  c10::cuda::CUDAGuard guard(G.device());
+  auto g = G.to(at::kDouble).contiguous();
+  at::Tensor l0;
+  if (lam0.has_value()) {
+    TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == N, "min_norm: lam0 must be a 1-D tensor of length ", N,
+                ", got shape ", lam0->sizes());
+    check_host_or_device(*lam0, G, "min_norm", "lam0");
+    l0 = small_to_device(*lam0, at::kDouble, G.device());
+  }
+  auto opts = G.options().dtype(at::kDouble);
+  auto lam = at::empty({N}, opts);
+  auto iters = at::empty({}, opts.dtype(at::kLong));
+  auto gap = at::empty({}, opts);
+  auto ws = at::empty({(int64_t)fk::min_norm_workspace_bytes(N)}, opts.dtype(at::kByte));
+  C10_CUDA_CHECK(fk::min_norm(g.data_ptr<double>(), N, l0.defined() ? l0.data_ptr<double>() : nullptr, meth,
+                              init == "min_diag" ? 1 : 0, max_iter, tol_rel, tol_abs, lam.data_ptr<double>(),
+                              iters.data_ptr<int64_t>(), gap.data_ptr<double>(), ws.data_ptr(),
+                              stream()));
+  return {lam, iters, gap};
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) { m.impl("min_norm", &min_norm_cuda); }
+
+}  // namespace fedkernels

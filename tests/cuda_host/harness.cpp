@@ -1,0 +1,201 @@
+// Host harness of the CUDA kernels' per-thread logic (tests/test_cuda_host.py builds and drives it).
+// Compiled with g++ (no nvcc, no GPU): the FK_HD functions of csrc/cuda/*.cuh become plain inline
+// functions, and this file emulates the kernels' thread grids around them. Protocol: one command
+// per line on stdin, numbers as C99 hex floats (exact) or decimal integers; one answer line each.
+//   wsum A V vec K d n alpha wide  U[K*d] coef[n] rows[n] base[d or empty: flag] -> out[d] | ERR
+//   vecok u ld_bytes K out base                                                    -> 0/1
+//   fits alpha c                                                                   -> 0/1
+//   pivot k n col[n]                                                               -> warp_p block_p
+//   lusolve n m LU[n*n] piv[n] R[n*m]                                              -> X[n*m]
+//   arrow K m inv_den coef[3K] r0[m] R[K*m]                                        -> x[m] I[K*m]
+// wsum emulates weighted_sum_kernel: every (block, thread, element) through wsum::col, the staged
+// coefficient (A)(alpha*coef[i]) or NaN for a bad row, wsum::accumulate in row order, then base.
+// A = 4 (float accumulation, data given as float: fp16/bf16 values are exact in float) or 8.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "lu.cuh"
+#include "weighted_sum.cuh"
+
+using namespace fedkernels::cuda;
+
+static double rd(std::istream& in) {
+  std::string s;
+  in >> s;
+  return std::strtod(s.c_str(), nullptr);
+}
+static long long ri(std::istream& in) {
+  long long v;
+  in >> v;
+  return v;
+}
+static void put(double v) { std::printf(" %a", v); }
+
+template <typename A>
+static bool wsum_emulate(int V, bool vec, long long K, long long d, long long n, double alpha, int wide,
+                         const std::vector<double>& U, const std::vector<double>& coef, const std::vector<long long>& rows,
+                         const std::vector<double>* base, std::vector<double>& out) {
+  std::vector<int> hits(d, 0);
+  const long long blocks = wsum::num_blocks(d, V);
+  (void)wide;
+  for (long long b = 0; b < blocks; ++b)
+    for (int tid = 0; tid < wsum::kThreads; ++tid)
+      for (int e = 0; e < V; ++e) {
+        const long long j = wsum::col(b, tid, e, V, vec);
+        if (j >= d) continue;
+        ++hits[j];
+        A acc = A(0);
+        for (long long i = 0; i < n; ++i) {
+          const long long r = rows.empty() ? i : rows[i];
+          const bool ok = wsum::row_ok(r, K);
+          const A c = ok ? static_cast<A>(alpha * coef[i]) : static_cast<A>(NAN);
+          const A x = static_cast<A>(U[(ok ? r : 0) * d + j]);
+          acc = wsum::accumulate(acc, c, x);
+        }
+        if (base) acc = static_cast<A>((*base)[j]) + acc;
+        out[j] = static_cast<double>(acc);
+      }
+  for (long long j = 0; j < d; ++j)
+    if (hits[j] != 1) return false;
+  return true;
+}
+
+int main() {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "fits") {
+      const double a = rd(in), c = rd(in);
+      std::printf("%d\n", wsum::fits_float(a, c) ? 1 : 0);
+    } else if (cmd == "vecok") {
+      const long long u = ri(in), ldb = ri(in), K = ri(in), o = ri(in), b = ri(in);
+      std::printf("%d\n", wsum::vec_ok((uintptr_t)u, ldb, K, (uintptr_t)o, (uintptr_t)b) ? 1 : 0);
+    } else if (cmd == "wsum") {
+      const int A = (int)ri(in), V = (int)ri(in), vec = (int)ri(in);
+      const long long K = ri(in), d = ri(in), n = ri(in);
+      const double alpha = rd(in);
+      const int wide = (int)ri(in);
+      std::vector<double> U(K * d), coef(n), base;
+      std::vector<long long> rows;
+      for (auto& x : U) x = rd(in);
+      for (auto& x : coef) x = rd(in);
+      const int has_rows = (int)ri(in);
+      if (has_rows) {
+        rows.resize(n);
+        for (auto& x : rows) x = ri(in);
+      }
+      const int has_base = (int)ri(in);
+      if (has_base) {
+        base.resize(d);
+        for (auto& x : base) x = rd(in);
+      }
+      // the kernel's accumulation type: the data's unless some coefficient does not fit in float
+      bool w = A == 8;
+      if (!w) {
+        if (wide >= 0) {
+          w = wide == 1;
+        } else {
+          for (long long i = 0; i < n; ++i) w = w || !wsum::fits_float(alpha, coef[i]);
+        }
+      }
+      std::vector<double> out(d);
+      const bool ok = w ? wsum_emulate<double>(V, vec, K, d, n, alpha, wide, U, coef, rows, has_base ? &base : nullptr, out)
+                        : wsum_emulate<float>(V, vec, K, d, n, alpha, wide, U, coef, rows, has_base ? &base : nullptr, out);
+      if (!ok) {
+        std::printf("ERR column coverage\n");
+        continue;
+      }
+      std::printf("%d", w ? 1 : 0);
+      for (double v : out) put(v);
+      std::printf("\n");
+    } else if (cmd == "pivot") {
+      const int k = (int)ri(in), n = (int)ri(in);
+      std::vector<double> col(n);
+      for (auto& x : col) x = rd(in);
+      // warp kernel: lane i holds row i (n <= 32), butterfly over 32 lanes
+      int warp_p = -1;
+      if (n <= 32) {
+        lu::PivotKey lanes[32];
+        for (int l = 0; l < 32; ++l) lanes[l] = lu::pivot_key(l < n ? col[l] : 0.0, l, k, n);
+        for (int o = 16; o > 0; o >>= 1) {
+          lu::PivotKey nxt[32];
+          for (int l = 0; l < 32; ++l) {
+            nxt[l] = lanes[l];
+            if (lu::pivot_better(lanes[l ^ o], lanes[l])) nxt[l] = lanes[l ^ o];
+          }
+          for (int l = 0; l < 32; ++l) lanes[l] = nxt[l];
+        }
+        for (int l = 1; l < 32; ++l)
+          if (lanes[l].i != lanes[0].i) warp_p = -2;  // lanes disagree
+        if (warp_p == -1) warp_p = lanes[0].i;
+      }
+      // block kernel: lane t scans rows k + t, k + t + 32, ...; then the butterfly
+      lu::PivotKey lanes[32];
+      for (int t = 0; t < 32; ++t) {
+        lanes[t] = lu::pivot_key(0.0, -1, k, n);
+        for (int i = k + t; i < n; i += 32) {
+          const lu::PivotKey c = lu::pivot_key(col[i], i, k, n);
+          if (lu::pivot_better(c, lanes[t])) lanes[t] = c;
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        lu::PivotKey nxt[32];
+        for (int l = 0; l < 32; ++l) {
+          nxt[l] = lanes[l];
+          if (lu::pivot_better(lanes[l ^ o], lanes[l])) nxt[l] = lanes[l ^ o];
+        }
+        for (int l = 0; l < 32; ++l) lanes[l] = nxt[l];
+      }
+      int block_p = lanes[0].i;
+      for (int l = 1; l < 32; ++l)
+        if (lanes[l].i != block_p) block_p = -2;
+      std::printf("%d %d\n", warp_p, block_p);
+    } else if (cmd == "lusolve") {
+      const int n = (int)ri(in);
+      const long long m = ri(in);
+      std::vector<double> LU(n * n), R(n * m);
+      std::vector<int32_t> piv(n);
+      for (auto& x : LU) x = rd(in);
+      for (auto& x : piv) x = (int32_t)ri(in);
+      for (auto& x : R) x = rd(in);
+      std::vector<int> perm(n);
+      const bool ok = lu::permutation(piv.data(), n, perm.data());
+      std::vector<double> X(n * m);
+      for (long long c = 0; c < m; ++c) {  // one thread per column
+        std::vector<double> x(n);
+        for (int i = 0; i < n; ++i) x[i] = R[perm[i] * m + c];
+        lu::solve_column([&](int i, int j) { return LU[i * n + j]; }, n, x.data());
+        for (int i = 0; i < n; ++i) X[i * m + c] = ok ? x[i] : NAN;
+      }
+      std::printf("%d", ok ? 1 : 0);
+      for (double v : X) put(v);
+      std::printf("\n");
+    } else if (cmd == "arrow") {
+      const long long K = ri(in), m = ri(in);
+      const double inv_den = rd(in);
+      std::vector<double> coef(3 * K), r0(m), R(K * m), x(m), I(K * m);
+      for (auto& v : coef) v = rd(in);
+      for (auto& v : r0) v = rd(in);
+      for (auto& v : R) v = rd(in);
+      for (long long c = 0; c < m; ++c)
+        x[c] = lu::arrowhead_column(
+            coef.data(), K, r0[c], inv_den, [&](long long i) { return R[i * m + c]; },
+            [&](long long i, double v) { I[i * m + c] = v; });
+      std::printf("ok");
+      for (double v : x) put(v);
+      for (double v : I) put(v);
+      std::printf("\n");
+    } else if (!cmd.empty()) {
+      std::printf("ERR unknown command %s\n", cmd.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}

@@ -1,0 +1,55 @@
+"""bench/gpu.py runs on the CPU (``--device cpu --quick``), so CI covers the GPU harness itself and
+only the numbers are new on the GPU. The real command runs in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("OUT", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_gpu_bench_harness_runs_on_cpu(tmp_path):
+    r = _run("--device", "cpu", "--quick", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    files = list(tmp_path.glob("gpu-*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert doc["device"].startswith("cpu") and doc["torch"] == torch.__version__ and doc["quick"] is True
+    assert doc["copy_GBps"] > 0
+    rows = doc["results"]
+    ops = {r["op"] for r in rows}
+    assert ops == {"copy", "weighted_sum", "gram", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
+                   "lu_factor", "lu_solve"}
+    for r in rows:
+        assert r["ms"] > 0 and r["sizes"], r
+        if "bytes_min" in r:
+            assert r["GBps"] > 0 and r["pct_copy_bw"] > 0
+    baselines = {(r["op"], k) for r in rows for k in r.get("baselines", {})}
+    for want in [("weighted_sum", "torch_coef_at_U"), ("gram", "torch_fp64_U_UT"),
+                 ("lu_solve", "torch_linalg_lu_solve"), ("fused_sgd_step_", "torch_foreach_sgd")]:
+        assert want in baselines, want
+    for r in rows:
+        for b in r.get("baselines", {}).values():
+            assert b["ms"] > 0 and ("GBps" in b) == ("bytes_min" in r)
+    gram = [r for r in rows if r["op"] == "gram"]
+    assert all(r["bitwise_repeatable"] and r["rel_err_vs_fp64"] < 1e-12 for r in gram)
+
+
+def test_gpu_bench_bad_arguments_exit_2(tmp_path):
+    r = _run("--device", "cpu", "--quick", "--only", "nope", "--out", str(tmp_path))
+    assert r.returncode == 2 and "--only got ['nope']" in r.stderr
+    if not torch.cuda.is_available():
+        r = _run("--device", "cuda", "--out", str(tmp_path))
+        assert r.returncode == 2 and "no CUDA device" in r.stderr
+    assert not list(tmp_path.glob("gpu-*.json"))
