@@ -37,7 +37,7 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "weighted_sum", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "weighted_sum", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
 
@@ -130,6 +130,15 @@ def _gen_weighted_sum(rnd, c):
     c["base"] = rnd.choice([None, None, "ok", "noncontig", "expanded", "wrong_dtype", "wrong_len", "nan"])
     c["alpha"] = rnd.choice([1.0, 1.0, 0.0, -1.0, 0.37, 1e20, 3, True, float("nan"), "str", float("inf")])
     c["out"] = rnd.choice([None, None, "fresh", "base", "noncontig", "wrong_dtype", "wrong_len"])
+
+
+def _gen_weighted_sum_chunked(rnd, c):
+    _gen_gram(rnd, c)
+    c["coef"] = rnd.choice(["list", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
+    c["base"] = rnd.choice([None, None, "ok", "noncontig", "wrong_dtype", "wrong_len"])
+    c["alpha"] = rnd.choice([1.0, 1.0, 0.0, -1.0, 0.37, 3, float("nan"), "str"])
+    c["out_dtype"] = rnd.choice([None, None, "same", "fp32", "fp64", "i64"])
+    c["chunk_cols"] = rnd.choice([1, 3, 64, 1 << 18, 1 << 18, 0, "x"])
 
 
 def _gen_finite_rows(rnd, c):
@@ -581,6 +590,57 @@ def _run_weighted_sum(g, c):
     amax, omax = torch.finfo(acc).max, torch.finfo(dt).max
     may = ~torch.isfinite(S) | (S * 1.001 >= amax) | (ref.abs() * 1.001 >= omax)
     _check_close("weighted_sum", res, ref, tol, may)
+    return "ok"
+
+
+def _run_weighted_sum_chunked(g, c):
+    U = _matrix_input(g, c)
+    K, d = c["K"], c["d"]
+    rows = _rows_arg(g, c, K)
+    n = K if rows is None else len(rows) if not isinstance(rows, torch.Tensor) else rows.numel()
+    coef = _coef_arg(g, c, n)
+    dt = DTYPES[c["dtype"]]
+    odn = c["out_dtype"]
+    odt = None if odn is None else dt if odn == "same" else DTYPES[odn]
+    rdt = odt if odt is not None else dt             # the result's dtype when base is None
+    base = None
+    bk = c["base"]
+    if bk is not None:
+        bdt = rdt if bk != "wrong_dtype" else (torch.float64 if rdt != torch.float64 else torch.float32)
+        base = _values(g, (d + (bk == "wrong_len"),), bdt, "normal") if bdt.is_floating_point else \
+            torch.zeros(d, dtype=bdt)
+        if bk == "noncontig":
+            b2 = torch.zeros(2 * d, dtype=bdt)
+            b2[::2] = base
+            base = b2[::2]
+    alpha = c["alpha"]
+    res = ops.weighted_sum_chunked(U, coef, base=base, alpha=alpha, rows=rows, out_dtype=odt,
+                                   chunk_cols=c["chunk_cols"])
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail("weighted_sum_chunked accepted an invalid M")
+    if isinstance(alpha, str) or (isinstance(alpha, float) and not math.isfinite(alpha)):
+        raise Fail(f"weighted_sum_chunked accepted alpha={alpha!r}")
+    if not isinstance(c["chunk_cols"], int) or c["chunk_cols"] < 1:
+        raise Fail(f"weighted_sum_chunked accepted chunk_cols={c['chunk_cols']!r}")
+    c64 = torch.as_tensor(coef, dtype=torch.float64)
+    if c64.dim() != 1 or c64.numel() != n or not bool(torch.isfinite(c64).all()):
+        raise Fail(f"weighted_sum_chunked accepted coef of shape {tuple(c64.shape)} / non-finite values")
+    rdt = base.dtype if odt is None and base is not None else rdt
+    if res.dtype != rdt or res.shape != (d,):
+        raise Fail(f"weighted_sum_chunked: result {res.dtype} {tuple(res.shape)}, expected {rdt} ({d},)")
+    # the same sum as weighted_sum on the converted selected rows (both round M to the result dtype first)
+    r = reference._rows_idx(rows, K, U.device)
+    Uc = U[r].to(rdt)
+    ref = reference.weighted_sum(Uc, c64, base=base, alpha=float(alpha))
+    acc = _acc_dtype(rdt)
+    S = abs(float(alpha)) * (c64.abs()[:, None] * Uc.to(torch.float64).abs()).sum(0) if n else \
+        torch.zeros(d, dtype=torch.float64)
+    if base is not None:
+        S = S + base.to(torch.float64).abs()
+    tol = (n + 6) * 2 * _eps(acc) * S + 2 * _eps(rdt) * ref.abs().nan_to_num(0, 0, 0) + (n + 2) * torch.finfo(rdt).tiny
+    amax, omax = torch.finfo(acc).max, torch.finfo(rdt).max
+    may = ~torch.isfinite(S) | (S * 1.001 >= amax) | (ref.abs() * 1.001 >= omax)
+    _check_close("weighted_sum_chunked", res, ref, tol, may)
     return "ok"
 
 
@@ -1580,6 +1640,7 @@ def _run_agg(g, c):
 OP_ARG_NAMES = {
     "gram": ["gram", "U", "rows"],
     "weighted_sum": ["weighted_sum", "U", "coef", "base", "alpha", "rows", "out"],
+    "weighted_sum_chunked": ["weighted_sum_chunked", "M", "coef", "base", "alpha", "rows", "out_dtype", "chunk_cols"],
     "finite_rows": ["finite_rows", "U"],
     "min_norm": ["min_norm", "G", "max_iter", "tol", "method", "init", "lam0"],
     "gc_project": ["gc_project", "tensors", "vector_policy", "min_fanin"],

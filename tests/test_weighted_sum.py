@@ -141,3 +141,14 @@ def test_bad_rows_rejected_on_the_host_for_every_index_type():
             ops.gram(U, rows=rows)
     with pytest.raises(ValueError, match="rows must hold integer"):
         ops.weighted_sum(U, [1.0], rows=[True])
+
+
+def test_a_device_without_a_kernel_gives_one_clear_error():
+    from fedkernels.ops._checks import _needs_kernel
+    _needs_kernel("weighted_sum", torch.device("cpu"), "weighted_sum")      # CPU: always there
+    for native in ("weighted_sum", "gram", "arrowhead_solve", "fused_sgd_step_"):
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"fedkernels::{native}", "CUDA"):
+            _needs_kernel(native, torch.device("cuda"), native)
+        else:
+            with pytest.raises(ValueError, match=f"no cuda kernel for fedkernels::{native}"):
+                _needs_kernel(native, torch.device("cuda"), native)

@@ -43,7 +43,7 @@ from .minnorm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .reductions import (Reducer, active_reducer, all_, amax_d, any_, dot, mean_d, reduce_across,  # noqa: E402
                          sqnorm)
 
-__all__ = ["gram", "weighted_sum", "finite_rows",
+__all__ = ["gram", "weighted_sum", "finite_rows", "weighted_sum_chunked",
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step",

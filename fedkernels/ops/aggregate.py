@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from ._checks import RowsLike, _coef, _matrix, _no_grad_through, _rows, _tensor, _vector
+from ._checks import (FLOAT_DTYPES, RowsLike, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows,
+                      _tensor, _vector)
 from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
@@ -33,6 +34,7 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     Differentiable w.r.t. ``U``.
     """
     U = _matrix(U, "gram")
+    _needs_kernel("gram", U.device, "gram")
     r = _rows(rows, U.size(0), "gram")
     G = _ag.gram(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
     return shard_sum(G)
@@ -50,6 +52,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
     """
     op = "weighted_sum"
     U = _matrix(U, op)
+    _needs_kernel("weighted_sum" if out is None else "weighted_sum_out", U.device, op)
     K, d = U.shape
     r = _rows(rows, K, op)
     n = K if r is None else r.numel()
@@ -76,6 +79,7 @@ def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alp
 def finite_rows(U: torch.Tensor) -> torch.Tensor:
     """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
     U = _matrix(U, "finite_rows")
+    _needs_kernel("finite_rows", U.device, "finite_rows")
     return shard_and(torch.ops.fedkernels.finite_rows(U))
 
 
@@ -84,19 +88,35 @@ def weighted_sum_chunked(M: torch.Tensor, coef, base: Optional[torch.Tensor] = N
                          chunk_cols: int = 1 << 18) -> torch.Tensor:
     """``base + alpha * sum_i coef_i M[rows_i]`` for a table ``M`` stored in another dtype (bf16) or on
     another device (the host) than the result: column chunks of the selected rows are converted to
-    ``out_dtype`` on ``device`` one at a time (temporary: len(rows) x chunk_cols)."""
+    ``out_dtype`` (default: base's dtype, else M's) on ``device`` (default: base's device, else M's)
+    one at a time (temporary: len(rows) x chunk_cols) and summed with :func:`weighted_sum`. Equal to
+    ``weighted_sum(M[rows].to(device, out_dtype), coef, base, alpha)`` without the full copy.
+    """
     op = "weighted_sum_chunked"
     M = _tensor(M, op, "M")
     if M.dim() != 2:
         raise ValueError(f"{op}: M must be a 2-D [K, d] tensor, got shape {tuple(M.shape)}")
+    _float_dtype(M, op, "M")
     if isinstance(chunk_cols, bool) or not isinstance(chunk_cols, int) or chunk_cols < 1:
         raise ValueError(f"{op}: chunk_cols must be an int >= 1, got {chunk_cols!r}")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype!r}")
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    if base is not None:
+        base = _tensor(base, op, "base")
     dev = torch.device(device) if device is not None else (base.device if base is not None else M.device)
     odt = out_dtype if out_dtype is not None else (base.dtype if base is not None else M.dtype)
-    d = M.size(1)
-    out = torch.empty(d, dtype=odt, device=dev)
-    r = torch.arange(M.size(0)) if rows is None else _rows(rows, M.size(0), op)
+    K, d = M.shape
+    if base is not None:
+        if base.dim() != 1 or base.size(0) != d:
+            raise ValueError(f"{op}: base must be a 1-D tensor of length {d}, got shape {tuple(base.shape)}")
+        if base.dtype != odt or base.device != dev:
+            raise ValueError(f"{op}: base must have the result's dtype {odt} and device {dev}, "
+                             f"got {base.dtype} on {base.device}")
+    r = torch.arange(K) if rows is None else _rows(rows, K, op)
     c64 = _coef(coef, r.numel(), op).to(torch.float64)
+    out = torch.empty(d, dtype=odt, device=dev)
     ridx = r.to(M.device)
     for a in range(0, d, chunk_cols):
         b = min(d, a + chunk_cols)
