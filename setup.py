@@ -47,6 +47,7 @@ def _ext():
     macros = [("FEDKERNELS_MARCH_NAME", march or "default")]
     if march != "native":
         macros.append(("FEDKERNELS_DISPATCH", "1"))
+        cxx.append("-Wno-psabi")  # wide-vector helpers are always inlined into their per-ISA callers
     link = ["-fopenmp"]
     if _want_cuda():
         # csrc/cuda/<op>.cu: kernels (nvcc); csrc/cuda/<op>_glue.cpp: that op's torch glue (host

@@ -18,15 +18,15 @@ ls -l "$work/dist"
 sdist=$(ls "$work"/dist/fedkernels-*.tar.gz)
 wheel=$(ls "$work"/dist/fedkernels-*.whl)
 
-# every file under csrc/ that git tracks is in the sdist
+# every source file under csrc/ (and the licence, the typing marker) is in the sdist
 "$PYBIN" - "$sdist" <<'PY'
-import subprocess, sys, tarfile
+import os, sys, tarfile
 names = {n.split("/", 1)[1] for n in tarfile.open(sys.argv[1]).getnames() if "/" in n}
-tracked = subprocess.run(["git", "ls-files", "csrc", "LICENSE", "fedkernels/py.typed"], capture_output=True,
-                         text=True, check=True).stdout.split()
-missing = [f for f in tracked if f not in names]
-assert tracked and not missing, f"sdist lacks {missing}"
-print(f"sdist holds all {len(tracked)} tracked csrc/LICENSE/py.typed files")
+wanted = ["LICENSE", "fedkernels/py.typed"] + [
+    os.path.join(dp, f) for dp, _, fs in os.walk("csrc") for f in fs if f.endswith((".h", ".cuh", ".cu", ".cpp"))]
+missing = [f for f in wanted if f not in names]
+assert len(wanted) > 2 and not missing, f"sdist lacks {missing}"
+print(f"sdist holds all {len(wanted)} source/licence/typing files")
 PY
 
 torch_req=$("$PYBIN" -c "import torch; print('torch==' + torch.__version__.split('+')[0])")

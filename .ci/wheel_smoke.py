@@ -32,7 +32,7 @@ ref = reference.weighted_sum(U.double(), coef.double(), base=base.double(), alph
 err = (out.double() - ref).abs().max().item()
 assert err < 1e-4, f"weighted_sum differs from the float64 reference by {err}"
 
-n = torch.tensor([10.0, 30.0, 60.0] + [0.0] * 0)
+n = torch.tensor([10.0, 30.0, 60.0])
 x = torch.randn(d, generator=g)
 Uk = U[:3].contiguous()
 agg = algorithms.build("fedavg")

@@ -1,4 +1,12 @@
-"""Flower adapter: any fedkernels aggregator as a Flower ``Strategy`` (``pip install fedkernels[flower]``).
+"""Flower adapter: any fedkernels aggregator as a Flower strategy (``pip install --no-build-isolation '.[flower]'``).
+
+Flower's current Message API (``flwr.serverapp``): ``FedKernelsMessageStrategy`` (see its docstring)::
+
+    strategy = FedKernelsMessageStrategy(algorithms.build("scaffold"), num_clients=100, client_payloads=True,
+                                         fraction_train=0.1)        # Flower's message FedAvg options
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=50)
+
+Flower's legacy API (``flwr.server.strategy``): ``FedKernelsStrategy``::
 
     import flwr
     from fedkernels import algorithms
