@@ -48,7 +48,7 @@ TASKS: Dict[str, Dict[str, Any]] = {
                      "popts": {"alpha": 0.3}, "per_round": 50, "rounds": 20},
 }
 HP = {"batch": 16, "lr": 0.05, "epochs": 1, "seed": 0, "model": "small_cnn", "eval_batch": 1024}
-RUNNERS = ["fedkernels-w1", "fedkernels-w2", "plain", "flower", "pfl"]
+RUNNERS = ["fedkernels-w1", "fedkernels-w2", "fedkernels-w1-1thread", "plain", "flower", "pfl"]
 
 
 def _now() -> float:
@@ -89,12 +89,13 @@ def cached_setup(task: str):
     return _SETUP[task]
 
 
-def fk_config(task: str, workers: int):
+def fk_config(task: str, workers: int, threads: Optional[int] = None):
     from fedkernels.sim.config import RunConfig
     t = TASKS[task]
     return RunConfig.from_dict({
         "name": f"bench-{task}-w{workers}", "seed": HP["seed"], "rounds": t["rounds"], "num_clients": t["clients"],
         "clients_per_round": t["per_round"], "eval_every": 1, "client_loss": "none", "workers": workers,
+        "threads": threads,
         "eval_batch_size": HP["eval_batch"], "plots": False, "verbose": False, "progress": False,
         "data": {"name": "fmnist", "train_subset": t["train"], "test_subset": t["test"]},
         "partition": {"scheme": t["scheme"], "options": dict(t["popts"])},
@@ -107,9 +108,9 @@ def fk_config(task: str, workers: int):
 # ================================================================================================
 # runners (each in its own process; print one RESULT line)
 # ================================================================================================
-def run_fedkernels(task: str, workers: int) -> Dict[str, Any]:
+def run_fedkernels(task: str, workers: int, threads: Optional[int] = None) -> Dict[str, Any]:
     from fedkernels.sim.server import Simulation
-    sim = Simulation(fk_config(task, workers), write_outputs=False)
+    sim = Simulation(fk_config(task, workers, threads), write_outputs=False)
     rounds: List[Dict[str, Any]] = []
     first = []
     orig = sim.run_round
@@ -128,7 +129,7 @@ def run_fedkernels(task: str, workers: int) -> Dict[str, Any]:
            "threads_per_process": None, "d": sim.spec.d}
     from fedkernels.sim.workers import default_threads
     import torch
-    out["threads_per_process"] = default_threads(workers) if workers > 1 else torch.get_num_threads()
+    out["threads_per_process"] = default_threads(workers, threads) if workers > 1 else (threads or torch.get_num_threads())
     return out
 
 
@@ -275,6 +276,7 @@ def run_flower(task: str) -> Dict[str, Any]:
 
 
 RUN = {"fedkernels-w1": lambda task: run_fedkernels(task, 1), "fedkernels-w2": lambda task: run_fedkernels(task, 2),
+       "fedkernels-w1-1thread": lambda task: run_fedkernels(task, 1, 1),
        "plain": run_plain, "flower": run_flower}
 
 
@@ -480,19 +482,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    out = ["| task | runner | per round (median r2+, min-max) | vs fedkernels w1 | round 1 | start-up | total | "
-           "local / agg / eval (median) | peak PSS | final acc |", "|" + "---|" * 10]
+    out = ["| task | runner | threads/process | per round (median r2+, min-max) | vs fedkernels w1 | vs plain loop | "
+           "round 1 | start-up | total | local / agg / eval (median) | peak PSS | final acc |", "|" + "---|" * 12]
     base = {r["task"]: r for r in rows if r["runner"] == "fedkernels-w1" and "error" not in r}
+    floor = {r["task"]: r for r in rows if r["runner"] == "plain" and "error" not in r}
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['task']} | {r['runner']} | not run: {r['error'][:120]} |" + " |" * 7)
+            out.append(f"| {r['task']} | {r['runner']} | not run: {r['error'][:120]} |" + " |" * 9)
             continue
-        b = base.get(r["task"])
-        ratio = f"{r['round_median_s'] / b['round_median_s']:.2f}x" if b else "n/a"
+        ratios = []
+        for ref in (base.get(r["task"]), floor.get(r["task"])):
+            ratios.append(f"{r['round_median_s'] / ref['round_median_s']:.2f}x" if ref else "n/a")
         s = r["median_split_s"]
-        out.append(f"| {r['task']} | {r['runner']} | {r['round_median_s']:.2f} s ({r['round_min_s']:.2f}-"
-                   f"{r['round_max_s']:.2f}) | {ratio} | {r['round1_s']:.2f} s | {r['startup_s']:.2f} s | "
-                   f"{r['total_s']:.1f} s | {s['t_local']:.2f} / {1e3 * s['t_agg']:.1f} ms / {s['t_eval']:.2f} | "
+        out.append(f"| {r['task']} | {r['runner']} | {r.get('threads_per_process')} | {r['round_median_s']:.2f} s "
+                   f"({r['round_min_s']:.2f}-{r['round_max_s']:.2f}) | {ratios[0]} | {ratios[1]} | "
+                   f"{r['round1_s']:.2f} s | {r['startup_s']:.2f} s | {r['total_s']:.1f} s | "
+                   f"{s['t_local']:.2f} / {1e3 * s['t_agg']:.1f} ms / {s['t_eval']:.2f} | "
                    f"{r['peak_pss_mib']:.0f} MiB | {100 * (r['final_accuracy'] or 0):.2f}% |")
     return "\n".join(out)
 
