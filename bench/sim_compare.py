@@ -16,7 +16,7 @@ local epoch, FedAvg weighted by sample counts, test accuracy on 2,000 test image
 
 Every runner is a fresh process (``--run RUNNER --task TASK``): the parent records its launch time
 and samples the proportional set size (PSS: shared pages counted once) of the process tree every
-50 ms for the peak memory. The runner reports per round its wall time and the split it can see
+500 ms for the peak memory. The runner reports per round its wall time and the split it can see
 (local training incl. transport, aggregation, evaluation), the start-up (launch -> first round
 starts: imports, data, partition, model, worker/engine start) and the final accuracy. Data,
 partition, schedule and initial model come from fedkernels' own functions in every runner
@@ -275,7 +275,12 @@ def run_flower(task: str) -> Dict[str, Any]:
             "threads_per_process": 1, "sampling": "Flower's own (uniform)" if t["per_round"] < t["clients"] else "all"}
 
 
-RUN = {"fedkernels-w1": lambda task: run_fedkernels(task, 1), "fedkernels-w2": lambda task: run_fedkernels(task, 2),
+def _bench_threads() -> Optional[int]:
+    v = os.environ.get("BENCH_THREADS")
+    return int(v) if v else None
+
+
+RUN = {"fedkernels-w1": lambda task: run_fedkernels(task, 1, _bench_threads()), "fedkernels-w2": lambda task: run_fedkernels(task, 2),
        "fedkernels-w1-1thread": lambda task: run_fedkernels(task, 1, 1),
        "plain": run_plain, "flower": run_flower}
 
@@ -365,21 +370,23 @@ RUN["pfl"] = run_pfl
 # ================================================================================================
 # the parent: launch, watch memory, summarise
 # ================================================================================================
+def _children(pid: int) -> List[int]:
+    out: List[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+    except OSError:
+        pass
+    return out
+
+
 def _tree_pss_kib(pid: int) -> int:
-    """PSS of ``pid`` and all its descendants (KiB)."""
-    kids: Dict[int, List[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
+    """PSS of ``pid`` and all its descendants (KiB), walking /proc/PID/task/TID/children."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        todo.extend(kids.get(p, []))
+        todo.extend(_children(p))
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
                 for line in f:
@@ -402,7 +409,7 @@ def launch(runner: str, task: str, python: str, timeout: float) -> Dict[str, Any
     def watch():
         while not stop.is_set():
             peak[0] = max(peak[0], _tree_pss_kib(p.pid))
-            stop.wait(0.05)
+            stop.wait(0.5)
     th = threading.Thread(target=watch, daemon=True)
     th.start()
     try:
@@ -446,6 +453,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--peers-python", default=os.environ.get("PEERS", sys.executable),
                     help="python of the environment with flwr[simulation] and pfl")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads of every single-process runner (default: torch's, = cores); "
+                         "1 on a machine where other jobs hold cores (OpenMP spin-waits collapse there)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sim-compare.json"))
     a = ap.parse_args(argv)
     if a.cd_rounds:
@@ -453,7 +463,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.environ["BENCH_CD_ROUNDS"] = str(a.cd_rounds)
     if os.environ.get("BENCH_CD_ROUNDS"):
         TASKS["cross-device"]["rounds"] = int(os.environ["BENCH_CD_ROUNDS"])
+    if a.threads:
+        os.environ["BENCH_THREADS"] = str(a.threads)
     if a.run:                                         # a runner process
+        if _bench_threads():
+            import torch
+            torch.set_num_threads(_bench_threads())
         res = RUN[a.run](a.task)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
@@ -472,7 +487,7 @@ def main(argv: Optional[List[str]] = None) -> int:
            "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                        "torch": torch.__version__, "platform": platform.platform(),
                        "loadavg_before": load_before, "loadavg_after": loadavg()},
-           "tasks": TASKS, "hyper_parameters": HP, "rows": rows}
+           "threads_option": a.threads, "tasks": TASKS, "hyper_parameters": HP, "rows": rows}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
