@@ -15,7 +15,7 @@ FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?= -q
 
-.PHONY: all build test demo bench bench-cpu clean venv dataset wheel-check
+.PHONY: all build test demo bench bench-cpu bench-sim clean venv dataset wheel-check
 
 all: build
 
@@ -65,6 +65,20 @@ bench-cpu: build
 	$(PYBIN) -m bench.cpu
 
 bench: bench-cpu
+
+# whole-simulation speed vs Flower's simulation engine and pfl-research (bench/sim_compare.py). The
+# peers go into their own environment (.peers-venv), never into the library's dependencies; the
+# runners import fedkernels from this checkout for the shared data, partition and initial model.
+PEERS_VENV := .peers-venv
+PEERS_PKGS := 'flwr[simulation]==1.41.0' 'pfl[pytorch]==0.6.0'
+$(PEERS_VENV)/.stamp:
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q $(TORCH) numpy pyyaml tqdm scikit-learn
+	$(PEERS_VENV)/bin/pip install -q $(PEERS_PKGS) || echo "a peer could not be installed: its rows will say why"
+	touch $@
+
+bench-sim: build $(PEERS_VENV)/.stamp
+	PEERS=$(abspath $(PEERS_VENV))/bin/python $(PYBIN) -m bench.sim_compare
 
 clean:
 	rm -rf build fedkernels/_C*.so $(VENV)/.stamp-build $(VENV)/.stamp-installed

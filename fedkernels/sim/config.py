@@ -100,7 +100,8 @@ class RunConfig:
     target_accuracy: Optional[float] = None  # for rounds-to-target in the summary (fraction, e.g. 0.85)
     bad_client_policy: str = "exclude"   # exclude | raise
     device: str = "cpu"                  # cpu | cuda | auto
-    threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default)
+    threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default); per worker
+    workers: int = 1                     # train a round's clients in N worker processes (sim.workers; CPU)
     deterministic: Optional[bool] = None  # torch.use_deterministic_algorithms; None: on CUDA only (CPU kernels
                                           # are deterministic at a fixed thread count, and the flag slows them)
     out_dir: str = "runs"
@@ -147,6 +148,11 @@ class RunConfig:
             errs.append(f"participation must be in (0, 1], got {self.participation}")
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= self.num_clients:
             errs.append(f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}")
+        if self.workers < 1:
+            errs.append(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.distributed:
+            errs.append(f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
+                        "split the clients): use one of them")
         if self.eval_every < 1:
             errs.append(f"eval_every must be >= 1, got {self.eval_every}")
         if self.client_loss not in ("participants", "all", "none"):
@@ -210,7 +216,7 @@ class RunConfig:
 # keys that do not change what is computed (left out of config_hash; free to change on resume)
 PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "checkpoint_every",
                      "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy",
-                     "distributed")
+                     "distributed", "workers")
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:

@@ -96,7 +96,7 @@ def _deterministic(on: bool):
 # config keys that may change on resume without changing the computation
 _RESUME_FREE = {"name", "preset", "method", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
                 "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss",
-                "distributed"}
+                "distributed", "workers"}
 
 
 def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "", free=_RESUME_FREE) -> List[str]:
@@ -408,6 +408,9 @@ class Simulation:
         """Phase 2: trains this process's clients into ``self.buf`` (schedule order). Returns
         ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos, record)
         pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise") and ``t_local``."""
+        if self.cfg.workers > 1:   # N worker processes (fedkernels.sim.workers), the same return value
+            from .workers import pool_for
+            return pool_for(self).train_local(r, ids, mine, payload_of, factor)
         from tqdm.auto import tqdm
         cfg = self.cfg
         self._sync()
@@ -595,6 +598,9 @@ class Simulation:
                       "diverged" if self.summary.get("diverged") else
                       "completed" if self.start_round >= cfg.rounds else "stopped")
         finally:
+            if getattr(self, "_pool", None) is not None:   # workers=N: stop and join them, however the run ends
+                self._pool.close()
+                self._pool = None
             self._finish_provenance(status)
             restore()
             if cfg.threads:

@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from .cache import cached_decode
 from .base import DatasetNotFoundError, TensorData, stratified_split, subsample
 from .transforms import normalize as _normalize_fn
 
@@ -179,7 +180,7 @@ def _load_idx_pair(name: str, root, download_hint: bool):
         if all(p is not None for pair in files.values() for p in pair):
             out = []
             for split in ("train", "t10k"):
-                xi, yi = (read_idx(p) for p in files[split])
+                xi, yi = (cached_decode(p, "idx", lambda q: (read_idx(q),))[0] for p in files[split])
                 if xi.ndim != 3 or yi.ndim != 1 or xi.shape[0] != yi.shape[0]:
                     raise ValueError(f"{files[split][0]}: images {xi.shape} do not match labels "
                                      f"{yi.shape}")
@@ -203,7 +204,8 @@ def _load_cifar(name: str, root, download_hint: bool):
             if all((d / f).is_file() for f in train_files + test_files):
                 parts = []
                 for names in (train_files, test_files):
-                    xs, ys = zip(*(read_cifar_batch(d / f, key) for f in names))
+                    xs, ys = zip(*(cached_decode(d / f, f"cifar-{key}", lambda q: read_cifar_batch(q, key))
+                                   for f in names))
                     parts.append((np.concatenate(xs), np.concatenate(ys)))
                 return parts[0], parts[1], str(d)
     raise _missing(name, roots[0] if len(roots) == 1 else (roots or None), download_hint)

@@ -1,0 +1,281 @@
+"""Parallel clients on one machine: ``workers=N`` trains a round's clients in N worker processes.
+
+    fedkernels run --preset demo workers=2          # or cfg.workers = 2; Simulation(cfg).run()
+
+The pool implements the local-training phase (``Simulation.train_local``) only; payloads, the
+exchange, the aggregation and the evaluation stay in the main process, unchanged.
+
+* *Start.* The pool is started once per run, at the first round, by ``fork``: every worker inherits
+  the set-up simulation (data, partition, model, FlatSpec, aggregator configuration, transform),
+  so nothing is rebuilt or pickled. Before forking, the global model vector and the server's
+  ``UpdateBuffer`` are moved to shared memory: a worker reads the broadcast global model from the
+  one shared vector and writes its clients' updates straight into their rows of the K x d buffer;
+  no d-sized update is pickled. Payload tensors (SCAFFOLD's ``c``/``c_i``, its ``delta_c``) travel
+  as shared-memory handles (``torch.multiprocessing``'s reductions).
+* *A round.* The main process puts one task per client (position, id, lr, epochs, payload) on a
+  shared queue, largest client first; idle workers take the next one (dynamic balance). A worker
+  trains with the same code as one process (``Simulation.train_client``: same hooks, same
+  finite-update check) and writes row ``pos`` of the buffer; the main process then packs the rows of
+  the accepted clients in schedule order (a copy only when a client was excluded), so the aggregator
+  sees exactly the matrix of one process.
+* *Same results.* Every client's randomness comes from ``client_seed(seed, round, client_id)`` and
+  it starts from the same global vector, so which process trains it does not matter: ``workers=N``
+  gives ``workers=1`` bit for bit at the same per-process thread count (``threads``; CPU kernels
+  may round differently at another thread count). Threads per worker: ``threads`` if set, else
+  ``cores // N`` (at least 1), so the workers together use the machine's cores.
+* *Errors.* A client that raises in a worker is reported back and the bad-client policy applies as
+  in one process (``exclude``: logged and left out; ``raise``: the first failing client in schedule
+  order stops the run). A worker that dies stops the run with one line naming it. Workers ignore
+  SIGINT (the main process finishes the round, as in one process), die with the main process
+  (``PR_SET_PDEATHSIG``) and are stopped and joined when the run ends, however it ends.
+
+CPU only: with ``device=cuda`` ``workers > 1`` is refused (one process already keeps a GPU busy on
+these models; CUDA does not survive ``fork``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("fedkernels.sim")
+
+__all__ = ["WorkerPool", "default_threads", "pool_for", "usable_cores"]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads(workers: int, threads: Optional[int] = None) -> int:
+    """Intra-op threads per worker: ``threads`` when given, else ``cores // workers`` (at least 1)."""
+    if threads:
+        return int(threads)
+    return max(1, usable_cores() // max(1, int(workers)))
+
+
+class _RowAt:
+    """The part of ``UpdateBuffer`` that ``Simulation.train_client`` uses, writing row ``pos`` of the
+    shared buffer (the slot is the client's position in the round, not the next free row)."""
+
+    def __init__(self, buf, pos: int):
+        self.buf, self.pos = buf, pos
+        self.client_ids: List[int] = []
+        self.num_examples: List[float] = []
+
+    def add(self, client_id: int, num_examples: float = 1.0) -> int:
+        self.client_ids.append(int(client_id))
+        self.num_examples.append(float(num_examples))
+        return self.pos
+
+    def write_delta(self, slot: int, model, global_flat):
+        return self.buf.write_delta(slot, model, global_flat)
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG: the kernel kills us when the parent exits
+    except Exception:  # noqa: BLE001 - not Linux: the parent still stops the workers on every exit path
+        pass
+
+
+def _worker_main(sim, index: int, threads: int, tasks, conn) -> None:
+    """One worker: takes (round, factor, pos, cid, base_lr, epochs, payload) tasks until None."""
+    from .server import BadClientError
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
+    torch.set_num_threads(int(threads))
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            r, factor, pos, cid, base_lr, epochs, payload = task
+            try:
+                if isinstance(payload, BaseException):
+                    raise payload
+                res = sim.train_client(_RowAt(sim.buf, pos), cid, r, base_lr, factor, epochs, payload)
+                msg = ("ok", pos, {"pos": pos, "cid": int(cid), "n": float(res.num_examples),
+                                   "payload": res.payload, "loss": res.train_loss, "steps": res.steps})
+            except Exception as e:  # noqa: BLE001 - reported to the main process, which applies the policy
+                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+                try:
+                    pickle.dumps(e)
+                    exc: BaseException = e
+                except Exception:  # noqa: BLE001
+                    exc = RuntimeError(reason)
+                msg = ("err", pos, (int(cid), reason, exc))
+            conn.send(msg)
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    finally:
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+
+class WorkerPool:
+    """N forked worker processes training clients of a set-up :class:`Simulation` (module docstring).
+    ``start()`` once after ``sim.setup()``; ``train_local(...)`` per round; ``close()`` always."""
+
+    def __init__(self, sim, workers: int, threads: Optional[int] = None):
+        if int(workers) < 2:
+            raise ValueError(f"WorkerPool: workers must be >= 2, got {workers!r} (workers=1 trains in the main process)")
+        if sim.device.type != "cpu":
+            raise ValueError(f"workers={workers}: parallel worker processes run on the CPU only, got device "
+                             f"{sim.device} (use workers=1 on a GPU)")
+        self.sim, self.n = sim, int(workers)
+        self.threads = default_threads(self.n, threads)
+        self.procs: List[Any] = []
+        self.conns: List[Any] = []
+        self.tasks = None
+        self.t_start = 0.0
+
+    def start(self) -> "WorkerPool":
+        import torch.multiprocessing as tmp
+        t0 = time.perf_counter()
+        sim = self.sim
+        ctx = tmp.get_context("fork")
+        sim.global_flat.share_memory_()      # workers read the global model here ...
+        sim.buf.data.share_memory_()         # ... and write their clients' rows here
+        self.tasks = ctx.SimpleQueue()
+        try:
+            for i in range(self.n):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker_main, args=(sim, i, self.threads, self.tasks, send),
+                                name=f"fedkernels-worker-{i}", daemon=True)
+                p.start()
+                send.close()
+                self.procs.append(p)
+                self.conns.append(recv)
+        except BaseException:
+            self.close()
+            raise
+        self.t_start = time.perf_counter() - t0
+        return self
+
+    @property
+    def pids(self) -> List[int]:
+        return [p.pid for p in self.procs]
+
+    # ---- one round --------------------------------------------------------------------------------
+    def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
+                    factor: float) -> Dict[str, Any]:
+        """``Simulation.train_local`` run by the workers: the same return value."""
+        sim, cfg = self.sim, self.sim.cfg
+        t0 = time.perf_counter()
+        order = []
+        for pos in mine:
+            cid = ids[pos]
+            base_lr, epochs = sim.hetero.get(cid, r)
+            steps = sim.trainer.planned_steps(max(1, sim.trainer.num_examples(cid)), epochs)
+            order.append((-steps, pos, cid, base_lr, epochs))
+        order.sort()                          # longest client first (the order does not change any result)
+        for _, pos, cid, base_lr, epochs in order:
+            try:
+                payload = payload_of(pos)
+            except Exception as e:  # noqa: BLE001 - counts as the client's failure, as in one process
+                payload = e
+            self.tasks.put((r, factor, pos, cid, base_lr, epochs, payload))
+        results: Dict[int, Any] = {}
+        pending = len(order)
+        live = {c: i for i, c in enumerate(self.conns)}
+        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+        while pending:
+            ready = mp_wait(list(live) + list(sentinels))
+            for obj in ready:
+                if obj in live:
+                    try:
+                        kind, pos, val = obj.recv()
+                    except EOFError:
+                        live.pop(obj)
+                        continue
+                    results[pos] = (kind, val)
+                    pending -= 1
+                elif obj in sentinels:
+                    i = sentinels[obj]
+                    p = self.procs[i]
+                    p.join(0.1)
+                    raise RuntimeError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
+                                       f"during round {r + 1}; the run stops")
+        # schedule order; the accepted clients' rows packed at the front of the buffer
+        buf = sim.buf
+        accepted: List[Dict[str, Any]] = []
+        excluded: List[Any] = []
+        error = None
+        for pos in mine:
+            kind, val = results[pos]
+            if kind == "err":
+                cid, reason, exc = val
+                if cfg.bad_client_policy == "raise":
+                    error = (pos, f"round {r + 1}, client {cid}: {reason}", exc)
+                    break
+                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
+                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
+                continue
+            slot = buf.add(val["cid"], val["n"])
+            if slot != pos:
+                buf.data[slot].copy_(buf.data[pos])
+            accepted.append(val)
+        return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops every worker: a stop task each, then join; terminate / kill what is left. Idempotent."""
+        procs, self.procs = self.procs, []
+        if not procs:
+            return
+        try:
+            for p in procs:
+                if p.is_alive():
+                    self.tasks.put(None)
+        except (OSError, ValueError):
+            pass
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self.conns = []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def pool_for(sim) -> WorkerPool:
+    """The run's pool (``sim._pool``), started at the first call; ``Simulation.run`` closes it."""
+    pool = getattr(sim, "_pool", None)
+    if pool is None:
+        pool = WorkerPool(sim, sim.cfg.workers, sim.cfg.threads)
+        sim._pool = pool
+        pool.start()
+        log.info("workers=%d: started (pids %s, %d thread(s) each) in %.3fs", pool.n, pool.pids, pool.threads,
+                 pool.t_start)
+    return pool
