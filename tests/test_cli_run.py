@@ -215,3 +215,11 @@ def test_interrupt_during_plotting_leaves_no_traceback(tmp_path):
     assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stderr and "AssertionError" not in p.stderr, p.stderr
     assert "interrupted while plotting" in p.stderr
+
+
+def test_run_writes_the_partition_report(tmp_path):
+    r = fk("run", "--preset", "smoke", "rounds=1", "plots=false", "--no-progress", "--name", "part", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((tmp_path / "runs" / "part" / "partition.json").read_text())
+    assert len(info["sizes"]) == 4 and sum(info["sizes"]) > 0
+    assert (tmp_path / "runs" / "part" / "partition.txt").exists()

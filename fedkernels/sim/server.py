@@ -275,6 +275,8 @@ class Simulation:
         if self.writer is not None:
             self.writer.write_config(cfg)
             self.writer.reset_metrics(self.metrics)
+            if self.start_round == 0:   # partition.json/.txt (+ .png): client sizes and label mix
+                self.writer.write_partition_report(self.y, self.parts, plot=bool(cfg.plots))
         self._ready = True
         return self
 
