@@ -120,7 +120,7 @@ def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau
             info["reason"] = "coupling denominator <= 1e-12"
         return a, info
     if tracing():
-        raise NotImplementedError("kuramoto mode P under torch.compile: its guard is host logic; use mode S, "
+        raise RuntimeError("kuramoto mode P under torch.compile: its guard is host logic; use mode S, "
                                   "or call the aggregator eagerly")
     nvalid, S, abs_sum = int(nvalid), float(S), float(abs_sum)
     info = _info(theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero,

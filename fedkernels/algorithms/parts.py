@@ -14,6 +14,8 @@ Declared state (``Aggregator.state_attrs``) lives in ``base.py``.
 """
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -317,8 +319,9 @@ class ControlVariateServer(Aggregator):
         self.ranges: Optional[List[Tuple[int, int]]] = None
         self.d_c: Optional[int] = None
 
+    @abc.abstractmethod
     def control_layout(self, spec):
-        raise NotImplementedError
+        """The controlled flat ranges of ``spec`` (SCAFFOLD: every parameter; FedPVR: its last layers)."""
 
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
         super().setup(spec, num_clients if num_clients is not None else self.num_clients, global_flat)
