@@ -11,7 +11,6 @@ results keep no PDF/SVG copies), at a lower dpi than a run's own figures to keep
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
 import sys
@@ -21,13 +20,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from fedkernels.sim.config import RunConfig  # noqa: E402
 from fedkernels.sim.report import describe_setup, plot_curves  # noqa: E402
-
-
-def load(run):
-    p = os.path.join(run, "metrics.jsonl")
-    f = gzip.open(p + ".gz", "rt") if os.path.exists(p + ".gz") else open(p)
-    with f:
-        return [json.loads(line) for line in f if line.strip()]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_curves import load  # noqa: E402  (one reader of the gzipped per-round logs)
 
 
 def replot(setup_dir, dpi=110):
