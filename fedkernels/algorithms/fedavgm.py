@@ -10,14 +10,10 @@ In the update convention of fedkernels (U_k = local - global):
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from .. import ops
 from .base import AggResult, RoundInput, register
 from .fedavg import FedAvg
-from .parts import ServerMomentum
+from .parts import ServerMomentum, momentum_attr
 
 
 @register("fedavgm")
@@ -41,13 +37,7 @@ class FedAvgM(FedAvg):
         self.nesterov = bool(nesterov)
         self._mom = ServerMomentum(beta)
 
-    @property
-    def momentum(self) -> Optional[torch.Tensor]:
-        return self._mom.v
-
-    @momentum.setter
-    def momentum(self, v: Optional[torch.Tensor]) -> None:
-        self._mom.v = v
+    momentum = momentum_attr("_mom")
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)

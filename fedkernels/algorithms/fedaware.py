@@ -13,22 +13,8 @@ Sign: fedkernels updates are U_i = local - global = -g_i (the paper's pseudo-gra
 table M stores the momenta of the *updates* (-m_i of the paper) and the step is ``x + ...``; the
 Gram matrix, lam and the projection are unchanged by that sign.
 
-Options (spec §3 [OURS] defaults): ``alpha`` 0.5; ``normalize`` True (the authors' code; False =
-paper text: raw momenta); ``warmup`` "explore" (FedAvg steps until every client has been seen;
-the round that completes exploration already uses the AWARE step), "startup_full" (AWARE from
-round 0 over all N rows; unseen rows are zero), "mask" (AWARE from round 0 over seen clients
-only); ``init`` "ema_from_zero" (code) or "first_update" (m_i := U_i at first participation);
-solver ``method`` ("away" = Frank-Wolfe with away steps and face polish (default: the §2.6
-stopping rule, but linear convergence where plain Frank-Wolfe zig-zags at O(1/t)); "fw" = the
-plain §2.6 Frank-Wolfe; "pairwise"; ``code_compat=True`` selects the authors' solver), ``solver_init`` "best_pair" / "min_diag", ``max_iter`` 1000, ``tol`` 1e-6
-(relative), ``tol_abs`` 1e-12, ``warm_start`` (start from the previous lam; default False);
-``zero_fallback`` "zero" (origin in the hull: zero step, flagged ``zero_direction``) or "na";
-``variant`` "aware" or "na" (FedAWARE-NA ablation: x + server_lr sum_i p_i m_i over all clients);
-``extension`` None, "fedavg" or "fedavgm" (the AWARE projection extension: the base method's step
-G is replaced by (<G, d>/<d, d>) d; its own state evolves unchanged), ``ext_beta`` (0.7, for
-fedavgm); ``elud`` (log the empirical local-update diversity, one extra Gram pass over U);
-``num_clients`` (N, or from ``setup``); ``solver`` (a callable with the signature of
-``fedkernels.ops.min_norm``; default ops.min_norm).
+Options (spec §3): see ``fedaware_options.py``, which also holds the momentum table's storage
+(default the global model's dtype and device; bf16 or host on request) and the ELUD statistic.
 
 Hot path per round: the EMA on the k participant rows, one ``ops.gram(M, rows=participants)``
 ([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the
@@ -37,33 +23,17 @@ temporaries.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from .. import ops
 from .base import AggResult, Aggregator, RoundInput, register
-from .parts import ServerMomentum, check_choice
+from .fedaware_options import (INITS, WARMUPS, check_num_clients, check_options, elud,  # noqa: F401
+                               new_table, table_weighted_sum)
+from .parts import ServerMomentum, momentum_attr
 
-WARMUPS = ("explore", "startup_full", "mask")
-INITS = ("ema_from_zero", "first_update")
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
-
-
-def elud(G_S: torch.Tensor):
-    """Empirical local-update diversity of the participants from their [k, k] Gram matrix:
-    (ratio, sqrt_ratio) with ratio = mean_i ||g_i||^2 / ||mean_i g_i||^2 (None if the mean is 0)."""
-    G = torch.as_tensor(G_S, dtype=torch.float64)
-    k = G.size(0)
-    if k == 0:
-        return None, None
-    num = float(torch.diagonal(G).sum()) / k
-    den = float(G.sum()) / (k * k)
-    if not den > 0:
-        return None, None
-    r = num / den
-    return r, math.sqrt(r)
 
 
 def aware_scale(G_tilde: torch.Tensor, d: torch.Tensor) -> float:
@@ -95,26 +65,10 @@ class FedAWARE(Aggregator):
                  num_clients: Optional[int] = None, solver: Optional[Callable] = None,
                  momentum_dtype: Optional[torch.dtype] = None, momentum_device=None, **kw):
         super().__init__(**kw)
-        # storage of the N x d momentum table (default: the global model's dtype and device), e.g.
-        # torch.bfloat16 (half the memory) and/or "cpu" (host) for large models on one device
+        check_options(self.name, alpha, warmup, init, method, solver_init, max_iter, tol, tol_abs, zero_fallback,
+                      variant, extension, ext_beta, solver)
         self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
         self.alpha = float(alpha)
-        if not (0.0 < self.alpha <= 1.0):
-            raise ValueError(f"fedaware: alpha must lie in (0, 1], got {alpha}")
-        for name, v, allowed in (("warmup", warmup, WARMUPS), ("init", init, INITS),
-                                 ("zero_fallback", zero_fallback, ("zero", "na")),
-                                 ("variant", variant, ("aware", "na")),
-                                 ("extension", extension, (None, "fedavg", "fedavgm")),
-                                 ("solver_init", solver_init, ("best_pair", "min_diag"))):
-            check_choice(self.name, name, v, allowed)
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-            raise ValueError(f"fedaware: max_iter must be an int >= 0, got {max_iter!r}")
-        if not (0.0 <= float(tol) < math.inf and 0.0 <= float(tol_abs) < math.inf):
-            raise ValueError(f"fedaware: tol and tol_abs must be finite numbers >= 0, got {tol}, {tol_abs}")
-        if not (0.0 <= float(ext_beta) < 1.0):
-            raise ValueError(f"fedaware: ext_beta must lie in [0, 1), got {ext_beta}")
-        if solver is not None and not callable(solver):
-            raise ValueError("fedaware: solver must be a callable like fedkernels.ops.min_norm")
         self.normalize, self.warmup, self.init = bool(normalize), warmup, init
         self.method = "code_compat" if code_compat else method
         self.code_compat = bool(code_compat)
@@ -123,7 +77,7 @@ class FedAWARE(Aggregator):
         self.extension, self.ext_beta, self.log_elud = extension, float(ext_beta), bool(elud)
         self.solver = solver if solver is not None else _default_solver
         if num_clients is not None:
-            self.num_clients = self._check_n(num_clients)
+            self.num_clients = check_num_clients(num_clients)
         self.M: Optional[torch.Tensor] = None        # [N, d] momenta of the updates
         self.Gm: Optional[torch.Tensor] = None       # [N, N] fp64 cache of M M^T (CPU)
         self.seen: Optional[torch.Tensor] = None     # [N] bool
@@ -131,22 +85,10 @@ class FedAWARE(Aggregator):
         self.lam_prev: Optional[torch.Tensor] = None    # [N] fp64
         self._ext = ServerMomentum(self.ext_beta)      # the fedavgm extension's own momentum
 
-    @property
-    def ext_momentum(self) -> Optional[torch.Tensor]:
-        return self._ext.v
-
-    @ext_momentum.setter
-    def ext_momentum(self, v: Optional[torch.Tensor]) -> None:
-        self._ext.v = v
-
-    @staticmethod
-    def _check_n(n) -> int:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"fedaware: num_clients must be a positive int, got {n!r}")
-        return n
+    ext_momentum = momentum_attr("_ext")
 
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
-        n = self.num_clients if num_clients is None else self._check_n(num_clients)
+        n = self.num_clients if num_clients is None else check_num_clients(num_clients)
         if self.M is not None and n != self.M.size(0):
             raise ValueError(f"fedaware: the momentum table has N={self.M.size(0)} rows, setup got num_clients={n}")
         super().setup(spec, n, global_flat)
@@ -159,12 +101,7 @@ class FedAWARE(Aggregator):
         N, d = self.num_clients, like.numel()
         self._like = (like.dtype, like.device)
         if self.M is None:
-            from .._memory import check_alloc
-            check_alloc(N * d * like.element_size(), f"fedaware momentum table N={N} x d={d} {like.dtype}",
-                        like.device, hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "
-                        "aggregate in column chunks (fedkernels.streaming).")
-            self.M = torch.zeros((N, d), dtype=self.momentum_dtype or like.dtype,
-                                 device=like.device if self.momentum_device is None else self.momentum_device)
+            self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
             self.Gm = torch.zeros(N, N, dtype=torch.float64)
             self.seen = torch.zeros(N, dtype=torch.bool)
             self.n_examples = torch.zeros(N, dtype=torch.float64)
@@ -208,11 +145,7 @@ class FedAWARE(Aggregator):
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
     def _wsum_M(self, coef, base=None, alpha=1.0, rows=None):
-        dt, dev = getattr(self, "_like", (self.M.dtype, self.M.device))
-        if self.M.dtype == dt and self.M.device == dev:
-            return ops.weighted_sum(self.M, coef, base=base, alpha=alpha, rows=rows)
-        from ..ops import weighted_sum_chunked           # bf16 / host table: converted chunk by chunk
-        return weighted_sum_chunked(self.M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
+        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha, rows)
 
     def _na_coef(self):
         act = torch.nonzero(self.seen).reshape(-1)

@@ -10,18 +10,14 @@ dt by a local-truncation-error test with backtracking (§2.7). Inactive clients 
 their stored ("frozen") flows (§2.10). Units (§2.11): ``grad_weight="normalized"`` uses w_i = N p_i
 (default), ``"paper"`` uses w_i = p_i (the paper's literal form, an exact reparametrisation).
 
-The per-coordinate BE system is a (K+1) x (K+1) arrowhead matrix shared by all d coordinates; it is
-solved by ``_solve_be_system`` (closed form, or LU through ops.lu_factor/ops.lu_solve when present).
-For fp32/fp64 CPU tensors and the inf-norm LTE, each whole BE attempt (RHS, solve, LTE maxima) is the
-native fused op ``ops.fedecado_be_step`` (solver "auto" -> "fused"), writing into two reused buffers.
+The integrator (the arrowhead BE system, its solvers, the LTE control) is ``fedecado_solver.py``;
+the options, the federation's tables, payload checks and the Hutchinson estimate ``fedecado_options.py``.
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -29,32 +25,18 @@ import torch.nn.functional as F
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .fedecado_options import (HESSIANS, INACTIVE, SOLVERS, Ablations, Stepping, check_payload,  # noqa: F401
+                               federation_size, flat_signature, gradient_weights, hbar_table,
+                               hutchinson_hbar, integrator_options, split_flat)
 from .fedecado_solver import _solve_be_system, be_step, central_round, interp, theta  # noqa: F401
 from .parts import check_choice
 
 log = logging.getLogger("fedkernels")
 
-INACTIVE = ("frozen", "exclude")
-HESSIANS = ("hutchinson", "identity", "global", "none")
-
 
 # ---------------------------------------------------------------------------------------------
 # client side
 # ---------------------------------------------------------------------------------------------
-def hutchinson_hbar(loss: torch.Tensor, params: List[torch.Tensor], n_probes: int = 4,
-                    generator: Optional[torch.Generator] = None) -> float:
-    """Scalar Hessian model tr(H)/d by Hutchinson with Rademacher probes (spec §2.5), clamped >= 0."""
-    grads = torch.autograd.grad(loss, params, create_graph=True)
-    d = sum(p.numel() for p in params)
-    tot = 0.0
-    for _ in range(n_probes):
-        vs = [(torch.randint(0, 2, p.shape, generator=generator, dtype=torch.int64) * 2 - 1).to(p.dtype).to(p.device)
-              for p in params]
-        hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
-        tot += float(sum((h * v).sum() for h, v in zip(hv, vs)))
-    return max(tot / (n_probes * d), 0.0)
-
-
 class FedECADORule(ClientRule):
     """Client side (spec §2.3): grad <- w_i grad + I_i before each plain-SGD step; T_i = sum of the
     applied learning rates (``time_unit="epoch"``: T_i = lr * ctx.extras["epochs"]). On its first
@@ -121,81 +103,6 @@ class FedECADORule(ClientRule):
 # ---------------------------------------------------------------------------------------------
 # server
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Stepping:
-    """The server's time stepping (spec §2.7, §3): inductance ``L`` (None: c_L * T_bar^2 with T_bar
-    from ``T_bar`` or round 1's T_max, re-set once to the median of the first 5 rounds), LTE
-    tolerances ``delta`` / ``delta_I`` (None = delta; math.inf = fixed steps) measured in ``lte_norm``
-    (inf | rms), first step ``dt0`` (None: T_max), backtracking factor ``beta``, step ``growth`` per
-    round, and the caps ``max_backtracks`` / ``max_steps``."""
-    L: Optional[float] = None
-    c_L: float = 2.0
-    T_bar: Optional[float] = None
-    delta: float = 1e-2
-    delta_I: Optional[float] = None
-    dt0: Optional[float] = None
-    beta: float = 0.5
-    growth: float = 1.0
-    max_backtracks: int = 30
-    max_steps: int = 1000
-    lte_norm: str = "inf"
-
-    def __post_init__(self):
-        n = "fedecado"
-        if self.L is not None and not self.L > 0:
-            raise ValueError(f"{n}: L must be > 0, got {self.L!r}")
-        if not self.c_L > 0:
-            raise ValueError(f"{n}: c_L must be > 0, got {self.c_L!r}")
-        if not self.delta > 0 or (self.delta_I is not None and not self.delta_I > 0):
-            raise ValueError(f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {self.delta!r}, {self.delta_I!r}")
-        if not 0 < self.beta < 1:
-            raise ValueError(f"{n}: beta must lie in (0, 1), got {self.beta!r}")
-        if not self.growth >= 1.0:
-            raise ValueError(f"{n}: growth must be >= 1, got {self.growth!r}")
-        if self.dt0 is not None and not self.dt0 > 0:
-            raise ValueError(f"{n}: dt0 must be > 0, got {self.dt0!r}")
-        if int(self.max_backtracks) < 0 or int(self.max_steps) < 1:
-            raise ValueError(f"{n}: max_backtracks >= 0 and max_steps >= 1 required")
-        check_choice(n, "lte_norm", self.lte_norm, ("inf", "rms"))
-
-
-@dataclass(frozen=True)
-class Ablations:
-    """Where the paper is ambiguous or an experiment switches a part off (spec §2.4, §2.5, §2.10,
-    §2.11, §8). Defaults are the spec's [OURS] choices; ``Ablations.PAPER_LITERAL`` is the paper's
-    literal form: gradient weights w_i = p_i (``grad_weight="paper"``; an exact reparametrisation of
-    the default N p_i) and client time T_i = lr_i * epochs (``time_unit="epoch"``).
-
-    ``extrap`` linear | hold, ``max_extrap_ratio`` (inf), ``inactive`` frozen | exclude (flows of
-    non-participants), ``grad_weight`` normalized | paper, ``hessian`` hutchinson | identity | global |
-    none (none = ECADO limit, 1/g = 0), ``time_unit`` lr_sum | epoch, ``sync`` (True: "no multi-rate",
-    every active client's T_i is taken as the round's T_max)."""
-    extrap: str = "linear"
-    max_extrap_ratio: float = math.inf
-    inactive: str = "frozen"
-    grad_weight: str = "normalized"
-    hessian: str = "hutchinson"
-    time_unit: str = "lr_sum"
-    sync: bool = False
-
-    def __post_init__(self):
-        n = "fedecado"
-        for opt, allowed in (("extrap", ("linear", "hold")), ("inactive", INACTIVE),
-                             ("grad_weight", ("normalized", "paper")), ("hessian", HESSIANS),
-                             ("time_unit", ("lr_sum", "epoch"))):
-            check_choice(n, opt, getattr(self, opt), allowed)
-        if not self.max_extrap_ratio >= 1.0:
-            raise ValueError(f"{n}: max_extrap_ratio must be >= 1, got {self.max_extrap_ratio!r}")
-        if not isinstance(self.sync, bool):
-            raise ValueError(f"{n}: sync must be True or False, got {self.sync!r}")
-
-
-Ablations.PAPER_LITERAL = Ablations(grad_weight="paper", time_unit="epoch")
-SOLVERS = ("auto", "fused", "closed_form", "lu")
-_STEP_KEYS = tuple(f.name for f in fields(Stepping))
-_ABL_KEYS = tuple(f.name for f in fields(Ablations))
-
-
 @register("fedecado")
 class FedECADO(Aggregator):
     """FedECADO server (spec §2.8). Clients send payload ``T`` (simulated time, > 0) and, once,
@@ -219,8 +126,7 @@ class FedECADO(Aggregator):
                  solver: str = "auto", hbar=None, weights: Optional[Sequence[float]] = None,
                  data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None, loss_fn=None,
                  hutchinson_probes: int = 4, hutchinson_batches: int = 2, **options):
-        flat_step = {k: options.pop(k) for k in _STEP_KEYS if k in options}
-        flat_abl = {k: options.pop(k) for k in _ABL_KEYS if k in options}
+        flat_step, flat_abl = split_flat(options)
         super().__init__(**options)
         n = self.name
         if self.server_lr != 1.0:
@@ -259,39 +165,15 @@ class FedECADO(Aggregator):
         self._tables()
 
     def _tables(self) -> None:
+        if self.num_clients is None:
+            self.num_clients = federation_size(self._weights_opt, self._sizes_opt, self._hbar_opt)
         N = self.num_clients
-        if N is None:
-            for o in (self._weights_opt, self._sizes_opt):
-                if o is not None:
-                    N = self.num_clients = len(o)
-            if isinstance(self._hbar_opt, (list, tuple)):
-                N = self.num_clients = len(self._hbar_opt)
         if N is None:
             return
         if self.w is None:
-            if self._weights_opt is not None:
-                w = torch.as_tensor(self._weights_opt, dtype=torch.float64)
-            elif self._sizes_opt is not None:
-                n = torch.as_tensor(self._sizes_opt, dtype=torch.float64)
-                if n.numel() != N or bool((n < 0).any()) or not float(n.sum()) > 0:
-                    raise ValueError(f"{self.name}: data_sizes must be N={N} non-negative numbers with a positive sum")
-                w = n / n.sum() * (N if self.ablations.grad_weight == "normalized" else 1.0)
-            else:
-                w = torch.full((N,), 1.0 if self.ablations.grad_weight == "normalized" else 1.0 / N, dtype=torch.float64)
-            if w.numel() != N or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
-                raise ValueError(f"{self.name}: weights must be N={N} finite non-negative numbers")
-            self.w = w
+            self.w = gradient_weights(self.name, N, self._weights_opt, self._sizes_opt, self.ablations.grad_weight)
         if self.hbar_tab is None:
-            h = self._hbar_opt
-            if h is not None:
-                tab = torch.as_tensor(h, dtype=torch.float64).expand(N).clone() if not isinstance(h, (list, tuple)) \
-                    else torch.as_tensor(h, dtype=torch.float64)
-                if tab.numel() != N or not bool(torch.isfinite(tab).all()):
-                    raise ValueError(f"{self.name}: hbar must be a finite float or N={N} finite floats")
-                self.hbar_tab, self.hbar_known = tab.clamp(min=0.0), torch.ones(N, dtype=torch.bool)
-            else:
-                self.hbar_tab = torch.ones(N, dtype=torch.float64)
-                self.hbar_known = torch.full((N,), self.ablations.hessian in ("identity", "none"), dtype=torch.bool)
+            self.hbar_tab, self.hbar_known = hbar_table(self.name, N, self._hbar_opt, self.ablations.hessian)
 
     def _flows(self, global_flat: torch.Tensor) -> None:
         if self.num_clients is None:
@@ -309,19 +191,8 @@ class FedECADO(Aggregator):
 
     # ---- validation -------------------------------------------------------------------------------
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        T = payload.get("T")
-        if T is None:
-            return self.missing_payload("T", "the client's simulated time, the sum of its applied learning rates")
-        try:
-            T = float(T)
-        except (TypeError, ValueError):
-            return f"payload 'T' must be a number, got {type(T).__name__}"
-        if not (math.isfinite(T) and T > 0):
-            return f"payload 'T' must be finite and > 0, got {T}"
-        h = payload.get("hbar")
-        if h is not None and not math.isfinite(float(h)):
-            return f"payload 'hbar' must be finite, got {h}"
-        return super().check_payload({k: v for k, v in payload.items() if k != "I"})
+        return check_payload(payload, self.missing_payload) or \
+            super().check_payload({k: v for k, v in payload.items() if k != "I"})
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None):
         self._tables()
@@ -368,11 +239,7 @@ class FedECADO(Aggregator):
         # dt: the carried step; in the first round dt0 (default T_max)
         dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
         res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
-                            delta_I=self.stepping.delta_I, beta=self.stepping.beta,
-                            growth=self.stepping.growth if self.dt_prev is not None else 1.0,
-                            max_backtracks=self.stepping.max_backtracks, max_steps=self.stepping.max_steps, extrap=self.ablations.extrap,
-                            max_extrap_ratio=self.ablations.max_extrap_ratio, lte_norm=self.stepping.lte_norm,
-                            sensitivity=self.ablations.hessian != "none", solver=self.solver)
+                            **integrator_options(self.stepping, self.ablations, self.solver, self.dt_prev is not None))
         info = {"steps": res["steps"], "rejects": res["rejects"], "dt": res["dt"], "truncated": res["truncated"],
                 "L": L, "T_max": Tmax, "max_extrap_ratio": ratio, "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
@@ -390,15 +257,4 @@ class FedECADO(Aggregator):
         return AggResult(xc, info)
 
 
-def _flat_signature() -> inspect.Signature:
-    """FedECADO's signature with the groups' fields as keyword options (what configs may pass flat),
-    so tools that read constructor signatures (config checks, help) see every option."""
-    sig = inspect.signature(FedECADO.__init__)
-    ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
-           for cls in (Stepping, Ablations) for f in fields(cls)]
-    ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
-    return sig.replace(parameters=ps)
-
-
-FedECADO.__init__.__signature__ = _flat_signature()
+FedECADO.__init__.__signature__ = flat_signature(FedECADO.__init__)

@@ -2,7 +2,8 @@
 
 * :func:`client_weights` - how a round's clients are weighted: ``"samples"`` p_k = n_k / sum n, or
   ``"uniform"`` 1/K (the papers' 1/|S|).
-* :class:`ServerMomentum` - v <- beta v + sum_k p_k U_k (FedAvgM; FedAWARE's ``fedavgm`` extension).
+* :class:`ServerMomentum` - v <- beta v + sum_k p_k U_k (FedAvgM; FedAWARE's ``fedavgm`` extension);
+  :func:`momentum_attr` - its v as a method's declared-state attribute.
 * :func:`controlled_entries` / :func:`flat_ranges` - a masked parameter range of the flat vector
   (FedPGVC's and FedPVR's last layers; every parameter for SCAFFOLD); :func:`split_layers` - GC-Fed's
   local / global split of the parameter tensors.
@@ -63,6 +64,19 @@ class ServerMomentum:
         ops.weighted_sum(U, p, base=v, out=v)
         self.v = v
         return v
+
+
+def momentum_attr(holder: str) -> property:
+    """The declared-state attribute of a method's :class:`ServerMomentum`: reads and writes the v of
+    the ServerMomentum held in attribute ``holder`` (FedAvgM's ``momentum``, FedAWARE's ``ext_momentum``)."""
+
+    def get(self) -> Optional[torch.Tensor]:
+        return getattr(self, holder).v
+
+    def set_(self, v: Optional[torch.Tensor]) -> None:
+        getattr(self, holder).v = v
+
+    return property(get, set_, doc=f"the server momentum v of {holder} (None before the first round)")
 
 
 # ---- masked parameter ranges -------------------------------------------------------------------

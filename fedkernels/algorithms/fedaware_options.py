@@ -1,0 +1,98 @@
+"""FedAWARE's options, its momentum table's storage and its diversity statistic, apart from the
+method (fedaware.py).
+
+Options (spec §3 [OURS] defaults): ``alpha`` 0.5; ``normalize`` True (the authors' code; False =
+paper text: raw momenta); ``warmup`` "explore" (FedAvg steps until every client has been seen;
+the round that completes exploration already uses the AWARE step), "startup_full" (AWARE from
+round 0 over all N rows; unseen rows are zero), "mask" (AWARE from round 0 over seen clients
+only); ``init`` "ema_from_zero" (code) or "first_update" (m_i := U_i at first participation);
+solver ``method`` ("away" = Frank-Wolfe with away steps and face polish (default: the §2.6
+stopping rule, but linear convergence where plain Frank-Wolfe zig-zags at O(1/t)); "fw" = the
+plain §2.6 Frank-Wolfe; "pairwise"; ``code_compat=True`` selects the authors' solver),
+``solver_init`` "best_pair" / "min_diag", ``max_iter`` 1000, ``tol`` 1e-6 (relative), ``tol_abs``
+1e-12, ``warm_start`` (start from the previous lam; default False); ``zero_fallback`` "zero"
+(origin in the hull: zero step, flagged ``zero_direction``) or "na"; ``variant`` "aware" or "na"
+(FedAWARE-NA ablation: x + server_lr sum_i p_i m_i over all clients); ``extension`` None, "fedavg"
+or "fedavgm" (the AWARE projection extension: the base method's step G is replaced by
+(<G, d>/<d, d>) d; its own state evolves unchanged), ``ext_beta`` (0.7, for fedavgm); ``elud``
+(log the empirical local-update diversity, one extra Gram pass over U); ``num_clients`` (N, or
+from ``setup``); ``solver`` (a callable with the signature of ``fedkernels.ops.min_norm``; default
+ops.min_norm); ``momentum_dtype`` / ``momentum_device`` (storage of the N x d table, default the
+global model's: e.g. torch.bfloat16 for half the memory and/or "cpu" for large models on one device).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import ops
+from .parts import check_choice
+
+WARMUPS = ("explore", "startup_full", "mask")
+INITS = ("ema_from_zero", "first_update")
+
+
+def check_options(name: str, alpha: float, warmup, init, method, solver_init, max_iter, tol, tol_abs,
+                  zero_fallback, variant, extension, ext_beta, solver) -> None:
+    """One-line ValueError for the first option outside its range (see the module docstring)."""
+    if not (0.0 < float(alpha) <= 1.0):
+        raise ValueError(f"fedaware: alpha must lie in (0, 1], got {alpha}")
+    for opt, v, allowed in (("warmup", warmup, WARMUPS), ("init", init, INITS),
+                            ("zero_fallback", zero_fallback, ("zero", "na")),
+                            ("variant", variant, ("aware", "na")),
+                            ("extension", extension, (None, "fedavg", "fedavgm")),
+                            ("solver_init", solver_init, ("best_pair", "min_diag"))):
+        check_choice(name, opt, v, allowed)
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
+        raise ValueError(f"fedaware: max_iter must be an int >= 0, got {max_iter!r}")
+    if not (0.0 <= float(tol) < math.inf and 0.0 <= float(tol_abs) < math.inf):
+        raise ValueError(f"fedaware: tol and tol_abs must be finite numbers >= 0, got {tol}, {tol_abs}")
+    if not (0.0 <= float(ext_beta) < 1.0):
+        raise ValueError(f"fedaware: ext_beta must lie in [0, 1), got {ext_beta}")
+    if solver is not None and not callable(solver):
+        raise ValueError("fedaware: solver must be a callable like fedkernels.ops.min_norm")
+
+
+def check_num_clients(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"fedaware: num_clients must be a positive int, got {n!r}")
+    return n
+
+
+# ---- the N x d momentum table ------------------------------------------------------------------------
+def new_table(N: int, like: torch.Tensor, dtype=None, device=None) -> torch.Tensor:
+    """A zero [N, d] table (dtype / device of ``like`` unless given), refused before it is made when
+    it cannot fit in memory."""
+    from .._memory import check_alloc
+    d = like.numel()
+    check_alloc(N * d * like.element_size(), f"fedaware momentum table N={N} x d={d} {like.dtype}",
+                like.device, hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "
+                "aggregate in column chunks (fedkernels.streaming).")
+    return torch.zeros((N, d), dtype=dtype or like.dtype, device=like.device if device is None else device)
+
+
+def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.0, rows=None) -> torch.Tensor:
+    """base + alpha * sum_i coef_i M[rows_i] in ``like = (dtype, device)`` (the global model's): one
+    ``weighted_sum`` pass, or converted chunk by chunk for a bf16 / host table."""
+    dt, dev = like
+    if M.dtype == dt and M.device == dev:
+        return ops.weighted_sum(M, coef, base=base, alpha=alpha, rows=rows)
+    return ops.weighted_sum_chunked(M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
+
+
+# ---- statistics ------------------------------------------------------------------------------------
+def elud(G_S: torch.Tensor):
+    """Empirical local-update diversity of the participants from their [k, k] Gram matrix:
+    (ratio, sqrt_ratio) with ratio = mean_i ||g_i||^2 / ||mean_i g_i||^2 (None if the mean is 0)."""
+    G = torch.as_tensor(G_S, dtype=torch.float64)
+    k = G.size(0)
+    if k == 0:
+        return None, None
+    num = float(torch.diagonal(G).sum()) / k
+    den = float(G.sum()) / (k * k)
+    if not den > 0:
+        return None, None
+    r = num / den
+    return r, math.sqrt(r)

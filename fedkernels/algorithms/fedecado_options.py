@@ -1,0 +1,199 @@
+"""FedECADO's options and the federation's tables, apart from the method (fedecado.py).
+
+* :class:`Stepping` - the server's time stepping (spec §2.7, §3); :class:`Ablations` - the spec's
+  [OURS] choices where the paper is ambiguous, with ``Ablations.PAPER_LITERAL`` the paper's literal
+  form; ``SOLVERS`` - the BE linear solve. :func:`split_flat` takes the groups' fields given flat
+  (as configs pass them) out of the keyword options; :func:`flat_signature` shows them in the
+  constructor's signature; :func:`integrator_options` passes them on to the integrator.
+* :func:`federation_size`, :func:`gradient_weights`, :func:`hbar_table` - N, the gradient weights
+  w_i (§2.11) and the per-client Hessian scalars from the constructor's ``num_clients`` /
+  ``weights`` / ``data_sizes`` / ``hbar``.
+* :func:`check_payload` - what a client must send (T, optionally hbar); :func:`hutchinson_hbar` -
+  the client's Hessian scalar estimate (spec §2.5).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .parts import check_choice
+
+INACTIVE = ("frozen", "exclude")
+HESSIANS = ("hutchinson", "identity", "global", "none")
+SOLVERS = ("auto", "fused", "closed_form", "lu")
+
+
+@dataclass(frozen=True)
+class Stepping:
+    """The server's time stepping (spec §2.7, §3): inductance ``L`` (None: c_L * T_bar^2 with T_bar
+    from ``T_bar`` or round 1's T_max, re-set once to the median of the first 5 rounds), LTE
+    tolerances ``delta`` / ``delta_I`` (None = delta; math.inf = fixed steps) measured in ``lte_norm``
+    (inf | rms), first step ``dt0`` (None: T_max), backtracking factor ``beta``, step ``growth`` per
+    round, and the caps ``max_backtracks`` / ``max_steps``."""
+    L: Optional[float] = None
+    c_L: float = 2.0
+    T_bar: Optional[float] = None
+    delta: float = 1e-2
+    delta_I: Optional[float] = None
+    dt0: Optional[float] = None
+    beta: float = 0.5
+    growth: float = 1.0
+    max_backtracks: int = 30
+    max_steps: int = 1000
+    lte_norm: str = "inf"
+
+    def __post_init__(self):
+        n = "fedecado"
+        if self.L is not None and not self.L > 0:
+            raise ValueError(f"{n}: L must be > 0, got {self.L!r}")
+        if not self.c_L > 0:
+            raise ValueError(f"{n}: c_L must be > 0, got {self.c_L!r}")
+        if not self.delta > 0 or (self.delta_I is not None and not self.delta_I > 0):
+            raise ValueError(f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {self.delta!r}, {self.delta_I!r}")
+        if not 0 < self.beta < 1:
+            raise ValueError(f"{n}: beta must lie in (0, 1), got {self.beta!r}")
+        if not self.growth >= 1.0:
+            raise ValueError(f"{n}: growth must be >= 1, got {self.growth!r}")
+        if self.dt0 is not None and not self.dt0 > 0:
+            raise ValueError(f"{n}: dt0 must be > 0, got {self.dt0!r}")
+        if int(self.max_backtracks) < 0 or int(self.max_steps) < 1:
+            raise ValueError(f"{n}: max_backtracks >= 0 and max_steps >= 1 required")
+        check_choice(n, "lte_norm", self.lte_norm, ("inf", "rms"))
+
+
+@dataclass(frozen=True)
+class Ablations:
+    """Where the paper is ambiguous or an experiment switches a part off (spec §2.4, §2.5, §2.10,
+    §2.11, §8). Defaults are the spec's [OURS] choices; ``Ablations.PAPER_LITERAL`` is the paper's
+    literal form: gradient weights w_i = p_i (``grad_weight="paper"``; an exact reparametrisation of
+    the default N p_i) and client time T_i = lr_i * epochs (``time_unit="epoch"``).
+
+    ``extrap`` linear | hold, ``max_extrap_ratio`` (inf), ``inactive`` frozen | exclude (flows of
+    non-participants), ``grad_weight`` normalized | paper, ``hessian`` hutchinson | identity | global |
+    none (none = ECADO limit, 1/g = 0), ``time_unit`` lr_sum | epoch, ``sync`` (True: "no multi-rate",
+    every active client's T_i is taken as the round's T_max)."""
+    extrap: str = "linear"
+    max_extrap_ratio: float = math.inf
+    inactive: str = "frozen"
+    grad_weight: str = "normalized"
+    hessian: str = "hutchinson"
+    time_unit: str = "lr_sum"
+    sync: bool = False
+
+    def __post_init__(self):
+        n = "fedecado"
+        for opt, allowed in (("extrap", ("linear", "hold")), ("inactive", INACTIVE),
+                             ("grad_weight", ("normalized", "paper")), ("hessian", HESSIANS),
+                             ("time_unit", ("lr_sum", "epoch"))):
+            check_choice(n, opt, getattr(self, opt), allowed)
+        if not self.max_extrap_ratio >= 1.0:
+            raise ValueError(f"{n}: max_extrap_ratio must be >= 1, got {self.max_extrap_ratio!r}")
+        if not isinstance(self.sync, bool):
+            raise ValueError(f"{n}: sync must be True or False, got {self.sync!r}")
+
+
+Ablations.PAPER_LITERAL = Ablations(grad_weight="paper", time_unit="epoch")
+_GROUPS = (Stepping, Ablations)
+
+
+def integrator_options(stepping: Stepping, ablations: Ablations, solver: str, carried: bool) -> Dict[str, Any]:
+    """The keyword options of ``fedecado_solver.central_round`` from the groups (``carried``: dt
+    comes from the previous round, so the step may grow)."""
+    return dict(delta_I=stepping.delta_I, beta=stepping.beta, growth=stepping.growth if carried else 1.0,
+                max_backtracks=stepping.max_backtracks, max_steps=stepping.max_steps, extrap=ablations.extrap,
+                max_extrap_ratio=ablations.max_extrap_ratio, lte_norm=stepping.lte_norm,
+                sensitivity=ablations.hessian != "none", solver=solver)
+
+
+def split_flat(options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Pops the Stepping and the Ablations fields given flat out of ``options``."""
+    return tuple({f.name: options.pop(f.name) for f in fields(cls) if f.name in options} for cls in _GROUPS)
+
+
+def flat_signature(init) -> inspect.Signature:
+    """``init``'s signature with the groups' fields as keyword options (what configs may pass flat),
+    so tools that read constructor signatures (config checks, help) see every option."""
+    sig = inspect.signature(init)
+    ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+           for cls in _GROUPS for f in fields(cls)]
+    ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+    return sig.replace(parameters=ps)
+
+
+# ---- the federation's tables ----------------------------------------------------------------------
+def federation_size(weights, data_sizes, hbar) -> Optional[int]:
+    """N from the per-client options (the last one given of weights, data_sizes, a list of hbar)."""
+    N = None
+    for o in (weights, data_sizes):
+        if o is not None:
+            N = len(o)
+    if isinstance(hbar, (list, tuple)):
+        N = len(hbar)
+    return N
+
+
+def gradient_weights(name: str, N: int, weights: Optional[Sequence[float]], data_sizes: Optional[Sequence[float]],
+                     grad_weight: str) -> torch.Tensor:
+    """[N] float64 w_i (spec §2.11): the explicit ``weights``, else N p_i ("normalized") or p_i
+    ("paper") with p_i = n_i / sum n from ``data_sizes`` (uniform p_i = 1/N without them)."""
+    if weights is not None:
+        w = torch.as_tensor(weights, dtype=torch.float64)
+    elif data_sizes is not None:
+        n = torch.as_tensor(data_sizes, dtype=torch.float64)
+        if n.numel() != N or bool((n < 0).any()) or not float(n.sum()) > 0:
+            raise ValueError(f"{name}: data_sizes must be N={N} non-negative numbers with a positive sum")
+        w = n / n.sum() * (N if grad_weight == "normalized" else 1.0)
+    else:
+        w = torch.full((N,), 1.0 if grad_weight == "normalized" else 1.0 / N, dtype=torch.float64)
+    if w.numel() != N or not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"{name}: weights must be N={N} finite non-negative numbers")
+    return w
+
+
+def hbar_table(name: str, N: int, hbar, hessian: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """([N] float64 hbar_i, [N] bool known): fixed values from ``hbar`` (a float or N floats, clamped
+    >= 0), else ones, known up front only when the Hessian model needs no estimate."""
+    if hbar is None:
+        return torch.ones(N, dtype=torch.float64), torch.full((N,), hessian in ("identity", "none"), dtype=torch.bool)
+    tab = torch.as_tensor(hbar, dtype=torch.float64).expand(N).clone() if not isinstance(hbar, (list, tuple)) \
+        else torch.as_tensor(hbar, dtype=torch.float64)
+    if tab.numel() != N or not bool(torch.isfinite(tab).all()):
+        raise ValueError(f"{name}: hbar must be a finite float or N={N} finite floats")
+    return tab.clamp(min=0.0), torch.ones(N, dtype=torch.bool)
+
+
+def check_payload(payload: Dict[str, Any], missing) -> Optional[str]:
+    """The reason a client's payload is unusable (``missing(key, what)`` words a missing entry):
+    ``T`` finite and > 0 is required, ``hbar`` (when sent) finite."""
+    T = payload.get("T")
+    if T is None:
+        return missing("T", "the client's simulated time, the sum of its applied learning rates")
+    try:
+        T = float(T)
+    except (TypeError, ValueError):
+        return f"payload 'T' must be a number, got {type(T).__name__}"
+    if not (math.isfinite(T) and T > 0):
+        return f"payload 'T' must be finite and > 0, got {T}"
+    h = payload.get("hbar")
+    if h is not None and not math.isfinite(float(h)):
+        return f"payload 'hbar' must be finite, got {h}"
+    return None
+
+
+def hutchinson_hbar(loss: torch.Tensor, params: List[torch.Tensor], n_probes: int = 4,
+                    generator: Optional[torch.Generator] = None) -> float:
+    """Scalar Hessian model tr(H)/d by Hutchinson with Rademacher probes (spec §2.5), clamped >= 0."""
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    d = sum(p.numel() for p in params)
+    tot = 0.0
+    for _ in range(n_probes):
+        vs = [(torch.randint(0, 2, p.shape, generator=generator, dtype=torch.int64) * 2 - 1).to(p.dtype).to(p.device)
+              for p in params]
+        hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
+        tot += float(sum((h * v).sum() for h, v in zip(hv, vs)))
+    return max(tot / (n_probes * d), 0.0)
