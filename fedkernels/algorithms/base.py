@@ -34,9 +34,10 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def info_values(t: torch.Tensor):
-    """A tensor for ``AggResult.info``: a list in eager mode, the tensor itself while tracing."""
-    return t if tracing() else t.tolist()
+def info_values(t):
+    """A tensor for ``AggResult.info``: a list (a Python number for a 0-d tensor) in eager mode, the
+    tensor itself while tracing; anything else as it is."""
+    return t if tracing() or not isinstance(t, torch.Tensor) else t.tolist()
 
 
 class AggResult(NamedTuple):

@@ -21,21 +21,14 @@ import torch
 from .. import ops
 from ._fused import fused_sgd_step
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .parts import WEIGHTINGS, check_choice, client_weights, split_layers
-
-VECTOR_POLICIES = ("center", "skip")
-# mean-vector variants for conv weights (spec §2.6): name -> axes reduced (None = the standard row)
-MU_VARIANTS = {"cout": None, "cout_cin": (2, 3), "cout_taps": (1,), "cout_cin_kw": (2,), "cin_taps": (0,)}
-LOCAL_ORDERS = ("pre_wd", "post_wd", "post_momentum")
+from .gcfed_options import (LOCAL_ORDERS, MU_VARIANTS, VECTOR_POLICIES, check_options, gc_mean_variant_,  # noqa: F401
+                            post_momentum_step, post_wd_step)
+from .parts import client_weights, split_layers
 
 
 # ---------------------------------------------------------------------------------------------
 # the GC projection
 # ---------------------------------------------------------------------------------------------
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2):
     """GC in place on many tensors in one native call (``ops.gc_project_``): subtract each output
     row's mean; 1-D tensors centred as one row under "center", left alone under "skip"; 0-D, empty
@@ -43,15 +36,6 @@ def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", mi
     if tensors:
         ops.gc_project_(list(tensors), vector_policy, min_fanin)
     return tensors
-
-
-def gc_mean_variant_(t: torch.Tensor, variant: str) -> torch.Tensor:
-    """Table-8 ablation on one 4-D conv tensor: subtract the mean over MU_VARIANTS[variant] axes."""
-    axes = MU_VARIANTS[variant]
-    acc = _acc_dtype(t)
-    v = t.detach().to(acc)
-    t.detach().copy_((v - v.mean(dim=axes, keepdim=True)).to(t.dtype))
-    return t
 
 
 def apply_gc_(tensors: Sequence[torch.Tensor], vector_policy: str, min_fanin: int, mu: str = "cout"):
@@ -111,43 +95,12 @@ class LocalGCRule(ClientRule):
             return  # post_wd, post_momentum and the fused pre_wd path act in step()
         self._gc_local_grads()
 
-    def _post_wd_step(self, optimizer) -> bool:
-        """GC2020 order: g += wd p on every tensor, GC on the local ones, then the optimizer's step
-        (with its own weight decay suspended when that is where wd came from)."""
-        agg = self.aggregator
-        groups = list(getattr(optimizer, "param_groups", []))
-        opt_wd = {float(g.get("weight_decay", 0.0) or 0.0) for g in groups}
-        opt_wd.discard(0.0)
-        if agg.weight_decay and opt_wd:
-            raise ValueError(f"{agg.name}: local_order='post_wd' got weight decay twice (weight_decay="
-                             f"{agg.weight_decay} and the optimizer's weight_decay={sorted(opt_wd)}); set one of them")
-        if len(opt_wd) > 1:
-            raise ValueError(f"{agg.name}: local_order='post_wd' needs one weight_decay for all parameter groups, "
-                             f"got {sorted(opt_wd)}")
-        wd = agg.weight_decay or (opt_wd.pop() if opt_wd else 0.0)
-        withg = [p for p in self.all if p.grad is not None]
-        with torch.no_grad():
-            if wd and withg:
-                torch._foreach_add_([p.grad for p in withg], [p.detach() for p in withg], alpha=wd)
-            self._gc_local_grads()
-        if optimizer is None:
-            return False
-        saved = [g.get("weight_decay", 0.0) for g in groups]
-        for g in groups:
-            if "weight_decay" in g:
-                g["weight_decay"] = 0.0
-        try:
-            optimizer.step()
-        finally:
-            for g, w in zip(groups, saved):
-                if "weight_decay" in g:
-                    g["weight_decay"] = w
-        return True
-
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
         agg = self.aggregator
         if agg.local_order == "post_wd":
-            return self._post_wd_step(optimizer) if self.local or agg.weight_decay else False
+            if not (self.local or agg.weight_decay):
+                return False
+            return post_wd_step(agg.name, self.all, agg.weight_decay, optimizer, self._gc_local_grads)
         if self._fusable():
             local_ids = {id(p) for p in self.local}
             if fused_sgd_step(optimizer, self.all, gc_mask=[id(p) in local_ids for p in self.all],
@@ -157,30 +110,8 @@ class LocalGCRule(ClientRule):
             return False
         if agg.local_order != "post_momentum":
             return False
-        local_ids = {id(p) for p in self.local}
-        with torch.no_grad():
-            dirs_local = []
-            for p in self.all:
-                if p.grad is None:
-                    continue
-                d = p.grad.detach().clone()
-                if agg.weight_decay:
-                    d.add_(p.detach(), alpha=agg.weight_decay)
-                b = self.bufs.get(id(p))
-                if b is None or agg.momentum == 0:
-                    b = d
-                else:
-                    b.mul_(agg.momentum).add_(d)
-                self.bufs[id(p)] = b
-                if id(p) in local_ids:
-                    dirs_local.append((p, b.clone()))
-                else:
-                    p.sub_(b, alpha=ctx.lr)
-            cent = [d for _, d in dirs_local]
-            apply_gc_(cent, agg.vector_policy, agg.min_fanin, agg.mu)
-            for (p, _), d in zip(dirs_local, cent):
-                p.sub_(d, alpha=ctx.lr)
-        return True
+        return post_momentum_step(self.all, self.local, self.bufs, ctx.lr, agg.weight_decay, agg.momentum,
+                                  lambda ts: apply_gc_(ts, agg.vector_policy, agg.min_fanin, agg.mu))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,17 +139,7 @@ class GCFed(Aggregator):
         super().__init__(**kw)
         local_layers = local_layers or self._defaults["local_layers"]
         global_scope = global_scope or self._defaults["global_scope"]
-        n = self.name
-        checks = (("local_layers", local_layers, ("all_except", "first_fraction", "all", "none")),
-                  ("global_scope", global_scope, ("all", "complement", "none")),
-                  ("vector_policy", vector_policy, VECTOR_POLICIES), ("mu", mu, tuple(MU_VARIANTS)),
-                  ("weighting", weighting, WEIGHTINGS), ("local_order", local_order, LOCAL_ORDERS))
-        for opt, val, allowed in checks:
-            check_choice(n, opt, val, allowed)
-        if local_layers == "first_fraction" and (lam is None or not 0.0 <= lam <= 1.0):
-            raise ValueError(f"{n}: lam must lie in [0, 1] with local_layers='first_fraction', got {lam!r}")
-        if int(min_fanin) < 1:
-            raise ValueError(f"{n}: min_fanin must be >= 1, got {min_fanin!r}")
+        check_options(self.name, local_layers, global_scope, vector_policy, mu, weighting, local_order, lam, min_fanin)
         self.local_layers, self.global_layers, self.lam = local_layers, global_layers, lam
         self.global_scope, self.vector_policy, self.min_fanin, self.mu = global_scope, vector_policy, int(min_fanin), mu
         self.weighting, self.local_order = weighting, local_order

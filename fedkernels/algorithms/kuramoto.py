@@ -33,10 +33,8 @@ import torch
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
-from .parts import WEIGHTINGS, check_choice, client_weights
-
-MODES = ("P", "S", "C")
-DEFAULT_KAPPA0 = {"P": 0.5, "S": 0.5, "C": 0.2}
+from .kuramoto_options import DEFAULT_KAPPA0, MODES, check_options, check_phase  # noqa: F401
+from .parts import client_weights
 EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
@@ -65,12 +63,7 @@ def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[to
 
 def _info(**kv) -> Dict[str, Any]:
     """Phase statistics for AggResult.info: Python values in eager mode, tensors while tracing."""
-    out = {}
-    for k, v in kv.items():
-        if isinstance(v, torch.Tensor) and not tracing():
-            v = v.item() if v.dim() == 0 else v.tolist()
-        out[k] = v
-    return out
+    return {k: info_values(v) for k, v in kv.items()}
 
 
 def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau: float = 0.05,
@@ -162,37 +155,14 @@ class KuramotoPhaseRule(ClientRule):
 
 @register("kuramoto", "kuramoto_fedavg")
 class KuramotoFedAvg(Aggregator):
-    """Kuramoto-FedAvg aggregator (see module docstring).
-
-    Options: ``mode`` ("S" default, "P" paper-literal, "C" authors' code); ``kappa0`` (default by
-    mode: S 0.5, P 0.5, C 0.2 = the code's K_t); ``beta`` (kappa decay, default 1.0); ``tau``
-    (mode P guard, 0.05); ``guard`` (mode P, True); ``clip_delta`` (mode S, True);
-    ``theta_bar`` ("uniform" as the paper, or "p"); ``clip`` (mode C elementwise clamp, 10.0);
-    ``weighting`` ("samples" p = n/sum n, or "uniform"); ``server_lr`` (eta_g, 1.0).
-    """
+    """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto_options.py``)."""
 
     def __init__(self, mode: str = "S", kappa0: Optional[float] = None, beta: float = 1.0, tau: float = 0.05,
                  guard: bool = True, clip_delta: bool = True, theta_bar: str = "uniform", clip: float = 10.0,
                  weighting: str = "samples", **kw):
         super().__init__(**kw)
-        mode = str(mode).upper()
-        if mode not in MODES:
-            raise ValueError(f"kuramoto: mode must be one of {MODES} (P = paper-literal, S = coupled, C = authors' code), got {mode!r}")
-        self.mode = mode
-        self.kappa0 = float(DEFAULT_KAPPA0[mode] if kappa0 is None else kappa0)
-        if not math.isfinite(self.kappa0) or self.kappa0 < 0:
-            raise ValueError(f"kuramoto: kappa0 must be a finite number >= 0, got {kappa0}")
-        self.beta = float(beta)
-        if not (0.0 < self.beta <= 1.0):
-            raise ValueError(f"kuramoto: beta must lie in (0, 1], got {beta}")
-        self.tau = float(tau)
-        if not (self.tau >= 0.0):
-            raise ValueError(f"kuramoto: tau must be >= 0, got {tau}")
-        check_choice(self.name, "theta_bar", theta_bar, ("uniform", "p"))
-        check_choice(self.name, "weighting", weighting, WEIGHTINGS)
-        self.clip = float(clip)
-        if not (self.clip > 0):
-            raise ValueError(f"kuramoto: clip must be > 0, got {clip}")
+        self.mode, self.kappa0 = check_options(self.name, mode, kappa0, beta, tau, theta_bar, clip, weighting)
+        self.beta, self.tau, self.clip = float(beta), float(tau), float(clip)
         self.guard, self.clip_delta, self.theta_bar, self.weighting = bool(guard), bool(clip_delta), theta_bar, weighting
 
     def kappa(self, t: Optional[int] = None) -> float:
@@ -205,16 +175,7 @@ class KuramotoFedAvg(Aggregator):
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         r = super().check_payload(payload)
-        if r or self.mode != "C":
-            return r
-        v = payload.get("phase")
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            return "kuramoto mode C needs payload 'phase' (a number; see KuramotoPhaseRule)"
-        if not math.isfinite(v):
-            return f"payload 'phase' must be finite, got {v}"
-        return None
+        return r if r or self.mode != "C" else check_phase(payload)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = client_weights(rin, self.weighting)
