@@ -25,9 +25,8 @@ import torch.nn.functional as F
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .fedecado_options import (HESSIANS, INACTIVE, SOLVERS, Ablations, Stepping, check_payload,  # noqa: F401
-                               federation_size, flat_signature, gradient_weights, hbar_table,
-                               hutchinson_hbar, integrator_options, split_flat)
+from .fedecado_options import (HESSIANS, INACTIVE, SOLVERS, Ablations, FederationTables, Stepping,  # noqa: F401
+                               flat_signature, hutchinson_hbar, integrator_options, split_flat)
 from .fedecado_solver import _solve_be_system, be_step, central_round, interp, theta  # noqa: F401
 from .parts import check_choice
 
@@ -104,7 +103,7 @@ class FedECADORule(ClientRule):
 # server
 # ---------------------------------------------------------------------------------------------
 @register("fedecado")
-class FedECADO(Aggregator):
+class FedECADO(FederationTables, Aggregator):
     """FedECADO server (spec §2.8). Clients send payload ``T`` (simulated time, > 0) and, once,
     ``hbar`` (their Hessian scalar). State (§2.9): flows I [N, d], S_all = sum_j I_j (float64),
     central time t, carried dt, hbar per client, L.
@@ -151,54 +150,11 @@ class FedECADO(Aggregator):
         self.L = self.stepping.L
         self.L_reset_done = self.stepping.L is not None or self.stepping.T_bar is not None
 
-    # ---- setup / tables -------------------------------------------------------------------------
-    def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
-        super().setup(spec, num_clients if num_clients is not None else self.num_clients, global_flat)
-        self._tables()
-        if global_flat is not None:
-            self._flows(global_flat)
-
-    def set_data_sizes(self, sizes: Sequence[float]) -> None:
-        """n_i of all N clients (sets p_i = n_i / sum n and the gradient weights w_i)."""
-        self._sizes_opt = list(sizes)
-        self.w = None
-        self._tables()
-
-    def _tables(self) -> None:
-        if self.num_clients is None:
-            self.num_clients = federation_size(self._weights_opt, self._sizes_opt, self._hbar_opt)
-        N = self.num_clients
-        if N is None:
-            return
-        if self.w is None:
-            self.w = gradient_weights(self.name, N, self._weights_opt, self._sizes_opt, self.ablations.grad_weight)
-        if self.hbar_tab is None:
-            self.hbar_tab, self.hbar_known = hbar_table(self.name, N, self._hbar_opt, self.ablations.hessian)
-
-    def _flows(self, global_flat: torch.Tensor) -> None:
-        if self.num_clients is None:
-            raise ValueError(f"{self.name}: needs the number of clients N (num_clients=, weights=, data_sizes= "
-                             f"or setup(num_clients=N))")
-        if self.I is None:
-            self.I = global_flat.new_zeros((self.num_clients, global_flat.numel()))
-            self.S_all = torch.zeros(global_flat.numel(), dtype=torch.float64, device=global_flat.device)
-
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         self._tables()
         cid = int(client_id)
         return {"I": None if self.I is None else self.I[cid], "w": float(self.w[cid]),
                 "need_hbar": bool(self.ablations.hessian in ("hutchinson", "global") and not self.hbar_known[cid])}
-
-    # ---- validation -------------------------------------------------------------------------------
-    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        return check_payload(payload, self.missing_payload) or \
-            super().check_payload({k: v for k, v in payload.items() if k != "I"})
-
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None):
-        self._tables()
-        if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
-            self._flows(global_flat)
-        return super().validate(global_flat, updates, num_examples, client_ids, payloads)
 
     # ---- the round ------------------------------------------------------------------------------------
     def _hbar_for(self, rin: RoundInput) -> torch.Tensor:

@@ -8,7 +8,8 @@
 * :func:`federation_size`, :func:`gradient_weights`, :func:`hbar_table` - N, the gradient weights
   w_i (§2.11) and the per-client Hessian scalars from the constructor's ``num_clients`` /
   ``weights`` / ``data_sizes`` / ``hbar``.
-* :func:`check_payload` - what a client must send (T, optionally hbar); :func:`hutchinson_hbar` -
+* :class:`FederationTables` - the per-client tables (w, hbar, flows I, S_all) set up before the first
+  round, and the payload check; :func:`check_payload` - what a client must send (T, optionally hbar); :func:`hutchinson_hbar` -
   the client's Hessian scalar estimate (spec §2.5).
 """
 from __future__ import annotations
@@ -197,3 +198,51 @@ def hutchinson_hbar(loss: torch.Tensor, params: List[torch.Tensor], n_probes: in
         hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
         tot += float(sum((h * v).sum() for h, v in zip(hv, vs)))
     return max(tot / (n_probes * d), 0.0)
+
+
+class FederationTables:
+    """FedECADO's per-client state, set up before the first round (a base of ``FedECADO``, whose
+    constructor sets the attributes used here): N, the gradient weights ``w`` [N] and Hessian
+    scalars ``hbar_tab`` / ``hbar_known`` [N] from the options, and, once the model size is known,
+    the flows ``I`` [N, d] and ``S_all`` = sum_j I_j [d] (float64). Payloads are checked here too."""
+
+    def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
+        super().setup(spec, num_clients if num_clients is not None else self.num_clients, global_flat)
+        self._tables()
+        if global_flat is not None:
+            self._flows(global_flat)
+
+    def set_data_sizes(self, sizes: Sequence[float]) -> None:
+        """n_i of all N clients (sets p_i = n_i / sum n and the gradient weights w_i)."""
+        self._sizes_opt = list(sizes)
+        self.w = None
+        self._tables()
+
+    def _tables(self) -> None:
+        if self.num_clients is None:
+            self.num_clients = federation_size(self._weights_opt, self._sizes_opt, self._hbar_opt)
+        N = self.num_clients
+        if N is None:
+            return
+        if self.w is None:
+            self.w = gradient_weights(self.name, N, self._weights_opt, self._sizes_opt, self.ablations.grad_weight)
+        if self.hbar_tab is None:
+            self.hbar_tab, self.hbar_known = hbar_table(self.name, N, self._hbar_opt, self.ablations.hessian)
+
+    def _flows(self, global_flat: torch.Tensor) -> None:
+        if self.num_clients is None:
+            raise ValueError(f"{self.name}: needs the number of clients N (num_clients=, weights=, data_sizes= "
+                             f"or setup(num_clients=N))")
+        if self.I is None:
+            self.I = global_flat.new_zeros((self.num_clients, global_flat.numel()))
+            self.S_all = torch.zeros(global_flat.numel(), dtype=torch.float64, device=global_flat.device)
+
+    def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
+        return check_payload(payload, self.missing_payload) or \
+            super().check_payload({k: v for k, v in payload.items() if k != "I"})
+
+    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None):
+        self._tables()
+        if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
+            self._flows(global_flat)
+        return super().validate(global_flat, updates, num_examples, client_ids, payloads)

@@ -54,14 +54,10 @@ def apply_gc_(tensors: Sequence[torch.Tensor], vector_policy: str, min_fanin: in
 # client rule
 # ---------------------------------------------------------------------------------------------
 class LocalGCRule(ClientRule):
-    """Local GC (spec §2.2). ``order``:
-    * "pre_wd" (official code): GC on the raw gradient; the loop's optimizer then adds wd and momentum.
-    * "post_wd" (GC2020): grad += wd * p on every tensor, then GC on the local ones, then the
-      optimizer's momentum and step. wd is the aggregator's ``weight_decay`` or, when that is 0, the
-      optimizer's own ``weight_decay`` (suspended for that step so it is applied once); setting both
-      raises.
-    * "post_momentum": the rule does the SGD step itself: d = g + wd p, buf = mu buf + d (un-centred),
-      p -= lr * GC(buf) on the local set, p -= lr * buf elsewhere."""
+    """Local GC (spec §2.2), the official code's order ("pre_wd"): GC on the raw gradients of the
+    local set, then the optimizer adds weight decay and momentum and steps (one native pass with a
+    plain torch SGD, ``fused_step``). The ablation orders "post_wd" (GC2020) and "post_momentum" are
+    ``gcfed_options.post_wd_step`` / ``post_momentum_step``."""
 
     def __init__(self, aggregator: "GCFed"):
         super().__init__(aggregator)
