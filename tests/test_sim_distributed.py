@@ -44,31 +44,45 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, port, tmp, data):
+def _rank(rank, port, tmp, body, *args):
+    """One gloo rank: joins the group, runs body(rank, tmp, *args), leaves; a failure's traceback
+    goes to tmp/err.<rank> (the parent shows it)."""
     try:
         torch.set_num_threads(1)
-        from fedkernels.sim.distributed_sim import DistributedSimulation
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=120))
-        tr, te = data
-        for name, opts, _ in METHODS:
-            cp = 1 if name == "scaffold" else 0
-            sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp),
-                                        train=tr, test=te)
-            sim.run()
-            assert sim.writer is None if rank else sim.writer is not None
-        # an interrupted distributed run resumed from its (merged, full) checkpoint
-        cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
-        DistributedSimulation(cfg, train=tr, test=te).run(stop_after=2)
-        sim = DistributedSimulation(cfg, train=tr, test=te, resume=True)
-        sim.run()
-        assert sim.start_round == 3
+        body(rank, tmp, *args)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(tmp, f"err.{rank}"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+def _spawn(tmp_path, body, *args):
+    try:
+        mp.spawn(_rank, args=(_free_port(), str(tmp_path), body) + args, nprocs=WORLD, join=True)
+    except Exception:
+        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
+        pytest.fail("worker failed:\n" + "\n".join(msgs))
+
+
+def _worker(rank, tmp, data):
+    from fedkernels.sim.distributed_sim import DistributedSimulation
+    tr, te = data
+    for name, opts, _ in METHODS:
+        cp = 1 if name == "scaffold" else 0
+        sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp),
+                                    train=tr, test=te)
+        sim.run()
+        assert sim.writer is None if rank else sim.writer is not None
+    # an interrupted distributed run resumed from its (merged, full) checkpoint
+    cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
+    DistributedSimulation(cfg, train=tr, test=te).run(stop_after=2)
+    sim = DistributedSimulation(cfg, train=tr, test=te, resume=True)
+    sim.run()
+    assert sim.start_round == 3
 
 
 def _final(run_dir):
@@ -84,11 +98,7 @@ def test_two_ranks_match_one_process(tmp_path):
     from fedkernels.sim.data import load_dataset
     torch.set_num_threads(1)
     data = load_dataset("digits")
-    try:
-        mp.spawn(_worker, args=(_free_port(), str(tmp_path), data), nprocs=WORLD, join=True)
-    except Exception:
-        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
-        pytest.fail("worker failed:\n" + "\n".join(msgs))
+    _spawn(tmp_path, _worker, data)
     for name, opts, bitwise in METHODS:
         cp = 1 if name == "scaffold" else 0
         cfg = _cfg(str(tmp_path / "single"), name, opts, checkpoint_every=cp)
@@ -130,20 +140,10 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 # ---- one round loop: same metric keys and values in both modes -----------------------------------
-def _metrics_worker(rank, port, tmp, data, name, opts):
-    try:
-        torch.set_num_threads(1)
-        from fedkernels.sim.distributed_sim import DistributedSimulation
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=120))
-        DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
-                              train=data[0], test=data[1]).run()
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(tmp, f"err.{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _metrics_worker(rank, tmp, data, name, opts):
+    from fedkernels.sim.distributed_sim import DistributedSimulation
+    DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
+                          train=data[0], test=data[1]).run()
 
 
 # A Gram-based method's G is, in distributed runs, the sum of the ranks' fp64 partials over their
@@ -180,11 +180,7 @@ def test_same_metrics_as_one_process(tmp_path, name, opts, bitwise):
     from fedkernels.sim.data import load_dataset
     torch.set_num_threads(1)
     data = load_dataset("digits")
-    try:
-        mp.spawn(_metrics_worker, args=(_free_port(), str(tmp_path), data, name, opts), nprocs=WORLD, join=True)
-    except Exception:
-        msgs = [p.read_text() for p in sorted(tmp_path.glob("err.*"))]
-        pytest.fail("worker failed:\n" + "\n".join(msgs))
+    _spawn(tmp_path, _metrics_worker, data, name, opts)
     cfg = _cfg(str(tmp_path / "single"), name, opts, client_loss="all", name="allloss")
     s = Simulation(cfg, train=data[0], test=data[1])
     s.run()
