@@ -35,6 +35,7 @@ from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
 from .kuramoto_options import DEFAULT_KAPPA0, MODES, check_options, check_phase  # noqa: F401
 from .parts import client_weights
+
 EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
