@@ -138,7 +138,7 @@ class FedECADO(FederationTables, Aggregator):
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
         self.num_clients = num_clients
-        # state
+        # state (allocated by FederationTables, fedecado_options.py)
         self.I: Optional[torch.Tensor] = None          # [N, d]
         self.S_all: Optional[torch.Tensor] = None      # [d] float64
         self.t = 0.0
