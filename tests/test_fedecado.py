@@ -566,3 +566,17 @@ def test_grouped_options_and_flat_options_agree():
         build("fedecado", delt=0.1)
     with pytest.raises(ValueError, match="lte_norm"):
         build("fedecado", lte_norm="l1")
+
+
+def test_validate_takes_the_base_screen_argument():
+    # Aggregator.aggregate calls validate(..., screen=False) while tracing; FedECADO's override must
+    # accept and forward it (it used to take no `screen` and raised TypeError under torch.compile).
+    g = torch.Generator().manual_seed(1)
+    U = torch.randn(2, 7, generator=g, dtype=D64)
+    U[1, 3] = float("nan")
+    x = torch.randn(7, generator=g, dtype=D64)
+    agg = FedECADO(L=2.0, delta=1e-2, num_clients=3, hbar=0.5, on_bad_update="exclude")
+    rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=False)
+    assert rin.K == 2 and not rin.excluded          # no NaN scan when screen=False
+    rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=True)
+    assert rin.K == 1 and [e["client_id"] for e in rin.excluded] == [2]   # the NaN row (client id 2)

@@ -241,8 +241,8 @@ class FederationTables:
         return check_payload(payload, self.missing_payload) or \
             super().check_payload({k: v for k, v in payload.items() if k != "I"})
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None):
+    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
         self._tables()
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
             self._flows(global_flat)
-        return super().validate(global_flat, updates, num_examples, client_ids, payloads)
+        return super().validate(global_flat, updates, num_examples, client_ids, payloads, screen)
