@@ -139,6 +139,57 @@ def test_wsum_coefficient_beyond_float_accumulates_in_double(harness, dtype, A, 
     torch.testing.assert_close(out, cpu, rtol=1e-2, atol=1e-2, equal_nan=True)
 
 
+# ---- finite_rows -----------------------------------------------------------------------------------
+# (element size, V = 16 / size): fp32, fp16/bf16, fp64; values are given as float64 (exact)
+FR_TYPES = [(4, 4), (2, 8), (8, 2)]
+
+
+def _finite_case(harness, size, V, K, d, ld, u_off, bad_at, seed=0):
+    U = torch.randn(K, ld, generator=_gen(seed + K * 31 + d), dtype=torch.float64)
+    for (r, j, v) in bad_at:
+        U[r, j] = v
+    ans = harness("finite", V, size, u_off, K, d, ld, U)
+    ok = torch.tensor([a == "1" for a in ans[1:]])
+    return ans[0] == "1", ok, U[:, :d]
+
+
+@pytest.mark.parametrize("size,V", FR_TYPES)
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 5), (2, 4096), (2, 8191), (4, 8192 + 7), (300, 3), (1, 3 * 8192 + 1)])
+def test_finite_rows_grid_nan_inf_at_tails(harness, size, V, K, d):
+    """Every column of every row exactly once on the vector path (aligned rows) and the scalar
+    path (misaligned start), NaN/Inf at the first column, the last column (the tail chunk, not a
+    multiple of the vector width) and a chunk boundary; a clean row stays true."""
+    chunk = 256 * 4 * V
+    nan, inf = float("nan"), float("inf")
+    cols = sorted({0, d - 1, min(chunk, d - 1), min(chunk - 1, d - 1)})
+    ld = -(-d // V) * V                                       # padded rows: 16-byte aligned
+    for u_off, want_vec in ((0, True), (size, False)):      # aligned base / misaligned base
+        for r in range(K):
+            bad = [(r, cols[r % len(cols)], (nan, inf, -inf)[r % 3])] if r % 2 == 0 else []
+            if K > 2 and r >= 2:
+                bad = bad[:1] if r % 5 else []
+            vec, ok, U = _finite_case(harness, size, V, K, d, ld, u_off, bad, seed=r)
+            assert vec == want_vec
+            assert torch.equal(ok, reference.finite_rows(U)), (u_off, r)
+            if K > 8:
+                break
+
+
+@pytest.mark.parametrize("size,V", FR_TYPES)
+def test_finite_rows_misaligned_rows_take_the_scalar_path(harness, size, V):
+    K, d = 5, 3 * 256 * 4 * V + 3
+    ld = d + 2                                             # row stride not a multiple of 16 bytes
+    assert (ld * size) % 16
+    bad = [(1, d - 1, float("nan")), (3, 256 * 4 * V, float("-inf")), (4, 0, float("inf"))]
+    vec, ok, U = _finite_case(harness, size, V, K, d, ld, 0, bad)
+    assert not vec
+    assert ok.tolist() == [True, False, True, False, False]
+    assert torch.equal(ok, reference.finite_rows(U))
+    # one row: any stride is aligned enough for the vector path
+    vec, ok, U = _finite_case(harness, size, V, 1, d, ld, 0, [(0, d - 1, float("nan"))])
+    assert vec and ok.tolist() == [False]
+
+
 # ---- LU pivot order ---------------------------------------------------------------------------------
 def _scan_pivot(col, k):
     """csrc/cpu/lu.cpp getf2: p = k, best = |a_kk|; the first i > k with |a_ik| > best (NaN never)."""
