@@ -293,6 +293,99 @@ def test_arrowhead_column_matches_reference(harness, K, m):
     torch.testing.assert_close(I, Ic, rtol=1e-14, atol=1e-14)
 
 
+# ---- min_norm: line search, step logic and the whole block, emulated ---------------------------------
+@pytest.mark.parametrize("a,b,c", [(1.0, 0.5, 2.0), (1.0, 1.0, 1.0), (2.0, 3.0, 1.0), (1.0, -2.0, 5.0),
+                                   (3.0, 0.0, 3.0), (1e-300, 0.0, 1e-300), (4.0, 4.5, 9.0), (1.0, 2.0, 3.0)])
+def test_min_norm_segment_is_the_reference_line_search(harness, a, b, c):
+    g, val = (_f(x) for x in harness("segment", a, b, c)[1:])
+    g_r, val_r = reference._segment(a, b, c)
+    assert g == g_r and val == val_r    # same formula and order; no fma on the host build
+
+
+_MN_METHODS = {"fw": 0, "away": 1, "pairwise": 2}
+
+
+def _mn_emulate(harness, G, method, init="best_pair", max_iter=30000, tol=1e-12, tol_abs=1e-15, lam0=None):
+    ans = harness("minnorm", G.shape[0], _MN_METHODS[method], int(init == "min_diag"), max_iter, tol, tol_abs,
+                  int(lam0 is not None), G, lam0 if lam0 is not None else [])
+    return torch.tensor([_f(x) for x in ans[2:]], dtype=torch.float64), int(ans[0]), _f(ans[1])
+
+
+def _mn_G(K, seed=None):
+    U = torch.randn(K, max(2, K // 2), generator=_gen(K if seed is None else seed), dtype=torch.float64)
+    return U, U @ U.T / U.shape[1] + torch.eye(K, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("K,method", [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 300)
+                                      if m != "fw" or K <= 10])
+def test_min_norm_block_emulation_matches_cpu_op_and_reference(harness, K, method):
+    """The kernel's control flow around mn::plan / mn::update / scan_thread / row_partial, with the
+    block's reduction orders (K=300 > 256 threads: two entries per thread), converges to the CPU
+    op's and the reference's minimiser (G strongly convex: lam unique)."""
+    U, G = _mn_G(K)
+    G = G + 1e-3 * torch.triu(torch.ones(K, K, dtype=torch.float64), 1)   # not symmetric: symmetrised
+    lam, it, gap = _mn_emulate(harness, G, method)
+    Gs = 0.5 * (G + G.T)
+    assert it < 30000
+    assert float(lam.min()) >= 0.0 and abs(float(lam.sum()) - 1.0) < 1e-12
+    v = Gs @ lam
+    q = float(lam @ v)
+    assert abs(gap - (q - float(v.min()))) <= 1e-12 * max(1.0, q)   # the exact gap at the returned lam
+    assert gap <= 1e-12 * q + 1e-15 * float(Gs.diagonal().max()) + 1e-13
+    lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 30000, 1e-12, 1e-15, method, "best_pair", False, None)
+    q_c = float(lam_c @ (Gs @ lam_c))
+    assert abs(q - q_c) <= 1e-11 * max(1.0, q_c)
+    torch.testing.assert_close(U.T @ lam, U.T @ lam_c, rtol=0, atol=1e-6)
+    assert abs(it - int(it_c)) <= max(2, int(it_c) // 20)    # same steps; sums in another order
+    if K <= 10:
+        lam_r, _, _ = reference.min_norm(G, max_iter=30000, tol=1e-12, method=method, polish=False)
+        assert abs(q - float(lam_r @ (Gs @ lam_r))) <= 1e-11
+
+
+@pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
+def test_min_norm_block_emulation_spec_vectors(harness, method):
+    cases = [  # fedaware.md §9 A3, A4, A5 (origin in the hull), A7: the min-norm value
+        ([[1, 0, 0], [0, 2, 0], [0, 0, 3]], 36 / 49),
+        ([[1, 0], [2, 1], [3, -1]], 1.0),
+        ([[1, 0], [-1, 1], [-1, -1]], 0.0),
+        ([[1.0, 0.2, 0.0], [0.3, 1.0, 0.1], [-0.2, 0.4, 1.0], [0.5, 0.5, 0.5]], 0.496423447934702),
+    ]
+    for m, q_exp in cases:
+        M = torch.tensor(m, dtype=torch.float64)
+        G = M @ M.T
+        lam, _, _ = _mn_emulate(harness, G, method, max_iter=10000, tol=1e-14)
+        assert abs(float(lam @ G @ lam) - q_exp) <= 1e-10, (m, method)
+
+
+def test_min_norm_block_emulation_inits(harness):
+    U = torch.randn(30, 12, generator=_gen(3), dtype=torch.float64)
+    G = U @ U.T
+    lam0 = torch.rand(30, generator=_gen(4), dtype=torch.float64)
+    for init, l0 in (("min_diag", None), ("best_pair", lam0), ("best_pair", torch.zeros(30, dtype=torch.float64))):
+        lam, it, _ = _mn_emulate(harness, G, "away", init=init, max_iter=5000, lam0=l0)
+        lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, "away", init, False,
+                                                        l0 if l0 is not None and float(l0.sum()) > 0 else None)
+        assert abs(float(lam @ G @ lam) - float(lam_c @ G @ lam_c)) <= 1e-9
+    # zero iterations: the init itself (best pair on a 3-vertex hull; min_diag: the vertex of least norm)
+    M = torch.tensor([[1.0, 0, 0], [0, 2.0, 0], [0, 0, 3.0]])
+    for init, want in (("best_pair", [0.8, 0.2, 0.0]), ("min_diag", [1.0, 0.0, 0.0])):
+        lam, it, _ = _mn_emulate(harness, M @ M.T, "away", init=init, max_iter=0)
+        assert it == 0 and torch.allclose(lam, torch.tensor(want, dtype=torch.float64), atol=1e-15)
+    # ties: two identical vertices, the smallest index wins everywhere
+    G = torch.ones(4, 4, dtype=torch.float64) + torch.diag(torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64))
+    lam, _, _ = _mn_emulate(harness, G, "away", init="min_diag", max_iter=100)
+    assert lam.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_min_norm_g_placement(harness):
+    budget = 232448 - 1024       # sm_90 opt-in limit minus the static scratch and margin (min_norm.cu)
+    n_max = max(n for n in range(1, 400) if n * n * 8 + 24 * n <= budget)
+    assert harness("gsmem", n_max, budget) == ["1", str(24 * n_max)]
+    assert harness("gsmem", n_max + 1, budget)[0] == "0"
+    assert harness("gsmem", 1000, budget)[0] == "0" and harness("gsmem", 1, 64)[0] == "1"
+    assert n_max >= 160
+
+
 # ---- the CUDA min_norm test cases are ones the solver converges on ------------------------------------
 def test_cuda_min_norm_cases_converge_on_the_cpu_op():
     from test_cuda import MIN_NORM_CASES, _min_norm_G
