@@ -190,6 +190,83 @@ def test_finite_rows_misaligned_rows_take_the_scalar_path(harness, size, V):
     assert vec and ok.tolist() == [False]
 
 
+# ---- fedecado_be_step: per-element update, the three paths ---------------------------------------------
+def _be_case(K, d, dtype, seed, with_s=True):
+    g = _gen(seed)
+    rn = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64).to(dtype)   # noqa: E731
+    T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
+    tl = 0.3 * float(T.max())
+    dt = 0.5 * (float(T.max()) - tl)
+    ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
+    ig[0] = 0.0                                                      # the ECADO limit for one client
+    return [rn(d), rn(K, d), rn(d), rn(K, d), rn(K, d), rn(d) if with_s else None, (tl + dt) / T, tl / T, ig, dt, 1.7]
+
+
+def _be_emulate(harness, args, path, nt):
+    xc, Icur, xc0, U, Ik, S, thn, tho, ig, dt, L = args
+    K, d = U.shape
+    c = dt / L
+    ia = 1.0 / (1.0 + c * ig)
+    coef = torch.cat([thn, thn - tho, ig, ia])                        # what the glue uploads
+    inv_den = 1.0 / (1.0 + dt * c * float(ia.sum()))
+    A = 4 if U.dtype == torch.float32 else 8
+    ans = harness("bestep", A, path, nt, K, d, int(S is not None), c, dt, inv_den, coef, xc.double(),
+                  Icur.double(), xc0.double(), U.double(), Ik.double(), S.double() if S is not None else [])
+    v = torch.tensor([_f(x) for x in ans[1:]], dtype=torch.float64)
+    x, I, mc, me = v[:d], v[d:d + K * d].view(K, d), float(v[-2]), float(v[-1])
+    return x.to(U.dtype), I.to(U.dtype), torch.tensor([0.5 * dt * mc, 0.5 * dt / L * me], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (32, 65), (33, 300), (100, 129)])
+@pytest.mark.parametrize("with_s", [True, False])
+def test_be_step_paths_match_reference_and_cpu(harness, dtype, K, d, with_s):
+    """Registers (K <= 32), shared-memory slots and the recomputing pass: every column once, each
+    thread only its own slots, the same bits on all three paths, and the float64 reference / CPU op
+    to the rounding of the arithmetic type."""
+    args = _be_case(K, d, dtype, seed=K * 31 + d, with_s=with_s)
+    nt = int(harness("besmem", K, 4 if dtype == torch.float32 else 8, 232448 - 1024)[0])
+    assert nt >= 32
+    outs = []
+    for path, threads in ((0, 256), (1, nt), (1, 32), (2, 256)):
+        if path == 0 and K > 32:
+            continue
+        outs.append(_be_emulate(harness, args, path, threads))
+    for o in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))
+    x, I, lte = outs[0]
+    rx, rI, rl = reference.fedecado_be_step(*args)
+    cx, cI, cl = torch.ops.fedkernels.fedecado_be_step(*args)
+    tol = 1e-12 if dtype == torch.float64 else 3e-6 * max(1, K ** 0.5)
+    torch.testing.assert_close(x.double(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(I.double(), rI, rtol=tol, atol=tol)
+    torch.testing.assert_close(x.double(), cx.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(I.double(), cI.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lte, rl, rtol=100 * tol, atol=100 * tol)
+    torch.testing.assert_close(lte, cl, rtol=100 * tol, atol=100 * tol)
+
+
+def test_be_step_nan_gives_infinite_lte(harness):
+    args = _be_case(40, 50, torch.float32, seed=1)
+    args[3] = args[3].clone()
+    args[3][7, 11] = float("nan")
+    _, _, lte = _be_emulate(harness, args, 1, 64)
+    assert lte.tolist() == [math.inf, math.inf]
+    _, _, cl = torch.ops.fedkernels.fedecado_be_step(*args)
+    assert cl.tolist() == [math.inf, math.inf]
+
+
+def test_be_step_smem_plan(harness):
+    budget = 232448 - 1024
+    # per thread 2K slots; the largest of 256..32 threads within 96 KB, else the device budget
+    assert harness("besmem", 33, 4, budget) == ["256", str(2 * 33 * 4 * 256)]
+    assert harness("besmem", 100, 4, budget) == ["64", str(2 * 100 * 4 * 64)]
+    assert harness("besmem", 100, 8, budget) == ["32", str(2 * 100 * 8 * 32)]
+    assert harness("besmem", 400, 8, budget)[0] == "32"             # 204800 bytes: beyond 96 KB, within the budget
+    assert harness("besmem", 460, 8, budget) == ["0", "0"]          # recomputing pass
+    assert harness("besmem", 900, 4, budget)[0] == "32" and harness("besmem", 910, 4, budget)[0] == "0"
+
+
 # ---- LU pivot order ---------------------------------------------------------------------------------
 def _scan_pivot(col, k):
     """csrc/cpu/lu.cpp getf2: p = k, best = |a_kk|; the first i > k with |a_ik| > best (NaN never)."""
