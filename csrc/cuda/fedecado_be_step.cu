@@ -183,17 +183,7 @@ __global__ void __launch_bounds__(256) be_step_kernel(const BeArgs p) {
   block_max_to_lte<A>(mc, me, p);
 }
 
-// Shared memory a block may use (opt-in limit of the current device) minus the static arrays.
-size_t smem_budget() {
-  static int optin = 0;
-  if (optin == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
-      optin = 48 * 1024;
-  }
-  return size_t(optin) - 1024;
-}
+size_t smem_budget() { return smem_optin(1024); }  // minus the static coefficient arrays
 
 template <typename T>
 cudaError_t launch(const BeArgs& p, cudaStream_t st) {

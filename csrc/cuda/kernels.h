@@ -39,8 +39,7 @@ cudaError_t upload(const void* host, size_t bytes, void* dev, cudaStream_t strea
 // rows: device int64 [k] or nullptr (all K rows, symmetric: only upper tiles are computed and G
 // is mirrored exactly). The d columns are split into parts (gram.cuh gm::plan, a function of the
 // shapes only; K > 16 runs on fp64 tensor cores); per-part tiles go to `workspace`
-// (gram_workspace_bytes) and are reduced over the
-// parts in index order.
+// (gram_workspace_bytes) and are reduced over the parts in a fixed order.
 size_t gram_workspace_bytes(int64_t k, int64_t K, int64_t d, bool symmetric);
 cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const int64_t* rows, int64_t k,
                  double* G, void* workspace, cudaStream_t stream);

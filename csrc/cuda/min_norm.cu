@@ -260,17 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Shared memory a block may use (opt-in limit of the current device) minus the static scratch.
-size_t smem_budget() {
-  static int optin = 0;
-  if (optin == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
-      optin = 48 * 1024;
-  }
-  return size_t(optin) - sizeof(Scratch) - 256;
-}
+size_t smem_budget() { return detail::smem_optin(sizeof(Scratch) + 256); }
 
 }  // namespace
 
