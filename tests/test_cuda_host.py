@@ -2,10 +2,13 @@
 
 The kernels in csrc/cuda/*.cu call ``__host__ __device__`` functions from csrc/cuda/*.cuh (index and
 column maths, vector/scalar tails, the accumulation-type rule, the NaN-safe LU pivot order, the
-permuted substitution of lu_solve, the arrowhead column solve). tests/cuda_host/harness.cpp compiles
-those headers with g++ (FK_HD defined away), emulates the kernels' thread grids around them, and
-these tests compare the result with the float64 reference (fedkernels.reference) and the CPU ops on
-small shapes and edge cases. What only a GPU run can check (shuffles, shared-memory barriers,
+permuted substitution of lu_solve, the arrowhead column solve, gram's plan / tile / DMMA-fragment
+maths and reduction orders, the min-norm line search and Frank-Wolfe steps, finite_rows' scan,
+fedecado_be_step's per-element update and its three storage paths). tests/cuda_host/harness.cpp
+compiles those headers with g++ (FK_HD defined away), emulates the kernels' thread grids around
+them, and these tests compare the result with the float64 reference (fedkernels.reference) and the
+CPU ops on small shapes and edge cases (and, where the device order is plain adds and explicit
+fmas, with a Python model of the documented order bit for bit). What only a GPU run can check (shuffles, shared-memory barriers,
 vector loads, launch configurations) is listed in each header.
 """
 from __future__ import annotations
