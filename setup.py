@@ -34,6 +34,10 @@ def _cxx_std() -> str:
 def _ext():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    # Headers (rebuild triggers; the sdist ships them through MANIFEST.in's `graft csrc`): csrc/checks.h
+    # (argument rules shared by the CPU kernels and the CUDA glue), csrc/cpu/common.h, csrc/cuda/*.h/.cuh.
+    depends = rel(glob.glob(os.path.join(ROOT, "csrc", "*.h")) + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h"))
+                  + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh")))
     cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast"]
     # A source build (make, pip install -e .) runs where it is built: tuned for this CPU. A wheel for
     # other machines: FEDKERNELS_MARCH=x86-64-v2 python -m build --no-isolation, a portable baseline
@@ -58,9 +62,9 @@ def _ext():
         return CUDAExtension("fedkernels._C", sources,
                              define_macros=macros + [("FEDKERNELS_WITH_CUDA", "1")],
                              extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-                             extra_link_args=link)
+                             extra_link_args=link, depends=depends)
     return CppExtension("fedkernels._C", sources, define_macros=macros,
-                        extra_compile_args={"cxx": cxx}, extra_link_args=link)
+                        extra_compile_args={"cxx": cxx}, extra_link_args=link, depends=depends)
 
 
 setup(ext_modules=[_ext()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})

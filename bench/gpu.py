@@ -381,6 +381,30 @@ def bench_lu(copy_gbs):
         free()
 
 
+# ---- fedecado_be_step -------------------------------------------------------------------------------
+def bench_be_step(copy_gbs):
+    """One fused FedECADO backward-Euler attempt (fedecado_be_step_out into reused buffers). K <= 32
+    keeps r_i / q_i in registers, larger K in per-thread shared-memory slots: every input element is
+    read once either way, so the floor is (3K + 3) d reads + (K + 1) d writes."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    for K in ((10, 40, 100) if is_cuda() and not QUICK else (4, 40)):
+        g = torch.Generator(device="cpu").manual_seed(K)
+        T = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
+        coefs = (T, 0.5 * T, 0.2 * torch.rand(K, generator=g, dtype=torch.float64))   # host per-client scalars
+        xc, xc0, S = (torch.randn(d, device=DEV) for _ in range(3))
+        Icur, U, Ik = (torch.randn(K, d, device=DEV) for _ in range(3))
+        xo, Io = torch.empty(d, device=DEV), torch.empty(K, d, device=DEV)
+        lte = torch.empty(2, dtype=torch.float64, device=DEV)
+        args = (xc, Icur, xc0, U, Ik, S) + coefs + (0.3, 1.7)
+        ms = time_fns([lambda: torch.ops.fedkernels.fedecado_be_step_out(*args, xo, Io, lte)], reps=10)
+        nb = ((3 * K + 3) + (K + 1)) * d * 4
+        record("fedecado_be_step", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, sizes={"K": K, "d": d},
+               extra={"path": "registers" if K <= 32 else "shared-memory slots",
+                      "target": "one read of every input element (>= 85% of copy bandwidth)"})
+        del xc, xc0, S, Icur, U, Ik, xo, Io
+        free()
+
+
 # ---- sanitizer subset ------------------------------------------------------------------------------
 def sanitize_subset() -> int:
     """Every CUDA op once on small shapes (vector and scalar paths, both LU kernels, K above the
@@ -405,12 +429,13 @@ def sanitize_subset() -> int:
             close(f"gram {dt} {K}x{d}", ops.gram(Ud), ops.gram(U), 1e-6)
             close(f"gram rows {dt}", ops.gram(Ud, rows=[0, K - 1]), ops.gram(U, rows=[0, K - 1]), 1e-6)
             close(f"finite_rows {dt}", ops.finite_rows(Ud), ops.finite_rows(U), 0)
-    G = rn(40, 20, dt=torch.float64)
-    G = G @ G.T + torch.eye(40, dtype=torch.float64)
-    for m in ("fw", "away", "pairwise"):
-        lam, _, _ = torch.ops.fedkernels.min_norm(G.to(dev), 2000, 1e-10, 1e-15, m, "best_pair", False, None)
-        lam_c, _, _ = torch.ops.fedkernels.min_norm(G, 2000, 1e-10, 1e-15, m, "best_pair", False, None)
-        close(f"min_norm {m}", lam @ G.to(dev) @ lam, lam_c @ G @ lam_c, 1e-6)
+    for N in (40, 200):   # G in shared memory / in global memory (N > 168 on sm_90)
+        G = rn(N, N // 2, dt=torch.float64)
+        G = G @ G.T / (N // 2) + torch.eye(N, dtype=torch.float64)
+        for m in ("fw", "away", "pairwise"):
+            lam, _, _ = torch.ops.fedkernels.min_norm(G.to(dev), 2000, 1e-10, 1e-15, m, "best_pair", False, None)
+            lam_c, _, _ = torch.ops.fedkernels.min_norm(G, 2000, 1e-10, 1e-15, m, "best_pair", False, None)
+            close(f"min_norm {m} N={N}", lam @ G.to(dev) @ lam, lam_c @ G @ lam_c, 1e-6)
     ts = [rn(8, 3, 3, 3), rn(16, 2000), rn(4, 9000), rn(10)]
     close("gc_project", torch.cat([t.reshape(-1) for t in ops.gc_project([t.to(dev) for t in ts], "center")]),
           torch.cat([t.reshape(-1) for t in ops.gc_project(ts, "center")]), 1e-5)
@@ -462,7 +487,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu (copy always runs)")
+                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu,be_step (copy always runs)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
     ap.add_argument("--sanitize-subset", action="store_true",
                     help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
@@ -483,7 +508,7 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu"}
+    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step"}
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -500,7 +525,7 @@ def main(argv=None):
     benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
                ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
                ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
-               ("lu", lambda: bench_lu(copy_gbs))]
+               ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs))]
     for name, fn in benches:
         if want(name):
             fn()

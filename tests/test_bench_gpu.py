@@ -30,7 +30,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     rows = doc["results"]
     ops = {r["op"] for r in rows}
     assert ops == {"copy", "weighted_sum", "gram", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
-                   "lu_factor", "lu_solve"}
+                   "lu_factor", "lu_solve", "fedecado_be_step"}
     for r in rows:
         assert r["ms"] > 0 and r["sizes"], r
         if "bytes_min" in r:

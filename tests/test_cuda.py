@@ -40,7 +40,8 @@ def _randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:
 
 
 # ---- gram -----------------------------------------------------------------------------------------
-GRAM_SHAPES = [(1, 1), (2, 3), (3, 7), (10, 4099), (16, 1000), (17, 513), (33, 2000), (70, 1031)]
+# K <= 16: path R; K > 16: fp64 tensor cores (one diagonal block up to K = 128, off-diagonal blocks above)
+GRAM_SHAPES = [(1, 1), (2, 3), (3, 7), (10, 4099), (16, 1000), (17, 513), (33, 2000), (70, 1031), (130, 777)]
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -308,7 +309,8 @@ def _be_inputs(K, d, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("K,d", [(1, 1), (3, 1000), (5, 4099), (16, 777), (32, 2049), (33, 513), (70, 300)])
+# K <= 32: registers; above: per-thread shared-memory slots; K = 500 in fp64: the recomputing pass
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 1000), (5, 4099), (16, 777), (32, 2049), (33, 513), (70, 300), (500, 65)])
 def test_be_step_matches_reference_and_cpu(K, d, dtype):
     args = _be_inputs(K, d, dtype, seed=K * 31 + d)
     xn, In, lte = ops.fedecado_be_step(*args)

@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "../checks.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -60,13 +62,6 @@ inline std::vector<int64_t> row_list(const c10::optional<at::Tensor>& rows, int6
   for (int64_t x : r)
     TORCH_CHECK(x >= 0 && x < K, op, ": rows entry ", x, " out of range [0, ", K, ")");
   return r;
-}
-
-// A 2-D matrix accepted by streaming kernels: unit stride along columns, any row stride.
-inline void check_rowmajor(const at::Tensor& U, const char* op, const char* name) {
-  TORCH_CHECK(U.dim() == 2, op, ": ", name, " must be 2-D [K, d], got ", U.dim(), "-D");
-  TORCH_CHECK(U.size(1) <= 1 || U.stride(1) == 1, op, ": ", name,
-              " must have unit column stride (the Python wrapper makes it so)");
 }
 
 }  // namespace fedkernels

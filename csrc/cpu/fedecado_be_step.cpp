@@ -33,10 +33,7 @@
 namespace fedkernels {
 namespace {
 
-struct BeCoefs {
-  std::vector<double> thn, dth, ig, inv_a;
-  double c = 0, dt = 0, inv_den = 1;
-};
+using checks::BeCoefs;
 
 // |v| with NaN -> +inf (branch-free select: vectorises).
 inline double abs_nan_inf(double v) {
@@ -113,74 +110,16 @@ void be_chunk(const BeCoefs& cf, int64_t K, const T* __restrict__ xc, const T* I
   max_e = std::max(max_e, me);
 }
 
-void check_vec(const at::Tensor& v, int64_t d, at::ScalarType st, const char* name) {
-  TORCH_CHECK(v.dim() == 1 && v.size(0) == d, "fedecado_be_step: ", name, " must be 1-D of length d = ", d,
-              ", got shape ", v.sizes());
-  TORCH_CHECK(v.scalar_type() == st, "fedecado_be_step: ", name, " must have dtype ", st, " (the dtype of U), got ",
-              v.scalar_type());
-  TORCH_CHECK(v.device().is_cpu(), "fedecado_be_step: ", name, " must be on the CPU, got ", v.device());
-}
-
-void check_mat(const at::Tensor& m, int64_t K, int64_t d, at::ScalarType st, const char* name) {
-  check_rowmajor(m, "fedecado_be_step", name);
-  TORCH_CHECK(m.size(0) == K && m.size(1) == d, "fedecado_be_step: ", name, " must be [K, d] = [", K, ", ", d,
-              "], got ", m.sizes());
-  TORCH_CHECK(m.scalar_type() == st, "fedecado_be_step: ", name, " must have dtype ", st, ", got ", m.scalar_type());
-  TORCH_CHECK(m.device().is_cpu(), "fedecado_be_step: ", name, " must be on the CPU, got ", m.device());
-}
-
-BeCoefs make_coefs(const at::Tensor& thn, const at::Tensor& tho, const at::Tensor& inv_g, int64_t K, double dt,
-                   double L) {
-  TORCH_CHECK(std::isfinite(dt) && dt > 0, "fedecado_be_step: dt must be finite and > 0, got ", dt);
-  TORCH_CHECK(std::isfinite(L) && L > 0, "fedecado_be_step: L must be finite and > 0, got ", L);
-  for (auto* p : {&thn, &tho, &inv_g})
-    TORCH_CHECK(p->dim() == 1 && p->size(0) == K && p->is_floating_point() && p->device().is_cpu(),
-                "fedecado_be_step: theta_new, theta_old and inv_g must be 1-D float CPU tensors of length K = ", K,
-                ", got shape ", p->sizes(), " on ", p->device());
-  BeCoefs cf;
-  cf.thn = to_double_vector(thn);
-  auto to = to_double_vector(tho);
-  cf.ig = to_double_vector(inv_g);
-  cf.c = dt / L;
-  cf.dt = dt;
-  cf.dth.resize(K);
-  cf.inv_a.resize(K);
-  double s = 0.0;
-  for (int64_t i = 0; i < K; ++i) {
-    TORCH_CHECK(std::isfinite(cf.thn[i]) && std::isfinite(to[i]), "fedecado_be_step: theta_new[", i, "] = ", cf.thn[i],
-                " and theta_old[", i, "] = ", to[i], " must be finite");
-    TORCH_CHECK(std::isfinite(cf.ig[i]) && cf.ig[i] >= 0, "fedecado_be_step: inv_g[", i, "] = ", cf.ig[i],
-                " must be finite and >= 0");
-    cf.dth[i] = cf.thn[i] - to[i];
-    cf.inv_a[i] = 1.0 / (1.0 + cf.c * cf.ig[i]);
-    s += cf.inv_a[i];
-  }
-  cf.inv_den = 1.0 / (1.0 + dt * cf.c * s);
-  return cf;
-}
-
 void be_step_out_cpu(const at::Tensor& xc, const at::Tensor& Icur, const at::Tensor& xc0, const at::Tensor& U,
                      const at::Tensor& Ik, const c10::optional<at::Tensor>& S_off, const at::Tensor& theta_new,
                      const at::Tensor& theta_old, const at::Tensor& inv_g, double dt, double L, at::Tensor xc_out,
                      at::Tensor I_out, at::Tensor lte) {
-  check_rowmajor(U, "fedecado_be_step", "U");
+  checks::be_step_args(xc, Icur, xc0, U, Ik, S_off, xc_out, I_out, lte, at::kCPU);
   const int64_t K = U.size(0), d = U.size(1);
   const auto st = U.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble, "fedecado_be_step: U must be float32 or float64, got ", st);
-  TORCH_CHECK(U.device().is_cpu(), "fedecado_be_step: U must be on the CPU, got ", U.device());
-  check_mat(Icur, K, d, st, "Icur");
-  check_mat(Ik, K, d, st, "Ik");
-  check_vec(xc, d, st, "xc");
-  check_vec(xc0, d, st, "xc0");
-  if (S_off.has_value()) check_vec(*S_off, d, st, "S_off");
-  check_vec(xc_out, d, st, "xc_out");
-  check_mat(I_out, K, d, st, "I_out");
-  TORCH_CHECK(xc_out.is_contiguous() && I_out.is_contiguous(), "fedecado_be_step: xc_out and I_out must be contiguous");
-  TORCH_CHECK(lte.dim() == 1 && lte.size(0) == 2 && lte.scalar_type() == at::kDouble && lte.device().is_cpu() &&
-                  lte.is_contiguous(),
-              "fedecado_be_step: lte must be a contiguous float64 CPU tensor of shape [2], got ", lte.sizes(), " ",
-              lte.scalar_type());
-  const BeCoefs cf = make_coefs(theta_new, theta_old, inv_g, K, dt, L);
+  for (const at::Tensor* t : {&theta_new, &theta_old, &inv_g})
+    checks::on_device(*t, at::kCPU, "fedecado_be_step", "theta_new/theta_old/inv_g");
+  const BeCoefs cf = checks::be_step_coefs(theta_new, theta_old, inv_g, K, dt, L);
   auto xcc = xc.contiguous(), xc0c = xc0.contiguous();
   at::Tensor Sc;
   if (S_off.has_value()) Sc = S_off->contiguous();
@@ -233,12 +172,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> be_step_cpu(const at::Tensor& xc,
                                                            const at::Tensor& Ik, const c10::optional<at::Tensor>& S_off,
                                                            const at::Tensor& theta_new, const at::Tensor& theta_old,
                                                            const at::Tensor& inv_g, double dt, double L) {
-  TORCH_CHECK(U.dim() == 2, "fedecado_be_step: U must be 2-D [K, d], got ", U.dim(), "-D");
-  auto xo = at::empty({U.size(1)}, U.options());
-  auto Io = at::empty({U.size(0), U.size(1)}, U.options());
-  auto lte = at::empty({2}, U.options().dtype(at::kDouble));
-  be_step_out_cpu(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, xo, Io, lte);
-  return {xo, Io, lte};
+  auto outs = checks::be_step_outputs(U);
+  be_step_out_cpu(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, std::get<0>(outs), std::get<1>(outs),
+                  std::get<2>(outs));
+  return outs;
 }
 
 }  // namespace

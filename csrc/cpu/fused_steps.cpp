@@ -123,35 +123,14 @@ void run_item(const StepJob& jb, int64_t r0, int64_t r1, const StepArgs& a) {
   }
 }
 
-void check_like(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
-  TORCH_CHECK(t.defined(), "fused_sgd_step_: ", name, "[", i, "] is undefined");
-  TORCH_CHECK(t.sizes() == p.sizes(), "fused_sgd_step_: ", name, "[", i, "] has shape ", t.sizes(),
-              ", expected the shape of params[", i, "] ", p.sizes());
-  TORCH_CHECK(t.scalar_type() == p.scalar_type(), "fused_sgd_step_: ", name, "[", i, "] has dtype ", t.scalar_type(),
-              ", expected ", p.scalar_type());
-  TORCH_CHECK(t.device().is_cpu(), "fused_sgd_step_: ", name, "[", i, "] must be on cpu");
-  TORCH_CHECK(t.is_contiguous(), "fused_sgd_step_: ", name, "[", i, "] must be contiguous");
-}
-
 void fused_sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_bufs,
                         const c10::List<c10::optional<at::Tensor>>& c_add,
                         const c10::List<c10::optional<at::Tensor>>& c_sub, const c10::List<bool>& gc_mask, double lr,
                         double momentum, double weight_decay, bool first_step, c10::string_view vector_policy,
                         int64_t min_fanin) {
+  checks::fused_step_args(params, grads, momentum_bufs, c_add, c_sub, gc_mask, momentum, vector_policy, min_fanin);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n, "fused_sgd_step_: grads has ", grads.size(), " tensors, expected ", n);
   const bool mom = momentum != 0.0;
-  TORCH_CHECK(!mom || momentum_bufs.size() == n, "fused_sgd_step_: momentum_bufs has ", momentum_bufs.size(),
-              " tensors, expected ", n, " (momentum != 0)");
-  TORCH_CHECK(c_add.size() == 0 || c_add.size() == n, "fused_sgd_step_: c_add has ", c_add.size(),
-              " entries, expected 0 or ", n);
-  TORCH_CHECK(c_sub.size() == 0 || c_sub.size() == n, "fused_sgd_step_: c_sub has ", c_sub.size(),
-              " entries, expected 0 or ", n);
-  TORCH_CHECK(gc_mask.size() == 0 || gc_mask.size() == n, "fused_sgd_step_: gc_mask has ", gc_mask.size(),
-              " entries, expected 0 or ", n);
-  TORCH_CHECK(vector_policy == "skip" || vector_policy == "center",
-              "fused_sgd_step_: vector_policy must be 'skip' or 'center', got '", std::string(vector_policy), "'");
-  TORCH_CHECK(min_fanin >= 1, "fused_sgd_step_: min_fanin must be >= 1, got ", min_fanin);
   const bool center = vector_policy == "center";
 
   std::vector<StepJob> jobs;
@@ -159,31 +138,16 @@ void fused_sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     const auto& p = params[i];
-    TORCH_CHECK(p.defined() && p.device().is_cpu() && p.is_contiguous(), "fused_sgd_step_: params[", i,
-                "] must be a contiguous cpu tensor");
+    checks::fused_param(p, i, at::kCPU);
     const auto st = p.scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-                "fused_sgd_step_: params[", i, "] must be float16, bfloat16, float32 or float64, got ", st);
-    check_like(grads[i], p, "grads", i);
+    checks::fused_like(grads[i], p, "grads", i);
     StepJob jb{p.data_ptr(), grads[i].data_ptr(), nullptr, nullptr, nullptr, 1, p.numel(), false, st};
     if (mom) {
-      check_like(momentum_bufs[i], p, "momentum_bufs", i);
+      checks::fused_like(momentum_bufs[i], p, "momentum_bufs", i);
       jb.buf = momentum_bufs[i].data_ptr();
     }
-    if (c_add.size()) {
-      c10::optional<at::Tensor> c = c_add.get(i);
-      if (c.has_value() && c->defined()) {
-        check_like(*c, p, "c_add", i);
-        jb.cadd = c->data_ptr();
-      }
-    }
-    if (c_sub.size()) {
-      c10::optional<at::Tensor> c = c_sub.get(i);
-      if (c.has_value() && c->defined()) {
-        check_like(*c, p, "c_sub", i);
-        jb.csub = c->data_ptr();
-      }
-    }
+    if (auto c = checks::fused_control(c_add, i, p, "c_add")) jb.cadd = c->data_ptr();
+    if (auto c = checks::fused_control(c_sub, i, p, "c_sub")) jb.csub = c->data_ptr();
     if (gc_mask.size() && gc_mask.get(i) && p.dim() >= 1 && p.numel() > 0 && (p.dim() >= 2 || center)) {
       const int64_t rows = p.dim() == 1 ? 1 : p.size(0);
       const int64_t M = p.numel() / rows;

@@ -106,52 +106,15 @@ void run_jobs(const std::vector<Job>& jobs) {
   });
 }
 
-void check_args(const at::TensorList tensors, c10::string_view policy, int64_t min_fanin, bool& center) {
-  TORCH_CHECK(policy == "skip" || policy == "center", "gc_project: vector_policy must be 'skip' or 'center', got '",
-              std::string(policy), "'");
-  TORCH_CHECK(min_fanin >= 1, "gc_project: min_fanin must be >= 1, got ", min_fanin);
-  center = policy == "center";
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    TORCH_CHECK(t.defined(), "gc_project: tensors[", i, "] is undefined");
-    TORCH_CHECK(t.device().is_cpu(), "gc_project: tensors[", i, "] is on ", t.device(), ", expected cpu");
-    const auto st = t.scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16, "gc_project: tensors[",
-                i, "] must be float16, bfloat16, float32 or float64, got ", st);
-  }
-}
-
-// Rows and row length under the policy; false when the tensor is left unchanged.
-bool row_shape(const at::Tensor& t, bool center, int64_t min_fanin, int64_t& rows, int64_t& M) {
-  if (t.dim() == 0 || t.numel() == 0) return false;
-  if (t.dim() == 1) {
-    if (!center) return false;
-    rows = 1;
-    M = t.numel();
-  } else {
-    rows = t.size(0);
-    M = t.numel() / rows;
-  }
-  return M >= min_fanin;
-}
-
-// True when row r of t is the dense span [data + r*M, data + (r+1)*M).
-bool rows_dense(const at::Tensor& t, int64_t rows, int64_t M) {
-  if (t.is_contiguous()) return true;
-  if (!t.is_non_overlapping_and_dense()) return false;
-  return rows == 1 || t.stride(0) == M;
-}
-
 void gc_project_inplace_cpu(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  bool center = false;
-  check_args(tensors, vector_policy, min_fanin, center);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, at::kCPU);
   std::vector<Job> jobs;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (target, contiguous work copy)
   jobs.reserve(tensors.size());
   for (const auto& t : tensors) {
     int64_t rows = 0, M = 0;
-    if (!row_shape(t, center, min_fanin, rows, M)) continue;
-    if (rows_dense(t, rows, M)) {
+    if (!checks::gc_row_shape(t, center, min_fanin, rows, M)) continue;
+    if (checks::gc_rows_dense(t, rows, M)) {
       jobs.push_back({t.data_ptr(), t.data_ptr(), rows, M, t.scalar_type()});
     } else {
       auto c = t.contiguous();
@@ -164,8 +127,7 @@ void gc_project_inplace_cpu(at::TensorList tensors, c10::string_view vector_poli
 }
 
 std::vector<at::Tensor> gc_project_cpu(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  bool center = false;
-  check_args(tensors, vector_policy, min_fanin, center);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, at::kCPU);
   std::vector<at::Tensor> outs;
   outs.reserve(tensors.size());
   std::vector<Job> jobs;
@@ -175,11 +137,11 @@ std::vector<at::Tensor> gc_project_cpu(at::TensorList tensors, c10::string_view 
     at::Tensor out = at::empty_like(t);  // same layout as t for dense t (what the fake kernel returns)
     outs.push_back(out);
     int64_t rows = 0, M = 0;
-    if (!row_shape(t, center, min_fanin, rows, M)) {
+    if (!checks::gc_row_shape(t, center, min_fanin, rows, M)) {
       out.copy_(t);
       continue;
     }
-    if (rows_dense(t, rows, M) && out.strides() == t.strides()) {
+    if (checks::gc_rows_dense(t, rows, M) && out.strides() == t.strides()) {
       jobs.push_back({t.data_ptr(), out.data_ptr(), rows, M, t.scalar_type()});
       continue;
     }

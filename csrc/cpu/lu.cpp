@@ -57,12 +57,7 @@ void getf2(T* a, int64_t n, int32_t* piv, int32_t* info) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lu_factor_cpu(const at::Tensor& A) {
-  TORCH_CHECK(A.dim() == 2 || A.dim() == 3, "lu_factor: A must be [n, n] or [B, n, n], got shape ", A.sizes());
-  const int64_t n = A.size(-1);
-  TORCH_CHECK(A.size(-2) == n, "lu_factor: A must be square, got shape ", A.sizes());
-  TORCH_CHECK(n >= 1 && n <= 64, "lu_factor: n must be in [1, 64] (small systems), got ", n);
-  TORCH_CHECK(A.scalar_type() == at::kFloat || A.scalar_type() == at::kDouble,
-              "lu_factor: A must be float32 or float64, got ", A.scalar_type());
+  const int64_t n = checks::lu_factor_args(A);
   const bool batched = A.dim() == 3;
   const int64_t B = batched ? A.size(0) : 1;
   auto LU = A.contiguous().clone();
@@ -157,24 +152,14 @@ at::Tensor lu_solve_cpu(const at::Tensor& LU, const at::Tensor& piv, const at::T
 }
 
 void lu_solve_out_cpu(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor& R, at::Tensor out) {
-  TORCH_CHECK(out.sizes() == R.sizes() && out.scalar_type() == R.scalar_type() && out.is_contiguous(),
-              "lu_solve_out: out must be a contiguous tensor of R's shape and dtype");
+  checks::lu_solve_out_args(out, R);
   lu_solve_into(LU, piv, R, out);
 }
 
 void lu_solve_into(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor& R, at::Tensor& X) {
-  TORCH_CHECK(LU.dim() == 2 || LU.dim() == 3, "lu_solve: LU must be [n, n] or [B, n, n], got ", LU.sizes());
-  const bool batched = LU.dim() == 3;
-  const int64_t n = LU.size(-1), B = batched ? LU.size(0) : 1;
-  TORCH_CHECK(LU.size(-2) == n, "lu_solve: LU must be square, got ", LU.sizes());
-  TORCH_CHECK(R.dim() == LU.dim() && R.size(-2) == n && (!batched || R.size(0) == B),
-              "lu_solve: R must be [n, m] (or [B, n, m] for batched LU) with n = ", n, ", got ", R.sizes());
-  TORCH_CHECK(piv.dim() == LU.dim() - 1 && piv.size(-1) == n && (!batched || piv.size(0) == B),
-              "lu_solve: pivots must be [n] (or [B, n]), got ", piv.sizes());
-  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
-              "lu_solve: R must be float32 or float64, got ", R.scalar_type());
-  TORCH_CHECK(R.size(-1) <= 1 || R.stride(-1) == 1, "lu_solve: R must have unit column stride");
-  const int64_t m = R.size(-1);
+  const checks::LuSolveShape sh = checks::lu_solve_args(LU, piv, R);
+  const bool batched = sh.batched;
+  const int64_t n = sh.n, B = sh.B, m = sh.m;
   if (m == 0) return;
   auto lu64 = LU.to(at::kDouble).contiguous();
   auto p32 = piv.to(at::kInt).contiguous();
@@ -228,27 +213,10 @@ void lu_solve_into(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor
 
 std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                                                        double alpha, const at::Tensor& r0, const at::Tensor& R) {
-  TORCH_CHECK(R.dim() == 2, "arrowhead_solve: R must be [K, m], got ", R.sizes());
+  const checks::Arrowhead h = checks::arrowhead_args(a, b, c, alpha, r0, R);
   const int64_t K = R.size(0), m = R.size(1);
-  TORCH_CHECK(a.dim() == 1 && a.size(0) == K && b.dim() == 1 && b.size(0) == K && c.dim() == 1 && c.size(0) == K,
-              "arrowhead_solve: a, b, c must be 1-D of length K = ", K);
-  TORCH_CHECK(r0.dim() == 1 && r0.size(0) == m, "arrowhead_solve: r0 must be [m] with m = ", m, ", got ", r0.sizes());
-  TORCH_CHECK(r0.scalar_type() == R.scalar_type(), "arrowhead_solve: r0 and R must have the same dtype");
-  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
-              "arrowhead_solve: R must be float32 or float64, got ", R.scalar_type());
-  TORCH_CHECK(m <= 1 || R.stride(1) == 1, "arrowhead_solve: R must have unit column stride");
-  auto av = to_double_vector(a), bv = to_double_vector(b), cv = to_double_vector(c);
-  std::vector<double> ba(K), inv_a(K);
-  double den = alpha;
-  for (int64_t i = 0; i < K; ++i) {
-    TORCH_CHECK(av[i] != 0.0 && std::isfinite(av[i]), "arrowhead_solve: a[", i, "] = ", av[i],
-                " must be finite and nonzero");
-    inv_a[i] = 1.0 / av[i];
-    ba[i] = bv[i] / av[i];
-    den -= bv[i] * cv[i] / av[i];
-  }
-  TORCH_CHECK(den != 0.0 && std::isfinite(den), "arrowhead_solve: singular system (Schur complement ", den, ")");
-  const double inv_den = 1.0 / den;
+  const std::vector<double>&ba = h.ba, &cv = h.c, &inv_a = h.inv_a;
+  const double inv_den = 1.0 / h.den;
   auto x = at::empty({m}, R.options());
   auto I = at::empty({K, m}, R.options());
   auto r0c = r0.contiguous();

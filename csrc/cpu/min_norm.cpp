@@ -296,17 +296,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
                                                             double tol_abs, c10::string_view method_sv,
                                                             c10::string_view init_sv, bool use_polish,
                                                             const c10::optional<at::Tensor>& lam0) {
-  TORCH_CHECK(Gin.dim() == 2 && Gin.size(0) == Gin.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
-              Gin.sizes());
-  TORCH_CHECK(at::isFloatingType(Gin.scalar_type()), "min_norm: G must have a floating dtype, got ", Gin.scalar_type());
-  const int64_t K = Gin.size(0);
-  TORCH_CHECK(K >= 1, "min_norm: G must be at least 1 x 1");
-  TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
-  TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
+  const int64_t K = checks::min_norm_args(Gin, max_iter, tol_rel, tol_abs, init_sv, lam0);
   const Method method = parse_method(std::string(method_sv));
   const std::string init(init_sv);
-  TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",
-              init, "'");
 
   auto G64 = Gin.to(at::kDouble).contiguous();
   const double* gp = G64.data_ptr<double>();
@@ -326,8 +318,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
     s.lam[0] = 1.0;
   } else {
     if (lam0.has_value()) {  // warm start: lam0 >= 0 with a positive sum, normalised here
-      TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
-                  ", got shape ", lam0->sizes());
       auto l64 = lam0->to(at::kDouble).contiguous();
       const double* lp = l64.data_ptr<double>();
       double sum = 0.0;

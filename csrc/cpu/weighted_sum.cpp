@@ -94,24 +94,11 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
   });
 }
 
-void check_args(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-                const std::vector<int64_t>& rows, const at::Tensor& out) {
-  check_rowmajor(U, "weighted_sum", "U");
-  TORCH_CHECK(coef.dim() == 1 && coef.numel() == (int64_t)rows.size(), "weighted_sum: coef must be 1-D of length ",
-              rows.size(), " (one per selected row), got shape ", coef.sizes());
-  TORCH_CHECK(out.dim() == 1 && out.size(0) == U.size(1) && out.is_contiguous() && out.scalar_type() == U.scalar_type(),
-              "weighted_sum: out must be a contiguous 1-D tensor of length ", U.size(1), " and dtype ", U.scalar_type());
-  if (base.has_value())
-    TORCH_CHECK(base->dim() == 1 && base->size(0) == U.size(1) && base->is_contiguous() &&
-                    base->scalar_type() == U.scalar_type(),
-                "weighted_sum: base must be a contiguous 1-D tensor of length ", U.size(1), " and dtype ",
-                U.scalar_type());
-}
-
 void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                           double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
   auto r = row_list(rows, U.dim() == 2 ? U.size(0) : 0, "weighted_sum");
-  check_args(U, coef, base, r, out);
+  checks::weighted_sum_args(U, coef, (int64_t)r.size(), base, out, at::kCPU);
+  checks::on_device(coef, at::kCPU, "weighted_sum", "coef");
   if (U.size(1) == 0) return;
   auto cv = to_double_vector(coef);
   const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
@@ -127,8 +114,7 @@ void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10
 
 at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                             double alpha, const c10::optional<at::Tensor>& rows) {
-  TORCH_CHECK(U.dim() == 2, "weighted_sum: U must be 2-D [K, d], got ", U.dim(), "-D");
-  auto out = at::empty({U.size(1)}, U.options());
+  auto out = checks::weighted_sum_output(U);
   weighted_sum_out_cpu(U, coef, base, alpha, rows, out);
   return out;
 }

@@ -85,6 +85,19 @@ inline int num_sms() {
   return sms;
 }
 
+// Shared memory one block may opt in to on the current device (cudaFuncAttributeMaxDynamicSharedMemorySize
+// limit), minus `reserve` bytes for the kernel's static shared arrays.
+inline size_t smem_optin(size_t reserve) {
+  static int optin = 0;
+  if (optin == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
+      optin = 48 * 1024;
+  }
+  return size_t(optin) > reserve ? size_t(optin) - reserve : 0;
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace fedkernels

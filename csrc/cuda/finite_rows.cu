@@ -3,9 +3,12 @@
 // ok is first set to true (memset); a 1-D grid of (row, chunk) blocks scans 16-byte vectors (or
 // single elements when unaligned) and a block that finds a NaN/Inf writes ok[k] = false. Every
 // writer writes the same value, so the result needs no atomics and is deterministic.
-// Verification: no per-thread logic is host-tested (a plain scan); tests/test_cuda.py on a GPU
-// checks it (NaN/Inf positions, unaligned views), compute-sanitizer (bench/gpu.sh) the bounds.
+// Host-tested (finite_rows.cuh, tests/test_cuda_host.py): the block split, the path choice, the
+// column of every thread on both paths (each column exactly once, tails, misaligned rows) and the
+// NaN/Inf test. Only a GPU run checks (tests/test_cuda.py, compute-sanitizer in bench/gpu.sh): the
+// 16-byte loads, __syncthreads_or and the launch.
 #include "common.cuh"
+#include "finite_rows.cuh"
 
 namespace fedkernels {
 namespace cuda {
@@ -13,34 +16,31 @@ namespace {
 
 using namespace detail;
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-
-template <typename A> __device__ __forceinline__ bool bad(A x) { return !isfinite(x); }
+using fr::kThreads;
+using fr::kUnroll;
 
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads)
     finite_kernel(const T* __restrict__ U, int64_t d, int64_t ld, int64_t nch, bool* __restrict__ ok) {
   using A = typename Acc<T>::type;
   constexpr int V = Vec16<T>::n;
-  constexpr int64_t kChunk = (int64_t)kThreads * V * kUnroll;
-  const int64_t t = blockIdx.x;
-  const int64_t row = t / nch, j0 = (t % nch) * kChunk;
+  int64_t row, j0;
+  fr::block_span(blockIdx.x, nch, V, row, j0);
   const T* p = U + row * ld;
   bool any = false;
-  if (VEC && j0 + kChunk <= d) {
+  if (VEC && fr::full_chunk(j0, d, V)) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       A x[V];
-      load16<T, A>(p + j0 + ((int64_t)u * kThreads + threadIdx.x) * V, x);
+      load16<T, A>(p + fr::vec_col(j0, u, threadIdx.x, V, 0), x);
 #pragma unroll
-      for (int e = 0; e < V; ++e) any |= bad(x[e]);
+      for (int e = 0; e < V; ++e) any |= fr::bad(x[e]);
     }
   } else {
 #pragma unroll 4
     for (int64_t s = 0; s < (int64_t)V * kUnroll; ++s) {
-      const int64_t j = j0 + s * kThreads + threadIdx.x;
-      if (j < d) any |= bad(static_cast<A>(to_float(__ldg(p + j))));
+      const int64_t j = fr::scalar_col(j0, s, threadIdx.x);
+      if (j < d) any |= fr::bad(static_cast<A>(to_float(__ldg(p + j))));
     }
   }
   if (__syncthreads_or(any) && threadIdx.x == 0) ok[row] = false;
@@ -55,12 +55,11 @@ cudaError_t finite_rows(const void* U, DType dt, int64_t K, int64_t d, int64_t l
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = Vec16<T>::n;
-    constexpr int64_t kChunk = (int64_t)kThreads * V * kUnroll;
     const T* u = static_cast<const T*>(U);
-    const int64_t nch = (d + kChunk - 1) / kChunk;
+    const int64_t nch = fr::num_chunks(d, V);
     const int64_t blocks = K * nch;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    const bool vec = aligned16(u) && ((ld * (int64_t)sizeof(T)) % 16 == 0 || K <= 1);
+    const bool vec = fr::vec_ok(reinterpret_cast<uintptr_t>(u), ld * (int64_t)sizeof(T), K);
     if (vec)
       finite_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, d, ld, nch, ok);
     else

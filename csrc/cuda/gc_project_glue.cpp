@@ -19,35 +19,8 @@ using namespace glue;
 // Same rules as csrc/cpu/gc_project.cpp: dim >= 2 -> rows = size(0), M = numel / rows; 1-D ->
 // one row with "center", unchanged with "skip"; 0-D, empty and M < min_fanin unchanged. Tensors
 // whose rows are not dense spans go through a contiguous copy. One launch per dtype.
-bool row_shape(const at::Tensor& t, bool center, int64_t min_fanin, int64_t& rows, int64_t& M) {
-  if (t.dim() == 0 || t.numel() == 0) return false;
-  if (t.dim() == 1) {
-    if (!center) return false;
-    rows = 1;
-    M = t.numel();
-  } else {
-    rows = t.size(0);
-    M = t.numel() / rows;
-  }
-  return M >= min_fanin;
-}
-
-bool rows_dense(const at::Tensor& t, int64_t rows, int64_t M) {
-  if (t.is_contiguous()) return true;
-  if (!t.is_non_overlapping_and_dense()) return false;
-  return rows == 1 || t.stride(0) == M;
-}
-
 bool check_gc_args(at::TensorList tensors, c10::string_view policy, int64_t min_fanin) {
-  TORCH_CHECK(policy == "skip" || policy == "center", "gc_project: vector_policy must be 'skip' or 'center', got '",
-              std::string(policy), "'");
-  TORCH_CHECK(min_fanin >= 1, "gc_project: min_fanin must be >= 1, got ", min_fanin);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tensors[i].is_cuda() && tensors[i].device() == tensors[0].device(), "gc_project: tensors[", i,
-                "] must be on ", tensors[0].device(), ", got ", tensors[i].device());
-    to_dtype(tensors[i].scalar_type(), "gc_project", "tensors");
-  }
-  return policy == "center";
+  return checks::gc_args(tensors, policy, min_fanin, tensors.empty() ? c10::Device(at::kCPU) : tensors[0].device());
 }
 
 // Launches the planned jobs: one work table and one launch per dtype.
@@ -75,9 +48,9 @@ void gc_project_inplace_cuda(at::TensorList tensors, c10::string_view vector_pol
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (target, contiguous work copy)
   for (const auto& t : tensors) {
     int64_t rows = 0, M = 0;
-    if (!row_shape(t, center, min_fanin, rows, M)) continue;
+    if (!checks::gc_row_shape(t, center, min_fanin, rows, M)) continue;
     const auto dt = to_dtype(t.scalar_type(), "gc_project_", "tensors");
-    if (rows_dense(t, rows, M)) {
+    if (checks::gc_rows_dense(t, rows, M)) {
       jobs.push_back({dt, fk::GcTensor{t.data_ptr(), t.data_ptr(), rows, M, 0, 0, 0}});
     } else {
       auto c = t.contiguous();
@@ -101,12 +74,12 @@ std::vector<at::Tensor> gc_project_cuda(at::TensorList tensors, c10::string_view
     at::Tensor out = at::empty_like(t);
     outs.push_back(out);
     int64_t rows = 0, M = 0;
-    if (!row_shape(t, center, min_fanin, rows, M)) {
+    if (!checks::gc_row_shape(t, center, min_fanin, rows, M)) {
       out.copy_(t);
       continue;
     }
     const auto dt = to_dtype(t.scalar_type(), "gc_project", "tensors");
-    if (rows_dense(t, rows, M) && out.strides() == t.strides()) {
+    if (checks::gc_rows_dense(t, rows, M) && out.strides() == t.strides()) {
       jobs.push_back({dt, fk::GcTensor{out.data_ptr(), t.data_ptr(), rows, M, 0, 0, 0}});
       continue;
     }

@@ -9,7 +9,9 @@
 //
 // Division of work: the Python wrappers (fedkernels.ops) validate values and name the argument;
 // the glue keeps cheap TORCH_CHECKs (shapes, dtypes, devices, host-resident indices) as a last line
-// of defence and never synchronises the host. Small per-client vectors (coef, rows, FedECADO's
+// of defence, written once for both backends in csrc/checks.h, and never synchronises the host
+// (small vectors given on the device are read with checks::host_doubles: a device-to-host copy;
+// the Python wrappers pass them on the host). Small per-client vectors (coef, rows, FedECADO's
 // per-client scalars) may come as host (CPU) tensors or as tensors on the op's device; host ones
 // reach the device through fedkernels::cuda::upload (kernel arguments: stream-ordered and safe
 // under CUDA-graph capture, no pinned table).
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../checks.h"
 #include "kernels.h"
 
 namespace fedkernels {
@@ -55,9 +58,9 @@ inline void check_host_or_device(const at::Tensor& t, const at::Tensor& like, co
               like.device(), ", got ", t.device());
 }
 
+// checks.h's rule plus non-overlapping rows (the vector paths read whole rows).
 inline void check_rowmajor(const at::Tensor& U, const char* op) {
-  TORCH_CHECK(U.dim() == 2, op, ": U must be 2-D [K, d], got ", U.dim(), "-D");
-  TORCH_CHECK(U.size(1) <= 1 || U.stride(1) == 1, op, ": U must have unit column stride (the Python wrapper makes it so)");
+  fedkernels::check_rowmajor(U, op, "U");
   TORCH_CHECK(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": U rows must not overlap");
 }
 
@@ -96,15 +99,6 @@ inline at::Tensor rows_to_device(const at::Tensor& rows, const at::Tensor& U, co
       TORCH_CHECK(p[i] >= 0 && p[i] < K, op, ": rows[", i, "] = ", p[i], " out of range [0, ", K, ")");
   }
   return small_to_device(rows, at::kLong, U.device());
-}
-
-// A host or device small float vector read as float64 on the host (values needed for host-side
-// checks or coefficients). Device tensors cost a device-to-host copy (a sync): the Python
-// wrappers pass these vectors on the host.
-inline std::vector<double> small_to_host(const at::Tensor& t) {
-  auto h = t.to(at::kCPU, at::kDouble).contiguous();
-  const double* p = h.data_ptr<double>();
-  return std::vector<double>(p, p + h.numel());
 }
 
 }  // namespace glue

@@ -37,10 +37,9 @@ cudaError_t upload(const void* host, size_t bytes, void* dev, cudaStream_t strea
 
 // ---- gram: G[k, K] = U[rows] @ U^T, exact float64 products and float64 accumulation ----------
 // rows: device int64 [k] or nullptr (all K rows, symmetric: only upper tiles are computed and G
-// is mirrored exactly). The d columns are split into `gram_parts(...)` parts (a function of the
-// shapes only); per-part tiles go to `workspace` (gram_workspace_bytes) and are reduced over the
-// parts in index order.
-int64_t gram_parts(int64_t k, int64_t K, int64_t d, bool symmetric);
+// is mirrored exactly). The d columns are split into parts (gram.cuh gm::plan, a function of the
+// shapes only; K > 16 runs on fp64 tensor cores); per-part tiles go to `workspace`
+// (gram_workspace_bytes) and are reduced over the parts in a fixed order.
 size_t gram_workspace_bytes(int64_t k, int64_t K, int64_t d, bool symmetric);
 cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const int64_t* rows, int64_t k,
                  double* G, void* workspace, cudaStream_t stream);
@@ -108,7 +107,8 @@ cudaError_t arrowhead_solve(const double* coef, int64_t K, int64_t m, double inv
 // Outputs: xc_out [d], I_out [K, d] contiguous (must not overlap the inputs); lte: device float64
 // [2] = (scale_c max_j |sum_i (I'_i - Icur_i)|, scale_I max_ij |e_ij|) with NaN -> +inf (scale_c =
 // dt / 2, scale_I = dt / (2 L)); cleared and reduced on `stream` (atomicMax on the bit patterns of
-// the non-negative maxima: deterministic). K <= 32: one read of every input element.
+// the non-negative maxima: deterministic). One read of every input element up to K ~ 440 (fp64) /
+// ~880 (fp32) on sm_90 (registers for K <= 32, shared memory above); beyond, U and Icur are read twice.
 cudaError_t fedecado_be_step(const void* xc, const void* Icur, int64_t ld_icur, const void* xc0, const void* U,
                              int64_t ld_u, const void* Ik, int64_t ld_ik, const void* S_off, const double* coef,
                              int64_t K, int64_t d, double c, double dt, double inv_den, double scale_c, double scale_I,

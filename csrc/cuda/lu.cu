@@ -17,6 +17,11 @@
 // An out-of-range pivot passed to lu_solve gives NaN columns (no device assert).
 // arrowhead_solve: one thread per column (lu::arrowhead_column); all threads read the same
 // coefficient at a time (a broadcast from L1).
+// Host-tested (lu.cuh, tests/test_cuda_host.py): the pivot order through emulated warp butterflies
+// (NaN, +-inf, ties, zero columns), the permutation and the per-column substitution of lu_solve,
+// the arrowhead column solve, against the CPU ops and the float64 reference. Only a GPU run checks
+// (tests/test_cuda.py): the shuffles (row swaps, pivot-row broadcast), the shared-memory staging and
+// barriers of the block kernels, the launches.
 #include "common.cuh"
 #include "lu.cuh"
 
@@ -25,6 +30,20 @@ namespace cuda {
 namespace {
 
 using namespace detail;
+
+// The pivot of a column: the best lu::pivot_key over the 32 lanes (a strict total order, NaN-safe),
+// by a butterfly, so every lane gets the same key; called by all 32 lanes.
+__device__ __forceinline__ lu::PivotKey warp_best_pivot(lu::PivotKey best) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lu::PivotKey other;
+    other.rank = __shfl_xor_sync(0xffffffffu, best.rank, o);
+    other.v = __shfl_xor_sync(0xffffffffu, best.v, o);
+    other.i = __shfl_xor_sync(0xffffffffu, best.i, o);
+    if (lu::pivot_better(other, best)) best = other;
+  }
+  return best;
+}
 
 // ---- warp per matrix (n <= 32) ----
 template <typename T, int NMAX>
@@ -44,15 +63,7 @@ __global__ void __launch_bounds__(128) lu_warp_kernel(const T* __restrict__ A, T
     if (k >= n) break;
     // Pivot: the arg-max of lu::pivot_key over lanes k..n-1, a strict total order (NaN-safe), so
     // the butterfly leaves the same p on every lane; every shuffle below runs on all 32 lanes.
-    lu::PivotKey best = lu::pivot_key(static_cast<double>(row[k]), lane, k, n);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      lu::PivotKey other;
-      other.rank = __shfl_xor_sync(0xffffffffu, best.rank, o);
-      other.v = __shfl_xor_sync(0xffffffffu, best.v, o);
-      other.i = __shfl_xor_sync(0xffffffffu, best.i, o);
-      if (lu::pivot_better(other, best)) best = other;
-    }
+    const lu::PivotKey best = warp_best_pivot(lu::pivot_key(static_cast<double>(row[k]), lane, k, n));
     const int p = best.i;  // in [k, n): lane k always has rank >= 1
     if (lane == 0) piv[b * n + k] = p + 1;
     const T pv = __shfl_sync(0xffffffffu, row[k], p);
@@ -105,14 +116,7 @@ __global__ void __launch_bounds__(256) lu_block_kernel(const T* __restrict__ A, 
         const lu::PivotKey c = lu::pivot_key(static_cast<double>(s[i][k]), i, k, n);
         if (lu::pivot_better(c, best)) best = c;
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        lu::PivotKey other;
-        other.rank = __shfl_xor_sync(0xffffffffu, best.rank, o);
-        other.v = __shfl_xor_sync(0xffffffffu, best.v, o);
-        other.i = __shfl_xor_sync(0xffffffffu, best.i, o);
-        if (lu::pivot_better(other, best)) best = other;
-      }
+      best = warp_best_pivot(best);
       if (tid == 0) {
         sp = best.i;
         spv = s[best.i][k];

@@ -1,23 +1,29 @@
 // min_norm: Frank-Wolfe min-norm point of the convex hull of N vectors given their Gram matrix
 // (fedaware.md §2.6), in one thread block, float64 throughout, no host synchronisation.
 //
-//  1. A small kernel writes Gs = (G + G^T) / 2 to the workspace (rows of Gs are read coalesced).
+//  1. Gs = (G + G^T) / 2. When Gs fits in shared memory next to lam, v and the diagonal
+//     (mn::g_in_smem: N <= ~165 on sm_90), the solver block builds it there itself; otherwise a
+//     small kernel writes it to the workspace (global memory; rows read coalesced through L1/L2).
 //  2. One block of 256 threads: lam and v = Gs lam live in shared memory; thread `tid` owns the
 //     entries i = tid + s * 256. Per iteration: one fused block reduction gives the FW vertex t
 //     (argmin v, ties -> smallest index), the away vertex a (argmax v over the support) and
-//     q = lam . v (as the CPU op's refresh_q); then every thread applies the same scalar step
-//     (plain FW, away or pairwise, as csrc/cpu/min_norm.cpp) and updates the entries it owns from
-//     rows t / a of Gs. One __syncthreads per iteration (double-buffered reduction scratch).
-//     Every 64 iterations v is recomputed from lam (drift control): one warp per row, lanes over
-//     the support in index order, a fixed butterfly. The returned gap is recomputed exactly at the returned lam.
-// Stopping: gap = q - v_t <= tol_rel * q + tol_abs * max_i |G_ii|.
+//     q = lam . v (as the CPU op's refresh_q); then every thread computes the same step
+//     (mn::plan: plain FW, away or pairwise with the exact line search, as csrc/cpu/min_norm.cpp)
+//     and updates the entries it owns from rows t / a of Gs (mn::update). One __syncthreads per
+//     iteration (double-buffered reduction scratch). Every 64 iterations v is recomputed from lam
+//     (drift control): one warp per row, lanes over the support in index order (mn::row_partial),
+//     a fixed butterfly. The returned gap is recomputed exactly at the returned lam.
+// Stopping: gap = q - v_t <= tol_rel * q + tol_abs * max_i |G_ii| (mn::converged).
 // Initialisation: warm start lam0 (normalised), else the best pair (closed form on every
 // segment, smallest value, ties -> lexicographically smallest (i, j)), or e_{argmin G_ii}.
 // Not on the GPU: the CPU op's face polish and the code_compat solver. Deterministic: every
 // reduction runs in a fixed order.
-// Verification: not host-tested (the step rules are the CPU op's, csrc/cpu/min_norm.cpp; the block
-// reductions need a GPU): tests/test_cuda.py compares with the reference and the CPU op.
+// Host-tested (min_norm.cuh, tests/test_cuda_host.py): segment, the orders, plan/update, the
+// per-thread scan and per-lane recompute parts, the smem/global choice, through an emulation of
+// the whole block against the reference and the CPU op. Only a GPU run checks (tests/test_cuda.py):
+// the shuffles, barriers, the shared-memory copy of G and the launch.
 #include "common.cuh"
+#include "min_norm.cuh"
 
 #include <cmath>
 
@@ -25,9 +31,12 @@ namespace fedkernels {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRecompute = 64;
+using mn::Arg;
+using mn::better_max;
+using mn::better_min;
+using mn::kRecompute;
+using mn::kThreads;
+using mn::kWarps;
 
 __global__ void symmetrize_kernel(const double* __restrict__ G, int64_t N, double* __restrict__ Gs) {
   const int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
@@ -35,15 +44,6 @@ __global__ void symmetrize_kernel(const double* __restrict__ G, int64_t N, doubl
   const int64_t i = e / N, j = e % N;
   Gs[e] = 0.5 * (G[i * N + j] + G[j * N + i]);
 }
-
-// Key for arg-reductions: smaller (v, i) wins ("better"), payload x travels along.
-struct Arg {
-  double v;
-  int64_t i;
-  double x;
-};
-__device__ __forceinline__ bool better_min(const Arg& a, const Arg& b) { return a.v < b.v || (a.v == b.v && a.i < b.i); }
-__device__ __forceinline__ bool better_max(const Arg& a, const Arg& b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }
 
 __device__ __forceinline__ Arg shfl(const Arg& a, int o) {
   Arg b;
@@ -57,7 +57,6 @@ struct Scratch {
   Arg mn[2][kWarps];
   Arg mx[2][kWarps];
   double s[2][kWarps];
-  int64_t pj[2][kWarps];  // second index of the best pair
 };
 
 // Block arg-min and arg-max (max only when want_max) with one barrier; every thread gets the
@@ -104,21 +103,13 @@ __device__ double block_reduce(Scratch& sc, int& parity, double x, bool is_max) 
 }
 
 // v = Gs lam over the support. One warp per row i (Gs is symmetric, so row i is column i and the
-// reads are coalesced): lane l sums j = l, l + 32, ... in increasing j (entries with lam_j = 0 are
-// skipped, as the CPU op does), then a butterfly adds the 32 partials in a fixed order.
-// Deterministic; N^2 / 256 loads per thread with independent accumulators instead of N dependent
-// steps over shared memory (GPU run to confirm: K=1000 recompute well under 0.1 ms).
-__device__ void recompute_v(const double* __restrict__ Gs, int64_t N, const double* lam, double* v) {
+// reads are coalesced): mn::row_partial per lane, then a butterfly adds the 32 partials in a
+// fixed order. Deterministic; N^2 / 256 loads per thread with independent accumulators.
+__device__ void recompute_v(const double* Gs, int64_t N, const double* lam, double* v) {
   __syncthreads();  // lam written by its owners
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t i = warp; i < N; i += kWarps) {
-    const double* row = Gs + i * N;
-    double s = 0.0;
-    for (int64_t j = lane; j < N; j += 32) {
-      const double lj = lam[j];
-      if (lj != 0.0) s = fma(lj, row[j], s);
-    }
-    s = detail::warp_sum(s);
+    const double s = detail::warp_sum(mn::row_partial(Gs + i * N, lam, N, lane));
     if (lane == 0) v[i] = s;
   }
   __syncthreads();  // v[i] is read by the thread that owns i
@@ -127,14 +118,9 @@ __device__ void recompute_v(const double* __restrict__ Gs, int64_t N, const doub
 // Fused scan: FW vertex t (argmin v), away vertex a (argmax v over lam > 0, payload lam_a), q.
 __device__ void scan(Scratch& sc, int& parity, int64_t N, const double* lam, const double* v, Arg& t, Arg& a,
                      double& q) {
-  Arg mn{INFINITY, N, 0.0}, mx{-INFINITY, N, 0.0};
-  double part = 0.0;
-  for (int64_t i = threadIdx.x; i < N; i += kThreads) {
-    const Arg c{v[i], i, lam[i]};
-    if (better_min(c, mn)) mn = c;
-    if (lam[i] > 0.0 && better_max(c, mx)) mx = c;
-    part = fma(lam[i], v[i], part);
-  }
+  Arg mn, mx;
+  double part;
+  mn::scan_thread(threadIdx.x, N, lam, v, mn, mx, part);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
   if (threadIdx.x % 32 == 0) sc.s[parity][threadIdx.x / 32] = part;
@@ -144,8 +130,11 @@ __device__ void scan(Scratch& sc, int& parity, int64_t N, const double* lam, con
   for (int w = 1; w < kWarps; ++w) q += sc.s[p][w];
 }
 
-__global__ void __launch_bounds__(kThreads)
-    min_norm_kernel(const double* __restrict__ Gs, int64_t N, const double* __restrict__ lam0, int method, int init,
+// SMEM: Gs is built in shared memory from G (G_in is the caller's G); else G_in is the symmetrised
+// workspace in global memory.
+template <bool SMEM>
+__global__ void __launch_bounds__(kThreads, 1)
+    min_norm_kernel(const double* __restrict__ G_in, int64_t N, const double* __restrict__ lam0, int method, int init,
                     int64_t max_iter, double tol_rel, double tol_abs, double* __restrict__ lam_out,
                     int64_t* __restrict__ it_out, double* __restrict__ gap_out) {
   extern __shared__ double smem[];
@@ -155,6 +144,16 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ Scratch sc;
   int parity = 0;
   const int tid = threadIdx.x;
+  const double* Gs = G_in;
+  if (SMEM) {
+    double* g = smem + 3 * N;  // [N, N]
+    for (int64_t e = tid; e < N * N; e += kThreads) {
+      const int64_t i = e / N, j = e % N;
+      g[e] = 0.5 * (G_in[i * N + j] + G_in[j * N + i]);
+    }
+    Gs = g;
+    __syncthreads();
+  }
 
   double dmax = 0.0;
   for (int64_t i = tid; i < N; i += kThreads) {
@@ -201,15 +200,11 @@ __global__ void __launch_bounds__(kThreads)
     double bv = INFINITY, bg = 0.5;
     int64_t bi = N, bj = N;
     for (int64_t i = warp; i < N; i += kWarps) {
-      const double a = dg[i];
       const double* row = Gs + i * N;
       for (int64_t j = i + 1 + lane; j < N; j += 32) {
-        const double b = row[j], c = dg[j];
-        const double den = a - 2.0 * b + c;
-        double g = 0.5;
-        if (den > 0.0) g = fmin(1.0, fmax(0.0, (c - b) / den));
-        const double val = g * g * a + 2.0 * g * (1.0 - g) * b + (1.0 - g) * (1.0 - g) * c;
-        if (val < bv || (val == bv && (i < bi || (i == bi && j < bj)))) {
+        double g, val;
+        mn::segment(dg[i], row[j], dg[j], g, val);
+        if (mn::pair_better(val, i, j, bv, bi, bj)) {
           bv = val;
           bi = i;
           bj = j;
@@ -242,53 +237,15 @@ __global__ void __launch_bounds__(kThreads)
     double q;
     scan(sc, parity, N, lam, v, t, a, q);
     const double gap = q - t.v;
-    if (!(gap > tol_rel * q + tol_abs * dmax)) break;
+    if (mn::converged(gap, q, tol_rel, tol_abs, dmax)) break;
     if (it >= max_iter) break;
+    const bool has_a = a.i < N;
+    const mn::Step st = mn::plan(method, N, q, gap, t, a, dg[t.i], has_a ? dg[a.i] : 0.0,
+                                 has_a ? Gs[a.i * N + t.i] : 0.0);
+    if (st.kind == mn::kStop) break;
     const double* gt = Gs + t.i * N;
-    bool fw_step = true;
-    if (method == 1) fw_step = a.i >= N || gap >= a.v - q || a.x >= 1.0;
-    if (method == 2) {  // pairwise: move mass from a to t
-      if (a.i >= N || a.i == t.i) break;
-      const double* ga = Gs + a.i * N;
-      const double slope = a.v - t.v;
-      if (!(slope > 0.0)) break;
-      const double den = dg[t.i] - 2.0 * ga[t.i] + dg[a.i];
-      const double gmax = a.x;
-      const double g = den > 0.0 ? fmin(gmax, slope / den) : gmax;
-      if (!(g > 0.0)) break;
-      for (int64_t i = tid; i < N; i += kThreads) {
-        if (i == t.i) lam[i] += g;
-        if (i == a.i) lam[i] = g >= gmax ? 0.0 : lam[i] - g;
-        v[i] += g * (gt[i] - ga[i]);
-      }
-    } else if (fw_step) {
-      const double den = q - 2.0 * t.v + dg[t.i];
-      const double g = den > 0.0 ? fmin(1.0, gap / den) : 1.0;
-      if (!(g > 0.0)) break;
-      if (g >= 1.0) {
-        for (int64_t i = tid; i < N; i += kThreads) {
-          lam[i] = i == t.i ? 1.0 : 0.0;
-          v[i] = gt[i];
-        }
-      } else {
-        const double om = 1.0 - g;
-        for (int64_t i = tid; i < N; i += kThreads) {
-          lam[i] = om * lam[i] + (i == t.i ? g : 0.0);
-          v[i] = om * v[i] + g * gt[i];
-        }
-      }
-    } else {  // away step from vertex a
-      const double* ga = Gs + a.i * N;
-      const double gmax = a.x / (1.0 - a.x);
-      const double den = q - 2.0 * a.v + dg[a.i];
-      const double g = den > 0.0 ? fmin(gmax, (a.v - q) / den) : gmax;
-      if (!(g > 0.0)) break;
-      const double op = 1.0 + g;
-      for (int64_t i = tid; i < N; i += kThreads) {
-        lam[i] = i == a.i ? (g >= gmax ? 0.0 : op * lam[i] - g) : op * lam[i];
-        v[i] = op * v[i] - g * ga[i];
-      }
-    }
+    const double* ga = has_a ? Gs + a.i * N : gt;
+    for (int64_t i = tid; i < N; i += kThreads) mn::update(st, i, lam[i], v[i], gt[i], ga[i]);
   }
 
   // exact gap at the returned lam
@@ -303,6 +260,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+size_t smem_budget() { return detail::smem_optin(sizeof(Scratch) + 256); }
+
 }  // namespace
 
 size_t min_norm_workspace_bytes(int64_t N) { return size_t(N) * size_t(N) * sizeof(double); }
@@ -311,19 +270,24 @@ cudaError_t min_norm(const double* G, int64_t N, const double* lam0, int method,
                      double tol_rel, double tol_abs, double* lam, int64_t* iterations, double* gap, void* workspace,
                      cudaStream_t stream) {
   if (N <= 0 || N > kMinNormMaxN || method < 0 || method > 2) return cudaErrorInvalidValue;
+  const bool in_smem = mn::g_in_smem(N, smem_budget());
+  const size_t smem = mn::vec_smem_bytes(N) + (in_smem ? size_t(N * N) * sizeof(double) : 0);
+  cudaError_t err = cudaSuccess;
+  auto launch = [&](auto kernel, const double* g) {
+    if (smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<1, kThreads, smem, stream>>>(g, N, lam0, method, init, max_iter, tol_rel, tol_abs, lam, iterations, gap);
+    return cudaGetLastError();
+  };
+  if (in_smem) return launch(min_norm_kernel<true>, G);
   double* Gs = static_cast<double*>(workspace);
   const int64_t nn = N * N;
   symmetrize_kernel<<<(unsigned)((nn + 255) / 256), 256, 0, stream>>>(G, N, Gs);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const size_t smem = size_t(3 * N) * sizeof(double);
-  if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(min_norm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) return err;
-  }
-  min_norm_kernel<<<1, kThreads, smem, stream>>>(Gs, N, lam0, method, init, max_iter, tol_rel, tol_abs, lam,
-                                                 iterations, gap);
-  return cudaGetLastError();
+  return launch(min_norm_kernel<false>, Gs);
 }
 
 }  // namespace cuda

@@ -18,14 +18,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G
                                                              double tol_abs, c10::string_view method,
                                                              c10::string_view init, bool polish,
                                                              const c10::optional<at::Tensor>& lam0) {
-  TORCH_CHECK(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
-              G.sizes());
-  TORCH_CHECK(at::isFloatingType(G.scalar_type()), "min_norm: G must have a floating dtype, got ", G.scalar_type());
-  const int64_t N = G.size(0);
-  TORCH_CHECK(N >= 1, "min_norm: G must be at least 1 x 1");
+  const int64_t N = checks::min_norm_args(G, max_iter, tol_rel, tol_abs, init, lam0);
   TORCH_CHECK(N <= fk::kMinNormMaxN, "min_norm: the CUDA solver supports K <= ", fk::kMinNormMaxN, ", got ", N);
-  TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
-  TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
   int meth = -1;
   if (method == "fw") meth = 0;
   else if (method == "away") meth = 1;
@@ -33,14 +27,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G
   TORCH_CHECK(meth >= 0, "min_norm: method on CUDA must be one of 'away', 'pairwise', 'fw' (code_compat runs on the "
               "CPU), got '", std::string(method), "'");
   TORCH_CHECK(!polish || meth == 0, "min_norm: polish=True is implemented on the CPU only; on CUDA pass polish=False");
-  TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",
-              std::string(init), "'");
   c10::cuda::CUDAGuard guard(G.device());
   auto g = G.to(at::kDouble).contiguous();
   at::Tensor l0;
   if (lam0.has_value()) {
-    TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == N, "min_norm: lam0 must be a 1-D tensor of length ", N,
-                ", got shape ", lam0->sizes());
     check_host_or_device(*lam0, G, "min_norm", "lam0");
     l0 = small_to_device(*lam0, at::kDouble, G.device());
   }

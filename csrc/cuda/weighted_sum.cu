@@ -10,6 +10,9 @@
 // rows in index order with fma: deterministic. An out-of-range rows entry contributes NaN (no
 // device assert, no read outside U). out may alias base: every element of base is read by the
 // thread that writes the same element of out, before the write.
+// Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
+// tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
+// (tests/test_cuda.py): the shared-memory staging between barriers, the 16-byte loads, the launch.
 #include "common.cuh"
 #include "weighted_sum.cuh"
 

@@ -17,18 +17,8 @@ void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c1
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   const int64_t n = rows.has_value() ? rows->numel() : K;
-  TORCH_CHECK(coef.dim() == 1 && coef.numel() == n, "weighted_sum: coef must be 1-D of length ", n,
-              " (one per selected row), got shape ", coef.sizes());
-  TORCH_CHECK(coef.is_floating_point(), "weighted_sum: coef must be a float tensor, got ", coef.scalar_type());
+  checks::weighted_sum_args(U, coef, n, base, out, U.device());
   check_host_or_device(coef, U, "weighted_sum", "coef");
-  TORCH_CHECK(out.dim() == 1 && out.size(0) == d && out.is_contiguous() && out.scalar_type() == U.scalar_type(),
-              "weighted_sum: out must be a contiguous 1-D tensor of length ", d, " and dtype ", U.scalar_type());
-  check_cuda(out, U, "weighted_sum", "out");
-  if (base.has_value()) {
-    TORCH_CHECK(base->dim() == 1 && base->size(0) == d && base->is_contiguous() && base->scalar_type() == U.scalar_type(),
-                "weighted_sum: base must be a contiguous 1-D tensor of length ", d, " and dtype ", U.scalar_type());
-    check_cuda(*base, U, "weighted_sum", "base");
-  }
   at::Tensor r;
   if (rows.has_value()) r = rows_to_device(*rows, U, "weighted_sum");
   if (d == 0) return;
@@ -51,8 +41,8 @@ void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c1
 
 at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                              double alpha, const c10::optional<at::Tensor>& rows) {
-  TORCH_CHECK(U.dim() == 2, "weighted_sum: U must be 2-D [K, d], got ", U.dim(), "-D");
-  auto out = at::empty({U.size(1)}, U.options());
+  c10::cuda::CUDAGuard guard(U.device());
+  auto out = checks::weighted_sum_output(U);
   weighted_sum_out_cuda(U, coef, base, alpha, rows, out);
   return out;
 }
