@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -62,7 +64,12 @@ __all__ = ["DistributedSimulation", "LostRankError", "assign_positions", "init_f
 
 class LostRankError(RuntimeError):
     """Another rank of the run stopped (killed, or failed with its own error) while this one waited
-    for it in a collective; this rank stops too (its last checkpoint is the one to resume)."""
+    for it in a collective; this rank stops too (its last checkpoint is the one to resume).
+
+    From the moment a rank detects the loss it ignores SIGTERM: torchrun's agent sends SIGTERM to
+    the surviving ranks as soon as it sees one fail, and that signal must not cut short the report
+    (the one line naming the lost rank) and the exit that follow. The rank is about to exit anyway;
+    the agent still SIGKILLs it after its shutdown timeout, so nothing can hang on it."""
 
 
 def _is_peer_loss(e: BaseException) -> bool:
@@ -156,6 +163,26 @@ class DistributedSimulation(Simulation):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    # ---- a lost peer: report it even while torchrun terminates this rank ----------------------------
+    def _ignore_sigterm(self) -> None:
+        """Called when a peer is lost (see :class:`LostRankError`): SIGTERM is ignored from now on,
+        and the run's signal handlers are not restored over it when ``run`` unwinds."""
+        self._peer_lost = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        self._peer_lost = False
+        outer = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        restore = super()._install_signal_handlers()
+
+        def restore_unless_lost() -> None:
+            if not self._peer_lost:
+                restore()
+            elif threading.current_thread() is threading.main_thread() and outer[signal.SIGINT] is not None:
+                signal.signal(signal.SIGINT, outer[signal.SIGINT])   # SIGTERM stays ignored: on its way out
+        return restore_unless_lost
 
     # ---- setup ------------------------------------------------------------------------------------
     def _build_aggregator(self):
@@ -301,6 +328,7 @@ class DistributedSimulation(Simulation):
         except Exception as e:  # noqa: BLE001 - only a peer's loss is translated
             if not _is_peer_loss(e):
                 raise
+            self._ignore_sigterm()
             who = f"rank {1 - self.rank}" if self.world == 2 else f"a rank other than {self.rank}"
             raise LostRankError(f"{who} of {self.world} stopped during round {r + 1} (killed, or failed with its own "
                                 f"error); rank {self.rank} stops too; continue with `fedkernels run --resume "
