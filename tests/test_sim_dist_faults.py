@@ -25,12 +25,18 @@ from fedkernels.sim.distributed_sim import DistributedSimulation
 fault, rank = os.environ.get("FK_FAULT", "none"), int(os.environ["RANK"])
 orig = DistributedSimulation.exchange
 def exchange(self, local):
-    if fault != "none" and rank == 1 and self.start_round == 2:      # rank 1, round 3, before the exchange
+    if fault in ("kill", "raise") and rank == 1 and self.start_round == 2:   # rank 1, round 3, before the exchange
         if fault == "kill":
             os.kill(os.getpid(), 9)
         raise RuntimeError("injected failure on rank 1")
     return orig(self, local)
 DistributedSimulation.exchange = exchange
+orig_stop = DistributedSimulation._stop_agreed
+def _stop_agreed(self):
+    if fault == "kill-after" and rank == 1 and self.start_round == 3:  # rank 1, after round 3 and its checkpoint
+        os.kill(os.getpid(), 9)
+    return orig_stop(self)
+DistributedSimulation._stop_agreed = _stop_agreed
 slow = float(os.environ.get("FK_SLOW_REPORT", "0"))
 orig_run = DistributedSimulation.run
 def run(self, *a, **kw):
@@ -62,11 +68,11 @@ def _torchrun(tmp_path, fault, *args, slow_report=0.0):
                           timeout=240)
 
 
-def _assert_one_line(p):
+def _assert_one_line(p, what="rank 1 of 2 stopped during round 3"):
     assert p.returncode != 0
     lines = [x for x in p.stderr.splitlines() if x.startswith("fedkernels run: error:")]
     assert len(lines) == 1, p.stderr[-3000:]
-    assert "rank 1 of 2 stopped during round 3" in lines[0] and "--resume runs/cut" in lines[0], lines[0]
+    assert what in lines[0] and "--resume runs/cut" in lines[0], lines[0]
 
 
 def _final(d):
@@ -96,3 +102,12 @@ def test_survivor_reports_although_torchrun_terminates_it(tmp_path, fault):
     p = _torchrun(tmp_path, fault, *ARGS, "--name", "cut", slow_report=3.0)
     _assert_one_line(p)
     assert "Sending process" in p.stderr and "closing signal SIGTERM" in p.stderr, p.stderr[-3000:]
+
+
+def test_rank_lost_between_rounds_is_one_line_too(tmp_path):
+    # rank 1 dies after round 3 (its checkpoint gathered), while rank 0 waits in the stop agreement:
+    # a collective outside the round, reported the same way
+    p = _torchrun(tmp_path, "kill-after", *ARGS, "--name", "cut")
+    _assert_one_line(p, "rank 1 of 2 stopped after round 3")
+    ck = sorted(os.listdir(tmp_path / "runs" / "cut" / "checkpoints"))
+    assert ck[-1] == "ckpt_round_000003.pt", ck
