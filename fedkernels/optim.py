@@ -17,7 +17,8 @@ to the raw gradient (GC-Fed's [CODE] order). Nesterov, dampening and maximize ar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple, Union, cast, overload
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple, Union, cast,
+                    overload)
 
 import torch
 
