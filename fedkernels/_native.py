@@ -38,7 +38,7 @@ def recorded_torch_version() -> Optional[str]:
 
 
 if _C is not None:
-    check_torch_version(recorded_torch_version(), torch.__version__)
+    check_torch_version(str(recorded_torch_version()), torch.__version__)   # not None: _C is loaded
 elif _error is not None and "undefined symbol" in str(_error):
     # an extension built for another torch usually fails to load with a missing C++ symbol
     _error = ImportError(f"fedkernels._C does not match torch {torch.__version__} ({_error}); rebuild "

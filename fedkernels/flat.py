@@ -12,7 +12,7 @@ Sign convention used everywhere in fedkernels: a client *update* is ``local_mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -72,7 +72,7 @@ class FlatSpec:
     dtype: torch.dtype = torch.float32
     _by_name: Dict[str, ParamEntry] = field(default_factory=dict, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._by_name = {e.name: e for e in self.entries}
 
     # ---- construction --------------------------------------------------------------------------
@@ -83,7 +83,8 @@ class FlatSpec:
         (BatchNorm running statistics) after them: the flat vector is the model's floating-point
         state, the one the simulator aggregates. ``include_buffers=False``: parameters only."""
         modules = dict(model.named_modules())
-        owners = []  # (name, module_name, module, tensor, is_buffer)
+        # (name, module_name, module, tensor, is_buffer)
+        owners: List[Tuple[str, str, nn.Module, torch.Tensor, bool]] = []
         for name, p in model.named_parameters():
             if trainable_only and not p.requires_grad:
                 continue
@@ -116,7 +117,7 @@ class FlatSpec:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ParamEntry]:
         return iter(self.entries)
 
     def __getitem__(self, name: str) -> ParamEntry:

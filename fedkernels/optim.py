@@ -17,18 +17,24 @@ to the raw gradient (GC-Fed's [CODE] order). Nesterov, dampening and maximize ar
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple, Union, cast,
+                    overload)
 
 import torch
 
 from . import ops
+from ._types import GcMask
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["FusedSGD", "sgd_step_"]
 
 
-def sgd_step_(params: Sequence[torch.Tensor], state, *, lr: float, momentum: float = 0.0,
-              weight_decay: float = 0.0, c_add: Optional[Sequence[Optional[torch.Tensor]]] = None,
-              gc_mask=None, vector_policy: str = "skip", min_fanin: int = 2) -> None:
+def sgd_step_(params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, Dict[str, Any]], *, lr: float,
+              momentum: float = 0.0, weight_decay: float = 0.0,
+              c_add: Optional[Sequence[Optional[torch.Tensor]]] = None, gc_mask: GcMask = None,
+              vector_policy: str = "skip", min_fanin: int = 2) -> None:
     """One torch-SGD step over ``params`` (those with a gradient) by ``ops.fused_sgd_step_``, with
     the momentum buffers kept as torch.optim.SGD keeps them: ``state[p]["momentum_buffer"]``, created
     on a parameter's first step (buf = d). ``c_add`` / ``gc_mask``: one entry per parameter of
@@ -47,7 +53,7 @@ def sgd_step_(params: Sequence[torch.Tensor], state, *, lr: float, momentum: flo
                 state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         ca = None if c_add is None else [c_add[i] for i in idx]
         with torch.no_grad():
-            ops.fused_sgd_step_(ps, [p.grad for p in ps],
+            ops.fused_sgd_step_(ps, cast(List[torch.Tensor], [p.grad for p in ps]),   # all set (keep)
                                 [state[p]["momentum_buffer"] for p in ps] if momentum != 0 else None,
                                 lr=lr, momentum=momentum, weight_decay=weight_decay, first_step=first,
                                 c_add=ca if ca is not None and any(c is not None for c in ca) else None,
@@ -60,8 +66,8 @@ class FusedSGD(torch.optim.Optimizer):
     """SGD (momentum, weight decay) with an optional per-parameter gradient correction
     (:meth:`set_correction`) and Local GC (group option ``gc``), one native pass per step."""
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
-                 gc: bool = False, vector_policy: str = "skip", min_fanin: int = 2):
+    def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
+                 gc: bool = False, vector_policy: str = "skip", min_fanin: int = 2) -> None:
         for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v) >= 0 or v == float("inf"):
                 raise ValueError(f"FusedSGD: {name} must be a finite number >= 0, got {v!r}")
@@ -79,6 +85,7 @@ class FusedSGD(torch.optim.Optimizer):
         a dict {parameter: tensor or None}, or a list with one tensor-or-None per parameter in
         ``param_groups`` order; None clears every correction. Kept in the optimizer state."""
         allp = [p for g in self.param_groups for p in g["params"]]
+        items: List[Tuple[torch.Tensor, Optional[torch.Tensor]]]
         if correction is None:
             items = [(p, None) for p in allp]
         elif isinstance(correction, dict):
@@ -104,8 +111,14 @@ class FusedSGD(torch.optim.Optimizer):
             else:
                 st["correction"] = c.detach().to(device=p.device, dtype=p.dtype)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = None
         if closure is not None:
             with torch.enable_grad():

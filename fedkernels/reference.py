@@ -6,25 +6,27 @@ function here on random inputs. They accept the same arguments as the functions 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
+from ._types import CoefLike, GcMask, RowsLike, ScalarOrCoef, TensorsOrNone
 
-def _rows_idx(rows, K: int, device) -> torch.Tensor:
+
+def _rows_idx(rows: RowsLike, K: int, device: Union[str, torch.device, None]) -> torch.Tensor:
     if rows is None:
         return torch.arange(K, device=device)
     return torch.as_tensor(rows, device=device).to(torch.long)
 
 
 # ---- aggregation core --------------------------------------------------------------------------
-def gram(U: torch.Tensor, rows=None) -> torch.Tensor:
+def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     U64 = U.to(torch.float64)
     return U64[_rows_idx(rows, U.size(0), U.device)] @ U64.T
 
 
-def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                 rows=None, out=None) -> torch.Tensor:
+def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                 rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     U64 = U.to(torch.float64)
     r = _rows_idx(rows, U.size(0), U.device)
     c = torch.as_tensor(coef, dtype=torch.float64, device=U.device)
@@ -39,7 +41,7 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
 
 
 # ---- min-norm solver (FedAWARE) --------------------------------------------------------------
-def _segment(a: float, b: float, c: float, code: bool = False):
+def _segment(a: float, b: float, c: float, code: bool = False) -> Tuple[float, float]:
     """min over gamma in [0, 1] of |gamma u + (1 - gamma) w|^2 (a=|u|^2, b=<u,w>, c=|w|^2):
     (gamma = weight on u, value). code=True: the authors' 0.999/0.001 corner variant."""
     if code:
@@ -91,7 +93,8 @@ def _face_polish(G: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
 
 
 def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
-             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True, lam0=None):
+             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
+             lam0: Optional[CoefLike] = None) -> Tuple[torch.Tensor, int, float]:
     """Frank-Wolfe min-norm point (fedaware.md section 2.6), written plainly in float64.
 
     Same arguments and result as ops.min_norm: (lam [K] float64, iterations, gap)."""
@@ -194,7 +197,7 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
 
 
 # ---- small dense linear algebra (FedECADO) ---------------------------------------------------
-def lu_factor_ex(A: torch.Tensor):
+def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LAPACK getf2 (partial pivoting, lowest index on ties, 1-based pivots, info = first zero
     pivot) written as a plain loop in float64. Returns (LU, pivots int32, info int32)."""
     batched = A.dim() == 3
@@ -220,7 +223,7 @@ def lu_factor_ex(A: torch.Tensor):
     return As, piv, info
 
 
-def lu_factor(A: torch.Tensor):
+def lu_factor(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     LU, piv, info = lu_factor_ex(A)
     if bool((info != 0).any()):
         raise ValueError("lu_factor: A is singular")
@@ -247,7 +250,8 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.T
     return X if batched else X[0]
 
 
-def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
+def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor,
+                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dense oracle: builds the (K+1) x (K+1) arrowhead matrix and solves it with torch.linalg.solve."""
     K = R.size(0)
     f64 = lambda v: torch.as_tensor(v, dtype=torch.float64).expand(K) if torch.as_tensor(v).dim() == 0 \
@@ -262,7 +266,9 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
     return Z[0], Z[1:]
 
 
-def fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt: float, L: float):
+def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
+                     S_off: Optional[torch.Tensor], theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike,
+                     dt: float, L: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One FedECADO BE attempt in float64, literally as spec fedecado.md §2.6/§2.7: Gamma_i at tau
     and tau + dt, the dense (K+1) x (K+1) system M z = R solved by torch.linalg.solve, and the LTE
     from the sensitivity-model client states x~_i (inf-norm; NaN -> +inf). Returns (x_c', I', lte [2])."""
@@ -307,13 +313,14 @@ def _gc_one(x: torch.Tensor, vector_policy: str, min_fanin: int) -> torch.Tensor
     return x64 - x64.mean(dim=tuple(range(1, x.dim())), keepdim=True)
 
 
-def gc_project(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> list:
+def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """float64 GC: ``x - x.mean(dim=tuple(range(1, x.ndim)), keepdim=True)`` with the policies of
     GC-Fed §2.1 (1-D: skip or centre the whole vector; 0-D, empty, fan-in < min_fanin: unchanged)."""
     return [_gc_one(x, vector_policy, min_fanin) for x in tensors]
 
 
-def gc_project_(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> list:
+def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
+                ) -> List[torch.Tensor]:
     """In-place form of :func:`gc_project` (computed in float64, written back in each tensor's dtype)."""
     for x, y in zip(tensors, gc_project(tensors, vector_policy, min_fanin)):
         x.copy_(y)
@@ -323,8 +330,11 @@ def gc_project_(tensors, vector_policy: str = "skip", min_fanin: int = 2) -> lis
 
 
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
-def fused_sgd_step_(params, grads, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0, first_step=False,
-                    c_add=None, c_sub=None, gc_mask=None, vector_policy="skip", min_fanin=2) -> list:
+def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
+                    weight_decay: float = 0.0, first_step: bool = False, c_add: Optional[TensorsOrNone] = None,
+                    c_sub: Optional[TensorsOrNone] = None, gc_mask: GcMask = None, vector_policy: str = "skip",
+                    min_fanin: int = 2) -> List[torch.Tensor]:
     """float64 reference of ops.fused_sgd_step_: d = GC(g) + c_add - c_sub + wd*p; buf = d (first
     step) or momentum*buf + d; p -= lr*buf. Writes p (and buf) back in their dtypes."""
     n = len(params)
@@ -340,26 +350,30 @@ def fused_sgd_step_(params, grads, momentum_bufs=None, *, lr, momentum=0.0, weig
         if mask[i]:
             g = _gc_one(g, vector_policy, min_fanin)
         d = g + weight_decay * p64
-        if c_add is not None and c_add[i] is not None:
-            d = d + c_add[i].to(torch.float64)
-        if c_sub is not None and c_sub[i] is not None:
-            d = d - c_sub[i].to(torch.float64)
+        ca = None if c_add is None else c_add[i]
+        cs = None if c_sub is None else c_sub[i]
+        if ca is not None:
+            d = d + ca.to(torch.float64)
+        if cs is not None:
+            d = d - cs.to(torch.float64)
         if momentum != 0:
-            b = momentum_bufs[i]
+            b = cast(Sequence[torch.Tensor], momentum_bufs)[i]   # required with momentum (as in ops)
             d = d if first_step else momentum * b.to(torch.float64) + d
             b.copy_(d)
         p.copy_(p64 - lr * d)
     return list(params)
 
 
-def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0,
-                        first_step=False, subset=None) -> list:
+def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], c: TensorsOrNone,
+                        c_i: Optional[TensorsOrNone] = None, momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+                        *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, first_step: bool = False,
+                        subset: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     n = len(params)
     keep = [True] * n if subset is None else [False] * n
     if subset is not None:
         subset = list(subset)
         if subset and all(isinstance(s, bool) for s in subset):
-            keep = subset
+            keep = cast(List[bool], subset)
         else:
             for s in subset:
                 keep[s] = True
@@ -369,8 +383,10 @@ def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr, m
                            first_step=first_step, c_add=ca, c_sub=cs)
 
 
-def gc_sgd_step_(params, grads, momentum_bufs=None, *, lr, momentum=0.0, weight_decay=0.0, first_step=False,
-                 gc_mask=True, vector_policy="skip", min_fanin=2) -> list:
+def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, first_step: bool = False, gc_mask: GcMask = True,
+                 vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
                            first_step=first_step, gc_mask=gc_mask, vector_policy=vector_policy, min_fanin=min_fanin)
 

@@ -18,15 +18,22 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 
 from .. import ops
+from .._types import CoefLike
+
+if TYPE_CHECKING:
+    from ..flat import FlatSpec
 
 log = logging.getLogger("fedkernels")
 
 BAD_UPDATE_POLICIES = ("raise", "exclude")
+
+# the client updates of one round: a [K, d] matrix, or K tensors of d elements each
+Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 def tracing() -> bool:
@@ -34,7 +41,7 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def info_values(t):
+def info_values(t: Any) -> Any:
     """A tensor for ``AggResult.info``: a list (a Python number for a 0-d tensor) in eager mode, the
     tensor itself while tracing; anything else as it is."""
     return t if tracing() or not isinstance(t, torch.Tensor) else t.tolist()
@@ -76,12 +83,12 @@ class Aggregator(abc.ABC):
     """Base class of every server-side method. Subclasses implement ``_aggregate``."""
 
     name = "base"
-    client_rule_cls: Optional[type] = None
+    client_rule_cls: Optional[Type[ClientRule]] = None
     # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg): they
     # are run first without the row scan, which is only done when the result is not finite.
     screen_after_pure = False
 
-    def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown):
+    def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
         if unknown:
             raise ValueError(f"{self.name}: unknown option(s) {', '.join(sorted(unknown))}")
         if on_bad_update not in BAD_UPDATE_POLICIES:
@@ -90,10 +97,11 @@ class Aggregator(abc.ABC):
         self.server_lr = float(server_lr)
         self.round = 0
         self.num_clients: Optional[int] = None
-        self.spec = None
+        self.spec: Optional[FlatSpec] = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def setup(self, spec=None, num_clients: Optional[int] = None, global_flat: Optional[torch.Tensor] = None) -> None:
+    def setup(self, spec: Optional[FlatSpec] = None, num_clients: Optional[int] = None,
+              global_flat: Optional[torch.Tensor] = None) -> None:
         """Called once before the first round by a simulator that knows the whole federation.
 
         ``spec``: the FlatSpec of the model (layer-aware methods need it); ``num_clients``: N,
@@ -101,7 +109,7 @@ class Aggregator(abc.ABC):
         self.spec = spec
         self.num_clients = num_clients
 
-    def client_rule(self) -> Optional["ClientRule"]:
+    def client_rule(self) -> Optional[ClientRule]:
         """A fresh ClientRule for local training, or None if the method trains like FedAvg."""
         return self.client_rule_cls(self) if self.client_rule_cls is not None else None
 
@@ -110,7 +118,7 @@ class Aggregator(abc.ABC):
         return {}
 
     # ---- aggregation ------------------------------------------------------------------------------
-    def aggregate(self, global_flat: torch.Tensor, updates: torch.Tensor, num_examples,
+    def aggregate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
                   client_ids: Optional[Sequence[int]] = None,
                   payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
         """One round. Under ``torch.compile`` / ``torch.export`` (see :func:`tracing`) the shape,
@@ -152,7 +160,8 @@ class Aggregator(abc.ABC):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         """The method's arithmetic on validated inputs (rin.K >= 1)."""
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None,
+    def validate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
+                 client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
                  screen: bool = True) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients.
         ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_after_pure``)."""
@@ -278,7 +287,7 @@ class Aggregator(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def _copy_state(v):
+def _copy_state(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.clone()
     if isinstance(v, dict):
@@ -323,25 +332,25 @@ class ClientRule:
     Every hook has a no-op default.
     """
 
-    def __init__(self, aggregator: Optional[Aggregator] = None):
+    def __init__(self, aggregator: Optional[Aggregator] = None) -> None:
         self.aggregator = aggregator
 
-    def begin(self, ctx: ClientContext, model) -> None:
+    def begin(self, ctx: ClientContext, model: torch.nn.Module) -> None:
         pass
 
-    def loss_term(self, ctx: ClientContext, model) -> Optional[torch.Tensor]:
+    def loss_term(self, ctx: ClientContext, model: torch.nn.Module) -> Optional[torch.Tensor]:
         return None
 
-    def before_step(self, ctx: ClientContext, model) -> None:
+    def before_step(self, ctx: ClientContext, model: torch.nn.Module) -> None:
         pass
 
-    def step(self, ctx: ClientContext, model, optimizer) -> bool:
+    def step(self, ctx: ClientContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
         return False
 
-    def after_step(self, ctx: ClientContext, model) -> None:
+    def after_step(self, ctx: ClientContext, model: torch.nn.Module) -> None:
         pass
 
-    def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
+    def end(self, ctx: ClientContext, model: torch.nn.Module) -> Dict[str, Any]:
         return {}
 
 
@@ -349,10 +358,13 @@ class ClientRule:
 _REGISTRY: Dict[str, Callable[..., Aggregator]] = {}
 
 
-def register(name: str, *aliases: str):
+_AggT = TypeVar("_AggT", bound=Type[Aggregator])
+
+
+def register(name: str, *aliases: str) -> Callable[[_AggT], _AggT]:
     """Class decorator: makes the aggregator available as ``build(name, **options)``."""
 
-    def deco(cls):
+    def deco(cls: _AggT) -> _AggT:
         for n in (name,) + aliases:
             key = n.lower()
             if key in _REGISTRY and _REGISTRY[key] is not cls:
@@ -364,7 +376,7 @@ def register(name: str, *aliases: str):
     return deco
 
 
-def build(name: str, **options) -> Aggregator:
+def build(name: str, **options: Any) -> Aggregator:
     """An aggregator by registered name, e.g. ``build("kuramoto", mode="S", kappa0=0.5)``."""
     key = name.lower()
     if key not in _REGISTRY:
@@ -373,4 +385,5 @@ def build(name: str, **options) -> Aggregator:
 
 
 def available() -> List[str]:
+    """The registered aggregator names (lower case, aliases included)."""
     return sorted(_REGISTRY)

@@ -17,12 +17,13 @@ reading out of bounds.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, List, Literal, Optional, Sequence, Union, overload
 
 import torch
 
+from .._types import CoefLike, RowsLike
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-RowsLike = Optional[Union[torch.Tensor, Sequence[int]]]
 HOST = torch.device("cpu")
 
 
@@ -31,13 +32,13 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _batched(t) -> bool:
+def _batched(t: torch.Tensor) -> bool:
     """True inside torch.func transforms (vmap, grad, ...): a vmapped tensor's values cannot be read
     on the host, so value checks are skipped there as under tracing."""
     return torch._C._are_functorch_transforms_active()
 
 
-def _tensor(x, op: str, name: str) -> torch.Tensor:
+def _tensor(x: object, op: str, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
     return x
@@ -48,13 +49,13 @@ def _float_dtype(x: torch.Tensor, op: str, name: str) -> None:
         raise ValueError(f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
 
 
-def _finite_number(x, op: str, name: str) -> float:
+def _finite_number(x: object, op: str, name: str) -> float:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"{op}: {name} must be a finite number, got {x!r}")
     return float(x)
 
 
-def _matrix(U, op: str, name: str = "U") -> torch.Tensor:
+def _matrix(U: object, op: str, name: str = "U") -> torch.Tensor:
     """A 2-D float matrix with unit column stride (copied once if it has none)."""
     U = _tensor(U, op, name)
     if U.dim() != 2:
@@ -67,7 +68,7 @@ def _matrix(U, op: str, name: str = "U") -> torch.Tensor:
     return U
 
 
-def _vector(v, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
+def _vector(v: object, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
     v = _tensor(v, op, name)
     if v.dim() != 1 or v.size(0) != length:
         raise ValueError(f"{op}: {name} must be a 1-D tensor of length {length}, got shape {tuple(v.shape)}")
@@ -76,6 +77,18 @@ def _vector(v, op: str, name: str, length: int, like: torch.Tensor) -> torch.Ten
     if v.device != like.device:
         raise ValueError(f"{op}: {name} is on {v.device} but U is on {like.device}")
     return v
+
+
+@overload
+def _rows(rows: None, K: int, op: str) -> None: ...
+
+
+@overload
+def _rows(rows: Union[torch.Tensor, Sequence[int]], K: int, op: str) -> torch.Tensor: ...
+
+
+@overload
+def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]: ...
 
 
 def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]:
@@ -101,7 +114,7 @@ def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]:
     return r.contiguous()
 
 
-def _coef(coef, n: int, op: str, name: str = "coef") -> torch.Tensor:
+def _coef(coef: CoefLike, n: int, op: str, name: str = "coef") -> torch.Tensor:
     """``n`` float coefficients as a HOST tensor (a device tensor is copied to the host once; the
     copy is differentiable, so autograd still reaches a device ``coef``); finite in eager mode."""
     c = coef if isinstance(coef, torch.Tensor) else torch.as_tensor(coef, dtype=torch.float64)
@@ -117,7 +130,7 @@ def _coef(coef, n: int, op: str, name: str = "coef") -> torch.Tensor:
     return c
 
 
-def _host_coef(v, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
+def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
     """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K."""
     t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
     if t.dim() != 1 or t.size(0) != K:
@@ -135,7 +148,18 @@ def _host_coef(v, K: int, op: str, name: str, nonneg: bool = False) -> torch.Ten
     return t
 
 
-def _tensor_list(xs, n: int, op: str, name: str, params, optional_entries: bool = False) -> list:
+@overload
+def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
+                 optional_entries: Literal[False] = ...) -> List[torch.Tensor]: ...
+
+
+@overload
+def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
+                 optional_entries: Literal[True]) -> List[Optional[torch.Tensor]]: ...
+
+
+def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
+                 optional_entries: bool = False) -> List[Any]:
     """``n`` tensors, each matching ``params[i]`` in shape, dtype and device (None allowed with
     ``optional_entries``)."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
@@ -143,7 +167,7 @@ def _tensor_list(xs, n: int, op: str, name: str, params, optional_entries: bool 
     xs = list(xs)
     if len(xs) != n:
         raise ValueError(f"{op}: {name} must have one entry per parameter ({n}), got {len(xs)}")
-    out = []
+    out: List[Optional[torch.Tensor]] = []
     for i, (x, p) in enumerate(zip(xs, params)):
         if x is None and optional_entries:
             out.append(None)
@@ -157,7 +181,7 @@ def _tensor_list(xs, n: int, op: str, name: str, params, optional_entries: bool 
     return out
 
 
-def _no_grad_through(op: str, *tensors) -> None:
+def _no_grad_through(op: str, *tensors: Any) -> None:
     """Mutating / out= variants have no derivative: refuse inputs that would need one."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         raise RuntimeError(f"fedkernels.{op} has no derivative (it writes its result in place / into out=); "

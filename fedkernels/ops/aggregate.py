@@ -14,12 +14,13 @@ ranks.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from ._checks import (FLOAT_DTYPES, RowsLike, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows,
-                      _tensor, _vector)
+from .._types import CoefLike, RowsLike
+from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through,
+                      _rows, _tensor, _vector)
 from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
@@ -40,7 +41,7 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     return shard_sum(G)
 
 
-def weighted_sum(U: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                  rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``base + alpha * sum_i coef[i] * U[rows[i]]`` in one pass over the selected rows.
 
@@ -83,8 +84,9 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
     return shard_and(torch.ops.fedkernels.finite_rows(U))
 
 
-def weighted_sum_chunked(M: torch.Tensor, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                         rows: RowsLike = None, out_dtype: Optional[torch.dtype] = None, device=None,
+def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                         rows: RowsLike = None, out_dtype: Optional[torch.dtype] = None,
+                         device: Optional[Union[str, torch.device]] = None,
                          chunk_cols: int = 1 << 18) -> torch.Tensor:
     """``base + alpha * sum_i coef_i M[rows_i]`` for a table ``M`` stored in another dtype (bf16) or on
     another device (the host) than the result: column chunks of the selected rows are converted to
@@ -128,21 +130,23 @@ def weighted_sum_chunked(M: torch.Tensor, coef, base: Optional[torch.Tensor] = N
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
 @torch.library.register_fake("fedkernels::gram")
-def _gram_fake(U, rows=None):
+def _gram_fake(U: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     k = U.size(0) if rows is None else rows.size(0)
     return U.new_empty((k, U.size(0)), dtype=torch.float64)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum")
-def _wsum_fake(U, coef, base=None, alpha=1.0, rows=None):
+def _wsum_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+               rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     return U.new_empty((U.size(1),))
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
-def _wsum_out_fake(U, coef, base, alpha, rows, out):
+def _wsum_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
+                   rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
     return None
 
 
 @torch.library.register_fake("fedkernels::finite_rows")
-def _finite_rows_fake(U):
+def _finite_rows_fake(U: torch.Tensor) -> torch.Tensor:
     return U.new_empty((U.size(0),), dtype=torch.bool)

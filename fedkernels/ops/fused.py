@@ -6,10 +6,11 @@ One native pass per local step (``csrc/cpu/fused_steps.cpp``); float64 oracle:
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, cast
 
 import torch
 
+from .._types import GcMask, TensorsOrNone
 from ._checks import _finite_number, _float_dtype, _needs_kernel, _no_grad_through, _tensor, _tensor_list
 from .gc import GC_VECTOR_POLICIES
 
@@ -25,8 +26,9 @@ __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 
 def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
-                    weight_decay: float = 0.0, first_step: bool = False, c_add=None, c_sub=None, gc_mask=None,
-                    vector_policy: str = "skip", min_fanin: int = 2) -> list:
+                    weight_decay: float = 0.0, first_step: bool = False, c_add: Optional[TensorsOrNone] = None,
+                    c_sub: Optional[TensorsOrNone] = None, gc_mask: GcMask = None,
+                    vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """One SGD step over a list of parameters in one native pass (torch.optim.SGD semantics,
     dampening 0, no Nesterov), with the SCAFFOLD/FedPVR correction and Local GC fused in::
 
@@ -109,8 +111,10 @@ def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     return params
 
 
-def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr: float, momentum: float = 0.0,
-                        weight_decay: float = 0.0, first_step: bool = False, subset=None) -> list:
+def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], c: TensorsOrNone,
+                        c_i: Optional[TensorsOrNone] = None, momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+                        *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, first_step: bool = False,
+                        subset: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     """SCAFFOLD / FedPVR local step ``p -= lr * (g - c_i + c)`` (with torch-SGD momentum and weight
     decay on the corrected gradient), one native pass.
 
@@ -129,7 +133,7 @@ def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr: f
         if subset and all(isinstance(s, bool) for s in subset):
             if len(subset) != n:
                 raise ValueError(f"corrected_sgd_step_: a bool subset must have {n} entries, got {len(subset)}")
-            keep = subset
+            keep = cast(List[bool], subset)   # all entries are bools (checked above)
         else:
             keep = [False] * n
             for s in subset:
@@ -151,8 +155,10 @@ def corrected_sgd_step_(params, grads, c, c_i=None, momentum_bufs=None, *, lr: f
                            first_step=first_step, c_add=ca, c_sub=cs)
 
 
-def gc_sgd_step_(params, grads, momentum_bufs=None, *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 first_step: bool = False, gc_mask=True, vector_policy: str = "skip", min_fanin: int = 2) -> list:
+def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0, first_step: bool = False, gc_mask: GcMask = True,
+                 vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """Local GC + SGD step (GC-Fed §2.2, [CODE] order) in one native pass: per output-channel row
     g~ = g - mean(g) (where ``gc_mask``), d = g~ + wd*p, buf = momentum*buf + d (d on the first
     step), p -= lr*buf. ``grads`` is not modified."""
@@ -162,6 +168,8 @@ def gc_sgd_step_(params, grads, momentum_bufs=None, *, lr: float, momentum: floa
 
 
 @torch.library.register_fake("fedkernels::fused_sgd_step_")
-def _fused_sgd_step_fake(params, grads, momentum_bufs, c_add, c_sub, gc_mask, lr, momentum, weight_decay,
-                         first_step, vector_policy="skip", min_fanin=2):
+def _fused_sgd_step_fake(params: List[torch.Tensor], grads: List[torch.Tensor], momentum_bufs: List[torch.Tensor],
+                         c_add: List[Optional[torch.Tensor]], c_sub: List[Optional[torch.Tensor]], gc_mask: List[bool],
+                         lr: float, momentum: float, weight_decay: float, first_step: bool,
+                         vector_policy: str = "skip", min_fanin: int = 2) -> None:
     return None

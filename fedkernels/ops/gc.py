@@ -7,7 +7,7 @@ linear projection, its own adjoint); the in-place ``gc_project_`` is not.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -19,7 +19,31 @@ __all__ = ["gc_project_", "gc_project", "gc_project_flat_", "GC_VECTOR_POLICIES"
 GC_VECTOR_POLICIES = ("skip", "center")
 
 
-def _gc_args(tensors, vector_policy, min_fanin, op: str) -> list:
+class _LayoutEntry(Protocol):
+    """One tensor of a flat layout (what ``gc_project_flat_`` reads of a ``flat.ParamEntry``)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+
+
+class FlatLayout(Protocol):
+    """A flat-vector layout as :class:`fedkernels.flat.FlatSpec` provides it (structural type: ops
+    sit below ``flat`` and never import it)."""
+
+    @property
+    def d(self) -> int: ...
+
+    @property
+    def entries(self) -> Sequence[_LayoutEntry]: ...
+
+
+def _gc_args(tensors: object, vector_policy: object, min_fanin: object, op: str) -> List[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{op}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
     if vector_policy not in GC_VECTOR_POLICIES:
@@ -43,7 +67,8 @@ def _gc_args(tensors, vector_policy, min_fanin, op: str) -> list:
     return tensors
 
 
-def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> list:
+def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
+                ) -> List[torch.Tensor]:
     """Gradient centralization of many tensors in one call, in place (GC-Fed spec §2.1).
 
     Every output-channel row ``X[i]`` (dim 0; row length M = numel / size(0)) becomes
@@ -68,7 +93,8 @@ def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", mi
     return tensors
 
 
-def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> list:
+def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
+               ) -> List[torch.Tensor]:
     """Out-of-place :func:`gc_project_`: new tensors (same shapes, dtypes and, for dense inputs, layouts)."""
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project")
     if not tensors:
@@ -78,8 +104,8 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     return list(_ag.call(torch.ops.fedkernels.gc_project, tensors, vector_policy, min_fanin))
 
 
-def gc_project_flat_(vec: torch.Tensor, spec, vector_policy: str = "skip", min_fanin: int = 2,
-                     select=None) -> torch.Tensor:
+def gc_project_flat_(vec: torch.Tensor, spec: FlatLayout, vector_policy: str = "skip", min_fanin: int = 2,
+                     select: Optional[Callable[[Any], bool]] = None) -> torch.Tensor:
     """Global GC on a flat vector laid out by a :class:`fedkernels.flat.FlatSpec`, in place.
 
     ``vec`` is ``[d]`` or ``[K, d]`` (each row centred independently, one call for all K). The spec's
@@ -99,10 +125,11 @@ def gc_project_flat_(vec: torch.Tensor, spec, vector_policy: str = "skip", min_f
 
 
 @torch.library.register_fake("fedkernels::gc_project_")
-def _gc_project_inplace_fake(tensors, vector_policy="skip", min_fanin=2):
+def _gc_project_inplace_fake(tensors: List[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> None:
     return None
 
 
 @torch.library.register_fake("fedkernels::gc_project")
-def _gc_project_fake(tensors, vector_policy="skip", min_fanin=2):
+def _gc_project_fake(tensors: List[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
+                     ) -> List[torch.Tensor]:
     return [torch.empty_like(t) for t in tensors]

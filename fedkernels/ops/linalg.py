@@ -10,10 +10,11 @@ has a derivative: a backward through them raises.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .._types import CoefLike, ScalarOrCoef
 from . import _autograd as _ag
 from ._checks import (HOST, _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor,
                       _vector, tracing)
@@ -23,7 +24,7 @@ __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado
 LU_MAX_N = 64
 
 
-def _lu_input(A, op: str) -> torch.Tensor:
+def _lu_input(A: object, op: str) -> torch.Tensor:
     A = _tensor(A, op, "A")
     if A.dim() not in (2, 3) or A.size(-1) != A.size(-2):
         raise ValueError(f"{op}: A must be a square [n, n] or batched [B, n, n] matrix, got shape {tuple(A.shape)}")
@@ -37,7 +38,7 @@ def _lu_input(A, op: str) -> torch.Tensor:
     return A.contiguous()
 
 
-def lu_factor_ex(A: torch.Tensor):
+def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LU with partial pivoting of small A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics.
 
     Returns ``(LU, pivots, info)`` like ``torch.linalg.lu_factor_ex``: LU holds the unit-lower L
@@ -50,7 +51,7 @@ def lu_factor_ex(A: torch.Tensor):
     return _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
 
 
-def lu_factor(A: torch.Tensor):
+def lu_factor(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(LU, pivots)`` of small A (see lu_factor_ex); a singular A raises ValueError naming the
     matrix and the zero pivot."""
     A = _lu_input(A, "lu_factor")
@@ -105,7 +106,8 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
     return out
 
 
-def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
+def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor,
+                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Solves the (K+1) x (K+1) arrowhead system ``[[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]``
     for every column (r0 [m], R [K, m]) in closed form (Schur complement on x, no fill-in).
     a, b, c: length-K coefficients (read as float64). Returns ``(x [m], I [K, m])`` in R's dtype.
@@ -147,29 +149,31 @@ def arrowhead_solve(a, b, c, alpha: float, r0: torch.Tensor, R: torch.Tensor):
 
 
 @torch.library.register_fake("fedkernels::lu_factor")
-def _lu_factor_fake(A):
+def _lu_factor_fake(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (torch.empty_like(A, memory_format=torch.contiguous_format), A.new_empty(A.shape[:-1], dtype=torch.int32),
             A.new_empty(A.shape[:-2], dtype=torch.int32))
 
 
 @torch.library.register_fake("fedkernels::lu_solve")
-def _lu_solve_fake(LU, pivots, R):
+def _lu_solve_fake(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(R, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("fedkernels::lu_solve_out")
-def _lu_solve_out_fake(LU, pivots, R, out):
+def _lu_solve_out_fake(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor, out: torch.Tensor) -> None:
     return None
 
 
 @torch.library.register_fake("fedkernels::arrowhead_solve")
-def _arrowhead_fake(a, b, c, alpha, r0, R):
+def _arrowhead_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, r0: torch.Tensor,
+                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return R.new_empty((R.size(1),)), R.new_empty((R.size(0), R.size(1)))
 
 
 def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
-                     S_off: Optional[torch.Tensor], theta_new, theta_old, inv_g, dt: float, L: float,
-                     out: Optional[Sequence[torch.Tensor]] = None, lte_out: Optional[torch.Tensor] = None):
+                     S_off: Optional[torch.Tensor], theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike,
+                     dt: float, L: float, out: Optional[Sequence[torch.Tensor]] = None,
+                     lte_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One fused FedECADO backward-Euler attempt (spec fedecado.md §2.6, §2.7, §5.3(a)) in one pass
     over d, with no K x d temporaries.
 
@@ -191,7 +195,7 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     if U.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
     K, d = U.shape
-    mats = {}
+    mats: Dict[str, torch.Tensor] = {}
     for name, M in (("Icur", Icur), ("Ik", Ik)):
         M = _matrix(M, op, name)
         if tuple(M.shape) != (K, d):
@@ -199,7 +203,7 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
         if M.dtype != U.dtype or M.device != U.device:
             raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
         mats[name] = M
-    vecs = {}
+    vecs: Dict[str, Optional[torch.Tensor]] = {}
     for name, v in (("xc", xc), ("xc0", xc0), ("S_off", S_off)):
         if v is None and name == "S_off":
             vecs[name] = None
@@ -208,9 +212,9 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     thn = _host_coef(theta_new, K, op, "theta_new")
     tho = _host_coef(theta_old, K, op, "theta_old")
     ig = _host_coef(inv_g, K, op, "inv_g", nonneg=True)
-    for name, v in (("dt", dt), ("L", L)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
-            raise ValueError(f"{op}: {name} must be a finite number > 0, got {v!r}")
+    for name, x in (("dt", dt), ("L", L)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not x > 0:
+            raise ValueError(f"{op}: {name} must be a finite number > 0, got {x!r}")
     _needs_kernel("fedecado_be_step_out", U.device, op)
     _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None],
                      theta_new, theta_old, inv_g)
@@ -240,11 +244,16 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
 
 
 @torch.library.register_fake("fedkernels::fedecado_be_step")
-def _be_step_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L):
+def _be_step_fake(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
+                  S_off: Optional[torch.Tensor], theta_new: torch.Tensor, theta_old: torch.Tensor,
+                  inv_g: torch.Tensor, dt: float, L: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return U.new_empty((U.size(1),)), U.new_empty((U.size(0), U.size(1))), U.new_empty((2,), dtype=torch.float64)
 
 
 @torch.library.register_fake("fedkernels::fedecado_be_step_out")
-def _be_step_out_fake(xc, Icur, xc0, U, Ik, S_off, theta_new, theta_old, inv_g, dt, L, xc_out, I_out, lte):
+def _be_step_out_fake(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
+                      S_off: Optional[torch.Tensor], theta_new: torch.Tensor, theta_old: torch.Tensor,
+                      inv_g: torch.Tensor, dt: float, L: float, xc_out: torch.Tensor, I_out: torch.Tensor,
+                      lte: torch.Tensor) -> None:
     return None
 

@@ -6,7 +6,7 @@ float64 (``csrc/cpu/min_norm.cpp``; ``csrc/cuda/min_norm.cu``); float64 oracle:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -21,7 +21,8 @@ MIN_NORM_INITS = ("best_pair", "min_diag")
 
 def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
              init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
-             lam0: Optional[torch.Tensor] = None):
+             lam0: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, Union[int, torch.Tensor], Union[float, torch.Tensor]]:
     """Minimum-norm point of the convex hull of K vectors, given their K x K Gram matrix ``G``.
 
     ``G`` must be positive semi-definite, as every Gram matrix is: for an indefinite ``G`` the
@@ -80,8 +81,9 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
 
 
 @torch.library.register_fake("fedkernels::min_norm")
-def _min_norm_fake(G, max_iter=1000, tol_rel=1e-12, tol_abs=1e-15, method="away", init="best_pair", polish=True,
-                   lam0=None):
+def _min_norm_fake(G: torch.Tensor, max_iter: int = 1000, tol_rel: float = 1e-12, tol_abs: float = 1e-15,
+                   method: str = "away", init: str = "best_pair", polish: bool = True,
+                   lam0: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (G.new_empty((G.size(0),), dtype=torch.float64), G.new_empty((), dtype=torch.long),
             G.new_empty((), dtype=torch.float64))
 

@@ -20,7 +20,7 @@ import hashlib
 import json
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import yaml
 
@@ -219,9 +219,12 @@ PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "
                      "distributed", "workers")
 
 
-def _suggest(word: str, choices: Sequence[str]) -> str:
-    m = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean {m[0]!r}?)" if m else ""
+def _suggest(word: Any, choices: Iterable[Any], fmt: str = " (did you mean {!r}?)") -> str:
+    """The close-match hint of every "unknown name" error of the simulator (config keys, options,
+    algorithms, data sets, models, methods): ``fmt`` filled with the closest of ``choices`` to
+    ``word`` (compared as strings, difflib's default cutoff), or "" when none is close."""
+    m = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return fmt.format(m[0]) if m else ""
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}

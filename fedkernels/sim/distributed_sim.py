@@ -40,10 +40,13 @@ single-process run and by a distributed run of any world size (``--resume`` re-s
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,7 +65,13 @@ __all__ = ["DistributedSimulation", "LostRankError", "assign_positions", "init_f
 
 class LostRankError(RuntimeError):
     """Another rank of the run stopped (killed, or failed with its own error) while this one waited
-    for it in a collective; this rank stops too (its last checkpoint is the one to resume)."""
+    for it in a collective (in a round, at a checkpoint, in the stop agreement or the final
+    barrier); this rank stops too (its last checkpoint is the one to resume).
+
+    From the moment a rank detects the loss it ignores SIGTERM: torchrun's agent sends SIGTERM to
+    the surviving ranks as soon as it sees one fail, and that signal must not cut short the report
+    (the one line naming the lost rank) and the exit that follow. The rank is about to exit anyway;
+    the agent still SIGKILLs it after its shutdown timeout, so nothing can hang on it."""
 
 
 def _is_peer_loss(e: BaseException) -> bool:
@@ -156,6 +165,43 @@ class DistributedSimulation(Simulation):
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    # ---- a lost peer: report it even while torchrun terminates this rank ----------------------------
+    def _ignore_sigterm(self) -> None:
+        """Called when a peer is lost (see :class:`LostRankError`): SIGTERM is ignored from now on,
+        and the run's signal handlers are not restored over it when ``run`` unwinds."""
+        self._peer_lost = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    @contextlib.contextmanager
+    def _peer_loss_stops(self, when: str) -> Iterator[None]:
+        """A collective (or several) in which a lost peer becomes :class:`LostRankError`: one line
+        saying which rank stopped ``when`` (e.g. "during round 3") and how to resume."""
+        try:
+            yield
+        except (LostRankError, BadClientError):
+            raise
+        except Exception as e:  # noqa: BLE001 - only a peer's loss is translated
+            if not _is_peer_loss(e):
+                raise
+            self._ignore_sigterm()
+            who = f"rank {1 - self.rank}" if self.world == 2 else f"a rank other than {self.rank}"
+            raise LostRankError(f"{who} of {self.world} stopped {when} (killed, or failed with its own error); "
+                                f"rank {self.rank} stops too; continue with `fedkernels run --resume "
+                                f"{self.run_dir}` on {self.world} ranks") from None
+
+    def _install_signal_handlers(self) -> Callable[[], None]:
+        self._peer_lost = False
+        outer = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        restore = super()._install_signal_handlers()
+
+        def restore_unless_lost() -> None:
+            if not self._peer_lost:
+                restore()
+            elif threading.current_thread() is threading.main_thread() and outer[signal.SIGINT] is not None:
+                signal.signal(signal.SIGINT, outer[signal.SIGINT])   # SIGTERM stays ignored: on its way out
+        return restore_unless_lost
 
     # ---- setup ------------------------------------------------------------------------------------
     def _build_aggregator(self):
@@ -286,7 +332,8 @@ class DistributedSimulation(Simulation):
 
     def _stop_agreed(self) -> bool:
         """A signal seen by any rank stops every rank after this round (a small collective)."""
-        return any(f is not None for f in self._all_gather_object(self._stop_signal))
+        with self._peer_loss_stops(f"after round {self.start_round}"):
+            return any(f is not None for f in self._all_gather_object(self._stop_signal))
 
     def aggregate_kwargs(self) -> Dict[str, Any]:
         return {"gather": True}          # every rank gets the full new model
@@ -294,22 +341,14 @@ class DistributedSimulation(Simulation):
     def run_round(self, r: int) -> Dict[str, Any]:
         """:meth:`Simulation.run_round`; a peer lost inside one of its collectives stops this rank with
         one line naming the lost rank (the run is resumable from its last checkpoint)."""
-        try:
+        with self._peer_loss_stops(f"during round {r + 1}"):
             return super().run_round(r)
-        except BadClientError:
-            raise
-        except Exception as e:  # noqa: BLE001 - only a peer's loss is translated
-            if not _is_peer_loss(e):
-                raise
-            who = f"rank {1 - self.rank}" if self.world == 2 else f"a rank other than {self.rank}"
-            raise LostRankError(f"{who} of {self.world} stopped during round {r + 1} (killed, or failed with its own "
-                                f"error); rank {self.rank} stops too; continue with `fedkernels run --resume "
-                                f"{self.run_dir}` on {self.world} ranks") from None
 
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""
         out = super().run(stop_after)
-        dist.barrier(group=self.group)
+        with self._peer_loss_stops(f"after round {self.start_round}"):
+            dist.barrier(group=self.group)
         return out
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -318,7 +357,8 @@ class DistributedSimulation(Simulation):
         and merged with :func:`merge_sliced_state`. A collective."""
         st = self.agg.agg.state_dict()
         st = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()} if isinstance(st, dict) else st
-        allst = self._all_gather_object(st)
+        with self._peer_loss_stops(f"after round {self.start_round}"):
+            allst = self._all_gather_object(st)
         if self.rank != 0:
             return None
         return merge_sliced_state(allst, [b - a for a, b in self.agg.bounds])

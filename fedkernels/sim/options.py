@@ -18,12 +18,12 @@ returns the options with that text converted.
 from __future__ import annotations
 
 import collections.abc
-import difflib
 import inspect
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import algorithms
+from .config import _suggest
 
 _NO_DEFAULT = inspect.Parameter.empty
 
@@ -34,9 +34,8 @@ def _registry() -> Dict[str, type]:
     return base._REGISTRY
 
 
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
+# the close-match hint inside these messages ("...: unknown option of x; did you mean 'y'? options: ...")
+_INLINE = "did you mean {!r}? "
 
 
 def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
@@ -46,7 +45,7 @@ def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
         raise ValueError(f"{where}={name!r}: expected an algorithm name (known: {', '.join(sorted(reg))})")
     key = name.lower()
     if key not in reg:
-        raise ValueError(f"{where}={name!r}: unknown algorithm; {_suggest(key, reg)}"
+        raise ValueError(f"{where}={name!r}: unknown algorithm; {_suggest(key, reg, _INLINE)}"
                          f"known: {', '.join(sorted(reg))}")
     return reg[key]
 
@@ -210,7 +209,7 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
     for key, val in options.items():
         if key not in params:
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: unknown option of {name}; "
-                             f"{_suggest(key, params)}options: {', '.join(params)}")
+                             f"{_suggest(key, params, _INLINE)}options: {', '.join(params)}")
         ann, default = params[key]
         exp = _expected(ann, default)
         if default is None and exp is not None and val is None:
@@ -282,7 +281,7 @@ def check_method(spec: str, known: Optional[Mapping[str, Dict[str, Any]]] = None
     base = spec.split(":", 1)[0].strip()
     if var["name"].lower() not in _registry():
         pool: List[str] = sorted(set(known) | set(_registry()))
-        hint = _suggest(base, pool)
+        hint = _suggest(base, pool, _INLINE)
         lab = f"preset methods: {', '.join(known)}; " if known else ""
         raise ValueError(f"method {spec!r}: not a preset method or registered algorithm; {hint}"
                          f"{lab}algorithms: {', '.join(sorted(_registry()))}")
