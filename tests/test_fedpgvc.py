@@ -331,15 +331,147 @@ def test_code_mode_runs_plain_steps_then_shrinks():
     m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     m.load_state_dict(ref.state_dict())
     local_train(FedPGVC(n_ctrl=0), ref, [(x, y)], 0.1)
-    local_train(FedPGVC(n_ctrl=1, mode="code", code_eta=0.01), m, [(x, y)], 0.1)
+    local_train(FedPGVC(n_ctrl=1, mode="code", code_eta=0.01, code_layers=["0", "2"]), m, [(x, y)], 0.1,
+                extras={"local_data": [(x, y)]})
     torch.testing.assert_close(m[0].weight, ref[0].weight, atol=0, rtol=0)     # S_sgd: plain
-    # S_gvc: tensor t (index in the parameter list) scaled by 1 - eta * l_t * mean(G_t) at the final model
+    # S_gvc: every tensor of Keras layer j (here [Dense(relu), Dense], so "2" is j = 1) scaled by
+    # 1 - eta * r_j, r_j = l_j * mean(G_j) with G_j the gradient of Keras tensor j (= 0.bias), at the final model
+    # (issue #16 item 7: this assertion used to scale tensor t by its own r_t, which is not the script)
     ell = F.cross_entropy(ref(x), y, reduction="none")
     G = torch.autograd.grad(ell.sum(), list(ref.parameters()))
+    r = float(ell[1].detach()) * float(G[1].mean())
     for t in (2, 3):
-        r = float(ell[t].detach()) * float(G[t].mean())
         torch.testing.assert_close(list(m.parameters())[t].detach(),
                                    (1 - 0.01 * r) * list(ref.parameters())[t].detach(), atol=1e-14, rtol=0)
+
+
+class KerasMLP(nn.Module):
+    """Keras [Flatten, Dense(relu), Dense(relu), Dense]: tensors [W1, b1, W2, b2, W3, b3]."""
+
+    keras_layers = ("flatten", "fc1", "fc2", "fc3")
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(2, 3), nn.Linear(3, 2), nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+HAND = {"fc1": ([[0.5, -0.3], [0.2, 0.8], [-0.6, 0.1]], [0.1, -0.2, 0.3]),
+        "fc2": ([[0.4, -0.5, 0.3], [-0.2, 0.6, 0.7]], [0.05, -0.1]),
+        "fc3": ([[0.3, -0.4], [0.5, 0.2], [-0.7, 0.6]], [0.0, 0.1, -0.1])}
+HAND_X = [[1.0, 0.5], [-0.5, 1.5], [2.0, -1.0], [0.3, 0.3], [-1.2, -0.4]]
+HAND_Y = [0, 2, 1, 1, 0]
+
+
+def hand_script_shrink(eta):
+    """The script's mapping written out in numpy float64 with a hand-written backward pass: r_j =
+    l_j * mean(G_j), G_j = d(sum_s l_s)/d(Keras tensor j), j = Keras layer index (Flatten is 0)."""
+    import numpy as np
+    (W1, b1), (W2, b2), (W3, b3) = [(np.array(w), np.array(b)) for w, b in HAND.values()]
+    ell, GW2, Gb2 = [], np.zeros_like(W2), np.zeros_like(b2)
+    for x, y in zip(np.array(HAND_X), HAND_Y):
+        a1 = W1 @ x + b1; h1 = np.maximum(a1, 0)
+        a2 = W2 @ h1 + b2; h2 = np.maximum(a2, 0)
+        z = W3 @ h2 + b3; p = np.exp(z - z.max()); p /= p.sum()
+        ell.append(-np.log(p[y]))
+        d3 = p.copy(); d3[y] -= 1
+        d2 = (W3.T @ d3) * (a2 > 0)
+        GW2 += np.outer(d2, h1); Gb2 += d2
+    # Keras tensors: 0 W1, 1 b1, 2 W2, 3 b2, 4 W3, 5 b3; fc2 is layer j = 2, fc3 is layer j = 3
+    r2, r3 = ell[2] * GW2.mean(), ell[3] * Gb2.mean()
+    return {"fc1": (W1, b1), "fc2": ((1 - eta * r2) * W2, (1 - eta * r2) * b2),
+            "fc3": ((1 - eta * r3) * W3, (1 - eta * r3) * b3)}, (r2, r3)
+
+
+def test_code_mode_hand_computation_of_the_script_mapping():
+    m = KerasMLP().double()
+    with torch.no_grad():
+        for name, (w, b) in HAND.items():
+            getattr(m, name).weight.copy_(T(w))
+            getattr(m, name).bias.copy_(T(b))
+    X, Y = T(HAND_X).reshape(5, 1, 1, 2), torch.tensor(HAND_Y)
+    exp, (r2, r3) = hand_script_shrink(0.5)
+    assert abs(r2) > 1e-3 and abs(r3) > 1e-3    # the classifier (fc3) is shrunk too, by r_3 of tensor b2
+    # lr 0: the plain steps leave the model as it is; r from the whole local set, given in two chunks
+    local_train(FedPGVC(n_ctrl=2, mode="code", code_eta=0.5), m, [(X[:2], Y[:2])], 0.0,
+                extras={"local_data": [(X[:3], Y[:3]), (X[3:], Y[3:])]})
+    for name, (w, b) in exp.items():
+        torch.testing.assert_close(getattr(m, name).weight.detach(), T(w), atol=1e-14, rtol=0)
+        torch.testing.assert_close(getattr(m, name).bias.detach(), T(b), atol=1e-14, rtol=0)
+
+
+def test_code_mode_mapping_errors():
+    x, y = torch.randn(9, 3, dtype=D64), torch.randint(0, 2, (9,))
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with pytest.raises(ValueError, match="Keras layer list of Sequential"):
+        local_train(FedPGVC(n_ctrl=1, mode="code"), net, [(x, y)], 0.1, extras={"local_data": [(x, y)]})
+    with pytest.raises(ValueError, match=r"\['2'\] are missing"):
+        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "relu"]), net, [(x, y)], 0.1,
+                    extras={"local_data": [(x, y)]})
+    with pytest.raises(ValueError, match="local_data"):
+        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "2"]), net, [(x, y)], 0.1)
+    # Keras index 5 > the 3 tensors' last index 3: the script's rho_i[j] would raise IndexError
+    with pytest.raises(ValueError, match="no tensor 5"):
+        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "a", "b", "c", "d", "2"]), net, [(x, y)],
+                    0.1, extras={"local_data": [(x, y)]})
+    with pytest.raises(ValueError, match="has 1 local samples"):   # j = 1 needs a second sample
+        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "2"]), net, [(x, y)], 0.1,
+                    extras={"local_data": [(x[:1], y[:1])]})
+
+
+@pytest.mark.parametrize("name,size,n_ctrl,js,sources", [
+    ("lenet5", 28, 2, [6, 7], ["fc2.weight", "fc2.bias"]),                 # the script's create_cnn_model
+    ("lenet5", 28, 3, [5, 6, 7], ["fc1.bias", "fc2.weight", "fc2.bias"]),  # its mask [0,0,0,0,1,1,1,1]
+    ("digit_cnn_pgvc", 8, 2, [6, 7], ["fc2.weight", "fc2.bias"]),
+    ("lenet_keras", 28, 2, [6, 7], ["fc1.weight", "fc1.bias"]),            # build_lenet
+    ("mlp_pgvc", 8, 2, [2, 3], ["fc2.weight", "fc2.bias"]),                # [Flatten, Dense x 3]
+])
+def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
+    from fedkernels.algorithms.fedpgvc_modes import code_plan
+    from fedkernels.sim.models import build_model
+    model = build_model(name, 10, 1, size)
+    spec = FlatSpec.from_module(model)
+    plan = code_plan(model, spec, controlled_entries(spec, n_ctrl))
+    assert plan.js.tolist() == js
+    params = dict(model.named_parameters())
+    assert [s is params[n] for s, n in zip(plan.sources, sources)] == [True] * len(sources)
+
+
+def test_simulator_client_code_mode_uses_the_whole_local_set():
+    """Issue #16 item 7(b): 40 local samples at batch 8; r comes from all 40 (stored order), not the
+    last minibatch."""
+    from fedkernels.sim.client import ClientTrainer
+    from fedkernels.sim.config import TrainConfig
+    from fedkernels.sim.models import MLP
+    torch.manual_seed(3)
+    x, y = torch.randn(80, 1, 2, 2, dtype=D64), torch.randint(0, 3, (80,))
+    parts = [torch.arange(0, 80, 2), torch.arange(1, 80, 2)]          # client 1: the odd samples
+    model = MLP(4, 3, (5, 4)).double()
+    spec = FlatSpec.from_module(model)
+    tr = ClientTrainer(model, spec, x, y, parts, TrainConfig(epochs=1, batch_size=8, lr=0.1))
+    w0 = spec.flatten(model).clone()
+    tr.train(1, 0, w0, 0.1, 1, seed=5, rule=FedPGVC(n_ctrl=0).client_rule())
+    plain = tr.work.clone()
+    tr.train(1, 0, w0, 0.1, 1, seed=5, rule=FedPGVC(n_ctrl=2, mode="code", code_eta=0.5).client_rule())
+    # expected, at the plain local model: Keras [Flatten, fc1, fc2, fc3]; fc2 (j=2) by r of fc2.weight,
+    # fc3 (j=3) by r of fc2.bias; l_j of the client's j-th sample
+    ref = MLP(4, 3, (5, 4)).double()
+    spec.load_(ref, plain)
+    idx = parts[1]
+    ell = F.cross_entropy(ref(x[idx]), y[idx], reduction="none").detach()
+    G = torch.autograd.grad(F.cross_entropy(ref(x[idx]), y[idx], reduction="sum"), [ref.fc2.weight, ref.fc2.bias])
+    r = [float(ell[2]) * float(G[0].mean()), float(ell[3]) * float(G[1].mean())]
+    got = dict(zip(spec.names, spec.views(tr.work).values()))
+    for name, p in ref.named_parameters():
+        f = {"fc2": 1 - 0.5 * r[0], "fc3": 1 - 0.5 * r[1]}.get(name.split(".")[0], 1.0)
+        torch.testing.assert_close(got[name], f * p.detach(), atol=1e-14, rtol=0)
+    # the last minibatch alone (8 samples) gives a different r_3
+    last = idx[torch.randperm(40, generator=torch.Generator().manual_seed(5))][32:]
+    ell8 = F.cross_entropy(ref(x[last]), y[last], reduction="none")
+    g8 = torch.autograd.grad(ell8.sum(), [ref.fc2.bias])[0]
+    assert abs(float(ell8[3].detach()) * float(g8.mean()) - r[1]) > 1e-3 * abs(r[1])
 
 
 def test_lr_matched_control_scales_head_gradient_by_running_mean_loss():
@@ -551,3 +683,23 @@ def test_pvr_bad_payload():
     assert float(agg.c_table[1].abs().max()) == 0.0
     with pytest.raises(ValueError, match="number of clients"):
         FedPVR(n_ctrl="all").aggregate(w, U, [1, 1])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="workers=N forks")
+def test_simulator_code_mode_workers_bit_identical_and_shrinks():
+    """code mode through the simulator: workers=2 equals one process, and the shrink changed the
+    global model (against plain FedAvg-style training, n_ctrl=0)."""
+    from fedkernels.sim import presets
+    from fedkernels.sim.config import apply_overrides
+    from fedkernels.sim.server import Simulation
+
+    def run(*extra):
+        cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
+                                                     "algorithm.name=fedpgvc", "algorithm.options.mode=code",
+                                                     "algorithm.options.code_eta=0.05", "bad_client_policy=raise", *extra])
+        s = Simulation(cfg, write_outputs=False)
+        s.run()
+        return s.global_flat.clone()
+    one, two, plain = run(), run("workers=2"), run("algorithm.options.n_ctrl=0")
+    assert torch.equal(one, two)
+    assert not torch.equal(one, plain) and bool(torch.isfinite(one).all())

@@ -1,4 +1,4 @@
-"""FedPGVC (Sahoo et al., TMLR) and the FedPVR baseline (Li et al., CVPR 2023). Spec: specs/fedpgvc.md.
+"""FedPGVC (Sahoo et al., TMLR). Spec: specs/fedpgvc.md. The FedPVR baseline (spec §2.6) is in fedpvr.py.
 
 FedPGVC changes only local training: on the controlled set S_gvc (the last ``n_ctrl`` parameterised
 layers) every local step uses a direction built from the minibatch gradient g and the "gradient
@@ -10,15 +10,14 @@ only the head (no double backprop). Update modes (spec §2.4, ``mode=``):
 * ``additive`` (paper App. §8): u = g + lam * rho
 * ``layer_scalar`` (``stat`` = mean | norm): u_l = s_l * g_l, s_l = mean(rho_l) or ||rho_l||_2 per tensor
 * ``layer_normalize`` (paper Eq. 9, target ``tau``): u_l = (tau / ||g_l||) g_l
-* ``code`` (released script): plain steps, then a one-off multiplicative shrink W_t <- (1 - eta r_t) W_t
+* ``code`` (released script): plain steps, then a one-off shrink W <- (1 - eta r_j) W of every tensor of
+  controlled Keras layer j, r_j from one pass over the whole local set (fedpgvc_modes.py: the mapping)
 * ``lr_matched`` (spec §8 Exp A's matched control, not a FedPGVC variant): u = (1 + lam * lbar) g with
   lbar the running mean of this client's minibatch losses in the current round. It gives the head the
   same average step boost as ``additive`` (rho ~ lbar g) without the per-sample loss weighting.
 
 The server is a plain average (uniform by default, spec §2.3): w <- w + server_lr * sum_k a_k U_k,
 one ``ops.weighted_sum`` pass.
-
-The FedPVR baseline (spec §2.6) is in fedpvr.py.
 """
 from __future__ import annotations
 
@@ -29,56 +28,17 @@ import torch.nn.functional as F
 
 from .. import ops
 from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .fedpgvc_modes import PGVC_MODES, code_plan, code_r, code_shrink_, pgvc_direction_  # noqa: F401 (re-exported)
 from .parts import WEIGHTINGS, check_choice, check_n_ctrl, client_weights, controlled_entries
 
-PGVC_MODES = ("hadamard", "additive", "layer_scalar", "layer_normalize", "code", "lr_matched")
 _MODE_ALIASES = {"paper_literal": "hadamard", "paper": "hadamard"}
 NAN_POLICIES = ("skip", "raise", "propagate")
-
-
-# ---------------------------------------------------------------------------------------------
-# update directions (the arithmetic of the fused pgvc_step, spec §5.2, on lists of tensors)
-# ---------------------------------------------------------------------------------------------
-def pgvc_direction_(grads: List[torch.Tensor], rhos: Optional[List[torch.Tensor]], mode: str,
-                    lam: float = 1.0, stat: str = "mean", tau: float = 1.0) -> List[torch.Tensor]:
-    """Overwrites each g in ``grads`` with the FedPGVC direction u (spec §2.4); returns grads."""
-    if not grads:
-        return grads
-    if mode == "hadamard":
-        torch._foreach_mul_(grads, rhos)
-    elif mode == "additive":
-        torch._foreach_add_(grads, rhos, alpha=lam)
-    elif mode == "layer_scalar":
-        if stat == "mean":
-            s = [r.mean() for r in rhos]
-        else:
-            s = list(torch._foreach_norm(rhos))
-        torch._foreach_mul_(grads, s)
-    elif mode == "layer_normalize":
-        norms = torch._foreach_norm(grads)
-        # a zero gradient stays zero (no direction to normalise)
-        s = [torch.where(n > 0, tau / n.clamp_min(torch.finfo(n.dtype).tiny), torch.zeros_like(n)) for n in norms]
-        torch._foreach_mul_(grads, s)
-    elif mode == "code":
-        pass
-    else:
-        raise ValueError(f"unknown FedPGVC mode {mode!r}")
-    return grads
-
-
-def code_shrink_(tensors: List[torch.Tensor], r: Sequence[float], eta: float) -> None:
-    """The released script's post-training step (spec §2.4 [CODE], U8): W_t <- (1 - eta r_t) W_t."""
-    with torch.no_grad():
-        torch._foreach_mul_(tensors, [1.0 - eta * float(x) for x in r])
 
 
 def _per_sample_ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, target, reduction="none")
 
 
-# ---------------------------------------------------------------------------------------------
-# FedPGVC
-# ---------------------------------------------------------------------------------------------
 class FedPGVCRule(ClientRule):
     """Client side of FedPGVC (spec §2.5 lines 6-11).
 
@@ -97,6 +57,7 @@ class FedPGVCRule(ClientRule):
         self.skipped = 0
         self._skip_step = False
         self.loss_history: List[float] = []
+        self.plan = None   # code mode: fedpgvc_modes.CodePlan
 
     def begin(self, ctx: ClientContext, model) -> None:
         agg = self.aggregator
@@ -105,7 +66,12 @@ class FedPGVCRule(ClientRule):
         self.ctrl = [params[e.name] for e in entries]
         self.skipped = 0
         self.loss_history = []
-        if self.ctrl and agg.mode != "code":
+        # code mode, checked before training: the Keras layer mapping and the local set
+        self.plan = code_plan(model, ctx.spec, entries, agg.code_layers) if self.ctrl and agg.mode == "code" else None
+        if self.plan is not None and ctx.extras.get("local_data") is None:
+            raise ValueError("FedPGVC mode 'code' needs ctx.extras['local_data']: the client's whole local "
+                             "set as (x, y) batches (the script computes r from every local sample)")
+        if self.ctrl and self.plan is None:
             self._hook = model.register_forward_hook(self._capture)
 
     def _capture(self, module, inputs, output):
@@ -145,8 +111,7 @@ class FedPGVCRule(ClientRule):
             return None
         # rho = (1/B) sum_b l_b grad l_b = grad of mean(stopgrad(l) * l): a first-order gradient
         self.last_rho = list(torch.autograd.grad((w * ell).mean(), self.ctrl, retain_graph=True,
-                                                 allow_unused=True))
-        self.last_rho = [torch.zeros_like(p) if r is None else r for p, r in zip(self.ctrl, self.last_rho)]
+                                                 materialize_grads=True))
         return None
 
     def before_step(self, ctx: ClientContext, model) -> None:
@@ -173,33 +138,10 @@ class FedPGVCRule(ClientRule):
         out: Dict[str, Any] = {"pgvc_skipped_steps": self.skipped}
         if self.loss_history:
             out["pgvc_mean_loss"] = sum(self.loss_history) / len(self.loss_history)
-        if self.ctrl and agg.mode == "code":
-            r = self._code_r(ctx, model)
-            code_shrink_(self.ctrl, r, agg.code_eta if agg.code_eta is not None else ctx.lr)
+        if self.plan is not None:
+            r = code_r(model, agg.loss_fn, ctx.extras["local_data"], self.plan)
+            code_shrink_(self.plan.tensors, r, agg.code_eta if agg.code_eta is not None else ctx.lr, self.plan.owner)
         return out
-
-    def _code_r(self, ctx: ClientContext, model) -> List[float]:
-        """[CODE] r_t = l_t * mean(G_t), G = grad of the summed loss over the local data, t = tensor index."""
-        data = ctx.extras.get("local_data") or ([ctx.batch] if ctx.batch is not None else [])
-        if not data:
-            raise ValueError("FedPGVC mode 'code' needs ctx.extras['local_data'] (batches) or ctx.batch")
-        allp = [p for p in model.parameters() if p.requires_grad]
-        G = [torch.zeros_like(p) for p in allp]
-        losses = []
-        for x, y in data:
-            ell = self.aggregator.loss_fn(model(x), y)
-            gs = torch.autograd.grad(ell.sum(), allp, allow_unused=True)
-            for acc, g in zip(G, gs):
-                if g is not None:
-                    acc.add_(g)
-            losses.append(ell.detach())
-        ells = torch.cat(losses)
-        idx = {id(p): t for t, p in enumerate(allp)}
-        r = []
-        for p in self.ctrl:
-            t = idx[id(p)]
-            r.append(float(ells[t]) * float(G[t].mean()) if t < ells.numel() else 0.0)
-        return r
 
 
 @register("fedpgvc")
@@ -209,6 +151,7 @@ class FedPGVC(Aggregator):
     Options: ``n_ctrl`` (int >= 0 or "all"; default 2), ``ctrl_modules`` (explicit module names),
     ``mode`` (see module doc; default "hadamard" = paper-literal), ``lam`` (additive), ``stat``
     (layer_scalar: mean|norm), ``tau`` (layer_normalize), ``code_eta`` (code mode; None = client lr),
+    ``code_layers`` (code mode: the model's Keras layer list, default ``model.keras_layers``),
     ``loss_clip`` (clip l inside rho only), ``loss_fn`` (per-sample loss (out, target) -> [B]),
     ``nan_policy`` (skip|raise|propagate), ``weighting`` (uniform|samples)."""
 
@@ -216,8 +159,9 @@ class FedPGVC(Aggregator):
 
     def __init__(self, n_ctrl: Union[int, str] = 2, ctrl_modules: Optional[Sequence[str]] = None,
                  mode: str = "hadamard", lam: float = 1.0, stat: str = "mean", tau: float = 1.0,
-                 code_eta: Optional[float] = 0.001, loss_clip: Optional[float] = None, loss_fn=None,
-                 nan_policy: str = "skip", weighting: str = "uniform", **kw):
+                 code_eta: Optional[float] = 0.001, code_layers: Optional[Sequence[str]] = None,
+                 loss_clip: Optional[float] = None, loss_fn=None, nan_policy: str = "skip",
+                 weighting: str = "uniform", **kw):
         super().__init__(**kw)
         mode = _MODE_ALIASES.get(mode, mode)
         if mode not in PGVC_MODES:
@@ -231,6 +175,7 @@ class FedPGVC(Aggregator):
         self.n_ctrl, self.ctrl_modules = n_ctrl, (list(ctrl_modules) if ctrl_modules is not None else None)
         self.mode, self.lam, self.stat, self.tau = mode, float(lam), stat, float(tau)
         self.code_eta, self.loss_clip = code_eta, loss_clip
+        self.code_layers = list(code_layers) if code_layers is not None else None
         self.loss_fn = loss_fn if loss_fn is not None else _per_sample_ce
         self.nan_policy, self.weighting = nan_policy, weighting
 

@@ -24,7 +24,9 @@ Hook order (see ``fedkernels.algorithms.base.ClientRule``)::
 
 ``ctx.extras`` holds, before ``begin``: ``epochs`` (this client's local epochs, None when
 ``train.steps`` is set), ``planned_steps`` (local steps this round), ``batch_size``, ``momentum``,
-``weight_decay``, ``optimizer`` (its name) and ``base_lr`` (the lr before the round schedule).
+``weight_decay``, ``optimizer`` (its name), ``base_lr`` (the lr before the round schedule) and
+``local_data`` (the client's whole local set in stored order, untransformed, as (x, y) chunks of at
+most 1024 samples; a generator: nothing is gathered unless a rule reads it, as FedPGVC's ``code`` mode).
 """
 from __future__ import annotations
 
@@ -185,7 +187,8 @@ class ClientTrainer:
         ctx.extras.update(epochs=None if t.steps is not None else int(epochs), planned_steps=steps,
                           batch_size=int(t.batch_size), momentum=float(t.momentum),
                           weight_decay=float(t.weight_decay), optimizer=t.optimizer,
-                          base_lr=float(base_lr if base_lr is not None else lr))
+                          base_lr=float(base_lr if base_lr is not None else lr),
+                          local_data=((self.x[c], self.y[c]) for c in idx.split(1024)))
         if rule is not None:
             rule.begin(ctx, model)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -37,6 +37,10 @@ mlp_digits             64-128-10 (kuramoto KR-2, fedaware FR-2)      digits     
 logreg                 multinomial logistic regression (fedecado)    60 feat, 10   610
 =====================  ===========================================  ============  ============
 
+``keras_layers`` (the small models): the model as a Keras ``Sequential`` would list its layers
+(parameterised modules by name, activations folded in, "pool"/"flatten" for parameter-free layers);
+FedPGVC's ``code`` mode indexes the released script's r by this list (algorithms/fedpgvc_modes.py).
+
 Initialisation follows each spec where it names one; ``init=`` overrides it: "model" (the
 default: as the class builds it), "torch" (PyTorch's layer defaults), "kaiming" (Kaiming-normal
 fan_in weights and zero biases, as in the GC-Fed code). The registry entries for GC-Fed's models
@@ -121,6 +125,10 @@ class MLP(nn.Module):
         for i in range(self.num_layers):
             setattr(self, f"fc{i + 1}", nn.Linear(dims[i], dims[i + 1]))
 
+    @property
+    def keras_layers(self):
+        return ("flatten",) + tuple(f"fc{i + 1}" for i in range(self.num_layers))
+
     def forward(self, x):
         x = x.flatten(1)
         for i in range(1, self.num_layers):
@@ -130,6 +138,8 @@ class MLP(nn.Module):
 
 class LogReg(nn.Module):
     """Multinomial logistic regression: one Linear on the flattened input (softmax in the loss)."""
+
+    keras_layers = ("flatten", "fc")
 
     def __init__(self, in_features: int, num_classes: int):
         super().__init__()
@@ -147,6 +157,8 @@ class FedAvgCNN(nn.Module):
 
     MNIST/FMNIST (Kuramoto ``FedAvgNetMNIST``): 1,663,370 params; CIFAR-10 (GC-Fed CNN): 2,156,490.
     """
+
+    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2")
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28,
                  widths: tuple = (32, 64, 512), name: str = "fedavg_cnn"):
@@ -170,6 +182,8 @@ class ToyCifarNet(nn.Module):
 
     Its init (as in the code): Kaiming-normal(fan_out) convs, N(0, 0.01) linears, zero biases.
     """
+
+    keras_layers = ("conv1", "pool", "conv2", "pool", "conv3", "flatten", "fc1", "fc2")
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, input_size: int = 32):
         super().__init__()
@@ -200,6 +214,8 @@ class LeNet5(nn.Module):
     (flatten 400): 69,656 params, the FedPGVC code's "5-layer CNN (Duan et al. 2023)".
     """
 
+    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2", "fc3")   # create_cnn_model
+
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 6, 5)
@@ -224,6 +240,8 @@ class LeNetKeras(nn.Module):
 
     164,116 params on 28x28 (the last two layers hold 162,214).
     """
+
+    keras_layers = ("conv1", "pool", "conv2", "pool", "dense1", "flatten", "fc1", "fc2")   # build_lenet
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
         super().__init__()
@@ -250,6 +268,8 @@ class SmallCNN(nn.Module):
     18,378 params on 28x28 (flatten 512). The spec says "about 21k"; its own layer list gives
     416 + 12,832 + 5,130 = 18,378, which is what we build.
     """
+
+    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc")
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
         super().__init__()
@@ -278,6 +298,8 @@ class DigitCNN(FedAvgCNN):
 class DigitCNNPGVC(nn.Module):
     """FedPGVC's "5-layer CNN analogue" for 8x8: conv3x3 1->6 p1, pool, conv3x3 6->16 p1, pool,
     fc 64->64->32->C (ReLU). 7,510 params."""
+
+    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2", "fc3")
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 8):
         super().__init__()
