@@ -703,3 +703,18 @@ def test_simulator_code_mode_workers_bit_identical_and_shrinks():
     one, two, plain = run(), run("workers=2"), run("algorithm.options.n_ctrl=0")
     assert torch.equal(one, two)
     assert not torch.equal(one, plain) and bool(torch.isfinite(one).all())
+
+
+def test_simulator_code_mode_bad_layer_list_stops_at_setup():
+    """A model whose Keras layer list is unknown (or wrong) stops the run once, at setup, even under
+    the exclude policy (which would otherwise drop every client of every round with a warning)."""
+    from fedkernels.sim import presets
+    from fedkernels.sim.config import apply_overrides
+    from fedkernels.sim.server import Simulation
+
+    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
+                                                 "algorithm.name=fedpgvc", "algorithm.options.mode=code",
+                                                 "algorithm.options.code_layers=[nope]", "bad_client_policy=exclude"])
+    s = Simulation(cfg, write_outputs=False)
+    with pytest.raises(ValueError, match="code_layers"):
+        s.setup()

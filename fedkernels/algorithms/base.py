@@ -335,6 +335,11 @@ class ClientRule:
     def __init__(self, aggregator: Optional[Aggregator] = None) -> None:
         self.aggregator = aggregator
 
+    def check_model(self, model: torch.nn.Module, spec: FlatSpec) -> None:
+        """Called once by a simulator before the first round with the global model: raises
+        ValueError for a model this rule cannot train, so a run stops at once with one line instead
+        of failing (or, under an exclude policy, dropping) every client of every round."""
+
     def begin(self, ctx: ClientContext, model: torch.nn.Module) -> None:
         pass
 

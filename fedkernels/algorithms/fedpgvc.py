@@ -59,6 +59,12 @@ class FedPGVCRule(ClientRule):
         self.loss_history: List[float] = []
         self.plan = None   # code mode: fedpgvc_modes.CodePlan
 
+    def check_model(self, model, spec) -> None:
+        agg = self.aggregator
+        entries = agg.ctrl_entries(spec)
+        if entries and agg.mode == "code":
+            code_plan(model, spec, entries, agg.code_layers)   # raises for a model without a Keras layer list
+
     def begin(self, ctx: ClientContext, model) -> None:
         agg = self.aggregator
         entries = agg.ctrl_entries(ctx.spec)

@@ -263,6 +263,9 @@ class Simulation:
         self.schedule = sample_schedule(cfg.seed, cfg.num_clients, self.per_round, cfg.rounds)
         self.agg = self._build_aggregator()
         self.agg.setup(self.spec, cfg.num_clients, self.global_flat)
+        rule = self.agg.client_rule()
+        if rule is not None:
+            rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
         self.buf = UpdateBuffer(self.per_round, self.spec, device=dev, dtype=self.spec.dtype)
         self.writer = RunWriter(self.run_dir) if self.write_outputs and self.is_main else None
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
