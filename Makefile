@@ -77,8 +77,10 @@ $(PEERS_VENV)/.stamp:
 	$(PEERS_VENV)/bin/pip install -q $(PEERS_PKGS) || echo "a peer could not be installed: its rows will say why"
 	touch $@
 
+# e.g. make bench-sim BENCH_SIM_ARGS="--repeat 3" on a shared machine (fedkernels w1/w2 and the plain loop interleaved)
+BENCH_SIM_ARGS ?=
 bench-sim: build $(PEERS_VENV)/.stamp
-	PEERS=$(abspath $(PEERS_VENV))/bin/python $(PYBIN) -m bench.sim_compare
+	PEERS=$(abspath $(PEERS_VENV))/bin/python $(PYBIN) -m bench.sim_compare $(BENCH_SIM_ARGS)
 
 clean:
 	rm -rf build fedkernels/_C*.so $(VENV)/.stamp-build $(VENV)/.stamp-installed

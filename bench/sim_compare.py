@@ -24,8 +24,21 @@ partition, schedule and initial model come from fedkernels' own functions in eve
 ``client_seed(seed, round, client_id)`` in fedkernels and the plain loop (so those two match
 closely), the peers use their own data pipelines with the same batch size and epochs.
 
+Sampling: every runner trains the clients of fedkernels' pre-drawn schedule in each round. pfl
+draws users from an iterator over the schedule; Flower's strategy sends each round's messages to the
+supernodes whose ``partition-id`` is scheduled (the node-id -> partition-id map its simulation
+builds; every reply names its partition and a round whose replies differ from the schedule stops
+the run), ``FLOWER_SAMPLING=flower`` for Flower's own uniform sampling instead.
+
+Load: the machine may be shared. Every row records ``os.getloadavg()`` at its start and end;
+``--repeat N`` runs fedkernels workers=1, workers=2 and the plain loop N times interleaved (w1, w2,
+plain, w1, ...) and the ratios are taken within each cycle, then their median (``ratios`` in the
+JSON). A runner that hits its time limit (``--timeout``; ``--flower-timeout`` for Flower, whose
+Ray start-up and first round with 1,000 supernodes are slow) still reports how far it got: rounds
+done and their times (it prints a ``PROGRESS`` line per round on stderr).
+
 Writes bench/results/sim-compare.json (``--out``) and prints a Markdown table with ratios to the
-fedkernels workers=1 run.
+fedkernels workers=1 run and to the plain loop.
 """
 from __future__ import annotations
 
@@ -187,12 +200,24 @@ def run_plain(task: str) -> Dict[str, Any]:
             "threads_per_process": _t.get_num_threads()}
 
 
+def _progress(state: Dict[str, Any]) -> None:
+    """A runner's partial result so far, on stderr (the parent keeps the last one if the runner
+    is stopped at its time limit: how far it got)."""
+    print("PROGRESS " + json.dumps({"first_round_start": state.get("first"), "rounds": state["rounds"],
+                                    **state.get("extra", {})}), file=sys.stderr, flush=True)
+
+
 def run_flower(task: str) -> Dict[str, Any]:
     """Flower's simulation engine (Ray backend, Message API): a ClientApp per partition (node
-    ``partition-id``), FedAvg with centralised evaluation; 1 CPU per client, 1 thread per actor."""
+    ``partition-id``), FedAvg with centralised evaluation; 1 CPU per client, 1 thread per actor.
+
+    Sampling: ``FLOWER_SAMPLING=schedule`` (default) sends each round's messages to the nodes whose
+    ``partition-id`` is in fedkernels' pre-drawn schedule (the node-id -> partition-id map Flower's
+    simulation builds when it registers the nodes; every reply says which partition trained and the
+    round stops if they differ); ``FLOWER_SAMPLING=flower`` uses Flower's own uniform sampling."""
     import numpy as np
     import torch
-    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
@@ -200,8 +225,10 @@ def run_flower(task: str) -> Dict[str, Any]:
     from fedkernels.sim.client import client_seed
     t = TASKS[task]
     rounds_env = os.environ.get("BENCH_CD_ROUNDS")
+    sampling = os.environ.get("FLOWER_SAMPLING", "schedule")
     xt, yt, model0 = None, None, None
-    state = {"first": None, "rounds": [], "last": None, "agg": 0.0}
+    state: Dict[str, Any] = {"first": None, "rounds": [], "last": None, "agg": 0.0, "sent": None,
+                             "extra": {"sampling": sampling}}
     client = ClientApp()
 
     @client.train()
@@ -228,11 +255,43 @@ def run_flower(task: str) -> Dict[str, Any]:
                 crit(model(x[b]), y[b]).backward()
                 opt.step()
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
+                                   "metrics": MetricRecord({"num-examples": n, "partition-id": cid})}),
+                       reply_to=msg)
+
+    # node id -> partition id, as Flower's simulation registers the supernodes (same process)
+    import flwr.server.superlink.fleet.vce.vce_api as vce_api
+    node_of: Dict[int, int] = {}
+    register = vce_api._register_nodes
+
+    def _register(num_nodes, state_factory):
+        mapping = register(num_nodes, state_factory)
+        node_of.update({int(p): int(nid) for nid, p in mapping.items()})
+        return mapping
+    vce_api._register_nodes = _register
+    sched = cached_setup(task)[5]
 
     class TimedFedAvg(FedAvg):
+        def configure_train(self, server_round, arrays, config, grid):
+            state["sent"] = _now()
+            if sampling != "schedule" or t["per_round"] >= t["clients"]:
+                return super().configure_train(server_round, arrays, config, grid)
+            deadline = time.monotonic() + 120
+            while len(node_of) < t["clients"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            config["server-round"] = server_round
+            record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+            ids = sched[server_round - 1]
+            return self._construct_messages(record, [node_of[c] for c in ids], MessageType.TRAIN)
+
         def aggregate_train(self, server_round, replies):
+            replies = list(replies)
             a = _now()
+            state["first_reply_wait"] = a - state["sent"]
+            if sampling == "schedule" and t["per_round"] < t["clients"]:
+                got = sorted(int(m.content["metrics"]["partition-id"]) for m in replies if not m.has_error())
+                if got != sorted(sched[server_round - 1]):
+                    raise RuntimeError(f"round {server_round}: replies from partitions {got[:5]}..., "
+                                       f"expected the schedule's {sched[server_round - 1][:5]}...")
             out = super().aggregate_train(server_round, replies)
             state["agg"] += _now() - a
             return out
@@ -250,6 +309,7 @@ def run_flower(task: str) -> Dict[str, Any]:
             start = state["last"]
             state["rounds"].append({"round": server_round, "t": end - start, "t_local": te - start - state["agg"],
                                     "t_agg": state["agg"], "t_eval": end - te, "accuracy": acc})
+            _progress(state)
         state["agg"] = 0.0
         state["last"] = end
         return MetricRecord({"accuracy": acc})
@@ -272,7 +332,10 @@ def run_flower(task: str) -> Dict[str, Any]:
     del np, xt, yt, model0
     return {"first_round_start": state["first"], "rounds": state["rounds"],
             "final_accuracy": state["rounds"][-1]["accuracy"] if state["rounds"] else None,
-            "threads_per_process": 1, "sampling": "Flower's own (uniform)" if t["per_round"] < t["clients"] else "all"}
+            "threads_per_process": 1,
+            "sampling": ("all" if t["per_round"] >= t["clients"] else
+                         "fedkernels' schedule (node-id -> partition-id map)" if sampling == "schedule" else
+                         "Flower's own (uniform)")}
 
 
 def _bench_threads() -> Optional[int]:
@@ -412,20 +475,32 @@ def launch(runner: str, task: str, python: str, timeout: float) -> Dict[str, Any
             stop.wait(0.5)
     th = threading.Thread(target=watch, daemon=True)
     th.start()
+    load0 = loadavg()
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
         out, err = p.communicate()
         stop.set()
-        return {"runner": runner, "task": task, "error": f"timed out after {timeout:.0f}s"}
+        row = {"runner": runner, "task": task, "error": f"timed out after {timeout:.0f}s",
+               "loadavg_start": load0, "loadavg_end": loadavg(), "peak_pss_mib": round(peak[0] / 1024, 1)}
+        prog = [ln for ln in err.splitlines() if ln.startswith("PROGRESS ")]
+        if prog:                                   # how far it got
+            got = json.loads(prog[-1][9:])
+            ts = [r["t"] for r in got["rounds"]]
+            row.update(rounds_run=len(ts), per_round_s=ts,
+                       startup_s=(got["first_round_start"] - t0) if got.get("first_round_start") else None,
+                       accuracy_at_stop=got["rounds"][-1]["accuracy"] if got["rounds"] else None,
+                       **({"round_median_s": statistics.median(ts[1:])} if len(ts) > 1 else {}))
+        return row
     finally:
         stop.set()
         th.join()
     t_end = _now()
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not line:
-        return {"runner": runner, "task": task, "error": f"exit {p.returncode}: {err.strip()[-600:]}"}
+        return {"runner": runner, "task": task, "error": f"exit {p.returncode}: {err.strip()[-600:]}",
+                "loadavg_start": load0, "loadavg_end": loadavg()}
     res = json.loads(line[-1][7:])
     rounds = res.pop("rounds")
     ts = [r["t"] for r in rounds]
@@ -436,6 +511,7 @@ def launch(runner: str, task: str, python: str, timeout: float) -> Dict[str, Any
             "round1_s": ts[0], "startup_s": res["first_round_start"] - t0, "total_s": t_end - t0,
             "median_split_s": split, "peak_pss_mib": round(peak[0] / 1024, 1),
             "final_accuracy": res.get("final_accuracy"), "per_round_s": ts,
+            "loadavg_start": load0, "loadavg_end": loadavg(),
             **{k: v for k, v in res.items() if k not in ("first_round_start", "final_accuracy")}}
 
 
@@ -453,6 +529,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--peers-python", default=os.environ.get("PEERS", sys.executable),
                     help="python of the environment with flwr[simulation] and pfl")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--flower-timeout", type=float, default=1800,
+                    help="time limit of a Flower row (1,000 supernodes: Ray start-up and the first round take long)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the --repeat-runners this many times, interleaved (cycle: w1, w2, plain, w1, ...), "
+                         "so that the ratios between them are measured under the same load; other runners once")
+    ap.add_argument("--repeat-runners", default="fedkernels-w1,fedkernels-w2,plain")
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads of every single-process runner (default: torch's, = cores); "
                          "1 on a machine where other jobs hold cores (OpenMP spin-waits collapse there)")
@@ -469,25 +551,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         if _bench_threads():
             import torch
             torch.set_num_threads(_bench_threads())
-        res = RUN[a.run](a.task)
+        # through the importable module, not __main__: Flower passes its ClientApp with every message
+        # (Ray pickles it each time), and functions of __main__ are pickled by value, so the actors'
+        # cached_setup cache would be empty at every message (each client would reload the data set
+        # and redo the partition: measured 41.7 s per cross-device round instead of a few)
+        import importlib
+        res = importlib.import_module("bench.sim_compare").RUN[a.run](a.task)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     rows = []
     load_before = loadavg()
+    again = set(a.repeat_runners.split(","))
     for task in a.tasks.split(","):
-        for runner in a.runners.split(","):
-            py = a.peers_python if runner in ("flower", "pfl") else sys.executable
-            print(f"{task} / {runner} ...", file=sys.stderr, flush=True)
-            rows.append(launch(runner, task, py, a.timeout))
-            print("  " + json.dumps({k: v for k, v in rows[-1].items() if k != "per_round_s"}), file=sys.stderr,
-                  flush=True)
+        for rep in range(max(1, a.repeat)):
+            for runner in a.runners.split(","):
+                if rep > 0 and runner not in again:
+                    continue
+                py = a.peers_python if runner in ("flower", "pfl") else sys.executable
+                print(f"{task} / {runner} (rep {rep}) ...", file=sys.stderr, flush=True)
+                rows.append(launch(runner, task, py, a.flower_timeout if runner == "flower" else a.timeout))
+                rows[-1]["rep"] = rep
+                print("  " + json.dumps({k: v for k, v in rows[-1].items() if k != "per_round_s"}), file=sys.stderr,
+                      flush=True)
     import platform
     import torch
     doc = {"bench": "sim_compare", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                        "torch": torch.__version__, "platform": platform.platform(),
                        "loadavg_before": load_before, "loadavg_after": loadavg()},
-           "threads_option": a.threads, "tasks": TASKS, "hyper_parameters": HP, "rows": rows}
+           "threads_option": a.threads, "repeat": a.repeat, "tasks": TASKS, "hyper_parameters": HP,
+           "command": " ".join(["python -m bench.sim_compare"] + (argv if argv is not None else sys.argv[1:])),
+           "rows": rows, "ratios": ratios(rows)}
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
@@ -496,24 +590,60 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def ratios(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per task and runner: per-round median over its repetitions and its ratio to the plain loop
+    (the sequential floor) and to fedkernels workers=1, each taken within the same repetition (the
+    same load), then the median over repetitions."""
+    out: Dict[str, Any] = {}
+    ok = [r for r in rows if r.get("round_median_s") is not None and "error" not in r]
+    for task in sorted({r["task"] for r in ok}):
+        for runner in dict.fromkeys(r["runner"] for r in ok if r["task"] == task):
+            mine = [r for r in ok if r["task"] == task and r["runner"] == runner]
+            ent = {"round_median_s": statistics.median(r["round_median_s"] for r in mine), "reps": len(mine)}
+            for ref_name, key in (("plain", "vs_plain"), ("fedkernels-w1", "vs_fedkernels_w1")):
+                refs = {r["rep"]: r for r in ok if r["task"] == task and r["runner"] == ref_name}
+                if not refs:
+                    continue
+                vals = []
+                for r in mine:
+                    ref = refs.get(r.get("rep"))
+                    base = ref["round_median_s"] if ref else statistics.median(x["round_median_s"] for x in refs.values())
+                    vals.append(r["round_median_s"] / base)
+                ent[key] = statistics.median(vals)
+                ent[key + "_each"] = vals
+            out[f"{task}/{runner}"] = ent
+    return out
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
-    out = ["| task | runner | threads/process | per round (median r2+, min-max) | vs fedkernels w1 | vs plain loop | "
-           "round 1 | start-up | total | local / agg / eval (median) | peak PSS | final acc |", "|" + "---|" * 12]
-    base = {r["task"]: r for r in rows if r["runner"] == "fedkernels-w1" and "error" not in r}
-    floor = {r["task"]: r for r in rows if r["runner"] == "plain" and "error" not in r}
+    out = ["| task | runner | rep | threads/process | per round (median r2+, min-max) | vs fedkernels w1 | vs plain loop | "
+           "round 1 | start-up | total | local / agg / eval (median) | peak PSS | final acc | load (1 min) start-end |",
+           "|" + "---|" * 14]
+
+    def ref_of(r, name):
+        same = [x for x in rows if x["task"] == r["task"] and x["runner"] == name and "error" not in x]
+        for x in same:
+            if x.get("rep") == r.get("rep"):
+                return x["round_median_s"]
+        return statistics.median(x["round_median_s"] for x in same) if same else None
     for r in rows:
+        load = f"{r.get('loadavg_start', [0])[0]:.1f}-{r.get('loadavg_end', [0])[0]:.1f}"
         if "error" in r:
-            out.append(f"| {r['task']} | {r['runner']} | not run: {r['error'][:120]} |" + " |" * 9)
+            got = (f"; {r['rounds_run']} rounds done, median {r['round_median_s']:.2f} s/round after round 1"
+                   if r.get("round_median_s") is not None else "")
+            out.append(f"| {r['task']} | {r['runner']} | {r.get('rep', 0)} | not run to the end: {r['error'][:120]}{got} |"
+                       + " |" * 9 + f" {load} |")
             continue
-        ratios = []
-        for ref in (base.get(r["task"]), floor.get(r["task"])):
-            ratios.append(f"{r['round_median_s'] / ref['round_median_s']:.2f}x" if ref else "n/a")
+        ratios_ = []
+        for name in ("fedkernels-w1", "plain"):
+            ref = ref_of(r, name)
+            ratios_.append(f"{r['round_median_s'] / ref:.2f}x" if ref else "n/a")
         s = r["median_split_s"]
-        out.append(f"| {r['task']} | {r['runner']} | {r.get('threads_per_process')} | {r['round_median_s']:.2f} s "
-                   f"({r['round_min_s']:.2f}-{r['round_max_s']:.2f}) | {ratios[0]} | {ratios[1]} | "
-                   f"{r['round1_s']:.2f} s | {r['startup_s']:.2f} s | {r['total_s']:.1f} s | "
+        out.append(f"| {r['task']} | {r['runner']} | {r.get('rep', 0)} | {r.get('threads_per_process')} | "
+                   f"{r['round_median_s']:.2f} s ({r['round_min_s']:.2f}-{r['round_max_s']:.2f}) | {ratios_[0]} | "
+                   f"{ratios_[1]} | {r['round1_s']:.2f} s | {r['startup_s']:.2f} s | {r['total_s']:.1f} s | "
                    f"{s['t_local']:.2f} / {1e3 * s['t_agg']:.1f} ms / {s['t_eval']:.2f} | "
-                   f"{r['peak_pss_mib']:.0f} MiB | {100 * (r['final_accuracy'] or 0):.2f}% |")
+                   f"{r['peak_pss_mib']:.0f} MiB | {100 * (r['final_accuracy'] or 0):.2f}% | {load} |")
     return "\n".join(out)
 
 

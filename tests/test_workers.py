@@ -227,3 +227,24 @@ def test_default_threads():
     cores = len(os.sched_getaffinity(0))
     assert default_threads(1) == cores
     assert default_threads(cores * 2) == 1
+
+
+def test_evaluation_in_the_workers_bit_identical(monkeypatch):
+    """Accuracy, test loss, the clients' losses and global_loss: computed batch by batch in the workers
+    (uneven batches, more batches than workers, every client's loss), equal bit for bit to one process."""
+    extra = ["client_loss=all", "eval_batch_size=97", "rounds=3"]
+    s1, _ = run(smoke(*extra))
+    ref = strip(s1.metrics)
+    assert all(len(s1.yt) % 97 and "global_loss" in m and "client_loss_var" in m for m in ref)
+
+    def not_here(*a, **k):
+        raise AssertionError("workers>1 evaluates in the worker processes, not in the main one")
+    monkeypatch.setattr("fedkernels.sim.server.evaluate", not_here)
+    monkeypatch.setattr("fedkernels.sim.server.client_losses", not_here)
+    for w in ("workers=2", "workers=3"):
+        s, _ = run(smoke(w, *extra))
+        assert strip(s.metrics) == ref
+        assert torch.equal(s.global_flat, s1.global_flat)
+    s, _ = run(smoke("workers=2", "client_loss=participants", "eval_batch_size=5000"))   # one batch, one worker idle
+    monkeypatch.undo()
+    assert strip(s.metrics) == strip(run(smoke("client_loss=participants", "eval_batch_size=5000"))[0].metrics)

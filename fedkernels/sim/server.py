@@ -477,11 +477,17 @@ class Simulation:
         cfg = self.cfg
         te = time.perf_counter()
         self.trainer.work.copy_(self.global_flat)
-        acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
+        who = (None if cfg.client_loss == "none" else
+               list(range(cfg.num_clients)) if cfg.client_loss == "all" else list(trained))
+        if cfg.workers > 1:   # the forward passes in the worker processes, batch by batch (the same numbers)
+            from .workers import pool_for
+            acc, tl, cl = pool_for(self).evaluate(r, cfg.eval_batch_size, who)
+        else:
+            acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
+            cl = None if who is None else client_losses(self.model, self.x, self.y, self.parts, who,
+                                                        cfg.eval_batch_size)
         m.update(accuracy=acc, test_loss=tl)
-        if cfg.client_loss != "none":
-            who = list(range(cfg.num_clients)) if cfg.client_loss == "all" else list(trained)
-            cl = client_losses(self.model, self.x, self.y, self.parts, who, cfg.eval_batch_size)
+        if who is not None:
             if cl:
                 m.update(client_loss_mean=float(np.mean(cl)), client_loss_var=float(np.var(cl)))
                 if cfg.client_loss == "all":   # the federated objective sum_i n_i f_i / sum_i n_i

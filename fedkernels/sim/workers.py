@@ -2,8 +2,9 @@
 
     fedkernels run --preset demo workers=2          # or cfg.workers = 2; Simulation(cfg).run()
 
-The pool implements the local-training phase (``Simulation.train_local``) only; payloads, the
-exchange, the aggregation and the evaluation stay in the main process, unchanged.
+The pool runs the local-training phase (``Simulation.train_local``) and the evaluation's forward
+passes (``Simulation.evaluate_round``: test accuracy and loss, the clients' losses); payloads, the
+exchange and the aggregation stay in the main process, unchanged.
 
 * *Start.* The pool is started once per run, at the first round, by ``fork``: every worker inherits
   the set-up simulation (data, partition, model, FlatSpec, aggregator configuration, transform),
@@ -18,6 +19,14 @@ exchange, the aggregation and the evaluation stay in the main process, unchanged
   finite-update check) and writes row ``pos`` of the buffer; the main process then packs the rows of
   the accepted clients in schedule order (a copy only when a client was excluded), so the aggregator
   sees exactly the matrix of one process.
+* *Evaluation.* The forward passes are split by evaluation batch: one task per batch of
+  ``eval_batch_size`` rows (the batches of :func:`fedkernels.sim.client.evaluate` and
+  :func:`~fedkernels.sim.client.client_losses`, the same boundaries), from the same queue. A test
+  batch returns its number of correct predictions and its float64 summed loss, a client-loss batch
+  its float64 per-sample losses; the main process adds them up in batch order exactly as the
+  one-process functions do, so accuracy, test loss and client losses are the same bit for bit. With
+  fewer batches than workers some workers wait (a batch is never split: another batch shape could
+  round differently).
 * *Same results.* Every client's randomness comes from ``client_seed(seed, round, client_id)`` and
   it starts from the same global vector, so which process trains it does not matter: ``workers=N``
   gives ``workers=1`` bit for bit at the same per-process thread count (``threads``; CPU kernels
@@ -91,19 +100,54 @@ def _die_with_parent() -> None:
         pass
 
 
+def _eval_batch(sim, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any]):
+    """One evaluation batch of the global model (rows ``s:e``): ``(correct, float64 loss sum)`` of the
+    test set, or the float64 per-sample losses of the listed clients' training data (as numpy).
+    The same operations as ``client.evaluate`` / ``client.client_losses`` on that batch."""
+    from torch import nn
+    model = sim.model
+    sim.trainer.work.copy_(sim.global_flat)          # the model's tensors are views of work
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if job["what"] == "test":
+                out = model(sim.xt[s:e])
+                yb = sim.yt[s:e]
+                loss = nn.CrossEntropyLoss(reduction="sum")(out, yb).double()
+                return int((out.argmax(1) == yb).sum()), float(loss)
+            if cache.get("job") != job["id"]:         # the clients' rows, once per evaluation
+                cache["job"] = job["id"]
+                cache["idx"] = torch.cat([sim.parts[c] for c in job["clients"]])
+            b = cache["idx"][s:e]
+            return nn.CrossEntropyLoss(reduction="none")(model(sim.x[b]), sim.y[b]).double().cpu().numpy()
+    finally:
+        model.train(was)
+
+
 def _worker_main(sim, index: int, threads: int, tasks, conn) -> None:
-    """One worker: takes (round, factor, pos, cid, base_lr, epochs, payload) tasks until None."""
+    """One worker: takes ("train", round, factor, pos, cid, base_lr, epochs, payload) and
+    ("eval", job, batch, start, stop) tasks until None."""
     from .server import BadClientError
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     torch.set_num_threads(int(threads))
+    cache: Dict[str, Any] = {}
     try:
         while True:
             task = tasks.get()
             if task is None:
                 break
-            r, factor, pos, cid, base_lr, epochs, payload = task
+            if task[0] == "eval":
+                _, job, k, s, e = task
+                try:
+                    msg = ("eval", k, _eval_batch(sim, job, s, e, cache))
+                except Exception as ex:  # noqa: BLE001 - the main process raises it
+                    msg = ("eval_err", k, f"{type(ex).__name__}: {ex}")
+                conn.send(msg)
+                continue
+            _, r, factor, pos, cid, base_lr, epochs, payload = task
             try:
                 if isinstance(payload, BaseException):
                     raise payload
@@ -144,6 +188,7 @@ class WorkerPool:
         self.conns: List[Any] = []
         self.tasks = None
         self.t_start = 0.0
+        self._jobs = 0
 
     def start(self) -> "WorkerPool":
         import torch.multiprocessing as tmp
@@ -190,28 +235,8 @@ class WorkerPool:
                 payload = payload_of(pos)
             except Exception as e:  # noqa: BLE001 - counts as the client's failure, as in one process
                 payload = e
-            self.tasks.put((r, factor, pos, cid, base_lr, epochs, payload))
-        results: Dict[int, Any] = {}
-        pending = len(order)
-        live = {c: i for i, c in enumerate(self.conns)}
-        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
-        while pending:
-            ready = mp_wait(list(live) + list(sentinels))
-            for obj in ready:
-                if obj in live:
-                    try:
-                        kind, pos, val = obj.recv()
-                    except EOFError:
-                        live.pop(obj)
-                        continue
-                    results[pos] = (kind, val)
-                    pending -= 1
-                elif obj in sentinels:
-                    i = sentinels[obj]
-                    p = self.procs[i]
-                    p.join(0.1)
-                    raise RuntimeError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
-                                       f"during round {r + 1}; the run stops")
+            self.tasks.put(("train", r, factor, pos, cid, base_lr, epochs, payload))
+        results = self._collect(len(order), r)
         # schedule order; the accepted clients' rows packed at the front of the buffer
         buf = sim.buf
         accepted: List[Dict[str, Any]] = []
@@ -232,6 +257,81 @@ class WorkerPool:
                 buf.data[slot].copy_(buf.data[pos])
             accepted.append(val)
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
+
+    def _collect(self, pending: int, r: int) -> Dict[int, Any]:
+        """``pending`` replies ``(kind, key, value)``, as {key: (kind, value)}; a worker that dies
+        stops the run (RuntimeError naming it)."""
+        results: Dict[int, Any] = {}
+        live = {c: i for i, c in enumerate(self.conns)}
+        sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+        while pending:
+            ready = mp_wait(list(live) + list(sentinels))
+            for obj in ready:
+                if obj in live:
+                    try:
+                        kind, key, val = obj.recv()
+                    except EOFError:
+                        live.pop(obj)
+                        continue
+                    results[key] = (kind, val)
+                    pending -= 1
+                elif obj in sentinels:
+                    i = sentinels[obj]
+                    p = self.procs[i]
+                    p.join(0.1)
+                    raise RuntimeError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
+                                       f"during round {r + 1}; the run stops")
+        return results
+
+    def _run_batches(self, r: int, jobs: Sequence[Any], batch_size: int) -> List[List[Any]]:
+        """The batches ``[s, s + batch_size)`` of every ``(job, rows)`` in the workers, all on the queue
+        at once (one wait); per job, its batches' results in batch order."""
+        keys = []
+        for j, (job, n) in enumerate(jobs):
+            for s in range(0, n, batch_size):
+                keys.append((j, s))
+                self.tasks.put(("eval", job, len(keys) - 1, s, min(s + batch_size, n)))
+        results = self._collect(len(keys), r)
+        out: List[List[Any]] = [[] for _ in jobs]
+        for k, (j, _) in enumerate(keys):
+            kind, val = results[k]
+            if kind != "eval":
+                raise RuntimeError(f"workers={self.n}: evaluation of round {r + 1} failed in a worker: {val}")
+            out[j].append(val)
+        return out
+
+    def evaluate(self, r: int, batch_size: int, clients: Optional[Sequence[int]] = None):
+        """``Simulation.evaluate_round``'s forward passes in the workers: ``(accuracy, test loss,
+        client losses or None)``, equal bit for bit to ``client.evaluate`` and ``client.client_losses``
+        (``clients``: whose training-data loss, None for none) at the same threads per process."""
+        sim = self.sim
+        bs = int(batch_size)
+        self._jobs += 1
+        n = int(sim.yt.numel())
+        who = None if clients is None else [int(c) for c in clients]
+        jobs: List[Any] = []
+        owner = None
+        if who:
+            parts = sim.parts
+            owner = torch.cat([torch.full((parts[c].numel(),), i, dtype=torch.long) for i, c in enumerate(who)])
+            jobs.append(({"id": self._jobs, "what": "clients", "clients": who}, int(owner.numel())))
+        jobs.append(({"id": self._jobs, "what": "test"}, n))
+        *per, test = self._run_batches(r, jobs, bs)
+        loss = torch.zeros((), dtype=torch.float64)
+        correct = 0
+        for c, l in test:             # in batch order, as client.evaluate accumulates
+            correct += c
+            loss += l
+        acc, tl = (correct / n, float(loss) / n) if n else (float("nan"), float("nan"))
+        if who is None:
+            return acc, tl, None
+        if not who:
+            return acc, tl, []
+        sums = torch.zeros(len(who), dtype=torch.float64)
+        for k, l in enumerate(per[0]):     # as client.client_losses: index_add_ batch by batch
+            sums.index_add_(0, owner[k * bs:(k + 1) * bs], torch.from_numpy(l))
+        counts = torch.tensor([max(sim.parts[c].numel(), 1) for c in who], dtype=torch.float64)
+        return acc, tl, (sums / counts).tolist()
 
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> None:
