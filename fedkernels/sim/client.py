@@ -227,6 +227,20 @@ class ClientTrainer:
                             payload=dict(out_payload or {}), seconds=time.perf_counter() - t0)
 
 
+def eval_batch(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, criterion: Optional[nn.Module] = None):
+    """One evaluation batch (the caller puts the model in eval mode, under no_grad): the number of
+    correct predictions and the float64 summed loss. ``evaluate`` and the workers both sum these in
+    batch order, so an evaluation split over worker processes gives the same bits."""
+    out = model(xb)
+    loss = (criterion or nn.CrossEntropyLoss(reduction="sum"))(out, yb).double()
+    return (out.argmax(1) == yb).sum(), loss
+
+
+def batch_losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """Per-sample float64 cross-entropy of one batch (``client_losses`` and the workers)."""
+    return nn.CrossEntropyLoss(reduction="none")(model(xb), yb).double()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024,
              criterion: Optional[nn.Module] = None):
@@ -238,10 +252,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     loss = torch.zeros((), dtype=torch.float64, device=x.device)
     n = y.numel()
     for s in range(0, n, batch_size):
-        out = model(x[s:s + batch_size])
-        yb = y[s:s + batch_size]
-        loss += crit(out, yb).double()
-        correct += (out.argmax(1) == yb).sum()
+        c, l = eval_batch(model, x[s:s + batch_size], y[s:s + batch_size], crit)
+        loss += l
+        correct += c
     model.train(was)
     if n == 0:
         return float("nan"), float("nan")
@@ -252,7 +265,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 def client_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, client_indices: Sequence[torch.Tensor],
                   clients: Sequence[int], batch_size: int = 1024) -> List[float]:
     """Loss of the (global) model on each listed client's training data (Kuramoto §2.8: Var_k of these)."""
-    crit = nn.CrossEntropyLoss(reduction="none")
     was = model.training
     model.eval()
     cl = list(clients)
@@ -264,8 +276,7 @@ def client_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, client_ind
     sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
     for s in range(0, idx.numel(), batch_size):
         b = idx[s:s + batch_size]
-        l = crit(model(x[b]), y[b]).double()
-        sums.index_add_(0, owner[s:s + batch_size], l)
+        sums.index_add_(0, owner[s:s + batch_size], batch_losses(model, x[b], y[b]))
     model.train(was)
     counts = torch.tensor([max(client_indices[c].numel(), 1) for c in cl], dtype=torch.float64, device=x.device)
     return (sums / counts).tolist()

@@ -103,8 +103,9 @@ def _die_with_parent() -> None:
 def _eval_batch(sim, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any]):
     """One evaluation batch of the global model (rows ``s:e``): ``(correct, float64 loss sum)`` of the
     test set, or the float64 per-sample losses of the listed clients' training data (as numpy).
-    The same operations as ``client.evaluate`` / ``client.client_losses`` on that batch."""
-    from torch import nn
+    ``client.eval_batch`` / ``client.batch_losses``, the per-batch steps of ``client.evaluate`` and
+    ``client.client_losses``."""
+    from .client import batch_losses, eval_batch
     model = sim.model
     sim.trainer.work.copy_(sim.global_flat)          # the model's tensors are views of work
     was = model.training
@@ -112,15 +113,13 @@ def _eval_batch(sim, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any])
     try:
         with torch.no_grad():
             if job["what"] == "test":
-                out = model(sim.xt[s:e])
-                yb = sim.yt[s:e]
-                loss = nn.CrossEntropyLoss(reduction="sum")(out, yb).double()
-                return int((out.argmax(1) == yb).sum()), float(loss)
+                correct, loss = eval_batch(model, sim.xt[s:e], sim.yt[s:e])
+                return int(correct), float(loss)
             if cache.get("job") != job["id"]:         # the clients' rows, once per evaluation
                 cache["job"] = job["id"]
                 cache["idx"] = torch.cat([sim.parts[c] for c in job["clients"]])
             b = cache["idx"][s:e]
-            return nn.CrossEntropyLoss(reduction="none")(model(sim.x[b]), sim.y[b]).double().cpu().numpy()
+            return batch_losses(model, sim.x[b], sim.y[b]).cpu().numpy()
     finally:
         model.train(was)
 
