@@ -104,9 +104,12 @@ def test_methods_with_their_own_step_reject_a_schedule(tmp_path, name):
         algorithms.build(name, server_lr_schedule=path)
 
 
-def test_cli_compare_replays_a_schedule(tmp_path, capsys, one_thread):
+def test_cli_compare_replays_a_schedule(tmp_path, capsys, monkeypatch, one_thread):
+    # a relative path: the method label (with its options) names the run directory, so no "/" in it
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "cmp"
-    path = _write(tmp_path, {"server_lr": [1.0, 0.0]})
+    _write(tmp_path, {"server_lr": [1.0, 0.0]})
+    path = "sched.json"
     rc = main(["compare", "--preset", "smoke", "--methods", f"fedavg,fedavg:server_lr_schedule={path}",
                "--seeds", "0", "--rounds", "2", "--out", str(out), "--quiet", "--no-progress"])
     assert rc == 0
@@ -117,7 +120,8 @@ def test_cli_compare_replays_a_schedule(tmp_path, capsys, one_thread):
     assert rows[0]["accuracy"] == plain[0]["accuracy"]        # s_1 = 1: the plain FedAvg round
     assert rows[1]["accuracy"] == rows[0]["accuracy"]         # s_2 = 0: the model did not move
     # a bad file is an error before any run: exit 2, one line naming the option, the file and the problem
-    bad = _write(tmp_path, {"server_lr": [1.0, -1.0]}, "bad.json")
+    _write(tmp_path, {"server_lr": [1.0, -1.0]}, "bad.json")
+    bad = "bad.json"
     assert main(["compare", "--preset", "smoke", "--methods", f"fedavg:server_lr_schedule={bad}",
                  "--rounds", "2", "--out", str(tmp_path / "bad"), "--quiet", "--no-progress"]) == 2
     err = capsys.readouterr().err
