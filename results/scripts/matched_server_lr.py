@@ -21,7 +21,9 @@ Steps (each skipped when its output exists, so an interrupted job can be re-run)
 1. ``--log-out``: the method's runs again, as ``fedkernels compare`` runs them, with two numbers
    added to each round's ``agg`` info: ``step_norm`` = ||x_{t+1} - x_t|| and ``fedavg_step_norm``
    = ||sum_k p_k U_k||. Only logging is added (the runs are otherwise identical to the committed ones).
-2. ``--out``/schedule.json: r_t per seed and round, with the clients of each round.
+2. ``--out``/schedule.json: r_t per seed and round, with the clients of each round (when every seed
+   samples the same clients in every round, e.g. full participation, the clients cannot tell the seeds
+   apart: the schedule is then the per-round mean of r_t over the seeds, replayed by every seed).
 3. ``--out``: ``compare`` of the controls, labelled ``<method>-lrmatched``.
 """
 from __future__ import annotations
@@ -78,10 +80,20 @@ def schedule(log_dir, label, seeds, rounds):
             raise ValueError(f"{log_dir}/{label}-s{s}: a round excluded a client; r_t is defined on full rounds")
         r = [g["agg"]["step_norm"] / g["agg"]["fedavg_step_norm"] for g in m]
         runs.append({"seed": s, "clients": [g["clients"] for g in m], "server_lr": r})
-    return {"definition": "server_lr[t] = ||x_{t+1} - x_t|| / ||sum_k p_k U_k|| in round t of the recorded run "
-                          "(p_k = n_k / sum n over the round's participants); FedAvg/FedAvgM replay it as their "
-                          "round-t server learning rate on the same sampling stream",
-            "source": os.path.relpath(log_dir, REPO), "method": label, "runs": runs}
+    out = {"definition": "server_lr[t] = ||x_{t+1} - x_t|| / ||sum_k p_k U_k|| in round t of the recorded run "
+                         "(p_k = n_k / sum n over the round's participants); FedAvg/FedAvgM replay it as their "
+                         "round-t server learning rate on the same sampling stream",
+           "source": os.path.relpath(log_dir, REPO), "method": label}
+    if len(runs) > 1 and all(r["clients"] == runs[0]["clients"] for r in runs):
+        # every seed samples the same clients (e.g. full participation): the sampling stream cannot tell
+        # the seeds' schedules apart, so every seed replays the per-round mean over the seeds
+        out["definition"] += ("; here every seed sampled the same clients in every round, so the schedule is "
+                              "the per-round mean of r_t over the seeds " + str(seeds) + " (per seed: 'per_seed')")
+        out["per_seed"] = {str(r["seed"]): r["server_lr"] for r in runs}
+        out["server_lr"] = [sum(v) / len(v) for v in zip(*(r["server_lr"] for r in runs))]
+        return out
+    out["runs"] = runs
+    return out
 
 
 def main(argv=None):
