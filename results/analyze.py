@@ -92,15 +92,25 @@ CLAIMS = [
      ("fmnist", "fedaware"), ("fmnist-lrmatched", "fedavgm-lrmatched"), "last10pct", +1),
     ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, 100 rounds",
      ("fmnist-lrmatched", "fedavg-lrmatched"), ("fmnist", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAvgM with FedAWARE's server-lr schedule beats FedAvgM, 100 rounds",
+     ("fmnist-lrmatched", "fedavgm-lrmatched"), ("fmnist", "fedavgm"), "last10pct", +1),
+    ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, 200 rounds (2 seeds)",
+     ("fmnist-T200-lrmatched", "fedavg-lrmatched"), ("fmnist-T200", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAvgM with FedAWARE's server-lr schedule beats FedAvgM, 200 rounds (2 seeds)",
+     ("fmnist-T200-lrmatched", "fedavgm-lrmatched"), ("fmnist-T200-na", "fedavgm"), "last10pct", +1),
     ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, 200 rounds (2 seeds)",
      ("fmnist-T200", "fedaware"), ("fmnist-T200-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
     ("fedaware", "FedAWARE beats FedAvgM with the matched server-lr schedule, 200 rounds (2 seeds)",
      ("fmnist-T200", "fedaware"), ("fmnist-T200-lrmatched", "fedavgm-lrmatched"), "last10pct", +1),
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg with the matched server-lr schedule, FMNIST s = 3",
+     ("fmnist-s3", "kuramoto-S0.5"), ("fmnist-s3-lrmatched", "fedavg-lrmatched"), "final", +1),
+    ("kuramoto", "FedAvg with mode S's step schedule beats FedAvg, FMNIST s = 3",
+     ("fmnist-s3-lrmatched", "fedavg-lrmatched"), ("fmnist-s3", "fedavg"), "final", +1),
     # third pass: GC-Fed where there is headroom (FMNIST 12k, FedAvg CNN, 10 of 100 clients, Dir(0.1))
-    ("gcfed", "GC-Fed beats FedAvg, FMNIST Dir(0.1) 10/100, FedAvg CNN", ("fmnist12k-a0.1-K10", "gcfed"),
+    ("gcfed", "GC-Fed beats FedAvg, FMNIST Dir(0.1) 10/100, FedAvg CNN", ("fmnist12k-a0.1-K10-gcfed", "gcfed"),
      ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
     ("gcfed", "GC-Fed with standard GC (skip) beats FedAvg, FMNIST Dir(0.1) 10/100",
-     ("fmnist12k-a0.1-K10", "gcfed-skip"), ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+     ("fmnist12k-a0.1-K10-skip", "gcfed-skip"), ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
 ]
 
 
