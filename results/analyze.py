@@ -111,6 +111,12 @@ CLAIMS = [
      ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
     ("gcfed", "GC-Fed with standard GC (skip) beats FedAvg, FMNIST Dir(0.1) 10/100",
      ("fmnist12k-a0.1-K10-skip", "gcfed-skip"), ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "Local GC beats FedAvg, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-local_gc", "local_gc"),
+     ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "Global GC beats FedAvg, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-global_gc", "global_gc"),
+     ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "GC-Fed beats Local GC, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-gcfed", "gcfed"),
+     ("fmnist12k-a0.1-K10-local_gc", "local_gc"), "last10", +1),
 ]
 
 
