@@ -330,8 +330,9 @@ def per_seed_metric(paper, setup_dir, label, seeds, key, target=None, cache={}):
     out = {}
     for s in seeds:
         rd = os.path.join(setup_dir, f"{label}-s{s}")
-        if rd not in cache:
-            cache[rd] = run_stats(paper, rd, target) if os.path.isdir(rd) else {}
+        if rd not in cache:   # a run without summary.json is unfinished (a job still writing it): left out
+            done = os.path.isdir(rd) and os.path.exists(os.path.join(rd, "summary.json"))
+            cache[rd] = run_stats(paper, rd, target) if done else {}
         out[s] = cache[rd].get(key)
     return out
 
@@ -405,8 +406,11 @@ def claims_section():
         md, bd = os.path.join(ROOT, paper, ms_), os.path.join(ROOT, paper, bs)
         if not (os.path.isdir(md) and os.path.isdir(bd)):
             continue
-        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])
-                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))})
+        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])     # finished runs only (summary.json)
+                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))
+                        if os.path.exists(os.path.join(d, "summary.json"))})
+        if not seeds:
+            continue
         x = per_seed_metric(paper, md, ml, seeds, metric)
         y = per_seed_metric(paper, bd, bl, seeds, metric)
         p = paired(x, y)
