@@ -89,6 +89,38 @@ CLAIMS = [
     ("gcfed", "Local GC beats FedAvg, α = 0.05", ("digits-a0.05", "local_gc"), ("digits-a0.05", "fedavg"),
      "last10", +1),
     ("gcfed", "GC-Fed beats FedAvg, α = 0.1", ("digits-a0.1", "gcfed"), ("digits-a0.1", "fedavg"), "last10", +1),
+    # third pass (issue #16): matched server-lr controls (results/scripts/matched_server_lr.py)
+    ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, 100 rounds",
+     ("fmnist", "fedaware"), ("fmnist-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvgM with the matched server-lr schedule, 100 rounds",
+     ("fmnist", "fedaware"), ("fmnist-lrmatched", "fedavgm-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, 100 rounds",
+     ("fmnist-lrmatched", "fedavg-lrmatched"), ("fmnist", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAvgM with FedAWARE's server-lr schedule beats FedAvgM, 100 rounds",
+     ("fmnist-lrmatched", "fedavgm-lrmatched"), ("fmnist", "fedavgm"), "last10pct", +1),
+    ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, 200 rounds (2 seeds)",
+     ("fmnist-T200-lrmatched", "fedavg-lrmatched"), ("fmnist-T200", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAvgM with FedAWARE's server-lr schedule beats FedAvgM, 200 rounds (2 seeds)",
+     ("fmnist-T200-lrmatched", "fedavgm-lrmatched"), ("fmnist-T200-na", "fedavgm"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, 200 rounds (2 seeds)",
+     ("fmnist-T200", "fedaware"), ("fmnist-T200-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvgM with the matched server-lr schedule, 200 rounds (2 seeds)",
+     ("fmnist-T200", "fedaware"), ("fmnist-T200-lrmatched", "fedavgm-lrmatched"), "last10pct", +1),
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg with the matched server-lr schedule, FMNIST s = 3",
+     ("fmnist-s3", "kuramoto-S0.5"), ("fmnist-s3-lrmatched", "fedavg-lrmatched"), "final", +1),
+    ("kuramoto", "FedAvg with mode S's step schedule beats FedAvg, FMNIST s = 3",
+     ("fmnist-s3-lrmatched", "fedavg-lrmatched"), ("fmnist-s3", "fedavg"), "final", +1),
+    # third pass: GC-Fed where there is headroom (FMNIST 12k, FedAvg CNN, 10 of 100 clients, Dir(0.1))
+    ("gcfed", "GC-Fed beats FedAvg, FMNIST Dir(0.1) 10/100, FedAvg CNN", ("fmnist12k-a0.1-K10-gcfed", "gcfed"),
+     ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "GC-Fed with standard GC (skip) beats FedAvg, FMNIST Dir(0.1) 10/100",
+     ("fmnist12k-a0.1-K10-skip", "gcfed-skip"), ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "Local GC beats FedAvg, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-local_gc", "local_gc"),
+     ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "Global GC beats FedAvg, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-global_gc", "global_gc"),
+     ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
+    ("gcfed", "GC-Fed beats Local GC, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-gcfed", "gcfed"),
+     ("fmnist12k-a0.1-K10-local_gc", "local_gc"), "last10", +1),
 ]
 
 
@@ -218,6 +250,20 @@ def run_stats(paper, run_dir, target):
         if er:
             st["extrap_ratio_median"] = float(np.median(er))
             st["extrap_ratio_max"] = float(np.max(er))
+    # matched server-lr controls: r_t = ||x_{t+1} - x_t|| / ||sum_k p_k U_k|| where a run logged both norms
+    # (results/scripts/matched_server_lr.py), and the server lr a scheduled FedAvg/FedAvgM applied
+    sr = [(g.get("phase"), g["step_norm"] / g["fedavg_step_norm"]) for g in aggs
+          if g.get("step_norm") is not None and g.get("fedavg_step_norm")]
+    if sr:
+        rs = [x for ph, x in sr if ph != "explore"]
+        st["step_ratio_median"] = float(np.median(rs)) if rs else None
+        st["step_ratio_last10pct"] = float(np.mean([x for _, x in sr][-max(1, int(math.ceil(0.1 * len(sr)))):]))
+        st["step_norm_last10pct"] = float(np.mean([g["step_norm"] for g in aggs if g.get("step_norm") is not None]
+                                                  [-max(1, int(math.ceil(0.1 * len(sr)))):]))
+    slr = [g["server_lr"] for g in aggs if g.get("server_lr") is not None]
+    if slr:
+        st["server_lr_median"] = float(np.median(slr))
+        st["server_lr_last10pct"] = float(np.mean(slr[-max(1, int(math.ceil(0.1 * len(slr)))):]))
     sh = [r.get("agg_share") for r in m if r.get("agg_share") is not None]
     if sh:
         st["agg_share"] = float(np.mean(sh))
@@ -288,8 +334,9 @@ def per_seed_metric(paper, setup_dir, label, seeds, key, target=None, cache={}):
     out = {}
     for s in seeds:
         rd = os.path.join(setup_dir, f"{label}-s{s}")
-        if rd not in cache:
-            cache[rd] = run_stats(paper, rd, target) if os.path.isdir(rd) else {}
+        if rd not in cache:   # a run without summary.json is unfinished (a job still writing it): left out
+            done = os.path.isdir(rd) and os.path.exists(os.path.join(rd, "summary.json"))
+            cache[rd] = run_stats(paper, rd, target) if done else {}
         out[s] = cache[rd].get(key)
     return out
 
@@ -363,8 +410,11 @@ def claims_section():
         md, bd = os.path.join(ROOT, paper, ms_), os.path.join(ROOT, paper, bs)
         if not (os.path.isdir(md) and os.path.isdir(bd)):
             continue
-        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])
-                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))})
+        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])     # finished runs only (summary.json)
+                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))
+                        if os.path.exists(os.path.join(d, "summary.json"))})
+        if not seeds:
+            continue
         x = per_seed_metric(paper, md, ml, seeds, metric)
         y = per_seed_metric(paper, bd, bl, seeds, metric)
         p = paired(x, y)
@@ -424,7 +474,8 @@ def main():
                         "neg_weight_rounds_frac", "elud_mean", "extrap_ratio_median", "extrap_ratio_max", "L", "explore_rounds", "elud_explore_mean", "elud_aware_mean", "diff_std_2nd_half",
                         "diff_min_2nd_half", "be_steps_mean", "be_rejects_mean", "agg_share",
                         "clipped_frac", "global_loss_final", "global_loss_min", "q_sqrt_max",
-                        "fw_converged_frac", "fw_gap_max"):
+                        "fw_converged_frac", "fw_gap_max", "step_ratio_median", "step_ratio_last10pct",
+                        "step_norm_last10pct", "server_lr_median", "server_lr_last10pct"):
                 vals = [x.get(key) for x in runs]
                 if any(v is not None for v in vals):
                     d = describe(vals)
@@ -451,6 +502,9 @@ def main():
                                ("neg_weight_rounds_frac", 1, 3), ("clipped_frac", 1, 3), ("elud_mean", 1, 3),
                                ("explore_rounds", 1, 1), ("elud_explore_mean", 1, 3), ("elud_aware_mean", 1, 3), ("diff_std_2nd_half", 100, 2), ("diff_min_2nd_half", 100, 2),
                                ("q_sqrt_max", 1, 4), ("fw_converged_frac", 1, 3), ("fw_gap_max", 1, 3),
+                               ("step_ratio_median", 1, 4), ("step_ratio_last10pct", 1, 4),
+                               ("step_norm_last10pct", 1, 4), ("server_lr_median", 1, 4),
+                               ("server_lr_last10pct", 1, 4),
                                ("be_steps_mean", 1, 2), ("extrap_ratio_median", 1, 1), ("extrap_ratio_max", 1, 1), ("L", 1, 2), ("be_rejects_mean", 1, 2), ("agg_share", 100, 3)):
                 if key in a and a[key]["mean"] is not None:
                     if key == "fw_gap_max":

@@ -21,11 +21,13 @@ class FedAvgM(FedAvg):
     """Server momentum ``beta`` (default 0.9) on the sample-weighted mean update.
 
     Options: ``beta`` in [0, 1), ``server_lr`` (default 1.0), ``nesterov`` (default False),
-    ``weighting`` ("samples" or "uniform", as FedAvg). One ``weighted_sum`` pass over U that
+    ``weighting`` ("samples" or "uniform", as FedAvg), ``server_lr_schedule`` (as FedAvg: round t
+    steps with ``server_lr * s_t``; the momentum buffer itself is not rescaled). One ``weighted_sum`` pass over U that
     accumulates straight into the momentum buffer, then one axpy over d.
     """
 
     screen_after_pure = False   # keeps state across rounds: screen the rows first
+    applies_round_lr = True     # _aggregate steps with round_lr()
     state_attrs = ("momentum",)
 
     def __init__(self, beta: float = 0.9, nesterov: bool = False, **kw):
@@ -42,10 +44,14 @@ class FedAvgM(FedAvg):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
         g = rin.global_flat
+        lr = self.round_lr(rin)
         v = self._mom.update(rin.U, p, g)                                # v = beta v + sum p U
         if self.nesterov:
             step = ops.weighted_sum(rin.U, p).add_(v, alpha=self.beta)
-            new = g.add(step, alpha=self.server_lr)
+            new = g.add(step, alpha=lr)
         else:
-            new = g.add(v, alpha=self.server_lr)
-        return AggResult(new, {"weights": p.tolist(), "beta": self.beta})
+            new = g.add(v, alpha=lr)
+        info = {"weights": p.tolist(), "beta": self.beta}
+        if self.lr_schedule is not None:
+            info["server_lr"] = lr
+        return AggResult(new, info)
