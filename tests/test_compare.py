@@ -121,3 +121,23 @@ def test_presets_show_a_time_estimate():
     times = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("time:")]
     assert len(times) == len(presets.names())
     assert any("s/round" in t and "estimate" in t for t in times) and any("not measured" in t for t in times)
+
+
+def test_label_with_a_path_separator_stays_one_run_directory(tmp_path):
+    # e.g. fedavg:server_lr_schedule=dir/x.json: the label names one directory, never a nested one
+    base = get("smoke")
+    base.progress = False
+    base.verbose = False
+    compare(base, [("sched/a", {"name": "fedavg", "options": {}})], seeds=[0], out_dir=str(tmp_path), rounds=1,
+            preset="smoke")
+    assert (tmp_path / "sched_a-s0" / "summary.json").exists() and not (tmp_path / "sched").exists()
+    with pytest.raises(ValueError, match="given twice"):
+        compare(base, [("x/y", {"name": "fedavg", "options": {}}), ("x_y", {"name": "fedavg", "options": {}})],
+                seeds=[0], out_dir=str(tmp_path / "two"), rounds=1, preset="smoke")
+    assert not (tmp_path / "two").exists()
+
+
+def test_run_name_of_a_label_with_a_path_separator():
+    cfg = get("smoke")
+    cfg.method = "fedavg:server_lr_schedule=dir/x.json"
+    assert "/" not in cfg.run_name() and "dir_x.json" in cfg.run_name()

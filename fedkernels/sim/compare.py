@@ -22,7 +22,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import stats
-from .config import RunConfig
+from .config import RunConfig, dir_label
 from .options import check_algorithm, check_method
 from .report import describe_setup, json_safe, metric, plot_curves, write_json_atomic, write_text_atomic
 
@@ -52,10 +52,11 @@ def resolve_methods(methods: Sequence[Method], known: Optional[Mapping[str, Dict
             var = {"name": var.get("name"), "options": dict(var.get("options") or {})}
             check_algorithm(var["name"], var["options"], where=f"method {label!r}")
         out.append((label, var))
-    labels = [lab for lab, _ in out]
+    labels = [dir_label(lab) for lab, _ in out]
     dup = sorted({lab for lab in labels if labels.count(lab) > 1})
     if dup:
-        raise ValueError(f"methods: label {dup[0]!r} given twice (each label names one run directory per seed)")
+        raise ValueError(f"methods: label {dup[0]!r} given twice (each label names one run directory per seed; "
+                         f"'/' in a label counts as '_')")
     if not out:
         raise ValueError("methods: none given")
     return out
@@ -140,7 +141,7 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
             cfg.seed = int(seed)
             cfg.algorithm.name = var["name"]
             cfg.algorithm.options = dict(var.get("options", {}))
-            cfg.name = f"{label}-s{seed}"
+            cfg.name = f"{dir_label(label)}-s{seed}"
             cfg.out_dir = out_dir
             if verbose:
                 print(f"[{k}/{total}] {label} (seed {seed}) ...", flush=True)

@@ -84,6 +84,12 @@ class AlgorithmConfig:
     options: Dict[str, Any] = field(default_factory=dict)  # algorithms.build(name, **options)
 
 
+def dir_label(label: str) -> str:
+    """A method label as one path component of a run directory: path separators become ``_``
+    (``fedavg:server_lr_schedule=dir/x.json`` would otherwise nest directories)."""
+    return label.replace("/", "_").replace("\\", "_")
+
+
 @dataclass
 class RunConfig:
     name: Optional[str] = None           # run directory name under out_dir (default: derived, see run_name)
@@ -131,7 +137,7 @@ class RunConfig:
         different computation never lands in the same directory."""
         if self.name:
             return self.name
-        return f"{self.preset or self.data.name}-{self.method or self.algorithm.name}-s{self.seed}-{self.config_hash()}"
+        return f"{self.preset or self.data.name}-{dir_label(self.method or self.algorithm.name)}-s{self.seed}-{self.config_hash()}"
 
     def config_hash(self, n: int = 8) -> str:
         """A short hash of everything that changes the computation (not output/progress settings)."""
