@@ -223,3 +223,25 @@ def test_run_writes_the_partition_report(tmp_path):
     info = json.loads((tmp_path / "runs" / "part" / "partition.json").read_text())
     assert len(info["sizes"]) == 4 and sum(info["sizes"]) > 0
     assert (tmp_path / "runs" / "part" / "partition.txt").exists()
+
+
+def test_signal_stops_compare_with_one_line_and_no_later_run(tmp_path):
+    """SIGTERM during `compare`: the running run checkpoints and says so, compare says where the finished
+    runs are, exit 130, no traceback, and no later run starts."""
+    args = ["compare", "--preset", "smoke", "--methods", "fedavg,fedprox:mu=0.1", "--seeds", "0,1", "--rounds",
+            "400", "--out", "cmp", "data.train_subset=400", "client_loss=none", *QUICK]
+    p = subprocess.Popen([sys.executable, "-m", "fedkernels", *args], cwd=tmp_path, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "cmp" / "fedavg-s0" / "metrics.jsonl"
+    t0 = time.time()
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert p.poll() is None and time.time() - t0 < 240, "the compare ended before it could be interrupted"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "interrupted after round" in lines[-2] and "fedavg-s0" in lines[-2], lines[-3:]
+    assert lines[-1].startswith("fedkernels compare: interrupted;"), lines[-1]
+    assert sorted(os.listdir(tmp_path / "cmp")) == ["fedavg-s0"]

@@ -153,8 +153,13 @@ def cmd_compare(a) -> int:
             except ValueError:
                 raise ValueError(f"--seeds: {s.strip()!r} is not an integer (e.g. --seeds 0,1,2)") from None
     out = a.out or os.path.join(base.out_dir, f"compare-{a.preset or base.data.name}")
-    res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
-                  preset=a.preset, band=a.band)
+    try:
+        res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
+                      preset=a.preset, band=a.band)
+    except KeyboardInterrupt:   # the interrupted run printed its line (checkpoint); no later run starts
+        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written)",
+              file=sys.stderr, flush=True)
+        return 130
     print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
           + (f" and {res['plot']}" if res.get("plot") else ""))
     if res.get("failed"):
