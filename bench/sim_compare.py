@@ -540,6 +540,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "1 on a machine where other jobs hold cores (OpenMP spin-waits collapse there)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sim-compare.json"))
     a = ap.parse_args(argv)
+    for opt, given, valid in (("--tasks", a.tasks, TASKS), ("--runners", a.runners, RUNNERS),
+                              ("--repeat-runners", a.repeat_runners, RUNNERS)):
+        bad = [x for x in given.split(",") if x not in valid]
+        if bad:
+            ap.error(f"{opt}: {bad[0]!r} is not one of {', '.join(valid)}")
     if a.cd_rounds:
         TASKS["cross-device"]["rounds"] = a.cd_rounds
         os.environ["BENCH_CD_ROUNDS"] = str(a.cd_rounds)
