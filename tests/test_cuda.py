@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_vectors import MIN_NORM_CASES   # tests/spec_vectors.py
 
 import fedkernels
 from fedkernels import ops, reference
@@ -180,14 +181,7 @@ def test_min_norm_matches_reference(K, method):
 
 @pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
 def test_min_norm_spec_vectors(method):
-    # fedaware.md §9 A3 (raw), A4 (raw), A5 (origin in the hull), A7 (raw)
-    cases = [
-        ([[1, 0, 0], [0, 2, 0], [0, 0, 3]], 36 / 49),
-        ([[1, 0], [2, 1], [3, -1]], 1.0),
-        ([[1, 0], [-1, 1], [-1, -1]], 0.0),
-        ([[1.0, 0.2, 0.0], [0.3, 1.0, 0.1], [-0.2, 0.4, 1.0], [0.5, 0.5, 0.5]], 0.496423447934702),
-    ]
-    for m, q_exp in cases:
+    for m, q_exp in MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7 (tests/spec_vectors.py)
         M = torch.tensor(m, dtype=torch.float64)
         G = (M @ M.T).to(DEV)
         lam, _, _ = torch.ops.fedkernels.min_norm(G, 10000, 1e-14, 1e-15, method, "best_pair", False, None)

@@ -20,6 +20,7 @@ import subprocess
 
 import pytest
 import torch
+from spec_vectors import MIN_NORM_CASES   # tests/spec_vectors.py
 
 from fedkernels import reference
 
@@ -541,13 +542,7 @@ def test_min_norm_block_emulation_matches_cpu_op_and_reference(harness, K, metho
 
 @pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
 def test_min_norm_block_emulation_spec_vectors(harness, method):
-    cases = [  # fedaware.md §9 A3, A4, A5 (origin in the hull), A7: the min-norm value
-        ([[1, 0, 0], [0, 2, 0], [0, 0, 3]], 36 / 49),
-        ([[1, 0], [2, 1], [3, -1]], 1.0),
-        ([[1, 0], [-1, 1], [-1, -1]], 0.0),
-        ([[1.0, 0.2, 0.0], [0.3, 1.0, 0.1], [-0.2, 0.4, 1.0], [0.5, 0.5, 0.5]], 0.496423447934702),
-    ]
-    for m, q_exp in cases:
+    for m, q_exp in MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7 (tests/spec_vectors.py)
         M = torch.tensor(m, dtype=torch.float64)
         G = M @ M.T
         lam, _, _ = _mn_emulate(harness, G, method, max_iter=10000, tol=1e-14)
