@@ -437,6 +437,124 @@ def claims_section():
     return lines, out
 
 
+# Issue #16 item 5, tuning parity: every method of a headline comparison gets the same 3-value grid
+# (local learning rate; FedProx also mu in {0.001, 0.01, 0.1}, one row per mu); best-of-grid = the grid point with
+# the highest mean over seeds, chosen per method. (paper, title, metric, {method: [(grid point,
+# setup, run label)]}); the first method is the reference of the paired differences.
+def _lr_grid(label, by_lr):
+    return [(f"lr {lr}", setup, label) for lr, setup in by_lr]
+
+
+_KUR = [(0.003, "fmnist-s3-lr0.003"), (0.01, "fmnist-s3"), (0.03, "fmnist-s3-lr0.03")]
+_AWARE = [(0.003, "fmnist-lr0.003"), (0.01, "fmnist"), (0.03, "fmnist-lr0.03")]
+_T1 = [(0.01, "fmnist-table1-lr0.01"), (0.03, "fmnist-table1-lr0.03"), (0.1, "fmnist-table1-lr0.1")]
+_PG = [(0.05, "digits-a0.5-lr0.05"), (0.1, "digits-a0.5-lr0.1"), (0.2, "digits-a0.5-lr0.2")]
+_PGA = [(3e-4, "digits-a0.5-adam3e-4"), (1e-3, "digits-a0.5-adam1e-3"), (3e-3, "digits-a0.5-adam3e-3")]
+_PGF = [(3e-4, "fmnist20k-lenet5-adam3e-4"), (1e-3, "fmnist20k-lenet5-adam"), (3e-3, "fmnist20k-lenet5-adam3e-3")]
+_GC = [(0.003, "fmnist12k-a0.1-K10-lr0.003"), (0.01, "fmnist12k-a0.1-K10"), (0.03, "fmnist12k-a0.1-K10-lr0.03")]
+GRIDS = [
+    ("kuramoto", "Kuramoto KR-2, FMNIST 12k, s = 3, 30 rounds (SGD m 0.9, cosine; lr grid)", "final", {
+        "FedAvg": _lr_grid("fedavg", _KUR),
+        "Kuramoto mode S (κ0 = 0.5)": _lr_grid("kuramoto-S0.5", _KUR),
+        "Kuramoto mode P (paper-literal, guard)": _lr_grid("kuramoto:mode=P", _KUR),
+        "SCAFFOLD + momentum divisor": [(f"lr {lr}", "fmnist-s3-scaffold-mc" if lr == 0.01 else st,
+                                         "scaffold:momentum_correction=True") for lr, st in _KUR]}),
+    ("fedaware", "FedAWARE FR-2, FMNIST, 100 clients Dir(0.1), 10 per round, 100 rounds (local lr grid)", "last10pct", {
+        "FedAvg": _lr_grid("fedavg", _AWARE),
+        "FedAvgM (β = 0.7)": _lr_grid("fedavgm", _AWARE),
+        "FedAWARE": _lr_grid("fedaware", _AWARE)}),
+    ("fedecado", "FedECADO Table 1 setting, FMNIST 20k, Dir(0.1), homogeneous compute, 50 rounds (lr grid; FedProx also μ)",
+     "final", {
+        "FedAvg": _lr_grid("fedavg", _T1),
+        **{f"FedProx μ = {mu}": [(f"lr {lr}", st + ("" if mu == 0.01 else "-mu"),
+                                  "fedprox" if mu == 0.01 else f"fedprox:mu={mu}") for lr, st in _T1]
+           for mu in (0.001, 0.01, 0.1)},
+        "FedNova": _lr_grid("fednova", _T1),
+        "FedECADO (paper: linear extrapolation)": _lr_grid("fedecado", _T1),
+        "FedECADO extrap=hold": _lr_grid("fedecado-hold", _T1)}),
+    ("fedpgvc", "FedPGVC Exp A, digits, Dir(0.5), SGD (the spec's lr grid)", "best", {
+        "FedAvg": _lr_grid("fedavg", _PG),
+        "FedPGVC hadamard (paper-literal)": _lr_grid("fedpgvc", _PG),
+        "FedPGVC additive": _lr_grid("fedpgvc-additive", _PG),
+        "FedPGVC code (the script's mapping)": [(f"lr {lr}", st + "-code2", "fedpgvc:mode=code") for lr, st in _PG],
+        "matched head-lr control": [(f"lr {lr}", st + "-matched", "fedpgvc:mode=lr_matched") for lr, st in _PG],
+        "FedPVR": _lr_grid("fedpvr", _PG),
+        "SCAFFOLD": _lr_grid("scaffold", _PG)}),
+    ("fedpgvc", "FedPGVC Exp A, digits, Dir(0.5), Adam (lr grid)", "best", {
+        "FedAvg": _lr_grid("fedavg", _PGA),
+        "FedPGVC hadamard (paper-literal)": _lr_grid("fedpgvc", _PGA),
+        "FedPGVC additive": _lr_grid("fedpgvc-additive", _PGA),
+        "FedPGVC code (the script's mapping)": [(f"lr {lr}", st if lr == 3e-4 else st + "-code2", "fedpgvc:mode=code")
+                                                for lr, st in _PGA]}),
+    ("fedpgvc", "FedPGVC on FMNIST 20k, LeNet-5, Adam, Dir(0.5), 30 rounds (lr grid)", "best", {
+        "FedAvg": _lr_grid("fedavg", _PGF),
+        "FedPGVC code (the script's mapping)": [(f"lr {lr}", st + "-code2" if lr == 1e-3 else st, "fedpgvc:mode=code")
+                                                for lr, st in _PGF]}),
+    ("gcfed", "GC-Fed, FMNIST 12k, FedAvg CNN, 10 of 100 clients Dir(0.1), 50 rounds (lr grid)", "last10", {
+        "FedAvg": _lr_grid("fedavg", _GC),
+        "GC-Fed": [(f"lr {lr}", st + "-gcfed" if lr == 0.01 else st, "gcfed") for lr, st in _GC]}),
+]
+
+
+def _finished_seeds(setup_dir, label):
+    return sorted(int(os.path.basename(d).rsplit("-s", 1)[1])
+                  for d in glob.glob(os.path.join(setup_dir, f"{glob.escape(label)}-s[0-9]*"))
+                  if os.path.exists(os.path.join(d, "summary.json")))
+
+
+def grids_section():
+    """Best-of-grid per method and paired differences vs the reference method's best (same seeds).
+    Picking the best point per method after seeing the test accuracy favours every method alike;
+    the per-point table shows the whole grid."""
+    lines = ["## Tuning parity: the same grid for every method (issue #16 item 5)\n",
+             "Each method ran at every grid point with the same seeds; its best-of-grid point is the one with "
+             "the highest mean over seeds. Δ = method at its best point - the first method at its best point, "
+             "paired by seed; p = two-sided paired t-test. ± = sample std. '-' = not run.\n"]
+    out = []
+    for paper, title, metric, methods in GRIDS:
+        target = TARGETS.get(paper)
+        points = list(dict.fromkeys(pt for runs in methods.values() for pt, _, _ in runs))
+        res, rows = {}, []
+        for name, runs in methods.items():
+            cells, best = {}, None
+            for pt, setup, label in runs:
+                sd = os.path.join(ROOT, paper, setup)
+                seeds = _finished_seeds(sd, label)
+                if not seeds:
+                    continue
+                vals = per_seed_metric(paper, sd, label, seeds, metric, target)
+                d = describe(list(vals.values()))
+                cells[pt] = {"setup": f"{paper}/{setup}/{label}", "seeds": seeds, "mean": d["mean"],
+                             "std": d["std"], "per_seed": vals}
+                if d["mean"] is not None and (best is None or d["mean"] > cells[best]["mean"]):
+                    best = pt
+            res[name] = {"points": cells, "best": best}
+        if not any(r["best"] for r in res.values()):
+            continue
+        ref = next(iter(methods))
+        lines.append(f"### {paper}: {title}; metric: {METRIC_NAMES[metric]}\n")
+        head = "| method | " + " | ".join(points) + " | best point | best-of-grid | Δ vs " + ref + " best (pp) [95% CI] | p |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        rb = res[ref]
+        for name, r in res.items():
+            cells = [fmt(r["points"][pt]["mean"], r["points"][pt]["std"]) + ("" if len(r["points"][pt]["seeds"]) == 3
+                     else f" (n={len(r['points'][pt]['seeds'])})") if pt in r["points"] else "-" for pt in points]
+            pr = None
+            if r["best"] and rb["best"] and name != ref:
+                a, b = r["points"][r["best"]], rb["points"][rb["best"]]
+                common = sorted(set(a["seeds"]) & set(b["seeds"]))
+                pr = paired({s: a["per_seed"][s] for s in common}, {s: b["per_seed"][s] for s in common})
+                r["paired_vs_ref_best"] = _strip(pr)
+            bcell = r["points"].get(r["best"], {}) if r["best"] else {}
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['best'] or '-'} | "
+                         f"{fmt(bcell.get('mean'), bcell.get('std')) if bcell else '-'} | "
+                         f"{fmt_paired(pr) if pr else ('(reference)' if name == ref else 'n/a')} | "
+                         f"{fmt_p(pr) if pr else ''} |")
+        lines.append("")
+        out.append({"paper": paper, "title": title, "metric": metric, "reference": ref, "methods": res})
+    return lines, out
+
+
 def main():
     summary = {}
     lines = []
@@ -550,6 +668,7 @@ def main():
         ent["provenance"] = provenance(setup_dir)
         summary[f"{paper}/{setup}"] = ent
     claim_lines, claims = claims_section()
+    grid_lines, grids = grids_section()
     summary = {"_meta": {"generated_by": "PYTHONPATH=. python results/analyze.py",
                          "std": "sample standard deviation over seeds (n - 1)",
                          "ci": "95% Student-t interval of the mean over seeds",
@@ -558,7 +677,7 @@ def main():
                          "metrics": {"final": "accuracy at the last evaluation", "best": "maximum over evaluations",
                                      "last10pct": "mean over the last ceil(10%) of evaluations (every round here)",
                                      "last10": "mean over the last 10 evaluations"}},
-               "_claims": claims, **summary}
+               "_claims": claims, "_grids": grids, **summary}
     head = ["# Tables regenerated from the committed run logs\n",
             "`PYTHONPATH=. python results/analyze.py` writes this file and results/summary.json. ± is the sample "
             "standard deviation over seeds (n - 1). Per-setup 95% CIs of every metric are in summary.json; "
@@ -566,8 +685,8 @@ def main():
     with open(os.path.join(ROOT, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(ROOT, "tables.md"), "w") as f:
-        f.write("\n".join(head + claim_lines + lines) + "\n")
-    print("\n".join(claim_lines))
+        f.write("\n".join(head + claim_lines + grid_lines + lines) + "\n")
+    print("\n".join(claim_lines + grid_lines))
 
 
 if __name__ == "__main__":
