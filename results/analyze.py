@@ -121,6 +121,32 @@ CLAIMS = [
      ("fmnist12k-a0.1-K10", "fedavg"), "last10", +1),
     ("gcfed", "GC-Fed beats Local GC, FMNIST Dir(0.1) 10/100", ("fmnist12k-a0.1-K10-gcfed", "gcfed"),
      ("fmnist12k-a0.1-K10-local_gc", "local_gc"), "last10", +1),
+    # third pass, item 3: 5 seeds where a run costs under ~2 CPU-minutes (seeds 0-2 re-run bit-identically)
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg, FMNIST s = 3, 5 seeds", ("fmnist-s3-5seeds", "kuramoto-S0.5"),
+     ("fmnist-s3-5seeds", "fedavg"), "final", +1),
+    ("kuramoto", "paper-literal mode P is below FedAvg, FMNIST s = 3, 5 seeds", ("fmnist-s3-5seeds", "kuramoto:mode=P"),
+     ("fmnist-s3-5seeds", "fedavg"), "final", -1),
+    ("kuramoto", "SCAFFOLD with the momentum divisor beats FedAvg, FMNIST s = 3, 5 seeds",
+     ("fmnist-s3-5seeds", "scaffold:momentum_correction=True"), ("fmnist-s3-5seeds", "fedavg"), "final", +1),
+    ("kuramoto", "mode S (κ0 = 0.5) beats FedAvg, digits s = 3, 5 seeds", ("digits-s3-5seeds", "kuramoto-S0.5"),
+     ("digits-s3-5seeds", "fedavg"), "final", +1),
+    ("fedaware", "FedAWARE beats FedAvg, 100 rounds, 5 seeds", ("fmnist-5seeds", "fedaware"),
+     ("fmnist-5seeds", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvgM, 100 rounds, 5 seeds", ("fmnist-5seeds", "fedaware"),
+     ("fmnist-5seeds", "fedavgm"), "last10pct", +1),
+    ("fedecado", "FedECADO extrap=hold beats FedAvg, Table 1 setting, lr 0.1, 5 seeds",
+     ("fmnist-table1-lr0.1-5seeds", "fedecado-hold"), ("fmnist-table1-lr0.1-5seeds", "fedavg"), "final", +1),
+    ("fedecado", "FedECADO extrap=hold beats FedNova, Table 1 setting, lr 0.1, 5 seeds",
+     ("fmnist-table1-lr0.1-5seeds", "fedecado-hold"), ("fmnist-table1-lr0.1-5seeds", "fednova"), "final", +1),
+    ("gcfed", "GC-Fed beats FedAvg, digits α = 0.05, 5 seeds", ("digits-a0.05-5seeds", "gcfed"),
+     ("digits-a0.05-5seeds", "fedavg"), "last10", +1),
+    ("gcfed", "GC-Fed beats FedAvg, digits α = 0.1, 5 seeds", ("digits-a0.1-5seeds", "gcfed"),
+     ("digits-a0.1-5seeds", "fedavg"), "last10", +1),
+    # item 8: FedAWARE at the paper's 500 rounds (one seed per directory)
+    ("fedaware", "FedAWARE beats FedAvg, 500 rounds, seed 0", ("fmnist-T500-s0", "fedaware"),
+     ("fmnist-T500-s0", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvg, 500 rounds, seed 1", ("fmnist-T500-s1", "fedaware"),
+     ("fmnist-T500-s1", "fedavg"), "last10pct", +1),
 ]
 
 
