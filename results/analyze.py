@@ -142,11 +142,9 @@ CLAIMS = [
      ("digits-a0.05-5seeds", "fedavg"), "last10", +1),
     ("gcfed", "GC-Fed beats FedAvg, digits α = 0.1, 5 seeds", ("digits-a0.1-5seeds", "gcfed"),
      ("digits-a0.1-5seeds", "fedavg"), "last10", +1),
-    # item 8: FedAWARE at the paper's 500 rounds (one seed per directory)
-    ("fedaware", "FedAWARE beats FedAvg, 500 rounds, seed 0", ("fmnist-T500-s0", "fedaware"),
-     ("fmnist-T500-s0", "fedavg"), "last10pct", +1),
-    ("fedaware", "FedAWARE beats FedAvg, 500 rounds, seed 1", ("fmnist-T500-s1", "fedaware"),
-     ("fmnist-T500-s1", "fedavg"), "last10pct", +1),
+    # item 8: FedAWARE at the paper's 500 rounds (2 seeds, as the 200-round cell)
+    ("fedaware", "FedAWARE beats FedAvg, 500 rounds (2 seeds)", ("fmnist-T500", "fedaware"),
+     ("fmnist-T500", "fedavg"), "last10pct", +1),
 ]
 
 
