@@ -142,6 +142,12 @@ CLAIMS = [
      ("digits-a0.05-5seeds", "fedavg"), "last10", +1),
     ("gcfed", "GC-Fed beats FedAvg, digits α = 0.1, 5 seeds", ("digits-a0.1-5seeds", "gcfed"),
      ("digits-a0.1-5seeds", "fedavg"), "last10", +1),
+    ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, local lr 0.03 (the grid's best)",
+     ("fmnist-lr0.03", "fedaware"), ("fmnist-lr0.03-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvgM with the matched server-lr schedule, local lr 0.03",
+     ("fmnist-lr0.03", "fedaware"), ("fmnist-lr0.03-lrmatched", "fedavgm-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, local lr 0.03",
+     ("fmnist-lr0.03-lrmatched", "fedavg-lrmatched"), ("fmnist-lr0.03", "fedavg"), "last10pct", +1),
     # item 8: FedAWARE at the paper's 500 rounds (2 seeds, as the 200-round cell)
     ("fedaware", "FedAWARE beats FedAvg, 500 rounds (2 seeds)", ("fmnist-T500", "fedaware"),
      ("fmnist-T500", "fedavg"), "last10pct", +1),
