@@ -281,7 +281,7 @@ def run_stats(paper, run_dir, target):
         st["be_steps_mean"] = float(np.mean([g["steps"] for g in aggs if "steps" in g]))
         st["be_rejects_mean"] = float(np.mean([g.get("rejects", 0) for g in aggs if "steps" in g]))
         st["truncated_rounds"] = int(sum(bool(g.get("truncated")) for g in aggs))
-        st["L"] = float(aggs[-1]["L"])
+        st["L"] = float([g["L"] for g in aggs if "L" in g][-1])   # a diverged run's last rounds may lack it
         er = [g["max_extrap_ratio"] for g in aggs if g.get("max_extrap_ratio") is not None]
         if er:
             st["extrap_ratio_median"] = float(np.median(er))
