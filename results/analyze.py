@@ -157,6 +157,10 @@ CLAIMS = [
     # item 8: FedAWARE at the paper's 500 rounds (2 seeds, as the 200-round cell)
     ("fedaware", "FedAWARE beats FedAvg, 500 rounds (2 seeds)", ("fmnist-T500", "fedaware"),
      ("fmnist-T500", "fedavg"), "last10pct", +1),
+    ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, 500 rounds (2 seeds)",
+     ("fmnist-T500", "fedaware"), ("fmnist-T500-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
+    ("fedaware", "FedAvg with FedAWARE's server-lr schedule beats FedAvg, 500 rounds (2 seeds)",
+     ("fmnist-T500-lrmatched", "fedavg-lrmatched"), ("fmnist-T500", "fedavg"), "last10pct", +1),
 ]
 
 
