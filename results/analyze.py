@@ -318,7 +318,7 @@ def run_stats(paper, run_dir, target):
     return st
 
 
-def partial_compare(setup_dir):
+def compare_from_run_dirs(setup_dir):
     """Stand-in for compare.json when a setup has none (a compare job stopped early, or a setup assembled
     from per-seed compare jobs, e.g. fedaware/fmnist-T500): the summaries of the run directories present."""
     runs = sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*", "summary.json")))
@@ -611,7 +611,7 @@ def main():
     setups = []
     for setup_dir in sorted(d for d in glob.glob(os.path.join(ROOT, "*", "*")) if os.path.isdir(d)):
         cj = os.path.join(setup_dir, "compare.json")
-        c = json.load(open(cj)) if os.path.exists(cj) else partial_compare(setup_dir)
+        c = json.load(open(cj)) if os.path.exists(cj) else compare_from_run_dirs(setup_dir)
         setups.append((setup_dir, c))
     for setup_dir, c in setups:
         paper = os.path.basename(os.path.dirname(setup_dir))

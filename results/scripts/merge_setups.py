@@ -1,6 +1,7 @@
 """Merges the run directories of one compare setup into another (more seeds of the same cells):
 
-    python results/scripts/merge_setups.py SRC_SETUP DST_SETUP
+    python results/scripts/merge_setups.py SRC_SETUP DST_SETUP      (from the checkout root, like matched_server_lr.py:
+                                                                     the schedule paths in config.yaml are relative to it)
 
 Moves every SRC/<label>-s<seed> run directory into DST (refusing a seed DST already has). Where both
 have a ``schedule.json`` (matched server-lr controls, results/scripts/matched_server_lr.py), the SRC
