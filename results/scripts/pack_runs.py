@@ -1,0 +1,60 @@
+"""Packs the raw run directories of results/ setups into one deterministic archive per setup:
+
+    python results/scripts/pack_runs.py [--keep] SETUP_DIR [SETUP_DIR ...]
+    python results/scripts/pack_runs.py [--keep] --all        # every setup with run directories on disk
+
+Each SETUP_DIR = results/<paper>/<setup>; its run directories <label>-s<seed>/ and its compare.json
+(+ compare.csv/.md/.tex) go into results/runs/<paper>/<setup>.tar.gz, which is checked to read back
+byte-identical before the packed files are deleted (--keep: leave them). An existing archive is
+replaced only when every file it holds is on disk (unpack it first: results/scripts/unpack.py).
+Figures, schedule.json and other files stay in the setup directory. Packing the same files again
+gives the same bytes (format: results/scripts/runstore.py). Bad input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runstore  # noqa: E402
+
+RESULTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
+    ap.add_argument("--all", action="store_true", help="every setup under results/ with run directories on disk")
+    ap.add_argument("--keep", action="store_true", help="keep the packed files on disk")
+    a = ap.parse_args(argv)
+    if bool(a.setups) == a.all:
+        ap.error("give SETUP_DIR ... or --all (not both)")
+    dirs = runstore.setup_dirs(RESULTS) if a.all else a.setups
+    for d in a.setups:
+        if not os.path.isdir(d):
+            print(f"pack_runs: SETUP_DIR={d!r} is not a directory; expected results/<paper>/<setup>", file=sys.stderr)
+            return 2
+    n = 0
+    for d in dirs:
+        try:
+            arc = runstore.pack(d, remove=not a.keep)
+        except ValueError as e:
+            print(f"pack_runs: {e}", file=sys.stderr)
+            return 2
+        if arc is None:
+            if not a.all:
+                print(f"pack_runs: SETUP_DIR={d!r} holds no run directory (<label>-s<seed>); nothing packed",
+                      file=sys.stderr)
+                return 2
+            continue
+        n += 1
+        print(f"packed {d} -> {arc} ({os.path.getsize(arc)} bytes)")
+    if a.all and not n:
+        print("pack_runs: no setup under results/ has run directories on disk; nothing packed", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Unpacks the committed run directories of results/ setups, to inspect or extend their runs:
+
+    python results/scripts/unpack.py SETUP_DIR [SETUP_DIR ...]   # e.g. results/fedaware/fmnist
+    python results/scripts/unpack.py --all
+
+writes the files of results/runs/<paper>/<setup>.tar.gz back into results/<paper>/<setup>/ (the same
+as ``tar xzf results/runs/<paper>/<setup>.tar.gz -C results``, but never overwriting a different file
+on disk). results/analyze.py and the plotting scripts read the archives directly: unpacking is only
+needed to look at the files or to add runs (then re-pack with results/scripts/pack_runs.py). Bad
+input: one line, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runstore  # noqa: E402
+
+RESULTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
+    ap.add_argument("--all", action="store_true", help="every archived setup under results/")
+    a = ap.parse_args(argv)
+    if bool(a.setups) == a.all:
+        ap.error("give SETUP_DIR ... or --all (not both)")
+    dirs = [d for d in runstore.setup_dirs(RESULTS) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
+    for d in dirs:
+        if not os.path.exists(runstore.archive_path(d)):
+            print(f"unpack: SETUP_DIR={d!r} has no archive {runstore.archive_path(d)}", file=sys.stderr)
+            return 2
+    try:
+        for d in dirs:
+            wrote = runstore.unpack(d)
+            print(f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written)")
+    except ValueError as e:
+        print(f"unpack: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
