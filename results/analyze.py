@@ -2,10 +2,12 @@
 
     PYTHONPATH=. .venv/bin/python results/analyze.py       # from the checkout root
 
-Reads every results/<paper>/<setup>/compare.json and the per-run metrics.jsonl(.gz) (accuracy
-metrics, mechanism statistics: Kuramoto guard/weights, FedAWARE e-LUD, FedECADO BE steps,
-first-difference spikiness, rounds to a target) and, where present, final_model.pt (FedPGVC
-head-weight magnitudes, cached in head_stats.json).
+Reads every setup's compare.json and the per-run metrics.jsonl(.gz) (accuracy metrics, mechanism
+statistics: Kuramoto guard/weights, FedAWARE e-LUD, FedECADO BE steps, first-difference spikiness,
+rounds to a target) and, where present, final_model.pt (FedPGVC head-weight magnitudes, cached in
+head_stats.json). A setup's raw files are read directly from its archive
+results/runs/<paper>/<setup>.tar.gz, overlaid by the run directories in results/<paper>/<setup>/
+(a fresh or unpacked run directory replaces the archived run of the same name): results/scripts/runstore.py.
 
 Statistics (fedkernels.sim.stats): ± is the SAMPLE standard deviation over seeds (n - 1); 95% CIs
 are Student-t intervals; methods are compared with FedAvg (or the named baseline) by PAIRED
@@ -34,6 +36,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from fedkernels.sim.stats import describe, paired  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "results", "scripts"))
+import runstore  # noqa: E402  (the reader of archived or on-disk run directories)
 
 TARGETS = {"kuramoto": None, "fedaware": None, "fedecado": None, "fedpgvc": 0.85, "gcfed": 0.80}
 # each paper's own accuracy metric (results/REPORT.md, "Numbers in the first table")
@@ -182,14 +187,20 @@ def fmt(m, s, k=100.0, nd=2):
     return f"{k * m:.{nd}f} ± {k * s:.{nd}f}"
 
 
+def _run(run_dir):
+    """(runstore.Setup, run name) of the run directory ``<setup>/<label>-s<seed>``, on disk or archived."""
+    return runstore.open_setup(os.path.dirname(run_dir)), os.path.basename(run_dir)
+
+
+def _done(run_dir):
+    """A run without summary.json is unfinished (a job still writing it)."""
+    s, r = _run(run_dir)
+    return s.exists(f"{r}/summary.json")
+
+
 def load_metrics(run_dir):
-    p = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(p):
-        return [json.loads(l) for l in open(p) if l.strip()]
-    if os.path.exists(p + ".gz"):   # committed runs keep their per-round log gzipped
-        import gzip
-        return [json.loads(l) for l in gzip.open(p + ".gz", "rt") if l.strip()]
-    return []
+    s, r = _run(run_dir)
+    return s.metrics(r)   # committed runs keep their per-round log gzipped
 
 
 def head_stats(run_dir):
@@ -197,8 +208,9 @@ def head_stats(run_dir):
     final_model.pt and cached in head_stats.json, which stays when the .pt files are deleted."""
     p = os.path.join(run_dir, "final_model.pt")
     cache = os.path.join(run_dir, "head_stats.json")
-    if not os.path.exists(p):
-        return json.load(open(cache)) if os.path.exists(cache) else None
+    if not os.path.exists(p):   # (model files are never archived)
+        s, r = _run(run_dir)
+        return s.json(f"{r}/head_stats.json") if s.exists(f"{r}/head_stats.json") else None
     import torch
     d = torch.load(p, map_location="cpu", weights_only=False)
     sd = d.get("state_dict", {})
@@ -321,25 +333,24 @@ def run_stats(paper, run_dir, target):
 def compare_from_run_dirs(setup_dir):
     """Stand-in for compare.json when a setup has none (a compare job stopped early, or a setup assembled
     from per-seed compare jobs, e.g. fedaware/fmnist-T500): the summaries of the run directories present."""
-    runs = sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*", "summary.json")))
+    files = runstore.open_setup(setup_dir)
+    runs = sorted((r for r in files.runs() if files.exists(f"{r}/summary.json")), key=lambda r: f"{r}/summary.json")
     if not runs:
         return None
     methods, seeds, cfg, rounds = {}, set(), {}, None
-    for sj in runs:
-        s = json.load(open(sj))
+    for run in runs:
+        s = files.json(f"{run}/summary.json")
         label, seed = s["name"].rsplit("-s", 1)
         seeds.add(int(seed))
         rounds = s.get("rounds")
         import yaml
-        cfgf = os.path.join(os.path.dirname(sj), "config.yaml")
-        if os.path.exists(cfgf):
-            cfg = yaml.safe_load(open(cfgf))
+        if files.exists(f"{run}/config.yaml"):
+            cfg = yaml.safe_load(files.text(f"{run}/config.yaml"))
         methods.setdefault(label, {"algorithm": s["algorithm"],
                                    "options": (cfg.get("algorithm") or {}).get("options", {})})
     seeds = sorted(seeds)
     for label in methods:
-        methods[label]["seeds_done"] = [sd for sd in seeds if os.path.exists(
-            os.path.join(setup_dir, f"{label}-s{sd}", "summary.json"))]
+        methods[label]["seeds_done"] = [sd for sd in seeds if files.exists(f"{label}-s{sd}/summary.json")]
     return {"setup": cfg, "seeds": seeds, "rounds": rounds, "methods": methods, "from_run_dirs": True}
 
 
@@ -353,7 +364,7 @@ def _cfg_key(cfg, rounds, seeds, loose=False):
 
 
 def _run_dirs(setup_dir):
-    return {os.path.basename(d) for d in glob.glob(os.path.join(setup_dir, "*-s[0-9]*")) if os.path.isdir(d)}
+    return set(runstore.open_setup(setup_dir).runs())
 
 
 def find_baseline(setup_dir, c, all_setups):
@@ -378,8 +389,7 @@ def per_seed_metric(paper, setup_dir, label, seeds, key, target=None, cache={}):
     for s in seeds:
         rd = os.path.join(setup_dir, f"{label}-s{s}")
         if rd not in cache:   # a run without summary.json is unfinished (a job still writing it): left out
-            done = os.path.isdir(rd) and os.path.exists(os.path.join(rd, "summary.json"))
-            cache[rd] = run_stats(paper, rd, target) if done else {}
+            cache[rd] = run_stats(paper, rd, target) if _done(rd) else {}
         out[s] = cache[rd].get(key)
     return out
 
@@ -395,9 +405,11 @@ def _git(*args):
 def provenance(setup_dir):
     """What the logs record about where a setup ran; else the commit that added its results."""
     recs = []
-    for p in sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*", "provenance.json"))):
-        with open(p) as f:
-            j = json.load(f)
+    files = runstore.open_setup(setup_dir)
+    for run in files.runs():
+        if not files.exists(f"{run}/provenance.json"):
+            continue
+        j = files.json(f"{run}/provenance.json")
         recs.append({"fedkernels_commit": (j.get("git") or {}).get("commit"), "dirty": (j.get("git") or {}).get("dirty"),
                      "torch": j.get("torch"), "cpu": j.get("cpu"), "gpus": j.get("gpus"),
                      "threads": j.get("torch_threads"), "start_time": j.get("start_time")})
@@ -451,11 +463,9 @@ def claims_section():
     rows, out = [], []
     for paper, text, (ms_, ml), (bs, bl), metric, sign in CLAIMS:
         md, bd = os.path.join(ROOT, paper, ms_), os.path.join(ROOT, paper, bs)
-        if not (os.path.isdir(md) and os.path.isdir(bd)):
+        if not (_run_dirs(md) and _run_dirs(bd)):
             continue
-        seeds = sorted({int(os.path.basename(d).rsplit("-s", 1)[1])     # finished runs only (summary.json)
-                        for d in glob.glob(os.path.join(md, f"{glob.escape(ml)}-s[0-9]*"))
-                        if os.path.exists(os.path.join(d, "summary.json"))})
+        seeds = _finished_seeds(md, ml)     # finished runs only (summary.json)
         if not seeds:
             continue
         x = per_seed_metric(paper, md, ml, seeds, metric)
@@ -547,9 +557,9 @@ GRID_SEEDS = (0, 1, 2)   # every grid cell on the same seeds (some cells have 5)
 
 
 def _finished_seeds(setup_dir, label):
-    return sorted(int(os.path.basename(d).rsplit("-s", 1)[1])
-                  for d in glob.glob(os.path.join(setup_dir, f"{glob.escape(label)}-s[0-9]*"))
-                  if os.path.exists(os.path.join(d, "summary.json")))
+    files = runstore.open_setup(setup_dir)
+    return sorted(int(r.rsplit("-s", 1)[1]) for r in files.runs(f"{glob.escape(label)}-s[0-9]*")
+                  if files.exists(f"{r}/summary.json"))
 
 
 def grids_section():
@@ -609,9 +619,9 @@ def main():
     summary = {}
     lines = []
     setups = []
-    for setup_dir in sorted(d for d in glob.glob(os.path.join(ROOT, "*", "*")) if os.path.isdir(d)):
-        cj = os.path.join(setup_dir, "compare.json")
-        c = json.load(open(cj)) if os.path.exists(cj) else compare_from_run_dirs(setup_dir)
+    for setup_dir in runstore.setup_dirs(ROOT):
+        files = runstore.open_setup(setup_dir)
+        c = files.json("compare.json") if files.exists("compare.json") else compare_from_run_dirs(setup_dir)
         setups.append((setup_dir, c))
     for setup_dir, c in setups:
         paper = os.path.basename(os.path.dirname(setup_dir))

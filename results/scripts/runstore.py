@@ -58,9 +58,10 @@ def setup_dirs(root: str) -> List[str]:
     out = set()
     for paper in os.listdir(root):
         pd = os.path.join(root, paper)
-        if paper == ARCHIVES or not os.path.isdir(pd):
+        if paper == ARCHIVES or paper.startswith(".") or not os.path.isdir(pd):
             continue
-        out.update(os.path.join(root, paper, s) for s in os.listdir(pd) if os.path.isdir(os.path.join(pd, s)))
+        out.update(os.path.join(root, paper, s) for s in os.listdir(pd)
+                   if not s.startswith(".") and os.path.isdir(os.path.join(pd, s)))
     ad = os.path.join(root, ARCHIVES)
     if os.path.isdir(ad):
         for paper in os.listdir(ad):
