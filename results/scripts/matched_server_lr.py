@@ -29,7 +29,6 @@ Steps (each skipped when its output exists, so an interrupted job can be re-run)
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -44,6 +43,9 @@ from fedkernels.sim import presets  # noqa: E402
 from fedkernels.sim.compare import compare  # noqa: E402
 from fedkernels.sim.config import apply_overrides  # noqa: E402
 from fedkernels.sim.server import Simulation  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runstore  # noqa: E402  (archived or on-disk run directories)
 
 
 def log_step_norms(agg):
@@ -62,12 +64,15 @@ def log_step_norms(agg):
 
 
 def _metrics(run_dir):
-    for name, op in (("metrics.jsonl", open), ("metrics.jsonl.gz", gzip.open)):
-        p = os.path.join(run_dir, name)
-        if os.path.exists(p):
-            with op(p, "rt") as f:
-                return [json.loads(line) for line in f if line.strip()]
-    raise FileNotFoundError(f"{run_dir}: no metrics.jsonl(.gz)")
+    files, run = runstore.open_setup(os.path.dirname(run_dir), cached=False), os.path.basename(run_dir)
+    if not (files.exists(f"{run}/metrics.jsonl") or files.exists(f"{run}/metrics.jsonl.gz")):
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl(.gz), on disk or in {files.archive}")
+    return files.metrics(run)
+
+
+def _done(setup_dir):
+    """A compare step's output exists: its compare.json, on disk or in the setup's archive."""
+    return runstore.open_setup(setup_dir, cached=False).exists("compare.json")
 
 
 def schedule(log_dir, label, seeds, rounds):
@@ -117,7 +122,7 @@ def main(argv=None):
             raise SystemExit(f"{lab!r} is not a method of preset {a.preset} ({', '.join(known)})")
     base = apply_overrides(presets.get(a.preset), a.overrides)
     base.progress, base.verbose = False, False
-    if not os.path.exists(os.path.join(a.log_out, "compare.json")):
+    if not _done(a.log_out):
         build = Simulation._build_aggregator
         Simulation._build_aggregator = lambda self: log_step_norms(build(self))
         try:
@@ -139,7 +144,7 @@ def main(argv=None):
         v = json.loads(json.dumps(known[lab]))
         v.setdefault("options", {})["server_lr_schedule"] = rel
         ctrls.append((f"{lab}-lrmatched", v))
-    if not os.path.exists(os.path.join(a.out, "compare.json")):
+    if not _done(a.out):
         compare(base, ctrls, seeds=seeds, out_dir=a.out, rounds=a.rounds, preset=a.preset,
                 baseline=ctrls[0][0])
     return 0

@@ -10,6 +10,9 @@ schedule (the numbers for their seeds are the same). DST's compare.json/compare.
 old seeds only, are removed: results/analyze.py then reads the run directories, and
 results/scripts/replot.py redraws compare.png. SRC is removed. Each run's provenance.json keeps the
 command that produced it.
+
+Archived setups (results/runs/<paper>/<setup>.tar.gz, results/scripts/runstore.py) are unpacked
+first; when SRC or DST was archived, SRC's archive is deleted and DST is packed again afterwards.
 """
 from __future__ import annotations
 
@@ -19,14 +22,17 @@ import os
 import shutil
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runstore  # noqa: E402  (archived or on-disk run directories)
+
 
 def merge(src: str, dst: str) -> None:
-    runs = sorted(glob.glob(os.path.join(src, "*-s[0-9]*")))
-    if not runs:
-        raise SystemExit(f"merge_setups: {src} has no run directories")
-    for r in runs:
-        if os.path.exists(os.path.join(dst, os.path.basename(r))):
-            raise SystemExit(f"merge_setups: {dst} already has {os.path.basename(r)}")
+    src_runs = runstore.open_setup(src, cached=False).runs()
+    if not src_runs:
+        raise SystemExit(f"merge_setups: {src} has no run directories (on disk or in {runstore.archive_path(src)})")
+    clash = sorted(set(src_runs) & set(runstore.open_setup(dst, cached=False).runs()))
+    if clash:
+        raise SystemExit(f"merge_setups: {dst} already has {clash[0]}")
     sched_src, sched_dst = os.path.join(src, "schedule.json"), os.path.join(dst, "schedule.json")
     if os.path.exists(sched_src) != os.path.exists(sched_dst):
         raise SystemExit(f"merge_setups: only one of {src}, {dst} has a schedule.json")
@@ -39,6 +45,13 @@ def merge(src: str, dst: str) -> None:
             raise SystemExit("merge_setups: the schedules share a seed")
         a["runs"] = a["runs"] + b["runs"]
         merged = a
+    archived = [d for d in (src, dst) if os.path.exists(runstore.archive_path(d))]
+    for d in archived:   # never overwrites a different file on disk (ValueError before writing)
+        try:
+            runstore.unpack(d)
+        except ValueError as e:
+            raise SystemExit(f"merge_setups: {e}")
+    runs = sorted(glob.glob(os.path.join(src, "*-s[0-9]*")))
     os.makedirs(dst, exist_ok=True)
     for r in runs:
         t = os.path.join(dst, os.path.basename(r))
@@ -60,6 +73,10 @@ def merge(src: str, dst: str) -> None:
         if os.path.exists(p):
             os.remove(p)
     shutil.rmtree(src)
+    if archived:
+        for d in archived:
+            os.remove(runstore.archive_path(d))   # everything it held is on disk (unpacked above)
+        print(f"packed {dst} -> {runstore.pack(dst)}")
 
 
 if __name__ == "__main__":

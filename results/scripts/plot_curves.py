@@ -2,6 +2,9 @@
 
     PYTHONPATH=. python results/scripts/plot_curves.py [--metric global_loss|accuracy|...] [--band std|ci|none] OUT.png DIR [DIR ...]
 
+Each DIR is a setup, results/<paper>/<setup>: its runs are read from its archive
+results/runs/<paper>/<setup>.tar.gz and/or the run directories on disk (results/scripts/runstore.py).
+
 global_loss (the default: the federated objective, log scale, with ln 10 marked) or accuracy (%).
 Each method is drawn as its mean over seeds with a shaded band: ± 1 sample standard deviation
 (n - 1; the default) or the 95% Student-t interval of the mean; the caption under the plot says
@@ -11,9 +14,6 @@ temporary file and a rename (no partial figure on an interrupt).
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import json
 import math
 import os
 import sys
@@ -29,23 +29,22 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from fedkernels.sim.report import BANDS, atomic_path, explore_notes, explore_rounds  # noqa: E402
 from fedkernels.sim.stats import t_ppf  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runstore  # noqa: E402  (archived or on-disk run directories)
 
 
 def load(run):
-    p = os.path.join(run, "metrics.jsonl")
-    f = gzip.open(p + ".gz", "rt") if os.path.exists(p + ".gz") else open(p)
-    with f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The per-round records of run directory ``run`` (<setup>/<label>-s<seed>, on disk or archived)."""
+    return runstore.open_setup(os.path.dirname(run)).metrics(os.path.basename(run))
 
 
 def curves(setup_dir, metric="global_loss"):
     """{label: [(rounds, values, explore rounds) per seed]} of one compare directory."""
     out = {}
-    for run in sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*"))):
-        if not os.path.isdir(run):
-            continue
-        label = os.path.basename(run).rsplit("-s", 1)[0]
-        ms = load(run)
+    files = runstore.open_setup(setup_dir)
+    for run in files.runs():
+        label = run.rsplit("-s", 1)[0]
+        ms = files.metrics(run)
         pts = [(m["round"], m[metric]) for m in ms if isinstance(m.get(metric), (int, float))
                and math.isfinite(m[metric])]
         if pts:
@@ -64,6 +63,11 @@ def main(argv):
             sys.exit(f"unknown option {argv[0]}\n{__doc__}")
     if len(argv) < 2 or band not in BANDS:
         sys.exit(__doc__)
+    for d in argv[1:]:
+        if not runstore.open_setup(d).runs():
+            print(f"plot_curves: DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
+                  "expected a setup results/<paper>/<setup>", file=sys.stderr)
+            sys.exit(2)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     scale = 100.0 if metric == "accuracy" else 1.0
     explore, nseeds, markers, i, clipped = {}, set(), "osD^vP*Xh<>", 0, False

@@ -1,4 +1,5 @@
-"""Redraws every results/<paper>/<setup>/compare.png from the committed run logs:
+"""Redraws every results/<paper>/<setup>/compare.png from the committed run logs (read from the
+archives results/runs/<paper>/<setup>.tar.gz and/or the run directories on disk; results/scripts/runstore.py):
 
     python results/scripts/replot.py [--dpi 110] [SETUP_DIR ...]
 
@@ -10,8 +11,6 @@ results keep no PDF/SVG copies), at a lower dpi than a run's own figures to keep
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
 import sys
 
@@ -21,29 +20,28 @@ if REPO not in sys.path:
 from fedkernels.sim.config import RunConfig  # noqa: E402
 from fedkernels.sim.report import describe_setup, plot_curves  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plot_curves import load  # noqa: E402  (one reader of the gzipped per-round logs)
+import runstore  # noqa: E402  (one reader of the archived or on-disk per-round logs)
 
 
 def replot(setup_dir, dpi=110):
     runs = {}
-    for run in sorted(glob.glob(os.path.join(setup_dir, "*-s[0-9]*"))):
-        if os.path.isdir(run) and (os.path.exists(os.path.join(run, "metrics.jsonl.gz"))
-                                   or os.path.exists(os.path.join(run, "metrics.jsonl"))):
-            runs.setdefault(os.path.basename(run).rsplit("-s", 1)[0], []).append(load(run))
+    files = runstore.open_setup(setup_dir)
+    for run in files.runs():
+        if files.exists(f"{run}/metrics.jsonl.gz") or files.exists(f"{run}/metrics.jsonl"):
+            runs.setdefault(run.rsplit("-s", 1)[0], []).append(files.metrics(run))
     if not runs:
         return None
-    cj = os.path.join(setup_dir, "compare.json")
     rel = os.path.relpath(setup_dir, os.path.join(REPO, "results"))
     title = rel
-    if os.path.exists(cj):
-        with open(cj) as f:
-            c = json.load(f)
+    if files.exists("compare.json"):
+        c = files.json("compare.json")
         try:
             cfg = RunConfig.from_dict(c["setup"])
             cfg.rounds = c.get("rounds") or cfg.rounds
             title = f"{rel}: {describe_setup(cfg, c.get('seeds') or [])}"
         except (KeyError, TypeError, ValueError):
             pass
+    os.makedirs(setup_dir, exist_ok=True)
     return plot_curves(runs, os.path.join(setup_dir, "compare.png"), title=title, band="std", formats=("png",),
                        dpi=dpi)
 
@@ -52,12 +50,18 @@ def main(argv):
     dpi = 110
     if argv[:1] == ["--dpi"]:
         dpi, argv = int(argv[1]), argv[2:]
-    dirs = argv or sorted(d for d in glob.glob(os.path.join(REPO, "results", "*", "*")) if os.path.isdir(d))
+    dirs = argv or runstore.setup_dirs(os.path.join(REPO, "results"))
+    for d in argv:
+        if not runstore.open_setup(d).runs():
+            print(f"replot: SETUP_DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
+                  "expected results/<paper>/<setup>", file=sys.stderr)
+            return 2
     for d in dirs:
         p = replot(d, dpi)
         if p:
             print(f"wrote {os.path.relpath(p, REPO)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
