@@ -91,13 +91,12 @@ def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
 def test_disk_runs_overlay_the_archive(tmp_path):
     sd = _setup(str(tmp_path / "results"), seeds=(0, 1))
     runstore.pack(sd)
-    _run_dir(sd, "fedavg", 1, [0.1, 0.2])                  # a re-run replaces the archived run as a whole
+    _run_dir(sd, "fedaware", 1, [0.1, 0.2])                # a re-run replaces the archived run as a whole
     _run_dir(sd, "fedavg", 2, [0.3])                       # a new seed is added
     s = runstore.Setup(sd)
-    assert s.runs("fedavg-s*") == ["fedavg-s0", "fedavg-s1", "fedavg-s2"]
-    assert [r["accuracy"] for r in s.metrics("fedavg-s1")] == [0.1, 0.2]
-    assert not s.exists("fedavg-s1/head_stats.json") and s.exists("fedaware-s1/head_stats.json")
-    assert s.json("fedaware-s1/head_stats.json") == {"w": 0.1}
+    assert s.runs("fedavg-s*") == ["fedavg-s0", "fedavg-s1", "fedavg-s2"] and s.runs("fedaware-s*") == ["fedaware-s0", "fedaware-s1"]
+    assert [r["accuracy"] for r in s.metrics("fedaware-s1")] == [0.1, 0.2]
+    assert not s.exists("fedaware-s1/head_stats.json") and s.json("fedaware-s0/head_stats.json") == {"w": 0.0}
     with pytest.raises(FileNotFoundError, match="not on disk and not in"):
         s.read("fedavg-s9/summary.json")
 
