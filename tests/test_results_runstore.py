@@ -85,7 +85,7 @@ def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
     with tarfile.open(arc) as tf:
         tf.extractall(out)
     assert _tree(str(out / "fedaware" / "fmnist")) == raw
-    assert runstore.unpack(sd) and {k: v for k, v in _tree(sd).items() if k != "compare.png"} == raw
+    assert runstore.unpack(sd)[0] and {k: v for k, v in _tree(sd).items() if k != "compare.png"} == raw
 
 
 def test_disk_runs_overlay_the_archive(tmp_path):
@@ -101,24 +101,24 @@ def test_disk_runs_overlay_the_archive(tmp_path):
         s.read("fedavg-s9/summary.json")
 
 
-def test_pack_never_loses_archived_files_and_unpack_never_overwrites(tmp_path):
-    root = str(tmp_path / "results")
-    sd = _setup(root, seeds=(0, 1))
+def test_pack_keeps_archived_runs_and_unpack_never_overwrites(tmp_path):
+    sd = _setup(str(tmp_path / "results"), seeds=(0, 1))
     arc = runstore.pack(sd)
-    before = open(arc, "rb").read()
-    _run_dir(sd, "fedavg", 2, [0.3])                       # packed without unpacking: would drop seeds 0-1
-    with pytest.raises(ValueError, match="not in .*unpack.py"):
-        runstore.pack(sd)
-    assert open(arc, "rb").read() == before and os.path.isdir(os.path.join(sd, "fedavg-s2"))
-    assert len(runstore.unpack(sd)) == 15                  # 2 x 2 runs (+ head stats) and compare.json
-    assert runstore.pack(sd) == arc and runstore.Setup(sd).runs("fedavg-s*") == ["fedavg-s0", "fedavg-s1", "fedavg-s2"]
-    runstore.unpack(sd)
+    _run_dir(sd, "fedavg", 2, [0.3])                       # a new seed, packed without unpacking
+    _run_dir(sd, "fedaware", 1, [0.1, 0.2])                # a re-run: replaces the archived run as a whole
+    assert runstore.pack(sd) == arc and sorted(os.listdir(sd)) == ["compare.png"]
+    s = runstore.Setup(sd)
+    assert s.runs() == ["fedavg-s0", "fedavg-s1", "fedavg-s2", "fedaware-s0", "fedaware-s1"]
+    assert [r["accuracy"] for r in s.metrics("fedaware-s1")] == [0.1, 0.2]
+    assert not s.exists("fedaware-s1/head_stats.json") and s.exists("compare.json")
+    wrote, kept = runstore.unpack(sd)
+    assert len(wrote) == 17 and kept == []                 # 5 runs x 3 files, fedaware-s0's head stats, compare.json
     p = os.path.join(sd, "fedavg-s0", "summary.json")
     with open(p, "w") as f:
         f.write("{}")
-    with pytest.raises(ValueError, match="differs from its copy"):
-        runstore.unpack(sd)
-    assert open(p).read() == "{}"
+    os.remove(os.path.join(sd, "compare.json"))
+    assert runstore.unpack(sd) == ([os.path.join(sd, "compare.json")], s.runs())
+    assert open(p).read() == "{}"                           # the run on disk is left alone
     with open(os.path.join(sd, "fedavg-s0", "final_model.pt"), "wb") as f:
         f.write(b"x")
     with pytest.raises(ValueError, match="final_model.pt: model/checkpoint files are not committed"):

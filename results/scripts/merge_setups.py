@@ -46,11 +46,8 @@ def merge(src: str, dst: str) -> None:
         a["runs"] = a["runs"] + b["runs"]
         merged = a
     archived = [d for d in (src, dst) if os.path.exists(runstore.archive_path(d))]
-    for d in archived:   # never overwrites a different file on disk (ValueError before writing)
-        try:
-            runstore.unpack(d)
-        except ValueError as e:
-            raise SystemExit(f"merge_setups: {e}")
+    for d in archived:   # the archived runs not on disk (never overwrites a file on disk)
+        runstore.unpack(d)
     runs = sorted(glob.glob(os.path.join(src, "*-s[0-9]*")))
     os.makedirs(dst, exist_ok=True)
     for r in runs:

@@ -4,11 +4,12 @@
     python results/scripts/pack_runs.py [--keep] --all        # every setup with run directories on disk
 
 Each SETUP_DIR = results/<paper>/<setup>; its run directories <label>-s<seed>/ and its compare.json
-(+ compare.csv/.md/.tex) go into results/runs/<paper>/<setup>.tar.gz, which is checked to read back
-byte-identical before the packed files are deleted (--keep: leave them). An existing archive is
-replaced only when every file it holds is on disk (unpack it first: results/scripts/unpack.py).
-Figures, schedule.json and other files stay in the setup directory. Packing the same files again
-gives the same bytes (format: results/scripts/runstore.py). Bad input: one line, exit 2.
+(+ compare.csv/.md/.tex) go into results/runs/<paper>/<setup>.tar.gz, together with the runs the
+existing archive holds that are not on disk (a run on disk replaces the archived run of the same
+name: the setup as results/analyze.py reads it). The archive is checked to read back byte-identical
+before the packed files are deleted (--keep: leave them). Figures, schedule.json and other files
+stay in the setup directory. The same files give the same bytes (format: results/scripts/runstore.py).
+Bad input: one line, exit 2.
 """
 from __future__ import annotations
 

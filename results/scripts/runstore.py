@@ -17,6 +17,8 @@ Reading (:class:`Setup`): the archive's files, overlaid by the files on disk: a 
 disk replaces the archive's run of the same name as a whole, and a raw top-level file on disk
 (compare.json, ...) replaces the archive's. So a freshly run setup (no archive), an archived one (no
 run directories on disk) and an unpacked or extended one read alike; nothing is extracted to disk.
+:func:`pack` writes exactly that view (so re-running or adding some runs on disk and packing keeps
+the other archived runs); :func:`unpack` writes the archived runs that are not on disk.
 """
 from __future__ import annotations
 
@@ -187,11 +189,12 @@ def archive_bytes(files: Dict[str, bytes], prefix: str) -> bytes:
 
 
 def pack(setup_dir: str, remove: bool = True) -> Optional[str]:
-    """Packs the raw files of ``setup_dir`` on disk into its archive (replacing it: every file the old
-    archive holds must be on disk, i.e. unpacked, so that nothing is lost), checks the archive reads
-    back byte-identical, and with ``remove`` deletes the packed files and run directories. Returns the
-    archive path, or None when the directory holds no run directory. Raises ValueError (naming the
-    file) on a file that is not packed (.pt), a link or a file that is not plain."""
+    """Packs the setup as the readers see it (its archive's runs overlaid by the run directories on
+    disk: a run re-run or added on disk replaces or joins the archived ones, the others are kept, so
+    nothing is lost) into its archive, checks the archive reads back byte-identical, and with
+    ``remove`` deletes the packed files and run directories from disk. Returns the archive path, or
+    None when no run directory is on disk (nothing to pack). Raises ValueError (naming the file) on a
+    model/checkpoint file (.pt), a link or a file that is not plain, before writing anything."""
     setup_dir = os.path.normpath(setup_dir)
     rels = _disk_raw_files(setup_dir)
     if not any("/" in r for r in rels):
@@ -203,26 +206,17 @@ def pack(setup_dir: str, remove: bool = True) -> Optional[str]:
         if rel.endswith(NOT_PACKED):
             raise ValueError(f"{p}: model/checkpoint files are not committed; run results/analyze.py once "
                              "(it caches head_stats.json), then delete the .pt files and pack again")
-    _, paper, setup = _split(setup_dir)
-    prefix = f"{paper}/{setup}/"
-    arc = archive_path(setup_dir)
-    if os.path.exists(arc):
-        missing = sorted(set(read_archive(arc, prefix)) - set(rels))
-        if missing:
-            raise ValueError(f"{arc} holds {len(missing)} file(s) not in {setup_dir} (e.g. {missing[0]}); "
-                             f"expected them unpacked first (python results/scripts/unpack.py {setup_dir})")
-    files = {}
-    for rel in rels:
-        with open(os.path.join(setup_dir, rel), "rb") as f:
-            files[rel] = f.read()
-    data = archive_bytes(files, prefix)
+    view = Setup(setup_dir)
+    files = {rel: view.read(rel) for rel in view.files()}
+    arc = view.archive
+    data = archive_bytes(files, view.prefix)
     os.makedirs(os.path.dirname(arc), exist_ok=True)
     tmp = arc + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    if read_archive(tmp, prefix) != files:
+    if read_archive(tmp, view.prefix) != files:
         os.remove(tmp)
         raise ValueError(f"{arc}: the archive does not read back as the files of {setup_dir}; nothing removed")
     os.replace(tmp, arc)
@@ -236,29 +230,27 @@ def pack(setup_dir: str, remove: bool = True) -> Optional[str]:
     return arc
 
 
-def unpack(setup_dir: str) -> List[str]:
-    """Writes the archive's files of ``setup_dir`` into the directory (for inspecting or extending its
-    runs). A file already on disk is left alone when identical; a different one raises ValueError
-    before anything is written (nothing on disk is overwritten). Returns the paths written."""
+def unpack(setup_dir: str):
+    """Writes the archived runs (and raw top-level files) of ``setup_dir`` that are not on disk into
+    the directory, for inspecting or extending them; a run directory or file already on disk takes
+    precedence (as when reading) and is left alone, so nothing on disk is overwritten. Returns
+    (paths written, names on disk that were kept instead of the archive's)."""
     setup_dir = os.path.normpath(setup_dir)
-    arc = archive_path(setup_dir)
-    if not os.path.exists(arc):
-        raise ValueError(f"setup={setup_dir!r}: no archive {arc}")
-    _, paper, setup = _split(setup_dir)
-    files = read_archive(arc, f"{paper}/{setup}/")
-    todo = {}
-    for rel, b in sorted(files.items()):
-        p = os.path.join(setup_dir, rel)
-        if os.path.exists(p):
-            with open(p, "rb") as f:
-                if f.read() != b:
-                    raise ValueError(f"{p} differs from its copy in {arc}; expected it absent or identical "
-                                     "(move it away, or pack the directory to keep it)")
+    view = Setup(setup_dir)
+    if not os.path.exists(view.archive):
+        raise ValueError(f"setup={setup_dir!r}: no archive {view.archive}")
+    disk = set(_disk_raw_files(setup_dir))
+    shadowing = set(view.runs_on_disk) | {f for f in disk if "/" not in f}
+    written, kept = [], set()
+    for rel, b in sorted(read_archive(view.archive, view.prefix).items()):
+        top = rel.split("/", 1)[0]
+        if top in shadowing:
+            kept.add(top)
             continue
-        todo[p] = b
-    for p, b in todo.items():
+        p = os.path.join(setup_dir, rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "wb") as f:
+        with open(p, "xb") as f:      # never overwrites
             f.write(b)
+        written.append(p)
     _CACHE.pop(os.path.normpath(os.path.abspath(setup_dir)), None)
-    return sorted(todo)
+    return written, sorted(kept)

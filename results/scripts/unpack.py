@@ -5,9 +5,10 @@
 
 writes the files of results/runs/<paper>/<setup>.tar.gz back into results/<paper>/<setup>/ (the same
 as ``tar xzf results/runs/<paper>/<setup>.tar.gz -C results``, but never overwriting a different file
-on disk). results/analyze.py and the plotting scripts read the archives directly: unpacking is only
-needed to look at the files or to add runs (then re-pack with results/scripts/pack_runs.py). Bad
-input: one line, exit 2.
+on disk: a run directory already on disk is kept, as it takes precedence over the archived run when
+reading). results/analyze.py and the plotting scripts read the archives directly: unpacking is only
+needed to look at the files (pack_runs.py packs new or re-run runs together with the archived ones).
+Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def main(argv=None) -> int:
             return 2
     try:
         for d in dirs:
-            wrote = runstore.unpack(d)
-            print(f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written)")
+            wrote, kept = runstore.unpack(d)
+            print(f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written"
+                  + (f"; kept on disk instead of the archive's: {', '.join(kept)}" if kept else "") + ")")
     except ValueError as e:
         print(f"unpack: {e}", file=sys.stderr)
         return 2
