@@ -195,3 +195,26 @@ def test_committed_archives_are_what_pack_runs_writes():
             files = {m.name[len(prefix):]: tf.extractfile(m).read() for m in tf if m.name.startswith(prefix)}
         assert runstore.archive_bytes(files, prefix) == data, d
         assert any(runstore.is_run(f.split("/", 1)[0]) for f in files), d
+
+
+def test_shrink_png_keeps_the_figure(tmp_path):
+    """The committed figures are palette PNGs: same pixel size and dpi, colours within a few levels, fewer bytes."""
+    np = pytest.importorskip("numpy")
+    Image = pytest.importorskip("PIL.Image")
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from plot_curves import shrink_png
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = np.linspace(0, 10, 400)
+    for k in range(6):
+        ax.plot(x, np.sin(x + k), marker="o", markevery=40, label=f"m{k}")
+        ax.fill_between(x, np.sin(x + k) - 0.2, np.sin(x + k) + 0.2, alpha=0.15)
+    ax.legend()
+    p = str(tmp_path / "f.png")
+    fig.savefig(p, dpi=150)
+    plt.close(fig)
+    before, size = np.asarray(Image.open(p).convert("RGB"), dtype=int), os.path.getsize(p)
+    assert shrink_png(p) == p
+    im = Image.open(p)
+    assert im.mode == "P" and im.size == (900, 600) and round(im.info["dpi"][0]) == 150
+    assert np.abs(np.asarray(im.convert("RGB"), dtype=int) - before).mean() < 1.0
+    assert os.path.getsize(p) < 0.7 * size

@@ -7,7 +7,8 @@ with fedkernels.sim.report.plot_curves: per method the mean over seeds and a ± 
 (n - 1), the caption saying so, every logged metric in its own panel (accuracy, test loss, client
 train loss, global objective and client-loss variance where logged), integer round ticks, the
 FedAWARE explore warm-up shaded and named, and a title naming the setup. PNG only (the committed
-results keep no PDF/SVG copies), at a lower dpi than a run's own figures to keep the repository small.
+results keep no PDF/SVG copies), at a lower dpi than a run's own figures and re-encoded as 256-colour
+palette PNGs (plot_curves.shrink_png) to keep the repository small.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fedkernels.sim.config import RunConfig  # noqa: E402
 from fedkernels.sim.report import describe_setup, plot_curves  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (one reader of the archived or on-disk per-round logs)
+from plot_curves import shrink_png  # noqa: E402  (the committed figures are palette PNGs)
 
 
 def replot(setup_dir, dpi=110):
@@ -42,8 +44,9 @@ def replot(setup_dir, dpi=110):
         except (KeyError, TypeError, ValueError):
             pass
     os.makedirs(setup_dir, exist_ok=True)
-    return plot_curves(runs, os.path.join(setup_dir, "compare.png"), title=title, band="std", formats=("png",),
-                       dpi=dpi)
+    out = plot_curves(runs, os.path.join(setup_dir, "compare.png"), title=title, band="std", formats=("png",),
+                      dpi=dpi)
+    return shrink_png(out) if out else out
 
 
 def main(argv):
