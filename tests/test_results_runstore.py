@@ -83,7 +83,7 @@ def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
     assert s.metrics("fedavg-s2")[-1] == {"round": 3, "accuracy": 0.72, "test_loss": 1.0 - 0.72}
     out = tmp_path / "tar"                                  # `tar xzf ARCHIVE -C results` unpacks in place
     with tarfile.open(arc) as tf:
-        tf.extractall(out)
+        tf.extractall(out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     assert _tree(str(out / "fedaware" / "fmnist")) == raw
     assert runstore.unpack(sd)[0] and {k: v for k, v in _tree(sd).items() if k != "compare.png"} == raw
 
