@@ -169,3 +169,15 @@ def test_setup_py_switches_compiler_before_compiling(bad_cxx, tmp_path):
         p.wait()
     line = next((ln for ln in seen.splitlines() if ln.startswith("fedkernels build:")), "")
     assert f"CXX={bad_cxx}" in line and f"building with CXX={GXX}" in line, seen[-2000:]
+
+
+def test_gpu_script_exports_the_system_compiler_in_a_dry_run(bad_cxx, tmp_path):
+    # bench/gpu.sh build --dry-run runs only the compiler check (no nvcc, no build): the lent GPU's
+    # script picks the same compiler setup.py's guard would
+    script = os.path.join(ROOT, "bench", "gpu.sh")
+    env = {**os.environ, "CXX": bad_cxx, "PY": sys.executable, "OUT": str(tmp_path)}
+    r = subprocess.run(["bash", script, "build", "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"using CXX={GXX}" in r.stdout and f"CXX={bad_cxx}" in r.stderr
+    r = subprocess.run(["bash", script, "nope"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "usage: bash bench/gpu.sh build-test" in r.stderr
