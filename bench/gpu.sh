@@ -9,7 +9,8 @@
 #                                every op (bench/gpu.py --sanitize-subset); each step's exit status is kept
 #   bash bench/gpu.sh bench [gpu.py args]   bench/gpu.py -> bench/results/gpu-<device>.json (+ $OUT)
 # build and test are also separate commands: on the first H100 run the build took 1.5 min and the whole
-# suite 5.5 min (pytest -n 16), so build-test can pass a 10-minute limit per command; run build, then test.
+# suite 5.5 min (pytest -n 16): with the tests and the sanitizer, build-test can exceed a 10-minute limit
+# per command; there, run build, then test.
 # Logs go to $OUT (when set) or bench/results; test writes bench/results/gpu-tests-<device>.json (+ $OUT):
 # per step its exit status, seconds and pass/fail/error/skip counts. Any failure is a non-zero exit.
 # GPU_TESTS="tests/test_cuda.py tests/test_lu.py" narrows both pytest steps (default: tests).
