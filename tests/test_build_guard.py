@@ -117,6 +117,12 @@ def test_a_static_build_is_deleted_with_one_line(tiny_libs, tmp_path):
         tc.libstdcxx_linkage(os.path.join(ROOT, "setup.py"))
 
 
+def test_no_check_off_linux(tiny_libs, monkeypatch):
+    monkeypatch.setattr(tc.sys, "platform", "darwin")   # a Mach-O build is not read as ELF (nor refused)
+    assert tc.check_extension(os.path.join(ROOT, "setup.py"), "clang++") == "unchecked"
+    assert tc.choose_compiler({"CXX": "/nonexistent/clang++"}) == ("/nonexistent/clang++", {}, None)
+
+
 def test_the_built_extension_uses_the_shared_libstdcxx():
     from fedkernels import _native
     so = _native._C.__file__
