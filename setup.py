@@ -1,8 +1,12 @@
 """Build of fedkernels._C: the CPU kernels always, the CUDA kernels when torch has CUDA
-and nvcc is present (or FORCE_CUDA=1)."""
+and nvcc is present (or FORCE_CUDA=1). The C++ compiler must link the shared libstdc++: checked
+before compiling and after linking (fedkernels/_toolchain.py says why and how)."""
 import glob
+import importlib.util
+import json
 import os
 import shutil
+import sys
 
 from setuptools import setup
 
@@ -14,6 +18,18 @@ except ImportError:  # an isolated build (plain `pip install .`) has no torch: f
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_toolchain():
+    """fedkernels/_toolchain.py by path (stdlib only): the package is not importable before it is built."""
+    path = os.path.join(ROOT, "fedkernels", "_toolchain.py")
+    spec = importlib.util.spec_from_file_location("_fedkernels_toolchain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+toolchain = _load_toolchain()
 
 
 def _want_cuda() -> bool:
@@ -67,4 +83,31 @@ def _ext():
                         extra_compile_args={"cxx": cxx}, extra_link_args=link, depends=depends)
 
 
-setup(ext_modules=[_ext()], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+class GuardedBuildExt(BuildExtension):
+    """torch's BuildExtension behind the libstdc++ guard: the compiler is chosen (``$CXX``, else the
+    system compiler, else one line and exit) before anything is compiled, and the linked ``.so`` is
+    checked for a private static libstdc++ before setuptools copies it into the package."""
+
+    def run(self):
+        try:
+            choice = toolchain.choose_compiler(os.environ)
+        except toolchain.ToolchainError as e:
+            raise SystemExit(str(e))
+        if choice.note:
+            print(choice.note, file=sys.stderr, flush=True)
+        os.environ.update(choice.env)  # read by torch's ninja file (compile) and setuptools (link)
+        self.fedkernels_cxx = choice.cxx
+        for ext in self.extensions:  # build_info()["cxx"]
+            ext.define_macros = [m for m in ext.define_macros if m[0] != "FEDKERNELS_CXX"] + \
+                [("FEDKERNELS_CXX", json.dumps(choice.cxx))]
+        super().run()
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        try:
+            toolchain.check_extension(self.get_ext_fullpath(ext.name), self.fedkernels_cxx)
+        except toolchain.ToolchainError as e:
+            raise SystemExit(str(e))
+
+
+setup(ext_modules=[_ext()], cmdclass={"build_ext": GuardedBuildExt.with_options(use_ninja=True)})

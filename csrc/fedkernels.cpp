@@ -3,6 +3,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
+#include <locale>
+
 TORCH_LIBRARY(fedkernels, m) {
   // ---- aggregation core (gram, weighted_sum) ----------------------------------------------
   // G = U[rows] @ U^T with float64 accumulation and a fixed reduction order: [k or K, K] fp64.
@@ -62,8 +66,32 @@ TORCH_LIBRARY(fedkernels, m) {
 }
 
 namespace {
+// How this extension reaches libstdc++ (see fedkernels/_toolchain.py): "static" when std::locale's
+// code lives in this very file (a private copy linked in by a compiler without libstdc++.so, whose
+// locale is never initialised: the first C++ error message crashes), else "shared"; libstdcxx_path
+// names the file that provides it. setup.py refuses to produce a "static" build.
+void libstdcxx_facts(pybind11::dict& d) {
+  Dl_info self{}, lib{};
+  const std::locale& (*classic)() = &std::locale::classic;
+  if (dladdr(reinterpret_cast<void*>(&libstdcxx_facts), &self) != 0 &&
+      dladdr(reinterpret_cast<void*>(classic), &lib) != 0 && lib.dli_fname != nullptr) {
+    d["libstdcxx"] = self.dli_fbase == lib.dli_fbase ? "static" : "shared";
+    d["libstdcxx_path"] = lib.dli_fname;
+  } else {
+    d["libstdcxx"] = "unknown";
+  }
+}
+
 pybind11::dict build_info() {
   pybind11::dict d;
+  // The compiler command setup.py chose (its guard: $CXX, else the system compiler) and its version.
+#ifdef FEDKERNELS_CXX
+  d["cxx"] = FEDKERNELS_CXX;
+#else
+  d["cxx"] = "unknown";
+#endif
+  d["cxx_version"] = __VERSION__;
+  libstdcxx_facts(d);
 #ifdef FEDKERNELS_WITH_CUDA
   d["cuda"] = true;
 #else
@@ -106,5 +134,6 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedkernels native ops (registered under torch.ops.fedkernels)";
-  m.def("build_info", &build_info, "Build facts: CUDA compiled, OpenMP, torch version, SIMD level");
+  m.def("build_info", &build_info,
+        "Build facts: CUDA compiled, OpenMP, torch version, SIMD level, C++ compiler and libstdc++ linkage");
 }
