@@ -2,7 +2,7 @@
 
     from fedkernels.sim import RunConfig, Simulation, presets
     cfg = presets.get("demo")                      # or RunConfig(...) with dotted overrides
-    summary = Simulation(cfg).run()              # callbacks=[cb]: fedkernels.sim.callbacks
+    summary = Simulation(cfg).run()                # callbacks=[cb]: see fedkernels.sim.callbacks
 
 ``Simulation`` and ``run`` (``sim/server.py``) and ``RunConfig`` (``sim/config.py``) are loaded on
 first use, so ``import fedkernels.sim`` (and the CLI's start-up) does not pay for the round loop.
