@@ -43,14 +43,6 @@ def test_summary_windows_count_rounds_not_evaluations():
     assert s["mean_last_10pct_rounds"] == pytest.approx(0.8)
 
 
-def test_old_metric_names_are_read():
-    old = {"mean_last_10pct": 0.8, "mean_last_10": 0.79}
-    assert report.metric(old, "mean_last_10pct_rounds") == 0.8
-    assert report.metric(old, "mean_last_10_rounds") == 0.79
-    assert report.metric({"mean_last_10pct_rounds": 0.7, "mean_last_10pct": 0.1}, "mean_last_10pct_rounds") == 0.7
-    assert report.metric({}, "final_accuracy") is None
-
-
 def test_round_one_is_timed_apart():
     t_local = {1: 10.0, 2: 1.0, 3: 2.0, 4: 1.5}
     t_agg = {1: 5.0, 2: 0.1, 3: 0.1, 4: 0.1}

@@ -212,12 +212,6 @@ class FederationTables:
         if global_flat is not None:
             self._flows(global_flat)
 
-    def set_data_sizes(self, sizes: Sequence[float]) -> None:
-        """n_i of all N clients (sets p_i = n_i / sum n and the gradient weights w_i)."""
-        self._sizes_opt = list(sizes)
-        self.w = None
-        self._tables()
-
     def _tables(self) -> None:
         if self.num_clients is None:
             self.num_clients = federation_size(self._weights_opt, self._sizes_opt, self._hbar_opt)

@@ -98,18 +98,6 @@ def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-# Old summary key -> its unambiguous name (runs written before the rename carry the old keys).
-METRIC_ALIASES = {"mean_last_10pct_rounds": "mean_last_10pct", "mean_last_10_rounds": "mean_last_10"}
-
-
-def metric(summary: Dict[str, Any], key: str) -> Any:
-    """``summary[key]``, falling back to the key's old name for summaries of older runs."""
-    if key in summary:
-        return summary[key]
-    old = METRIC_ALIASES.get(key)
-    return summary.get(old) if old is not None else None
-
-
 def _round_time(m: Dict[str, Any]) -> Optional[float]:
     tl, ta = _num(m.get("t_local")), _num(m.get("t_agg"))
     return None if tl is None or ta is None else tl + ta
@@ -305,16 +293,6 @@ def plot_partition(H: np.ndarray, path: str, title: str = "", formats: Sequence[
     finally:
         plt.close(fig)
     return path
-
-
-def read_metrics(path: str) -> List[Dict[str, Any]]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(json.loads(line))
-    return out
 
 
 # Per-round metrics the figures show, when logged: (key, axis label, scale, log axis)
