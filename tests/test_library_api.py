@@ -60,6 +60,9 @@ def test_options_gives_types_and_defaults():
 ])
 def test_build_names_method_option_value_and_type(name, opts, expect):
     assert _error(algorithms.build, name, **opts).startswith(expect)
+    # the class itself, constructed directly, says the same
+    cls = algorithms.base._REGISTRY[name]
+    assert _error(cls, **opts).startswith(expect.replace(f"{name}:", f"{cls.name}:", 1))
 
 
 def test_unknown_option_lists_the_valid_ones_with_a_suggestion():

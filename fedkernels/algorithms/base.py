@@ -90,6 +90,13 @@ class Aggregator(abc.ABC):
     # are run first without the row scan, which is only done when the result is not finite.
     screen_after_pure = False
 
+    def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
+        # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
+        # the same one-line error as ``build("kuramoto", kappa0="x")`` (which also converts number
+        # text first): see fedkernels.algorithms.signature.
+        check_options(cls.name, cls, options, required=False)
+        return super().__new__(cls)
+
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
         if unknown:
             key = sorted(unknown)[0]

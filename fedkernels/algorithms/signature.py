@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections.abc
 import difflib
+import functools
 import inspect
 import numbers
 import re
@@ -46,7 +47,12 @@ def _hints(fn: Any) -> Dict[str, Any]:
 def signature_params(cls: type) -> Dict[str, Tuple[Any, Any]]:
     """``{option: (annotation or None, default or inspect.Parameter.empty)}`` of ``cls(**options)``:
     the keyword parameters of ``cls.__init__`` and, while an ``__init__`` forwards ``**kw``, those
-    of its bases. Positional-only and ``*args`` parameters are not options."""
+    of its bases. Positional-only and ``*args`` parameters are not options. (Read once per class.)"""
+    return dict(_signature_params(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _signature_params(cls: type) -> Dict[str, Tuple[Any, Any]]:
     out: Dict[str, Tuple[Any, Any]] = {}
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -237,10 +243,11 @@ def options(cls: Any) -> Dict[str, Option]:
     return out
 
 
-def check_options(method: str, cls: Any, opts: Mapping[str, Any]) -> Dict[str, Any]:
+def check_options(method: str, cls: Any, opts: Mapping[str, Any], required: bool = True) -> Dict[str, Any]:
     """``opts`` checked against the constructor of ``cls`` (ValueError, one line, naming the method,
     the option, the value and the expected type); returns them with number text for float options
-    converted. A registered factory that is not a class is passed through unchecked."""
+    converted. ``required``: also report a parameter without default that ``opts`` lacks. A
+    registered factory that is not a class is passed through unchecked."""
     out = dict(opts)
     if not isinstance(cls, type):
         return out
@@ -256,7 +263,7 @@ def check_options(method: str, cls: Any, opts: Mapping[str, Any]) -> Dict[str, A
             raise ValueError(f"{method}: option {key}={fmt_value(val):.200}: expected {describe(exp)}, "
                              f"got {type(val).__name__}")
         out[key] = normalize_value(val, exp)
-    missing = [k for k, (_, default) in params.items() if default is NO_DEFAULT and k not in out]
+    missing = [k for k, (_, default) in params.items() if required and default is NO_DEFAULT and k not in out]
     if missing:
         k = missing[0]
         raise ValueError(f"{method}: option {k} is required ({describe(expected(*params[k]))}); "
@@ -285,8 +292,8 @@ def method_table(registry: Mapping[str, Any], base_options: Iterable[str] = ()) 
                                initial_indent="    ", subsequent_indent="        ",
                                break_on_hyphens=False)
         if isinstance(cls, type):
-            own = [f"{k}={v.default!r}" if not v.required else f"{k} (required)"
-                   for k, v in options(cls).items() if k not in base]
+            own = [f"{k}={default!r}" if default is not NO_DEFAULT else f"{k} (required)"
+                   for k, (_, default) in signature_params(cls).items() if k not in base]
             lines += textwrap.wrap("options: " + (", ".join(own) if own else "(only the common ones)"), 96,
                                    initial_indent="        ", subsequent_indent="            ",
                                    break_on_hyphens=False)
