@@ -107,3 +107,11 @@ def test_aggregate_docstring_documents_arguments_and_result():
     res = algorithms.build("fedavg").aggregate(g, torch.ones(3, 5, dtype=torch.float64), [1, 1, 2])
     assert res.params.data_ptr() != g.data_ptr() and res.params.dtype == g.dtype
     assert res.info["num_clients"] == 3
+
+
+def test_fedecado_flat_stepping_options_are_typed():
+    # L, T_bar, dt0 ... are Stepping fields that FedECADO also takes flat: their types come along
+    assert algorithms.options("fedecado")["L"].type == "a number or None"
+    assert _error(algorithms.build, "fedecado", T_bar="banana").startswith(
+        "fedecado: option T_bar='banana': expected a number or None")
+    assert algorithms.build("fedecado", L="2.5").stepping.L == 2.5

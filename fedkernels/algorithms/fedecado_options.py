@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -120,7 +121,8 @@ def flat_signature(init) -> inspect.Signature:
     so tools that read constructor signatures (config checks, help) see every option."""
     sig = inspect.signature(init)
     ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                             annotation=typing.get_type_hints(cls)[f.name])     # checked by build
            for cls in _GROUPS for f in fields(cls)]
     ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
     return sig.replace(parameters=ps)

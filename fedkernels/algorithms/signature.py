@@ -130,7 +130,8 @@ def describe(ann: Any, yaml: bool = False) -> str:
         return "a string"
     if origin is collections.abc.Callable or ann is collections.abc.Callable:
         return "a callable (Python API only)" if yaml else "a callable"
-    return f"a {getattr(ann, '__name__', str(ann))}"
+    name = getattr(ann, "__name__", str(ann))
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def matches(v: Any, ann: Any) -> bool:
