@@ -158,10 +158,10 @@ class Aggregator(abc.ABC):
 
         Errors: ValueError naming the argument for a wrong shape, dtype, device, count, id or a
         NaN/Inf ``global_flat``, or naming what is missing when the method needs ``setup(...)``
-        first (the model's FlatSpec, the number of clients); for a client whose update has NaN/Inf or the wrong length, whose
-        count is not > 0 or whose payload is unusable, :class:`~fedkernels.errors.BadUpdateError`
-        (a ValueError) with ``on_bad_update="raise"`` (default), or with ``"exclude"`` the client
-        is dropped, logged and listed in ``info["excluded"]``.
+        first (the model's FlatSpec, the number of clients). A client whose update has NaN/Inf or
+        the wrong length, whose count is not > 0 or whose payload is unusable raises
+        :class:`~fedkernels.errors.BadUpdateError` (a ValueError) with ``on_bad_update="raise"``
+        (default); with ``"exclude"`` it is dropped, logged and listed in ``info["excluded"]``.
 
         Under ``torch.compile`` / ``torch.export`` (see :func:`tracing`) the shape,
         dtype, device and option checks still run at trace time, but the value checks (NaN/Inf
