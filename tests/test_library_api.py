@@ -57,6 +57,8 @@ def test_options_gives_types_and_defaults():
     ("fedpgvc", {"n_ctrl": 1.5}, "fedpgvc: option n_ctrl=1.5: expected an integer or a string"),
     ("fedavg", {"server_lr": [1.0]}, "fedavg: option server_lr=[1.0]: expected a number, got list"),
     ("gcfed", {"global_layers": "fc"}, "gcfed: option global_layers='fc': expected a list"),
+    ("fedavg", {"server_lr": torch.ones(2, 2)},                     # a printed tensor, on one line
+     "fedavg: option server_lr=tensor([[1., 1.], [1., 1.]]): expected a number, got Tensor"),
 ])
 def test_build_names_method_option_value_and_type(name, opts, expect):
     assert _error(algorithms.build, name, **opts).startswith(expect)

@@ -215,7 +215,8 @@ def normalize_value(v: Any, ann: Any) -> Any:
 
 
 def fmt_value(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
+    """A value in a message: text quoted, anything else as printed, on one line, at most 200 characters."""
+    return " ".join((repr(v) if isinstance(v, str) else str(v)).split())[:200]
 
 
 def suggest(word: Any, choices: Iterable[Any], fmt: str = "did you mean {!r}? ") -> str:
@@ -261,7 +262,7 @@ def check_options(method: str, cls: Any, opts: Mapping[str, Any], required: bool
         if default is None and val is None:
             continue
         if not matches(val, exp):
-            raise ValueError(f"{method}: option {key}={fmt_value(val):.200}: expected {describe(exp)}, "
+            raise ValueError(f"{method}: option {key}={fmt_value(val)}: expected {describe(exp)}, "
                              f"got {type(val).__name__}")
         out[key] = normalize_value(val, exp)
     missing = [k for k, (_, default) in params.items() if required and default is NO_DEFAULT and k not in out]
