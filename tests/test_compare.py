@@ -50,13 +50,12 @@ def test_preset_labels_resolve_and_validate():
 
 def test_method_stats_sample_std_ci_and_paired_vs_baseline():
     fin = {"fedavg": [0.80, 0.82, 0.81], "m": [0.83, 0.84, 0.84]}
-    runs = {lab: {s: {"final_accuracy": v, "best_accuracy": v, "mean_last_10pct": v - 0.01, "mean_last_10": v}
+    runs = {lab: {s: {"final_accuracy": v, "best_accuracy": v, "mean_last_10pct_rounds": v - 0.01, "mean_last_10_rounds": v}
                   for s, v in enumerate(vals)} for lab, vals in fin.items()}
     runs["m"][1] = None                                   # a failed run drops its pair
     st = method_stats(runs, "fedavg")
     d = st["fedavg"]["stats"]["final_accuracy"]
     assert d["std"] == pytest.approx(0.01) and d["n"] == 3  # sample std (n - 1), not population
-    # old summaries (mean_last_10pct) are read under the new name
     assert st["fedavg"]["stats"]["mean_last_10pct_rounds"]["mean"] == pytest.approx(0.80)
     p = st["m"]["paired"]["final_accuracy"]
     assert p["keys"] == [0, 2] and p["diffs"] == pytest.approx([0.03, 0.03])

@@ -43,14 +43,6 @@ def test_summary_windows_count_rounds_not_evaluations():
     assert s["mean_last_10pct_rounds"] == pytest.approx(0.8)
 
 
-def test_old_metric_names_are_read():
-    old = {"mean_last_10pct": 0.8, "mean_last_10": 0.79}
-    assert report.metric(old, "mean_last_10pct_rounds") == 0.8
-    assert report.metric(old, "mean_last_10_rounds") == 0.79
-    assert report.metric({"mean_last_10pct_rounds": 0.7, "mean_last_10pct": 0.1}, "mean_last_10pct_rounds") == 0.7
-    assert report.metric({}, "final_accuracy") is None
-
-
 def test_round_one_is_timed_apart():
     t_local = {1: 10.0, 2: 1.0, 3: 2.0, 4: 1.5}
     t_agg = {1: 5.0, 2: 0.1, 3: 0.1, 4: 0.1}
@@ -179,3 +171,57 @@ def test_atomic_files_get_the_usual_mode(tmp_path):
     finally:
         os.umask(um)
     assert (os.stat(tmp_path / "a.txt").st_mode & 0o777) == 0o644
+
+
+def _drawn_figures(monkeypatch):
+    """Every Figure saved from now on (the figure objects, to inspect what was drawn)."""
+    from matplotlib.figure import Figure
+    real, figs = Figure.savefig, []
+
+    def keep(self, *a, **k):
+        if self not in figs:
+            figs.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figs
+
+
+def test_partition_legend_is_beside_the_bars(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    figs = _drawn_figures(monkeypatch)
+    H = np.zeros((10, 10), dtype=int)
+    H[np.arange(10), np.arange(10)] = 500
+    H[9, 9] = 2000                      # the tallest bar is the last client's, at the top right
+    report.plot_partition(H, str(tmp_path / "p.png"), formats=("png",), dpi=60)
+    (fig,) = figs
+    fig.canvas.draw()
+    ax = fig.axes[1]
+    legend = ax.get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == [str(c) for c in range(10)]
+    # the legend lies right of the axes: it covers no client's bar
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_identical_curves_stay_visible_and_caption_counts_seeds(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    figs = _drawn_figures(monkeypatch)
+    same = _seed_runs(1)[0]
+    report.plot_curves({"fedavg": same, "fedprox:mu=0": [dict(m) for m in same], "kuramoto": same},
+                       str(tmp_path / "c.png"), formats=("png",), dpi=60)
+    fig = figs[-1]
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 3
+    # same data, yet each curve has its own dash pattern and marker, and the one below is wider
+    styles = {(ln.get_linestyle(), ln.get_marker(), ln.get_markerfacecolor() == "none") for ln in lines}
+    assert len({s[0] for s in styles}) == 3 and len({s[1] for s in styles}) == 3
+    assert lines[0].get_linewidth() > lines[1].get_linewidth() > lines[2].get_linewidth()
+    assert lines[0].get_markersize() > lines[1].get_markersize()
+    caption = " ".join(t.get_text() for t in fig.texts)
+    assert "Lines: one run (a single seed) per method" in caption
+    # one method, one run: the caption does not speak of methods; with seeds it counts them
+    report.plot_curves({"fedavg": same}, str(tmp_path / "one.png"), formats=("png",), dpi=60)
+    caption = " ".join(t.get_text() for t in figs[-1].texts)
+    assert caption.startswith("Line: one run (a single seed)") and "per method" not in caption
+    report.plot_curves({"fedavg": _seed_runs(3)}, str(tmp_path / "three.png"), formats=("png",), dpi=60)
+    assert "mean over 3 seeds" in " ".join(t.get_text() for t in figs[-1].texts)

@@ -4,17 +4,26 @@
     agg = algorithms.build("fedavg")
     new_global, info = agg.aggregate(global_flat, U, num_examples, client_ids)
 
-Every module in this package registers its classes on import (see base.register).
+``algorithms.available()`` lists the registered names, ``algorithms.options(name)`` the options of
+one with their expected types and defaults, and ``help(algorithms.build)`` every method with its
+options (built from the registry at import). Every module in this package registers its classes
+on import (see base.register).
 """
 import importlib
 import pkgutil
 
-from .base import (AggResult, Aggregator, BadUpdateError, ClientContext, ClientRule, RoundInput,
-                   available, build, register)
+from .base import (AggResult, Aggregator, BadUpdateError, ClientContext, ClientRule, Option, RoundInput,
+                   available, build, options, register)
+from .base import _REGISTRY
+from .signature import method_table
 
 for _m in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _m != "base" and not _m.startswith("_"):
         importlib.import_module(f"{__name__}.{_m}")
 
-__all__ = ["AggResult", "Aggregator", "BadUpdateError", "ClientContext", "ClientRule", "RoundInput",
-           "available", "build", "register"]
+if build.__doc__:       # (python -OO strips docstrings)
+    build.__doc__ += ("\n    Methods (name(s), class, what it does, its own options with their defaults):\n\n"
+                      + method_table(_REGISTRY, ("on_bad_update", "server_lr")) + "\n")
+
+__all__ = ["AggResult", "Aggregator", "BadUpdateError", "ClientContext", "ClientRule", "Option", "RoundInput",
+           "available", "build", "options", "register"]

@@ -24,6 +24,8 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
+from . import signature
+from .signature import Option, check_options, signature_params, suggest, unknown_option
 
 if TYPE_CHECKING:
     from ..flat import FlatSpec
@@ -88,9 +90,17 @@ class Aggregator(abc.ABC):
     # are run first without the row scan, which is only done when the result is not finite.
     screen_after_pure = False
 
+    def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
+        # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
+        # the same one-line error as ``build("kuramoto", kappa0="x")`` (which also converts number
+        # text first): see fedkernels.algorithms.signature.
+        check_options(cls.name, cls, options, required=False)
+        return super().__new__(cls)
+
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
         if unknown:
-            raise ValueError(f"{self.name}: unknown option(s) {', '.join(sorted(unknown))}")
+            key = sorted(unknown)[0]
+            raise ValueError(unknown_option(self.name, signature_params(type(self)), key, unknown[key]))
         if on_bad_update not in BAD_UPDATE_POLICIES:
             raise ValueError(f"on_bad_update must be one of {BAD_UPDATE_POLICIES}, got {on_bad_update!r}")
         self.on_bad_update = on_bad_update
@@ -121,7 +131,39 @@ class Aggregator(abc.ABC):
     def aggregate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
                   client_ids: Optional[Sequence[int]] = None,
                   payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
-        """One round. Under ``torch.compile`` / ``torch.export`` (see :func:`tracing`) the shape,
+        """One round of the method: the new global model from the clients' updates.
+
+        Arguments (K clients, d parameters):
+
+        * ``global_flat``: [d] tensor, the current global model (a floating dtype: float32,
+          float64, bfloat16 or float16; on any device with the native ops: CPU or CUDA); read,
+          never written.
+        * ``updates``: a [K, d] tensor (row k = client k's ``local - global``), or a list of K
+          tensors of d elements each (any shape; stacked into one [K, d] copy). Same dtype and
+          device as ``global_flat``. K = 0 is allowed (the round is skipped).
+        * ``num_examples``: K sample counts (> 0): a tensor (any device; copied to the host as
+          float64) or a sequence of numbers.
+        * ``client_ids``: K distinct ints naming the clients (the rows of per-client state;
+          within ``[0, num_clients)`` once ``setup(num_clients=N)`` ran). Default ``0..K-1``.
+        * ``payloads``: K dicts of what each client's ``ClientRule.end`` returned (control-variate
+          deltas, local step counts, simulated time, ...), in the order of ``updates``; default
+          K empty dicts. Methods that need an entry say which when it is missing.
+
+        Returns ``AggResult(params, info)``: ``params`` a new [d] tensor (never ``global_flat``
+        itself) with the dtype and device of ``global_flat``; ``info`` a dict of what the method
+        logs (weights, guard flags, solver iterations, ...) with at least ``num_clients`` (the K
+        that were aggregated), ``excluded`` (``[{client_id, reason}]``) when clients were dropped
+        and ``skipped``/``reason`` when no update was usable (``params`` is then a copy of
+        ``global_flat``). The method's state (momentum, control variates, round counter) advances.
+
+        Errors: ValueError naming the argument for a wrong shape, dtype, device, count, id or a
+        NaN/Inf ``global_flat``, or naming what is missing when the method needs ``setup(...)``
+        first (the model's FlatSpec, the number of clients). A client whose update has NaN/Inf or
+        the wrong length, whose count is not > 0 or whose payload is unusable raises
+        :class:`~fedkernels.errors.BadUpdateError` (a ValueError) with ``on_bad_update="raise"``
+        (default); with ``"exclude"`` it is dropped, logged and listed in ``info["excluded"]``.
+
+        Under ``torch.compile`` / ``torch.export`` (see :func:`tracing`) the shape,
         dtype, device and option checks still run at trace time, but the value checks (NaN/Inf
         screening of rows, results and payloads, sample counts > 0) are skipped: the eager call
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
@@ -382,11 +424,32 @@ def register(name: str, *aliases: str) -> Callable[[_AggT], _AggT]:
 
 
 def build(name: str, **options: Any) -> Aggregator:
-    """An aggregator by registered name, e.g. ``build("kuramoto", mode="S", kappa0=0.5)``."""
-    key = name.lower()
-    if key not in _REGISTRY:
-        raise ValueError(f"unknown aggregator {name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[key](**options)
+    """An aggregator by registered name (case-insensitive), e.g. ``build("kuramoto", mode="S", kappa0=0.5)``.
+
+    Every method takes ``on_bad_update`` ("raise" default, or "exclude": drop a client whose
+    update or payload is bad and log it) and ``server_lr`` (the server step, default 1.0); the
+    others are its own. The options are checked against the method's constructor before it runs
+    (:mod:`fedkernels.algorithms.signature`): an unknown option, or a value of the wrong type,
+    raises ValueError naming the method, the option, the value and what was expected; the
+    constructor then checks choices and ranges. ``options(name)`` gives each option's expected
+    type and default; the method's class docstring (``help(cls)``) and module say what each does.
+    An unknown name raises ValueError listing ``available()``.
+    """
+    cls = _lookup(name)
+    return cls(**check_options(name.lower(), cls, options))
+
+
+def options(name: str) -> Dict[str, Option]:
+    """``{option: Option(type, default, required)}`` of the method registered as ``name``: what
+    ``build(name, **options)`` accepts (the common ``on_bad_update`` and ``server_lr`` included)."""
+    return signature.options(_lookup(name))
+
+
+def _lookup(name: str) -> Callable[..., Aggregator]:
+    cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown aggregator {name!r}; {suggest(name, _REGISTRY)}known: {', '.join(sorted(_REGISTRY))}")
+    return cls
 
 
 def available() -> List[str]:

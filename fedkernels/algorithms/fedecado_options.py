@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -120,7 +121,8 @@ def flat_signature(init) -> inspect.Signature:
     so tools that read constructor signatures (config checks, help) see every option."""
     sig = inspect.signature(init)
     ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                             annotation=typing.get_type_hints(cls)[f.name])     # checked by build
            for cls in _GROUPS for f in fields(cls)]
     ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
     return sig.replace(parameters=ps)
@@ -211,12 +213,6 @@ class FederationTables:
         self._tables()
         if global_flat is not None:
             self._flows(global_flat)
-
-    def set_data_sizes(self, sizes: Sequence[float]) -> None:
-        """n_i of all N clients (sets p_i = n_i / sum n and the gradient weights w_i)."""
-        self._sizes_opt = list(sizes)
-        self.w = None
-        self._tables()
 
     def _tables(self) -> None:
         if self.num_clients is None:

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from . import stats
 from .config import RunConfig, dir_label
 from .options import check_algorithm, check_method
-from .report import describe_setup, json_safe, metric, plot_curves, write_json_atomic, write_text_atomic
+from .report import describe_setup, json_safe, plot_curves, write_json_atomic, write_text_atomic
 
 # (summary key, table heading): accuracy metrics, in percent, compared pairwise with the baseline
 METRICS: Tuple[Tuple[str, str], ...] = (
@@ -78,19 +78,18 @@ def _check_seeds(seeds: Sequence[Any]) -> List[int]:
 def method_stats(runs: Mapping[str, Mapping[int, Optional[Mapping[str, Any]]]], baseline: Optional[str],
                  conf: float = 0.95, metrics: Sequence[Tuple[str, str]] = METRICS) -> Dict[str, Dict[str, Any]]:
     """Per method label: ``{"n_seeds", "stats": {metric: stats.describe}, "paired": {metric:
-    stats.paired vs baseline}}`` from ``runs[label][seed] = summary`` (None: a failed run). Old
-    summaries with the ambiguous metric names are read through :func:`.report.metric`."""
+    stats.paired vs baseline}}`` from ``runs[label][seed] = summary`` (None: a failed run)."""
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the methods: {', '.join(runs)}")
     out: Dict[str, Dict[str, Any]] = {}
     for label, by_seed in runs.items():
-        vals = {k: {s: (metric(r, k) if r else None) for s, r in by_seed.items()} for k, _ in metrics}
+        vals = {k: {s: (r.get(k) if r else None) for s, r in by_seed.items()} for k, _ in metrics}
         st = {k: stats.describe(list(v.values()), conf) for k, v in vals.items()}
         pr = {}
         if baseline is not None and label != baseline:
             base = runs[baseline]
             for k, _ in metrics:
-                bv = {s: (metric(r, k) if r else None) for s, r in base.items()}
+                bv = {s: (r.get(k) if r else None) for s, r in base.items()}
                 pr[k] = stats.paired(vals[k], bv, conf)
         out[label] = {"n_seeds": sum(1 for r in by_seed.values() if r), "seeds": list(by_seed), "stats": st,
                       "paired": pr}
@@ -231,7 +230,7 @@ def table_rows(out: Mapping[str, Any]) -> List[Dict[str, Any]]:
         for key, _ in METRICS:
             d = r["stats"][key]
             p = (r.get("paired") or {}).get(key) or {}
-            vals = [metric(x, key) if "error" not in x else None for x in r.get("runs", [])]
+            vals = [x.get(key) if "error" not in x else None for x in r.get("runs", [])]
             rows.append({"method": label, "algorithm": r.get("algorithm"), "options": json.dumps(r.get("options") or {}),
                          "metric": key, "n": d["n"], "mean": d["mean"], "std": d["std"], "ci_low": d["ci_low"],
                          "ci_high": d["ci_high"], "baseline": None if label == out.get("baseline") else out.get("baseline"),

@@ -17,15 +17,20 @@ returns the options with that text converted.
 """
 from __future__ import annotations
 
-import collections.abc
-import inspect
-import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import algorithms
+# the signature reading and the type checks live with the algorithms (fedkernels.algorithms.signature);
+# this module adds the config's vocabulary and keys. _hints is re-exported for sim.checks.
+from ..algorithms.signature import _hints  # noqa: F401
+from ..algorithms.signature import describe, normalize_value, signature_params
+from ..algorithms.signature import expected as _expected, fmt_value as _fmt_value, matches as _matches
 from .config import _suggest
 
-_NO_DEFAULT = inspect.Parameter.empty
+
+def _describe(ann) -> str:
+    """The expected type in the config file's words (null, true/false)."""
+    return describe(ann, yaml=True)
 
 
 def _registry() -> Dict[str, type]:
@@ -48,149 +53,6 @@ def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
         raise ValueError(f"{where}={name!r}: unknown algorithm; {_suggest(key, reg, _INLINE)}"
                          f"known: {', '.join(sorted(reg))}")
     return reg[key]
-
-
-def _hints(fn) -> Dict[str, Any]:
-    try:
-        return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - a forward reference that does not resolve: raw annotations
-        return dict(getattr(fn, "__annotations__", {}) or {})
-
-
-def signature_params(cls: type) -> Dict[str, Tuple[Any, Any]]:
-    """``{option: (annotation or None, default or inspect.Parameter.empty)}`` of ``cls(**options)``:
-    the keyword parameters of ``cls.__init__`` and, while an ``__init__`` forwards ``**kw``, those
-    of its bases. Positional-only and ``*args`` parameters are not options."""
-    out: Dict[str, Tuple[Any, Any]] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if klass is object:
-            break
-        sig = inspect.signature(init)
-        hints = _hints(init)
-        forwards = False
-        for i, (pname, p) in enumerate(sig.parameters.items()):
-            if i == 0 and pname == "self":
-                continue
-            if p.kind is p.VAR_KEYWORD:
-                forwards = True
-                continue
-            if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
-                continue
-            if pname not in out:
-                ann = hints.get(pname, p.annotation)
-                out[pname] = (None if ann is _NO_DEFAULT else ann, p.default)
-        if not forwards:
-            break
-    return out
-
-
-# ---- value checks -----------------------------------------------------------------------------------
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _float_text(v) -> bool:
-    if not isinstance(v, str):
-        return False
-    try:
-        float(v)
-    except ValueError:
-        return False
-    return True
-
-
-def _describe(ann) -> str:
-    """'a float', 'one of 'a', 'b'', 'a float or null' ..."""
-    if ann is None or ann is Any:
-        return "any value"
-    origin = typing.get_origin(ann)
-    args = typing.get_args(ann)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is typing.Union:
-        parts = [_describe(a) for a in args if a is not type(None)]
-        if type(None) in args:
-            parts.append("null")
-        return " or ".join(parts)
-    if origin in (list, tuple, collections.abc.Sequence, collections.abc.MutableSequence):
-        inner = _describe(args[0]) if args else "any value"
-        return f"a list (of {inner})" if args else "a list"
-    if origin in (dict, collections.abc.Mapping):
-        return "a mapping"
-    if ann is bool:
-        return "a bool (true/false)"
-    if ann is int:
-        return "an integer"
-    if ann is float:
-        return "a number"
-    if ann is str:
-        return "a string"
-    if origin is collections.abc.Callable or ann is collections.abc.Callable:
-        return "a callable (Python API only)"
-    return f"a {getattr(ann, '__name__', str(ann))}"
-
-
-def _matches(v, ann) -> bool:
-    if ann is None or ann is Any:
-        return True
-    if isinstance(ann, str):          # an annotation that did not resolve: do not guess
-        return True
-    origin = typing.get_origin(ann)
-    args = typing.get_args(ann)
-    if origin is typing.Literal:
-        return any(v == a and type(v) is type(a) for a in args) or (
-            isinstance(v, str) and v in [a for a in args if isinstance(a, str)])
-    if origin is typing.Union:
-        return any(_matches(v, a) for a in args)
-    if ann is type(None):
-        return v is None
-    if ann is bool:
-        return isinstance(v, bool)
-    if ann is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if ann is float:
-        return (_is_real(v) or _float_text(v))
-    if ann is str:
-        return isinstance(v, str)
-    if origin in (list, tuple, collections.abc.Sequence, collections.abc.MutableSequence):
-        if not isinstance(v, (list, tuple)):
-            return False
-        if args and args[-1] is not Ellipsis:
-            if origin is tuple and len(args) > 1:
-                return len(v) == len(args) and all(_matches(x, a) for x, a in zip(v, args))
-            return all(_matches(x, args[0]) for x in v)
-        return True
-    if origin in (dict, collections.abc.Mapping):
-        return isinstance(v, Mapping)
-    if origin is collections.abc.Callable or ann is collections.abc.Callable:
-        return callable(v)
-    if isinstance(ann, type):
-        return isinstance(v, ann)
-    return True                        # TypeVar, Protocol ...: not checkable here
-
-
-def _expected(ann, default) -> Any:
-    """The annotation to check against: the declared one, else the type of the default."""
-    if ann is not None and ann is not Any:
-        return ann
-    if default is _NO_DEFAULT or default is None:
-        return None
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, int):
-        return int
-    if isinstance(default, float):
-        return float
-    if isinstance(default, str):
-        return str
-    return None
-
-
-def _fmt_value(v) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
 
 
 def _key(where: str, key: Optional[str] = None) -> str:
@@ -221,29 +83,9 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
 def normalize_options(name: str, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``options`` with number text for float parameters (``'1e-3'``) converted to float."""
     params = signature_params(algorithm_class(name))
-    out = dict(options or {})
-    for k, v in out.items():
-        if k in params and _float_text(v):
-            exp = _expected(*params[k])
-            if _accepts_float(exp) and not _matches(v, _drop_float(exp)):
-                out[k] = float(v)
-    return out
+    return {k: normalize_value(v, _expected(*params[k])) if k in params else v for k, v in (options or {}).items()}
 
 
-def _drop_float(ann):
-    """``ann`` without its float members (None when nothing is left)."""
-    if typing.get_origin(ann) is typing.Union:
-        rest = tuple(a for a in typing.get_args(ann) if a is not float)
-        return typing.Union[rest] if rest else type(None)
-    return type(None) if ann is float else ann
-
-
-def _accepts_float(ann) -> bool:
-    if ann is float:
-        return True
-    if typing.get_origin(ann) is typing.Union:
-        return any(_accepts_float(a) for a in typing.get_args(ann))
-    return False
 
 
 def check_algorithm(name: str, options: Optional[Mapping[str, Any]] = None, where: str = "algorithm",

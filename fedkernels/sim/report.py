@@ -98,18 +98,6 @@ def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-# Old summary key -> its unambiguous name (runs written before the rename carry the old keys).
-METRIC_ALIASES = {"mean_last_10pct_rounds": "mean_last_10pct", "mean_last_10_rounds": "mean_last_10"}
-
-
-def metric(summary: Dict[str, Any], key: str) -> Any:
-    """``summary[key]``, falling back to the key's old name for summaries of older runs."""
-    if key in summary:
-        return summary[key]
-    old = METRIC_ALIASES.get(key)
-    return summary.get(old) if old is not None else None
-
-
 def _round_time(m: Dict[str, Any]) -> Optional[float]:
     tl, ta = _num(m.get("t_local")), _num(m.get("t_agg"))
     return None if tl is None or ta is None else tl + ta
@@ -281,8 +269,9 @@ def plot_partition(H: np.ndarray, path: str, title: str = "", formats: Sequence[
             a2.bar(x, H[:, c], bottom=bottom, width=0.8, color=cmap(c % cmap.N), label=str(c))
             bottom += H[:, c]
         a2.set_ylabel("examples per class")
-        if C <= 20:
-            a2.legend(title="class", fontsize=6, title_fontsize=7, ncol=2, loc="upper right")
+        if C <= 20:     # beside the panel: inside it would cover the last clients' bars
+            a2.legend(title="class", fontsize=6, title_fontsize=7, ncol=1 if C <= 10 else 2,
+                      loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         a2.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         frac = H / np.maximum(sizes[:, None], 1)
@@ -304,16 +293,6 @@ def plot_partition(H: np.ndarray, path: str, title: str = "", formats: Sequence[
     finally:
         plt.close(fig)
     return path
-
-
-def read_metrics(path: str) -> List[Dict[str, Any]]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                out.append(json.loads(line))
-    return out
 
 
 # Per-round metrics the figures show, when logged: (key, axis label, scale, log axis)
@@ -417,7 +396,12 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
     flat_axes = list(axes.ravel())
     explore: Dict[str, List[List[int]]] = {}
     any_clipped = False
+    # Two methods can log identical curves (FedProx with mu = 0 and FedAvg): each method gets its
+    # own marker and dash pattern (every other one hollow), and the earlier (lower) ones thicker
+    # lines and larger markers, so a curve drawn over another leaves it visible around and through
+    # its markers and through the gaps of its line.
     markers = "osD^vP*Xh<>"
+    dashes = ("-", "--", "-.", ":")
     nseeds = sorted({len(s) for s in norm.values() if s})
     for i, (label, seeds) in enumerate(norm.items()):
         if not seeds:
@@ -434,8 +418,10 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
                 continue
             Y = scale * np.array([[c[r] for r in rounds] for c in curves], dtype=float)
             every = max(1, len(rounds) // 12)
-            line, = ax.plot(rounds, Y.mean(0), marker=markers[i % len(markers)], markersize=3.5,
-                            markevery=every, linewidth=1.3, color=color,
+            layer = i % len(dashes)
+            line, = ax.plot(rounds, Y.mean(0), marker=markers[i % len(markers)], markersize=6.0 - 1.0 * layer,
+                            markevery=every, linewidth=2.2 - 0.35 * layer, linestyle=dashes[layer], color=color,
+                            markerfacecolor="none" if layer % 2 else None, markeredgewidth=1.2,
                             label=f"{label} (n={len(curves)})" if len(nseeds) > 1 or n > 1 else label)
             color = line.get_color()
             bd = _band(Y, band)
@@ -472,8 +458,10 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         if band != "none":
             first += "; shaded band: " + ("± 1 sample standard deviation (n-1)" if band == "std"
                                           else "95% Student-t confidence interval of the mean")
+    elif len([s for s in norm.values() if s]) > 1:
+        first = "Lines: one run (a single seed) per method; no band (a spread needs 2 or more seeds)"
     else:
-        first = "Lines: one run per method"
+        first = "Line: one run (a single seed); no band (a spread needs 2 or more seeds)"
     if any_clipped:
         first += " (where mean - sd < 0 the lower edge is the lowest seed)"
     cap = [first + "."] + caption + list(notes)

@@ -209,13 +209,7 @@ class Simulation:
         cfg = self.cfg
         opts = dict(cfg.algorithm.options)
         opts.setdefault("on_bad_update", cfg.bad_client_policy)
-        try:
-            return algorithms.build(cfg.algorithm.name, **opts)
-        except TypeError:
-            if "on_bad_update" in cfg.algorithm.options:
-                raise
-            opts.pop("on_bad_update")
-            return algorithms.build(cfg.algorithm.name, **opts)
+        return algorithms.build(cfg.algorithm.name, **opts)
 
     def _check_run_dir(self) -> None:
         """Never overwrite another run: an existing run directory must hold this config (or
