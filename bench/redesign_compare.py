@@ -156,8 +156,11 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=3, help="aggregate() calls per sample (median)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--sim-rounds", type=int, default=0, help="demo-task simulation rounds per tree (0: none)")
-    ap.add_argument("--out", default="redesign-compare.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    worker = "--worker" in (sys.argv[1:] if argv is None else argv)
+    if not worker:   # a worker runs with PYTHONPATH=<its tree>, whose bench/ may predate bench.common's --out
+        from bench.common import add_out_argument, output_path
+        add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(int(args.clients), args.hidden, args.inner)
@@ -233,8 +236,7 @@ def main(argv=None):
                                "median_round_s_new": statistics.median(ts_n),
                                "ratio_new_over_old": statistics.median(ts_n) / statistics.median(ts_o),
                                "note": "median over rounds 2.. (round 1 includes warm-up)"}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.out)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = output_path(args.out, "redesign-compare.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"{'method':10s} {'K':>3s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} same")
