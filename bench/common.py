@@ -1,4 +1,8 @@
-"""Timing and roofline helpers shared by the CPU benchmarks."""
+"""Timing and roofline helpers shared by the CPU benchmarks, and where their results go.
+
+A benchmark writes its JSON result to ``runs/bench/`` under the current directory (untracked, like
+the simulator's ``runs/``); the published results in ``bench/results/`` change only with an explicit
+``--out bench/results`` (``--out`` takes a directory or a ``.json`` path: ``output_path``)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +14,24 @@ from typing import Callable, Dict, List
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")   # the committed results
+DEFAULT_OUT = os.path.join("runs", "bench")                                        # relative to the cwd
+
+
+def add_out_argument(ap) -> None:
+    """The one ``--out`` option of every benchmark script."""
+    ap.add_argument("--out", default=None, metavar="DIR|FILE.json",
+                    help="where the JSON result goes: a directory or a .json path (default: runs/bench/ "
+                         "under the current directory; `--out bench/results` updates the published results)")
+
+
+def output_path(out, name: str) -> str:
+    """The file a result named ``name`` goes to for ``--out`` = ``out`` (None: the default folder);
+    creates its directory."""
+    out = DEFAULT_OUT if out is None else str(out)
+    path = out if out.endswith(".json") else os.path.join(out, name)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
 
 
 def timeit(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
@@ -90,9 +111,10 @@ def print_table(rows: List[Dict[str, object]], cols: List[str]) -> None:
         print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
 
 
-def write_json(name: str, rows: List[Dict[str, object]], extra: Dict[str, object] | None = None) -> str:
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, name)
+def write_json(name: str, rows: List[Dict[str, object]], extra: Dict[str, object] | None = None,
+               out: str | None = None) -> str:
+    """Writes ``rows`` (+ machine facts and the copy bandwidth) to ``output_path(out, name)``."""
+    path = output_path(out, name)
     payload = {"machine": machine(), "copy_bandwidth_GBps": copy_bandwidth() / 1e9, "results": rows}
     if extra:
         payload.update(extra)

@@ -7,7 +7,7 @@
 Shapes: K in {5, 10, 32}, d in {1e5, 1e6} (fp32). Floor: 16 (K + 1) d bytes (reads xc, xc0, S_off,
 U, Icur, Ik; writes x', I') against the measured copy bandwidth.
 Threads {1, 2} (--threads), the copy bandwidth measured at each thread count.
-Run: python -m bench.cpu_becado [--quick] [--threads 1 2]; writes bench/results/cpu-becado.json.
+Run: python -m bench.cpu_becado [--quick] [--threads 1 2] [--out DIR]; writes cpu-becado.json (bench/common.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from fedkernels.algorithms import fedecado as fe
 
-from .common import print_table, timeit, write_json
+from .common import add_out_argument, print_table, timeit, write_json
 
 
 def _copy_bw() -> float:
@@ -75,13 +75,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     load = os.getloadavg()[0]
     rows = run(a.quick, tuple(a.threads))
     print(f"load average before the run: {load:.2f} (the machine's cores are shared: timings are noisy)")
     print_table(rows, ["threads", "K", "d", "fused_ms", "torch_ms", "speedup_vs_torch", "GBps", "pct_copy_bw",
                        "torch_pct_copy_bw", "copy_GBps", "max_abs_diff_vs_torch"])
-    path = write_json("cpu-becado.json", rows, {"bytes_formula": "16 (K + 1) d (fp32)", "loadavg_1min": load})
+    path = write_json("cpu-becado.json", rows, {"bytes_formula": "16 (K + 1) d (fp32)", "loadavg_1min": load},
+                      out=a.out)
     print(f"wrote {path}")
     return rows
 

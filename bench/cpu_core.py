@@ -17,7 +17,7 @@ import torch
 
 from fedkernels import ops
 
-from .common import copy_bandwidth, print_table, timeit, write_json
+from .common import add_out_argument, copy_bandwidth, print_table, timeit, write_json
 
 # ResNet-18-like layer size profile (fractions of d), used to split a flat vector into "layers"
 _PROFILE = [0.0002, 0.00001, 0.0033, 0.0033, 0.0033, 0.0033, 0.0066, 0.013, 0.0007, 0.013, 0.013, 0.026,
@@ -115,6 +115,7 @@ def run(quick: bool = False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     rows = run(a.quick)
     print(f"copy bandwidth: {copy_bandwidth() / 1e9:.2f} GB/s, threads {torch.get_num_threads()}")
@@ -124,7 +125,7 @@ def main(argv=None):
     print_table([r for r in rows if r["op"] == "gram"],
                 ["op", "K", "d", "t_ours_ms", "GBps", "GFLOPs", "ratio_to_fp32_mm", "x_vs_fp64_mm", "relerr_ours",
                  "relerr_fp32_mm"])
-    print("wrote", write_json("cpu-core.json", rows))
+    print("wrote", write_json("cpu-core.json", rows, out=a.out))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ bytes, Local GC + momentum SGD 5*N*s bytes.
 
 Timings: functions are timed interleaved (one sample of each per round) so that load from other
 processes hits all alike; median and min over the rounds are both recorded. Writes
-bench/results/cpu-gc.json.
+cpu-gc.json (``--out``; bench/common.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from fedkernels import ops
 
-from .common import compare, copy_bandwidth, print_table, write_json
+from .common import add_out_argument, compare, copy_bandwidth, print_table, write_json
 
 # ---- the specs' models as parameter shape lists (named_parameters order) ------------------------------
 
@@ -218,6 +218,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="CNN and ResNet-18-GN only, fewer repeats")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -236,7 +237,7 @@ def main(argv=None):
              "notes": "GC bytes floor 2*N*4 over the tensors GC touches (vector_policy='skip'); fused steps floors "
                       "7*N*4 (SCAFFOLD with c, c_i, momentum) and 5*N*4 (Local GC + momentum). ours_speedup = "
                       "time(impl) / time(fedkernels). Interleaved timing on a shared machine: compare min and median."}
-    print("wrote", write_json("cpu-gc.json", rows, extra))
+    print("wrote", write_json("cpu-gc.json", rows, extra, out=a.out))
     return rows
 
 

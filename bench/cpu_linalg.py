@@ -25,7 +25,7 @@ import torch
 
 from fedkernels import ops, reference
 
-from .common import copy_bandwidth, print_table, timeit, write_json
+from .common import add_out_argument, copy_bandwidth, print_table, timeit, write_json
 
 
 # ---- the MGDA-style solver as in FedAWARE's min_norm_solvers.py (host loop) ---------------------
@@ -205,6 +205,7 @@ def run(quick: bool = False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     rows = run(a.quick)
     print(f"copy bandwidth: {copy_bandwidth() / 1e9:.1f} GB/s (read + write)")
@@ -215,7 +216,7 @@ def main(argv=None):
     print_table([r for r in rows if r["op"] != "min_norm"],
                 ["op", "B", "n", "m", "ours_ms", "ours_out_ms", "torch_ms", "speedup_vs_torch", "GBps", "pct_copy_bw",
                  "pct_copy_bw_out", "pct_same_size_copy_out", "pct_fresh_copy"])
-    path = write_json("cpu-linalg.json", rows)
+    path = write_json("cpu-linalg.json", rows, out=a.out)
     print(f"wrote {path}")
     return rows
 

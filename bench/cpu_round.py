@@ -14,7 +14,7 @@ import torch
 from fedkernels import FlatSpec, algorithms, ops
 from fedkernels.sim.models import build_model
 
-from .common import copy_bandwidth, print_table, timeit, write_json
+from .common import add_out_argument, copy_bandwidth, print_table, timeit, write_json
 
 
 def perlayer_fedavg(layers, p):
@@ -81,11 +81,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clients", type=int, default=None)
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     rows = run(a.quick, a.clients)
     print(f"copy bandwidth {copy_bandwidth() / 1e9:.2f} GB/s, threads {torch.get_num_threads()}")
     print_table(rows, ["method", "K", "d", "t_ours_s", "t_perlayer_s", "x_vs_perlayer", "floor_s", "pct_of_floor"])
-    print("wrote", write_json("cpu-round.json", rows))
+    print("wrote", write_json("cpu-round.json", rows, out=a.out))
 
 
 if __name__ == "__main__":

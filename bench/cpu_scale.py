@@ -10,7 +10,7 @@ comfortable in memory aggregated from disk in bounded memory.
    from an ``np.memmap`` (chunk pages released after use) by ``streaming.streamed_fedavg`` (one pass)
    and ``streaming.streamed_kuramoto`` (Gram pass + sum pass). Peak RSS from
    ``resource.getrusage`` (ru_maxrss, includes the [d] global and result vectors).
-Writes bench/results/cpu-scale.json.
+Writes cpu-scale.json (``--out``; bench/common.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import print_table, write_json
+from bench.common import add_out_argument, print_table, write_json
 
 
 # ---- 1. ranks ------------------------------------------------------------------------------------------
@@ -147,6 +147,7 @@ def main(argv=None):
     ap.add_argument("--chunk-cols", type=int, default=1 << 20)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--skip-disk", action="store_true")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.rank_d, args.big_d, args.big_k = 1_000_000, 5_000_000, 8
@@ -157,7 +158,8 @@ def main(argv=None):
         print_table(disk, ["method", "d", "K", "file_GB", "time_s", "passes", "GBps", "peak_rss_MB", "staging_MB"])
         rows += disk
     path = write_json("cpu-scale.json", rows, {"note": "ranks: gloo on loopback, each rank holds its [K, d/world] "
-                                                       "slice; disk: np.memmap source, fresh process per method"})
+                                                       "slice; disk: np.memmap source, fresh process per method"},
+                      out=args.out)
     print("wrote", path)
 
 

@@ -6,7 +6,7 @@ Both sides start from Flower ``Parameters`` (np.save bytes per tensor) and retur
 Reported: end-to-end aggregate_fit time, and the aggregation arithmetic alone (Flower's
 ``aggregate`` on decoded NDArrays vs ``aggregator.aggregate`` on the K x d buffer), the ratio of
 the two, and the achieved bandwidth of fedkernels' arithmetic (bytes of U read / time).
-Writes bench/results/cpu-flower.json.
+Writes cpu-flower.json (``--out``; bench/common.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import torch
 
-from bench.common import copy_bandwidth, print_table, timeit, write_json
+from bench.common import add_out_argument, copy_bandwidth, print_table, timeit, write_json
 
 try:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
@@ -75,6 +75,7 @@ def make_results(shapes, K, seed=0):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     configs = [(1_000_000, 10), (11_000_000, 10)] if not args.quick else [(500_000, 8)]
     rows = []
@@ -114,7 +115,8 @@ def main(argv=None):
                        "flower_math_s", "fedkernels_math_s", "speedup_math", "fedkernels_math_GBps", "max_rel_diff"])
     path = write_json("cpu-flower.json", rows, {"flwr": __import__("flwr").__version__,
                                                  "note": "aggregate_fit end to end (Parameters in, Parameters out) "
-                                                         "and arithmetic only; Flower FedAvg inplace=True"})
+                                                         "and arithmetic only; Flower FedAvg inplace=True"},
+                      out=args.out)
     print("wrote", path)
 
 

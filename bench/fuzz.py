@@ -1,6 +1,6 @@
 """Fuzzing campaign for every public op in fedkernels.ops and every registered aggregator.
 
-    python -m bench.fuzz --cases 10000            # campaign; writes bench/results/fuzz.json
+    python -m bench.fuzz --cases 10000            # campaign; writes runs/bench/fuzz.json (--out DIR|FILE.json)
     python -m bench.fuzz --replay '<case json>'   # re-run one case in this process
 
 The case generators and the checkers (the oracle) live in tests/fuzz_oracle.py, shared with
@@ -27,10 +27,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(_ROOT, "tests") not in sys.path:   # the oracle is a test helper module (tests/ is no package)
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
+from bench.common import add_out_argument, output_path  # noqa: E402
 from fuzz_oracle import (_payloads, agg_names, execute, gen_case, synthetic_spec, targets,  # noqa: E402,F401
                          unfuzzed_ops)
 
-RESULTS = os.path.join(_ROOT, "bench", "results")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=20240601)
     ap.add_argument("--timeout", type=float, default=60.0, help="per-case limit (s)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "fuzz.json"))
+    add_out_argument(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--replay", help="run one case (JSON) in this process and print the verdict")
     a = ap.parse_args(argv)
@@ -133,13 +133,14 @@ def main(argv=None) -> int:
         out, detail = execute(json.loads(a.replay))
         print(out, detail)
         return 0 if out != "fail" else 1
-    s = campaign(a.cases, a.seed, a.timeout, a.out)
+    out = output_path(a.out, "fuzz.json")
+    s = campaign(a.cases, a.seed, a.timeout, out)
     print(f"cases run: {s['cases']}  correct results: {s['correct']}  clean rejections: {s['rejected']}  "
           f"failures: {s['failures']} (wrong/unclear {s['wrong_or_unclear']}, crashes {s['crashes']}, "
           f"timeouts {s['timeouts']})  [{s['wall_s']} s]")
     if s["not_fuzzed_ops"]:
         print("public ops without a fuzz generator:", ", ".join(s["not_fuzzed_ops"]))
-    print("wrote", a.out)
+    print("wrote", out)
     return 0 if s["failures"] == 0 else 1
 
 

@@ -37,7 +37,7 @@ JSON). A runner that hits its time limit (``--timeout``; ``--flower-timeout`` fo
 Ray start-up and first round with 1,000 supernodes are slow) still reports how far it got: rounds
 done and their times (it prints a ``PROGRESS`` line per round on stderr).
 
-Writes bench/results/sim-compare.json (``--out``) and prints a Markdown table with ratios to the
+Writes sim-compare.json (``--out``; bench/common.py) and prints a Markdown table with ratios to the
 fedkernels workers=1 run and to the plain loop.
 """
 from __future__ import annotations
@@ -520,6 +520,7 @@ def loadavg() -> List[float]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from bench.common import add_out_argument, output_path
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--task", help=argparse.SUPPRESS)
@@ -538,7 +539,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="intra-op threads of every single-process runner (default: torch's, = cores); "
                          "1 on a machine where other jobs hold cores (OpenMP spin-waits collapse there)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sim-compare.json"))
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     for opt, given, valid in (("--tasks", a.tasks, TASKS), ("--runners", a.runners, RUNNERS),
                               ("--repeat-runners", a.repeat_runners, RUNNERS)):
@@ -587,11 +588,11 @@ def main(argv: Optional[List[str]] = None) -> int:
            "threads_option": a.threads, "repeat": a.repeat, "tasks": TASKS, "hyper_parameters": HP,
            "command": " ".join(["python -m bench.sim_compare"] + (argv if argv is not None else sys.argv[1:])),
            "rows": rows, "ratios": ratios(rows)}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
+    path = output_path(a.out, "sim-compare.json")
+    with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(table(rows))
-    print(f"wrote {a.out}")
+    print(f"wrote {path}")
     return 0
 
 

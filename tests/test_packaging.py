@@ -1,7 +1,9 @@
 """Packaging: metadata, the sdist's contents, the torch-version check at import, lazy subpackages,
 the CLI without the simulator extra. The full sdist -> wheel -> fresh venv smoke test is the CI step
 `.ci/wheel_check.sh` (it compiles the extension and installs torch: minutes, not a unit test)."""
+import glob
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -84,6 +86,7 @@ def test_sdist_holds_every_source_file(tmp_path):
     (sdist,) = tmp_path.glob("fedkernels-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     wanted = ["LICENSE", "setup.py", "pyproject.toml", "README.md", "fedkernels/py.typed"]
+    wanted += [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]   # the README's links
     for dirpath, _, files in os.walk(os.path.join(ROOT, "csrc")):
         wanted += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in files
                    if f.endswith((".h", ".cuh", ".cu", ".cpp"))]
@@ -159,16 +162,44 @@ def test_cli_module_entry_runs():
     assert r.returncode == 0 and "run" in r.stdout, r.stderr
 
 
-def test_make_installs_the_sim_and_test_extras():
+def _make_vars():
+    """The simple `NAME := value` / `NAME ?= value` variables of the Makefile."""
+    out = {}
     with open(os.path.join(ROOT, "Makefile")) as f:
-        deps_line = next(line for line in f if line.startswith("DEPS"))
-    deps = set(deps_line.split(":=", 1)[1].split())
-    extras = _pyproject()["project"]["optional-dependencies"]
-    import re
-    for req in extras["sim"] + extras["test"]:
-        name = re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0]
-        assert name in deps, f"make does not install {name} (extra requirement {req!r})"
-    assert "build" in deps
+        for line in f:
+            m = re.match(r"^([A-Z_]+)\s*[:?]=\s*(.*)$", line.rstrip("\n"))
+            if m:
+                out[m.group(1)] = m.group(2).split()
+    return out
+
+
+def _req_name(req):
+    return re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower()
+
+
+def test_make_installs_each_extra_where_it_is_needed():
+    # the demo gets the sim extra (and nothing of the test extra or Flower: the venv stays small); make
+    # test gets the test extra on top, plus `build` for the wheel check
+    mk, extras = _make_vars(), _pyproject()["project"]["optional-dependencies"]
+    demo = {_req_name(r) for r in mk["DEPS"]}
+    test = {_req_name(r) for r in mk["TEST_DEPS"]}
+    for req in extras["sim"]:
+        assert _req_name(req) in demo, f"make demo does not install {req!r} (sim extra)"
+    for req in extras["test"]:
+        assert _req_name(req) in test, f"make test does not install {req!r} (test extra)"
+        assert _req_name(req) not in demo, f"make demo installs {req!r}, which only the tests need"
+    assert "build" in test and "flwr" not in demo and "flwr" in _req_name(mk["FLOWER"][0])
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        text = f.read()
+    demo_stamp = text[text.index("$(VENV)/.stamp-deps:"):text.index("$(VENV)/.stamp-test-deps:")]
+    assert "FLOWER" not in demo_stamp and "TEST_DEPS" not in demo_stamp, demo_stamp
+
+
+def test_make_demo_says_how_to_call_the_command():
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        text = f.read()
+    recipe = text[text.index("\ndemo:"):].split("\n\n", 1)[0]
+    assert "source $(VENV)/bin/activate" in recipe and "$(VENV)/bin/fedkernels run" in recipe, recipe
 
 
 def test_public_functions_are_annotated():

@@ -7,7 +7,7 @@
     torchrun --nproc_per_node 2 -m fedkernels run --preset smoke --distributed
                                                            ranks train disjoint clients, aggregate slices
     fedkernels compare --preset kuramoto-digits --methods fedavg,kuramoto-S0.5 --seeds 0,1,2 [--rounds N] [--out DIR]
-    fedkernels bench --suite cpu|gpu [args ...]
+    fedkernels bench --suite cpu|gpu [--quick] [--out DIR] [args ...]   benchmarks (results: runs/bench/)
     fedkernels info                                        build facts, algorithms, datasets, presets
     fedkernels presets                                     the presets and their methods
 
@@ -169,24 +169,52 @@ def cmd_compare(a) -> int:
     return 0
 
 
+def _bench_suite(suite: str):
+    """The module ``bench.<suite>`` of the source checkout this fedkernels was imported from (bench/
+    beside the fedkernels/ package), from any working directory; None when there is none (an
+    installed wheel does not ship bench/). Never a ``bench`` package of the current directory."""
+    import fedkernels
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fedkernels.__file__)))
+    bench_dir = os.path.join(root, "bench")
+    if not os.path.isfile(os.path.join(bench_dir, f"{suite}.py")):
+        return None
+    loaded = sys.modules.get("bench")
+    if loaded is not None and os.path.dirname(os.path.abspath(getattr(loaded, "__file__", "") or "")) != bench_dir:
+        raise ImportError(f"another module named 'bench' is already imported ({getattr(loaded, '__file__', loaded)})")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"bench.{suite}")
+
+
 def cmd_bench(a, rest: List[str]) -> int:
     mod = f"bench.{a.suite}"
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        m = importlib.import_module(mod)
+        m = _bench_suite(a.suite)
     except ImportError as e:
-        print(f"benchmark suite {mod!r} is not importable ({e}); run from the repository root, "
-              f"where bench/ lives (e.g. `python -m {mod}` or `make bench`)", file=sys.stderr)
+        print(f"fedkernels bench: the benchmark suite {mod} is not importable ({e})", file=sys.stderr)
+        return 2
+    if m is None:
+        import fedkernels
+        print(f"fedkernels bench: the benchmark suites are not installed with the package (this fedkernels is "
+              f"{os.path.dirname(os.path.abspath(fedkernels.__file__))}); they live in bench/ of a source checkout: "
+              f"install that with `pip install --no-build-isolation -e .` and run `fedkernels bench` (or "
+              f"`python -m {mod}` in it)", file=sys.stderr)
         return 2
     fn = getattr(m, "main", None)
     if fn is None:
-        print(f"{mod} has no main()", file=sys.stderr)
+        print(f"fedkernels bench: {mod} has no main()", file=sys.stderr)
         return 2
+    argv = (["--quick"] if a.quick else []) + ([] if a.out is None else ["--out", a.out]) + list(rest)
+    if a.help:                  # this command's options, then the suite's own
+        a._parser.print_help()
+        print(f"\noptions of the suite ({mod}):")
+        argv = ["--help"]
     old = sys.argv
-    sys.argv = [mod] + list(rest)
+    sys.argv = [mod] + argv
     try:
         r = fn()
+    except SystemExit as e:     # the suite's argparse: --help (0) or a bad option (2, its message printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
         sys.argv = old
     return int(r or 0) if isinstance(r, (int, type(None))) else 0
@@ -286,8 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="band around the mean curve: sample std (default), 95%% CI, or none")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--quiet", action="store_true", help="no per-round lines")
-    b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)")
+    b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)", add_help=False,
+                       description="Run a benchmark suite of the source checkout (bench/README.md). Other "
+                                   "options go to the suite: `fedkernels bench --suite cpu --help` lists them.")
+    b.add_argument("-h", "--help", action="store_true", help="show this help and the suite's options, then exit")
     b.add_argument("--suite", choices=("cpu", "gpu"), default="cpu", help="which benchmark suite (default: cpu)")
+    b.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (seconds to minutes)")
+    b.add_argument("--out", metavar="DIR|FILE.json",
+                   help="where the JSON results go (default: runs/bench/ under the current directory; "
+                        "`--out bench/results` updates the published results of the checkout)")
+    b.set_defaults(_parser=b)
     i = sub.add_parser("info", help="build facts, algorithms, models, datasets, presets")
     i.add_argument("--json", action="store_true", help="machine-readable JSON output")
     sub.add_parser("presets", help="list the presets")
