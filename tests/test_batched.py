@@ -3,6 +3,7 @@ as one vmapped computation must give what the sequential loop gives, to fp32 rou
 the global model after every round and every logged metric. Unequal client sizes (a client smaller
 than the batch, short tail batches), per-client epochs and learning rates, every client rule; a rule or
 model it cannot batch trains sequentially with one line saying why."""
+import copy
 import logging
 import math
 import os
@@ -154,16 +155,20 @@ def test_chunks_of_clients_equal_one_chunk():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_bad_clients_excluded_as_in_the_sequential_loop():
+def _bad_data():
+    """Client 1 has no samples ("has no training examples"); five of client 2's samples are NaN."""
     tr, te, parts = _data_and_parts()
     parts = list(parts)
-    parts[1] = np.zeros(0, dtype=np.int64)               # "has no training examples"
+    parts[1] = np.zeros(0, dtype=np.int64)
     x = tr.x.clone()
-    x[parts[2][:5]] = float("nan")                        # client 2's update is NaN
-    bad = type(tr)(**{**tr.__dict__, "x": x}) if hasattr(tr, "__dataclass_fields__") else None
-    if bad is None:
-        bad = tr
-        bad.x = x
+    x[parts[2][:5]] = float("nan")
+    bad = copy.copy(tr)
+    bad.x = x
+    return bad, parts
+
+
+def test_bad_clients_excluded_as_in_the_sequential_loop():
+    bad, parts = _bad_data()
     s1, _ = sim("clients_at_once=off", parts=parts, train=bad)
     s2, _ = sim("clients_at_once=4", parts=parts, train=bad)
     ex1 = [m["excluded"] for m in s1.metrics]
@@ -171,6 +176,12 @@ def test_bad_clients_excluded_as_in_the_sequential_loop():
     assert [e["client_id"] for e in ex1[0]] == [1, 2]
     assert [m["num_updates"] for m in s2.metrics] == [2, 2, 2]
     torch.testing.assert_close(s1.global_flat, s2.global_flat, rtol=1e-4, atol=2e-6)
+
+
+def test_fedpgvc_skips_the_non_finite_steps_as_in_the_sequential_loop():
+    bad, parts = _bad_data()       # nan_policy "skip": client 2 drops its NaN batches and stays finite
+    s1, s2 = same_run("algorithm.name=fedpgvc", "train.momentum=0.5", parts=parts, train=bad)
+    assert [e["client_id"] for e in s2.metrics[0]["excluded"]] == [1]
 
 
 class GNNet(nn.Module):

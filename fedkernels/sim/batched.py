@@ -217,7 +217,7 @@ class KuramotoPhaseBatched(BatchedRule):
         self.sum = torch.zeros(ch.C, dtype=torch.float64, device=ch.W.device)
 
     def before_step(self, ch, G, rho, ce, m, active):
-        self.sum += torch.linalg.vector_norm(G.double(), dim=1) * active
+        self.sum += torch.where(active, torch.linalg.vector_norm(G.double(), dim=1), 0.0)
 
     def end(self, ch):
         return [{"phase": float(s) / k if k else 0.0} for s, k in zip(self.sum.tolist(), ch.steps)]
@@ -295,7 +295,7 @@ class FedPGVCBatched(BatchedRule):
             w = ce if self.loss_clip is None else ce.clamp(max=self.loss_clip)
             cnt = m.sum(1).clamp_min(1)
             counted = active if self._skip is None else active & ~self._skip
-            self.hist_sum += torch.where(counted, (w * m).sum(1).double() / cnt.double(), 0.0)
+            self.hist_sum += torch.where(counted, torch.where(m > 0, w, 0.0).sum(1).double() / cnt.double(), 0.0)
             self.hist_n += counted
         if not self.ctrl:
             return
@@ -484,10 +484,11 @@ class BatchedExecutor:
             params = {e.name: w[e.offset:e.offset + e.numel].view(e.shape) for e in entries}
             ce = F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
             cnt = m.sum().clamp_min(1)
-            data = (ce * m).sum() / cnt
+            ce_m = torch.where(m > 0, ce, 0.0)      # masked samples add nothing, even a non-finite loss
+            data = ce_m.sum() / cnt
             if rho:   # FedPGVC's rho: the gradient of mean(stopgrad(l) l) over the batch
-                wt = ce.detach() if clip is None else ce.detach().clamp(max=clip)
-                return torch.stack([data, (wt * ce * m).sum() / cnt]), ce.detach()
+                wt = ce_m.detach() if clip is None else ce_m.detach().clamp(max=clip)
+                return torch.stack([data, (wt * ce_m).sum() / cnt]), ce.detach()
             return data, ce.detach()
 
         return vmap(jacrev(loss, has_aux=True) if rho else grad(loss, has_aux=True))
@@ -506,11 +507,12 @@ class BatchedExecutor:
         t = self.train
         Bs = [min(int(t.batch_size), int(self.parts[c].numel())) for c in cids]
         S, B = max(steps), max(Bs)
-        idx = torch.zeros(len(cids), S, B, dtype=torch.long)
+        idx = torch.empty(len(cids), S, B, dtype=torch.long)
         msk = torch.zeros(len(cids), S, B, dtype=torch.bool)
         for i, (c, k, sd, b) in enumerate(zip(cids, steps, seeds, Bs)):
             own = self.parts[c].cpu()
             n = own.numel()
+            idx[i] = own[0]                         # masked places hold one of the client's own samples
             gen = torch.Generator().manual_seed(sd)
             stop = n - (n % b) if t.drop_last else n
             nb = -(-stop // b)                      # batches per epoch (the last one may be short)
@@ -522,7 +524,7 @@ class BatchedExecutor:
                 rows[:stop] = perm
                 rows = rows.view(nb, b)[:take]
                 ok = rows >= 0
-                idx[i, done:done + take, :b] = rows.clamp_min(0)
+                idx[i, done:done + take, :b] = torch.where(ok, rows, rows[:, :1])
                 msk[i, done:done + take, :b] = ok
                 done += take
         return idx.to(self.x.device), msk
@@ -566,7 +568,7 @@ class BatchedExecutor:
             if form.needs_rho:
                 G, rho = G[:, 0], G[:, 1]
             active = steps_d > s
-            loss_sum += (ce * m).sum(1).double()
+            loss_sum += torch.where(m > 0, ce, 0.0).sum(1).double()
             form.before_step(ch, G, rho, ce, m, active)
             if t.grad_clip is not None:
                 norm = torch.linalg.vector_norm(G, dim=1)
@@ -574,16 +576,15 @@ class BatchedExecutor:
             form.in_step(ch, G)
             skip = form.skip()
             act = active if skip is None else active & ~skip
-            a = act.to(W.dtype).unsqueeze(1)
+            a = act.unsqueeze(1)                # a client past its last step (or skipping it) stays put
             if wd:
                 G.add_(W, alpha=wd)
             if buf_m is not None:
-                G.mul_(a)
-                buf_m.mul_(torch.where(act, mom, 1.0).to(W.dtype).unsqueeze(1)).add_(G)
+                buf_m.copy_(torch.where(a, buf_m.mul(mom).add_(G), buf_m))
                 step = G.add_(buf_m, alpha=mom) if nesterov else buf_m
             else:
                 step = G
-            W.sub_(step * (lr_d.unsqueeze(1) * a))
+            W.sub_(torch.where(a, step * lr_d.unsqueeze(1), 0.0))
         payloads = form.end(ch)
         W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
         torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
