@@ -98,6 +98,8 @@ METHODS = {
     "scaffold": ["algorithm.name=scaffold", *HETERO],
     "scaffold-momentum-clip": ["algorithm.name=scaffold", "algorithm.options.momentum_correction=true",
                                "algorithm.options.weighting=samples", "train.momentum=0.9", "train.grad_clip=1.0"],
+    "scaffold-nesterov-clip": ["algorithm.name=scaffold", "train.momentum=0.9", "train.nesterov=true",
+                               "train.grad_clip=0.5"],
     "scaffold-unfused": ["algorithm.name=scaffold", "algorithm.options.fused_step=false", "train.grad_clip=1.0"],
     "fedpvr": ["algorithm.name=fedpvr", "algorithm.options.n_ctrl=1", *HETERO],
     "fednova": ["algorithm.name=fednova", "train.momentum=0.5", *HETERO],
@@ -277,3 +279,13 @@ def test_config_excludes_workers():
     cfg = apply_overrides(presets.get("smoke"), ["clients_at_once=4", "workers=2"])
     with pytest.raises(ValueError, match="clients_at_once=4 and workers=2 exclude each other"):
         cfg.validate()
+
+
+def test_auto_chunk_from_free_cuda_memory(monkeypatch):
+    from fedkernels.sim.batched import auto_chunk
+    assert auto_chunk(torch.device("cpu"), 10_000, 32, 64, 17, True) == 17      # the CPU: the whole round
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (8 * 2**20, 16 * 2**20))
+    per = 4 * (5 * 10_000 + 64 * 32 * 64)                                      # bytes per client (estimate)
+    assert auto_chunk(torch.device("cuda"), 10_000, 32, 64, 100, True) == (4 * 2**20) // per
+    assert auto_chunk(torch.device("cuda"), 10**9, 32, 64, 100, True) == 1     # never less than one client
+    assert auto_chunk(torch.device("cuda"), 10, 1, 1, 7, False) == 7           # never more than the round

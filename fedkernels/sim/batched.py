@@ -129,9 +129,9 @@ class BatchedRule:
         return [{} for _ in range(ch.C)]
 
     def fused(self) -> bool:
-        """Whether the sequential rule would take its fused native step (correction after grad_clip)."""
-        t = self.train
-        return bool(getattr(self.agg, "fused_step", False)) and t.optimizer == "sgd" and not (t.nesterov and t.momentum > 0)
+        """Whether the sequential rule acts in its ``step`` hook, after grad_clip (``fused_step``: the
+        native step, or, for an optimizer it cannot fuse, the same edit made there)."""
+        return bool(getattr(self.agg, "fused_step", False))
 
 
 class FedProxBatched(BatchedRule):
