@@ -547,10 +547,10 @@ def executors(presets_: str, device: str, rounds: int, repeat: int, chunk: str, 
         try:
             for rep in range(max(1, repeat)):
                 for ex in ("off", "batched"):
-                    cfg = apply_overrides(P.get(name), [
-                        f"rounds={rounds}", f"eval_every={rounds}", "client_loss=none", f"device={device}",
-                        "plots=false", "verbose=false", "progress=false",
-                        f"clients_at_once={'off' if ex == 'off' else batched}"] + ([f"threads={threads}"] if threads else []))
+                    ov = [f"rounds={rounds}", f"eval_every={rounds}", "client_loss=none", f"device={device}",
+                          "plots=false", "verbose=false", "progress=false",
+                          f"clients_at_once={'off' if ex == 'off' else batched}"]
+                    cfg = apply_overrides(P.get(name), ov + ([f"threads={threads}"] if threads else []))
                     sim = Simulation(cfg, write_outputs=False)
                     summ = sim.run()
                     if (sim.batched is not None) != (ex == "batched"):

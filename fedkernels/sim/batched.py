@@ -196,7 +196,7 @@ class ControlVariateBatched(BatchedRule):
         if agg.momentum_correction and ch.momentum:
             div = div * torch.tensor([momentum_steps(k, ch.momentum) / k for k in ch.steps], dtype=torch.float64)
         xs = gather_ranges(x, self.ranges)
-        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1) if len(self.ranges) > 1 else ch.W[:, self.ranges[0][0]:self.ranges[0][1]]
+        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1)      # the local models' controlled part
         dc = (xs.unsqueeze(0) - Y).div_(div.to(device=Y.device, dtype=Y.dtype).unsqueeze(1))
         if self.c is not None:
             dc.sub_(self.c.to(device=dc.device, dtype=dc.dtype))
@@ -696,4 +696,5 @@ def for_simulation(sim) -> Optional[BatchedExecutor]:
     if why is not None:
         log.warning("clients_at_once=%s: training clients one at a time: %s", v, why)
         return None
+    log.info("clients_at_once=%s: batched executor, chunks of %s clients", v, chunk or "auto")
     return ex
