@@ -576,15 +576,16 @@ class BatchedExecutor:
             form.in_step(ch, G)
             skip = form.skip()
             act = active if skip is None else active & ~skip
-            a = act.unsqueeze(1)                # a client past its last step (or skipping it) stays put
-            if wd:
+            a = act.unsqueeze(1)                # a client past its last step (or skipping it) stays put:
+            if wd:                              # its d is 0 (even a NaN one), its buffer kept, its lr 0
                 G.add_(W, alpha=wd)
+            G.masked_fill_(~a, 0.0)
             if buf_m is not None:
-                buf_m.copy_(torch.where(a, buf_m.mul(mom).add_(G), buf_m))
+                buf_m.mul_(torch.where(a, mom, 1.0).to(W.dtype)).add_(G)
                 step = G.add_(buf_m, alpha=mom) if nesterov else buf_m
             else:
                 step = G
-            W.sub_(torch.where(a, step * lr_d.unsqueeze(1), 0.0))
+            W.addcmul_(step, lr_d.unsqueeze(1) * a, value=-1.0)    # no [C, d] temporary
         payloads = form.end(ch)
         W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
         torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
