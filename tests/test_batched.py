@@ -121,6 +121,7 @@ METHODS = {
     "fedpgvc-layer_normalize": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_normalize"],
     "fedpgvc-lr_matched": ["algorithm.name=fedpgvc", "algorithm.options.mode=lr_matched"],
     "fedecado": ["algorithm.name=fedecado", *HETERO],          # round 1 Hutchinson: sequential, then batched
+    "fedecado-partial": ["algorithm.name=fedecado", "clients_per_round=3", *HETERO],   # round 3: 0 | 1 new | 3
     "fedecado-identity": ["algorithm.name=fedecado", "algorithm.options.hessian=identity", *HETERO],
 }
 
@@ -289,3 +290,19 @@ def test_auto_chunk_from_free_cuda_memory(monkeypatch):
     assert auto_chunk(torch.device("cuda"), 10_000, 32, 64, 100, True) == (4 * 2**20) // per
     assert auto_chunk(torch.device("cuda"), 10**9, 32, 64, 100, True) == 1     # never less than one client
     assert auto_chunk(torch.device("cuda"), 10, 1, 1, 7, False) == 7           # never more than the round
+
+
+def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
+    """FedECADO, 3 of 4 clients per round (seed 0: [0, 2, 3], [0, 2, 3], [0, 1, 3]): client 1's first
+    participation (its Hutchinson estimate) trains in the sequential loop between two batched chunks."""
+    from fedkernels.sim.batched import BatchedExecutor
+    chunks = []
+    orig = BatchedExecutor._train_chunk
+
+    def spy(self, r, items, factor):
+        chunks.append((r, [cid for _, cid, _, _, _ in items]))
+        return orig(self, r, items, factor)
+    monkeypatch.setattr(BatchedExecutor, "_train_chunk", spy)
+    s, _ = sim("clients_at_once=4", "algorithm.name=fedecado", "clients_per_round=3", *HETERO)
+    assert chunks == [(1, [0, 2, 3]), (2, [0]), (2, [3])], chunks
+    assert s.metrics[2]["clients"] == [0, 1, 3] and s.metrics[2]["num_updates"] == 3
