@@ -8,7 +8,7 @@ stacked as rows of the round's update buffer, ``W = U[s0:s0+C]`` ([C, d], the fl
     G, ce = vmap(grad(loss))(W, X[:, s], Y[:, s], M[:, s])          # [C, d] gradients, one call
     G <- the method's client rule, batched (:class:`BatchedRule`)   # e.g. G += mu (W - x)  (FedProx)
     G <- clip per client (train.grad_clip); wd; momentum            # torch-SGD semantics, per row
-    W <- W - lr[:, None] * step * active[:, None]                   # a client past its last step stays put
+    W <- W - lr[:, None] * active[:, None] * step                   # a client past its last step stays put
 
 with ``loss(w, x, y, m) = sum_b m_b ce(f(w, x_b), y_b) / sum_b m_b`` (``torch.func.functional_call``
 on the simulation's model). At the end ``W <- W - x`` turns the rows into the updates in place: the
@@ -44,9 +44,13 @@ loss, steps``, in schedule order, with the rows written into ``sim.buf`` in that
 that cannot be batched (payload-dependent, e.g. FedECADO's first participation, or an empty client)
 are trained by the sequential loop in their place in the schedule.
 
-Memory: chunks of ``C`` clients: ``clients_at_once=N`` fixes C = N; ``auto`` takes every client of
-the round on the CPU and, on CUDA, as many as half the free memory holds by an estimate of
-(weights, gradients, momentum, activations) per client (:func:`auto_chunk`).
+``clients_at_once`` (config): ``off``; ``N``: batched in chunks of N clients; ``auto`` (default):
+batched on CUDA in chunks of as many clients as half the free memory holds by an estimate of
+(weights, gradients, momentum, activations) per client (:func:`auto_chunk`), sequential on the CPU
+(on 2 shared cores, ``python -m bench.sim_compare --executors``: 0.9x for the 4-client smoke preset,
+1.2-2.5x for the 10-client digits presets; bench/results/sim-executors-cpu.json). GPU speed is not
+measured yet. A chunk runs as many steps as its longest client (the others are masked): with very
+unequal step counts, part of the work is padding.
 """
 from __future__ import annotations
 
@@ -86,11 +90,6 @@ class Chunk:
     @property
     def C(self) -> int:
         return self.W.size(0)
-
-
-def _views(M: torch.Tensor, e) -> torch.Tensor:
-    """[C, *shape] view of entry ``e`` of the [C, d] matrix ``M``."""
-    return M[:, e.offset:e.offset + e.numel].view(M.size(0), *e.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,6 +465,7 @@ class BatchedExecutor:
         self.model, self.spec = sim.model, sim.spec
         tr = sim.trainer
         self.x, self.y, self.parts = tr.x, tr.y, tr.client_indices
+        self.parts_host = [p.cpu() for p in self.parts]    # drawing batches reads them: no per-client sync
         self.train = sim.cfg.train
         self.chunk = chunk
         rule = sim.agg.client_rule()
@@ -510,7 +510,7 @@ class BatchedExecutor:
         idx = torch.empty(len(cids), S, B, dtype=torch.long)
         msk = torch.zeros(len(cids), S, B, dtype=torch.bool)
         for i, (c, k, sd, b) in enumerate(zip(cids, steps, seeds, Bs)):
-            own = self.parts[c].cpu()
+            own = self.parts_host[c]
             n = own.numel()
             idx[i] = own[0]                         # masked places hold one of the client's own samples
             gen = torch.Generator().manual_seed(sd)
