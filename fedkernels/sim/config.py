@@ -165,8 +165,8 @@ class RunConfig:
         if not (c in ("auto", "off") or c is False or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)):
             errs.append(f"clients_at_once must be auto, off or an integer >= 1, got {c!r}")
         elif isinstance(c, int) and not isinstance(c, bool) and (self.workers > 1 or self.distributed):
-            errs.append(f"clients_at_once={c} and {'distributed=true' if self.distributed else f'workers={self.workers}'} "
-                        "exclude each other: use one of them")
+            other = "distributed=true" if self.distributed else f"workers={self.workers}"
+            errs.append(f"clients_at_once={c} and {other} exclude each other: use one of them")
         if self.eval_every < 1:
             errs.append(f"eval_every must be >= 1, got {self.eval_every}")
         if self.client_loss not in ("participants", "all", "none"):
