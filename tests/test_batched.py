@@ -102,6 +102,8 @@ METHODS = {
                                "train.grad_clip=0.5"],
     "scaffold-unfused": ["algorithm.name=scaffold", "algorithm.options.fused_step=false", "train.grad_clip=1.0"],
     "fedpvr": ["algorithm.name=fedpvr", "algorithm.options.n_ctrl=1", *HETERO],
+    "fedpvr-two-ranges": ["algorithm.name=fedpvr", "model.options.hidden=[32,16]",       # fc1 and fc3: two
+                          "algorithm.options.ctrl_modules=[fc1,fc3]", "train.momentum=0.5"],   # flat ranges
     "fednova": ["algorithm.name=fednova", "train.momentum=0.5", *HETERO],
     "fedavgm": ["algorithm.name=fedavgm"],
     "fedaware": ["algorithm.name=fedaware"],
@@ -130,7 +132,7 @@ METHODS = {
 def test_batched_equals_sequential_round_by_round(name):
     s1, s2 = same_run(*METHODS[name])
     assert [m["local_steps"] for m in s1.metrics] == [m["local_steps"] for m in s2.metrics]
-    if name.startswith("scaffold") or name == "fedpvr":   # the server's control variates agree too
+    if name.startswith(("scaffold", "fedpvr")):   # the server's control variates agree too
         for k, v in s1.agg.state_dict().items():
             if isinstance(v, torch.Tensor):
                 torch.testing.assert_close(v, s2.agg.state_dict()[k], rtol=1e-4, atol=1e-5)
