@@ -109,7 +109,8 @@ class RunConfig:
     threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default); per worker
     workers: int = 1                     # train a round's clients in N worker processes (sim.workers; CPU)
     clients_at_once: Union[str, int, bool] = "auto"  # batched local training (sim.batched): auto (CUDA: on,
-                                          # CPU: off) | off | N clients per vmapped chunk
+                                          # CPU: off) | off | N clients per vmapped chunk; equal to off up to
+                                          # fp32 rounding, so not in the config hash (like workers)
     deterministic: Optional[bool] = None  # torch.use_deterministic_algorithms; None: on CUDA only (CPU kernels
                                           # are deterministic at a fixed thread count, and the flag slows them)
     out_dir: str = "runs"
