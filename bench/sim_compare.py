@@ -39,6 +39,13 @@ done and their times (it prints a ``PROGRESS`` line per round on stderr).
 
 Writes sim-compare.json (``--out``; bench/common.py) and prints a Markdown table with ratios to the
 fedkernels workers=1 run and to the plain loop.
+
+Executor mode (issue #29): ``--executors [--device cpu|cuda] [--presets a,b] [--rounds R] [--repeat N]
+[--chunk round|auto|N]`` runs fedkernels itself on presets (default: the MLP presets whose data are
+bundled) with the sequential executor (``clients_at_once=off``) and the batched one (chunks of the
+whole round by default), interleaved N times in one process, and reports the median local-training
+time per round (round 1, the warm-up, left out), the ratio and the largest difference of the final
+global models. Writes bench/results/sim-executors-<device>.json.
 """
 from __future__ import annotations
 
@@ -519,6 +526,59 @@ def loadavg() -> List[float]:
     return [float(v) for v in open("/proc/loadavg").read().split()[:3]]
 
 
+EXECUTOR_PRESETS = "smoke,kuramoto-digits,fedpgvc-digits,fedaware-digits"
+
+
+def executors(presets_: str, device: str, rounds: int, repeat: int, chunk: str, threads: Optional[int],
+              out: str) -> int:
+    """Sequential vs batched local training of fedkernels on the same presets (see module docstring)."""
+    import platform
+    import torch
+    from fedkernels.sim import presets as P
+    from fedkernels.sim.config import apply_overrides
+    from fedkernels.sim.data import DatasetNotFoundError
+    from fedkernels.sim.server import Simulation
+    rows = []
+    for name in presets_.split(","):
+        per_round = P.get(name).per_round()
+        batched = per_round if chunk == "round" else chunk
+        res: Dict[str, List[float]] = {"off": [], "batched": []}
+        final: Dict[str, Any] = {}
+        try:
+            for rep in range(max(1, repeat)):
+                for ex in ("off", "batched"):
+                    ov = [f"rounds={rounds}", f"eval_every={rounds}", "client_loss=none", f"device={device}",
+                          "plots=false", "verbose=false", "progress=false",
+                          f"clients_at_once={'off' if ex == 'off' else batched}"]
+                    cfg = apply_overrides(P.get(name), ov + ([f"threads={threads}"] if threads else []))
+                    sim = Simulation(cfg, write_outputs=False)
+                    summ = sim.run()
+                    if (sim.batched is not None) != (ex == "batched"):
+                        raise RuntimeError(f"{name}: the {ex} executor did not run (see the warning above)")
+                    t = [m["t_local"] for m in sim.metrics[1:]] or [sim.metrics[0]["t_local"]]
+                    res[ex].append(statistics.median(t))
+                    final[ex] = (sim.global_flat.detach().cpu(), summ.get("final_accuracy"))
+        except DatasetNotFoundError as e:
+            print(f"{name}: skipped ({str(e).splitlines()[0][:120]})", file=sys.stderr)
+            continue
+        a, b = statistics.median(res["off"]), statistics.median(res["batched"])
+        rows.append({"preset": name, "clients_per_round": per_round, "chunk": batched, "rounds": rounds,
+                     "t_local_round_s": {"sequential": a, "batched": b}, "speedup": a / b,
+                     "all_s": res, "max_abs_diff_final": float((final["off"][0] - final["batched"][0]).abs().max()),
+                     "final_accuracy": {"sequential": final["off"][1], "batched": final["batched"][1]}})
+        print(f"| {name} | {per_round} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | x{a / b:.2f} | "
+              f"{rows[-1]['max_abs_diff_final']:.2e} |", flush=True)
+    doc = {"bench": "sim_compare --executors", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "device": device, "machine": {"cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+                                         "platform": platform.platform(), "loadavg": loadavg(),
+                                         "cuda": torch.cuda.get_device_name() if device == "cuda" else None},
+           "threads": threads, "repeat": repeat, "rows": rows}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {out}")
+    return 0 if rows else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from bench.common import add_out_argument, output_path
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -540,7 +600,24 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="intra-op threads of every single-process runner (default: torch's, = cores); "
                          "1 on a machine where other jobs hold cores (OpenMP spin-waits collapse there)")
     add_out_argument(ap)
+    ap.add_argument("--executors", action="store_true", help="sequential vs batched executor (module docstring)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--executors: the device")
+    ap.add_argument("--presets", default=EXECUTOR_PRESETS, help="--executors: the presets")
+    ap.add_argument("--rounds", type=int, default=4, help="--executors: rounds per run")
+    ap.add_argument("--chunk", default="round", help="--executors: clients_at_once of the batched runs "
+                                                     "(round = every client of the round; auto; N)")
     a = ap.parse_args(argv)
+    if a.executors:
+        if a.chunk not in ("round", "auto") and not (a.chunk.isdigit() and int(a.chunk) >= 1):
+            ap.error(f"--chunk: expected round, auto or an integer >= 1, got {a.chunk!r}")
+        if a.rounds < 1:
+            ap.error(f"--rounds: expected an integer >= 1, got {a.rounds}")
+        from fedkernels.sim import presets as P
+        bad = [x for x in a.presets.split(",") if x not in P.names()]
+        if bad:
+            ap.error(f"--presets: {bad[0]!r} is not a preset (fedkernels presets lists them)")
+        return executors(a.presets, a.device, a.rounds, a.repeat, a.chunk if not a.chunk.isdigit() else int(a.chunk),
+                         a.threads, output_path(a.out, f"sim-executors-{a.device}.json"))
     for opt, given, valid in (("--tasks", a.tasks, TASKS), ("--runners", a.runners, RUNNERS),
                               ("--repeat-runners", a.repeat_runners, RUNNERS)):
         bad = [x for x in given.split(",") if x not in valid]

@@ -20,7 +20,7 @@ import hashlib
 import json
 import typing
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import yaml
 
@@ -108,6 +108,9 @@ class RunConfig:
     device: str = "cpu"                  # cpu | cuda | auto
     threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default); per worker
     workers: int = 1                     # train a round's clients in N worker processes (sim.workers; CPU)
+    clients_at_once: Union[str, int, bool] = "auto"  # batched local training (sim.batched): auto (CUDA: on,
+                                          # CPU: off) | off | N clients per vmapped chunk; equal to off up to
+                                          # fp32 rounding, so not in the config hash (like workers)
     deterministic: Optional[bool] = None  # torch.use_deterministic_algorithms; None: on CUDA only (CPU kernels
                                           # are deterministic at a fixed thread count, and the flag slows them)
     out_dir: str = "runs"
@@ -159,6 +162,12 @@ class RunConfig:
         if self.workers > 1 and self.distributed:
             errs.append(f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
                         "split the clients): use one of them")
+        c = self.clients_at_once
+        if not (c in ("auto", "off") or c is False or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)):
+            errs.append(f"clients_at_once must be auto, off or an integer >= 1, got {c!r}")
+        elif isinstance(c, int) and not isinstance(c, bool) and (self.workers > 1 or self.distributed):
+            other = "distributed=true" if self.distributed else f"workers={self.workers}"
+            errs.append(f"clients_at_once={c} and {other} exclude each other: use one of them")
         if self.eval_every < 1:
             errs.append(f"eval_every must be >= 1, got {self.eval_every}")
         if self.client_loss not in ("participants", "all", "none"):
@@ -222,7 +231,7 @@ class RunConfig:
 # keys that do not change what is computed (left out of config_hash; free to change on resume)
 PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "checkpoint_every",
                      "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy",
-                     "distributed", "workers")
+                     "distributed", "workers", "clients_at_once")
 
 
 def _suggest(word: Any, choices: Iterable[Any], fmt: str = " (did you mean {!r}?)") -> str:

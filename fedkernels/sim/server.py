@@ -96,7 +96,7 @@ def _deterministic(on: bool):
 # config keys that may change on resume without changing the computation
 _RESUME_FREE = {"name", "preset", "method", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
                 "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss",
-                "distributed", "workers"}
+                "distributed", "workers", "clients_at_once"}
 
 
 def _config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "", free=_RESUME_FREE) -> List[str]:
@@ -261,6 +261,8 @@ class Simulation:
         if rule is not None:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
         self.buf = UpdateBuffer(self.per_round, self.spec, device=dev, dtype=self.spec.dtype)
+        from .batched import for_simulation   # clients_at_once: the batched executor (None: one at a time)
+        self.batched = for_simulation(self)
         self.writer = RunWriter(self.run_dir) if self.write_outputs and self.is_main else None
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         if self.resume:
@@ -410,6 +412,8 @@ class Simulation:
         if self.cfg.workers > 1:   # N worker processes (fedkernels.sim.workers), the same return value
             from .workers import pool_for
             return pool_for(self).train_local(r, ids, mine, payload_of, factor)
+        if getattr(self, "batched", None) is not None and not self.batched.delegating:
+            return self.batched.train_local(r, ids, mine, payload_of, factor)   # sim/batched.py
         from tqdm.auto import tqdm
         cfg = self.cfg
         self._sync()

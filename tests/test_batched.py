@@ -1,0 +1,310 @@
+"""The batched executor (fedkernels.sim.batched, clients_at_once=N): a round's clients stacked and trained
+as one vmapped computation must give what the sequential loop gives, to fp32 rounding, round by round:
+the global model after every round and every logged metric. Unequal client sizes (a client smaller
+than the batch, short tail batches), per-client epochs and learning rates, every client rule; a rule or
+model it cannot batch trains sequentially with one line saying why."""
+import copy
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedkernels.sim import presets
+from fedkernels.sim.config import apply_overrides
+from fedkernels.sim.report import TIMING_KEYS
+from fedkernels.sim.server import Simulation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = (13, 61, 97, 150)        # 13 < batch 32 (B = 13); 61, 97, 150 end with a short tail batch
+
+
+def _data_and_parts():
+    from fedkernels.sim.data import load_dataset
+    tr, te = load_dataset("digits")
+    perm = np.random.default_rng(0).permutation(len(tr.y))
+    parts, s = [], 0
+    for n in SIZES:
+        parts.append(perm[s:s + n])
+        s += n
+    return tr, te, parts
+
+
+DATA = None
+
+
+def sim(*overrides, model_fn=None, parts=None, train=None):
+    global DATA
+    if DATA is None:
+        DATA = _data_and_parts()
+    tr, te, p = DATA
+    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
+                                                 "rounds=3", "num_clients=4", "client_loss=participants",
+                                                 *overrides])
+    rounds = []
+    s = Simulation(cfg, write_outputs=False, train=train or tr, test=te, client_indices=parts or p,
+                   model_fn=model_fn, callbacks=[lambda r, m, model: rounds.append(s.global_flat.clone())])
+    s.run()
+    return s, rounds
+
+
+def close(a, b, path=""):
+    """Every number of two metric records equal to fp32 rounding (timings left out)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            if k not in TIMING_KEYS:
+                close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not isinstance(a, bool):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=2e-4, abs=1e-5), (path, a, b)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-5)
+    else:
+        assert a == b, (path, a, b)
+
+
+def same_run(*overrides, **kw):
+    s1, r1 = sim("clients_at_once=off", *overrides, **kw)
+    s2, r2 = sim("clients_at_once=4", *overrides, **kw)
+    assert s1.batched is None
+    assert s2.batched is not None, "the batched executor was not used"
+    assert len(r1) == len(r2) == 3
+    for a, b in zip(r1, r2):             # the global model after every round
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
+    close(s1.metrics, s2.metrics)
+    return s1, s2
+
+
+HETERO = ["train.hetero.enabled=true", "train.hetero.lr_range=[0.02,0.2]", "train.hetero.epochs_range=[1,3]"]
+
+METHODS = {
+    "fedavg": [],
+    "fedavg-momentum-wd": ["train.momentum=0.9", "train.weight_decay=0.01"],
+    "fedavg-nesterov-clip-steps": ["train.momentum=0.5", "train.nesterov=true", "train.grad_clip=0.5",
+                                   "train.steps=7"],
+    "fedavg-drop-last": ["train.drop_last=true", "train.epochs=2"],
+    "fedavg-hetero": HETERO,
+    "fedprox": ["algorithm.name=fedprox", "algorithm.options.mu=0.5", *HETERO],
+    "fedprox-loss": ["algorithm.name=fedprox", "algorithm.options.mu=0.5", "algorithm.options.prox=loss"],
+    "scaffold": ["algorithm.name=scaffold", *HETERO],
+    "scaffold-momentum-clip": ["algorithm.name=scaffold", "algorithm.options.momentum_correction=true",
+                               "algorithm.options.weighting=samples", "train.momentum=0.9", "train.grad_clip=1.0"],
+    "scaffold-nesterov-clip": ["algorithm.name=scaffold", "train.momentum=0.9", "train.nesterov=true",
+                               "train.grad_clip=0.5"],
+    "scaffold-unfused": ["algorithm.name=scaffold", "algorithm.options.fused_step=false", "train.grad_clip=1.0"],
+    "fedpvr": ["algorithm.name=fedpvr", "algorithm.options.n_ctrl=1", *HETERO],
+    "fedpvr-two-ranges": ["algorithm.name=fedpvr", "model.options.hidden=[32,16]",       # fc1 and fc3: two
+                          "algorithm.options.ctrl_modules=[fc1,fc3]", "train.momentum=0.5"],   # flat ranges
+    "fednova": ["algorithm.name=fednova", "train.momentum=0.5", *HETERO],
+    "fedavgm": ["algorithm.name=fedavgm"],
+    "fedaware": ["algorithm.name=fedaware"],
+    "kuramoto-S": ["algorithm.name=kuramoto", "algorithm.options.mode=S", "algorithm.options.kappa0=0.5"],
+    "kuramoto-C": ["algorithm.name=kuramoto", "algorithm.options.mode=C", "algorithm.options.kappa0=0.2"],
+    "local_gc": ["algorithm.name=local_gc", "train.momentum=0.9", "train.weight_decay=0.001", "train.grad_clip=1.0"],
+    "gcfed-skip-unfused": ["algorithm.name=gcfed", "algorithm.options.vector_policy=skip",
+                           "algorithm.options.fused_step=false"],
+    "global_gc": ["algorithm.name=global_gc"],
+    "local_gc_only": ["algorithm.name=local_gc_only", "algorithm.options.lam=0.5"],
+    "fedpgvc-hadamard": ["algorithm.name=fedpgvc", *HETERO],
+    "fedpgvc-additive-clip": ["algorithm.name=fedpgvc", "algorithm.options.mode=additive",
+                              "algorithm.options.loss_clip=1.0"],
+    "fedpgvc-layer_scalar-norm": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_scalar",
+                                  "algorithm.options.stat=norm"],
+    "fedpgvc-layer_scalar-mean": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_scalar"],
+    "fedpgvc-layer_normalize": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_normalize"],
+    "fedpgvc-lr_matched": ["algorithm.name=fedpgvc", "algorithm.options.mode=lr_matched"],
+    "fedecado": ["algorithm.name=fedecado", *HETERO],          # round 1 Hutchinson: sequential, then batched
+    "fedecado-partial": ["algorithm.name=fedecado", "clients_per_round=3", *HETERO],   # round 3: 0 | 1 new | 3
+    "fedecado-identity": ["algorithm.name=fedecado", "algorithm.options.hessian=identity", *HETERO],
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_batched_equals_sequential_round_by_round(name):
+    s1, s2 = same_run(*METHODS[name])
+    assert [m["local_steps"] for m in s1.metrics] == [m["local_steps"] for m in s2.metrics]
+    if name.startswith(("scaffold", "fedpvr")):   # the server's control variates agree too
+        for k, v in s1.agg.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(v, s2.agg.state_dict()[k], rtol=1e-4, atol=1e-5)
+
+
+def test_unequal_sizes_and_steps_are_what_the_clients_trained():
+    s1, s2 = same_run(*HETERO)
+    steps = s2.metrics[0]["local_steps"]
+    assert len(set(steps)) > 1                # the chunk really mixes clients of different step counts
+    assert steps == s1.metrics[0]["local_steps"]
+
+
+def test_deterministic_for_a_seed():
+    a, ra = sim("clients_at_once=4", *HETERO)
+    b, rb = sim("clients_at_once=4", *HETERO)
+    assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+    c, rc = sim("clients_at_once=4", "seed=1", *HETERO)
+    assert not torch.equal(ra[-1], rc[-1])
+
+
+def test_chunks_of_clients_equal_one_chunk():
+    s1, r1 = sim("clients_at_once=4", "algorithm.name=scaffold", *HETERO)
+    s2, r2 = sim("clients_at_once=3", "algorithm.name=scaffold", *HETERO)   # chunks of 3 + 1
+    for a, b in zip(r1, r2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _bad_data():
+    """Client 1 has no samples ("has no training examples"); five of client 2's samples are NaN."""
+    tr, te, parts = _data_and_parts()
+    parts = list(parts)
+    parts[1] = np.zeros(0, dtype=np.int64)
+    x = tr.x.clone()
+    x[parts[2][:5]] = float("nan")
+    bad = copy.copy(tr)
+    bad.x = x
+    return bad, parts
+
+
+def test_bad_clients_excluded_as_in_the_sequential_loop():
+    bad, parts = _bad_data()
+    s1, _ = sim("clients_at_once=off", parts=parts, train=bad)
+    s2, _ = sim("clients_at_once=4", parts=parts, train=bad)
+    ex1 = [m["excluded"] for m in s1.metrics]
+    assert ex1 == [m["excluded"] for m in s2.metrics]
+    assert [e["client_id"] for e in ex1[0]] == [1, 2]
+    assert [m["num_updates"] for m in s2.metrics] == [2, 2, 2]
+    torch.testing.assert_close(s1.global_flat, s2.global_flat, rtol=1e-4, atol=2e-6)
+
+
+def test_fedpgvc_skips_the_non_finite_steps_as_in_the_sequential_loop():
+    bad, parts = _bad_data()       # nan_policy "skip": client 2 drops its NaN batches and stays finite
+    s1, s2 = same_run("algorithm.name=fedpgvc", "train.momentum=0.5", parts=parts, train=bad)
+    assert [e["client_id"] for e in s2.metrics[0]["excluded"]] == [1]
+
+
+class GNNet(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 8)
+        self.fc = nn.Linear(8 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+class BNNet(GNNet):
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.norm = nn.BatchNorm2d(8)
+
+
+def test_groupnorm_conv_model_trains_batched():
+    same_run("algorithm.name=gcfed", "train.momentum=0.9", model_fn=lambda nc, c, s: GNNet(nc))
+
+
+def test_batchnorm_is_refused_with_one_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
+        s, _ = sim("clients_at_once=4", model_fn=lambda nc, c, s: BNNet(nc))
+    assert s.batched is None
+    lines = [r.getMessage() for r in caplog.records if "clients_at_once" in r.getMessage()]
+    assert len(lines) == 1 and "BatchNorm" in lines[0] and "one at a time" in lines[0], lines
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["algorithm.name=fedpgvc", "algorithm.options.mode=code"], ["mode 'code'"]),
+    (["algorithm.name=gcfed", "algorithm.options.local_order=post_wd"], ["local_order='post_wd'"]),
+    (["train.optimizer=adam"], ["adam"]),
+])
+def test_rules_that_cannot_be_batched_fall_back_with_one_line(caplog, overrides, words):
+    with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
+        s, r = sim("clients_at_once=4", "rounds=1", *overrides)
+    assert s.batched is None and len(r) == 1
+    lines = [r.getMessage() for r in caplog.records if "clients_at_once" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_a_users_own_rule_is_not_batched():
+    from fedkernels.algorithms.fedprox import FedProxRule
+    from fedkernels.sim.batched import rule_reason
+
+    class Mine(FedProxRule):
+        pass
+    assert rule_reason(FedProxRule(None, mu=0.1)) is None
+    assert "Mine has no batched form" in rule_reason(Mine(None, mu=0.1))
+
+
+def test_auto_is_sequential_on_the_cpu():
+    s, _ = sim("rounds=1")
+    assert s.cfg.clients_at_once == "auto" and s.batched is None
+
+
+def _fk(*args, cwd):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_fallback_line_and_bad_value(tmp_path):
+    p = _fk("run", "--preset", "smoke", "rounds=1", "plots=false", "threads=1", "--no-progress", "clients_at_once=2",
+            "algorithm.name=fedpgvc", "algorithm.options.mode=code", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [x for x in p.stderr.splitlines() if "clients_at_once" in x]
+    assert len(lines) == 1 and "one at a time" in lines[0] and "mode 'code'" in lines[0], p.stderr
+    q = _fk("run", "--preset", "smoke", "clients_at_once=0", cwd=tmp_path)
+    err = [x for x in q.stderr.splitlines() if x.strip()]
+    assert q.returncode == 2 and len(err) == 1 and "clients_at_once" in err[0] and "auto, off" in err[0], q.stderr
+
+
+@pytest.mark.parametrize("value,ok", [("auto", True), ("off", True), (False, True), (3, True), (0, False),
+                                      ("many", False), (True, False), (-2, False)])
+def test_config_check(value, ok):
+    from fedkernels.sim.config import set_dotted
+    cfg = presets.get("smoke")
+    set_dotted(cfg, "clients_at_once", value)
+    if ok:
+        cfg.validate()
+    else:
+        with pytest.raises(ValueError, match="clients_at_once must be auto, off or an integer >= 1"):
+            cfg.validate()
+
+
+def test_config_excludes_workers():
+    cfg = apply_overrides(presets.get("smoke"), ["clients_at_once=4", "workers=2"])
+    with pytest.raises(ValueError, match="clients_at_once=4 and workers=2 exclude each other"):
+        cfg.validate()
+
+
+def test_auto_chunk_from_free_cuda_memory(monkeypatch):
+    from fedkernels.sim.batched import auto_chunk
+    assert auto_chunk(torch.device("cpu"), 10_000, 32, 64, 17, True) == 17      # the CPU: the whole round
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (8 * 2**20, 16 * 2**20))
+    per = 4 * (5 * 10_000 + 64 * 32 * 64)                                      # bytes per client (estimate)
+    assert auto_chunk(torch.device("cuda"), 10_000, 32, 64, 100, True) == (4 * 2**20) // per
+    assert auto_chunk(torch.device("cuda"), 10**9, 32, 64, 100, True) == 1     # never less than one client
+    assert auto_chunk(torch.device("cuda"), 10, 1, 1, 7, False) == 7           # never more than the round
+
+
+def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
+    """FedECADO, 3 of 4 clients per round (seed 0: [0, 2, 3], [0, 2, 3], [0, 1, 3]): client 1's first
+    participation (its Hutchinson estimate) trains in the sequential loop between two batched chunks."""
+    from fedkernels.sim.batched import BatchedExecutor
+    chunks = []
+    orig = BatchedExecutor._train_chunk
+
+    def spy(self, r, items, factor):
+        chunks.append((r, [cid for _, cid, _, _, _ in items]))
+        return orig(self, r, items, factor)
+    monkeypatch.setattr(BatchedExecutor, "_train_chunk", spy)
+    s, _ = sim("clients_at_once=4", "algorithm.name=fedecado", "clients_per_round=3", *HETERO)
+    assert chunks == [(1, [0, 2, 3]), (2, [0]), (2, [3])], chunks
+    assert s.metrics[2]["clients"] == [0, 1, 3] and s.metrics[2]["num_updates"] == 3
