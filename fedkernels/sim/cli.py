@@ -91,9 +91,6 @@ def cmd_run(a) -> int:
         if not os.path.exists(cfg_path):
             raise ValueError(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
         cfg = apply_overrides(RunConfig.from_yaml(cfg_path), ovs)
-        if ovs:
-            print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
-                  "settings makes it differ from an uninterrupted run", file=sys.stderr)
         run_dir = a.resume
     else:
         cfg = _run_config(paths[0] if paths else None, a.preset, a.method, ovs)
@@ -113,6 +110,9 @@ def cmd_run(a) -> int:
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
     sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite,
                      callbacks=_callbacks(a, cfg))
+    if a.resume and sim.check_resume() is None and ovs:   # no checkpoint: CheckpointError, exit 2
+        print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
+              "settings makes it differ from an uninterrupted run", file=sys.stderr)
     try:
         s = sim.run()
     except KeyboardInterrupt:
