@@ -136,3 +136,10 @@ def test_double_ctrl_c_keeps_every_completed_round(tmp_path, ref5, where, kept):
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"(round {kept})" in r.stdout
     assert torch.equal(_final(d), ref5)
+
+
+def test_every_preset_checkpoints_and_ends_on_a_checkpoint():
+    from fedkernels.sim import presets
+    for name in presets.names():
+        cfg = presets.get(name)
+        assert cfg.checkpoint_every >= 1 and cfg.rounds % cfg.checkpoint_every == 0, (name, cfg.checkpoint_every)
