@@ -23,7 +23,7 @@ import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import algorithms
-from .config import _suggest
+from .config import _suggest, in_range, range_words
 
 _NO_DEFAULT = inspect.Parameter.empty
 
@@ -189,6 +189,28 @@ def _expected(ann, default) -> Any:
     return None
 
 
+# The ranges of the numeric options that the aggregators' constructors do not check themselves (the
+# others are checked there, when check_algorithm builds the aggregator once), by the class that
+# declares the option (looked up through the MRO: subclasses share it); "> a", "[a, b)" as config.RANGES.
+OPTION_RANGES: Dict[str, Dict[str, str]] = {
+    "Aggregator": {"server_lr": "> 0"},
+    "ControlVariateServer": {"num_clients": ">= 1"},
+    "FedAWARE": {"max_iter": ">= 1"},
+    "FedECADO": {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1"},
+    "FedPGVC": {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"},
+    "GCFed": {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"},
+}
+
+
+def option_range(cls: type, key: str) -> Optional[str]:
+    """The range of numeric option ``key`` of aggregator class ``cls`` (None: not range-checked here)."""
+    for klass in cls.__mro__:
+        spec = OPTION_RANGES.get(klass.__name__, {}).get(key)
+        if spec is not None:
+            return spec
+    return None
+
+
 def _fmt_value(v) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
@@ -216,6 +238,9 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
             continue
         if not _matches(val, exp):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects {_describe(exp)}")
+        spec = option_range(cls, key)
+        if spec is not None and (_is_real(val) or _float_text(val)) and not in_range(float(val), spec):
+            raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects a number {range_words(spec)}")
 
 
 def normalize_options(name: str, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
