@@ -21,7 +21,7 @@ def _numeric_keys(cls, prefix=""):
         args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
         if dataclasses.is_dataclass(tp):
             yield from _numeric_keys(tp, prefix + f.name + ".")
-        elif int in args or float in args:
+        elif set(args) & {int, float} and set(args) <= {int, float, type(None)}:   # not "auto"|N keys
             yield prefix + f.name
 
 

@@ -247,7 +247,9 @@ def cmd_presets(a) -> int:
             t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
                 f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
                 f"estimate from {est['source']})")
-        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}\n    time: {t}")
+        default = presets.default_method(name)
+        methods = ", ".join(m + (" (default)" if m == default else "") for m in presets.variants(name))
+        print(f"{name}\n    {doc}\n    methods: {methods}\n    time: {t}")
     return 0
 
 

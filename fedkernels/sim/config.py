@@ -148,11 +148,15 @@ class RunConfig:
         errs = range_errors(self)
         if errs:       # the first out-of-range number, alone (the checks below may assume sane numbers)
             raise ValueError("invalid config: " + errs[0])
-        if self.clients_per_round is not None and not self.clients_per_round <= self.num_clients:
+        if self.clients_per_round is not None and not 1 <= self.clients_per_round <= self.num_clients:
             errs.append(f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}")
+        if self.workers < 1:
+            errs.append(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.distributed:
             errs.append(f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
                         "split the clients): use one of them")
+        if self.eval_every < 1:
+            errs.append(f"eval_every must be >= 1, got {self.eval_every}")
         if self.client_loss not in ("participants", "all", "none"):
             errs.append(f"client_loss must be participants|all|none, got {self.client_loss!r}")
         if self.bad_client_policy not in ("exclude", "raise"):

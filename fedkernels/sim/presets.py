@@ -19,10 +19,15 @@ _DIGITS = {"name": "digits"}
 _FMNIST = {"name": "fmnist"}
 
 _P: Dict[str, Tuple[str, Dict[str, Any], Dict[str, Dict[str, Any]]]] = {}
+_DEFAULT: Dict[str, str] = {}      # the method `fedkernels run --preset NAME` runs when its name says none
 
 
-def _add(name: str, doc: str, cfg: Dict[str, Any], variants: Dict[str, Dict[str, Any]] = None):
+def _add(name: str, doc: str, cfg: Dict[str, Any], variants: Dict[str, Dict[str, Any]] = None,
+         default: Optional[str] = None):
     _P[name] = (doc, cfg, variants or {"fedavg": {"name": "fedavg"}})
+    if default is not None:
+        assert default in _P[name][2], (name, default)
+        _DEFAULT[name] = default
 
 
 # ---- quick ones ----------------------------------------------------------------------------------
@@ -45,14 +50,14 @@ _DEMO_METHODS = {
     "gcfed": {"name": "gcfed"},
 }
 _add("demo", "walking-skeleton demo: Fashion-MNIST 12k/2k, 10 clients x 2 label shards, small CNN, "
-             "1 local epoch (falls back to digits when Fashion-MNIST is missing)", {
-    "name": "demo", "rounds": 8, "num_clients": 10, "eval_every": 1, "target_accuracy": 0.7,
+             "1 local epoch (`make demo` falls back to digits when Fashion-MNIST is missing)", {
+    "rounds": 8, "num_clients": 10, "eval_every": 1, "target_accuracy": 0.7,
     "client_loss": "none",
     "data": {"name": "fmnist", "train_subset": 12000, "test_subset": 2000},
     "partition": {"scheme": "shards", "options": {"shards_per_client": 2}},
     "model": {"name": "small_cnn"},
     "train": {"epochs": 1, "batch_size": 32, "lr": 0.05},
-}, _DEMO_METHODS)
+}, _DEMO_METHODS, default="fedavg")
 
 # ---- Kuramoto-FedAvg §8 KR-2 (label shards, full participation) ------------------------------------
 _KUR = {
@@ -245,9 +250,12 @@ def get(name: str) -> RunConfig:
 
 
 def default_method(name: str) -> Optional[str]:
-    """The method a preset's name says (``kuramoto-fmnist`` -> its first ``kuramoto*`` label; a
-    one-method preset -> that one); None when the name names none of its methods (then ask)."""
+    """The method ``fedkernels run --preset NAME`` runs: the preset's own default (demo: fedavg), else
+    the one its name says (``kuramoto-fmnist`` -> its first ``kuramoto*`` label; a one-method preset ->
+    that one); None when neither (then the CLI asks for ``--method``, listing the methods)."""
     vs = variants(name)
+    if name in _DEFAULT:
+        return _DEFAULT[name]
     if len(vs) == 1:
         return next(iter(vs))
     head = name.split("-")[0]

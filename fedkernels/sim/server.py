@@ -499,6 +499,7 @@ class Simulation:
     def apply_aggregate(self, r: int, excluded: List[Dict[str, Any]], U, n, ids, payloads, **kw):
         """Phase 4: aggregates into self.global_flat; returns (info without 'excluded', seconds).
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
+        self._committing = True    # from here the round changes the model: a second signal waits (run())
         t1 = time.perf_counter()
         new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
@@ -548,7 +549,6 @@ class Simulation:
         mine = self.positions(len(ids))
         payload_of = self.prepare_payloads(ids, mine)                  # 1. payloads
         local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
-        self._committing = True    # from here the round changes the model: a second signal waits (run())
         ex = self.exchange(local)                                      # 3. exchange
         acc, excluded = ex["accepted"], list(ex["excluded"])
         info, t_agg = self.apply_aggregate(r, excluded, ex["U"], [a["n"] for a in acc],   # 4. aggregate
