@@ -200,10 +200,12 @@ def _datasets_found():
         return {"error": str(e)}
     for name in getattr(data, "DATASETS", ()):
         try:
-            tr, te = data.load_dataset(name, download_hint=False, max_train=10, max_test=10)
+            tr, te = data.load_dataset(name, download_hint=True, max_train=10, max_test=10)
             out[name] = f"ok ({tr.meta.get('source', '')})"
+        except data.DatasetNotFoundError as e:   # where it was looked for and how to get it
+            out[name] = "not found: " + " ".join(str(e).split())
         except Exception as e:  # noqa: BLE001 - report, do not fail
-            out[name] = f"not found ({type(e).__name__})"
+            out[name] = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
     return out
 
 
@@ -229,6 +231,8 @@ def cmd_info(a) -> int:
             print(f"{k}:")
             for kk, vv in v.items():
                 print(f"  {kk}: {vv}")
+            if k == "datasets" and any(str(x).startswith("not found") for x in v.values()):
+                print("  (root=DIR above is data.root=DIR in `fedkernels run` overrides or a config's data: section)")
         elif isinstance(v, list):
             print(f"{k}: {', '.join(map(str, v))}")
         else:

@@ -235,7 +235,8 @@ def describe() -> Dict[str, str]:
 
 def _check(name: str):
     if name not in _P:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(_P)}")
+        from .config import _suggest
+        raise ValueError(f"unknown preset {name!r}{_suggest(name, _P)}; known: {', '.join(_P)}")
 
 
 def get(name: str) -> RunConfig:
