@@ -382,7 +382,7 @@ class Simulation:
         done = self.start_round
         if not self.write_outputs:
             return f"interrupted after round {done}: nothing saved (outputs are off: write_outputs=False)"
-        last = ckpt.list_checkpoints(self.ckpt_dir)
+        last = ckpt.list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
         if last:
             c = last[-1][0]
             lost = "" if c >= done else f" (rounds {c + 1}-{done} will be trained again)"
@@ -677,6 +677,11 @@ class Simulation:
             status = ("interrupted" if interrupted or self._stop_signal is not None else
                       "diverged" if self.summary.get("diverged") else
                       "completed" if self.start_round >= cfg.rounds else "stopped")
+        except KeyboardInterrupt:     # a second signal outside the rounds (setup, the summary): say where things are
+            status = "interrupted"
+            if self.is_main:
+                print(self._interrupted_line(), file=sys.stderr, flush=True)
+            raise
         finally:
             if getattr(self, "_pool", None) is not None:   # workers=N: stop and join them, however the run ends
                 self._pool.close()
@@ -729,8 +734,9 @@ class Simulation:
             if self._stop_signal is None:
                 self._stop_signal = signum
                 if self.is_main:
+                    keep = f" and keep round {self.start_round}" if self.start_round > 0 else ""
                     print(f"{name}: finishing round {self.start_round + 1} and writing a checkpoint (again to "
-                          f"abandon the round and keep round {self.start_round})", file=sys.stderr, flush=True)
+                          f"abandon the round{keep})", file=sys.stderr, flush=True)
                 return
             if getattr(self, "_committing", False):   # the model already changed: finish the round, then stop
                 if self.is_main:
