@@ -58,11 +58,35 @@ def test_preset_runs_its_own_method_and_method_picks_another(tmp_path):
         assert cfg["algorithm"]["options"]["mode"] == "C" and cfg["method"] == "kuramoto-C"
 
 
-def test_preset_without_a_method_of_its_name_asks(tmp_path):
-    _one_error_line(fk("run", "--preset", "demo", cwd=tmp_path), "--method", "fedaware", "compare")
+def test_demo_preset_runs_its_default_method_where_run_puts_runs(tmp_path):
+    """Issue 26 item 4: a preset may carry a default method (demo: fedavg); its run directory is the
+    documented runs/<preset>-<method>-s<seed>-<hash> (the preset used to pin it to runs/demo)."""
+    digits = ["data.name=digits", "data.train_subset=null", "data.test_subset=null", "model.name=digit_cnn"]
+    p = fk("run", "--preset", "demo", *digits, "rounds=1", "--quiet", *QUICK, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    run_dir = json.loads(p.stdout.strip().splitlines()[-1])["run_dir"]
+    assert os.path.dirname(run_dir) == "runs" and os.path.basename(run_dir).startswith("demo-fedavg-s0-"), run_dir
+    assert _config(tmp_path / run_dir)["algorithm"]["name"] == "fedavg"
     _one_error_line(fk("run", "--preset", "kuramoto-digits", "--method", "kuramoto-S05", cwd=tmp_path),
                     "kuramoto-S05", "did you mean 'kuramoto-S0.5'")
-    assert not (tmp_path / "runs").exists()
+
+
+def test_make_demo_separates_runs_from_the_comparison_and_says_what_next(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "fedkernels.sim.demo", "--fedavg-only", "--rounds", "2"], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    (out,) = os.listdir(tmp_path / "runs")
+    assert out.startswith("demo-") and sorted(os.listdir(tmp_path / "runs" / out)) == ["compare", "runs"]
+    assert os.listdir(tmp_path / "runs" / out / "runs") == ["fedavg-s0"]          # no compare file among the runs
+    assert (tmp_path / "runs" / out / "runs" / "fedavg-s0" / "metrics.jsonl").exists()
+    cmp = sorted(os.listdir(tmp_path / "runs" / out / "compare"))
+    assert {"compare.json", "compare.md", "compare.csv", "compare.png"} <= set(cmp), cmp
+    lines = p.stdout.splitlines()
+    assert f"outputs in runs/{out}/:" in lines
+    nxt = lines[lines.index("next:") + 1].split()
+    exe = nxt[0] if nxt[1] == "run" else " ".join(nxt[:3])
+    assert os.path.isfile(os.path.join(tmp_path, nxt[0])) and "run --preset" in " ".join(nxt), nxt
+    assert exe in (os.path.join(os.path.dirname(sys.executable), "fedkernels"), f"{sys.executable} -m fedkernels")
 
 
 # ---- item 2: never overwrite ---------------------------------------------------------------------------

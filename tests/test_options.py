@@ -110,3 +110,38 @@ def test_check_method_errors_name_the_method():
     assert msg.startswith("method 'kuramoto:kapa0=1': option kapa0=1: unknown option of kuramoto")
     msg = _one_line_error(check_method, "fedprox:mu", known)
     assert "key=value" in msg
+
+
+def _numeric_options(cls):
+    import typing
+    from fedkernels.sim.options import _is_real
+    for k, (ann, default) in signature_params(cls).items():
+        args = typing.get_args(ann) if typing.get_origin(ann) is typing.Union else (ann,)
+        if _is_real(default) or int in args or float in args:
+            yield k
+
+
+@pytest.mark.parametrize("name", algorithms.available())
+def test_every_numeric_option_is_range_checked(name):
+    """Issue 26 item 3: no numeric option takes -1 or NaN silently (the range comes from
+    sim.options.OPTION_RANGES or from the aggregator's own constructor check)."""
+    required = {"local_gc_only": {"lam": 0.5}}
+    keys = list(_numeric_options(algorithm_class(name)))
+    assert "server_lr" in keys
+    for k in keys:
+        for bad in (-1, float("nan")):
+            _one_line_error(check_algorithm, name, {**required.get(name, {}), k: bad})
+
+
+@pytest.mark.parametrize("name,opts,expect", [
+    ("fedavg", {"server_lr": 0}, "algorithm.options.server_lr=0: fedavg expects a number > 0"),
+    ("gcfed", {"momentum": 1.0}, "algorithm.options.momentum=1.0: gcfed expects a number in [0, 1)"),
+    ("fedaware", {"max_iter": 0}, "algorithm.options.max_iter=0: fedaware expects a number >= 1"),
+    ("fedpgvc", {"tau": "-1e-3"}, "algorithm.options.tau='-1e-3': fedpgvc expects a number > 0"),
+])
+def test_out_of_range_option_is_one_line(name, opts, expect):
+    assert _one_line_error(check_algorithm, name, opts) == expect
+    # the edge of each range is accepted (n_ctrl=0 is FedPGVC's neutral setting)
+    check_algorithm("fedavg", {"server_lr": 1e-9})
+    check_algorithm("gcfed", {"momentum": 0.0})
+    check_algorithm("fedpgvc", {"n_ctrl": 0, "lam": 0.0})

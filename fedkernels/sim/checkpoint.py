@@ -13,6 +13,7 @@ previous checkpoint with a warning.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
@@ -24,7 +25,8 @@ from ..safe_io import save_checkpoint as _save
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["MAGIC", "CheckpointError", "save", "load", "path_for", "list_checkpoints", "load_latest", "prune"]
+__all__ = ["MAGIC", "CheckpointError", "save", "load", "path_for", "list_checkpoints", "load_latest", "prune",
+           "completed_rounds", "read_summary"]
 
 _NAME = "ckpt_round_{:06d}.pt"
 _RE = re.compile(r"ckpt_round_(\d+)\.pt$")
@@ -87,3 +89,29 @@ def prune(ckpt_dir: str, keep: int) -> None:
             os.unlink(p)
         except OSError:
             pass
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def completed_rounds(run_dir: str) -> int:
+    """Rounds the run in ``run_dir`` has completed and kept: the newest checkpoint's round, or, for a
+    run that ended normally (``"status": "completed"`` in provenance.json), its last round; 0 when
+    neither. ``--resume`` of a run with ``rounds`` or more of them has nothing to do."""
+    cks = list_checkpoints(os.path.join(run_dir, "checkpoints"))
+    done = cks[-1][0] if cks else 0
+    prov = _read_json(os.path.join(run_dir, "provenance.json")) or {}
+    if prov.get("status") == "completed" and isinstance(prov.get("rounds_completed"), int):
+        done = max(done, prov["rounds_completed"])
+    return done
+
+
+def read_summary(run_dir: str) -> Optional[Dict[str, Any]]:
+    """``RUN_DIR/summary.json`` as a dict, or None when it is missing or unreadable."""
+    return _read_json(os.path.join(run_dir, "summary.json"))

@@ -91,9 +91,6 @@ def cmd_run(a) -> int:
         if not os.path.exists(cfg_path):
             raise ValueError(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
         cfg = apply_overrides(RunConfig.from_yaml(cfg_path), ovs)
-        if ovs:
-            print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
-                  "settings makes it differ from an uninterrupted run", file=sys.stderr)
         run_dir = a.resume
     else:
         cfg = _run_config(paths[0] if paths else None, a.preset, a.method, ovs)
@@ -113,6 +110,9 @@ def cmd_run(a) -> int:
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
     sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite,
                      callbacks=_callbacks(a, cfg))
+    if a.resume and sim.check_resume() is None and ovs:   # no checkpoint: CheckpointError, exit 2
+        print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
+              "settings makes it differ from an uninterrupted run", file=sys.stderr)
     try:
         s = sim.run()
     except KeyboardInterrupt:
@@ -228,10 +228,12 @@ def _datasets_found():
         return {"error": str(e)}
     for name in getattr(data, "DATASETS", ()):
         try:
-            tr, te = data.load_dataset(name, download_hint=False, max_train=10, max_test=10)
+            tr, te = data.load_dataset(name, download_hint=True, max_train=10, max_test=10)
             out[name] = f"ok ({tr.meta.get('source', '')})"
+        except data.DatasetNotFoundError as e:   # where it was looked for and how to get it
+            out[name] = "not found: " + " ".join(str(e).split())
         except Exception as e:  # noqa: BLE001 - report, do not fail
-            out[name] = f"not found ({type(e).__name__})"
+            out[name] = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
     return out
 
 
@@ -257,6 +259,8 @@ def cmd_info(a) -> int:
             print(f"{k}:")
             for kk, vv in v.items():
                 print(f"  {kk}: {vv}")
+            if k == "datasets" and any(str(x).startswith("not found") for x in v.values()):
+                print("  (root=DIR above is data.root=DIR in `fedkernels run` overrides or a config's data: section)")
         elif isinstance(v, list):
             print(f"{k}: {', '.join(map(str, v))}")
         else:
@@ -275,7 +279,9 @@ def cmd_presets(a) -> int:
             t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
                 f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
                 f"estimate from {est['source']})")
-        print(f"{name}\n    {doc}\n    methods: {', '.join(presets.variants(name))}\n    time: {t}")
+        default = presets.default_method(name)
+        methods = ", ".join(m + (" (default)" if m == default else "") for m in presets.variants(name))
+        print(f"{name}\n    {doc}\n    methods: {methods}\n    time: {t}")
     return 0
 
 

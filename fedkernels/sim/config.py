@@ -148,17 +148,11 @@ class RunConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
-        errs = []
-        if self.rounds < 1:
-            errs.append(f"rounds must be >= 1, got {self.rounds}")
-        if self.num_clients < 1:
-            errs.append(f"num_clients must be >= 1, got {self.num_clients}")
-        if self.clients_per_round is None and not 0 < self.participation <= 1:
-            errs.append(f"participation must be in (0, 1], got {self.participation}")
+        errs = range_errors(self)
+        if errs:       # the first out-of-range number, alone (the checks below may assume sane numbers)
+            raise ValueError("invalid config: " + errs[0])
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= self.num_clients:
             errs.append(f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}")
-        if self.workers < 1:
-            errs.append(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.distributed:
             errs.append(f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
                         "split the clients): use one of them")
@@ -168,8 +162,6 @@ class RunConfig:
         elif isinstance(c, int) and not isinstance(c, bool) and (self.workers > 1 or self.distributed):
             other = "distributed=true" if self.distributed else f"workers={self.workers}"
             errs.append(f"clients_at_once={c} and {other} exclude each other: use one of them")
-        if self.eval_every < 1:
-            errs.append(f"eval_every must be >= 1, got {self.eval_every}")
         if self.client_loss not in ("participants", "all", "none"):
             errs.append(f"client_loss must be participants|all|none, got {self.client_loss!r}")
         if self.bad_client_policy not in ("exclude", "raise"):
@@ -179,12 +171,6 @@ class RunConfig:
             errs.append(f"train.lr_schedule must be constant|cosine|step, got {t.lr_schedule!r}")
         if t.optimizer not in ("sgd", "adam"):
             errs.append(f"train.optimizer must be sgd|adam, got {t.optimizer!r}")
-        if t.batch_size < 1:
-            errs.append(f"train.batch_size must be >= 1, got {t.batch_size}")
-        if t.steps is None and t.epochs < 1:
-            errs.append(f"train.epochs must be >= 1, got {t.epochs}")
-        if t.steps is not None and t.steps < 1:
-            errs.append(f"train.steps must be >= 1 or null, got {t.steps}")
         h = t.hetero
         if h.redraw not in ("run", "round"):
             errs.append(f"train.hetero.redraw must be run|round, got {h.redraw!r}")
@@ -226,6 +212,49 @@ class RunConfig:
 
     def copy(self) -> "RunConfig":
         return copy.deepcopy(self)
+
+
+# The range of every numeric config key (checked by validate() when the value is not null; one line
+# naming the key, the value and the range). Ranges: "> a", ">= a", "[a, b)", "(a, b]", "[a, b]", "(a, b)".
+RANGES: Dict[str, str] = {
+    "seed": ">= 0", "rounds": ">= 1", "num_clients": ">= 1", "participation": "(0, 1]",
+    "clients_per_round": ">= 1", "eval_every": ">= 1", "eval_batch_size": ">= 1", "target_accuracy": "(0, 1]",
+    "threads": ">= 1", "workers": ">= 1", "checkpoint_every": ">= 0", "keep_checkpoints": ">= 0",
+    "data.train_subset": ">= 1", "data.test_subset": ">= 1", "partition.seed": ">= 0",
+    "train.epochs": ">= 1", "train.steps": ">= 1", "train.batch_size": ">= 1", "train.lr": "> 0",
+    "train.momentum": "[0, 1)", "train.weight_decay": ">= 0", "train.lr_min": ">= 0", "train.lr_step": ">= 1",
+    "train.lr_gamma": "(0, 1]", "train.grad_clip": "> 0",
+}
+
+
+def in_range(value: Any, spec: str) -> bool:
+    """Whether the finite number ``value`` lies in range ``spec`` (see RANGES); NaN and inf never do."""
+    v = float(value)
+    if v != v or v in (float("inf"), float("-inf")):
+        return False
+    if spec.startswith(">="):
+        return v >= float(spec[2:])
+    if spec.startswith(">"):
+        return v > float(spec[1:])
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
+    return (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
+
+
+def range_words(spec: str) -> str:
+    """``"> 0"`` -> ``"> 0"``, ``"[0, 1)"`` -> ``"in [0, 1)"`` (for "must be ...")."""
+    return spec if spec[0] in "<>" else "in " + spec
+
+
+def range_errors(cfg: "RunConfig") -> List[str]:
+    """``"KEY must be RANGE, got VALUE"`` for every numeric key of ``cfg`` outside its RANGES entry."""
+    out = []
+    for key, spec in RANGES.items():
+        v: Any = cfg
+        for part in key.split("."):
+            v = getattr(v, part)
+        if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not in_range(v, spec):
+            out.append(f"{key} must be {range_words(spec)}, got {v}")
+    return out
 
 
 # keys that do not change what is computed (left out of config_hash; free to change on resume)

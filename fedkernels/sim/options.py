@@ -25,7 +25,8 @@ from .. import algorithms
 from ..algorithms.signature import _hints  # noqa: F401
 from ..algorithms.signature import describe, normalize_value, signature_params
 from ..algorithms.signature import expected as _expected, fmt_value as _fmt_value, matches as _matches
-from .config import _suggest
+from ..algorithms.signature import is_float_text, is_real
+from .config import _suggest, in_range, range_words
 
 
 def _describe(ann) -> str:
@@ -55,6 +56,28 @@ def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
     return reg[key]
 
 
+# The ranges of the numeric options that the aggregators' constructors do not check themselves (the
+# others are checked there, when check_algorithm builds the aggregator once), by the class that
+# declares the option (looked up through the MRO: subclasses share it); "> a", "[a, b)" as config.RANGES.
+OPTION_RANGES: Dict[str, Dict[str, str]] = {
+    "Aggregator": {"server_lr": "> 0"},
+    "ControlVariateServer": {"num_clients": ">= 1"},
+    "FedAWARE": {"max_iter": ">= 1"},
+    "FedECADO": {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1"},
+    "FedPGVC": {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"},
+    "GCFed": {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"},
+}
+
+
+def option_range(cls: type, key: str) -> Optional[str]:
+    """The range of numeric option ``key`` of aggregator class ``cls`` (None: not range-checked here)."""
+    for klass in cls.__mro__:
+        spec = OPTION_RANGES.get(klass.__name__, {}).get(key)
+        if spec is not None:
+            return spec
+    return None
+
+
 def _key(where: str, key: Optional[str] = None) -> str:
     """``algorithm.options.KEY`` for a config, ``method 'LABEL': option KEY`` for compare."""
     if where == "algorithm" or "." in where or " " not in where:
@@ -78,6 +101,9 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
             continue
         if not _matches(val, exp):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects {_describe(exp)}")
+        spec = option_range(cls, key)
+        if spec is not None and (is_real(val) or is_float_text(val)) and not in_range(float(val), spec):
+            raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects a number {range_words(spec)}")
 
 
 def normalize_options(name: str, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:

@@ -294,19 +294,20 @@ class Simulation:
         None off the main process)."""
         return self.agg.state_dict()
 
-    def state(self, rnd: int) -> Optional[Dict[str, Any]]:
+    def state(self, rnd: int, rng: Optional[torch.Tensor] = None) -> Optional[Dict[str, Any]]:
         agg = self.aggregator_state()
         if not self.is_main:
             return None
         return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
                 "aggregator": agg,
                 "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
-                "rng": {"torch": torch.get_rng_state()},
+                "rng": {"torch": torch.get_rng_state() if rng is None else rng},
                 "metrics": json_safe(self.metrics), "config": self.cfg.to_dict()}
 
-    def save_checkpoint(self, rnd: int) -> Optional[str]:
-        """Writes the round-``rnd`` checkpoint (called on every process: the state may be gathered)."""
-        st = self.state(rnd)
+    def save_checkpoint(self, rnd: int, rng: Optional[torch.Tensor] = None) -> Optional[str]:
+        """Writes the round-``rnd`` checkpoint (called on every process: the state may be gathered);
+        ``rng``: the torch RNG state to record (default: the current one)."""
+        st = self.state(rnd) if rng is None else self.state(rnd, rng=rng)
         if self.writer is None or st is None:
             return None
         p = ckpt.save(ckpt.path_for(self.ckpt_dir, rnd), st)
@@ -323,8 +324,7 @@ class Simulation:
     def _load_checkpoint(self) -> None:
         found = self.find_checkpoint()
         if found is None:
-            log.warning("resume: no checkpoint in %s; starting from round 0", self.ckpt_dir)
-            return
+            raise ckpt.CheckpointError(self._no_checkpoint_message())
         path, st = found
         diff = _config_diff(st.get("config", {}), self.cfg.to_dict())
         if diff:
@@ -345,6 +345,49 @@ class Simulation:
         self.start_round = int(st["round"])
         log.info("resumed from %s at round %d", path, self.start_round)
         self._print(f"resumed from {path} (round {self.start_round})")
+
+    def _no_checkpoint_message(self) -> str:
+        n = self.cfg.checkpoint_every
+        why = "checkpoints were off: checkpoint_every=0" if n <= 0 else \
+            f"no round reached a checkpoint yet: checkpoint_every={n}"
+        return (f"--resume {self.run_dir}: no checkpoint to continue from in "
+                f"{os.path.join(self.run_dir, 'checkpoints')} ({why}); nothing was "
+                f"changed. To get one, start the run again with checkpoint_every=1 (a checkpoint after every round, "
+                f"and always at Ctrl-C)")
+
+    def check_resume(self) -> Optional[Dict[str, Any]]:
+        """For ``resume=True``, before anything is loaded or written: the run's summary when it already
+        has ``cfg.rounds`` rounds (then ``run`` says so and leaves it untouched), None when there are
+        rounds to train; CheckpointError when there is no checkpoint to continue from."""
+        done = ckpt.completed_rounds(self.run_dir)
+        if done >= self.cfg.rounds:
+            s = ckpt.read_summary(self.run_dir) or {"rounds_completed": done, "rounds": self.cfg.rounds}
+            s.update(run_dir=self.run_dir, already_complete=done)
+            return s
+        if not ckpt.list_checkpoints(os.path.join(self.run_dir, "checkpoints")):
+            raise ckpt.CheckpointError(self._no_checkpoint_message())
+        return None
+
+    def _saves_alone(self) -> bool:
+        """Whether this process can write a checkpoint by itself (not when gathering the state is a
+        collective, as in the distributed simulator: a signal may reach one rank only)."""
+        return type(self).aggregator_state is Simulation.aggregator_state
+
+    def _interrupted_line(self) -> str:
+        """The one line an interrupted run ends with: where its last checkpoint is, and how to go on."""
+        done = self.start_round
+        if not self.write_outputs:
+            return f"interrupted after round {done}: nothing saved (outputs are off: write_outputs=False)"
+        last = ckpt.list_checkpoints(os.path.join(self.run_dir, "checkpoints"))
+        if last:
+            c = last[-1][0]
+            lost = "" if c >= done else f" (rounds {c + 1}-{done} will be trained again)"
+            return (f"interrupted after round {done}: checkpoint at round {c}{lost}; continue with "
+                    f"`fedkernels run --resume {self.run_dir}`")
+        if done == 0:
+            return "interrupted before the first round ended: nothing to resume; start the run again"
+        return (f"interrupted after round {done}: no checkpoint could be written (rounds 1-{done} will be trained "
+                f"again); start the run again with checkpoint_every=1")
 
     # ---- output helpers ---------------------------------------------------------------------------
     def _progress_enabled(self) -> bool:
@@ -454,6 +497,7 @@ class Simulation:
     def apply_aggregate(self, r: int, excluded: List[Dict[str, Any]], U, n, ids, payloads, **kw):
         """Phase 4: aggregates into self.global_flat; returns (info without 'excluded', seconds).
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
+        self._committing = True    # from here the round changes the model: a second signal waits (run())
         t1 = time.perf_counter()
         new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
@@ -535,9 +579,24 @@ class Simulation:
 
         SIGINT / SIGTERM: the round under way finishes, a checkpoint of it is written, the outputs
         too, one line says how to continue, and KeyboardInterrupt is raised (the CLI exits 130). A
-        second signal abandons the round at once (the last checkpoint stays the one to resume)."""
+        second signal abandons the round's local training at once and checkpoints the last completed
+        round (a round already aggregating finishes first: the model has changed); no completed
+        round is lost.
+
+        ``resume=True``: a run that already has ``rounds`` rounds is left untouched (one line, its
+        summary returned); a run without a checkpoint is a CheckpointError before anything is done."""
         from tqdm.auto import tqdm
         cfg = self.cfg
+        if self.resume and not self._ready:
+            done = self.check_resume()
+            if done is not None:
+                if self.is_main:
+                    n = done["already_complete"]
+                    print(f"{self.run_dir}: already complete ({n} rounds done, rounds={cfg.rounds}); nothing to do, "
+                          f"nothing written. To train more rounds: fedkernels run --resume {self.run_dir} "
+                          f"rounds=N (N > {n})", flush=True)
+                self.summary = done
+                return done
         t_start = time.perf_counter()
         det = cfg.deterministic if cfg.deterministic is not None else resolve_device(cfg.device).type == "cuda"
         if det and resolve_device(cfg.device).type == "cuda":
@@ -546,6 +605,8 @@ class Simulation:
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         self._stop_signal: Optional[int] = None
+        self._committing = False     # True while a round changes the model and its outputs: a signal waits
+        self._rng_at_round = None    # the torch RNG state at the start of the round under way
         restore = self._install_signal_handlers()
         interrupted, saved_at, status = False, None, "failed"
         try:
@@ -558,6 +619,7 @@ class Simulation:
                                  disable=not self._progress_enabled(), dynamic_ncols=True)
                 try:
                     for r in range(self.start_round, end):
+                        self._rng_at_round, self._committing = torch.get_rng_state(), False
                         m = self.run_round(r)
                         self.metrics.append(m)
                         if self.writer is not None:
@@ -572,8 +634,9 @@ class Simulation:
                         if m.get("diverged"):
                             self._print(f"round {r + 1}: the global model is not finite; stopping (diverged)")
                             break
-                        if self.write_outputs and cfg.checkpoint_every > 0 and (r + 1) % cfg.checkpoint_every == 0:
-                            self.save_checkpoint(r + 1)
+                        if self.write_outputs and cfg.checkpoint_every > 0 and (
+                                (r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
+                            self.save_checkpoint(r + 1)        # the last round too: `--resume rounds=N` extends it
                             saved_at = r + 1
                         if self._stop_agreed():
                             interrupted = True
@@ -581,9 +644,15 @@ class Simulation:
                                 self.save_checkpoint(r + 1)
                                 saved_at = r + 1
                             break
-                except KeyboardInterrupt:
-                    interrupted = True
+                except KeyboardInterrupt:      # a second signal during local training: the state is round start_round's
+                    interrupted, clean = True, not self._committing
+                    self._committing = True    # further signals wait for this checkpoint
+                    if (clean and self.write_outputs and self._saves_alone() and self.start_round > self._first_round
+                            and saved_at != self.start_round):
+                        self.save_checkpoint(self.start_round, rng=self._rng_at_round)
+                        saved_at = self.start_round
                 finally:
+                    self._committing = False
                     self._bar.close()
                     self._bar = None
             self.summary = summarize(self.metrics, cfg.rounds, cfg.target_accuracy)
@@ -606,6 +675,11 @@ class Simulation:
             status = ("interrupted" if interrupted or self._stop_signal is not None else
                       "diverged" if self.summary.get("diverged") else
                       "completed" if self.start_round >= cfg.rounds else "stopped")
+        except KeyboardInterrupt:     # a second signal outside the rounds (setup, the summary): say where things are
+            status = "interrupted"
+            if self.is_main:
+                print(self._interrupted_line(), file=sys.stderr, flush=True)
+            raise
         finally:
             if getattr(self, "_pool", None) is not None:   # workers=N: stop and join them, however the run ends
                 self._pool.close()
@@ -620,10 +694,7 @@ class Simulation:
                 close()
         if interrupted or self._stop_signal is not None:
             if self.is_main:
-                last = ckpt.list_checkpoints(self.ckpt_dir) if self.write_outputs else []
-                where = (f"checkpoint at round {last[-1][0]}; continue with `fedkernels run --resume {self.run_dir}`"
-                         if last else "no checkpoint was written (write_outputs=False)")
-                print(f"interrupted after round {self.start_round}: {where}", file=sys.stderr, flush=True)
+                print(self._interrupted_line(), file=sys.stderr, flush=True)
             raise KeyboardInterrupt
         return self.summary
 
@@ -657,12 +728,20 @@ class Simulation:
             return lambda: None
 
         def handler(signum, frame):
-            if self._stop_signal is not None:
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            if self.is_main:
-                print(f"{signal.Signals(signum).name}: finishing round {self.start_round + 1} and writing a "
-                      "checkpoint (again to abandon the round)", file=sys.stderr, flush=True)
+            name = signal.Signals(signum).name
+            if self._stop_signal is None:
+                self._stop_signal = signum
+                if self.is_main:
+                    keep = f" and keep round {self.start_round}" if self.start_round > 0 else ""
+                    print(f"{name}: finishing round {self.start_round + 1} and writing a checkpoint (again to "
+                          f"abandon the round{keep})", file=sys.stderr, flush=True)
+                return
+            if getattr(self, "_committing", False):   # the model already changed: finish the round, then stop
+                if self.is_main:
+                    print(f"{name}: round {self.start_round + 1} is past local training; stopping as soon as it "
+                          "is written", file=sys.stderr, flush=True)
+                return
+            raise KeyboardInterrupt
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
