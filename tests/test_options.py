@@ -114,7 +114,7 @@ def test_check_method_errors_name_the_method():
 
 def _numeric_options(cls):
     import typing
-    from fedkernels.sim.options import _is_real
+    from fedkernels.algorithms.signature import is_real as _is_real
     for k, (ann, default) in signature_params(cls).items():
         args = typing.get_args(ann) if typing.get_origin(ann) is typing.Union else (ann,)
         if _is_real(default) or int in args or float in args:

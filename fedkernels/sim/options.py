@@ -63,7 +63,8 @@ OPTION_RANGES: Dict[str, Dict[str, str]] = {
     "Aggregator": {"server_lr": "> 0"},
     "ControlVariateServer": {"num_clients": ">= 1"},
     "FedAWARE": {"max_iter": ">= 1"},
-    "FedECADO": {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1"},
+    "FedECADO": {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1",
+                 "T_bar": "> 0"},
     "FedPGVC": {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"},
     "GCFed": {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"},
 }
