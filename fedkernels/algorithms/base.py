@@ -172,8 +172,6 @@ class Aggregator(abc.ABC):
         traced = tracing()
         if traced:
             screen = False
-        if global_flat.is_floating_point() and not traced and not bool(ops.finite_rows(global_flat.unsqueeze(0))[0]):  # native, no [d] temp
-            raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
         bad_len: List[int] = []
         if isinstance(updates, (list, tuple)):
             bad_len = [i for i, u in enumerate(updates) if not isinstance(u, torch.Tensor) or u.numel() != d]
@@ -197,15 +195,17 @@ class Aggregator(abc.ABC):
         if not updates.dtype.is_floating_point:
             raise ValueError(f"{self.name}.aggregate: updates and global_flat must have a floating dtype, got {updates.dtype}")
         try:
-            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1).cpu()
+            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1)
+            n = n if n.device.type == "cpu" else n.cpu()
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"{self.name}.aggregate: num_examples must be K={K} numbers, got {num_examples!r:.100}") from None
         if n.numel() != K:
             raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
         try:
-            ids = list(range(K)) if client_ids is None else [int(c) for c in client_ids]
-            bad_id = client_ids is not None and any(bool(c != i) for c, i in zip(client_ids, ids))
-        except (TypeError, ValueError, RuntimeError):
+            given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
+            ids = list(range(K)) if given is None else [int(c) for c in given]
+            bad_id = given is not None and any(c != i for c, i in zip(given, ids))
+        except (TypeError, ValueError, RuntimeError, AttributeError):
             bad_id = True
         if bad_id:
             raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}")
@@ -219,17 +219,7 @@ class Aggregator(abc.ABC):
         if len(pl) != K:
             raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
 
-        reasons: Dict[int, str] = {}
-        finite = ops.finite_rows(updates) if (K and screen) else torch.ones(K, dtype=torch.bool)
-        for k in range(0 if traced else K):          # value checks: eager only (see aggregate)
-            if not bool(finite[k]):
-                reasons[k] = "update contains NaN/Inf"
-            elif not (n[k] > 0 and torch.isfinite(n[k])):
-                reasons[k] = f"num_examples must be > 0, got {float(n[k])}"
-            else:
-                r = self.check_payload(pl[k])
-                if r:
-                    reasons[k] = r
+        reasons = self._screen(global_flat, updates, n, pl, screen and K > 0, traced)
         for k in bad_len:   # (with d = 0 the NaN placeholder row is empty: flag wrong lengths directly)
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
         excluded = []
@@ -256,11 +246,71 @@ class Aggregator(abc.ABC):
                 f"rule.end(ctx, model) returns as its entry of payloads")
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        """Returns a reason string if a client's payload is unusable (subclasses extend)."""
-        for key, v in payload.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not ops.all_(torch.isfinite(v)):
-                return f"payload {key!r} contains NaN/Inf"
+        """Returns a reason string if a client's payload is unusable (subclasses extend). Plain
+        Python on the payload's structure and scalars, no tensor op: the NaN/Inf scan of its
+        floating tensors is batched over the round's clients by ``_screen`` (keys in
+        ``unscreened_payload_keys`` excepted)."""
         return None
+
+    # payload keys whose tensors are not scanned for NaN/Inf (e.g. state the server sent back)
+    unscreened_payload_keys: Tuple[str, ...] = ()
+
+    def _screen(self, global_flat: torch.Tensor, U: torch.Tensor, n: torch.Tensor,
+                payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
+        """The value checks of one round, {row: reason} for the bad clients (eager only; raises
+        ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
+        copy for the whole round: the NaN/Inf flags of global_flat, of the rows of U (when
+        ``rows``) and of every floating payload tensor are computed on the device (one native
+        ``finite_rows`` pass each; one ``_foreach_norm`` over the payload tensors) and copied to
+        the host together. Order of the reasons per client: row, num_examples, payload tensors,
+        ``check_payload``."""
+        if traced:
+            return {}
+        K, dev = U.size(0), U.device
+        flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
+        if rows:
+            flags.append(ops.finite_rows(U))                                   # [K]
+        # floating payload tensors (empty ones are finite): max |x| is NaN/Inf iff x has a NaN/Inf
+        T, skip = torch.Tensor, self.unscreened_payload_keys
+        found = [(k, key, v) for k, pl in enumerate(payloads) for key, v in pl.items() if isinstance(v, T)]
+        found = [f for f in found if f[2].is_floating_point() and f[2].numel() and f[1] not in skip]
+        where: List[Tuple[int, str]] = [(k, key) for k, key, _ in found]
+        tens: List[torch.Tensor] = [v for _, _, v in found]
+        other: List[torch.Tensor] = []
+        if tens:
+            by_dev: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+            for i, t in enumerate(tens):
+                by_dev.setdefault((t.device, t.dtype), []).append(i)
+            order = [i for ix in by_dev.values() for i in ix]
+            where = [where[i] for i in order]
+            for (dv, _), ix in by_dev.items():
+                with torch.no_grad():
+                    amax = torch.stack(torch._foreach_norm([tens[i] for i in ix], float("inf")))
+                ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
+                (flags if dv == dev else other).append(ok)
+        host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                    # the one sync
+        host = torch.cat([host] + [o.cpu() for o in other]) if other else host
+        if not bool(host[0]):
+            raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+        reasons: Dict[int, str] = {}
+        pos = 1
+        if rows:
+            for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
+                reasons[k] = "update contains NaN/Inf"
+            pos += K
+        bad_n = ~((n > 0) & torch.isfinite(n))                                  # host tensor, vectorised
+        for k in bad_n.nonzero().reshape(-1).tolist():
+            reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
+        for j in (~host[pos:]).nonzero().reshape(-1).tolist():
+            k, key = where[j]
+            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        if type(self).check_payload is not Aggregator.check_payload:        # the method's own (Python) checks
+            for k, pl in enumerate(payloads):
+                if k not in reasons:
+                    r = self.check_payload(pl)
+                    if r:
+                        reasons[k] = r
+        return reasons
 
     # ---- state ------------------------------------------------------------------------------------
     # Declared state: the attribute names a method carries across rounds. ``state_dict`` copies them

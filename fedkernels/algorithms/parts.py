@@ -395,10 +395,17 @@ class ControlVariateServer(Aggregator):
         new = ops.weighted_sum(rin.U, p, base=g, alpha=self.server_lr)
         self.seen.update(rin.client_ids)
         N = self.num_clients if self.num_clients is not None else len(self.seen)
-        dsum = torch.zeros_like(self.c)
-        for cid, pl in zip(rin.client_ids, rin.payloads):
-            dc = pl["delta_c"].reshape(-1).to(device=self.c.device, dtype=self.c.dtype)
-            self._ci(cid, create=True).add_(dc)
-            dsum.add_(dc)
-        self.c.add_(dsum, alpha=1.0 / N)
+        c = self.c
+        dcs = [pl["delta_c"] for pl in rin.payloads]
+        if any(v.dim() != 1 or v.dtype != c.dtype or v.device != c.device for v in dcs):
+            dcs = [v.reshape(-1).to(device=c.device, dtype=c.dtype) for v in dcs]
+        if self.c_table is not None:          # c_i += delta_c_i for the round's rows: one foreach op
+            rows = self.c_table.unbind(0)
+            torch._foreach_add_([rows[cid] for cid in rin.client_ids], dcs)
+        else:                                 # N unknown: a dict of the clients seen so far
+            for cid, dc in zip(rin.client_ids, dcs):
+                self._ci(cid, create=True).add_(dc)
+        # sum_i delta_c_i: one fixed-order pass (the deltas arrive as K separate [d_c] tensors)
+        dsum = ops.weighted_sum(torch.stack(dcs), torch.ones(len(dcs), dtype=torch.float64))
+        c.add_(dsum, alpha=1.0 / N)
         return AggResult(new, {"weights": p.tolist(), "c_scale": 1.0 / N})
