@@ -54,12 +54,13 @@ def test_counter_sees_a_per_client_loop():
     assert per_row(200) > per_row(10)
 
 
-def test_screen_copies_to_host_once(monkeypatch):
+@pytest.mark.parametrize("name", ["scaffold", "fedavg", "fednova", "fedavgm"])
+def test_screen_copies_to_host_once(monkeypatch, name):
     """One host copy of all NaN/Inf flags per round (global model, rows, payload tensors)."""
     calls = []
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(self.shape) or real(self, *a, **k))
-    (_, run, _), = aggregator_cases(50, spec_of(TINY), only={"scaffold"})
+    (_, run, _), = aggregator_cases(50, spec_of(TINY), only={name})
     calls.clear()
     run()
     assert len(calls) == 1, calls
@@ -83,3 +84,26 @@ def test_one_sync_per_aggregate_on_gpu(name):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(x.message) for x in w if "synchroniz" in str(x.message).lower()]
     assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fednova"])
+def test_pure_methods_read_U_once(name):
+    """FedAvg-like methods: one native pass over U, which also screens its rows (issue 28 item 1)."""
+    (_, run, _), = aggregator_cases(30, spec_of(TINY), only={name})
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.passes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.namespace) == "fedkernels" and args and getattr(args[0], "shape", None) == (30, TINY_D):
+                self.passes.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Reads() as r:
+        run()
+    assert r.passes == ["fedkernels.weighted_sum_screened"], r.passes
+
+
+TINY_D = spec_of(TINY).d

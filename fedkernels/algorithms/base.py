@@ -24,6 +24,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
+from ..ops._checks import has_kernel
 
 if TYPE_CHECKING:
     from ..flat import FlatSpec
@@ -65,6 +66,18 @@ class RoundInput:
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
+    # rows not yet screened (pure methods, see Aggregator.screen_after_pure): the first
+    # ``weighted_sum`` over U screens them in the same pass and leaves the [K] flags here
+    screen_rows: bool = False
+    row_finite: Optional[torch.Tensor] = None
+
+    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
+        """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
+        ``ops.weighted_sum_screened`` and keeps the rows' NaN/Inf flags in ``row_finite``."""
+        if self.screen_rows and self.row_finite is None and has_kernel("weighted_sum_screened", self.U.device):
+            out, self.row_finite = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
+            return out
+        return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
 
     @property
     def K(self) -> int:
@@ -84,8 +97,8 @@ class Aggregator(abc.ABC):
 
     name = "base"
     client_rule_cls: Optional[Type[ClientRule]] = None
-    # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg): they
-    # are run first without the row scan, which is only done when the result is not finite.
+    # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg) and whose
+    # first read of U is RoundInput.weighted_sum: that pass also screens the rows (no separate scan).
     screen_after_pure = False
 
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
@@ -133,23 +146,36 @@ class Aggregator(abc.ABC):
             self.round += 1
             return res
         if self.screen_after_pure:
-            # One pass instead of two for pure methods: aggregate unscreened, then check the [d]
-            # result. A NaN/Inf in any used update (or an overflow) makes it non-finite, and only
-            # then are the rows screened and the round redone under the on_bad_update policy.
-            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            # One read of U for pure methods: the rows' NaN/Inf flags come out of the method's own
+            # weighted_sum pass (RoundInput.weighted_sum); the on_bad_update policy is applied to
+            # them afterwards (raise, or drop the bad rows and compute the round without them).
+            # The flag of global_flat joins the rows' flags: one device-to-host copy in all.
+            self._defer_global = True
+            try:
+                rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            finally:
+                self._defer_global = False
+            g_ok, self._pending_global = self._pending_global, None
+            res = None
             if rin.K > 0:
+                rin.screen_rows = True
                 res = self._aggregate(rin)
-                if bool(ops.finite_rows(res.params.unsqueeze(0))[0]):
-                    res.info.setdefault("num_clients", rin.K)
-                    if rin.excluded:            # e.g. wrong-length rows, screened without the scan
-                        res.info["excluded"] = rin.excluded
-                    self.round += 1
-                    return res
-        rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
-        if rin.K == 0:
-            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
+                ok = rin.row_finite if rin.row_finite is not None else ops.finite_rows(rin.U)
+                host = torch.cat([g_ok if g_ok is not None else ok.new_ones(1), ok]).cpu()   # the one sync
+                if not bool(host[0]):
+                    raise self._global_nan()
+                bad = (~host[1:]).nonzero().reshape(-1).tolist()
+                if bad:
+                    rin = self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids,
+                                             rin.payloads, {k: "update contains NaN/Inf" for k in bad}, rin.excluded)
+                    res = self._aggregate(rin) if rin.K > 0 else None
+            elif g_ok is not None and not bool(g_ok.cpu()[0]):
+                raise self._global_nan()
         else:
-            res = self._aggregate(rin)
+            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
+            res = self._aggregate(rin) if rin.K > 0 else None
+        if res is None:
+            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
         res.info.setdefault("num_clients", rin.K)
         if rin.excluded:
             res.info["excluded"] = rin.excluded
@@ -222,16 +248,23 @@ class Aggregator(abc.ABC):
         reasons = self._screen(global_flat, updates, n, pl, screen and K > 0, traced)
         for k in bad_len:   # (with d = 0 the NaN placeholder row is empty: flag wrong lengths directly)
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
-        excluded = []
+        return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
+
+    def _apply_policy(self, global_flat: torch.Tensor, updates: torch.Tensor, n: torch.Tensor, ids: List[int],
+                      pl: List[Dict[str, Any]], reasons: Dict[int, str],
+                      excluded: List[Dict[str, Any]]) -> RoundInput:
+        """The on_bad_update policy for the rows in ``reasons`` ({row: reason}): raise for the first,
+        or drop them all (one index_select) and log each; ``excluded`` lists earlier exclusions."""
         if reasons:
             if self.on_bad_update == "raise":
                 k = min(reasons)
                 raise BadUpdateError(f"{self.name}.aggregate: client {ids[k]} (row {k}): {reasons[k]}; "
                                      f"pass on_bad_update='exclude' to drop such clients instead")
-            keep = [k for k in range(K) if k not in reasons]
-            excluded = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
-            for e in excluded:
+            keep = [k for k in range(len(ids)) if k not in reasons]
+            new = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
+            for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
+            excluded = list(excluded) + new
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
             updates = updates.index_select(0, idx)
             n = n[keep]
@@ -254,6 +287,12 @@ class Aggregator(abc.ABC):
 
     # payload keys whose tensors are not scanned for NaN/Inf (e.g. state the server sent back)
     unscreened_payload_keys: Tuple[str, ...] = ()
+
+    _defer_global = False                              # set by aggregate() around validate (pure methods)
+    _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
+
+    def _global_nan(self) -> ValueError:
+        return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
 
     def _screen(self, global_flat: torch.Tensor, U: torch.Tensor, n: torch.Tensor,
                 payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
@@ -288,10 +327,14 @@ class Aggregator(abc.ABC):
                     amax = torch.stack(torch._foreach_norm([tens[i] for i in ix], float("inf")))
                 ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
                 (flags if dv == dev else other).append(ok)
-        host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                    # the one sync
-        host = torch.cat([host] + [o.cpu() for o in other]) if other else host
+        if self._defer_global and len(flags) == 1 and not other:
+            self._pending_global = flags[0]       # checked with the rows' flags after the pass (aggregate)
+            host = torch.ones(1, dtype=torch.bool)
+        else:
+            host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                # the one sync
+            host = torch.cat([host] + [o.cpu() for o in other]) if other else host
         if not bool(host[0]):
-            raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+            raise self._global_nan()
         reasons: Dict[int, str] = {}
         pos = 1
         if rows:
