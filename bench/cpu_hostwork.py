@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -64,9 +64,10 @@ def methods() -> List[str]:
 
 
 def aggregator_cases(K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, seed: int = 0,
-                     only=None) -> List[Tuple[str, Callable[[], Any], Dict[str, Any]]]:
-    """[(name, aggregate, info)] for every registered method: ``aggregate()`` runs one round of K
-    clients (ids 0..K-1 of a federation of K) on a fresh random update matrix built once. The
+                     only=None) -> Iterator[Tuple[str, Callable[[], Any], Dict[str, Any]]]:
+    """Yields (name, aggregate, info) for every registered method (one at a time, so a large
+    model's state tables are freed before the next method's are made): ``aggregate()`` runs one
+    round of K clients (ids 0..K-1 of a federation of K) on a random update matrix built once. The
     first round (state allocation, FedAWARE's exploration) has already run."""
     g = torch.Generator().manual_seed(seed)
     d = spec.d
@@ -74,7 +75,6 @@ def aggregator_cases(K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, 
     x0 = (torch.randn(d, generator=g) * 0.1).to(device=device, dtype=dtype)
     n = [float(100 + 7 * k) for k in range(K)]
     ids = list(range(K))
-    out = []
     for name in methods():
         if only is not None and name not in only:
             continue
@@ -96,8 +96,8 @@ def aggregator_cases(K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, 
             return agg.aggregate(x0, U, n, ids, payloads)
 
         run()
-        out.append((name, run, {"K": K, "d": d}))
-    return out
+        yield name, run, {"K": K, "d": d, "U": U, "x0": x0, "n": n}
+        del agg, run, payloads
 
 
 def run(K: int = 1000, quick: bool = False) -> List[Dict[str, Any]]:
