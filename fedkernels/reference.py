@@ -36,6 +36,10 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     return s
 
 
+def gram_screened(U: torch.Tensor):
+    return gram(U), finite_rows(U)
+
+
 def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                           rows: RowsLike = None):
     r = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)

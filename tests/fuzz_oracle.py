@@ -37,7 +37,7 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
 
@@ -147,6 +147,10 @@ def _gen_weighted_sum_chunked(rnd, c):
 
 
 def _gen_finite_rows(rnd, c):
+    _gen_matrix(rnd, c)
+
+
+def _gen_gram_screened(rnd, c):
     _gen_matrix(rnd, c)
 
 
@@ -670,6 +674,25 @@ def _run_finite_rows(g, c):
     ref = reference.finite_rows(U)
     if out.dtype != torch.bool or not torch.equal(out, ref):
         raise Fail(f"finite_rows: {out.tolist()[:8]} != reference {ref.tolist()[:8]}")
+    return "ok"
+
+
+def _run_gram_screened(g, c):
+    """G is gram's; ok = the reference's row flags, except (fp64 only) a finite row whose squared
+    norm overflows, which is flagged (the documented limit)."""
+    U = _matrix_input(g, c)
+    G, ok = ops.gram_screened(U)
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail("gram_screened accepted an invalid U")
+    want = reference.finite_rows(U)
+    if U.dtype == torch.float64:
+        over = ~torch.isfinite((U.abs().amax(1) if U.size(1) else U.new_zeros(U.size(0))) ** 2 * max(U.size(1), 1))
+        want = want & ~(over & ~ok.cpu())
+    if ok.dtype != torch.bool or not torch.equal(ok.cpu(), want):
+        raise Fail(f"gram_screened: flags {ok.tolist()[:8]} != reference {want.tolist()[:8]}")
+    plain = ops.gram(U)
+    if not torch.equal(G.isnan(), plain.isnan()) or not torch.equal(G.nan_to_num(), plain.nan_to_num()):
+        raise Fail("gram_screened: G differs from gram's")
     return "ok"
 
 

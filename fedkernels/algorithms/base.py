@@ -66,18 +66,36 @@ class RoundInput:
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
-    # rows not yet screened (pure methods, see Aggregator.screen_after_pure): the first
-    # ``weighted_sum`` over U screens them in the same pass and leaves the [K] flags here
+    # Rows not yet screened (methods with ``Aggregator.screen_in_pass``): the first read of U
+    # through ``weighted_sum`` or ``gram`` below also screens its rows and hands the flags to
+    # ``on_flags`` (the aggregator's policy) before the method goes on.
     screen_rows: bool = False
-    row_finite: Optional[torch.Tensor] = None
+    on_flags: Optional[Callable[[torch.Tensor], None]] = None
 
     def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
-        ``ops.weighted_sum_screened`` and keeps the rows' NaN/Inf flags in ``row_finite``."""
-        if self.screen_rows and self.row_finite is None and has_kernel("weighted_sum_screened", self.U.device):
-            out, self.row_finite = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
-            return out
+        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``."""
+        if self.screen_rows:
+            if has_kernel("weighted_sum_screened", self.U.device):
+                out, ok = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
+                self._flags(ok)
+                return out
+            self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
+
+    def gram(self) -> torch.Tensor:
+        """``ops.gram(U)``; while the rows are unscreened it is ``ops.gram_screened`` and the
+        flags go to ``on_flags``."""
+        if self.screen_rows:
+            G, ok = ops.gram_screened(self.U)
+            self._flags(ok)
+            return G
+        return ops.gram(self.U)
+
+    def _flags(self, ok: torch.Tensor) -> None:
+        self.screen_rows = False
+        if self.on_flags is not None:
+            self.on_flags(ok)
 
     @property
     def K(self) -> int:
@@ -92,14 +110,22 @@ class RoundInput:
         return self.num_examples / self.num_examples.sum()
 
 
+class _Redo(Exception):
+    """Raised by a screening pass that dropped bad rows: the round runs again on ``rin``."""
+
+    def __init__(self, rin: RoundInput) -> None:
+        super().__init__("round restarted without the bad rows")
+        self.rin = rin
+
+
 class Aggregator(abc.ABC):
     """Base class of every server-side method. Subclasses implement ``_aggregate``."""
 
     name = "base"
     client_rule_cls: Optional[Type[ClientRule]] = None
-    # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg) and whose
-    # first read of U is RoundInput.weighted_sum: that pass also screens the rows (no separate scan).
-    screen_after_pure = False
+    # True for methods whose first read of U is RoundInput.weighted_sum or RoundInput.gram, before
+    # any change of state: that pass also screens the rows (no separate finite_rows read of U).
+    screen_in_pass = False
 
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
         if unknown:
@@ -145,30 +171,30 @@ class Aggregator(abc.ABC):
             res.info.setdefault("num_clients", rin.K)
             self.round += 1
             return res
-        if self.screen_after_pure:
-            # One read of U for pure methods: the rows' NaN/Inf flags come out of the method's own
-            # weighted_sum pass (RoundInput.weighted_sum); the on_bad_update policy is applied to
-            # them afterwards (raise, or drop the bad rows and compute the round without them).
-            # The flag of global_flat joins the rows' flags: one device-to-host copy in all.
+        if self.screen_in_pass:
+            # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
+            # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
+            # or drop the bad rows and run the round again without them: nothing was changed yet).
+            # global_flat's flag joins the rows' flags: one device-to-host copy in all.
             self._defer_global = True
             try:
                 rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
             finally:
                 self._defer_global = False
-            g_ok, self._pending_global = self._pending_global, None
+            g_ok, pp = self._pending_global, self._pending_payload
+            self._pending_global = self._pending_payload = None
             res = None
             if rin.K > 0:
                 rin.screen_rows = True
-                res = self._aggregate(rin)
-                ok = rin.row_finite if rin.row_finite is not None else ops.finite_rows(rin.U)
-                host = torch.cat([g_ok if g_ok is not None else ok.new_ones(1), ok]).cpu()   # the one sync
-                if not bool(host[0]):
-                    raise self._global_nan()
-                bad = (~host[1:]).nonzero().reshape(-1).tolist()
-                if bad:
-                    rin = self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids,
-                                             rin.payloads, {k: "update contains NaN/Inf" for k in bad}, rin.excluded)
+                rin.on_flags = lambda ok: self._apply_flags(rin, ok, g_ok, pp)
+                try:
+                    res = self._aggregate(rin)
+                except _Redo as redo:
+                    rin = redo.rin
                     res = self._aggregate(rin) if rin.K > 0 else None
+                if rin.screen_rows:      # the method did not read U through rin: screen its rows now
+                    raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
+                                       "through RoundInput.weighted_sum / gram")
             elif g_ok is not None and not bool(g_ok.cpu()[0]):
                 raise self._global_nan()
         else:
@@ -190,7 +216,7 @@ class Aggregator(abc.ABC):
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
                  screen: bool = True) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients.
-        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_after_pure``)."""
+        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_in_pass``)."""
         if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
@@ -250,6 +276,31 @@ class Aggregator(abc.ABC):
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
         return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
 
+    def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
+                     pp: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]]) -> None:
+        """The rows' flags from a screening pass, with global_flat's and the payload tensors'
+        (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
+        starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
+        (a float64 row whose squared norm overflows is finite)."""
+        K = rin.K
+        parts = [g_ok.to(ok.device) if g_ok is not None else ok.new_ones(1), ok]
+        if pp is not None and pp[0] is not None:
+            parts.append(pp[0].to(ok.device))
+        host = torch.cat(parts).cpu()                                            # the one sync
+        if not bool(host[0]):
+            raise self._global_nan()
+        bad = (~host[1:1 + K]).nonzero().reshape(-1)
+        if bad.numel() and rin.U.dtype == torch.float64:
+            bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
+        reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
+        if pp is not None:
+            for j in (~host[1 + K:]).nonzero().reshape(-1).tolist():
+                k, key = pp[1][j]
+                reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        if reasons:
+            raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
+                                           reasons, rin.excluded))
+
     def _apply_policy(self, global_flat: torch.Tensor, updates: torch.Tensor, n: torch.Tensor, ids: List[int],
                       pl: List[Dict[str, Any]], reasons: Dict[int, str],
                       excluded: List[Dict[str, Any]]) -> RoundInput:
@@ -265,6 +316,13 @@ class Aggregator(abc.ABC):
             for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
             excluded = list(excluded) + new
+            if self._pending_payload is not None and self._pending_payload[0] is not None:
+                # deferred payload flags follow their clients to the new row numbers
+                at = {k: i for i, k in enumerate(keep)}
+                fl, where = self._pending_payload
+                sel = [j for j, (k, _) in enumerate(where) if k in at]
+                self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
+                                         [(at[where[j][0]], where[j][1]) for j in sel])
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
             updates = updates.index_select(0, idx)
             n = n[keep]
@@ -288,8 +346,9 @@ class Aggregator(abc.ABC):
     # payload keys whose tensors are not scanned for NaN/Inf (e.g. state the server sent back)
     unscreened_payload_keys: Tuple[str, ...] = ()
 
-    _defer_global = False                              # set by aggregate() around validate (pure methods)
+    _defer_global = False                              # set by aggregate() around validate (screen_in_pass)
     _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
+    _pending_payload: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]] = None  # (flags, where)
 
     def _global_nan(self) -> ValueError:
         return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
@@ -327,8 +386,10 @@ class Aggregator(abc.ABC):
                     amax = torch.stack(torch._foreach_norm([tens[i] for i in ix], float("inf")))
                 ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
                 (flags if dv == dev else other).append(ok)
-        if self._defer_global and len(flags) == 1 and not other:
-            self._pending_global = flags[0]       # checked with the rows' flags after the pass (aggregate)
+        if self._defer_global and not other:
+            # checked with the rows' flags after the screening pass (aggregate / _apply_flags)
+            self._pending_global = flags[0]
+            self._pending_payload = (torch.cat(flags[1:]) if len(flags) > 1 else None, where)
             host = torch.ones(1, dtype=torch.bool)
         else:
             host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                # the one sync

@@ -19,7 +19,7 @@ class FedAvg(Aggregator):
     One native ``weighted_sum`` pass over the K x d updates; no per-layer loop.
     """
 
-    screen_after_pure = True   # stateless: one pass over U, which also screens the rows (RoundInput.weighted_sum)
+    screen_in_pass = True      # its weighted_sum pass over U also screens the rows (RoundInput.weighted_sum)
     applies_round_lr = True    # this class's _aggregate steps with round_lr() (server_lr_schedule is honoured)
 
     def __init__(self, weighting: str = "samples", server_lr_schedule: Optional[str] = None, **kw):

@@ -24,7 +24,7 @@ from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel,
 from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
-__all__ = ["gram", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked"]
+__all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked"]
 
 
 def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
@@ -75,6 +75,19 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     _no_grad_through("weighted_sum(out=...)", U, c, base, out)
     torch.ops.fedkernels.weighted_sum_out(U, c, base, alpha, r, out)
     return out
+
+
+def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(gram(U), ok)``, ok[k] = isfinite(G[k, k]) ([K] bool on U's device): the NaN/Inf screen of
+    the rows from the Gram pass itself, no extra read of U. A row with a NaN/Inf has a non-finite
+    squared norm; a finite fp16/bf16/fp32 row never does (its squares are exact in float64 and
+    cannot overflow it), so the flags are exact for those dtypes. A finite float64 row whose
+    squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
+    (the aggregators do). Not differentiable."""
+    U = _matrix(U, "gram_screened")
+    _no_grad_through("gram_screened", U)
+    G = gram(U)
+    return G, torch.isfinite(torch.diagonal(G)).to(U.device)
 
 
 def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
