@@ -167,10 +167,10 @@ class Aggregator(abc.ABC):
         the eager call gives lists."""
         if tracing():
             rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
-            res = self._aggregate(rin)
-            res.info.setdefault("num_clients", rin.K)
+            traced = self._aggregate(rin)
+            traced.info.setdefault("num_clients", rin.K)
             self.round += 1
-            return res
+            return traced
         if self.screen_in_pass:
             # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
             # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
@@ -183,7 +183,7 @@ class Aggregator(abc.ABC):
                 self._defer_global = False
             g_ok, pp = self._pending_global, self._pending_payload
             self._pending_global = self._pending_payload = None
-            res = None
+            res: Optional[AggResult] = None
             if rin.K > 0:
                 rin.screen_rows = True
                 rin.on_flags = lambda ok: self._apply_flags(rin, ok, g_ok, pp)
@@ -316,10 +316,10 @@ class Aggregator(abc.ABC):
             for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
             excluded = list(excluded) + new
-            if self._pending_payload is not None and self._pending_payload[0] is not None:
+            fl, where = self._pending_payload if self._pending_payload is not None else (None, [])
+            if fl is not None:
                 # deferred payload flags follow their clients to the new row numbers
                 at = {k: i for i, k in enumerate(keep)}
-                fl, where = self._pending_payload
                 sel = [j for j, (k, _) in enumerate(where) if k in at]
                 self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
                                          [(at[where[j][0]], where[j][1]) for j in sel])
