@@ -91,7 +91,8 @@ SCREEN_IN_PASS = {"fedavg": ["weighted_sum_screened"], "fedprox": ["weighted_sum
                   "fedpgvc": ["weighted_sum_screened"], "scaffold": ["weighted_sum_screened"],
                   "fedpvr": ["weighted_sum_screened"], "global_gc": ["weighted_sum_screened"],
                   "local_gc": ["weighted_sum_screened"], "gcfed": ["weighted_sum_screened"],
-                  "kuramoto": ["gram", "weighted_sum"]}   # Kuramoto: Gram pass (screens) + weighting pass
+                  "kuramoto": ["gram", "weighted_sum"],   # Gram pass (screens) + weighting pass
+                  "fedaware": ["gram"]}                   # ELUD Gram pass (screens); the step reads M
 
 
 @pytest.mark.parametrize("name", sorted(SCREEN_IN_PASS))

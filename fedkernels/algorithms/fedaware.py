@@ -87,6 +87,12 @@ class FedAWARE(Aggregator):
 
     ext_momentum = momentum_attr("_ext")
 
+    @property
+    def screen_in_pass(self) -> bool:  # type: ignore[override]
+        """With ``elud`` the first read of U is the participants' Gram pass (RoundInput.gram), before
+        any state changes: it screens the rows. Without it the rows get their own finite_rows scan."""
+        return self.log_elud
+
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
         n = self.num_clients if num_clients is None else check_num_clients(num_clients)
         if self.M is not None and n != self.M.size(0):
@@ -162,8 +168,8 @@ class FedAWARE(Aggregator):
         self._alloc(x)
         dev = rin.U.device
         info: Dict[str, Any] = {}
-        if self.log_elud:
-            info["elud"], info["elud_sqrt"] = elud(ops.gram(rin.U).cpu())
+        if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
+            info["elud"], info["elud_sqrt"] = elud(rin.gram().cpu())
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None
