@@ -12,6 +12,10 @@ Writes ``<out>/gpu-<device>.json`` (default bench/results, and $OUT when set) an
 ``--device cpu --quick`` runs the same harness on the CPU with small sizes (perf_counter timing,
 no graphs): CI runs it so that only the GPU numbers are new on the GPU.
 
+``aggregate``: one whole round of every registered aggregator (with the client payloads it needs)
+at ResNet-18 and VGG-11 sizes, K = 10 and 100, against the one-read floor (K d 4 bytes at the
+copy bandwidth: ``x_floor``) and plain torch ``glob + w @ U`` (issue 28 item 5).
+
 Targets (DESIGN / issue 18): memory-bound ops >= 85% of copy bandwidth; gram at K=100, d=11.2M
 within 2x of its memory floor; min_norm K=1000 < 1 ms; FedAvg of 100 clients x 11M params < 5 ms.
 """
@@ -481,13 +485,54 @@ def sanitize_subset() -> int:
     return 0
 
 
+# ---- whole aggregates ----------------------------------------------------------------------------
+def bench_aggregate(copy_gbs):
+    """One round of every registered aggregator (bench/cpu_hostwork.py builds each with the client
+    payloads it needs), against the one-read floor (K d bytes at the copy bandwidth) and plain torch
+    ``glob + w @ U``. ResNet-18 at K = 10 and 100, VGG-11 at K = 10 (and 100 where it fits)."""
+    from bench.cpu_hostwork import aggregator_cases, spec_of
+    if is_cuda() and not QUICK:
+        models = [("resnet18", layer_shapes("resnet18"), (10, 100)), ("vgg11", layer_shapes("vgg11"), (10, 100))]
+    elif is_cuda():
+        models = [("resnet18", layer_shapes("resnet18"), (10,))]
+    else:
+        models = [("small", small_shapes(), (4, 10))]
+    mem = torch.cuda.get_device_properties(0).total_memory if is_cuda() else None
+    for mname, shapes, Ks in models:
+        spec = spec_of(shapes)
+        d = spec.d
+        for K in Ks:
+            # U, the payloads' deltas and one N x d state table (+ slack) must fit
+            if mem is not None and 4 * K * d * 4 > 0.8 * mem:
+                print(f"aggregate      {mname} K={K}: skipped ({4 * K * d * 4 >> 30} GiB > 80% of device memory)")
+                continue
+            floor_b = K * d * 4
+            torch_ms = None
+            for name, run, info in aggregator_cases(K, spec, device=DEV):
+                if torch_ms is None:
+                    U, x0 = info["U"], info["x0"]
+                    w = torch.tensor(info["n"], dtype=torch.float32, device=DEV)
+                    w /= w.sum()
+                    torch_ms = time_fns([lambda: x0 + w @ U], reps=10)
+                    record("aggregate", f"torch glob+w@U {mname} K={K}", torch_ms, nbytes=floor_b,
+                           copy_gbs=copy_gbs, sizes={"K": K, "d": d, "model": mname},
+                           extra={"method": "torch_glob_plus_w_at_U"})
+                ms = time_fns([run], warmup=2, reps=10)
+                floor_ms = floor_b / copy_gbs / 1e6
+                record("aggregate", f"{name} {mname} K={K}", ms, nbytes=floor_b, copy_gbs=copy_gbs,
+                       baselines={"torch_glob_plus_w_at_U": torch_ms}, sizes={"K": K, "d": d, "model": mname},
+                       extra={"method": name, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
+            free()
+
+
 def main(argv=None):
     global DEV, QUICK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu,be_step (copy always runs)")
+                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
+                         "(copy always runs)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
     ap.add_argument("--sanitize-subset", action="store_true",
                     help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
@@ -508,7 +553,7 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step"}
+    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -525,7 +570,8 @@ def main(argv=None):
     benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
                ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
                ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
-               ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs))]
+               ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs)),
+               ("aggregate", lambda: bench_aggregate(copy_gbs))]
     for name, fn in benches:
         if want(name):
             fn()

@@ -16,6 +16,8 @@ TORCH_LIBRARY(fedkernels, m) {
   // out may alias base (in-place apply). coef: float tensor of len(rows) (read as float64).
   m.def("weighted_sum(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> Tensor");
   m.def("weighted_sum_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> ()");
+  // weighted_sum and, from the same pass, ok[i] = all(isfinite(U[rows[i]])) (the NaN/Inf screen)
+  m.def("weighted_sum_screened(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> (Tensor, Tensor)");
   // ok[k] = all(isfinite(U[k])): [K] bool, one read of U (bad-update screening).
   m.def("finite_rows(Tensor U) -> Tensor");
 

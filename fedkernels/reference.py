@@ -36,6 +36,16 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     return s
 
 
+def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return gram(U), finite_rows(U)
+
+
+def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                          rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    r = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    return weighted_sum(U, coef, base, alpha, rows), finite_rows(U.index_select(0, r.to(U.device)))
+
+
 def finite_rows(U: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(U).all(dim=1) if U.size(1) else torch.ones(U.size(0), dtype=torch.bool)
 

@@ -37,7 +37,7 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "weighted_sum", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
 
@@ -132,6 +132,11 @@ def _gen_weighted_sum(rnd, c):
     c["out"] = rnd.choice([None, None, "fresh", "base", "noncontig", "wrong_dtype", "wrong_len"])
 
 
+def _gen_weighted_sum_screened(rnd, c):
+    _gen_weighted_sum(rnd, c)
+    c["out"], c["screened"] = None, True
+
+
 def _gen_weighted_sum_chunked(rnd, c):
     _gen_gram(rnd, c)
     c["coef"] = rnd.choice(["list", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
@@ -142,6 +147,10 @@ def _gen_weighted_sum_chunked(rnd, c):
 
 
 def _gen_finite_rows(rnd, c):
+    _gen_matrix(rnd, c)
+
+
+def _gen_gram_screened(rnd, c):
     _gen_matrix(rnd, c)
 
 
@@ -566,7 +575,10 @@ def _run_weighted_sum(g, c):
         out = torch.zeros(d + 1, dtype=dt)
     alpha = c["alpha"]
     base0 = None if base is None else base.clone()
-    res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)
+    if c.get("screened"):     # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
+        res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows)
+    else:
+        res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     # the call succeeded: the inputs must have been valid
     if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
         raise Fail("weighted_sum accepted an invalid U")
@@ -581,6 +593,13 @@ def _run_weighted_sum(g, c):
         raise Fail(f"weighted_sum: result {res.dtype} {tuple(res.shape)}, expected {dt} ({d},)")
     ref = reference.weighted_sum(U, c64, base=base0, alpha=float(alpha), rows=rows)
     r = reference._rows_idx(rows, K, U.device)
+    if c.get("screened"):
+        want = reference.weighted_sum_screened(U, c64, base=base0, alpha=float(alpha), rows=r)[1]
+        if okf.dtype != torch.bool or not torch.equal(okf.cpu(), want.cpu()):
+            raise Fail(f"weighted_sum_screened: flags {okf.tolist()}, expected {want.tolist()}")
+        plain = ops.weighted_sum(U, coef, base=base0, alpha=alpha, rows=rows)
+        if not torch.equal(res.isnan(), plain.isnan()) or not torch.equal(res.nan_to_num(), plain.nan_to_num()):
+            raise Fail("weighted_sum_screened: the sum differs from weighted_sum's")
     acc = _acc_dtype(dt)
     S = abs(float(alpha)) * (c64.abs()[:, None] * U.to(torch.float64).abs()[r]).sum(0) if n else \
         torch.zeros(d, dtype=torch.float64)
@@ -591,6 +610,9 @@ def _run_weighted_sum(g, c):
     may = ~torch.isfinite(S) | (S * 1.001 >= amax) | (ref.abs() * 1.001 >= omax)
     _check_close("weighted_sum", res, ref, tol, may)
     return "ok"
+
+
+_run_weighted_sum_screened = _run_weighted_sum
 
 
 def _run_weighted_sum_chunked(g, c):
@@ -652,6 +674,25 @@ def _run_finite_rows(g, c):
     ref = reference.finite_rows(U)
     if out.dtype != torch.bool or not torch.equal(out, ref):
         raise Fail(f"finite_rows: {out.tolist()[:8]} != reference {ref.tolist()[:8]}")
+    return "ok"
+
+
+def _run_gram_screened(g, c):
+    """G is gram's; ok = the reference's row flags, except (fp64 only) a finite row whose squared
+    norm overflows, which is flagged (the documented limit)."""
+    U = _matrix_input(g, c)
+    G, ok = ops.gram_screened(U)
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail("gram_screened accepted an invalid U")
+    want = reference.finite_rows(U)
+    if U.dtype == torch.float64:
+        over = ~torch.isfinite((U.abs().amax(1) if U.size(1) else U.new_zeros(U.size(0))) ** 2 * max(U.size(1), 1))
+        want = want & ~(over & ~ok.cpu())
+    if ok.dtype != torch.bool or not torch.equal(ok.cpu(), want):
+        raise Fail(f"gram_screened: flags {ok.tolist()[:8]} != reference {want.tolist()[:8]}")
+    plain = ops.gram(U)
+    if not torch.equal(G.isnan(), plain.isnan()) or not torch.equal(G.nan_to_num(), plain.nan_to_num()):
+        raise Fail("gram_screened: G differs from gram's")
     return "ok"
 
 

@@ -30,7 +30,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     rows = doc["results"]
     ops = {r["op"] for r in rows}
     assert ops == {"copy", "weighted_sum", "gram", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
-                   "lu_factor", "lu_solve", "fedecado_be_step"}
+                   "lu_factor", "lu_solve", "fedecado_be_step", "aggregate"}
     for r in rows:
         assert r["ms"] > 0 and r["sizes"], r
         if "bytes_min" in r:
@@ -44,6 +44,24 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
             assert b["ms"] > 0 and ("GBps" in b) == ("bytes_min" in r)
     gram = [r for r in rows if r["op"] == "gram"]
     assert all(r["bitwise_repeatable"] and r["rel_err_vs_fp64"] < 1e-12 for r in gram)
+
+
+def test_gpu_bench_whole_aggregate_table(tmp_path):
+    """Every registered aggregator runs a whole round with its payloads, at two K, next to the
+    one-read floor and plain torch glob + w @ U (issue 28 item 5)."""
+    from bench.cpu_hostwork import methods
+    r = _run("--device", "cpu", "--quick", "--only", "aggregate", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [x for x in json.loads(next(tmp_path.glob("gpu-*.json")).read_text())["results"] if x["op"] == "aggregate"]
+    Ks = sorted({x["sizes"]["K"] for x in rows})
+    assert len(Ks) == 2
+    for K in Ks:
+        at = {x["method"]: x for x in rows if x["sizes"]["K"] == K}
+        assert set(at) == set(methods()) | {"torch_glob_plus_w_at_U"}, sorted(at)
+        for name in methods():
+            x = at[name]
+            assert x["ms"] > 0 and x["x_floor"] > 0 and x["floor_ms"] > 0 and x["bytes_min"] == K * x["sizes"]["d"] * 4
+            assert x["baselines"]["torch_glob_plus_w_at_U"]["ms"] == at["torch_glob_plus_w_at_U"]["ms"]
 
 
 def test_gpu_bench_bad_arguments_exit_2(tmp_path):

@@ -128,6 +128,28 @@ def test_weighted_sum_rows_inplace_unaligned(dev, dtype):
     torch.testing.assert_close(w.double(), ref, rtol=rtol, atol=atol * 4)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d,off", [(1, 1, 0), (5, 4099, 0), (9, 5001, 1), (300, 257, 0)])
+def test_weighted_sum_screened_flags_and_bits(dev, K, d, off, dtype):
+    """The flags equal the reference's on aligned (vector) and unaligned (scalar) rows, with NaN,
+    +-Inf and an fp32-overflowing finite row; the sum is weighted_sum's, bit for bit."""
+    big = _randn(dev, K, d + 2, dtype=dtype, seed=K + d)
+    U = big[:, off:off + d]
+    bad = [k for k in range(K) if k % 4 == 1]
+    for k in bad:
+        U[k, (k * 7919) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
+    if K > 2 and dtype != torch.float64:
+        U[K - 1].fill_(torch.finfo(dtype).max)              # finite, its sum overflows: still finite
+    rows = torch.arange(K - 1, -1, -1, device=dev)
+    coef = torch.rand(K, generator=_gen(3), dtype=torch.float64).to(dev)
+    base = _randn(dev, d, dtype=dtype, seed=6)
+    out, ok = ops.weighted_sum_screened(U, coef, base=base, alpha=0.5, rows=rows)
+    _, want = reference.weighted_sum_screened(U, coef, base=base, alpha=0.5, rows=rows)
+    assert ok.device == U.device and ok.cpu().tolist() == want.cpu().tolist()
+    plain = ops.weighted_sum(U, coef, base=base, alpha=0.5, rows=rows)
+    assert torch.equal(out.isnan(), plain.isnan()) and torch.equal(out.nan_to_num(), plain.nan_to_num())
+
+
 def test_weighted_sum_nan_propagates(dev):
     U = _randn(dev, 4, 300, seed=9)
     U[2, 17] = float("nan")

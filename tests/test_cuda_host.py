@@ -82,6 +82,14 @@ def test_wsum_fits_float_is_the_cpu_rule(harness, alpha, c):
     assert harness("fits", alpha, c) == [str(int(abs(alpha * c) <= 3.0e38))]
 
 
+@pytest.mark.parametrize("x", [0.0, -0.0, 1.0, -3.0e38, 3.4028234663852886e38, 1e-45, 1e300, float("inf"),
+                               float("-inf"), float("nan")])
+def test_wsum_screen_finite_test(harness, x):
+    # weighted_sum_screened's test on the accumulators and on a bad block's values: x * 0 == 0
+    f32 = torch.tensor(x, dtype=torch.float64).float().item()
+    assert harness("wfin", x) == [str(int(math.isfinite(f32))), str(int(math.isfinite(x)))]
+
+
 @pytest.mark.parametrize("u,ld,K,out,base,want", [
     (0, 16, 5, 0, 0, 1), (0, 12, 5, 0, 0, 0), (0, 12, 1, 0, 0, 1), (4, 16, 5, 0, 0, 0),
     (0, 16, 5, 8, 0, 0), (0, 16, 5, 0, 32, 1), (0, 16, 5, 0, 40, 0), (256, 4096, 100, 512, 1024, 1)])

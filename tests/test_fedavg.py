@@ -85,7 +85,8 @@ def test_state_dict_roundtrip():
 
 
 def test_fedavg_reads_updates_once_when_clean(monkeypatch):
-    """Stateless FedAvg aggregates first and scans the K x d rows only if the result is not finite."""
+    """Stateless FedAvg never scans the K x d rows separately: its weighted_sum pass screens them
+    (ops.weighted_sum_screened), also when a row is bad (then the round is computed without it)."""
     from fedkernels import ops
     shapes = []
     real = ops.finite_rows
@@ -96,7 +97,20 @@ def test_fedavg_reads_updates_once_when_clean(monkeypatch):
     U[2, 1] = float("nan")
     shapes.clear()
     new, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(g, U, [1, 1, 1])
-    assert (3, 6) in shapes and torch.equal(new, torch.ones(6)) and info["excluded"][0]["client_id"] == 2
+    assert (3, 6) not in shapes and torch.equal(new, torch.ones(6)) and info["excluded"][0]["client_id"] == 2
+    with pytest.raises(BadUpdateError, match=r"client 2 \(row 2\): update contains NaN/Inf"):
+        algorithms.build("fedavg").aggregate(g, U, [1, 1, 1])
+    # stateful FedAvgM screens in the same pass, before its momentum changes
     shapes.clear()
-    algorithms.build("fedavgm").aggregate(g, torch.ones(3, 6), [1, 1, 1])   # stateful: scans first
-    assert (3, 6) in shapes
+    m = algorithms.build("fedavgm", beta=0.5)
+    m.aggregate(g, torch.ones(3, 6), [1, 1, 1])
+    assert (3, 6) not in shapes
+    v = m.momentum.clone()
+    with pytest.raises(BadUpdateError, match=r"row 2"):
+        m.aggregate(g, U, [1, 1, 1])
+    assert torch.equal(m.momentum, v) and m.round == 1
+    m2 = algorithms.build("fedavgm", beta=0.5, on_bad_update="exclude")
+    m2.aggregate(g, torch.ones(3, 6), [1, 1, 1])
+    new, info = m2.aggregate(g, U, [1, 1, 1])                # = a round of rows 0 and 1 only
+    assert torch.equal(new, g + 0.5 * v + torch.ones(6)) and info["excluded"][0]["client_id"] == 2
+    assert (3, 6) not in shapes

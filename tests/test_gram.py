@@ -90,3 +90,26 @@ def test_gram_opcheck():
     U = torch.randn(5, 300)
     torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
     torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, torch.tensor([1, 3])))
+
+
+# ---- gram_screened: the rows' NaN/Inf flags from the Gram pass (its diagonal) -----------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031)])
+def test_gram_screened_flags_are_exact(K, d, dtype):
+    from fedkernels import reference
+    g = torch.Generator().manual_seed(K + d)
+    big = torch.randn(K, d + 3, generator=g).to(dtype)
+    U = big[:, 1:1 + d]
+    for k in range(1, K, 2):
+        U[k, (k * 13) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
+    U[0].fill_(torch.finfo(dtype).max)                 # finite, the largest values: still finite
+    G, ok = ops.gram_screened(U)
+    assert ok.tolist() == reference.gram_screened(U)[1].tolist() == [k % 2 == 0 for k in range(K)]
+    assert torch.equal(G.nan_to_num(), ops.gram(U).nan_to_num())
+
+
+def test_gram_screened_fp64_overflow_is_flagged():
+    """The documented limit: a finite fp64 row whose squared norm overflows is flagged."""
+    U = torch.tensor([[1e200, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    assert ops.gram_screened(U)[1].tolist() == [False, True]
+    assert ops.finite_rows(U).tolist() == [True, True]

@@ -152,3 +152,48 @@ def test_a_device_without_a_kernel_gives_one_clear_error():
         else:
             with pytest.raises(ValueError, match=f"no cuda kernel for fedkernels::{native}"):
                 _needs_kernel(native, torch.device("cuda"), native)
+
+
+# ---- weighted_sum_screened: the sum and the rows' NaN/Inf flags from one pass ---------------------
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (9, 8193), (17, 20000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_weighted_sum_screened_matches_reference(K, d, dtype):
+    from fedkernels import reference
+    g = torch.Generator().manual_seed(K * 31 + d)
+    big = torch.randn(K, d + 5, generator=g).to(dtype)
+    U = big[:, 2:2 + d]                                     # unit column stride, row stride d + 5
+    bad = {k for k in range(K) if k % 3 == 1}
+    for k in bad:                                           # NaN / +Inf / -Inf at odd places
+        U[k, (k * 7919) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
+    coef = torch.rand(K, generator=g, dtype=torch.float64)
+    base = torch.randn(d, generator=g).to(dtype)
+    out, ok = ops.weighted_sum_screened(U, coef, base=base, alpha=0.5)
+    ref_out, ref_ok = reference.weighted_sum_screened(U, coef, base=base, alpha=0.5)
+    assert ok.dtype == torch.bool and ok.tolist() == ref_ok.tolist() == [k not in bad for k in range(K)]
+    plain = ops.weighted_sum(U, coef, base=base, alpha=0.5)
+    assert torch.equal(out.isnan(), plain.isnan())
+    torch.testing.assert_close(out, plain, equal_nan=True, rtol=0, atol=0)   # the same bits as weighted_sum
+    fin = torch.isfinite(ref_out)
+    torch.testing.assert_close(out[fin].double(), ref_out[fin].double(),
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_weighted_sum_screened_rows_and_overflow():
+    """Flags follow ``rows``; finite rows whose fp32 sum overflows are still finite (exact flags)."""
+    U = torch.full((4, 300), 3e38)
+    U[2, 5] = float("nan")
+    out, ok = ops.weighted_sum_screened(U, [1.0, 1.0, 1.0], rows=[3, 2, 0])
+    assert ok.tolist() == [True, False, True]
+    assert not torch.isfinite(out).all()
+    _, ok = ops.weighted_sum_screened(U, [1.0, 1.0], rows=[0, 1])
+    assert ok.tolist() == [True, True]                     # overflowed sum, finite rows
+    _, ok = ops.weighted_sum_screened(U[:, :0], [1.0] * 4)  # d = 0: every row is finite
+    assert ok.tolist() == [True] * 4
+
+
+def test_weighted_sum_screened_bad_args():
+    U = torch.randn(3, 5)
+    with pytest.raises(ValueError, match="coef"):
+        ops.weighted_sum_screened(U, [1.0, 2.0])
+    with pytest.raises(ValueError, match="rows"):
+        ops.weighted_sum_screened(U, [1.0], rows=[3])

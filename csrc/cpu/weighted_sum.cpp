@@ -4,12 +4,22 @@
 // accumulator, so every element of U is read once. fp32 inputs accumulate in fp32, fp64 in fp64,
 // fp16/bf16 in fp32. Each output element is summed in row order: deterministic for any thread count.
 // out may alias base (in-place apply).
+// weighted_sum_screened also returns ok[i] = all(isfinite(U[rows[i], :])) from the same pass: a
+// NaN/Inf anywhere in a chunk's rows makes that chunk's accumulator non-finite (c * Inf and
+// c * NaN are never finite, 0 * Inf is NaN), so the L1-resident accumulator is checked after each
+// chunk, and only a chunk whose accumulator is not finite (a bad row, or an fp32 overflow of
+// finite values) has its rows scanned one by one (z += x * 0). Bytes moved: unchanged, (n+2) d
+// elements, plus a re-read of the chunks that hold a bad row. Flags exact; the sum is the same
+// bits as weighted_sum's.
 #include "common.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <type_traits>
 
 #ifndef WSUM_CHUNK
 #define WSUM_CHUNK 8192  // columns per task: 8 pages of each fp32 row stream, so prefetchers keep streaming
@@ -20,6 +30,23 @@ namespace {
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
+
+// True when all len values are finite: x * 0 is 0 for finite x and NaN for NaN/Inf.
+template <typename T>
+FEDKERNELS_SIMD_CLONES bool finite_span(const T* x, int64_t len) {
+  using Z = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  Z z = 0;
+#pragma omp simd reduction(+ : z)
+  for (int64_t j = 0; j < len; ++j) z += Z(x[j]) * Z(0);
+  return z == Z(0);
+}
+
+// ok[i] = ok[i] && (row rows[i] is finite on the chunk [j0, j0 + len)).
+template <typename T, typename A>
+void finite_chunk(const T* u, int64_t stride0, const int64_t* rows, int64_t n, int64_t j0, int64_t len,
+                  unsigned char* ok) {
+  for (int64_t i = 0; i < n; ++i) ok[i] = ok[i] && finite_span<T>(u + rows[i] * stride0 + j0, len);
+}
 
 // One column chunk [j0, j0+len): acc = sum_i c[i] * U[rows[i], chunk] in row order, then
 // o = b + acc (or acc). Runtime-dispatched to the widest vector ISA in portable builds.
@@ -76,7 +103,7 @@ FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_
 // so finite inputs never give an overflowed coefficient.
 template <typename T, typename A>
 void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::vector<int64_t>& rows,
-               const at::Tensor* base, double alpha, at::Tensor& out) {
+               const at::Tensor* base, double alpha, at::Tensor& out, bool* ok_out) {
   const int64_t d = U.size(1), n = (int64_t)rows.size(), stride0 = U.stride(0);
   const T* u = U.data_ptr<T>();
   const T* b = base ? base->data_ptr<T>() : nullptr;
@@ -85,31 +112,48 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
   for (int64_t i = 0; i < n; ++i) c[i] = static_cast<A>(alpha * coef[i]);
   constexpr int64_t CH = WSUM_CHUNK;
   const int64_t nch = (d + CH - 1) / CH;
+  // flags per (chunk, row), and-ed over chunks after the pass (no shared writes inside it)
+  std::vector<unsigned char> flag(ok_out ? nch * n : 0, 1);
   at::parallel_for(0, nch, grain_for(std::min(CH, d) * std::max<int64_t>(n, 1)), [&](int64_t q0, int64_t q1) {
     std::vector<A> accv(CH);
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t j0 = q * CH, len = std::min(CH, d - j0);
       wsum_chunk<T, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data());
+      if (ok_out && !finite_span<A>(accv.data(), len))   // rare: find the rows of this chunk
+        finite_chunk<T, A>(u, stride0, rows.data(), n, j0, len, flag.data() + q * n);
     }
   });
+  if (ok_out)
+    for (int64_t i = 0; i < n; ++i) {
+      bool all = true;
+      for (int64_t q = 0; q < nch; ++q) all = all && flag[q * n + i];
+      ok_out[i] = all;
+    }
 }
 
-void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-                          double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
+void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+              double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok) {
   auto r = row_list(rows, U.dim() == 2 ? U.size(0) : 0, "weighted_sum");
   checks::weighted_sum_args(U, coef, (int64_t)r.size(), base, out, at::kCPU);
   checks::on_device(coef, at::kCPU, "weighted_sum", "coef");
+  if (ok) *ok = at::ones({(int64_t)r.size()}, U.options().dtype(at::kBool));
   if (U.size(1) == 0) return;
+  bool* okp = ok ? ok->data_ptr<bool>() : nullptr;
   auto cv = to_double_vector(coef);
   const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
   bool fits_float = true;
   for (double c : cv) fits_float = fits_float && std::abs(alpha * c) <= 3.0e38;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
     if (fits_float)
-      wsum_impl<scalar_t, typename Acc<scalar_t>::type>(U, cv, r, bp, alpha, out);
+      wsum_impl<scalar_t, typename Acc<scalar_t>::type>(U, cv, r, bp, alpha, out, okp);
     else
-      wsum_impl<scalar_t, double>(U, cv, r, bp, alpha, out);
+      wsum_impl<scalar_t, double>(U, cv, r, bp, alpha, out, okp);
   });
+}
+
+void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                          double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  wsum_cpu(U, coef, base, alpha, rows, out, nullptr);
 }
 
 at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
@@ -119,11 +163,21 @@ at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cpu(const at::Tensor& U, const at::Tensor& coef,
+                                                             const c10::optional<at::Tensor>& base, double alpha,
+                                                             const c10::optional<at::Tensor>& rows) {
+  auto out = checks::weighted_sum_output(U);
+  at::Tensor ok;
+  wsum_cpu(U, coef, base, alpha, rows, out, &ok);
+  return {out, ok};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("weighted_sum", &weighted_sum_cpu);
   m.impl("weighted_sum_out", &weighted_sum_out_cpu);
+  m.impl("weighted_sum_screened", &weighted_sum_screened_cpu);
 }
 
 }  // namespace fedkernels

@@ -49,10 +49,11 @@ cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, cons
 // nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64, fp64
 // for every dtype when some |alpha * coef[i]| > 3e38 (the CPU op's rule). wide: 1 / 0 when the
 // caller knows (host coefficients), -1 to let every block decide from coef. Each output element
-// sums the rows in index order.
+// sums the rows in index order. ok: nullptr, or [n] bool set to true by the caller, where the
+// kernel writes false for each selected row holding a NaN/Inf (weighted_sum_screened).
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         cudaStream_t stream);
+                         bool* ok, cudaStream_t stream);
 
 // ---- finite_rows: ok[k] = all(isfinite(U[k, :])) -----------------------------------------------
 cudaError_t finite_rows(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, bool* ok, cudaStream_t stream);

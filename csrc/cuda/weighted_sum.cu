@@ -10,6 +10,10 @@
 // rows in index order with fma: deterministic. An out-of-range rows entry contributes NaN (no
 // device assert, no read outside U). out may alias base: every element of base is read by the
 // thread that writes the same element of out, before the write.
+// ok != nullptr (weighted_sum_screened): ok[i] (set to true by the caller) becomes false when row
+// rows[i] holds a NaN/Inf. The screen rides inside the pass: each block votes on its accumulators
+// being finite; only a block with a non-finite one re-reads its columns of the n rows (rare: a bad
+// row or an overflow). Bytes moved: as weighted_sum, plus those re-read blocks.
 // Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
 // tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
 // (tests/test_cuda.py): the shared-memory staging between barriers, the 16-byte loads, the launch.
@@ -26,7 +30,7 @@ using wsum::kThreads;
 template <typename T, typename A, bool VEC>
 __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld,
                                           const double* __restrict__ coef, const int64_t* __restrict__ rows, int64_t n,
-                                          const T* base, double alpha, T* out, A* cs, const T** rp) {
+                                          const T* base, double alpha, T* out, A* cs, const T** rp, bool* ok) {
   constexpr int V = Vec16<T>::n;
   const int tid = threadIdx.x;
   const int64_t b = blockIdx.x;
@@ -85,6 +89,30 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
     }
   }
 
+  if (ok) {  // the screen (weighted_sum_screened): block-uniform vote, rescan only on a bad block
+    bool fin = true;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const int64_t j = wsum::col(b, tid, e, V, VEC);
+      if (j < d) fin = fin && wsum::finite(acc[e]);
+    }
+    if (__syncthreads_or(!fin)) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = rows ? rows[i] : i;
+        bool rf = wsum::row_ok(r, K);
+        if (rf) {
+          const T* p = U + r * ld;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const int64_t j = wsum::col(b, tid, e, V, VEC);
+            if (j < d) rf = rf && wsum::finite(static_cast<A>(to_float(p[j])));
+          }
+        }
+        if (!rf) ok[i] = false;  // every writer writes false: a benign race
+      }
+    }
+  }
+
   if (full) {
     if (base) {
       A bv[V];
@@ -110,7 +138,7 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads)
     wsum_kernel(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld, const double* __restrict__ coef,
-                const int64_t* __restrict__ rows, int64_t n, const T* base, double alpha, T* out, int wide) {
+                const int64_t* __restrict__ rows, int64_t n, const T* base, double alpha, T* out, int wide, bool* ok) {
   __shared__ double cs[kThreads];
   __shared__ const T* rp[kThreads];
   if (wide < 0) {
@@ -120,16 +148,16 @@ __global__ void __launch_bounds__(kThreads)
   }
   using A = typename Acc<T>::type;
   if (wide == 0 || sizeof(A) == sizeof(double))
-    wsum_body<T, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp);
+    wsum_body<T, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp, ok);
   else
-    wsum_body<T, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp);
+    wsum_body<T, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp, ok);
 }
 
 }  // namespace
 
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         cudaStream_t stream) {
+                         bool* ok, cudaStream_t stream) {
   if (d <= 0) return cudaSuccess;
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -142,9 +170,9 @@ cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t 
     const int64_t blocks = wsum::num_blocks(d, V);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     if (vec)
-      wsum_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide);
+      wsum_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
     else
-      wsum_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide);
+      wsum_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
     return cudaGetLastError();
   });
 }

@@ -4,9 +4,11 @@
 // (wsum_fits_float, the CPU op's rule), the vector/scalar path choice (wsum_vec_ok), the column
 // ownership of every thread (wsum_col: every column exactly once, tails when d is not a multiple
 // of the vector width), the treatment of an out-of-range row (a NaN contribution, never a read
-// outside U), and the summation order (rows in index order, one fma per row and element).
+// outside U), the summation order (rows in index order, one fma per row and element) and the
+// finiteness test of the screen (wsum::finite).
 // Only a GPU run checks: the shared-memory staging of coefficients and row pointers between the
-// barriers, the 16-byte vector loads/stores and the launch configuration.
+// barriers, the 16-byte vector loads/stores, the launch configuration and the screen's block-wide
+// vote (__syncthreads_or) and rescan.
 #pragma once
 
 #include <cmath>
@@ -47,6 +49,12 @@ FK_HD int64_t col(int64_t b, int tid, int e, int V, bool vec) {
 // Row index check: an entry outside [0, K) contributes NaN (the Python wrapper and the glue
 // validate host rows; device-resident rows cannot be checked without a host sync).
 FK_HD bool row_ok(int64_t r, int64_t K) { return r >= 0 && r < K; }
+
+// The screen of weighted_sum_screened: x * 0 is 0 for finite x, NaN for NaN/Inf. A chunk of
+// columns whose accumulators are all finite has only finite values in every selected row (c * Inf,
+// c * NaN and 0 * Inf are never finite, and nothing brings a sum back from NaN/Inf); a block with a
+// non-finite accumulator (a bad row, or an overflow of finite values) rescans its rows one by one.
+template <typename A> FK_HD bool finite(A x) { return x * A(0) == A(0); }
 
 // One row's contribution to one accumulator, in the kernel's order.
 template <typename A> FK_HD A accumulate(A acc, A c, A x) {

@@ -1,8 +1,11 @@
-// Torch glue of weighted_sum / weighted_sum_out (kernel: weighted_sum.cu).
+// Torch glue of weighted_sum / weighted_sum_out / weighted_sum_screened (kernel: weighted_sum.cu).
 // coef and rows may be host tensors (the Python wrappers pass them so: no host->device->host round
 // trip) or on U's device. Host coef: the accumulation type (float unless some |alpha*coef| > 3e38,
 // the CPU op's rule) is decided here; device coef: by the kernel.
 #include <cmath>
+#include <tuple>
+
+#include <ATen/ops/ones.h>
 
 #include "glue.h"
 
@@ -11,8 +14,8 @@ namespace {
 
 using namespace glue;
 
-void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-                           double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
+void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+               double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok) {
   check_rowmajor(U, "weighted_sum");
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
@@ -21,6 +24,7 @@ void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c1
   check_host_or_device(coef, U, "weighted_sum", "coef");
   at::Tensor r;
   if (rows.has_value()) r = rows_to_device(*rows, U, "weighted_sum");
+  if (ok) *ok = at::ones({n}, U.options().dtype(at::kBool));
   if (d == 0) return;
   int wide = -1;
   at::Tensor c;
@@ -36,7 +40,12 @@ void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c1
   C10_CUDA_CHECK(fk::weighted_sum(U.data_ptr(), to_dtype(U.scalar_type(), "weighted_sum", "U"), K, d, row_stride(U),
                                   c.data_ptr<double>(), rows.has_value() ? r.data_ptr<int64_t>() : nullptr, n,
                                   base.has_value() ? base->data_ptr() : nullptr, alpha, wide, out.data_ptr(),
-                                  stream()));
+                                  ok ? ok->data_ptr<bool>() : nullptr, stream()));
+}
+
+void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                           double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  wsum_cuda(U, coef, base, alpha, rows, out, nullptr);
 }
 
 at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
@@ -47,11 +56,22 @@ at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const 
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cuda(const at::Tensor& U, const at::Tensor& coef,
+                                                              const c10::optional<at::Tensor>& base, double alpha,
+                                                              const c10::optional<at::Tensor>& rows) {
+  c10::cuda::CUDAGuard guard(U.device());
+  auto out = checks::weighted_sum_output(U);
+  at::Tensor ok;
+  wsum_cuda(U, coef, base, alpha, rows, out, &ok);
+  return {out, ok};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
   m.impl("weighted_sum", &weighted_sum_cuda);
   m.impl("weighted_sum_out", &weighted_sum_out_cuda);
+  m.impl("weighted_sum_screened", &weighted_sum_screened_cuda);
 }
 
 }  // namespace fedkernels

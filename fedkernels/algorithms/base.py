@@ -24,6 +24,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
+from ..ops._checks import has_kernel
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -67,6 +68,36 @@ class RoundInput:
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
+    # Rows not yet screened (methods with ``Aggregator.screen_in_pass``): the first read of U
+    # through ``weighted_sum`` or ``gram`` below also screens its rows and hands the flags to
+    # ``on_flags`` (the aggregator's policy) before the method goes on.
+    screen_rows: bool = False
+    on_flags: Optional[Callable[[torch.Tensor], None]] = None
+
+    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
+        """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
+        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``."""
+        if self.screen_rows:
+            if has_kernel("weighted_sum_screened", self.U.device):
+                out, ok = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
+                self._flags(ok)
+                return out
+            self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
+        return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
+
+    def gram(self) -> torch.Tensor:
+        """``ops.gram(U)``; while the rows are unscreened it is ``ops.gram_screened`` and the
+        flags go to ``on_flags``."""
+        if self.screen_rows:
+            G, ok = ops.gram_screened(self.U)
+            self._flags(ok)
+            return G
+        return ops.gram(self.U)
+
+    def _flags(self, ok: torch.Tensor) -> None:
+        self.screen_rows = False
+        if self.on_flags is not None:
+            self.on_flags(ok)
 
     @property
     def K(self) -> int:
@@ -81,14 +112,22 @@ class RoundInput:
         return self.num_examples / self.num_examples.sum()
 
 
+class _Redo(Exception):
+    """Raised by a screening pass that dropped bad rows: the round runs again on ``rin``."""
+
+    def __init__(self, rin: RoundInput) -> None:
+        super().__init__("round restarted without the bad rows")
+        self.rin = rin
+
+
 class Aggregator(abc.ABC):
     """Base class of every server-side method. Subclasses implement ``_aggregate``."""
 
     name = "base"
     client_rule_cls: Optional[Type[ClientRule]] = None
-    # True for methods whose _aggregate keeps no state and returns a fresh tensor (FedAvg): they
-    # are run first without the row scan, which is only done when the result is not finite.
-    screen_after_pure = False
+    # True for methods whose first read of U is RoundInput.weighted_sum or RoundInput.gram, before
+    # any change of state: that pass also screens the rows (no separate finite_rows read of U).
+    screen_in_pass = False
 
     def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
         # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
@@ -170,28 +209,41 @@ class Aggregator(abc.ABC):
         the eager call gives lists."""
         if tracing():
             rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
-            res = self._aggregate(rin)
-            res.info.setdefault("num_clients", rin.K)
+            traced = self._aggregate(rin)
+            traced.info.setdefault("num_clients", rin.K)
             self.round += 1
-            return res
-        if self.screen_after_pure:
-            # One pass instead of two for pure methods: aggregate unscreened, then check the [d]
-            # result. A NaN/Inf in any used update (or an overflow) makes it non-finite, and only
-            # then are the rows screened and the round redone under the on_bad_update policy.
-            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            return traced
+        if self.screen_in_pass:
+            # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
+            # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
+            # or drop the bad rows and run the round again without them: nothing was changed yet).
+            # global_flat's flag joins the rows' flags: one device-to-host copy in all.
+            self._defer_global = True
+            try:
+                rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            finally:
+                self._defer_global = False
+            g_ok, pp = self._pending_global, self._pending_payload
+            self._pending_global = self._pending_payload = None
+            res: Optional[AggResult] = None
             if rin.K > 0:
-                res = self._aggregate(rin)
-                if bool(ops.finite_rows(res.params.unsqueeze(0))[0]):
-                    res.info.setdefault("num_clients", rin.K)
-                    if rin.excluded:            # e.g. wrong-length rows, screened without the scan
-                        res.info["excluded"] = rin.excluded
-                    self.round += 1
-                    return res
-        rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
-        if rin.K == 0:
-            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
+                rin.screen_rows = True
+                rin.on_flags = lambda ok: self._apply_flags(rin, ok, g_ok, pp)
+                try:
+                    res = self._aggregate(rin)
+                except _Redo as redo:
+                    rin = redo.rin
+                    res = self._aggregate(rin) if rin.K > 0 else None
+                if rin.screen_rows:      # the method did not read U through rin: screen its rows now
+                    raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
+                                       "through RoundInput.weighted_sum / gram")
+            elif g_ok is not None and not bool(g_ok.cpu()[0]):
+                raise self._global_nan()
         else:
-            res = self._aggregate(rin)
+            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
+            res = self._aggregate(rin) if rin.K > 0 else None
+        if res is None:
+            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
         res.info.setdefault("num_clients", rin.K)
         if rin.excluded:
             res.info["excluded"] = rin.excluded
@@ -206,7 +258,7 @@ class Aggregator(abc.ABC):
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
                  screen: bool = True) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients.
-        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_after_pure``)."""
+        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_in_pass``)."""
         if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
@@ -214,8 +266,6 @@ class Aggregator(abc.ABC):
         traced = tracing()
         if traced:
             screen = False
-        if global_flat.is_floating_point() and not traced and not bool(ops.finite_rows(global_flat.unsqueeze(0))[0]):  # native, no [d] temp
-            raise ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
         bad_len: List[int] = []
         if isinstance(updates, (list, tuple)):
             bad_len = [i for i, u in enumerate(updates) if not isinstance(u, torch.Tensor) or u.numel() != d]
@@ -239,15 +289,17 @@ class Aggregator(abc.ABC):
         if not updates.dtype.is_floating_point:
             raise ValueError(f"{self.name}.aggregate: updates and global_flat must have a floating dtype, got {updates.dtype}")
         try:
-            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1).cpu()
+            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1)
+            n = n if n.device.type == "cpu" else n.cpu()
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"{self.name}.aggregate: num_examples must be K={K} numbers, got {num_examples!r:.100}") from None
         if n.numel() != K:
             raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
         try:
-            ids = list(range(K)) if client_ids is None else [int(c) for c in client_ids]
-            bad_id = client_ids is not None and any(bool(c != i) for c, i in zip(client_ids, ids))
-        except (TypeError, ValueError, RuntimeError):
+            given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
+            ids = list(range(K)) if given is None else [int(c) for c in given]
+            bad_id = given is not None and any(c != i for c, i in zip(given, ids))
+        except (TypeError, ValueError, RuntimeError, AttributeError):
             bad_id = True
         if bad_id:
             raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}")
@@ -261,29 +313,58 @@ class Aggregator(abc.ABC):
         if len(pl) != K:
             raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
 
-        reasons: Dict[int, str] = {}
-        finite = ops.finite_rows(updates) if (K and screen) else torch.ones(K, dtype=torch.bool)
-        for k in range(0 if traced else K):          # value checks: eager only (see aggregate)
-            if not bool(finite[k]):
-                reasons[k] = "update contains NaN/Inf"
-            elif not (n[k] > 0 and torch.isfinite(n[k])):
-                reasons[k] = f"num_examples must be > 0, got {float(n[k])}"
-            else:
-                r = self.check_payload(pl[k])
-                if r:
-                    reasons[k] = r
+        reasons = self._screen(global_flat, updates, n, pl, screen and K > 0, traced)
         for k in bad_len:   # (with d = 0 the NaN placeholder row is empty: flag wrong lengths directly)
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
-        excluded = []
+        return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
+
+    def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
+                     pp: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]]) -> None:
+        """The rows' flags from a screening pass, with global_flat's and the payload tensors'
+        (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
+        starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
+        (a float64 row whose squared norm overflows is finite)."""
+        K = rin.K
+        parts = [g_ok.to(ok.device) if g_ok is not None else ok.new_ones(1), ok]
+        if pp is not None and pp[0] is not None:
+            parts.append(pp[0].to(ok.device))
+        host = torch.cat(parts).cpu()                                            # the one sync
+        if not bool(host[0]):
+            raise self._global_nan()
+        bad = (~host[1:1 + K]).nonzero().reshape(-1)
+        if bad.numel() and rin.U.dtype == torch.float64:
+            bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
+        reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
+        if pp is not None:
+            for j in (~host[1 + K:]).nonzero().reshape(-1).tolist():
+                k, key = pp[1][j]
+                reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        if reasons:
+            raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
+                                           reasons, rin.excluded))
+
+    def _apply_policy(self, global_flat: torch.Tensor, updates: torch.Tensor, n: torch.Tensor, ids: List[int],
+                      pl: List[Dict[str, Any]], reasons: Dict[int, str],
+                      excluded: List[Dict[str, Any]]) -> RoundInput:
+        """The on_bad_update policy for the rows in ``reasons`` ({row: reason}): raise for the first,
+        or drop them all (one index_select) and log each; ``excluded`` lists earlier exclusions."""
         if reasons:
             if self.on_bad_update == "raise":
                 k = min(reasons)
                 raise BadUpdateError(f"{self.name}.aggregate: client {ids[k]} (row {k}): {reasons[k]}; "
                                      f"pass on_bad_update='exclude' to drop such clients instead")
-            keep = [k for k in range(K) if k not in reasons]
-            excluded = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
-            for e in excluded:
+            keep = [k for k in range(len(ids)) if k not in reasons]
+            new = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
+            for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
+            excluded = list(excluded) + new
+            fl, where = self._pending_payload if self._pending_payload is not None else (None, [])
+            if fl is not None:
+                # deferred payload flags follow their clients to the new row numbers
+                at = {k: i for i, k in enumerate(keep)}
+                sel = [j for j, (k, _) in enumerate(where) if k in at]
+                self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
+                                         [(at[where[j][0]], where[j][1]) for j in sel])
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
             updates = updates.index_select(0, idx)
             n = n[keep]
@@ -298,11 +379,84 @@ class Aggregator(abc.ABC):
                 f"rule.end(ctx, model) returns as its entry of payloads")
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        """Returns a reason string if a client's payload is unusable (subclasses extend)."""
-        for key, v in payload.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not ops.all_(torch.isfinite(v)):
-                return f"payload {key!r} contains NaN/Inf"
+        """Returns a reason string if a client's payload is unusable (subclasses extend). Plain
+        Python on the payload's structure and scalars, no tensor op: the NaN/Inf scan of its
+        floating tensors is batched over the round's clients by ``_screen`` (keys in
+        ``unscreened_payload_keys`` excepted)."""
         return None
+
+    # payload keys whose tensors are not scanned for NaN/Inf (e.g. state the server sent back)
+    unscreened_payload_keys: Tuple[str, ...] = ()
+
+    _defer_global = False                              # set by aggregate() around validate (screen_in_pass)
+    _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
+    _pending_payload: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]] = None  # (flags, where)
+
+    def _global_nan(self) -> ValueError:
+        return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+
+    def _screen(self, global_flat: torch.Tensor, U: torch.Tensor, n: torch.Tensor,
+                payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
+        """The value checks of one round, {row: reason} for the bad clients (eager only; raises
+        ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
+        copy for the whole round: the NaN/Inf flags of global_flat, of the rows of U (when
+        ``rows``) and of every floating payload tensor are computed on the device (one native
+        ``finite_rows`` pass each; one ``_foreach_norm`` over the payload tensors) and copied to
+        the host together. Order of the reasons per client: row, num_examples, payload tensors,
+        ``check_payload``."""
+        if traced:
+            return {}
+        K, dev = U.size(0), U.device
+        flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
+        if rows:
+            flags.append(ops.finite_rows(U))                                   # [K]
+        # floating payload tensors (empty ones are finite): max |x| is NaN/Inf iff x has a NaN/Inf
+        T, skip = torch.Tensor, self.unscreened_payload_keys
+        found = [(k, key, v) for k, pl in enumerate(payloads) for key, v in pl.items() if isinstance(v, T)]
+        found = [f for f in found if f[2].is_floating_point() and f[2].numel() and f[1] not in skip]
+        where: List[Tuple[int, str]] = [(k, key) for k, key, _ in found]
+        tens: List[torch.Tensor] = [v for _, _, v in found]
+        other: List[torch.Tensor] = []
+        if tens:
+            by_dev: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+            for i, t in enumerate(tens):
+                by_dev.setdefault((t.device, t.dtype), []).append(i)
+            order = [i for ix in by_dev.values() for i in ix]
+            where = [where[i] for i in order]
+            for (dv, _), ix in by_dev.items():
+                with torch.no_grad():
+                    amax = torch.stack(torch._foreach_norm([tens[i] for i in ix], float("inf")))
+                ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
+                (flags if dv == dev else other).append(ok)
+        if self._defer_global and not other:
+            # checked with the rows' flags after the screening pass (aggregate / _apply_flags)
+            self._pending_global = flags[0]
+            self._pending_payload = (torch.cat(flags[1:]) if len(flags) > 1 else None, where)
+            host = torch.ones(1, dtype=torch.bool)
+        else:
+            host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                # the one sync
+            host = torch.cat([host] + [o.cpu() for o in other]) if other else host
+        if not bool(host[0]):
+            raise self._global_nan()
+        reasons: Dict[int, str] = {}
+        pos = 1
+        if rows:
+            for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
+                reasons[k] = "update contains NaN/Inf"
+            pos += K
+        bad_n = ~((n > 0) & torch.isfinite(n))                                  # host tensor, vectorised
+        for k in bad_n.nonzero().reshape(-1).tolist():
+            reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
+        for j in (~host[pos:]).nonzero().reshape(-1).tolist():
+            k, key = where[j]
+            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        if type(self).check_payload is not Aggregator.check_payload:        # the method's own (Python) checks
+            for k, pl in enumerate(payloads):
+                if k not in reasons:
+                    r = self.check_payload(pl)
+                    if r:
+                        reasons[k] = r
+        return reasons
 
     # ---- state ------------------------------------------------------------------------------------
     # Declared state: the attribute names a method carries across rounds. ``state_dict`` copies them

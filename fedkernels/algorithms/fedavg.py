@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .. import ops
 from .base import AggResult, Aggregator, RoundInput, info_values, register
 from .parts import WEIGHTINGS, check_choice, client_weights
 from .server_lr import ServerLRSchedule
@@ -20,7 +19,7 @@ class FedAvg(Aggregator):
     One native ``weighted_sum`` pass over the K x d updates; no per-layer loop.
     """
 
-    screen_after_pure = True   # stateless: one pass over U; rows are scanned only if the result is not finite
+    screen_in_pass = True      # its weighted_sum pass over U also screens the rows (RoundInput.weighted_sum)
     applies_round_lr = True    # this class's _aggregate steps with round_lr() (server_lr_schedule is honoured)
 
     def __init__(self, weighting: str = "samples", server_lr_schedule: Optional[str] = None, **kw):
@@ -49,7 +48,7 @@ class FedAvg(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
         lr = self.round_lr(rin)
-        new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=lr)
+        new = rin.weighted_sum(p, base=rin.global_flat, alpha=lr)   # (screens the rows in the same pass)
         info = {"weights": info_values(p)}
         if self.lr_schedule is not None:
             info["server_lr"] = lr

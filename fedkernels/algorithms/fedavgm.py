@@ -26,7 +26,6 @@ class FedAvgM(FedAvg):
     accumulates straight into the momentum buffer, then one axpy over d.
     """
 
-    screen_after_pure = False   # keeps state across rounds: screen the rows first
     applies_round_lr = True     # _aggregate steps with round_lr()
     state_attrs = ("momentum",)
 
@@ -45,7 +44,7 @@ class FedAvgM(FedAvg):
         p = self.weights(rin)
         g = rin.global_flat
         lr = self.round_lr(rin)
-        v = self._mom.update(rin.U, p, g)                                # v = beta v + sum p U
+        v = self._mom.step(rin, p, g)                                    # v = beta v + sum p U (screens U)
         if self.nesterov:
             step = ops.weighted_sum(rin.U, p).add_(v, alpha=self.beta)
             new = g.add(step, alpha=lr)

@@ -87,6 +87,12 @@ class FedAWARE(Aggregator):
 
     ext_momentum = momentum_attr("_ext")
 
+    @property
+    def screen_in_pass(self) -> bool:  # type: ignore[override]
+        """With ``elud`` the first read of U is the participants' Gram pass (RoundInput.gram), before
+        any state changes: it screens the rows. Without it the rows get their own finite_rows scan."""
+        return self.log_elud
+
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
         n = self.num_clients if num_clients is None else check_num_clients(num_clients)
         if self.M is not None and n != self.M.size(0):
@@ -110,15 +116,19 @@ class FedAWARE(Aggregator):
 
     def _update_momenta(self, rin: RoundInput) -> None:
         M, a = self.M, self.alpha
-        for j, cid in enumerate(rin.client_ids):
-            row = M[cid]
-            if self.init == "first_update" and not bool(self.seen[cid]):
-                row.copy_(rin.U[j])
-            else:
-                row.mul_(1.0 - a).add_(rin.U[j].to(row.device), alpha=a)
-            self.seen[cid] = True
-            self.n_examples[cid] = rin.num_examples[j]
         idx = torch.tensor(rin.client_ids, dtype=torch.long)
+        rows, urows = M.unbind(0), rin.U.to(M.device).unbind(0)     # views: no K x d copy on one device
+        first = (~self.seen.index_select(0, idx)).tolist() if self.init == "first_update" else [False] * rin.K
+        new = [j for j, f in enumerate(first) if f]
+        old = [j for j, f in enumerate(first) if not f]
+        if new:                                              # m_i := U_i at first participation
+            torch._foreach_copy_([rows[rin.client_ids[j]] for j in new], [urows[j] for j in new])
+        if old:                                              # m_i <- (1 - a) m_i + a U_i: two foreach ops
+            sel = [rows[rin.client_ids[j]] for j in old]
+            torch._foreach_mul_(sel, 1.0 - a)
+            torch._foreach_add_(sel, [urows[j] for j in old], alpha=a)
+        self.seen[idx] = True
+        self.n_examples[idx] = rin.num_examples
         Gr = ops.gram(M, rows=idx).to("cpu")                 # [k, N] fp64
         self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
@@ -158,8 +168,8 @@ class FedAWARE(Aggregator):
         self._alloc(x)
         dev = rin.U.device
         info: Dict[str, Any] = {}
-        if self.log_elud:
-            info["elud"], info["elud_sqrt"] = elud(ops.gram(rin.U).cpu())
+        if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
+            info["elud"], info["elud_sqrt"] = elud(rin.gram().cpu())
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None

@@ -158,10 +158,12 @@ class FedECADO(FederationTables, Aggregator):
 
     # ---- the round ------------------------------------------------------------------------------------
     def _hbar_for(self, rin: RoundInput) -> torch.Tensor:
-        for cid, p in zip(rin.client_ids, rin.payloads):
-            if p.get("hbar") is not None and self._hbar_opt is None:
-                self.hbar_tab[cid] = max(float(p["hbar"]), 0.0)
-                self.hbar_known[cid] = True
+        if self._hbar_opt is None:            # the sent estimates: one indexed write
+            got = [(cid, float(p["hbar"])) for cid, p in zip(rin.client_ids, rin.payloads) if p.get("hbar") is not None]
+            if got:
+                at = torch.tensor([c for c, _ in got], dtype=torch.long)
+                self.hbar_tab[at] = torch.tensor([h for _, h in got], dtype=torch.float64).clamp_min(0.0)
+                self.hbar_known[at] = True
         ids = torch.tensor(rin.client_ids, dtype=torch.long)
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]

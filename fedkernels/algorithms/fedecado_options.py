@@ -233,9 +233,10 @@ class FederationTables:
             self.I = global_flat.new_zeros((self.num_clients, global_flat.numel()))
             self.S_all = torch.zeros(global_flat.numel(), dtype=torch.float64, device=global_flat.device)
 
+    unscreened_payload_keys = ("I",)   # the flow the server sent: not the client's to screen
+
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        return check_payload(payload, self.missing_payload) or \
-            super().check_payload({k: v for k, v in payload.items() if k != "I"})
+        return check_payload(payload, self.missing_payload) or super().check_payload(payload)
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
         self._tables()

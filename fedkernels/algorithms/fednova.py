@@ -21,7 +21,6 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import ops
 from .base import AggResult, ClientContext, ClientRule, RoundInput, register
 from .fedavg import FedAvg
 from .parts import momentum_steps, optimizer_lr_momentum  # noqa: F401  (momentum_steps re-exported)
@@ -104,6 +103,6 @@ class FedNova(FedAvg):
         a = self.a_norms(rin)
         tau_eff = float((p * a).sum())
         coef = p * (tau_eff / a)
-        new = ops.weighted_sum(rin.U, coef, base=rin.global_flat, alpha=self.server_lr)
+        new = rin.weighted_sum(coef, base=rin.global_flat, alpha=self.server_lr)
         return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff,
                                "coef": coef.tolist()})

@@ -162,6 +162,7 @@ class FedPGVC(Aggregator):
     ``nan_policy`` (skip|raise|propagate), ``weighting`` (uniform|samples)."""
 
     client_rule_cls = FedPGVCRule
+    screen_in_pass = True     # stateless: its weighted_sum pass screens the rows
 
     def __init__(self, n_ctrl: Union[int, str] = 2, ctrl_modules: Optional[Sequence[str]] = None,
                  mode: str = "hadamard", lam: float = 1.0, stat: str = "mean", tau: float = 1.0,
@@ -198,5 +199,5 @@ class FedPGVC(Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
-        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
+        new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
         return AggResult(new, {"weights": a.tolist()})

@@ -126,6 +126,7 @@ class GCFed(Aggregator):
     weight decay + momentum + update in one native pass, ``ops.fused_sgd_step_``)."""
 
     client_rule_cls = LocalGCRule
+    screen_in_pass = True     # the first read of U is rin.weighted_sum; the workspace holds no state
     _defaults = dict(local_layers="all_except", global_scope="all")
 
     def __init__(self, local_layers: Optional[str] = None, global_layers: Optional[Sequence[str]] = None,
@@ -188,14 +189,14 @@ class GCFed(Aggregator):
         a = client_weights(rin, self.weighting)
         dev = rin.U.device
         if self.global_scope == "none":
-            new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=self.server_lr)
+            new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
             return AggResult(new, {"weights": a.tolist()})
         if self.spec is None:
             raise ValueError(f"{self.name}: Global GC needs the model's FlatSpec (call setup(spec=...))")
         if self.spec.d != rin.d:
             raise ValueError(f"{self.name}: FlatSpec has d={self.spec.d} but the updates have d={rin.d}")
         delta = self._workspace(rin.global_flat)
-        ops.weighted_sum(rin.U, a, out=delta)          # Delta = sum_k a_k U_k
+        delta.copy_(rin.weighted_sum(a))               # Delta = sum_k a_k U_k (the pass screens U's rows)
         apply_gc_(self._views, self.vector_policy, self.min_fanin, self.mu)   # P Delta on the global set
         new = torch.add(rin.global_flat, delta, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})

@@ -40,10 +40,11 @@ EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
 
-def kuramoto_stats(U: torch.Tensor, p) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kuramoto_stats(U: torch.Tensor, p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
-    nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U."""
-    G = ops.gram(U).to("cpu")
+    nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U (``G``: that Gram
+    matrix when the caller has it)."""
+    G = (ops.gram(U) if G is None else G).to("cpu")
     p64 = torch.as_tensor(p, dtype=torch.float64).reshape(-1).cpu()
     if p64.numel() != G.size(0):
         raise ValueError(f"kuramoto_stats: p must have K={G.size(0)} entries, got {p64.numel()}")
@@ -158,6 +159,8 @@ class KuramotoPhaseRule(ClientRule):
 class KuramotoFedAvg(Aggregator):
     """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto_options.py``)."""
 
+    screen_in_pass = True     # the first read of U (Gram, or mode C's weighted_sum) screens its rows
+
     def __init__(self, mode: str = "S", kappa0: Optional[float] = None, beta: float = 1.0, tau: float = 0.05,
                  guard: bool = True, clip_delta: bool = True, theta_bar: str = "uniform", clip: float = 10.0,
                  weighting: str = "samples", **kw):
@@ -184,7 +187,7 @@ class KuramotoFedAvg(Aggregator):
         if self.mode == "C":
             phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
-            new = ops.weighted_sum(rin.U, p, base=rin.global_flat, alpha=self.server_lr)
+            new = rin.weighted_sum(p, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
             sync = ops.weighted_sum(rin.U, b)
             clipped = ops.any_(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
@@ -192,7 +195,7 @@ class KuramotoFedAvg(Aggregator):
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
                     "sync_coef": b.tolist(), "clipped": clipped}
             return AggResult(new, info)
-        dot, nsq, nbar = kuramoto_stats(rin.U, p)
+        dot, nsq, nbar = kuramoto_stats(rin.U, p, G=rin.gram())     # the Gram pass also screens U's rows
         if self.mode == "S":
             kap = min(max(kt, 0.0), 1.0)
             a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,

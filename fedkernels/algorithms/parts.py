@@ -56,6 +56,16 @@ class ServerMomentum:
         self.beta = float(beta)
         self.v: Optional[torch.Tensor] = None
 
+    def step(self, rin: RoundInput, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The same update through ``rin.weighted_sum`` (the pass that screens U's rows in
+        ``Aggregator.screen_in_pass`` methods): v is replaced only after that pass, so a round the
+        screen restarts has changed nothing."""
+        if self.v is None or self.v.shape != like.shape:
+            self.v = torch.zeros_like(like)
+        v = self.v.to(device=like.device, dtype=like.dtype)
+        self.v = rin.weighted_sum(p, base=v.mul(self.beta))
+        return self.v
+
     def update(self, U: torch.Tensor, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         if self.v is None or self.v.shape != like.shape:
             self.v = torch.zeros_like(like)
@@ -318,6 +328,7 @@ class ControlVariateServer(Aggregator):
     steps_key = "local_steps"
     require_num_clients = False
     state_attrs = ("c", "c_table", "c_rows", "seen")   # the layout (ranges, d_c) is derived from the spec
+    screen_in_pass = True                               # _aggregate reads U first, through rin.weighted_sum
 
     def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
                  num_clients: Optional[int] = None, **kw):
@@ -392,13 +403,20 @@ class ControlVariateServer(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat
         p = client_weights(rin, self.weighting)
-        new = ops.weighted_sum(rin.U, p, base=g, alpha=self.server_lr)
+        new = rin.weighted_sum(p, base=g, alpha=self.server_lr)         # first read of U: screens its rows
         self.seen.update(rin.client_ids)
         N = self.num_clients if self.num_clients is not None else len(self.seen)
-        dsum = torch.zeros_like(self.c)
-        for cid, pl in zip(rin.client_ids, rin.payloads):
-            dc = pl["delta_c"].reshape(-1).to(device=self.c.device, dtype=self.c.dtype)
-            self._ci(cid, create=True).add_(dc)
-            dsum.add_(dc)
-        self.c.add_(dsum, alpha=1.0 / N)
+        c = self.c
+        dcs = [pl["delta_c"] for pl in rin.payloads]
+        if any(v.dim() != 1 or v.dtype != c.dtype or v.device != c.device for v in dcs):
+            dcs = [v.reshape(-1).to(device=c.device, dtype=c.dtype) for v in dcs]
+        if self.c_table is not None:          # c_i += delta_c_i for the round's rows: one foreach op
+            rows = self.c_table.unbind(0)
+            torch._foreach_add_([rows[cid] for cid in rin.client_ids], dcs)
+        else:                                 # N unknown: a dict of the clients seen so far
+            for cid, dc in zip(rin.client_ids, dcs):
+                self._ci(cid, create=True).add_(dc)
+        # sum_i delta_c_i: one fixed-order pass (the deltas arrive as K separate [d_c] tensors)
+        dsum = ops.weighted_sum(torch.stack(dcs), torch.ones(len(dcs), dtype=torch.float64))
+        c.add_(dsum, alpha=1.0 / N)
         return AggResult(new, {"weights": p.tolist(), "c_scale": 1.0 / N})

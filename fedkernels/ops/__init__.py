@@ -1,7 +1,7 @@
 """Validated Python API over the native ops (``torch.ops.fedkernels.*``), one module per op family:
 
 =================  ==========================================================================
-``aggregate``      ``gram``, ``weighted_sum``, ``finite_rows``, ``weighted_sum_chunked``
+``aggregate``      ``gram``, ``weighted_sum`` (each also ``_screened``), ``finite_rows``, ``weighted_sum_chunked``
 ``minnorm``        ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
 ``gc``             ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
 ``linalg``         ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve``,
@@ -22,8 +22,9 @@ tensors for every device.
 
 NaN policy: the ops do not scan their inputs for NaN/Inf on the hot path; NaN and Inf propagate
 as in IEEE arithmetic (a NaN in a selected row of ``U`` makes the matching output entries NaN).
-Screening is explicit and cheap: ``finite_rows(U)`` reads U once and says which rows are finite;
-the aggregators call it and reject or exclude bad clients before any arithmetic.
+Screening is explicit and cheap: ``finite_rows(U)`` reads U once and says which rows are finite,
+and ``weighted_sum_screened`` / ``gram_screened`` return the same flags from the op's own pass (no
+extra read); the aggregators use them to reject or exclude bad clients (see ``Aggregator.aggregate``).
 
 torch.compile: the wrappers trace with ``fullgraph=True``; checks that need tensor values are
 skipped while tracing (the kernels keep their own last-line checks), the others still raise.
@@ -35,7 +36,8 @@ from .. import _native
 _native.require()
 
 from ._checks import FLOAT_DTYPES, RowsLike  # noqa: E402
-from .aggregate import finite_rows, gram, weighted_sum, weighted_sum_chunked  # noqa: E402
+from .aggregate import (finite_rows, gram, gram_screened, weighted_sum, weighted_sum_chunked,  # noqa: E402
+                        weighted_sum_screened)
 from .fused import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .linalg import LU_MAX_N, arrowhead_solve, fedecado_be_step, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
@@ -43,7 +45,7 @@ from .minnorm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .reductions import (Reducer, active_reducer, all_, amax_d, any_, dot, mean_d, reduce_across,  # noqa: E402
                          sqnorm)
 
-__all__ = ["gram", "weighted_sum", "finite_rows", "weighted_sum_chunked",
+__all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked",
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step",

@@ -195,12 +195,19 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 _DISPATCH_KEY = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hip": "HIP"}
 
 
+def has_kernel(native: str, device: torch.device) -> bool:
+    """True when ``fedkernels::<native>`` has a kernel for ``device`` in this build."""
+    if device.type in ("cpu", "meta"):
+        return True
+    key = _DISPATCH_KEY.get(device.type, "PrivateUse1")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"fedkernels::{native}", key)
+
+
 def _needs_kernel(native: str, device: torch.device, op: str) -> None:
     """One clear error before any work when ``fedkernels::<native>`` has no kernel for ``device``
     in this build (e.g. a CPU-only build given CUDA tensors)."""
-    if device.type in ("cpu", "meta") or tracing():
+    if tracing():
         return
-    key = _DISPATCH_KEY.get(device.type, "PrivateUse1")
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fedkernels::{native}", key):
+    if not has_kernel(native, device):
         raise ValueError(f"{op}: this build of fedkernels has no {device.type} kernel for fedkernels::{native}; "
                          f"pass CPU tensors (got {device})")

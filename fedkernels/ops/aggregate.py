@@ -14,7 +14,7 @@ ranks.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -24,7 +24,7 @@ from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel,
 from . import _autograd as _ag
 from .reductions import shard_and, shard_sum
 
-__all__ = ["gram", "weighted_sum", "finite_rows", "weighted_sum_chunked"]
+__all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked"]
 
 
 def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
@@ -75,6 +75,41 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     _no_grad_through("weighted_sum(out=...)", U, c, base, out)
     torch.ops.fedkernels.weighted_sum_out(U, c, base, alpha, r, out)
     return out
+
+
+def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(gram(U), ok)``, ok[k] = isfinite(G[k, k]) ([K] bool on U's device): the NaN/Inf screen of
+    the rows from the Gram pass itself, no extra read of U. A row with a NaN/Inf has a non-finite
+    squared norm; a finite fp16/bf16/fp32 row never does (its squares are exact in float64 and
+    cannot overflow it), so the flags are exact for those dtypes. A finite float64 row whose
+    squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
+    (the aggregators do). Not differentiable."""
+    U = _matrix(U, "gram_screened")
+    _no_grad_through("gram_screened", U)
+    G = gram(U)
+    return G, torch.isfinite(torch.diagonal(G)).to(U.device)
+
+
+def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                          rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(weighted_sum(U, coef, base, alpha, rows), ok)``, ok[i] = all(isfinite(U[rows[i]])) ([len(rows)]
+    bool on U's device), from the same pass over U: the NaN/Inf screen of the rows costs no extra
+    read. Arguments as :func:`weighted_sum`; not differentiable (a screen, not a formula)."""
+    op = "weighted_sum_screened"
+    U = _matrix(U, op)
+    _needs_kernel(op, U.device, op)
+    K, d = U.shape
+    r = _rows(rows, K, op)
+    c = _coef(coef, K if r is None else r.numel(), op)
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    if base is not None:
+        base = _vector(base, op, "base", d, U)
+        if not base.is_contiguous():
+            base = base.contiguous()
+    _no_grad_through(op, U, c, base)
+    out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
+    return out, shard_and(ok)
 
 
 def finite_rows(U: torch.Tensor) -> torch.Tensor:
@@ -145,6 +180,13 @@ def _wsum_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor]
 def _wsum_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
                    rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
     return None
+
+
+@torch.library.register_fake("fedkernels::weighted_sum_screened")
+def _wsum_screened_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                        rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    n = U.size(0) if rows is None else rows.size(0)
+    return U.new_empty((U.size(1),)), U.new_empty((n,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::finite_rows")

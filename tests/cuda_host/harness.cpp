@@ -5,6 +5,7 @@
 //   wsum A V vec K d n alpha wide  U[K*d] coef[n] rows[n] base[d or empty: flag] -> out[d] | ERR
 //   vecok u ld_bytes K out base                                                    -> 0/1
 //   fits alpha c                                                                   -> 0/1
+//   wfin x                                 -> wsum::finite<float>((float)x) wsum::finite<double>(x): 0/1 0/1
 //   pivot k n col[n]                                                               -> warp_p block_p
 //   lusolve n m LU[n*n] piv[n] R[n*m]                                              -> X[n*m]
 //   arrow K m inv_den coef[3K] r0[m] R[K*m]                                        -> x[m] I[K*m]
@@ -516,6 +517,9 @@ int main() {
     if (cmd == "fits") {
       const double a = rd(in), c = rd(in);
       std::printf("%d\n", wsum::fits_float(a, c) ? 1 : 0);
+    } else if (cmd == "wfin") {
+      const double x = rd(in);
+      std::printf("%d %d\n", wsum::finite<float>((float)x) ? 1 : 0, wsum::finite<double>(x) ? 1 : 0);
     } else if (cmd == "vecok") {
       const long long u = ri(in), ldb = ri(in), K = ri(in), o = ri(in), b = ri(in);
       std::printf("%d\n", wsum::vec_ok((uintptr_t)u, ldb, K, (uintptr_t)o, (uintptr_t)b) ? 1 : 0);
