@@ -23,7 +23,7 @@ import torch
 from fedkernels import FlatSpec, algorithms
 from fedkernels.algorithms.base import _REGISTRY
 
-from .common import RESULTS, compare, print_table, write_json
+from .common import add_out_argument, compare, print_table, write_json
 
 # Options a method needs to be built at all (others keep their defaults).
 OPTIONS: Dict[str, Dict[str, Any]] = {"local_gc_only": {"lam": 0.5}}
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--baseline", default=None, help="a cpu-hostwork JSON written earlier, shown as 'before'")
-    ap.add_argument("--out", default="cpu-hostwork.json", help="file name under bench/results")
+    add_out_argument(ap)
     a = ap.parse_args(argv)
     if a.clients < 1:
         print(f"cpu_hostwork: --clients must be >= 1, got {a.clients}", file=sys.stderr)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                 r["speedup"] = b["ms"] / r["ms"]
         cols += ["before_ms", "speedup"]
     print_table(rows, cols)
-    print("wrote", write_json(a.out, rows, {"target_ms": 1.0}))
+    print("wrote", write_json("cpu-hostwork.json", rows, {"target_ms": 1.0}, out=a.out))
     return 0
 
 
