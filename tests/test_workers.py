@@ -26,7 +26,7 @@ from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import BadClientError, Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N forks")
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

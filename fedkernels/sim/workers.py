@@ -278,6 +278,7 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
     try:
         torch.set_num_threads(int(threads))
         torch.set_default_dtype(flags["default_dtype"])
+        torch.set_float32_matmul_precision(flags["matmul_precision"])
         if flags["deterministic"]:      # (only then: the call imports torch._inductor, 1.4 s of CPU)
             torch.use_deterministic_algorithms(True, warn_only=flags["warn_only"])
         t_loaded = time.time() - flags["t_launch"]
@@ -358,7 +359,7 @@ class WorkerPool:
         storages, blob = _worker_state(sim)
         ctx = tmp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)   # (read when the fork server starts: once per main process)
-        flags = {"default_dtype": torch.get_default_dtype(),
+        flags = {"default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
                  "deterministic": torch.are_deterministic_algorithms_enabled(),
                  "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(), "t_launch": time.time()}
         work_nbytes = sim.trainer.work.untyped_storage().nbytes()
@@ -454,8 +455,10 @@ class WorkerPool:
                     pending -= take(self.conns[i])                      # its last words (a "fatal" line)
                     p = self.procs[i]
                     p.join(0.1)
+                    hint = (" (its error is above; a script that sets workers > 1 needs `if __name__ == \"__main__\":`)"
+                            if when == "while starting" else "")
                     raise RunError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
-                                   f"{when}; the run stops")
+                                   f"{when}{hint}; the run stops")
         return results
 
     def _run_batches(self, r: int, jobs: Sequence[Any], batch_size: int) -> List[List[Any]]:
