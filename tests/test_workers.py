@@ -70,8 +70,9 @@ class PidRecorder:
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"]],
-                         ids=["fedavg-smoke", "scaffold"])
+@pytest.mark.parametrize("extra", [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"],
+                                   ["algorithm.name=fedecado"]],
+                         ids=["fedavg-smoke", "scaffold", "fedecado"])
 def test_bit_identical_to_one_process(extra):
     s1, _ = run(smoke(*extra))
     s2, _ = run(smoke("workers=2", *extra))
@@ -85,6 +86,17 @@ def test_bit_identical_to_one_process(extra):
         for k, v in st1.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, st2[k]), k
+
+
+def test_workers_get_the_aggregator_configuration_not_its_state():
+    """What a worker receives is small: SCAFFOLD's per-client control-variate table (K x d, the
+    server's state) stays in the main process (a rule gets its c / c_i as payloads)."""
+    from fedkernels.sim.workers import _worker_state
+    s = Simulation(smoke("algorithm.name=scaffold", "num_clients=40", "workers=2"), write_outputs=False).setup()
+    table = s.agg.c_table
+    _, blob = _worker_state(s)
+    assert table.numel() >= 40 * s.spec.d and len(blob) < table.numel() * table.element_size() // 10
+    assert s.agg.c_table is table                      # the main process's aggregator is untouched
 
 
 def _parts_with_empty_client(cfg):

@@ -14,8 +14,8 @@ exchange and the aggregation stay in the main process, unchanged.
   has usually run autograd before (an earlier run, a notebook, a test). The fork server is a fresh
   interpreter that imports this module and never runs autograd, so the workers it forks are safe on
   every machine; it is started once per main process (later runs reuse it). A worker receives the
-  set-up simulation pickled once (:func:`_worker_state`: the model, FlatSpec, aggregator
-  configuration, client partition, transform), except the large tensors, which stay in shared
+  set-up simulation pickled once (:func:`_worker_state`: the model, FlatSpec, the aggregator's
+  configuration without its declared state, client partition, transform), except the large tensors, which stay in shared
   memory: the data set (train and test), the global model vector and the server's ``UpdateBuffer``.
   A worker reads the broadcast global model from the one shared vector and writes its clients'
   updates straight into their rows of the K x d buffer; no d-sized update is pickled. Its model
@@ -62,6 +62,7 @@ these models).
 """
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -218,6 +219,12 @@ def _worker_state(sim):
     keys[_storage_key(sim.trainer.work)] = "work"
     lite = object.__new__(type(sim))
     lite.__dict__.update({k: sim.__dict__[k] for k in _WORKER_ATTRS})
+    # the aggregator's configuration, which its client rule reads; not its declared state (state_attrs:
+    # per-client tables, momentum, ...: the server's, K x d for SCAFFOLD), which a rule gets as payloads
+    lite.agg = copy.copy(sim.agg)
+    for k in getattr(sim.agg, "state_attrs", ()):
+        if k in lite.agg.__dict__:
+            lite.agg.__dict__[k] = None
     f = io.BytesIO()
     try:
         _StatePickler(f, keys).dump(lite)
