@@ -263,6 +263,9 @@ class Simulation:
             return self
         cfg = self.cfg
         self._check_run_dir()
+        if cfg.workers > 1:        # the workers' fork server starts while this process sets up
+            from .workers import prestart
+            prestart()
         self.device = resolve_device(cfg.device)
         x, y, xt, yt = self._load_data()
         parts = self._partition(y)

@@ -79,7 +79,7 @@ from ..errors import RunError
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["WorkerPool", "default_threads", "pool_for", "usable_cores"]
+__all__ = ["WorkerPool", "default_threads", "pool_for", "prestart", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -339,6 +339,15 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
             pass
 
 
+def prestart() -> None:
+    """Starts the fork server now, without waiting for it: its imports (torch, the simulator,
+    torch._dynamo: seconds) overlap the main process's set-up. Idempotent; ``WorkerPool.start``
+    calls it too."""
+    from multiprocessing import forkserver
+    forkserver.set_forkserver_preload(_PRELOAD)     # (read when the fork server starts: once per main process)
+    forkserver.ensure_running()
+
+
 class WorkerPool:
     """N forked worker processes training clients of a set-up :class:`Simulation` (module docstring).
     ``start()`` once after ``sim.setup()``; ``train_local(...)`` per round; ``close()`` always."""
@@ -364,8 +373,8 @@ class WorkerPool:
         t0 = time.perf_counter()
         sim = self.sim
         storages, blob = _worker_state(sim)
+        prestart()
         ctx = tmp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)   # (read when the fork server starts: once per main process)
         flags = {"default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
                  "deterministic": torch.are_deterministic_algorithms_enabled(),
                  "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(), "t_launch": time.time()}
