@@ -364,6 +364,7 @@ class WorkerPool:
         self.conns: List[Any] = []
         self.tasks = None
         self.t_start = 0.0
+        self.t_ready: List[Any] = []      # per worker: (seconds to ready, seconds before its state loaded)
         self._jobs = 0
 
     def start(self) -> "WorkerPool":
