@@ -26,7 +26,7 @@ def _sim(tmp_path, fault, **kw):
         res = real_train(cid, rnd, global_flat, *a, **k)
         if cid == victim and rnd == 0:
             if fault == "raise":
-                raise RuntimeError("injected failure mid-training")
+                raise FloatingPointError("injected failure mid-training")   # a bad-client error (server.CLIENT_ERRORS)
             if fault == "nan":
                 with torch.no_grad():
                     next(sim.model.parameters()).view(-1)[0] = float("nan")

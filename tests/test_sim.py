@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fedkernels import algorithms
+from fedkernels.errors import RunError
 from fedkernels.sim import checkpoint as ckpt
 from fedkernels.sim import presets
 from fedkernels.sim.client import ClientTrainer, HeteroCompute, schedule_factor
@@ -201,7 +202,7 @@ def _faulty(monkeypatch, nan_client, error_client):
 
     def train(self, cid, rnd, *a, **kw):
         if cid == error_client:
-            raise RuntimeError("simulated crash")
+            raise ValueError("simulated crash")      # a bad-client error (server.CLIENT_ERRORS)
         res = orig(self, cid, rnd, *a, **kw)
         if cid == nan_client:
             self.work[3] = float("nan")
@@ -235,15 +236,16 @@ def test_bad_client_policy_raise(digits, tmp_path, monkeypatch):
         sim(cfg, digits, write_outputs=False).run()
 
 
-def test_all_clients_bad_keeps_global(digits, tmp_path, monkeypatch):
+def test_all_clients_bad_is_a_run_error(digits, tmp_path, monkeypatch):
+    """Every client of a round excluded: nothing was trained, the run stops (#26), the global model kept."""
     cfg = tiny_cfg(tmp_path, rounds=1, num_clients=2, clients_per_round=1)
     s = sim(cfg, digits, write_outputs=False)
     s.setup()
     g0 = s.global_flat.clone()
     _faulty(monkeypatch, nan_client=None, error_client=s.schedule[0][0])
-    s.run()
-    assert torch.equal(s.global_flat, g0)
-    assert s.metrics[0]["agg"].get("skipped") is True
+    with pytest.raises(RunError, match=r"round 1: every client was excluded \(1 of 1: ValueError: simulated crash"):
+        s.run()
+    assert torch.equal(s.global_flat, g0) and s.metrics == []
 
 
 # ---- config --------------------------------------------------------------------------------------

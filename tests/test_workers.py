@@ -1,9 +1,12 @@
-"""workers=N: a round's clients trained in N forked worker processes (fedkernels.sim.workers).
+"""workers=N: a round's clients trained in N worker processes (fedkernels.sim.workers).
 
-Bit-identical to workers=1 at the same per-process thread count; bad clients follow the policy as in
-one process; the workers never outlive the run (normal end, error, KeyboardInterrupt, a dead worker,
-the main process killed)."""
+Bit-identical to workers=1 at the same per-process thread count; the workers are never forks of the
+main process (where autograd may have run); bad clients follow the policy as in one process; a
+failure of a worker (cannot start, dies, a client error that is not a bad client) and a round whose
+clients were all excluded are run errors (one line, exit 1 on the CLI), in every mode; the workers
+never outlive the run (normal end, error, KeyboardInterrupt, a dead worker, the main process killed)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,13 +18,15 @@ import pytest
 import torch
 from torch import nn
 
+from fedkernels.errors import RunError
 from fedkernels.sim import presets
+from fedkernels.sim.client import ClientTrainer
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import BadClientError, Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N forks")
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,8 +70,9 @@ class PidRecorder:
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"]],
-                         ids=["fedavg-smoke", "scaffold"])
+@pytest.mark.parametrize("extra", [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"],
+                                   ["algorithm.name=fedecado"]],
+                         ids=["fedavg-smoke", "scaffold", "fedecado"])
 def test_bit_identical_to_one_process(extra):
     s1, _ = run(smoke(*extra))
     s2, _ = run(smoke("workers=2", *extra))
@@ -80,6 +86,17 @@ def test_bit_identical_to_one_process(extra):
         for k, v in st1.items():
             if isinstance(v, torch.Tensor):
                 assert torch.equal(v, st2[k]), k
+
+
+def test_workers_get_the_aggregator_configuration_not_its_state():
+    """What a worker receives is small: SCAFFOLD's per-client control-variate table (K x d, the
+    server's state) stays in the main process (a rule gets its c / c_i as payloads)."""
+    from fedkernels.sim.workers import _worker_state
+    s = Simulation(smoke("algorithm.name=scaffold", "num_clients=40", "workers=2"), write_outputs=False).setup()
+    table = s.agg.c_table
+    _, blob = _worker_state(s)
+    assert table.numel() >= 40 * s.spec.d and len(blob) < table.numel() * table.element_size() // 10
+    assert s.agg.c_table is table                      # the main process's aggregator is untouched
 
 
 def _parts_with_empty_client(cfg):
@@ -248,3 +265,153 @@ def test_evaluation_in_the_workers_bit_identical(monkeypatch):
     s, _ = run(smoke("workers=2", "client_loss=participants", "eval_batch_size=5000"))   # one batch, one worker idle
     monkeypatch.undo()
     assert strip(s.metrics) == strip(run(smoke("client_loss=participants", "eval_batch_size=5000"))[0].metrics)
+
+
+# ---- the start method: never a fork of the main process --------------------------------------------
+# torch built with CUDA, on a machine with a GPU: the first backward starts autograd's device threads
+# and registers a pthread_atfork handler (torch/csrc/autograd/engine.cpp, in_bad_autograd_fork) after
+# which backward in any process forked from this one raises the message below. Emulated here with
+# os.register_at_fork: a forked child of the process that registered the handler gets a backward
+# that raises it.
+AUTOGRAD_FORK = ("Unable to handle autograd's threading in combination with fork-based multiprocessing. "
+                 "See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+_BAD_FORK = {"on": False, "registered": False}
+
+
+def _poison_backward_in_child():
+    if _BAD_FORK["on"]:
+        def backward(*a, **k):
+            raise RuntimeError(AUTOGRAD_FORK)
+        torch.autograd.backward = backward
+
+
+def test_workers_are_not_forks_of_the_main_process():
+    """With autograd "bad to fork" in this process (as after any backward under a CUDA torch with a
+    GPU), workers=2 still trains every client, bit for bit as one process (a plain fork of this
+    process would fail every client's backward)."""
+    ref, _ = run(smoke())                     # autograd has run here
+    if not _BAD_FORK["registered"]:
+        os.register_at_fork(after_in_child=_poison_backward_in_child)
+        _BAD_FORK["registered"] = True
+    _BAD_FORK["on"] = True
+    try:
+        s, _ = run(smoke("workers=2"))
+    finally:
+        _BAD_FORK["on"] = False
+    assert all(m["excluded"] == [] for m in s.metrics)
+    assert torch.equal(s.global_flat, ref.global_flat)
+
+
+# ---- failures of the workers are run errors, never bad clients ----------------------------------------
+SITECUSTOMIZE = f"""
+import os, sys
+def _bad_fork():     # every process forked from this one (the fork server's workers): backward fails
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        def backward(*a, **k):
+            raise RuntimeError({AUTOGRAD_FORK!r})
+        torch.autograd.backward = backward
+os.register_at_fork(after_in_child=_bad_fork)
+"""
+
+
+def _cli(tmp_path, *args, sitecustomize=None):
+    path = [ROOT]
+    if sitecustomize is not None:
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
+        path.insert(0, str(tmp_path / "site"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    return subprocess.run([sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "threads=1", "plots=false",
+                           f"out_dir={tmp_path / 'runs'}", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def _nothing_logged(tmp_path, r):
+    """The run stopped before any round was logged: no round line, an empty metrics.jsonl, and
+    provenance.json says it failed."""
+    import json
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "round    1/2" not in r.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    assert json.loads((run_dir / "provenance.json").read_text())["status"] == "failed"
+
+
+def test_worker_failure_is_a_run_error_on_the_cli(tmp_path):
+    """The autograd-after-fork RuntimeError in every worker (injected), under the default exclude
+    policy: not a bad client but a run error: exit 1, one line naming it, no round logged."""
+    r = _cli(tmp_path, "workers=2", "bad_client_policy=exclude", sitecustomize=SITECUSTOMIZE)
+    assert r.returncode == 1, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("fedkernels run: error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(r"round 1, client \d+: RuntimeError: Unable to handle autograd's threading .* \(in worker \d, "
+                     r"pid \d+\) \(a failure of the run, not a bad client update; the run stops\)", errors[0]), errors
+    assert "excluded client" not in r.stderr
+    _nothing_logged(tmp_path, r)
+
+
+class _UnpicklesOnlyIn(nn.Module):
+    """A model that cannot be rebuilt in any process but ``parent`` (a worker fails to start)."""
+
+    def __init__(self, parent):
+        super().__init__()
+        self.parent = parent
+        self.lin = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.lin(x.reshape(len(x), -1))
+
+    def __setstate__(self, state):
+        if os.getpid() != state["parent"]:
+            raise ImportError("injected: no module named 'only_in_the_parent'")
+        super().__setstate__(state)
+
+
+def test_worker_that_cannot_start_stops_the_run():
+    parent = os.getpid()
+    s = Simulation(smoke("workers=2"), write_outputs=False, model_fn=lambda *a: _UnpicklesOnlyIn(parent))
+    with pytest.raises(RunError, match=r"workers=2: worker \d \(pid \d+\) could not start: ImportError: injected: "
+                                       r"no module named 'only_in_the_parent' while starting; the run stops"):
+        s.run()
+    assert s._pool is None and s.metrics == []
+
+
+def test_what_cannot_be_sent_to_the_workers_is_refused_before_they_start():
+    s = Simulation(smoke("workers=2"), write_outputs=False, transform=lambda x, g: x)
+    with pytest.raises(ValueError, match="workers=2: the set-up simulation cannot be sent to the worker processes "
+                                         r"\(.*lambda.*\); with workers > 1 the model, transform and aggregator must "
+                                         "be picklable"):
+        s.run()
+    assert s._pool is None and s.metrics == []
+
+
+def test_client_runtime_error_is_a_run_error_in_one_process(monkeypatch):
+    """Sequential mode, exclude policy: a RuntimeError of one client's training (e.g. out of memory)
+    stops the run; a bad-client error (ValueError) of another client is still excluded."""
+    orig = ClientTrainer.train
+
+    def train(self, cid, rnd, *a, **k):
+        if cid == 1:
+            raise ValueError("client 1: invalid input")
+        if cid == 2:
+            raise RuntimeError("injected: out of memory")
+        return orig(self, cid, rnd, *a, **k)
+    monkeypatch.setattr(ClientTrainer, "train", train)
+    s = Simulation(smoke("bad_client_policy=exclude"), write_outputs=False)
+    with pytest.raises(RunError, match=r"^round 1, client 2: RuntimeError: injected: out of memory \(a failure of the "
+                                       r"run, not a bad client update; the run stops\)$"):
+        s.run()
+    assert s.metrics == []
+
+
+# ---- a round with every client excluded is a run error (#26) -----------------------------------------------
+@pytest.mark.parametrize("workers", ["workers=1", "workers=2"])
+def test_every_client_excluded_is_a_run_error_on_the_cli(tmp_path, workers):
+    """A learning rate so large that every client's update overflows to NaN/Inf: each client is
+    excluded (the policy), then the round, which trained nothing, stops the run: exit 1, one line."""
+    r = _cli(tmp_path, workers, "train.lr=1.0e+30")
+    assert r.returncode == 1, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("fedkernels run: error:")]
+    assert errors == ["fedkernels run: error: round 1: every client was excluded (4 of 4: update contains NaN/Inf "
+                      "(4 clients)); nothing was trained, the run stops"], r.stderr
+    _nothing_logged(tmp_path, r)

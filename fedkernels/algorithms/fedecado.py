@@ -134,7 +134,7 @@ class FedECADO(FederationTables, Aggregator):
         self.ablations = replace(ablations or Ablations(), **flat_abl)
         check_choice(n, "solver", solver, SOLVERS)
         self.solver = solver
-        self.loss_fn = loss_fn if loss_fn is not None else (lambda out, y: F.cross_entropy(out, y))
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy   # (a function: picklable, for workers=N)
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
         self.num_clients = num_clients

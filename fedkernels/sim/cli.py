@@ -79,8 +79,9 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
 
 
 def cmd_run(a) -> int:
+    from ..errors import RunError
     from .checks import check_run
-    from .server import Simulation
+    from .server import BadClientError, Simulation
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:
         raise ValueError(f"one CONFIG file expected, got {paths}")
@@ -117,8 +118,8 @@ def cmd_run(a) -> int:
         s = sim.run()
     except KeyboardInterrupt:
         return 130           # the run printed its one line (checkpoint written)
-    except RuntimeError as e:
-        if type(e).__name__ != "LostRankError":
+    except RuntimeError as e:   # a run error (RunError, LostRankError, BadClientError): one line, exit 1
+        if not isinstance(e, (RunError, BadClientError)) and type(e).__name__ != "LostRankError":
             raise
         print(f"fedkernels run: error: {e}", file=sys.stderr, flush=True)
         return 1

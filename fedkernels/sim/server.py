@@ -12,10 +12,16 @@ new global model. Evaluation (test accuracy and loss; the global model's loss on
 training data and its variance over clients, Kuramoto §2.8) runs every ``eval_every`` rounds and
 after the last one.
 
-Bad clients (``bad_client_policy="exclude"``, the default): a client whose training raises, or
-whose update contains NaN/Inf, is left out of the round and logged (``excluded`` in metrics.jsonl);
-the aggregator is built with ``on_bad_update="exclude"`` too, so unusable payloads are dropped
-the same way. With ``"raise"`` the first bad client stops the run.
+Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
+or whose training raises a bad-client error (:data:`CLIENT_ERRORS`: a ValueError of its own input,
+e.g. no training examples or an invalid learning rate; an ArithmeticError such as a rule's
+FloatingPointError; ``BadUpdateError``), is left out of the round and logged (``excluded`` in
+metrics.jsonl); the aggregator is built with ``on_bad_update="exclude"`` too, so unusable payloads
+are dropped the same way. With ``"raise"`` the first bad client stops the run. Any other error of a
+client's training (a RuntimeError from torch: out of memory, autograd in a forked process; an
+OSError, an ImportError, a bug) is not the client's update: it stops the run (``RunError``, one
+line; exit 1 on the CLI) under either policy, in every mode. A round in which every client was
+excluded stops the run the same way: nothing was trained.
 
 If the global model itself becomes non-finite the run stops early, ``diverged`` is recorded and
 the outputs are written.
@@ -35,6 +41,7 @@ import torch
 from torch import nn
 
 from .. import algorithms, ops
+from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
 from . import checkpoint as ckpt
 from .client import (STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, ClientTrainer, HeteroCompute, client_losses,
@@ -47,6 +54,18 @@ log = logging.getLogger("fedkernels.sim")
 
 class BadClientError(RuntimeError):
     """A client failed and bad_client_policy is "raise"."""
+
+
+# what one client's training may raise and still be a bad client (excluded, or BadClientError under
+# "raise"); BadUpdateError is a ValueError. Anything else stops the run (module docstring).
+CLIENT_ERRORS = (BadClientError, ValueError, ArithmeticError)
+
+
+def client_error(e: BaseException):
+    """``(reason, bad_client)`` of an exception raised while training one client: the line that names
+    it and whether it is that client's bad update (:data:`CLIENT_ERRORS`) or a failure of the run."""
+    reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+    return reason, isinstance(e, CLIENT_ERRORS)
 
 
 def sample_schedule(seed: int, num_clients: int, per_round: int, rounds: int) -> List[List[int]]:
@@ -238,6 +257,9 @@ class Simulation:
             return self
         cfg = self.cfg
         self._check_run_dir()
+        if cfg.workers > 1:        # the workers' fork server starts while this process sets up
+            from .workers import prestart
+            prestart()
         self.device = resolve_device(cfg.device)
         x, y, xt, yt = self._load_data()
         parts = self._partition(y)
@@ -451,14 +473,14 @@ class Simulation:
                     factor: float) -> Dict[str, Any]:
         """Phase 2: trains this process's clients into ``self.buf`` (schedule order). Returns
         ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos, record)
-        pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise") and ``t_local``."""
+        pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise", or a RunError's
+        for a failure that is not a bad client: :meth:`client_failed`) and ``t_local``."""
         if self.cfg.workers > 1:   # N worker processes (fedkernels.sim.workers), the same return value
             from .workers import pool_for
             return pool_for(self).train_local(r, ids, mine, payload_of, factor)
         if getattr(self, "batched", None) is not None and not self.batched.delegating:
             return self.batched.train_local(r, ids, mine, payload_of, factor)   # sim/batched.py
         from tqdm.auto import tqdm
-        cfg = self.cfg
         self._sync()
         t0 = time.perf_counter()
         accepted: List[Dict[str, Any]] = []
@@ -471,17 +493,42 @@ class Simulation:
             try:
                 res = self.train_client(self.buf, cid, r, base_lr, factor, epochs, payload_of(pos))
             except Exception as e:  # noqa: BLE001 - the policy decides
-                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
-                if cfg.bad_client_policy == "raise":
-                    error = (pos, f"round {r + 1}, client {cid}: {reason}", e)
+                error = self.client_failed(r, pos, cid, *client_error(e), e, excluded)
+                if error is not None:
                     break
-                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
                 continue
             accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": res.payload,
                              "loss": res.train_loss, "steps": res.steps})
         self._sync()
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
+
+    def client_failed(self, r: int, pos: int, cid: int, reason: str, bad_client: bool, exc: BaseException,
+                      excluded: List[Any]):
+        """The policy for client ``cid`` (position ``pos``) whose training failed with ``reason``
+        (:func:`client_error`): None when it is excluded (logged, appended to ``excluded``), else the
+        round's ``error`` entry ``(pos, message, exception)``: BadClientError's under "raise", a
+        RunError for a failure that is not a bad client (under either policy)."""
+        if not bad_client:
+            msg = (f"round {r + 1}, client {cid}: {reason} (a failure of the run, not a bad client update; "
+                   "the run stops)")
+            err = RunError(msg)
+            err.__cause__ = exc
+            return pos, msg, err
+        if self.cfg.bad_client_policy == "raise":
+            return pos, f"round {r + 1}, client {cid}: {reason}", exc
+        log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
+        excluded.append((pos, {"client_id": int(cid), "reason": reason}))
+        return None
+
+    def nothing_trained(self, r: int, ids: Sequence[int], excluded: List[Dict[str, Any]]) -> RunError:
+        """The error of a round in which every client was excluded (one line: how many, why)."""
+        why: Dict[str, int] = {}
+        for e in excluded:
+            why[str(e.get("reason"))] = why.get(str(e.get("reason")), 0) + 1
+        top = "; ".join(f"{k} ({v} client{'s' if v > 1 else ''})" for k, v in list(why.items())[:2])
+        more = f"; {len(why) - 2} other reason(s)" if len(why) > 2 else ""
+        return RunError(f"round {r + 1}: every client was excluded ({len(excluded)} of {len(ids)}: {top}{more}); "
+                        "nothing was trained, the run stops")
 
     def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """Phase 3: every trained client of the round, in schedule order, as the aggregator takes them:
@@ -489,6 +536,8 @@ class Simulation:
         process) and ``t_exchange``. Raises BadClientError for a client error under "raise"."""
         if local["error"] is not None:
             _, msg, exc = local["error"]
+            if isinstance(exc, RunError):
+                raise exc
             raise BadClientError(msg) from exc
         acc = local["accepted"]
         return {"U": self.buf.matrix(), "accepted": acc, "payloads": [a["payload"] for a in acc],
@@ -549,8 +598,12 @@ class Simulation:
         local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
         ex = self.exchange(local)                                      # 3. exchange
         acc, excluded = ex["accepted"], list(ex["excluded"])
+        if not acc:                                                    # nothing to aggregate: a run error
+            raise self.nothing_trained(r, ids, excluded)
         info, t_agg = self.apply_aggregate(r, excluded, ex["U"], [a["n"] for a in acc],   # 4. aggregate
                                            [a["cid"] for a in acc], ex["payloads"], **self.aggregate_kwargs())
+        if len(excluded) >= len(ids):                                  # the aggregator excluded the rest
+            raise self.nothing_trained(r, ids, excluded)
         t_agg += ex["t_exchange"]
         t_local = ex["t_local"]
         losses = [a["loss"] for a in acc]

@@ -6,13 +6,27 @@ The pool runs the local-training phase (``Simulation.train_local``) and the eval
 passes (``Simulation.evaluate_round``: test accuracy and loss, the clients' losses); payloads, the
 exchange and the aggregation stay in the main process, unchanged.
 
-* *Start.* The pool is started once per run, at the first round, by ``fork``: every worker inherits
-  the set-up simulation (data, partition, model, FlatSpec, aggregator configuration, transform),
-  so nothing is rebuilt or pickled. Before forking, the global model vector and the server's
-  ``UpdateBuffer`` are moved to shared memory: a worker reads the broadcast global model from the
-  one shared vector and writes its clients' updates straight into their rows of the K x d buffer;
-  no d-sized update is pickled. Payload tensors (SCAFFOLD's ``c``/``c_i``, its ``delta_c``) travel
-  as shared-memory handles (``torch.multiprocessing``'s reductions).
+* *Start.* The pool is started once per run, at the first round, by the ``forkserver`` start
+  method, never by a plain ``fork`` of the main process: a process forked after autograd has run
+  (with a CUDA build of torch and a visible GPU, the first ``backward`` starts autograd's device
+  threads and registers a ``pthread_atfork`` handler) fails its first ``backward`` with "Unable to
+  handle autograd's threading in combination with fork-based multiprocessing", and the main process
+  has usually run autograd before (an earlier run, a notebook, a test). The fork server is a fresh
+  interpreter that imports this module and never runs autograd, so the workers it forks are safe on
+  every machine; it is started once per main process (later runs reuse it). A worker receives the
+  set-up simulation pickled once (:func:`_worker_state`: the model, FlatSpec, the aggregator's
+  configuration without its declared state, client partition, transform), except the large tensors, which stay in shared
+  memory: the data set (train and test), the global model vector and the server's ``UpdateBuffer``.
+  A worker reads the broadcast global model from the one shared vector and writes its clients'
+  updates straight into their rows of the K x d buffer; no d-sized update is pickled. Its model
+  trains in a private vector (the model's parameters are views of it, as in one process). Payload
+  tensors (SCAFFOLD's ``c``/``c_i``, its ``delta_c``) travel as shared-memory handles
+  (``torch.multiprocessing``'s reductions). Each worker says it is ready before the first task, so
+  one that cannot start stops the run at once. Consequences: what the workers receive must be
+  picklable (a ``model_fn`` model, a ``transform``: module-level classes and functions, not
+  lambdas; otherwise ``ValueError`` before any worker starts), and a script that sets
+  ``workers > 1`` needs the usual ``if __name__ == "__main__":`` guard (a worker imports the
+  script's main module, as with the ``spawn`` start method).
 * *A round.* The main process puts one task per client (position, id, lr, epochs, payload) on a
   shared queue, largest client first; idle workers take the next one (dynamic balance). A worker
   trains with the same code as one process (``Simulation.train_client``: same hooks, same
@@ -32,17 +46,24 @@ exchange and the aggregation stay in the main process, unchanged.
   gives ``workers=1`` bit for bit at the same per-process thread count (``threads``; CPU kernels
   may round differently at another thread count). Threads per worker: ``threads`` if set, else
   ``cores // N`` (at least 1), so the workers together use the machine's cores.
-* *Errors.* A client that raises in a worker is reported back and the bad-client policy applies as
-  in one process (``exclude``: logged and left out; ``raise``: the first failing client in schedule
-  order stops the run). A worker that dies stops the run with one line naming it. Workers ignore
-  SIGINT (the main process finishes the round, as in one process), die with the main process
-  (``PR_SET_PDEATHSIG``) and are stopped and joined when the run ends, however it ends.
+* *Errors.* A client that raises a bad-client error in a worker is reported back and the
+  bad-client policy applies as in one process (``Simulation.client_failed``: ``exclude``: logged and
+  left out; ``raise``: the first failing client in schedule order stops the run). Everything else is
+  a failure of the run, never a bad client, under either policy: a worker that cannot start, dies,
+  cannot send its result, or fails a client with an error that is not a bad-client error
+  (``server.CLIENT_ERRORS``; e.g. a RuntimeError from autograd, an ImportError, a broken pipe) stops
+  the run with one line naming the worker and the cause (``RunError``; exit 1 on the CLI). Workers
+  ignore SIGINT (the main process finishes the round, as in one process), die with the fork server,
+  which ends with the main process (``PR_SET_PDEATHSIG``), and are stopped and joined when the run
+  ends, however it ends.
 
 CPU only: with ``device=cuda`` ``workers > 1`` is refused (one process already keeps a GPU busy on
-these models; CUDA does not survive ``fork``).
+these models).
 """
 from __future__ import annotations
 
+import copy
+import io
 import logging
 import os
 import pickle
@@ -52,10 +73,13 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch import nn
+
+from ..errors import RunError
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["WorkerPool", "default_threads", "pool_for", "usable_cores"]
+__all__ = ["WorkerPool", "default_threads", "pool_for", "prestart", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -92,11 +116,136 @@ class _RowAt:
 
 
 def _die_with_parent() -> None:
+    """This worker ends with the main process, however that ends (SIGKILL included). Its parent is
+    the fork server (PR_SET_PDEATHSIG: the kernel kills us when that exits), which lives as long as a
+    process it forked does; so a thread also waits on the main process's sentinel (a pipe that
+    closes when it exits) and kills this process then."""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG: the kernel kills us when the parent exits
+        libc.prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the parent still stops the workers on every exit path
+        pass
+    import multiprocessing
+    import threading
+    main = multiprocessing.parent_process()
+    if main is None:
+        return
+
+    def watch() -> None:
+        mp_wait([main.sentinel])
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="fedkernels-watch-main", daemon=True).start()
+
+
+# imported once by the fork server, so that its workers start with them: the simulator, and
+# torch._dynamo, which the first torch.optim optimizer of a process imports (seconds of CPU)
+_PRELOAD = ["__main__", __name__, "fedkernels.sim.server", "torch._dynamo"]
+
+# ---- what a worker receives --------------------------------------------------------------------------
+# the Simulation attributes train_client, _rule and _eval_batch use: the rest (writer, callbacks,
+# metrics, the pool itself) stays in the main process
+_WORKER_ATTRS = ("cfg", "device", "spec", "model", "trainer", "global_flat", "buf", "agg", "rules",
+                 "x", "y", "xt", "yt", "parts")
+
+
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    s = t.untyped_storage()
+    return s.data_ptr() if s.nbytes() else None
+
+
+def _shared(t: torch.Tensor, in_place: bool) -> "torch.UntypedStorage":
+    """``t``'s storage in shared memory: moved there (``in_place``: the main process keeps using it,
+    the workers write or read it live), or else, where it cannot move (e.g. memory from numpy), a
+    shared copy (read-only data)."""
+    s = t.untyped_storage()
+    if s.is_shared():
+        return s
+    try:
+        s.share_memory_()
+        return s
+    except RuntimeError:
+        if in_place:
+            raise
+    c = torch.UntypedStorage(s.nbytes()).share_memory_()
+    c.copy_(s)
+    return c
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles a tensor that lives in one of ``keys``' storages as a reference to it (a persistent
+    id: name and view geometry), every other object by value."""
+
+    def __init__(self, f, keys: Dict[int, str]):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.keys = keys
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, nn.Parameter):
+            name = self.keys.get(_storage_key(obj))
+            if name is not None:
+                return (name, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(),
+                        isinstance(obj, nn.Parameter), obj.requires_grad)
+        return None
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def __init__(self, f, storages: Dict[str, Any]):
+        super().__init__(f)
+        self.storages = storages
+
+    def persistent_load(self, pid):
+        name, dtype, offset, size, stride, param, requires_grad = pid
+        t = torch.empty(0, dtype=dtype).set_(self.storages[name], offset, size, stride)
+        if param:
+            return nn.Parameter(t, requires_grad=requires_grad)
+        return t.requires_grad_() if requires_grad else t
+
+
+def _worker_state(sim):
+    """``(storages, blob)``: the shared-memory storages (data set, global model, update buffer) and
+    the pickled rest of what a worker needs (:data:`_WORKER_ATTRS`), whose tensors in those storages,
+    and in the model's flat vector ``trainer.work`` (private in each worker), are references.
+    ValueError when something cannot be pickled."""
+    keys: Dict[int, str] = {}
+    storages: Dict[str, Any] = {}
+    for name, t, in_place in (("global", sim.global_flat, True), ("buf", sim.buf.data, True),
+                              ("x", sim.x, False), ("y", sim.y, False), ("xt", sim.xt, False), ("yt", sim.yt, False)):
+        k = _storage_key(t)
+        if k is None or k in keys:          # empty, or the same storage as an earlier name
+            continue
+        storages[name] = _shared(t, in_place)
+        keys[_storage_key(t)] = name         # (moved in place: the key after the move)
+    keys[_storage_key(sim.trainer.work)] = "work"
+    lite = object.__new__(type(sim))
+    lite.__dict__.update({k: sim.__dict__[k] for k in _WORKER_ATTRS})
+    # the aggregator's configuration, which its client rule reads; not its declared state (state_attrs:
+    # per-client tables, momentum, ...: the server's, K x d for SCAFFOLD), which a rule gets as payloads
+    lite.agg = copy.copy(sim.agg)
+    for k in getattr(sim.agg, "state_attrs", ()):
+        if k in lite.agg.__dict__:
+            lite.agg.__dict__[k] = None
+    f = io.BytesIO()
+    try:
+        _StatePickler(f, keys).dump(lite)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise ValueError(f"workers={sim.cfg.workers}: the set-up simulation cannot be sent to the worker "
+                         f"processes ({type(e).__name__}: {e}); with workers > 1 the model, transform and "
+                         "aggregator must be picklable (module-level classes and functions, no lambdas), "
+                         "or use workers=1") from None
+    return storages, f.getvalue()
+
+
+def _load_state(blob: bytes, storages: Dict[str, Any], work_nbytes: int):
+    """The worker's simulation from :func:`_worker_state`'s output; its model's own flat vector."""
+    storages = dict(storages, work=torch.UntypedStorage(work_nbytes))
+    return _StateUnpickler(io.BytesIO(blob), storages).load()
+
+
+def _send(conn, msg) -> None:
+    try:
+        conn.send(msg)
+    except (OSError, ValueError, pickle.PicklingError):
         pass
 
 
@@ -124,16 +273,31 @@ def _eval_batch(sim, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any])
         model.train(was)
 
 
-def _worker_main(sim, index: int, threads: int, tasks, conn) -> None:
-    """One worker: takes ("train", round, factor, pos, cid, base_lr, epochs, payload) and
-    ("eval", job, batch, start, stop) tasks until None."""
-    from .server import BadClientError
+def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict[str, Any], work_nbytes: int,
+                 blob: bytes, tasks, conn) -> None:
+    """One worker: rebuilds the simulation (:func:`_load_state`), says ("ready", index), then takes
+    ("train", round, factor, pos, cid, base_lr, epochs, payload) and ("eval", job, batch, start, stop)
+    tasks until None. A failure outside a task's own work is sent as ("fatal", index, message)."""
+    from .server import client_error
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
-    torch.set_num_threads(int(threads))
+    try:
+        torch.set_num_threads(int(threads))
+        torch.set_default_dtype(flags["default_dtype"])
+        torch.set_float32_matmul_precision(flags["matmul_precision"])
+        if flags["deterministic"]:      # (only then: the call imports torch._inductor, 1.4 s of CPU)
+            torch.use_deterministic_algorithms(True, warn_only=flags["warn_only"])
+        t_loaded = time.time() - flags["t_launch"]
+        sim = _load_state(blob, storages, work_nbytes)
+        del blob
+    except Exception as e:  # noqa: BLE001 - the main process stops the run with it
+        _send(conn, ("fatal", index, f"could not start: {type(e).__name__}: {e}"))
+        conn.close()
+        return
     cache: Dict[str, Any] = {}
     try:
+        conn.send(("ready", index, (time.time() - flags["t_launch"], t_loaded)))
         while True:
             task = tasks.get()
             if task is None:
@@ -143,7 +307,7 @@ def _worker_main(sim, index: int, threads: int, tasks, conn) -> None:
                 try:
                     msg = ("eval", k, _eval_batch(sim, job, s, e, cache))
                 except Exception as ex:  # noqa: BLE001 - the main process raises it
-                    msg = ("eval_err", k, f"{type(ex).__name__}: {ex}")
+                    msg = ("eval_err", k, f"{type(ex).__name__}: {ex} (in worker {index}, pid {os.getpid()})")
                 conn.send(msg)
                 continue
             _, r, factor, pos, cid, base_lr, epochs, payload = task
@@ -154,21 +318,34 @@ def _worker_main(sim, index: int, threads: int, tasks, conn) -> None:
                 msg = ("ok", pos, {"pos": pos, "cid": int(cid), "n": float(res.num_examples),
                                    "payload": res.payload, "loss": res.train_loss, "steps": res.steps})
             except Exception as e:  # noqa: BLE001 - reported to the main process, which applies the policy
-                reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+                reason, bad = client_error(e)
+                if not bad:
+                    reason += f" (in worker {index}, pid {os.getpid()})"
                 try:
                     pickle.dumps(e)
                     exc: BaseException = e
                 except Exception:  # noqa: BLE001
                     exc = RuntimeError(reason)
-                msg = ("err", pos, (int(cid), reason, exc))
+                msg = ("err", pos, (int(cid), reason, bad, exc))
             conn.send(msg)
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
+    except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled: the run stops
+        _send(conn, ("fatal", index, f"failed: {type(e).__name__}: {e}"))
     finally:
         try:
             conn.close()
         except OSError:
             pass
+
+
+def prestart() -> None:
+    """Starts the fork server now, without waiting for it: its imports (torch, the simulator,
+    torch._dynamo: seconds) overlap the main process's set-up. Idempotent; ``WorkerPool.start``
+    calls it too."""
+    from multiprocessing import forkserver
+    forkserver.set_forkserver_preload(_PRELOAD)     # (read when the fork server starts: once per main process)
+    forkserver.ensure_running()
 
 
 class WorkerPool:
@@ -187,29 +364,39 @@ class WorkerPool:
         self.conns: List[Any] = []
         self.tasks = None
         self.t_start = 0.0
+        self.t_ready: List[Any] = []      # per worker: (seconds to ready, seconds before its state loaded)
         self._jobs = 0
 
     def start(self) -> "WorkerPool":
+        """Starts the N workers from the fork server (module docstring) and waits until each has
+        rebuilt the simulation; RunError naming the worker when one cannot start."""
         import torch.multiprocessing as tmp
         t0 = time.perf_counter()
         sim = self.sim
-        ctx = tmp.get_context("fork")
-        sim.global_flat.share_memory_()      # workers read the global model here ...
-        sim.buf.data.share_memory_()         # ... and write their clients' rows here
+        storages, blob = _worker_state(sim)
+        prestart()
+        ctx = tmp.get_context("forkserver")
+        flags = {"default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
+                 "deterministic": torch.are_deterministic_algorithms_enabled(),
+                 "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(), "t_launch": time.time()}
+        work_nbytes = sim.trainer.work.untyped_storage().nbytes()
         self.tasks = ctx.SimpleQueue()
         try:
             for i in range(self.n):
                 recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_worker_main, args=(sim, i, self.threads, self.tasks, send),
+                p = ctx.Process(target=_worker_main,
+                                args=(i, self.threads, flags, storages, work_nbytes, blob, self.tasks, send),
                                 name=f"fedkernels-worker-{i}", daemon=True)
                 p.start()
                 send.close()
                 self.procs.append(p)
                 self.conns.append(recv)
+            ready = self._collect(self.n, "while starting")          # every worker: ("ready", index)
         except BaseException:
             self.close()
             raise
         self.t_start = time.perf_counter() - t0
+        self.t_ready = [v for _, v in ready.values()]
         return self
 
     @property
@@ -220,7 +407,7 @@ class WorkerPool:
     def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
         """``Simulation.train_local`` run by the workers: the same return value."""
-        sim, cfg = self.sim, self.sim.cfg
+        sim = self.sim
         t0 = time.perf_counter()
         order = []
         for pos in mine:
@@ -235,7 +422,7 @@ class WorkerPool:
             except Exception as e:  # noqa: BLE001 - counts as the client's failure, as in one process
                 payload = e
             self.tasks.put(("train", r, factor, pos, cid, base_lr, epochs, payload))
-        results = self._collect(len(order), r)
+        results = self._collect(len(order), f"during round {r + 1}")
         # schedule order; the accepted clients' rows packed at the front of the buffer
         buf = sim.buf
         accepted: List[Dict[str, Any]] = []
@@ -243,13 +430,10 @@ class WorkerPool:
         error = None
         for pos in mine:
             kind, val = results[pos]
-            if kind == "err":
-                cid, reason, exc = val
-                if cfg.bad_client_policy == "raise":
-                    error = (pos, f"round {r + 1}, client {cid}: {reason}", exc)
+            if kind == "err":                 # the policy of one process (a bad client, or a run error)
+                error = sim.client_failed(r, pos, *val, excluded)
+                if error is not None:
                     break
-                log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-                excluded.append((pos, {"client_id": int(cid), "reason": reason}))
                 continue
             slot = buf.add(val["cid"], val["n"])
             if slot != pos:
@@ -257,29 +441,41 @@ class WorkerPool:
             accepted.append(val)
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
 
-    def _collect(self, pending: int, r: int) -> Dict[int, Any]:
-        """``pending`` replies ``(kind, key, value)``, as {key: (kind, value)}; a worker that dies
-        stops the run (RuntimeError naming it)."""
+    def _collect(self, pending: int, when: str) -> Dict[int, Any]:
+        """``pending`` replies ``(kind, key, value)``, as {key: (kind, value)}; a worker that dies or
+        reports a failure of its own ("fatal") stops the run (RunError naming it and ``when``)."""
         results: Dict[int, Any] = {}
         live = {c: i for i, c in enumerate(self.conns)}
         sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
+
+        def take(conn) -> int:      # the replies waiting in conn: how many
+            got = 0
+            try:
+                while conn in live and conn.poll():
+                    kind, key, val = conn.recv()
+                    if kind == "fatal":
+                        raise RunError(f"workers={self.n}: worker {key} (pid {self.procs[key].pid}) {val} {when}; "
+                                       "the run stops")
+                    results[key] = (kind, val)
+                    got += 1
+            except EOFError:
+                live.pop(conn)
+            return got
+
         while pending:
             ready = mp_wait(list(live) + list(sentinels))
-            for obj in ready:
+            for obj in sorted(ready, key=lambda o: o not in live):     # replies before deaths
                 if obj in live:
-                    try:
-                        kind, key, val = obj.recv()
-                    except EOFError:
-                        live.pop(obj)
-                        continue
-                    results[key] = (kind, val)
-                    pending -= 1
+                    pending -= take(obj)
                 elif obj in sentinels:
                     i = sentinels[obj]
+                    pending -= take(self.conns[i])                      # its last words (a "fatal" line)
                     p = self.procs[i]
                     p.join(0.1)
-                    raise RuntimeError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
-                                       f"during round {r + 1}; the run stops")
+                    hint = (" (its error is above; a script that sets workers > 1 needs `if __name__ == \"__main__\":`)"
+                            if when == "while starting" else "")
+                    raise RunError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
+                                   f"{when}{hint}; the run stops")
         return results
 
     def _run_batches(self, r: int, jobs: Sequence[Any], batch_size: int) -> List[List[Any]]:
@@ -290,12 +486,12 @@ class WorkerPool:
             for s in range(0, n, batch_size):
                 keys.append((j, s))
                 self.tasks.put(("eval", job, len(keys) - 1, s, min(s + batch_size, n)))
-        results = self._collect(len(keys), r)
+        results = self._collect(len(keys), f"during round {r + 1}")
         out: List[List[Any]] = [[] for _ in jobs]
         for k, (j, _) in enumerate(keys):
             kind, val = results[k]
             if kind != "eval":
-                raise RuntimeError(f"workers={self.n}: evaluation of round {r + 1} failed in a worker: {val}")
+                raise RunError(f"workers={self.n}: evaluation of round {r + 1} failed in a worker: {val}")
             out[j].append(val)
         return out
 
