@@ -18,12 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import ops
-from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .gcfed_options import (LOCAL_ORDERS, MU_VARIANTS, VECTOR_POLICIES, check_options, gc_mean_variant_,  # noqa: F401
+from ... import ops
+from .._fused import fused_sgd_step
+from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from .options import (LOCAL_ORDERS, MU_VARIANTS, VECTOR_POLICIES, check_options, gc_mean_variant_,  # noqa: F401
                             post_momentum_step, post_wd_step)
-from .parts import client_weights, split_layers
+from ..parts import client_weights, split_layers
 
 
 # ---------------------------------------------------------------------------------------------

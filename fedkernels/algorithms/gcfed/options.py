@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .parts import WEIGHTINGS, check_choice
+from ..parts import WEIGHTINGS, check_choice
 
 VECTOR_POLICIES = ("center", "skip")
 # mean-vector variants for conv weights (spec §2.6): name -> axes reduced (None = the standard row)
