@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedkernels.algorithms import BadUpdateError, ClientContext, build
-from fedkernels.algorithms.fedpgvc import FedPGVC, code_shrink_, controlled_entries, pgvc_direction_
-from fedkernels.algorithms.fedpvr import FedPVR, pvr_control_update
+from fedkernels.algorithms.fedpgvc import FedPGVC, code_shrink_, pgvc_direction_
+from fedkernels.algorithms.parts import controlled_entries
+from fedkernels.algorithms.control_variates import pvr_control_update
+from fedkernels.algorithms.fedpvr import FedPVR
 from fedkernels.flat import FlatSpec
 
 D64 = torch.float64
