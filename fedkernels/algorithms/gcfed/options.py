@@ -1,4 +1,4 @@
-"""GC-Fed's options and ablations, apart from the method (gcfed.py).
+"""GC-Fed's options and ablations, apart from the method (gcfed/__init__.py).
 
 * :func:`check_options` - the constructor's option checks.
 * :func:`gc_mean_variant_` - the Table-8 ablation: subtract the mean over other axes of a conv weight
