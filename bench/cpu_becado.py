@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from fedkernels.algorithms import fedecado as fe
+from fedkernels.algorithms.fedecado import solver as fe
 
 from .common import add_out_argument, print_table, timeit, write_json
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fedkernels.algorithms import BadUpdateError, ClientContext, available, build
-from fedkernels.algorithms.fednova import momentum_steps
+from fedkernels.algorithms.parts import momentum_steps
 from fedkernels.flat import FlatSpec
 
 F64 = torch.float64

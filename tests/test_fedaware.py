@@ -9,7 +9,8 @@ import torch
 
 from fedkernels import ops
 from fedkernels.algorithms import BadUpdateError, build
-from fedkernels.algorithms.fedaware import aware_project, elud
+from fedkernels.algorithms.fedaware import aware_project
+from fedkernels.algorithms.fedaware.options import elud
 
 F64 = torch.float64
 TIGHT = dict(tol=1e-12, tol_abs=1e-15)

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from fedkernels.algorithms import BadUpdateError, ClientContext, build
-from fedkernels.algorithms import fedecado as fe
-from fedkernels.algorithms.fedecado import FedECADO, be_step, central_round, interp, theta
+from fedkernels.algorithms.fedecado import FedECADO
+from fedkernels.algorithms.fedecado import solver as fe
+from fedkernels.algorithms.fedecado.solver import be_step, central_round, interp, theta
 from fedkernels.flat import FlatSpec
 
 D64 = torch.float64
@@ -547,7 +548,7 @@ def test_solver_lu_is_a_tested_option():
 
 def test_grouped_options_and_flat_options_agree():
     import inspect
-    from fedkernels.algorithms.fedecado import Ablations, Stepping
+    from fedkernels.algorithms.fedecado.options import Ablations, Stepping
     flat = build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, extrap="hold", growth=1.5)
     grouped = FedECADO(stepping=Stepping(delta=0.05, L=0.5, growth=1.5),
                        ablations=Ablations(hessian="identity", extrap="hold"), num_clients=6)

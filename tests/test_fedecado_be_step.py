@@ -9,7 +9,7 @@ import torch
 
 from fedkernels import ops, reference
 from fedkernels.algorithms import build
-from fedkernels.algorithms import fedecado as fe
+from fedkernels.algorithms.fedecado import solver as fe
 
 D64 = torch.float64
 

@@ -7,8 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedkernels.algorithms import BadUpdateError, ClientContext, build
-from fedkernels.algorithms.fedpgvc import FedPGVC, code_shrink_, controlled_entries, pgvc_direction_
-from fedkernels.algorithms.fedpvr import FedPVR, pvr_control_update
+from fedkernels.algorithms.fedpgvc import FedPGVC
+from fedkernels.algorithms.fedpgvc.modes import code_shrink_, pgvc_direction_
+from fedkernels.algorithms.parts import controlled_entries
+from fedkernels.algorithms.control_variates import pvr_control_update
+from fedkernels.algorithms.fedpvr import FedPVR
 from fedkernels.flat import FlatSpec
 
 D64 = torch.float64
@@ -429,7 +432,7 @@ def test_code_mode_mapping_errors():
     ("mlp_pgvc", 8, 2, [2, 3], ["fc2.weight", "fc2.bias"]),                # [Flatten, Dense x 3]
 ])
 def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
-    from fedkernels.algorithms.fedpgvc_modes import code_plan
+    from fedkernels.algorithms.fedpgvc.modes import code_plan
     from fedkernels.sim.models import build_model
     model = build_model(name, 10, 1, size)
     spec = FlatSpec.from_module(model)

@@ -1,4 +1,7 @@
-"""Server aggregators and client rules, one module per method, built by name::
+"""Server aggregators and client rules, built by name. One module per method (``fedavg.py``), or a
+folder where the method has companions (``fedecado/``: the method in ``__init__.py`` beside its
+``options.py`` and ``solver.py``); what several methods share is ``parts.py`` and
+``control_variates.py`` (SCAFFOLD, FedPVR)::
 
     from fedkernels import algorithms
     agg = algorithms.build("fedavg")
@@ -6,8 +9,8 @@
 
 ``algorithms.available()`` lists the registered names, ``algorithms.options(name)`` the options of
 one with their expected types and defaults, and ``help(algorithms.build)`` every method with its
-options (built from the registry at import). Every module in this package registers its classes
-on import (see base.register).
+options (built from the registry at import). Every module and folder in this package is imported
+here, and a method registers its classes on import (see base.register).
 """
 import importlib
 import pkgutil

@@ -23,7 +23,7 @@ import torch
 
 from .base import AggResult, ClientContext, ClientRule, RoundInput, register
 from .fedavg import FedAvg
-from .parts import momentum_steps, optimizer_lr_momentum  # noqa: F401  (momentum_steps re-exported)
+from .parts import momentum_steps, optimizer_lr_momentum
 
 
 def optimizer_momentum(optimizer) -> float:

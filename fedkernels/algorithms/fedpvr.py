@@ -1,6 +1,6 @@
 """FedPVR (Li et al., CVPR 2023; the FedPGVC paper's baseline, spec fedpgvc §2.6): SCAFFOLD option-II
-control variates on the last layers only. The control-variate maths is ``parts.ControlVariateRule`` /
-``parts.ControlVariateServer`` (SCAFFOLD is its all-parameters case); FedPVR only chooses the range:
+control variates on the last layers only. The control-variate maths is ``control_variates.ControlVariateRule`` /
+``control_variates.ControlVariateServer`` (SCAFFOLD is its all-parameters case); FedPVR only chooses the range:
 
     S_c = the last ``n_ctrl`` parameterised layers (or ``ctrl_modules``; ``n_ctrl="all"``: every parameter)
     client: g_j <- g_j + (c - c_i)_j on S_c, plain SGD elsewhere;  delta_c_i = -c + (x - y)|_{S_c} / sum_steps lr
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from .base import register
-from .parts import ControlVariateRule, ControlVariateServer, check_n_ctrl, controlled_entries, flat_ranges
-from .parts import pvr_control_update  # noqa: F401  (the spec's U6 formula, re-exported)
+from .control_variates import ControlVariateRule, ControlVariateServer, flat_ranges
+from .parts import check_n_ctrl, controlled_entries
 
 FedPVRRule = ControlVariateRule
 

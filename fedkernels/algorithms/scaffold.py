@@ -1,6 +1,6 @@
 """SCAFFOLD (Karimireddy et al., 2020), option II control variates. The control-variate maths
-(client correction and delta, server tables) is ``parts.ControlVariateRule`` /
-``parts.ControlVariateServer``; SCAFFOLD is its all-parameters case (FedPVR, fedpvr.py, the masked one).
+(client correction and delta, server tables) is ``control_variates.ControlVariateRule`` /
+``control_variates.ControlVariateServer``; SCAFFOLD is its all-parameters case (FedPVR, fedpvr.py, the masked one).
 
 Client i (``agg.client_rule()``), receiving ``{"c", "c_i"}`` from ``agg.client_payload(i)``:
 
@@ -23,7 +23,7 @@ first round (c = c_i = 0) is FedAvg with ``server_lr``.
 from __future__ import annotations
 
 from .base import register
-from .parts import ControlVariateRule, ControlVariateServer
+from .control_variates import ControlVariateRule, ControlVariateServer
 
 ScaffoldRule = ControlVariateRule
 

@@ -188,7 +188,8 @@ class ControlVariateBatched(BatchedRule):
             self._correct(G)
 
     def end(self, ch):
-        from ..algorithms.parts import gather_ranges, momentum_steps
+        from ..algorithms.control_variates import gather_ranges
+        from ..algorithms.parts import momentum_steps
         agg, x = self.agg, ch.x
         K = torch.tensor(ch.steps, dtype=torch.float64)
         div = K * ch.lr.cpu()                                  # sum of the steps' learning rates
@@ -382,7 +383,7 @@ def _batched_rules() -> Dict[type, type]:
     from ..algorithms.fedprox import FedProxRule
     from ..algorithms.gcfed import LocalGCRule
     from ..algorithms.kuramoto import KuramotoPhaseRule
-    from ..algorithms.parts import ControlVariateRule
+    from ..algorithms.control_variates import ControlVariateRule
     return {FedProxRule: FedProxBatched, ControlVariateRule: ControlVariateBatched, FedNovaRule: FedNovaBatched,
             KuramotoPhaseRule: KuramotoPhaseBatched, LocalGCRule: LocalGCBatched, FedPGVCRule: FedPGVCBatched,
             FedECADORule: FedECADOBatched}

@@ -10,8 +10,8 @@ dt by a local-truncation-error test with backtracking (§2.7). Inactive clients 
 their stored ("frozen") flows (§2.10). Units (§2.11): ``grad_weight="normalized"`` uses w_i = N p_i
 (default), ``"paper"`` uses w_i = p_i (the paper's literal form, an exact reparametrisation).
 
-The integrator (the arrowhead BE system, its solvers, the LTE control) is ``fedecado_solver.py``;
-the options, the federation's tables, payload checks and the Hutchinson estimate ``fedecado_options.py``.
+The integrator (the arrowhead BE system, its solvers, the LTE control) is ``solver.py``;
+the options, the federation's tables, payload checks and the Hutchinson estimate ``options.py`` (both beside this file).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .fedecado_options import (HESSIANS, INACTIVE, SOLVERS, Ablations, FederationTables, Stepping,  # noqa: F401
-                               flat_signature, hutchinson_hbar, integrator_options, split_flat)
-from .fedecado_solver import _solve_be_system, be_step, central_round, interp, theta  # noqa: F401
-from .parts import check_choice
+from ... import ops
+from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..parts import check_choice
+from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
+                      integrator_options, split_flat)
+from .solver import central_round
 
 log = logging.getLogger("fedkernels")
 
@@ -138,7 +138,7 @@ class FedECADO(FederationTables, Aggregator):
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
         self.num_clients = num_clients
-        # state (allocated by FederationTables, fedecado_options.py)
+        # state (allocated by FederationTables, options.py)
         self.I: Optional[torch.Tensor] = None          # [N, d]
         self.S_all: Optional[torch.Tensor] = None      # [d] float64
         self.t = 0.0

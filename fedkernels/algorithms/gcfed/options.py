@@ -1,4 +1,4 @@
-"""GC-Fed's options and ablations, apart from the method (gcfed.py).
+"""GC-Fed's options and ablations, apart from the method (gcfed/__init__.py).
 
 * :func:`check_options` - the constructor's option checks.
 * :func:`gc_mean_variant_` - the Table-8 ablation: subtract the mean over other axes of a conv weight
@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .parts import WEIGHTINGS, check_choice
+from ..parts import WEIGHTINGS, check_choice
 
 VECTOR_POLICIES = ("center", "skip")
 # mean-vector variants for conv weights (spec §2.6): name -> axes reduced (None = the standard row)

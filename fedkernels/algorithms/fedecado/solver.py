@@ -1,6 +1,6 @@
 """FedECADO's server integrator (spec §2.4-§2.8, §9.1): the interpolation Gamma, one Backward-Euler
 attempt on the arrowhead system, and one round's LTE-controlled integration. The method
-(fedecado.py) calls :func:`central_round` once per round; the hot path is the native fused attempt
+(fedecado/__init__.py) calls :func:`central_round` once per round; the hot path is the native fused attempt
 ``ops.fedecado_be_step``; the arrowhead system is solved by ``ops.arrowhead_solve`` (or LU).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import ops
+from ... import ops
 
 log = logging.getLogger("fedkernels")
 

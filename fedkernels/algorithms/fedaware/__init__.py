@@ -13,7 +13,7 @@ Sign: fedkernels updates are U_i = local - global = -g_i (the paper's pseudo-gra
 table M stores the momenta of the *updates* (-m_i of the paper) and the step is ``x + ...``; the
 Gram matrix, lam and the projection are unchanged by that sign.
 
-Options (spec §3): see ``fedaware_options.py``, which also holds the momentum table's storage
+Options (spec §3): see ``options.py`` beside this file, which also holds the momentum table's storage
 (default the global model's dtype and device; bf16 or host on request) and the ELUD statistic.
 
 Hot path per round: the EMA on the k participant rows, one ``ops.gram(M, rows=participants)``
@@ -27,11 +27,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .. import ops
-from .base import AggResult, Aggregator, RoundInput, register
-from .fedaware_options import (INITS, WARMUPS, check_num_clients, check_options, elud,  # noqa: F401
-                               new_table, table_weighted_sum)
-from .parts import ServerMomentum, momentum_attr
+from ... import ops
+from ..base import AggResult, Aggregator, RoundInput, register
+from ..parts import ServerMomentum, momentum_attr
+from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 

@@ -1,5 +1,5 @@
 """FedAWARE's options, its momentum table's storage and its diversity statistic, apart from the
-method (fedaware.py).
+method (fedaware/__init__.py).
 
 Options (spec §3 [OURS] defaults): ``alpha`` 0.5; ``normalize`` True (the authors' code; False =
 paper text: raw momenta); ``warmup`` "explore" (FedAvg steps until every client has been seen;
@@ -23,12 +23,11 @@ global model's: e.g. torch.bfloat16 for half the memory and/or "cpu" for large m
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
-from .. import ops
-from .parts import check_choice
+from ... import ops
+from ..parts import check_choice
 
 WARMUPS = ("explore", "startup_full", "mask")
 INITS = ("ema_from_zero", "first_update")
@@ -65,7 +64,7 @@ def check_num_clients(n) -> int:
 def new_table(N: int, like: torch.Tensor, dtype=None, device=None) -> torch.Tensor:
     """A zero [N, d] table (dtype / device of ``like`` unless given), refused before it is made when
     it cannot fit in memory."""
-    from .._memory import check_alloc
+    from ..._memory import check_alloc
     d = like.numel()
     check_alloc(N * d * like.element_size(), f"fedaware momentum table N={N} x d={d} {like.dtype}",
                 like.device, hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "

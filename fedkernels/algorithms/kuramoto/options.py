@@ -1,4 +1,4 @@
-"""Kuramoto-FedAvg's options and payload check, apart from the method (kuramoto.py).
+"""Kuramoto-FedAvg's options and payload check, apart from the method (kuramoto/__init__.py).
 
 Options: ``mode`` ("S" default, "P" paper-literal, "C" authors' code); ``kappa0`` (default by mode:
 S 0.5, P 0.5, C 0.2 = the code's K_t); ``beta`` (kappa decay, default 1.0); ``tau`` (mode P guard,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional, Tuple
 
-from .parts import WEIGHTINGS, check_choice
+from ..parts import WEIGHTINGS, check_choice
 
 MODES = ("P", "S", "C")
 DEFAULT_KAPPA0 = {"P": 0.5, "S": 0.5, "C": 0.2}

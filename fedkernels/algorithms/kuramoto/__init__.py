@@ -31,10 +31,10 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .. import ops
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
-from .kuramoto_options import DEFAULT_KAPPA0, MODES, check_options, check_phase  # noqa: F401
-from .parts import client_weights
+from ... import ops
+from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
+from ..parts import client_weights
+from .options import check_options, check_phase
 
 EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
@@ -157,7 +157,7 @@ class KuramotoPhaseRule(ClientRule):
 
 @register("kuramoto", "kuramoto_fedavg")
 class KuramotoFedAvg(Aggregator):
-    """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto_options.py``)."""
+    """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto/options.py``)."""
 
     screen_in_pass = True     # the first read of U (Gram, or mode C's weighted_sum) screens its rows
 

@@ -1,5 +1,5 @@
 """FedPGVC's update modes (spec fedpgvc.md §2.4): the direction u on the controlled layers, and the
-released script's post-training shrink (``mode="code"``). The rule that drives them is fedpgvc.py.
+released script's post-training shrink (``mode="code"``). The rule that drives them is in __init__.py.
 
 ``code`` follows ``FedPGVC.py`` of github.com/Pranabiitp/FedPGVC (spec §2.4 [CODE]). After plain local
 training, with the per-sample losses l_s of the *whole* local set (stored order) at the local model

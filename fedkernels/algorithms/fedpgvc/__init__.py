@@ -11,7 +11,7 @@ only the head (no double backprop). Update modes (spec §2.4, ``mode=``):
 * ``layer_scalar`` (``stat`` = mean | norm): u_l = s_l * g_l, s_l = mean(rho_l) or ||rho_l||_2 per tensor
 * ``layer_normalize`` (paper Eq. 9, target ``tau``): u_l = (tau / ||g_l||) g_l
 * ``code`` (released script): plain steps, then a one-off shrink W <- (1 - eta r_j) W of every tensor of
-  controlled Keras layer j, r_j from one pass over the whole local set (fedpgvc_modes.py: the mapping)
+  controlled Keras layer j, r_j from one pass over the whole local set (modes.py: the mapping)
 * ``lr_matched`` (spec §8 Exp A's matched control, not a FedPGVC variant): u = (1 + lam * lbar) g with
   lbar the running mean of this client's minibatch losses in the current round. It gives the head the
   same average step boost as ``additive`` (rho ~ lbar g) without the per-sample loss weighting.
@@ -26,10 +26,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .fedpgvc_modes import PGVC_MODES, code_plan, code_r, code_shrink_, pgvc_direction_  # noqa: F401 (re-exported)
-from .parts import WEIGHTINGS, check_choice, check_n_ctrl, client_weights, controlled_entries
+from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..parts import WEIGHTINGS, check_choice, check_n_ctrl, client_weights, controlled_entries
+from .modes import PGVC_MODES, code_plan, code_r, code_shrink_, pgvc_direction_
 
 _MODE_ALIASES = {"paper_literal": "hadamard", "paper": "hadamard"}
 NAN_POLICIES = ("skip", "raise", "propagate")
@@ -57,7 +56,7 @@ class FedPGVCRule(ClientRule):
         self.skipped = 0
         self._skip_step = False
         self.loss_history: List[float] = []
-        self.plan = None   # code mode: fedpgvc_modes.CodePlan
+        self.plan = None   # code mode: modes.CodePlan
 
     def check_model(self, model, spec) -> None:
         agg = self.aggregator

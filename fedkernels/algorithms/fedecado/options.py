@@ -1,4 +1,4 @@
-"""FedECADO's options and the federation's tables, apart from the method (fedecado.py).
+"""FedECADO's options and the federation's tables, apart from the method (fedecado/__init__.py).
 
 * :class:`Stepping` - the server's time stepping (spec §2.7, §3); :class:`Ablations` - the spec's
   [OURS] choices where the paper is ambiguous, with ``Ablations.PAPER_LITERAL`` the paper's literal
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .parts import check_choice
+from ..parts import check_choice
 
 INACTIVE = ("frozen", "exclude")
 HESSIANS = ("hutchinson", "identity", "global", "none")
@@ -103,7 +103,7 @@ _GROUPS = (Stepping, Ablations)
 
 
 def integrator_options(stepping: Stepping, ablations: Ablations, solver: str, carried: bool) -> Dict[str, Any]:
-    """The keyword options of ``fedecado_solver.central_round`` from the groups (``carried``: dt
+    """The keyword options of ``solver.central_round`` from the groups (``carried``: dt
     comes from the previous round, so the step may grow)."""
     return dict(delta_I=stepping.delta_I, beta=stepping.beta, growth=stepping.growth if carried else 1.0,
                 max_backtracks=stepping.max_backtracks, max_steps=stepping.max_steps, extrap=ablations.extrap,

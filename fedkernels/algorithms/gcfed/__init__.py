@@ -18,12 +18,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import ops
-from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
-from .gcfed_options import (LOCAL_ORDERS, MU_VARIANTS, VECTOR_POLICIES, check_options, gc_mean_variant_,  # noqa: F401
-                            post_momentum_step, post_wd_step)
-from .parts import client_weights, split_layers
+from ... import ops
+from .._fused import fused_sgd_step
+from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..parts import client_weights, split_layers
+from .options import check_options, gc_mean_variant_, post_momentum_step, post_wd_step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +56,7 @@ class LocalGCRule(ClientRule):
     """Local GC (spec §2.2), the official code's order ("pre_wd"): GC on the raw gradients of the
     local set, then the optimizer adds weight decay and momentum and steps (one native pass with a
     plain torch SGD, ``fused_step``). The ablation orders "post_wd" (GC2020) and "post_momentum" are
-    ``gcfed_options.post_wd_step`` / ``post_momentum_step``."""
+    ``options.post_wd_step`` / ``post_momentum_step``."""
 
     def __init__(self, aggregator: "GCFed"):
         super().__init__(aggregator)
