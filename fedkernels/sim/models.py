@@ -39,7 +39,7 @@ logreg                 multinomial logistic regression (fedecado)    60 feat, 10
 
 ``keras_layers`` (the small models): the model as a Keras ``Sequential`` would list its layers
 (parameterised modules by name, activations folded in, "pool"/"flatten" for parameter-free layers);
-FedPGVC's ``code`` mode indexes the released script's r by this list (algorithms/fedpgvc_modes.py).
+FedPGVC's ``code`` mode indexes the released script's r by this list (algorithms/fedpgvc/modes.py).
 
 Initialisation follows each spec where it names one; ``init=`` overrides it: "model" (the
 default: as the class builds it), "torch" (PyTorch's layer defaults), "kaiming" (Kaiming-normal
