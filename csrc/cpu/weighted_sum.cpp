@@ -12,6 +12,7 @@
 // elements, plus a re-read of the chunks that hold a bad row. Flags exact; the sum is the same
 // bits as weighted_sum's.
 #include "common.h"
+#include "../weighted_sum_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
