@@ -32,16 +32,6 @@ namespace {
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
-// True when all len values are finite: x * 0 is 0 for finite x and NaN for NaN/Inf.
-template <typename T>
-FEDKERNELS_SIMD_CLONES bool finite_span(const T* x, int64_t len) {
-  using Z = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  Z z = 0;
-#pragma omp simd reduction(+ : z)
-  for (int64_t j = 0; j < len; ++j) z += Z(x[j]) * Z(0);
-  return z == Z(0);
-}
-
 // ok[i] = ok[i] && (row rows[i] is finite on the chunk [j0, j0 + len)).
 template <typename T, typename A>
 void finite_chunk(const T* u, int64_t stride0, const int64_t* rows, int64_t n, int64_t j0, int64_t len,
