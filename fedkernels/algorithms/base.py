@@ -24,7 +24,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import has_kernel, tracing  # noqa: F401  (tracing: re-exported to the method modules)
+from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
