@@ -50,7 +50,7 @@ def _cxx_std() -> str:
 def _ext():
     rel = lambda paths: sorted(os.path.relpath(p, ROOT) for p in paths)
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    # Headers (rebuild triggers; the sdist ships them through MANIFEST.in's `graft csrc`): csrc/checks.h
+    # Headers (rebuild triggers; the sdist ships them through MANIFEST.in's `graft csrc`): csrc/<op>_checks.h
     # (argument rules shared by the CPU kernels and the CUDA glue), csrc/cpu/common.h, csrc/cuda/*.h/.cuh.
     depends = rel(glob.glob(os.path.join(ROOT, "csrc", "*.h")) + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h"))
                   + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh")))

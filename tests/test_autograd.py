@@ -118,6 +118,35 @@ def test_backward_through_an_op_without_derivative_raises(name):
             torch.func.grad(lambda G: ops.min_norm(G)[0].sum())(_spd(3))
 
 
+@pytest.mark.parametrize("name", ["min_norm", "lu_factor", "lu_solve", "arrowhead_solve", "fedecado_be_step"])
+def test_raw_op_without_derivative_raises_with_its_reason(name):
+    # each op module registers its own rule (ops._autograd.no_derivative_op): the raw torch.ops op
+    # raises on backward, naming the op and why (a missing registration would not give the reason)
+    reason = {"min_norm": "piecewise in G", "lu_factor": "torch.linalg.lu_factor", "lu_solve": "torch.linalg.lu_solve",
+              "arrowhead_solve": "torch.linalg.solve", "fedecado_be_step": "integrator step"}[name]
+    K, d = 3, 5
+    if name == "min_norm":
+        out = torch.ops.fedkernels.min_norm(_spd(4).requires_grad_())[0]
+    elif name == "lu_factor":
+        out = torch.ops.fedkernels.lu_factor(_spd(4).requires_grad_())[0]
+    elif name == "lu_solve":
+        LU, piv = ops.lu_factor(_spd(4))
+        out = torch.ops.fedkernels.lu_solve(LU, piv, torch.randn(4, 3, dtype=D64, requires_grad=True))
+    elif name == "arrowhead_solve":
+        a, b, c = torch.rand(K, dtype=D64) + 1, torch.full((K,), -0.1, dtype=D64), torch.full((K,), 0.1, dtype=D64)
+        R = torch.randn(K, d, dtype=D64, requires_grad=True)
+        out = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, torch.randn(d, dtype=D64), R)[1]
+    else:
+        U = torch.randn(K, d, dtype=D64, requires_grad=True)
+        z = torch.zeros(d, dtype=D64)
+        th = torch.ones(K, dtype=D64)
+        out = torch.ops.fedkernels.fedecado_be_step(z, torch.zeros(K, d, dtype=D64), z, U, torch.zeros(K, d, dtype=D64),
+                                                    None, th, th, th, 0.1, 1.0)[0]
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=f"fedkernels.{name} has no derivative .*{reason}"):
+        out.sum().backward()
+
+
 def test_inplace_and_out_variants_refuse_grad():
     U = torch.randn(3, 5, requires_grad=True)
     with pytest.raises(RuntimeError, match="no derivative"):

@@ -5,7 +5,8 @@ from torch import nn
 
 from fedkernels.algorithms import ClientContext, build
 from fedkernels.algorithms import gcfed as G
-from fedkernels.algorithms.gcfed import GCFed, apply_gc_, gc_project_
+from fedkernels.algorithms.gcfed import GCFed, apply_gc_
+from fedkernels.ops import gc_project_
 from fedkernels.algorithms.gcfed.options import gc_mean_variant_
 from fedkernels.algorithms.parts import split_layers
 from fedkernels.flat import FlatSpec

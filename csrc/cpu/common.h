@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 // Runtime vector dispatch for portable builds. A local source build compiles everything for the
@@ -63,5 +64,20 @@ inline std::vector<int64_t> row_list(const c10::optional<at::Tensor>& rows, int6
     TORCH_CHECK(x >= 0 && x < K, op, ": rows entry ", x, " out of range [0, ", K, ")");
   return r;
 }
+
+// True when all len elements of x are finite: x*0 is 0 for finite x and NaN for NaN/Inf, so one
+// vectorisable reduction decides (runtime-dispatched to the widest vector ISA in portable builds).
+// The NaN/Inf screen of finite_rows and of weighted_sum_screened. Internal linkage: each kernel file
+// gets its own copy (and, in portable builds, its own clones), as a file-local function would.
+namespace {
+template <typename T>
+FEDKERNELS_SIMD_CLONES bool finite_span(const T* x, int64_t len) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  A acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < len; ++j) acc += A(x[j]) * A(0);
+  return acc == A(0);
+}
+}  // namespace
 
 }  // namespace fedkernels

@@ -22,6 +22,7 @@
 // (as arrowhead_solve); the LTE uses the stored (rounded) x' and I', as the torch composition does.
 // The maxima are taken per chunk and combined in chunk order (max is order-independent anyway).
 #include "common.h"
+#include "../fedecado_be_step_checks.h"
 
 #include <ATen/ops/empty.h>
 

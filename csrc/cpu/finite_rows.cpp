@@ -9,17 +9,6 @@
 namespace fedkernels {
 namespace {
 
-// True when all len elements of x are finite: x*0 is 0 for finite x and NaN for NaN/Inf, so one
-// vectorisable reduction decides (runtime-dispatched to the widest vector ISA in portable builds).
-template <typename T>
-FEDKERNELS_SIMD_CLONES bool finite_span(const T* x, int64_t len) {
-  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  A acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < len; ++j) acc += A(x[j]) * A(0);
-  return acc == A(0);
-}
-
 template <typename T>
 void finite_impl(const at::Tensor& U, bool* ok) {
   const int64_t K = U.size(0), d = U.size(1), s0 = U.stride(0);

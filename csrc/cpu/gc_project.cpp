@@ -15,6 +15,7 @@
 // layout with dim 0 outermost) is processed where it lies (the mean does not depend on element order);
 // anything else (slices, transposed views) goes through a contiguous copy and is copied back.
 #include "common.h"
+#include "../gc_project_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

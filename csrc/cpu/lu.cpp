@@ -14,6 +14,7 @@
 //   by the Schur complement on x (no fill-in): x = (r0 - sum_i b_i R_i / a_i) / (alpha - sum_i b_i c_i / a_i),
 //   I_i = (R_i - c_i x) / a_i. FedECADO's backward-Euler matrix has alpha = 1, b_i = -dt, c_i = dt/L.
 #include "common.h"
+#include "../lu_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>

@@ -18,6 +18,7 @@
 // Returns (lam [K] float64, iterations int64 scalar, gap float64 scalar); the gap is recomputed
 // exactly (v = G lam) at the returned lam.
 #include "common.h"
+#include "../min_norm_checks.h"
 
 #include <ATen/ops/empty.h>
 

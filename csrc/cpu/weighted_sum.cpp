@@ -12,6 +12,7 @@
 // elements, plus a re-read of the chunks that hold a bad row. Flags exact; the sum is the same
 // bits as weighted_sum's.
 #include "common.h"
+#include "../weighted_sum_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
@@ -30,16 +31,6 @@ namespace {
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
-
-// True when all len values are finite: x * 0 is 0 for finite x and NaN for NaN/Inf.
-template <typename T>
-FEDKERNELS_SIMD_CLONES bool finite_span(const T* x, int64_t len) {
-  using Z = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  Z z = 0;
-#pragma omp simd reduction(+ : z)
-  for (int64_t j = 0; j < len; ++j) z += Z(x[j]) * Z(0);
-  return z == Z(0);
-}
 
 // ok[i] = ok[i] && (row rows[i] is finite on the chunk [j0, j0 + len)).
 template <typename T, typename A>

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "launch.h"
 
 namespace fedkernels {
 namespace cuda {

@@ -72,3 +72,29 @@ FK_HD int64_t col_step(int64_t grid, int nt) { return grid * nt; }
 }  // namespace be
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/fedecado_be_step.cu), called by the torch glue csrc/cuda/fedecado_be_step_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- fedecado_be_step: one fused FedECADO backward-Euler attempt (fedecado.md §5.3(a)) ---------
+// Inputs [dtype ty: Float32 or Float64]: xc, xc0, S_off (nullptr: none) [d] contiguous; Icur, U,
+// Ik [K, d] with row strides ld_*. coef: device float64 [4K] = (theta_new, theta_new - theta_old,
+// inv_g, 1 / a) with a_i = 1 + c inv_g_i; c = dt / L; inv_den = 1 / (1 + dt c sum_i 1 / a_i).
+// Outputs: xc_out [d], I_out [K, d] contiguous (must not overlap the inputs); lte: device float64
+// [2] = (scale_c max_j |sum_i (I'_i - Icur_i)|, scale_I max_ij |e_ij|) with NaN -> +inf (scale_c =
+// dt / 2, scale_I = dt / (2 L)); cleared and reduced on `stream` (atomicMax on the bit patterns of
+// the non-negative maxima: deterministic). One read of every input element up to K ~ 440 (fp64) /
+// ~880 (fp32) on sm_90 (registers for K <= 32, shared memory above); beyond, U and Icur are read twice.
+cudaError_t fedecado_be_step(const void* xc, const void* Icur, int64_t ld_icur, const void* xc0, const void* U,
+                             int64_t ld_u, const void* Ik, int64_t ld_ik, const void* S_off, const double* coef,
+                             int64_t K, int64_t d, double c, double dt, double inv_den, double scale_c, double scale_I,
+                             void* xc_out, void* I_out, double* lte, DType ty, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "glue.h"
+#include "fedecado_be_step.cuh"
+#include "../fedecado_be_step_checks.h"
 
 namespace fedkernels {
 namespace {
@@ -29,7 +31,7 @@ void be_step_out_cuda(const at::Tensor& xc, const at::Tensor& Icur, const at::Te
   for (const at::Tensor* t : {&theta_new, &theta_old, &inv_g})
     check_host_or_device(*t, U, "fedecado_be_step", "theta_new/theta_old/inv_g");
   const checks::BeCoefs cf = checks::be_step_coefs(theta_new, theta_old, inv_g, K, dt, L);
-  std::vector<double> h(std::max<int64_t>(4 * K, 1));  // the table of csrc/cuda/kernels.h fedecado_be_step
+  std::vector<double> h(std::max<int64_t>(4 * K, 1));  // the table of the fedecado_be_step launcher (fedecado_be_step.cuh)
   for (int64_t i = 0; i < K; ++i) {
     h[i] = cf.thn[i];
     h[K + i] = cf.dth[i];

@@ -52,3 +52,18 @@ template <typename A> FK_HD bool bad(A x) {
 }  // namespace fr
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/finite_rows.cu), called by the torch glue csrc/cuda/finite_rows_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- finite_rows: ok[k] = all(isfinite(U[k, :])) -----------------------------------------------
+cudaError_t finite_rows(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, bool* ok, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

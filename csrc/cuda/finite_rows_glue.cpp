@@ -1,5 +1,6 @@
 // Torch glue of finite_rows (kernel: finite_rows.cu). Schema: finite_rows(Tensor U) -> Tensor [K] bool.
 #include "glue.h"
+#include "finite_rows.cuh"
 
 namespace fedkernels {
 namespace {

@@ -70,3 +70,22 @@ FK_HD void item(const GcTensor* t, int64_t n, int64_t it, int64_t& ti, int64_t& 
 }  // namespace gc
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/gc_project.cu), called by the torch glue csrc/cuda/gc_project_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- gc_project_: in-place per-row mean removal over many tensors in one launch ---------------
+// A tensor is viewed as a [rows, cols] row-major matrix (cols = fan-in). All tensors of one call
+// share one dtype. The host fills the GcTensor table (gc_project.cuh) with gc_plan(), which returns
+// the number of work items, uploads the table (ntensors x 48 bytes) and launches gc_project().
+int64_t gc_plan(GcTensor* tensors, int64_t ntensors);
+cudaError_t gc_project(const GcTensor* device_tensors, int64_t ntensors, int64_t nwork, DType dt, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "glue.h"
+#include "gc_project.cuh"
+#include "../gc_project_checks.h"
 
 namespace fedkernels {
 namespace {

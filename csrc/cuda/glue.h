@@ -9,7 +9,7 @@
 //
 // Division of work: the Python wrappers (fedkernels.ops) validate values and name the argument;
 // the glue keeps cheap TORCH_CHECKs (shapes, dtypes, devices, host-resident indices) as a last line
-// of defence, written once for both backends in csrc/checks.h, and never synchronises the host
+// of defence, written once for both backends in csrc/<op>_checks.h, and never synchronises the host
 // (small vectors given on the device are read with checks::host_doubles: a device-to-host copy;
 // the Python wrappers pass them on the host). Small per-client vectors (coef, rows, FedECADO's
 // per-client scalars) may come as host (CPU) tensors or as tensors on the op's device; host ones
@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "../checks.h"
-#include "kernels.h"
+#include "launch.h"
 
 namespace fedkernels {
 namespace glue {

@@ -177,3 +177,24 @@ FK_HD double red_combine(const double (&part)[kRedWarps]) {
 }  // namespace gm
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/gram.cu), called by the torch glue csrc/cuda/gram_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- gram: G[k, K] = U[rows] @ U^T, exact float64 products and float64 accumulation ----------
+// rows: device int64 [k] or nullptr (all K rows, symmetric: only upper tiles are computed and G
+// is mirrored exactly). The d columns are split into parts (gram.cuh gm::plan, a function of the
+// shapes only; K > 16 runs on fp64 tensor cores); per-part tiles go to `workspace`
+// (gram_workspace_bytes) and are reduced over the parts in a fixed order.
+size_t gram_workspace_bytes(int64_t k, int64_t K, int64_t d, bool symmetric);
+cudaError_t gram(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const int64_t* rows, int64_t k,
+                 double* G, void* workspace, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

@@ -2,6 +2,7 @@
 #include <ATen/ops/zeros.h>
 
 #include "glue.h"
+#include "gram.cuh"
 
 namespace fedkernels {
 namespace {

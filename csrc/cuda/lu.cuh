@@ -23,7 +23,7 @@ namespace fedkernels {
 namespace cuda {
 namespace lu {
 
-constexpr int kMaxN = 64;  // largest n of the CUDA LU kernels (kernels.h: kLuMaxN)
+constexpr int kMaxN = 64;  // largest n of the CUDA LU kernels (the launchers below: kLuMaxN)
 
 struct PivotKey {
   int rank;  // 2: NaN diagonal (keeps row k), 1: a number, 0: NaN below the diagonal, -1: not a candidate
@@ -114,3 +114,38 @@ FK_HD double arrowhead_column(const double* coef, int64_t K, double r0, double i
 }  // namespace lu
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/lu.cu), called by the torch glue csrc/cuda/lu_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- lu_factor / lu_solve (FedECADO dense path, fedecado.md §5.3(b)) ---------------------------
+// A: [B, n, n] row-major, LU written to `LU` (may alias A); piv: int32 [B, n] 1-based (LAPACK
+// getrf: first index of max |a_ik| on ties, zero pivot -> info = k+1 (first occurrence), no
+// division, factorisation continues). info: int32 [B]. n <= kLuMaxN (warp per matrix for n <= 32,
+// block per matrix with the matrix in shared memory above).
+constexpr int kLuMaxN = lu::kMaxN;
+cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
+                              cudaStream_t stream);
+// X = A^{-1} R for each batch entry, with A = P L U from lu_factor_batched (LU given in float64;
+// arithmetic in float64). R, X: [B, n, m] of dtype dt (float32/float64; X may alias R). The m
+// right-hand sides are streamed: one thread per column, the factor and the permutation in shared
+// memory. A zero U diagonal gives Inf/NaN (the caller checks it where a host sync is acceptable).
+cudaError_t lu_solve(const double* LU, const int32_t* piv, const void* R, void* X, DType dt, int64_t B, int64_t n,
+                     int64_t m, cudaStream_t stream);
+
+// ---- arrowhead_solve: [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column -----------------
+// coef: device float64 [3K] = (b_i / a_i, c_i, 1 / a_i), inv_den = 1 / (alpha - sum_i b_i c_i / a_i)
+// (computed and checked on the host, as the CPU op). r0, x: [m]; R: [K, m] with row stride ld_r;
+// I: [K, m] contiguous. One thread per column, float64 arithmetic, rows in index order (the CPU
+// op's order): x = (r0 - sum_i (b_i/a_i) R_i) * inv_den, I_i = (R_i - c_i x) / a_i.
+cudaError_t arrowhead_solve(const double* coef, int64_t K, int64_t m, double inv_den, const void* r0, const void* R,
+                            int64_t ld_r, void* x, void* I, DType dt, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

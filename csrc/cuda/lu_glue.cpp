@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "glue.h"
+#include "lu.cuh"
+#include "../lu_checks.h"
 
 namespace fedkernels {
 namespace {
@@ -77,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cuda(const at::Tensor& a, con
   for (const at::Tensor* t : {&a, &b, &c}) check_host_or_device(*t, R, "arrowhead_solve", "a/b/c");
   const checks::Arrowhead h = checks::arrowhead_args(a, b, c, alpha, r0, R);
   const int64_t K = R.size(0), m = R.size(1);
-  std::vector<double> coef(std::max<int64_t>(3 * K, 1));  // the table of csrc/cuda/kernels.h arrowhead_solve
+  std::vector<double> coef(std::max<int64_t>(3 * K, 1));  // the table of the arrowhead_solve launcher (lu.cuh)
   for (int64_t i = 0; i < K; ++i) {
     coef[i] = h.ba[i];
     coef[K + i] = h.c[i];

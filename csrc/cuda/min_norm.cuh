@@ -165,3 +165,28 @@ FK_HD void update(const Step& s, int64_t i, double& lam_i, double& v_i, double g
 }  // namespace mn
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/min_norm.cu), called by the torch glue csrc/cuda/min_norm_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- min_norm: Frank-Wolfe min-norm point of the convex hull, on a float64 Gram matrix ---------
+// One thread block, float64 throughout (fedaware.md §2.6; same rules as csrc/cpu/min_norm.cpp
+// without its face polish and code_compat modes). G: device [N, N] float64, symmetrised into the
+// workspace (min_norm_workspace_bytes(N)). method: 0 = plain FW, 1 = away steps, 2 = pairwise.
+// lam0: device float64 [N] warm start or nullptr (normalised; a non-positive sum falls back to
+// init). init: 0 = best pair, 1 = e_{argmin G_ii}. Stop: gap <= tol_rel * q + tol_abs * max|G_ii|.
+// Outputs (device): lam [N], iterations (int64 scalar), gap (float64 scalar, exact at lam).
+constexpr int kMinNormMaxN = 8192;
+size_t min_norm_workspace_bytes(int64_t N);
+cudaError_t min_norm(const double* G, int64_t N, const double* lam0, int method, int init, int64_t max_iter,
+                     double tol_rel, double tol_abs, double* lam, int64_t* iterations, double* gap, void* workspace,
+                     cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

@@ -3,6 +3,8 @@
 #include <tuple>
 
 #include "glue.h"
+#include "min_norm.cuh"
+#include "../min_norm_checks.h"
 
 namespace fedkernels {
 namespace {

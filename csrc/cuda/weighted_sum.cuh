@@ -68,3 +68,26 @@ template <typename A> FK_HD A accumulate(A acc, A c, A x) {
 }  // namespace wsum
 }  // namespace cuda
 }  // namespace fedkernels
+
+// ---- launchers (csrc/cuda/weighted_sum.cu), called by the torch glue csrc/cuda/weighted_sum_glue.cpp. They
+// need the CUDA runtime headers: the host tests (tests/cuda_host, no CUDA) define FEDKERNELS_HD_ONLY.
+#ifndef FEDKERNELS_HD_ONLY
+#include "launch.h"
+
+namespace fedkernels {
+namespace cuda {
+
+// ---- weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]] -----------------------------
+// coef: device float64 [n]; rows: device int64 [n] or nullptr (n == K, rows 0..K-1); base: [d] or
+// nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64, fp64
+// for every dtype when some |alpha * coef[i]| > 3e38 (the CPU op's rule). wide: 1 / 0 when the
+// caller knows (host coefficients), -1 to let every block decide from coef. Each output element
+// sums the rows in index order. ok: nullptr, or [n] bool set to true by the caller, where the
+// kernel writes false for each selected row holding a NaN/Inf (weighted_sum_screened).
+cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
+                         const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
+                         bool* ok, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fedkernels
+#endif  // FEDKERNELS_HD_ONLY

@@ -8,6 +8,8 @@
 #include <ATen/ops/ones.h>
 
 #include "glue.h"
+#include "weighted_sum.cuh"
+#include "../weighted_sum_checks.h"
 
 namespace fedkernels {
 namespace {

@@ -24,7 +24,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import has_kernel
+from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -37,11 +37,6 @@ BAD_UPDATE_POLICIES = ("raise", "exclude")
 
 # the client updates of one round: a [K, d] matrix, or K tensors of d elements each
 Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-def tracing() -> bool:
-    """True while torch.compile / torch.export traces the caller: value checks are skipped."""
-    return torch.compiler.is_compiling()
 
 
 def info_values(t: Any) -> Any:

@@ -1,17 +1,20 @@
-"""Validated Python API over the native ops (``torch.ops.fedkernels.*``), one module per op family:
+"""Validated Python API over the native ops (``torch.ops.fedkernels.*``), one module per op (or family),
+named like the op:
 
-=================  ==========================================================================
-``aggregate``      ``gram``, ``weighted_sum`` (each also ``_screened``), ``finite_rows``, ``weighted_sum_chunked``
-``minnorm``        ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
-``gc``             ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
-``linalg``         ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve``,
-                   ``fedecado_be_step`` (FedECADO)
-``fused``          ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
-``reductions``     ``dot``, ``sqnorm``, ``all_``, ``any_``, ``amax_d``, ``mean_d`` and the sharded
-                   mode (``reduce_across``, ``active_reducer``)
-``_autograd``      derivatives (``weighted_sum``, ``gram``, ``gc_project``), vmap rules, and a
-                   clear error on backward through every other op
-=================  ==========================================================================
+====================  ==========================================================================
+``gram``              ``gram``, ``gram_screened`` (the K x K Gram matrix of the update rows)
+``weighted_sum``      ``weighted_sum``, ``weighted_sum_screened``, ``weighted_sum_chunked``
+``finite_rows``       ``finite_rows`` (the NaN/Inf screen of the update rows)
+``min_norm``          ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
+``gc_project``        ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
+``lu``                ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve`` (FedECADO)
+``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step)
+``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
+``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_``, ``amax_d``, ``mean_d`` and the sharded
+                      mode (``reduce_across``, ``active_reducer``)
+``_autograd``         the autograd / vmap machinery the op modules share (each op registers its
+                      own derivative, or a clear error on backward, beside its wrapper)
+====================  ==========================================================================
 
 Every function checks its arguments once, before any work, and raises ValueError (TypeError for
 non-tensors) naming the argument and what was expected (``_checks``). Non-contiguous inputs are
@@ -36,12 +39,14 @@ from .. import _native
 _native.require()
 
 from ._checks import FLOAT_DTYPES, RowsLike  # noqa: E402
-from .aggregate import (finite_rows, gram, gram_screened, weighted_sum, weighted_sum_chunked,  # noqa: E402
-                        weighted_sum_screened)
-from .fused import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
-from .gc import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
-from .linalg import LU_MAX_N, arrowhead_solve, fedecado_be_step, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
-from .minnorm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
+from .finite_rows import finite_rows  # noqa: E402
+from .gram import gram, gram_screened  # noqa: E402
+from .weighted_sum import weighted_sum, weighted_sum_chunked, weighted_sum_screened  # noqa: E402
+from .fedecado_be_step import fedecado_be_step  # noqa: E402
+from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
+from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
+from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
+from .min_norm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .reductions import (Reducer, active_reducer, all_, amax_d, any_, dot, mean_d, reduce_across,  # noqa: E402
                          sqnorm)
 
@@ -52,4 +57,3 @@ __all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "fi
            "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
            "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer"]
-from . import _autograd  # noqa: E402,F401  (derivatives and vmap rules of the native ops)

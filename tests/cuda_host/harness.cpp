@@ -40,6 +40,8 @@
 #include <string>
 #include <vector>
 
+// the per-thread logic only: the launcher sections of the .cuh files need the CUDA runtime headers
+#define FEDKERNELS_HD_ONLY
 #include "fedecado_be_step.cuh"
 #include "finite_rows.cuh"
 #include "gc_project.cuh"

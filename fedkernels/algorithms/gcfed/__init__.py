@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from ... import ops
+from ...ops import gc_project_  # GC in place, one native call for many tensors
 from .._fused import fused_sgd_step
 from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
 from ..parts import client_weights, split_layers
@@ -28,15 +28,6 @@ from .options import check_options, gc_mean_variant_, post_momentum_step, post_w
 # ---------------------------------------------------------------------------------------------
 # the GC projection
 # ---------------------------------------------------------------------------------------------
-def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2):
-    """GC in place on many tensors in one native call (``ops.gc_project_``): subtract each output
-    row's mean; 1-D tensors centred as one row under "center", left alone under "skip"; 0-D, empty
-    and fan-in < min_fanin tensors left alone."""
-    if tensors:
-        ops.gc_project_(list(tensors), vector_policy, min_fanin)
-    return tensors
-
-
 def apply_gc_(tensors: Sequence[torch.Tensor], vector_policy: str, min_fanin: int, mu: str = "cout"):
     """GC with the mean-vector variant ``mu`` on 4-D tensors (standard rows on everything else)."""
     if mu == "cout":

@@ -1,7 +1,7 @@
 """Fused local SGD steps: ``fused_sgd_step_``, ``corrected_sgd_step_`` (SCAFFOLD / FedPVR),
 ``gc_sgd_step_`` (Local GC).
 
-One native pass per local step (``csrc/cpu/fused_steps.cpp``); float64 oracle:
+One native pass per local step (``csrc/cpu/fused_sgd_step.cpp``); float64 oracle:
 ``fedkernels.reference``. In place, no derivative (optimizer steps run under ``torch.no_grad``).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from .._types import GcMask, TensorsOrNone
 from ._checks import _finite_number, _float_dtype, _needs_kernel, _no_grad_through, _tensor, _tensor_list
-from .gc import GC_VECTOR_POLICIES
+from .gc_project import GC_VECTOR_POLICIES
 
 __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 

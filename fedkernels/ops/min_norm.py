@@ -87,3 +87,5 @@ def _min_norm_fake(G: torch.Tensor, max_iter: int = 1000, tol_rel: float = 1e-12
     return (G.new_empty((G.size(0),), dtype=torch.float64), G.new_empty((), dtype=torch.long),
             G.new_empty((), dtype=torch.float64))
 
+
+_ag.no_derivative_op("min_norm", "the Frank-Wolfe solution is piecewise in G; differentiate a smooth surrogate instead")

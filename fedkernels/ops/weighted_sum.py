@@ -1,44 +1,26 @@
-"""Aggregation core: ``gram``, ``weighted_sum``, ``finite_rows`` (and ``weighted_sum_chunked``).
+"""The weighted sum of the update rows: ``weighted_sum``, ``weighted_sum_screened``,
+``weighted_sum_chunked``.
 
-The two passes of every aggregator over the K x d update matrix ``U`` (one client per row): the
-K x K Gram matrix in float64 (the weights of Gram-based methods come from it) and the weighted sum
-``base + alpha * sum_i coef_i U[rows_i]``; ``finite_rows`` screens rows for NaN/Inf in one read.
-Native kernels: ``csrc/cpu/{gram,weighted_sum,finite_rows}.cpp`` and ``csrc/cuda/*.cu``; float64
-oracle: :mod:`fedkernels.reference`.
-
+The pass of every aggregator over the K x d update matrix ``U`` (one client per row) that applies
+the weights: ``base + alpha * sum_i coef_i U[rows_i]`` (``csrc/cpu/weighted_sum.cpp``,
+``csrc/cuda/weighted_sum.cu``); float64 oracle: ``fedkernels.reference.weighted_sum``.
 ``coef`` and ``rows`` are small host vectors: they are checked on the host and handed to the
-native op as CPU tensors for every device of ``U`` (see ``_checks``). In sharded mode
-(:func:`fedkernels.ops.reduce_across`) ``gram`` and ``finite_rows`` combine their results across
-ranks.
+native op as CPU tensors for every device of ``U`` (see ``_checks``).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .._types import CoefLike, RowsLike
-from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through,
-                      _rows, _tensor, _vector)
 from . import _autograd as _ag
-from .reductions import shard_and, shard_sum
+from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor,
+                      _vector)
+from .reductions import shard_and
 
-__all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked"]
-
-
-def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
-    """Gram matrix ``U[rows] @ U.T`` in float64: shape [K, K] (or [len(rows), K]).
-
-    Accumulates in float64 in a fixed order: the same input gives the same bits with any number
-    of threads. For models larger than memory, sum ``gram(U[:, a:b])`` over column chunks.
-    Differentiable w.r.t. ``U``.
-    """
-    U = _matrix(U, "gram")
-    _needs_kernel("gram", U.device, "gram")
-    r = _rows(rows, U.size(0), "gram")
-    G = _ag.gram(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
-    return shard_sum(G)
+__all__ = ["weighted_sum", "weighted_sum_screened", "weighted_sum_chunked"]
 
 
 def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -67,7 +49,7 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
             base = base.contiguous()
     if out is None:
         if _ag.needs_grad(U, c, base):
-            return _ag.weighted_sum(U, c, base, alpha, r)
+            return _WeightedSum.apply(U, c, base, alpha, r)
         return _ag.call(torch.ops.fedkernels.weighted_sum, U, c, base, alpha, r)
     out = _vector(out, op, "out", d, U)
     if not out.is_contiguous():
@@ -75,19 +57,6 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     _no_grad_through("weighted_sum(out=...)", U, c, base, out)
     torch.ops.fedkernels.weighted_sum_out(U, c, base, alpha, r, out)
     return out
-
-
-def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(gram(U), ok)``, ok[k] = isfinite(G[k, k]) ([K] bool on U's device): the NaN/Inf screen of
-    the rows from the Gram pass itself, no extra read of U. A row with a NaN/Inf has a non-finite
-    squared norm; a finite fp16/bf16/fp32 row never does (its squares are exact in float64 and
-    cannot overflow it), so the flags are exact for those dtypes. A finite float64 row whose
-    squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
-    (the aggregators do). Not differentiable."""
-    U = _matrix(U, "gram_screened")
-    _no_grad_through("gram_screened", U)
-    G = gram(U)
-    return G, torch.isfinite(torch.diagonal(G)).to(U.device)
 
 
 def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -110,13 +79,6 @@ def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.
     _no_grad_through(op, U, c, base)
     out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
     return out, shard_and(ok)
-
-
-def finite_rows(U: torch.Tensor) -> torch.Tensor:
-    """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary."""
-    U = _matrix(U, "finite_rows")
-    _needs_kernel("finite_rows", U.device, "finite_rows")
-    return shard_and(torch.ops.fedkernels.finite_rows(U))
 
 
 def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -164,12 +126,6 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
 
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
-@torch.library.register_fake("fedkernels::gram")
-def _gram_fake(U: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    k = U.size(0) if rows is None else rows.size(0)
-    return U.new_empty((k, U.size(0)), dtype=torch.float64)
-
-
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _wsum_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -189,6 +145,62 @@ def _wsum_screened_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torc
     return U.new_empty((U.size(1),)), U.new_empty((n,), dtype=torch.bool)
 
 
-@torch.library.register_fake("fedkernels::finite_rows")
-def _finite_rows_fake(U: torch.Tensor) -> torch.Tensor:
-    return U.new_empty((U.size(0),), dtype=torch.bool)
+# ---- derivative (``g`` = gradient of the output): dU[rows_i] += alpha coef_i g,
+# dcoef_i = alpha <U[rows_i], g> (float64 dot), dbase = g; vmap: one native call per batch element
+def _wsum_setup(ctx: Any, inputs: Tuple[Any, ...], output: torch.Tensor) -> None:
+    U, coef, base, alpha, rows = inputs
+    ctx.alpha = float(alpha)
+    ctx.has_base = base is not None
+    ctx.save_for_backward(U, coef, rows)
+
+
+def _wsum_backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+    U, coef, rows = ctx.saved_tensors
+    a = ctx.alpha
+    # trailing arguments left at their defaults are not passed on (nor counted in needs_input_grad)
+    need_U, need_c, need_b = (tuple(ctx.needs_input_grad) + (False,) * 3)[:3]
+    gU: Optional[torch.Tensor] = None
+    gc: Optional[torch.Tensor] = None
+    gb: Optional[torch.Tensor] = None
+    r = None if rows is None else rows.to(U.device)
+    if need_U:
+        w = (a * coef.to(device=U.device, dtype=torch.float64)).to(g.dtype)
+        contrib = w[:, None] * g[None, :]
+        if r is None:
+            gU = contrib.to(U.dtype)
+        else:
+            gU = torch.zeros_like(U).index_add_(0, r, contrib.to(U.dtype))
+    if need_c:
+        sel = U if r is None else U.index_select(0, r)
+        gc = (a * (sel.to(torch.float64) @ g.to(torch.float64))).to(device=coef.device, dtype=coef.dtype)
+    if need_b and ctx.has_base:
+        gb = g
+    return gU, gc, gb, None, None
+
+
+class _WeightedSum(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
+                rows: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.fedkernels.weighted_sum(U, coef, base, alpha, rows)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: torch.Tensor) -> None:
+        _wsum_setup(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        return _wsum_backward(ctx, g)
+
+
+def _wsum_vmap(info: Any, in_dims: Sequence[Optional[int]], U: torch.Tensor, coef: torch.Tensor,
+               base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+               rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+    dims = (tuple(in_dims) + (None,) * 5)[:5]
+    return _ag.vmap_loop(torch.ops.fedkernels.weighted_sum, info, dims, (U, coef, base, alpha, rows))
+
+
+torch.library.register_autograd("fedkernels::weighted_sum", _wsum_backward, setup_context=_wsum_setup)
+torch.library.register_vmap("fedkernels::weighted_sum", _wsum_vmap)

@@ -100,7 +100,7 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     if not tensors:
         return []
     if _ag.needs_grad(*tensors):
-        return _ag.gc_project(tensors, vector_policy, min_fanin)
+        return list(_GcProject.apply(vector_policy, min_fanin, *tensors))
     return list(_ag.call(torch.ops.fedkernels.gc_project, tensors, vector_policy, min_fanin))
 
 
@@ -133,3 +133,44 @@ def _gc_project_inplace_fake(tensors: List[torch.Tensor], vector_policy: str = "
 def _gc_project_fake(tensors: List[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
                      ) -> List[torch.Tensor]:
     return [torch.empty_like(t) for t in tensors]
+
+
+# ---- derivative: GC is an orthogonal projection P (per-row mean removal), so dX = P(g): the op
+# itself applied to the incoming gradients
+def _gc_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    tensors, vector_policy, min_fanin = inputs
+    ctx.policy, ctx.min_fanin = vector_policy, int(min_fanin)
+    ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]
+
+
+def _gc_backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
+    gl: Sequence[Any] = grads
+    if len(grads) == 1 and isinstance(grads[0], (list, tuple)):   # the Tensor[] output's grads, as one list
+        gl = grads[0]
+    gs = [torch.zeros(s, dtype=dt, device=dev) if g is None else g for g, (s, dt, dev) in zip(gl, ctx.like)]
+    res = (list(torch.ops.fedkernels.gc_project(gs, ctx.policy, ctx.min_fanin)), None, None)
+    # torch's Tensor[] support (torch/_library/autograd.py) matches the return against the arguments
+    # as the dispatcher passed them (trailing defaults dropped, plus its metadata input, for which
+    # it appends the None itself): return one entry per passed argument, minus that one
+    spec = getattr(getattr(ctx, "_pt_metadata", None), "input_spec", None)
+    n = getattr(spec, "num_children", None) if spec is not None else None
+    return res if n is None else res[:n - 1]
+
+
+class _GcProject(torch.autograd.Function):
+    @staticmethod
+    def forward(policy: str, min_fanin: int, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return tuple(torch.ops.fedkernels.gc_project(list(tensors), policy, min_fanin))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        ctx.policy, ctx.min_fanin = inputs[0], int(inputs[1])
+        ctx.like = [(t.shape, t.dtype, t.device) for t in inputs[2:]]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Tuple[Optional[torch.Tensor], ...]:
+        gs = [torch.zeros(s, dtype=dt, device=dev) if g is None else g for g, (s, dt, dev) in zip(grads, ctx.like)]
+        return (None, None, *torch.ops.fedkernels.gc_project(gs, ctx.policy, ctx.min_fanin))
+
+
+torch.library.register_autograd("fedkernels::gc_project", _gc_backward, setup_context=_gc_setup)

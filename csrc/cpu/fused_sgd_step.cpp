@@ -13,6 +13,7 @@
 // parameter's dtype and shape and is contiguous (the Python wrapper makes it so). Work is split into
 // items of whole rows (GC tensors) or element chunks over all tensors of the list.
 #include "common.h"
+#include "../fused_sgd_step_checks.h"
 
 #include <algorithm>
 #include <string>

@@ -1,4 +1,4 @@
-// Torch glue of fused_sgd_step_ on CUDA: the CPU op's maths (csrc/cpu/fused_steps.cpp) as a
+// Torch glue of fused_sgd_step_ on CUDA: the CPU op's maths (csrc/cpu/fused_sgd_step.cpp) as a
 // composition of torch _foreach ops (multi-tensor launches) and the gc_project CUDA kernel:
 //   D_i  = GC_i(g_i) (gc_project, out of place: g is not modified) where gc_mask[i], else a copy of g_i
 //   D_i += wd * p_i;  D_i += c_add[i];  D_i -= c_sub[i]           (same order as the CPU op)
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "glue.h"
+#include "../fused_sgd_step_checks.h"
 
 namespace fedkernels {
 namespace {

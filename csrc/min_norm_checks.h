@@ -1,0 +1,29 @@
+// Argument rules of min_norm, written once for its CPU kernel (csrc/cpu/min_norm.cpp) and its
+// CUDA glue (csrc/cuda/min_norm_glue.cpp): cheap last-line checks (the Python wrapper validates first).
+#pragma once
+
+#include "checks.h"
+
+namespace fedkernels {
+namespace checks {
+
+// Returns K. method is checked by each backend (the CUDA solver has no code_compat / polish).
+inline int64_t min_norm_args(const at::Tensor& G, int64_t max_iter, double tol_rel, double tol_abs,
+                             c10::string_view init, const c10::optional<at::Tensor>& lam0) {
+  TORCH_CHECK(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
+              G.sizes());
+  TORCH_CHECK(at::isFloatingType(G.scalar_type()), "min_norm: G must have a floating dtype, got ", G.scalar_type());
+  const int64_t K = G.size(0);
+  TORCH_CHECK(K >= 1, "min_norm: G must be at least 1 x 1");
+  TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
+  TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
+  TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",
+              std::string(init), "'");
+  if (lam0.has_value())
+    TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
+                ", got shape ", lam0->sizes());
+  return K;
+}
+
+}  // namespace checks
+}  // namespace fedkernels
