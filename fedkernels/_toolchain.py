@@ -3,7 +3,7 @@
 Why (measured on the GPU image, 2026-11-25): there ``$CXX`` was a gcc wrapper whose search path
 has ``libstdc++.a`` but not ``libstdc++.so``. torch's cpp_extension compiles and links with
 ``$CXX`` (else ``c++``), so ``_C.so`` got a private static copy of libstdc++ whose locale is never
-initialised, and the first C++ error message (``ostream << long`` in csrc/checks.h) crashed the
+initialised, and the first C++ error message (``ostream << long`` in a csrc/<op>_checks.h rule) crashed the
 process with SIGSEGV: every bad argument that reached a C++ check killed Python.
 
 Two checks, both used by setup.py (which loads this file by path: stdlib only, no fedkernels

@@ -34,7 +34,7 @@ done
 exec {gxx} -static-libstdc++ "$@"
 """
 
-# formats a long through an ostream, as csrc/checks.h does in every error message
+# formats a long through an ostream, as the csrc/*_checks.h rules do in every error message
 SOURCE = """#include <sstream>
 #include <string>
 extern "C" int fk_format(long v, char* buf, int n) {
@@ -133,7 +133,7 @@ def test_the_built_extension_uses_the_shared_libstdcxx():
 
 
 def test_a_cpp_error_message_formats_numbers_instead_of_crashing():
-    # the crash of issue #25: `ostream << long` in a TORCH_CHECK message (csrc/checks.h), run apart
+    # the crash of issue #25: `ostream << long` in a TORCH_CHECK message (csrc/<op>_checks.h), run apart
     # so that a SIGSEGV fails this test instead of killing pytest
     code = ("import torch, fedkernels\n"
             "try:\n    torch.ops.fedkernels.gc_project_([torch.zeros(2, 3)], 'skip', -7)\n"

@@ -517,7 +517,7 @@ def test_opcheck_new_cuda_ops():  # the CPU ops' opchecks: tests/test_<op>.py
 # ---- issue 25: a bad argument raises one clear line, and the next valid call is right ---------------
 # Each op gets bad arguments (shape, dtype, device mix, rows out of range, NaN where it screens) through
 # its Python wrapper (ValueError) and, where the wrapper would catch it first, through the native op
-# itself (RuntimeError from csrc/checks.h: the message formats numbers and devices in C++, which crashed
+# itself (RuntimeError from csrc/<op>_checks.h: the message formats numbers and devices in C++, which crashed
 # the process in a build with a private static libstdc++); then a valid call is checked against the
 # float64 reference: the process and, on a GPU, the CUDA context stay usable.
 def _one_line(exc, match, fn, *args, **kwargs):
