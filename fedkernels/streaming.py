@@ -277,3 +277,145 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
     info.update(mode=agg.mode, kappa=kap, weights=a.tolist(), p=p.tolist(), num_clients=src.K)
     agg.round += 1
     return new, info
+
+
+# ---- FedAWARE: the momentum table streamed alongside U -------------------------------------------------
+def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FedAWARE's [N, d] momentum table as a disk-backed tensor (``torch.from_file``, shared): created
+    as a zero (sparse) file if ``path`` does not exist, else opened; its size must be N * d * itemsize."""
+    path = os.fspath(path)
+    need = int(N) * int(d) * itemsize(dtype)
+    if not os.path.exists(path):
+        with open(path, "wb") as f:
+            f.truncate(need)
+    elif os.path.getsize(path) != need:
+        raise ValueError(f"momentum_file: {path} has {os.path.getsize(path)} bytes, expected {need} for "
+                         f"N={N} x d={d} {dtype}")
+    return torch.from_file(path, shared=True, size=int(N) * int(d), dtype=dtype).view(int(N), int(d))
+
+
+def _ema_chunk(Mc: torch.Tensor, Uc: torch.Tensor, idx: torch.Tensor, first: torch.Tensor, a: float) -> torch.Tensor:
+    """The [k, c] new momenta of the participants ``idx`` for one column chunk, computed as
+    FedAWARE._update_momenta does in place: m := U (first participation under init=first_update),
+    else m <- (1 - a) m + a U (two roundings in M's dtype)."""
+    m = Mc.index_select(0, idx)
+    old = ~first
+    if bool(old.all()):
+        return m.mul_(1.0 - a).add_(Uc, alpha=a)
+    m[first] = Uc[first].to(m.dtype)
+    if bool(old.any()):
+        m[old] = m[old].mul_(1.0 - a).add_(Uc[old], alpha=a)
+    return m
+
+
+def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: Sequence[int], aggregator,
+                      momenta: torch.Tensor, out: OutLike = None):
+    """One FedAWARE round with U and the [N, d] momentum table ``momenta`` (a CPU tensor: in memory,
+    or disk-backed from :func:`momentum_file`) streamed in column chunks. ``aggregator``: a FedAWARE
+    (its options, its N x N Gram cache, seen flags and counts are used and advanced, as its own
+    ``aggregate`` does; its in-memory table ``M`` is not used). Supported: every warmup, init and
+    variant, zero_fallback; not the ``extension`` options.
+
+    Pass 1 reads U and M: screens U's rows, accumulates the participants' Gram rows of the updated
+    table ([k, N], fp64) and the ELUD Gram ([k, k]) without writing anything. Then the host step
+    (min-norm solve on the N x N Gram). Pass 2 reads U and M again, writes the participants' momenta
+    into ``momenta`` and sums the step. A bad row raises before any state or output changes.
+    Returns (new, info)."""
+    from .algorithms.fedaware import ZERO_REL, FedAWARE, elud
+    agg = aggregator
+    what = "streamed_fedaware"
+    if not isinstance(agg, FedAWARE):
+        raise TypeError(f"{what}: aggregator must be a FedAWARE, got {type(agg).__name__}")
+    if agg.extension is not None:
+        raise ValueError(f"{what}: extension={agg.extension!r} is not streamed (use extension=None)")
+    src = _as_chunked(src)
+    K, d = src.K, src.d
+    _check_vec(global_flat, "global_flat", what, d)
+    n = _check_counts(num_examples, K, what)
+    N = agg.num_clients
+    if N is None:
+        raise ValueError(f"{what}: the aggregator needs num_clients=N")
+    if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d) or momenta.device.type != "cpu":
+        raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] CPU tensor, got "
+                         f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
+    ids = [int(i) for i in client_ids]
+    if len(ids) != K or len(set(ids)) != K or not all(0 <= i < N for i in ids):
+        raise ValueError(f"{what}: client_ids must be {K} distinct ids in [0, {N}), got {list(client_ids)!r}")
+    if agg.Gm is None:
+        agg.Gm = torch.zeros(N, N, dtype=torch.float64)
+        agg.seen = torch.zeros(N, dtype=torch.bool)
+        agg.n_examples = torch.zeros(N, dtype=torch.float64)
+    idx = torch.tensor(ids, dtype=torch.long)
+    first = (~agg.seen.index_select(0, idx)) if agg.init == "first_update" else torch.zeros(K, dtype=torch.bool)
+    res = _Result(out, d, global_flat.dtype, what)
+    info = {}
+    try:
+        # pass 1: screening, Gram rows of the updated table, ELUD Gram; nothing written
+        Gr = torch.zeros(K, N, dtype=torch.float64)
+        Gu = torch.zeros(K, K, dtype=torch.float64) if agg.log_elud else None
+        fin = torch.ones(K, dtype=torch.bool)
+        for a, b, Uc in src.chunks():
+            fin &= ops.finite_rows(Uc).cpu()
+            Mn = momenta[:, a:b].clone()
+            Mn.index_copy_(0, idx, _ema_chunk(momenta[:, a:b], Uc, idx, first, agg.alpha))
+            Gr.add_(ops.gram(Mn, rows=idx).cpu())
+            if Gu is not None:
+                Gu.add_(ops.gram(Uc).cpu())
+        src.source.check_rows(fin)
+    except BaseException:
+        res.discard()
+        raise
+    # host step: the aggregator's state advanced as in FedAWARE._update_momenta, then its solve
+    if Gu is not None:
+        info["elud"], info["elud_sqrt"] = elud(Gu)
+    agg.Gm[idx, :] = Gr
+    agg.Gm[:, idx] = Gr.T
+    agg.seen[idx] = True
+    agg.n_examples[idx] = n
+    p = n / n.sum()                                       # sample weights (the explore step)
+    exploring = agg.warmup == "explore" and not bool(agg.seen.all())
+    info["phase"] = "explore" if exploring else "aware"
+    src_rows, coef, alpha = None, None, agg.server_lr     # the step: on U (explore) or on M's rows
+    if exploring:
+        coef = p
+        info.update(weights=p.tolist(), num_seen=int(agg.seen.sum()))
+    elif agg.variant == "na":
+        src_rows, coef = agg._na_coef()
+        info.update(support=src_rows.tolist(), coef=coef.tolist())
+    else:
+        active = torch.nonzero(agg.seen).reshape(-1) if agg.warmup == "mask" else torch.arange(N)
+        G, nz = agg.gram_matrix(active)
+        lam, iters, gap = agg._solve(G, active)
+        q = float(lam @ (G @ lam))
+        zero_dir = not (q > ZERO_REL * float(torch.diagonal(G).max()))
+        lam_full = torch.zeros(N, dtype=torch.float64)
+        lam_full[active] = lam
+        agg.lam_prev = lam_full
+        c = lam / nz
+        sup = torch.nonzero(c != 0).reshape(-1)
+        src_rows, coef = active.index_select(0, sup), c.index_select(0, sup)
+        info.update(lam=lam_full.tolist(), support=src_rows.tolist(), coef=coef.tolist(), q=q, gap=gap,
+                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        if zero_dir:
+            if agg.zero_fallback == "na":
+                src_rows, coef = agg._na_coef()
+                info["fallback"] = "na"
+            else:
+                src_rows, coef, alpha = None, None, 0.0
+                info["fallback"] = "zero step"
+    odt = global_flat.dtype
+
+    def fill(buf):                                        # pass 2: write the momenta, sum the step
+        for a, b, Uc in src.chunks():
+            m = _ema_chunk(momenta[:, a:b], Uc, idx, first, agg.alpha)
+            momenta[:, a:b].index_copy_(0, idx, m)
+            x = global_flat[a:b]
+            if exploring:
+                buf[a:b].copy_(_wsum_chunk(Uc, p, x, alpha, None, odt, src.device))
+            elif coef is None:
+                buf[a:b].copy_(x)
+            else:
+                Mc = momenta[:, a:b].index_select(0, src_rows).to(odt)
+                buf[a:b].copy_(ops.weighted_sum(Mc, coef, base=x, alpha=alpha))
+    new = _fill(res, fill)
+    return new, info
