@@ -40,19 +40,21 @@ METHODS = ("fedavg", "kuramoto", "fedaware")
 
 
 def write_updates(path: str, K: int, d: int, dtype: torch.dtype, block: int = 1 << 24) -> float:
-    """Writes K rows of d elements (a common direction + per-row noise, so the Kuramoto and FedAWARE
-    weights are not trivial) block by block; returns seconds (fsync included)."""
+    """Writes K rows of d elements block by block; returns seconds (fsync included). Each block is one
+    of R precomputed blocks (a common direction + its own noise) picked by a hash of (row, block), so
+    the rows differ (non-trivial Kuramoto / FedAWARE weights) and writing costs no arithmetic."""
     g = torch.Generator().manual_seed(0)
-    R = 4
-    common = [torch.randn(block, generator=g) * 0.05 for _ in range(R)]
-    noise = [torch.randn(block, generator=g) * 0.1 for _ in range(R)]
+    R = 8
+    common = torch.randn(block, generator=g) * 0.05
+    blocks = [(common + torch.randn(block, generator=g) * 0.1).to(dtype).view(torch.uint8).numpy()
+              for _ in range(R)]
+    es = torch.empty(0, dtype=dtype).element_size()
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         for k in range(K):
             for j, a in enumerate(range(0, d, block)):
                 w = min(block, d - a)
-                row = (common[j % R][:w] * (1.0 + 0.1 * k) + noise[(k * 3 + j) % R][:w]).to(dtype)
-                f.write(row.view(torch.uint8).numpy().tobytes())
+                f.write(blocks[((k + 1) * (j + 7) * 2654435761 >> 7) % R][: w * es].data)
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - t0
@@ -67,12 +69,14 @@ def dd_floor(path: str) -> dict:
     return {"dd_s": float(m.group(1)) if m else t, "dd_line": r.stderr.strip().splitlines()[-1]}
 
 
-def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str) -> dict:
+def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str,
+          threads: int) -> dict:
     """One streamed round in this (fresh) process; returns its measurements."""
     from fedkernels import algorithms
     from fedkernels.sources import RawFileSource
     from fedkernels.streaming import (ChunkedUpdates, momentum_file, streamed_fedavg, streamed_fedaware,
                                       streamed_kuramoto)
+    torch.set_num_threads(threads)
     dtype = DTYPES[dtype_name]
     es = torch.empty(0, dtype=dtype).element_size()
     chunk_cols = max(1024, (chunk_mb << 20) // (K * es))
@@ -81,6 +85,7 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
     out = os.path.join(workdir, "fedkernels_large_out.f32")
     n = list(range(10, 10 + K))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    load0 = os.getloadavg()[0]
     extra_read = extra_write = 0
     t0 = time.perf_counter()
     if method == "fedavg":
@@ -104,7 +109,8 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
     return {"method": method, "time_s": t, "passes_over_U": passes, "bytes_read": read, "bytes_written_table":
             extra_write, "GBps_read": read / t / 1e9, "peak_rss_GB": rss * 1024 / 1e9,
             "rss_before_round_GB": rss0 * 1024 / 1e9, "staging_MB": src.staging_bytes / 2 ** 20,
-            "chunk_cols": chunk_cols, "result_ok": ok, "info": info}
+            "chunk_cols": chunk_cols, "torch_threads": threads, "loadavg_1min_before": load0,
+            "result_ok": ok, "info": info}
 
 
 def run(args) -> dict:
@@ -125,7 +131,7 @@ def run(args) -> dict:
         floor = dd_floor(path)
         for m in args.methods:
             code = (f"import json; from bench.large_model import child; print(json.dumps(child({m!r}, {path!r}, "
-                    f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r})))")
+                    f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r}, {args.threads})))")
             r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
                 raise SystemExit(f"large_model: the {m} round failed:\n{r.stderr[-2000:]}")
@@ -141,11 +147,11 @@ def run(args) -> dict:
         for f in junk:
             if os.path.exists(f):
                 os.remove(f)
-    return {"benchmark": "large_model", "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
+    return {"K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
             "dir": args.dir, "disk_free_GB_before": free / 1e9, "write_s": t_write,
             "write_GBps": size / t_write / 1e9, "dd_s": floor["dd_s"], "dd_GBps": size / floor["dd_s"] / 1e9,
             "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "machine": platform.node(),
+            "cpus": os.cpu_count(), "machine": platform.node(),
             "torch": torch.__version__, "methods": rows,
             "notes": "peak RSS includes the fp32 global model (4 d bytes) held in memory; the output model is a "
                      "file written through a shared mapping (temporary + rename); floor_s = passes over U x dd time "
@@ -161,20 +167,31 @@ def main(argv=None):
     ap.add_argument("--chunk-mb", type=int, default=64, help="staging per chunk, all K rows (MB)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads of each round (default: torch's default)")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run to the runs of an existing result file instead of replacing it")
     add_out_argument(ap)
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in args.methods if m not in METHODS]
     if bad or not args.methods:
         ap.error(f"--methods: {bad or args.methods} not in {METHODS}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     if args.d < 1 or args.d != int(args.d) or args.K < 1:
         ap.error(f"--d and --K must be positive integers, got {args.d}, {args.K}")
     if not os.path.isdir(args.dir):
         ap.error(f"--dir: {args.dir!r} is not a directory")
-    res = run(args)
     path = output_path(args.out, "large-model-cpu.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    runs = []
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    runs.append(run(args))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"benchmark": "large_model", "runs": runs}, f, indent=1)
+    os.replace(path + ".tmp", path)
     print(f"wrote {path}")
 
 

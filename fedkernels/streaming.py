@@ -180,21 +180,34 @@ def streamed_finite_rows(src) -> torch.Tensor:
     return fin
 
 
-def _wsum_chunk(c: torch.Tensor, coef, base_chunk, alpha: float, rows, odt: torch.dtype, dev) -> torch.Tensor:
-    """One chunk of ``base + alpha * sum_i coef_i c[rows_i]`` in dtype ``odt`` (a bf16/fp16 chunk is
-    converted: K x chunk_cols, the staging size)."""
-    if c.dtype != odt:
-        c = (c if rows is None else c.index_select(0, rows.to(c.device))).to(odt)
-        rows = None
+CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted
+
+
+def _wsum_chunk(c: torch.Tensor, coef, base_chunk, alpha: float, rows, odt: torch.dtype, dev,
+                dst: torch.Tensor) -> None:
+    """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one chunk, in dtype ``odt``. A bf16/fp16
+    chunk is converted CONVERT_COLS columns at a time (a K x CONVERT_COLS scratch that stays in cache,
+    not a K x chunk_cols copy); per coordinate the same bits as converting it whole."""
     bb = None if base_chunk is None else base_chunk.to(device=dev, dtype=odt)
-    return ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows)
+    if c.dtype == odt:
+        dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
+        return
+    if rows is not None:
+        c = c.index_select(0, rows.to(c.device))
+    w = c.size(1)
+    scratch = torch.empty(c.size(0), min(w, CONVERT_COLS), dtype=odt, device=c.device)
+    for j in range(0, w, CONVERT_COLS):
+        e = min(w, j + CONVERT_COLS)
+        s = scratch[:, : e - j]
+        s.copy_(c[:, j:e])
+        dst[j:e].copy_(ops.weighted_sum(s, coef, base=None if bb is None else bb[j:e], alpha=alpha))
 
 
 def _sum_pass(src: ChunkedUpdates, coef, base, alpha, rows, buf: torch.Tensor, fin=None) -> None:
     c64 = torch.as_tensor(coef, dtype=torch.float64).cpu()    # host coefficients and rows for every device
     r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
     for a, b, c in src.chunks():
-        buf[a:b].copy_(_wsum_chunk(c, c64, None if base is None else base[a:b], alpha, r, buf.dtype, src.device))
+        _wsum_chunk(c, c64, None if base is None else base[a:b], alpha, r, buf.dtype, src.device, buf[a:b])
         if fin is not None:
             fin &= ops.finite_rows(c).cpu()
 
@@ -411,11 +424,10 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
             momenta[:, a:b].index_copy_(0, idx, m)
             x = global_flat[a:b]
             if exploring:
-                buf[a:b].copy_(_wsum_chunk(Uc, p, x, alpha, None, odt, src.device))
+                _wsum_chunk(Uc, p, x, alpha, None, odt, src.device, buf[a:b])
             elif coef is None:
                 buf[a:b].copy_(x)
             else:
-                Mc = momenta[:, a:b].index_select(0, src_rows).to(odt)
-                buf[a:b].copy_(ops.weighted_sum(Mc, coef, base=x, alpha=alpha))
+                _wsum_chunk(momenta[:, a:b], coef, x, alpha, src_rows, odt, src.device, buf[a:b])
     new = _fill(res, fill)
     return new, info
