@@ -163,7 +163,7 @@ class MemmapSource(MatrixSource):
             if self.arr.flags.writeable:
                 t = torch.from_numpy(view)
             else:                                     # torch needs writable memory: one staging copy
-                if self._stage is None:
+                if self._stage is None or self._stage.size(1) < b - a:
                     self._stage = torch.empty(self.K, chunk_cols, dtype=torch.int16 if bf16 else self.dtype)
                 t = self._stage[:, : b - a]
                 t.numpy()[...] = view
