@@ -23,8 +23,9 @@ client row). ``as_source(x, ...)`` builds the right one.
 
 Validation happens at construction, before anything is read: the dtype, the shape, and for files
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
-client row (and file) that is short. Row-by-row reads cost K ``preadv`` calls per block; the block
-staging is K x chunk_cols elements, the only memory a file source holds.
+client row (and file) that is short. Row-by-row reads cost K ``preadv`` calls per block; a file
+source holds two K x chunk_cols staging blocks: a reader thread fills the next while the caller
+works on the current one (``prefetch=False``: one block, reads and arithmetic in turn).
 """
 from __future__ import annotations
 
@@ -191,41 +192,59 @@ class _FileRows(MatrixSource):
 
     paths: List[str]
 
-    def __init__(self, dtype, pin_memory: bool = False):
+    def __init__(self, dtype, pin_memory: bool = False, prefetch: bool = True):
         self.dtype = _check_dtype(dtype, type(self).__name__)
         self._es = itemsize(self.dtype)
         self._pin = bool(pin_memory)
-        self._stage: Optional[torch.Tensor] = None
+        self.prefetch = bool(prefetch)
+        self._stage: List[torch.Tensor] = []
 
     def _where(self, k: int) -> Tuple[int, int]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def _staging(self, chunk_cols: int) -> torch.Tensor:
-        if self._stage is None or self._stage.size(1) < chunk_cols:
+    def _staging(self, chunk_cols: int, n: int) -> List[torch.Tensor]:
+        if len(self._stage) < n or self._stage[0].size(1) < chunk_cols:
             pin = self._pin and torch.cuda.is_available()
-            self._stage = torch.empty(self.K, chunk_cols, dtype=self.dtype, pin_memory=pin)
-        return self._stage
+            self._stage = [torch.empty(self.K, chunk_cols, dtype=self.dtype, pin_memory=pin) for _ in range(n)]
+        return self._stage[:n]
+
+    def _read(self, fds, st: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Columns [a, b) of every row into ``st`` (K preadv calls; they release the GIL)."""
+        raw = st.view(torch.uint8).numpy()             # [K, chunk_cols * itemsize] bytes
+        es = self._es
+        nb = (b - a) * es
+        for k in range(self.K):
+            f, off = self._where(k)
+            dst = memoryview(raw[k, :nb])
+            pos, got = off + a * es, 0
+            while got < nb:
+                r = os.preadv(fds[f], [dst[got:]], pos + got)
+                if r <= 0:                            # the file shrank after validation
+                    raise OSError(f"{type(self).__name__}: short read of {self.row_name(k)} from "
+                                  f"{self.paths[f]} at byte {pos + got}")
+                got += r
+        return st[:, : b - a]
 
     def _blocks(self, chunk_cols):
-        st = self._staging(chunk_cols)
-        raw = st.view(torch.uint8).numpy()             # [K, chunk_cols * itemsize] bytes
+        """With ``prefetch`` (default) a reader thread fills the other of two staging blocks with the
+        next columns while the caller works on this one (disk reads overlap the arithmetic)."""
+        spans = [(a, min(self.d, a + chunk_cols)) for a in range(0, self.d, chunk_cols)]
         fds = [os.open(p, os.O_RDONLY) for p in self.paths]
-        es = self._es
         try:
-            for a in range(0, self.d, chunk_cols):
-                b = min(self.d, a + chunk_cols)
-                nb = (b - a) * es
-                for k in range(self.K):
-                    f, off = self._where(k)
-                    dst = memoryview(raw[k, :nb])
-                    pos, got = off + a * es, 0
-                    while got < nb:
-                        r = os.preadv(fds[f], [dst[got:]], pos + got)
-                        if r <= 0:                    # the file shrank after validation
-                            raise OSError(f"{type(self).__name__}: short read of {self.row_name(k)} from "
-                                          f"{self.paths[f]} at byte {pos + got}")
-                        got += r
-                yield a, b, st[:, : b - a]
+            if not self.prefetch or len(spans) == 1:
+                st = self._staging(chunk_cols, 1)[0]
+                for a, b in spans:
+                    yield a, b, self._read(fds, st, a, b)
+                return
+            from concurrent.futures import ThreadPoolExecutor
+            bufs = self._staging(chunk_cols, 2)
+            with ThreadPoolExecutor(1, thread_name_prefix="fedkernels-read") as pool:
+                nxt = pool.submit(self._read, fds, bufs[0], *spans[0])
+                for i, (a, b) in enumerate(spans):
+                    blk = nxt.result()                # block i; the caller has finished with block i-1
+                    if i + 1 < len(spans):
+                        nxt = pool.submit(self._read, fds, bufs[(i + 1) % 2], *spans[i + 1])
+                    yield a, b, blk
         finally:
             for fd in fds:
                 os.close(fd)
@@ -237,8 +256,8 @@ class RawFileSource(_FileRows):
     client row that is incomplete; a longer one (another dtype or shape) is refused too."""
 
     def __init__(self, path: PathLike, K: int, d: int, dtype: torch.dtype = torch.float32, offset: int = 0,
-                 pin_memory: bool = False):
-        super().__init__(dtype, pin_memory)
+                 pin_memory: bool = False, prefetch: bool = True):
+        super().__init__(dtype, pin_memory, prefetch)
         what = "RawFileSource"
         self.K, self.d = _check_pos_int(K, what, "K"), _check_pos_int(d, what, "d")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
@@ -268,8 +287,8 @@ class ClientFilesSource(_FileRows):
     the client row and its file."""
 
     def __init__(self, paths: Sequence[PathLike], d: int, dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False):
-        super().__init__(dtype, pin_memory)
+                 pin_memory: bool = False, prefetch: bool = True):
+        super().__init__(dtype, pin_memory, prefetch)
         what = "ClientFilesSource"
         if isinstance(paths, (str, os.PathLike)) or not len(paths):
             raise ValueError(f"{what}: paths must be a non-empty list of files (one per client row), got {paths!r}")

@@ -36,6 +36,7 @@ def _client_files(U, folder):
 def _all_sources(U, tmp_path):
     """Every source kind holding U."""
     out = {"tensor": TensorSource(U), "raw": RawFileSource(_raw(U, tmp_path / "U.bin"), K, D, U.dtype),
+           "raw_no_prefetch": RawFileSource(tmp_path / "U.bin", K, D, U.dtype, prefetch=False),
            "clients": ClientFilesSource(_client_files(U, tmp_path), D, U.dtype)}
     np_dt = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[U.dtype]
     mm = np.memmap(tmp_path / "U.mm", dtype=np_dt, mode="w+", shape=(K, D))
