@@ -147,7 +147,8 @@ def run(args) -> dict:
         for f in junk:
             if os.path.exists(f):
                 os.remove(f)
-    return {"K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
             "dir": args.dir, "disk_free_GB_before": free / 1e9, "write_s": t_write,
             "write_GBps": size / t_write / 1e9, "dd_s": floor["dd_s"], "dd_GBps": size / floor["dd_s"] / 1e9,
             "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
