@@ -113,16 +113,18 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
             "result_ok": ok, "info": info}
 
 
+def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
+    """Bytes the run writes to --dir: the update file, the fp32 output, FedAWARE's N = K table."""
+    size = K * d * torch.empty(0, dtype=dtype).element_size()
+    return size + d * 4 + (size if "fedaware" in methods else 0)
+
+
 def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     es = torch.empty(0, dtype=dtype).element_size()
     K, d = args.K, int(args.d)
     size = K * d * es
-    need = size + d * 4 + (size if "fedaware" in args.methods else 0)
     free = shutil.disk_usage(args.dir).free
-    if need + args.margin_gb * 1e9 > free:
-        raise SystemExit(f"large_model: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
-                         f"{need / 1e9:.1f} GB + {args.margin_gb} GB margin: lower --d")
     path = os.path.join(args.dir, f"fedkernels_large_U_{K}x{d}.{args.dtype}")
     junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin")]
     rows = []
@@ -184,6 +186,10 @@ def main(argv=None):
         ap.error(f"--d and --K must be positive integers, got {args.d}, {args.K}")
     if not os.path.isdir(args.dir):
         ap.error(f"--dir: {args.dir!r} is not a directory")
+    need, free = disk_needed(args.K, int(args.d), DTYPES[args.dtype], args.methods), shutil.disk_usage(args.dir).free
+    if need + args.margin_gb * 1e9 > free:
+        ap.error(f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
+                 f"{need / 1e9:.1f} GB + --margin-gb {args.margin_gb} GB: lower --d")
     path = output_path(args.out, "large-model-cpu.json")
     runs = []
     if args.append and os.path.exists(path):

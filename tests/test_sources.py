@@ -193,3 +193,27 @@ def test_source_is_the_interface():
     assert issubclass(RawFileSource, MatrixSource) and issubclass(ClientFilesSource, MatrixSource)
     s = as_source(torch.zeros(2, 3))
     assert isinstance(s, TensorSource) and as_source(s) is s and s.nbytes == 24
+
+
+def test_large_model_bench_runs_and_cleans_up(tmp_path):
+    """bench/large_model.py as a user runs it: a tiny round from a file, its JSON, no file left behind;
+    a run that cannot fit on the disk is refused (exit 2) before anything is written."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "bench.large_model", "--d", "5000", "--K", "3", "--dir", str(work),
+           "--methods", "fedavg", "--out", str(tmp_path / "r.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    (row,) = res["methods"]
+    assert row["method"] == "fedavg" and row["result_ok"] and row["GBps_read"] > 0 and row["peak_rss_GB"] > 0
+    assert res["dd_s"] > 0 and res["file_GB"] == 3 * 5000 * 2 / 1e9
+    assert os.listdir(work) == []
+    r = subprocess.run(cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True,
+                       text=True, cwd=root)
+    assert r.returncode == 2 and "GB free" in r.stderr and "lower --d" in r.stderr
+    assert os.listdir(work) == [] and not (tmp_path / "s.json").exists()
