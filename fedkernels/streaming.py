@@ -159,25 +159,24 @@ def _fill(res: _Result, fill) -> torch.Tensor:
 # ---- streamed passes ---------------------------------------------------------------------------------------
 def streamed_gram(src, rows=None, with_finite: bool = False):
     """``ops.gram`` of the whole matrix, summed over column chunks in order (fp64 [K, K] on the CPU);
-    with ``with_finite`` also the [K] finite-row flags from the same pass."""
+    with ``with_finite`` also the [K] finite-row flags from the same pass. Both accumulate on the
+    chunks' device and come to the host once, at the end."""
     src = _as_chunked(src)
-    G, fin = None, torch.ones(src.K, dtype=torch.bool)
+    G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)
+    fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
     for _, _, c in src.chunks():
-        g = ops.gram(c, rows=rows).cpu()
-        G = g if G is None else G.add_(g)
+        G.add_(ops.gram(c, rows=rows))
         if with_finite:
-            fin &= ops.finite_rows(c).cpu()
-    if G is None:
-        G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64)
-    return (G, fin) if with_finite else G
+            fin &= ops.finite_rows(c)
+    return (G.cpu(), fin.cpu()) if with_finite else G.cpu()
 
 
 def streamed_finite_rows(src) -> torch.Tensor:
     src = _as_chunked(src)
-    fin = torch.ones(src.K, dtype=torch.bool)
+    fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
     for _, _, c in src.chunks():
-        fin &= ops.finite_rows(c).cpu()
-    return fin
+        fin &= ops.finite_rows(c)
+    return fin.cpu()
 
 
 CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted
@@ -206,10 +205,13 @@ def _wsum_chunk(c: torch.Tensor, coef, base_chunk, alpha: float, rows, odt: torc
 def _sum_pass(src: ChunkedUpdates, coef, base, alpha, rows, buf: torch.Tensor, fin=None) -> None:
     c64 = torch.as_tensor(coef, dtype=torch.float64).cpu()    # host coefficients and rows for every device
     r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+    acc = torch.ones(src.K, dtype=torch.bool, device=src.device) if fin is not None else None
     for a, b, c in src.chunks():
         _wsum_chunk(c, c64, None if base is None else base[a:b], alpha, r, buf.dtype, src.device, buf[a:b])
-        if fin is not None:
-            fin &= ops.finite_rows(c).cpu()
+        if acc is not None:
+            acc &= ops.finite_rows(c)
+    if fin is not None:
+        fin &= acc.cpu()
 
 
 def streamed_weighted_sum(src, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows=None,
@@ -343,6 +345,9 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
         raise ValueError(f"{what}: extension={agg.extension!r} is not streamed (use extension=None)")
     src = _as_chunked(src)
     K, d = src.K, src.d
+    if src.device.type != "cpu":
+        raise ValueError(f"{what}: chunks must be delivered to the CPU (the momentum table is a host tensor), "
+                         f"got device {src.device}")
     _check_vec(global_flat, "global_flat", what, d)
     n = _check_counts(num_examples, K, what)
     N = agg.num_clients
