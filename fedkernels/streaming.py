@@ -157,18 +157,37 @@ def _fill(res: _Result, fill) -> torch.Tensor:
 
 
 # ---- streamed passes ---------------------------------------------------------------------------------------
+def _screen(src: ChunkedUpdates, c: torch.Tensor, a: int, b: int, acc: torch.Tensor) -> None:
+    """Screens one chunk's rows for NaN/Inf: host chunks raise at once (BadUpdateError naming the client
+    row and the columns; the rest of U is not read), device chunks accumulate into ``acc`` (checked
+    with one sync at the end of the pass, ``src.source.check_rows(acc)``)."""
+    f = ops.finite_rows(c)
+    if src.device.type == "cpu":
+        src.source.check_rows(f, (a, b))
+    else:
+        acc &= f
+
+
+def _gram_pass(src: ChunkedUpdates, rows=None, flags: bool = False, screen: bool = False):
+    G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)
+    fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
+    for a, b, c in src.chunks():
+        G.add_(ops.gram(c, rows=rows))
+        if screen:
+            _screen(src, c, a, b, fin)
+        elif flags:
+            fin &= ops.finite_rows(c)
+    if screen:
+        src.source.check_rows(fin)
+    return G.cpu(), fin.cpu()
+
+
 def streamed_gram(src, rows=None, with_finite: bool = False):
     """``ops.gram`` of the whole matrix, summed over column chunks in order (fp64 [K, K] on the CPU);
     with ``with_finite`` also the [K] finite-row flags from the same pass. Both accumulate on the
     chunks' device and come to the host once, at the end."""
-    src = _as_chunked(src)
-    G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)
-    fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
-    for _, _, c in src.chunks():
-        G.add_(ops.gram(c, rows=rows))
-        if with_finite:
-            fin &= ops.finite_rows(c)
-    return (G.cpu(), fin.cpu()) if with_finite else G.cpu()
+    G, fin = _gram_pass(_as_chunked(src), rows, flags=with_finite)
+    return (G, fin) if with_finite else G
 
 
 def streamed_finite_rows(src) -> torch.Tensor:
@@ -202,14 +221,21 @@ def _wsum_chunk(c: torch.Tensor, coef, base_chunk, alpha: float, rows, odt: torc
         dst[j:e].copy_(ops.weighted_sum(s, coef, base=None if bb is None else bb[j:e], alpha=alpha))
 
 
-def _sum_pass(src: ChunkedUpdates, coef, base, alpha, rows, buf: torch.Tensor, fin=None) -> None:
+def _sum_pass(src: ChunkedUpdates, coef, base, alpha, rows, buf: torch.Tensor, fin=None,
+              screen: bool = False) -> None:
+    """One pass of the weighted sum into ``buf``; ``fin``: [K] flags to AND the rows' finiteness
+    into; ``screen``: raise on a bad row instead (see ``_screen``)."""
     c64 = torch.as_tensor(coef, dtype=torch.float64).cpu()    # host coefficients and rows for every device
     r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
-    acc = torch.ones(src.K, dtype=torch.bool, device=src.device) if fin is not None else None
+    acc = torch.ones(src.K, dtype=torch.bool, device=src.device)
     for a, b, c in src.chunks():
-        _wsum_chunk(c, c64, None if base is None else base[a:b], alpha, r, buf.dtype, src.device, buf[a:b])
-        if acc is not None:
+        if screen:                                 # before the chunk is summed: the first bad chunk stops
+            _screen(src, c, a, b, acc)
+        elif fin is not None:
             acc &= ops.finite_rows(c)
+        _wsum_chunk(c, c64, None if base is None else base[a:b], alpha, r, buf.dtype, src.device, buf[a:b])
+    if screen:
+        src.source.check_rows(acc)
     if fin is not None:
         fin &= acc.cpu()
 
@@ -247,12 +273,8 @@ def streamed_fedavg(global_flat: torch.Tensor, src, num_examples, server_lr: flo
     what = "streamed_fedavg"
     _check_vec(global_flat, "global_flat", what, src.d)
     n = _check_counts(num_examples, src.K, what)
-    fin = torch.ones(src.K, dtype=torch.bool)
-
-    def fill(buf):
-        _sum_pass(src, n / n.sum(), global_flat, server_lr, None, buf, fin)
-        src.source.check_rows(fin)                 # before publishing: a bad row leaves out untouched
-    return _fill(_Result(out, src.d, global_flat.dtype, what), fill)
+    return _fill(_Result(out, src.d, global_flat.dtype, what),      # a bad row raises before publishing
+                 lambda buf: _sum_pass(src, n / n.sum(), global_flat, server_lr, None, buf, screen=True))
 
 
 def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=None, out: OutLike = None):
@@ -271,8 +293,7 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
     res = _Result(out, src.d, global_flat.dtype, what)      # refuses a bad out before reading U
     p = n.new_full((src.K,), 1.0 / src.K) if agg.weighting == "uniform" else n / n.sum()
     try:
-        G, fin = streamed_gram(src, with_finite=True)
-        src.source.check_rows(fin)
+        G, _ = _gram_pass(src, screen=True)
     except BaseException:
         res.discard()
         raise
@@ -371,15 +392,13 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
         # pass 1: screening, Gram rows of the updated table, ELUD Gram; nothing written
         Gr = torch.zeros(K, N, dtype=torch.float64)
         Gu = torch.zeros(K, K, dtype=torch.float64) if agg.log_elud else None
-        fin = torch.ones(K, dtype=torch.bool)
         for a, b, Uc in src.chunks():
-            fin &= ops.finite_rows(Uc).cpu()
+            src.source.check_rows(ops.finite_rows(Uc), (a, b))
             Mn = momenta[:, a:b].clone()
             Mn.index_copy_(0, idx, _ema_chunk(momenta[:, a:b], Uc, idx, first, agg.alpha))
             Gr.add_(ops.gram(Mn, rows=idx).cpu())
             if Gu is not None:
                 Gu.add_(ops.gram(Uc).cpu())
-        src.source.check_rows(fin)
     except BaseException:
         res.discard()
         raise

@@ -217,3 +217,22 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
                        text=True, cwd=root)
     assert r.returncode == 2 and "GB free" in r.stderr and "lower --d" in r.stderr
     assert os.listdir(work) == [] and not (tmp_path / "s.json").exists()
+
+
+def test_a_bad_chunk_stops_the_pass_there():
+    """On the host a NaN is reported from the chunk that holds it (row and columns), without reading on."""
+    class Counting(TensorSource):
+        read = 0
+
+        def _blocks(self, chunk_cols):
+            for blk in super()._blocks(chunk_cols):
+                self.read += 1
+                yield blk
+    U = _U()
+    U[2, 705] = float("inf")
+    x = torch.zeros(D)
+    for fn in (lambda s: streamed_fedavg(x, s, [1] * K), lambda s: streamed_kuramoto(x, s, [1] * K)):
+        s = Counting(U)
+        with pytest.raises(BadUpdateError, match=r"client row 2 contains NaN/Inf \(in columns 700\.\.799 of d=1001\)"):
+            fn(ChunkedUpdates(s, chunk_cols=100))
+        assert s.read == 8
