@@ -24,11 +24,10 @@ from __future__ import annotations
 import os
 from typing import Iterator, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
 from . import ops
-from .errors import BadUpdateError
+from .errors import BadUpdateError  # noqa: F401  (raised through the sources; re-exported)
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
 from .sources import MatrixSource, as_source, itemsize
 
