@@ -120,6 +120,8 @@ class _Result:
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 raise ValueError(f"{what}: out {path!r}: folder {folder!r} does not exist")
+            if os.path.isdir(path):
+                raise ValueError(f"{what}: out {path!r} is a folder, expected a file path (or a tensor)")
             self.tmp = f"{path}.tmp-{os.getpid()}"
             with open(self.tmp, "wb") as f:
                 f.truncate(d * itemsize(dtype))
