@@ -1,0 +1,206 @@
+"""A real large-model round from a file on disk (issue #30 item 6): K client updates of d parameters in
+one raw bfloat16 file, aggregated by streamed FedAvg, Kuramoto-FedAvg and FedAWARE
+(``fedkernels.streaming`` over ``fedkernels.sources.RawFileSource``), each in a fresh process.
+
+Reported per method: wall time, bytes read (passes x file size, + FedAWARE's momentum table read
+twice and its participants' rows written once), achieved GB/s, peak RSS (``resource.getrusage``,
+which includes the in-memory fp32 global model of 4 d bytes), and side by side the disk-read floor:
+``dd`` of the same file to /dev/null (one read), so ``floor_s = passes x dd time``.
+
+The update file (and FedAWARE's momentum table, and the output model) live in ``--dir`` (default
+/tmp) and are deleted at the end, also on error. Free disk is checked first: the run is refused, with
+the sizes, when the files do not fit with ``--margin-gb`` to spare.
+
+    python -m bench.large_model --d 100000000          # a first timing (3.2 GB at K=16)
+    python -m bench.large_model --d 1000000000 --out bench/results   # the published run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import add_out_argument, output_path  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+METHODS = ("fedavg", "kuramoto", "fedaware")
+
+
+def write_updates(path: str, K: int, d: int, dtype: torch.dtype, block: int = 1 << 24) -> float:
+    """Writes K rows of d elements block by block; returns seconds (fsync included). Each block is one
+    of R precomputed blocks (a common direction + its own noise) picked by a hash of (row, block), so
+    the rows differ (non-trivial Kuramoto / FedAWARE weights) and writing costs no arithmetic."""
+    g = torch.Generator().manual_seed(0)
+    R = 8
+    common = torch.randn(block, generator=g) * 0.05
+    blocks = [(common + torch.randn(block, generator=g) * 0.1).to(dtype).view(torch.uint8).numpy()
+              for _ in range(R)]
+    es = torch.empty(0, dtype=dtype).element_size()
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for k in range(K):
+            for j, a in enumerate(range(0, d, block)):
+                w = min(block, d - a)
+                f.write(blocks[((k + 1) * (j + 7) * 2654435761 >> 7) % R][: w * es].data)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def dd_floor(path: str) -> dict:
+    """One sequential read of the file with dd (the disk-read floor of one pass)."""
+    t0 = time.perf_counter()
+    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, text=True, check=True)
+    t = time.perf_counter() - t0
+    m = re.search(r"copied, ([0-9.]+) s", r.stderr)
+    return {"dd_s": float(m.group(1)) if m else t, "dd_line": r.stderr.strip().splitlines()[-1]}
+
+
+def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str,
+          threads: int) -> dict:
+    """One streamed round in this (fresh) process; returns its measurements."""
+    from fedkernels import algorithms
+    from fedkernels.sources import RawFileSource
+    from fedkernels.streaming import (ChunkedUpdates, momentum_file, streamed_fedavg, streamed_fedaware,
+                                      streamed_kuramoto)
+    torch.set_num_threads(threads)
+    dtype = DTYPES[dtype_name]
+    es = torch.empty(0, dtype=dtype).element_size()
+    chunk_cols = max(1024, (chunk_mb << 20) // (K * es))
+    src = ChunkedUpdates(RawFileSource(path, K, d, dtype), chunk_cols=chunk_cols)
+    x = torch.zeros(d)                                      # the fp32 global model, in memory
+    out = os.path.join(workdir, "fedkernels_large_out.f32")
+    n = list(range(10, 10 + K))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    load0 = os.getloadavg()[0]
+    extra_read = extra_write = 0
+    t0 = time.perf_counter()
+    if method == "fedavg":
+        new = streamed_fedavg(x, src, n, out=out)
+        passes, info = 1, {}
+    elif method == "kuramoto":
+        new, info = streamed_kuramoto(x, src, n, out=out)
+        passes, info = 2, {"weights": info["weights"]}
+    else:
+        mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")
+        M = momentum_file(mpath, K, d, dtype)                # N = K clients, all participate
+        agg = algorithms.build("fedaware", num_clients=K, warmup="startup_full", elud=False)
+        new, info = streamed_fedaware(x, src, n, list(range(K)), agg, M, out=out)
+        passes = 2
+        extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read in both passes, written once
+        info = {"lam": info["lam"], "note": "round 0: the momentum table starts as a sparse zero file"}
+    t = time.perf_counter() - t0
+    ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    read = passes * K * d * es + extra_read
+    return {"method": method, "time_s": t, "passes_over_U": passes, "bytes_read": read, "bytes_written_table":
+            extra_write, "GBps_read": read / t / 1e9, "peak_rss_GB": rss * 1024 / 1e9,
+            "rss_before_round_GB": rss0 * 1024 / 1e9, "staging_MB": src.staging_bytes / 2 ** 20,
+            "chunk_cols": chunk_cols, "torch_threads": threads, "loadavg_1min_before": load0,
+            "result_ok": ok, "info": info}
+
+
+def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
+    """Bytes the run writes to --dir: the update file, the fp32 output, FedAWARE's N = K table."""
+    size = K * d * torch.empty(0, dtype=dtype).element_size()
+    return size + d * 4 + (size if "fedaware" in methods else 0)
+
+
+def run(args) -> dict:
+    dtype = DTYPES[args.dtype]
+    es = torch.empty(0, dtype=dtype).element_size()
+    K, d = args.K, int(args.d)
+    size = K * d * es
+    free = shutil.disk_usage(args.dir).free
+    path = os.path.join(args.dir, f"fedkernels_large_U_{K}x{d}.{args.dtype}")
+    junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin")]
+    rows = []
+    try:
+        t_write = write_updates(path, K, d, dtype)
+        floor = dd_floor(path)
+        for m in args.methods:
+            code = (f"import json; from bench.large_model import child; print(json.dumps(child({m!r}, {path!r}, "
+                    f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r}, {args.threads})))")
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+            if r.returncode != 0:
+                raise SystemExit(f"large_model: the {m} round failed:\n{r.stderr[-2000:]}")
+            row = json.loads(r.stdout.strip().splitlines()[-1])
+            row["floor_s"] = row["passes_over_U"] * floor["dd_s"]
+            row["vs_floor"] = row["floor_s"] / row["time_s"]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "info"}), flush=True)
+            for f in junk[1:]:
+                if os.path.exists(f):
+                    os.remove(f)
+    finally:
+        for f in junk:
+            if os.path.exists(f):
+                os.remove(f)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
+            "dir": args.dir, "disk_free_GB_before": free / 1e9, "write_s": t_write,
+            "write_GBps": size / t_write / 1e9, "dd_s": floor["dd_s"], "dd_GBps": size / floor["dd_s"] / 1e9,
+            "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+            "cpus": os.cpu_count(), "machine": platform.node(),
+            "torch": torch.__version__, "methods": rows,
+            "notes": "peak RSS includes the fp32 global model (4 d bytes) held in memory; the output model is a "
+                     "file written through a shared mapping (temporary + rename); floor_s = passes over U x dd time "
+                     "(FedAWARE also reads its momentum table twice and writes it once, not in its floor)."}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=float, default=1e8, help="parameters per client (default 1e8)")
+    ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
+    ap.add_argument("--chunk-mb", type=int, default=64, help="staging per chunk, all K rows (MB)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads of each round (default: torch's default)")
+    ap.add_argument("--append", action="store_true",
+                    help="add this run to the runs of an existing result file instead of replacing it")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad or not args.methods:
+        ap.error(f"--methods: {bad or args.methods} not in {METHODS}")
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    if args.d < 1 or args.d != int(args.d) or args.K < 1:
+        ap.error(f"--d and --K must be positive integers, got {args.d}, {args.K}")
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir: {args.dir!r} is not a directory")
+    need, free = disk_needed(args.K, int(args.d), DTYPES[args.dtype], args.methods), shutil.disk_usage(args.dir).free
+    if need + args.margin_gb * 1e9 > free:
+        ap.error(f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
+                 f"{need / 1e9:.1f} GB + --margin-gb {args.margin_gb} GB: lower --d")
+    path = output_path(args.out, "large-model-cpu.json")
+    runs = []
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    runs.append(run(args))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"benchmark": "large_model", "runs": runs}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

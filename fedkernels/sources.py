@@ -1,0 +1,336 @@
+"""Matrix sources: one interface over a K x d update matrix, in memory or on disk, read in column blocks.
+
+A server receives K client updates of d parameters. Where they live differs (a tensor in memory, a
+NumPy / torch memmap, one raw file holding all K rows, one file per client as a real server writes
+them on arrival); what an aggregation needs is the same: the columns ``[a, b)`` of all K rows, in
+column order, one block at a time. ``MatrixSource`` is that interface:
+
+* ``K``, ``d``, ``dtype`` (float16, bfloat16, float32 or float64), ``shape``;
+* ``chunks(chunk_cols, check_finite=False)`` yields ``(a, b, block)`` for ``a = 0, c, 2c, ...`` with
+  ``block`` a [K, b - a] CPU tensor whose rows are contiguous (unit column stride; in-memory sources
+  give views, file sources a reused staging buffer: the block is valid until the next one). With
+  ``check_finite`` each block is screened with ``ops.finite_rows`` and the first client row holding
+  NaN/Inf raises ``BadUpdateError`` naming the row (and its file) and the columns;
+* ``row_name(k)``: how errors name client row k (``client row 3`` or ``client row 3 (c3.bin)``).
+
+Implementations: ``TensorSource`` (a [K, d] CPU tensor, e.g. from ``torch.from_file``),
+``MemmapSource`` (a [K, d] NumPy array or ``np.memmap``; a uint16 memmap read as bfloat16 with
+``dtype=torch.bfloat16``, since NumPy has no bfloat16; pages of a disk-backed memmap are released
+after each block so the resident set stays bounded), ``RawFileSource`` (a raw little-endian
+row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
+no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
+client row). ``as_source(x, ...)`` builds the right one.
+
+Validation happens at construction, before anything is read: the dtype, the shape, and for files
+their sizes, exactly (a file of another dtype or shape has another size): a short file names the
+client row (and file) that is short. Row-by-row reads cost K ``preadv`` calls per block; a file
+source holds two K x chunk_cols staging blocks: a reader thread fills the next while the caller
+works on the current one (``prefetch=False``: one block, reads and arithmetic in turn).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import ops
+from .errors import BadUpdateError
+
+__all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
+           "FLOAT_DTYPES", "itemsize"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+            np.dtype(np.float64): torch.float64}
+PathLike = Union[str, os.PathLike]
+Block = Tuple[int, int, torch.Tensor]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _check_dtype(dtype, what: str) -> torch.dtype:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{what}: dtype must be one of float16, bfloat16, float32, float64, got {dtype!r}")
+    return dtype
+
+
+def _check_pos_int(v, what: str, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{what}: {name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+class MatrixSource:
+    """A K x d matrix read in column blocks (see the module docstring). Subclasses set ``K``, ``d``,
+    ``dtype`` and implement ``_blocks(chunk_cols)``."""
+
+    K: int
+    d: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return (self.K, self.d)
+
+    @property
+    def nbytes(self) -> int:
+        return self.K * self.d * itemsize(self.dtype)
+
+    def row_name(self, k: int) -> str:
+        return f"client row {k}"
+
+    def chunks(self, chunk_cols: int, check_finite: bool = False) -> Iterator[Block]:
+        """``(a, b, U[:, a:b])`` in column order; with ``check_finite`` a block with NaN/Inf raises
+        BadUpdateError naming the first bad client row and the block's columns."""
+        chunk_cols = _check_pos_int(chunk_cols, type(self).__name__, "chunk_cols")
+        for a, b, blk in self._blocks(min(chunk_cols, max(self.d, 1))):
+            if check_finite:
+                self.check_rows(ops.finite_rows(blk), (a, b))
+            yield a, b, blk
+
+    def check_rows(self, fin: torch.Tensor, cols: Optional[Tuple[int, int]] = None) -> None:
+        """Raises BadUpdateError naming the first client row whose ``fin`` flag ([K] bool, from
+        ``ops.finite_rows``) is False (and the columns ``cols = (a, b)`` screened, if given)."""
+        if not bool(fin.all()):
+            k = int((~fin.cpu()).nonzero()[0])
+            where = f" (in columns {cols[0]}..{cols[1] - 1} of d={self.d})" if cols is not None else ""
+            raise BadUpdateError(f"{self.row_name(k)} contains NaN/Inf{where}: the round is rejected and "
+                                 "nothing was written")
+
+    def _blocks(self, chunk_cols: int) -> Iterator[Block]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(K={self.K}, d={self.d}, dtype={self.dtype})"
+
+
+class TensorSource(MatrixSource):
+    """A [K, d] CPU tensor (any float dtype; ``torch.from_file(..., shared=True)`` gives a disk-backed
+    one). Blocks are views (no copy); rows are made unit-stride once if they are not."""
+
+    def __init__(self, U: torch.Tensor):
+        if not isinstance(U, torch.Tensor):
+            raise TypeError(f"TensorSource: U must be a torch.Tensor, got {type(U).__name__}")
+        if U.dim() != 2:
+            raise ValueError(f"TensorSource: U must be [K, d], got shape {tuple(U.shape)}")
+        if U.device.type != "cpu":
+            raise ValueError(f"TensorSource: U must live on the CPU (aggregate device tensors with the ops "
+                             f"directly), got {U.device}")
+        _check_dtype(U.dtype, "TensorSource")
+        self.U = U if U.size(1) <= 1 or U.stride(1) == 1 else U.contiguous()
+        self.K, self.d = U.shape
+        self.dtype = U.dtype
+
+    def _blocks(self, chunk_cols):
+        for a in range(0, self.d, chunk_cols):
+            b = min(self.d, a + chunk_cols)
+            yield a, b, self.U[:, a:b]
+
+
+class MemmapSource(MatrixSource):
+    """A [K, d] NumPy array or ``np.memmap`` (float16/32/64, or uint16 with ``dtype=torch.bfloat16``).
+    A writable array's blocks are views; a read-only one's are copied into a reused staging block.
+    A disk-backed memmap's pages are dropped from this process after each block (bounded RSS)."""
+
+    def __init__(self, arr: np.ndarray, dtype: Optional[torch.dtype] = None):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"MemmapSource: arr must be a NumPy array or np.memmap, got {type(arr).__name__}")
+        if arr.ndim != 2:
+            raise ValueError(f"MemmapSource: arr must be [K, d], got shape {arr.shape}")
+        if dtype == torch.bfloat16:
+            if arr.dtype != np.uint16:
+                raise ValueError(f"MemmapSource: a bfloat16 memmap is stored as uint16 (NumPy has no bfloat16), "
+                                 f"got {arr.dtype}")
+        else:
+            got = _FROM_NP.get(arr.dtype)
+            if got is None or (dtype is not None and dtype != got):
+                raise ValueError(f"MemmapSource: arr has dtype {arr.dtype}, expected "
+                                 f"{dtype if dtype is not None else 'float16, float32 or float64'}")
+            dtype = got
+        self.arr, self.dtype = arr, dtype
+        self.K, self.d = arr.shape
+        self._stage: Optional[torch.Tensor] = None
+
+    def _blocks(self, chunk_cols):
+        bf16 = self.dtype == torch.bfloat16
+        for a in range(0, self.d, chunk_cols):
+            b = min(self.d, a + chunk_cols)
+            view = self.arr[:, a:b]
+            if self.arr.flags.writeable:
+                t = torch.from_numpy(view)
+            else:                                     # torch needs writable memory: one staging copy
+                if self._stage is None or self._stage.size(1) < b - a:
+                    self._stage = torch.empty(self.K, chunk_cols, dtype=torch.int16 if bf16 else self.dtype)
+                t = self._stage[:, : b - a]
+                t.numpy()[...] = view
+            yield a, b, (t.view(torch.bfloat16) if bf16 else t)
+            self._release(a, b)
+
+    def _release(self, a: int, b: int) -> None:
+        mm = getattr(self.arr, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        es, base, page = self.arr.itemsize, getattr(self.arr, "offset", 0), mmap.PAGESIZE
+        for k in range(self.K):
+            lo, hi = base + (k * self.d + a) * es, base + (k * self.d + b) * es
+            lo_p, hi_p = lo // page * page, (hi + page - 1) // page * page
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo_p, min(hi_p, len(mm)) - lo_p)
+            except (OSError, ValueError):
+                return
+
+
+class _FileRows(MatrixSource):
+    """Shared by the file sources: row k is read from ``self._where(k) = (file index, byte offset)``
+    with ``os.preadv`` into a [K, chunk_cols] staging tensor (any dtype: bytes are copied, no NumPy
+    dtype needed)."""
+
+    paths: List[str]
+
+    def __init__(self, dtype, pin_memory: bool = False, prefetch: bool = True):
+        self.dtype = _check_dtype(dtype, type(self).__name__)
+        self._es = itemsize(self.dtype)
+        self._pin = bool(pin_memory)
+        self.prefetch = bool(prefetch)
+        self._stage: List[torch.Tensor] = []
+
+    def _where(self, k: int) -> Tuple[int, int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _staging(self, chunk_cols: int, n: int) -> List[torch.Tensor]:
+        if len(self._stage) < n or self._stage[0].size(1) < chunk_cols:
+            pin = self._pin and torch.cuda.is_available()
+            self._stage = [torch.empty(self.K, chunk_cols, dtype=self.dtype, pin_memory=pin) for _ in range(n)]
+        return self._stage[:n]
+
+    def _read(self, fds, st: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Columns [a, b) of every row into ``st`` (K preadv calls; they release the GIL)."""
+        raw = st.view(torch.uint8).numpy()             # [K, chunk_cols * itemsize] bytes
+        es = self._es
+        nb = (b - a) * es
+        for k in range(self.K):
+            f, off = self._where(k)
+            dst = memoryview(raw[k, :nb])
+            pos, got = off + a * es, 0
+            while got < nb:
+                r = os.preadv(fds[f], [dst[got:]], pos + got)
+                if r <= 0:                            # the file shrank after validation
+                    raise OSError(f"{type(self).__name__}: short read of {self.row_name(k)} from "
+                                  f"{self.paths[f]} at byte {pos + got}")
+                got += r
+        return st[:, : b - a]
+
+    def _blocks(self, chunk_cols):
+        """With ``prefetch`` (default) a reader thread fills the other of two staging blocks with the
+        next columns while the caller works on this one (disk reads overlap the arithmetic)."""
+        spans = [(a, min(self.d, a + chunk_cols)) for a in range(0, self.d, chunk_cols)]
+        fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+        try:
+            if not self.prefetch or len(spans) == 1:
+                st = self._staging(chunk_cols, 1)[0]
+                for a, b in spans:
+                    yield a, b, self._read(fds, st, a, b)
+                return
+            from concurrent.futures import ThreadPoolExecutor
+            bufs = self._staging(chunk_cols, 2)
+            with ThreadPoolExecutor(1, thread_name_prefix="fedkernels-read") as pool:
+                nxt = pool.submit(self._read, fds, bufs[0], *spans[0])
+                for i, (a, b) in enumerate(spans):
+                    blk = nxt.result()                # block i; the caller has finished with block i-1
+                    if i + 1 < len(spans):
+                        nxt = pool.submit(self._read, fds, bufs[(i + 1) % 2], *spans[i + 1])
+                    yield a, b, blk
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+class RawFileSource(_FileRows):
+    """One raw little-endian row-major file holding K x d elements of ``dtype`` after ``offset``
+    header bytes. Its size must be exactly ``offset + K * d * itemsize``: a short file names the first
+    client row that is incomplete; a longer one (another dtype or shape) is refused too."""
+
+    def __init__(self, path: PathLike, K: int, d: int, dtype: torch.dtype = torch.float32, offset: int = 0,
+                 pin_memory: bool = False, prefetch: bool = True):
+        super().__init__(dtype, pin_memory, prefetch)
+        what = "RawFileSource"
+        self.K, self.d = _check_pos_int(K, what, "K"), _check_pos_int(d, what, "d")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"{what}: offset must be an int >= 0, got {offset!r}")
+        self.path, self.offset = os.fspath(path), offset
+        self.paths = [self.path]
+        if not os.path.isfile(self.path):
+            raise ValueError(f"{what}: path {self.path!r} is not a file")
+        size, row = os.path.getsize(self.path), self.d * self._es
+        need = offset + self.K * row
+        if size < need:
+            k = max(0, (size - offset)) // row
+            raise ValueError(f"{what}: {self.path} has {size} bytes, need {need} for K={self.K} x d={self.d} "
+                             f"{self.dtype} (+{offset} header): client row {k} is short (ends at byte "
+                             f"{offset + (k + 1) * row})")
+        if size > need:
+            raise ValueError(f"{what}: {self.path} has {size} bytes, expected exactly {need} for K={self.K} x "
+                             f"d={self.d} {self.dtype} (+{offset} header): wrong dtype or shape?")
+
+    def _where(self, k):
+        return 0, self.offset + k * self.d * self._es
+
+
+class ClientFilesSource(_FileRows):
+    """K raw little-endian files of d elements of ``dtype`` each, client row k from ``paths[k]`` (as a
+    server stores the updates it receives). Each size must be exactly ``d * itemsize``; an error names
+    the client row and its file."""
+
+    def __init__(self, paths: Sequence[PathLike], d: int, dtype: torch.dtype = torch.float32,
+                 pin_memory: bool = False, prefetch: bool = True):
+        super().__init__(dtype, pin_memory, prefetch)
+        what = "ClientFilesSource"
+        if isinstance(paths, (str, os.PathLike)) or not len(paths):
+            raise ValueError(f"{what}: paths must be a non-empty list of files (one per client row), got {paths!r}")
+        self.paths = [os.fspath(p) for p in paths]
+        self.K, self.d = len(self.paths), _check_pos_int(d, what, "d")
+        need = self.d * self._es
+        for k, p in enumerate(self.paths):
+            if not os.path.isfile(p):
+                raise ValueError(f"{what}: {self.row_name(k)}: {p!r} is not a file")
+            size = os.path.getsize(p)
+            if size != need:
+                kind = "short" if size < need else "too long (wrong dtype or d?)"
+                raise ValueError(f"{what}: {self.row_name(k)} is {kind}: {p} has {size} bytes, expected {need} "
+                                 f"(d={self.d} x {self.dtype})")
+
+    def row_name(self, k: int) -> str:
+        return f"client row {k} ({self.paths[k]})"
+
+    def _where(self, k):
+        return k, 0
+
+
+def as_source(x, K: Optional[int] = None, d: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+              offset: int = 0, what: str = "source") -> MatrixSource:
+    """A MatrixSource from a MatrixSource (returned as is), a [K, d] CPU tensor, a NumPy array /
+    memmap, a path to a raw file (``K``, ``d`` and ``dtype`` required; default float32) or a list of
+    per-client files (``d`` required)."""
+    if isinstance(x, MatrixSource):
+        return x
+    if isinstance(x, torch.Tensor):
+        if dtype is not None and x.dtype != dtype:
+            raise ValueError(f"{what}: the tensor has dtype {x.dtype}, expected {dtype}")
+        return TensorSource(x)
+    if isinstance(x, np.ndarray):
+        return MemmapSource(x, dtype=dtype)
+    if isinstance(x, (str, os.PathLike)):
+        if K is None or d is None:
+            raise ValueError(f"{what}: a file source needs K and d (got K={K}, d={d})")
+        return RawFileSource(x, K, d, torch.float32 if dtype is None else dtype, offset=offset)
+    if isinstance(x, (list, tuple)) and x and all(isinstance(p, (str, os.PathLike)) for p in x):
+        if d is None:
+            raise ValueError(f"{what}: a list of client files needs d")
+        return ClientFilesSource(x, d, torch.float32 if dtype is None else dtype)
+    raise TypeError(f"{what}: source must be a MatrixSource, a tensor, an ndarray/memmap, a path or a list of "
+                    f"per-client paths, got {type(x).__name__}")
