@@ -5,7 +5,7 @@ Layers (top to bottom): sim (simulator, CLI) -> integrations (Flower), distribut
 -> ops (validated native ops) -> reference (pure-PyTorch oracle) / csrc (C++ and CUDA kernels).
 
 ``import fedkernels`` loads the native ops and the flat layer only; the subpackages
-``algorithms``, ``distributed``, ``streaming``, ``integrations`` and ``sim`` are imported on first
+``algorithms``, ``distributed``, ``streaming``, ``sources``, ``integrations`` and ``sim`` are imported on first
 attribute access (``fedkernels.distributed.ShardedAggregator`` works without importing it first).
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ from .flat import FlatSpec, UpdateBuffer
 # The single source of the version (pyproject.toml reads it from here without importing the package).
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("algorithms", "distributed", "streaming", "integrations", "sim", "optim")
+_LAZY_SUBMODULES = ("algorithms", "distributed", "streaming", "sources", "integrations", "sim", "optim")
 
 __all__ = ["ops", "reference", "FlatSpec", "UpdateBuffer", "build_info", "__version__", *_LAZY_SUBMODULES]
 
 if TYPE_CHECKING:  # static checkers see the submodules as attributes
-    from . import algorithms, distributed, integrations, optim, sim, streaming
+    from . import algorithms, distributed, integrations, optim, sim, sources, streaming
 
 
 def __getattr__(name: str) -> Any:
