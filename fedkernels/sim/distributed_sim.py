@@ -55,7 +55,8 @@ from ..distributed import ShardedAggregator
 from ..flat import UpdateBuffer
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .server import BadClientError, Simulation, resolve_device
+from .client import BadClientError
+from .server import Simulation, resolve_device
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -212,6 +213,7 @@ class DistributedSimulation(Simulation):
             return self
         super().setup()
         rows = max(1, -(-self.per_round // self.world))      # this rank's clients: at most ceil(K / world)
+        self.screen_clients = True   # each rank screens its own clients' rows (the exchange carries no NaN row)
         self.buf = UpdateBuffer(rows, self.spec, device=self.device, dtype=self.spec.dtype)
         stateful = self.agg.client_rule()
         self._by_client = stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict")
