@@ -103,13 +103,21 @@ if where == "train":            # inside a client's local training
             twice()
         return orig(self, c, r, *a, **k)
     ClientTrainer.train = train
-else:                           # inside the aggregation: the model is changing
+else:                           # inside the aggregation (the aggregator's call): the model is changing
+    from fedkernels.algorithms import base
+    hit = {"r": None}
     orig = server.Simulation.apply_aggregate
     def apply_aggregate(self, r, *a, **k):
-        if r == rnd:
-            twice()
+        hit["r"] = r
         return orig(self, r, *a, **k)
     server.Simulation.apply_aggregate = apply_aggregate
+    orig_agg = base.Aggregator.aggregate
+    def aggregate(self, *a, **k):
+        if hit["r"] == rnd:
+            hit["r"] = None
+            twice()
+        return orig_agg(self, *a, **k)
+    base.Aggregator.aggregate = aggregate
 from fedkernels.sim.cli import main
 sys.exit(main(argv))
 '''
