@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -407,11 +408,15 @@ class Simulation:
 
     # ---- output helpers ---------------------------------------------------------------------------
     def _progress_enabled(self) -> bool:
+        """Progress bars: on the main process only, where ``progress`` says (default: a terminal)."""
         p = self.cfg.progress
-        return bool(p) if p is not None else sys.stderr.isatty()
+        return self.is_main and (bool(p) if p is not None else sys.stderr.isatty())
 
     def _print(self, msg: str) -> None:
-        """A progress line: to RUN_DIR/run.log (timestamped) always, to stdout when verbose."""
+        """A progress line (main process only): to RUN_DIR/run.log (timestamped) always, to stdout
+        when verbose."""
+        if not self.is_main:
+            return
         log_ = getattr(self, "_runlog", None)
         if log_ is not None:
             log_(msg)
@@ -633,7 +638,8 @@ class Simulation:
                 try:
                     for r in range(self.start_round, end):
                         self._rng_at_round, self._committing = torch.get_rng_state(), False
-                        m = self.run_round(r)
+                        with self._peer_loss_stops(f"during round {r + 1}"):
+                            m = self.run_round(r)
                         self.metrics.append(m)
                         if self.writer is not None:
                             self.writer.append(m)
@@ -761,6 +767,11 @@ class Simulation:
             for s, h in old.items():
                 signal.signal(s, h)
         return restore
+
+    def _peer_loss_stops(self, when: str):
+        """The context of the collectives of a round or a checkpoint (none in one process; the
+        distributed simulator turns a lost peer into one line naming it)."""
+        return contextlib.nullcontext()
 
     def _stop_agreed(self) -> bool:
         """Whether to stop after this round (every process must agree: see the distributed override)."""
