@@ -33,11 +33,11 @@ the outputs are written.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-import contextlib
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -564,7 +564,7 @@ class Simulation:
                                            [a["cid"] for a in acc], ex["payloads"], **self.aggregate_kwargs())
         if len(excluded) >= len(ids):                                  # the aggregator excluded the rest
             raise self.nothing_trained(r, ids, excluded)
-        if len(excluded) > seen:     # clients the aggregator excluded (e.g. a NaN/Inf row) were not trained
+        if len(excluded) > seen:      # the aggregator excluded some (e.g. a NaN/Inf row): not among the updates
             dropped = {e["client_id"] for e in excluded[seen:]}
             acc = [a for a in acc if a["cid"] not in dropped]
             at = {c: i for i, c in enumerate(ids)}
