@@ -51,3 +51,32 @@ def test_bad_client_with_raise_policy_stops(tmp_path, fault):
     sim, victim = _sim(tmp_path, fault, bad_client_policy="raise")
     with pytest.raises(BadClientError, match=f"client {victim}"):
         sim.run()
+
+
+@pytest.mark.parametrize("policy", ["exclude", "raise"])
+def test_rows_screened_by_the_aggregator_not_twice(tmp_path, monkeypatch, policy):
+    """#28: under "exclude" the simulator does not scan each client's row itself: the aggregator's first
+    read of U screens the rows, and the NaN client is still excluded and logged. Under "raise" each row
+    is screened as it is written (the first bad client in schedule order stops the run)."""
+    from fedkernels import ops
+    sim, victim = _sim(tmp_path, "nan", bad_client_policy=policy, rounds=1)
+    buf_ptr = sim.buf.data.untyped_storage().data_ptr()
+    per_row = []
+    real = ops.finite_rows
+
+    def spy(U):
+        if U.size(0) == 1 and U.untyped_storage().data_ptr() == buf_ptr:    # one row of the update buffer
+            per_row.append(U)
+        return real(U)
+    monkeypatch.setattr(ops, "finite_rows", spy)
+    if policy == "raise":
+        with pytest.raises(BadClientError, match=f"client {victim}.*NaN"):
+            sim.run()
+        assert per_row
+        return
+    sim.run()
+    assert per_row == []
+    m = sim.metrics[0]
+    assert m["excluded"] == [{"client_id": victim, "reason": "update contains NaN/Inf"}]
+    assert m["num_updates"] == len(m["clients"]) - 1 and len(m["local_steps"]) == m["num_updates"]
+    assert torch.isfinite(sim.global_flat).all()

@@ -34,15 +34,11 @@ that still owes its Hutchinson estimate trains sequentially that round), Kuramot
 FedAvg, FedAvgM, FedAWARE, Kuramoto S and Global GC have no client rule. A rule class not listed in
 ``BATCHED_RULES`` (a user's own) is not batchable.
 
-Executor interface (the protocol a later executor refactor of server.py can give the sequential,
-worker and distributed executors too)::
-
-    executor.train_local(r, ids, positions, payload_of, factor) -> {"accepted", "excluded", "error", "t_local"}
-
-the same return value as ``Simulation.train_local``: per accepted client ``pos, cid, n, payload,
-loss, steps``, in schedule order, with the rows written into ``sim.buf`` in that order. Clients
-that cannot be batched (payload-dependent, e.g. FedECADO's first participation, or an empty client)
-are trained by the sequential loop in their place in the schedule.
+An executor of the round loop (``sim/executors.py``: ``train_local(r, ids, positions, payload_of,
+factor)``, ``close()``): per accepted client ``pos, cid, n, payload, loss, steps``, in schedule
+order, with the rows written into ``sim.buf`` in that order. Clients that cannot be batched
+(payload-dependent, e.g. FedECADO's first participation, or an empty client) are trained by the
+:class:`~fedkernels.sim.executors.SequentialExecutor` in their place in the schedule.
 
 ``clients_at_once`` (config): ``off``; ``N``: batched in chunks of N clients; ``auto`` (default):
 batched on CUDA in chunks of as many clients as half the free memory holds by an estimate of
@@ -65,7 +61,8 @@ from torch import nn
 
 from .. import ops
 from ..algorithms.base import ClientRule
-from .client import client_seed
+from .client import BadClientError, client_seed
+from .executors import SequentialExecutor, client_failed
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -472,7 +469,7 @@ class BatchedExecutor:
         rule = sim.agg.client_rule()
         self.form: BatchedRule = BATCHED_RULES[type(rule)](rule, self.spec, self.train) if rule is not None \
             else BatchedRule(None, self.spec, self.train)  # type: ignore[arg-type]
-        self.delegating = False         # True while the sequential loop trains a client of a round
+        self.sequential = SequentialExecutor(sim)   # the clients that cannot be batched, in their place
         self._fn = self._grad_fn()
 
     # ---- the per-client loss, vmapped -------------------------------------------------------------
@@ -592,7 +589,8 @@ class BatchedExecutor:
         torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
-        finite = ops.finite_rows(W).tolist()    # one host sync for the chunk
+        # the rows are screened here only when the aggregator does not screen them (sim.screen_clients)
+        finite = ops.finite_rows(W).tolist() if sim.screen_clients else [True] * C   # one host sync per chunk
         accepted, bad = [], []
         for i, (pos, cid, _, _, _) in enumerate(items):
             if finite[i]:
@@ -632,12 +630,8 @@ class BatchedExecutor:
             accepted.extend(acc)
             for pos, cid in bad:
                 reason = "update contains NaN/Inf"
-                if cfg.bad_client_policy == "raise":
-                    from .server import BadClientError
-                    error = error or (pos, f"round {r + 1}, client {cid}: {reason}", BadClientError(reason))
-                else:
-                    log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-                    excluded.append((pos, {"client_id": int(cid), "reason": reason}))
+                error = error or client_failed(cfg.bad_client_policy, r, pos, cid, reason, True,
+                                               BadClientError(reason), excluded)
             pending.clear()
 
         for pos in mine:
@@ -659,12 +653,8 @@ class BatchedExecutor:
             flush()
             if error is not None:
                 break
-            self.delegating = True         # this client trains in the sequential loop, in its place
-            try:
-                one = sim.train_local(r, ids, [pos], (lambda p, v=payload: v) if payload is not None else payload_of,
-                                      factor)
-            finally:
-                self.delegating = False
+            one = self.sequential.train_local(r, ids, [pos], (lambda p, v=payload: v) if payload is not None
+                                              else payload_of, factor)
             accepted.extend(one["accepted"])
             excluded.extend(one["excluded"])
             error = one["error"]
@@ -672,6 +662,9 @@ class BatchedExecutor:
             flush()
         sim._sync()
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        pass
 
 
 def for_simulation(sim) -> Optional[BatchedExecutor]:

@@ -30,6 +30,7 @@ most 1024 samples; a generator: nothing is gathered unless a rule reads it, as F
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,8 +40,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import ops
 from ..algorithms.base import ClientContext, ClientRule
 from .config import TrainConfig
+
+log = logging.getLogger("fedkernels.sim")
 
 # stream tags for derived seeds (distinct streams never share a generator)
 STREAM_CLIENT, STREAM_SAMPLING, STREAM_HETERO, STREAM_INIT, STREAM_SUBSET = 1, 2, 3, 4, 5
@@ -227,6 +231,44 @@ class ClientTrainer:
                             payload=dict(out_payload or {}), seconds=time.perf_counter() - t0)
 
 
+# ---- one client of a round, as every executor trains it -------------------------------------------
+class BadClientError(RuntimeError):
+    """A client failed and bad_client_policy is "raise"."""
+
+
+# what one client's training may raise and still be a bad client (excluded, or BadClientError under
+# "raise"); BadUpdateError is a ValueError. Anything else stops the run (fedkernels.sim.server).
+CLIENT_ERRORS = (BadClientError, ValueError, ArithmeticError)
+
+
+def client_error(e: BaseException):
+    """``(reason, bad_client)`` of an exception raised while training one client: the line that names
+    it and whether it is that client's bad update (:data:`CLIENT_ERRORS`) or a failure of the run."""
+    reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
+    return reason, isinstance(e, CLIENT_ERRORS)
+
+
+def train_client(sim, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload) -> ClientResult:
+    """Trains client ``cid`` of a set-up simulation ``sim`` in round ``r`` (``sim.trainer``, its rule
+    ``sim._rule(cid)``) and writes its update into the next row of ``buf``. With
+    ``sim.screen_clients`` (bad_client_policy="raise", or an aggregator that does not screen the
+    rows itself) the row is checked here: BadClientError (row released) when it is not finite;
+    otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
+    res = sim.trainer.train(cid, r, sim.global_flat, base_lr * factor, epochs,
+                            client_seed(sim.cfg.seed, r, cid), rule=sim._rule(cid),
+                            payload=payload, base_lr=base_lr)
+    slot = buf.add(cid, res.num_examples)
+    row = buf.write_delta(slot, sim.model, sim.global_flat)
+    if sim.screen_clients:
+        if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
+            buf.client_ids.pop()
+            buf.num_examples.pop()
+            raise BadClientError("update contains NaN/Inf")
+        if not math.isfinite(res.train_loss):
+            log.warning("client %d: non-finite train loss with a finite update", cid)
+    return res
+
+
 def eval_batch(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, criterion: Optional[nn.Module] = None):
     """One evaluation batch (the caller puts the model in eval mode, under no_grad): the number of
     correct predictions and the float64 summed loss. ``evaluate`` and the workers both sum these in
@@ -271,12 +313,20 @@ def client_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, client_ind
     if not cl:
         return []
     idx = torch.cat([client_indices[c] for c in cl])
-    owner = torch.cat([torch.full((client_indices[c].numel(),), i, dtype=torch.long, device=idx.device)
-                       for i, c in enumerate(cl)])
+    owner, sizes = sample_owners(client_indices, cl, idx.device)
     sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
-    for s in range(0, idx.numel(), batch_size):
+    for s in range(0, idx.numel(), batch_size):      # on the device, no host sync until the end
         b = idx[s:s + batch_size]
         sums.index_add_(0, owner[s:s + batch_size], batch_losses(model, x[b], y[b]))
     model.train(was)
-    counts = torch.tensor([max(client_indices[c].numel(), 1) for c in cl], dtype=torch.float64, device=x.device)
+    counts = sizes.clamp_min(1).to(device=x.device, dtype=torch.float64)
     return (sums / counts).tolist()
+
+
+def sample_owners(client_indices: Sequence[torch.Tensor], clients: Sequence[int], device="cpu"):
+    """``(owner, sizes)``: for the listed clients' samples concatenated in order, the position in
+    ``clients`` of each sample's client ([sum n_c] int64 on ``device``), and the [C] sizes (host)."""
+    sizes = torch.tensor([client_indices[c].numel() for c in clients], dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes.to(device),
+                                    output_size=int(sizes.sum()))
+    return owner, sizes

@@ -55,7 +55,8 @@ from ..distributed import ShardedAggregator
 from ..flat import UpdateBuffer
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .server import BadClientError, Simulation, resolve_device
+from .client import BadClientError
+from .server import Simulation, resolve_device
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -147,8 +148,9 @@ def slice_state(state: Any, d: int, lo: int, hi: int):
 
 class DistributedSimulation(Simulation):
     """:class:`Simulation` with the round's clients trained on ``world`` ranks and the aggregation
-    sharded by columns (module docstring). It runs the single-process round loop and overrides only
-    which clients this rank trains, the payload phase (a collective) and the exchange. All ranks
+    sharded by columns (module docstring). It runs the single-process round loop (each rank trains its
+    block of positions with the run's executor) and overrides only which clients this rank trains,
+    the payload phase (a collective), the exchange, and the checkpoint's gather / slice. All ranks
     construct it with the same config and call ``run()`` together. ``group``: a process group (None:
     the default one, initialised from torchrun's environment when needed). ``align``: slice
     boundaries on tensor ("tensor") or output-row ("row") boundaries. Outputs are written by rank 0."""
@@ -212,6 +214,7 @@ class DistributedSimulation(Simulation):
             return self
         super().setup()
         rows = max(1, -(-self.per_round // self.world))      # this rank's clients: at most ceil(K / world)
+        self.screen_clients = True   # each rank screens its own clients' rows (the exchange carries no NaN row)
         self.buf = UpdateBuffer(rows, self.spec, device=self.device, dtype=self.spec.dtype)
         stateful = self.agg.client_rule()
         self._by_client = stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict")
@@ -219,13 +222,6 @@ class DistributedSimulation(Simulation):
             raise ValueError(f"distributed=true: {self.cfg.algorithm.name}'s client rule keeps state across rounds; "
                              "the distributed simulator does not move client-rule state between ranks")
         return self
-
-    def _progress_enabled(self) -> bool:
-        return self.rank == 0 and super()._progress_enabled()
-
-    def _print(self, msg: str) -> None:
-        if self.rank == 0:
-            super()._print(msg)
 
     def _clients_desc(self, r: int) -> str:
         return f"round {r + 1} clients (rank {self.rank})"
@@ -338,12 +334,6 @@ class DistributedSimulation(Simulation):
     def aggregate_kwargs(self) -> Dict[str, Any]:
         return {"gather": True}          # every rank gets the full new model
 
-    def run_round(self, r: int) -> Dict[str, Any]:
-        """:meth:`Simulation.run_round`; a peer lost inside one of its collectives stops this rank with
-        one line naming the lost rank (the run is resumable from its last checkpoint)."""
-        with self._peer_loss_stops(f"during round {r + 1}"):
-            return super().run_round(r)
-
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
         """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""
         out = super().run(stop_after)
@@ -362,8 +352,6 @@ class DistributedSimulation(Simulation):
         if self.rank != 0:
             return None
         return merge_sliced_state(allst, [b - a for a, b in self.agg.bounds])
-
-    full_aggregator_state = aggregator_state
 
     def state(self, rnd: int) -> Optional[Dict[str, Any]]:
         st = super().state(rnd)

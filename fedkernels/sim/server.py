@@ -12,12 +12,17 @@ new global model. Evaluation (test accuracy and loss; the global model's loss on
 training data and its variance over clients, Kuramoto §2.8) runs every ``eval_every`` rounds and
 after the last one.
 
+Who trains the clients is the run's executor (``sim/executors.py``: sequential, batched, a worker
+pool; ``DistributedSimulation`` runs one on each rank's block and replaces the exchange).
+
 Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
-or whose training raises a bad-client error (:data:`CLIENT_ERRORS`: a ValueError of its own input,
+or whose training raises a bad-client error (``client.CLIENT_ERRORS``: a ValueError of its own input,
 e.g. no training examples or an invalid learning rate; an ArithmeticError such as a rule's
 FloatingPointError; ``BadUpdateError``), is left out of the round and logged (``excluded`` in
-metrics.jsonl); the aggregator is built with ``on_bad_update="exclude"`` too, so unusable payloads
-are dropped the same way. With ``"raise"`` the first bad client stops the run. Any other error of a
+metrics.jsonl, in schedule order); the aggregator is built with ``on_bad_update="exclude"`` too: its
+first read of U screens the rows (NaN/Inf updates are found there, not by a second pass of the
+simulator) and unusable payloads are dropped the same way. With ``"raise"`` each update is screened
+as it is written and the first bad client in schedule order stops the run. Any other error of a
 client's training (a RuntimeError from torch: out of memory, autograd in a forked process; an
 OSError, an ImportError, a bug) is not the client's update: it stops the run (``RunError``, one
 line; exit 1 on the CLI) under either policy, in every mode. A round in which every client was
@@ -28,8 +33,8 @@ the outputs are written.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -40,32 +45,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import algorithms, ops
+from .. import algorithms
 from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
 from . import checkpoint as ckpt
+from .batched import BatchedExecutor, for_simulation
+from .client import BadClientError, CLIENT_ERRORS  # noqa: F401 - re-exported: their home is client.py
 from .client import (STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, ClientTrainer, HeteroCompute, client_losses,
-                     client_seed, derive_seed, evaluate, schedule_factor)
+                     derive_seed, evaluate, schedule_factor)
+from .executors import SequentialExecutor
 from .config import PRESENTATION_KEYS, RunConfig
 from .report import RunWriter, json_safe, summarize
 
 log = logging.getLogger("fedkernels.sim")
-
-
-class BadClientError(RuntimeError):
-    """A client failed and bad_client_policy is "raise"."""
-
-
-# what one client's training may raise and still be a bad client (excluded, or BadClientError under
-# "raise"); BadUpdateError is a ValueError. Anything else stops the run (module docstring).
-CLIENT_ERRORS = (BadClientError, ValueError, ArithmeticError)
-
-
-def client_error(e: BaseException):
-    """``(reason, bad_client)`` of an exception raised while training one client: the line that names
-    it and whether it is that client's bad update (:data:`CLIENT_ERRORS`) or a failure of the run."""
-    reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
-    return reason, isinstance(e, CLIENT_ERRORS)
 
 
 def sample_schedule(seed: int, num_clients: int, per_round: int, rounds: int) -> List[List[int]]:
@@ -258,8 +250,8 @@ class Simulation:
         cfg = self.cfg
         self._check_run_dir()
         if cfg.workers > 1:        # the workers' fork server starts while this process sets up
-            from .workers import prestart
-            prestart()
+            from . import workers
+            workers.prestart()
         self.device = resolve_device(cfg.device)
         x, y, xt, yt = self._load_data()
         parts = self._partition(y)
@@ -283,8 +275,11 @@ class Simulation:
         if rule is not None:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
         self.buf = UpdateBuffer(self.per_round, self.spec, device=dev, dtype=self.spec.dtype)
-        from .batched import for_simulation   # clients_at_once: the batched executor (None: one at a time)
-        self.batched = for_simulation(self)
+        # bad clients: under "exclude" the aggregator's first read of U screens the rows (one pass,
+        # Aggregator.screen_in_pass); under "raise" each row is screened as it is written (the first
+        # bad client in schedule order stops the run)
+        self.screen_clients = cfg.bad_client_policy == "raise"
+        self.executor = self._build_executor()
         self.writer = RunWriter(self.run_dir) if self.write_outputs and self.is_main else None
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         if self.resume:
@@ -413,11 +408,15 @@ class Simulation:
 
     # ---- output helpers ---------------------------------------------------------------------------
     def _progress_enabled(self) -> bool:
+        """Progress bars: on the main process only, where ``progress`` says (default: a terminal)."""
         p = self.cfg.progress
-        return bool(p) if p is not None else sys.stderr.isatty()
+        return self.is_main and (bool(p) if p is not None else sys.stderr.isatty())
 
     def _print(self, msg: str) -> None:
-        """A progress line: to RUN_DIR/run.log (timestamped) always, to stdout when verbose."""
+        """A progress line (main process only): to RUN_DIR/run.log (timestamped) always, to stdout
+        when verbose."""
+        if not self.is_main:
+            return
         log_ = getattr(self, "_runlog", None)
         if log_ is not None:
             log_(msg)
@@ -453,72 +452,32 @@ class Simulation:
         here, so no K payloads are held at once); an exception it raises counts as that client's."""
         return lambda pos: self.agg.client_payload(ids[pos])
 
-    def train_client(self, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload):
-        """Trains client ``cid`` in round ``r`` and writes its update into the next row of ``buf``.
-        Raises BadClientError (row released) when the update is not finite."""
-        res = self.trainer.train(cid, r, self.global_flat, base_lr * factor, epochs,
-                                 client_seed(self.cfg.seed, r, cid), rule=self._rule(cid),
-                                 payload=payload, base_lr=base_lr)
-        slot = buf.add(cid, res.num_examples)
-        row = buf.write_delta(slot, self.model, self.global_flat)
-        if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
-            buf.client_ids.pop()
-            buf.num_examples.pop()
-            raise BadClientError("update contains NaN/Inf")
-        if not math.isfinite(res.train_loss):
-            log.warning("client %d: non-finite train loss with a finite update", cid)
-        return res
+    def _build_executor(self):
+        """Phase 2's executor (``sim/executors.py``): a worker pool (``workers=N``), the batched
+        executor (``clients_at_once``, when the run can be batched) or the sequential loop."""
+        if self.cfg.workers > 1:
+            from .workers import WorkerExecutor
+            return WorkerExecutor(self)
+        return for_simulation(self) or SequentialExecutor(self)
+
+    @property
+    def batched(self) -> Optional[BatchedExecutor]:
+        """The batched executor when the run trains batched, else None."""
+        ex = getattr(self, "executor", None)
+        return ex if isinstance(ex, BatchedExecutor) else None
+
+    @property
+    def _pool(self):
+        """The running worker pool (``workers=N``, once started), else None."""
+        return getattr(getattr(self, "executor", None), "pool", None)
 
     def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
-        """Phase 2: trains this process's clients into ``self.buf`` (schedule order). Returns
-        ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos, record)
-        pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise", or a RunError's
-        for a failure that is not a bad client: :meth:`client_failed`) and ``t_local``."""
-        if self.cfg.workers > 1:   # N worker processes (fedkernels.sim.workers), the same return value
-            from .workers import pool_for
-            return pool_for(self).train_local(r, ids, mine, payload_of, factor)
-        if getattr(self, "batched", None) is not None and not self.batched.delegating:
-            return self.batched.train_local(r, ids, mine, payload_of, factor)   # sim/batched.py
-        from tqdm.auto import tqdm
-        self._sync()
-        t0 = time.perf_counter()
-        accepted: List[Dict[str, Any]] = []
-        excluded: List[Any] = []
-        error = None
-        for pos in tqdm(mine, desc=self._clients_desc(r), leave=False,
-                        disable=not self._progress_enabled(), dynamic_ncols=True):
-            cid = ids[pos]
-            base_lr, epochs = self.hetero.get(cid, r)
-            try:
-                res = self.train_client(self.buf, cid, r, base_lr, factor, epochs, payload_of(pos))
-            except Exception as e:  # noqa: BLE001 - the policy decides
-                error = self.client_failed(r, pos, cid, *client_error(e), e, excluded)
-                if error is not None:
-                    break
-                continue
-            accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": res.payload,
-                             "loss": res.train_loss, "steps": res.steps})
-        self._sync()
-        return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
-
-    def client_failed(self, r: int, pos: int, cid: int, reason: str, bad_client: bool, exc: BaseException,
-                      excluded: List[Any]):
-        """The policy for client ``cid`` (position ``pos``) whose training failed with ``reason``
-        (:func:`client_error`): None when it is excluded (logged, appended to ``excluded``), else the
-        round's ``error`` entry ``(pos, message, exception)``: BadClientError's under "raise", a
-        RunError for a failure that is not a bad client (under either policy)."""
-        if not bad_client:
-            msg = (f"round {r + 1}, client {cid}: {reason} (a failure of the run, not a bad client update; "
-                   "the run stops)")
-            err = RunError(msg)
-            err.__cause__ = exc
-            return pos, msg, err
-        if self.cfg.bad_client_policy == "raise":
-            return pos, f"round {r + 1}, client {cid}: {reason}", exc
-        log.warning("round %d: excluded client %d: %s", r + 1, cid, reason)
-        excluded.append((pos, {"client_id": int(cid), "reason": reason}))
-        return None
+        """Phase 2: the executor trains this process's clients into ``self.buf`` (schedule order).
+        Returns ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos,
+        record) pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise", or a
+        RunError's for a failure that is not a bad client: ``executors.client_failed``) and ``t_local``."""
+        return self.executor.train_local(r, ids, mine, payload_of, factor)
 
     def nothing_trained(self, r: int, ids: Sequence[int], excluded: List[Dict[str, Any]]) -> RunError:
         """The error of a round in which every client was excluded (one line: how many, why)."""
@@ -570,9 +529,9 @@ class Simulation:
         self.trainer.work.copy_(self.global_flat)
         who = (None if cfg.client_loss == "none" else
                list(range(cfg.num_clients)) if cfg.client_loss == "all" else list(trained))
-        if cfg.workers > 1:   # the forward passes in the worker processes, batch by batch (the same numbers)
-            from .workers import pool_for
-            acc, tl, cl = pool_for(self).evaluate(r, cfg.eval_batch_size, who)
+        elsewhere = getattr(self.executor, "evaluate", None)
+        if elsewhere is not None:   # e.g. in the worker processes, batch by batch (the same numbers)
+            acc, tl, cl = elsewhere(r, cfg.eval_batch_size, who)
         else:
             acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
             cl = None if who is None else client_losses(self.model, self.x, self.y, self.parts, who,
@@ -600,10 +559,16 @@ class Simulation:
         acc, excluded = ex["accepted"], list(ex["excluded"])
         if not acc:                                                    # nothing to aggregate: a run error
             raise self.nothing_trained(r, ids, excluded)
+        seen = len(excluded)
         info, t_agg = self.apply_aggregate(r, excluded, ex["U"], [a["n"] for a in acc],   # 4. aggregate
                                            [a["cid"] for a in acc], ex["payloads"], **self.aggregate_kwargs())
         if len(excluded) >= len(ids):                                  # the aggregator excluded the rest
             raise self.nothing_trained(r, ids, excluded)
+        if len(excluded) > seen:      # the aggregator excluded some (e.g. a NaN/Inf row): not among the updates
+            dropped = {e["client_id"] for e in excluded[seen:]}
+            acc = [a for a in acc if a["cid"] not in dropped]
+            at = {c: i for i, c in enumerate(ids)}
+            excluded.sort(key=lambda e: at.get(e["client_id"], len(ids)))   # schedule order
         t_agg += ex["t_exchange"]
         t_local = ex["t_local"]
         losses = [a["loss"] for a in acc]
@@ -673,7 +638,8 @@ class Simulation:
                 try:
                     for r in range(self.start_round, end):
                         self._rng_at_round, self._committing = torch.get_rng_state(), False
-                        m = self.run_round(r)
+                        with self._peer_loss_stops(f"during round {r + 1}"):
+                            m = self.run_round(r)
                         self.metrics.append(m)
                         if self.writer is not None:
                             self.writer.append(m)
@@ -734,9 +700,8 @@ class Simulation:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
             raise
         finally:
-            if getattr(self, "_pool", None) is not None:   # workers=N: stop and join them, however the run ends
-                self._pool.close()
-                self._pool = None
+            if getattr(self, "executor", None) is not None:   # e.g. workers=N: stop and join them, however the run ends
+                self.executor.close()
             self._finish_provenance(status)
             restore()
             if cfg.threads:
@@ -802,6 +767,11 @@ class Simulation:
             for s, h in old.items():
                 signal.signal(s, h)
         return restore
+
+    def _peer_loss_stops(self, when: str):
+        """The context of the collectives of a round or a checkpoint (none in one process; the
+        distributed simulator turns a lost peer into one line naming it)."""
+        return contextlib.nullcontext()
 
     def _stop_agreed(self) -> bool:
         """Whether to stop after this round (every process must agree: see the distributed override)."""

@@ -29,7 +29,7 @@ exchange and the aggregation stay in the main process, unchanged.
   script's main module, as with the ``spawn`` start method).
 * *A round.* The main process puts one task per client (position, id, lr, epochs, payload) on a
   shared queue, largest client first; idle workers take the next one (dynamic balance). A worker
-  trains with the same code as one process (``Simulation.train_client``: same hooks, same
+  trains with the same code as one process (``client.train_client``: same hooks, same
   finite-update check) and writes row ``pos`` of the buffer; the main process then packs the rows of
   the accepted clients in schedule order (a copy only when a client was excluded), so the aggregator
   sees exactly the matrix of one process.
@@ -47,11 +47,11 @@ exchange and the aggregation stay in the main process, unchanged.
   may round differently at another thread count). Threads per worker: ``threads`` if set, else
   ``cores // N`` (at least 1), so the workers together use the machine's cores.
 * *Errors.* A client that raises a bad-client error in a worker is reported back and the
-  bad-client policy applies as in one process (``Simulation.client_failed``: ``exclude``: logged and
+  bad-client policy applies as in one process (``executors.client_failed``: ``exclude``: logged and
   left out; ``raise``: the first failing client in schedule order stops the run). Everything else is
   a failure of the run, never a bad client, under either policy: a worker that cannot start, dies,
   cannot send its result, or fails a client with an error that is not a bad-client error
-  (``server.CLIENT_ERRORS``; e.g. a RuntimeError from autograd, an ImportError, a broken pipe) stops
+  (``client.CLIENT_ERRORS``; e.g. a RuntimeError from autograd, an ImportError, a broken pipe) stops
   the run with one line naming the worker and the cause (``RunError``; exit 1 on the CLI). Workers
   ignore SIGINT (the main process finishes the round, as in one process), die with the fork server,
   which ends with the main process (``PR_SET_PDEATHSIG``), and are stopped and joined when the run
@@ -76,10 +76,12 @@ import torch
 from torch import nn
 
 from ..errors import RunError
+from .client import client_error, sample_owners, train_client
+from .executors import client_failed
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["WorkerPool", "default_threads", "pool_for", "prestart", "usable_cores"]
+__all__ = ["WorkerExecutor", "WorkerPool", "default_threads", "prestart", "usable_cores"]
 
 
 def usable_cores() -> int:
@@ -98,7 +100,7 @@ def default_threads(workers: int, threads: Optional[int] = None) -> int:
 
 
 class _RowAt:
-    """The part of ``UpdateBuffer`` that ``Simulation.train_client`` uses, writing row ``pos`` of the
+    """The part of ``UpdateBuffer`` that ``client.train_client`` uses, writing row ``pos`` of the
     shared buffer (the slot is the client's position in the round, not the next free row)."""
 
     def __init__(self, buf, pos: int):
@@ -143,10 +145,10 @@ def _die_with_parent() -> None:
 _PRELOAD = ["__main__", __name__, "fedkernels.sim.server", "torch._dynamo"]
 
 # ---- what a worker receives --------------------------------------------------------------------------
-# the Simulation attributes train_client, _rule and _eval_batch use: the rest (writer, callbacks,
-# metrics, the pool itself) stays in the main process
+# the Simulation attributes client.train_client, _rule and _eval_batch use: the rest (writer,
+# callbacks, metrics, the executor and its pool) stays in the main process
 _WORKER_ATTRS = ("cfg", "device", "spec", "model", "trainer", "global_flat", "buf", "agg", "rules",
-                 "x", "y", "xt", "yt", "parts")
+                 "x", "y", "xt", "yt", "parts", "screen_clients")
 
 
 def _storage_key(t: torch.Tensor) -> Optional[int]:
@@ -278,7 +280,6 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
     """One worker: rebuilds the simulation (:func:`_load_state`), says ("ready", index), then takes
     ("train", round, factor, pos, cid, base_lr, epochs, payload) and ("eval", job, batch, start, stop)
     tasks until None. A failure outside a task's own work is sent as ("fatal", index, message)."""
-    from .server import client_error
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
@@ -314,7 +315,7 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
             try:
                 if isinstance(payload, BaseException):
                     raise payload
-                res = sim.train_client(_RowAt(sim.buf, pos), cid, r, base_lr, factor, epochs, payload)
+                res = train_client(sim, _RowAt(sim.buf, pos), cid, r, base_lr, factor, epochs, payload)
                 msg = ("ok", pos, {"pos": pos, "cid": int(cid), "n": float(res.num_examples),
                                    "payload": res.payload, "loss": res.train_loss, "steps": res.steps})
             except Exception as e:  # noqa: BLE001 - reported to the main process, which applies the policy
@@ -431,7 +432,7 @@ class WorkerPool:
         for pos in mine:
             kind, val = results[pos]
             if kind == "err":                 # the policy of one process (a bad client, or a run error)
-                error = sim.client_failed(r, pos, *val, excluded)
+                error = client_failed(sim.cfg.bad_client_policy, r, pos, *val, excluded)
                 if error is not None:
                     break
                 continue
@@ -508,7 +509,7 @@ class WorkerPool:
         owner = None
         if who:
             parts = sim.parts
-            owner = torch.cat([torch.full((parts[c].numel(),), i, dtype=torch.long) for i, c in enumerate(who)])
+            owner = sample_owners(parts, who)[0]
             jobs.append(({"id": self._jobs, "what": "clients", "clients": who}, int(owner.numel())))
         jobs.append(({"id": self._jobs, "what": "test"}, n))
         *per, test = self._run_batches(r, jobs, bs)
@@ -564,13 +565,32 @@ class WorkerPool:
         self.close()
 
 
-def pool_for(sim) -> WorkerPool:
-    """The run's pool (``sim._pool``), started at the first call; ``Simulation.run`` closes it."""
-    pool = getattr(sim, "_pool", None)
-    if pool is None:
-        pool = WorkerPool(sim, sim.cfg.workers, sim.cfg.threads)
-        sim._pool = pool
-        pool.start()
-        log.info("workers=%d: started (pids %s, %d thread(s) each) in %.3fs", pool.n, pool.pids, pool.threads,
-                 pool.t_start)
-    return pool
+class WorkerExecutor:
+    """The executor of ``workers=N`` (``sim/executors.py``): the run's :class:`WorkerPool`, started at
+    the first round (``pool``: None until then and once closed); local training and the evaluation's
+    forward passes in the workers."""
+
+    def __init__(self, sim) -> None:
+        self.sim = sim
+        self.pool: Optional[WorkerPool] = None
+
+    def _started(self) -> WorkerPool:
+        if self.pool is None:
+            sim = self.sim
+            pool = WorkerPool(sim, sim.cfg.workers, sim.cfg.threads).start()
+            self.pool = pool
+            log.info("workers=%d: started (pids %s, %d thread(s) each) in %.3fs", pool.n, pool.pids, pool.threads,
+                     pool.t_start)
+        return self.pool
+
+    def train_local(self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any],
+                    factor: float) -> Dict[str, Any]:
+        return self._started().train_local(r, ids, positions, payload_of, factor)
+
+    def evaluate(self, r: int, batch_size: int, clients: Optional[Sequence[int]] = None):
+        return self._started().evaluate(r, batch_size, clients)
+
+    def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
