@@ -143,7 +143,7 @@ class FedProxBatched(BatchedRule):
 
 
 class ControlVariateBatched(BatchedRule):
-    """SCAFFOLD / FedPVR (parts.ControlVariateRule): g += c - c_i on the controlled range;
+    """SCAFFOLD / FedPVR (control_variates.ControlVariateRule): g += c - c_i on the controlled range;
     delta_c = -c + (x - y) / lr_sum."""
 
     def begin(self, ch):
