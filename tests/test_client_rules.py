@@ -53,7 +53,7 @@ def test_fedprox_mu_mismatch_is_named():
 
 def test_readme_snippet_runs_as_written(tmp_path):
     text = open(os.path.join(ROOT, "README.md")).read()
-    at = text.index("Use the aggregators directly")
+    at = text.index("In your own training loop, a whole round")
     block = re.search(r"```python\n(.*?)```", text[at:], re.S).group(1)
     assert "spec.load_(model, glob)" in block and "rule.end(ctx, model)" in block
     script = tmp_path / "snippet.py"
