@@ -358,7 +358,7 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
     (min-norm solve on the N x N Gram). Pass 2 reads U and M again, writes the participants' momenta
     into ``momenta`` and sums the step. A bad row raises before any state or output changes.
     Returns (new, info)."""
-    from .algorithms.fedaware import ZERO_REL, FedAWARE, elud
+    from .algorithms.fedaware import FedAWARE, elud
     agg = aggregator
     what = "streamed_fedaware"
     if not isinstance(agg, FedAWARE):
@@ -421,19 +421,7 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
         src_rows, coef = agg._na_coef()
         info.update(support=src_rows.tolist(), coef=coef.tolist())
     else:
-        active = torch.nonzero(agg.seen).reshape(-1) if agg.warmup == "mask" else torch.arange(N)
-        G, nz = agg.gram_matrix(active)
-        lam, iters, gap = agg._solve(G, active)
-        q = float(lam @ (G @ lam))
-        zero_dir = not (q > ZERO_REL * float(torch.diagonal(G).max()))
-        lam_full = torch.zeros(N, dtype=torch.float64)
-        lam_full[active] = lam
-        agg.lam_prev = lam_full
-        c = lam / nz
-        sup = torch.nonzero(c != 0).reshape(-1)
-        src_rows, coef = active.index_select(0, sup), c.index_select(0, sup)
-        info.update(lam=lam_full.tolist(), support=src_rows.tolist(), coef=coef.tolist(), q=q, gap=gap,
-                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        src_rows, coef, zero_dir = agg.aware_direction(info)
         if zero_dir:
             if agg.zero_fallback == "na":
                 src_rows, coef = agg._na_coef()

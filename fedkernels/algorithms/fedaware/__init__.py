@@ -23,7 +23,7 @@ temporaries.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -162,6 +162,26 @@ class FedAWARE(Aggregator):
         return act, n / n.sum()
 
     # ---- aggregation ------------------------------------------------------------------------------
+    def aware_direction(self, info: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+        """The aware step's direction: the min-norm point lambda of the active momenta's Gram
+        (normalised rows), as the support rows of M and their coefficients lambda_i / ||m_i||; logs
+        lambda, q = lambda' G lambda, the gap and the iterations into ``info``. ``zero_dir``: q is
+        numerically zero (the fallback applies). Shared with streaming.streamed_fedaware."""
+        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
+        G, nz = self.gram_matrix(active)
+        lam, iters, gap = self._solve(G, active)
+        q = float(lam @ (G @ lam))
+        zero_dir = not (q > ZERO_REL * float(torch.diagonal(G).max()))
+        lam_full = torch.zeros(self.num_clients, dtype=torch.float64)
+        lam_full[active] = lam
+        self.lam_prev = lam_full
+        coef = lam / nz
+        sup = torch.nonzero(coef != 0).reshape(-1)
+        rows, c = active.index_select(0, sup), coef.index_select(0, sup)
+        info.update(lam=lam_full.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
+                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        return rows, c, zero_dir
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         x = rin.global_flat
         self._alloc(x)
@@ -191,20 +211,7 @@ class FedAWARE(Aggregator):
             new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act)
             info.update(support=act.tolist(), coef=coef.tolist())
             return AggResult(new, info)
-        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
-        G, nz = self.gram_matrix(active)
-        lam, iters, gap = self._solve(G, active)
-        q = float(lam @ (G @ lam))
-        gmax = float(torch.diagonal(G).max())
-        zero_dir = not (q > ZERO_REL * gmax)
-        lam_full = torch.zeros(self.num_clients, dtype=torch.float64)
-        lam_full[active] = lam
-        self.lam_prev = lam_full
-        coef = lam / nz
-        sup = torch.nonzero(coef != 0).reshape(-1)
-        rows, c = active.index_select(0, sup), coef.index_select(0, sup)
-        info.update(lam=lam_full.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
-                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        rows, c, zero_dir = self.aware_direction(info)
         if zero_dir:
             if self.zero_fallback == "na":
                 act, cna = self._na_coef()
