@@ -521,7 +521,13 @@ class ClientRule:
         payload = rule.end(ctx, model)               # once; dict sent with the update
 
     Every hook has a no-op default.
+
+    ``batched_form``: the :class:`BatchedRule` that does the same maths for a chunk of clients at once
+    (the simulator's batched executor), set on the rule's own class; a subclass (which may change a
+    hook) trains sequentially unless it sets its own.
     """
+
+    batched_form: Optional[Type[BatchedRule]] = None
 
     def __init__(self, aggregator: Optional[Aggregator] = None) -> None:
         self.aggregator = aggregator
@@ -548,6 +554,71 @@ class ClientRule:
 
     def end(self, ctx: ClientContext, model: torch.nn.Module) -> Dict[str, Any]:
         return {}
+
+
+# ---- a client rule, batched: C clients' local steps at once (fedkernels.sim.batched runs it) -------------
+@dataclass
+class Chunk:
+    """What a batched rule sees: C clients trained together from the global model ``x``."""
+
+    W: torch.Tensor            # [C, d] stacked weights (rows of the update buffer)
+    x: torch.Tensor            # [d] the global model
+    lr: torch.Tensor           # [C] learning rates this round (float64, host)
+    steps: List[int]           # local steps per client
+    epochs: List[Optional[int]]
+    payloads: List[Dict[str, Any]]
+    client_ids: List[int]
+    momentum: float
+    weight_decay: float
+
+    @property
+    def C(self) -> int:
+        return self.W.size(0)
+
+
+class BatchedRule:
+    """The batched form of a ClientRule (its class names it in ``batched_form``), run by the batched
+    executor (fedkernels.sim.batched) on the [C, d] gradients of a chunk. Hooks, per local step, in the sequential loop's order:
+    ``before_step`` (the rule's loss_term / before_step maths, before grad_clip), ``in_step`` (what a
+    fused native step applies after grad_clip), ``skip`` (clients whose step is dropped), and once
+    ``begin`` / ``end`` (the payloads). ``needs_rho``: the loss also returns FedPGVC's rho."""
+
+    needs_rho = False
+    loss_clip: Optional[float] = None
+
+    def __init__(self, rule: Optional[ClientRule], spec: FlatSpec) -> None:
+        self.rule, self.agg, self.spec = rule, getattr(rule, "aggregator", None), spec
+
+    @classmethod
+    def reason(cls, rule: ClientRule, fixed_steps: bool) -> Optional[str]:
+        """Why this rule's options cannot train batched (one line), or None. ``fixed_steps``: the run
+        trains a fixed number of steps (``train.steps``) instead of epochs."""
+        return None
+
+    def client_reason(self, payload: Dict[str, Any]) -> Optional[str]:
+        """Why this client (by its payload) must train sequentially this round, or None."""
+        return None
+
+    def begin(self, ch: Chunk) -> None:
+        pass
+
+    def before_step(self, ch: Chunk, G: torch.Tensor, rho: Optional[torch.Tensor], ce: torch.Tensor,
+                    m: torch.Tensor, active: torch.Tensor) -> None:
+        pass
+
+    def in_step(self, ch: Chunk, G: torch.Tensor) -> None:
+        pass
+
+    def skip(self) -> Optional[torch.Tensor]:
+        return None
+
+    def end(self, ch: Chunk) -> List[Dict[str, Any]]:
+        return [{} for _ in range(ch.C)]
+
+    def fused(self) -> bool:
+        """Whether the sequential rule acts in its ``step`` hook, after grad_clip (``fused_step``: the
+        native step, or, for an optimizer it cannot fuse, the same edit made there)."""
+        return bool(getattr(self.agg, "fused_step", False))
 
 
 # ---- registry ------------------------------------------------------------------------------------

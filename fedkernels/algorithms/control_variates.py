@@ -19,7 +19,7 @@ import torch
 from .. import ops
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput
+from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput
 from .parts import WEIGHTINGS, check_choice, client_weights, momentum_steps, optimizer_lr_momentum
 
 
@@ -146,6 +146,65 @@ class ControlVariateRule(ClientRule):
                     dc[e.slice] = 0
         out["delta_c"] = dc
         return out
+
+
+class ControlVariateBatched(BatchedRule):
+    """ControlVariateRule, batched (SCAFFOLD / FedPVR): g += c - c_i on the controlled range;
+    delta_c = -c + (x - y) / lr_sum."""
+
+    def begin(self, ch):
+        agg = self.agg
+        _, self.ranges, self.d_c = agg.control_layout(self.spec)
+        c = [p.get("c") for p in ch.payloads]
+        ci = [p.get("c_i") for p in ch.payloads]
+        for key, vs in (("c", c), ("c_i", ci)):
+            for v in vs:
+                if v is not None and v.numel() != self.d_c:
+                    raise ValueError(f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
+                                     f"expected d_c={self.d_c} (the controlled range)")
+        self.c = c[0] if c and c[0] is not None else None        # c is the server's one vector
+        self.corr = None
+        if self.c is not None or any(v is not None for v in ci):
+            W = ch.W
+            corr = torch.zeros(ch.C, self.d_c, dtype=W.dtype, device=W.device)
+            if self.c is not None:
+                corr.add_(self.c.to(device=W.device, dtype=W.dtype))
+            if any(v is not None for v in ci):
+                corr.sub_(torch.stack([v if v is not None else torch.zeros(self.d_c, dtype=W.dtype, device=W.device)
+                                       for v in ci]).to(device=W.device, dtype=W.dtype))
+            self.corr = corr
+
+    def _correct(self, G):
+        if self.corr is None:
+            return
+        pos = 0
+        for a, b in self.ranges:
+            G[:, a:b].add_(self.corr[:, pos:pos + b - a])
+            pos += b - a
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        if not self.fused():
+            self._correct(G)
+
+    def in_step(self, ch, G):
+        if self.fused():
+            self._correct(G)
+
+    def end(self, ch):
+        agg, x = self.agg, ch.x
+        K = torch.tensor(ch.steps, dtype=torch.float64)
+        div = K * ch.lr.cpu()                                  # sum of the steps' learning rates
+        if agg.momentum_correction and ch.momentum:
+            div = div * torch.tensor([momentum_steps(k, ch.momentum) / k for k in ch.steps], dtype=torch.float64)
+        xs = gather_ranges(x, self.ranges)
+        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1)      # the local models' controlled part
+        dc = (xs.unsqueeze(0) - Y).div_(div.to(device=Y.device, dtype=Y.dtype).unsqueeze(1))
+        if self.c is not None:
+            dc.sub_(self.c.to(device=dc.device, dtype=dc.dtype))
+        return [{agg.steps_key: int(k), "delta_c": dc[i]} for i, k in enumerate(ch.steps)]
+
+
+ControlVariateRule.batched_form = ControlVariateBatched
 
 
 class ControlVariateServer(Aggregator):

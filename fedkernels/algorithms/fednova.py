@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .base import AggResult, ClientContext, ClientRule, RoundInput, register
+from .base import AggResult, BatchedRule, ClientContext, ClientRule, RoundInput, register
 from .fedavg import FedAvg
 from .parts import momentum_steps, optimizer_lr_momentum
 
@@ -41,6 +41,16 @@ class FedNovaRule(ClientRule):
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
         return {"local_steps": int(ctx.step), "momentum": float(ctx.extras.get("momentum", 0.0))}
+
+
+class FedNovaBatched(BatchedRule):
+    """FedNova's client side only reports its steps and momentum (FedNovaRule, batched)."""
+
+    def end(self, ch):
+        return [{"local_steps": int(k), "momentum": float(ch.momentum)} for k in ch.steps]
+
+
+FedNovaRule.batched_form = FedNovaBatched
 
 
 def _number(v) -> Optional[float]:

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..flat import FlatSpec
-from .base import ClientContext, ClientRule, register
+from .base import BatchedRule, ClientContext, ClientRule, register
 from .fedavg import FedAvg
 
 
@@ -86,6 +86,21 @@ class FedProxRule(ClientRule):
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
         return {"prox_mu": self.mu}          # the server checks the clients trained with its mu
+
+
+class FedProxBatched(BatchedRule):
+    """g += mu (w - x) (FedProxRule, batched; the "loss" form has the same gradient)."""
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        mu = self.rule.mu
+        if mu != 0.0:
+            G.add_(ch.W, alpha=mu).sub_(ch.x * mu)
+
+    def end(self, ch):
+        return [{"prox_mu": self.rule.mu} for _ in range(ch.C)]
+
+
+FedProxRule.batched_form = FedProxBatched
 
 
 @register("fedprox")

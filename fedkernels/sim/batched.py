@@ -31,8 +31,10 @@ train-time augmentation. Client rules: FedProx, SCAFFOLD / FedPVR (their control
 Local GC / GC-Fed (``local_order="pre_wd"``, ``mu="cout"``), FedPGVC (every mode except ``code``,
 ``nan_policy`` skip | propagate, the default per-sample loss), FedECADO (its T and flows; a client
 that still owes its Hutchinson estimate trains sequentially that round), Kuramoto mode C (the phase).
-FedAvg, FedAvgM, FedAWARE, Kuramoto S and Global GC have no client rule. A rule class not listed in
-``BATCHED_RULES`` (a user's own) is not batchable.
+FedAvg, FedAvgM, FedAWARE, Kuramoto S and Global GC have no client rule. Each batched form (a
+:class:`~fedkernels.algorithms.base.BatchedRule`) lives beside its rule in fedkernels/algorithms/, whose
+class names it in ``batched_form``; a rule class that does not set its own (a user's subclass, which
+may change a hook) is not batchable. This module keeps the executor: chunks, minibatches, the SGD step.
 
 An executor of the round loop (``sim/executors.py``: ``train_local(r, ids, positions, payload_of,
 factor)``, ``close()``): per accepted client ``pos, cid, n, payload, loss, steps``, in schedule
@@ -60,358 +62,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..algorithms.base import ClientRule
+from ..algorithms.base import BatchedRule, Chunk, ClientRule
 from .client import BadClientError, client_seed
 from .executors import SequentialExecutor, client_failed
 
 log = logging.getLogger("fedkernels.sim")
 
 
-# ---------------------------------------------------------------------------------------------
-# the chunk being trained
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Chunk:
-    """What a batched rule sees: C clients trained together from the global model ``x``."""
-
-    W: torch.Tensor            # [C, d] stacked weights (rows of the update buffer)
-    x: torch.Tensor            # [d] the global model
-    lr: torch.Tensor           # [C] learning rates this round (float64, host)
-    steps: List[int]           # local steps per client
-    epochs: List[Optional[int]]
-    payloads: List[Dict[str, Any]]
-    client_ids: List[int]
-    momentum: float
-    weight_decay: float
-
-    @property
-    def C(self) -> int:
-        return self.W.size(0)
-
-
-# ---------------------------------------------------------------------------------------------
-# the client rules, batched: each acts on the [C, d] gradients of a chunk
-# ---------------------------------------------------------------------------------------------
-class BatchedRule:
-    """The batched form of a ClientRule. Hooks, per local step, in the sequential loop's order:
-    ``before_step`` (the rule's loss_term / before_step maths, before grad_clip), ``in_step`` (what a
-    fused native step applies after grad_clip), ``skip`` (clients whose step is dropped), and once
-    ``begin`` / ``end`` (the payloads). ``needs_rho``: the loss also returns FedPGVC's rho."""
-
-    needs_rho = False
-    loss_clip: Optional[float] = None
-
-    def __init__(self, rule: ClientRule, spec, train) -> None:
-        self.rule, self.agg, self.spec, self.train = rule, getattr(rule, "aggregator", None), spec, train
-
-    def client_reason(self, payload: Dict[str, Any]) -> Optional[str]:
-        """Why this client (by its payload) must train sequentially this round, or None."""
-        return None
-
-    def begin(self, ch: Chunk) -> None:
-        pass
-
-    def before_step(self, ch: Chunk, G: torch.Tensor, rho: Optional[torch.Tensor], ce: torch.Tensor,
-                    m: torch.Tensor, active: torch.Tensor) -> None:
-        pass
-
-    def in_step(self, ch: Chunk, G: torch.Tensor) -> None:
-        pass
-
-    def skip(self) -> Optional[torch.Tensor]:
-        return None
-
-    def end(self, ch: Chunk) -> List[Dict[str, Any]]:
-        return [{} for _ in range(ch.C)]
-
-    def fused(self) -> bool:
-        """Whether the sequential rule acts in its ``step`` hook, after grad_clip (``fused_step``: the
-        native step, or, for an optimizer it cannot fuse, the same edit made there)."""
-        return bool(getattr(self.agg, "fused_step", False))
-
-
-class FedProxBatched(BatchedRule):
-    """g += mu (w - x) (fedprox.py; the "loss" form has the same gradient)."""
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        mu = self.rule.mu
-        if mu != 0.0:
-            G.add_(ch.W, alpha=mu).sub_(ch.x * mu)
-
-    def end(self, ch):
-        return [{"prox_mu": self.rule.mu} for _ in range(ch.C)]
-
-
-class ControlVariateBatched(BatchedRule):
-    """SCAFFOLD / FedPVR (control_variates.ControlVariateRule): g += c - c_i on the controlled range;
-    delta_c = -c + (x - y) / lr_sum."""
-
-    def begin(self, ch):
-        agg = self.agg
-        _, self.ranges, self.d_c = agg.control_layout(self.spec)
-        c = [p.get("c") for p in ch.payloads]
-        ci = [p.get("c_i") for p in ch.payloads]
-        for key, vs in (("c", c), ("c_i", ci)):
-            for v in vs:
-                if v is not None and v.numel() != self.d_c:
-                    raise ValueError(f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
-                                     f"expected d_c={self.d_c} (the controlled range)")
-        self.c = c[0] if c and c[0] is not None else None        # c is the server's one vector
-        self.corr = None
-        if self.c is not None or any(v is not None for v in ci):
-            W = ch.W
-            corr = torch.zeros(ch.C, self.d_c, dtype=W.dtype, device=W.device)
-            if self.c is not None:
-                corr.add_(self.c.to(device=W.device, dtype=W.dtype))
-            if any(v is not None for v in ci):
-                corr.sub_(torch.stack([v if v is not None else torch.zeros(self.d_c, dtype=W.dtype, device=W.device)
-                                       for v in ci]).to(device=W.device, dtype=W.dtype))
-            self.corr = corr
-
-    def _correct(self, G):
-        if self.corr is None:
-            return
-        pos = 0
-        for a, b in self.ranges:
-            G[:, a:b].add_(self.corr[:, pos:pos + b - a])
-            pos += b - a
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        if not self.fused():
-            self._correct(G)
-
-    def in_step(self, ch, G):
-        if self.fused():
-            self._correct(G)
-
-    def end(self, ch):
-        from ..algorithms.control_variates import gather_ranges
-        from ..algorithms.parts import momentum_steps
-        agg, x = self.agg, ch.x
-        K = torch.tensor(ch.steps, dtype=torch.float64)
-        div = K * ch.lr.cpu()                                  # sum of the steps' learning rates
-        if agg.momentum_correction and ch.momentum:
-            div = div * torch.tensor([momentum_steps(k, ch.momentum) / k for k in ch.steps], dtype=torch.float64)
-        xs = gather_ranges(x, self.ranges)
-        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1)      # the local models' controlled part
-        dc = (xs.unsqueeze(0) - Y).div_(div.to(device=Y.device, dtype=Y.dtype).unsqueeze(1))
-        if self.c is not None:
-            dc.sub_(self.c.to(device=dc.device, dtype=dc.dtype))
-        return [{agg.steps_key: int(k), "delta_c": dc[i]} for i, k in enumerate(ch.steps)]
-
-
-class FedNovaBatched(BatchedRule):
-    """FedNova's client side only reports its steps and momentum (fednova.py)."""
-
-    def end(self, ch):
-        return [{"local_steps": int(k), "momentum": float(ch.momentum)} for k in ch.steps]
-
-
-class KuramotoPhaseBatched(BatchedRule):
-    """Kuramoto mode C: phase = mean over the local steps of the gradient's l2 norm."""
-
-    def begin(self, ch):
-        self.sum = torch.zeros(ch.C, dtype=torch.float64, device=ch.W.device)
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        self.sum += torch.where(active, torch.linalg.vector_norm(G.double(), dim=1), 0.0)
-
-    def end(self, ch):
-        return [{"phase": float(s) / k if k else 0.0} for s, k in zip(self.sum.tolist(), ch.steps)]
-
-
-class LocalGCBatched(BatchedRule):
-    """Local GC (gcfed.py, order "pre_wd", mean "cout"): each local tensor's gradient rows centred."""
-
-    def begin(self, ch):
-        agg = self.agg
-        entries = [e for e in self.spec.entries if not e.is_buffer]
-        mask = agg.local_mask(self.spec)
-        self.local = [e for e, k in zip(entries, mask) if k]
-        self.rows = []          # (entry, fan-in) of the tensors GC changes
-        for e in self.local:
-            if e.numel == 0 or len(e.shape) == 0:
-                continue
-            if len(e.shape) == 1:
-                if agg.vector_policy == "skip" or e.numel < agg.min_fanin:
-                    continue
-                self.rows.append((e, e.numel))
-            elif e.numel // e.shape[0] >= agg.min_fanin:
-                self.rows.append((e, e.numel // e.shape[0]))
-
-    def _gc(self, G):
-        C = G.size(0)
-        for e, fan in self.rows:
-            v = G[:, e.offset:e.offset + e.numel].view(C, -1, fan)
-            v.sub_(v.mean(-1, keepdim=True))
-
-    def fused(self):
-        return super().fused() and bool(self.local)
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        if not self.fused():
-            self._gc(G)
-
-    def in_step(self, ch, G):
-        if self.fused():
-            self._gc(G)
-
-    def end(self, ch):
-        return [{"local_gc": len(self.local)} for _ in range(ch.C)]
-
-
-class FedPGVCBatched(BatchedRule):
-    """FedPGVC (fedpgvc.py) on the controlled set: u = rho * g (hadamard), g + lam rho (additive),
-    s_l g_l (layer_scalar), tau g_l / ||g_l|| (layer_normalize), (1 + lam lbar) g (lr_matched);
-    rho = grad of sum_b m_b stopgrad(l_b) l_b / sum_b m_b comes from the same vmapped backward."""
-
-    def __init__(self, rule, spec, train):
-        super().__init__(rule, spec, train)
-        agg = self.agg
-        self.ctrl = agg.ctrl_entries(spec)
-        self.needs_rho = bool(self.ctrl) and agg.mode in ("hadamard", "additive", "layer_scalar")
-        self.loss_clip = agg.loss_clip
-
-    def begin(self, ch):
-        dev = ch.W.device
-        self.skipped = torch.zeros(ch.C, dtype=torch.int64, device=dev)
-        self.hist_sum = torch.zeros(ch.C, dtype=torch.float64, device=dev)
-        self.hist_n = torch.zeros(ch.C, dtype=torch.int64, device=dev)
-        self._skip = None
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        agg = self.agg
-        self._skip = None
-        if not self.ctrl or agg.mode == "layer_normalize":
-            pass
-        else:
-            ok = (torch.isfinite(ce) | (m == 0)).all(1)
-            if agg.nan_policy == "skip":
-                self._skip = active & ~ok
-                self.skipped += self._skip
-            w = ce if self.loss_clip is None else ce.clamp(max=self.loss_clip)
-            cnt = m.sum(1).clamp_min(1)
-            counted = active if self._skip is None else active & ~self._skip
-            self.hist_sum += torch.where(counted, torch.where(m > 0, w, 0.0).sum(1).double() / cnt.double(), 0.0)
-            self.hist_n += counted
-        if not self.ctrl:
-            return
-        mode = agg.mode
-        if mode == "lr_matched":
-            lbar = self.hist_sum / self.hist_n.clamp_min(1)
-            f = (1.0 + agg.lam * lbar).to(G.dtype).unsqueeze(1)
-            for e in self.ctrl:
-                G[:, e.offset:e.offset + e.numel].mul_(f)
-            return
-        for e in self.ctrl:
-            g = G[:, e.offset:e.offset + e.numel]
-            if mode == "hadamard":
-                g.mul_(rho[:, e.offset:e.offset + e.numel])
-            elif mode == "additive":
-                g.add_(rho[:, e.offset:e.offset + e.numel], alpha=agg.lam)
-            elif mode == "layer_scalar":
-                r = rho[:, e.offset:e.offset + e.numel]
-                s = r.mean(1) if agg.stat == "mean" else torch.linalg.vector_norm(r, dim=1)
-                g.mul_(s.unsqueeze(1))
-            elif mode == "layer_normalize":
-                n = torch.linalg.vector_norm(g, dim=1)
-                s = torch.where(n > 0, agg.tau / n.clamp_min(torch.finfo(n.dtype).tiny), torch.zeros_like(n))
-                g.mul_(s.unsqueeze(1))
-
-    def skip(self):
-        return self._skip
-
-    def end(self, ch):
-        out = []
-        sk, hs, hn = self.skipped.tolist(), self.hist_sum.tolist(), self.hist_n.tolist()
-        for i in range(ch.C):
-            p: Dict[str, Any] = {"pgvc_skipped_steps": int(sk[i])}
-            if hn[i]:
-                p["pgvc_mean_loss"] = hs[i] / hn[i]
-            out.append(p)
-        return out
-
-
-class FedECADOBatched(BatchedRule):
-    """FedECADO (fedecado.py): g <- w_i g + I_i; T_i = the sum of the applied learning rates."""
-
-    def client_reason(self, payload):
-        if payload.get("need_hbar"):
-            return "FedECADO: the client's first participation estimates its Hessian scalar (Hutchinson)"
-        return None
-
-    def begin(self, ch):
-        W = ch.W
-        w = [float(p.get("w", 1.0)) for p in ch.payloads]
-        self.w = None if all(v == 1.0 for v in w) else torch.tensor(w, dtype=W.dtype, device=W.device).unsqueeze(1)
-        flows = [p.get("I") for p in ch.payloads]
-        self.flows = None
-        if any(f is not None for f in flows):
-            self.flows = torch.stack([f if f is not None else torch.zeros(W.size(1), dtype=W.dtype, device=W.device)
-                                      for f in flows]).to(device=W.device, dtype=W.dtype)
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        if self.w is not None:
-            G.mul_(self.w)
-        if self.flows is not None:
-            G.add_(self.flows)
-
-    def end(self, ch):
-        agg = self.agg
-        nf = bool(ch.momentum or ch.weight_decay)
-        lrs = ch.lr.tolist()
-        out = []
-        for i, k in enumerate(ch.steps):
-            if agg.ablations.time_unit == "epoch":
-                T = lrs[i] * float(ch.epochs[i])
-            else:
-                T = lrs[i] * k
-            p: Dict[str, Any] = {"T": T}
-            if nf:
-                p["non_faithful"] = True
-            out.append(p)
-        return out
-
-
-def _batched_rules() -> Dict[type, type]:
-    from ..algorithms.fedecado import FedECADORule
-    from ..algorithms.fednova import FedNovaRule
-    from ..algorithms.fedpgvc import FedPGVCRule
-    from ..algorithms.fedprox import FedProxRule
-    from ..algorithms.gcfed import LocalGCRule
-    from ..algorithms.kuramoto import KuramotoPhaseRule
-    from ..algorithms.control_variates import ControlVariateRule
-    return {FedProxRule: FedProxBatched, ControlVariateRule: ControlVariateBatched, FedNovaRule: FedNovaBatched,
-            KuramotoPhaseRule: KuramotoPhaseBatched, LocalGCRule: LocalGCBatched, FedPGVCRule: FedPGVCBatched,
-            FedECADORule: FedECADOBatched}
-
-
-BATCHED_RULES = _batched_rules()    # ClientRule class (exactly; a subclass may change a hook) -> batched form
-
-
-def rule_reason(rule: Optional[ClientRule]) -> Optional[str]:
-    """Why this method's client rule cannot be batched, or None."""
+def rule_reason(rule: Optional[ClientRule], fixed_steps: bool = False) -> Optional[str]:
+    """Why this method's client rule cannot be batched, or None. Its batched form is the one its own
+    class sets (``batched_form``, exactly: a subclass may change a hook); ``fixed_steps``: train.steps is set."""
     if rule is None:
         return None
     cls = type(rule)
-    if cls not in BATCHED_RULES:
-        return f"client rule {cls.__name__} has no batched form (fedkernels.sim.batched.BATCHED_RULES)"
+    form = cls.__dict__.get("batched_form")
+    if form is None:
+        return f"client rule {cls.__name__} has no batched form (its class sets no batched_form)"
     if hasattr(rule, "state_dict") and hasattr(rule, "load_state_dict"):
         return f"client rule {cls.__name__} keeps per-client state across rounds"
-    agg = rule.aggregator
-    name = getattr(agg, "name", cls.__name__)
-    from ..algorithms.fedpgvc import FedPGVCRule, _per_sample_ce
-    from ..algorithms.gcfed import LocalGCRule
-    if cls is LocalGCRule and (agg.local_order != "pre_wd" or agg.mu != "cout"):
-        return f"{name}: local_order={agg.local_order!r} / mu={agg.mu!r} (batched: pre_wd with mu='cout' only)"
-    if cls is FedPGVCRule:
-        if agg.mode == "code":
-            return f"{name}: mode 'code' shrinks after a pass over each client's whole local set"
-        if agg.nan_policy == "raise":
-            return f"{name}: nan_policy='raise' stops one client at its step"
-        if agg.loss_fn is not _per_sample_ce:
-            return f"{name}: a custom loss_fn (batched: the per-sample cross-entropy)"
-    return None
+    return form.reason(rule, fixed_steps)
 
 
 def batch_reason(cfg, model: nn.Module, rule: Optional[ClientRule], transform, criterion) -> Optional[str]:
@@ -435,10 +104,7 @@ def batch_reason(cfg, model: nn.Module, rule: Optional[ClientRule], transform, c
         return f"model {type(model).__name__} has buffers (batched: parameters only)"
     if any(not p.requires_grad for p in model.parameters()):
         return f"model {type(model).__name__} has frozen parameters"
-    if rule is not None and type(rule).__name__ == "FedECADORule" and t.steps is not None \
-            and rule.aggregator.ablations.time_unit == "epoch":
-        return "FedECADO time_unit='epoch' needs epochs (train.steps is set)"
-    return rule_reason(rule)
+    return rule_reason(rule, t.steps is not None)
 
 
 def auto_chunk(device: torch.device, d: int, batch: int, sample_numel: int, K: int, momentum: bool,
@@ -467,8 +133,8 @@ class BatchedExecutor:
         self.train = sim.cfg.train
         self.chunk = chunk
         rule = sim.agg.client_rule()
-        self.form: BatchedRule = BATCHED_RULES[type(rule)](rule, self.spec, self.train) if rule is not None \
-            else BatchedRule(None, self.spec, self.train)  # type: ignore[arg-type]
+        self.form: BatchedRule = type(rule).__dict__["batched_form"](rule, self.spec) if rule is not None \
+            else BatchedRule(None, self.spec)
         self.sequential = SequentialExecutor(sim)   # the clients that cannot be batched, in their place
         self._fn = self._grad_fn()
 

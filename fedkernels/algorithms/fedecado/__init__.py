@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, register
 from ..parts import check_choice
 from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
                       integrator_options, split_flat)
@@ -97,6 +97,56 @@ class FedECADORule(ClientRule):
         if self.non_faithful:
             out["non_faithful"] = True
         return out
+
+
+class FedECADOBatched(BatchedRule):
+    """FedECADORule, batched: g <- w_i g + I_i; T_i = the sum of the applied learning rates."""
+
+    @classmethod
+    def reason(cls, rule, fixed_steps):
+        if fixed_steps and rule.aggregator.ablations.time_unit == "epoch":
+            return "FedECADO time_unit='epoch' needs epochs (train.steps is set)"
+        return None
+
+    def client_reason(self, payload):
+        if payload.get("need_hbar"):
+            return "FedECADO: the client's first participation estimates its Hessian scalar (Hutchinson)"
+        return None
+
+    def begin(self, ch):
+        W = ch.W
+        w = [float(p.get("w", 1.0)) for p in ch.payloads]
+        self.w = None if all(v == 1.0 for v in w) else torch.tensor(w, dtype=W.dtype, device=W.device).unsqueeze(1)
+        flows = [p.get("I") for p in ch.payloads]
+        self.flows = None
+        if any(f is not None for f in flows):
+            self.flows = torch.stack([f if f is not None else torch.zeros(W.size(1), dtype=W.dtype, device=W.device)
+                                      for f in flows]).to(device=W.device, dtype=W.dtype)
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        if self.w is not None:
+            G.mul_(self.w)
+        if self.flows is not None:
+            G.add_(self.flows)
+
+    def end(self, ch):
+        agg = self.agg
+        nf = bool(ch.momentum or ch.weight_decay)
+        lrs = ch.lr.tolist()
+        out = []
+        for i, k in enumerate(ch.steps):
+            if agg.ablations.time_unit == "epoch":
+                T = lrs[i] * float(ch.epochs[i])
+            else:
+                T = lrs[i] * k
+            p: Dict[str, Any] = {"T": T}
+            if nf:
+                p["non_faithful"] = True
+            out.append(p)
+        return out
+
+
+FedECADORule.batched_form = FedECADOBatched
 
 
 # ---------------------------------------------------------------------------------------------

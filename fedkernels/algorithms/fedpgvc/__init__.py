@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, register
 from ..parts import WEIGHTINGS, check_choice, check_n_ctrl, client_weights, controlled_entries
 from .modes import PGVC_MODES, code_plan, code_r, code_shrink_, pgvc_direction_
 
@@ -147,6 +147,92 @@ class FedPGVCRule(ClientRule):
             r = code_r(model, agg.loss_fn, ctx.extras["local_data"], self.plan)
             code_shrink_(self.plan.tensors, r, agg.code_eta if agg.code_eta is not None else ctx.lr, self.plan.owner)
         return out
+
+
+class FedPGVCBatched(BatchedRule):
+    """FedPGVCRule, batched, on the controlled set: u = rho * g (hadamard), g + lam rho (additive),
+    s_l g_l (layer_scalar), tau g_l / ||g_l|| (layer_normalize), (1 + lam lbar) g (lr_matched);
+    rho = grad of sum_b m_b stopgrad(l_b) l_b / sum_b m_b comes from the same vmapped backward."""
+
+    @classmethod
+    def reason(cls, rule, fixed_steps):
+        agg = rule.aggregator
+        if agg.mode == "code":
+            return f"{agg.name}: mode 'code' shrinks after a pass over each client's whole local set"
+        if agg.nan_policy == "raise":
+            return f"{agg.name}: nan_policy='raise' stops one client at its step"
+        if agg.loss_fn is not _per_sample_ce:
+            return f"{agg.name}: a custom loss_fn (batched: the per-sample cross-entropy)"
+        return None
+
+    def __init__(self, rule, spec):
+        super().__init__(rule, spec)
+        agg = self.agg
+        self.ctrl = agg.ctrl_entries(spec)
+        self.needs_rho = bool(self.ctrl) and agg.mode in ("hadamard", "additive", "layer_scalar")
+        self.loss_clip = agg.loss_clip
+
+    def begin(self, ch):
+        dev = ch.W.device
+        self.skipped = torch.zeros(ch.C, dtype=torch.int64, device=dev)
+        self.hist_sum = torch.zeros(ch.C, dtype=torch.float64, device=dev)
+        self.hist_n = torch.zeros(ch.C, dtype=torch.int64, device=dev)
+        self._skip = None
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        agg = self.agg
+        self._skip = None
+        if not self.ctrl or agg.mode == "layer_normalize":
+            pass
+        else:
+            ok = (torch.isfinite(ce) | (m == 0)).all(1)
+            if agg.nan_policy == "skip":
+                self._skip = active & ~ok
+                self.skipped += self._skip
+            w = ce if self.loss_clip is None else ce.clamp(max=self.loss_clip)
+            cnt = m.sum(1).clamp_min(1)
+            counted = active if self._skip is None else active & ~self._skip
+            self.hist_sum += torch.where(counted, torch.where(m > 0, w, 0.0).sum(1).double() / cnt.double(), 0.0)
+            self.hist_n += counted
+        if not self.ctrl:
+            return
+        mode = agg.mode
+        if mode == "lr_matched":
+            lbar = self.hist_sum / self.hist_n.clamp_min(1)
+            f = (1.0 + agg.lam * lbar).to(G.dtype).unsqueeze(1)
+            for e in self.ctrl:
+                G[:, e.offset:e.offset + e.numel].mul_(f)
+            return
+        for e in self.ctrl:
+            g = G[:, e.offset:e.offset + e.numel]
+            if mode == "hadamard":
+                g.mul_(rho[:, e.offset:e.offset + e.numel])
+            elif mode == "additive":
+                g.add_(rho[:, e.offset:e.offset + e.numel], alpha=agg.lam)
+            elif mode == "layer_scalar":
+                r = rho[:, e.offset:e.offset + e.numel]
+                s = r.mean(1) if agg.stat == "mean" else torch.linalg.vector_norm(r, dim=1)
+                g.mul_(s.unsqueeze(1))
+            elif mode == "layer_normalize":
+                n = torch.linalg.vector_norm(g, dim=1)
+                s = torch.where(n > 0, agg.tau / n.clamp_min(torch.finfo(n.dtype).tiny), torch.zeros_like(n))
+                g.mul_(s.unsqueeze(1))
+
+    def skip(self):
+        return self._skip
+
+    def end(self, ch):
+        out = []
+        sk, hs, hn = self.skipped.tolist(), self.hist_sum.tolist(), self.hist_n.tolist()
+        for i in range(ch.C):
+            p: Dict[str, Any] = {"pgvc_skipped_steps": int(sk[i])}
+            if hn[i]:
+                p["pgvc_mean_loss"] = hs[i] / hn[i]
+            out.append(p)
+        return out
+
+
+FedPGVCRule.batched_form = FedPGVCBatched
 
 
 @register("fedpgvc")

@@ -20,7 +20,7 @@ import torch
 
 from ...ops import gc_project_  # GC in place, one native call for many tensors
 from .._fused import fused_sgd_step
-from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, register
+from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, register
 from ..parts import client_weights, split_layers
 from .options import check_options, gc_mean_variant_, post_momentum_step, post_wd_step
 
@@ -98,6 +98,56 @@ class LocalGCRule(ClientRule):
             return False
         return post_momentum_step(self.all, self.local, self.bufs, ctx.lr, agg.weight_decay, agg.momentum,
                                   lambda ts: apply_gc_(ts, agg.vector_policy, agg.min_fanin, agg.mu))
+
+
+class LocalGCBatched(BatchedRule):
+    """LocalGCRule, batched (order "pre_wd", mean "cout"): each local tensor's gradient rows centred."""
+
+    @classmethod
+    def reason(cls, rule, fixed_steps):
+        agg = rule.aggregator
+        if agg.local_order != "pre_wd" or agg.mu != "cout":
+            return f"{agg.name}: local_order={agg.local_order!r} / mu={agg.mu!r} (batched: pre_wd with mu='cout' only)"
+        return None
+
+    def begin(self, ch):
+        agg = self.agg
+        entries = [e for e in self.spec.entries if not e.is_buffer]
+        mask = agg.local_mask(self.spec)
+        self.local = [e for e, k in zip(entries, mask) if k]
+        self.rows = []          # (entry, fan-in) of the tensors GC changes
+        for e in self.local:
+            if e.numel == 0 or len(e.shape) == 0:
+                continue
+            if len(e.shape) == 1:
+                if agg.vector_policy == "skip" or e.numel < agg.min_fanin:
+                    continue
+                self.rows.append((e, e.numel))
+            elif e.numel // e.shape[0] >= agg.min_fanin:
+                self.rows.append((e, e.numel // e.shape[0]))
+
+    def _gc(self, G):
+        C = G.size(0)
+        for e, fan in self.rows:
+            v = G[:, e.offset:e.offset + e.numel].view(C, -1, fan)
+            v.sub_(v.mean(-1, keepdim=True))
+
+    def fused(self):
+        return super().fused() and bool(self.local)
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        if not self.fused():
+            self._gc(G)
+
+    def in_step(self, ch, G):
+        if self.fused():
+            self._gc(G)
+
+    def end(self, ch):
+        return [{"local_gc": len(self.local)} for _ in range(ch.C)]
+
+
+LocalGCRule.batched_form = LocalGCBatched
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import AggResult, Aggregator, ClientContext, ClientRule, RoundInput, info_values, register, tracing
+from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, info_values, register, tracing
 from ..parts import client_weights
 from .options import check_options, check_phase
 
@@ -153,6 +153,22 @@ class KuramotoPhaseRule(ClientRule):
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
         n = ctx.extras.get("phase_steps", 0)
         return {"phase": float(ctx.extras["phase_sum"]) / n if n else 0.0}
+
+
+class KuramotoPhaseBatched(BatchedRule):
+    """KuramotoPhaseRule, batched (mode C): phase = mean over the local steps of the gradient's l2 norm."""
+
+    def begin(self, ch):
+        self.sum = torch.zeros(ch.C, dtype=torch.float64, device=ch.W.device)
+
+    def before_step(self, ch, G, rho, ce, m, active):
+        self.sum += torch.where(active, torch.linalg.vector_norm(G.double(), dim=1), 0.0)
+
+    def end(self, ch):
+        return [{"phase": float(s) / k if k else 0.0} for s, k in zip(self.sum.tolist(), ch.steps)]
+
+
+KuramotoPhaseRule.batched_form = KuramotoPhaseBatched
 
 
 @register("kuramoto", "kuramoto_fedavg")
