@@ -602,12 +602,18 @@ class BatchedRule:
     def begin(self, ch: Chunk) -> None:
         pass
 
+    def edit(self, G: torch.Tensor) -> None:
+        """The rule's gradient edit, made where the sequential rule makes it (the defaults of
+        ``before_step`` / ``in_step``): before grad_clip, or after it when the rule is :meth:`fused`."""
+
     def before_step(self, ch: Chunk, G: torch.Tensor, rho: Optional[torch.Tensor], ce: torch.Tensor,
                     m: torch.Tensor, active: torch.Tensor) -> None:
-        pass
+        if not self.fused():
+            self.edit(G)
 
     def in_step(self, ch: Chunk, G: torch.Tensor) -> None:
-        pass
+        if self.fused():
+            self.edit(G)
 
     def skip(self) -> Optional[torch.Tensor]:
         return None

@@ -174,21 +174,13 @@ class ControlVariateBatched(BatchedRule):
                                        for v in ci]).to(device=W.device, dtype=W.dtype))
             self.corr = corr
 
-    def _correct(self, G):
+    def edit(self, G):
         if self.corr is None:
             return
         pos = 0
         for a, b in self.ranges:
             G[:, a:b].add_(self.corr[:, pos:pos + b - a])
             pos += b - a
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        if not self.fused():
-            self._correct(G)
-
-    def in_step(self, ch, G):
-        if self.fused():
-            self._correct(G)
 
     def end(self, ch):
         agg, x = self.agg, ch.x

@@ -126,7 +126,7 @@ class LocalGCBatched(BatchedRule):
             elif e.numel // e.shape[0] >= agg.min_fanin:
                 self.rows.append((e, e.numel // e.shape[0]))
 
-    def _gc(self, G):
+    def edit(self, G):
         C = G.size(0)
         for e, fan in self.rows:
             v = G[:, e.offset:e.offset + e.numel].view(C, -1, fan)
@@ -134,14 +134,6 @@ class LocalGCBatched(BatchedRule):
 
     def fused(self):
         return super().fused() and bool(self.local)
-
-    def before_step(self, ch, G, rho, ce, m, active):
-        if not self.fused():
-            self._gc(G)
-
-    def in_step(self, ch, G):
-        if self.fused():
-            self._gc(G)
 
     def end(self, ch):
         return [{"local_gc": len(self.local)} for _ in range(ch.C)]
