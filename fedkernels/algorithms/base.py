@@ -556,7 +556,7 @@ class ClientRule:
         return {}
 
 
-# ---- a client rule, batched: C clients' local steps at once (fedkernels.sim.batched runs it) -------------
+# ---- a client rule, batched: C clients' local steps at once (fedkernels.sim.batched runs it) ----
 @dataclass
 class Chunk:
     """What a batched rule sees: C clients trained together from the global model ``x``."""
@@ -578,10 +578,12 @@ class Chunk:
 
 class BatchedRule:
     """The batched form of a ClientRule (its class names it in ``batched_form``), run by the batched
-    executor (fedkernels.sim.batched) on the [C, d] gradients of a chunk. Hooks, per local step, in the sequential loop's order:
-    ``before_step`` (the rule's loss_term / before_step maths, before grad_clip), ``in_step`` (what a
-    fused native step applies after grad_clip), ``skip`` (clients whose step is dropped), and once
-    ``begin`` / ``end`` (the payloads). ``needs_rho``: the loss also returns FedPGVC's rho."""
+    executor (fedkernels.sim.batched) on the [C, d] gradients of a chunk. Hooks, per local step, in
+    the sequential loop's order: ``before_step`` (the rule's loss_term / before_step maths, before
+    grad_clip), ``in_step`` (what a fused native step applies after grad_clip), ``skip`` (clients whose
+    step is dropped), and once ``begin`` / ``end`` (the payloads); ``reason`` / ``client_reason``: why a
+    rule's options / a client's payload cannot train batched. ``needs_rho``: the loss also returns
+    FedPGVC's rho."""
 
     needs_rho = False
     loss_clip: Optional[float] = None

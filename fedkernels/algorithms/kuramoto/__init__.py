@@ -32,7 +32,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, info_values, register, tracing
+from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, info_values,
+                    register, tracing)
 from ..parts import client_weights
 from .options import check_options, check_phase
 
