@@ -242,6 +242,19 @@ def test_a_users_own_rule_is_not_batched():
     assert rule_reason(FedProxRule(None, mu=0.1)) is None
     assert "Mine has no batched form" in rule_reason(Mine(None, mu=0.1))
 
+    class Declared(FedProxRule):             # a user's subclass becomes batchable by naming its form
+        batched_form = FedProxRule.batched_form
+    assert rule_reason(Declared(None, mu=0.1)) is None
+
+
+def test_fedecado_epoch_time_with_fixed_steps_is_not_batched():
+    from fedkernels import algorithms
+    from fedkernels.sim.batched import rule_reason
+    rule = algorithms.build("fedecado", time_unit="epoch").client_rule()
+    assert rule_reason(rule, fixed_steps=False) is None
+    assert rule_reason(rule, fixed_steps=True) == "FedECADO time_unit='epoch' needs epochs (train.steps is set)"
+    assert rule_reason(algorithms.build("fedecado").client_rule(), fixed_steps=True) is None
+
 
 def test_auto_is_sequential_on_the_cpu():
     s, _ = sim("rounds=1")
