@@ -73,3 +73,15 @@ def test_range_errors_through_the_real_command(tmp_path, args, expect):
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(expect), lines
     assert os.listdir(tmp_path) == []            # nothing written
+
+
+def test_an_option_that_needs_epochs_with_fixed_steps_is_refused_up_front(tmp_path, capsys):
+    """FedECADO's time_unit='epoch' counts client time in epochs: with train.steps set it used to
+    stop in the first round with an internal TypeError; now one line, exit 2, nothing written."""
+    out = tmp_path / "runs"
+    args = ["run", "--preset", "fedecado-synthetic", "rounds=1", "--out", str(out)]
+    assert main(args + ["train.steps=3", "algorithm.options.time_unit=epoch"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("fedkernels run: error: train.steps=3 with algorithm fedecado: FedECADO time_unit='epoch' "
+                   "counts client time in epochs: unset train.steps or use time_unit=lr_sum"), err
+    assert not out.exists()

@@ -157,6 +157,11 @@ class Aggregator(abc.ABC):
         """A fresh ClientRule for local training, or None if the method trains like FedAvg."""
         return self.client_rule_cls(self) if self.client_rule_cls is not None else None
 
+    def local_training_conflict(self, steps: Optional[int]) -> Optional[str]:
+        """Why this method's options cannot work with the simulator's local training (``steps``: a
+        fixed number of local steps instead of epochs, or None), or None. Checked before a run."""
+        return None
+
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         """What the server sends a client besides the global model (e.g. control variates)."""
         return {}

@@ -10,7 +10,8 @@ import inspect
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from .config import RunConfig, _suggest
-from .options import _describe, _expected, _hints, _matches, check_algorithm, signature_params
+from .. import algorithms
+from .options import _describe, _expected, _hints, _matches, check_algorithm, normalize_options, signature_params
 
 __all__ = ["check_run", "check_kwargs"]
 
@@ -52,6 +53,12 @@ def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, mod
     (``False``), data set, partition and model."""
     cfg.validate()
     check_algorithm(cfg.algorithm.name, dict(cfg.algorithm.options))   # registry + signature + types
+    if cfg.train.steps is not None:                                     # options that need epochs
+        name = cfg.algorithm.name
+        why = algorithms.build(name, **normalize_options(name, dict(cfg.algorithm.options))) \
+            .local_training_conflict(cfg.train.steps)
+        if why:
+            raise ValueError(f"train.steps={cfg.train.steps} with algorithm {name}: {why}")
     if data_set:
         _check_data(cfg)
     if partition:

@@ -104,9 +104,7 @@ class FedECADOBatched(BatchedRule):
 
     @classmethod
     def reason(cls, rule, fixed_steps):
-        if fixed_steps and rule.aggregator.ablations.time_unit == "epoch":
-            return "FedECADO time_unit='epoch' needs epochs (train.steps is set)"
-        return None
+        return rule.aggregator.local_training_conflict(1 if fixed_steps else None)   # (refused up front too)
 
     def client_reason(self, payload):
         if payload.get("need_hbar"):
@@ -199,6 +197,11 @@ class FedECADO(FederationTables, Aggregator):
         self.Tmax_hist: List[float] = []
         self.L = self.stepping.L
         self.L_reset_done = self.stepping.L is not None or self.stepping.T_bar is not None
+
+    def local_training_conflict(self, steps: Optional[int]) -> Optional[str]:
+        if steps is not None and self.ablations.time_unit == "epoch":
+            return "FedECADO time_unit='epoch' counts client time in epochs: unset train.steps or use time_unit=lr_sum"
+        return None
 
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         self._tables()
