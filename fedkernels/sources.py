@@ -29,6 +29,7 @@ works on the current one (``prefetch=False``: one block, reads and arithmetic in
 """
 from __future__ import annotations
 
+import abc
 import mmap
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
@@ -59,13 +60,13 @@ def _check_dtype(dtype, what: str) -> torch.dtype:
     return dtype
 
 
-def _check_pos_int(v, what: str, name: str) -> int:
+def check_pos_int(v, what: str, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{what}: {name} must be a positive int, got {v!r}")
     return int(v)
 
 
-class MatrixSource:
+class MatrixSource(abc.ABC):
     """A K x d matrix read in column blocks (see the module docstring). Subclasses set ``K``, ``d``,
     ``dtype`` and implement ``_blocks(chunk_cols)``."""
 
@@ -87,7 +88,7 @@ class MatrixSource:
     def chunks(self, chunk_cols: int, check_finite: bool = False) -> Iterator[Block]:
         """``(a, b, U[:, a:b])`` in column order; with ``check_finite`` a block with NaN/Inf raises
         BadUpdateError naming the first bad client row and the block's columns."""
-        chunk_cols = _check_pos_int(chunk_cols, type(self).__name__, "chunk_cols")
+        chunk_cols = check_pos_int(chunk_cols, type(self).__name__, "chunk_cols")
         for a, b, blk in self._blocks(min(chunk_cols, max(self.d, 1))):
             if check_finite:
                 self.check_rows(ops.finite_rows(blk), (a, b))
@@ -102,8 +103,9 @@ class MatrixSource:
             raise BadUpdateError(f"{self.row_name(k)} contains NaN/Inf{where}: the round is rejected and "
                                  "nothing was written")
 
-    def _blocks(self, chunk_cols: int) -> Iterator[Block]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _blocks(self, chunk_cols: int) -> Iterator[Block]:
+        """``(a, b, U[:, a:b])`` for consecutive column blocks of at most ``chunk_cols`` columns."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(K={self.K}, d={self.d}, dtype={self.dtype})"
@@ -199,8 +201,9 @@ class _FileRows(MatrixSource):
         self.prefetch = bool(prefetch)
         self._stage: List[torch.Tensor] = []
 
-    def _where(self, k: int) -> Tuple[int, int]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _where(self, k: int) -> Tuple[int, int]:
+        """(file index, byte offset) of row k's first element."""
 
     def _staging(self, chunk_cols: int, n: int) -> List[torch.Tensor]:
         if len(self._stage) < n or self._stage[0].size(1) < chunk_cols:
@@ -259,7 +262,7 @@ class RawFileSource(_FileRows):
                  pin_memory: bool = False, prefetch: bool = True):
         super().__init__(dtype, pin_memory, prefetch)
         what = "RawFileSource"
-        self.K, self.d = _check_pos_int(K, what, "K"), _check_pos_int(d, what, "d")
+        self.K, self.d = check_pos_int(K, what, "K"), check_pos_int(d, what, "d")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"{what}: offset must be an int >= 0, got {offset!r}")
         self.path, self.offset = os.fspath(path), offset
@@ -293,7 +296,7 @@ class ClientFilesSource(_FileRows):
         if isinstance(paths, (str, os.PathLike)) or not len(paths):
             raise ValueError(f"{what}: paths must be a non-empty list of files (one per client row), got {paths!r}")
         self.paths = [os.fspath(p) for p in paths]
-        self.K, self.d = len(self.paths), _check_pos_int(d, what, "d")
+        self.K, self.d = len(self.paths), check_pos_int(d, what, "d")
         need = self.d * self._es
         for k, p in enumerate(self.paths):
             if not os.path.isfile(p):

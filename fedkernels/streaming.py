@@ -29,7 +29,7 @@ import torch
 from . import ops
 from .errors import BadUpdateError  # noqa: F401  (raised through the sources; re-exported)
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
-from .sources import MatrixSource, as_source, itemsize
+from .sources import MatrixSource, as_source, check_pos_int, itemsize
 
 __all__ = ["ChunkedUpdates", "streamed_gram", "streamed_finite_rows", "streamed_weighted_sum",
            "streamed_fedavg", "streamed_kuramoto", "streamed_fedaware", "momentum_file", "weighted_sum_chunked"]
@@ -58,9 +58,7 @@ class ChunkedUpdates:
                 raise ValueError(f"ChunkedUpdates: {name}={v} but the source has {name}={got}")
         if chunk_cols is None:
             chunk_cols = max(1024, DEFAULT_CHUNK_BYTES // max(1, self.K * itemsize(self.dtype)))
-        if isinstance(chunk_cols, bool) or not isinstance(chunk_cols, int) or chunk_cols < 1:
-            raise ValueError(f"ChunkedUpdates: chunk_cols must be a positive int, got {chunk_cols!r}")
-        self.chunk_cols = min(chunk_cols, max(self.d, 1))
+        self.chunk_cols = min(check_pos_int(chunk_cols, "ChunkedUpdates", "chunk_cols"), max(self.d, 1))
         self._stage = None
 
     @property
