@@ -13,25 +13,17 @@ Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402
 
-RESULTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
-    ap.add_argument("--all", action="store_true", help="every setup under results/ with run directories on disk")
-    ap.add_argument("--keep", action="store_true", help="keep the packed files on disk")
-    a = ap.parse_args(argv)
-    if bool(a.setups) == a.all:
-        ap.error("give SETUP_DIR ... or --all (not both)")
-    dirs = runstore.setup_dirs(RESULTS) if a.all else a.setups
+    a, results = runstore.setups_from_cli(__doc__, "every setup under results/ with run directories on disk", argv,
+                                          extra=[("--keep", "keep the packed files on disk")])
+    dirs = runstore.setup_dirs(results) if a.all else a.setups
     for d in a.setups:
         if not os.path.isdir(d):
             print(f"pack_runs: SETUP_DIR={d!r} is not a directory; expected results/<paper>/<setup>", file=sys.stderr)

@@ -54,6 +54,21 @@ def archive_path(setup_dir: str) -> str:
     return os.path.join(root, ARCHIVES, paper, setup + SUFFIX)
 
 
+def setups_from_cli(doc: str, all_help: str, argv=None, extra=()):
+    """The command line shared by pack_runs.py and unpack.py: ``SETUP_DIR ...`` or ``--all`` (plus
+    ``extra`` flags: (name, help) store_true pairs) -> (parsed arguments, the results directory)."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
+    ap.add_argument("--all", action="store_true", help=all_help)
+    for name, help_ in extra:
+        ap.add_argument(name, action="store_true", help=help_)
+    a = ap.parse_args(argv)
+    if bool(a.setups) == a.all:
+        ap.error("give SETUP_DIR ... or --all (not both)")
+    return a, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def setup_dirs(root: str) -> List[str]:
     """Every setup under ``root`` (a results directory): ``root/<paper>/<setup>`` for each directory
     on disk and each archive, sorted; the archives' folder itself is not a paper."""

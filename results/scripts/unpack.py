@@ -12,24 +12,16 @@ Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402
 
-RESULTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
-    ap.add_argument("--all", action="store_true", help="every archived setup under results/")
-    a = ap.parse_args(argv)
-    if bool(a.setups) == a.all:
-        ap.error("give SETUP_DIR ... or --all (not both)")
-    dirs = [d for d in runstore.setup_dirs(RESULTS) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
+    a, results = runstore.setups_from_cli(__doc__, "every archived setup under results/", argv)
+    dirs = [d for d in runstore.setup_dirs(results) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
     for d in dirs:
         if not os.path.exists(runstore.archive_path(d)):
             print(f"unpack: SETUP_DIR={d!r} has no archive {runstore.archive_path(d)}", file=sys.stderr)
