@@ -6,7 +6,7 @@ Reads every setup's compare.json and the per-run metrics.jsonl(.gz) (accuracy me
 statistics: Kuramoto guard/weights, FedAWARE e-LUD, FedECADO BE steps, first-difference spikiness,
 rounds to a target) and, where present, final_model.pt (FedPGVC head-weight magnitudes, cached in
 head_stats.json). A setup's raw files are read directly from its archive
-results/runs/<paper>/<setup>.tar.gz, overlaid by the run directories in results/<paper>/<setup>/
+results/runs/<paper>/<setup>.tar.xz, overlaid by the run directories in results/<paper>/<setup>/
 (a fresh or unpacked run directory replaces the archived run of the same name): results/scripts/runstore.py.
 
 Statistics (fedkernels.sim.stats): ± is the SAMPLE standard deviation over seeds (n - 1); 95% CIs

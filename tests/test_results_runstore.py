@@ -59,11 +59,18 @@ def _tree(d):
     return out
 
 
+def _stored(tree):
+    """A run directory's files as the archive stores them (and every reader sees them): X.gz as X, gunzipped."""
+    return {(k[:-3] if k.endswith(".gz") else k): (gzip.decompress(v) if k.endswith(".gz") else v)
+            for k, v in tree.items()}
+
+
 def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
     sd = _setup(str(tmp_path / "results"))
-    raw = {k: v for k, v in _tree(sd).items() if k != "compare.png"}
+    raw = _stored({k: v for k, v in _tree(sd).items() if k != "compare.png"})
+    assert "fedavg-s0/metrics.jsonl" in raw and not any(k.endswith(".gz") for k in raw)
     arc = runstore.pack(sd, remove=False)
-    assert arc == os.path.join(str(tmp_path), "results", "runs", "fedaware", "fmnist.tar.gz")
+    assert arc == os.path.join(str(tmp_path), "results", "runs", "fedaware", "fmnist.tar.xz")
     first = open(arc, "rb").read()
     for i, (dp, _, fs) in enumerate(os.walk(sd)):      # other mtimes and modes: the same bytes
         for f in fs:
@@ -71,8 +78,8 @@ def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
             os.chmod(os.path.join(dp, f), 0o600)
     os.remove(arc)
     assert runstore.pack(sd, remove=True) == arc and open(arc, "rb").read() == first
-    assert first[3] == 0 and first[4:8] == b"\0\0\0\0"     # gzip header: no file name, mtime 0
-    with tarfile.open(arc) as tf:
+    assert first[:8] == b"\xfd7zXZ\0\0\x04"             # xz stream header, CRC64 check
+    with tarfile.open(arc, "r:xz") as tf:
         ms = tf.getmembers()
         assert [m.name for m in ms] == sorted(m.name for m in ms) == sorted("fedaware/fmnist/" + k for k in raw)
         assert {(m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode, m.type) for m in ms} == {(0, 0, 0, "", "", 0o644, tarfile.REGTYPE)}
@@ -81,7 +88,7 @@ def test_pack_is_deterministic_and_archive_reads_like_the_directory(tmp_path):
     assert s.runs() == sorted(f"{m}-s{x}" for m in ("fedavg", "fedaware") for x in (0, 1, 2))
     assert {f: s.read(f) for f in s.files()} == raw
     assert s.metrics("fedavg-s2")[-1] == {"round": 3, "accuracy": 0.72, "test_loss": 1.0 - 0.72}
-    out = tmp_path / "tar"                                  # `tar xzf ARCHIVE -C results` unpacks in place
+    out = tmp_path / "tar"                                  # `tar xJf ARCHIVE -C results` unpacks in place
     with tarfile.open(arc) as tf:
         tf.extractall(out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     assert _tree(str(out / "fedaware" / "fmnist")) == raw
@@ -182,19 +189,63 @@ def test_analyze_reads_archives_byte_identical_to_directories(tmp_path):
 
 
 def test_committed_archives_are_what_pack_runs_writes():
-    """Every results/runs archive re-packs from its own files to the same bytes, under its setup's prefix."""
+    """Every results/runs archive holds, under its setup's prefix, uncompressed members in the tar that
+    pack_runs writes for them (byte for byte); the smallest ones re-pack to the same .tar.xz bytes (xz
+    at preset 9e takes seconds per MB: the others are only decompressed, to keep the suite fast)."""
+    import lzma
     root = os.path.join(REPO, "results")
     arcs = [d for d in runstore.setup_dirs(root) if os.path.exists(runstore.archive_path(d))]
     if not arcs:
         pytest.skip("no committed archives in this checkout")
-    for d in arcs:
+    assert not [p for p in os.listdir(os.path.join(root, "runs", "fedaware")) if not p.endswith(runstore.SUFFIX)]
+    arcs.sort(key=lambda d: os.path.getsize(runstore.archive_path(d)))
+    for i, d in enumerate(arcs):
         _, paper, setup = runstore._split(d)
         prefix = f"{paper}/{setup}/"
         data = open(runstore.archive_path(d), "rb").read()
-        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-            files = {m.name[len(prefix):]: tf.extractfile(m).read() for m in tf if m.name.startswith(prefix)}
-        assert runstore.archive_bytes(files, prefix) == data, d
+        files = runstore.read_archive(runstore.archive_path(d), prefix)   # refuses gzipped members
+        assert data[:8] == b"\xfd7zXZ\0\0\x04", d                       # xz, CRC64
+        assert lzma.decompress(data) == runstore.tar_bytes(files, prefix), d
+        if i < 3:
+            assert runstore.archive_bytes(files, prefix) == data, d
         assert any(runstore.is_run(f.split("/", 1)[0]) for f in files), d
+
+
+def test_gz_on_disk_reads_as_its_stored_name_and_bad_layouts_are_refused(tmp_path):
+    """A run's metrics.jsonl.gz reads (and packs) as metrics.jsonl; both at once, a broken .gz, a gzipped
+    archive member and an archive in the old .tar.gz format are each one ValueError naming the file."""
+    import lzma
+    sd = _setup(str(tmp_path / "results"), seeds=(0,))
+    s = runstore.Setup(sd)
+    assert s.exists("fedavg-s0/metrics.jsonl") and not s.exists("fedavg-s0/metrics.jsonl.gz")
+    assert [r["accuracy"] for r in s.metrics("fedavg-s0")] == [0.5, 0.6, 0.7]
+    run = os.path.join(sd, "fedavg-s0")
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write("{}\n")
+    with pytest.raises(ValueError, match="both metrics.jsonl and metrics.jsonl.gz on disk"):
+        runstore.Setup(sd)
+    os.remove(os.path.join(run, "metrics.jsonl"))
+    with open(os.path.join(run, "summary.json.gz"), "wb") as f:
+        f.write(b"not gzip")
+    os.remove(os.path.join(run, "summary.json"))
+    with pytest.raises(ValueError, match=r"summary.json.gz: .*expected a gzip file"):
+        runstore.pack(sd)
+    assert os.path.isdir(run) and not os.path.exists(runstore.archive_path(sd))    # nothing written or removed
+    os.remove(os.path.join(run, "summary.json.gz"))
+    arc = runstore.pack(sd)
+    files = runstore.read_archive(arc, "fedaware/fmnist/")
+    bad = runstore.tar_bytes({**files, "fedavg-s0/x.gz": gzip.compress(b"x")}, "fedaware/fmnist/")
+    with open(arc, "wb") as f:
+        f.write(lzma.compress(bad, **runstore.XZ))
+    with pytest.raises(ValueError, match=r"member 'fedaware/fmnist/fedavg-s0/x.gz' is gzipped"):
+        runstore.Setup(sd)
+    os.rename(arc, arc[:-len(runstore.SUFFIX)] + ".tar.gz")
+    for f in (runstore.Setup, lambda d: runstore.setup_dirs(os.path.dirname(os.path.dirname(d)))):
+        with pytest.raises(ValueError, match=r"fmnist.tar.gz: an archive in the old format \(.tar.gz\); expected .tar.xz"):
+            f(sd)
+    _run_dir(sd, "fedavg", 1, [0.3])
+    r = _cli("pack_runs.py", sd)
+    assert r.returncode == 2 and "old format" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_shrink_png_keeps_the_figure(tmp_path):

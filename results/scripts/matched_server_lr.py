@@ -65,7 +65,7 @@ def log_step_norms(agg):
 
 def _metrics(run_dir):
     files, run = runstore.open_setup(os.path.dirname(run_dir), cached=False), os.path.basename(run_dir)
-    if not (files.exists(f"{run}/metrics.jsonl") or files.exists(f"{run}/metrics.jsonl.gz")):
+    if not files.exists(f"{run}/metrics.jsonl"):     # (a gzipped one on disk reads under this name)
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl(.gz), on disk or in {files.archive}")
     return files.metrics(run)
 

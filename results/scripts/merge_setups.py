@@ -11,7 +11,7 @@ old seeds only, are removed: results/analyze.py then reads the run directories, 
 results/scripts/replot.py redraws compare.png. SRC is removed. Each run's provenance.json keeps the
 command that produced it.
 
-Archived setups (results/runs/<paper>/<setup>.tar.gz, results/scripts/runstore.py) are unpacked
+Archived setups (results/runs/<paper>/<setup>.tar.xz, results/scripts/runstore.py) are unpacked
 first; when SRC or DST was archived, SRC's archive is deleted and DST is packed again afterwards.
 """
 from __future__ import annotations

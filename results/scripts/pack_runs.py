@@ -4,11 +4,13 @@
     python results/scripts/pack_runs.py [--keep] --all        # every setup with run directories on disk
 
 Each SETUP_DIR = results/<paper>/<setup>; its run directories <label>-s<seed>/ and its compare.json
-(+ compare.csv/.md/.tex) go into results/runs/<paper>/<setup>.tar.gz, together with the runs the
+(+ compare.csv/.md/.tex) go into results/runs/<paper>/<setup>.tar.xz, together with the runs the
 existing archive holds that are not on disk (a run on disk replaces the archived run of the same
 name: the setup as results/analyze.py reads it). The archive is checked to read back byte-identical
-before the packed files are deleted (--keep: leave them). Figures, schedule.json and other files
-stay in the setup directory. The same files give the same bytes (format: results/scripts/runstore.py).
+before the packed files are deleted (--keep: leave them). A gzipped file (metrics.jsonl.gz) is stored
+gunzipped under its name without .gz (metrics.jsonl): the archive is xz-compressed as a whole.
+Figures, schedule.json and other files stay in the setup directory. The same files give the same
+bytes (format: results/scripts/runstore.py).
 Bad input: one line, exit 2.
 """
 from __future__ import annotations
@@ -23,7 +25,11 @@ import runstore  # noqa: E402
 def main(argv=None) -> int:
     a, results = runstore.setups_from_cli(__doc__, "every setup under results/ with run directories on disk", argv,
                                           extra=[("--keep", "keep the packed files on disk")])
-    dirs = runstore.setup_dirs(results) if a.all else a.setups
+    try:
+        dirs = runstore.setup_dirs(results) if a.all else a.setups
+    except ValueError as e:      # an archive in the old format
+        print(f"pack_runs: {e}", file=sys.stderr)
+        return 2
     for d in a.setups:
         if not os.path.isdir(d):
             print(f"pack_runs: SETUP_DIR={d!r} is not a directory; expected results/<paper>/<setup>", file=sys.stderr)

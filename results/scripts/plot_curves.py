@@ -3,7 +3,7 @@
     PYTHONPATH=. python results/scripts/plot_curves.py [--metric global_loss|accuracy|...] [--band std|ci|none] OUT.png DIR [DIR ...]
 
 Each DIR is a setup, results/<paper>/<setup>: its runs are read from its archive
-results/runs/<paper>/<setup>.tar.gz and/or the run directories on disk (results/scripts/runstore.py).
+results/runs/<paper>/<setup>.tar.xz and/or the run directories on disk (results/scripts/runstore.py).
 
 global_loss (the default: the federated objective, log scale, with ln 10 marked) or accuracy (%).
 Each method is drawn as its mean over seeds with a shaded band: ± 1 sample standard deviation

@@ -1,5 +1,5 @@
 """Redraws every results/<paper>/<setup>/compare.png from the committed run logs (read from the
-archives results/runs/<paper>/<setup>.tar.gz and/or the run directories on disk; results/scripts/runstore.py):
+archives results/runs/<paper>/<setup>.tar.xz and/or the run directories on disk; results/scripts/runstore.py):
 
     python results/scripts/replot.py [--dpi 110] [SETUP_DIR ...]
 
@@ -29,7 +29,7 @@ def replot(setup_dir, dpi=110):
     runs = {}
     files = runstore.open_setup(setup_dir)
     for run in files.runs():
-        if files.exists(f"{run}/metrics.jsonl.gz") or files.exists(f"{run}/metrics.jsonl"):
+        if files.exists(f"{run}/metrics.jsonl"):     # (a gzipped one on disk reads under this name)
             runs.setdefault(run.rsplit("-s", 1)[0], []).append(files.metrics(run))
     if not runs:
         return None

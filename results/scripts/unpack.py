@@ -3,8 +3,8 @@
     python results/scripts/unpack.py SETUP_DIR [SETUP_DIR ...]   # e.g. results/fedaware/fmnist
     python results/scripts/unpack.py --all
 
-writes the files of results/runs/<paper>/<setup>.tar.gz back into results/<paper>/<setup>/ (the same
-as ``tar xzf results/runs/<paper>/<setup>.tar.gz -C results``, but never overwriting a different file
+writes the files of results/runs/<paper>/<setup>.tar.xz back into results/<paper>/<setup>/ (the same
+as ``tar xJf results/runs/<paper>/<setup>.tar.xz -C results``, but never overwriting a different file
 on disk: a run directory already on disk is kept, as it takes precedence over the archived run when
 reading). results/analyze.py and the plotting scripts read the archives directly: unpacking is only
 needed to look at the files (pack_runs.py packs new or re-run runs together with the archived ones).
@@ -21,12 +21,12 @@ import runstore  # noqa: E402
 
 def main(argv=None) -> int:
     a, results = runstore.setups_from_cli(__doc__, "every archived setup under results/", argv)
-    dirs = [d for d in runstore.setup_dirs(results) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
-    for d in dirs:
-        if not os.path.exists(runstore.archive_path(d)):
-            print(f"unpack: SETUP_DIR={d!r} has no archive {runstore.archive_path(d)}", file=sys.stderr)
-            return 2
     try:
+        dirs = [d for d in runstore.setup_dirs(results) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
+        for d in dirs:
+            if not os.path.exists(runstore.archive_path(d)):
+                print(f"unpack: SETUP_DIR={d!r} has no archive {runstore.archive_path(d)}", file=sys.stderr)
+                return 2
         for d in dirs:
             wrote, kept = runstore.unpack(d)
             print(f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written"
