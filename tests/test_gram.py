@@ -113,3 +113,19 @@ def test_gram_screened_fp64_overflow_is_flagged():
     U = torch.tensor([[1e200, 1.0], [1.0, 2.0]], dtype=torch.float64)
     assert ops.gram_screened(U)[1].tolist() == [False, True]
     assert ops.finite_rows(U).tolist() == [True, True]
+
+
+def test_gram_screened_checks_its_arguments_once(monkeypatch):
+    """One metadata check per call (issue #27): gram_screened does not re-run gram's checks."""
+    import importlib
+    from fedkernels.ops import _checks
+    gram_mod = importlib.import_module("fedkernels.ops.gram")    # (ops.gram is the function)
+    calls = []
+    for name in ("_matrix", "_needs_kernel"):
+        real = getattr(_checks, name)
+        monkeypatch.setattr(gram_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    U = torch.randn(4, 10)
+    G, ok = ops.gram_screened(U)
+    assert calls == ["_matrix", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
+    with pytest.raises(ValueError, match=r"gram_screened: U must be a 2-D \[K, d\] tensor"):
+        ops.gram_screened(torch.zeros(3))

@@ -29,8 +29,12 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     """
     U = _matrix(U, "gram")
     _needs_kernel("gram", U.device, "gram")
-    r = _rows(rows, U.size(0), "gram")
-    G = _Gram.apply(U, r) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, r)
+    return _gram(U, _rows(rows, U.size(0), "gram"))
+
+
+def _gram(U: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """The native call of :func:`gram` and :func:`gram_screened` on arguments they have checked (once)."""
+    G = _Gram.apply(U, rows) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, rows)
     return shard_sum(G)
 
 
@@ -42,8 +46,9 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
     (the aggregators do). Not differentiable."""
     U = _matrix(U, "gram_screened")
+    _needs_kernel("gram", U.device, "gram_screened")
     _no_grad_through("gram_screened", U)
-    G = gram(U)
+    G = _gram(U, None)
     return G, torch.isfinite(torch.diagonal(G)).to(U.device)
 
 
