@@ -1,6 +1,6 @@
 """Plots one per-round metric of every method in one or more compare directories:
 
-    PYTHONPATH=. python results/scripts/plot_curves.py [--metric global_loss|accuracy|...] [--band std|ci|none] OUT.png DIR [DIR ...]
+    PYTHONPATH=. python results/scripts/plot_curves.py [--metric global_loss|accuracy|...] [--band std|ci|none] [--dpi 90] OUT.png DIR [DIR ...]
 
 Each DIR is a setup, results/<paper>/<setup>: its runs are read from its archive
 results/runs/<paper>/<setup>.tar.xz and/or the run directories on disk (results/scripts/runstore.py).
@@ -8,7 +8,8 @@ results/runs/<paper>/<setup>.tar.xz and/or the run directories on disk (results/
 global_loss (the default: the federated objective, log scale, with ln 10 marked) or accuracy (%).
 Each method is drawn as its mean over seeds with a shaded band: ± 1 sample standard deviation
 (n - 1; the default) or the 95% Student-t interval of the mean; the caption under the plot says
-which, and the legend gives the number of seeds. Rounds FedAWARE spent in its explore warm-up
+which, and the legend gives the number of seeds. A PNG is written at FIGURE_DPI (90, the committed
+figures' resolution) and re-encoded as a palette PNG (shrink_png). Rounds FedAWARE spent in its explore warm-up
 (FedAvg steps by design, from the logged phase) are shaded. The file is written through a
 temporary file and a rename (no partial figure on an interrupt).
 """
@@ -31,6 +32,8 @@ from fedkernels.sim.report import BANDS, atomic_path, explore_notes, explore_rou
 from fedkernels.sim.stats import t_ppf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (archived or on-disk run directories)
+
+FIGURE_DPI = 90      # the committed figures (results/<paper>/<setup>/*.png; replot.py, this script): small and readable
 
 
 def shrink_png(path):
@@ -69,12 +72,18 @@ def curves(setup_dir, metric="global_loss"):
 
 
 def main(argv):
-    metric, band = "global_loss", "std"
+    metric, band, dpi = "global_loss", "std", FIGURE_DPI
     while argv[:1] and argv[0].startswith("--"):
         if argv[0] == "--metric":
             metric, argv = argv[1], argv[2:]
         elif argv[0] == "--band":
             band, argv = argv[1], argv[2:]
+        elif argv[0] == "--dpi":
+            if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+                print(f"plot_curves: --dpi={argv[1] if len(argv) > 1 else ''!r}; expected a positive integer",
+                      file=sys.stderr)
+                sys.exit(2)
+            dpi, argv = int(argv[1]), argv[2:]
         else:
             sys.exit(f"unknown option {argv[0]}\n{__doc__}")
     if len(argv) < 2 or band not in BANDS:
@@ -127,7 +136,7 @@ def main(argv):
     fig.tight_layout(rect=(0, 0.03 + 0.03 * len(cap), 1, 1))
     try:
         with atomic_path(argv[0]) as tmp:
-            fig.savefig(tmp, dpi=200, format=os.path.splitext(argv[0])[1].lstrip(".") or "png")
+            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(argv[0])[1].lstrip(".") or "png")
     finally:
         plt.close(fig)
     if argv[0].lower().endswith(".png"):

@@ -1,14 +1,14 @@
 """Redraws every results/<paper>/<setup>/compare.png from the committed run logs (read from the
 archives results/runs/<paper>/<setup>.tar.xz and/or the run directories on disk; results/scripts/runstore.py):
 
-    python results/scripts/replot.py [--dpi 110] [SETUP_DIR ...]
+    python results/scripts/replot.py [--dpi 90] [SETUP_DIR ...]
 
 with fedkernels.sim.report.plot_curves: per method the mean over seeds and a ± 1 sample-std band
 (n - 1), the caption saying so, every logged metric in its own panel (accuracy, test loss, client
 train loss, global objective and client-loss variance where logged), integer round ticks, the
 FedAWARE explore warm-up shaded and named, and a title naming the setup. PNG only (the committed
-results keep no PDF/SVG copies), at a lower dpi than a run's own figures and re-encoded as 256-colour
-palette PNGs (plot_curves.shrink_png) to keep the repository small.
+results keep no PDF/SVG copies), at plot_curves.FIGURE_DPI (90; a run's own figures have 200) and
+re-encoded as 256-colour palette PNGs (plot_curves.shrink_png) to keep the repository small.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from fedkernels.sim.config import RunConfig  # noqa: E402
 from fedkernels.sim.report import describe_setup, plot_curves  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (one reader of the archived or on-disk per-round logs)
-from plot_curves import shrink_png  # noqa: E402  (the committed figures are palette PNGs)
+from plot_curves import FIGURE_DPI, shrink_png  # noqa: E402  (the committed figures: their dpi, palette PNGs)
 
 
-def replot(setup_dir, dpi=110):
+def replot(setup_dir, dpi=FIGURE_DPI):
     runs = {}
     files = runstore.open_setup(setup_dir)
     for run in files.runs():
@@ -50,7 +50,7 @@ def replot(setup_dir, dpi=110):
 
 
 def main(argv):
-    dpi = 110
+    dpi = FIGURE_DPI
     if argv[:1] == ["--dpi"]:
         dpi, argv = int(argv[1]), argv[2:]
     dirs = argv or runstore.setup_dirs(os.path.join(REPO, "results"))
