@@ -7,6 +7,8 @@
 
 #include <locale>
 
+#include "lu_limits.h"
+
 TORCH_LIBRARY(fedkernels, m) {
   // ---- aggregation core (gram, weighted_sum) ----------------------------------------------
   // G = U[rows] @ U^T with float64 accumulation and a fixed reduction order: [k or K, K] fp64.
@@ -130,6 +132,8 @@ pybind11::dict build_info() {
 #else
   d["simd_dispatch"] = "none";
 #endif
+  // Op limits defined once in C++ and read by the Python wrappers (fedkernels.ops.lu.LU_MAX_N).
+  d["lu_max_n"] = fedkernels::kLuMaxN;
   return d;
 }
 }  // namespace
@@ -137,5 +141,6 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fedkernels native ops (registered under torch.ops.fedkernels)";
   m.def("build_info", &build_info,
-        "Build facts: CUDA compiled, OpenMP, torch version, SIMD level, C++ compiler and libstdc++ linkage");
+        "Build facts: CUDA compiled, OpenMP, torch version, SIMD level, C++ compiler and libstdc++ linkage, "
+        "op size limits (lu_max_n)");
 }

@@ -4,11 +4,10 @@
 #pragma once
 
 #include "checks.h"
+#include "lu_limits.h"
 
 namespace fedkernels {
 namespace checks {
-
-constexpr int64_t kLuMaxN = 64;  // small dense systems (FedECADO's K + 1); csrc/cuda/lu.cuh lu::kMaxN
 
 // Returns n.
 inline int64_t lu_factor_args(const at::Tensor& A) {

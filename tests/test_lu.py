@@ -176,6 +176,21 @@ def test_bad_inputs():
         ops.lu_solve(torch.zeros(3, 3), piv, torch.zeros(3, 2))
 
 
+def test_one_size_limit_for_python_and_native():
+    """The LU size limit is defined once (csrc/lu_limits.h): the wrapper reads it from build_info(), and the
+    wrapper and the native op's last-line check refuse the same n."""
+    import importlib
+    from fedkernels import build_info
+    n = build_info()["lu_max_n"]
+    assert importlib.import_module("fedkernels.ops.lu").LU_MAX_N == ops.LU_MAX_N == n == 64   # 64: the docs' value
+    LU, piv = ops.lu_factor(torch.eye(n, dtype=torch.float64))
+    assert torch.equal(LU, torch.eye(n, dtype=torch.float64))
+    with pytest.raises(ValueError, match=rf"lu_factor: n must be in \[1, {n}\]"):
+        ops.lu_factor(torch.eye(n + 1))
+    with pytest.raises(RuntimeError, match=rf"lu_factor: n must be in \[1, {n}\]"):
+        torch.ops.fedkernels.lu_factor(torch.eye(n + 1))
+
+
 def test_opcheck():
     A = well_conditioned(3, 5, torch.float64, 2)
     torch.library.opcheck(torch.ops.fedkernels.lu_factor.default, (A,))

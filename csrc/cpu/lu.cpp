@@ -1,6 +1,6 @@
 // Small dense linear algebra for FedECADO (spec fedecado.md sections 2.6, 5.3).
 //
-// lu_factor(A): LU with partial pivoting of A [n, n] or [B, n, n] (n <= 64), LAPACK getf2
+// lu_factor(A): LU with partial pivoting of A [n, n] or [B, n, n] (n <= kLuMaxN, lu_limits.h), LAPACK getf2
 //   semantics: pivot = first index of max |a_ik| (lowest index on ties), 1-based int32 pivots as in
 //   torch.linalg.lu_factor, info = first zero pivot (1-based) or 0; a zero pivot column is left
 //   unscaled (no division by zero, no NaN). Computed in the input dtype. Batch in parallel.

@@ -6,12 +6,12 @@
 //   n <= 32: one warp per matrix. Lane i keeps row i in registers (compile-time indices: the k and
 //            j loops are unrolled up to NMAX), pivot search is a warp arg-max, row swaps and the
 //            broadcast of the pivot row are warp shuffles. No shared memory, no barriers.
-//   n <= 64: one block per matrix with the matrix in shared memory.
+//   n <= kLuMaxN (64, csrc/lu_limits.h): one block per matrix with the matrix in shared memory.
 // lu_solve: X = A^{-1} R with A = P L U, in float64 (the factor is passed as float64; float32 R
 // and X are converted on load and store, as the CPU op does). The factor and the final row permutation (the pivots
 // applied in order) sit in shared memory; each thread streams one right-hand-side column:
 // gathers it through the permutation, forward (unit L) and back (U) substitution in registers,
-// writes it (register arrays sized 8/16/32/64: no local memory, lu::solve_column). X may alias R (each column is read completely before it is written).
+// writes it (register arrays sized 8/16/32/kLuMaxN: no local memory, lu::solve_column). X may alias R (each column is read completely before it is written).
 // Pivots: lu::pivot_key / pivot_better (lu.cuh), a strict total order that matches the CPU scan
 // with NaN, so every lane of a warp picks the same pivot and every shuffle runs on all lanes.
 // An out-of-range pivot passed to lu_solve gives NaN columns (no device assert).
@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(128) lu_warp_kernel(const T* __restrict__ A, T
   if (lane == 0) info[b] = inf;
 }
 
-// ---- block per matrix (32 < n <= 64) ----
+// ---- block per matrix (32 < n <= kLuMaxN) ----
+static_assert(kLuMaxN > 32 && sizeof(double) * kLuMaxN * (kLuMaxN + 1) <= 48 * 1024,
+              "lu_block_kernel: n in (32, kLuMaxN] in one block's static shared memory (48 KiB)");
 template <typename T>
 __global__ void __launch_bounds__(256) lu_block_kernel(const T* __restrict__ A, T* __restrict__ LU, int n,
                                                        int32_t* __restrict__ piv, int32_t* __restrict__ info) {
@@ -208,7 +210,7 @@ cudaError_t solve_t(const double* LU, const int32_t* piv, const T* R, T* X, int6
   else if (n <= 32)
     lu_solve_kernel<T, 32><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
   else
-    lu_solve_kernel<T, 64><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
+    lu_solve_kernel<T, kLuMaxN><<<grid, threads, 0, st>>>(LU, piv, R, X, n, m, B);
   return cudaGetLastError();
 }
 

@@ -18,12 +18,13 @@
 #include <cmath>
 
 #include "hd.h"
+#include "../lu_limits.h"
 
 namespace fedkernels {
 namespace cuda {
 namespace lu {
 
-constexpr int kMaxN = 64;  // largest n of the CUDA LU kernels (the launchers below: kLuMaxN)
+constexpr int kMaxN = fedkernels::kLuMaxN;  // largest n of the CUDA LU kernels (csrc/lu_limits.h)
 
 struct PivotKey {
   int rank;  // 2: NaN diagonal (keeps row k), 1: a number, 0: NaN below the diagonal, -1: not a candidate
@@ -128,7 +129,6 @@ namespace cuda {
 // getrf: first index of max |a_ik| on ties, zero pivot -> info = k+1 (first occurrence), no
 // division, factorisation continues). info: int32 [B]. n <= kLuMaxN (warp per matrix for n <= 32,
 // block per matrix with the matrix in shared memory above).
-constexpr int kLuMaxN = lu::kMaxN;
 cudaError_t lu_factor_batched(const void* A, void* LU, DType dt, int64_t B, int64_t n, int32_t* piv, int32_t* info,
                               cudaStream_t stream);
 // X = A^{-1} R for each batch entry, with A = P L U from lu_factor_batched (LU given in float64;

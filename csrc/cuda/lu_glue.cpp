@@ -1,6 +1,6 @@
 // Torch glue of lu_factor, lu_solve, lu_solve_out and arrowhead_solve (kernels: lu.cu).
 // Schemas (csrc/fedkernels.cpp):
-//   lu_factor(Tensor A) -> (LU, pivots int32 1-based, info int32), A [n, n] or [B, n, n], n <= 64.
+//   lu_factor(Tensor A) -> (LU, pivots int32 1-based, info int32), A [n, n] or [B, n, n], n <= kLuMaxN (csrc/lu_limits.h).
 //   lu_solve(Tensor LU, Tensor pivots, Tensor R) -> X;  lu_solve_out(LU, pivots, R, out) -> ()
 //   arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (x, I)
 // Not checked on the device (each would need a host sync): finiteness of A (the CPU op rejects a
@@ -19,7 +19,6 @@ namespace fedkernels {
 namespace {
 
 using namespace glue;
-static_assert(fk::kLuMaxN == checks::kLuMaxN, "one size limit for the CPU and CUDA LU");
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lu_factor_cuda(const at::Tensor& A) {
   const int64_t n = checks::lu_factor_args(A);
@@ -39,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lu_factor_cuda(const at::Tensor& 
 void lu_solve_into(const at::Tensor& LU, const at::Tensor& pivots, const at::Tensor& R, at::Tensor& X) {
   const checks::LuSolveShape sh = checks::lu_solve_args(LU, pivots, R);
   const int64_t n = sh.n, B = sh.B, m = sh.m;
-  TORCH_CHECK(n >= 1 && n <= fk::kLuMaxN, "lu_solve: n must be in [1, ", fk::kLuMaxN, "] on CUDA, got ", n);
+  TORCH_CHECK(n >= 1 && n <= kLuMaxN, "lu_solve: n must be in [1, ", kLuMaxN, "] on CUDA, got ", n);
   check_cuda(R, LU, "lu_solve", "R");
   check_cuda(X, LU, "lu_solve", "out");
   check_host_or_device(pivots, LU, "lu_solve", "pivots");

@@ -1,7 +1,7 @@
 """Small dense linear algebra (FedECADO): ``lu_factor``, ``lu_factor_ex``, ``lu_solve``,
 ``arrowhead_solve``.
 
-Small systems (n <= 64, many right-hand sides streamed over d): ``csrc/cpu/lu.cpp`` (CUDA:
+Small systems (n <= LU_MAX_N = 64, many right-hand sides streamed over d): ``csrc/cpu/lu.cpp`` (CUDA:
 ``csrc/cuda/lu.cu``); float64 oracle in :mod:`fedkernels.reference`. The per-client scalars
 (``a, b, c`` of the arrowhead system) are host (CPU) float64 vectors for every device. None of
 these ops has a derivative: a backward through them raises.
@@ -13,13 +13,14 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import _native
 from .._types import ScalarOrCoef
 from . import _autograd as _ag
 from ._checks import HOST, _needs_kernel, _no_grad_through, _tensor, _vector, tracing
 
 __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "LU_MAX_N"]
 
-LU_MAX_N = 64
+LU_MAX_N: int = int(_native._C.build_info()["lu_max_n"])   # defined once: csrc/lu_limits.h (ops/__init__ requires _C)
 
 
 def _lu_input(A: object, op: str) -> torch.Tensor:
@@ -37,7 +38,7 @@ def _lu_input(A: object, op: str) -> torch.Tensor:
 
 
 def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LU with partial pivoting of small A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics.
+    """LU with partial pivoting of small A [n, n] or [B, n, n] (n <= LU_MAX_N, 64), LAPACK getf2 semantics.
 
     Returns ``(LU, pivots, info)`` like ``torch.linalg.lu_factor_ex``: LU holds the unit-lower L
     below the diagonal and U on and above it (row-major, A's dtype); pivots int32, 1-based, the
