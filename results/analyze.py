@@ -1,4 +1,4 @@
-"""Builds results/summary.json and results/tables.md from the committed `fedkernels compare` outputs.
+"""Builds results/summary.json.xz and results/tables.md from the committed `fedkernels compare` outputs.
 
     PYTHONPATH=. .venv/bin/python results/analyze.py       # from the checkout root
 
@@ -17,6 +17,9 @@ results/REPORT.md are listed in CLAIMS with their setting and metric; tables.md 
 whether the paired difference is significant at the 5% level. With 2-3 seeds a t interval is wide
 (t_{0.975} = 12.71 at 2 seeds, 4.30 at 3): "not significant" means "not shown", not "no effect".
 
+summary.json.xz is the JSON (indent 1) compressed by xz as the run archives are (runstore.XZ: 2 MB of
+text stored as 0.25 MB); read it with `xz -dc results/summary.json.xz` or Python's lzma.open.
+
 Provenance: the logs record no fedkernels commit, torch version or CPU before run directories got a
 provenance.json; for those runs the commit that added the results to git is named instead.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import glob
 import json
+import lzma
 import math
 import os
 import subprocess
@@ -32,6 +36,7 @@ import sys
 import numpy as np
 
 ROOT = os.environ.get("RESULTS_ROOT", os.path.dirname(os.path.abspath(__file__)))
+SUMMARY = "summary.json.xz"     # in ROOT, beside tables.md
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -739,11 +744,12 @@ def main():
                                      "last10": "mean over the last 10 evaluations"}},
                "_claims": claims, "_grids": grids, **summary}
     head = ["# Tables regenerated from the committed run logs\n",
-            "`PYTHONPATH=. python results/analyze.py` writes this file and results/summary.json. ± is the sample "
-            "standard deviation over seeds (n - 1). Per-setup 95% CIs of every metric are in summary.json; "
+            f"`PYTHONPATH=. python results/analyze.py` writes this file and results/{SUMMARY} (`xz -dc` reads it). "
+            "± is the sample standard deviation over seeds (n - 1). Per-setup 95% CIs of every metric are in "
+            f"{SUMMARY}; "
             "paired differences vs FedAvg follow each setup's tables.\n"]
-    with open(os.path.join(ROOT, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    with open(os.path.join(ROOT, SUMMARY), "wb") as f:
+        f.write(lzma.compress(json.dumps(summary, indent=1).encode("utf-8"), **runstore.XZ))
     with open(os.path.join(ROOT, "tables.md"), "w") as f:
         f.write("\n".join(head + claim_lines + grid_lines + lines) + "\n")
     print("\n".join(claim_lines + grid_lines))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def test_analyze_reads_archives_byte_identical_to_directories(tmp_path):
         r = subprocess.run([sys.executable, os.path.join(REPO, "results", "analyze.py")], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        outs.append((open(os.path.join(root, "summary.json"), "rb").read(),
+        outs.append((lzma.open(os.path.join(root, "summary.json.xz")).read(),
                      open(os.path.join(root, "tables.md"), "rb").read()))
     assert outs[0] == outs[1]
     summ = json.loads(outs[1][0])
@@ -192,7 +193,6 @@ def test_committed_archives_are_what_pack_runs_writes():
     """Every results/runs archive holds, under its setup's prefix, uncompressed members in the tar that
     pack_runs writes for them (byte for byte); the smallest ones re-pack to the same .tar.xz bytes (xz
     at preset 9e takes seconds per MB: the others are only decompressed, to keep the suite fast)."""
-    import lzma
     root = os.path.join(REPO, "results")
     arcs = [d for d in runstore.setup_dirs(root) if os.path.exists(runstore.archive_path(d))]
     if not arcs:
@@ -214,7 +214,6 @@ def test_committed_archives_are_what_pack_runs_writes():
 def test_gz_on_disk_reads_as_its_stored_name_and_bad_layouts_are_refused(tmp_path):
     """A run's metrics.jsonl.gz reads (and packs) as metrics.jsonl; both at once, a broken .gz, a gzipped
     archive member and an archive in the old .tar.gz format are each one ValueError naming the file."""
-    import lzma
     sd = _setup(str(tmp_path / "results"), seeds=(0,))
     s = runstore.Setup(sd)
     assert s.exists("fedavg-s0/metrics.jsonl") and not s.exists("fedavg-s0/metrics.jsonl.gz")
