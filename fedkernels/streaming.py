@@ -34,6 +34,7 @@ __all__ = ["ChunkedUpdates", "streamed_gram", "streamed_finite_rows", "streamed_
            "streamed_fedavg", "streamed_kuramoto", "streamed_fedaware", "momentum_file", "weighted_sum_chunked"]
 
 OutLike = Union[None, torch.Tensor, str, os.PathLike]
+WRITE_BYTES = 64 << 20   # a path ``out`` is written in blocks of this size
 
 
 def _as_chunked(src, chunk_cols: Optional[int] = None) -> ChunkedUpdates:
@@ -71,13 +72,12 @@ class _Out:
         if isinstance(self.out, (str, os.PathLike)):
             path = os.fspath(self.out)
             tmp = f"{path}.tmp-{os.getpid()}"
+            raw = new.detach().cpu().contiguous().view(torch.uint8).numpy()
             try:
-                with open(tmp, "wb") as f:
-                    f.truncate(self.d * itemsize(self.dtype))
-                buf = torch.from_file(tmp, shared=True, size=self.d, dtype=self.dtype)
-                buf.copy_(new)
-                del buf
-                with open(tmp, "rb+") as f:
+                with open(tmp, "wb") as f:                 # plain writes: no second resident copy of the model
+                    for a in range(0, raw.size, WRITE_BYTES):
+                        f.write(memoryview(raw[a:a + WRITE_BYTES]))
+                    f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, path)
             except BaseException:
