@@ -76,7 +76,8 @@ class _SourceRows(torch.Tensor):
                 cls, torch.full((1,), float("nan"), dtype=dtype, device=device).expand(K, d))
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.index_select:
             me, idx = args[0], args[2] if len(args) > 2 else kwargs["index"]
@@ -177,6 +178,7 @@ class RoundInput:
         screened first (its flags accumulate on the chunks' device; with ``stop_at_bad`` a host chunk
         with a bad row ends the pass there: the rest of U is not read)."""
         src = self.src
+        assert src is not None
         if not self.screen_rows:
             for a, b, c in src.chunks():
                 each(a, b, c)
@@ -423,7 +425,7 @@ class Aggregator(abc.ABC):
 
     def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]]) -> RoundInput:
         """Gives ``rin`` its source rows (the accepted clients' rows of ``src``)."""
-        if src is not None:
+        if src is not None and rows_of is not None:
             rin.src = src.select_rows([rows_of[c] for c in rin.client_ids])
             rin.stop_at_bad = self.on_bad_update == "raise"
         return rin
