@@ -366,6 +366,7 @@ class ChunkedUpdates:
             chunk_cols = max(1024, DEFAULT_CHUNK_BYTES // max(1, self.K * itemsize(self.dtype)))
         self.chunk_cols = min(check_pos_int(chunk_cols, "ChunkedUpdates", "chunk_cols"), max(self.d, 1))
         self._stage: Optional[torch.Tensor] = None
+        self._copied = None                # CUDA event: the last copy out of the staging block
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -401,9 +402,15 @@ class ChunkedUpdates:
         if self._stage is None:
             self._stage = torch.empty(self.K, self.chunk_cols, dtype=self.dtype,
                                       pin_memory=torch.cuda.is_available())
+        if self._copied is not None:       # the previous chunk's copy out of the staging block has finished
+            self._copied.synchronize()     # before the block is overwritten (the copy is asynchronous)
         st = self._stage[:, : c.size(1)]
         st.copy_(c)
-        return st.to(self.device, non_blocking=True)
+        out = st.to(self.device, non_blocking=True)
+        if st.is_pinned() and self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return out
 
     def __repr__(self) -> str:
         return f"ChunkedUpdates({self.source!r}, chunk_cols={self.chunk_cols}, device={self.device})"

@@ -163,8 +163,9 @@ class RoundInput:
         if self.src is None:
             yield slice(None), self.U if device is None else self.U.to(device)
             return
-        for a, b, c in self.src.chunks():
-            yield slice(a, b), c if device is None else c.to(device)
+        src = self.src if device is None else self.src.on(device)    # (host chunks go to a host table directly)
+        for a, b, c in src.chunks():
+            yield slice(a, b), c
 
     def screen(self) -> None:
         """The rows' NaN/Inf screen as a read of its own (``ops.finite_rows``), flags to ``on_flags``."""
