@@ -39,6 +39,7 @@ import torch
 
 from . import ops
 from .errors import BadUpdateError
+from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
@@ -420,16 +421,26 @@ CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is
 
 
 def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alpha: float, dst: torch.Tensor,
-                       rows: Optional[torch.Tensor] = None) -> None:
+                       rows: Optional[torch.Tensor] = None, screen: bool = False) -> Optional[torch.Tensor]:
     """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one column block ``c`` of U, in ``dst``'s dtype
     (``ops.weighted_sum``: column-local, so the blocks of a matrix give the bits of the whole). A
     bf16/fp16 block summed into a wider dtype is converted CONVERT_COLS columns at a time (a cache-sized
-    scratch, not a copy of the block); per coordinate the same bits as converting it whole."""
+    scratch, not a copy of the block); per coordinate the same bits as converting it whole. With
+    ``screen`` returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
     odt = dst.dtype
     bb = None if base is None else base.to(device=dst.device, dtype=odt)
     if c.dtype == odt:
-        dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
-        return
+        if screen and rows is None and has_kernel("weighted_sum_screened", c.device):
+            res, ok = ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha)
+            dst.copy_(res)
+            return ok
+        ok = ops.finite_rows(c) if screen else None
+        if dst.is_contiguous() and has_kernel("weighted_sum_out", c.device):
+            ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows, out=dst)
+        else:
+            dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
+        return ok
+    ok = ops.finite_rows(c) if screen else None
     if rows is not None:
         c = c.index_select(0, rows.to(c.device))
     w = c.size(1)
@@ -439,6 +450,7 @@ def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alph
         s = scratch[:, : e - j]
         s.copy_(c[:, j:e])
         dst[j:e].copy_(ops.weighted_sum(s, coef, base=None if bb is None else bb[j:e], alpha=alpha))
+    return ok
 
 
 def as_source(x, K: Optional[int] = None, d: Optional[int] = None, dtype: Optional[torch.dtype] = None,

@@ -128,8 +128,8 @@ class RoundInput:
             g = self.global_flat
             out = torch.empty(self.d, dtype=g.dtype, device=g.device)
             c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()   # host coefficients, one copy
-            self._stream(lambda a, b, c: weighted_sum_block(c, c64, None if base is None else base[a:b], alpha,
-                                                            out[a:b]))
+            self._stream(lambda a, b, c, screen: weighted_sum_block(c, c64, None if base is None else base[a:b],
+                                                                    alpha, out[a:b], screen=screen))
             return out
         if self.screen_rows:
             if has_kernel("weighted_sum_screened", self.U.device):
@@ -145,7 +145,15 @@ class RoundInput:
         in fp64 in column order."""
         if self.src is not None:
             G = torch.zeros(self.K, self.K, dtype=torch.float64, device=self.src.device)
-            self._stream(lambda a, b, c: G.add_(ops.gram(c)))
+
+            def add(a: int, b: int, c: torch.Tensor, screen: bool) -> Optional[torch.Tensor]:
+                if screen and c.dtype != torch.float64:   # diagonal flags: exact below fp64 (no overflow)
+                    Gc, ok = ops.gram_screened(c)
+                    G.add_(Gc)
+                    return ok
+                G.add_(ops.gram(c))
+                return None
+            self._stream(add)
             return G
         if self.screen_rows:
             G, ok = ops.gram_screened(self.U)
@@ -170,28 +178,30 @@ class RoundInput:
     def screen(self) -> None:
         """The rows' NaN/Inf screen as a read of its own (``ops.finite_rows``), flags to ``on_flags``."""
         if self.src is not None:
-            self._stream(lambda a, b, c: None)
+            self._stream(lambda a, b, c, screen: None)
         elif self.screen_rows:
             self._flags(ops.finite_rows(self.U))
 
-    def _stream(self, each: Callable[[int, int, torch.Tensor], Any]) -> None:
-        """``each(a, b, U[:, a:b])`` over the source's chunks; while the rows are unscreened each chunk is
-        screened first (its flags accumulate on the chunks' device; with ``stop_at_bad`` a host chunk
-        with a bad row ends the pass there: the rest of U is not read)."""
+    def _stream(self, each: Callable[[int, int, torch.Tensor, bool], Optional[torch.Tensor]]) -> None:
+        """``each(a, b, U[:, a:b], screen)`` over the source's chunks; while the rows are unscreened each
+        chunk is screened too (the flags ``each`` returns when it screened in its own pass, else
+        ``ops.finite_rows``); the flags accumulate on the chunks' device; with ``stop_at_bad`` a host
+        chunk with a bad row ends the pass there: the rest of U is not read."""
         src = self.src
         assert src is not None
         if not self.screen_rows:
             for a, b, c in src.chunks():
-                each(a, b, c)
+                each(a, b, c, False)
             return
         fin = torch.ones(self.K, dtype=torch.bool, device=src.device)
         stop = self.stop_at_bad and src.device.type == "cpu"
         for a, b, c in src.chunks():
-            ok = ops.finite_rows(c)
+            ok = each(a, b, c, True)
+            if ok is None:
+                ok = ops.finite_rows(c)
             fin &= ok
             if stop and not bool(ok.all()):
                 self._flags(fin, (a, b))                   # raises (policy raise)
-            each(a, b, c)
         self._flags(fin)
 
     def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None) -> None:
