@@ -197,3 +197,16 @@ def test_a_method_that_reads_rin_U_directly_is_stopped_not_given_numbers():
     assert torch.equal(Direct().aggregate(x, U, [1, 1, 1]).params, ops.weighted_sum(U, [1.0] * 3, base=x))
     with pytest.raises(RuntimeError, match=r"chunked source: RoundInput.U holds no data"):
         Direct().aggregate(x, TensorSource(U), [1, 1, 1])
+
+
+@pytest.mark.parametrize("name", ["fedavg", "kuramoto"])
+def test_float64_source_excludes_like_a_tensor(name):
+    """float64: a flagged row is confirmed on the tensor path (a Gram diagonal may overflow); on a source
+    the flags come from an exact screen and the flagged row is dropped all the same."""
+    U = torch.randn(4, D, dtype=torch.float64)
+    U[1, 3] = float("inf")
+    x = torch.randn(D, dtype=torch.float64)
+    a = algorithms.build(name, on_bad_update="exclude").aggregate(x, U, [1, 2, 3, 4])
+    b = algorithms.build(name, on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=50), [1, 2, 3, 4])
+    assert a.info["excluded"] == b.info["excluded"] == [{"client_id": 1, "reason": "update contains NaN/Inf"}]
+    _close(b.params, a.params, name not in GRAM_BASED, name)
