@@ -19,7 +19,10 @@ Implementations: ``TensorSource`` (a [K, d] CPU tensor, e.g. from ``torch.from_f
 after each block so the resident set stays bounded), ``RawFileSource`` (a raw little-endian
 row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
 no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
-client row). ``as_source(x, ...)`` builds the right one.
+client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
+columns at a time onto a device; every ``Aggregator.aggregate`` takes either as its ``updates``
+(``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk), and ``select_rows`` keeps the
+accepted clients' rows when some are excluded, errors still naming the original rows.
 
 Validation happens at construction, before anything is read: the dtype, the shape, and for files
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
