@@ -7,9 +7,9 @@ comfortable in memory aggregated from disk in bounded memory.
    processes (loopback); each rank holds only its [K, d/world] slice. Time = the slowest rank's
    median; throughput = bytes of U / time.
 2. ``disk``: a K x d float32 update matrix written to a raw file, then aggregated in a fresh process
-   from an ``np.memmap`` (chunk pages released after use) by ``streaming.streamed_fedavg`` (one pass)
-   and ``streaming.streamed_kuramoto`` (Gram pass + sum pass). Peak RSS from
-   ``resource.getrusage`` (ru_maxrss, includes the [d] global and result vectors).
+   from an ``np.memmap`` (chunk pages released after use) by the aggregators over that source:
+   ``build("fedavg").aggregate(x, src, n)`` (one pass) and ``build("kuramoto")`` (Gram pass + sum
+   pass). Peak RSS from ``resource.getrusage`` (ru_maxrss, includes the [d] global and result vectors).
 Writes cpu-scale.json (``--out``; bench/common.py).
 """
 from __future__ import annotations
@@ -95,20 +95,17 @@ def write_matrix(path, K, d, chunk=1 << 22):
 
 def _disk_child(path, K, d, chunk_cols, method):
     """Runs in a fresh process: one streamed aggregation from the memmap; prints a JSON line."""
-    from fedkernels.streaming import ChunkedUpdates, streamed_fedavg, streamed_kuramoto
+    from fedkernels import algorithms
+    from fedkernels.sources import ChunkedUpdates
     mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(K, d))   # r+: chunks used without a copy
     src = ChunkedUpdates(mm, chunk_cols=chunk_cols)
     x = torch.zeros(d)
-    out = torch.empty(d)
     n = list(range(10, 10 + K))
+    agg = algorithms.build(method)                  # the aggregator itself, over the source
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    if method == "fedavg":
-        streamed_fedavg(x, src, n, out=out)
-        passes = 1
-    else:
-        streamed_kuramoto(x, src, n, out=out)
-        passes = 2
+    agg.aggregate(x, src, n)
+    passes = 1 if method == "fedavg" else 2         # kuramoto: a Gram pass and a sum pass
     t = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"time_s": t, "passes": passes, "peak_rss_MB": rss / 1024, "rss_before_MB": rss0 / 1024,

@@ -1,10 +1,11 @@
 """A real large-model round from a file on disk (issue #30 item 6): K client updates of d parameters in
-one raw bfloat16 file, aggregated by streamed FedAvg, Kuramoto-FedAvg and FedAWARE
-(``fedkernels.streaming`` over ``fedkernels.sources.RawFileSource``), each in a fresh process.
+one raw bfloat16 file, aggregated by FedAvg, Kuramoto-FedAvg and FedAWARE, each in a fresh process: the
+aggregators themselves over a ``fedkernels.sources.RawFileSource`` read in column chunks (through
+``fedkernels.streaming``'s ``streamed_*``, which publish the result to a file after success).
 
 Reported per method: wall time, bytes read (passes x file size, + FedAWARE's momentum table read
 twice and its participants' rows written once), achieved GB/s, peak RSS (``resource.getrusage``,
-which includes the in-memory fp32 global model of 4 d bytes), and side by side the disk-read floor:
+which includes the in-memory fp32 global model and the new model, 4 d bytes each), and side by side the disk-read floor:
 ``dd`` of the same file to /dev/null (one read), so ``floor_s = passes x dd time``.
 
 The update file (and FedAWARE's momentum table, and the output model) live in ``--dir`` (default
@@ -99,8 +100,8 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
         M = momentum_file(mpath, K, d, dtype)                # N = K clients, all participate
         agg = algorithms.build("fedaware", num_clients=K, warmup="startup_full", elud=False)
         new, info = streamed_fedaware(x, src, n, list(range(K)), agg, M, out=out)
-        passes = 2
-        extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read in both passes, written once
+        passes = 2                                           # a screening pass (elud=False), the momentum pass
+        extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read by both table passes, written once
         info = {"lam": info["lam"], "note": "round 0: the momentum table starts as a sparse zero file"}
     t = time.perf_counter() - t0
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
@@ -156,8 +157,8 @@ def run(args) -> dict:
             "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
             "cpus": os.cpu_count(), "machine": platform.node(),
             "torch": torch.__version__, "methods": rows,
-            "notes": "peak RSS includes the fp32 global model (4 d bytes) held in memory; the output model is a "
-                     "file written through a shared mapping (temporary + rename); floor_s = passes over U x dd time "
+            "notes": "peak RSS includes the fp32 global model and the new model (4 d bytes each) held in memory; "
+                     "the output model is then written to a file (temporary + rename); floor_s = passes over U x dd time "
                      "(FedAWARE also reads its momentum table twice and writes it once, not in its floor)."}
 
 

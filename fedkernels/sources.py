@@ -19,7 +19,10 @@ Implementations: ``TensorSource`` (a [K, d] CPU tensor, e.g. from ``torch.from_f
 after each block so the resident set stays bounded), ``RawFileSource`` (a raw little-endian
 row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
 no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
-client row). ``as_source(x, ...)`` builds the right one.
+client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
+columns at a time onto a device; every ``Aggregator.aggregate`` takes either as its ``updates``
+(``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk), and ``select_rows`` keeps the
+accepted clients' rows when some are excluded, errors still naming the original rows.
 
 Validation happens at construction, before anything is read: the dtype, the shape, and for files
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
@@ -39,9 +42,10 @@ import torch
 
 from . import ops
 from .errors import BadUpdateError
+from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
-           "FLOAT_DTYPES", "itemsize"]
+           "ChunkedUpdates", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -107,8 +111,33 @@ class MatrixSource(abc.ABC):
     def _blocks(self, chunk_cols: int) -> Iterator[Block]:
         """``(a, b, U[:, a:b])`` for consecutive column blocks of at most ``chunk_cols`` columns."""
 
+    def select_rows(self, rows: Sequence[int]) -> "MatrixSource":
+        """The rows ``rows`` of this source (in that order) as a source; errors keep naming the original
+        rows. The identity selection is the source itself."""
+        rows = [int(r) for r in rows]
+        return self if rows == list(range(self.K)) else _RowSelection(self, rows)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(K={self.K}, d={self.d}, dtype={self.dtype})"
+
+
+class _RowSelection(MatrixSource):
+    """Rows of another source (an aggregation that excluded clients): each block is the parent's block
+    with those rows gathered (a len(rows) x chunk_cols copy); ``row_name`` names the parent's row."""
+
+    def __init__(self, parent: MatrixSource, rows: List[int]):
+        if any(not 0 <= r < parent.K for r in rows):
+            raise ValueError(f"select_rows: rows must lie in [0, {parent.K}), got {rows}")
+        self.parent, self.rows = parent, rows
+        self.K, self.d, self.dtype = len(rows), parent.d, parent.dtype
+        self._idx = torch.tensor(rows, dtype=torch.long)
+
+    def row_name(self, k: int) -> str:
+        return self.parent.row_name(self.rows[k])
+
+    def _blocks(self, chunk_cols):
+        for a, b, blk in self.parent._blocks(chunk_cols):
+            yield a, b, blk.index_select(0, self._idx)
 
 
 class TensorSource(MatrixSource):
@@ -312,6 +341,119 @@ class ClientFilesSource(_FileRows):
 
     def _where(self, k):
         return k, 0
+
+
+# ---- chunk plumbing: a source read in column chunks on a device -----------------------------------------
+DEFAULT_CHUNK_BYTES = 64 << 20   # staging memory per chunk (all K rows)
+
+
+class ChunkedUpdates:
+    """A K x d update matrix read ``chunk_cols`` columns at a time: what ``Aggregator.aggregate`` takes
+    as ``updates`` besides a tensor (a bare ``MatrixSource`` is wrapped with the default width).
+
+    source: a ``MatrixSource`` or what :func:`as_source` takes: a [K, d] CPU tensor, a [K, d] NumPy
+    array / np.memmap, a path to a raw row-major file (then ``K``, ``d``, ``dtype`` (default float32)
+    and optionally ``offset`` in bytes are required) or a list of per-client files (``d`` and
+    ``dtype``). chunk_cols: columns per chunk (default: ``DEFAULT_CHUNK_BYTES`` of staging for all K
+    rows). device: where chunks are delivered (default CPU); pinned staging when CUDA.
+    """
+
+    def __init__(self, source, K: Optional[int] = None, d: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, chunk_cols: Optional[int] = None, device=None, offset: int = 0):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.source: MatrixSource = as_source(source, K, d, dtype, offset, what="ChunkedUpdates")
+        self.K, self.d, self.dtype = self.source.K, self.source.d, self.source.dtype
+        for name, v, got in (("K", K, self.K), ("d", d, self.d)):
+            if v is not None and v != got:
+                raise ValueError(f"ChunkedUpdates: {name}={v} but the source has {name}={got}")
+        if chunk_cols is None:
+            chunk_cols = max(1024, DEFAULT_CHUNK_BYTES // max(1, self.K * itemsize(self.dtype)))
+        self.chunk_cols = min(check_pos_int(chunk_cols, "ChunkedUpdates", "chunk_cols"), max(self.d, 1))
+        self._stage: Optional[torch.Tensor] = None
+        self._copied = None                # CUDA event: the last copy out of the staging block
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return (self.K, self.d)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.K * self.chunk_cols * itemsize(self.dtype)
+
+    def row_name(self, k: int) -> str:
+        return self.source.row_name(k)
+
+    def select_rows(self, rows: Sequence[int]) -> "ChunkedUpdates":
+        """The same reader (width, device) over the rows ``rows`` of the source."""
+        sel = self.source.select_rows(rows)
+        return self if sel is self.source else ChunkedUpdates(sel, chunk_cols=self.chunk_cols, device=self.device)
+
+    def on(self, device) -> "ChunkedUpdates":
+        """This reader delivering to ``device`` (itself if it already does)."""
+        device = torch.device(device)
+        if device == self.device or (device.type == self.device.type == "cpu"):
+            return self
+        return ChunkedUpdates(self.source, chunk_cols=self.chunk_cols, device=device)
+
+    def chunks(self) -> Iterator[Block]:
+        """Yields ``(a, b, U[:, a:b])`` on ``device`` in column order; valid until the next one."""
+        for a, b, c in self.source.chunks(self.chunk_cols):
+            yield a, b, self._deliver(c)
+
+    def _deliver(self, c: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return c
+        if self._stage is None:
+            self._stage = torch.empty(self.K, self.chunk_cols, dtype=self.dtype,
+                                      pin_memory=torch.cuda.is_available())
+        if self._copied is not None:       # the previous chunk's copy out of the staging block has finished
+            self._copied.synchronize()     # before the block is overwritten (the copy is asynchronous)
+        st = self._stage[:, : c.size(1)]
+        st.copy_(c)
+        out = st.to(self.device, non_blocking=True)
+        if st.is_pinned() and self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return out
+
+    def __repr__(self) -> str:
+        return f"ChunkedUpdates({self.source!r}, chunk_cols={self.chunk_cols}, device={self.device})"
+
+
+CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted
+
+
+def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alpha: float, dst: torch.Tensor,
+                       rows: Optional[torch.Tensor] = None, screen: bool = False) -> Optional[torch.Tensor]:
+    """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one column block ``c`` of U, in ``dst``'s dtype
+    (``ops.weighted_sum``: column-local, so the blocks of a matrix give the bits of the whole). A
+    bf16/fp16 block summed into a wider dtype is converted CONVERT_COLS columns at a time (a cache-sized
+    scratch, not a copy of the block); per coordinate the same bits as converting it whole. With
+    ``screen`` returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
+    odt = dst.dtype
+    bb = None if base is None else base.to(device=dst.device, dtype=odt)
+    if c.dtype == odt:
+        if screen and rows is None and has_kernel("weighted_sum_screened", c.device):
+            res, ok = ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha)
+            dst.copy_(res)
+            return ok
+        ok = ops.finite_rows(c) if screen else None
+        if dst.is_contiguous() and has_kernel("weighted_sum_out", c.device):
+            ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows, out=dst)
+        else:
+            dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
+        return ok
+    ok = ops.finite_rows(c) if screen else None
+    if rows is not None:
+        c = c.index_select(0, rows.to(c.device))
+    w = c.size(1)
+    scratch = torch.empty(c.size(0), min(w, CONVERT_COLS), dtype=odt, device=c.device)
+    for j in range(0, w, CONVERT_COLS):
+        e = min(w, j + CONVERT_COLS)
+        s = scratch[:, : e - j]
+        s.copy_(c[:, j:e])
+        dst[j:e].copy_(ops.weighted_sum(s, coef, base=None if bb is None else bb[j:e], alpha=alpha))
+    return ok
 
 
 def as_source(x, K: Optional[int] = None, d: Optional[int] = None, dtype: Optional[torch.dtype] = None,

@@ -18,13 +18,15 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
+                    TypeVar, Union)
 
 import torch
 
 from .. import ops
 from .._types import CoefLike
 from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
+from ..sources import ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -35,8 +37,9 @@ log = logging.getLogger("fedkernels")
 
 BAD_UPDATE_POLICIES = ("raise", "exclude")
 
-# the client updates of one round: a [K, d] matrix, or K tensors of d elements each
-Updates = Union[torch.Tensor, Sequence[torch.Tensor]]
+# the client updates of one round: a [K, d] matrix, K tensors of d elements each, or a K x d matrix source
+# read in column chunks (fedkernels.sources: a MatrixSource, or a ChunkedUpdates naming the chunk width)
+Updates = Union[torch.Tensor, Sequence[torch.Tensor], MatrixSource, ChunkedUpdates]
 
 
 def info_values(t: Any) -> Any:
@@ -53,25 +56,81 @@ class AggResult(NamedTuple):
 from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algorithms; re-exported here)
 
 
+class _SourceRows(torch.Tensor):
+    """What ``validate`` and the on_bad_update policy see of updates that come from a chunked source: a
+    [K, d] tensor of the global model's dtype and device that holds no data (zero strides over one NaN).
+    Its shape, dtype and device are read as a tensor's, ``index_select`` keeps this form (dropping rows
+    costs no K x d copy), and ``ops.finite_rows`` flags every row (the source pass that screened them
+    was exact: a flagged row stays flagged). Any other read raises: the rows are read through
+    ``RoundInput.weighted_sum`` / ``gram`` / ``blocks``."""
+
+    _GETSET_OK = {"dtype", "device", "shape", "ndim", "is_cuda", "is_cpu", "is_meta", "layout", "requires_grad",
+                  "is_sparse", "is_quantized", "is_nested", "names", "grad_fn", "is_leaf", "_base"}
+    _METHODS_OK = {"size", "stride", "dim", "numel", "is_floating_point", "is_complex", "element_size",
+                   "__len__", "storage_offset", "is_contiguous", "__format__", "__repr__", "_is_view"}
+
+    @classmethod
+    def of(cls, K: int, d: int, dtype: torch.dtype, device: torch.device) -> "_SourceRows":
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor._make_subclass(
+                cls, torch.full((1,), float("nan"), dtype=dtype, device=device).expand(K, d))
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.index_select:
+            me, idx = args[0], args[2] if len(args) > 2 else kwargs["index"]
+            return cls.of(int(idx.numel()), me.size(1), me.dtype, me.device)
+        if func is torch.Tensor.contiguous:
+            return args[0]
+        if func in (torch.ops.fedkernels.finite_rows, torch.ops.fedkernels.finite_rows.default):
+            return torch.zeros(args[0].size(0), dtype=torch.bool, device=args[0].device)
+        name = getattr(func, "__name__", "")
+        if (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in cls._GETSET_OK) \
+                or name in cls._METHODS_OK:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise RuntimeError(f"the updates come from a chunked source: RoundInput.U holds no data ({name or func} "
+                           "read it); read the rows through RoundInput.weighted_sum / gram / blocks")
+
+
 @dataclass
 class RoundInput:
-    """Validated inputs of one aggregation (what ``Aggregator._aggregate`` receives)."""
+    """Validated inputs of one aggregation (what ``Aggregator._aggregate`` receives).
+
+    The updates are read only through ``weighted_sum``, ``gram`` and ``blocks`` (and ``screen``): one
+    call on a [K, d] tensor, or chunk by chunk when they come from a chunked source (``src``, a
+    ``fedkernels.sources.ChunkedUpdates``; ``U`` is then a stand-in holding no data), with the same
+    result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram is summed over
+    the chunks in fp64 in column order."""
 
     global_flat: torch.Tensor
-    U: torch.Tensor                 # [K, d] updates of the accepted clients
+    U: torch.Tensor                 # [K, d] updates of the accepted clients (a stand-in when ``src`` is set)
     num_examples: torch.Tensor      # [K] float64 (cpu)
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
-    # Rows not yet screened (methods with ``Aggregator.screen_in_pass``): the first read of U
-    # through ``weighted_sum`` or ``gram`` below also screens its rows and hands the flags to
-    # ``on_flags`` (the aggregator's policy) before the method goes on.
+    # Rows not yet screened (methods with ``Aggregator.screen_in_pass``, and every method on a source):
+    # the first read of U through ``weighted_sum``, ``gram`` or ``screen`` below also screens its rows
+    # and hands the flags to ``on_flags`` (the aggregator's policy) before the method goes on.
     screen_rows: bool = False
     on_flags: Optional[Callable[[torch.Tensor], None]] = None
+    src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
+    stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
 
     def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
-        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``."""
+        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``. From a source: chunk by chunk
+        into a fresh [d] vector of the global model's dtype and device (a bf16/fp16 source is summed in
+        that dtype), returned only when every chunk was summed."""
+        if self.src is not None:
+            g = self.global_flat
+            out = torch.empty(self.d, dtype=g.dtype, device=g.device)
+            c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()   # host coefficients, one copy
+            self._stream(lambda a, b, c, screen: weighted_sum_block(c, c64, None if base is None else base[a:b],
+                                                                    alpha, out[a:b], screen=screen))
+            return out
         if self.screen_rows:
             if has_kernel("weighted_sum_screened", self.U.device):
                 out, ok = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
@@ -81,18 +140,86 @@ class RoundInput:
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
 
     def gram(self) -> torch.Tensor:
-        """``ops.gram(U)``; while the rows are unscreened it is ``ops.gram_screened`` and the
-        flags go to ``on_flags``."""
+        """``ops.gram(U)`` ([K, K] fp64 on U's device); while the rows are unscreened it is
+        ``ops.gram_screened`` and the flags go to ``on_flags``. From a source: the chunks' Grams summed
+        in fp64 in column order."""
+        if self.src is not None:
+            G = torch.zeros(self.K, self.K, dtype=torch.float64, device=self.src.device)
+
+            def add(a: int, b: int, c: torch.Tensor, screen: bool) -> Optional[torch.Tensor]:
+                if screen and c.dtype != torch.float64:   # diagonal flags: exact below fp64 (no overflow)
+                    Gc, ok = ops.gram_screened(c)
+                    G.add_(Gc)
+                    return ok
+                G.add_(ops.gram(c))
+                return None
+            self._stream(add)
+            return G
         if self.screen_rows:
             G, ok = ops.gram_screened(self.U)
             self._flags(ok)
             return G
         return ops.gram(self.U)
 
-    def _flags(self, ok: torch.Tensor) -> None:
+    def blocks(self, device: Optional[torch.device] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
+        """``(cols, U[:, cols])`` for a method's column-local work on U with per-client tables (FedAWARE's
+        momenta: ``M[:, cols]``): one block, all of U, for a tensor; the column chunks in order for a
+        source. ``device``: where the blocks are wanted (default: where they are). Unscreened rows are
+        screened first (``screen``), so the caller may write its tables block by block."""
+        if self.screen_rows:
+            self.screen()
+        if self.src is None:
+            yield slice(None), self.U if device is None else self.U.to(device)
+            return
+        src = self.src if device is None else self.src.on(device)    # (host chunks go to a host table directly)
+        for a, b, c in src.chunks():
+            yield slice(a, b), c
+
+    def screen(self) -> None:
+        """The rows' NaN/Inf screen as a read of its own (``ops.finite_rows``), flags to ``on_flags``."""
+        if self.src is not None:
+            self._stream(lambda a, b, c, screen: None)
+        elif self.screen_rows:
+            self._flags(ops.finite_rows(self.U))
+
+    def _stream(self, each: Callable[[int, int, torch.Tensor, bool], Optional[torch.Tensor]]) -> None:
+        """``each(a, b, U[:, a:b], screen)`` over the source's chunks; while the rows are unscreened each
+        chunk is screened too (the flags ``each`` returns when it screened in its own pass, else
+        ``ops.finite_rows``); the flags accumulate on the chunks' device; with ``stop_at_bad`` a host
+        chunk with a bad row ends the pass there: the rest of U is not read."""
+        src = self.src
+        assert src is not None
+        if not self.screen_rows:
+            for a, b, c in src.chunks():
+                each(a, b, c, False)
+            return
+        fin = torch.ones(self.K, dtype=torch.bool, device=src.device)
+        stop = self.stop_at_bad and src.device.type == "cpu"
+        for a, b, c in src.chunks():
+            ok = each(a, b, c, True)
+            if ok is None:
+                ok = ops.finite_rows(c)
+            fin &= ok
+            if stop and not bool(ok.all()):
+                self._flags(fin, (a, b))                   # raises (policy raise)
+        self._flags(fin)
+
+    def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None) -> None:
         self.screen_rows = False
-        if self.on_flags is not None:
+        if self.on_flags is None:
+            return
+        if self.src is None:
             self.on_flags(ok)
+            return
+        try:
+            self.on_flags(ok)
+        except BadUpdateError as e:                        # say where the source holds the bad row
+            bad = (~ok.cpu()).nonzero().reshape(-1)
+            k = int(bad[0]) if bad.numel() else -1
+            if k < 0 or f"(row {k}): update contains NaN/Inf" not in str(e):
+                raise
+            where = f", columns {cols[0]}..{cols[1] - 1} of d={self.d}" if cols is not None else ""
+            raise BadUpdateError(f"{e} (source: {self.src.row_name(k)}{where})") from None
 
     @property
     def K(self) -> int:
@@ -179,7 +306,14 @@ class Aggregator(abc.ABC):
           never written.
         * ``updates``: a [K, d] tensor (row k = client k's ``local - global``), or a list of K
           tensors of d elements each (any shape; stacked into one [K, d] copy). Same dtype and
-          device as ``global_flat``. K = 0 is allowed (the round is skipped).
+          device as ``global_flat``. K = 0 is allowed (the round is skipped). Or a K x d matrix source
+          read in column chunks (:mod:`fedkernels.sources`: a ``MatrixSource`` such as a
+          ``RawFileSource`` / ``ClientFilesSource`` / ``MemmapSource``, or a ``ChunkedUpdates`` naming
+          the chunk width and delivering to ``global_flat``'s device; dtype that of ``global_flat``, or
+          bf16/fp16 under a float32/float64 model): the same method, the same result (bit for bit where
+          the maths is column-local; Gram-based weights up to the fp64 summation order over chunks);
+          a bad row is named with its source row (and file) and columns. A method that cannot run
+          chunked (``no_chunked_source``: FedECADO) refuses a source at once.
         * ``num_examples``: K sample counts (> 0): a tensor (any device; copied to the host as
           float64) or a sequence of numbers.
         * ``client_ids``: K distinct ints naming the clients (the rows of per-client state;
@@ -207,17 +341,21 @@ class Aggregator(abc.ABC):
         screening of rows, results and payloads, sample counts > 0) are skipped: the eager call
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
         the eager call gives lists."""
+        src: Optional[ChunkedUpdates] = None
+        if isinstance(updates, (MatrixSource, ChunkedUpdates)):
+            src, updates = self._chunked_source(global_flat, updates)
         if tracing():
             rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
             traced = self._aggregate(rin)
             traced.info.setdefault("num_clients", rin.K)
             self.round += 1
             return traced
-        if self.screen_in_pass:
+        if self.screen_in_pass or src is not None:
             # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
             # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
             # or drop the bad rows and run the round again without them: nothing was changed yet).
-            # global_flat's flag joins the rows' flags: one device-to-host copy in all.
+            # global_flat's flag joins the rows' flags: one device-to-host copy in all. A method
+            # without screen_in_pass on a source: a screening pass of its own over the chunks first.
             self._defer_global = True
             try:
                 rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
@@ -225,14 +363,21 @@ class Aggregator(abc.ABC):
                 self._defer_global = False
             g_ok, pp = self._pending_global, self._pending_payload
             self._pending_global = self._pending_payload = None
+            rows_of = None
+            if src is not None:      # client id -> row of the source (validate checked the ids)
+                given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids
+                rows_of = {int(c): k for k, c in enumerate(range(src.K) if given is None else given)}
             res: Optional[AggResult] = None
             if rin.K > 0:
+                self._attach(rin, src, rows_of)
                 rin.screen_rows = True
                 rin.on_flags = lambda ok: self._apply_flags(rin, ok, g_ok, pp)
                 try:
+                    if not self.screen_in_pass:
+                        rin.screen()
                     res = self._aggregate(rin)
                 except _Redo as redo:
-                    rin = redo.rin
+                    rin = self._attach(redo.rin, src, rows_of)
                     res = self._aggregate(rin) if rin.K > 0 else None
                 if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                     raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
@@ -253,6 +398,48 @@ class Aggregator(abc.ABC):
     @abc.abstractmethod
     def _aggregate(self, rin: RoundInput) -> AggResult:
         """The method's arithmetic on validated inputs (rin.K >= 1)."""
+
+    # Why this method cannot aggregate updates read in column chunks (None: it can); such a method
+    # refuses a source at once, before anything is read.
+    no_chunked_source: Optional[str] = None
+
+    def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
+                        ) -> Tuple[ChunkedUpdates, torch.Tensor]:
+        """(the source as chunks delivered to global_flat's device, the stand-in ``validate`` checks).
+        A source's dtype is global_flat's, or bf16/fp16 under a float32/float64 model (summed in the
+        model's dtype)."""
+        what = f"{self.name}.aggregate"
+        if self.no_chunked_source is not None:
+            raise ValueError(f"{what}: updates from a chunked source ({updates!r}) are not supported: "
+                             f"{self.no_chunked_source}; pass a [K, d] tensor")
+        if tracing():
+            raise ValueError(f"{what}: updates from a chunked source cannot be traced (torch.compile / export); "
+                             "pass a [K, d] tensor")
+        if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
+            raise ValueError(f"{what}: global_flat must be a 1-D tensor, got "
+                             f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
+        d, gdt, dev = global_flat.numel(), global_flat.dtype, global_flat.device
+        if isinstance(updates, MatrixSource):
+            src = ChunkedUpdates(updates, device=dev)
+        elif updates.device != dev and not (updates.device.type == dev.type == "cpu"):
+            raise ValueError(f"{what}: updates ({updates!r}) delivers its chunks to {updates.device} but "
+                             f"global_flat is on {dev}: pass ChunkedUpdates(..., device={str(dev)!r})")
+        else:
+            src = updates
+        if src.d != d:
+            raise ValueError(f"{what}: updates ({src!r}) has d={src.d} columns, expected d={d} (len(global_flat))")
+        if src.dtype != gdt and not (src.dtype in (torch.float16, torch.bfloat16)
+                                     and gdt in (torch.float32, torch.float64)):
+            raise ValueError(f"{what}: updates ({src!r}) has dtype {src.dtype}, expected global_flat's {gdt} "
+                             "(or bfloat16/float16 under a float32/float64 model)")
+        return src, _SourceRows.of(src.K, d, gdt, dev)
+
+    def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]]) -> RoundInput:
+        """Gives ``rin`` its source rows (the accepted clients' rows of ``src``)."""
+        if src is not None and rows_of is not None:
+            rin.src = src.select_rows([rows_of[c] for c in rin.client_ids])
+            rin.stop_at_bad = self.on_bad_update == "raise"
+        return rin
 
     def validate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,

@@ -10,7 +10,6 @@ In the update convention of fedkernels (U_k = local - global):
 """
 from __future__ import annotations
 
-from .. import ops
 from .base import AggResult, RoundInput, register
 from .fedavg import FedAvg
 from .parts import ServerMomentum, momentum_attr
@@ -46,7 +45,7 @@ class FedAvgM(FedAvg):
         lr = self.round_lr(rin)
         v = self._mom.step(rin, p, g)                                    # v = beta v + sum p U (screens U)
         if self.nesterov:
-            step = ops.weighted_sum(rin.U, p).add_(v, alpha=self.beta)
+            step = rin.weighted_sum(p).add_(v, alpha=self.beta)
             new = g.add(step, alpha=lr)
         else:
             new = g.add(v, alpha=lr)

@@ -22,7 +22,6 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import ops
 from .base import RoundInput
 
 WEIGHTINGS = ("samples", "uniform")
@@ -63,15 +62,6 @@ class ServerMomentum:
         v = self.v.to(device=like.device, dtype=like.dtype)
         self.v = rin.weighted_sum(p, base=v.mul(self.beta))
         return self.v
-
-    def update(self, U: torch.Tensor, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if self.v is None or self.v.shape != like.shape:
-            self.v = torch.zeros_like(like)
-        v = self.v.to(device=like.device, dtype=like.dtype)
-        v.mul_(self.beta)
-        ops.weighted_sum(U, p, base=v, out=v)
-        self.v = v
-        return v
 
 
 def momentum_attr(holder: str) -> property:

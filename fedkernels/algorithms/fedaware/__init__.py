@@ -116,19 +116,24 @@ class FedAWARE(Aggregator):
     def _update_momenta(self, rin: RoundInput) -> None:
         M, a = self.M, self.alpha
         idx = torch.tensor(rin.client_ids, dtype=torch.long)
-        rows, urows = M.unbind(0), rin.U.to(M.device).unbind(0)     # views: no K x d copy on one device
         first = (~self.seen.index_select(0, idx)).tolist() if self.init == "first_update" else [False] * rin.K
         new = [j for j, f in enumerate(first) if f]
         old = [j for j, f in enumerate(first) if not f]
-        if new:                                              # m_i := U_i at first participation
-            torch._foreach_copy_([rows[rin.client_ids[j]] for j in new], [urows[j] for j in new])
-        if old:                                              # m_i <- (1 - a) m_i + a U_i: two foreach ops
-            sel = [rows[rin.client_ids[j]] for j in old]
-            torch._foreach_mul_(sel, 1.0 - a)
-            torch._foreach_add_(sel, [urows[j] for j in old], alpha=a)
+        Gr = None
+        for cols, Ub in rin.blocks(M.device):     # all of U (a tensor), or its column chunks (a source)
+            Mb = M[:, cols]
+            rows, urows = Mb.unbind(0), Ub.unbind(0)         # views: no K x d copy on one device
+            if new:                                          # m_i := U_i at first participation
+                torch._foreach_copy_([rows[rin.client_ids[j]] for j in new], [urows[j] for j in new])
+            if old:                                          # m_i <- (1 - a) m_i + a U_i: two foreach ops
+                sel = [rows[rin.client_ids[j]] for j in old]
+                torch._foreach_mul_(sel, 1.0 - a)
+                torch._foreach_add_(sel, [urows[j] for j in old], alpha=a)
+            g = ops.gram(Mb, rows=idx)                       # [k, N] fp64 (summed over the chunks)
+            Gr = g if Gr is None else Gr.add_(g)
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
-        Gr = ops.gram(M, rows=idx).to("cpu")                 # [k, N] fp64
+        Gr = Gr.to("cpu")
         self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
 
@@ -166,7 +171,7 @@ class FedAWARE(Aggregator):
         """The aware step's direction: the min-norm point lambda of the active momenta's Gram
         (normalised rows), as the support rows of M and their coefficients lambda_i / ||m_i||; logs
         lambda, q = lambda' G lambda, the gap and the iterations into ``info``. ``zero_dir``: q is
-        numerically zero (the fallback applies). Shared with streaming.streamed_fedaware."""
+        numerically zero (the fallback applies)."""
         active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
         G, nz = self.gram_matrix(active)
         lam, iters, gap = self._solve(G, active)
@@ -193,9 +198,9 @@ class FedAWARE(Aggregator):
         p = rin.sample_weights()
         base_step = None
         if self.extension == "fedavgm":
-            base_step = self._ext.update(rin.U, p, x)
+            base_step = self._ext.step(rin, p, x)
         elif self.extension == "fedavg":
-            base_step = ops.weighted_sum(rin.U, p)
+            base_step = rin.weighted_sum(p)
         self._update_momenta(rin)
         exploring = self.warmup == "explore" and not bool(self.seen.all())
         info["phase"] = "explore" if exploring else "aware"
@@ -203,7 +208,7 @@ class FedAWARE(Aggregator):
             if base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
             else:
-                new = ops.weighted_sum(rin.U, p, base=x, alpha=self.server_lr)
+                new = rin.weighted_sum(p, base=x, alpha=self.server_lr)
             info.update(weights=p.tolist(), num_seen=int(self.seen.sum()))
             return AggResult(new, info)
         if self.variant == "na":

@@ -168,6 +168,8 @@ class FedECADO(FederationTables, Aggregator):
 
     client_rule_cls = FedECADORule
     state_attrs = ("I", "S_all", "t", "dt_prev", "hbar_tab", "hbar_known", "w", "L", "Tmax_hist", "L_reset_done")
+    no_chunked_source = ("its backward-Euler integration reads U and the K x d flow table once per attempted step and "
+                         "accepts or rejects each step on a norm over all d coordinates")
 
     def __init__(self, stepping: Optional[Stepping] = None, ablations: Optional[Ablations] = None,
                  solver: str = "auto", hbar=None, weights: Optional[Sequence[float]] = None,

@@ -41,7 +41,7 @@ EPS2 = 1e-30          # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
 
-def kuramoto_stats(U: torch.Tensor, p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kuramoto_stats(U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
     nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U (``G``: that Gram
     matrix when the caller has it)."""
@@ -205,14 +205,14 @@ class KuramotoFedAvg(Aggregator):
             phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
             new = rin.weighted_sum(p, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
-            sync = ops.weighted_sum(rin.U, b)
+            sync = rin.weighted_sum(b)
             clipped = ops.any_(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
                     "sync_coef": b.tolist(), "clipped": clipped}
             return AggResult(new, info)
-        dot, nsq, nbar = kuramoto_stats(rin.U, p, G=rin.gram())     # the Gram pass also screens U's rows
+        dot, nsq, nbar = kuramoto_stats(None, p, G=rin.gram())     # the Gram pass also screens U's rows
         if self.mode == "S":
             kap = min(max(kt, 0.0), 1.0)
             a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,
@@ -223,7 +223,7 @@ class KuramotoFedAvg(Aggregator):
             a, info = kuramoto_weights(dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar,
                                        guard=self.guard)
             alpha = self.server_lr * kt
-        new = ops.weighted_sum(rin.U, a, base=rin.global_flat, alpha=alpha)
+        new = rin.weighted_sum(a, base=rin.global_flat, alpha=alpha)
         info.update(mode=self.mode, kappa=kap, weights=info_values(a), p=info_values(p),
                     guard_fired=self.mode == "P" and info["degenerate"])
         if self.mode == "P" and not info["degenerate"]:

@@ -1,0 +1,212 @@
+"""Every aggregator on a matrix source (issue 30 items 1-2): ``aggregate(x, source, ...)`` is the same
+method as ``aggregate(x, tensor, ...)`` with the same result (bit for bit for the column-local methods,
+the Gram-based ones to fp64 summation order), state included, over 3 rounds; bad rows are screened in
+the same pass and named with their source row; a method that cannot stream refuses at once."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bench.cpu_hostwork import methods, spec_of
+from fedkernels import algorithms, ops
+from fedkernels.algorithms.base import AggResult, Aggregator, RoundInput
+from fedkernels.errors import BadUpdateError
+from fedkernels.sources import ChunkedUpdates, ClientFilesSource, MemmapSource, RawFileSource, TensorSource
+from fedkernels.streaming import momentum_file, streamed_fedaware
+
+SPEC = spec_of([(40, 12), (40,), (12, 40), (12,)])      # d = 1012: chunks of 100 do not divide it
+D, N = SPEC.d, 8
+ROUNDS = [[0, 2, 5], [1, 2, 3, 4, 6], [7, 0, 5, 6, 1, 3, 4, 2]]   # the last round completes exploration
+GRAM_BASED = {"kuramoto", "fedaware"}                      # weights from a Gram summed over chunks
+CASES = [(m, {}) for m in methods() if m != "fedecado"] + [
+    ("local_gc_only", {"lam": 0.5}), ("fedavgm", {"nesterov": True}), ("kuramoto", {"mode": "P", "guard": False}),
+    ("kuramoto", {"mode": "C"}), ("fedaware", {"warmup": "startup_full", "extension": "fedavgm"}),
+    ("fedaware", {"init": "first_update", "elud": False}), ("fedaware", {"variant": "na", "warmup": "mask"})]
+CASES = [c for c in CASES if not (c[0] == "local_gc_only" and not c[1])]
+
+
+def _raw(U, path):
+    U.contiguous().view(torch.uint8).numpy().tofile(path)
+    return str(path)
+
+
+def _source(kind, U, tmp_path, r):
+    if kind == "tensor":
+        return ChunkedUpdates(TensorSource(U), chunk_cols=100)
+    if kind == "memmap":
+        mm = np.memmap(tmp_path / f"U{r}.mm", dtype=np.float32, mode="w+", shape=tuple(U.shape))
+        mm[:] = U.numpy()
+        return ChunkedUpdates(MemmapSource(mm), chunk_cols=100)
+    return ChunkedUpdates(RawFileSource(_raw(U, tmp_path / f"U{r}.bin"), U.size(0), D), chunk_cols=333)
+
+
+def _payloads(agg, K, g):
+    pl = {"local_steps": 5, "pgvc_skipped_steps": 0, "local_gc": 1, "phase": 0.5}
+    if isinstance(getattr(agg, "mu", None), float):
+        pl["prox_mu"] = agg.mu
+    if getattr(agg, "d_c", None) is not None:
+        dc = torch.randn(K, agg.d_c, generator=g) * 1e-3
+        return [dict(pl, delta_c=dc[k], phase=0.1 * k) for k in range(K)]
+    return [dict(pl, phase=0.1 * k) for k in range(K)]
+
+
+def _pair(name, opts):
+    aggs = [algorithms.build(name, **opts) for _ in range(2)]
+    x = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    for a in aggs:
+        a.setup(SPEC, num_clients=N, global_flat=x)
+    return aggs, x
+
+
+def _close(a, b, exact, what):
+    if exact:
+        assert torch.equal(a, b), what
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=what)
+
+
+def _same_state(s1, s2, exact, what):
+    assert s1.keys() == s2.keys()
+    for k, v in s1.items():
+        if isinstance(v, torch.Tensor):
+            _close(v, s2[k], exact or not v.is_floating_point(), f"{what}: state {k}")
+        else:
+            assert v == s2[k], f"{what}: state {k}"
+
+
+@pytest.mark.parametrize("kind", ["tensor", "memmap", "raw"])
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{m}{'-' + '-'.join(map(str, o.values())) if o else ''}"
+                                                  for m, o in CASES])
+def test_every_aggregator_on_a_source_equals_the_tensor_run(tmp_path, kind, name, opts):
+    (ref, got), x = _pair(name, opts)
+    xr = xs = x
+    g = torch.Generator().manual_seed(2)
+    exact = name not in GRAM_BASED
+    for r, ids in enumerate(ROUNDS):
+        K = len(ids)
+        U = torch.randn(K, D, generator=g) * 1e-2 + 1e-2 * torch.randn(D, generator=g)
+        n = [float(10 + 3 * k) for k in range(K)]
+        pl = _payloads(ref, K, g)
+        a = ref.aggregate(xr, U, n, ids, [dict(p) for p in pl])
+        b = got.aggregate(xs, _source(kind, U, tmp_path, r), n, ids, [dict(p) for p in pl])
+        _close(b.params, a.params, exact, f"{name} round {r}")
+        assert b.params.dtype == x.dtype and b.info.keys() == a.info.keys()
+        xr, xs = a.params, b.params
+    _same_state(ref.state_dict(), got.state_dict(), exact, name)
+
+
+def test_bf16_file_source_under_an_fp32_model_is_the_fp32_run(tmp_path):
+    """A bfloat16 file is summed in the model's float32: the result of the float32 tensor of its values."""
+    g = torch.Generator().manual_seed(3)
+    U = (torch.randn(5, D, generator=g) * 1e-2).to(torch.bfloat16)
+    x = torch.randn(D, generator=g)
+    src = ChunkedUpdates(RawFileSource(_raw(U, tmp_path / "U.bf16"), 5, D, torch.bfloat16), chunk_cols=128)
+    n = [3.0, 1.0, 4.0, 1.0, 5.0]
+    for name, exact in (("fedavg", True), ("scaffold", True), ("kuramoto", False)):
+        (ref, got), _ = _pair(name, {})
+        pl = _payloads(ref, 5, g)
+        a = ref.aggregate(x, U.float(), n, [0, 1, 2, 3, 4], pl)
+        b = got.aggregate(x, src, n, [0, 1, 2, 3, 4], pl)
+        _close(b.params, a.params, exact, name)
+
+
+@pytest.mark.parametrize("name,opts", [("fedavg", {}), ("kuramoto", {}), ("fedaware", {"elud": False}),
+                                       ("fedaware", {"warmup": "startup_full"})])
+def test_exclude_drops_bad_rows_of_a_source_like_a_tensor(tmp_path, name, opts):
+    """on_bad_update='exclude': a NaN row (found in the screening pass) and a row with a bad count are
+    dropped; the rest is the tensor run's result, and the source's rows keep their names."""
+    g = torch.Generator().manual_seed(4)
+    U = torch.randn(6, D, generator=g) * 1e-2
+    U[4, 555] = float("nan")
+    n = [5.0, 0.0, 2.0, 7.0, 1.0, 3.0]                     # row 1: a bad count (dropped in validate)
+    ids = [6, 1, 0, 3, 7, 2]
+    (ref, got), x = _pair(name, dict(opts, on_bad_update="exclude"))
+    paths = [_raw(U[k], tmp_path / f"c{k}.bin") for k in range(6)]
+    a = ref.aggregate(x, U, n, ids)
+    b = got.aggregate(x, ChunkedUpdates(ClientFilesSource(paths, D), chunk_cols=100), n, ids)
+    assert [e["client_id"] for e in b.info["excluded"]] == [e["client_id"] for e in a.info["excluded"]] == [1, 7]
+    _close(b.params, a.params, name not in GRAM_BASED, name)
+    # raise: the NaN is named with the client, its file and the columns of the chunk; the state is that of
+    # the same failure on a tensor (nothing advanced), the global model untouched
+    (agg_t, agg), _ = _pair(name, opts)
+    x0 = x.clone()
+    files = [paths[k] for k in (0, 2, 3, 4, 5)]
+    args = ([5.0, 2.0, 7.0, 1.0, 3.0], [6, 0, 3, 7, 2])
+    with pytest.raises(BadUpdateError, match=r"client 7 \(row 3\): update contains NaN/Inf"):
+        agg_t.aggregate(x, torch.stack([U[k] for k in (0, 2, 3, 4, 5)]), *args)
+    with pytest.raises(BadUpdateError, match=r"client 7 \(row 3\): update contains NaN/Inf.*"
+                                             r"\(source: client row 3 \(.*c4\.bin\)(, columns 500\.\.599 of d=1012)?\)"):
+        agg.aggregate(x, ChunkedUpdates(ClientFilesSource(files, D), chunk_cols=100), *args)
+    assert torch.equal(x, x0) and agg.round == agg_t.round == 0
+    _same_state(agg_t.state_dict(), agg.state_dict(), True, name)
+
+
+def test_fedaware_disk_table_is_untouched_by_a_bad_round(tmp_path):
+    U = torch.randn(5, D) * 1e-2
+    U[2, 901] = float("inf")
+    agg = algorithms.build("fedaware", num_clients=6, warmup="startup_full", elud=False)
+    M = momentum_file(tmp_path / "M.bin", 6, D)
+    x = torch.randn(D)
+    out = torch.full((D,), 7.0)
+    with pytest.raises(BadUpdateError, match=r"client 2 \(row 2\).*columns 900\.\.999"):
+        streamed_fedaware(x, ChunkedUpdates(U, chunk_cols=100), [1] * 5, [0, 1, 2, 3, 4], agg, M, out=out)
+    assert not bool(M.any()) and bool((out == 7.0).all()) and not bool(agg.seen.any()) and agg.round == 0
+
+
+def test_fedecado_refuses_a_source_before_reading_it():
+    class Counting(TensorSource):
+        read = 0
+
+        def _blocks(self, chunk_cols):
+            for blk in super()._blocks(chunk_cols):
+                self.read += 1
+                yield blk
+    agg = algorithms.build("fedecado", num_clients=4)
+    s = Counting(torch.zeros(2, D))
+    with pytest.raises(ValueError) as e:
+        agg.aggregate(torch.zeros(D), s, [1, 1], [0, 1], [{"T": 0.1}, {"T": 0.1}])
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("fedecado.aggregate: updates from a chunked source")
+    assert "backward-Euler" in msg and "pass a [K, d] tensor" in msg and s.read == 0 and agg.round == 0
+
+
+def test_a_source_of_the_wrong_shape_dtype_or_device_is_named():
+    agg = algorithms.build("fedavg")
+    x = torch.zeros(D)
+    with pytest.raises(ValueError, match=r"fedavg.aggregate: updates \(.*\) has d=7 columns, expected d=1012"):
+        agg.aggregate(x, TensorSource(torch.zeros(2, 7)), [1, 1])
+    with pytest.raises(ValueError, match=r"has dtype torch.float64, expected global_flat's torch.float32"):
+        agg.aggregate(x, TensorSource(torch.zeros(2, D, dtype=torch.float64)), [1, 1])
+    with pytest.raises(ValueError, match=r"delivers its chunks to meta but global_flat is on cpu"):
+        agg.aggregate(x, ChunkedUpdates(torch.zeros(2, D), device="meta"), [1, 1])
+    with pytest.raises(ValueError, match=r"num_examples has 3 entries, expected K=2"):
+        agg.aggregate(x, TensorSource(torch.zeros(2, D)), [1, 1, 1])
+    assert agg.round == 0
+
+
+def test_a_method_that_reads_rin_U_directly_is_stopped_not_given_numbers():
+    """The stand-in U of a source round holds no data: a method reading it raises instead of computing."""
+    class Direct(Aggregator):
+        name = "direct"
+
+        def _aggregate(self, rin: RoundInput) -> AggResult:
+            return AggResult(ops.weighted_sum(rin.U, [1.0] * rin.K, base=rin.global_flat), {})
+    U = torch.randn(3, D)
+    x = torch.zeros(D)
+    assert torch.equal(Direct().aggregate(x, U, [1, 1, 1]).params, ops.weighted_sum(U, [1.0] * 3, base=x))
+    with pytest.raises(RuntimeError, match=r"chunked source: RoundInput.U holds no data"):
+        Direct().aggregate(x, TensorSource(U), [1, 1, 1])
+
+
+@pytest.mark.parametrize("name", ["fedavg", "kuramoto"])
+def test_float64_source_excludes_like_a_tensor(name):
+    """float64: a flagged row is confirmed on the tensor path (a Gram diagonal may overflow); on a source
+    the flags come from an exact screen and the flagged row is dropped all the same."""
+    U = torch.randn(4, D, dtype=torch.float64)
+    U[1, 3] = float("inf")
+    x = torch.randn(D, dtype=torch.float64)
+    a = algorithms.build(name, on_bad_update="exclude").aggregate(x, U, [1, 2, 3, 4])
+    b = algorithms.build(name, on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=50), [1, 2, 3, 4])
+    assert a.info["excluded"] == b.info["excluded"] == [{"client_id": 1, "reason": "update contains NaN/Inf"}]
+    _close(b.params, a.params, name not in GRAM_BASED, name)
