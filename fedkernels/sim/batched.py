@@ -25,9 +25,8 @@ vectors; FedNova / FedECADO / SCAFFOLD read each client's real step count.
 
 What trains batched (anything else trains sequentially, with one line saying why, see
 :func:`batch_reason`): SGD (momentum, weight decay, Nesterov, grad_clip), cross-entropy, models
-without buffers (BatchNorm's running statistics are refused, GroupNorm / no normalisation are fine)
-and without dropout (its random masks come from the sequential loop's per-client torch seed), no
-train-time augmentation. Client rules: FedProx, SCAFFOLD / FedPVR (their control variates), FedNova,
+with GroupNorm, no normalisation or BatchNorm, without other buffers and without dropout (its random
+masks come from the sequential loop's per-client torch seed), no train-time augmentation. Client rules: FedProx, SCAFFOLD / FedPVR (their control variates), FedNova,
 Local GC / GC-Fed (``local_order="pre_wd"``, ``mu="cout"``), FedPGVC (every mode except ``code``,
 ``nan_policy`` skip | propagate, the default per-sample loss), FedECADO (its T and flows; a client
 that still owes its Hutchinson estimate trains sequentially that round), Kuramoto mode C (the phase).
@@ -35,6 +34,19 @@ FedAvg, FedAvgM, FedAWARE, Kuramoto S and Global GC have no client rule. Each ba
 :class:`~fedkernels.algorithms.base.BatchedRule`) lives beside its rule in fedkernels/algorithms/, whose
 class names it in ``batched_form``; a rule class that does not set its own (a user's subclass, which
 may change a hook) is not batchable. This module keeps the executor: chunks, minibatches, the SGD step.
+
+BatchNorm (nn.BatchNorm1d/2d/3d with a momentum): its running statistics are float buffers, so the
+FlatSpec holds them after the parameters, in columns [dp, d) of every row. While the vmapped gradient
+runs, each BatchNorm's forward is :func:`masked_batch_norm`: batch statistics over the client's real
+samples only (a short tail batch normalises over its own samples, as in the sequential loop), and the
+running statistics that step leaves, returned beside the loss. The optimizer steps columns [0, dp)
+only (grad_clip's norm, weight decay and momentum too, as torch.optim sees parameters only); columns
+[dp, d) take the new running statistics of every client that ran the step (a rule-skipped step
+included: its forward ran). ``num_batches_tracked`` counts every client step, as the shared model does
+in the sequential loop. A client with a batch of one sample trains sequentially (torch refuses it
+where a BatchNorm sees 1x1 maps); ``momentum=None`` (a cumulative average over the shared model's
+batches) and BatchNorm subclasses are refused. SCAFFOLD's delta_c is zero on the buffer columns in both
+executors (control_variates.clear_buffers_).
 
 An executor of the round loop (``sim/executors.py``: ``train_local(r, ids, positions, payload_of,
 factor)``, ``close()``): per accepted client ``pos, cid, n, payload, loss, steps``, in schedule
@@ -52,6 +64,7 @@ unequal step counts, part of the work is padding.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -93,18 +106,61 @@ def batch_reason(cfg, model: nn.Module, rule: Optional[ClientRule], transform, c
     if type(criterion) is not nn.CrossEntropyLoss or criterion.weight is not None or criterion.label_smoothing \
             or criterion.reduction != "mean":
         return "a criterion other than the default cross-entropy"
+    bn_buffers = set()
     for name, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            return (f"model {type(model).__name__} has BatchNorm ({name}): its running statistics are not "
-                    "carried per client (GroupNorm or no normalisation trains batched)")
+            if type(mod) not in BATCH_NORMS:
+                return (f"model {type(model).__name__} has {type(mod).__name__} ({name}): batched, BatchNorm "
+                        "is nn.BatchNorm1d/2d/3d (a subclass may change its forward)")
+            if mod.track_running_stats and mod.momentum is None:
+                return (f"model {type(model).__name__} has BatchNorm ({name}) with momentum=None: its cumulative "
+                        "average counts the batches of every client the shared model trained")
+            bn_buffers.update(f"{name}.{b}" if name else b for b, _ in mod.named_buffers(recurse=False))
         if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
             return (f"model {type(model).__name__} has dropout ({name}): its masks come from the sequential "
                     "loop's per-client seed")
-    if any(True for _ in model.buffers()):
-        return f"model {type(model).__name__} has buffers (batched: parameters only)"
+    other = [n for n, _ in model.named_buffers() if n not in bn_buffers]
+    if other:
+        return (f"model {type(model).__name__} has buffers other than BatchNorm statistics ({other[0]}; "
+                "batched: parameters and BatchNorm running statistics)")
     if any(not p.requires_grad for p in model.parameters()):
         return f"model {type(model).__name__} has frozen parameters"
     return rule_reason(rule, t.steps is not None)
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def masked_batch_norm(mod: nn.Module, x: torch.Tensor, m: torch.Tensor):
+    """``mod`` (a BatchNorm in train mode) on one client's batch ``x`` [B, C, ...] whose samples with
+    ``m`` [B] = 0 are padding: the batch statistics over the real samples only (what the sequential
+    loop's shorter batch gives), and the running statistics it would leave:
+
+        mean = sum_b m_b x_b / n,  var = sum_b m_b (x_b - mean)^2 / n     (n = sum_b m_b * spatial size)
+        y = (x - mean) / sqrt(var + eps) * weight + bias
+        running_mean' = (1 - momentum) running_mean + momentum mean
+        running_var'  = (1 - momentum) running_var + momentum var n / (n - 1)
+
+    Returns ``(y, (running_mean', running_var'))``, or ``(y, None)`` without running statistics. A client
+    with no real sample (past its last step) gets finite values, which the executor discards."""
+    red = [0] + list(range(2, x.dim()))
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    mb = m.to(x.dtype).reshape((-1,) + (1,) * (x.dim() - 1))
+    n = m.sum().to(x.dtype) * (x[0, 0].numel())
+    cnt = n.clamp_min(1)
+    mean = (x * mb).sum(red) / cnt
+    xc = x - mean.view(shape)
+    var = (xc.square() * mb).sum(red) / cnt
+    y = xc * torch.rsqrt(var + mod.eps).view(shape)
+    if mod.affine:
+        y = y * mod.weight.view(shape) + mod.bias.view(shape)
+    if not mod.track_running_stats:
+        return y, None
+    mom = float(mod.momentum)
+    mean, var = mean.detach(), var.detach()
+    rm = mod.running_mean * (1 - mom) + mean * mom
+    rv = mod.running_var * (1 - mom) + var * (n / (n - 1).clamp_min(1)) * mom
+    return y, (rm, rv)
 
 
 def auto_chunk(device: torch.device, d: int, batch: int, sample_numel: int, K: int, momentum: bool,
@@ -136,26 +192,65 @@ class BatchedExecutor:
         self.form: BatchedRule = type(rule).__dict__["batched_form"](rule, self.spec) if rule is not None \
             else BatchedRule(None, self.spec)
         self.sequential = SequentialExecutor(sim)   # the clients that cannot be batched, in their place
+        # BatchNorm: its running statistics are the flat vector's trailing buffer columns [dp, d)
+        self.bns = {n: m for n, m in self.model.named_modules() if isinstance(m, BATCH_NORMS)}
+        self.buffer_entries = [e for e in self.spec.entries if e.is_buffer]
+        self.dp = min((e.offset for e in self.buffer_entries), default=self.spec.d)   # (FlatSpec: buffers last)
+        self._bn_box: Dict[str, Any] = {}
         self._fn = self._grad_fn()
 
     # ---- the per-client loss, vmapped -------------------------------------------------------------
     def _grad_fn(self):
         from torch.func import functional_call, grad, jacrev, vmap
-        model, entries = self.model, self.spec.entries
+        model, entries, bufs, box = self.model, self.spec.entries, self.buffer_entries, self._bn_box
         rho, clip = self.form.needs_rho, self.form.loss_clip
 
         def loss(w, x, y, m):
             params = {e.name: w[e.offset:e.offset + e.numel].view(e.shape) for e in entries}
+            box.update(m=m, out={})                 # read by the BatchNorms' masked forward (_bn_patch)
             ce = F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
             cnt = m.sum().clamp_min(1)
             ce_m = torch.where(m > 0, ce, 0.0)      # masked samples add nothing, even a non-finite loss
             data = ce_m.sum() / cnt
+            aux = ce.detach()
+            if self.bns:                            # the running statistics after this step, flat
+                new = box["out"]
+                aux = (aux, torch.cat([new.get(e.name, params[e.name]).detach().reshape(-1) for e in bufs]))
             if rho:   # FedPGVC's rho: the gradient of mean(stopgrad(l) l) over the batch
                 wt = ce_m.detach() if clip is None else ce_m.detach().clamp(max=clip)
-                return torch.stack([data, (wt * ce_m).sum() / cnt]), ce.detach()
-            return data, ce.detach()
+                return torch.stack([data, (wt * ce_m).sum() / cnt]), aux
+            return data, aux
 
         return vmap(jacrev(loss, has_aux=True) if rho else grad(loss, has_aux=True))
+
+    @contextlib.contextmanager
+    def _bn_patch(self):
+        """While the vmapped gradient runs, each BatchNorm's forward is :func:`masked_batch_norm` on the
+        current client's mask; its new running statistics go to ``_bn_box["out"]`` (nothing is written)."""
+        box = self._bn_box
+
+        def forward(name, mod, inp):
+            y, st = masked_batch_norm(mod, inp, box["m"])
+            if st is not None:
+                pre = f"{name}." if name else ""
+                box["out"][pre + "running_mean"], box["out"][pre + "running_var"] = st
+            return y
+        for name, mod in self.bns.items():
+            mod.forward = (lambda inp, _n=name, _m=mod: forward(_n, _m, inp))
+        try:
+            yield
+        finally:
+            for mod in self.bns.values():
+                del mod.forward
+            box.clear()
+
+    def grads(self, W, xb, yb, m):
+        """``(G, ce, stats)``: the [C, d] (FedPGVC's rho: [C, 2, d]) gradients of the chunk's losses, the
+        per-sample losses and, with BatchNorm, the [C, d - dp] running statistics after the step (else None)."""
+        with self._bn_patch():
+            G, aux = self._fn(W, xb, yb, m)
+        ce, stats = aux if self.bns else (aux, None)
+        return G, ce, stats
 
     def probe(self) -> None:
         """One vmapped gradient of two clients on one sample: raises if torch.func cannot run the model."""
@@ -163,7 +258,18 @@ class BatchedExecutor:
         x = self.x[:1].unsqueeze(0).expand(2, *self.x[:1].shape)
         y = self.y[:1].unsqueeze(0).expand(2, 1)
         m = torch.ones(2, 1, dtype=W.dtype, device=W.device)
-        self._fn(W, x, y, m)
+        self.grads(W, x, y, m)
+
+    def single_sample_batch(self, cid: int) -> Optional[str]:
+        """Why client ``cid`` trains sequentially under BatchNorm: a batch of one sample, which torch's
+        BatchNorm refuses where its spatial size is 1 (the sequential loop applies the bad-client policy)."""
+        if not self.bns:
+            return None
+        t, n = self.train, int(self.parts_host[cid].numel())
+        b = min(int(t.batch_size), n)
+        if b == 1 or (not t.drop_last and n % b == 1):
+            return "a batch of one sample with BatchNorm"
+        return None
 
     # ---- minibatches, as ClientTrainer draws them -------------------------------------------------
     def _indices(self, cids: Sequence[int], steps: Sequence[int], seeds: Sequence[int]):
@@ -221,37 +327,45 @@ class BatchedExecutor:
         steps_d = torch.tensor(steps, device=dev)
         mom, wd = float(t.momentum), float(t.weight_decay)
         nesterov = bool(t.nesterov) and mom > 0
-        buf_m = torch.zeros_like(W) if mom > 0 else None
+        dp = self.dp
+        Wp, Wb = W[:, :dp], W[:, dp:]           # the optimizer steps the parameters; BatchNorm sets Wb
+        buf_m = torch.zeros_like(Wp) if mom > 0 else None
         loss_sum = torch.zeros(C, dtype=torch.float64, device=dev)
         self.model.train()
         for s in range(max(steps)):
             ib, m = idx[:, s], mask[:, s]
             xb, yb = self.x[ib], self.y[ib]
-            G, ce = self._fn(W, xb, yb, m)
+            G, ce, stats = self.grads(W, xb, yb, m)
             rho = None
             if form.needs_rho:
                 G, rho = G[:, 0], G[:, 1]
             active = steps_d > s
             loss_sum += torch.where(m > 0, ce, 0.0).sum(1).double()
             form.before_step(ch, G, rho, ce, m, active)
+            Gp = G[:, :dp]                      # (a rule may have written into the buffer columns)
             if t.grad_clip is not None:
-                norm = torch.linalg.vector_norm(G, dim=1)
-                G.mul_((float(t.grad_clip) / (norm + 1e-6)).clamp(max=1.0).unsqueeze(1))
+                norm = torch.linalg.vector_norm(Gp, dim=1)
+                Gp.mul_((float(t.grad_clip) / (norm + 1e-6)).clamp(max=1.0).unsqueeze(1))
             form.in_step(ch, G)
             skip = form.skip()
             act = active if skip is None else active & ~skip
             a = act.unsqueeze(1)                # a client past its last step (or skipping it) stays put:
             if wd:                              # its d is 0 (even a NaN one), its buffer kept, its lr 0
-                G.add_(W, alpha=wd)
-            G.masked_fill_(~a, 0.0)
+                Gp.add_(Wp, alpha=wd)
+            Gp.masked_fill_(~a, 0.0)
             if buf_m is not None:
-                buf_m.mul_(torch.where(a, mom, 1.0).to(W.dtype)).add_(G)
-                step = G.add_(buf_m, alpha=mom) if nesterov else buf_m
+                buf_m.mul_(torch.where(a, mom, 1.0).to(W.dtype)).add_(Gp)
+                step = Gp.add_(buf_m, alpha=mom) if nesterov else buf_m
             else:
-                step = G
-            W.addcmul_(step, lr_d.unsqueeze(1) * a, value=-1.0)    # no [C, d] temporary
+                step = Gp
+            Wp.addcmul_(step, lr_d.unsqueeze(1) * a, value=-1.0)    # no [C, d] temporary
+            if stats is not None:               # the forward ran (even for a skipped step): new statistics
+                Wb.copy_(torch.where(active.unsqueeze(1), stats, Wb))
         payloads = form.end(ch)
         W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
+        for mod in self.bns.values():          # one more batch per client step, as the shared model counts
+            if mod.num_batches_tracked is not None:
+                mod.num_batches_tracked.add_(sum(steps))
         torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
@@ -308,7 +422,7 @@ class BatchedExecutor:
             try:
                 payload = payload_of(pos)
                 why = None if self.parts[cid].numel() > 0 else "empty"
-                why = why or self.form.client_reason(payload)
+                why = why or self.single_sample_batch(cid) or self.form.client_reason(payload)
             except Exception:  # noqa: BLE001 - the sequential loop meets it again and applies the policy
                 payload, why = None, "payload"
             if why is None:
