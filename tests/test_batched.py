@@ -393,14 +393,62 @@ def test_config_excludes_workers():
         cfg.validate()
 
 
-def test_auto_chunk_from_free_cuda_memory(monkeypatch):
-    from fedkernels.sim.batched import auto_chunk
-    assert auto_chunk(torch.device("cpu"), 10_000, 32, 64, 17, True) == 17      # the CPU: the whole round
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (8 * 2**20, 16 * 2**20))
-    per = 4 * (5 * 10_000 + 64 * 32 * 64)                                      # bytes per client (estimate)
-    assert auto_chunk(torch.device("cuda"), 10_000, 32, 64, 100, True) == (4 * 2**20) // per
-    assert auto_chunk(torch.device("cuda"), 10**9, 32, 64, 100, True) == 1     # never less than one client
-    assert auto_chunk(torch.device("cuda"), 10, 1, 1, 7, False) == 7           # never more than the round
+def test_chunk_size_from_free_memory():
+    from fedkernels.errors import RunError
+    from fedkernels.sim.batched import chunk_size, client_bytes
+    per = client_bytes(10_000, 9_000, 300_000, momentum=True)
+    assert per == 4 * (3 * 10_000 + 9_000) + 300_000                   # G, its accumulation, momentum; activations
+    assert client_bytes(10_000, 9_000, 0, momentum=False, rho=True) == 4 * 4 * 10_000
+    assert chunk_size(8 * 2**20, per, 100) == (4 * 2**20) // per        # half the free memory
+    assert chunk_size(8 * 2**30, per, 100) == 100                      # never more than the round
+    assert chunk_size(None, per, 17) == 17                             # free memory unknown: the whole round
+    with pytest.raises(RunError, match=r"clients_at_once=auto: one client needs about 0.4 MiB .* on cuda:0 "
+                                       r"and 0.5 MiB are free"):
+        chunk_size(2**19, per, 100, "cuda:0")
+
+
+def test_free_memory_on_the_cpu_is_the_available_ram():
+    from fedkernels.sim.batched import free_memory
+    free = free_memory(torch.device("cpu"))
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            avail = [int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:")][0]
+        assert abs(free - avail) < max(avail // 4, 2**26)               # (the kernel's figure moves meanwhile)
+
+
+def test_auto_sizes_chunks_each_round_and_stops_when_one_client_does_not_fit(monkeypatch):
+    """auto, as on CUDA (here on the CPU, with a pretended free memory): chunks sized from the free memory
+    round by round; a client that does not fit stops the run with one line, at set-up or in a later round."""
+    import fedkernels.sim.batched as B
+    from fedkernels.errors import RunError
+    free = {"bytes": 2**40}
+    monkeypatch.setattr(B, "AUTO_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(B, "free_memory", lambda dev: free["bytes"])
+    spy, chunks = B.BatchedExecutor._train_chunk, []
+
+    def train_chunk(self, r, items, f):      # after round 1's chunk: room for 1.5 clients
+        chunks.append(len(items))
+        free["bytes"] = 3 * self.per_client // 2 * 2
+        return spy(self, r, items, f)
+    monkeypatch.setattr(B.BatchedExecutor, "_train_chunk", train_chunk)
+    s, _ = sim("rounds=2")
+    assert s.batched is not None and chunks == [4, 1, 1, 1, 1], chunks
+    s1, _ = sim("rounds=2", "clients_at_once=off")
+    torch.testing.assert_close(s.global_flat, s1.global_flat, rtol=1e-4, atol=2e-6)
+    free["bytes"] = 2**10                     # at set-up
+    with pytest.raises(RunError, match=r"^clients_at_once=auto: one client needs about .* MiB of working memory"):
+        sim("rounds=1")
+    chunks.clear()
+    free["bytes"] = 2**40
+
+    def shrink(self, r, items, f):            # in round 2
+        chunks.append(len(items))
+        free["bytes"] = 2**10
+        return spy(self, r, items, f)
+    monkeypatch.setattr(B.BatchedExecutor, "_train_chunk", shrink)
+    with pytest.raises(RunError, match="one client needs about"):
+        sim("rounds=2")
+    assert chunks == [4]
 
 
 def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
@@ -417,3 +465,14 @@ def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
     s, _ = sim("clients_at_once=4", "algorithm.name=fedecado", "clients_per_round=3", *HETERO)
     assert chunks == [(1, [0, 2, 3]), (2, [0]), (2, [3])], chunks
     assert s.metrics[2]["clients"] == [0, 1, 3] and s.metrics[2]["num_updates"] == 3
+
+
+def test_the_chunk_trains_in_the_rows_of_the_update_buffer(monkeypatch):
+    """No [C, d] copy: the stacked weights are the buffer's rows, turned into the updates in place."""
+    from fedkernels.algorithms.base import BatchedRule
+    seen = []
+    orig = BatchedRule.begin
+    monkeypatch.setattr(BatchedRule, "begin", lambda self, ch: (seen.append(ch.W), orig(self, ch))[-1])
+    s, _ = sim("clients_at_once=4", "rounds=1")
+    W = seen[0]
+    assert W.untyped_storage().data_ptr() == s.buf.data.untyped_storage().data_ptr() and W.data_ptr() == s.buf.data.data_ptr()

@@ -55,8 +55,12 @@ order, with the rows written into ``sim.buf`` in that order. Clients that cannot
 :class:`~fedkernels.sim.executors.SequentialExecutor` in their place in the schedule.
 
 ``clients_at_once`` (config): ``off``; ``N``: batched in chunks of N clients; ``auto`` (default):
-batched on CUDA in chunks of as many clients as half the free memory holds by an estimate of
-(weights, gradients, momentum, activations) per client (:func:`auto_chunk`), sequential on the CPU
+batched on CUDA in chunks of as many clients as half the free memory holds (:func:`free_memory`:
+CUDA's mem_get_info, the CPU's MemAvailable; :func:`chunk_size`, sized again every round), each client
+costing :func:`client_bytes`: its gradient and autograd's accumulation of it, its momentum, and the
+bytes autograd saves for one of its batches, measured once at set-up (its weights are its row of the
+update buffer, allocated anyway). If not even one client fits, the run stops with one line (RunError);
+with ``N`` clients that do not fit, one warning line. Sequential on the CPU
 (on 2 shared cores, ``python -m bench.sim_compare --executors``: 0.9x for the 4-client smoke preset,
 1.2-2.5x for the 10-client digits presets; bench/results/sim-executors-cpu.json). GPU speed is not
 measured yet. A chunk runs as many steps as its longest client (the others are masked): with very
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -75,6 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..errors import RunError
 from ..algorithms.base import BatchedRule, Chunk, ClientRule
 from .client import BadClientError, client_seed
 from .executors import SequentialExecutor, client_failed
@@ -128,6 +134,7 @@ def batch_reason(cfg, model: nn.Module, rule: Optional[ClientRule], transform, c
     return rule_reason(rule, t.steps is not None)
 
 
+AUTO_DEVICES = ("cuda",)          # where clients_at_once=auto trains batched (elsewhere: sequential)
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
@@ -163,15 +170,43 @@ def masked_batch_norm(mod: nn.Module, x: torch.Tensor, m: torch.Tensor):
     return y, (rm, rv)
 
 
-def auto_chunk(device: torch.device, d: int, batch: int, sample_numel: int, K: int, momentum: bool,
-               element_size: int = 4) -> int:
-    """Clients per chunk: all K on the CPU; on CUDA as many as half the free memory holds by the
-    estimate (weights + gradients + step temporaries (+ momentum)) * d + 64 activations per input value."""
-    if device.type != "cuda":
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes free for a chunk on ``device``: CUDA's ``mem_get_info``; on the CPU the kernel's
+    MemAvailable (/proc/meminfo), else the available physical pages; None when nothing says."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def client_bytes(d: int, dp: int, activations: int, momentum: bool, rho: bool = False, element_size: int = 4) -> int:
+    """Working memory of one client of a chunk beyond its row of the update buffer (its weights): the
+    gradient (two with FedPGVC's rho) and autograd's accumulation of it (2 d), the momentum of the
+    parameters (dp), and ``activations``, the bytes autograd saves for one batch (measured at set-up)."""
+    return element_size * ((2 + (2 if rho else 1)) * d + (dp if momentum else 0)) + int(activations)
+
+
+def chunk_size(free: Optional[int], per_client: int, K: int, device: Any = "", fraction: float = 0.5) -> int:
+    """Clients per chunk (``clients_at_once=auto``): as many as ``fraction`` of the free bytes hold at
+    ``per_client`` bytes each, at most K (all K when the free memory is unknown). Raises RunError
+    (one line) when not even one client fits."""
+    if free is None:
         return K
-    free, _ = torch.cuda.mem_get_info(device)
-    per = element_size * ((4 + int(momentum)) * d + 64 * batch * sample_numel)
-    return max(1, min(K, int(0.5 * free) // max(per, 1)))
+    n = int(fraction * free) // max(int(per_client), 1)
+    if n < 1:
+        raise RunError(f"clients_at_once=auto: one client needs about {per_client / 2**20:.1f} MiB of working "
+                       f"memory on {device or 'the device'} and {free / 2**20:.1f} MiB are free (the chunk may use "
+                       f"{fraction:.0%}); free memory, or train with clients_at_once=off")
+    return min(K, n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +256,7 @@ class BatchedExecutor:
                 return torch.stack([data, (wt * ce_m).sum() / cnt]), aux
             return data, aux
 
+        self._loss = loss
         return vmap(jacrev(loss, has_aux=True) if rho else grad(loss, has_aux=True))
 
     @contextlib.contextmanager
@@ -253,12 +289,26 @@ class BatchedExecutor:
         return G, ce, stats
 
     def probe(self) -> None:
-        """One vmapped gradient of two clients on one sample: raises if torch.func cannot run the model."""
+        """One vmapped gradient of two clients on one sample: raises if torch.func cannot run the model.
+        Then measures the bytes autograd saves for one client's batch (``per_client``, :func:`client_bytes`)."""
         W = self.sim.global_flat.detach().unsqueeze(0).expand(2, -1).contiguous()
         x = self.x[:1].unsqueeze(0).expand(2, *self.x[:1].shape)
         y = self.y[:1].unsqueeze(0).expand(2, 1)
         m = torch.ones(2, 1, dtype=W.dtype, device=W.device)
         self.grads(W, x, y, m)
+        B = min(int(self.train.batch_size), int(self.x.size(0)))
+        w = self.sim.global_flat.detach().clone().requires_grad_(True)
+        own, saved = w.untyped_storage().data_ptr(), [0]
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != own:       # the weights are the buffer's row: not counted
+                saved[0] += t.numel() * t.element_size()
+            return t
+        with self._bn_patch(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self._loss(w, self.x[:B], self.y[:B], torch.ones(B, dtype=w.dtype, device=w.device))
+        self.activation_bytes = saved[0]
+        self.per_client = client_bytes(self.spec.d, self.dp, saved[0], self.train.momentum > 0, self.form.needs_rho,
+                                       w.element_size())
 
     def single_sample_batch(self, cid: int) -> Optional[str]:
         """Why client ``cid`` trains sequentially under BatchNorm: a batch of one sample, which torch's
@@ -398,9 +448,8 @@ class BatchedExecutor:
         excluded: List[Any] = []
         error = None
         pending: List[Tuple[int, int, Dict[str, Any], float, int]] = []
-        cap = self.chunk or auto_chunk(sim.global_flat.device, self.spec.d, int(self.train.batch_size),
-                                       int(self.x[0].numel()), len(ids), self.train.momentum > 0,
-                                       sim.global_flat.element_size())
+        dev = sim.global_flat.device
+        cap = self.chunk or chunk_size(free_memory(dev), self.per_client, len(mine), dev)
 
         def flush():
             nonlocal error
@@ -456,7 +505,7 @@ def for_simulation(sim) -> Optional[BatchedExecutor]:
     v = cfg.clients_at_once
     if v is False or v == "off" or cfg.workers > 1 or getattr(cfg, "distributed", False):
         return None
-    if v == "auto" and sim.device.type != "cuda":
+    if v == "auto" and sim.device.type not in AUTO_DEVICES:
         return None
     chunk = None if v == "auto" else int(v)
     rule = sim.agg.client_rule()
@@ -471,5 +520,15 @@ def for_simulation(sim) -> Optional[BatchedExecutor]:
     if why is not None:
         log.warning("clients_at_once=%s: training clients one at a time: %s", v, why)
         return None
-    log.info("clients_at_once=%s: batched executor, chunks of %s clients", v, chunk or "auto")
+    dev = sim.global_flat.device
+    free, mib = free_memory(dev), ex.per_client / 2**20
+    if chunk is None:
+        fits = chunk_size(free, ex.per_client, sim.per_round, dev)      # RunError when not even one client fits
+        log.info("clients_at_once=auto: batched executor, chunks of up to %d clients (%.1f MiB each, %s MiB free)",
+                 fits, mib, "?" if free is None else f"{free / 2**20:.0f}")
+    elif free is not None and chunk * ex.per_client > free:
+        log.warning("clients_at_once=%d: %d clients need about %.0f MiB of working memory on %s, %.0f MiB are "
+                    "free: a smaller N (or auto) avoids running out", chunk, chunk, chunk * mib, dev, free / 2**20)
+    else:
+        log.info("clients_at_once=%d: batched executor (%.1f MiB per client)", chunk, mib)
     return ex
