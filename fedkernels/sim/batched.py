@@ -64,8 +64,9 @@ bytes autograd saves for one of its batches, measured once at set-up (its weight
 update buffer, allocated anyway). If not even one client fits, the run stops with one line (RunError);
 with ``N`` clients that do not fit, one warning line. Sequential on the CPU
 (on 2 shared cores, ``python -m bench.sim_compare --executors``: 0.9x for the 4-client smoke preset,
-1.2-2.5x for the 10-client digits presets; bench/results/sim-executors-cpu.json). GPU speed is not
-measured yet. A chunk runs as many steps as its longest client (the others are masked): with very
+1.1-2.0x for the 10-client digits MLP presets, 0.9x for a BatchNorm ResNet-18 of width 8 on digits,
+whose vmapped convolutions gain nothing on the CPU; bench/results/sim-executors-cpu.json). GPU speed
+is not measured yet. A chunk runs as many steps as its longest client (the others are masked): with very
 unequal step counts, part of the work is padding.
 """
 from __future__ import annotations
