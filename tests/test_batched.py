@@ -255,6 +255,21 @@ def test_batchnorm_statistics_are_carried_per_client(name, net):
                 torch.testing.assert_close(v, s2.agg.state_dict()[k], rtol=1e-4, atol=1e-5)
 
 
+class BNNoBiasNet(BNNet):
+    def __init__(self, num_classes):
+        super().__init__(num_classes)
+        self.conv = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+
+
+@pytest.mark.parametrize("name", ["fedpgvc-hadamard", "fedpgvc-layer_normalize", "kuramoto-C", "fedecado"])
+def test_batchnorm_with_the_other_rules(name):
+    """FedPGVC's rho (a jacobian), its per-layer normalisation, Kuramoto's gradient norm, FedECADO's flows.
+    (No conv bias before the BatchNorm: that bias's gradient is 0 up to rounding, which layer_normalize
+    scales to tau, so both executors would step it by different rounding noise.)"""
+    s1, s2 = same_run(*METHODS[name], model_fn=lambda nc, c, s: BNNoBiasNet(nc), parts=_bn_parts())
+    _same_statistics(s1, s2)
+
+
 @pytest.mark.parametrize("method,steps", [("fedavg", 2), ("scaffold", 1)])
 def test_resnet18_batchnorm_trains_batched(method, steps):
     """models.py's ResNet-18 with norm=bn (width 4, so it runs in seconds), few local steps: on 8x8
