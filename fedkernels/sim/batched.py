@@ -75,7 +75,6 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
