@@ -44,8 +44,12 @@ Executor mode (issue #29): ``--executors [--device cpu|cuda] [--presets a,b] [--
 [--chunk round|auto|N]`` runs fedkernels itself on presets (default: the MLP presets whose data are
 bundled) with the sequential executor (``clients_at_once=off``) and the batched one (chunks of the
 whole round by default), interleaved N times in one process, and reports the median local-training
-time per round (round 1, the warm-up, left out), the ratio and the largest difference of the final
-global models. Writes bench/results/sim-executors-<device>.json.
+time per round (round 1, the warm-up, left out), the ratio, the largest difference of the final
+global models, the evaluation time of the last round (``sim/evaluate.py``) and the batched executor's
+working memory per client (``client_bytes``, with the activations it measured). Besides presets it
+runs the named cases of ``EXECUTOR_CASES`` (a preset with overrides: ``kuramoto-digits-bn``, a
+BatchNorm ResNet-18 of width 8, whose running statistics the batched executor carries per client).
+Writes bench/results/sim-executors-<device>.json.
 """
 from __future__ import annotations
 
@@ -526,7 +530,11 @@ def loadavg() -> List[float]:
     return [float(v) for v in open("/proc/loadavg").read().split()[:3]]
 
 
-EXECUTOR_PRESETS = "smoke,kuramoto-digits,fedpgvc-digits,fedaware-digits"
+EXECUTOR_CASES: Dict[str, Any] = {      # name: (preset, overrides)
+    "kuramoto-digits-bn": ("kuramoto-digits", ["model.options={}", "model.name=resnet18_gn", "model.options.norm=bn",
+                                               "model.options.width=8"]),
+}
+EXECUTOR_PRESETS = "smoke,kuramoto-digits,fedpgvc-digits,fedaware-digits,kuramoto-digits-bn"
 
 
 def executors(presets_: str, device: str, rounds: int, repeat: int, chunk: str, threads: Optional[int],
@@ -540,34 +548,42 @@ def executors(presets_: str, device: str, rounds: int, repeat: int, chunk: str, 
     from fedkernels.sim.server import Simulation
     rows = []
     for name in presets_.split(","):
-        per_round = P.get(name).per_round()
+        preset, extra = EXECUTOR_CASES.get(name, (name, []))
+        per_round = P.get(preset).per_round()
         batched = per_round if chunk == "round" else chunk
         res: Dict[str, List[float]] = {"off": [], "batched": []}
+        t_eval: Dict[str, List[float]] = {"off": [], "batched": []}
         final: Dict[str, Any] = {}
+        memory = None
         try:
             for rep in range(max(1, repeat)):
                 for ex in ("off", "batched"):
-                    ov = [f"rounds={rounds}", f"eval_every={rounds}", "client_loss=none", f"device={device}",
+                    ov = [f"rounds={rounds}", f"eval_every={rounds}", "client_loss=participants", f"device={device}",
                           "plots=false", "verbose=false", "progress=false",
-                          f"clients_at_once={'off' if ex == 'off' else batched}"]
-                    cfg = apply_overrides(P.get(name), ov + ([f"threads={threads}"] if threads else []))
+                          f"clients_at_once={'off' if ex == 'off' else batched}", *extra]
+                    cfg = apply_overrides(P.get(preset), ov + ([f"threads={threads}"] if threads else []))
                     sim = Simulation(cfg, write_outputs=False)
                     summ = sim.run()
                     if (sim.batched is not None) != (ex == "batched"):
                         raise RuntimeError(f"{name}: the {ex} executor did not run (see the warning above)")
                     t = [m["t_local"] for m in sim.metrics[1:]] or [sim.metrics[0]["t_local"]]
                     res[ex].append(statistics.median(t))
+                    t_eval[ex].append(sim.metrics[-1]["t_eval"])
                     final[ex] = (sim.global_flat.detach().cpu(), summ.get("final_accuracy"))
+                    if sim.batched is not None:
+                        memory = {"per_client_mib": sim.batched.per_client / 2**20,
+                                  "activations_mib": sim.batched.activation_bytes / 2**20, "d": sim.spec.d}
         except DatasetNotFoundError as e:
             print(f"{name}: skipped ({str(e).splitlines()[0][:120]})", file=sys.stderr)
             continue
         a, b = statistics.median(res["off"]), statistics.median(res["batched"])
-        rows.append({"preset": name, "clients_per_round": per_round, "chunk": batched, "rounds": rounds,
-                     "t_local_round_s": {"sequential": a, "batched": b}, "speedup": a / b,
+        rows.append({"preset": name, "overrides": extra, "clients_per_round": per_round, "chunk": batched,
+                     "rounds": rounds, "t_local_round_s": {"sequential": a, "batched": b}, "speedup": a / b,
                      "all_s": res, "max_abs_diff_final": float((final["off"][0] - final["batched"][0]).abs().max()),
-                     "final_accuracy": {"sequential": final["off"][1], "batched": final["batched"][1]}})
+                     "final_accuracy": {"sequential": final["off"][1], "batched": final["batched"][1]},
+                     "t_eval_s": {k: statistics.median(v) for k, v in t_eval.items()}, "batched_memory": memory})
         print(f"| {name} | {per_round} | {a * 1e3:.1f} ms | {b * 1e3:.1f} ms | x{a / b:.2f} | "
-              f"{rows[-1]['max_abs_diff_final']:.2e} |", flush=True)
+              f"{rows[-1]['max_abs_diff_final']:.2e} | {statistics.median(t_eval['off']) * 1e3:.1f} ms |", flush=True)
     doc = {"bench": "sim_compare --executors", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "device": device, "machine": {"cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
                                          "platform": platform.platform(), "loadavg": loadavg(),
@@ -613,9 +629,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if a.rounds < 1:
             ap.error(f"--rounds: expected an integer >= 1, got {a.rounds}")
         from fedkernels.sim import presets as P
-        bad = [x for x in a.presets.split(",") if x not in P.names()]
+        bad = [x for x in a.presets.split(",") if x not in P.names() and x not in EXECUTOR_CASES]
         if bad:
-            ap.error(f"--presets: {bad[0]!r} is not a preset (fedkernels presets lists them)")
+            ap.error(f"--presets: {bad[0]!r} is neither a preset (fedkernels presets lists them) nor one of "
+                     f"{', '.join(EXECUTOR_CASES)}")
         return executors(a.presets, a.device, a.rounds, a.repeat, a.chunk if not a.chunk.isdigit() else int(a.chunk),
                          a.threads, output_path(a.out, f"sim-executors-{a.device}.json"))
     for opt, given, valid in (("--tasks", a.tasks, TASKS), ("--runners", a.runners, RUNNERS),

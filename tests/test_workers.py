@@ -256,8 +256,7 @@ def test_evaluation_in_the_workers_bit_identical(monkeypatch):
 
     def not_here(*a, **k):
         raise AssertionError("workers>1 evaluates in the worker processes, not in the main one")
-    monkeypatch.setattr("fedkernels.sim.server.evaluate", not_here)
-    monkeypatch.setattr("fedkernels.sim.server.client_losses", not_here)
+    monkeypatch.setattr("fedkernels.sim.evaluate.evaluate_global", not_here)
     for w in ("workers=2", "workers=3"):
         s, _ = run(smoke(w, *extra))
         assert strip(s.metrics) == ref

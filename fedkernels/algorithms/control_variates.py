@@ -140,12 +140,18 @@ class ControlVariateRule(ClientRule):
             div *= momentum_steps(K, self.momentum) / K
         y = self.spec.flatten(model).to(device=x.device, dtype=x.dtype)
         dc = control_delta(gather_ranges(x, self.ranges), gather_ranges(y, self.ranges), ctx.payload.get("c"), div)
-        if self.ranges == [(0, self.spec.d)]:
-            for e in self.spec.entries:                       # buffers carry no control variate
-                if e.is_buffer:
-                    dc[e.slice] = 0
-        out["delta_c"] = dc
+        out["delta_c"] = clear_buffers_(dc, self.spec, self.ranges)
         return out
+
+
+def clear_buffers_(dc: torch.Tensor, spec, ranges) -> torch.Tensor:
+    """Buffers (BatchNorm statistics) carry no control variate: zeroes their columns of delta_c
+    ([d_c] or [C, d_c]) when the controlled range is all of d; returns dc."""
+    if ranges == [(0, spec.d)]:
+        for e in spec.entries:
+            if e.is_buffer:
+                dc[..., e.slice] = 0
+    return dc
 
 
 class ControlVariateBatched(BatchedRule):
@@ -193,6 +199,7 @@ class ControlVariateBatched(BatchedRule):
         dc = (xs.unsqueeze(0) - Y).div_(div.to(device=Y.device, dtype=Y.dtype).unsqueeze(1))
         if self.c is not None:
             dc.sub_(self.c.to(device=dc.device, dtype=dc.dtype))
+        clear_buffers_(dc, self.spec, self.ranges)
         return [{agg.steps_key: int(k), "delta_c": dc[i]} for i, k in enumerate(ch.steps)]
 
 

@@ -428,24 +428,28 @@ class ResNetGN(nn.Module):
     Every norm is GroupNorm(32, C) by default (``norm="bn"`` for BatchNorm). Layer names follow
     torchvision (conv1, bn1, layer1..4, fc). ResNet-18 [2,2,2,2]: 11,220,132 params for 100 classes
     (62 tensors); ResNet-34 [3,4,6,3]: 21,328,292. Global average pooling equals FedAWARE's
-    avg_pool2d(4) on 32x32 input and also works on 64x64 (TinyImageNet).
+    avg_pool2d(4) on 32x32 input and also works on 64x64 (TinyImageNet). ``width``: the first stage's
+    width (64, the papers'; the stages are width x 1/2/4/8), smaller for CPU stand-ins and tests.
     """
 
     def __init__(self, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 100,
-                 in_channels: int = 3, input_size: int = 32, norm: str = "gn", groups: int = 32):
+                 in_channels: int = 3, input_size: int = 32, norm: str = "gn", groups: int = 32,
+                 width: int = 64):
         super().__init__()
         _check_size("resnet", input_size, 8)
-        self.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-        self.bn1 = _norm(norm, 64, groups)
-        cin = 64
-        for i, (w, n) in enumerate(zip((64, 128, 256, 512), blocks)):
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"width must be an integer >= 1, got {width!r}")
+        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=1, padding=1, bias=False)
+        self.bn1 = _norm(norm, width, groups)
+        cin = width
+        for i, (w, n) in enumerate(zip((width, 2 * width, 4 * width, 8 * width), blocks)):
             stride = 1 if i == 0 else 2
             layer = []
             for b in range(n):
                 layer.append(BasicBlock(cin, w, stride if b == 0 else 1, norm, groups))
                 cin = w
             setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(8 * width, num_classes)
         self.reset_spec_init()
 
     def reset_spec_init(self):
@@ -541,7 +545,7 @@ def build_model(name: str, num_classes: int, in_channels: int = 1, input_size: i
     [in_channels, input_size, input_size] (MLP / logreg: ``in_features=F`` for [N, F] rows).
 
     Extra keywords go to the builder: ``init`` ("torch" | "kaiming" | "model"), ``hidden`` (MLPs),
-    ``dropout`` (VGGs), ``norm`` / ``groups`` (ResNets).
+    ``dropout`` (VGGs), ``norm`` / ``groups`` / ``width`` (ResNets).
     Aliases: cnn_mnist / cnn_cifar -> fedavg_cnn, cnn5_cifar -> lenet5, resnet18 -> resnet18_gn,
     vgg11_tv -> vgg11, mlp_emnist -> mlp_gcfed, logistic -> logreg.
     """

@@ -532,10 +532,10 @@ class Simulation:
         elsewhere = getattr(self.executor, "evaluate", None)
         if elsewhere is not None:   # e.g. in the worker processes, batch by batch (the same numbers)
             acc, tl, cl = elsewhere(r, cfg.eval_batch_size, who)
-        else:
-            acc, tl = evaluate(self.model, self.xt, self.yt, cfg.eval_batch_size)
-            cl = None if who is None else client_losses(self.model, self.x, self.y, self.parts, who,
-                                                        cfg.eval_batch_size)
+        else:       # on the device, one host transfer (sim/evaluate.py)
+            from .evaluate import evaluate_global
+            acc, tl, cl = evaluate_global(self.model, self.xt, self.yt, cfg.eval_batch_size, self.x, self.y,
+                                          self.parts, who)
         m.update(accuracy=acc, test_loss=tl)
         if who is not None:
             if cl:
