@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .base import AggResult, BatchedRule, ClientContext, ClientRule, RoundInput, register
+from .base import AggResult, BatchedRule, ClientContext, ClientRule, RoundInput, payload_numbers, register, rows_where
 from .fedavg import FedAvg
 from .parts import momentum_steps, optimizer_lr_momentum
 
@@ -99,7 +99,37 @@ class FedNova(FedAvg):
             return f"payload 'momentum' must lie in [0, 1), got {payload.get('momentum')!r}"
         return None
 
+    def _columns(self, payloads):
+        """(a_norm, tau, rho) over the round ([K] float64; a_norm NaN where not sent), or None when some
+        entry is not a plain number."""
+        cols = (payload_numbers(payloads, "a_norm"), payload_numbers(payloads, "local_steps"),
+                payload_numbers(payloads, "momentum", self.local_momentum))
+        return None if any(c is None for c in cols) else cols
+
+    def suspect_payloads(self, payloads):
+        rows, cols = super().suspect_payloads(payloads), self._columns(payloads)
+        if rows is None or cols is None:
+            return None
+        a, tau, rho = cols
+        sent = [k for k, p in enumerate(payloads) if "a_norm" in p]     # (a sent NaN is NaN too)
+        ok = torch.isfinite(tau) & (tau > 0) & (rho >= 0) & (rho < 1)
+        if sent:
+            has_a = torch.zeros(len(payloads), dtype=torch.bool)
+            has_a[sent] = True
+            ok = torch.where(has_a, torch.isfinite(a) & (a > 0), ok)
+        return rows + rows_where(~ok)
+
     def a_norms(self, rin: RoundInput) -> torch.Tensor:
+        cols = self._columns(rin.payloads)
+        if cols is not None:                  # whole-round: a = a_norm if sent, else ||a(tau, rho)||_1
+            a, tau, rho = cols
+            out = torch.where(torch.isnan(a), tau, a)
+            mom = torch.isnan(a) & (rho != 0)
+            if bool(mom.any()):               # the closed form, once per distinct (tau, rho)
+                pairs = torch.stack([tau[mom], rho[mom]], 1).tolist()
+                memo = {tr: momentum_steps(*tr) for tr in set(map(tuple, pairs))}
+                out[mom] = torch.tensor([memo[tuple(tr)] for tr in pairs], dtype=torch.float64)
+            return out
         out = []
         for pl in rin.payloads:
             if "a_norm" in pl:

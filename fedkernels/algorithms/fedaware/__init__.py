@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import AggResult, Aggregator, RoundInput, register
+from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
 from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
 
@@ -115,17 +115,17 @@ class FedAWARE(Aggregator):
 
     def _update_momenta(self, rin: RoundInput) -> None:
         M, a = self.M, self.alpha
-        idx = torch.tensor(rin.client_ids, dtype=torch.long)
-        rows, urows = M.unbind(0), rin.U.to(M.device).unbind(0)     # views: no K x d copy on one device
-        first = (~self.seen.index_select(0, idx)).tolist() if self.init == "first_update" else [False] * rin.K
-        new = [j for j, f in enumerate(first) if f]
-        old = [j for j, f in enumerate(first) if not f]
-        if new:                                              # m_i := U_i at first participation
-            torch._foreach_copy_([rows[rin.client_ids[j]] for j in new], [urows[j] for j in new])
-        if old:                                              # m_i <- (1 - a) m_i + a U_i: two foreach ops
-            sel = [rows[rin.client_ids[j]] for j in old]
-            torch._foreach_mul_(sel, 1.0 - a)
-            torch._foreach_add_(sel, [urows[j] for j in old], alpha=a)
+        idx = id_tensor(rin.client_ids)
+        U = rin.U.to(M.device)
+        first = ~self.seen.index_select(0, idx) if self.init == "first_update" else None
+        old = idx
+        if first is not None and bool(first.any()):          # m_i := U_i at first participation
+            new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
+            M.index_copy_(0, idx[new_j].to(M.device), U.index_select(0, new_j.to(M.device)).to(M.dtype))
+            old, U = idx[old_j], U.index_select(0, old_j.to(M.device))
+        if old.numel():                                      # m_i <- (1 - a) m_i + a U_i on the k rows:
+            i = old.to(M.device)                             # gather, two in-place ops, scatter back
+            M.index_copy_(0, i, M.index_select(0, i).mul_(1.0 - a).add_(U, alpha=a))
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
         Gr = ops.gram(M, rows=idx).to("cpu")                 # [k, N] fp64

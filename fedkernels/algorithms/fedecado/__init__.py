@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, register
+from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
+                    payload_numbers, register)
 from ..parts import check_choice
 from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
                       integrator_options, split_flat)
@@ -217,7 +218,7 @@ class FedECADO(FederationTables, Aggregator):
                 at = torch.tensor([c for c, _ in got], dtype=torch.long)
                 self.hbar_tab[at] = torch.tensor([h for _, h in got], dtype=torch.float64).clamp_min(0.0)
                 self.hbar_known[at] = True
-        ids = torch.tensor(rin.client_ids, dtype=torch.long)
+        ids = id_tensor(rin.client_ids)
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
@@ -234,14 +235,15 @@ class FedECADO(FederationTables, Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         dev = rin.U.device
-        ids = torch.tensor(rin.client_ids, dtype=torch.long, device=dev)
-        T = [float(p["T"]) for p in rin.payloads]
+        ids = id_tensor(rin.client_ids, dev)
+        T_col = payload_numbers(rin.payloads, "T")
+        T = T_col.tolist() if T_col is not None else [float(p["T"]) for p in rin.payloads]
         Tmax = max(T)
         ratio = Tmax / min(T)
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
             T = [Tmax] * len(T)
         hbar = self._hbar_for(rin)
-        w = self.w[torch.tensor(rin.client_ids, dtype=torch.long)]
+        w = self.w[ids.cpu()]
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
