@@ -87,6 +87,20 @@ def rows_where(mask: torch.Tensor) -> List[int]:
     return mask.nonzero().reshape(-1).tolist()
 
 
+class _FlagOwners:
+    """Whose payload tensor each NaN/Inf flag of a round screens: segments (key, rows), expanded to
+    one (row, key) per flag only when a flag is bad (``pairs``)."""
+
+    def __init__(self, pairs: Sequence[Tuple[int, str]] = ()) -> None:
+        self.segs: List[Tuple[str, Sequence[int]]] = [(key, [k]) for k, key in pairs]
+
+    def add(self, key: str, rows: Sequence[int]) -> None:
+        self.segs.append((key, rows))
+
+    def pairs(self) -> List[Tuple[int, str]]:
+        return [(k, key) for key, rows in self.segs for k in rows]
+
+
 class AggResult(NamedTuple):
     params: torch.Tensor   # the new global flat vector
     info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
@@ -392,10 +406,11 @@ class Aggregator(abc.ABC):
         if bad.numel() and rin.U.dtype == torch.float64:
             bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
         reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
-        if pp is not None:
-            for j in (~host[1 + K:]).nonzero().reshape(-1).tolist():
-                k, key = pp[1][j]
-                reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
+        pairs = pp[1].pairs() if bad_pl else []
+        for j in bad_pl:
+            k, key = pairs[j]
+            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
         if reasons:
             raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
                                            reasons, rin.excluded))
@@ -415,13 +430,14 @@ class Aggregator(abc.ABC):
             for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
             excluded = list(excluded) + new
-            fl, where = self._pending_payload if self._pending_payload is not None else (None, [])
+            fl, owners = self._pending_payload if self._pending_payload is not None else (None, _FlagOwners())
             if fl is not None:
                 # deferred payload flags follow their clients to the new row numbers
                 at = {k: i for i, k in enumerate(keep)}
+                where = owners.pairs()
                 sel = [j for j, (k, _) in enumerate(where) if k in at]
                 self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
-                                         [(at[where[j][0]], where[j][1]) for j in sel])
+                                         _FlagOwners([(at[where[j][0]], where[j][1]) for j in sel]))
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
             updates = updates.index_select(0, idx)
             n = n[keep]
@@ -490,7 +506,7 @@ class Aggregator(abc.ABC):
 
     _defer_global = False                              # set by aggregate() around validate (screen_in_pass)
     _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
-    _pending_payload: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]] = None  # (flags, where)
+    _pending_payload: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]] = None  # (flags, their owners)
 
     def _global_nan(self) -> ValueError:
         return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
@@ -512,9 +528,8 @@ class Aggregator(abc.ABC):
         flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
         if rows:
             flags.append(ops.finite_rows(U))                                   # [K]
-        where: List[Tuple[int, str]] = []     # (row, key) of each payload flag
+        where, where_other = _FlagOwners(), _FlagOwners()   # whose payload each flag screens
         other: List[torch.Tensor] = []        # flags on another device than U's (copied after flags)
-        where_other: List[Tuple[int, str]] = []
         for key in self.screened_payload_keys:
             S = self._stack_payloads(payloads, key) if K else None
             if S is not None:
@@ -522,7 +537,7 @@ class Aggregator(abc.ABC):
                 if S[0].numel():                                               # (empty ones are finite)
                     ok = ops.finite_rows(S.reshape(K, -1))
                     (flags if S.device == dev else other).append(ok)
-                    (where if S.device == dev else where_other).extend(zip(range(K), [key] * K))
+                    (where if S.device == dev else where_other).add(key, range(K))
                 continue
             # ragged, mixed or missing: the floating tensors among them, max |x| per tensor
             # (NaN/Inf iff x has a NaN/Inf); what is missing or not a tensor is check_payload's
@@ -536,8 +551,8 @@ class Aggregator(abc.ABC):
                     amax = torch.stack(torch._foreach_norm([v for _, v in kv], float("inf")))
                 ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
                 (flags if dv == dev else other).append(ok)
-                (where if dv == dev else where_other).extend((k, key) for k, _ in kv)
-        where += where_other
+                (where if dv == dev else where_other).add(key, [k for k, _ in kv])
+        where.segs += where_other.segs
         if self._defer_global and not other:
             # checked with the rows' flags after the screening pass (aggregate / _apply_flags)
             self._pending_global = flags[0]
@@ -556,8 +571,10 @@ class Aggregator(abc.ABC):
             pos += K
         for k in rows_where(~((n > 0) & torch.isfinite(n))):                   # host tensor, vectorised
             reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
-        for j in (~host[pos:]).nonzero().reshape(-1).tolist():
-            k, key = where[j]
+        bad = rows_where(~host[pos:])
+        pairs = where.pairs() if bad else []
+        for j in bad:
+            k, key = pairs[j]
             reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
         for k, r in self.check_payloads(payloads).items():                     # the method's own checks
             reasons.setdefault(k, r)

@@ -213,7 +213,8 @@ class FedECADO(FederationTables, Aggregator):
     # ---- the round ------------------------------------------------------------------------------------
     def _hbar_for(self, rin: RoundInput) -> torch.Tensor:
         if self._hbar_opt is None:            # the sent estimates: one indexed write
-            got = [(cid, float(p["hbar"])) for cid, p in zip(rin.client_ids, rin.payloads) if p.get("hbar") is not None]
+            hb = [p.get("hbar") for p in rin.payloads]
+            got = [(cid, float(h)) for cid, h in zip(rin.client_ids, hb) if h is not None] if hb.count(None) != len(hb) else []
             if got:
                 at = torch.tensor([c for c, _ in got], dtype=torch.long)
                 self.hbar_tab[at] = torch.tensor([h for _, h in got], dtype=torch.float64).clamp_min(0.0)
@@ -247,8 +248,9 @@ class FedECADO(FederationTables, Aggregator):
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
+        Ik_sum = Ik.sum(0, dtype=torch.float64)                    # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
-            S_off = (self.S_all - Ik.sum(0, dtype=torch.float64)).to(rin.U.dtype)
+            S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
         dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
         res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
@@ -262,7 +264,7 @@ class FedECADO(FederationTables, Aggregator):
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik.sum(0, dtype=torch.float64)   # no K x d temporary
+        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik_sum    # no K x d temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]

@@ -243,7 +243,8 @@ class FederationTables:
         if rows is None or T is None:
             return None
         rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
-        sent = [k for k, p in enumerate(payloads) if p.get("hbar") is not None]
+        hbar = [p.get("hbar") for p in payloads]
+        sent = [k for k, h in enumerate(hbar) if h is not None] if hbar.count(None) != len(hbar) else []
         if sent:
             h = payload_numbers([payloads[k] for k in sent], "hbar")
             if h is None:
