@@ -129,19 +129,21 @@ class FedAWARE(Aggregator):
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
         Gr = ops.gram(M, rows=idx).to("cpu")                 # [k, N] fp64
-        self.Gm[idx, :] = Gr
+        if idx.numel() < self.Gm.size(0):    # (when every client took part the column write covers it all)
+            self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
 
     def gram_matrix(self, active: torch.Tensor):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised)."""
-        G = self.Gm.index_select(0, active).index_select(1, active)
+        # every client active (active is sorted): the cached Gram itself, not two N x N copies
+        G = self.Gm if active.numel() == self.Gm.size(0) else self.Gm.index_select(0, active).index_select(1, active)
         norms = torch.diagonal(G).clamp_min(0).sqrt()
         if self.normalize:
             nz = torch.where(norms > 0, norms, torch.ones_like(norms))
-            G = G / nz[:, None] / nz[None, :]
+            G = G.div(nz[:, None]).div_(nz[None, :])
         else:
             nz = torch.ones_like(norms)
-        return 0.5 * (G + G.T), nz
+        return G.add(G.T).mul_(0.5), nz
 
     def _solve(self, G: torch.Tensor, active: torch.Tensor):
         lam0 = None
