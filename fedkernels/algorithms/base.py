@@ -26,7 +26,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
+from ..ops._checks import _float_dtype, _like, has_kernel, tracing  # tracing: also imported from here by the method modules
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -338,12 +338,9 @@ class Aggregator(abc.ABC):
         K = updates.size(0)
         if updates.size(1) != d:
             raise BadUpdateError(f"{self.name}.aggregate: updates has {updates.size(1)} columns, expected d={d} (len(global_flat))")
-        if updates.dtype != global_flat.dtype:
-            raise ValueError(f"{self.name}.aggregate: updates dtype {updates.dtype} != global_flat dtype {global_flat.dtype}")
-        if updates.device != global_flat.device:
-            raise ValueError(f"{self.name}.aggregate: updates on {updates.device} but global_flat on {global_flat.device}")
-        if not updates.dtype.is_floating_point:
-            raise ValueError(f"{self.name}.aggregate: updates and global_flat must have a floating dtype, got {updates.dtype}")
+        # the tensor rules of the op wrappers (ops._checks), checked here before any state is touched
+        _like(updates, f"{self.name}.aggregate", "updates", global_flat, "global_flat")
+        _float_dtype(updates, f"{self.name}.aggregate", "updates")
         # Counts, ids and payloads: whole-round conversions and checks (no Python call per client)
         try:
             n = host_float64(num_examples)
