@@ -224,3 +224,28 @@ def test_fednova_whole_round_a_norm_matches_the_formula():
                      list(range(len(pl))), pl)
     want = [momentum_steps(5, 0.5), momentum_steps(7, 0.9), 2.5, 3.0, momentum_steps(7, 0.9), momentum_steps(2, 0.5)]
     assert agg.a_norms(rin).tolist() == want
+
+
+@pytest.mark.parametrize("bad", ["row", "delta", "ragged"])
+def test_stacked_payloads_follow_the_clients_left_after_exclusion(bad):
+    """SCAFFOLD's delta_c are stacked once by the screen; when a client is dropped (a NaN row found
+    in the weighted-sum pass, a NaN delta, or deltas of mixed lengths) the round equals the round of
+    the other clients alone."""
+    from fedkernels import algorithms
+    g = torch.Generator().manual_seed(3)
+    K, d = 5, 6
+    U, D = torch.randn(K, d, generator=g), torch.randn(K, d, generator=g)
+    pl = [{"delta_c": D[k].clone(), "local_steps": 3} for k in range(K)]
+    if bad == "row":
+        U[2, 1] = float("nan")
+    elif bad == "delta":
+        pl[2]["delta_c"][0] = float("inf")
+    else:
+        pl[2]["delta_c"] = torch.zeros(d + 1)
+    a = algorithms.build("scaffold", on_bad_update="exclude", num_clients=8)
+    new, info = a.aggregate(torch.zeros(d), U, [1] * K, [0, 1, 2, 3, 4], pl)
+    keep = [0, 1, 3, 4]
+    b = algorithms.build("scaffold", num_clients=8)
+    want, _ = b.aggregate(torch.zeros(d), U[keep], [1] * 4, keep, [pl[k] for k in keep])
+    assert [e["client_id"] for e in info["excluded"]] == [2]
+    assert torch.equal(new, want) and torch.equal(a.c, b.c) and torch.equal(a.c_table, b.c_table)
