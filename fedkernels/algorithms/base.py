@@ -387,7 +387,7 @@ class Aggregator(abc.ABC):
         return ids
 
     def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
-                     pp: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]]) -> None:
+                     pp: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]]) -> None:
         """The rows' flags from a screening pass, with global_flat's and the payload tensors'
         (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
         starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
