@@ -237,12 +237,13 @@ class FedECADO(FederationTables, Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         dev = rin.U.device
         ids = id_tensor(rin.client_ids, dev)
-        T_col = payload_numbers(rin.payloads, "T")
-        T = T_col.tolist() if T_col is not None else [float(p["T"]) for p in rin.payloads]
-        Tmax = max(T)
-        ratio = Tmax / min(T)
+        T = payload_numbers(rin.payloads, "T")           # [K] float64 (host)
+        if T is None:                 # numbers as text, ...: one by one
+            T = torch.tensor([float(p["T"]) for p in rin.payloads], dtype=torch.float64)
+        Tmax = float(T.max())
+        ratio = Tmax / float(T.min())
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
-            T = [Tmax] * len(T)
+            T = torch.full_like(T, Tmax)
         hbar = self._hbar_for(rin)
         w = self.w[ids.cpu()]
         L = self._L_for(Tmax)

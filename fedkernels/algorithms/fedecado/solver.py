@@ -155,11 +155,10 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     """The server's integration over one round window [0, T_max] (spec §2.8 step 5-6, §9.1).
 
     xc0 [d]; I_act [K, d] the flows of the active clients at the round start (= I^k); U [K, d];
-    T, w, hbar: K floats. Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
+    T, w, hbar: K floats (sequences or tensors). Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
     solver="auto" uses the native fused attempt (be_step solver="fused") when it applies."""
-    Tl = [float(t) for t in T]
-    Tmax = max(Tl)
-    Tv = torch.tensor(Tl, dtype=torch.float64)       # theta's divisor, made once for every attempt
+    Tv = torch.as_tensor(T, dtype=torch.float64)    # theta's divisor, made once for every attempt
+    Tmax = float(Tv.max())
     wv = torch.as_tensor(w, dtype=torch.float64)
     hv = torch.as_tensor(hbar, dtype=torch.float64).clamp(min=0.0)
     dI = delta if delta_I is None else delta_I
