@@ -114,3 +114,16 @@ def test_fedavg_reads_updates_once_when_clean(monkeypatch):
     new, info = m2.aggregate(g, U, [1, 1, 1])                # = a round of rows 0 and 1 only
     assert torch.equal(new, g + 0.5 * v + torch.ones(6)) and info["excluded"][0]["client_id"] == 2
     assert (3, 6) not in shapes
+
+
+def test_updates_checked_against_global_flat_with_the_op_wording():
+    """Aggregator.validate words a dtype / device / dtype-kind mismatch as the op wrappers do
+    (ops._checks), naming updates and global_flat, before anything runs."""
+    agg = algorithms.build("fedavgm")
+    g = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"^fedavgm\.aggregate: updates must have dtype torch\.float32 \(the dtype "
+                                         r"of global_flat\), got torch\.float64$"):
+        agg.aggregate(g, torch.zeros(2, 4, dtype=torch.float64), [1, 1])
+    with pytest.raises(ValueError, match=r"^fedavgm\.aggregate: updates must have a floating dtype .*got torch\.int64$"):
+        agg.aggregate(g.long(), torch.zeros(2, 4, dtype=torch.long), [1, 1])
+    assert agg.momentum is None and agg.round == 0          # nothing ran

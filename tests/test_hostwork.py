@@ -117,3 +117,135 @@ def test_methods_read_U_once_per_pass(name):
         run()
     assert r.passes == ["fedkernels." + p for p in SCREEN_IN_PASS[name]], r.passes
 
+
+
+def _python_calls(K: int, name: str) -> collections.Counter:
+    """Python-level function calls (per function) of one aggregate of K clients (sys.setprofile)."""
+    import sys
+    (_, run, _), = aggregator_cases(K, spec_of(TINY), only={name})
+    calls: collections.Counter = collections.Counter()
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls[f"{frame.f_code.co_filename}:{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(prof)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("name", methods())
+def test_python_calls_per_aggregate_do_not_grow_with_clients(name):
+    """No Python function call per client (a per-client check_payload, a generator over the rows, a
+    per-client helper): the calls of one aggregate are the same for K = 10 and K = 200."""
+    small, large = _python_calls(10, name), _python_calls(200, name)
+    grown = {f: (small.get(f, 0), n) for f, n in large.items() if n > small.get(f, 0) + 2}
+    assert not grown, f"{name}: Python calls per aggregate grow with K (K=10 -> K=200): {grown}"
+    assert sum(large.values()) > 0
+
+
+def test_call_counter_sees_a_per_client_check():
+    """The counter catches what the test above forbids: a payload check called once per client."""
+    from fedkernels.algorithms.fedprox import FedProx
+    orig = FedProx.suspect_payloads
+    FedProx.suspect_payloads = lambda self, payloads: None          # every row checked one by one
+    try:
+        small, large = _python_calls(10, "fedprox"), _python_calls(200, "fedprox")
+    finally:
+        FedProx.suspect_payloads = orig
+    assert sum(large.values()) > sum(small.values()) + 100
+
+
+def test_every_payload_check_has_its_whole_round_form():
+    """A class that extends check_payload (the wording, one client) extends suspect_payloads (which
+    rows to check, whole-round) too, or its new rule would never run."""
+    from fedkernels.algorithms.base import _REGISTRY, Aggregator
+    for cls in set(_REGISTRY.values()):
+        for k in cls.__mro__:
+            if k is Aggregator or not issubclass(k, Aggregator):
+                continue
+            if "check_payload" in vars(k):
+                assert "suspect_payloads" in vars(k), f"{k.__name__} has check_payload but no suspect_payloads"
+
+
+def _payload_variants(d_c):
+    nan = float("nan")
+    good = {"local_steps": 5, "momentum": 0.5, "prox_mu": 0.01, "pgvc_skipped_steps": 0, "local_gc": 1,
+            "T": 0.1, "phase": 0.5, "delta_c": torch.zeros(d_c)}
+    bad = [{}, {"local_steps": 0}, {"local_steps": nan}, {"local_steps": "x"}, {"local_steps": "3"},
+           {"local_steps": torch.tensor(4.0)}, {"local_steps": torch.ones(2)}, {"momentum": 1.0}, {"momentum": -0.1},
+           {"a_norm": 2.0}, {"a_norm": 0.0}, {"a_norm": nan, "local_steps": 3}, {"prox_mu": 0.02}, {"prox_mu": None},
+           {"T": 0.0}, {"T": -1.0}, {"T": float("inf")}, {"T": "a"}, {"T": "0.5"}, {"hbar": 1.0}, {"hbar": nan},
+           {"phase": nan}, {"phase": "x"}, {"phase": None}, {"delta_c": torch.zeros(d_c + 1)}, {"delta_c": 3.0},
+           {"delta_c": None}, {"delta_c": torch.zeros(d_c, dtype=torch.float64)}]
+    out = []
+    for b in bad:
+        p = dict(good)
+        for k, v in b.items():
+            p[k] = v
+        if not b:
+            p = {}
+        out.append(p)
+    for key in good:            # each key missing alone
+        out.append({k: v for k, v in good.items() if k != key})
+    return [dict(good)] + out
+
+
+@pytest.mark.parametrize("name", methods() + ["kuramoto_C"])
+def test_whole_round_payload_checks_equal_the_per_client_rule(name):
+    """check_payloads (column checks picking the rows, check_payload wording them) rejects exactly the
+    rows that check_payload, called on every row, rejects, with the same reasons."""
+    from fedkernels import algorithms
+    from bench.cpu_hostwork import OPTIONS
+    opts = dict(OPTIONS.get(name, {}), **({"mode": "C"} if name == "kuramoto_C" else {}))
+    agg = algorithms.build("kuramoto" if name == "kuramoto_C" else name, **opts)
+    x = torch.zeros(spec_of(TINY).d)
+    agg.setup(spec_of(TINY), num_clients=64, global_flat=x)
+    if hasattr(agg, "_alloc"):
+        agg._alloc(x)
+    pl = _payload_variants(getattr(agg, "d_c", None) or 4)
+    every = {k: r for k, r in ((k, agg.check_payload(p)) for k, p in enumerate(pl)) if r}
+    agg._screen(x, torch.zeros(len(pl), x.numel()), torch.ones(len(pl), dtype=torch.float64), pl, False, False)
+    assert agg.check_payloads(pl) == every
+    assert not agg.check_payloads([pl[0]] * 5)        # the all-good round: nothing checked one by one
+
+
+def test_fednova_whole_round_a_norm_matches_the_formula():
+    from fedkernels.algorithms.fednova import FedNova
+    from fedkernels.algorithms.parts import momentum_steps
+    from fedkernels.algorithms.base import RoundInput
+    pl = [{"local_steps": 5}, {"local_steps": 7, "momentum": 0.9}, {"a_norm": 2.5, "local_steps": 1},
+          {"local_steps": 3, "momentum": 0.0}, {"local_steps": 7, "momentum": 0.9}, {"local_steps": 2}]
+    agg = FedNova(local_momentum=0.5)
+    rin = RoundInput(torch.zeros(3), torch.zeros(len(pl), 3), torch.ones(len(pl), dtype=torch.float64),
+                     list(range(len(pl))), pl)
+    want = [momentum_steps(5, 0.5), momentum_steps(7, 0.9), 2.5, 3.0, momentum_steps(7, 0.9), momentum_steps(2, 0.5)]
+    assert agg.a_norms(rin).tolist() == want
+
+
+@pytest.mark.parametrize("bad", ["row", "delta", "ragged"])
+def test_stacked_payloads_follow_the_clients_left_after_exclusion(bad):
+    """SCAFFOLD's delta_c are stacked once by the screen; when a client is dropped (a NaN row found
+    in the weighted-sum pass, a NaN delta, or deltas of mixed lengths) the round equals the round of
+    the other clients alone."""
+    from fedkernels import algorithms
+    g = torch.Generator().manual_seed(3)
+    K, d = 5, 6
+    U, D = torch.randn(K, d, generator=g), torch.randn(K, d, generator=g)
+    pl = [{"delta_c": D[k].clone(), "local_steps": 3} for k in range(K)]
+    if bad == "row":
+        U[2, 1] = float("nan")
+    elif bad == "delta":
+        pl[2]["delta_c"][0] = float("inf")
+    else:
+        pl[2]["delta_c"] = torch.zeros(d + 1)
+    a = algorithms.build("scaffold", on_bad_update="exclude", num_clients=8)
+    new, info = a.aggregate(torch.zeros(d), U, [1] * K, [0, 1, 2, 3, 4], pl)
+    keep = [0, 1, 3, 4]
+    b = algorithms.build("scaffold", num_clients=8)
+    want, _ = b.aggregate(torch.zeros(d), U[keep], [1] * 4, keep, [pl[k] for k in keep])
+    assert [e["client_id"] for e in info["excluded"]] == [2]
+    assert torch.equal(new, want) and torch.equal(a.c, b.c) and torch.equal(a.c_table, b.c_table)

@@ -16,7 +16,9 @@ A ``ClientRule`` is the client side of a method that changes local training. The
 from __future__ import annotations
 
 import abc
+import array
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
                     TypeVar, Union)
@@ -25,7 +27,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
+from ..ops._checks import _float_dtype, _like, has_kernel, tracing  # tracing: also imported from here by the method modules
 from ..sources import ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
@@ -46,6 +48,60 @@ def info_values(t: Any) -> Any:
     """A tensor for ``AggResult.info``: a list (a Python number for a 0-d tensor) in eager mode, the
     tensor itself while tracing; anything else as it is."""
     return t if tracing() or not isinstance(t, torch.Tensor) else t.tolist()
+
+
+def _f64(a: "array.array") -> torch.Tensor:
+    return torch.frombuffer(a, dtype=torch.float64) if len(a) else torch.zeros(0, dtype=torch.float64)
+
+
+def host_float64(values: Any) -> torch.Tensor:
+    """``values`` (a sequence of numbers, or a tensor on any device) as a 1-D float64 host tensor. A
+    list of Python numbers is converted in one C-level pass (``array``), not number by number;
+    anything else goes through ``torch.as_tensor`` (which raises for what is not numbers)."""
+    if isinstance(values, (list, tuple)):
+        try:
+            return _f64(array.array("d", values))
+        except (TypeError, ValueError, OverflowError, RuntimeError):
+            pass                       # nested sequences, text, ...: torch's conversion below
+    t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def id_tensor(ids: Sequence[int], device: Any = None) -> torch.Tensor:
+    """Client ids (Python ints, e.g. ``RoundInput.client_ids``) as an int64 index tensor in one C-level
+    conversion (``torch.tensor`` of a list of K ints costs ~0.15 us per id)."""
+    a = array.array("q", ids)
+    t = torch.frombuffer(a, dtype=torch.long) if len(a) else torch.zeros(0, dtype=torch.long)
+    return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+
+
+def payload_numbers(payloads: Sequence[Dict[str, Any]], key: str, default: float = math.nan) -> Optional[torch.Tensor]:
+    """[K] float64 host tensor of ``payload[key]`` over a round's payloads (``default`` where absent) in
+    one C-level conversion, or None when some entry is not a plain number (text, a tensor of several
+    elements, None, ...): the caller then looks at those payloads one by one."""
+    try:
+        return _f64(array.array("d", [p.get(key, default) for p in payloads]))
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None
+
+
+def rows_where(mask: torch.Tensor) -> List[int]:
+    """The row numbers where the [K] bool host tensor ``mask`` is True."""
+    return mask.nonzero().reshape(-1).tolist()
+
+
+class _FlagOwners:
+    """Whose payload tensor each NaN/Inf flag of a round screens: segments (key, rows), expanded to
+    one (row, key) per flag only when a flag is bad (``pairs``)."""
+
+    def __init__(self, pairs: Sequence[Tuple[int, str]] = ()) -> None:
+        self.segs: List[Tuple[str, Sequence[int]]] = [(key, [k]) for k, key in pairs]
+
+    def add(self, key: str, rows: Sequence[int]) -> None:
+        self.segs.append((key, rows))
+
+    def pairs(self) -> List[Tuple[int, str]]:
+        return [(k, key) for key, rows in self.segs for k in rows]
 
 
 class AggResult(NamedTuple):
@@ -469,34 +525,27 @@ class Aggregator(abc.ABC):
         K = updates.size(0)
         if updates.size(1) != d:
             raise BadUpdateError(f"{self.name}.aggregate: updates has {updates.size(1)} columns, expected d={d} (len(global_flat))")
-        if updates.dtype != global_flat.dtype:
-            raise ValueError(f"{self.name}.aggregate: updates dtype {updates.dtype} != global_flat dtype {global_flat.dtype}")
-        if updates.device != global_flat.device:
-            raise ValueError(f"{self.name}.aggregate: updates on {updates.device} but global_flat on {global_flat.device}")
-        if not updates.dtype.is_floating_point:
-            raise ValueError(f"{self.name}.aggregate: updates and global_flat must have a floating dtype, got {updates.dtype}")
+        # the tensor rules of the op wrappers (ops._checks), checked here before any state is touched
+        _like(updates, f"{self.name}.aggregate", "updates", global_flat, "global_flat")
+        _float_dtype(updates, f"{self.name}.aggregate", "updates")
+        # Counts, ids and payloads: whole-round conversions and checks (no Python call per client)
         try:
-            n = torch.as_tensor(num_examples, dtype=torch.float64).reshape(-1)
-            n = n if n.device.type == "cpu" else n.cpu()
+            n = host_float64(num_examples)
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"{self.name}.aggregate: num_examples must be K={K} numbers, got {num_examples!r:.100}") from None
         if n.numel() != K:
             raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
-        try:
-            given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
-            ids = list(range(K)) if given is None else [int(c) for c in given]
-            bad_id = given is not None and any(c != i for c, i in zip(given, ids))
-        except (TypeError, ValueError, RuntimeError, AttributeError):
-            bad_id = True
-        if bad_id:
-            raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}")
-        if len(ids) != K:
-            raise ValueError(f"{self.name}.aggregate: client_ids has {len(ids)} entries, expected K={K}")
+        ids = self._client_ids(client_ids, K)
         if len(set(ids)) != K:
             raise ValueError(f"{self.name}.aggregate: client_ids must be distinct, got {ids}")
-        if self.num_clients is not None and any(c < 0 or c >= self.num_clients for c in ids):
+        if self.num_clients is not None and K and (min(ids) < 0 or max(ids) >= self.num_clients):
             raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
-        pl = [dict(p) for p in payloads] if payloads is not None else [{} for _ in range(K)]
+        if payloads is None:
+            pl = [{} for _ in range(K)]
+        else:        # the caller's dicts, not copies (nothing writes them); other mappings become dicts
+            pl = list(payloads)
+            if set(map(type, pl)) - {dict}:
+                pl = [dict(p) for p in pl]
         if len(pl) != K:
             raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
 
@@ -505,8 +554,27 @@ class Aggregator(abc.ABC):
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
         return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
 
+    def _client_ids(self, client_ids: Any, K: int) -> List[int]:
+        """K ints naming the clients (default 0..K-1); ValueError unless they are K integers."""
+        if client_ids is None:
+            return list(range(K))
+        given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
+        try:
+            ids = array.array("q", given).tolist()        # ints only, in one pass (a float or text raises)
+        except (TypeError, ValueError, OverflowError, RuntimeError):
+            try:                                            # integral floats, 0-d tensors, ...: one by one
+                ids = [int(c) for c in given]
+                bad = any(c != i for c, i in zip(given, ids))
+            except (TypeError, ValueError, RuntimeError, AttributeError):
+                bad = True
+            if bad:
+                raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}") from None
+        if len(ids) != K:
+            raise ValueError(f"{self.name}.aggregate: client_ids has {len(ids)} entries, expected K={K}")
+        return ids
+
     def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
-                     pp: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]]) -> None:
+                     pp: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]]) -> None:
         """The rows' flags from a screening pass, with global_flat's and the payload tensors'
         (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
         starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
@@ -522,10 +590,11 @@ class Aggregator(abc.ABC):
         if bad.numel() and rin.U.dtype == torch.float64:
             bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
         reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
-        if pp is not None:
-            for j in (~host[1 + K:]).nonzero().reshape(-1).tolist():
-                k, key = pp[1][j]
-                reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
+        bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
+        pairs = pp[1].pairs() if bad_pl else []
+        for j in bad_pl:
+            k, key = pairs[j]
+            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
         if reasons:
             raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
                                            reasons, rin.excluded))
@@ -545,18 +614,23 @@ class Aggregator(abc.ABC):
             for e in new:
                 log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
             excluded = list(excluded) + new
-            fl, where = self._pending_payload if self._pending_payload is not None else (None, [])
+            fl, owners = self._pending_payload if self._pending_payload is not None else (None, _FlagOwners())
             if fl is not None:
                 # deferred payload flags follow their clients to the new row numbers
                 at = {k: i for i, k in enumerate(keep)}
+                where = owners.pairs()
                 sel = [j for j, (k, _) in enumerate(where) if k in at]
                 self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
-                                         [(at[where[j][0]], where[j][1]) for j in sel])
+                                         _FlagOwners([(at[where[j][0]], where[j][1]) for j in sel]))
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
             updates = updates.index_select(0, idx)
             n = n[keep]
             ids = [ids[k] for k in keep]
-            pl = [pl[k] for k in keep]
+            kept = [pl[k] for k in keep]
+            for key, (of, S) in list((self._payload_stacks or {}).items()):   # stacked payloads follow too
+                if of is pl:
+                    self._payload_stacks[key] = (kept, S.index_select(0, idx.to(S.device)))
+            pl = kept
         return RoundInput(global_flat, updates, n, ids, pl, excluded)
 
     def missing_payload(self, key: str, what: str) -> str:
@@ -566,18 +640,57 @@ class Aggregator(abc.ABC):
                 f"rule.end(ctx, model) returns as its entry of payloads")
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
-        """Returns a reason string if a client's payload is unusable (subclasses extend). Plain
-        Python on the payload's structure and scalars, no tensor op: the NaN/Inf scan of its
-        floating tensors is batched over the round's clients by ``_screen`` (keys in
-        ``unscreened_payload_keys`` excepted)."""
+        """The reason one client's payload is unusable, or None (subclasses extend): the wording of
+        each rule, in plain Python on the payload's structure and scalars. A round calls it only on
+        the rows :meth:`suspect_payloads` names; the NaN/Inf scan of the payload tensors the method
+        reads (``screened_payload_keys``) is batched over the round by ``_screen``."""
         return None
 
-    # payload keys whose tensors are not scanned for NaN/Inf (e.g. state the server sent back)
-    unscreened_payload_keys: Tuple[str, ...] = ()
+    def suspect_payloads(self, payloads: List[Dict[str, Any]]) -> Optional[List[int]]:
+        """The rows whose payload :meth:`check_payload` may reject, from whole-round column checks
+        (``payload_numbers``, key presence; no Python call per client), or None for every row. A
+        class that extends ``check_payload`` extends this too (a superset of the rows it rejects,
+        ``super()``'s included); the default: no row (``check_payload`` accepts everything)."""
+        return []
+
+    def check_payloads(self, payloads: List[Dict[str, Any]]) -> Dict[int, str]:
+        """{row: reason} for the round's unusable payloads: ``check_payload`` on the suspect rows."""
+        rows = self.suspect_payloads(payloads)
+        rows = range(len(payloads)) if rows is None else sorted(set(rows))
+        reasons = {}
+        for k in rows:
+            r = self.check_payload(payloads[k])
+            if r:
+                reasons[k] = r
+        return reasons
+
+    # payload keys whose tensors the method reads: each round's are stacked once ([K, ...], shared
+    # with the method through ``payload_stack``) and scanned for NaN/Inf in one native pass
+    screened_payload_keys: Tuple[str, ...] = ()
+
+    _payload_stacks: Optional[Dict[str, Tuple[List[Dict[str, Any]], torch.Tensor]]] = None
+
+    def payload_stack(self, rin: RoundInput, key: str) -> torch.Tensor:
+        """The round's ``payload[key]`` tensors stacked, [K, ...]: the stack ``_screen`` made for the
+        NaN/Inf scan (handed over once: it is not kept), else a new one."""
+        st = (self._payload_stacks or {}).pop(key, None)
+        if st is not None and st[0] is rin.payloads:
+            return st[1]
+        return torch.stack([p[key] for p in rin.payloads])
+
+    def _stack_payloads(self, payloads: List[Dict[str, Any]], key: str) -> Optional[torch.Tensor]:
+        """``payload[key]`` of every client stacked, when they are tensors of one shape, floating
+        dtype and device; else None."""
+        col = [p.get(key) for p in payloads]
+        try:
+            S = torch.stack(col) if col else None
+        except (TypeError, RuntimeError):
+            return None
+        return S if S is not None and S.is_floating_point() else None
 
     _defer_global = False                              # set by aggregate() around validate (screen_in_pass)
     _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
-    _pending_payload: Optional[Tuple[Optional[torch.Tensor], List[Tuple[int, str]]]] = None  # (flags, where)
+    _pending_payload: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]] = None  # (flags, their owners)
 
     def _global_nan(self) -> ValueError:
         return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
@@ -587,34 +700,43 @@ class Aggregator(abc.ABC):
         """The value checks of one round, {row: reason} for the bad clients (eager only; raises
         ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
         copy for the whole round: the NaN/Inf flags of global_flat, of the rows of U (when
-        ``rows``) and of every floating payload tensor are computed on the device (one native
-        ``finite_rows`` pass each; one ``_foreach_norm`` over the payload tensors) and copied to
-        the host together. Order of the reasons per client: row, num_examples, payload tensors,
-        ``check_payload``."""
+        ``rows``) and of the payload tensors under ``screened_payload_keys`` are computed on the
+        device (one native ``finite_rows`` pass each: a key's tensors are stacked once, or, when
+        they differ in shape, dtype or device, one ``_foreach_norm`` per dtype and device) and
+        copied to the host together. Order of the reasons per client: row, num_examples, payload
+        tensors, ``check_payloads``."""
+        self._payload_stacks = {}
         if traced:
             return {}
         K, dev = U.size(0), U.device
         flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
         if rows:
             flags.append(ops.finite_rows(U))                                   # [K]
-        # floating payload tensors (empty ones are finite): max |x| is NaN/Inf iff x has a NaN/Inf
-        T, skip = torch.Tensor, self.unscreened_payload_keys
-        found = [(k, key, v) for k, pl in enumerate(payloads) for key, v in pl.items() if isinstance(v, T)]
-        found = [f for f in found if f[2].is_floating_point() and f[2].numel() and f[1] not in skip]
-        where: List[Tuple[int, str]] = [(k, key) for k, key, _ in found]
-        tens: List[torch.Tensor] = [v for _, _, v in found]
-        other: List[torch.Tensor] = []
-        if tens:
-            by_dev: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-            for i, t in enumerate(tens):
-                by_dev.setdefault((t.device, t.dtype), []).append(i)
-            order = [i for ix in by_dev.values() for i in ix]
-            where = [where[i] for i in order]
-            for (dv, _), ix in by_dev.items():
+        where, where_other = _FlagOwners(), _FlagOwners()   # whose payload each flag screens
+        other: List[torch.Tensor] = []        # flags on another device than U's (copied after flags)
+        for key in self.screened_payload_keys:
+            S = self._stack_payloads(payloads, key) if K else None
+            if S is not None:
+                self._payload_stacks[key] = (payloads, S)
+                if S[0].numel():                                               # (empty ones are finite)
+                    ok = ops.finite_rows(S.reshape(K, -1))
+                    (flags if S.device == dev else other).append(ok)
+                    (where if S.device == dev else where_other).add(key, range(K))
+                continue
+            # ragged, mixed or missing: the floating tensors among them, max |x| per tensor
+            # (NaN/Inf iff x has a NaN/Inf); what is missing or not a tensor is check_payload's
+            found = [(k, p[key]) for k, p in enumerate(payloads) if isinstance(p.get(key), torch.Tensor)]
+            found = [(k, v) for k, v in found if v.is_floating_point() and v.numel()]
+            by_dev: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
+            for k, v in found:
+                by_dev.setdefault((v.device, v.dtype), []).append((k, v))
+            for (dv, _), kv in by_dev.items():
                 with torch.no_grad():
-                    amax = torch.stack(torch._foreach_norm([tens[i] for i in ix], float("inf")))
+                    amax = torch.stack(torch._foreach_norm([v for _, v in kv], float("inf")))
                 ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
                 (flags if dv == dev else other).append(ok)
+                (where if dv == dev else where_other).add(key, [k for k, _ in kv])
+        where.segs += where_other.segs
         if self._defer_global and not other:
             # checked with the rows' flags after the screening pass (aggregate / _apply_flags)
             self._pending_global = flags[0]
@@ -631,18 +753,15 @@ class Aggregator(abc.ABC):
             for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
                 reasons[k] = "update contains NaN/Inf"
             pos += K
-        bad_n = ~((n > 0) & torch.isfinite(n))                                  # host tensor, vectorised
-        for k in bad_n.nonzero().reshape(-1).tolist():
+        for k in rows_where(~((n > 0) & torch.isfinite(n))):                   # host tensor, vectorised
             reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
-        for j in (~host[pos:]).nonzero().reshape(-1).tolist():
-            k, key = where[j]
+        bad = rows_where(~host[pos:])
+        pairs = where.pairs() if bad else []
+        for j in bad:
+            k, key = pairs[j]
             reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
-        if type(self).check_payload is not Aggregator.check_payload:        # the method's own (Python) checks
-            for k, pl in enumerate(payloads):
-                if k not in reasons:
-                    r = self.check_payload(pl)
-                    if r:
-                        reasons[k] = r
+        for k, r in self.check_payloads(payloads).items():                     # the method's own checks
+            reasons.setdefault(k, r)
         return reasons
 
     # ---- state ------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from .. import ops
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput
+from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor
 from .parts import WEIGHTINGS, check_choice, client_weights, momentum_steps, optimizer_lr_momentum
 
 
@@ -222,6 +222,7 @@ class ControlVariateServer(Aggregator):
     require_num_clients = False
     state_attrs = ("c", "c_table", "c_rows", "seen")   # the layout (ranges, d_c) is derived from the spec
     screen_in_pass = True                               # _aggregate reads U first, through rin.weighted_sum
+    screened_payload_keys = ("delta_c",)               # stacked once per round, scanned for NaN/Inf
 
     def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
                  num_clients: Optional[int] = None, **kw):
@@ -293,6 +294,22 @@ class ControlVariateServer(Aggregator):
             return f"payload 'delta_c' has {dc.numel()} elements, expected d={self.d_c} (the length of the controlled range)"
         return None
 
+    def suspect_payloads(self, payloads):
+        rows = super().suspect_payloads(payloads)
+        st = (self._payload_stacks or {}).get("delta_c")      # the screen stacked them: all tensors, one shape
+        if rows is None or st is None or st[0] is not payloads or (self.d_c is not None and st[1][0].numel() != self.d_c):
+            return None
+        return rows
+
+    def _deltas(self, rin: RoundInput) -> torch.Tensor:
+        """[K, d_c] the round's delta_c, in c's dtype and device (one stack)."""
+        c = self.c
+        try:
+            D = self.payload_stack(rin, "delta_c")
+        except RuntimeError:              # shapes or devices differ (same numel: checked)
+            D = torch.stack([pl["delta_c"].reshape(-1).to(device=c.device, dtype=c.dtype) for pl in rin.payloads])
+        return D.reshape(rin.K, -1).to(device=c.device, dtype=c.dtype)
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat
         p = client_weights(rin, self.weighting)
@@ -300,16 +317,13 @@ class ControlVariateServer(Aggregator):
         self.seen.update(rin.client_ids)
         N = self.num_clients if self.num_clients is not None else len(self.seen)
         c = self.c
-        dcs = [pl["delta_c"] for pl in rin.payloads]
-        if any(v.dim() != 1 or v.dtype != c.dtype or v.device != c.device for v in dcs):
-            dcs = [v.reshape(-1).to(device=c.device, dtype=c.dtype) for v in dcs]
-        if self.c_table is not None:          # c_i += delta_c_i for the round's rows: one foreach op
-            rows = self.c_table.unbind(0)
-            torch._foreach_add_([rows[cid] for cid in rin.client_ids], dcs)
+        D = self._deltas(rin)                 # [K, d_c]
+        if self.c_table is not None:          # c_i += delta_c_i for the round's rows (distinct): one indexed op
+            self.c_table.index_add_(0, id_tensor(rin.client_ids, c.device), D)
         else:                                 # N unknown: a dict of the clients seen so far
-            for cid, dc in zip(rin.client_ids, dcs):
+            for cid, dc in zip(rin.client_ids, D):
                 self._ci(cid, create=True).add_(dc)
-        # sum_i delta_c_i: one fixed-order pass (the deltas arrive as K separate [d_c] tensors)
-        dsum = ops.weighted_sum(torch.stack(dcs), torch.ones(len(dcs), dtype=torch.float64))
+        # sum_i delta_c_i: one fixed-order pass
+        dsum = ops.weighted_sum(D, torch.ones(rin.K, dtype=torch.float64))
         c.add_(dsum, alpha=1.0 / N)
         return AggResult(new, {"weights": p.tolist(), "c_scale": 1.0 / N})

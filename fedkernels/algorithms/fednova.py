@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .base import AggResult, BatchedRule, ClientContext, ClientRule, RoundInput, register
+from .base import AggResult, BatchedRule, ClientContext, ClientRule, RoundInput, payload_numbers, register, rows_where
 from .fedavg import FedAvg
 from .parts import momentum_steps, optimizer_lr_momentum
 
@@ -99,7 +99,45 @@ class FedNova(FedAvg):
             return f"payload 'momentum' must lie in [0, 1), got {payload.get('momentum')!r}"
         return None
 
+    _cols = None     # (payloads, their columns): read once per round by suspect_payloads and a_norms
+
+    def _columns(self, payloads):
+        """(sent, a_norm, tau, rho) over the round: sent [K] bool (a_norm given), the rest [K] float64
+        (a_norm 0 where not sent); None when some entry is not a plain number."""
+        if self._cols is not None and self._cols[0] is payloads:
+            return self._cols[1]
+        sent = [k for k, p in enumerate(payloads) if "a_norm" in p]
+        cols = (payload_numbers(payloads, "a_norm", 0.0) if sent else torch.zeros(len(payloads), dtype=torch.float64),
+                payload_numbers(payloads, "local_steps"), payload_numbers(payloads, "momentum", self.local_momentum))
+        if any(c is None for c in cols):
+            out = None
+        else:
+            has_a = torch.zeros(len(payloads), dtype=torch.bool)
+            has_a[sent] = True
+            out = (has_a,) + cols
+        self._cols = (payloads, out)
+        return out
+
+    def suspect_payloads(self, payloads):
+        rows, cols = super().suspect_payloads(payloads), self._columns(payloads)
+        if rows is None or cols is None:
+            return None
+        sent, a, tau, rho = cols
+        ok = torch.where(sent, torch.isfinite(a) & (a > 0), torch.isfinite(tau) & (tau > 0) & (rho >= 0) & (rho < 1))
+        return rows + rows_where(~ok)
+
     def a_norms(self, rin: RoundInput) -> torch.Tensor:
+        cols = self._columns(rin.payloads)
+        self._cols = None
+        if cols is not None:                  # whole-round: a = a_norm if sent, else ||a(tau, rho)||_1
+            sent, a, tau, rho = cols
+            out = torch.where(sent, a, tau)
+            mom = ~sent & (rho != 0)
+            if bool(mom.any()):               # the closed form, once per distinct (tau, rho)
+                pairs = torch.stack([tau[mom], rho[mom]], 1).tolist()
+                memo = {tr: momentum_steps(*tr) for tr in set(map(tuple, pairs))}
+                out[mom] = torch.tensor([memo[tuple(tr)] for tr in pairs], dtype=torch.float64)
+            return out
         out = []
         for pl in rin.payloads:
             if "a_norm" in pl:

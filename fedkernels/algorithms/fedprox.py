@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..flat import FlatSpec
-from .base import BatchedRule, ClientContext, ClientRule, register
+from .base import BatchedRule, ClientContext, ClientRule, payload_numbers, register, rows_where
 from .fedavg import FedAvg
 
 
@@ -136,6 +136,13 @@ class FedProx(FedAvg):
         if mu != self.mu:
             return f"the client trained with mu={mu} but the server has mu={self.mu}"
         return None
+
+    def suspect_payloads(self, payloads):
+        rows = super().suspect_payloads(payloads)
+        if rows is None or self.mu == 0.0:
+            return rows
+        mu = payload_numbers(payloads, "prox_mu")        # NaN where missing
+        return None if mu is None else rows + rows_where(mu != self.mu)
 
     def _aggregate(self, rin):
         res = super()._aggregate(rin)

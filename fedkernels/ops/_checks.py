@@ -68,14 +68,20 @@ def _matrix(U: object, op: str, name: str = "U") -> torch.Tensor:
     return U
 
 
+def _like(v: torch.Tensor, op: str, name: str, like: torch.Tensor, like_name: str = "U") -> None:
+    """``v`` has the dtype and device of ``like`` (the rule of every op wrapper and of
+    ``Aggregator.validate``, worded once)."""
+    if v.dtype != like.dtype:
+        raise ValueError(f"{op}: {name} must have dtype {like.dtype} (the dtype of {like_name}), got {v.dtype}")
+    if v.device != like.device:
+        raise ValueError(f"{op}: {name} is on {v.device} but {like_name} is on {like.device}")
+
+
 def _vector(v: object, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
     v = _tensor(v, op, name)
     if v.dim() != 1 or v.size(0) != length:
         raise ValueError(f"{op}: {name} must be a 1-D tensor of length {length}, got shape {tuple(v.shape)}")
-    if v.dtype != like.dtype:
-        raise ValueError(f"{op}: {name} must have dtype {like.dtype} (the dtype of U), got {v.dtype}")
-    if v.device != like.device:
-        raise ValueError(f"{op}: {name} is on {v.device} but U is on {like.device}")
+    _like(v, op, name, like)
     return v
 
 

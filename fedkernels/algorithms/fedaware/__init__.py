@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import AggResult, Aggregator, RoundInput, register
+from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
 from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
 
@@ -115,38 +115,40 @@ class FedAWARE(Aggregator):
 
     def _update_momenta(self, rin: RoundInput) -> None:
         M, a = self.M, self.alpha
-        idx = torch.tensor(rin.client_ids, dtype=torch.long)
-        first = (~self.seen.index_select(0, idx)).tolist() if self.init == "first_update" else [False] * rin.K
-        new = [j for j, f in enumerate(first) if f]
-        old = [j for j, f in enumerate(first) if not f]
+        idx = id_tensor(rin.client_ids)
+        first = ~self.seen.index_select(0, idx) if self.init == "first_update" else None
+        new_j = old_j = None
+        if first is not None and bool(first.any()):          # m_i := U_i at first participation
+            new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
         Gr = None
         for cols, Ub in rin.blocks(M.device):     # all of U (a tensor), or its column chunks (a source)
-            Mb = M[:, cols]
-            rows, urows = Mb.unbind(0), Ub.unbind(0)         # views: no K x d copy on one device
-            if new:                                          # m_i := U_i at first participation
-                torch._foreach_copy_([rows[rin.client_ids[j]] for j in new], [urows[j] for j in new])
-            if old:                                          # m_i <- (1 - a) m_i + a U_i: two foreach ops
-                sel = [rows[rin.client_ids[j]] for j in old]
-                torch._foreach_mul_(sel, 1.0 - a)
-                torch._foreach_add_(sel, [urows[j] for j in old], alpha=a)
+            Mb, old, Uo = M[:, cols], idx, Ub
+            if new_j is not None:
+                Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
+            if old.numel():                                  # m_i <- (1 - a) m_i + a U_i on the k rows:
+                i = old.to(M.device)                         # gather, two in-place ops, scatter back
+                Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
             g = ops.gram(Mb, rows=idx)                       # [k, N] fp64 (summed over the chunks)
             Gr = g if Gr is None else Gr.add_(g)
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
         Gr = Gr.to("cpu")
-        self.Gm[idx, :] = Gr
+        if idx.numel() < self.Gm.size(0):    # (when every client took part the column write covers it all)
+            self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
 
     def gram_matrix(self, active: torch.Tensor):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised)."""
-        G = self.Gm.index_select(0, active).index_select(1, active)
+        # every client active (active is sorted): the cached Gram itself, not two N x N copies
+        G = self.Gm if active.numel() == self.Gm.size(0) else self.Gm.index_select(0, active).index_select(1, active)
         norms = torch.diagonal(G).clamp_min(0).sqrt()
         if self.normalize:
             nz = torch.where(norms > 0, norms, torch.ones_like(norms))
-            G = G / nz[:, None] / nz[None, :]
+            G = G.div(nz[:, None]).div_(nz[None, :])
         else:
             nz = torch.ones_like(norms)
-        return 0.5 * (G + G.T), nz
+        return G.add(G.T).mul_(0.5), nz
 
     def _solve(self, G: torch.Tensor, active: torch.Tensor):
         lam0 = None

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, register
+from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
+                    payload_numbers, register)
 from ..parts import check_choice
 from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
                       integrator_options, split_flat)
@@ -214,12 +215,13 @@ class FedECADO(FederationTables, Aggregator):
     # ---- the round ------------------------------------------------------------------------------------
     def _hbar_for(self, rin: RoundInput) -> torch.Tensor:
         if self._hbar_opt is None:            # the sent estimates: one indexed write
-            got = [(cid, float(p["hbar"])) for cid, p in zip(rin.client_ids, rin.payloads) if p.get("hbar") is not None]
+            hb = [p.get("hbar") for p in rin.payloads]
+            got = [(cid, float(h)) for cid, h in zip(rin.client_ids, hb) if h is not None] if hb.count(None) != len(hb) else []
             if got:
                 at = torch.tensor([c for c, _ in got], dtype=torch.long)
                 self.hbar_tab[at] = torch.tensor([h for _, h in got], dtype=torch.float64).clamp_min(0.0)
                 self.hbar_known[at] = True
-        ids = torch.tensor(rin.client_ids, dtype=torch.long)
+        ids = id_tensor(rin.client_ids)
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
@@ -236,19 +238,22 @@ class FedECADO(FederationTables, Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         dev = rin.U.device
-        ids = torch.tensor(rin.client_ids, dtype=torch.long, device=dev)
-        T = [float(p["T"]) for p in rin.payloads]
-        Tmax = max(T)
-        ratio = Tmax / min(T)
+        ids = id_tensor(rin.client_ids, dev)
+        T = payload_numbers(rin.payloads, "T")           # [K] float64 (host)
+        if T is None:                 # numbers as text, ...: one by one
+            T = torch.tensor([float(p["T"]) for p in rin.payloads], dtype=torch.float64)
+        Tmax = float(T.max())
+        ratio = Tmax / float(T.min())
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
-            T = [Tmax] * len(T)
+            T = torch.full_like(T, Tmax)
         hbar = self._hbar_for(rin)
-        w = self.w[torch.tensor(rin.client_ids, dtype=torch.long)]
+        w = self.w[ids.cpu()]
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
+        Ik_sum = Ik.sum(0, dtype=torch.float64)                    # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
-            S_off = (self.S_all - Ik.sum(0, dtype=torch.float64)).to(rin.U.dtype)
+            S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
         dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
         res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
@@ -262,7 +267,7 @@ class FedECADO(FederationTables, Aggregator):
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik.sum(0, dtype=torch.float64)   # no K x d temporary
+        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik_sum    # no K x d temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]

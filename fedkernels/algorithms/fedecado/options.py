@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..base import payload_numbers, rows_where
 from ..parts import check_choice
 
 INACTIVE = ("frozen", "exclude")
@@ -233,10 +234,23 @@ class FederationTables:
             self.I = global_flat.new_zeros((self.num_clients, global_flat.numel()))
             self.S_all = torch.zeros(global_flat.numel(), dtype=torch.float64, device=global_flat.device)
 
-    unscreened_payload_keys = ("I",)   # the flow the server sent: not the client's to screen
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         return check_payload(payload, self.missing_payload) or super().check_payload(payload)
+
+    def suspect_payloads(self, payloads):
+        rows, T = super().suspect_payloads(payloads), payload_numbers(payloads, "T")    # T: NaN where missing
+        if rows is None or T is None:
+            return None
+        rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
+        hbar = [p.get("hbar") for p in payloads]
+        sent = [k for k, h in enumerate(hbar) if h is not None] if hbar.count(None) != len(hbar) else []
+        if sent:
+            h = payload_numbers([payloads[k] for k in sent], "hbar")
+            if h is None:
+                return None
+            rows += [sent[j] for j in rows_where(~torch.isfinite(h))]
+        return rows
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
         self._tables()

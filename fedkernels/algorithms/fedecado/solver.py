@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -74,8 +74,10 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
 # ---------------------------------------------------------------------------------------------
 # interpolation, one BE attempt, one central round (torch versions of spec §9.1)
 # ---------------------------------------------------------------------------------------------
-def theta(T: Sequence[float], tau: float, extrap: str = "linear", max_ratio: float = math.inf) -> torch.Tensor:
-    """[K] float64 interpolation factors tau / T_i (hold: min(., 1); capped at max_ratio)."""
+def theta(T: Union[Sequence[float], torch.Tensor], tau: float, extrap: str = "linear",
+          max_ratio: float = math.inf) -> torch.Tensor:
+    """[K] float64 interpolation factors tau / T_i (hold: min(., 1); capped at max_ratio); T: K floats
+    or a float64 tensor."""
     th = tau / torch.as_tensor(T, dtype=torch.float64)
     if extrap == "hold":
         th = th.clamp(max=1.0)
@@ -153,10 +155,10 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     """The server's integration over one round window [0, T_max] (spec §2.8 step 5-6, §9.1).
 
     xc0 [d]; I_act [K, d] the flows of the active clients at the round start (= I^k); U [K, d];
-    T, w, hbar: K floats. Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
+    T, w, hbar: K floats (sequences or tensors). Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
     solver="auto" uses the native fused attempt (be_step solver="fused") when it applies."""
-    Tl = [float(t) for t in T]
-    Tmax = max(Tl)
+    Tv = torch.as_tensor(T, dtype=torch.float64)    # theta's divisor, made once for every attempt
+    Tmax = float(Tv.max())
     wv = torch.as_tensor(w, dtype=torch.float64)
     hv = torch.as_tensor(hbar, dtype=torch.float64).clamp(min=0.0)
     dI = delta if delta_I is None else delta_I
@@ -181,8 +183,8 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     nxt = 0
 
     def attempt(dtt):
-        th_n = theta(Tl, tl + dtt, extrap, max_extrap_ratio)
-        th_o = theta(Tl, tl, extrap, max_extrap_ratio)
+        th_n = theta(Tv, tl + dtt, extrap, max_extrap_ratio)
+        th_o = theta(Tv, tl, extrap, max_extrap_ratio)
         out = None
         if fused:
             if bufs[nxt] is None:

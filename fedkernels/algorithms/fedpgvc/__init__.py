@@ -282,6 +282,10 @@ class FedPGVC(Aggregator):
             return r
         return self.missing_payload("pgvc_skipped_steps", "the client's count of skipped steps")
 
+    def suspect_payloads(self, payloads):
+        rows = super().suspect_payloads(payloads)
+        return None if rows is None else rows + [k for k, p in enumerate(payloads) if "pgvc_skipped_steps" not in p]
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
         new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)

@@ -186,6 +186,12 @@ class GCFed(Aggregator):
             return r
         return self.missing_payload("local_gc", "the number of tensors Local GC centred")
 
+    def suspect_payloads(self, payloads):
+        rows = super().suspect_payloads(payloads)
+        if rows is None or self.local_layers == "none":
+            return rows
+        return rows + [k for k, p in enumerate(payloads) if "local_gc" not in p]
+
     # ---- sets ----------------------------------------------------------------------------------
     def _param_entries(self, spec):
         return [e for e in spec.entries if not e.is_buffer]

@@ -33,7 +33,7 @@ import torch
 
 from ... import ops
 from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, info_values,
-                    register, tracing)
+                    payload_numbers, register, rows_where, tracing)
 from ..parts import client_weights
 from .options import check_options, check_phase
 
@@ -198,11 +198,20 @@ class KuramotoFedAvg(Aggregator):
         r = super().check_payload(payload)
         return r if r or self.mode != "C" else check_phase(payload)
 
+    def suspect_payloads(self, payloads):
+        rows = super().suspect_payloads(payloads)
+        if rows is None or self.mode != "C":
+            return rows
+        phase = payload_numbers(payloads, "phase")       # NaN where missing
+        return None if phase is None else rows + rows_where(~torch.isfinite(phase))
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = client_weights(rin, self.weighting)
         kt = self.kappa()
         if self.mode == "C":
-            phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
+            phase = payload_numbers(rin.payloads, "phase")
+            if phase is None:     # numbers as text, ...: one by one
+                phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
             new = rin.weighted_sum(p, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
             sync = rin.weighted_sum(b)
