@@ -438,12 +438,14 @@ class Simulation:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
             raise
         finally:
-            if getattr(self, "executor", None) is not None:   # e.g. workers=N: stop and join them, however the run ends
-                self.executor.close()
-            self._emit("close", status)
-            restore()
-            if cfg.threads:
-                torch.set_num_threads(prev_threads)
+            try:
+                if getattr(self, "executor", None) is not None:   # e.g. workers=N: stop and join them, however it ends
+                    self.executor.close()
+                self._emit("close", status)                        # provenance.json's status, run.log's end line
+            finally:
+                restore()
+                if cfg.threads:
+                    torch.set_num_threads(prev_threads)
         if self.interrupted or self.stop.signal is not None:
             if self.is_main:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
