@@ -4,6 +4,7 @@ initialisation), the training transform (augmentation) and the pre-drawn client 
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -17,7 +18,7 @@ from .config import RunConfig
 log = logging.getLogger("fedkernels.sim")
 
 __all__ = ["load_data", "partition_clients", "build_model", "train_transform", "sample_schedule", "resolve_device",
-           "deterministic"]
+           "deterministic", "torch_settings"]
 
 
 def _subset(data, n: Optional[int], seed: int, which: int):
@@ -127,3 +128,22 @@ def deterministic(on: bool):
     finally:
         if on:
             torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@contextmanager
+def torch_settings(cfg: RunConfig):
+    """A run's torch settings inside: ``threads`` (intra-op threads) and deterministic algorithms
+    (``deterministic``; default: on CUDA, with cuBLAS's deterministic workspace); the previous ones after."""
+    cuda = resolve_device(cfg.device).type == "cuda"
+    det = cfg.deterministic if cfg.deterministic is not None else cuda
+    if det and cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    prev_threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    try:
+        with deterministic(det):
+            yield
+    finally:
+        if cfg.threads:
+            torch.set_num_threads(prev_threads)

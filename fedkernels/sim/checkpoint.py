@@ -31,7 +31,8 @@ from .callbacks import Callback
 log = logging.getLogger("fedkernels.sim")
 
 __all__ = ["MAGIC", "CheckpointError", "Checkpoints", "save", "load", "path_for", "list_checkpoints", "load_latest",
-           "prune", "completed_rounds", "read_summary", "config_diff", "check_resume", "interrupted_line"]
+           "prune", "completed_rounds", "read_summary", "config_diff", "check_resume", "already_complete_line",
+           "interrupted_line"]
 
 _NAME = "ckpt_round_{:06d}.pt"
 _RE = re.compile(r"ckpt_round_(\d+)\.pt$")
@@ -164,6 +165,12 @@ def check_resume(run_dir: str, rounds: int, checkpoint_every: int) -> Optional[D
     if not list_checkpoints(os.path.join(run_dir, "checkpoints")):
         raise CheckpointError(no_checkpoint_message(run_dir, checkpoint_every))
     return None
+
+
+def already_complete_line(run_dir: str, done: int, rounds: int) -> str:
+    """What ``--resume`` of a run that already has ``rounds`` rounds says (it changes nothing)."""
+    return (f"{run_dir}: already complete ({done} rounds done, rounds={rounds}); nothing to do, "
+            f"nothing written. To train more rounds: fedkernels run --resume {run_dir} rounds=N (N > {done})")
 
 
 def interrupted_line(run_dir: str, done: int, written: bool = True) -> str:

@@ -18,6 +18,19 @@ payload, loss, steps``, its update written into the next row of ``sim.buf`` in t
 ``sim.buf.matrix()`` is the round's U). A client that fails goes through :func:`client_failed`
 (the bad-client policy): excluded (``excluded``), or the round's ``error``.
 
+Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
+or whose training raises a bad-client error (``client.CLIENT_ERRORS``: a ValueError of its own input,
+e.g. no training examples or an invalid learning rate; an ArithmeticError such as a rule's
+FloatingPointError; ``BadUpdateError``), is left out of the round and logged (``excluded`` in
+metrics.jsonl, in schedule order); the aggregator is built with ``on_bad_update="exclude"`` too: its
+first read of U screens the rows (NaN/Inf updates are found there, not by a second pass of the
+simulator) and unusable payloads are dropped the same way. With ``"raise"`` each update is screened
+as it is written and the first bad client in schedule order stops the run. Any other error of a
+client's training (a RuntimeError from torch: out of memory, autograd in a forked process; an
+OSError, an ImportError, a bug) is not the client's update: it stops the run (``RunError``, one
+line; exit 1 on the CLI) under either policy, in every mode. A round in which every client was
+excluded stops the run the same way: nothing was trained.
+
 Implementations: :class:`SequentialExecutor` (here: one client after another in this process),
 ``batched.BatchedExecutor`` (``clients_at_once``: a chunk of clients as one vmapped computation),
 ``workers.WorkerExecutor`` (``workers=N``: a pool of forked worker processes). The server picks one

@@ -18,21 +18,10 @@ processes (``executors.OneProcess``; torch.distributed ranks: ``distributed_sim.
 the run writes or shows (metrics.jsonl, summary, final model, figures, provenance.json, run.log, the
 console, checkpoints and the resume) is a callback of the loop (``sim/callbacks.py``).
 
-Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
-or whose training raises a bad-client error (``client.CLIENT_ERRORS``: a ValueError of its own input,
-e.g. no training examples or an invalid learning rate; an ArithmeticError such as a rule's
-FloatingPointError; ``BadUpdateError``), is left out of the round and logged (``excluded`` in
-metrics.jsonl, in schedule order); the aggregator is built with ``on_bad_update="exclude"`` too: its
-first read of U screens the rows (NaN/Inf updates are found there, not by a second pass of the
-simulator) and unusable payloads are dropped the same way. With ``"raise"`` each update is screened
-as it is written and the first bad client in schedule order stops the run. Any other error of a
-client's training (a RuntimeError from torch: out of memory, autograd in a forked process; an
-OSError, an ImportError, a bug) is not the client's update: it stops the run (``RunError``, one
-line; exit 1 on the CLI) under either policy, in every mode. A round in which every client was
-excluded stops the run the same way: nothing was trained.
-
-If the global model itself becomes non-finite the run stops early, ``diverged`` is recorded and
-the outputs are written.
+Bad clients (NaN/Inf updates, a client's own errors) are excluded or stop the run per
+``bad_client_policy`` (``sim/executors.py``); any other failure, or a round with every client
+excluded, is a ``RunError``. If the global model itself becomes non-finite the run stops early,
+``diverged`` is recorded and the outputs are written.
 """
 from __future__ import annotations
 
@@ -49,7 +38,7 @@ from torch import nn
 from .. import algorithms
 from ..flat import FlatSpec, UpdateBuffer
 from . import assemble
-from .assemble import deterministic, resolve_device, sample_schedule  # noqa: F401 - re-exported (tests, distributed_sim)
+from .assemble import resolve_device, sample_schedule, torch_settings  # noqa: F401 - re-exported
 from . import checkpoint as ckpt
 from .batched import BatchedExecutor, for_simulation
 from .client import BadClientError, CLIENT_ERRORS  # noqa: F401 - re-exported: their home is client.py
@@ -158,9 +147,7 @@ class Simulation:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
         self.procs.attach(self)
         self.buf = UpdateBuffer(self.procs.buffer_rows(self.per_round), self.spec, device=dev, dtype=self.spec.dtype)
-        # bad clients: under "exclude" the aggregator's first read of U screens the rows (one pass,
-        # Aggregator.screen_in_pass); under "raise" each row is screened as it is written (the first
-        # bad client in schedule order stops the run)
+        # "exclude": the aggregator's first read of U screens the rows; "raise": each row as it is written
         self.screen_clients = cfg.bad_client_policy == "raise" or self.procs.screens_rows
         self.executor = self._build_executor()
         self._emit("on_setup")
@@ -258,10 +245,8 @@ class Simulation:
     # exchange the rows; the executor trains.
     def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
-        """Phase 2: the executor trains this process's clients into ``self.buf`` (schedule order).
-        Returns ``accepted`` (per client: pos, cid, n, payload, loss, steps), ``excluded`` ((pos,
-        record) pairs), ``error`` ((pos, message, exception) under bad_client_policy="raise", or a
-        RunError's for a failure that is not a bad client: ``executors.client_failed``) and ``t_local``."""
+        """Phase 2: the executor trains this process's clients into ``self.buf`` (schedule order);
+        ``accepted``, ``excluded``, ``error``, ``t_local`` as ``sim/executors.py`` describes."""
         return self.executor.train_local(r, ids, mine, payload_of, factor)
 
     def apply_aggregate(self, r: int, excluded: List[Dict[str, Any]], U, n, ids, payloads, **kw):
@@ -391,26 +376,17 @@ class Simulation:
             done = self.check_resume()
             if done is not None:
                 if self.is_main:
-                    n = done["already_complete"]
-                    print(f"{self.run_dir}: already complete ({n} rounds done, rounds={cfg.rounds}); nothing to do, "
-                          f"nothing written. To train more rounds: fedkernels run --resume {self.run_dir} "
-                          f"rounds=N (N > {n})", flush=True)
+                    print(ckpt.already_complete_line(self.run_dir, done["already_complete"], cfg.rounds), flush=True)
                 self.summary = done
                 return done
         t_start = time.perf_counter()
-        det = cfg.deterministic if cfg.deterministic is not None else resolve_device(cfg.device).type == "cuda"
-        if det and resolve_device(cfg.device).type == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        prev_threads = torch.get_num_threads()
-        if cfg.threads:
-            torch.set_num_threads(int(cfg.threads))
         self.stop = StopRequest(self)     # SIGINT/SIGTERM: stop after the round (sim/stopping.py)
         self._rng_at_round = None         # the torch RNG state at the start of the round under way
         self.interrupted, self.stop_after = False, stop_after
         restore = self.procs.guard_signals(self.stop.install)
         status = "failed"
         try:
-            with deterministic(det):
+            with torch_settings(cfg):     # threads, deterministic algorithms
                 self.setup()
                 self._emit("on_start")
                 try:
@@ -444,8 +420,6 @@ class Simulation:
                 self._emit("close", status)                        # provenance.json's status, run.log's end line
             finally:
                 restore()
-                if cfg.threads:
-                    torch.set_num_threads(prev_threads)
         if self.interrupted or self.stop.signal is not None:
             if self.is_main:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
