@@ -6,7 +6,10 @@ aggregate column slices of all the updates.
     summary = DistributedSimulation(cfg).run()
 
 Every rank runs the same config, so every rank holds the same data, partition, model and pre-drawn
-client schedule (``sample_schedule``). Per round ``r`` with clients ``ids = schedule[r]``:
+client schedule (``sample_schedule``), and the same round loop (``Simulation``); what differs is its
+processes object, :class:`Ranks` (phases 1 and 3, the sharded aggregator, checkpoint gather / slice,
+the stop agreement, a lost peer). ``DistributedSimulation`` is ``Simulation`` with ``Ranks``.
+Per round ``r`` with clients ``ids = schedule[r]``:
 
 1. *Payloads.* Every rank calls ``client_payload(cid)`` for every client of the round, in schedule
    order (a collective for methods whose payloads hold d-sized server state, e.g. SCAFFOLD's
@@ -166,13 +169,13 @@ class Ranks:
         self.tag = f" (rank {self.rank})"
         self.state_extra = {"world": self.world}
         self._peer_lost = False
-        self.run_dir = ""
+        self.run_dir = ""          # named in the lost-peer line (DistributedSimulation sets it)
 
     def aggregator(self, agg) -> ShardedAggregator:
         return ShardedAggregator(agg, group=self.group, align=self.align)
 
     def attach(self, sim) -> None:
-        self.sim, self.run_dir = sim, sim.run_dir
+        self.sim = sim
         stateful = sim.agg.client_rule()
         if stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict"):
             raise ValueError(f"distributed=true: {sim.cfg.algorithm.name}'s client rule keeps state across rounds; "
@@ -372,7 +375,7 @@ class DistributedSimulation(Simulation):
     def __init__(self, cfg: RunConfig, *, group=None, align: str = "bytes", **kw):
         procs = Ranks(cfg.device, group=group, align=align)
         super().__init__(cfg, **kw)
-        self.procs = procs
+        self.procs, procs.run_dir = procs, self.run_dir
         self.group, self.align, self.world = group, align, procs.world
 
 
