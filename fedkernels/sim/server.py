@@ -270,7 +270,7 @@ class Simulation:
         its variance and (``client_loss="all"``) the federated objective ``global_loss``."""
         cfg = self.cfg
         te = time.perf_counter()
-        self.global_model()
+        self.trainer.work.copy_(self.global_flat)
         who = (None if cfg.client_loss == "none" else
                list(range(cfg.num_clients)) if cfg.client_loss == "all" else list(trained))
         elsewhere = getattr(self.executor, "evaluate", None)
