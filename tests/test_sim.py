@@ -13,6 +13,7 @@ from fedkernels.sim import presets
 from fedkernels.sim.client import ClientTrainer, HeteroCompute, schedule_factor
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS, json_safe
+from fedkernels.sim import assemble
 from fedkernels.sim.server import BadClientError, Simulation, sample_schedule
 
 
@@ -66,7 +67,8 @@ def test_two_rounds_every_method(method, digits, tmp_path):
     assert all(m["num_updates"] == 3 for m in s.metrics)
     assert 0.0 <= summary["final_accuracy"] <= 1.0
     assert bool(torch.isfinite(s.global_flat).all())
-    assert not torch.equal(s.global_flat, s.spec.flatten(s._build_model(s.x).to(s.device)))  # it moved
+    init = assemble.build_model(s.cfg, s.x, s.num_classes, s._model_fn).to(s.device)
+    assert not torch.equal(s.global_flat, s.spec.flatten(init))  # it moved
 
 
 # ---- determinism ---------------------------------------------------------------------------------

@@ -80,3 +80,69 @@ def test_simulation_checks_options_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'alpha'"):
         Simulation(apply_overrides(_cfg(tmp_path), ["partition.options.alpa=0.1"]))
     assert not os.listdir(tmp_path)
+
+
+def test_callback_hooks_run_in_order_between_the_run_files_and_the_checkpoint(tmp_path):
+    """A Callback subclass gets every hook once per event, after the run files have the round
+    (metrics.jsonl) and before that round's checkpoint is written; close() gets the status."""
+    from fedkernels.sim import checkpoint as ckpt
+    from fedkernels.sim.callbacks import Callback
+    events = []
+
+    class Spy(Callback):
+        def on_setup(self, sim):
+            events.append("setup")
+
+        def on_start(self, sim):
+            events.append(("start", os.path.exists(os.path.join(sim.run_dir, "config.yaml"))))
+
+        def on_round_end(self, sim, m):
+            with open(os.path.join(sim.run_dir, "metrics.jsonl")) as f:
+                lines = len(f.read().splitlines())
+            has_ckpt = os.path.exists(ckpt.path_for(sim.ckpt_dir, m["round"]))
+            events.append(("round", m["round"], sim.start_round, lines, has_ckpt))
+
+        def on_end(self, sim, summary):
+            events.append(("end", summary["rounds_completed"]))
+
+        def close(self, sim, status):
+            events.append(("close", status))
+
+    sim = Simulation(_cfg(tmp_path, checkpoint_every=1), callbacks=[Spy()])
+    sim.run()
+    assert events == ["setup", ("start", True), ("round", 1, 1, 1, False), ("round", 2, 2, 2, False),
+                      ("round", 3, 3, 3, False), ("end", 3), ("close", "completed")]
+    assert [r for r, _ in ckpt.list_checkpoints(sim.ckpt_dir)] == [2, 3]     # keep_checkpoints=2 of 1, 2, 3
+
+
+def test_user_callbacks_keep_the_default_files_and_a_failure_is_closed(tmp_path):
+    """Passing callbacks does not replace the default ones (the same run directory); a callback that
+    fails stops the run, every callback is closed with status "failed" and provenance.json says so."""
+    from fedkernels.sim.callbacks import Callback
+    plain = Simulation(_cfg(tmp_path, name="plain"))
+    plain.run()
+    closed = []
+
+    class Fails(Callback):
+        def on_round_end(self, sim, m):
+            if m["round"] == 2:
+                raise RuntimeError("backend down")
+
+        def close(self, sim, status):
+            closed.append(status)
+
+    with_cb = Simulation(_cfg(tmp_path, name="with"), callbacks=[lambda r, m, model: None])
+    with_cb.run()
+    assert sorted(os.listdir(with_cb.run_dir)) == sorted(os.listdir(plain.run_dir))
+    failing = Simulation(_cfg(tmp_path, name="fails"), callbacks=[Fails()])
+    with pytest.raises(RuntimeError, match="backend down"):
+        failing.run()
+    assert closed == ["failed"]
+    import json
+    with open(os.path.join(failing.run_dir, "provenance.json")) as f:
+        assert json.load(f)["status"] == "failed"
+
+
+def test_a_callback_that_is_not_callable_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"callbacks: 3 is neither a Callback nor a callable"):
+        Simulation(_cfg(tmp_path), callbacks=[3])

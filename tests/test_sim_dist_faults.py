@@ -21,22 +21,22 @@ ARGS = ["--preset", "smoke", "rounds=4", "checkpoint_every=1", "plots=false", "t
 
 SCRIPT = r'''
 import os, sys
-from fedkernels.sim.distributed_sim import DistributedSimulation
+from fedkernels.sim.distributed_sim import DistributedSimulation, Ranks
 fault, rank = os.environ.get("FK_FAULT", "none"), int(os.environ["RANK"])
-orig = DistributedSimulation.exchange
+orig = Ranks.exchange
 def exchange(self, local):
-    if fault in ("kill", "raise") and rank == 1 and self.start_round == 2:   # rank 1, round 3, before the exchange
+    if fault in ("kill", "raise") and rank == 1 and self.sim.start_round == 2:   # rank 1, round 3, before the exchange
         if fault == "kill":
             os.kill(os.getpid(), 9)
         raise RuntimeError("injected failure on rank 1")
     return orig(self, local)
-DistributedSimulation.exchange = exchange
-orig_stop = DistributedSimulation._stop_agreed
-def _stop_agreed(self):
-    if fault == "kill-after" and rank == 1 and self.start_round == 3:  # rank 1, after round 3 and its checkpoint
+Ranks.exchange = exchange
+orig_stop = Ranks.stop_agreed
+def stop_agreed(self, sig):
+    if fault == "kill-after" and rank == 1 and self.sim.start_round == 3:  # rank 1, after round 3 and its checkpoint
         os.kill(os.getpid(), 9)
-    return orig_stop(self)
-DistributedSimulation._stop_agreed = _stop_agreed
+    return orig_stop(self, sig)
+Ranks.stop_agreed = stop_agreed
 slow = float(os.environ.get("FK_SLOW_REPORT", "0"))
 orig_run = DistributedSimulation.run
 def run(self, *a, **kw):

@@ -76,7 +76,8 @@ def _worker(rank, tmp, data):
         sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp),
                                     train=tr, test=te)
         sim.run()
-        assert sim.writer is None if rank else sim.writer is not None
+        assert os.path.exists(os.path.join(sim.run_dir, "metrics.jsonl"))   # rank 0 wrote it
+        assert sim.summary["run_dir"] is None if rank else sim.summary["run_dir"] == sim.run_dir
     # an interrupted distributed run resumed from its (merged, full) checkpoint
     cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
     DistributedSimulation(cfg, train=tr, test=te).run(stop_after=2)

@@ -6,7 +6,10 @@ aggregate column slices of all the updates.
     summary = DistributedSimulation(cfg).run()
 
 Every rank runs the same config, so every rank holds the same data, partition, model and pre-drawn
-client schedule (``sample_schedule``). Per round ``r`` with clients ``ids = schedule[r]``:
+client schedule (``sample_schedule``), and the same round loop (``Simulation``); what differs is its
+processes object, :class:`Ranks` (phases 1 and 3, the sharded aggregator, checkpoint gather / slice,
+the stop agreement, a lost peer). ``DistributedSimulation`` is ``Simulation`` with ``Ranks``.
+Per round ``r`` with clients ``ids = schedule[r]``:
 
 1. *Payloads.* Every rank calls ``client_payload(cid)`` for every client of the round, in schedule
    order (a collective for methods whose payloads hold d-sized server state, e.g. SCAFFOLD's
@@ -52,7 +55,6 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import ShardedAggregator
-from ..flat import UpdateBuffer
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .client import BadClientError
@@ -60,7 +62,7 @@ from .server import Simulation, resolve_device
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["DistributedSimulation", "LostRankError", "assign_positions", "init_from_env", "merge_sliced_state",
+__all__ = ["DistributedSimulation", "LostRankError", "Ranks", "assign_positions", "init_from_env", "merge_sliced_state",
            "slice_state"]
 
 
@@ -146,27 +148,45 @@ def slice_state(state: Any, d: int, lo: int, hi: int):
     return state
 
 
-class DistributedSimulation(Simulation):
-    """:class:`Simulation` with the round's clients trained on ``world`` ranks and the aggregation
-    sharded by columns (module docstring). It runs the single-process round loop (each rank trains its
-    block of positions with the run's executor) and overrides only which clients this rank trains,
-    the payload phase (a collective), the exchange, and the checkpoint's gather / slice. All ranks
-    construct it with the same config and call ``run()`` together. ``group``: a process group (None:
+class Ranks:
+    """The run's processes under torch.distributed (module docstring; the single-process form is
+    ``executors.OneProcess``, whose protocol this follows): which positions this rank trains, the
+    payload phase (a collective), the exchange, the sharded aggregator, the checkpoint's gather /
+    slice, the stop agreement, and a lost peer turned into one line. ``group``: a process group (None:
     the default one, initialised from torchrun's environment when needed). ``align``: slice
-    boundaries on tensor ("tensor") or output-row ("row") boundaries. Outputs are written by rank 0."""
+    boundaries on tensor ("tensor") or output-row ("row") boundaries."""
 
-    def __init__(self, cfg: RunConfig, *, group=None, align: str = "bytes", **kw):
-        cfg = cfg.copy()
-        init_from_env(cfg.device)
-        self.group = group
-        self.align = align
+    saves_alone = False        # gathering the state is a collective: a signal may reach one rank only
+    screens_rows = True        # each rank screens its own clients' rows (the exchange carries no NaN row)
+    aggregate_kwargs = {"gather": True}   # every rank gets the full new model
+
+    def __init__(self, device: str = "cpu", group=None, align: str = "bytes"):
+        init_from_env(device)
+        self.group, self.align = group, align
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        super().__init__(cfg, **kw)
+        self.is_main = self.rank == 0
+        self.tag = f" (rank {self.rank})"
+        self.state_extra = {"world": self.world}
+        self._peer_lost = False
+        self.run_dir = ""          # named in the lost-peer line (DistributedSimulation sets it)
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def aggregator(self, agg) -> ShardedAggregator:
+        return ShardedAggregator(agg, group=self.group, align=self.align)
+
+    def attach(self, sim) -> None:
+        self.sim = sim
+        stateful = sim.agg.client_rule()
+        if stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict"):
+            raise ValueError(f"distributed=true: {sim.cfg.algorithm.name}'s client rule keeps state across rounds; "
+                             "the distributed simulator does not move client-rule state between ranks")
+
+    def buffer_rows(self, K: int) -> int:
+        return max(1, -(-K // self.world))      # this rank's clients: at most ceil(K / world)
+
+    def positions(self, K: int) -> range:
+        start, stop = assign_positions(K, self.world)[self.rank]
+        return range(start, stop)
 
     # ---- a lost peer: report it even while torchrun terminates this rank ----------------------------
     def _ignore_sigterm(self) -> None:
@@ -177,7 +197,7 @@ class DistributedSimulation(Simulation):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     @contextlib.contextmanager
-    def _peer_loss_stops(self, when: str) -> Iterator[None]:
+    def collective(self, when: str) -> Iterator[None]:
         """A collective (or several) in which a lost peer becomes :class:`LostRankError`: one line
         saying which rank stopped ``when`` (e.g. "during round 3") and how to resume."""
         try:
@@ -193,10 +213,11 @@ class DistributedSimulation(Simulation):
                                 f"rank {self.rank} stops too; continue with `fedkernels run --resume "
                                 f"{self.run_dir}` on {self.world} ranks") from None
 
-    def _install_signal_handlers(self) -> Callable[[], None]:
+    def guard_signals(self, install: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+        """Installs the run's signal handlers; the restore leaves SIGTERM ignored once a peer is lost."""
         self._peer_lost = False
         outer = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        restore = super()._install_signal_handlers()
+        restore = install()
 
         def restore_unless_lost() -> None:
             if not self._peer_lost:
@@ -205,26 +226,13 @@ class DistributedSimulation(Simulation):
                 signal.signal(signal.SIGINT, outer[signal.SIGINT])   # SIGTERM stays ignored: on its way out
         return restore_unless_lost
 
-    # ---- setup ------------------------------------------------------------------------------------
-    def _build_aggregator(self):
-        return ShardedAggregator(super()._build_aggregator(), group=self.group, align=self.align)
+    def stop_agreed(self, sig: Optional[int]) -> bool:
+        """A signal seen by any rank stops every rank after this round (a small collective)."""
+        with self.collective(f"after round {self.sim.start_round}"):
+            return any(f is not None for f in self._all_gather_object(sig))
 
-    def setup(self) -> "DistributedSimulation":
-        if self._ready:
-            return self
-        super().setup()
-        rows = max(1, -(-self.per_round // self.world))      # this rank's clients: at most ceil(K / world)
-        self.screen_clients = True   # each rank screens its own clients' rows (the exchange carries no NaN row)
-        self.buf = UpdateBuffer(rows, self.spec, device=self.device, dtype=self.spec.dtype)
-        stateful = self.agg.client_rule()
-        self._by_client = stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict")
-        if self._by_client:
-            raise ValueError(f"distributed=true: {self.cfg.algorithm.name}'s client rule keeps state across rounds; "
-                             "the distributed simulator does not move client-rule state between ranks")
-        return self
-
-    def _clients_desc(self, r: int) -> str:
-        return f"round {r + 1} clients (rank {self.rank})"
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     # ---- collectives --------------------------------------------------------------------------------
     def _all_gather_object(self, obj):
@@ -237,12 +245,13 @@ class DistributedSimulation(Simulation):
         """All-to-all of column slices. This rank sends, for every rank s, columns ``bounds[s]`` of its
         ``counts[rank]`` rows (``src`` [m, d] or the list ``rows`` of [d] tensors); returns the
         ``[sum(counts), hi - lo]`` matrix of every rank's rows (rank order), this rank's columns."""
-        bounds = self.agg.bounds
-        lo, hi = self.agg.lo, self.agg.hi
+        sim = self.sim
+        bounds = sim.agg.bounds
+        lo, hi = sim.agg.lo, sim.agg.hi
         w = hi - lo
         m = counts[self.rank]
-        dev = self.device if (self.agg.ctx.backend != "gloo") else torch.device("cpu")
-        send = torch.empty(m * self.spec.d, dtype=dtype, device=dev)
+        dev = sim.device if (sim.agg.ctx.backend != "gloo") else torch.device("cpu")
+        send = torch.empty(m * sim.spec.d, dtype=dtype, device=dev)
         in_splits, off = [], 0
         for a, b in bounds:
             n = m * (b - a)
@@ -260,20 +269,16 @@ class DistributedSimulation(Simulation):
             recv.copy_(send)
         else:
             dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
-        return recv.view(sum(counts), w).to(self.device)
+        return recv.view(sum(counts), w).to(sim.device)
 
-    # ---- the phases this mode overrides -------------------------------------------------------------
-    def positions(self, K: int) -> range:
-        start, stop = assign_positions(K, self.world)[self.rank]
-        return range(start, stop)
-
-    def prepare_payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
+    # ---- the round's phases 1 and 3 ---------------------------------------------------------------------
+    def payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
         """Every rank calls ``client_payload`` for every client of the round, in schedule order (a
         collective for methods whose payloads hold d-sized server state); keeps its own."""
         sent: Dict[int, Any] = {}
         for pos, cid in enumerate(ids):
             try:
-                p = self.agg.client_payload(cid)
+                p = self.sim.agg.client_payload(cid)
             except Exception as e:  # noqa: BLE001 - reported by the rank that trains the client
                 p = e
             if pos in mine:
@@ -288,7 +293,7 @@ class DistributedSimulation(Simulation):
     def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """The small facts as objects (all-gather), then the column slices of the update rows and of
         the d-sized payload tensors (all-to-all)."""
-        d = self.spec.d
+        d = self.sim.spec.d
         mine, big = [], []            # big: d-sized payload tensors, in (position, key) order
         for a in local["accepted"]:
             small, keys = {}, []
@@ -309,7 +314,8 @@ class DistributedSimulation(Simulation):
             raise BadClientError(errs[0][1])
         acc = [a for f in facts for a in f["accepted"]]                  # rank order = schedule order
         excluded = [e for _, e in sorted((x for f in facts for x in f["excluded"]), key=lambda x: x[0])]
-        U = self._exchange_columns([], self.buf.data, [len(f["accepted"]) for f in facts], self.buf.data.dtype)
+        buf = self.sim.buf.data
+        U = self._exchange_columns([], buf, [len(f["accepted"]) for f in facts], buf.dtype)
         payloads = [dict(a["payload"]) for a in acc]
         my_keys = [k for a in mine for k in a["big"]]
         for g in sorted({k[1] for a in acc for k in a["big"]}):
@@ -326,56 +332,51 @@ class DistributedSimulation(Simulation):
         return {"U": U, "accepted": acc, "payloads": payloads, "excluded": excluded,
                 "t_local": max(f["t_local"] for f in facts), "t_exchange": time.perf_counter() - t1}
 
-    def _stop_agreed(self) -> bool:
-        """A signal seen by any rank stops every rank after this round (a small collective)."""
-        with self._peer_loss_stops(f"after round {self.start_round}"):
-            return any(f is not None for f in self._all_gather_object(self._stop_signal))
-
-    def aggregate_kwargs(self) -> Dict[str, Any]:
-        return {"gather": True}          # every rank gets the full new model
-
-    def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
-        """:meth:`Simulation.run` on every rank; returns once rank 0 has written its outputs."""
-        out = super().run(stop_after)
-        with self._peer_loss_stops(f"after round {self.start_round}"):
-            dist.barrier(group=self.group)
-        return out
-
     # ---- checkpoints ----------------------------------------------------------------------------------
     def aggregator_state(self) -> Optional[Dict[str, Any]]:
         """The wrapped aggregator's whole state (rank 0; None elsewhere): every rank's slice gathered
         and merged with :func:`merge_sliced_state`. A collective."""
-        st = self.agg.agg.state_dict()
+        agg = self.sim.agg
+        st = agg.agg.state_dict()
         st = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()} if isinstance(st, dict) else st
-        with self._peer_loss_stops(f"after round {self.start_round}"):
+        with self.collective(f"after round {self.sim.start_round}"):
             allst = self._all_gather_object(st)
         if self.rank != 0:
             return None
-        return merge_sliced_state(allst, [b - a for a, b in self.agg.bounds])
+        return merge_sliced_state(allst, [b - a for a, b in agg.bounds])
 
-    def state(self, rnd: int) -> Optional[Dict[str, Any]]:
-        st = super().state(rnd)
-        if st is not None:
-            st["world"] = self.world
-        return st
-
-    def find_checkpoint(self):
+    def find_checkpoint(self, ckpt_dir: str, device):
         """Every rank reads the same (full) checkpoint; rank 0 first (load_latest removes the temp
         files of interrupted writes). The ranks must agree on the round."""
-        found = ckpt.load_latest(self.ckpt_dir, map_location="cpu") if self.rank == 0 else None
+        found = ckpt.load_latest(ckpt_dir, map_location="cpu") if self.rank == 0 else None
         dist.barrier(group=self.group)
         if self.rank != 0:
-            found = ckpt.load_latest(self.ckpt_dir, map_location="cpu")
+            found = ckpt.load_latest(ckpt_dir, map_location="cpu")
         rounds = self._all_gather_object(None if found is None else int(found[1]["round"]))
         if len(set(rounds)) != 1:
             raise ckpt.CheckpointError(f"resume: the ranks found different checkpoints (rounds {rounds}); "
-                                       f"they must all read {self.ckpt_dir}")
+                                       f"they must all read {ckpt_dir}")
         return found
 
     def load_aggregator_state(self, state: Dict[str, Any]) -> None:
         """Keeps this rank's columns of the full aggregator state."""
-        loc = slice_state(state, self.spec.d, self.agg.lo, self.agg.hi)
-        self.agg.agg.load_state_dict(_to_device(loc, self.device))
+        sim = self.sim
+        loc = slice_state(state, sim.spec.d, sim.agg.lo, sim.agg.hi)
+        sim.agg.agg.load_state_dict(_to_device(loc, sim.device))
+
+
+class DistributedSimulation(Simulation):
+    """:class:`Simulation` whose processes are the ranks of a torch.distributed group (:class:`Ranks`):
+    the round's clients trained on ``world`` ranks (each with the run's executor) and the aggregation
+    sharded by columns (module docstring). All ranks construct it with the same config and call
+    ``run()`` together; ``run`` returns once rank 0 has written its outputs. ``group``, ``align``:
+    see :class:`Ranks`."""
+
+    def __init__(self, cfg: RunConfig, *, group=None, align: str = "bytes", **kw):
+        procs = Ranks(cfg.device, group=group, align=align)
+        super().__init__(cfg, **kw)
+        self.procs, procs.run_dir = procs, self.run_dir
+        self.group, self.align, self.world = group, align, procs.world
 
 
 def _to_device(state, device):

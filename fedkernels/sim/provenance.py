@@ -7,7 +7,7 @@
     provenance.finish(run_dir, status="completed")   # end time, duration, status
 
 Two runs on different machines, commits or thread counts can then be told apart from their
-directories alone.
+directories alone. A simulation writes both through its :class:`Provenance` callback.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from .callbacks import Callback
 from .report import write_json_atomic
 
 FILENAME = "provenance.json"
@@ -182,3 +183,29 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Provenance(Callback):
+    """provenance.json and run.log of a simulation (main process, ``write_outputs``): written at the
+    start (versions, commit, hardware, command, start time), every progress line into run.log, and
+    at the close (however the run ended) the end line, the status and the rounds completed."""
+
+    def __init__(self) -> None:
+        self.log: Optional[RunLog] = None
+
+    def on_start(self, sim) -> None:
+        if sim.write_outputs and sim.is_main:
+            write(sim.run_dir, collect(sys.argv))
+            self.log = RunLog(sim.run_dir)
+
+    def on_message(self, sim, msg: str, console: bool) -> None:
+        if self.log is not None:
+            self.log(msg)
+
+    def close(self, sim, status: str) -> None:
+        if self.log is None:
+            return
+        self.log(f"end: {status} after round {sim.start_round}")
+        self.log.close()
+        self.log = None
+        finish(sim.run_dir, status=status, rounds_completed=sim.start_round)

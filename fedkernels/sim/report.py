@@ -1,5 +1,6 @@
 """Run outputs: JSON-safe conversion, atomic writes, metrics.jsonl, summary.json/csv (round 1 timed
-apart), the figures (PNG at 200 dpi + PDF/SVG, Agg backend) and the partition report."""
+apart), the figures (PNG at 200 dpi + PDF/SVG, Agg backend) and the partition report; written for a
+simulation by its :class:`RunFiles` callback."""
 from __future__ import annotations
 
 import contextlib
@@ -8,11 +9,14 @@ import io
 import json
 import math
 import os
+import sys
 import tempfile
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from .callbacks import Callback
 
 # Keys that vary from run to run (wall-clock), left out when runs are compared for determinism.
 TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "t_local_total", "t_agg_total",
@@ -215,6 +219,79 @@ class RunWriter:
                                plot: bool = True) -> Dict[str, Any]:
         return write_partition_report(self.run_dir, labels, parts, num_classes, plot=plot,
                                       title=describe_setup(self.cfg) if self.cfg is not None else "")
+
+
+def check_run_dir(run_dir: str, cfg, overwrite: bool = False, remove: bool = True) -> None:
+    """Never overwrite another run: an existing ``run_dir`` must hold ``cfg`` (presentation keys
+    aside), else a ValueError naming the differing keys; ``overwrite`` replaces it instead (its
+    checkpoints are removed when ``remove``: on the main process)."""
+    from .checkpoint import config_diff
+    from .config import PRESENTATION_KEYS, RunConfig
+    old_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(old_path):
+        return
+    try:
+        old = RunConfig.from_yaml(old_path).to_dict()
+    except (OSError, ValueError):
+        old = None
+    diff = ["<unreadable config.yaml>"] if old is None else config_diff(old, cfg.to_dict(), free=PRESENTATION_KEYS)
+    if not diff:
+        return
+    if not overwrite:
+        raise ValueError(f"run directory {run_dir} holds a run with a different config "
+                         f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); give another --name, "
+                         "--overwrite to replace it, or --resume to continue it")
+    if remove:
+        import shutil
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+
+
+class RunFiles(Callback):
+    """The run directory's files, a callback of the round loop (main process, ``write_outputs``):
+    config.yaml, metrics.jsonl (rewritten from the checkpoint's rounds on resume, then one line per
+    round) and, on a fresh run, the partition report at the start; summary.json/csv, final_model.pt
+    (unless the run was cut short before its last round) and curves.png (``plots``) at the end."""
+
+    def __init__(self) -> None:
+        self.writer: Optional[RunWriter] = None
+
+    def on_start(self, sim) -> None:
+        if not (sim.write_outputs and sim.is_main):
+            return
+        self.writer = w = RunWriter(sim.run_dir)
+        w.write_config(sim.cfg)
+        w.reset_metrics(sim.metrics)
+        if sim.start_round == 0:   # partition.json/.txt (+ .png): client sizes and label mix
+            w.write_partition_report(sim.y, sim.parts, plot=bool(sim.cfg.plots))
+
+    def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.append(metrics)
+
+    def on_end(self, sim, summary: Dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        cfg = sim.cfg
+        self.writer.write_summary(summary)
+        if sim.start_round >= cfg.rounds or not sim.cut_short:
+            self.save_final_model(sim)
+        if cfg.plots:
+            try:
+                self.writer.plot(sim.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})")
+            except KeyboardInterrupt:
+                sim.interrupted = True
+                print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
+                      file=sys.stderr)
+
+    @staticmethod
+    def save_final_model(sim) -> str:
+        """final_model.pt: the global model as a flat vector and as the model's state_dict."""
+        model = sim.global_model()
+        path = os.path.join(sim.run_dir, "final_model.pt")
+        torch.save({"flat": sim.global_flat.detach().cpu().clone(),
+                    "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                    "names": sim.spec.names, "round": sim.start_round}, path)
+        return path
 
 
 def write_partition_report(run_dir: str, labels, parts: Sequence[Any], num_classes: Optional[int] = None,
