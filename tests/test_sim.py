@@ -14,7 +14,9 @@ from fedkernels.sim.client import ClientTrainer, HeteroCompute, schedule_factor
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS, json_safe
 from fedkernels.sim import assemble
-from fedkernels.sim.server import BadClientError, Simulation, sample_schedule
+from fedkernels.sim.assemble import sample_schedule
+from fedkernels.sim.client import BadClientError
+from fedkernels.sim.server import Simulation
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -204,7 +206,7 @@ def _faulty(monkeypatch, nan_client, error_client):
 
     def train(self, cid, rnd, *a, **kw):
         if cid == error_client:
-            raise ValueError("simulated crash")      # a bad-client error (server.CLIENT_ERRORS)
+            raise ValueError("simulated crash")      # a bad-client error (client.CLIENT_ERRORS)
         res = orig(self, cid, rnd, *a, **kw)
         if cid == nan_client:
             self.work[3] = float("nan")

@@ -23,7 +23,8 @@ from fedkernels.sim import presets
 from fedkernels.sim.client import ClientTrainer
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS
-from fedkernels.sim.server import BadClientError, Simulation
+from fedkernels.sim.client import BadClientError
+from fedkernels.sim.server import Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)")

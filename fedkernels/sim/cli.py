@@ -81,7 +81,8 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
 def cmd_run(a) -> int:
     from ..errors import RunError
     from .checks import check_run
-    from .server import BadClientError, Simulation
+    from .client import BadClientError
+    from .server import Simulation
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:
         raise ValueError(f"one CONFIG file expected, got {paths}")

@@ -58,7 +58,8 @@ from ..distributed import ShardedAggregator
 from . import checkpoint as ckpt
 from .config import RunConfig
 from .client import BadClientError
-from .server import Simulation, resolve_device
+from .assemble import resolve_device
+from .server import Simulation
 
 log = logging.getLogger("fedkernels.sim")
 

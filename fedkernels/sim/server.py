@@ -38,12 +38,12 @@ from torch import nn
 from .. import algorithms
 from ..flat import FlatSpec, UpdateBuffer
 from . import assemble
-from .assemble import resolve_device, sample_schedule, torch_settings  # noqa: F401 - re-exported
+from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from .batched import BatchedExecutor, for_simulation
-from .client import BadClientError, CLIENT_ERRORS  # noqa: F401 - re-exported: their home is client.py
-from .client import ClientTrainer, HeteroCompute, client_losses, evaluate, schedule_factor
-from .callbacks import Callback, Progress, as_callback, format_summary  # noqa: F401 - format_summary re-exported
+from .client import ClientTrainer, HeteroCompute, schedule_factor
+from .evaluate import evaluate_global
+from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
 from .executors import OneProcess, SequentialExecutor, nothing_trained
 from .provenance import Provenance
@@ -277,7 +277,6 @@ class Simulation:
         if elsewhere is not None:   # e.g. in the worker processes, batch by batch (the same numbers)
             acc, tl, cl = elsewhere(r, cfg.eval_batch_size, who)
         else:       # on the device, one host transfer (sim/evaluate.py)
-            from .evaluate import evaluate_global
             acc, tl, cl = evaluate_global(self.model, self.xt, self.yt, cfg.eval_batch_size, self.x, self.y,
                                           self.parts, who)
         m.update(accuracy=acc, test_loss=tl)
