@@ -310,6 +310,18 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
 
 
 # ---- gradient centralization (GC-Fed) --------------------------------------------------------
+def _row_mean(x64: torch.Tensor, dims: Tuple[int, ...]) -> torch.Tensor:
+    """Mean over ``dims`` (keepdim) without spurious overflow: each row is divided by a power of two
+    s with s <= max|x| < 2 s (exact), averaged, and multiplied back. Every partial sum of the M scaled
+    terms stays below 2 M, so a row of finite values always gets its finite mean (the exact mean lies
+    in [min x, max x]), whatever order torch sums in; a plain fp64 ``mean`` of a row near the fp64
+    maximum can overflow in a partial sum (+Inf and -Inf in two lanes give NaN). The scaling only
+    loses the bits of elements below 2**-1022 s (absolute error <= 2**-1074 s per element)."""
+    amax = x64.abs().amax(dim=dims, keepdim=True)   # non-finite rows: s is irrelevant, NaN/Inf propagate
+    s = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - 1)
+    return (x64 / s).mean(dim=dims, keepdim=True) * s
+
+
 def _gc_one(x: torch.Tensor, vector_policy: str, min_fanin: int) -> torch.Tensor:
     x64 = x.detach().to(torch.float64)
     if x.dim() == 0 or x.numel() == 0:
@@ -317,15 +329,17 @@ def _gc_one(x: torch.Tensor, vector_policy: str, min_fanin: int) -> torch.Tensor
     if x.dim() == 1:
         if vector_policy == "skip" or x.numel() < min_fanin:
             return x64.clone()
-        return x64 - x64.mean()
+        return x64 - _row_mean(x64, (0,))
     if x.numel() // x.size(0) < min_fanin:
         return x64.clone()
-    return x64 - x64.mean(dim=tuple(range(1, x.dim())), keepdim=True)
+    return x64 - _row_mean(x64, tuple(range(1, x.dim())))
 
 
 def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """float64 GC: ``x - x.mean(dim=tuple(range(1, x.ndim)), keepdim=True)`` with the policies of
-    GC-Fed §2.1 (1-D: skip or centre the whole vector; 0-D, empty, fan-in < min_fanin: unchanged)."""
+    GC-Fed §2.1 (1-D: skip or centre the whole vector; 0-D, empty, fan-in < min_fanin: unchanged).
+    The mean is taken on power-of-two-scaled rows (:func:`_row_mean`), so a finite row never gets
+    a NaN/Inf mean from an overflowing partial sum."""
     return [_gc_one(x, vector_policy, min_fanin) for x in tensors]
 
 

@@ -274,3 +274,51 @@ def test_aggregator_unchanged(dtype):
     assert res["auto"][2] == res["closed_form"][2]
     torch.testing.assert_close(res["auto"][0], res["closed_form"][0], rtol=tol, atol=tol)
     torch.testing.assert_close(res["auto"][1], res["closed_form"][1], rtol=tol, atol=tol)
+
+
+# ---- regression: fuzz campaign failure op:fedecado_be_step seed 1410940040 (column 50 of 64) -------------
+# Huge client updates of opposite signs: x' is 1e4 below its two terms (~4e295). The op and the dense
+# reference both round correctly relative to the terms, yet differed by 1e-13 of |x'|: the oracle's bound
+# was relative to |x'| + 1 instead of to the magnitude of the summed terms (fuzz_oracle.be_step_bounds).
+FUZZ_CASE = {"target": "op:fedecado_be_step", "seed": 1410940040, "K": 2, "d": 64, "dtype": "fp64", "kind": "huge",
+             "layout": "contig", "use_out": False}
+
+
+def _cancelling_args():
+    t = lambda *v: torch.tensor(v, dtype=D64)   # noqa: E731
+    return (t(1.5999165775357946), t(0.01716414046526393, 0.011973304835373358).reshape(2, 1),
+            t(-0.4670004855852071), t(-9.704637310295126e+298, 8.613341695991379e+298).reshape(2, 1),
+            t(-0.010244733396060236, -0.016639666458889132).reshape(2, 1), t(0.0013878916732588831),
+            [0.5186634636307912, 0.582027459227225], [0.2593317318153956, 0.2910137296136125],
+            [0.46839750679329606, 0.3201046438960701], 0.05, 3.0)
+
+
+def _exact_x(args):
+    """x' of the header's formula in exact rational arithmetic (inputs taken as the exact doubles)."""
+    from fractions import Fraction as F
+    xc, Icur, xc0, U, Ik, S, thn, tho, ig, dt, L = args
+    c = F(dt) / F(L)
+    a = [1 + c * F(g) for g in ig]
+    r = [F(Icur[i, 0].item()) + c * (F(xc0[0].item()) + F(thn[i]) * F(U[i, 0].item()) + F(ig[i]) * F(Ik[i, 0].item()))
+         for i in range(len(a))]
+    den = 1 + F(dt) * c * sum(1 / ai for ai in a)
+    return float((F(xc[0].item()) + F(dt) * F(S[0].item()) + F(dt) * sum(ri / ai for ri, ai in zip(r, a))) / den)
+
+
+def test_huge_cancelling_updates_within_error_bound():
+    import fuzz_oracle as fuzz   # tests/fuzz_oracle.py: the campaign's checker
+    args = _cancelling_args()
+    got, ref = ops.fedecado_be_step(*args), reference.fedecado_be_step(*args)
+    tol_x, _, _ = fuzz.be_step_bounds(args, D64)
+    ex = _exact_x(args)
+    assert abs(got[0].item() - ex) <= tol_x.item() and abs(ref[0].item() - ex) <= tol_x.item()
+    old_bound = 64 * (2 + 2) * torch.finfo(D64).eps * (abs(ref[0].item()) + 1.0)   # relative to |x'|: rejected
+    assert abs(got[0].item() - ref[0].item()) > old_bound
+    fuzz.check_fedecado_be_step(args, got, ref, D64)
+    assert fuzz.execute(FUZZ_CASE) == ("ok", "")
+    # the bound is not vacuous: x' off by 1e-12 of its terms (4e-9 of |x'|), or one lte off by 1e-9, is caught
+    bad_x = (got[0] + 1e-12 * 4.2e295, got[1], got[2])
+    bad_l = (got[0], got[1], got[2] * torch.tensor([1.0, 1.0 + 1e-9], dtype=D64))
+    for bad in (bad_x, bad_l):
+        with pytest.raises(fuzz.Fail):
+            fuzz.check_fedecado_be_step(args, bad, ref, D64)
