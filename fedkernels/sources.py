@@ -33,6 +33,7 @@ works on the current one (``prefetch=False``: one block, reads and arithmetic in
 from __future__ import annotations
 
 import abc
+import itertools
 import mmap
 import os
 import time
@@ -370,7 +371,11 @@ class ChunkedUpdates:
         self.placement: Optional[str] = None
         if isinstance(device, str) and device == "auto":
             device, self.placement = pick_device()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError):
+            raise ValueError(f"ChunkedUpdates: device must be 'auto', a device name ('cpu', 'cuda', 'cuda:1') or a "
+                             f"torch.device, got {device!r}") from None
         self.source: MatrixSource = as_source(source, K, d, dtype, offset, what="ChunkedUpdates")
         self.K, self.d, self.dtype = self.source.K, self.source.d, self.source.dtype
         for name, v, got in (("K", K, self.K), ("d", d, self.d)):
@@ -406,11 +411,15 @@ class ChunkedUpdates:
     def chunks(self) -> Iterator[Block]:
         """Yields ``(a, b, U[:, a:b])`` on ``device`` in column order; valid until the next one. A
         chunk already on ``device`` is yielded as is; to CUDA the copies overlap the caller's work."""
-        blocks = self.source.chunks(self.chunk_cols)
-        if self.device.type == "cuda":
+        blocks = iter(self.source.chunks(self.chunk_cols))
+        first = next(blocks, None)
+        if first is None:
+            return
+        blocks = itertools.chain([first], blocks)
+        if self.device.type == "cuda" and first[2].device != self.device:
             yield from overlapped(blocks, self.K, self.chunk_cols, self.dtype, CudaCalls(self.device))
             return
-        for a, b, c in blocks:
+        for a, b, c in blocks:             # on the CPU, or already on the device: no staging
             yield a, b, (c if c.device == self.device or self.device.type == "cpu" else c.to(self.device))
 
     def aggregate_placed(self, aggregate: Callable, global_flat: torch.Tensor, num_examples,
