@@ -20,7 +20,9 @@ after each block so the resident set stays bounded), ``RawFileSource`` (a raw li
 row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
 no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
 client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
-columns at a time onto a device; every ``Aggregator.aggregate`` takes either as its ``updates``
+columns at a time onto a device (to a GPU through two pinned staging blocks and a copy stream, the copy
+of chunk i+1 overlapping the work on chunk i: :func:`overlapped`; ``device="auto"``: the CPU or the GPU,
+whichever reads a host matrix faster, :func:`pick_device`); every ``Aggregator.aggregate`` takes either as its ``updates``
 (``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk), and ``select_rows`` keeps the
 accepted clients' rows when some are excluded, errors still naming the original rows.
 
@@ -48,6 +50,7 @@ from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
+           "staging_gbps",
            "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -540,13 +543,7 @@ def cpu_read_gbps() -> float:
     if "cpu" not in _BANDWIDTH:
         U = torch.ones(16, PROBE_BYTES // 64)
         coef = torch.full((16,), 1 / 16, dtype=torch.float64)
-        ops.weighted_sum(U, coef)
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            ops.weighted_sum(U, coef)
-            best = min(best, time.perf_counter() - t)
-        _BANDWIDTH["cpu"] = U.numel() * 4 / best / 1e9
+        _BANDWIDTH["cpu"] = U.numel() * 4 / _best(lambda: ops.weighted_sum(U, coef)) / 1e9
     return _BANDWIDTH["cpu"]
 
 
@@ -556,30 +553,45 @@ def h2d_gbps() -> float:
     if "h2d" not in _BANDWIDTH:
         src = torch.empty(PROBE_BYTES // 4, pin_memory=True)
         dst = torch.empty_like(src, device="cuda")
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-        _BANDWIDTH["h2d"] = PROBE_BYTES / best / 1e9
+        _BANDWIDTH["h2d"] = PROBE_BYTES / _best(lambda: dst.copy_(src, non_blocking=True), torch.cuda.synchronize) / 1e9
     return _BANDWIDTH["h2d"]
+
+
+def staging_gbps() -> float:
+    """GB/s of the host copy into pinned memory that stages each chunk for the link (best of three);
+    measured once per process."""
+    if "stage" not in _BANDWIDTH:
+        src, dst = torch.ones(PROBE_BYTES // 4), torch.empty(PROBE_BYTES // 4, pin_memory=True)
+        _BANDWIDTH["stage"] = PROBE_BYTES / _best(lambda: dst.copy_(src)) / 1e9
+    return _BANDWIDTH["stage"]
+
+
+def _best(fn: Callable[[], Any], wait: Callable[[], Any] = lambda: None) -> float:
+    """The shortest of three timed calls of ``fn`` (then ``wait``), after one untimed."""
+    fn()
+    wait()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        wait()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def pick_device() -> Tuple[torch.device, str]:
     """Where a host-resident source is aggregated fastest, and why (one short string). No CUDA: the
-    CPU. Else the CPU when the CPU op reads host memory at least as fast as a pinned host-to-device copy
-    moves it (:func:`cpu_read_gbps` vs :func:`h2d_gbps`, probed once per process), the GPU otherwise.
-    The source itself (a disk, a memmap) is read the same way for both."""
+    CPU. Else the CPU when the CPU op reads host memory at least as fast as chunks reach the GPU, the
+    GPU otherwise: :func:`cpu_read_gbps` vs the link, the slower of the two overlapped stages a chunk
+    goes through (:func:`staging_gbps` into pinned memory, :func:`h2d_gbps` over the link), all
+    probed once per process. The source itself (a disk, a memmap) is read the same way for both."""
     if not torch.cuda.is_available():
         return torch.device("cpu"), "cpu: no CUDA device"
-    cpu, link = cpu_read_gbps(), h2d_gbps()
+    cpu, link = cpu_read_gbps(), min(h2d_gbps(), staging_gbps())
     if cpu >= link:
-        return torch.device("cpu"), f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= host-to-device {link:.1f} GB/s"
+        return torch.device("cpu"), f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= staged host-to-device {link:.1f} GB/s"
     dev = torch.device("cuda", torch.cuda.current_device())
-    return dev, f"{dev}: host source, host-to-device {link:.1f} GB/s > CPU op reads {cpu:.1f} GB/s"
+    return dev, f"{dev}: host source, staged host-to-device {link:.1f} GB/s > CPU op reads {cpu:.1f} GB/s"
 
 
 CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted

@@ -154,16 +154,21 @@ def test_auto_picks_the_cpu_without_cuda(monkeypatch):
     assert ChunkedUpdates(_U(), device="cpu").placement is None
 
 
-@pytest.mark.parametrize("cpu_gbps, link_gbps, want", [(105.0, 51.9, "cpu"), (10.0, 51.9, "cuda:0"),
-                                                       (52.0, 52.0, "cpu")])
-def test_auto_with_cuda_compares_the_measured_bandwidths(monkeypatch, cpu_gbps, link_gbps, want):
+@pytest.mark.parametrize("cpu_gbps, h2d_gbps, stage_gbps, want", [
+    (105.0, 51.9, 80.0, "cpu"),        # the GPU machine of the first run: the CPU op beats the link
+    (10.0, 51.9, 80.0, "cuda:0"),      # a few cores: the link wins
+    (52.0, 52.0, 90.0, "cpu"),         # a tie stays on the host
+    (40.0, 51.9, 30.0, "cpu")])        # the host copy into pinned memory is the slower stage of the link
+def test_auto_with_cuda_compares_the_measured_bandwidths(monkeypatch, cpu_gbps, h2d_gbps, stage_gbps, want):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(sources, "cpu_read_gbps", lambda: cpu_gbps)
-    monkeypatch.setattr(sources, "h2d_gbps", lambda: link_gbps)
+    monkeypatch.setattr(sources, "h2d_gbps", lambda: h2d_gbps)
+    monkeypatch.setattr(sources, "staging_gbps", lambda: stage_gbps)
     dev, why = pick_device()
+    link = min(h2d_gbps, stage_gbps)
     assert str(dev) == want and why.startswith(want + ": host source")
-    assert f"{cpu_gbps:.1f} GB/s" in why and f"{link_gbps:.1f} GB/s" in why
+    assert f"CPU op reads {cpu_gbps:.1f} GB/s" in why and f"staged host-to-device {link:.1f} GB/s" in why
     cu = ChunkedUpdates(_U(), device="auto")
     assert str(cu.device) == want and cu.placement == why
 
@@ -177,6 +182,7 @@ def test_cpu_probe_measures_once_per_process(monkeypatch):
     g = sources.cpu_read_gbps()
     assert g > 0 and len(calls) == 4          # one warm-up, three timed
     assert sources.cpu_read_gbps() == g and len(calls) == 4
+    assert set(sources._BANDWIDTH) == {"cpu"}   # without CUDA nothing else is probed
 
 
 @pytest.mark.parametrize("name", ["fedavg", "kuramoto"])
