@@ -232,3 +232,47 @@ def test_half_sources_from_as_source_paths_and_arrays(tmp_path, dtype):
             assert c.dtype == dtype
             G += ops.gram(c)
         torch.testing.assert_close(G, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("src_dtype, model_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                    (torch.float16, torch.float64), (torch.bfloat16, torch.float64)])
+def test_half_sources_under_a_model_of_their_dtype_or_wider(tmp_path, src_dtype, model_dtype):
+    """A bf16/fp16 model aggregates a source of its dtype (ops.weighted_sum accumulates it in fp32 and
+    rounds once to the model's dtype), a float64 model a bf16/fp16 source (converted exactly): from a file,
+    per-client files and a memmap the same bits as the in-memory tensor round (FedAvg, column-local), and
+    Kuramoto's weights from the fp64 Gram summed over chunks."""
+    U = _U(src_dtype)
+    raw = tmp_path / "U.bin"
+    U.view(torch.uint8).numpy().tofile(raw)
+    files = []
+    for k in range(K):
+        files.append(str(tmp_path / f"c{k}.bin"))
+        U[k].clone().view(torch.uint8).numpy().tofile(files[-1])
+    np_dt = np.uint16 if src_dtype == torch.bfloat16 else np.float16
+    mm = np.memmap(tmp_path / "U.mm", dtype=np_dt, mode="w+", shape=(K, D))
+    mm[:] = U.view(torch.int16).numpy().view(np.uint16) if src_dtype == torch.bfloat16 else U.numpy()
+    x = (torch.randn(D, generator=torch.Generator().manual_seed(1)) * 0.1).to(model_dtype)
+    n = [3, 7, 1, 9, 4]
+    Uin = U.to(model_dtype)          # the in-memory round: a tensor of the model's dtype (exact widening)
+    for name in ("fedavg", "kuramoto"):
+        ref, _ = algorithms.build(name).aggregate(x, Uin, n)
+        for s in (RawFileSource(raw, K, D, src_dtype), sources.ClientFilesSource(files, D, src_dtype),
+                  sources.MemmapSource(mm, dtype=src_dtype if src_dtype == torch.bfloat16 else None)):
+            got, _ = algorithms.build(name).aggregate(x, ChunkedUpdates(s, chunk_cols=300), n)
+            assert got.dtype == model_dtype, (name, s)
+            if name == "fedavg":
+                assert torch.equal(got, ref), (name, s)
+            else:
+                tol = 1e-12 if model_dtype == torch.float64 else 1e-2
+                torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_bench_case_refuses_without_cuda():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", "from bench.large_model import gpu_overlap; gpu_overlap()"],
+                       capture_output=True, text=True, cwd=root)
+    assert r.returncode != 0 and "gpu_overlap: needs a CUDA device" in r.stderr
