@@ -276,3 +276,31 @@ def test_gpu_bench_case_refuses_without_cuda():
     r = subprocess.run([sys.executable, "-c", "from bench.large_model import gpu_overlap; gpu_overlap()"],
                        capture_output=True, text=True, cwd=root)
     assert r.returncode != 0 and "gpu_overlap: needs a CUDA device" in r.stderr
+
+
+def _auto_hooked() -> bool:
+    import inspect
+    from fedkernels.algorithms.base import Aggregator
+    return "aggregate_placed" in inspect.getsource(Aggregator.aggregate)
+
+
+@pytest.mark.skipif(not _auto_hooked(), reason="Aggregator.aggregate does not yet call ChunkedUpdates.aggregate_placed "
+                                               "for device='auto' (the one-line hook of base.py)")
+def test_aggregators_take_an_auto_source_and_say_where_they_ran(monkeypatch):
+    from fedkernels.streaming import streamed_kuramoto
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    U = _U()
+    x = torch.randn(D)
+    n = [3, 7, 1, 9, 4]
+    for name in ("fedavg", "fedavgm", "kuramoto"):
+        ref, _ = algorithms.build(name).aggregate(x, U, n)
+        got, info = algorithms.build(name).aggregate(x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+        assert info["device"] == "cpu: no CUDA device", name
+    assert streamed_kuramoto(x, ChunkedUpdates(U, device="auto"), n)[1]["device"] == "cpu: no CUDA device"
+    agg = algorithms.build("fedaware", num_clients=6, warmup="startup_full")
+    assert agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n, [0, 1, 2, 3, 5])[1]["device"]
+    U[2, 5] = float("nan")
+    got, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
+        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n)
+    assert info["excluded"][0]["client_id"] == 2 and info["device"] == "cpu: no CUDA device"
