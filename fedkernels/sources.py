@@ -20,11 +20,12 @@ after each block so the resident set stays bounded), ``RawFileSource`` (a raw li
 row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
 no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
 client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
-columns at a time onto a device (to a GPU through two pinned staging blocks and a copy stream, the copy
-of chunk i+1 overlapping the work on chunk i: :func:`overlapped`; ``device="auto"``: the CPU or the GPU,
-whichever reads a host matrix faster, :func:`pick_device`); every ``Aggregator.aggregate`` takes either as its ``updates``
-(``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk), and ``select_rows`` keeps the
-accepted clients' rows when some are excluded, errors still naming the original rows.
+columns at a time onto a device (to a GPU through two pinned staging blocks and a copy stream, the
+copy of chunk i+1 overlapping the work on chunk i: :func:`overlapped`; ``device="auto"``: the CPU or
+the GPU, whichever reads a host matrix faster, :func:`pick_device`); every ``Aggregator.aggregate``
+takes either as its ``updates`` (``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk),
+and ``select_rows`` keeps the accepted clients' rows when some are excluded, errors still naming the
+original rows.
 
 Validation happens at construction, before anything is read: the dtype, the shape, and for files
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
@@ -50,8 +51,7 @@ from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
-           "staging_gbps",
-           "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
+           "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -589,7 +589,8 @@ def pick_device() -> Tuple[torch.device, str]:
         return torch.device("cpu"), "cpu: no CUDA device"
     cpu, link = cpu_read_gbps(), min(h2d_gbps(), staging_gbps())
     if cpu >= link:
-        return torch.device("cpu"), f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= staged host-to-device {link:.1f} GB/s"
+        return torch.device("cpu"), (f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= staged host-to-device "
+                                     f"{link:.1f} GB/s")
     dev = torch.device("cuda", torch.cuda.current_device())
     return dev, f"{dev}: host source, staged host-to-device {link:.1f} GB/s > CPU op reads {cpu:.1f} GB/s"
 
