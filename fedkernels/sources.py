@@ -20,9 +20,12 @@ after each block so the resident set stays bounded), ``RawFileSource`` (a raw li
 row-major file, read with ``os.preadv`` into a staging tensor: any of the four dtypes, bf16 included,
 no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d elements each, one per
 client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
-columns at a time onto a device; every ``Aggregator.aggregate`` takes either as its ``updates``
-(``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk), and ``select_rows`` keeps the
-accepted clients' rows when some are excluded, errors still naming the original rows.
+columns at a time onto a device (to a GPU through two pinned staging blocks and a copy stream, the
+copy of chunk i+1 overlapping the work on chunk i: :func:`overlapped`; ``device="auto"``: the CPU or
+the GPU, whichever reads a host matrix faster, :func:`pick_device`); every ``Aggregator.aggregate``
+takes either as its ``updates`` (``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk),
+and ``select_rows`` keeps the accepted clients' rows when some are excluded, errors still naming the
+original rows.
 
 Validation happens at construction, before anything is read: the dtype, the shape, and for files
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
@@ -33,9 +36,11 @@ works on the current one (``prefetch=False``: one block, reads and arithmetic in
 from __future__ import annotations
 
 import abc
+import itertools
 import mmap
 import os
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -45,7 +50,8 @@ from .errors import BadUpdateError
 from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
-           "ChunkedUpdates", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
+           "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
+           "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -355,12 +361,24 @@ class ChunkedUpdates:
     array / np.memmap, a path to a raw row-major file (then ``K``, ``d``, ``dtype`` (default float32)
     and optionally ``offset`` in bytes are required) or a list of per-client files (``d`` and
     ``dtype``). chunk_cols: columns per chunk (default: ``DEFAULT_CHUNK_BYTES`` of staging for all K
-    rows). device: where chunks are delivered (default CPU); pinned staging when CUDA.
+    rows). device: where chunks are delivered (default CPU); to a CUDA device through two pinned
+    staging blocks and a copy stream, overlapped with the caller's work (:func:`overlapped`);
+    ``"auto"``: the faster of the CPU and the host-to-device link for this host-resident source
+    (:func:`pick_device`), the choice and its reason in ``placement`` (None for a given device), and
+    ``Aggregator.aggregate`` runs there and returns its result on ``global_flat``'s device
+    (:meth:`aggregate_placed`), with ``info["device"] = placement``.
     """
 
     def __init__(self, source, K: Optional[int] = None, d: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, chunk_cols: Optional[int] = None, device=None, offset: int = 0):
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.placement: Optional[str] = None
+        if isinstance(device, str) and device == "auto":
+            device, self.placement = pick_device()
+        try:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError):
+            raise ValueError(f"ChunkedUpdates: device must be 'auto', a device name ('cpu', 'cuda', 'cuda:1') or a "
+                             f"torch.device, got {device!r}") from None
         self.source: MatrixSource = as_source(source, K, d, dtype, offset, what="ChunkedUpdates")
         self.K, self.d, self.dtype = self.source.K, self.source.d, self.source.dtype
         for name, v, got in (("K", K, self.K), ("d", d, self.d)):
@@ -369,8 +387,6 @@ class ChunkedUpdates:
         if chunk_cols is None:
             chunk_cols = max(1024, DEFAULT_CHUNK_BYTES // max(1, self.K * itemsize(self.dtype)))
         self.chunk_cols = min(check_pos_int(chunk_cols, "ChunkedUpdates", "chunk_cols"), max(self.d, 1))
-        self._stage: Optional[torch.Tensor] = None
-        self._copied = None                # CUDA event: the last copy out of the staging block
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -396,28 +412,187 @@ class ChunkedUpdates:
         return ChunkedUpdates(self.source, chunk_cols=self.chunk_cols, device=device)
 
     def chunks(self) -> Iterator[Block]:
-        """Yields ``(a, b, U[:, a:b])`` on ``device`` in column order; valid until the next one."""
-        for a, b, c in self.source.chunks(self.chunk_cols):
-            yield a, b, self._deliver(c)
+        """Yields ``(a, b, U[:, a:b])`` on ``device`` in column order; valid until the next one. A
+        chunk already on ``device`` is yielded as is; to CUDA the copies overlap the caller's work."""
+        blocks = iter(self.source.chunks(self.chunk_cols))
+        first = next(blocks, None)
+        if first is None:
+            return
+        blocks = itertools.chain([first], blocks)
+        if self.device.type == "cuda" and first[2].device != self.device:
+            yield from overlapped(blocks, self.K, self.chunk_cols, self.dtype, CudaCalls(self.device))
+            return
+        for a, b, c in blocks:             # on the CPU, or already on the device: no staging
+            yield a, b, (c if c.device == self.device or self.device.type == "cpu" else c.to(self.device))
 
-    def _deliver(self, c: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return c
-        if self._stage is None:
-            self._stage = torch.empty(self.K, self.chunk_cols, dtype=self.dtype,
-                                      pin_memory=torch.cuda.is_available())
-        if self._copied is not None:       # the previous chunk's copy out of the staging block has finished
-            self._copied.synchronize()     # before the block is overwritten (the copy is asynchronous)
-        st = self._stage[:, : c.size(1)]
-        st.copy_(c)
-        out = st.to(self.device, non_blocking=True)
-        if st.is_pinned() and self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return out
+    def aggregate_placed(self, aggregate: Callable, global_flat: torch.Tensor, num_examples,
+                         client_ids=None, payloads=None):
+        """``aggregate(global_flat, updates, ...)`` run on ``self.device`` (``Aggregator.aggregate``'s
+        hook for ``device="auto"``): ``global_flat`` (and tensors in ``payloads``) moved there once if
+        it lives elsewhere, the new model moved back once to ``global_flat``'s device, and
+        ``info["device"]`` set to ``placement``."""
+        dev = self.device
+        fixed = ChunkedUpdates(self.source, chunk_cols=self.chunk_cols, device=dev)
+        home = global_flat.device if isinstance(global_flat, torch.Tensor) else dev
+        g = global_flat.to(dev) if home != dev else global_flat       # (a bad global_flat: aggregate names it)
+        if payloads is not None and home != dev:
+            payloads = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+                        if isinstance(p, dict) else p for p in payloads]
+        params, info = res = aggregate(g, fixed, num_examples, client_ids, payloads)
+        info["device"] = self.placement if self.placement is not None else f"{dev}: as given"
+        return type(res)(params.to(home) if params.device != home else params, info)
 
     def __repr__(self) -> str:
         return f"ChunkedUpdates({self.source!r}, chunk_cols={self.chunk_cols}, device={self.device})"
+
+
+# ---- host -> CUDA: copies overlapped with compute --------------------------------------------------------
+class CudaCalls:
+    """The CUDA calls :func:`overlapped` makes (a CPU test drives the same schedule with fake streams
+    and events): the caller's (compute) stream, one copy stream per device, pinned and device buffers,
+    events."""
+
+    _copy_streams: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.compute = torch.cuda.current_stream(device)
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.cuda.Stream(device)
+        self.copy = self._copy_streams[device]
+
+    def buffers(self, numel: int, dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Two flat pinned host buffers and two flat device buffers of ``numel`` elements."""
+        host = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(2)]
+        dev = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(2)]
+        for t in dev:                         # once freed, their memory also waits for the copy stream's work
+            t.record_stream(self.copy)
+        return host, dev
+
+    def fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)                        # host memcpy into pinned memory
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copies ``src`` (pinned) to ``dst`` on the copy stream; returns the event of its end."""
+        with torch.cuda.stream(self.copy):
+            dst.copy_(src, non_blocking=True)
+        return self.record(self.copy)
+
+    def record(self, stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, ev) -> None:       # device side: ``stream`` runs on after ``ev``
+        stream.wait_event(ev)
+
+    def sync(self, ev) -> None:               # host side: returns after ``ev``
+        ev.synchronize()
+
+
+def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, cuda) -> Iterator[Block]:
+    """Host blocks ``(a, b, [K, b - a])`` (at most ``width`` columns) delivered to the device with the
+    copies overlapped: before chunk i is yielded, chunk i+1 is staged into pinned buffer host[(i+1) % 2]
+    and its host-to-device copy into dev[(i+1) % 2] is queued on the copy stream, so it runs while the
+    caller's kernels on chunk i run on the compute stream. Reuse is ordered by events:
+
+    * host[s] is refilled only after the copy out of it finished (``sync`` on ``copied[s]``, host side);
+    * dev[s] is overwritten only after the compute that read it finished (the copy stream waits on
+      ``used[s]``, recorded on the compute stream when the caller asks for the next chunk);
+    * chunk i is yielded after the compute stream waits on its copy (``copied[s]``).
+
+    A yielded chunk is a contiguous [K, b - a] view of a device buffer, valid until the next one; the
+    caller consumes it on the compute stream (the current stream). ``cuda``: :class:`CudaCalls`."""
+    host, dev = cuda.buffers(K * width, dtype)
+    copied: List[Any] = [None, None]      # event: the last copy host[s] -> dev[s] finished
+    used: List[Any] = [None, None]        # event: the compute on the chunk in dev[s] finished
+
+    def issue(i: int, a: int, b: int, c: torch.Tensor):
+        s, n = i % 2, K * (b - a)
+        if copied[s] is not None:
+            cuda.sync(copied[s])                       # host[s] is free again
+        h, d = host[s][:n].view(K, b - a), dev[s][:n].view(K, b - a)
+        cuda.fill(h, c)
+        if used[s] is not None:
+            cuda.wait(cuda.copy, used[s])              # dev[s] is free again
+        copied[s] = cuda.h2d(d, h)
+        return a, b, d, s
+
+    it = iter(blocks)
+    first = next(it, None)
+    cur = None if first is None else issue(0, *first)
+    i = 0
+    while cur is not None:
+        following = next(it, None)
+        nxt = None if following is None else issue(i + 1, *following)
+        a, b, d, s = cur
+        cuda.wait(cuda.compute, copied[s])             # the caller's kernels see the whole chunk
+        yield a, b, d
+        used[s] = cuda.record(cuda.compute)
+        cur, i = nxt, i + 1
+
+
+# ---- device="auto": the CPU or the host-to-device link, whichever reads a host matrix faster ------------
+PROBE_BYTES = 64 << 20
+_BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d"
+
+
+def cpu_read_gbps() -> float:
+    """GB/s of the CPU op ``ops.weighted_sum`` reading a host [16, PROBE_BYTES / 64] fp32 matrix (best of
+    three, with torch's current thread count); measured once per process."""
+    if "cpu" not in _BANDWIDTH:
+        U = torch.ones(16, PROBE_BYTES // 64)
+        coef = torch.full((16,), 1 / 16, dtype=torch.float64)
+        _BANDWIDTH["cpu"] = U.numel() * 4 / _best(lambda: ops.weighted_sum(U, coef)) / 1e9
+    return _BANDWIDTH["cpu"]
+
+
+def h2d_gbps() -> float:
+    """GB/s of a pinned host-to-device copy of PROBE_BYTES to the current CUDA device (best of three);
+    measured once per process."""
+    if "h2d" not in _BANDWIDTH:
+        src = torch.empty(PROBE_BYTES // 4, pin_memory=True)
+        dst = torch.empty_like(src, device="cuda")
+        _BANDWIDTH["h2d"] = PROBE_BYTES / _best(lambda: dst.copy_(src, non_blocking=True), torch.cuda.synchronize) / 1e9
+    return _BANDWIDTH["h2d"]
+
+
+def staging_gbps() -> float:
+    """GB/s of the host copy into pinned memory that stages each chunk for the link (best of three);
+    measured once per process."""
+    if "stage" not in _BANDWIDTH:
+        src, dst = torch.ones(PROBE_BYTES // 4), torch.empty(PROBE_BYTES // 4, pin_memory=True)
+        _BANDWIDTH["stage"] = PROBE_BYTES / _best(lambda: dst.copy_(src)) / 1e9
+    return _BANDWIDTH["stage"]
+
+
+def _best(fn: Callable[[], Any], wait: Callable[[], Any] = lambda: None) -> float:
+    """The shortest of three timed calls of ``fn`` (then ``wait``), after one untimed."""
+    fn()
+    wait()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        wait()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def pick_device() -> Tuple[torch.device, str]:
+    """Where a host-resident source is aggregated fastest, and why (one short string). No CUDA: the
+    CPU. Else the CPU when the CPU op reads host memory at least as fast as chunks reach the GPU, the
+    GPU otherwise: :func:`cpu_read_gbps` vs the link, the slower of the two overlapped stages a chunk
+    goes through (:func:`staging_gbps` into pinned memory, :func:`h2d_gbps` over the link), all
+    probed once per process. The source itself (a disk, a memmap) is read the same way for both."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "cpu: no CUDA device"
+    cpu, link = cpu_read_gbps(), min(h2d_gbps(), staging_gbps())
+    if cpu >= link:
+        return torch.device("cpu"), (f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= staged host-to-device "
+                                     f"{link:.1f} GB/s")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    return dev, f"{dev}: host source, staged host-to-device {link:.1f} GB/s > CPU op reads {cpu:.1f} GB/s"
 
 
 CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted
