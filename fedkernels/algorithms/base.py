@@ -541,7 +541,7 @@ class Aggregator(abc.ABC):
         if self.num_clients is not None and K and (min(ids) < 0 or max(ids) >= self.num_clients):
             raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
         if payloads is None:
-            pl = [{} for _ in range(K)]
+            pl: List[Dict[str, Any]] = [{} for _ in range(K)]
         else:        # the caller's dicts, not copies (nothing writes them); other mappings become dicts
             pl = list(payloads)
             if set(map(type, pl)) - {dict}:
@@ -591,7 +591,7 @@ class Aggregator(abc.ABC):
             bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
         reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
         bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
-        pairs = pp[1].pairs() if bad_pl else []
+        pairs = pp[1].pairs() if pp is not None and bad_pl else []
         for j in bad_pl:
             k, key = pairs[j]
             reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
@@ -627,9 +627,10 @@ class Aggregator(abc.ABC):
             n = n[keep]
             ids = [ids[k] for k in keep]
             kept = [pl[k] for k in keep]
-            for key, (of, S) in list((self._payload_stacks or {}).items()):   # stacked payloads follow too
+            stacks = self._payload_stacks or {}
+            for key, (of, S) in list(stacks.items()):   # stacked payloads follow too
                 if of is pl:
-                    self._payload_stacks[key] = (kept, S.index_select(0, idx.to(S.device)))
+                    stacks[key] = (kept, S.index_select(0, idx.to(S.device)))
             pl = kept
         return RoundInput(global_flat, updates, n, ids, pl, excluded)
 
@@ -655,8 +656,8 @@ class Aggregator(abc.ABC):
 
     def check_payloads(self, payloads: List[Dict[str, Any]]) -> Dict[int, str]:
         """{row: reason} for the round's unusable payloads: ``check_payload`` on the suspect rows."""
-        rows = self.suspect_payloads(payloads)
-        rows = range(len(payloads)) if rows is None else sorted(set(rows))
+        sus = self.suspect_payloads(payloads)
+        rows = range(len(payloads)) if sus is None else sorted(set(sus))
         reasons = {}
         for k in rows:
             r = self.check_payload(payloads[k])
@@ -683,7 +684,7 @@ class Aggregator(abc.ABC):
         dtype and device; else None."""
         col = [p.get(key) for p in payloads]
         try:
-            S = torch.stack(col) if col else None
+            S = torch.stack(col) if col else None    # type: ignore[arg-type]  # a None entry raises TypeError
         except (TypeError, RuntimeError):
             return None
         return S if S is not None and S.is_floating_point() else None
