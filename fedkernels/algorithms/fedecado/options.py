@@ -238,13 +238,24 @@ class FederationTables:
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         return check_payload(payload, self.missing_payload) or super().check_payload(payload)
 
+    _cols = None     # (payloads, their columns): read once per round by suspect_payloads and the round
+
+    def payload_columns(self, payloads: List[Dict[str, Any]]) -> Tuple[Optional[torch.Tensor], List[int]]:
+        """(T, sent) over the round: T [K] float64 host (NaN where missing; None when some entry is not
+        a plain number), sent = the rows whose payload has an ``hbar``. Read once per round list."""
+        if self._cols is not None and self._cols[0] is payloads:
+            return self._cols[1]
+        hbar = [p.get("hbar") for p in payloads]
+        sent = [k for k, h in enumerate(hbar) if h is not None] if hbar.count(None) != len(hbar) else []
+        out = (payload_numbers(payloads, "T"), sent)
+        self._cols = (payloads, out)
+        return out
+
     def suspect_payloads(self, payloads):
-        rows, T = super().suspect_payloads(payloads), payload_numbers(payloads, "T")    # T: NaN where missing
+        rows, (T, sent) = super().suspect_payloads(payloads), self.payload_columns(payloads)   # T: NaN where missing
         if rows is None or T is None:
             return None
         rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
-        hbar = [p.get("hbar") for p in payloads]
-        sent = [k for k, h in enumerate(hbar) if h is not None] if hbar.count(None) != len(hbar) else []
         if sent:
             h = payload_numbers([payloads[k] for k in sent], "hbar")
             if h is None:
