@@ -255,7 +255,10 @@ class FederationTables:
         rows, (T, sent) = super().suspect_payloads(payloads), self.payload_columns(payloads)   # T: NaN where missing
         if rows is None or T is None:
             return None
-        rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
+        if T.numel():                 # one whole-round test; the rows only when some T is bad
+            lo, hi = torch.aminmax(T)
+            if not (float(lo) > 0 and float(hi) < math.inf):      # (a NaN fails both)
+                rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
         if sent:
             h = payload_numbers([payloads[k] for k in sent], "hbar")
             if h is None:
