@@ -300,3 +300,30 @@ def test_stacked_payloads_follow_the_clients_left_after_exclusion(bad):
     want, _ = b.aggregate(torch.zeros(d), U[keep], [1] * 4, keep, [pl[k] for k in keep])
     assert [e["client_id"] for e in info["excluded"]] == [2]
     assert torch.equal(new, want) and torch.equal(a.c, b.c) and torch.equal(a.c_table, b.c_table)
+
+
+def test_fedaware_solver_symmetrises_once_with_the_same_result():
+    """FedAWARE leaves (G + G^T) / 2 to ops.min_norm (which solves on it, same bits) instead of making
+    that N x N pass twice; a custom solver still gets the symmetrised G. Both give the same lambda and
+    step, bit for bit, on a cached Gram that is not exactly symmetric."""
+    from fedkernels import algorithms, ops
+    g = torch.Generator().manual_seed(11)
+    N, d = 9, 13
+    M = torch.randn(N, d, generator=g, dtype=torch.float64) + 0.2
+    seen = []
+
+    def custom(G, *a, **k):
+        seen.append(torch.equal(G, G.T))
+        return ops.min_norm(G, *a, **k)
+
+    out = []
+    for solver in (None, custom):
+        agg = algorithms.build("fedaware", num_clients=N, warmup="startup_full", elud=False, solver=solver)
+        x = torch.zeros(d, dtype=torch.float64)
+        agg.aggregate(x, M, [1.0] * N)
+        agg.Gm += torch.randn(N, N, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e-9
+        new, info = agg.aggregate(x, M * 0.5, [1.0] * N)
+        out.append((new, info["lam"], info["coef"]))
+    assert seen == [True, True]
+    (a, la, ca), (b, lb, cb) = out
+    assert torch.equal(a, b) and la == lb and ca == cb
