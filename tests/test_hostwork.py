@@ -327,3 +327,19 @@ def test_fedaware_solver_symmetrises_once_with_the_same_result():
     assert seen == [True, True]
     (a, la, ca), (b, lb, cb) = out
     assert torch.equal(a, b) and la == lb and ca == cb
+
+
+def test_bench_methods_option(tmp_path):
+    """bench/cpu_hostwork.py --methods times only the named methods; an unknown name is refused."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--clients", "20", "--quick", "--methods",
+                        "fedavg,kuramoto", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [row["method"] for row in json.loads(out.read_text())["results"]] == ["fedavg", "kuramoto"]
+    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--methods", "fedavg,nope", "--out",
+                        str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "nope is not a method" in r.stderr
+    assert not (tmp_path / "x.json").exists()
