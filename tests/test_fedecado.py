@@ -628,3 +628,31 @@ def test_round_checks_the_result_only_when_unproved(monkeypatch):
         calls.clear()
         FedECADO(L=1.0, num_clients=6, solver=solver, hbar=1.0).aggregate(torch.zeros(7), U, [1] * 6, list(range(6)), pl)
         assert calls == [(1, 7), (6, 7)] + extra, (solver, calls)
+
+
+def test_flow_sums_make_no_K_x_d_float64_temporary(monkeypatch):
+    """S_all's float64 sums of the round's flows (at its start and its end) go column chunk by chunk:
+    the same bits as ``I.sum(0, dtype=float64)``, without converting all of I to float64 first."""
+    from fedkernels.algorithms.fedecado import options as fo
+    g = torch.Generator().manual_seed(8)
+    K, d = 6, 50
+    for shape in ((K, d), (1, 7), (13, 3), (5, 0)):
+        X = torch.randn(*shape, generator=g) * torch.logspace(-4, 4, shape[1])
+        for chunk in (1, 7, 64, 10 ** 6):
+            monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", chunk)
+            assert torch.equal(fo.flow_sum(X), X.sum(0, dtype=torch.float64))
+
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 2 * K)       # 2 columns per chunk
+    U = torch.randn(K, d, generator=g) * 0.1
+    pl = [{"T": 0.1 * (k + 1)} for k in range(K)]
+    agg = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
+    agg.aggregate(torch.zeros(d), U, [1] * K, list(range(K)), pl)      # flows are now non-zero
+    ref = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
+    ref.load_state_dict(agg.state_dict())
+    with torch.profiler.profile(record_shapes=True) as prof:     # (sees the copies inside torch's kernels)
+        new, _ = agg.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
+    conv = [e.input_shapes for e in prof.events() if e.name == "aten::_to_copy"]
+    assert conv and not any(s and s[0] == [K, d] for s in conv), conv
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 10 ** 6)      # one chunk: I.sum(0, dtype=float64) itself
+    want, _ = ref.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
+    assert torch.equal(new, want) and torch.equal(agg.S_all, ref.S_all) and torch.equal(agg.I, ref.I)

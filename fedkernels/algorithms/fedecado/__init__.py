@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ... import ops
 from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor, register
 from ..parts import check_choice
-from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
+from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, flow_sum, hutchinson_hbar,
                       integrator_options, split_flat)
 from .solver import central_round
 
@@ -252,7 +252,7 @@ class FedECADO(FederationTables, Aggregator):
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
-        Ik_sum = Ik.sum(0, dtype=torch.float64)                    # sum of the round's flows at its start
+        Ik_sum = flow_sum(Ik)                                      # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
             S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
@@ -270,7 +270,7 @@ class FedECADO(FederationTables, Aggregator):
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik_sum    # no K x d temporary
+        self.S_all += flow_sum(Inew) - Ik_sum                      # no K x d float64 temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]

@@ -129,6 +129,27 @@ def flat_signature(init) -> inspect.Signature:
     return sig.replace(parameters=ps)
 
 
+# float64 elements of one column chunk of flow_sum's conversion (2 MB on the CPU: cache-sized; larger
+# elsewhere, where each chunk is a kernel launch)
+FLOW_SUM_CHUNK = {"cpu": 1 << 18}
+FLOW_SUM_CHUNK_OTHER = 1 << 24
+
+
+def flow_sum(I: torch.Tensor) -> torch.Tensor:
+    """sum_i I_i in float64 ([d]) for flows I [K, d] (S_all's arithmetic): the bits of
+    ``I.sum(0, dtype=torch.float64)``, which converts all of I to a K x d float64 temporary first;
+    here column chunk by chunk (each column is summed over the same rows in the same order), so the
+    temporary is at most a chunk."""
+    K, d = I.shape
+    B = max(1, FLOW_SUM_CHUNK.get(I.device.type, FLOW_SUM_CHUNK_OTHER) // max(K, 1))
+    if d <= B:
+        return I.sum(0, dtype=torch.float64)
+    out = torch.empty(d, dtype=torch.float64, device=I.device)
+    for a in range(0, d, B):
+        torch.sum(I[:, a:a + B], 0, dtype=torch.float64, out=out[a:a + B])
+    return out
+
+
 # ---- the federation's tables ----------------------------------------------------------------------
 def federation_size(weights, data_sizes, hbar) -> Optional[int]:
     """N from the per-client options (the last one given of weights, data_sizes, a list of hbar)."""
