@@ -12,9 +12,10 @@ ops).
 ``aggregator_cases`` builds every registered method (aliases once) with the client payloads it
 needs; ``bench/gpu.py``'s whole-aggregate table uses the same cases.
 
-Run: python -m bench.cpu_hostwork [--clients K] [--quick] [--baseline FILE.json]
-``--baseline`` prints a run saved earlier (e.g. bench/results/cpu-hostwork-before.json, the
-numbers of the code before the change) next to this one, with the ratio.
+Run: python -m bench.cpu_hostwork [--clients K] [--quick] [--methods NAME,...] [--baseline FILE.json]
+``--methods`` times only the named methods; ``--baseline`` prints a run saved earlier (e.g.
+bench/results/cpu-hostwork-before.json, the numbers of the code before the change) next to this
+one, with the ratio.
 """
 from __future__ import annotations
 
@@ -134,10 +135,10 @@ def native_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     return best
 
 
-def run(K: int = 1000, quick: bool = False) -> List[Dict[str, Any]]:
+def run(K: int = 1000, quick: bool = False, only=None) -> List[Dict[str, Any]]:
     rows = []
     spec = spec_of(TINY)
-    for name, fn, info in aggregator_cases(K, spec):
+    for name, fn, info in aggregator_cases(K, spec, only=only):
         r = compare({name: fn}, repeats=3 if quick else 7, min_time=0.0 if quick else 0.05)[name]
         t, host = r["median_s"], r["min_s"]
         nat = min(native_seconds(fn, 2 if quick else 5), host)
@@ -153,12 +154,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--methods", default=None, metavar="NAME,...", help="only these methods (default: every one)")
     ap.add_argument("--baseline", default=None, help="a cpu-hostwork JSON written earlier, shown as 'before'")
     add_out_argument(ap)
     a = ap.parse_args(argv)
     if a.clients < 1:
         print(f"cpu_hostwork: --clients must be >= 1, got {a.clients}", file=sys.stderr)
         return 2
+    only = None
+    if a.methods is not None:
+        only = [m for m in a.methods.split(",") if m]
+        unknown = [m for m in only if m not in methods()]
+        if unknown or not only:
+            print(f"cpu_hostwork: --methods {a.methods!r}: {unknown[0] if unknown else 'no method'} is not a method; "
+                  f"expected names among {', '.join(methods())}", file=sys.stderr)
+            return 2
     before = None
     if a.baseline:
         try:
@@ -168,7 +178,7 @@ def main(argv=None) -> int:
             print(f"cpu_hostwork: --baseline {a.baseline!r} is not a cpu-hostwork JSON ({e})", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
-    rows = run(a.clients, a.quick)
+    rows = run(a.clients, a.quick, None if only is None else set(only))
     cols = ["method", "K", "d", "ms", "us_per_client", "native_ms", "host_ms"]
     if before is not None:
         for r in rows:

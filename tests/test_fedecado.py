@@ -581,3 +581,78 @@ def test_validate_takes_the_base_screen_argument():
     assert rin.K == 2 and not rin.excluded          # no NaN scan when screen=False
     rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=True)
     assert rin.K == 1 and [e["client_id"] for e in rin.excluded] == [2]   # the NaN row (client id 2)
+
+
+# ---- the round's finiteness: proved by the fused attempts' LTEs, else checked ---------------------
+@pytest.mark.parametrize("solver", ["auto", "closed_form"])
+def test_round_with_non_finite_result_is_rolled_back(solver, caplog):
+    """Finite float32 updates near the float32 maximum overflow the stored central state: the LTE test
+    keeps failing, a step is accepted anyway (max_backtracks, max_steps) and the round is rolled back
+    (nothing committed), on the fused path as on the torch one."""
+    agg = FedECADO(L=1.0, num_clients=4, max_backtracks=1, max_steps=2, solver=solver, hbar=1.0)
+    x = torch.zeros(3)
+    new, info = agg.aggregate(x, torch.full((3, 3), 3e38), [1, 1, 1], [0, 1, 2],
+                              [{"T": 1.0}, {"T": 0.1}, {"T": 0.5}])
+    assert info.get("failed") is True and torch.equal(new, x)
+    assert agg.t == 0.0 and agg.dt_prev is None and float(agg.I.abs().max()) == 0.0
+    assert float(agg.S_all.abs().max()) == 0.0
+    assert "rolled back" in caplog.text
+
+
+def test_central_round_finite_flag():
+    """central_round's ``finite`` (which lets the round skip checking x_c and I) holds only for fused
+    attempts that all passed with finite LTEs."""
+    g = torch.Generator().manual_seed(2)
+    K, d = 5, 9
+    xc0, U, I = torch.randn(d, generator=g), torch.randn(K, d, generator=g) * 0.1, torch.zeros(K, d)
+    T, w, hb = [0.5, 0.4, 0.3, 0.2, 0.5], [1.0] * K, [1.0] * K
+    assert central_round(xc0, I, U, T, w, hb, 1.0, 0.1, 0.5)["finite"] is True
+    assert central_round(xc0, I, U, T, w, hb, 1.0, 0.1, 0.5, solver="closed_form")["finite"] is False
+    # updates near the float32 maximum, extrapolated 10x: the stored state overflows
+    r = central_round(torch.zeros(3), torch.zeros(3, 3), torch.full((3, 3), 3e38), [1.0, 0.1, 0.5], [1.0] * 3,
+                      [1.0] * 3, 1.0, 0.1, 1.0, max_backtracks=1, max_steps=2)
+    assert r["finite"] is False and not bool(torch.isfinite(r["xc"]).all())
+
+
+def test_round_checks_the_result_only_when_unproved(monkeypatch):
+    """A round of fused attempts with finite LTEs runs no finite_rows pass over its result (the screen
+    of global_flat and of U is the round's only one); the torch path checks x_c and I."""
+    from fedkernels import ops
+    calls = []
+    real = ops.finite_rows
+    monkeypatch.setattr(ops, "finite_rows", lambda M: calls.append(tuple(M.shape)) or real(M))
+    g = torch.Generator().manual_seed(4)
+    U = torch.randn(6, 7, generator=g) * 0.1
+    pl = [{"T": 0.1 * (k + 1)} for k in range(6)]
+    for solver, extra in (("auto", []), ("closed_form", [(1, 7), (6, 7)])):
+        calls.clear()
+        FedECADO(L=1.0, num_clients=6, solver=solver, hbar=1.0).aggregate(torch.zeros(7), U, [1] * 6, list(range(6)), pl)
+        assert calls == [(1, 7), (6, 7)] + extra, (solver, calls)
+
+
+def test_flow_sums_make_no_K_x_d_float64_temporary(monkeypatch):
+    """S_all's float64 sums of the round's flows (at its start and its end) go column chunk by chunk:
+    the same bits as ``I.sum(0, dtype=float64)``, without converting all of I to float64 first."""
+    from fedkernels.algorithms.fedecado import options as fo
+    g = torch.Generator().manual_seed(8)
+    K, d = 6, 50
+    for shape in ((K, d), (1, 7), (13, 3), (5, 0)):
+        X = torch.randn(*shape, generator=g) * torch.logspace(-4, 4, shape[1])
+        for chunk in (1, 7, 64, 10 ** 6):
+            monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", chunk)
+            assert torch.equal(fo.flow_sum(X), X.sum(0, dtype=torch.float64))
+
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 2 * K)       # 2 columns per chunk
+    U = torch.randn(K, d, generator=g) * 0.1
+    pl = [{"T": 0.1 * (k + 1)} for k in range(K)]
+    agg = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
+    agg.aggregate(torch.zeros(d), U, [1] * K, list(range(K)), pl)      # flows are now non-zero
+    ref = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
+    ref.load_state_dict(agg.state_dict())
+    with torch.profiler.profile(record_shapes=True) as prof:     # (sees the copies inside torch's kernels)
+        new, _ = agg.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
+    conv = [e.input_shapes for e in prof.events() if e.name == "aten::_to_copy"]
+    assert conv and not any(s and s[0] == [K, d] for s in conv), conv
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 10 ** 6)      # one chunk: I.sum(0, dtype=float64) itself
+    want, _ = ref.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
+    assert torch.equal(new, want) and torch.equal(agg.S_all, ref.S_all) and torch.equal(agg.I, ref.I)

@@ -66,9 +66,60 @@ def test_screen_copies_to_host_once(monkeypatch, name):
     assert len(calls) == 1, calls
 
 
+def _host_copies(monkeypatch):
+    """Records every ``Tensor.cpu()`` and every ``Tensor.to("cpu")``: the calls that are device-to-host
+    copies (syncs) when the tensor is on a GPU (on the CPU they are no-ops, but the call is made the
+    same way on every device). (``.to(other.device)`` is not recorded: on a GPU it stays there.)"""
+    calls = []
+    cpu, to = torch.Tensor.cpu, torch.Tensor.to
+
+    def to_cpu(dev):
+        return isinstance(dev, str) and torch.device(dev).type == "cpu"
+
+    def rec_to(self, *a, **k):
+        if any(to_cpu(x) for x in a[:1]) or to_cpu(k.get("device")):
+            calls.append(("to", tuple(self.shape)))
+        return to(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(("cpu", tuple(self.shape)))
+                        or cpu(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "to", rec_to)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["S", "P"])
+def test_kuramoto_brings_the_gram_to_the_host_with_the_flags(monkeypatch, mode):
+    """Kuramoto (modes S and P): one device-to-host copy per aggregate, the Gram matrix in the same
+    copy as the NaN/Inf flags (RoundInput.gram(host=True)), not a second one for G."""
+    from fedkernels import algorithms
+    g = torch.Generator().manual_seed(1)
+    K, d = 40, 23
+    U, x = torch.randn(K, d, generator=g), torch.randn(d, generator=g)
+    agg = algorithms.build("kuramoto", mode=mode, kappa0=0.5)
+    agg.aggregate(x, U, [1.0 + k for k in range(K)])             # first round outside the count
+    calls = _host_copies(monkeypatch)
+    agg.aggregate(x, U, [1.0 + k for k in range(K)])
+    assert len(calls) == 1, calls
+
+
+def test_host_copy_with_packs_flags_and_carry_exactly(monkeypatch):
+    """The packed copy (used off the CPU) gives back the flags and the carried tensor bit for bit, in
+    one copy."""
+    from fedkernels.algorithms.base import host_copy_with
+    G = torch.randn(7, 7, dtype=torch.float64)
+    G[2, 3] = float("nan")
+    flags = torch.tensor([True, False, True, True, False])
+    calls = _host_copies(monkeypatch)
+    f, c = host_copy_with(flags, G)
+    assert len(calls) == 1
+    assert torch.equal(f, flags) and f.dtype == torch.bool
+    assert c.shape == G.shape and c.dtype == G.dtype
+    assert torch.equal(c.view(torch.int64), G.view(torch.int64))     # same bits, NaN included
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "fednova", "scaffold", "global_gc"])
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "fednova", "scaffold", "global_gc", "kuramoto"])
 def test_one_sync_per_aggregate_on_gpu(name):
     from fedkernels import build_info
     if not build_info().get("cuda"):
@@ -249,3 +300,46 @@ def test_stacked_payloads_follow_the_clients_left_after_exclusion(bad):
     want, _ = b.aggregate(torch.zeros(d), U[keep], [1] * 4, keep, [pl[k] for k in keep])
     assert [e["client_id"] for e in info["excluded"]] == [2]
     assert torch.equal(new, want) and torch.equal(a.c, b.c) and torch.equal(a.c_table, b.c_table)
+
+
+def test_fedaware_solver_symmetrises_once_with_the_same_result():
+    """FedAWARE leaves (G + G^T) / 2 to ops.min_norm (which solves on it, same bits) instead of making
+    that N x N pass twice; a custom solver still gets the symmetrised G. Both give the same lambda and
+    step, bit for bit, on a cached Gram that is not exactly symmetric."""
+    from fedkernels import algorithms, ops
+    g = torch.Generator().manual_seed(11)
+    N, d = 9, 13
+    M = torch.randn(N, d, generator=g, dtype=torch.float64) + 0.2
+    seen = []
+
+    def custom(G, *a, **k):
+        seen.append(torch.equal(G, G.T))
+        return ops.min_norm(G, *a, **k)
+
+    out = []
+    for solver in (None, custom):
+        agg = algorithms.build("fedaware", num_clients=N, warmup="startup_full", elud=False, solver=solver)
+        x = torch.zeros(d, dtype=torch.float64)
+        agg.aggregate(x, M, [1.0] * N)
+        agg.Gm += torch.randn(N, N, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1e-9
+        new, info = agg.aggregate(x, M * 0.5, [1.0] * N)
+        out.append((new, info["lam"], info["coef"]))
+    assert seen == [True, True]
+    (a, la, ca), (b, lb, cb) = out
+    assert torch.equal(a, b) and la == lb and ca == cb
+
+
+def test_bench_methods_option(tmp_path):
+    """bench/cpu_hostwork.py --methods times only the named methods; an unknown name is refused."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "h.json"
+    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--clients", "20", "--quick", "--methods",
+                        "fedavg,kuramoto", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert [row["method"] for row in json.loads(out.read_text())["results"]] == ["fedavg", "kuramoto"]
+    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--methods", "fedavg,nope", "--out",
+                        str(tmp_path / "x.json")], capture_output=True, text=True)
+    assert r.returncode == 2 and "nope is not a method" in r.stderr
+    assert not (tmp_path / "x.json").exists()

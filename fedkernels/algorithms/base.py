@@ -85,6 +85,15 @@ def payload_numbers(payloads: Sequence[Dict[str, Any]], key: str, default: float
         return None
 
 
+def host_copy_with(flags: torch.Tensor, carry: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(flags, carry) on the host in ONE device-to-host copy: the bytes of the bool ``flags`` and of
+    ``carry`` (any dtype, same device) packed into one buffer, copied, and viewed back (exact)."""
+    c = carry.contiguous()
+    nb = c.numel() * c.element_size()
+    both = torch.cat([c.reshape(-1).view(torch.uint8), flags.reshape(-1).view(torch.uint8)]).cpu()
+    return both[nb:].view(torch.bool), both[:nb].view(c.dtype).view(c.shape)
+
+
 def rows_where(mask: torch.Tensor) -> List[int]:
     """The row numbers where the [K] bool host tensor ``mask`` is True."""
     return mask.nonzero().reshape(-1).tolist()
@@ -171,7 +180,9 @@ class RoundInput:
     # the first read of U through ``weighted_sum``, ``gram`` or ``screen`` below also screens its rows
     # and hands the flags to ``on_flags`` (the aggregator's policy) before the method goes on.
     screen_rows: bool = False
-    on_flags: Optional[Callable[[torch.Tensor], None]] = None
+    # on_flags(ok, carry): ``carry`` (None, or a tensor on ok's device) comes back on the host, brought
+    # there in the same device-to-host copy as the flags (RoundInput.gram(host=True))
+    on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
     src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
     stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
 
@@ -195,10 +206,11 @@ class RoundInput:
             self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
 
-    def gram(self) -> torch.Tensor:
-        """``ops.gram(U)`` ([K, K] fp64 on U's device); while the rows are unscreened it is
-        ``ops.gram_screened`` and the flags go to ``on_flags``. From a source: the chunks' Grams summed
-        in fp64 in column order."""
+    def gram(self, host: bool = False) -> torch.Tensor:
+        """``ops.gram(U)`` ([K, K] fp64 on U's device, or on the host with ``host=True``); while the
+        rows are unscreened it is ``ops.gram_screened`` and the flags go to ``on_flags``. ``host=True``
+        on another device than the CPU: G comes to the host in the flags' device-to-host copy (one
+        copy per aggregate, not two). From a source: the chunks' Grams summed in fp64 in column order."""
         if self.src is not None:
             G = torch.zeros(self.K, self.K, dtype=torch.float64, device=self.src.device)
 
@@ -210,12 +222,13 @@ class RoundInput:
                 G.add_(ops.gram(c))
                 return None
             self._stream(add)
-            return G
+            return G.cpu() if host else G
         if self.screen_rows:
             G, ok = ops.gram_screened(self.U)
-            self._flags(ok)
-            return G
-        return ops.gram(self.U)
+            carried = self._flags(ok, carry=G if host else None)
+            return G if carried is None else carried
+        G = ops.gram(self.U)
+        return G.cpu() if host and G.device.type != "cpu" else G
 
     def blocks(self, device: Optional[torch.device] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
         """``(cols, U[:, cols])`` for a method's column-local work on U with per-client tables (FedAWARE's
@@ -260,15 +273,17 @@ class RoundInput:
                 self._flags(fin, (a, b))                   # raises (policy raise)
         self._flags(fin)
 
-    def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None) -> None:
+    def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None,
+               carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Hands the rows' flags to ``on_flags``; returns ``carry`` (None, or a tensor on ok's device) on
+        the host, brought there in the flags' copy."""
         self.screen_rows = False
         if self.on_flags is None:
-            return
+            return None if carry is None else carry.cpu()
         if self.src is None:
-            self.on_flags(ok)
-            return
+            return self.on_flags(ok, carry)
         try:
-            self.on_flags(ok)
+            return self.on_flags(ok, carry)
         except BadUpdateError as e:                        # say where the source holds the bad row
             bad = (~ok.cpu()).nonzero().reshape(-1)
             k = int(bad[0]) if bad.numel() else -1
@@ -427,7 +442,7 @@ class Aggregator(abc.ABC):
             if rin.K > 0:
                 self._attach(rin, src, rows_of)
                 rin.screen_rows = True
-                rin.on_flags = lambda ok: self._apply_flags(rin, ok, g_ok, pp)
+                rin.on_flags = lambda ok, carry=None: self._apply_flags(rin, ok, g_ok, pp, carry)
                 try:
                     if not self.screen_in_pass:
                         rin.screen()
@@ -574,16 +589,22 @@ class Aggregator(abc.ABC):
         return ids
 
     def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
-                     pp: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]]) -> None:
+                     pp: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]],
+                     carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The rows' flags from a screening pass, with global_flat's and the payload tensors'
         (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
         starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
-        (a float64 row whose squared norm overflows is finite)."""
+        (a float64 row whose squared norm overflows is finite). Returns ``carry`` on the host: off the
+        CPU it rides in the same copy (its bytes and the flags' packed into one buffer)."""
         K = rin.K
         parts = [g_ok.to(ok.device) if g_ok is not None else ok.new_ones(1), ok]
         if pp is not None and pp[0] is not None:
             parts.append(pp[0].to(ok.device))
-        host = torch.cat(parts).cpu()                                            # the one sync
+        flags = torch.cat(parts)
+        if carry is None or carry.device.type == "cpu":
+            host = flags.cpu()                                                   # the one sync
+        else:
+            host, carry = host_copy_with(flags, carry)                           # the one sync
         if not bool(host[0]):
             raise self._global_nan()
         bad = (~host[1:1 + K]).nonzero().reshape(-1)
@@ -598,6 +619,7 @@ class Aggregator(abc.ABC):
         if reasons:
             raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
                                            reasons, rin.excluded))
+        return carry
 
     def _apply_policy(self, global_flat: torch.Tensor, updates: torch.Tensor, n: torch.Tensor, ids: List[int],
                       pl: List[Dict[str, Any]], reasons: Dict[int, str],

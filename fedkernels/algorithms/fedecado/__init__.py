@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
-from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
-                    payload_numbers, register)
+from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor, register
 from ..parts import check_choice
-from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, hutchinson_hbar,
+from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, flow_sum, hutchinson_hbar,
                       integrator_options, split_flat)
 from .solver import central_round
 
@@ -213,19 +212,18 @@ class FedECADO(FederationTables, Aggregator):
                 "need_hbar": bool(self.ablations.hessian in ("hutchinson", "global") and not self.hbar_known[cid])}
 
     # ---- the round ------------------------------------------------------------------------------------
-    def _hbar_for(self, rin: RoundInput) -> torch.Tensor:
-        if self._hbar_opt is None:            # the sent estimates: one indexed write
-            hb = [p.get("hbar") for p in rin.payloads]
-            got = [(cid, float(h)) for cid, h in zip(rin.client_ids, hb) if h is not None] if hb.count(None) != len(hb) else []
-            if got:
-                at = torch.tensor([c for c, _ in got], dtype=torch.long)
-                self.hbar_tab[at] = torch.tensor([h for _, h in got], dtype=torch.float64).clamp_min(0.0)
-                self.hbar_known[at] = True
-        ids = id_tensor(rin.client_ids)
+    def _hbar_for(self, rin: RoundInput, ids: torch.Tensor, sent: List[int]) -> torch.Tensor:
+        """[K] float64 hbar of the round's clients (``ids`` on the host); the estimates sent in the rows
+        ``sent`` are stored first (one indexed write)."""
+        if self._hbar_opt is None and sent:
+            at = id_tensor([rin.client_ids[k] for k in sent])
+            self.hbar_tab[at] = torch.tensor([float(rin.payloads[k]["hbar"]) for k in sent],
+                                             dtype=torch.float64).clamp_min(0.0)
+            self.hbar_known[at] = True
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
-        return self.hbar_tab[ids].clone()
+        return self.hbar_tab[ids]                 # (indexing copies: the table is not aliased)
 
     def _L_for(self, Tmax: float) -> float:
         if self.L is None:
@@ -238,20 +236,23 @@ class FedECADO(FederationTables, Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         dev = rin.U.device
-        ids = id_tensor(rin.client_ids, dev)
-        T = payload_numbers(rin.payloads, "T")           # [K] float64 (host)
+        hids = id_tensor(rin.client_ids)
+        ids = hids.to(dev)
+        T, sent = self.payload_columns(rin.payloads)     # T: [K] float64 (host), read once with the checks
+        self._cols = None
         if T is None:                 # numbers as text, ...: one by one
             T = torch.tensor([float(p["T"]) for p in rin.payloads], dtype=torch.float64)
-        Tmax = float(T.max())
-        ratio = Tmax / float(T.min())
+        Tmin, Tmax = torch.aminmax(T)
+        Tmax = float(Tmax)
+        ratio = Tmax / float(Tmin)
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
             T = torch.full_like(T, Tmax)
-        hbar = self._hbar_for(rin)
-        w = self.w[ids.cpu()]
+        hbar = self._hbar_for(rin, hids, sent)
+        w = self.w[hids]
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
-        Ik_sum = Ik.sum(0, dtype=torch.float64)                    # sum of the round's flows at its start
+        Ik_sum = flow_sum(Ik)                                      # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
             S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
@@ -262,12 +263,14 @@ class FedECADO(FederationTables, Aggregator):
                 "L": L, "T_max": Tmax, "max_extrap_ratio": ratio, "lte_c": res["lte_c"],
                 "lte_I": res["lte_I"]}
         xc, Inew = res["xc"], res["I"]
-        if not (bool(ops.finite_rows(xc.unsqueeze(0)).all()) and bool(ops.finite_rows(Inew).all())):  # no K x d temp
+        # finite by the LTE test of every accepted step (central_round's ``finite``), else checked: one
+        # native pass over each, one host sync, no K x d temporary
+        if not (res["finite"] or bool(ops.finite_rows(xc.unsqueeze(0)).all() & ops.finite_rows(Inew).all())):
             log.warning("%s: central integration produced NaN/Inf; round rolled back", self.name)
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += Inew.sum(0, dtype=torch.float64) - Ik_sum    # no K x d temporary
+        self.S_all += flow_sum(Inew) - Ik_sum                      # no K x d float64 temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]

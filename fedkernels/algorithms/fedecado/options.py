@@ -129,6 +129,27 @@ def flat_signature(init) -> inspect.Signature:
     return sig.replace(parameters=ps)
 
 
+# float64 elements of one column chunk of flow_sum's conversion (2 MB on the CPU: cache-sized; larger
+# elsewhere, where each chunk is a kernel launch)
+FLOW_SUM_CHUNK = {"cpu": 1 << 18}
+FLOW_SUM_CHUNK_OTHER = 1 << 24
+
+
+def flow_sum(I: torch.Tensor) -> torch.Tensor:
+    """sum_i I_i in float64 ([d]) for flows I [K, d] (S_all's arithmetic): the bits of
+    ``I.sum(0, dtype=torch.float64)``, which converts all of I to a K x d float64 temporary first;
+    here column chunk by chunk (each column is summed over the same rows in the same order), so the
+    temporary is at most a chunk."""
+    K, d = I.shape
+    B = max(1, FLOW_SUM_CHUNK.get(I.device.type, FLOW_SUM_CHUNK_OTHER) // max(K, 1))
+    if d <= B:
+        return I.sum(0, dtype=torch.float64)
+    out = torch.empty(d, dtype=torch.float64, device=I.device)
+    for a in range(0, d, B):
+        torch.sum(I[:, a:a + B], 0, dtype=torch.float64, out=out[a:a + B])
+    return out
+
+
 # ---- the federation's tables ----------------------------------------------------------------------
 def federation_size(weights, data_sizes, hbar) -> Optional[int]:
     """N from the per-client options (the last one given of weights, data_sizes, a list of hbar)."""
@@ -238,13 +259,27 @@ class FederationTables:
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         return check_payload(payload, self.missing_payload) or super().check_payload(payload)
 
-    def suspect_payloads(self, payloads):
-        rows, T = super().suspect_payloads(payloads), payload_numbers(payloads, "T")    # T: NaN where missing
-        if rows is None or T is None:
-            return None
-        rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
+    _cols = None     # (payloads, their columns): read once per round by suspect_payloads and the round
+
+    def payload_columns(self, payloads: List[Dict[str, Any]]) -> Tuple[Optional[torch.Tensor], List[int]]:
+        """(T, sent) over the round: T [K] float64 host (NaN where missing; None when some entry is not
+        a plain number), sent = the rows whose payload has an ``hbar``. Read once per round list."""
+        if self._cols is not None and self._cols[0] is payloads:
+            return self._cols[1]
         hbar = [p.get("hbar") for p in payloads]
         sent = [k for k, h in enumerate(hbar) if h is not None] if hbar.count(None) != len(hbar) else []
+        out = (payload_numbers(payloads, "T"), sent)
+        self._cols = (payloads, out)
+        return out
+
+    def suspect_payloads(self, payloads):
+        rows, (T, sent) = super().suspect_payloads(payloads), self.payload_columns(payloads)   # T: NaN where missing
+        if rows is None or T is None:
+            return None
+        if T.numel():                 # one whole-round test; the rows only when some T is bad
+            lo, hi = torch.aminmax(T)
+            if not (float(lo) > 0 and float(hi) < math.inf):      # (a NaN fails both)
+                rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
         if sent:
             h = payload_numbers([payloads[k] for k in sent], "hbar")
             if h is None:

@@ -155,12 +155,19 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     """The server's integration over one round window [0, T_max] (spec §2.8 step 5-6, §9.1).
 
     xc0 [d]; I_act [K, d] the flows of the active clients at the round start (= I^k); U [K, d];
-    T, w, hbar: K floats (sequences or tensors). Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I).
-    solver="auto" uses the native fused attempt (be_step solver="fused") when it applies."""
+    T, w, hbar: K floats (sequences or tensors). Returns dict(xc, I, dt, steps, rejects, truncated, lte_c, lte_I,
+    finite). solver="auto" uses the native fused attempt (be_step solver="fused") when it applies.
+
+    ``finite`` True proves x_c and I finite: every accepted step was a fused attempt with finite LTEs
+    (the op maps a NaN to +inf in both maxima; from finite inputs, a non-finite I'_ij makes
+    sum_i (I'_i - Icur_i) non-finite at j and a non-finite x'_j makes every e_ij non-finite, so a
+    finite LTE_c and LTE_I mean finite outputs; by induction over the steps from the finite round
+    start). False: unknown (the caller checks the values)."""
     Tv = torch.as_tensor(T, dtype=torch.float64)    # theta's divisor, made once for every attempt
     Tmax = float(Tv.max())
     wv = torch.as_tensor(w, dtype=torch.float64)
     hv = torch.as_tensor(hbar, dtype=torch.float64).clamp(min=0.0)
+    wh = wv * hv                                    # w_i hbar_i, made once for every attempt
     dI = delta if delta_I is None else delta_I
     tl, steps, rejects, truncated = 0.0, 0, 0, False
     xc, Ik, Icur = xc0, I_act, I_act
@@ -171,7 +178,7 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     def inv_g(dtt):
         if not sensitivity:
             return torch.zeros_like(wv)
-        return 1.0 / (1.0 / dtt + wv * hv)
+        return 1.0 / (1.0 / dtt + wh)
 
     # Native fused attempts write into two preallocated (x_c, I) buffer pairs: an attempt writes the
     # pair that is not the current state, a rejection retries into the same pair, an acceptance
@@ -181,10 +188,15 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         solver = "fused"
     bufs: List[Any] = [None, None]
     nxt = 0
+    finite = fused                 # (see ``finite`` above: proved only for fused attempts)
+
+    th_at = [math.nan, None]       # (tl, theta at tl): the same for every attempt of one step
 
     def attempt(dtt):
         th_n = theta(Tv, tl + dtt, extrap, max_extrap_ratio)
-        th_o = theta(Tv, tl, extrap, max_extrap_ratio)
+        if th_at[0] != tl:
+            th_at[:] = [tl, theta(Tv, tl, extrap, max_extrap_ratio)]
+        th_o = th_at[1]
         out = None
         if fused:
             if bufs[nxt] is None:
@@ -197,6 +209,7 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         if steps >= max_steps:        # safety: finish the window in one forced step
             dtt = Tmax - tl
             xc, Icur, lc, li = attempt(dtt)
+            finite = finite and math.isfinite(lc) and math.isfinite(li)
             nxt ^= 1
             tl, steps, truncated = Tmax, steps + 1, True
             if trace is not None:
@@ -217,6 +230,7 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
             clipped = False
             rejects += 1
         lte_max = [max(lte_max[0], lc), max(lte_max[1], li)]
+        finite = finite and math.isfinite(lc) and math.isfinite(li)
         tl += dtt
         xc, Icur = xn, In
         nxt ^= 1
@@ -224,4 +238,4 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         if not clipped:
             dt = dtt
     return {"xc": xc, "I": Icur, "dt": dt, "steps": steps, "rejects": rejects, "truncated": truncated,
-            "lte_c": lte_max[0], "lte_I": lte_max[1], "T_max": Tmax}
+            "lte_c": lte_max[0], "lte_I": lte_max[1], "T_max": Tmax, "finite": finite}

@@ -20,8 +20,8 @@ theta_bar the plain mean phase, and applies the weighted sum. Three modes:
 kappa_t = kappa0 * beta^t with t the aggregator's round counter (default beta = 1: constant).
 
 Hot path (modes P and S): one ``ops.gram`` pass over U (K x K fp64 Gram G; then
-dot = G p, nsq = diag G, nbar = p^T G p, all fp64) and one ``ops.weighted_sum`` pass. No K x d
-temporary. Mode C: two ``weighted_sum`` passes (the elementwise clamp needs the sync vector).
+dot = G p, nsq = diag G, nbar = p^T G p, all fp64 on the host) and one ``ops.weighted_sum`` pass. No K x d
+temporary. On a GPU one device-to-host copy per aggregate: G rides in the NaN/Inf flags' copy. Mode C: two ``weighted_sum`` passes (the elementwise clamp needs the sync vector).
 Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, info_values,
-                    payload_numbers, register, rows_where, tracing)
+from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, host_float64,
+                    info_values, payload_numbers, register, rows_where, tracing)
 from ..parts import client_weights
 from .options import check_options, check_phase
 
@@ -44,9 +44,12 @@ REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is
 def kuramoto_stats(U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
     nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U (``G``: that Gram
-    matrix when the caller has it)."""
-    G = (ops.gram(U) if G is None else G).to("cpu")
-    p64 = torch.as_tensor(p, dtype=torch.float64).reshape(-1).cpu()
+    matrix when the caller has it, best on the host already: ``RoundInput.gram(host=True)`` brings it
+    there in the round's one device-to-host copy)."""
+    G = ops.gram(U) if G is None else G
+    if G.device.type != "cpu":
+        G = G.cpu()
+    p64 = host_float64(p)
     if p64.numel() != G.size(0):
         raise ValueError(f"kuramoto_stats: p must have K={G.size(0)} entries, got {p64.numel()}")
     dot = G @ p64
@@ -221,7 +224,8 @@ class KuramotoFedAvg(Aggregator):
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
                     "sync_coef": b.tolist(), "clipped": clipped}
             return AggResult(new, info)
-        dot, nsq, nbar = kuramoto_stats(None, p, G=rin.gram())     # the Gram pass also screens U's rows
+        dot, nsq, nbar = kuramoto_stats(None, p, G=rin.gram(host=True))   # the Gram pass screens U's rows;
+        # G comes to the host with the flags (one device-to-host copy), so the rest is host arithmetic
         if self.mode == "S":
             kap = min(max(kt, 0.0), 1.0)
             a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,
