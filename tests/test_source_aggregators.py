@@ -210,3 +210,61 @@ def test_float64_source_excludes_like_a_tensor(name):
     b = algorithms.build(name, on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=50), [1, 2, 3, 4])
     assert a.info["excluded"] == b.info["excluded"] == [{"client_id": 1, "reason": "update contains NaN/Inf"}]
     _close(b.params, a.params, name not in GRAM_BASED, name)
+
+
+class _Watching(TensorSource):
+    """A source that records, each time the consumer asks for the next block, what ``out`` holds in the
+    columns of the block it just finished (the out= pass writes a chunk as it is summed)."""
+
+    def __init__(self, U, out):
+        super().__init__(U)
+        self.out, self.seen = out, []
+
+    def _blocks(self, chunk_cols):
+        for a, b, blk in super()._blocks(chunk_cols):
+            yield a, b, blk
+            self.seen.append((a, b, self.out[a:b].clone()))
+
+
+@pytest.mark.parametrize("name,opts", [("fedavg", {}), ("kuramoto", {}), ("kuramoto", {"mode": "C"}),
+                                       ("scaffold", {}), ("fedaware", {"warmup": "startup_full", "elud": False}),
+                                       ("fedaware", {"variant": "na", "warmup": "mask"})])
+def test_out_is_written_chunk_by_chunk_in_the_result_pass(name, opts):
+    """aggregate(..., out=buf) on a source: params is buf, the same bits as without out, and each chunk of
+    buf holds its final value as soon as the pass moved past it (not copied in at the end)."""
+    (ref, got), x = _pair(name, opts)
+    g = torch.Generator().manual_seed(5)
+    for r, ids in enumerate(ROUNDS[:2]):
+        K = len(ids)
+        U = torch.randn(K, D, generator=g) * 1e-2
+        n = [float(3 + k) for k in range(K)]
+        pl = _payloads(ref, K, g)
+        a = ref.aggregate(x, ChunkedUpdates(U, chunk_cols=100), n, ids, [dict(p) for p in pl])
+        buf = torch.full((D,), float("nan"))
+        src = _Watching(U, buf)
+        b = got.aggregate(x, ChunkedUpdates(src, chunk_cols=100), n, ids, [dict(p) for p in pl], out=buf)
+        assert b.params is buf and torch.equal(buf, a.params), f"{name} round {r}"
+        if name != "fedaware" and opts.get("mode") != "C":   # (FedAWARE: its table's sum after the pass;
+            last = {(a_, b_): v for a_, b_, v in src.seen}      # Kuramoto C: x + sum, then + the sync term)
+            assert len(last) == 11 and all(torch.equal(v, a.params[a_:b_]) for (a_, b_), v in last.items())
+        x = a.params
+
+
+def test_out_of_a_tensor_round_and_a_skipped_round_and_bad_outs():
+    x = torch.randn(D)
+    U = torch.randn(3, D)
+    ref = algorithms.build("fedavg").aggregate(x, U, [1, 2, 3]).params
+    buf = torch.empty(D)
+    assert algorithms.build("fedavg").aggregate(x, U, [1, 2, 3], out=buf).params is buf and torch.equal(buf, ref)
+    U[:, 5] = float("nan")                      # every client excluded: the round is skipped, out = global
+    res = algorithms.build("fedavg", on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=100),
+                                                                     [1, 2, 3], out=buf)
+    assert res.info["skipped"] and res.params is buf and torch.equal(buf, x)
+    agg = algorithms.build("fedavg")
+    for bad, msg in ((torch.empty(D, dtype=torch.float64), r"out must be a contiguous \[d=1012\] tensor of "
+                      r"global_flat's dtype torch.float32 on cpu, got shape \(1012,\) torch.float64"),
+                     (torch.empty(2 * D)[::2], r"\(not contiguous\)"),
+                     (x, r"out shares memory with global_flat"), ("m.bin", r"out must be a \[d\] tensor or None")):
+        with pytest.raises(ValueError, match=msg):
+            agg.aggregate(x, TensorSource(U), [1, 2, 3], out=bad)
+    assert agg.round == 0

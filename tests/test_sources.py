@@ -181,6 +181,8 @@ def test_out_file_is_written_whole_and_renamed(tmp_path):
     assert torch.equal(new, ref)
     assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     assert sorted(os.listdir(tmp_path)) == ["U.f16", "model.f32"]
+    new.zero_()                                  # the returned tensor maps the file privately (copy-on-write)
+    assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     with pytest.raises(ValueError, match="is a folder"):
         streamed_fedavg(x, U, n, out=tmp_path)
     with pytest.raises(ValueError, match="does not exist"):

@@ -160,8 +160,9 @@ class FedAWARE(Aggregator):
                                       tol_abs=self.tol_abs, lam0=lam0)
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
-    def _wsum_M(self, coef, base=None, alpha=1.0, rows=None):
-        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha, rows)
+    def _wsum_M(self, coef, base=None, alpha=1.0, rows=None, out=None):
+        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha,
+                                  rows, out)
 
     def _na_coef(self):
         act = torch.nonzero(self.seen).reshape(-1)
@@ -215,14 +216,14 @@ class FedAWARE(Aggregator):
             return AggResult(new, info)
         if self.variant == "na":
             act, coef = self._na_coef()
-            new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act)
+            new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act, out=rin.take_out())
             info.update(support=act.tolist(), coef=coef.tolist())
             return AggResult(new, info)
         rows, c, zero_dir = self.aware_direction(info)
         if zero_dir:
             if self.zero_fallback == "na":
                 act, cna = self._na_coef()
-                new = self._wsum_M(cna, base=x, alpha=self.server_lr, rows=act)
+                new = self._wsum_M(cna, base=x, alpha=self.server_lr, rows=act, out=rin.take_out())
                 info["fallback"] = "na"
             elif base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
@@ -234,8 +235,9 @@ class FedAWARE(Aggregator):
         if base_step is not None:
             d = self._wsum_M(c, rows=rows)
             scale = aware_scale(base_step, d)
-            new = x.add(d, alpha=self.server_lr * scale)
+            o = rin.take_out()
+            new = x.add(d, alpha=self.server_lr * scale) if o is None else torch.add(x, d, alpha=self.server_lr * scale, out=o)
             info["projection_scale"] = scale
             return AggResult(new, info)
-        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows)
+        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows, out=rin.take_out())   # (into out, if given)
         return AggResult(new, info)
