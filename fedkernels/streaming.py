@@ -10,7 +10,8 @@ holds no method logic; it adds, for a user who streams:
   aggregator over a source (anything ``as_source`` takes), with the result published to ``out`` only
   after the whole round succeeded;
 * :func:`momentum_file`: FedAWARE's N x d momentum table as a disk-backed tensor, updated chunk by
-  chunk with U (``streamed_fedaware`` installs it in the aggregator);
+  chunk with U (``streamed_fedaware`` installs it in the aggregator; ``FedAWARE(momentum_file=PATH)``
+  keeps such a table itself);
 * op-level passes: :func:`streamed_weighted_sum`, :func:`streamed_gram`, :func:`streamed_finite_rows`.
 
 ``out``: None (the new [d] tensor is returned), a [d] CPU tensor of the result's dtype (may be
@@ -143,44 +144,44 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
 
 
 def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: Sequence[int], aggregator,
-                      momenta: torch.Tensor, out: OutLike = None):
-    """One round of the FedAWARE ``aggregator`` over a source with ``momenta`` ([N, d], e.g. from
-    :func:`momentum_file`) as its momentum table: installed as ``aggregator.M`` at the first call (the
-    same tensor afterwards), updated chunk by chunk with U. Returns (new, info)."""
+                      momenta: Optional[torch.Tensor] = None, out: OutLike = None):
+    """One round of the FedAWARE ``aggregator`` over a source. Its momentum table: the aggregator's own
+    (``momenta=None``; e.g. ``FedAWARE(momentum_file=PATH)``, a disk table with a checkpointable
+    reference), or ``momenta`` ([N, d], e.g. from :func:`momentum_file`), installed as ``aggregator.M``
+    at the first call (the same tensor afterwards). Updated chunk by chunk with U. Returns (new, info)."""
     from .algorithms.fedaware import FedAWARE
     what = "streamed_fedaware"
     if not isinstance(aggregator, FedAWARE):
         raise TypeError(f"{what}: aggregator must be a FedAWARE, got {type(aggregator).__name__}")
-    N = aggregator.num_clients
-    if N is None:
-        raise ValueError(f"{what}: the aggregator needs num_clients=N")
-    d = _as_chunked(src).d
-    if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d):
-        raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
-                         f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
-    if aggregator.M is None:
-        aggregator.M = momenta
-        aggregator.Gm = torch.zeros(N, N, dtype=torch.float64)
-        aggregator.seen = torch.zeros(N, dtype=torch.bool)
-        aggregator.n_examples = torch.zeros(N, dtype=torch.float64)
-    elif aggregator.M is not momenta:
-        raise ValueError(f"{what}: the aggregator already has a momentum table; pass that one as momenta")
+    if momenta is not None:
+        N = aggregator.num_clients
+        if N is None:
+            raise ValueError(f"{what}: the aggregator needs num_clients=N")
+        d = _as_chunked(src).d
+        if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d):
+            raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
+                             f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
+        if aggregator.momentum_file is not None:
+            raise ValueError(f"{what}: the aggregator keeps its table in momentum_file={aggregator.momentum_file!r}; "
+                             "pass momenta=None")
+        if aggregator.M is None:
+            aggregator.M = momenta
+            aggregator.Gm = torch.zeros(N, N, dtype=torch.float64)
+            aggregator.seen = torch.zeros(N, dtype=torch.bool)
+            aggregator.n_examples = torch.zeros(N, dtype=torch.float64)
+        elif aggregator.M is not momenta:
+            raise ValueError(f"{what}: the aggregator already has a momentum table; pass that one as momenta")
     return _round(aggregator, global_flat, src, num_examples, client_ids, out=out, what=what)
 
 
 # ---- FedAWARE's momentum table on disk -------------------------------------------------------------------
 def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FedAWARE's [N, d] momentum table as a disk-backed tensor (``torch.from_file``, shared): created
-    as a zero (sparse) file if ``path`` does not exist, else opened; its size must be N * d * itemsize."""
-    path = os.fspath(path)
-    need = int(N) * int(d) * itemsize(dtype)
-    if not os.path.exists(path):
-        with open(path, "wb") as f:
-            f.truncate(need)
-    elif os.path.getsize(path) != need:
-        raise ValueError(f"momentum_file: {path} has {os.path.getsize(path)} bytes, expected {need} for "
-                         f"N={N} x d={d} {dtype}")
-    return torch.from_file(path, shared=True, size=int(N) * int(d), dtype=dtype).view(int(N), int(d))
+    as zeros, its blocks reserved, if ``path`` does not exist, else opened; its size must be N * d *
+    itemsize. (``FedAWARE(momentum_file=PATH)`` does this itself, with a state_dict that references the
+    file.)"""
+    from .algorithms.fedaware.options import table_file
+    return table_file(os.fspath(path), N, d, dtype, exist_ok=True, what="momentum_file:")
 
 
 # ---- op-level passes -------------------------------------------------------------------------------------

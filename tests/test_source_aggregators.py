@@ -268,3 +268,99 @@ def test_out_of_a_tensor_round_and_a_skipped_round_and_bad_outs():
         with pytest.raises(ValueError, match=msg):
             agg.aggregate(x, TensorSource(U), [1, 2, 3], out=bad)
     assert agg.round == 0
+
+
+def _fedaware_rounds(agg, x, rounds, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    res = []
+    for ids in rounds:
+        U = torch.randn(len(ids), D, generator=g) * 1e-2 + 1e-2 * torch.randn(D, generator=g)
+        res.append(agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [2.0] * len(ids), ids).params)
+        x = res[-1]
+    return res
+
+
+def test_fedaware_momentum_file_is_the_in_memory_table_and_checkpoints_as_a_reference(tmp_path):
+    path = tmp_path / "M.bin"
+    opts = dict(num_clients=N, warmup="startup_full")
+    mem, disk = algorithms.build("fedaware", **opts), algorithms.build("fedaware", momentum_file=str(path), **opts)
+    x = torch.randn(D)
+    for a, b in zip(_fedaware_rounds(mem, x, ROUNDS[:2]), _fedaware_rounds(disk, x, ROUNDS[:2])):
+        assert torch.equal(a, b)                     # the same code on another storage: the same bits
+    assert torch.equal(disk.M, mem.M) and path.stat().st_size == N * D * 4
+    assert torch.equal(torch.from_file(str(path), size=N * D).view(N, D), mem.M)     # the table is the file
+    st = disk.state_dict()
+    assert st["M"] == {"momentum_file": str(path), "shape": [N, D], "dtype": "float32", "version": 2}
+    torch.save(st, tmp_path / "ck.pt")
+    st = torch.load(tmp_path / "ck.pt", weights_only=True)
+    again = algorithms.build("fedaware", **opts)                 # (a file table is adopted from the state)
+    again.load_state_dict(st)
+    y = torch.randn(D)
+    assert torch.equal(_fedaware_rounds(again, y, ROUNDS[2:])[0], _fedaware_rounds(mem, y, ROUNDS[2:])[0])
+    with pytest.raises(ValueError, match=r"momentum_file .*M\.bin' is at version 3 \(done\), the state expects "
+                                         r"version 2 \(done\): the table changed after this state was saved"):
+        algorithms.build("fedaware", **opts).load_state_dict(st)
+    with pytest.raises(ValueError, match=r"fedaware: momentum_file .*M\.bin' already exists: remove it, or load"):
+        _fedaware_rounds(algorithms.build("fedaware", momentum_file=str(path), **opts), x, ROUNDS[:1])
+    mem_st = mem.state_dict()                                    # an in-memory table into a new file
+    other = algorithms.build("fedaware", momentum_file=str(tmp_path / "M2.bin"), **opts)
+    other.load_state_dict(mem_st)
+    assert torch.equal(torch.from_file(str(tmp_path / "M2.bin"), size=N * D).view(N, D), mem.M)
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("{tmp}/nope/M.bin", r"^fedaware: momentum_file '.*/nope/M\.bin': folder '.*/nope' does not exist$"),
+    ("{tmp}", r"^fedaware: momentum_file '.*' is a folder, expected a file path$"),
+    ("", r"^fedaware: momentum_file must be a file path or None, got ''$"),
+    (3, r"momentum_file"),
+])
+def test_fedaware_bad_momentum_file_is_refused_in_one_line(tmp_path, value, msg):
+    v = value.format(tmp=tmp_path) if isinstance(value, str) else value
+    with pytest.raises(ValueError, match=msg) as e:
+        algorithms.build("fedaware", num_clients=4, momentum_file=v)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^fedaware: momentum_file keeps the table in a host mapping of the file, "
+                                         r"so momentum_device must be None or 'cpu', got 'meta'$"):
+        algorithms.build("fedaware", num_clients=4, momentum_file=str(tmp_path / "M"), momentum_device="meta")
+
+
+class _Failing(TensorSource):
+    """Raises OSError when block ``at`` of pass ``on_pass`` (0-based) is read, like a disk read error."""
+
+    def __init__(self, U, on_pass, at):
+        super().__init__(U)
+        self.on_pass, self.at, self.passes = on_pass, at, -1
+
+    def _blocks(self, chunk_cols):
+        self.passes += 1
+        for a, b, blk in super()._blocks(chunk_cols):
+            if self.passes == self.on_pass and a == self.at:
+                raise OSError("simulated read error")
+            yield a, b, blk
+
+
+def test_fedaware_failed_momentum_pass_is_named_and_refuses_to_go_on(tmp_path):
+    """A read error in the momentum pass (pass 1 after the screening pass, elud=False): before the first
+    write, M is as it was and the aggregator goes on; after it, the torn table is named (columns, clients),
+    the marker says 'updating', and further rounds, state_dict and loading that file are refused."""
+    path = str(tmp_path / "M.bin")
+    agg = algorithms.build("fedaware", num_clients=N, warmup="startup_full", elud=False, momentum_file=path)
+    x = torch.randn(D)
+    U = torch.randn(3, D) * 1e-2
+    with pytest.raises(OSError, match="simulated read error"):
+        agg.aggregate(x, ChunkedUpdates(_Failing(U, 1, 0), chunk_cols=100), [1, 1, 1], [0, 2, 5])
+    assert not bool(agg.M.any()) and agg.round == 0 and open(path + ".state").read() == "0 done\n"
+    st = agg.state_dict()
+    ok = agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [1, 1, 1], [0, 2, 5])     # goes on
+    assert bool(agg.M.any()) and open(path + ".state").read() == "1 done\n" and ok.info["num_clients"] == 3
+    with pytest.raises(RuntimeError, match=r"momentum update of round 1 failed at column 500 of d=1012 \(OSError: simulated "
+                                           r"read error\): .* clients \[1, 2, 3\] hold the new momenta in columns "
+                                           r"0\.\.499, the old ones from column 500 on; this aggregator refuses"):
+        agg.aggregate(x, ChunkedUpdates(_Failing(U, 1, 500), chunk_cols=100), [1, 1, 1], [1, 2, 3])
+    assert open(path + ".state").read() == "2 updating\n"
+    with pytest.raises(RuntimeError, match="refuses further rounds"):
+        agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [1, 1, 1], [0, 2, 5])
+    with pytest.raises(RuntimeError, match="refuses further rounds"):
+        agg.state_dict()
+    with pytest.raises(ValueError, match=r"is at version 2 \(updating\), the state expects version 0"):
+        algorithms.build("fedaware", num_clients=N).load_state_dict(st)

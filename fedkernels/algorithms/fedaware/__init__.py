@@ -23,14 +23,16 @@ temporaries.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import os
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
 from ... import ops
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
-from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
+from .options import (check_momentum_file, check_num_clients, check_options, elud, new_table, read_marker,
+                      table_file, table_weighted_sum, write_marker)
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 
@@ -62,11 +64,15 @@ class FedAWARE(Aggregator):
                  code_compat: bool = False, zero_fallback: str = "zero", variant: str = "aware",
                  extension: Optional[str] = None, ext_beta: float = 0.7, elud: bool = True,
                  num_clients: Optional[int] = None, solver: Optional[Callable] = None,
-                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None, **kw):
+                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None,
+                 momentum_file: Optional[Union[str, os.PathLike]] = None, **kw):
         super().__init__(**kw)
         check_options(self.name, alpha, warmup, init, method, solver_init, max_iter, tol, tol_abs, zero_fallback,
                       variant, extension, ext_beta, solver)
         self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
+        self.momentum_file = check_momentum_file(momentum_file, momentum_device)
+        self.table_version = 0                       # completed momentum updates (a file table's marker)
+        self._torn: Optional[str] = None             # why the table is half-updated (a failed momentum pass)
         self.alpha = float(alpha)
         self.normalize, self.warmup, self.init = bool(normalize), warmup, init
         self.method = "code_compat" if code_compat else method
@@ -103,10 +109,17 @@ class FedAWARE(Aggregator):
         if self.num_clients is None:
             raise ValueError("fedaware needs the number of clients N: pass num_clients=N to the constructor "
                              "or call setup(num_clients=N) before the first round")
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
         N, d = self.num_clients, like.numel()
         self._like = (like.dtype, like.device)
         if self.M is None:
-            self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
+            if self.momentum_file is not None:
+                self.M = table_file(self.momentum_file, N, d, self.momentum_dtype or like.dtype, exist_ok=False)
+                self.table_version = 0
+                write_marker(self.momentum_file, 0, "done")
+            else:
+                self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
             self.Gm = torch.zeros(N, N, dtype=torch.float64)
             self.seen = torch.zeros(N, dtype=torch.bool)
             self.n_examples = torch.zeros(N, dtype=torch.float64)
@@ -121,22 +134,106 @@ class FedAWARE(Aggregator):
         if first is not None and bool(first.any()):          # m_i := U_i at first participation
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
         Gr = None
-        for cols, Ub in rin.blocks(M.device):     # all of U (a tensor), or its column chunks (a source)
-            Mb, old, Uo = M[:, cols], idx, Ub
-            if new_j is not None:
-                Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
-                old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
-            if old.numel():                                  # m_i <- (1 - a) m_i + a U_i on the k rows:
-                i = old.to(M.device)                         # gather, two in-place ops, scatter back
-                Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
-            g = ops.gram(Mb, rows=idx)                       # [k, N] fp64 (summed over the chunks)
-            Gr = g if Gr is None else Gr.add_(g)
+        path = self.momentum_file
+        if path is not None:
+            write_marker(path, self.table_version + 1, "updating")
+        done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
+        try:
+            for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
+                Mb, old, Uo = M[:, cols], idx, Ub
+                at = cols
+                if new_j is not None:
+                    Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                    old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
+                if old.numel():                              # m_i <- (1 - a) m_i + a U_i on the k rows:
+                    i = old.to(M.device)                     # gather, two in-place ops, scatter back
+                    Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
+                g = ops.gram(Mb, rows=idx)                   # [k, N] fp64 (summed over the chunks)
+                Gr = g if Gr is None else Gr.add_(g)
+                done, at = M.size(1) if cols.stop is None else cols.stop, None
+        except BaseException as e:
+            if at is None and done == 0:                     # failed before the first write: M is as it was
+                if path is not None:
+                    write_marker(path, self.table_version, "done")
+                raise
+            self._torn = self._torn_message(rin, done, at, e)
+            if isinstance(e, Exception):
+                raise RuntimeError(self._torn) from e
+            raise
+        if path is not None:
+            write_marker(path, self.table_version + 1, "done")
+        self.table_version += 1
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
         Gr = Gr.to("cpu")
         if idx.numel() < self.Gm.size(0):    # (when every client took part the column write covers it all)
             self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
+
+    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException) -> str:
+        d = self.M.size(1)
+        where = f"momentum_file {self.momentum_file!r} (its marker says 'updating')" if self.momentum_file else \
+            "the momentum table"
+        if at is None:                                       # between two blocks: the split is exact
+            cols, split = f"at column {done}", f"in columns 0..{done - 1}, the old ones from column {done} on"
+        else:
+            a, b = at.start or 0, at.stop if at.stop is not None else d
+            cols, split = f"in columns {a}..{b - 1}", \
+                f"before column {a}, the old ones after column {b - 1}, either in between"
+        return (f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
+                f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
+                f"{split}; this aggregator refuses "
+                "further rounds and state_dict (load a state_dict saved before this round"
+                f"{' with a copy of the table file' if self.momentum_file else ''} to continue)")
+
+    # ---- state: a file table is referenced, not copied ---------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The declared state; a ``momentum_file`` table as a reference (path, shape, dtype, version)."""
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
+        if self.momentum_file is None or self.M is None:
+            return super().state_dict()
+        M, self.M = self.M, None
+        try:
+            st = super().state_dict()
+        finally:
+            self.M = M
+        st["M"] = {"momentum_file": os.path.abspath(self.momentum_file), "shape": list(M.shape),
+                   "dtype": str(M.dtype).replace("torch.", ""), "version": self.table_version}
+        return st
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the state; a referenced table file is reopened after its size and marker are checked
+        (version equal to the state's, update finished); an in-memory table loaded into an aggregator
+        with ``momentum_file`` is written to that (new) file."""
+        ref = state.get("M")
+        if not isinstance(ref, dict):
+            super().load_state_dict(state)
+            self._torn = None
+            if self.momentum_file is not None and self.M is not None:
+                table = table_file(self.momentum_file, *self.M.shape, self.M.dtype, exist_ok=False)
+                self.M, self.table_version = table.copy_(self.M), 0
+                write_marker(self.momentum_file, 0, "done")
+            return
+        what = "fedaware.load_state_dict"
+        path, v = ref.get("momentum_file"), ref.get("version")
+        if self.momentum_file is not None and os.path.abspath(self.momentum_file) != path:
+            raise ValueError(f"{what}: the state's momentum table is {path!r}, this aggregator's momentum_file is "
+                             f"{self.momentum_file!r}")
+        dtype = getattr(torch, str(ref.get("dtype")), None)
+        if not isinstance(path, str) or not isinstance(dtype, torch.dtype) or not isinstance(v, int):
+            raise ValueError(f"{what}: state['M'] must be a tensor or a table reference (momentum_file, shape, dtype, "
+                             f"version), got {ref!r:.200}")
+        if not os.path.isfile(path):
+            raise ValueError(f"{what}: the state's momentum table {path!r} does not exist")
+        mark = read_marker(path)
+        if mark != (v, "done"):
+            now = "has no marker" if mark is None else f"is at version {mark[0]} ({mark[1]})"
+            raise ValueError(f"{what}: momentum_file {path!r} {now}, the state expects version {v} (done): the table "
+                             "changed after this state was saved, or an update never finished")
+        M = table_file(path, *ref["shape"], dtype, exist_ok=True, what=f"{what}: momentum_file")
+        super().load_state_dict(dict(state, M=None))
+        self.M, self.momentum_file, self.table_version, self._torn = M, path, v, None
 
     def gram_matrix(self, active: torch.Tensor):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised)."""
