@@ -180,7 +180,7 @@ def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dt
     as zeros, its blocks reserved, if ``path`` does not exist, else opened; its size must be N * d *
     itemsize. (``FedAWARE(momentum_file=PATH)`` does this itself, with a state_dict that references the
     file.)"""
-    from .algorithms.fedaware.options import table_file
+    from .algorithms.tables import table_file
     return table_file(os.fspath(path), N, d, dtype, exist_ok=True, what="momentum_file:")
 
 

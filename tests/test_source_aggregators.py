@@ -4,6 +4,8 @@ the Gram-based ones to fp64 summation order), state included, over 3 rounds; bad
 the same pass and named with their source row; a method that cannot stream refuses at once."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -290,7 +292,7 @@ def test_fedaware_momentum_file_is_the_in_memory_table_and_checkpoints_as_a_refe
     assert torch.equal(disk.M, mem.M) and path.stat().st_size == N * D * 4
     assert torch.equal(torch.from_file(str(path), size=N * D).view(N, D), mem.M)     # the table is the file
     st = disk.state_dict()
-    assert st["M"] == {"momentum_file": str(path), "shape": [N, D], "dtype": "float32", "version": 2}
+    assert st["M"] == {"file": str(path), "shape": [N, D], "dtype": "float32", "version": 2}
     torch.save(st, tmp_path / "ck.pt")
     st = torch.load(tmp_path / "ck.pt", weights_only=True)
     again = algorithms.build("fedaware", **opts)                 # (a file table is adopted from the state)
@@ -364,3 +366,60 @@ def test_fedaware_failed_momentum_pass_is_named_and_refuses_to_go_on(tmp_path):
         agg.state_dict()
     with pytest.raises(ValueError, match=r"is at version 2 \(updating\), the state expects version 0"):
         algorithms.build("fedaware", num_clients=N).load_state_dict(st)
+
+
+@pytest.mark.parametrize("name", ["scaffold", "fedpvr"])
+def test_control_variates_on_the_host_or_in_a_file_are_the_in_memory_tables(tmp_path, name):
+    """control_device='cpu' and control_file=PATH: the same params, c and c_i (bit for bit) over 3 rounds
+    on a source; a file table checkpoints as a reference and continues from it."""
+    path = tmp_path / "C.bin"
+    x = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    aggs = [algorithms.build(name, **o) for o in ({}, {"control_device": "cpu"}, {"control_file": str(path)})]
+    for a in aggs:
+        a.setup(SPEC, num_clients=N, global_flat=x)
+    g = torch.Generator().manual_seed(7)
+    xs = [x] * 3
+    for r, ids in enumerate(ROUNDS):
+        K = len(ids)
+        U = torch.randn(K, D, generator=g) * 1e-2
+        pl = _payloads(aggs[0], K, g)
+        res = [a.aggregate(xi, ChunkedUpdates(U, chunk_cols=100), [1.0] * K, ids, [dict(p) for p in pl]).params
+               for a, xi in zip(aggs, xs)]
+        assert all(torch.equal(res[0], v) for v in res[1:]), f"{name} round {r}"
+        xs = res
+        if r == 0:
+            st = aggs[2].state_dict()
+    ref = aggs[0]
+    for a in aggs[1:]:
+        assert torch.equal(a.c, ref.c) and torch.equal(a.c_table, ref.c_table)
+        assert torch.equal(a.client_payload(5)["c_i"], ref.client_payload(5)["c_i"])
+    assert torch.equal(torch.from_file(str(path), size=N * ref.d_c).view(N, ref.d_c), ref.c_table)
+    assert st["c_table"] == {"file": str(path), "shape": [N, ref.d_c], "dtype": "float32", "version": 1}
+    with pytest.raises(ValueError, match=r"control_file .*C\.bin' is at version 3 \(done\), the state expects version 1"):
+        algorithms.build(name).load_state_dict(st)
+    torch.save(aggs[2].state_dict(), tmp_path / "ck.pt")
+    again = algorithms.build(name)
+    again.setup(SPEC, num_clients=N)
+    again.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=True))
+    assert again.c_table.data_ptr() != aggs[2].c_table.data_ptr() and torch.equal(again.c_table, ref.c_table)
+    U = torch.randn(3, D, generator=g) * 1e-2
+    pl = _payloads(ref, 3, g)
+    a = ref.aggregate(xs[0], U, [1.0] * 3, [1, 4, 6], [dict(p) for p in pl])
+    b = again.aggregate(xs[0], ChunkedUpdates(U, chunk_cols=100), [1.0] * 3, [1, 4, 6], [dict(p) for p in pl])
+    assert torch.equal(a.params, b.params) and torch.equal(ref.c_table, again.c_table)
+    assert open(f"{path}.state").read() == "4 done\n"
+
+
+def test_bad_control_table_options_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^scaffold: control_file '.*/nope/C\.bin': folder '.*/nope' does not exist$"):
+        algorithms.build("scaffold", control_file=str(tmp_path / "nope" / "C.bin"))
+    with pytest.raises(ValueError, match=r"^scaffold: control_file keeps the table in a host mapping of the file, so "
+                                         r"control_device must be None or 'cpu', got 'meta'$"):
+        algorithms.build("scaffold", control_file=str(tmp_path / "C.bin"), control_device="meta")
+    with pytest.raises(ValueError, match=r"^scaffold: control_device must be a device \(e\.g\. 'cpu'\) or None, "
+                                         r"got 'gpu0'$"):
+        algorithms.build("scaffold", control_device="gpu0")
+    agg = algorithms.build("scaffold", control_file=str(tmp_path / "C.bin"))
+    with pytest.raises(ValueError, match=r"^scaffold: needs the number of clients N for its control_file table"):
+        agg.aggregate(torch.zeros(D), torch.zeros(2, D), [1, 1], [0, 1], [{"delta_c": torch.zeros(D)}] * 2)
+    assert agg.round == 0 and not os.path.exists(tmp_path / "C.bin")

@@ -31,8 +31,8 @@ import torch
 from ... import ops
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
-from .options import (check_momentum_file, check_num_clients, check_options, elud, new_table, read_marker,
-                      table_file, table_weighted_sum, write_marker)
+from .. import tables
+from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 
@@ -70,7 +70,8 @@ class FedAWARE(Aggregator):
         check_options(self.name, alpha, warmup, init, method, solver_init, max_iter, tol, tol_abs, zero_fallback,
                       variant, extension, ext_beta, solver)
         self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
-        self.momentum_file = check_momentum_file(momentum_file, momentum_device)
+        self.momentum_file = tables.check_path(self.name, "momentum_file", momentum_file, momentum_device,
+                                               "momentum_device")
         self.table_version = 0                       # completed momentum updates (a file table's marker)
         self._torn: Optional[str] = None             # why the table is half-updated (a failed momentum pass)
         self.alpha = float(alpha)
@@ -115,9 +116,10 @@ class FedAWARE(Aggregator):
         self._like = (like.dtype, like.device)
         if self.M is None:
             if self.momentum_file is not None:
-                self.M = table_file(self.momentum_file, N, d, self.momentum_dtype or like.dtype, exist_ok=False)
+                self.M = tables.table_file(self.momentum_file, N, d, self.momentum_dtype or like.dtype,
+                                           exist_ok=False, what="fedaware: momentum_file")
                 self.table_version = 0
-                write_marker(self.momentum_file, 0, "done")
+                tables.updated(self.momentum_file, 0)
             else:
                 self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
             self.Gm = torch.zeros(N, N, dtype=torch.float64)
@@ -135,8 +137,7 @@ class FedAWARE(Aggregator):
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
         Gr = None
         path = self.momentum_file
-        if path is not None:
-            write_marker(path, self.table_version + 1, "updating")
+        tables.updating(path, self.table_version + 1)
         done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
         try:
             for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
@@ -153,15 +154,13 @@ class FedAWARE(Aggregator):
                 done, at = M.size(1) if cols.stop is None else cols.stop, None
         except BaseException as e:
             if at is None and done == 0:                     # failed before the first write: M is as it was
-                if path is not None:
-                    write_marker(path, self.table_version, "done")
+                tables.updated(path, self.table_version)
                 raise
             self._torn = self._torn_message(rin, done, at, e)
             if isinstance(e, Exception):
                 raise RuntimeError(self._torn) from e
             raise
-        if path is not None:
-            write_marker(path, self.table_version + 1, "done")
+        tables.updated(path, self.table_version + 1)
         self.table_version += 1
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
@@ -191,49 +190,14 @@ class FedAWARE(Aggregator):
         """The declared state; a ``momentum_file`` table as a reference (path, shape, dtype, version)."""
         if self._torn is not None:
             raise RuntimeError(self._torn)
-        if self.momentum_file is None or self.M is None:
-            return super().state_dict()
-        M, self.M = self.M, None
-        try:
-            st = super().state_dict()
-        finally:
-            self.M = M
-        st["M"] = {"momentum_file": os.path.abspath(self.momentum_file), "shape": list(M.shape),
-                   "dtype": str(M.dtype).replace("torch.", ""), "version": self.table_version}
-        return st
+        return tables.state_dict(self, super().state_dict, "M", "momentum_file")
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores the state; a referenced table file is reopened after its size and marker are checked
         (version equal to the state's, update finished); an in-memory table loaded into an aggregator
         with ``momentum_file`` is written to that (new) file."""
-        ref = state.get("M")
-        if not isinstance(ref, dict):
-            super().load_state_dict(state)
-            self._torn = None
-            if self.momentum_file is not None and self.M is not None:
-                table = table_file(self.momentum_file, *self.M.shape, self.M.dtype, exist_ok=False)
-                self.M, self.table_version = table.copy_(self.M), 0
-                write_marker(self.momentum_file, 0, "done")
-            return
-        what = "fedaware.load_state_dict"
-        path, v = ref.get("momentum_file"), ref.get("version")
-        if self.momentum_file is not None and os.path.abspath(self.momentum_file) != path:
-            raise ValueError(f"{what}: the state's momentum table is {path!r}, this aggregator's momentum_file is "
-                             f"{self.momentum_file!r}")
-        dtype = getattr(torch, str(ref.get("dtype")), None)
-        if not isinstance(path, str) or not isinstance(dtype, torch.dtype) or not isinstance(v, int):
-            raise ValueError(f"{what}: state['M'] must be a tensor or a table reference (momentum_file, shape, dtype, "
-                             f"version), got {ref!r:.200}")
-        if not os.path.isfile(path):
-            raise ValueError(f"{what}: the state's momentum table {path!r} does not exist")
-        mark = read_marker(path)
-        if mark != (v, "done"):
-            now = "has no marker" if mark is None else f"is at version {mark[0]} ({mark[1]})"
-            raise ValueError(f"{what}: momentum_file {path!r} {now}, the state expects version {v} (done): the table "
-                             "changed after this state was saved, or an update never finished")
-        M = table_file(path, *ref["shape"], dtype, exist_ok=True, what=f"{what}: momentum_file")
-        super().load_state_dict(dict(state, M=None))
-        self.M, self.momentum_file, self.table_version, self._torn = M, path, v, None
+        tables.load_state_dict(self, super().load_state_dict, state, "M", "momentum_file")
+        self._torn = None
 
     def gram_matrix(self, active: torch.Tensor):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised)."""

@@ -24,12 +24,11 @@ the first round with its blocks reserved; an existing file is refused unless a s
 loaded). With a file, ``state_dict()`` holds a reference to it (path, shape, dtype, version: the count
 of completed momentum updates), not an N x d copy; ``load_state_dict`` reopens the file and refuses it
 (one line) when it is missing, of another size, or its marker ``PATH.state`` shows another version
-(the table moved on since that checkpoint) or an update that never finished.
+(the table moved on since that checkpoint) or an update that never finished (``algorithms/tables.py``).
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -105,75 +104,6 @@ def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.
     else:
         res = ops.weighted_sum_chunked(M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
     return res if out is None else out.copy_(res)
-
-
-# ---- the table in a file (momentum_file=PATH) ------------------------------------------------------------
-def check_momentum_file(path, momentum_device):
-    """``momentum_file``: None, or a file path whose folder exists (the table is a host mapping of it, so
-    ``momentum_device`` must be None or the CPU); one-line ValueError otherwise."""
-    if path is None:
-        return None
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"fedaware: momentum_file must be a file path or None, got {path!r}")
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"fedaware: momentum_file {path!r}: folder {folder!r} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"fedaware: momentum_file {path!r} is a folder, expected a file path")
-    if momentum_device is not None and torch.device(momentum_device).type != "cpu":
-        raise ValueError(f"fedaware: momentum_file keeps the table in a host mapping of the file, so momentum_device "
-                         f"must be None or 'cpu', got {momentum_device!r}")
-    return path
-
-
-def table_file(path: str, N: int, d: int, dtype: torch.dtype, exist_ok: bool = True,
-               what: str = "fedaware: momentum_file") -> torch.Tensor:
-    """An [N, d] table of ``dtype`` mapped from the raw file ``path`` (``torch.from_file``, shared: writes
-    go to the file). A missing file is created as zeros with its blocks reserved (``posix_fallocate``: a
-    full disk is an error here, not a crash in the middle of a round); an existing one (only with
-    ``exist_ok``) must have exactly N * d * itemsize bytes."""
-    N, d = int(N), int(d)
-    need = N * d * torch.empty(0, dtype=dtype).element_size()
-    if os.path.exists(path):
-        if not exist_ok:
-            raise ValueError(f"{what} {path!r} already exists: remove it, or load the aggregator's state_dict to "
-                             "continue from the table it holds")
-        if os.path.getsize(path) != need:
-            raise ValueError(f"{what} {path!r} has {os.path.getsize(path)} bytes, expected {need} for N={N} x d={d} "
-                             f"{dtype}")
-    else:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            if need:
-                os.posix_fallocate(fd, 0, need)
-        except OSError as e:
-            os.close(fd)
-            os.remove(path)
-            raise ValueError(f"{what} {path!r}: cannot reserve {need} bytes for N={N} x d={d} {dtype}: {e}") from None
-        os.close(fd)
-    if not need:
-        return torch.zeros(N, d, dtype=dtype)
-    return torch.from_file(path, shared=True, size=N * d, dtype=dtype).view(N, d)
-
-
-# The table file's marker ``PATH.state``: "<version> updating|done". The version counts the completed
-# momentum updates; "updating" while a round writes the table (left so if the process dies in between).
-def write_marker(path: str, version: int, status: str) -> None:
-    tmp = f"{path}.state.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{version} {status}\n")
-    os.replace(tmp, f"{path}.state")
-
-
-def read_marker(path: str):
-    """(version, status) of the table file ``path``, or None when it has no marker."""
-    try:
-        with open(f"{path}.state") as f:
-            v, status = f.read().split()
-        return int(v), status
-    except (OSError, ValueError):
-        return None
 
 
 # ---- statistics ------------------------------------------------------------------------------------
