@@ -194,9 +194,8 @@ class RoundInput:
         overlaps the pass), else a fresh one."""
         if self.src is not None:
             g = self.global_flat
-            out = self.take_out() if base is g else None
-            if out is None:
-                out = torch.empty(self.d, dtype=g.dtype, device=g.device)
+            given = self.take_out() if base is g else None
+            out = given if given is not None else torch.empty(self.d, dtype=g.dtype, device=g.device)
             c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()   # host coefficients, one copy
             self._stream(lambda a, b, c, screen: weighted_sum_block(c, c64, None if base is None else base[a:b],
                                                                     alpha, out[a:b], screen=screen))
@@ -400,8 +399,8 @@ class Aggregator(abc.ABC):
           undefined (``fedkernels.streaming`` publishes its file only after success).
 
         Returns ``AggResult(params, info)``: ``params`` a new [d] tensor (never ``global_flat``
-        itself; ``out`` when given) with the dtype and device of ``global_flat``; ``info`` a dict of what the method
-        logs (weights, guard flags, solver iterations, ...) with at least ``num_clients`` (the K
+        itself; ``out`` when given) with the dtype and device of ``global_flat``; ``info`` a dict of
+        what the method logs (weights, guard flags, solver iterations, ...) with at least ``num_clients`` (the K
         that were aggregated), ``excluded`` (``[{client_id, reason}]``) when clients were dropped
         and ``skipped``/``reason`` when no update was usable (``params`` is then a copy of
         ``global_flat``). The method's state (momentum, control variates, round counter) advances.
@@ -534,9 +533,9 @@ class Aggregator(abc.ABC):
         d = global_flat.numel()
         if out.dim() != 1 or out.numel() != d or out.dtype != global_flat.dtype or out.device != global_flat.device \
                 or not out.is_contiguous():
-            raise ValueError(f"{what}: out must be a contiguous [d={d}] tensor of global_flat's dtype {global_flat.dtype} "
-                             f"on {global_flat.device}, got shape {tuple(out.shape)} {out.dtype} on {out.device}"
-                             f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+            raise ValueError(f"{what}: out must be a contiguous [d={d}] tensor of global_flat's dtype "
+                             f"{global_flat.dtype} on {global_flat.device}, got shape {tuple(out.shape)} {out.dtype} "
+                             f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
         if d and out.untyped_storage().data_ptr() == global_flat.untyped_storage().data_ptr():
             raise ValueError(f"{what}: out shares memory with global_flat (the method reads global_flat while it "
                              "writes out): pass another tensor, or copy the result into global_flat afterwards")

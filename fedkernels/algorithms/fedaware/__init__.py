@@ -29,9 +29,9 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 
 from ... import ops
+from .. import tables
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
-from .. import tables
 from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
@@ -297,7 +297,8 @@ class FedAWARE(Aggregator):
             d = self._wsum_M(c, rows=rows)
             scale = aware_scale(base_step, d)
             o = rin.take_out()
-            new = x.add(d, alpha=self.server_lr * scale) if o is None else torch.add(x, d, alpha=self.server_lr * scale, out=o)
+            step = self.server_lr * scale
+            new = x.add(d, alpha=step) if o is None else torch.add(x, d, alpha=step, out=o)
             info["projection_scale"] = scale
             return AggResult(new, info)
         new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows, out=rin.take_out())   # (into out, if given)
