@@ -423,3 +423,14 @@ def test_bad_control_table_options_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^scaffold: needs the number of clients N for its control_file table"):
         agg.aggregate(torch.zeros(D), torch.zeros(2, D), [1, 1], [0, 1], [{"delta_c": torch.zeros(D)}] * 2)
     assert agg.round == 0 and not os.path.exists(tmp_path / "C.bin")
+
+
+def test_control_file_payload_rows_can_go_to_worker_processes(tmp_path):
+    """client_payload copies a file table's row out: torch shares a mapped file's storage by descriptor,
+    which a worker queue cannot send (the simulator's workers=N)."""
+    from multiprocessing.reduction import ForkingPickler
+    agg = algorithms.build("scaffold", num_clients=4, control_file=str(tmp_path / "C.bin"))
+    agg.setup(None, num_clients=4, global_flat=torch.zeros(D))
+    pl = agg.client_payload(3)
+    assert torch.equal(pl["c_i"], agg.c_table[3])
+    ForkingPickler.dumps(pl["c_i"])

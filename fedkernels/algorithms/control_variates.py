@@ -313,7 +313,10 @@ class ControlVariateServer(Aggregator):
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         if self.c is None:
             return {}                      # before the first round: c = c_i = 0
-        return {"c": self.c, "c_i": self._ci(int(client_id))}
+        ci = self._ci(int(client_id))
+        if self.control_file is not None and ci is not None:
+            ci = ci.clone()            # a view of the file mapping cannot go to worker processes (fd-shared storages)
+        return {"c": self.c, "c_i": ci}
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
