@@ -25,6 +25,14 @@ loaded). With a file, ``state_dict()`` holds a reference to it (path, shape, dty
 of completed momentum updates), not an N x d copy; ``load_state_dict`` reopens the file and refuses it
 (one line) when it is missing, of another size, or its marker ``PATH.state`` shows another version
 (the table moved on since that checkpoint) or an update that never finished (``algorithms/tables.py``).
+
+A failed momentum update: the table is written column block by column block with U (one block for a
+tensor, the source's chunks otherwise), after the rows were screened. An error before the first write
+(e.g. the source's first read) leaves the table as it was. An error after it (a read error of a later
+chunk) leaves the round's rows new before the failing block and old after it: the aggregator raises a
+RuntimeError naming the columns and the clients, and then refuses further rounds and ``state_dict``
+(no checkpoint of a torn table); a process that dies there leaves the file's marker at "updating",
+which ``load_state_dict`` refuses. Undoing the rows would need a copy of them (k x d), so it is not done.
 """
 from __future__ import annotations
 
