@@ -1,7 +1,8 @@
 """A real large-model round from a file on disk (issue #30 item 6): K client updates of d parameters in
 one raw bfloat16 file, aggregated by FedAvg, Kuramoto-FedAvg and FedAWARE, each in a fresh process: the
 aggregators themselves over a ``fedkernels.sources.RawFileSource`` read in column chunks (through
-``fedkernels.streaming``'s ``streamed_*``, which publish the result to a file after success).
+``fedkernels.streaming``'s ``streamed_*``: the result pass writes into a mapped temporary file that is
+published (fsync, rename) after success; FedAWARE's table is ``momentum_file=`` in ``--dir``).
 
 Reported per method: wall time, bytes read (passes x file size, + FedAWARE's momentum table read
 twice and its participants' rows written once), achieved GB/s, peak RSS (``resource.getrusage``,
@@ -75,8 +76,7 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
     """One streamed round in this (fresh) process; returns its measurements."""
     from fedkernels import algorithms
     from fedkernels.sources import RawFileSource
-    from fedkernels.streaming import (ChunkedUpdates, momentum_file, streamed_fedavg, streamed_fedaware,
-                                      streamed_kuramoto)
+    from fedkernels.streaming import ChunkedUpdates, streamed_fedavg, streamed_fedaware, streamed_kuramoto
     torch.set_num_threads(threads)
     dtype = DTYPES[dtype_name]
     es = torch.empty(0, dtype=dtype).element_size()
@@ -96,13 +96,13 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
         new, info = streamed_kuramoto(x, src, n, out=out)
         passes, info = 2, {"weights": info["weights"]}
     else:
-        mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")
-        M = momentum_file(mpath, K, d, dtype)                # N = K clients, all participate
-        agg = algorithms.build("fedaware", num_clients=K, warmup="startup_full", elud=False)
-        new, info = streamed_fedaware(x, src, n, list(range(K)), agg, M, out=out)
+        mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")   # N = K clients, all participate
+        agg = algorithms.build("fedaware", num_clients=K, warmup="startup_full", elud=False, momentum_file=mpath,
+                               momentum_dtype=dtype)
+        new, info = streamed_fedaware(x, src, n, list(range(K)), agg, out=out)
         passes = 2                                           # a screening pass (elud=False), the momentum pass
         extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read by both table passes, written once
-        info = {"lam": info["lam"], "note": "round 0: the momentum table starts as a sparse zero file"}
+        info = {"lam": info["lam"], "note": "round 0: the momentum table starts as a zero file (blocks reserved)"}
     t = time.perf_counter() - t0
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -127,7 +127,8 @@ def run(args) -> dict:
     size = K * d * es
     free = shutil.disk_usage(args.dir).free
     path = os.path.join(args.dir, f"fedkernels_large_U_{K}x{d}.{args.dtype}")
-    junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin")]
+    junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin",
+                                                          "fedkernels_large_momenta.bin.state")]
     rows = []
     try:
         t_write = write_updates(path, K, d, dtype)
@@ -157,8 +158,8 @@ def run(args) -> dict:
             "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
             "cpus": os.cpu_count(), "machine": platform.node(),
             "torch": torch.__version__, "methods": rows,
-            "notes": "peak RSS includes the fp32 global model and the new model (4 d bytes each) held in memory; "
-                     "the output model is then written to a file (temporary + rename); floor_s = passes over U x dd time "
+            "notes": "peak RSS includes the fp32 global model (4 d bytes) and the pages of the mapped output file "
+                     "(written during the result pass, then fsynced and renamed); floor_s = passes over U x dd time "
                      "(FedAWARE also reads its momentum table twice and writes it once, not in its floor)."}
 
 

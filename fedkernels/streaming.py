@@ -10,13 +10,16 @@ holds no method logic; it adds, for a user who streams:
   aggregator over a source (anything ``as_source`` takes), with the result published to ``out`` only
   after the whole round succeeded;
 * :func:`momentum_file`: FedAWARE's N x d momentum table as a disk-backed tensor, updated chunk by
-  chunk with U (``streamed_fedaware`` installs it in the aggregator);
+  chunk with U (``streamed_fedaware`` installs it in the aggregator; ``FedAWARE(momentum_file=PATH)``
+  keeps such a table itself);
 * op-level passes: :func:`streamed_weighted_sum`, :func:`streamed_gram`, :func:`streamed_finite_rows`.
 
 ``out``: None (the new [d] tensor is returned), a [d] CPU tensor of the result's dtype (may be
-``global_flat``; filled after success), or a path (a raw file, written to a temporary beside it,
-fsynced and renamed into place). A bad row (NaN/Inf) raises BadUpdateError naming the client row (and
-its file) before anything is written; the global model is never modified.
+``global_flat``; filled after success), or a path (a raw file: a temporary beside it, its blocks
+reserved first, is mapped and filled chunk by chunk by the aggregation's result pass (``aggregate(...,
+out=)``), then fsynced and renamed into place; the returned tensor is a private, copy-on-write mapping of
+the published file). A bad row (NaN/Inf) raises BadUpdateError naming the client row (and its file);
+nothing is published (the temporary is removed) and the global model is never modified.
 """
 from __future__ import annotations
 
@@ -34,7 +37,6 @@ __all__ = ["ChunkedUpdates", "streamed_gram", "streamed_finite_rows", "streamed_
            "streamed_fedavg", "streamed_kuramoto", "streamed_fedaware", "momentum_file", "weighted_sum_chunked"]
 
 OutLike = Union[None, torch.Tensor, str, os.PathLike]
-WRITE_BYTES = 64 << 20   # a path ``out`` is written in blocks of this size
 
 
 def _as_chunked(src, chunk_cols: Optional[int] = None) -> ChunkedUpdates:
@@ -53,11 +55,17 @@ def _check_vec(v: torch.Tensor, name: str, what: str, d: int, dtype: Optional[to
 
 
 class _Out:
-    """Where a result goes (``out``), checked before anything is read; ``publish(new)`` writes it only
-    after the whole aggregation succeeded (a path: a temporary beside it, fsynced, then renamed)."""
+    """Where a result goes (``out``), checked before anything is read; used as a context manager around
+    the aggregation. A path: a temporary file beside it, its blocks reserved up front (``posix_fallocate``:
+    a full disk is an OSError here, not a crash in the middle of the pass) and mapped as ``buf``, which
+    the aggregation writes chunk by chunk (``Aggregator.aggregate(..., out=buf)``); ``publish`` fsyncs and
+    renames it into place and returns a private (copy-on-write) mapping of the published file; a failure
+    removes the temporary. A tensor ``out``: filled by ``publish`` (after success); None: the result."""
 
     def __init__(self, out: OutLike, d: int, dtype: torch.dtype, what: str):
         self.out, self.d, self.dtype = out, d, dtype
+        self.tmp: Optional[str] = None
+        self.buf: Optional[torch.Tensor] = None
         if isinstance(out, (str, os.PathLike)):
             path = os.fspath(out)
             folder = os.path.dirname(os.path.abspath(path))
@@ -68,23 +76,42 @@ class _Out:
         elif out is not None:
             _check_vec(out, "out", what, d, dtype)
 
+    def __enter__(self) -> "_Out":
+        if isinstance(self.out, (str, os.PathLike)) and self.d:
+            self.tmp = f"{os.fspath(self.out)}.tmp-{os.getpid()}"
+            fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, self.d * itemsize(self.dtype))
+            except BaseException:
+                os.close(fd)
+                os.remove(self.tmp)
+                raise
+            os.close(fd)
+            self.buf = torch.from_file(self.tmp, shared=True, size=self.d, dtype=self.dtype)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.buf = None
+        if self.tmp is not None and os.path.exists(self.tmp):
+            os.remove(self.tmp)                      # (not published: the aggregation failed)
+
     def publish(self, new: torch.Tensor) -> torch.Tensor:
         if isinstance(self.out, (str, os.PathLike)):
             path = os.fspath(self.out)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            raw = new.detach().cpu().contiguous().view(torch.uint8).numpy()
+            if self.tmp is None:                     # d = 0: an empty file
+                open(path, "wb").close()
+                return new
+            if new is not self.buf:                  # (the aggregation wrote elsewhere: copy it in)
+                self.buf.copy_(new)
+            self.buf = None
+            fd = os.open(self.tmp, os.O_RDWR)
             try:
-                with open(tmp, "wb") as f:                 # plain writes: no second resident copy of the model
-                    for a in range(0, raw.size, WRITE_BYTES):
-                        f.write(memoryview(raw[a:a + WRITE_BYTES]))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
-            return new
+                os.fsync(fd)                         # the mapped pages are the file's page cache
+            finally:
+                os.close(fd)
+            os.replace(self.tmp, path)
+            self.tmp = None
+            return torch.from_file(path, shared=False, size=self.d, dtype=self.dtype)
         if self.out is not None:
             return self.out.copy_(new)
         return new
@@ -95,9 +122,9 @@ def _round(agg, global_flat: torch.Tensor, src, num_examples, client_ids=None, o
            what: str = "streamed"):
     src = _as_chunked(src)
     _check_vec(global_flat, "global_flat", what, src.d)
-    dst = _Out(out, src.d, global_flat.dtype, what)          # refuses a bad out before reading U
-    new, info = agg.aggregate(global_flat, src, num_examples, client_ids)
-    return dst.publish(new), info
+    with _Out(out, src.d, global_flat.dtype, what) as dst:     # refuses a bad out before reading U
+        new, info = agg.aggregate(global_flat, src, num_examples, client_ids, out=dst.buf)
+        return dst.publish(new), info
 
 
 def streamed_fedavg(global_flat: torch.Tensor, src, num_examples, server_lr: float = 1.0,
@@ -117,44 +144,44 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
 
 
 def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: Sequence[int], aggregator,
-                      momenta: torch.Tensor, out: OutLike = None):
-    """One round of the FedAWARE ``aggregator`` over a source with ``momenta`` ([N, d], e.g. from
-    :func:`momentum_file`) as its momentum table: installed as ``aggregator.M`` at the first call (the
-    same tensor afterwards), updated chunk by chunk with U. Returns (new, info)."""
+                      momenta: Optional[torch.Tensor] = None, out: OutLike = None):
+    """One round of the FedAWARE ``aggregator`` over a source. Its momentum table: the aggregator's own
+    (``momenta=None``; e.g. ``FedAWARE(momentum_file=PATH)``, a disk table with a checkpointable
+    reference), or ``momenta`` ([N, d], e.g. from :func:`momentum_file`), installed as ``aggregator.M``
+    at the first call (the same tensor afterwards). Updated chunk by chunk with U. Returns (new, info)."""
     from .algorithms.fedaware import FedAWARE
     what = "streamed_fedaware"
     if not isinstance(aggregator, FedAWARE):
         raise TypeError(f"{what}: aggregator must be a FedAWARE, got {type(aggregator).__name__}")
-    N = aggregator.num_clients
-    if N is None:
-        raise ValueError(f"{what}: the aggregator needs num_clients=N")
-    d = _as_chunked(src).d
-    if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d):
-        raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
-                         f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
-    if aggregator.M is None:
-        aggregator.M = momenta
-        aggregator.Gm = torch.zeros(N, N, dtype=torch.float64)
-        aggregator.seen = torch.zeros(N, dtype=torch.bool)
-        aggregator.n_examples = torch.zeros(N, dtype=torch.float64)
-    elif aggregator.M is not momenta:
-        raise ValueError(f"{what}: the aggregator already has a momentum table; pass that one as momenta")
+    if momenta is not None:
+        N = aggregator.num_clients
+        if N is None:
+            raise ValueError(f"{what}: the aggregator needs num_clients=N")
+        d = _as_chunked(src).d
+        if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d):
+            raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
+                             f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
+        if aggregator.momentum_file is not None:
+            raise ValueError(f"{what}: the aggregator keeps its table in momentum_file={aggregator.momentum_file!r}; "
+                             "pass momenta=None")
+        if aggregator.M is None:
+            aggregator.M = momenta
+            aggregator.Gm = torch.zeros(N, N, dtype=torch.float64)
+            aggregator.seen = torch.zeros(N, dtype=torch.bool)
+            aggregator.n_examples = torch.zeros(N, dtype=torch.float64)
+        elif aggregator.M is not momenta:
+            raise ValueError(f"{what}: the aggregator already has a momentum table; pass that one as momenta")
     return _round(aggregator, global_flat, src, num_examples, client_ids, out=out, what=what)
 
 
 # ---- FedAWARE's momentum table on disk -------------------------------------------------------------------
 def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FedAWARE's [N, d] momentum table as a disk-backed tensor (``torch.from_file``, shared): created
-    as a zero (sparse) file if ``path`` does not exist, else opened; its size must be N * d * itemsize."""
-    path = os.fspath(path)
-    need = int(N) * int(d) * itemsize(dtype)
-    if not os.path.exists(path):
-        with open(path, "wb") as f:
-            f.truncate(need)
-    elif os.path.getsize(path) != need:
-        raise ValueError(f"momentum_file: {path} has {os.path.getsize(path)} bytes, expected {need} for "
-                         f"N={N} x d={d} {dtype}")
-    return torch.from_file(path, shared=True, size=int(N) * int(d), dtype=dtype).view(int(N), int(d))
+    as zeros, its blocks reserved, if ``path`` does not exist, else opened; its size must be N * d *
+    itemsize. (``FedAWARE(momentum_file=PATH)`` does this itself, with a state_dict that references the
+    file.)"""
+    from .algorithms.tables import table_file
+    return table_file(os.fspath(path), N, d, dtype, exist_ok=True, what="momentum_file:")
 
 
 # ---- op-level passes -------------------------------------------------------------------------------------
@@ -192,14 +219,15 @@ def streamed_weighted_sum(src, coef, base: Optional[torch.Tensor] = None, alpha:
         _check_vec(base, "base", what, src.d)
     odt = base.dtype if base is not None else (
         torch.float32 if src.dtype in (torch.float16, torch.bfloat16) else src.dtype)
-    dst = _Out(out, src.d, odt, what)
     c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()
     r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
     fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
-    new = torch.empty(src.d, dtype=odt, device=src.device)
-    for a, b, c in src.chunks():
-        if check_finite:
-            fin &= ops.finite_rows(c)
-        weighted_sum_block(c, c64, None if base is None else base[a:b], alpha, new[a:b], rows=r)
-    new = dst.publish(new.cpu())
+    with _Out(out, src.d, odt, what) as dst:
+        new = dst.buf if dst.buf is not None and src.device.type == "cpu" else \
+            torch.empty(src.d, dtype=odt, device=src.device)
+        for a, b, c in src.chunks():
+            if check_finite:
+                fin &= ops.finite_rows(c)
+            weighted_sum_block(c, c64, None if base is None else base[a:b], alpha, new[a:b], rows=r)
+        new = dst.publish(new.cpu())
     return (new, fin.cpu()) if check_finite else new

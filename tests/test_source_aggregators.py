@@ -4,6 +4,8 @@ the Gram-based ones to fp64 summation order), state included, over 3 rounds; bad
 the same pass and named with their source row; a method that cannot stream refuses at once."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,225 @@ def test_float64_source_excludes_like_a_tensor(name):
     b = algorithms.build(name, on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=50), [1, 2, 3, 4])
     assert a.info["excluded"] == b.info["excluded"] == [{"client_id": 1, "reason": "update contains NaN/Inf"}]
     _close(b.params, a.params, name not in GRAM_BASED, name)
+
+
+class _Watching(TensorSource):
+    """A source that records, each time the consumer asks for the next block, what ``out`` holds in the
+    columns of the block it just finished (the out= pass writes a chunk as it is summed)."""
+
+    def __init__(self, U, out):
+        super().__init__(U)
+        self.out, self.seen = out, []
+
+    def _blocks(self, chunk_cols):
+        for a, b, blk in super()._blocks(chunk_cols):
+            yield a, b, blk
+            self.seen.append((a, b, self.out[a:b].clone()))
+
+
+@pytest.mark.parametrize("name,opts", [("fedavg", {}), ("kuramoto", {}), ("kuramoto", {"mode": "C"}),
+                                       ("scaffold", {}), ("fedaware", {"warmup": "startup_full", "elud": False}),
+                                       ("fedaware", {"variant": "na", "warmup": "mask"})])
+def test_out_is_written_chunk_by_chunk_in_the_result_pass(name, opts):
+    """aggregate(..., out=buf) on a source: params is buf, the same bits as without out, and each chunk of
+    buf holds its final value as soon as the pass moved past it (not copied in at the end)."""
+    (ref, got), x = _pair(name, opts)
+    g = torch.Generator().manual_seed(5)
+    for r, ids in enumerate(ROUNDS[:2]):
+        K = len(ids)
+        U = torch.randn(K, D, generator=g) * 1e-2
+        n = [float(3 + k) for k in range(K)]
+        pl = _payloads(ref, K, g)
+        a = ref.aggregate(x, ChunkedUpdates(U, chunk_cols=100), n, ids, [dict(p) for p in pl])
+        buf = torch.full((D,), float("nan"))
+        src = _Watching(U, buf)
+        b = got.aggregate(x, ChunkedUpdates(src, chunk_cols=100), n, ids, [dict(p) for p in pl], out=buf)
+        assert b.params is buf and torch.equal(buf, a.params), f"{name} round {r}"
+        if name != "fedaware" and opts.get("mode") != "C":   # (FedAWARE: its table's sum after the pass;
+            last = {(a_, b_): v for a_, b_, v in src.seen}      # Kuramoto C: x + sum, then + the sync term)
+            assert len(last) == 11 and all(torch.equal(v, a.params[a_:b_]) for (a_, b_), v in last.items())
+        x = a.params
+
+
+def test_out_of_a_tensor_round_and_a_skipped_round_and_bad_outs():
+    x = torch.randn(D)
+    U = torch.randn(3, D)
+    ref = algorithms.build("fedavg").aggregate(x, U, [1, 2, 3]).params
+    buf = torch.empty(D)
+    assert algorithms.build("fedavg").aggregate(x, U, [1, 2, 3], out=buf).params is buf and torch.equal(buf, ref)
+    U[:, 5] = float("nan")                      # every client excluded: the round is skipped, out = global
+    res = algorithms.build("fedavg", on_bad_update="exclude").aggregate(x, ChunkedUpdates(U, chunk_cols=100),
+                                                                     [1, 2, 3], out=buf)
+    assert res.info["skipped"] and res.params is buf and torch.equal(buf, x)
+    agg = algorithms.build("fedavg")
+    for bad, msg in ((torch.empty(D, dtype=torch.float64), r"out must be a contiguous \[d=1012\] tensor of "
+                      r"global_flat's dtype torch.float32 on cpu, got shape \(1012,\) torch.float64"),
+                     (torch.empty(2 * D)[::2], r"\(not contiguous\)"),
+                     (x, r"out shares memory with global_flat"), ("m.bin", r"out must be a \[d\] tensor or None")):
+        with pytest.raises(ValueError, match=msg):
+            agg.aggregate(x, TensorSource(U), [1, 2, 3], out=bad)
+    assert agg.round == 0
+
+
+def _fedaware_rounds(agg, x, rounds, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    res = []
+    for ids in rounds:
+        U = torch.randn(len(ids), D, generator=g) * 1e-2 + 1e-2 * torch.randn(D, generator=g)
+        res.append(agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [2.0] * len(ids), ids).params)
+        x = res[-1]
+    return res
+
+
+def test_fedaware_momentum_file_is_the_in_memory_table_and_checkpoints_as_a_reference(tmp_path):
+    path = tmp_path / "M.bin"
+    opts = dict(num_clients=N, warmup="startup_full")
+    mem, disk = algorithms.build("fedaware", **opts), algorithms.build("fedaware", momentum_file=str(path), **opts)
+    x = torch.randn(D)
+    for a, b in zip(_fedaware_rounds(mem, x, ROUNDS[:2]), _fedaware_rounds(disk, x, ROUNDS[:2])):
+        assert torch.equal(a, b)                     # the same code on another storage: the same bits
+    assert torch.equal(disk.M, mem.M) and path.stat().st_size == N * D * 4
+    assert torch.equal(torch.from_file(str(path), size=N * D).view(N, D), mem.M)     # the table is the file
+    st = disk.state_dict()
+    assert st["M"] == {"file": str(path), "shape": [N, D], "dtype": "float32", "version": 2}
+    torch.save(st, tmp_path / "ck.pt")
+    st = torch.load(tmp_path / "ck.pt", weights_only=True)
+    again = algorithms.build("fedaware", **opts)                 # (a file table is adopted from the state)
+    again.load_state_dict(st)
+    y = torch.randn(D)
+    assert torch.equal(_fedaware_rounds(again, y, ROUNDS[2:])[0], _fedaware_rounds(mem, y, ROUNDS[2:])[0])
+    with pytest.raises(ValueError, match=r"momentum_file .*M\.bin' is at version 3 \(done\), the state expects "
+                                         r"version 2 \(done\): the table changed after this state was saved"):
+        algorithms.build("fedaware", **opts).load_state_dict(st)
+    with pytest.raises(ValueError, match=r"fedaware: momentum_file .*M\.bin' already exists: remove it, or load"):
+        _fedaware_rounds(algorithms.build("fedaware", momentum_file=str(path), **opts), x, ROUNDS[:1])
+    mem_st = mem.state_dict()                                    # an in-memory table into a new file
+    other = algorithms.build("fedaware", momentum_file=str(tmp_path / "M2.bin"), **opts)
+    other.load_state_dict(mem_st)
+    assert torch.equal(torch.from_file(str(tmp_path / "M2.bin"), size=N * D).view(N, D), mem.M)
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("{tmp}/nope/M.bin", r"^fedaware: momentum_file '.*/nope/M\.bin': folder '.*/nope' does not exist$"),
+    ("{tmp}", r"^fedaware: momentum_file '.*' is a folder, expected a file path$"),
+    ("", r"^fedaware: momentum_file must be a file path or None, got ''$"),
+    (3, r"momentum_file"),
+])
+def test_fedaware_bad_momentum_file_is_refused_in_one_line(tmp_path, value, msg):
+    v = value.format(tmp=tmp_path) if isinstance(value, str) else value
+    with pytest.raises(ValueError, match=msg) as e:
+        algorithms.build("fedaware", num_clients=4, momentum_file=v)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^fedaware: momentum_file keeps the table in a host mapping of the file, "
+                                         r"so momentum_device must be None or 'cpu', got 'meta'$"):
+        algorithms.build("fedaware", num_clients=4, momentum_file=str(tmp_path / "M"), momentum_device="meta")
+
+
+class _Failing(TensorSource):
+    """Raises OSError when block ``at`` of pass ``on_pass`` (0-based) is read, like a disk read error."""
+
+    def __init__(self, U, on_pass, at):
+        super().__init__(U)
+        self.on_pass, self.at, self.passes = on_pass, at, -1
+
+    def _blocks(self, chunk_cols):
+        self.passes += 1
+        for a, b, blk in super()._blocks(chunk_cols):
+            if self.passes == self.on_pass and a == self.at:
+                raise OSError("simulated read error")
+            yield a, b, blk
+
+
+def test_fedaware_failed_momentum_pass_is_named_and_refuses_to_go_on(tmp_path):
+    """A read error in the momentum pass (pass 1 after the screening pass, elud=False): before the first
+    write, M is as it was and the aggregator goes on; after it, the torn table is named (columns, clients),
+    the marker says 'updating', and further rounds, state_dict and loading that file are refused."""
+    path = str(tmp_path / "M.bin")
+    agg = algorithms.build("fedaware", num_clients=N, warmup="startup_full", elud=False, momentum_file=path)
+    x = torch.randn(D)
+    U = torch.randn(3, D) * 1e-2
+    with pytest.raises(OSError, match="simulated read error"):
+        agg.aggregate(x, ChunkedUpdates(_Failing(U, 1, 0), chunk_cols=100), [1, 1, 1], [0, 2, 5])
+    assert not bool(agg.M.any()) and agg.round == 0 and open(path + ".state").read() == "0 done\n"
+    st = agg.state_dict()
+    ok = agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [1, 1, 1], [0, 2, 5])     # goes on
+    assert bool(agg.M.any()) and open(path + ".state").read() == "1 done\n" and ok.info["num_clients"] == 3
+    with pytest.raises(RuntimeError, match=r"momentum update of round 1 failed at column 500 of d=1012 \(OSError: simulated "
+                                           r"read error\): .* clients \[1, 2, 3\] hold the new momenta in columns "
+                                           r"0\.\.499, the old ones from column 500 on; this aggregator refuses"):
+        agg.aggregate(x, ChunkedUpdates(_Failing(U, 1, 500), chunk_cols=100), [1, 1, 1], [1, 2, 3])
+    assert open(path + ".state").read() == "2 updating\n"
+    with pytest.raises(RuntimeError, match="refuses further rounds"):
+        agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100), [1, 1, 1], [0, 2, 5])
+    with pytest.raises(RuntimeError, match="refuses further rounds"):
+        agg.state_dict()
+    with pytest.raises(ValueError, match=r"is at version 2 \(updating\), the state expects version 0"):
+        algorithms.build("fedaware", num_clients=N).load_state_dict(st)
+
+
+@pytest.mark.parametrize("name", ["scaffold", "fedpvr"])
+def test_control_variates_on_the_host_or_in_a_file_are_the_in_memory_tables(tmp_path, name):
+    """control_device='cpu' and control_file=PATH: the same params, c and c_i (bit for bit) over 3 rounds
+    on a source; a file table checkpoints as a reference and continues from it."""
+    path = tmp_path / "C.bin"
+    x = torch.randn(D, generator=torch.Generator().manual_seed(1))
+    aggs = [algorithms.build(name, **o) for o in ({}, {"control_device": "cpu"}, {"control_file": str(path)})]
+    for a in aggs:
+        a.setup(SPEC, num_clients=N, global_flat=x)
+    g = torch.Generator().manual_seed(7)
+    xs = [x] * 3
+    for r, ids in enumerate(ROUNDS):
+        K = len(ids)
+        U = torch.randn(K, D, generator=g) * 1e-2
+        pl = _payloads(aggs[0], K, g)
+        res = [a.aggregate(xi, ChunkedUpdates(U, chunk_cols=100), [1.0] * K, ids, [dict(p) for p in pl]).params
+               for a, xi in zip(aggs, xs)]
+        assert all(torch.equal(res[0], v) for v in res[1:]), f"{name} round {r}"
+        xs = res
+        if r == 0:
+            st = aggs[2].state_dict()
+    ref = aggs[0]
+    for a in aggs[1:]:
+        assert torch.equal(a.c, ref.c) and torch.equal(a.c_table, ref.c_table)
+        assert torch.equal(a.client_payload(5)["c_i"], ref.client_payload(5)["c_i"])
+    assert torch.equal(torch.from_file(str(path), size=N * ref.d_c).view(N, ref.d_c), ref.c_table)
+    assert st["c_table"] == {"file": str(path), "shape": [N, ref.d_c], "dtype": "float32", "version": 1}
+    with pytest.raises(ValueError, match=r"control_file .*C\.bin' is at version 3 \(done\), the state expects version 1"):
+        algorithms.build(name).load_state_dict(st)
+    torch.save(aggs[2].state_dict(), tmp_path / "ck.pt")
+    again = algorithms.build(name)
+    again.setup(SPEC, num_clients=N)
+    again.load_state_dict(torch.load(tmp_path / "ck.pt", weights_only=True))
+    assert again.c_table.data_ptr() != aggs[2].c_table.data_ptr() and torch.equal(again.c_table, ref.c_table)
+    U = torch.randn(3, D, generator=g) * 1e-2
+    pl = _payloads(ref, 3, g)
+    a = ref.aggregate(xs[0], U, [1.0] * 3, [1, 4, 6], [dict(p) for p in pl])
+    b = again.aggregate(xs[0], ChunkedUpdates(U, chunk_cols=100), [1.0] * 3, [1, 4, 6], [dict(p) for p in pl])
+    assert torch.equal(a.params, b.params) and torch.equal(ref.c_table, again.c_table)
+    assert open(f"{path}.state").read() == "4 done\n"
+
+
+def test_bad_control_table_options_are_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^scaffold: control_file '.*/nope/C\.bin': folder '.*/nope' does not exist$"):
+        algorithms.build("scaffold", control_file=str(tmp_path / "nope" / "C.bin"))
+    with pytest.raises(ValueError, match=r"^scaffold: control_file keeps the table in a host mapping of the file, so "
+                                         r"control_device must be None or 'cpu', got 'meta'$"):
+        algorithms.build("scaffold", control_file=str(tmp_path / "C.bin"), control_device="meta")
+    with pytest.raises(ValueError, match=r"^scaffold: control_device must be a device \(e\.g\. 'cpu'\) or None, "
+                                         r"got 'gpu0'$"):
+        algorithms.build("scaffold", control_device="gpu0")
+    agg = algorithms.build("scaffold", control_file=str(tmp_path / "C.bin"))
+    with pytest.raises(ValueError, match=r"^scaffold: needs the number of clients N for its control_file table"):
+        agg.aggregate(torch.zeros(D), torch.zeros(2, D), [1, 1], [0, 1], [{"delta_c": torch.zeros(D)}] * 2)
+    assert agg.round == 0 and not os.path.exists(tmp_path / "C.bin")
+
+
+def test_control_file_payload_rows_can_go_to_worker_processes(tmp_path):
+    """client_payload copies a file table's row out: torch shares a mapped file's storage by descriptor,
+    which a worker queue cannot send (the simulator's workers=N)."""
+    from multiprocessing.reduction import ForkingPickler
+    agg = algorithms.build("scaffold", num_clients=4, control_file=str(tmp_path / "C.bin"))
+    agg.setup(None, num_clients=4, global_flat=torch.zeros(D))
+    pl = agg.client_payload(3)
+    assert torch.equal(pl["c_i"], agg.c_table[3])
+    ForkingPickler.dumps(pl["c_i"])

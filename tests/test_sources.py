@@ -181,6 +181,8 @@ def test_out_file_is_written_whole_and_renamed(tmp_path):
     assert torch.equal(new, ref)
     assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     assert sorted(os.listdir(tmp_path)) == ["U.f16", "model.f32"]
+    new.zero_()                                  # the returned tensor maps the file privately (copy-on-write)
+    assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     with pytest.raises(ValueError, match="is a folder"):
         streamed_fedavg(x, U, n, out=tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
@@ -207,12 +209,13 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     cmd = [sys.executable, "-m", "bench.large_model", "--d", "5000", "--K", "3", "--dir", str(work),
-           "--methods", "fedavg", "--out", str(tmp_path / "r.json")]
+           "--methods", "fedavg,fedaware", "--out", str(tmp_path / "r.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())["runs"][0]
-    (row,) = res["methods"]
+    row, aware = res["methods"]
     assert row["method"] == "fedavg" and row["result_ok"] and row["GBps_read"] > 0 and row["peak_rss_GB"] > 0
+    assert aware["method"] == "fedaware" and aware["result_ok"] and len(aware["info"]["lam"]) == 3
     assert res["dd_s"] > 0 and res["file_GB"] == 3 * 5000 * 2 / 1e9
     assert os.listdir(work) == []
     r = subprocess.run(cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True,

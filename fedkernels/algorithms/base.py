@@ -185,15 +185,28 @@ class RoundInput:
     on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
     src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
     stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
+    # ``aggregate(..., out=)``: the caller's [d] tensor for the new model. The method's result pass (on a
+    # source: the first ``weighted_sum`` with ``base=global_flat``; FedAWARE's table sum) writes into it
+    # as it goes (``take_out``); whatever the method returns is copied into it at the end otherwise.
+    out: Optional[torch.Tensor] = None
+
+    def take_out(self) -> Optional[torch.Tensor]:
+        """The caller's ``out`` tensor for the method's result pass, once (None afterwards, or when the
+        caller gave none): a second result-like pass gets a fresh tensor, never the one already handed."""
+        out, self.out = self.out, None
+        return out
 
     def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
         ``ops.weighted_sum_screened`` and the flags go to ``on_flags``. From a source: chunk by chunk
-        into a fresh [d] vector of the global model's dtype and device (a bf16/fp16 source is summed in
-        that dtype), returned only when every chunk was summed."""
+        into a [d] vector of the global model's dtype and device (a bf16/fp16 source is summed in that
+        dtype): the caller's ``out`` for the result pass ``base=global_flat`` (each chunk written as it
+        is summed: a path ``out`` of ``fedkernels.streaming`` is a mapped temporary file, so the write
+        overlaps the pass), else a fresh one."""
         if self.src is not None:
             g = self.global_flat
-            out = torch.empty(self.d, dtype=g.dtype, device=g.device)
+            given = self.take_out() if base is g else None
+            out = given if given is not None else torch.empty(self.d, dtype=g.dtype, device=g.device)
             c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()   # host coefficients, one copy
             self._stream(lambda a, b, c, screen: weighted_sum_block(c, c64, None if base is None else base[a:b],
                                                                     alpha, out[a:b], screen=screen))
@@ -367,7 +380,8 @@ class Aggregator(abc.ABC):
     # ---- aggregation ------------------------------------------------------------------------------
     def aggregate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
                   client_ids: Optional[Sequence[int]] = None,
-                  payloads: Optional[Sequence[Dict[str, Any]]] = None) -> AggResult:
+                  payloads: Optional[Sequence[Dict[str, Any]]] = None,
+                  out: Optional[torch.Tensor] = None) -> AggResult:
         """One round of the method: the new global model from the clients' updates.
 
         Arguments (K clients, d parameters):
@@ -392,10 +406,16 @@ class Aggregator(abc.ABC):
         * ``payloads``: K dicts of what each client's ``ClientRule.end`` returned (control-variate
           deltas, local step counts, simulated time, ...), in the order of ``updates``; default
           K empty dicts. Methods that need an entry say which when it is missing.
+        * ``out``: optional [d] contiguous tensor of ``global_flat``'s dtype and device, not sharing
+          memory with it, that receives the new model (``params`` is then ``out``). On a source the
+          method's result pass writes each chunk into it as it is computed (no second [d] vector; a
+          file mapping such as ``fedkernels.streaming``'s temporary output fills while the pass runs);
+          otherwise the result is copied into it. If ``aggregate`` raises, ``out``'s contents are
+          undefined (``fedkernels.streaming`` publishes its file only after success).
 
         Returns ``AggResult(params, info)``: ``params`` a new [d] tensor (never ``global_flat``
-        itself) with the dtype and device of ``global_flat``; ``info`` a dict of what the method
-        logs (weights, guard flags, solver iterations, ...) with at least ``num_clients`` (the K
+        itself; ``out`` when given) with the dtype and device of ``global_flat``; ``info`` a dict of
+        what the method logs (weights, guard flags, solver iterations, ...) with at least ``num_clients`` (the K
         that were aggregated), ``excluded`` (``[{client_id, reason}]``) when clients were dropped
         and ``skipped``/``reason`` when no update was usable (``params`` is then a copy of
         ``global_flat``). The method's state (momentum, control variates, round counter) advances.
@@ -413,11 +433,13 @@ class Aggregator(abc.ABC):
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
         the eager call gives lists."""
         src: Optional[ChunkedUpdates] = None
+        if out is not None:
+            self._check_out(global_flat, out)
         if isinstance(updates, (MatrixSource, ChunkedUpdates)):
             src, updates = self._chunked_source(global_flat, updates)
         if tracing():
             rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
-            traced = self._aggregate(rin)
+            traced = self._into(self._aggregate(rin), out)
             traced.info.setdefault("num_clients", rin.K)
             self.round += 1
             return traced
@@ -440,7 +462,7 @@ class Aggregator(abc.ABC):
                 rows_of = {int(c): k for k, c in enumerate(range(src.K) if given is None else given)}
             res: Optional[AggResult] = None
             if rin.K > 0:
-                self._attach(rin, src, rows_of)
+                self._attach(rin, src, rows_of, out)
                 rin.screen_rows = True
                 rin.on_flags = lambda ok, carry=None: self._apply_flags(rin, ok, g_ok, pp, carry)
                 try:
@@ -448,7 +470,7 @@ class Aggregator(abc.ABC):
                         rin.screen()
                     res = self._aggregate(rin)
                 except _Redo as redo:
-                    rin = self._attach(redo.rin, src, rows_of)
+                    rin = self._attach(redo.rin, src, rows_of, out)
                     res = self._aggregate(rin) if rin.K > 0 else None
                 if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                     raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
@@ -459,7 +481,9 @@ class Aggregator(abc.ABC):
             rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
             res = self._aggregate(rin) if rin.K > 0 else None
         if res is None:
-            res = AggResult(global_flat.clone(), {"skipped": True, "reason": "no valid client update"})
+            res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
+                            {"skipped": True, "reason": "no valid client update"})
+        res = self._into(res, out)
         res.info.setdefault("num_clients", rin.K)
         if rin.excluded:
             res.info["excluded"] = rin.excluded
@@ -505,12 +529,38 @@ class Aggregator(abc.ABC):
                              "(or bfloat16/float16 under a float32/float64 model)")
         return src, _SourceRows.of(src.K, d, gdt, dev)
 
-    def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]]) -> RoundInput:
-        """Gives ``rin`` its source rows (the accepted clients' rows of ``src``)."""
+    def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]],
+                out: Optional[torch.Tensor] = None) -> RoundInput:
+        """Gives ``rin`` its source rows (the accepted clients' rows of ``src``) and the caller's ``out``."""
         if src is not None and rows_of is not None:
             rin.src = src.select_rows([rows_of[c] for c in rin.client_ids])
             rin.stop_at_bad = self.on_bad_update == "raise"
+        rin.out = out
         return rin
+
+    def _check_out(self, global_flat: torch.Tensor, out: Any) -> None:
+        """``aggregate``'s ``out``: a [d] contiguous tensor of global_flat's dtype and device, apart from it."""
+        what = f"{self.name}.aggregate"
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"{what}: out must be a [d] tensor or None, got {type(out).__name__}")
+        if not isinstance(global_flat, torch.Tensor):
+            return                                            # (validate names global_flat)
+        d = global_flat.numel()
+        if out.dim() != 1 or out.numel() != d or out.dtype != global_flat.dtype or out.device != global_flat.device \
+                or not out.is_contiguous():
+            raise ValueError(f"{what}: out must be a contiguous [d={d}] tensor of global_flat's dtype "
+                             f"{global_flat.dtype} on {global_flat.device}, got shape {tuple(out.shape)} {out.dtype} "
+                             f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        if d and out.untyped_storage().data_ptr() == global_flat.untyped_storage().data_ptr():
+            raise ValueError(f"{what}: out shares memory with global_flat (the method reads global_flat while it "
+                             "writes out): pass another tensor, or copy the result into global_flat afterwards")
+
+    @staticmethod
+    def _into(res: AggResult, out: Optional[torch.Tensor]) -> AggResult:
+        """``res`` with its params in ``out`` (copied unless the method's result pass wrote them there)."""
+        if out is None or res.params is out:
+            return res
+        return AggResult(out.copy_(res.params), res.info)
 
     def validate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,

@@ -12,11 +12,13 @@ SCAFFOLD (scaffold.py) is the all-parameters case, FedPVR (fedpvr.py) its last-l
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Tuple
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .. import ops
+from . import tables
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
 from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor
@@ -215,6 +217,11 @@ class ControlVariateServer(Aggregator):
 
     c is [d_c]; the c_i live in an N x d_c table when N is known (``num_clients`` / ``setup``),
     else (unless ``require_num_clients``) in a dict of the clients seen so far with N = their count.
+    The table lives with the global model, or on ``control_device`` (e.g. "cpu": host memory for a
+    model on a GPU), or in a raw file mapped on the host (``control_file=PATH``: created as zeros with
+    its blocks reserved, needs N; ``state_dict`` then holds a reference to it, checked on loading by its
+    marker ``PATH.state``, see ``tables.py``). A round's update of the table is one ``index_add_`` of
+    its [K, d_c] deltas (on the table's device): the same bits wherever the table lives.
     Subclasses define ``control_layout(spec)`` -> (entries, ranges, d_c) and ``layout_without_spec``."""
 
     client_rule_cls = ControlVariateRule
@@ -225,9 +232,20 @@ class ControlVariateServer(Aggregator):
     screened_payload_keys = ("delta_c",)               # stacked once per round, scanned for NaN/Inf
 
     def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
-                 num_clients: Optional[int] = None, **kw):
+                 num_clients: Optional[int] = None, control_device=None,
+                 control_file: Optional[Union[str, os.PathLike]] = None, **kw):
         super().__init__(**kw)
         check_choice(self.name, "weighting", weighting, WEIGHTINGS)
+        if control_device is not None:
+            try:
+                torch.device(control_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"{self.name}: control_device must be a device (e.g. 'cpu') or None, "
+                                 f"got {control_device!r}") from None
+        self.control_device = control_device
+        self.control_file = tables.check_path(self.name, "control_file", control_file, control_device,
+                                              "control_device")
+        self.table_version = 0                                 # completed updates of a control_file table
         self.weighting = weighting
         self.momentum_correction, self.fused_step = bool(momentum_correction), bool(fused_step)
         self.num_clients = num_clients
@@ -255,16 +273,35 @@ class ControlVariateServer(Aggregator):
                 self.ranges, self.d_c = self.layout_without_spec(like.numel())
         if self.c is None:
             self.c = like.new_zeros(self.d_c)
-        if self.num_clients is None and self.require_num_clients:
-            raise ValueError(f"{self.name}: needs the number of clients N (num_clients= or setup(num_clients=N))")
+        if self.num_clients is None and (self.require_num_clients or self.control_file is not None):
+            why = " for its control_file table" if self.control_file is not None else ""
+            raise ValueError(f"{self.name}: needs the number of clients N{why} (num_clients= or setup(num_clients=N))")
         if self.num_clients is not None and self.c_table is None:
-            self.c_table = like.new_zeros((self.num_clients, self.d_c))
+            if self.control_file is not None:
+                self.c_table = tables.table_file(self.control_file, self.num_clients, self.d_c, like.dtype,
+                                                 exist_ok=False, what=f"{self.name}: control_file")
+                self.table_version = 0
+                tables.updated(self.control_file, 0)
+            else:
+                self.c_table = torch.zeros((self.num_clients, self.d_c), dtype=like.dtype,
+                                           device=like.device if self.control_device is None else self.control_device)
             for cid, row in self.c_rows.items():
                 self.c_table[cid].copy_(row)
             self.c_rows = {}
 
     def layout_without_spec(self, d: int):
         return [(0, d)], d
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The declared state; a ``control_file`` table as a reference (path, shape, dtype, version)."""
+        return tables.state_dict(self, super().state_dict, "c_table", "control_file")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the state (a ``control_file`` table reopened after its checks, ``tables.reopen``; an
+        in-memory table moved to ``control_device`` or written to this aggregator's ``control_file``)."""
+        tables.load_state_dict(self, super().load_state_dict, state, "c_table", "control_file")
+        if self.control_file is None and self.control_device is not None and isinstance(self.c_table, torch.Tensor):
+            self.c_table = self.c_table.to(self.control_device)
 
     def _ci(self, cid: int, create: bool = False) -> Optional[torch.Tensor]:
         if self.c_table is not None:
@@ -276,7 +313,10 @@ class ControlVariateServer(Aggregator):
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         if self.c is None:
             return {}                      # before the first round: c = c_i = 0
-        return {"c": self.c, "c_i": self._ci(int(client_id))}
+        ci = self._ci(int(client_id))
+        if self.control_file is not None and ci is not None:
+            ci = ci.clone()            # a view of the file mapping cannot go to worker processes (fd-shared storages)
+        return {"c": self.c, "c_i": ci}
 
     def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
@@ -319,7 +359,11 @@ class ControlVariateServer(Aggregator):
         c = self.c
         D = self._deltas(rin)                 # [K, d_c]
         if self.c_table is not None:          # c_i += delta_c_i for the round's rows (distinct): one indexed op
-            self.c_table.index_add_(0, id_tensor(rin.client_ids, c.device), D)
+            T = self.c_table
+            tables.updating(self.control_file, self.table_version + 1)
+            T.index_add_(0, id_tensor(rin.client_ids, T.device), D.to(T.device))
+            tables.updated(self.control_file, self.table_version + 1)
+            self.table_version += 1
         else:                                 # N unknown: a dict of the clients seen so far
             for cid, dc in zip(rin.client_ids, D):
                 self._ci(cid, create=True).add_(dc)

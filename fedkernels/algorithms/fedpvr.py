@@ -26,7 +26,8 @@ class FedPVR(ControlVariateServer):
     """FedPVR server (see module docstring). Options: ``n_ctrl`` (default 2; "all" = SCAFFOLD on every
     parameter), ``ctrl_modules`` (explicit module names), ``weighting`` ("uniform" default, or
     "samples"), ``num_clients`` (N, required here: or ``setup(num_clients=N)``), ``fused_step`` (True),
-    ``momentum_correction`` (False), ``server_lr``."""
+    ``momentum_correction`` (False), ``server_lr``, ``control_device`` / ``control_file`` (where the N x d_c
+    table of the c_i lives: see ``control_variates.ControlVariateServer``)."""
 
     steps_key = "num_steps"
     require_num_clients = True

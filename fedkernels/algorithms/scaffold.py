@@ -34,7 +34,9 @@ class Scaffold(ControlVariateServer):
     ("uniform" default = the paper's 1/|S|; "samples" = n_k / sum n), ``momentum_correction``
     (False), ``fused_step`` (True: with a plain ``torch.optim.SGD`` the client does
     ``p -= lr * (g - c_i + c)`` with the optimizer's momentum and weight decay in one native pass),
-    ``num_clients`` (N; or ``setup(num_clients=N)``). Payload per client: ``delta_c`` ([d], required)."""
+    ``num_clients`` (N; or ``setup(num_clients=N)``), ``control_device`` (where the N x d table of the c_i
+    lives, default the global model's device; "cpu": host memory), ``control_file`` (a path: the table in
+    that raw file, mapped on the host; needs N). Payload per client: ``delta_c`` ([d], required)."""
 
     def control_layout(self, spec):
         return [e for e in spec.entries if not e.is_buffer], [(0, spec.d)], spec.d

@@ -23,11 +23,13 @@ temporaries.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import os
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
 from ... import ops
+from .. import tables
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
 from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
@@ -62,11 +64,16 @@ class FedAWARE(Aggregator):
                  code_compat: bool = False, zero_fallback: str = "zero", variant: str = "aware",
                  extension: Optional[str] = None, ext_beta: float = 0.7, elud: bool = True,
                  num_clients: Optional[int] = None, solver: Optional[Callable] = None,
-                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None, **kw):
+                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None,
+                 momentum_file: Optional[Union[str, os.PathLike]] = None, **kw):
         super().__init__(**kw)
         check_options(self.name, alpha, warmup, init, method, solver_init, max_iter, tol, tol_abs, zero_fallback,
                       variant, extension, ext_beta, solver)
         self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
+        self.momentum_file = tables.check_path(self.name, "momentum_file", momentum_file, momentum_device,
+                                               "momentum_device")
+        self.table_version = 0                       # completed momentum updates (a file table's marker)
+        self._torn: Optional[str] = None             # why the table is half-updated (a failed momentum pass)
         self.alpha = float(alpha)
         self.normalize, self.warmup, self.init = bool(normalize), warmup, init
         self.method = "code_compat" if code_compat else method
@@ -103,10 +110,18 @@ class FedAWARE(Aggregator):
         if self.num_clients is None:
             raise ValueError("fedaware needs the number of clients N: pass num_clients=N to the constructor "
                              "or call setup(num_clients=N) before the first round")
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
         N, d = self.num_clients, like.numel()
         self._like = (like.dtype, like.device)
         if self.M is None:
-            self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
+            if self.momentum_file is not None:
+                self.M = tables.table_file(self.momentum_file, N, d, self.momentum_dtype or like.dtype,
+                                           exist_ok=False, what="fedaware: momentum_file")
+                self.table_version = 0
+                tables.updated(self.momentum_file, 0)
+            else:
+                self.M = new_table(N, like, self.momentum_dtype, self.momentum_device)
             self.Gm = torch.zeros(N, N, dtype=torch.float64)
             self.seen = torch.zeros(N, dtype=torch.bool)
             self.n_examples = torch.zeros(N, dtype=torch.float64)
@@ -121,22 +136,68 @@ class FedAWARE(Aggregator):
         if first is not None and bool(first.any()):          # m_i := U_i at first participation
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
         Gr = None
-        for cols, Ub in rin.blocks(M.device):     # all of U (a tensor), or its column chunks (a source)
-            Mb, old, Uo = M[:, cols], idx, Ub
-            if new_j is not None:
-                Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
-                old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
-            if old.numel():                                  # m_i <- (1 - a) m_i + a U_i on the k rows:
-                i = old.to(M.device)                         # gather, two in-place ops, scatter back
-                Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
-            g = ops.gram(Mb, rows=idx)                       # [k, N] fp64 (summed over the chunks)
-            Gr = g if Gr is None else Gr.add_(g)
+        path = self.momentum_file
+        tables.updating(path, self.table_version + 1)
+        done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
+        try:
+            for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
+                Mb, old, Uo = M[:, cols], idx, Ub
+                at = cols
+                if new_j is not None:
+                    Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                    old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
+                if old.numel():                              # m_i <- (1 - a) m_i + a U_i on the k rows:
+                    i = old.to(M.device)                     # gather, two in-place ops, scatter back
+                    Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
+                g = ops.gram(Mb, rows=idx)                   # [k, N] fp64 (summed over the chunks)
+                Gr = g if Gr is None else Gr.add_(g)
+                done, at = M.size(1) if cols.stop is None else cols.stop, None
+        except BaseException as e:
+            if at is None and done == 0:                     # failed before the first write: M is as it was
+                tables.updated(path, self.table_version)
+                raise
+            self._torn = self._torn_message(rin, done, at, e)
+            if isinstance(e, Exception):
+                raise RuntimeError(self._torn) from e
+            raise
+        tables.updated(path, self.table_version + 1)
+        self.table_version += 1
         self.seen[idx] = True
         self.n_examples[idx] = rin.num_examples
         Gr = Gr.to("cpu")
         if idx.numel() < self.Gm.size(0):    # (when every client took part the column write covers it all)
             self.Gm[idx, :] = Gr
         self.Gm[:, idx] = Gr.T
+
+    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException) -> str:
+        d = self.M.size(1)
+        where = f"momentum_file {self.momentum_file!r} (its marker says 'updating')" if self.momentum_file else \
+            "the momentum table"
+        if at is None:                                       # between two blocks: the split is exact
+            cols, split = f"at column {done}", f"in columns 0..{done - 1}, the old ones from column {done} on"
+        else:
+            a, b = at.start or 0, at.stop if at.stop is not None else d
+            cols, split = f"in columns {a}..{b - 1}", \
+                f"before column {a}, the old ones after column {b - 1}, either in between"
+        return (f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
+                f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
+                f"{split}; this aggregator refuses "
+                "further rounds and state_dict (load a state_dict saved before this round"
+                f"{' with a copy of the table file' if self.momentum_file else ''} to continue)")
+
+    # ---- state: a file table is referenced, not copied ---------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The declared state; a ``momentum_file`` table as a reference (path, shape, dtype, version)."""
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
+        return tables.state_dict(self, super().state_dict, "M", "momentum_file")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restores the state; a referenced table file is reopened after its size and marker are checked
+        (version equal to the state's, update finished); an in-memory table loaded into an aggregator
+        with ``momentum_file`` is written to that (new) file."""
+        tables.load_state_dict(self, super().load_state_dict, state, "M", "momentum_file")
+        self._torn = None
 
     def gram_matrix(self, active: torch.Tensor, symmetrise: bool = True):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised:
@@ -163,8 +224,9 @@ class FedAWARE(Aggregator):
                                       tol_abs=self.tol_abs, lam0=lam0)
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
-    def _wsum_M(self, coef, base=None, alpha=1.0, rows=None):
-        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha, rows)
+    def _wsum_M(self, coef, base=None, alpha=1.0, rows=None, out=None):
+        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha,
+                                  rows, out)
 
     def _na_coef(self):
         act = torch.nonzero(self.seen).reshape(-1)
@@ -200,7 +262,7 @@ class FedAWARE(Aggregator):
         dev = rin.U.device
         info: Dict[str, Any] = {}
         if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
-            info["elud"], info["elud_sqrt"] = elud(rin.gram().cpu())
+            info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None
@@ -220,14 +282,14 @@ class FedAWARE(Aggregator):
             return AggResult(new, info)
         if self.variant == "na":
             act, coef = self._na_coef()
-            new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act)
+            new = self._wsum_M(coef, base=x, alpha=self.server_lr, rows=act, out=rin.take_out())
             info.update(support=act.tolist(), coef=coef.tolist())
             return AggResult(new, info)
         rows, c, zero_dir = self.aware_direction(info)
         if zero_dir:
             if self.zero_fallback == "na":
                 act, cna = self._na_coef()
-                new = self._wsum_M(cna, base=x, alpha=self.server_lr, rows=act)
+                new = self._wsum_M(cna, base=x, alpha=self.server_lr, rows=act, out=rin.take_out())
                 info["fallback"] = "na"
             elif base_step is not None:
                 new = x.add(base_step, alpha=self.server_lr)
@@ -239,8 +301,10 @@ class FedAWARE(Aggregator):
         if base_step is not None:
             d = self._wsum_M(c, rows=rows)
             scale = aware_scale(base_step, d)
-            new = x.add(d, alpha=self.server_lr * scale)
+            o = rin.take_out()
+            step = self.server_lr * scale
+            new = x.add(d, alpha=step) if o is None else torch.add(x, d, alpha=step, out=o)
             info["projection_scale"] = scale
             return AggResult(new, info)
-        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows)
+        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows, out=rin.take_out())   # (into out, if given)
         return AggResult(new, info)

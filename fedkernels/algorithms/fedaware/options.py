@@ -18,7 +18,21 @@ or "fedavgm" (the AWARE projection extension: the base method's step G is replac
 (log the empirical local-update diversity, one extra Gram pass over U); ``num_clients`` (N, or
 from ``setup``); ``solver`` (a callable with the signature of ``fedkernels.ops.min_norm``; default
 ops.min_norm); ``momentum_dtype`` / ``momentum_device`` (storage of the N x d table, default the
-global model's: e.g. torch.bfloat16 for half the memory and/or "cpu" for large models on one device).
+global model's: e.g. torch.bfloat16 for half the memory and/or "cpu" for large models on one device);
+``momentum_file`` (a path: the table lives in that raw file, mapped on the host, created as zeros at
+the first round with its blocks reserved; an existing file is refused unless a state_dict naming it is
+loaded). With a file, ``state_dict()`` holds a reference to it (path, shape, dtype, version: the count
+of completed momentum updates), not an N x d copy; ``load_state_dict`` reopens the file and refuses it
+(one line) when it is missing, of another size, or its marker ``PATH.state`` shows another version
+(the table moved on since that checkpoint) or an update that never finished (``algorithms/tables.py``).
+
+A failed momentum update: the table is written column block by column block with U (one block for a
+tensor, the source's chunks otherwise), after the rows were screened. An error before the first write
+(e.g. the source's first read) leaves the table as it was. An error after it (a read error of a later
+chunk) leaves the round's rows new before the failing block and old after it: the aggregator raises a
+RuntimeError naming the columns and the clients, and then refuses further rounds and ``state_dict``
+(no checkpoint of a torn table); a process that dies there leaves the file's marker at "updating",
+which ``load_state_dict`` refuses. Undoing the rows would need a copy of them (k x d), so it is not done.
 """
 from __future__ import annotations
 
@@ -27,6 +41,8 @@ import math
 import torch
 
 from ... import ops
+from ...ops._checks import has_kernel
+from ...sources import weighted_sum_block
 from ..parts import check_choice
 
 WARMUPS = ("explore", "startup_full", "mask")
@@ -72,13 +88,30 @@ def new_table(N: int, like: torch.Tensor, dtype=None, device=None) -> torch.Tens
     return torch.zeros((N, d), dtype=dtype or like.dtype, device=like.device if device is None else device)
 
 
-def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.0, rows=None) -> torch.Tensor:
+TABLE_COLS = 1 << 18   # columns per block when a converted table sum is written into ``out``
+
+
+def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.0, rows=None,
+                       out=None) -> torch.Tensor:
     """base + alpha * sum_i coef_i M[rows_i] in ``like = (dtype, device)`` (the global model's): one
-    ``weighted_sum`` pass, or converted chunk by chunk for a bf16 / host table."""
+    ``weighted_sum`` pass, or converted chunk by chunk for a bf16 / host table. ``out``: a [d] tensor of
+    that dtype and device the result is written into (block by block for a converted table on the same
+    device: no second [d] vector); the same bits either way (the sum is column-local)."""
     dt, dev = like
     if M.dtype == dt and M.device == dev:
-        return ops.weighted_sum(M, coef, base=base, alpha=alpha, rows=rows)
-    return ops.weighted_sum_chunked(M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
+        if out is not None and has_kernel("weighted_sum_out", dev):
+            return ops.weighted_sum(M, coef, base=base, alpha=alpha, rows=rows, out=out)
+        res = ops.weighted_sum(M, coef, base=base, alpha=alpha, rows=rows)
+    elif out is not None and M.device == dev:
+        c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()
+        r = None if rows is None else torch.as_tensor(rows, dtype=torch.long)
+        for a in range(0, M.size(1), TABLE_COLS):
+            b = min(M.size(1), a + TABLE_COLS)
+            weighted_sum_block(M[:, a:b], c64, None if base is None else base[a:b], alpha, out[a:b], rows=r)
+        return out
+    else:
+        res = ops.weighted_sum_chunked(M, coef, base=base, alpha=alpha, rows=rows, out_dtype=dt, device=dev)
+    return res if out is None else out.copy_(res)
 
 
 # ---- statistics ------------------------------------------------------------------------------------
