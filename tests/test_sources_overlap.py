@@ -278,14 +278,6 @@ def test_gpu_bench_case_refuses_without_cuda():
     assert r.returncode != 0 and "gpu_overlap: needs a CUDA device" in r.stderr
 
 
-def _auto_hooked() -> bool:
-    import inspect
-    from fedkernels.algorithms.base import Aggregator
-    return "aggregate_placed" in inspect.getsource(Aggregator.aggregate)
-
-
-@pytest.mark.skipif(not _auto_hooked(), reason="Aggregator.aggregate does not yet call ChunkedUpdates.aggregate_placed "
-                                               "for device='auto' (the one-line hook of base.py)")
 def test_aggregators_take_an_auto_source_and_say_where_they_ran(monkeypatch):
     from fedkernels.streaming import streamed_kuramoto
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -304,3 +296,7 @@ def test_aggregators_take_an_auto_source_and_say_where_they_ran(monkeypatch):
     got, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
         x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n)
     assert info["excluded"][0]["client_id"] == 2 and info["device"] == "cpu: no CUDA device"
+    out = torch.empty_like(x)                           # aggregate(out=) holds for a placed round too
+    got, _ = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
+        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n, out=out)
+    assert got is out and torch.equal(out, algorithms.build("fedavg", on_bad_update="exclude").aggregate(x, U, n)[0])

@@ -435,6 +435,13 @@ class Aggregator(abc.ABC):
         src: Optional[ChunkedUpdates] = None
         if out is not None:
             self._check_out(global_flat, out)
+        if isinstance(updates, ChunkedUpdates) and isinstance(global_flat, torch.Tensor) and (
+                updates.placement is not None or (updates.device != global_flat.device and
+                                                  {updates.device.type, global_flat.device.type} <= {"cpu", "cuda"})):
+            # device="auto", or chunks delivered to another device than the model's: the round runs
+            # there (global_flat moved once, the new model moved back once; info["device"] says where)
+            return self._into(updates.aggregate_placed(self.aggregate, global_flat, num_examples, client_ids,
+                                                       payloads), out)
         if isinstance(updates, (MatrixSource, ChunkedUpdates)):
             src, updates = self._chunked_source(global_flat, updates)
         if tracing():
