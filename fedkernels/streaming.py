@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import ops
+from .algorithms.tables import check_path
 from .errors import BadUpdateError  # noqa: F401  (raised through the aggregators; re-exported)
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
 from .sources import DEFAULT_CHUNK_BYTES, ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
@@ -67,12 +68,7 @@ class _Out:
         self.tmp: Optional[str] = None
         self.buf: Optional[torch.Tensor] = None
         if isinstance(out, (str, os.PathLike)):
-            path = os.fspath(out)
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise ValueError(f"{what}: out {path!r}: folder {folder!r} does not exist")
-            if os.path.isdir(path):
-                raise ValueError(f"{what}: out {path!r} is a folder, expected a file path (or a tensor)")
+            check_path(what, "out", out)
         elif out is not None:
             _check_vec(out, "out", what, d, dtype)
 
