@@ -188,8 +188,9 @@ at::Tensor gram_cpu(const at::Tensor& U, const c10::optional<at::Tensor>& rows) 
   const int64_t K = U.size(0);
   const bool symmetric = !rows.has_value();
   auto r = row_list(rows, K, "gram");
-  auto G = at::zeros({(int64_t)r.size(), K}, U.options().dtype(at::kDouble));
-  if (r.empty() || K == 0 || U.size(1) == 0) return G;
+  const auto opts = U.options().dtype(at::kDouble);
+  if (r.empty() || K == 0 || U.size(1) == 0) return at::zeros({(int64_t)r.size(), K}, opts);
+  auto G = at::empty({(int64_t)r.size(), K}, opts);   // gram_impl writes every entry (no zero-fill pass)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "gram_cpu", [&] {
     gram_impl<scalar_t>(U, r, symmetric, G.data_ptr<double>());
   });
