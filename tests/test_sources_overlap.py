@@ -211,17 +211,23 @@ def test_a_bad_device_names_the_argument():
 
 
 # ---- bf16 / fp16 through every source kind --------------------------------------------------------------
+def _raw_and_client_files(tmp_path, U):
+    """U's bytes as one raw row-major file and as one file per client row: (path, [paths])."""
+    raw = tmp_path / "U.bin"
+    U.view(torch.uint8).numpy().tofile(raw)
+    files = []
+    for k in range(U.size(0)):
+        files.append(str(tmp_path / f"c{k}.bin"))
+        U[k].clone().view(torch.uint8).numpy().tofile(files[-1])
+    return raw, files
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_sources_from_as_source_paths_and_arrays(tmp_path, dtype):
     """``as_source`` / ``ChunkedUpdates`` take bf16/fp16 as a path, a list of client files, a NumPy array
     (bf16 as uint16) and a tensor; the Gram of every one is the fp64 Gram of the matrix."""
     U = _U(dtype)
-    raw = tmp_path / "U.bin"
-    U.view(torch.uint8).numpy().tofile(raw)
-    files = []
-    for k in range(K):
-        files.append(str(tmp_path / f"c{k}.bin"))
-        U[k].clone().view(torch.uint8).numpy().tofile(files[-1])
+    raw, files = _raw_and_client_files(tmp_path, U)
     arr = U.view(torch.int16).numpy().view(np.uint16) if dtype == torch.bfloat16 else U.numpy()
     ref = ops.gram(U)
     for x in (str(raw), files, arr, U):
@@ -242,12 +248,7 @@ def test_half_sources_under_a_model_of_their_dtype_or_wider(tmp_path, src_dtype,
     per-client files and a memmap the same bits as the in-memory tensor round (FedAvg, column-local), and
     Kuramoto's weights from the fp64 Gram summed over chunks."""
     U = _U(src_dtype)
-    raw = tmp_path / "U.bin"
-    U.view(torch.uint8).numpy().tofile(raw)
-    files = []
-    for k in range(K):
-        files.append(str(tmp_path / f"c{k}.bin"))
-        U[k].clone().view(torch.uint8).numpy().tofile(files[-1])
+    raw, files = _raw_and_client_files(tmp_path, U)
     np_dt = np.uint16 if src_dtype == torch.bfloat16 else np.float16
     mm = np.memmap(tmp_path / "U.mm", dtype=np_dt, mode="w+", shape=(K, D))
     mm[:] = U.view(torch.int16).numpy().view(np.uint16) if src_dtype == torch.bfloat16 else U.numpy()

@@ -465,8 +465,7 @@ class Aggregator(abc.ABC):
             self._pending_global = self._pending_payload = None
             rows_of = None
             if src is not None:      # client id -> row of the source (validate checked the ids)
-                given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids
-                rows_of = {int(c): k for k, c in enumerate(range(src.K) if given is None else given)}
+                rows_of = {c: k for k, c in enumerate(self._client_ids(client_ids, src.K))}
             res: Optional[AggResult] = None
             if rin.K > 0:
                 self._attach(rin, src, rows_of, out)
