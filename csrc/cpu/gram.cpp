@@ -14,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
+#include <vector>
 
 namespace fedkernels {
 namespace {
@@ -91,6 +93,115 @@ __attribute__((always_inline)) inline void tile_products_w(const double* A, int6
   }
 }
 
+// ---- broadcast path ---------------------------------------------------------------------------
+// Converts rows idx[0..n) of columns [c0, c0 + C) into panels of P rows, clients contiguous: row r,
+// column c goes to dst[(r / P) * C * P + c * P + r % P]; rows n..np-1 (np a multiple of P) are zeros.
+template <typename T>
+void pack_panels(const T* U, int64_t stride0, const int64_t* idx, int64_t n, int64_t np, int64_t P, int64_t c0,
+                 int64_t C, double* dst) {
+  for (int64_t r = 0; r < np; ++r) {
+    double* o = dst + (r / P) * C * P + r % P;
+    if (r < n) {
+      const T* s = U + idx[r] * stride0 + c0;
+      for (int64_t c = 0; c < C; ++c) o[c * P] = static_cast<double>(s[c]);
+    } else {
+      for (int64_t c = 0; c < C; ++c) o[c * P] = 0.0;
+    }
+  }
+}
+
+// One sub-chunk of C columns: B holds the K clients in panels of P ([Kp / P][C][P]); A the m rows in
+// panels of R ([mp / R][C][R]), or nullptr when the rows are the clients themselves (symmetric; R
+// divides P, so a row tile is read from B). G row i goes to dst + roff[i].
+struct BcastBlock {
+  const double* B;
+  const double* A;
+  int64_t C, m, K;
+  double* dst;
+  const int64_t* roff;
+  bool sym, first;  // first: the part's first sub-chunk (store, not add)
+};
+
+// tile[r][q] = sum over c ascending of a[c * sa + r] * b[c * P + q] (one fma chain per entry, a
+// broadcast times NV vectors along the clients: no horizontal sum), r < R, q < P = NV * W; then
+// stored into (first) or added to dst rows roff[0..nr), columns j..j+nq.
+template <int W, int NV, int R>
+__attribute__((always_inline)) inline void bcast_tile(const double* a, int64_t sa, const double* b, int64_t C,
+                                                      double* dst, const int64_t* roff, int64_t j, int nr, int nq,
+                                                      bool first) {
+  typedef typename Vec<W>::type vd;
+  constexpr int P = NV * W;
+  vd acc[R][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = vd{};
+  for (int64_t c = 0; c < C; ++c) {
+    vd bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = vload<W>(b + c * P + v * W);
+    const double* ac = a + c * sa;
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const double x = ac[r];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bv[v];
+    }
+  }
+  if (nr == R && nq == P) {
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      double* o = dst + roff[r] + j;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        vd y = acc[r][v];
+        if (!first) y += vload<W>(o + v * W);
+        std::memcpy(o + v * W, &y, sizeof(y));
+      }
+    }
+  } else {
+    for (int r = 0; r < nr; ++r) {
+      double t[P];
+      std::memcpy(t, &acc[r][0], sizeof(t));
+      double* o = dst + roff[r] + j;
+      for (int q = 0; q < nq; ++q) o[q] = first ? t[q] : o[q] + t[q];
+    }
+  }
+}
+
+// Client panel jp against every row tile that needs it (symmetric: the tiles with rows i < the
+// panel's end; the strict lower triangle is mirrored afterwards).
+template <int W, int NV, int R>
+__attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int64_t jp) {
+  constexpr int P = NV * W;
+  const int64_t j = jp * P;
+  const int nq = (int)std::min<int64_t>(P, g.K - j);
+  const int64_t ntiles = (g.m + R - 1) / R;
+  const int64_t tend = g.sym ? std::min<int64_t>(ntiles, (j + P) / R) : ntiles;
+  const double* b = g.B + jp * g.C * P;
+  for (int64_t t = 0; t < tend; ++t) {
+    const int64_t i = t * R;
+    const double* a = g.A ? g.A + t * g.C * R : g.B + (i / P) * g.C * P + i % P;
+    const int64_t sa = g.A ? R : P;
+    bcast_tile<W, NV, R>(a, sa, b, g.C, g.dst, g.roff + i, j, (int)std::min<int64_t>(R, g.m - i), nq, g.first);
+  }
+}
+
+// Work items [q0, q1) of a sub-chunk: item q is client panel q or, symmetric, the panels q and
+// np - 1 - q (equal work, so that threads splitting the items get equal shares).
+template <int W, int NV, int R>
+__attribute__((always_inline)) inline void bcast_items_w(const BcastBlock& g, int64_t q0, int64_t q1) {
+  const int64_t np = (g.K + NV * W - 1) / (NV * W);
+  for (int64_t q = q0; q < q1; ++q) {
+    bcast_panel<W, NV, R>(g, q);
+    if (g.sym && np - 1 - q != q) bcast_panel<W, NV, R>(g, np - 1 - q);
+  }
+}
+
+// Register tiles (R rows x NV vectors of W doubles): AVX-512 8 x (2 x 8) = 16 of 32 registers;
+// AVX2 4 x (3 x 4) = 12 of 16.
+struct BcastShape { int64_t P, R; };
+
 #if defined(FEDKERNELS_DISPATCH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // Portable build: the vector width (which also fixes the summation order) is chosen once per process
 // from the CPU, so results are the same for any thread count.
@@ -106,6 +217,13 @@ void tile_products_base(const double* A, int64_t kp, const double* B, int64_t Kp
                         double* acc) {
   tile_products_w<4>(A, kp, B, Kp, ldb, sym, acc);
 }
+__attribute__((target("arch=x86-64-v4"))) void bcast_items_v4(const BcastBlock& g, int64_t q0, int64_t q1) {
+  bcast_items_w<8, 2, 8>(g, q0, q1);
+}
+__attribute__((target("arch=x86-64-v3"))) void bcast_items_v3(const BcastBlock& g, int64_t q0, int64_t q1) {
+  bcast_items_w<4, 3, 4>(g, q0, q1);
+}
+void bcast_items_base(const BcastBlock& g, int64_t q0, int64_t q1) { bcast_items_w<4, 3, 4>(g, q0, q1); }
 int isa_level() {
   static const int level = [] {
     __builtin_cpu_init();
@@ -114,6 +232,7 @@ int isa_level() {
   return level;
 }
 inline int gram_width() { return isa_level() == 4 ? 8 : 4; }
+inline BcastShape bcast_shape() { return isa_level() == 4 ? BcastShape{16, 8} : BcastShape{12, 4}; }
 void tile_products(const double* A, int64_t kp, const double* B, int64_t Kp, int64_t ldb, bool sym, double* acc) {
   switch (isa_level()) {
     case 4: tile_products_v4(A, kp, B, Kp, ldb, sym, acc); break;
@@ -121,15 +240,29 @@ void tile_products(const double* A, int64_t kp, const double* B, int64_t Kp, int
     default: tile_products_base(A, kp, B, Kp, ldb, sym, acc);
   }
 }
+void bcast_items(const BcastBlock& g, int64_t q0, int64_t q1) {
+  switch (isa_level()) {
+    case 4: bcast_items_v4(g, q0, q1); break;
+    case 3: bcast_items_v3(g, q0, q1); break;
+    default: bcast_items_base(g, q0, q1);
+  }
+}
 #else
 constexpr int gram_width() { return VW; }
 void tile_products(const double* A, int64_t kp, const double* B, int64_t Kp, int64_t ldb, bool sym, double* acc) {
   tile_products_w<VW>(A, kp, B, Kp, ldb, sym, acc);
 }
+#if defined(__AVX512F__)
+constexpr BcastShape bcast_shape() { return {16, 8}; }
+void bcast_items(const BcastBlock& g, int64_t q0, int64_t q1) { bcast_items_w<8, 2, 8>(g, q0, q1); }
+#else
+constexpr BcastShape bcast_shape() { return {12, 4}; }
+void bcast_items(const BcastBlock& g, int64_t q0, int64_t q1) { bcast_items_w<4, 3, 4>(g, q0, q1); }
+#endif
 #endif
 
 template <typename T>
-void gram_impl(const at::Tensor& U, const std::vector<int64_t>& rows, bool symmetric, double* out) {
+void gram_cols(const at::Tensor& U, const std::vector<int64_t>& rows, bool symmetric, double* out) {
   const int64_t K = U.size(0), d = U.size(1), k = (int64_t)rows.size();
   const int64_t stride0 = U.stride(0);
   const T* base = U.data_ptr<T>();
@@ -183,16 +316,149 @@ void gram_impl(const at::Tensor& U, const std::vector<int64_t>& rows, bool symme
       for (int64_t j = 0; j < i; ++j) out[i * K + j] = out[j * K + i];
 }
 
+// The broadcast path's rows: sym (the product is symmetric: rows list every client) or the distinct
+// rows arow; G row i (client i, or arow[i]) goes to out + roff[i]; copies: (out offset, source
+// offset) of the repeated rows, copied after the product.
+struct RowPlan {
+  bool sym = true;
+  std::vector<int64_t> arow, roff;
+  std::vector<std::pair<int64_t, int64_t>> copies;
+};
+
+RowPlan plan_rows(const std::vector<int64_t>& rows, bool all_rows, int64_t K) {
+  RowPlan pl;
+  if (all_rows) {
+    pl.roff.resize(K);
+    for (int64_t i = 0; i < K; ++i) pl.roff[i] = i * K;
+    return pl;
+  }
+  std::vector<int64_t> first(K, -1);  // the output row of each client's first request
+  for (int64_t q = 0; q < (int64_t)rows.size(); ++q) {
+    const int64_t x = rows[q];
+    if (first[x] < 0) {
+      first[x] = q;
+      pl.arow.push_back(x);
+    } else {
+      pl.copies.push_back({q * K, x});
+    }
+  }
+  for (auto& cp : pl.copies) cp.second = first[cp.second] * K;
+  pl.sym = (int64_t)pl.arow.size() == K;
+  if (pl.sym) {
+    pl.arow.clear();
+    pl.roff.resize(K);
+    for (int64_t i = 0; i < K; ++i) pl.roff[i] = first[i] * K;
+  } else {
+    pl.roff.resize(pl.arow.size());
+    for (size_t i = 0; i < pl.arow.size(); ++i) pl.roff[i] = first[pl.arow[i]] * K;
+  }
+  return pl;
+}
+
+template <typename T>
+void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
+  const int64_t K = U.size(0), d = U.size(1), m = pl.sym ? K : (int64_t)pl.arow.size();
+  const int64_t stride0 = U.stride(0);
+  const T* base = U.data_ptr<T>();
+  const BcastShape sh = bcast_shape();
+  const int64_t P = sh.P, R = sh.R;
+  const int64_t Kp = (K + P - 1) / P * P, mp = pl.sym ? 0 : (m + R - 1) / R * R;
+  std::vector<int64_t> all(K);
+  for (int64_t i = 0; i < K; ++i) all[i] = i;
+
+  // Sub-chunk: the packed clients and rows ((Kp + mp) x C doubles) within ~1 MB of L2, a client
+  // panel (P x C) within 32 KB of L1.
+  const int64_t C = std::max<int64_t>(16, std::min<int64_t>((1 << 17) / (Kp + mp), 4096 / P));
+  // Parts (threads split d): only for K < 128, where a sub-chunk has too few client panels to share
+  // among threads; at least 2048 columns each, at most 64, their partials under 256 MB.
+  int64_t nparts = 1;
+  if (K < 128)
+    nparts = std::max<int64_t>(1, std::min<int64_t>({64, d / 2048, (int64_t(256) << 20) / (m * K * 8)}));
+  int64_t part_cols = (d + nparts - 1) / nparts;
+  part_cols = (part_cols + C - 1) / C * C;
+  nparts = (d + part_cols - 1) / part_cols;
+
+  // Part 0 is summed in out (rows roff), part p >= 1 in partials block p - 1 (row i at i * K).
+  Buf partials = alloc_doubles((nparts - 1) * m * K);
+  std::vector<int64_t> poff(m);
+  for (int64_t i = 0; i < m; ++i) poff[i] = i * K;
+  const int64_t npan = Kp / P, items = pl.sym ? (npan + 1) / 2 : npan;
+
+  auto run_part = [&](int64_t p, bool parallel_items, double* bufB, double* bufA) {
+    double* dst = p == 0 ? out : partials.get() + (p - 1) * m * K;
+    const int64_t* ro = p == 0 ? pl.roff.data() : poff.data();
+    const int64_t pend = std::min(d, (p + 1) * part_cols);
+    for (int64_t c0 = p * part_cols; c0 < pend; c0 += C) {
+      const int64_t cl = std::min(C, pend - c0);
+      pack_panels<T>(base, stride0, all.data(), K, Kp, P, c0, cl, bufB);
+      if (!pl.sym) pack_panels<T>(base, stride0, pl.arow.data(), m, mp, R, c0, cl, bufA);
+      const BcastBlock g{bufB, pl.sym ? nullptr : bufA, cl, m, K, dst, ro, pl.sym, c0 == p * part_cols};
+      if (parallel_items)
+        at::parallel_for(0, items, grain_for(P * m * cl / (pl.sym ? 1 : 2) + 1),
+                         [&](int64_t q0, int64_t q1) { bcast_items(g, q0, q1); });
+      else
+        bcast_items(g, 0, items);
+    }
+  };
+  if (nparts == 1) {
+    Buf bufB = alloc_doubles(Kp * C), bufA = alloc_doubles(mp * C);
+    run_part(0, true, bufB.get(), bufA.get());
+  } else {
+    at::parallel_for(0, nparts, 1, [&](int64_t p0, int64_t p1) {
+      Buf bufB = alloc_doubles(Kp * C), bufA = alloc_doubles(mp * C);
+      for (int64_t p = p0; p < p1; ++p) run_part(p, false, bufB.get(), bufA.get());
+    });
+    // parts added in index order: ((part0 + part1) + part2) + ... (symmetric: the upper triangle)
+    at::parallel_for(0, m, grain_for(K * nparts), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        double* o = out + pl.roff[i];
+        for (int64_t p = 1; p < nparts; ++p) {
+          const double* s = partials.get() + (p - 1) * m * K + i * K;
+          for (int64_t j = pl.sym ? i : 0; j < K; ++j) o[j] += s[j];
+        }
+      }
+    });
+  }
+  if (pl.sym) {  // the strict lower triangle from the upper one, in 32 x 32 blocks (exactly symmetric)
+    constexpr int64_t BS = 32;
+    at::parallel_for(0, (K + BS - 1) / BS, grain_for(BS * K / 2), [&](int64_t b0, int64_t b1) {
+      for (int64_t ib = b0 * BS; ib < std::min(K, b1 * BS); ib += BS)
+        for (int64_t jb = 0; jb <= ib; jb += BS)
+          for (int64_t i = ib; i < std::min(K, ib + BS); ++i) {
+            double* o = out + pl.roff[i];
+            for (int64_t j = jb; j < std::min(i, jb + BS); ++j) o[j] = out[pl.roff[j] + i];
+          }
+    });
+  }
+  for (const auto& cp : pl.copies) std::memcpy(out + cp.first, out + cp.second, K * sizeof(double));
+}
+
+// The path: FEDKERNELS_GRAM_PATH=cols|bcast forces one (benchmarks and tests compare them); unset or
+// auto: by shape only (so the summation order stays a function of the shape and the ISA level).
+constexpr int64_t kBcastMinK = 16;
+bool use_bcast(int64_t K) {
+  const char* e = std::getenv("FEDKERNELS_GRAM_PATH");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return K >= kBcastMinK;
+  if (std::strcmp(e, "cols") == 0) return false;
+  if (std::strcmp(e, "bcast") == 0) return true;
+  TORCH_CHECK_VALUE(false, "FEDKERNELS_GRAM_PATH=", e, ": expected auto, cols or bcast");
+  return false;
+}
+
 at::Tensor gram_cpu(const at::Tensor& U, const c10::optional<at::Tensor>& rows) {
   check_rowmajor(U, "gram", "U");
   const int64_t K = U.size(0);
   const bool symmetric = !rows.has_value();
   auto r = row_list(rows, K, "gram");
+  const bool bcast = use_bcast(K);
   const auto opts = U.options().dtype(at::kDouble);
   if (r.empty() || K == 0 || U.size(1) == 0) return at::zeros({(int64_t)r.size(), K}, opts);
-  auto G = at::empty({(int64_t)r.size(), K}, opts);   // gram_impl writes every entry (no zero-fill pass)
+  auto G = at::empty({(int64_t)r.size(), K}, opts);   // both paths write every entry (no zero-fill pass)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "gram_cpu", [&] {
-    gram_impl<scalar_t>(U, r, symmetric, G.data_ptr<double>());
+    if (bcast)
+      gram_bcast<scalar_t>(U, plan_rows(r, symmetric, K), G.data_ptr<double>());
+    else
+      gram_cols<scalar_t>(U, r, symmetric, G.data_ptr<double>());
   });
   return G;
 }
