@@ -120,6 +120,7 @@ struct BcastBlock {
   double* dst;
   const int64_t* roff;
   bool sym, first;  // first: the part's first sub-chunk (store, not add)
+  bool mirror;      // symmetric and this sub-chunk completes G: each panel mirrors its rows below
 };
 
 // tile[r][q] = sum over c ascending of a[c * sa + r] * b[c * P + q] (one fma chain per entry, a
@@ -170,7 +171,7 @@ __attribute__((always_inline)) inline void bcast_tile(const double* a, int64_t s
 }
 
 // Client panel jp against every row tile that needs it (symmetric: the tiles with rows i < the
-// panel's end; the strict lower triangle is mirrored afterwards).
+// panel's end), then, when the sub-chunk completes G, the panel's rows below the diagonal from its strip.
 template <int W, int NV, int R>
 __attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int64_t jp) {
   constexpr int P = NV * W;
@@ -184,6 +185,13 @@ __attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int6
     const double* a = g.A ? g.A + t * g.C * R : g.B + (i / P) * g.C * P + i % P;
     const int64_t sa = g.A ? R : P;
     bcast_tile<W, NV, R>(a, sa, b, g.C, g.dst, g.roff + i, j, (int)std::min<int64_t>(R, g.m - i), nq, g.first);
+  }
+  if (g.mirror) {  // rows i in [j, j + nq), columns below i, from the panel's column strip (still in cache)
+    const int64_t iend = j + nq;
+    for (int64_t r = 0; r < iend - 1; ++r) {
+      const double* s = g.dst + g.roff[r];
+      for (int64_t i = std::max(j, r + 1); i < iend; ++i) g.dst[g.roff[i] + r] = s[i];
+    }
   }
 }
 
@@ -392,7 +400,8 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
       const int64_t cl = std::min(C, pend - c0);
       pack_panels<T>(base, stride0, all.data(), K, Kp, P, c0, cl, bufB);
       if (!pl.sym) pack_panels<T>(base, stride0, pl.arow.data(), m, mp, R, c0, cl, bufA);
-      const BcastBlock g{bufB, pl.sym ? nullptr : bufA, cl, m, K, dst, ro, pl.sym, c0 == p * part_cols};
+      const BcastBlock g{bufB, pl.sym ? nullptr : bufA, cl, m, K, dst, ro, pl.sym, c0 == p * part_cols,
+                         pl.sym && nparts == 1 && c0 + cl == pend};
       if (parallel_items)
         at::parallel_for(0, items, grain_for(P * m * cl / (pl.sym ? 1 : 2) + 1),
                          [&](int64_t q0, int64_t q1) { bcast_items(g, q0, q1); });
@@ -419,7 +428,7 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
       }
     });
   }
-  if (pl.sym) {  // the strict lower triangle from the upper one, in 32 x 32 blocks (exactly symmetric)
+  if (pl.sym && nparts > 1) {  // the strict lower triangle from the upper one, in 32 x 32 blocks
     constexpr int64_t BS = 32;
     at::parallel_for(0, (K + BS - 1) / BS, grain_for(BS * K / 2), [&](int64_t b0, int64_t b1) {
       for (int64_t ib = b0 * BS; ib < std::min(K, b1 * BS); ib += BS)
