@@ -129,3 +129,96 @@ def test_gram_screened_checks_its_arguments_once(monkeypatch):
     assert calls == ["_matrix", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
     with pytest.raises(ValueError, match=r"gram_screened: U must be a 2-D \[K, d\] tensor"):
         ops.gram_screened(torch.zeros(3))
+
+
+# ---- the two CPU kernels (issue #28): broadcast (clients along the vectors) and column vectors ------
+# FEDKERNELS_GRAM_PATH forces one; unset, the kernel picks by shape. Shapes: K off the register tiles
+# (8 x 16 AVX-512, 4 x 12 AVX2) and the old 4 x 4, d off the vector width and below it, d split into
+# several sub-chunks (128 columns at K >= 128) and into parts (K < 128, d >= 4096).
+PATHS = ["bcast", "cols"]
+ODD_SHAPES = [(1, 3), (2, 1), (7, 5), (16, 9), (17, 77), (33, 130), (130, 300), (131, 700), (250, 76), (19, 8200)]
+
+
+def _odd_matrix(K, d, dtype, layout, seed):
+    """K x d in `layout`: contiguous, row-sliced (every other row of a 2K x d), or column-sliced
+    (an unaligned column window of a wider matrix, row stride d + 5)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "rows":
+        return torch.randn(2 * K, d, generator=g, dtype=torch.float64).to(dtype)[::2]
+    if layout == "cols":
+        return torch.randn(K, d + 5, generator=g, dtype=torch.float64).to(dtype)[:, 3:3 + d]
+    return torch.randn(K, d, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("K,d", ODD_SHAPES)
+def test_gram_paths_odd_shapes_match_reference(monkeypatch, path, K, d):
+    monkeypatch.setenv("FEDKERNELS_GRAM_PATH", path)
+    for i, (dtype, layout) in enumerate([(torch.float32, "plain"), (torch.float64, "rows"),
+                                         (torch.float16, "cols"), (torch.bfloat16, "rows")]):
+        U = _odd_matrix(K, d, dtype, layout, seed=K * 7 + d + i)
+        G = ops.gram(U)
+        assert G.shape == (K, K)
+        assert_close(G, ref.gram(U), rtol=1e-12, atol=1e-12 * d, msg=f"{dtype} {layout}")
+        assert torch.equal(G, G.T)  # exactly symmetric
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("K,d", [(5, 40), (17, 77), (131, 300), (40, 9000)])
+def test_gram_paths_rows_repeats_out_of_order(monkeypatch, path, K, d):
+    monkeypatch.setenv("FEDKERNELS_GRAM_PATH", path)
+    U = _odd_matrix(K, d, torch.float32, "cols", seed=K + d)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(K))
+    cases = {
+        "permutation": perm,                                            # every row, out of order
+        "cover with repeats": torch.cat([perm, perm[:3], perm[-2:]]),   # every row, some twice
+        "subset with repeats": torch.tensor([K - 1, 0, K // 2, 0, K - 1]),
+        "one row": torch.tensor([K // 3]),
+    }
+    G = ops.gram(U)
+    for name, rows in cases.items():
+        Gr = ops.gram(U, rows=rows)
+        assert Gr.shape == (len(rows), K)
+        assert_close(Gr, ref.gram(U, rows), rtol=1e-12, atol=1e-12 * d, msg=name)
+        if path == "bcast" and name.startswith(("permutation", "cover")):
+            # rows that list every row take the symmetric product: the very same bits as gram(U)
+            assert torch.equal(Gr, G[rows]), name
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("K,d", [(300, 200), (40, 20_000), (130, 1000)])
+def test_gram_paths_same_bits_with_1_and_2_threads(monkeypatch, path, K, d):
+    """K = 300: threads share the client panels of one part; K = 40: threads take parts of d."""
+    monkeypatch.setenv("FEDKERNELS_GRAM_PATH", path)
+    U = _odd_matrix(K, d, torch.float32, "plain", seed=d)
+    rows = torch.cat([torch.arange(K - 1, -1, -1), torch.tensor([1])])
+    n0 = torch.get_num_threads()
+    try:
+        out = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out.append((ops.gram(U), ops.gram(U, rows=rows), ops.gram(U, rows=[3, 1, 3])))
+    finally:
+        torch.set_num_threads(n0)
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    assert torch.equal(out[0][0], out[0][0].T)
+
+
+def test_gram_auto_path_is_one_of_the_two(monkeypatch):
+    """Unset, the kernel picks a path by shape: its result is bitwise that path's."""
+    for K, d in [(4, 50), (1000, 76), (20, 5000)]:
+        U = _odd_matrix(K, d, torch.float32, "plain", seed=K)
+        monkeypatch.delenv("FEDKERNELS_GRAM_PATH", raising=False)
+        G = ops.gram(U)
+        forced = []
+        for path in PATHS:
+            monkeypatch.setenv("FEDKERNELS_GRAM_PATH", path)
+            forced.append(torch.equal(G, ops.gram(U)))
+        assert any(forced), (K, d)
+
+
+def test_gram_path_variable_bad_value(monkeypatch):
+    monkeypatch.setenv("FEDKERNELS_GRAM_PATH", "fast")
+    with pytest.raises(ValueError, match="FEDKERNELS_GRAM_PATH=fast: expected auto, cols or bcast"):
+        ops.gram(torch.ones(3, 4))

@@ -376,7 +376,7 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
 
   // Sub-chunk: the packed clients and rows ((Kp + mp) x C doubles) within ~1 MB of L2, a client
   // panel (P x C) within 32 KB of L1.
-  const int64_t C = std::max<int64_t>(16, std::min<int64_t>((1 << 17) / (Kp + mp), 4096 / P));
+  const int64_t C = std::max<int64_t>(16, std::min<int64_t>((1 << 17) / (Kp + mp), 2048 / P));
   // Parts (threads split d): only for K < 128, where a sub-chunk has too few client panels to share
   // among threads; at least 2048 columns each, at most 64, their partials under 256 MB.
   int64_t nparts = 1;
@@ -444,10 +444,13 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
 
 // The path: FEDKERNELS_GRAM_PATH=cols|bcast forces one (benchmarks and tests compare them); unset or
 // auto: by shape only (so the summation order stays a function of the shape and the ISA level).
-constexpr int64_t kBcastMinK = 16;
-bool use_bcast(int64_t K) {
+// Measured (bench/cpu_gram.py, AVX-512, 1 thread): the broadcast path is 1.2-3x faster from K = 16 at
+// d = 76 and at every d from K = 300 (1000 x 1000: 3-4.5x); the column-vector path is up to 1.5x faster
+// for K <= 100 at d >= 3000 (long sub-chunks amortise its horizontal sums; the transposing pack costs
+// ~32 / K of the broadcast path's FMAs) and 5-9x for K = 4.
+bool use_bcast(int64_t K, int64_t d) {
   const char* e = std::getenv("FEDKERNELS_GRAM_PATH");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return K >= kBcastMinK;
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return K >= 16 && (d < 1024 || K >= 200);
   if (std::strcmp(e, "cols") == 0) return false;
   if (std::strcmp(e, "bcast") == 0) return true;
   TORCH_CHECK_VALUE(false, "FEDKERNELS_GRAM_PATH=", e, ": expected auto, cols or bcast");
@@ -459,7 +462,7 @@ at::Tensor gram_cpu(const at::Tensor& U, const c10::optional<at::Tensor>& rows) 
   const int64_t K = U.size(0);
   const bool symmetric = !rows.has_value();
   auto r = row_list(rows, K, "gram");
-  const bool bcast = use_bcast(K);
+  const bool bcast = use_bcast(K, U.size(1));
   const auto opts = U.options().dtype(at::kDouble);
   if (r.empty() || K == 0 || U.size(1) == 0) return at::zeros({(int64_t)r.size(), K}, opts);
   auto G = at::empty({(int64_t)r.size(), K}, opts);   // both paths write every entry (no zero-fill pass)
