@@ -182,6 +182,12 @@ __attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int6
   const double* b = g.B + jp * g.C * P;
   for (int64_t t = 0; t < tend; ++t) {
     const int64_t i = t * R;
+    if (t + 1 < tend)  // the next tile's output rows (scattered 8 x P doubles) while this one computes
+      for (int64_t r = i + R; r < std::min(g.m, i + 2 * R); ++r) {
+        __builtin_prefetch(g.dst + g.roff[r] + j, 1);
+        __builtin_prefetch(g.dst + g.roff[r] + j + nq - 1, 1);
+        if (P > 8) __builtin_prefetch(g.dst + g.roff[r] + j + 8, 1);
+      }
     const double* a = g.A ? g.A + t * g.C * R : g.B + (i / P) * g.C * P + i % P;
     const int64_t sa = g.A ? R : P;
     bcast_tile<W, NV, R>(a, sa, b, g.C, g.dst, g.roff + i, j, (int)std::min<int64_t>(R, g.m - i), nq, g.first);
