@@ -1,10 +1,36 @@
 // gram: G = U[rows] @ U^T in float64 with a fixed reduction order.
 //
-// Every element of U is converted exactly to float64 (fp32/fp16/bf16 products are exact in fp64),
-// so the result matches a float64 reference to rounding of the sums. Determinism: the d columns
-// are split into a number of parts that depends only on (d, k, K), never on the thread count;
-// each part is summed sequentially over fixed column sub-chunks, and the parts are reduced in
-// index order. Same inputs give the same bits with any number of threads.
+// Maths: G[q][j] = sum_c U[rows[q]][c] * U[j][c]. Every element of U is converted exactly to float64
+// (fp32/fp16/bf16 products are exact in fp64) and summed in float64, so the result matches a float64
+// reference to rounding of the sums.
+//
+// Two kernels, chosen by shape only (use_bcast: the broadcast one from K = 16 below d = 1024 and at
+// every d from K = 200; FEDKERNELS_GRAM_PATH=bcast|cols forces one, for benchmarks and tests):
+// * broadcast: a sub-chunk of C columns is staged transposed, clients contiguous, in panels of
+//   P = NV * W clients; an R x P tile of G stays in registers and each column c adds one broadcast
+//   element A[i][c] times NV vectors B[c][j..j+P): no horizontal sums (AVX-512: 8 x 16, W = 8; AVX2
+//   and the baseline: 4 x 12, W = 4). Without rows= (and when rows= lists every row, in any order,
+//   repeats allowed) only the tiles that touch the upper triangle are computed and the lower triangle
+//   is copied from it: G is exactly symmetric and gram(U, rows) is bitwise gram(U)[rows]. Other rows=
+//   compute their distinct rows against all K rows; repeated rows are copies.
+// * column vectors (small K, or K < 200 with d >= 1024): TI x TJ = 4 x 4 rows, W-wide vectors along
+//   the columns, one horizontal sum per entry and sub-chunk (the only kernel before issue #28).
+//
+// Order (determinism): d is split into nparts parts and each part into sub-chunks, nparts and the
+// sub-chunk length functions of (d, k, K) and the ISA level only, never of the thread count.
+// Broadcast: an entry's sub-chunk sum is one fma chain over c ascending from 0; a part is
+// ((sub-chunk 0 + sub-chunk 1) + sub-chunk 2) + ...; G = ((part 0 + part 1) + part 2) + ...
+// (nparts = 1 from K = 128; below, up to 64 parts of >= 2048 columns). Column vectors: per sub-chunk
+// W lane sums (lane l: columns l, l + W, ... ascending), their horizontal sum in lane order, added to
+// the part from 0; parts added in index order from 0. Threads share the parts, or (broadcast, one
+// part) the client panels of a sub-chunk, each entry computed by exactly one thread: same inputs give
+// the same bits with any number of threads. The ISA level (W) is fixed once per process.
+//
+// Bytes moved: broadcast: U read once (K x d elements; a rows= that does not list every row reads its
+// m distinct rows a second time), G (k x K doubles) written once (each client panel mirrors its rows
+// below the diagonal from its column strip while that is in cache), plus, when nparts > 1 (K < 128),
+// (nparts - 1) m x K partial sums written and read back. Column vectors: K (+ k with rows=) rows read
+// per sub-chunk, nparts kp x Kp partials zeroed, summed into, and read back.
 #include "common.h"
 
 #include <ATen/ops/empty.h>
