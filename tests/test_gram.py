@@ -94,7 +94,7 @@ def test_gram_opcheck():
 
 # ---- gram_screened: the rows' NaN/Inf flags from the Gram pass (its diagonal) -----------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031)])
+@pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031), (40, 77)])  # (40, 77): the broadcast kernel
 def test_gram_screened_flags_are_exact(K, d, dtype):
     from fedkernels import reference
     g = torch.Generator().manual_seed(K + d)

@@ -4,7 +4,7 @@
 // (fp32/fp16/bf16 products are exact in fp64) and summed in float64, so the result matches a float64
 // reference to rounding of the sums.
 //
-// Two kernels, chosen by shape only (use_bcast: the broadcast one from K = 16 below d = 1024 and at
+// Two kernels, chosen by shape only (use_bcast: the broadcast one from K = 16 below d = 512 and at
 // every d from K = 200; FEDKERNELS_GRAM_PATH=bcast|cols forces one, for benchmarks and tests):
 // * broadcast: a sub-chunk of C columns is staged transposed, clients contiguous, in panels of
 //   P = NV * W clients; an R x P tile of G stays in registers and each column c adds one broadcast
@@ -13,7 +13,7 @@
 //   repeats allowed) only the tiles that touch the upper triangle are computed and the lower triangle
 //   is copied from it: G is exactly symmetric and gram(U, rows) is bitwise gram(U)[rows]. Other rows=
 //   compute their distinct rows against all K rows; repeated rows are copies.
-// * column vectors (small K, or K < 200 with d >= 1024): TI x TJ = 4 x 4 rows, W-wide vectors along
+// * column vectors (K < 16, or K < 200 with d >= 512): TI x TJ = 4 x 4 rows, W-wide vectors along
 //   the columns, one horizontal sum per entry and sub-chunk (the only kernel before issue #28).
 //
 // Order (determinism): d is split into nparts parts and each part into sub-chunks, nparts and the
@@ -476,13 +476,14 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
 
 // The path: FEDKERNELS_GRAM_PATH=cols|bcast forces one (benchmarks and tests compare them); unset or
 // auto: by shape only (so the summation order stays a function of the shape and the ISA level).
-// Measured (bench/cpu_gram.py, AVX-512, 1 thread): the broadcast path is 1.2-3x faster from K = 16 at
-// d = 76 and at every d from K = 300 (1000 x 1000: 3-4.5x); the column-vector path is up to 1.5x faster
-// for K <= 100 at d >= 3000 (long sub-chunks amortise its horizontal sums; the transposing pack costs
-// ~32 / K of the broadcast path's FMAs) and 5-9x for K = 4.
+// Measured (bench/cpu_gram.py, AVX-512, 1 thread, min of 7): the broadcast path is 1.5x faster at
+// K = 100 and 2.5x at K = 1000 (d = 76), 2.4-4x from K = 300 at every d measured (300 .. 1e4), even at
+// K = 16-32 with d <= 300; the column-vector path is 1.2-1.5x faster for K <= 100 from d = 1000 (its
+// long sub-chunks amortise the horizontal sums; the broadcast path's transposing pack costs about
+// 32 / K of its multiply-adds and its 8 x 16 tiles pad small K) and 5-9x at K = 4.
 bool use_bcast(int64_t K, int64_t d) {
   const char* e = std::getenv("FEDKERNELS_GRAM_PATH");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return K >= 16 && (d < 1024 || K >= 200);
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return K >= 200 || (K >= 16 && d < 512);
   if (std::strcmp(e, "cols") == 0) return false;
   if (std::strcmp(e, "bcast") == 0) return true;
   TORCH_CHECK_VALUE(false, "FEDKERNELS_GRAM_PATH=", e, ": expected auto, cols or bcast");
