@@ -6,7 +6,7 @@ horizontal sum per entry and sub-chunk: the kernel before issue #28, unchanged).
 ``ops.gram`` runs (it picks one by shape); ``FEDKERNELS_GRAM_PATH`` forces one. Baselines: torch
 ``U.double() @ U.double().T`` (fp64 like ours, the conversion included) and fp32 ``U @ U.T``.
 
-Times are the minimum over interleaved repeats (each the mean of enough calls to last ~20 ms).
+Times are the fastest single call over interleaved repeats (each ~20 ms of calls of each variant).
 ``GFMAs`` counts the useful multiply-adds of ``auto`` (K (K + 1) / 2 * d for the symmetric Gram,
 k * K * d with rows=). Rows ``rows=perm`` are FedAWARE's call, ``gram(M, rows=participants)`` with
 every client participating, in a shuffled order.
@@ -42,8 +42,10 @@ def _with_path(path, fn):
 
 
 def _time_min(fns, repeats, min_time=0.02):
-    """{name: min over `repeats` interleaved rounds of the mean time of one call (s)}; each fn is a
-    (setup, call) pair, the setup (the path variable) outside the timing."""
+    """{name: the fastest single call (s)} over `repeats` interleaved rounds of ~min_time of calls
+    each; each fn is a (setup, call) pair, the setup (the path variable) outside the timing. The
+    minimum, not a mean: other processes share the cores, and a 2-thread call is as slow as its
+    slower thread."""
     best = {k: float("inf") for k in fns}
     inner = {}
     for k, (setup, call) in fns.items():
@@ -55,10 +57,10 @@ def _time_min(fns, repeats, min_time=0.02):
     for _ in range(repeats):
         for k, (setup, call) in fns.items():
             setup()
-            t0 = time.perf_counter()
             for _ in range(inner[k]):
+                t0 = time.perf_counter()
                 call()
-            best[k] = min(best[k], (time.perf_counter() - t0) / inner[k])
+                best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
 
@@ -120,10 +122,14 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         ap.error(f"--threads: {a.threads!r} is not a comma-separated list of positive integers")
+    load = os.getloadavg()
     rows = run(a.quick, threads)
     print_table(rows, ["K", "d", "rows", "threads", "auto_ms", "bcast_ms", "cols_ms", "torch_fp64_ms",
                        "torch_fp32_ms", "GFMAs", "x_vs_cols", "x_vs_torch_fp64", "x_vs_torch_fp32", "maxrel_err"])
-    print("wrote", write_json("cpu-gram.json", rows, out=a.out))
+    extra = {"loadavg_1_5_15_min": {"before": load, "after": os.getloadavg()},
+             "note": "min over interleaved repeats; other processes share this machine's cores (see loadavg), "
+                     "which hits the 2-thread rows hardest"}
+    print("wrote", write_json("cpu-gram.json", rows, extra=extra, out=a.out))
 
 
 if __name__ == "__main__":
