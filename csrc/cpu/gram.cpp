@@ -81,6 +81,7 @@ void load_block(const T* U, int64_t stride0, const int64_t* idx, int64_t n, int6
 // acc[i][j] += sum_c A[i][c] * B[j][c] over a block; lengths are multiples of W. Always inlined into
 // the per-ISA entry points below, so the vector code is generated for their target.
 template <int W> struct Vec { typedef double type __attribute__((vector_size(W * sizeof(double)))); };
+template <int W> struct IVec { typedef long long type __attribute__((vector_size(W * sizeof(long long)))); };
 template <int W>
 __attribute__((always_inline)) inline typename Vec<W>::type vload(const double* p) {
   typename Vec<W>::type v;
@@ -149,15 +150,40 @@ struct BcastBlock {
   bool mirror;      // symmetric and this sub-chunk completes G: each panel mirrors its rows below
 };
 
+// In-register transpose of a W x W block of doubles (x[r] = row r): log2(W) butterfly stages, each
+// exchanging the lanes whose bit h differs from the row's (generic shuffles, so every ISA clone
+// gets its own permute instructions).
+template <int W>
+__attribute__((always_inline)) inline void transpose_block(typename Vec<W>::type* x) {
+  typedef typename IVec<W>::type vi;
+#pragma GCC unroll 4
+  for (int h = 1; h < W; h *= 2) {
+    vi lo, hi;
+    for (int l = 0; l < W; ++l) {
+      lo[l] = (l & h) ? W + l - h : l;
+      hi[l] = (l & h) ? W + l : l + h;
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < W; ++k)
+      if (!(k & h)) {
+        const typename Vec<W>::type a = x[k], b = x[k + h];
+        x[k] = __builtin_shuffle(a, b, lo);
+        x[k + h] = __builtin_shuffle(a, b, hi);
+      }
+  }
+}
+
 // tile[r][q] = sum over c ascending of a[c * sa + r] * b[c * P + q] (one fma chain per entry, a
 // broadcast times NV vectors along the clients: no horizontal sum), r < R, q < P = NV * W; then
-// stored into (first) or added to dst rows roff[0..nr), columns j..j+nq.
+// stored into (first) or added to dst rows roff[0..nr), columns j..j+nq. mirror (a full tile above
+// the diagonal whose sum is final): its transpose also goes to rows croff[0..P), columns i..i+R.
 template <int W, int NV, int R>
 __attribute__((always_inline)) inline void bcast_tile(const double* a, int64_t sa, const double* b, int64_t C,
                                                       double* dst, const int64_t* roff, int64_t j, int nr, int nq,
-                                                      bool first) {
+                                                      bool first, bool mirror, const int64_t* croff, int64_t i) {
   typedef typename Vec<W>::type vd;
   constexpr int P = NV * W;
+  static_assert(R == W, "the mirror transposes W x W blocks");
   vd acc[R][NV];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
@@ -184,6 +210,18 @@ __attribute__((always_inline)) inline void bcast_tile(const double* a, int64_t s
         vd y = acc[r][v];
         if (!first) y += vload<W>(o + v * W);
         std::memcpy(o + v * W, &y, sizeof(y));
+        acc[r][v] = y;
+      }
+    }
+    if (mirror) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        vd x[W];
+#pragma GCC unroll 8
+        for (int r = 0; r < W; ++r) x[r] = acc[r][v];
+        transpose_block<W>(x);
+#pragma GCC unroll 8
+        for (int q = 0; q < W; ++q) std::memcpy(dst + croff[v * W + q] + i, &x[q], sizeof(vd));
       }
     }
   } else {
@@ -206,6 +244,7 @@ __attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int6
   const int64_t ntiles = (g.m + R - 1) / R;
   const int64_t tend = g.sym ? std::min<int64_t>(ntiles, (j + P) / R) : ntiles;
   const double* b = g.B + jp * g.C * P;
+  const bool tmirror = g.mirror && nq == P;  // full panel: its tiles above the diagonal store their transpose
   for (int64_t t = 0; t < tend; ++t) {
     const int64_t i = t * R;
     if (t + 1 < tend)  // the next tile's output rows (scattered 8 x P doubles) while this one computes
@@ -216,11 +255,12 @@ __attribute__((always_inline)) inline void bcast_panel(const BcastBlock& g, int6
       }
     const double* a = g.A ? g.A + t * g.C * R : g.B + (i / P) * g.C * P + i % P;
     const int64_t sa = g.A ? R : P;
-    bcast_tile<W, NV, R>(a, sa, b, g.C, g.dst, g.roff + i, j, (int)std::min<int64_t>(R, g.m - i), nq, g.first);
+    bcast_tile<W, NV, R>(a, sa, b, g.C, g.dst, g.roff + i, j, (int)std::min<int64_t>(R, g.m - i), nq, g.first,
+                         tmirror && i + R <= j, g.roff + j, i);
   }
-  if (g.mirror) {  // rows i in [j, j + nq), columns below i, from the panel's column strip (still in cache)
+  if (g.mirror) {  // the rest of rows [j, j + nq) below the diagonal, from the panel's column strip
     const int64_t iend = j + nq;
-    for (int64_t r = 0; r < iend - 1; ++r) {
+    for (int64_t r = tmirror ? j : 0; r < iend - 1; ++r) {
       const double* s = g.dst + g.roff[r];
       for (int64_t i = std::max(j, r + 1); i < iend; ++i) g.dst[g.roff[i] + r] = s[i];
     }
@@ -239,7 +279,7 @@ __attribute__((always_inline)) inline void bcast_items_w(const BcastBlock& g, in
 }
 
 // Register tiles (R rows x NV vectors of W doubles): AVX-512 8 x (2 x 8) = 16 of 32 registers;
-// AVX2 4 x (3 x 4) = 12 of 16.
+// AVX2 4 x (3 x 4) = 12 of 16. R = W: the mirror transposes W x W blocks.
 struct BcastShape { int64_t P, R; };
 
 #if defined(FEDKERNELS_DISPATCH) && defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
