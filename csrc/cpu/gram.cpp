@@ -27,8 +27,10 @@
 // the same bits with any number of threads. The ISA level (W) is fixed once per process.
 //
 // Bytes moved: broadcast: U read once (K x d elements; a rows= that does not list every row reads its
-// m distinct rows a second time), G (k x K doubles) written once (each client panel mirrors its rows
-// below the diagonal from its column strip while that is in cache), plus, when nparts > 1 (K < 128),
+// m distinct rows a second time); G's computed tiles (symmetric: the upper triangle) are stored once
+// and read back and added to once per further sub-chunk of C = 128 columns at K = 1000; the strict
+// lower triangle is written once, from the final upper one (each full tile's transpose from
+// registers, the diagonal blocks from the panel's strip in cache); when nparts > 1 (K < 128),
 // (nparts - 1) m x K partial sums written and read back. Column vectors: K (+ k with rows=) rows read
 // per sub-chunk, nparts kp x Kp partials zeroed, summed into, and read back.
 #include "common.h"
@@ -147,7 +149,7 @@ struct BcastBlock {
   double* dst;
   const int64_t* roff;
   bool sym, first;  // first: the part's first sub-chunk (store, not add)
-  bool mirror;      // symmetric and this sub-chunk completes G: each panel mirrors its rows below
+  bool mirror;      // symmetric and this sub-chunk completes G: each panel writes its rows below the diagonal
 };
 
 // In-register transpose of a W x W block of doubles (x[r] = row r): log2(W) butterfly stages, each
@@ -447,7 +449,7 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
   for (int64_t i = 0; i < K; ++i) all[i] = i;
 
   // Sub-chunk: the packed clients and rows ((Kp + mp) x C doubles) within ~1 MB of L2, a client
-  // panel (P x C) within 32 KB of L1.
+  // panel (P x C, at most 2048 doubles) within 16 KB of L1 (with its A rows, a third of it).
   const int64_t C = std::max<int64_t>(16, std::min<int64_t>((1 << 17) / (Kp + mp), 2048 / P));
   // Parts (threads split d): only for K < 128, where a sub-chunk has too few client panels to share
   // among threads; at least 2048 columns each, at most 64, their partials under 256 MB.
