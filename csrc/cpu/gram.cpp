@@ -449,7 +449,7 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
   for (int64_t i = 0; i < K; ++i) all[i] = i;
 
   // Sub-chunk: the packed clients and rows ((Kp + mp) x C doubles) within ~1 MB of L2, a client
-  // panel (P x C, at most 2048 doubles) within 16 KB of L1 (with its A rows, a third of it).
+  // panel (P x C <= 2048 doubles: 16 KB) within L1.
   const int64_t C = std::max<int64_t>(16, std::min<int64_t>((1 << 17) / (Kp + mp), 2048 / P));
   // Parts (threads split d): only for K < 128, where a sub-chunk has too few client panels to share
   // among threads; at least 2048 columns each, at most 64, their partials under 256 MB.
