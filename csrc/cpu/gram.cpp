@@ -518,8 +518,8 @@ void gram_bcast(const at::Tensor& U, const RowPlan& pl, double* out) {
 
 // The path: FEDKERNELS_GRAM_PATH=cols|bcast forces one (benchmarks and tests compare them); unset or
 // auto: by shape only (so the summation order stays a function of the shape and the ISA level).
-// Measured (bench/cpu_gram.py, AVX-512, 1 thread, min of 7): the broadcast path is 1.5x faster at
-// K = 100 and 2.5x at K = 1000 (d = 76), 2.4-4x from K = 300 at every d measured (300 .. 1e4), even at
+// Measured (bench/cpu_gram.py, AVX-512, 1 thread): the broadcast path is 1.5x faster at K = 100 and
+// 3x at K = 1000 (d = 76), 1.2-4x at K = 300 and 2.4-3x at K = 1000 for d = 300 .. 1e4, about equal at
 // K = 16-32 with d <= 300; the column-vector path is 1.2-1.5x faster for K <= 100 from d = 1000 (its
 // long sub-chunks amortise the horizontal sums; the broadcast path's transposing pack costs about
 // 32 / K of its multiply-adds and its 8 x 16 tiles pad small K) and 5-9x at K = 4.
