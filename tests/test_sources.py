@@ -1,6 +1,7 @@
 """Matrix sources (fedkernels.sources): every kind on small files, bf16/fp16, odd sizes; errors name the
 client row; streamed results equal the in-memory ops bit for bit and are published only after success."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -241,3 +242,35 @@ def test_a_bad_chunk_stops_the_pass_there():
         with pytest.raises(BadUpdateError, match=r"client 2 \(row 2\): update contains NaN/Inf.*\(source: client row 2, columns 700\.\.799 of d=1001\)"):
             fn(ChunkedUpdates(s, chunk_cols=100))
         assert s.read == 8
+
+
+def _resident_kb(path) -> int:
+    """Rss (kB) of this process's mapping of ``path`` (/proc/self/smaps)."""
+    path, rss, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):   # a mapping's header line
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and line.startswith("Rss:"):
+                rss += int(head[1])
+    return rss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps (Linux)")
+def test_a_new_table_file_is_paged_in_when_it_fits(tmp_path, monkeypatch):
+    """A new zero table that fits in memory is mapped up front (no page fault per 4 KB page in its first
+    round); one that does not fit (here: a zero share of the memory allowed) is left to fault in. Both
+    read as zeros and write through to the file."""
+    from fedkernels.algorithms import tables
+    N, d = 4, 1 << 16                                     # 1 MiB of fp32
+    M = momentum_file(tmp_path / "M.bin", N, d)
+    assert _resident_kb(tmp_path / "M.bin") == N * d * 4 // 1024
+    monkeypatch.setattr(tables, "PAGE_IN_FRACTION", 0.0)
+    L = momentum_file(tmp_path / "L.bin", N, d)
+    assert _resident_kb(tmp_path / "L.bin") == 0
+    for T, name in ((M, "M.bin"), (L, "L.bin")):
+        assert not T.any()
+        T[1, 5] = 2.5
+        assert torch.from_file(str(tmp_path / name), size=N * d)[d + 5] == 2.5
+    assert not tables.page_in(L) and tables.PAGE_IN_FRACTION == 0.0
