@@ -218,6 +218,9 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     assert row["method"] == "fedavg" and row["result_ok"] and row["GBps_read"] > 0 and row["peak_rss_GB"] > 0
     assert aware["method"] == "fedaware" and aware["result_ok"] and len(aware["info"]["lam"]) == 3
     assert res["dd_s"] > 0 and res["file_GB"] == 3 * 5000 * 2 / 1e9
+    assert res["complete"] and res["read_path"]["read_GBps"] > 0 and "load average" in res["uptime_before"]
+    assert aware["floor_with_table_s"] > aware["floor_s"] and aware["info"]["table_dtype"] == "bf16"
+    assert all(len(m["loadavg_before"]) == 3 and m["top_calls_own_s"] for m in (row, aware))
     assert os.listdir(work) == []
     r = subprocess.run(cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True,
                        text=True, cwd=root)
