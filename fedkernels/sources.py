@@ -31,7 +31,11 @@ Validation happens at construction, before anything is read: the dtype, the shap
 their sizes, exactly (a file of another dtype or shape has another size): a short file names the
 client row (and file) that is short. Row-by-row reads cost K ``preadv`` calls per block; a file
 source holds two K x chunk_cols staging blocks: a reader thread fills the next while the caller
-works on the current one (``prefetch=False``: one block, reads and arithmetic in turn).
+works on the current one (``prefetch=False``: one block, reads and arithmetic in turn). Measured on the
+2-core VM (a 6.4 GB file, K = 16, its pages dropped before each read, other jobs running): ``chunks()``
+alone with 64 MB blocks (4 MB per row read) 1.0-1.8 GB/s, ``dd bs=16M`` 0.3-1.3 GB/s; 16 or 64 MB per
+row, ``POSIX_FADV_SEQUENTIAL``, the K rows read by 4 or 16 threads, or ``WILLNEED`` two blocks ahead
+with ``DONTNEED`` behind (which keeps the page cache from growing by the file's size) were no faster.
 """
 from __future__ import annotations
 
