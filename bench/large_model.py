@@ -91,15 +91,17 @@ def dd_floor(path: str) -> dict:
 
 def read_path(path: str, K: int, d: int, dtype: torch.dtype, chunk_mb: int) -> dict:
     """The source's read path alone: ``RawFileSource.chunks`` over the cold file (K preadv per block, a
-    reader thread one block ahead), no arithmetic; seconds and GB/s."""
+    reader thread one block ahead; O_DIRECT for a file larger than the available memory), no arithmetic;
+    seconds, GB/s and the read mode."""
     from fedkernels.sources import RawFileSource
     es = torch.empty(0, dtype=dtype).element_size()
+    src = RawFileSource(path, K, d, dtype)
     drop_cache(path)
     t0 = time.perf_counter()
-    for _ in RawFileSource(path, K, d, dtype).chunks(chunk_cols(K, es, chunk_mb)):
+    for _ in src.chunks(chunk_cols(K, es, chunk_mb)):
         pass
     t = time.perf_counter() - t0
-    return {"read_s": t, "read_GBps": K * d * es / t / 1e9}
+    return {"read_s": t, "read_GBps": K * d * es / t / 1e9, "read_mode": src.read_mode}
 
 
 def chunk_cols(K: int, es: int, chunk_mb: int) -> int:
@@ -163,7 +165,7 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
             "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
             "top_calls_own_s": [[fn if file == "~" else f"{os.path.basename(file)}:{line}({fn})", round(st[2], 2)]
                                 for (file, line, fn), st in top],
-            "result_ok": ok, "info": info}
+            "read_mode": src.source.read_mode, "result_ok": ok, "info": info}
 
 
 def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
