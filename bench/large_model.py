@@ -43,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out_argument, output_path  # noqa: E402
+from fedkernels.sources import CPU_CHUNK_BYTES, READ_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -159,7 +160,8 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
     top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:6]   # by own time
     return {"method": method, "time_s": t, "passes_over_U": passes, "bytes_read": read, "bytes_written_table":
             extra_write, "GBps_read": read / t / 1e9, "peak_rss_GB": rss * 1024 / 1e9,
-            "rss_before_round_GB": rss0 * 1024 / 1e9, "staging_MB": src.staging_bytes / 2 ** 20,
+            "rss_before_round_GB": rss0 * 1024 / 1e9, "chunk_MB": src.staging_bytes / 2 ** 20,
+            "read_block_MB": READ_BYTES / 2 ** 20,
             "chunk_cols": cols, "torch_threads": threads, "loadavg_before": load0, "loadavg_after": load(),
             "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
             "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
@@ -237,7 +239,9 @@ def main(argv=None):
     ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
-    ap.add_argument("--chunk-mb", type=int, default=64, help="staging per chunk, all K rows (MB)")
+    ap.add_argument("--chunk-mb", type=int, default=CPU_CHUNK_BYTES >> 20,
+                    help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
+                         "default); the file is read in blocks of at least sources.READ_BYTES")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),

@@ -339,3 +339,21 @@ def test_a_file_that_shrinks_after_validation_names_the_row(tmp_path, direct):
     os.truncate(path, 4 * (2 * 5000 + 100))                   # row 2 ends after 100 elements
     with pytest.raises(OSError, match=r"short read of client row 2 from .*U\.bin at byte"):
         list(s.chunks(1000))
+
+
+def test_file_sources_read_large_blocks_and_hand_out_chunks(tmp_path, monkeypatch):
+    """The disk sees reads of READ_BYTES (a whole number of chunks) whatever width the caller asks for;
+    the chunks handed out are the matrix's columns in order."""
+    from fedkernels import sources
+    U = _U()
+    path = _raw(U, tmp_path / "U.bin")
+    monkeypatch.setattr(sources, "READ_BYTES", K * 4 * 300)              # 3 chunks of 100 columns per read
+    for prefetch in (True, False):
+        s = RawFileSource(path, K, D, torch.float32, prefetch=prefetch)
+        reads = []
+        real = s._read
+        monkeypatch.setattr(s, "_read", lambda fds, st, a, b: reads.append((a, b)) or real(fds, st, a, b))
+        got = [(a, b, c.clone()) for a, b, c in s.chunks(100)]
+        assert reads == [(0, 300), (300, 600), (600, 900), (900, 1001)]
+        assert [(a, b) for a, b, _ in got] == [(a, min(a + 100, D)) for a in range(0, D, 100)]
+        assert torch.equal(torch.cat([c for _, _, c in got], 1), U)
