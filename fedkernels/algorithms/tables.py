@@ -85,10 +85,11 @@ def page_in(table: torch.Tensor) -> bool:
     """Maps every page of a new (zero) file table, writable, in one ``madvise(MADV_POPULATE_WRITE)``
     call, when the table takes at most PAGE_IN_FRACTION of the available memory (a larger one would be
     evicted before its round reads it). Without it, a round's first strided read and write of each
-    4 KB page of the table are two page faults: on the 2-core VM the momentum pass of a streamed
-    FedAWARE round (K = N = 16, d = 3e7 bf16) took 0.9-1.8 s with the faults, 0.46-0.48 s after a
-    0.16-0.32 s page-in. Returns whether it paged in (False: too large, or a kernel without the call;
-    the pages then fault in as before, with the same contents)."""
+    4 KB page of the table are two page faults. On the 2-core VM (load 1), a streamed FedAWARE round
+    (K = N = 16, d = 1e8, bf16 file and table, 16 MB chunks), three interleaved pairs: 16.3-17.3 s with
+    the page-in (7.8-10.5 s system CPU, 75-80K page faults), 17.9-21.0 s without (11.6-15.3 s, 145-205K).
+    Returns whether it paged in (False: too large, or a kernel without the call; the pages then fault
+    in as before, with the same contents)."""
     nbytes = table.numel() * table.element_size()
     free = available_bytes("cpu")
     if free is None or nbytes > PAGE_IN_FRACTION * free:
