@@ -2,19 +2,27 @@
 one raw bfloat16 file, aggregated by FedAvg, Kuramoto-FedAvg and FedAWARE, each in a fresh process: the
 aggregators themselves over a ``fedkernels.sources.RawFileSource`` read in column chunks (through
 ``fedkernels.streaming``'s ``streamed_*``: the result pass writes into a mapped temporary file that is
-published (fsync, rename) after success; FedAWARE's table is ``momentum_file=`` in ``--dir``).
+published (fsync, rename) after success; FedAWARE's table is ``momentum_file=`` in ``--dir``, in
+``--dtype``).
 
 Reported per method: wall time, bytes read (passes x file size, + FedAWARE's momentum table read
 twice and its participants' rows written once), achieved GB/s, peak RSS (``resource.getrusage``,
-which includes the in-memory fp32 global model and the new model, 4 d bytes each), and side by side the disk-read floor:
-``dd`` of the same file to /dev/null (one read), so ``floor_s = passes x dd time``.
+which includes the in-memory fp32 global model and the new model, 4 d bytes each), the process's user /
+system CPU seconds and page faults, its most expensive calls (cProfile, own time), the load average
+before and after (the machine may be shared), and side by side the disk-read floor: ``dd`` of the same
+file to /dev/null (one read), so ``floor_s = passes x dd time``; for FedAWARE also ``floor_with_table_s``
+(+ two table reads at the dd rate and one table write at the rate the update file was written). The
+update file's pages are dropped from the page cache (``POSIX_FADV_DONTNEED``) before ``dd``, before the
+read-path measurement and before each method, so every one starts from the disk. ``read_path``: the
+source's ``chunks()`` alone over the cold file (no arithmetic), against the same ``dd``.
 
 The update file (and FedAWARE's momentum table, and the output model) live in ``--dir`` (default
 /tmp) and are deleted at the end, also on error. Free disk is checked first: the run is refused, with
-the sizes, when the files do not fit with ``--margin-gb`` to spare.
+the sizes, when the files do not fit with ``--margin-gb`` to spare. The result file is rewritten after
+each method (``"complete": false`` until the last one), so a run stopped half-way keeps its rows.
 
     python -m bench.large_model --d 100000000          # a first timing (3.2 GB at K=16)
-    python -m bench.large_model --d 1000000000 --out bench/results   # the published run
+    python -m bench.large_model --d 1000000000 --out bench/results --append   # the published run
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out_argument, output_path  # noqa: E402
+from fedkernels.sources import CPU_CHUNK_BYTES, READ_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,8 +71,18 @@ def write_updates(path: str, K: int, d: int, dtype: torch.dtype, block: int = 1 
     return time.perf_counter() - t0
 
 
+def drop_cache(path: str) -> None:
+    """Drops the file's clean pages from the page cache (no root needed): the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def dd_floor(path: str) -> dict:
-    """One sequential read of the file with dd (the disk-read floor of one pass)."""
+    """One sequential read of the (cold) file with dd (the disk-read floor of one pass)."""
+    drop_cache(path)
     t0 = time.perf_counter()
     r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, text=True, check=True)
     t = time.perf_counter() - t0
@@ -71,24 +90,52 @@ def dd_floor(path: str) -> dict:
     return {"dd_s": float(m.group(1)) if m else t, "dd_line": r.stderr.strip().splitlines()[-1]}
 
 
+def read_path(path: str, K: int, d: int, dtype: torch.dtype, chunk_mb: int) -> dict:
+    """The source's read path alone: ``RawFileSource.chunks`` over the cold file (K preadv per block, a
+    reader thread one block ahead; O_DIRECT for a file larger than the available memory), no arithmetic;
+    seconds, GB/s and the read mode."""
+    from fedkernels.sources import RawFileSource
+    es = torch.empty(0, dtype=dtype).element_size()
+    src = RawFileSource(path, K, d, dtype)
+    drop_cache(path)
+    t0 = time.perf_counter()
+    for _ in src.chunks(chunk_cols(K, es, chunk_mb)):
+        pass
+    t = time.perf_counter() - t0
+    return {"read_s": t, "read_GBps": K * d * es / t / 1e9, "read_mode": src.read_mode}
+
+
+def chunk_cols(K: int, es: int, chunk_mb: int) -> int:
+    return max(1024, (chunk_mb << 20) // (K * es))
+
+
+def load() -> list:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str,
           threads: int) -> dict:
     """One streamed round in this (fresh) process; returns its measurements."""
+    import cProfile
+    import pstats
     from fedkernels import algorithms
     from fedkernels.sources import RawFileSource
     from fedkernels.streaming import ChunkedUpdates, streamed_fedavg, streamed_fedaware, streamed_kuramoto
     torch.set_num_threads(threads)
     dtype = DTYPES[dtype_name]
     es = torch.empty(0, dtype=dtype).element_size()
-    chunk_cols = max(1024, (chunk_mb << 20) // (K * es))
-    src = ChunkedUpdates(RawFileSource(path, K, d, dtype), chunk_cols=chunk_cols)
+    cols = chunk_cols(K, es, chunk_mb)
+    src = ChunkedUpdates(RawFileSource(path, K, d, dtype), chunk_cols=cols)
     x = torch.zeros(d)                                      # the fp32 global model, in memory
     out = os.path.join(workdir, "fedkernels_large_out.f32")
     n = list(range(10, 10 + K))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    load0 = os.getloadavg()[0]
+    load0 = load()
     extra_read = extra_write = 0
+    prof = cProfile.Profile()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
+    prof.enable()
     if method == "fedavg":
         new = streamed_fedavg(x, src, n, out=out)
         passes, info = 1, {}
@@ -102,16 +149,25 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
         new, info = streamed_fedaware(x, src, n, list(range(K)), agg, out=out)
         passes = 2                                           # a screening pass (elud=False), the momentum pass
         extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read by both table passes, written once
-        info = {"lam": info["lam"], "note": "round 0: the momentum table starts as a zero file (blocks reserved)"}
+        info = {"lam": info["lam"], "table_dtype": dtype_name,
+                "note": "round 0: the momentum table starts as a zero file (blocks reserved)"}
+    prof.disable()
     t = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     read = passes * K * d * es + extra_read
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:6]   # by own time
     return {"method": method, "time_s": t, "passes_over_U": passes, "bytes_read": read, "bytes_written_table":
             extra_write, "GBps_read": read / t / 1e9, "peak_rss_GB": rss * 1024 / 1e9,
-            "rss_before_round_GB": rss0 * 1024 / 1e9, "staging_MB": src.staging_bytes / 2 ** 20,
-            "chunk_cols": chunk_cols, "torch_threads": threads, "loadavg_1min_before": load0,
-            "result_ok": ok, "info": info}
+            "rss_before_round_GB": rss0 * 1024 / 1e9, "chunk_MB": src.staging_bytes / 2 ** 20,
+            "read_block_MB": READ_BYTES / 2 ** 20,
+            "chunk_cols": cols, "torch_threads": threads, "loadavg_before": load0, "loadavg_after": load(),
+            "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+            "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
+            "top_calls_own_s": [[fn if file == "~" else f"{os.path.basename(file)}:{line}({fn})", round(st[2], 2)]
+                                for (file, line, fn), st in top],
+            "read_mode": src.source.read_mode, "result_ok": ok, "info": info}
 
 
 def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
@@ -120,7 +176,8 @@ def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
     return size + d * 4 + (size if "fedaware" in methods else 0)
 
 
-def run(args) -> dict:
+def run(args, save=lambda res: None) -> dict:
+    """The run; ``save(result)`` is called after each method with the result so far."""
     dtype = DTYPES[args.dtype]
     es = torch.empty(0, dtype=dtype).element_size()
     K, d = args.K, int(args.d)
@@ -129,38 +186,51 @@ def run(args) -> dict:
     path = os.path.join(args.dir, f"fedkernels_large_U_{K}x{d}.{args.dtype}")
     junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin",
                                                           "fedkernels_large_momenta.bin.state")]
-    rows = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True)
+    res = {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
+           "dir": args.dir, "disk_free_GB_before": free / 1e9, "uptime_before": uptime.stdout.strip(),
+           "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+           "cpus": os.cpu_count(), "machine": platform.node(), "torch": torch.__version__, "complete": False,
+           "methods": [],
+           "notes": "peak RSS includes the fp32 global model (4 d bytes) and the pages of the mapped output file "
+                    "(written during the result pass, then fsynced and renamed); the update file's pages are "
+                    "dropped before dd, read_path and each method (all start from the disk); floor_s = passes "
+                    "over U x dd time; FedAWARE's floor_with_table_s adds its table: two reads at the dd rate, one "
+                    "write at write_GBps. The machine is shared: loadavg_before/after."}
     try:
         t_write = write_updates(path, K, d, dtype)
-        floor = dd_floor(path)
+        res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
+        res.update(dd_floor(path))
+        res["dd_GBps"] = size / res["dd_s"] / 1e9
+        rp = read_path(path, K, d, dtype, args.chunk_mb)
+        res["read_path"] = dict(rp, vs_dd=res["dd_s"] / rp["read_s"], chunk_MB=args.chunk_mb)
+        save(res)
         for m in args.methods:
+            drop_cache(path)
             code = (f"import json; from bench.large_model import child; print(json.dumps(child({m!r}, {path!r}, "
                     f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r}, {args.threads})))")
             r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
                 raise SystemExit(f"large_model: the {m} round failed:\n{r.stderr[-2000:]}")
             row = json.loads(r.stdout.strip().splitlines()[-1])
-            row["floor_s"] = row["passes_over_U"] * floor["dd_s"]
+            row["floor_s"] = row["passes_over_U"] * res["dd_s"]
             row["vs_floor"] = row["floor_s"] / row["time_s"]
-            rows.append(row)
+            if row["bytes_written_table"]:
+                row["floor_with_table_s"] = row["floor_s"] + 2 * res["dd_s"] + t_write
+                row["vs_floor_with_table"] = row["floor_with_table_s"] / row["time_s"]
+            res["methods"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "info"}), flush=True)
             for f in junk[1:]:
                 if os.path.exists(f):
                     os.remove(f)
+            save(res)
     finally:
         for f in junk:
             if os.path.exists(f):
                 os.remove(f)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
-            "dir": args.dir, "disk_free_GB_before": free / 1e9, "write_s": t_write,
-            "write_GBps": size / t_write / 1e9, "dd_s": floor["dd_s"], "dd_GBps": size / floor["dd_s"] / 1e9,
-            "dd_line": floor["dd_line"], "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-            "cpus": os.cpu_count(), "machine": platform.node(),
-            "torch": torch.__version__, "methods": rows,
-            "notes": "peak RSS includes the fp32 global model (4 d bytes) and the pages of the mapped output file "
-                     "(written during the result pass, then fsynced and renamed); floor_s = passes over U x dd time "
-                     "(FedAWARE also reads its momentum table twice and writes it once, not in its floor)."}
+    res["complete"] = True
+    return res
 
 
 def main(argv=None):
@@ -169,7 +239,9 @@ def main(argv=None):
     ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
-    ap.add_argument("--chunk-mb", type=int, default=64, help="staging per chunk, all K rows (MB)")
+    ap.add_argument("--chunk-mb", type=int, default=CPU_CHUNK_BYTES >> 20,
+                    help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
+                         "default); the file is read in blocks of at least sources.READ_BYTES")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -197,10 +269,12 @@ def main(argv=None):
     if args.append and os.path.exists(path):
         with open(path) as f:
             runs = json.load(f)["runs"]
-    runs.append(run(args))
-    with open(path + ".tmp", "w") as f:
-        json.dump({"benchmark": "large_model", "runs": runs}, f, indent=1)
-    os.replace(path + ".tmp", path)
+
+    def save(res):
+        with open(path + ".tmp", "w") as f:
+            json.dump({"benchmark": "large_model", "runs": runs + [res]}, f, indent=1)
+        os.replace(path + ".tmp", path)
+    save(run(args, save))
     print(f"wrote {path}")
 
 

@@ -1,6 +1,7 @@
 """Matrix sources (fedkernels.sources): every kind on small files, bf16/fp16, odd sizes; errors name the
 client row; streamed results equal the in-memory ops bit for bit and are published only after success."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -38,6 +39,8 @@ def _all_sources(U, tmp_path):
     out = {"tensor": TensorSource(U), "raw": RawFileSource(_raw(U, tmp_path / "U.bin"), K, D, U.dtype),
            "raw_no_prefetch": RawFileSource(tmp_path / "U.bin", K, D, U.dtype, prefetch=False),
            "clients": ClientFilesSource(_client_files(U, tmp_path), D, U.dtype)}
+    out["raw_direct"] = RawFileSource(tmp_path / "U.bin", K, D, U.dtype, direct=True)      # (O_DIRECT where the
+    out["clients_direct"] = ClientFilesSource(out["clients"].paths, D, U.dtype, direct=True)   # file system has it)
     np_dt = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[U.dtype]
     mm = np.memmap(tmp_path / "U.mm", dtype=np_dt, mode="w+", shape=(K, D))
     mm[:] = U.view(torch.int16).numpy().view(np.uint16) if U.dtype == torch.bfloat16 else U.numpy()
@@ -137,7 +140,7 @@ def test_short_and_wrong_files_name_the_row(tmp_path):
         ChunkedUpdates(U, K=4)
 
 
-@pytest.mark.parametrize("kind", ["raw", "clients", "memmap"])
+@pytest.mark.parametrize("kind", ["raw", "clients", "memmap", "raw_direct"])
 def test_nan_in_a_chunk_names_the_row_and_nothing_is_written(tmp_path, kind):
     U = _U(torch.bfloat16)
     U[3, 700] = float("nan")
@@ -217,6 +220,10 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     assert row["method"] == "fedavg" and row["result_ok"] and row["GBps_read"] > 0 and row["peak_rss_GB"] > 0
     assert aware["method"] == "fedaware" and aware["result_ok"] and len(aware["info"]["lam"]) == 3
     assert res["dd_s"] > 0 and res["file_GB"] == 3 * 5000 * 2 / 1e9
+    assert res["complete"] and res["read_path"]["read_GBps"] > 0 and "load average" in res["uptime_before"]
+    assert aware["floor_with_table_s"] > aware["floor_s"] and aware["info"]["table_dtype"] == "bf16"
+    assert all(len(m["loadavg_before"]) == 3 and m["top_calls_own_s"] for m in (row, aware))
+    assert row["read_mode"] == res["read_path"]["read_mode"] == "buffered"      # (a small file: cached reads)
     assert os.listdir(work) == []
     r = subprocess.run(cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True,
                        text=True, cwd=root)
@@ -241,3 +248,112 @@ def test_a_bad_chunk_stops_the_pass_there():
         with pytest.raises(BadUpdateError, match=r"client 2 \(row 2\): update contains NaN/Inf.*\(source: client row 2, columns 700\.\.799 of d=1001\)"):
             fn(ChunkedUpdates(s, chunk_cols=100))
         assert s.read == 8
+
+
+def _resident_kb(path) -> int:
+    """Rss (kB) of this process's mapping of ``path`` (/proc/self/smaps)."""
+    path, rss, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):   # a mapping's header line
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and line.startswith("Rss:"):
+                rss += int(head[1])
+    return rss
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps (Linux)")
+def test_a_new_table_file_is_paged_in_when_it_fits(tmp_path, monkeypatch):
+    """A new zero table that fits in memory is mapped up front (no page fault per 4 KB page in its first
+    round); one that does not fit (here: a zero share of the memory allowed) is left to fault in. Both
+    read as zeros and write through to the file."""
+    from fedkernels.algorithms import tables
+    N, d = 4, 1 << 16                                     # 1 MiB of fp32
+    M = momentum_file(tmp_path / "M.bin", N, d)
+    assert _resident_kb(tmp_path / "M.bin") == N * d * 4 // 1024
+    monkeypatch.setattr(tables, "PAGE_IN_FRACTION", 0.0)
+    L = momentum_file(tmp_path / "L.bin", N, d)
+    assert _resident_kb(tmp_path / "L.bin") == 0
+    for T, name in ((M, "M.bin"), (L, "L.bin")):
+        assert not T.any()
+        T[1, 5] = 2.5
+        assert torch.from_file(str(tmp_path / name), size=N * d)[d + 5] == 2.5
+    assert not tables.page_in(L) and tables.PAGE_IN_FRACTION == 0.0
+
+
+def _has_o_direct(folder) -> bool:
+    try:
+        os.close(os.open(_raw(torch.zeros(1024), folder / "probe.bin"), os.O_RDONLY | os.O_DIRECT))
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_direct_reads_give_the_same_blocks(tmp_path, dtype, monkeypatch):
+    """O_DIRECT reads (rows at offsets that are not multiples of 4096 and step by a d * itemsize that is
+    not either; a header; odd widths; one block and prefetched blocks; a row selection) give the bytes of
+    buffered reads; a header that is not a multiple of the itemsize, pin_memory or direct=False read
+    buffered; by default a source reads direct only when it is larger than the available memory."""
+    from fedkernels import sources
+    if not _has_o_direct(tmp_path):
+        pytest.skip("the test folder's file system refuses O_DIRECT")
+    Kd, Dd, es = 6, 3001, torch.empty(0, dtype=dtype).element_size()
+    U = _U(dtype, Kd, Dd)
+    for off in (0, 4 * es, 4096 + 2 * es):
+        path = tmp_path / f"U{off}.bin"
+        with open(path, "wb") as f:
+            f.write(b"h" * off)
+            f.write(U.view(torch.uint8).numpy().tobytes())
+        for chunk, prefetch in ((1000, True), (3001, True), (777, False), (1, True)):
+            s = RawFileSource(path, Kd, Dd, dtype, offset=off, direct=True, prefetch=prefetch)
+            got = torch.cat([c.clone() for _, _, c in s.chunks(chunk)], 1)
+            assert s.read_mode == "direct" and torch.equal(got.view(torch.uint8), U.view(torch.uint8)), (off, chunk)
+        sel = torch.cat([c.clone() for _, _, c in s.select_rows([4, 0, 5]).chunks(500)], 1)
+        assert torch.equal(sel.view(torch.uint8), U[[4, 0, 5]].view(torch.uint8))
+    c = ClientFilesSource(_client_files(U, tmp_path), Dd, dtype, direct=True)
+    assert torch.equal(torch.cat([b.clone() for _, _, b in c.chunks(640)], 1).view(torch.uint8), U.view(torch.uint8))
+    assert c.read_mode == "direct"
+    with open(tmp_path / "odd.bin", "wb") as f:
+        f.write(b"h")
+        f.write(U.view(torch.uint8).numpy().tobytes())
+    for s in (RawFileSource(tmp_path / "odd.bin", Kd, Dd, dtype, offset=1, direct=True),
+              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=False),
+              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=True, pin_memory=True),
+              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype)):           # small: fits in memory
+        got = torch.cat([b.clone() for _, _, b in s.chunks(1000)], 1)
+        assert s.read_mode == "buffered" and torch.equal(got.view(torch.uint8), U.view(torch.uint8))
+    monkeypatch.setattr(sources, "available_bytes", lambda device: s.nbytes - 1)   # larger than the memory
+    list(s.chunks(1000))
+    assert s.read_mode == "direct"
+    with pytest.raises(ValueError, match=r"^RawFileSource: direct must be None, True or False, got 'yes'$"):
+        RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct="yes")
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_file_that_shrinks_after_validation_names_the_row(tmp_path, direct):
+    U = _U(torch.float32, 4, 5000)
+    path = _raw(U, tmp_path / "U.bin")
+    s = RawFileSource(path, 4, 5000, torch.float32, direct=direct)
+    os.truncate(path, 4 * (2 * 5000 + 100))                   # row 2 ends after 100 elements
+    with pytest.raises(OSError, match=r"short read of client row 2 from .*U\.bin at byte"):
+        list(s.chunks(1000))
+
+
+def test_file_sources_read_large_blocks_and_hand_out_chunks(tmp_path, monkeypatch):
+    """The disk sees reads of READ_BYTES (a whole number of chunks) whatever width the caller asks for;
+    the chunks handed out are the matrix's columns in order."""
+    from fedkernels import sources
+    U = _U()
+    path = _raw(U, tmp_path / "U.bin")
+    monkeypatch.setattr(sources, "READ_BYTES", K * 4 * 300)              # 3 chunks of 100 columns per read
+    for prefetch in (True, False):
+        s = RawFileSource(path, K, D, torch.float32, prefetch=prefetch)
+        reads = []
+        real = s._read
+        monkeypatch.setattr(s, "_read", lambda fds, st, a, b: reads.append((a, b)) or real(fds, st, a, b))
+        got = [(a, b, c.clone()) for a, b, c in s.chunks(100)]
+        assert reads == [(0, 300), (300, 600), (600, 900), (900, 1001)]
+        assert [(a, b) for a, b, _ in got] == [(a, min(a + 100, D)) for a in range(0, D, 100)]
+        assert torch.equal(torch.cat([c for _, _, c in got], 1), U)
