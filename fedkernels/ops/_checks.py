@@ -17,7 +17,7 @@ reading out of bounds.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Literal, Optional, Sequence, Union, overload
+from typing import Any, List, Literal, Optional, Protocol, Sequence, Union, overload
 
 import torch
 
@@ -25,6 +25,17 @@ from .._types import CoefLike, RowsLike
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HOST = torch.device("cpu")
+
+
+class Typed(Protocol):
+    """What the dtype/device rules read: a tensor, or a description of one (``algorithms.base.UpdatesShape``,
+    the rows of a chunked source)."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 def tracing() -> bool:
@@ -44,7 +55,7 @@ def _tensor(x: object, op: str, name: str) -> torch.Tensor:
     return x
 
 
-def _float_dtype(x: torch.Tensor, op: str, name: str) -> None:
+def _float_dtype(x: Typed, op: str, name: str) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
 
@@ -68,7 +79,7 @@ def _matrix(U: object, op: str, name: str = "U") -> torch.Tensor:
     return U
 
 
-def _like(v: torch.Tensor, op: str, name: str, like: torch.Tensor, like_name: str = "U") -> None:
+def _like(v: Typed, op: str, name: str, like: Typed, like_name: str = "U") -> None:
     """``v`` has the dtype and device of ``like`` (the rule of every op wrapper and of
     ``Aggregator.validate``, worded once)."""
     if v.dtype != like.dtype:
