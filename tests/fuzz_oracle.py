@@ -134,7 +134,7 @@ def _gen_weighted_sum(rnd, c):
 
 def _gen_weighted_sum_screened(rnd, c):
     _gen_weighted_sum(rnd, c)
-    c["out"], c["screened"] = None, True
+    c["screened"] = True
 
 
 def _gen_weighted_sum_chunked(rnd, c):
@@ -576,7 +576,7 @@ def _run_weighted_sum(g, c):
     alpha = c["alpha"]
     base0 = None if base is None else base.clone()
     if c.get("screened"):     # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
-        res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows)
+        res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     else:
         res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     # the call succeeded: the inputs must have been valid
