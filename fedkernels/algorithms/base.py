@@ -175,6 +175,9 @@ class RoundInput:
     # source: the first ``weighted_sum`` with ``base=global_flat``; FedAWARE's table sum) writes into it
     # as it goes (``take_out``); whatever the method returns is copied into it at the end otherwise.
     out: Optional[torch.Tensor] = None
+    # ``weighted_sum(..., hold=True)``: the screening pass's flags, kept on the device until ``release``
+    held: Optional[torch.Tensor] = field(default=None, repr=False, init=False)
+    _hold: bool = field(default=False, repr=False, init=False)
 
     def take_out(self) -> Optional[torch.Tensor]:
         """The caller's ``out`` tensor for the method's result pass, once (None afterwards, or when the
@@ -182,13 +185,23 @@ class RoundInput:
         out, self.out = self.out, None
         return out
 
-    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
+    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                     hold: bool = False) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
-        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``. From a source: chunk by chunk
+        ``ops.weighted_sum_screened`` and the flags go to ``on_flags`` (with ``hold``: they stay on the
+        device until :meth:`release`, which brings a value computed after this pass to the host in the
+        same copy; the method changes no state in between). From a source: chunk by chunk
         into a [d] vector of the global model's dtype and device (a bf16/fp16 source is summed in that
         dtype): the caller's ``out`` for the result pass ``base=global_flat`` (each chunk written as it
         is summed: a path ``out`` of ``fedkernels.streaming`` is a mapped temporary file, so the write
         overlaps the pass), else a fresh one."""
+        self._hold = hold and self.screen_rows
+        try:
+            return self._weighted_sum(coef, base, alpha)
+        finally:
+            self._hold = False
+
+    def _weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
         if self.src is not None:
             g = self.global_flat
             given = self.take_out() if base is g else None
@@ -204,6 +217,17 @@ class RoundInput:
                 return out
             self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
+
+    def release(self, carry: torch.Tensor) -> torch.Tensor:
+        """``carry`` (a tensor on U's device) on the host, brought there in one device-to-host copy with
+        the flags that ``weighted_sum(..., hold=True)`` held, which then go to ``on_flags`` (the policy:
+        raise, or the round again without the bad rows). Without held flags: ``carry`` copied alone."""
+        ok, self.held, self._hold = self.held, None, False
+        if ok is None:
+            return carry.cpu()
+        host = self._flags(ok, carry=carry)
+        assert host is not None
+        return host
 
     def gram(self, host: bool = False) -> torch.Tensor:
         """``ops.gram(U)`` ([K, K] fp64 on U's device, or on the host with ``host=True``); while the
@@ -275,8 +299,12 @@ class RoundInput:
     def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None,
                carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Hands the rows' flags to ``on_flags``; returns ``carry`` (None, or a tensor on ok's device) on
-        the host, brought there in the flags' copy."""
+        the host, brought there in the flags' copy. While a ``weighted_sum(..., hold=True)`` runs, the
+        flags of its pass are kept in ``held`` instead (``release`` hands them over)."""
         self.screen_rows = False
+        if self._hold and cols is None and carry is None:
+            self.held = ok
+            return None
         if self.on_flags is None:
             return None if carry is None else carry.cpu()
         if self.src is None:
@@ -486,6 +514,9 @@ class Aggregator(abc.ABC):
                 if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                     raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
                                        "through RoundInput.weighted_sum / gram")
+                if rin.held is not None:
+                    raise RuntimeError(f"{self.name}: _aggregate held the rows' NaN/Inf flags "
+                                       "(RoundInput.weighted_sum(hold=True)) and never released them (rin.release)")
             elif g_ok is not None and not bool(g_ok.cpu()[0]):
                 raise self._global_nan()
         else:
