@@ -19,6 +19,7 @@ import abc
 import array
 import logging
 import math
+import struct
 from dataclasses import dataclass, field, replace
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
                     TypeVar, Union)
@@ -50,6 +51,23 @@ def info_values(t: Any) -> Any:
     return t if tracing() or not isinstance(t, torch.Tensor) else t.tolist()
 
 
+def _numbers(code: str, values: Any) -> "array.array":
+    """``array.array(code, values)`` ("d": floats, "q": int64): a sequence's numbers packed by ``struct``
+    in one C-level pass (2-3x faster than array's own conversion of a list of K numbers); TypeError
+    for an entry that is not such a number (OverflowError for an int out of range of "d")."""
+    try:
+        n = len(values)
+    except TypeError:
+        return array.array(code, values)
+    try:
+        b = struct.pack(f"{n}{code}", *values)
+    except struct.error as e:
+        raise TypeError(f"not a {code!r} number: {e}") from None
+    a = array.array(code)
+    a.frombytes(b)
+    return a
+
+
 def _f64(a: "array.array") -> torch.Tensor:
     return torch.frombuffer(a, dtype=torch.float64) if len(a) else torch.zeros(0, dtype=torch.float64)
 
@@ -60,7 +78,7 @@ def host_float64(values: Any) -> torch.Tensor:
     anything else goes through ``torch.as_tensor`` (which raises for what is not numbers)."""
     if isinstance(values, (list, tuple)):
         try:
-            return _f64(array.array("d", values))
+            return _f64(_numbers("d", values))
         except (TypeError, ValueError, OverflowError, RuntimeError):
             pass                       # nested sequences, text, ...: torch's conversion below
     t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
@@ -70,7 +88,7 @@ def host_float64(values: Any) -> torch.Tensor:
 def id_tensor(ids: Sequence[int], device: Any = None) -> torch.Tensor:
     """Client ids (Python ints, e.g. ``RoundInput.client_ids``) as an int64 index tensor in one C-level
     conversion (``torch.tensor`` of a list of K ints costs ~0.15 us per id)."""
-    a = array.array("q", ids)
+    a = _numbers("q", ids)
     t = torch.frombuffer(a, dtype=torch.long) if len(a) else torch.zeros(0, dtype=torch.long)
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
@@ -80,7 +98,7 @@ def payload_numbers(payloads: Sequence[Dict[str, Any]], key: str, default: float
     one C-level conversion, or None when some entry is not a plain number (text, a tensor of several
     elements, None, ...): the caller then looks at those payloads one by one."""
     try:
-        return _f64(array.array("d", [p.get(key, default) for p in payloads]))
+        return _f64(_numbers("d", [p.get(key, default) for p in payloads]))
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
 
@@ -651,7 +669,7 @@ class Aggregator(abc.ABC):
         ids = self._client_ids(client_ids, K)
         if len(set(ids)) != K:
             raise ValueError(f"{self.name}.aggregate: client_ids must be distinct, got {ids}")
-        if self.num_clients is not None and K and (min(ids) < 0 or max(ids) >= self.num_clients):
+        if self.num_clients is not None and K and not self._ids_within(ids, self.num_clients):
             raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
         if payloads is None:
             pl: List[Dict[str, Any]] = [{} for _ in range(K)]
@@ -667,13 +685,19 @@ class Aggregator(abc.ABC):
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
         return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
 
+    @staticmethod
+    def _ids_within(ids: List[int], N: int) -> bool:
+        """All of the K ints ``ids`` lie in [0, N) (one C-level min/max, not two passes in Python)."""
+        lo, hi = torch.aminmax(id_tensor(ids))
+        return int(lo) >= 0 and int(hi) < N
+
     def _client_ids(self, client_ids: Any, K: int) -> List[int]:
         """K ints naming the clients (default 0..K-1); ValueError unless they are K integers."""
         if client_ids is None:
             return list(range(K))
         given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
         try:
-            ids = array.array("q", given).tolist()        # ints only, in one pass (a float or text raises)
+            ids = _numbers("q", given).tolist()           # ints only, in one pass (a float or text raises)
         except (TypeError, ValueError, OverflowError, RuntimeError):
             try:                                            # integral floats, 0-d tensors, ...: one by one
                 ids = [int(c) for c in given]

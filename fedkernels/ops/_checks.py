@@ -147,8 +147,9 @@ def _coef(coef: CoefLike, n: int, op: str, name: str = "coef") -> torch.Tensor:
     return c
 
 
-def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
-    """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K."""
+def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False, values: bool = True) -> torch.Tensor:
+    """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K (``values=False``:
+    shape and dtype only; ``_host_coefs`` checks several vectors' values at once)."""
     t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
     if t.dim() != 1 or t.size(0) != K:
         raise ValueError(f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), "
@@ -156,13 +157,31 @@ def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) ->
     if not t.dtype.is_floating_point:
         raise ValueError(f"{op}: {name} must be a float tensor, got {t.dtype}")
     t = t.detach().to(device=HOST, dtype=torch.float64).contiguous()
-    if not tracing():
+    if values and not tracing():
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{op}: {name} must be finite, got {t.tolist() if K <= 16 else 'non-finite entries'}")
         if nonneg and bool((t < 0).any()):
             raise ValueError(f"{op}: {name} must be >= 0 (1/g_i; 0 = ECADO limit), "
                              f"got {t.tolist() if K <= 16 else 'negative entries'}")
     return t
+
+
+def _host_coefs(vs: Sequence[CoefLike], names: Sequence[str], K: int, op: str,
+                nonneg: Sequence[bool]) -> List[torch.Tensor]:
+    """``[_host_coef(v, K, op, name, nonneg) ...]`` with the values of all of them checked in one pass
+    (the messages of ``_host_coef``, in order, when one is bad)."""
+    ts = [_host_coef(v, K, op, n, values=False) for v, n in zip(vs, names)]
+    if tracing() or not ts:
+        return ts
+    A = torch.stack(ts)
+    ok = bool(torch.isfinite(A).all())
+    neg = [t for t, nn in zip(ts, nonneg) if nn]
+    if ok and neg:
+        ok = not bool((torch.stack(neg) < 0).any())
+    if not ok:
+        for t, n, nn in zip(ts, names, nonneg):
+            _host_coef(t, K, op, n, nn)                 # raises for the first bad one
+    return ts
 
 
 @overload
