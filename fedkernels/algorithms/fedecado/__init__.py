@@ -223,7 +223,7 @@ class FedECADO(FederationTables, Aggregator):
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
-        return self.hbar_tab[ids]                 # (indexing copies: the table is not aliased)
+        return self.hbar_tab.index_select(0, ids)   # (a copy: the table is not aliased)
 
     def _L_for(self, Tmax: float) -> float:
         if self.L is None:
@@ -248,7 +248,7 @@ class FedECADO(FederationTables, Aggregator):
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
             T = torch.full_like(T, Tmax)
         hbar = self._hbar_for(rin, hids, sent)
-        w = self.w[hids]
+        w = self.w.index_select(0, hids)
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
