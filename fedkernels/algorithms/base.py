@@ -28,7 +28,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import _float_dtype, _like, has_kernel, tracing  # tracing: also imported from here by the method modules
+from ..ops._checks import _float_dtype, _like, has_kernel, host_range, tracing  # tracing: also imported from here by the method modules
 from ..sources import ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
@@ -899,8 +899,10 @@ class Aggregator(abc.ABC):
             for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
                 reasons[k] = "update contains NaN/Inf"
             pos += K
-        for k in rows_where(~((n > 0) & torch.isfinite(n))):                   # host tensor, vectorised
-            reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
+        lo, hi = host_range(n)                                                 # one reduction when all are good
+        if not (lo > 0 and hi < math.inf):
+            for k in rows_where(~((n > 0) & torch.isfinite(n))):               # host tensor, vectorised
+                reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
         bad = rows_where(~host[pos:])
         pairs = where.pairs() if bad else []
         for j in bad:

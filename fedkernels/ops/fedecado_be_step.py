@@ -13,7 +13,7 @@ import torch
 
 from .._types import CoefLike
 from . import _autograd as _ag
-from ._checks import _host_coefs, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor, _vector
+from ._checks import _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor, _vector
 
 __all__ = ["fedecado_be_step", "BEStepWindow"]
 
@@ -109,9 +109,9 @@ class BEStepWindow:
 
     def _coefs(self, K: int, theta_new: CoefLike, theta_old: CoefLike,
                inv_g: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        thn, tho, ig = _host_coefs((theta_new, theta_old, inv_g), ("theta_new", "theta_old", "inv_g"), K,
-                                   "fedecado_be_step", (False, False, True))
-        return thn, tho, ig
+        op = "fedecado_be_step"
+        return (_host_coef(theta_new, K, op, "theta_new"), _host_coef(theta_old, K, op, "theta_old"),
+                _host_coef(inv_g, K, op, "inv_g", nonneg=True))
 
     def pair(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Output pair ``i`` (0 or 1): (x_c' [d], I' [K, d]) buffers of U's dtype and device."""
