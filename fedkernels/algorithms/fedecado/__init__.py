@@ -235,7 +235,7 @@ class FedECADO(FederationTables, Aggregator):
         return self.L
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
-        dev = rin.U.device
+        dev = rin.device
         hids = id_tensor(rin.client_ids)
         ids = hids.to(dev)
         T, sent = self.payload_columns(rin.payloads)     # T: [K] float64 (host), read once with the checks
@@ -254,7 +254,7 @@ class FedECADO(FederationTables, Aggregator):
         S_off = None
         Ik_sum = flow_sum(Ik)                                      # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
-            S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
+            S_off = (self.S_all - Ik_sum).to(rin.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
         dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
         res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
