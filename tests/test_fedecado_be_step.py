@@ -384,7 +384,7 @@ def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
     syncs = [str(m.message) for m in rec if "synchroniz" in str(m.message).lower()]
     assert res["finite"] is True and len(syncs) <= res["steps"] + res["rejects"], syncs
     assert (res["steps"], res["rejects"]) == (ref["steps"], ref["rejects"])
-    torch.testing.assert_close(res["xc"].cpu(), ref["xc"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(res["xc"].cpu(), ref["xc"], rtol=1e-9, atol=1e-9)   # (GPU vs CPU rounding, ~16 steps)
 
 
 def fedkernels_cuda():
