@@ -20,6 +20,8 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("weighted_sum_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> ()");
   // weighted_sum and, from the same pass, ok[i] = all(isfinite(U[rows[i]])) (the NaN/Inf screen)
   m.def("weighted_sum_screened(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> (Tensor, Tensor)");
+  // the same into a caller's out (may alias base), returning ok
+  m.def("weighted_sum_screened_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> Tensor");
   // ok[k] = all(isfinite(U[k])): [K] bool, one read of U (bad-update screening).
   m.def("finite_rows(Tensor U) -> Tensor");
 

@@ -41,9 +41,9 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                          rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                          rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     r = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
-    return weighted_sum(U, coef, base, alpha, rows), finite_rows(U.index_select(0, r.to(U.device)))
+    return weighted_sum(U, coef, base, alpha, rows, out), finite_rows(U.index_select(0, r.to(U.device)))
 
 
 def finite_rows(U: torch.Tensor) -> torch.Tensor:

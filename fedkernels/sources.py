@@ -728,7 +728,9 @@ def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alph
     odt = dst.dtype
     bb = None if base is None else base.to(device=dst.device, dtype=odt)
     if c.dtype == odt:
-        if screen and rows is None and has_kernel("weighted_sum_screened", c.device):
+        if screen and rows is None and has_kernel("weighted_sum_screened_out", c.device):
+            if dst.is_contiguous():                      # written straight into dst (no block temporary)
+                return ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha, out=dst)[1]
             res, ok = ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha)
             dst.copy_(res)
             return ok

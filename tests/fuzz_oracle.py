@@ -39,7 +39,10 @@ FLOAT_NAMES = list(FLOATS)
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
 OP_TARGETS = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
-              "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
+              "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
+
+# public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
+FUZZED_VIA = {"BEStepWindow": "fedecado_be_step"}
 
 # public names of fedkernels.ops that are not data-path ops (the sharded-mode hooks)
 NOT_DATA_OPS = {"reduce_across", "active_reducer", "Reducer"}
@@ -70,7 +73,7 @@ def agg_names() -> List[str]:
 
 def unfuzzed_ops() -> List[str]:
     return [n for n in getattr(ops, "__all__", []) if callable(getattr(ops, n, None)) and n not in OP_TARGETS
-            and n not in NOT_DATA_OPS]
+            and n not in NOT_DATA_OPS and n not in FUZZED_VIA]
 
 
 def _K(rnd: random.Random, allow0=True) -> int:
@@ -134,7 +137,7 @@ def _gen_weighted_sum(rnd, c):
 
 def _gen_weighted_sum_screened(rnd, c):
     _gen_weighted_sum(rnd, c)
-    c["out"], c["screened"] = None, True
+    c["screened"] = True
 
 
 def _gen_weighted_sum_chunked(rnd, c):
@@ -241,6 +244,7 @@ def _gen_fedecado_be_step(rnd, c):
                             "wrong_theta_len"])
     c["layout"] = rnd.choice(["contig", "contig", "transposed", "colslice"])
     c["use_out"] = rnd.choice([False, True])
+    c["window"] = rnd.choice([False, True])      # through ops.BEStepWindow (two steps), not the single call
 
 
 def _gen_sgd(rnd, c):
@@ -296,6 +300,7 @@ def _gen_dvec_float(rnd, c):   # amax_d / mean_d: float d-reductions (no dtype v
 
 for _n in ("dot", "sqnorm", "all", "any"):
     globals()["_gen_" + _n + ("_inplace" if _n in ("all", "any") else "")] = _gen_dvec
+_gen_any_flag = _gen_dvec
 _gen_amax_d = _gen_mean_d = _gen_dvec_float
 
 
@@ -576,7 +581,7 @@ def _run_weighted_sum(g, c):
     alpha = c["alpha"]
     base0 = None if base is None else base.clone()
     if c.get("screened"):     # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
-        res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows)
+        res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     else:
         res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     # the call succeeded: the inputs must have been valid
@@ -1105,7 +1110,17 @@ def _run_fedecado_be_step(g, c):
     out = None
     if c["use_out"] and dt_.is_floating_point:
         out = (torch.empty(d, dtype=dt_), torch.empty(K, d, dtype=dt_))
-    xn, In, lte = ops.fedecado_be_step(*args, out=out)
+    if c.get("window"):           # the window's first step is the single call; a second step from its result
+        win = ops.BEStepWindow(args[2], args[3], args[4], args[5], L, xc=args[0], Icur=args[1], out=out)
+        xn, In, lte = win.step(thn, tho, ig, dt, src=None, dst=0)
+        lte = lte.clone()
+        x2, I2, l2 = win.step(thn, tho, ig, dt, src=0, dst=1)
+        w2 = ops.fedecado_be_step(xn.clone(), In.clone(), *args[2:])
+        if not all(torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+                   for a, b in zip((x2, I2, l2), w2)):
+            raise Fail("BEStepWindow: a second step differs from fedecado_be_step on the same state")
+    else:
+        xn, In, lte = ops.fedecado_be_step(*args, out=out)
     invalid = kind in ("bad_dt", "wrong_shape", "wrong_theta_len") or (kind == "neg_inv_g" and K > 0)
     if dt_ not in (torch.float32, torch.float64) or invalid:
         raise Fail(f"fedecado_be_step accepted dtype {dt_} / case {kind}")
@@ -1376,6 +1391,10 @@ def _run_dvec(g, c, name):
             if bool(got) != bool(x.any()):
                 raise Fail(f"any_: {got} != {bool(x.any())}")
             return "ok"
+        elif name == "any_flag":
+            if got.shape != (1,) or got.dtype != torch.bool or got.device != x.device or bool(got) != bool(x.any()):
+                raise Fail(f"any_flag: {got} != [{bool(x.any())}]")
+            return "ok"
         elif name == "amax_d":
             ref = x64.amax(dim=-1) if x64.size(-1) else x64.new_full(x64.shape[:-1], float("-inf"))
             _check_close("amax_d", got, ref, torch.zeros_like(ref), torch.zeros_like(ref, dtype=torch.bool))
@@ -1400,7 +1419,7 @@ def _run_dvec(g, c, name):
     return "ok"
 
 
-for _n in ("dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"):
+for _n in ("dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"):
     globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_dvec(g, c, nm)))(_n)
 
 
@@ -1752,7 +1771,7 @@ OP_ARG_NAMES = {
                             "subset", "weight_decay"],
     "gc_sgd_step_": ["gc_sgd_step_", "fused_sgd_step_", "params", "grads", "momentum", "lr", "gc_mask",
                      "weight_decay"],
-    "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"],
+    "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"], "any_flag": ["any_flag", "mask"],
     "amax_d": ["amax_d", "x"], "mean_d": ["mean_d", "x"],
     "lu_solve": ["lu_solve", "lu_factor", "LU", "piv", "pivots", "B"],
 }

@@ -148,6 +148,10 @@ def test_weighted_sum_screened_flags_and_bits(dev, K, d, off, dtype):
     assert ok.device == U.device and ok.cpu().tolist() == want.cpu().tolist()
     plain = ops.weighted_sum(U, coef, base=base, alpha=0.5, rows=rows)
     assert torch.equal(out.isnan(), plain.isnan()) and torch.equal(out.nan_to_num(), plain.nan_to_num())
+    into = base.clone()                                  # out= (here base itself: in place), same bits and flags
+    got, ok = ops.weighted_sum_screened(U, coef, base=into, alpha=0.5, rows=rows, out=into)
+    assert got is into and ok.cpu().tolist() == want.cpu().tolist()
+    assert torch.equal(into.isnan(), plain.isnan()) and torch.equal(into.nan_to_num(), plain.nan_to_num())
 
 
 def test_weighted_sum_nan_propagates(dev):
@@ -315,6 +319,8 @@ def test_opcheck_cuda():  # the CPU ops' opchecks: tests/test_<op>.py
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, coef, base, 0.5, None))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, coef[:2], None, 1.0, rows))
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default, (U, coef, base, 1.0, None, base.clone()))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_screened_out.default,
+                          (U, coef, base, 1.0, None, torch.empty_like(base)))
     torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, (U,))
     G = (U.double() @ U.double().T).contiguous()
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default,

@@ -228,12 +228,12 @@ def test_central_round_fused_vs_composition(dtype, monkeypatch):
     kw = dict(L=0.5, delta=0.02, dt_init=max(T), S_off=S)
     ref = fe.central_round(xc0, I, U, T, w, [1.0] * 4, solver="closed_form", **kw)
     calls = []
-    real = ops.fedecado_be_step
-    monkeypatch.setattr(ops, "fedecado_be_step", lambda *a, **k: (calls.append(k.get("out")), real(*a, **k))[1])
+    real = ops.BEStepWindow.step
+    monkeypatch.setattr(ops.BEStepWindow, "step", lambda self, *a, **k: calls.append(real(self, *a, **k)) or calls[-1])
     res = fe.central_round(xc0, I, U, T, w, [1.0] * 4, solver="auto", **kw)
     assert len(calls) == res["steps"] + res["rejects"] and res["rejects"] > 0 and res["steps"] > 2
-    ids = {id(o[0]) for o in calls}
-    assert len(ids) == 2 and all(o is not None for o in calls)          # two reused buffer pairs
+    ids = {(id(o[0]), id(o[1])) for o in calls}
+    assert len(ids) == 2                                                 # two reused buffer pairs
     assert (res["steps"], res["rejects"], res["dt"], res["truncated"]) == \
         (ref["steps"], ref["rejects"], ref["dt"], ref["truncated"])
     tol = 1e-12 if dtype == D64 else 1e-5
@@ -322,3 +322,71 @@ def test_huge_cancelling_updates_within_error_bound():
     for bad in (bad_x, bad_l):
         with pytest.raises(fuzz.Fail):
             fuzz.check_fedecado_be_step(args, bad, ref, D64)
+
+
+# ---- host syncs: one device-to-host copy per attempt ----------------------------------------------
+@pytest.mark.parametrize("norm", ["inf", "rms"])
+def test_torch_attempt_brings_both_lte_norms_in_one_host_copy(monkeypatch, norm):
+    """be_step's torch composition (a device without the fused kernel, lte_norm='rms', solver=
+    'closed_form' / 'lu'): LTE_c and LTE_I come to the host together, one read of device values per
+    attempt (a device-to-host sync on a GPU), with the values of reading them one by one. (The
+    attempt's device values have U's dtype, float32 here; the per-client vectors are float64 host
+    tensors on every device: their reads are not counted.)"""
+    a = _inputs(6, 301, seed=3, dtype=torch.float32)
+    args = (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"], a["L"],
+            a["S_off"])
+    reads = []
+    for name in ("__float__", "item", "tolist", "cpu", "__bool__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _r=real, _n=name, **k:
+                            (self.dtype == torch.float32 and reads.append(_n)) or _r(self, *x, **k))
+    xn, In, lc, li = fe.be_step(*args, lte_norm=norm, solver="closed_form")
+    assert reads == ["tolist"], reads
+    monkeypatch.undo()
+    D = In - a["Icur"]
+    want_c = 0.5 * a["dt"] * float(fe._norm(D.sum(0), norm))
+    e = a["U"] * (a["theta_new"] - a["theta_old"]).float().unsqueeze(1) - D * a["inv_g"].float().unsqueeze(1) \
+        - (xn - a["xc"]).unsqueeze(0)
+    assert lc == want_c
+    assert abs(li - 0.5 * a["dt"] / a["L"] * float(fe._norm(e, norm).max())) <= 1e-6 * max(li, 1e-30)
+
+
+def test_central_round_checks_the_window_once(monkeypatch):
+    """The fused attempts of a round go through one ops.BEStepWindow (U, Ik, xc0, S_off checked once),
+    each attempt a step of it: no per-attempt fedecado_be_step call (whose checks repeat for every attempt)."""
+    xc0, I, U, T, w, S = _round_inputs(4, 301, seed=5, dtype=D64)
+    windows, singles = [], []
+    real_init = ops.BEStepWindow.__init__
+    monkeypatch.setattr(ops.BEStepWindow, "__init__", lambda self, *a, **k: windows.append(1) or real_init(self, *a, **k))
+    monkeypatch.setattr(ops, "fedecado_be_step", lambda *a, **k: singles.append(1))
+    res = fe.central_round(xc0, I, U, T, w, [1.0] * 4, L=0.5, delta=0.02, dt_init=max(T), S_off=S)
+    assert windows == [1] and not singles and res["steps"] + res["rejects"] > 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
+    import warnings
+    if not fedkernels_cuda():
+        pytest.skip("fedkernels built without CUDA")
+    xc0, I, U, T, w, S = _round_inputs(5, 4099, seed=6, dtype=D64)
+    kw = dict(L=0.5, delta=0.02, dt_init=max(T))
+    ref = fe.central_round(xc0, I, U, T, w, [1.0] * 5, S_off=S, **kw)
+    c = lambda t: t.cuda()   # noqa: E731
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            res = fe.central_round(c(xc0), c(I), c(U), T, w, [1.0] * 5, S_off=c(S), **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(m.message) for m in rec if "synchroniz" in str(m.message).lower()]
+    assert res["finite"] is True and len(syncs) <= res["steps"] + res["rejects"], syncs
+    assert (res["steps"], res["rejects"]) == (ref["steps"], ref["rejects"])
+    torch.testing.assert_close(res["xc"].cpu(), ref["xc"], rtol=1e-9, atol=1e-9)   # (GPU vs CPU rounding, ~16 steps)
+
+
+def fedkernels_cuda():
+    import fedkernels
+    return bool(fedkernels.build_info().get("cuda"))

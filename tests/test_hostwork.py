@@ -69,9 +69,17 @@ def test_screen_copies_to_host_once(monkeypatch, name):
 def _host_copies(monkeypatch):
     """Records every ``Tensor.cpu()`` and every ``Tensor.to("cpu")``: the calls that are device-to-host
     copies (syncs) when the tensor is on a GPU (on the CPU they are no-ops, but the call is made the
-    same way on every device). (``.to(other.device)`` is not recorded: on a GPU it stays there.)"""
+    same way on every device). (``.to(other.device)`` is not recorded: on a GPU it stays there.) Also
+    every call of the sharding-aware reductions that return a Python value (``ops.any_`` / ``all_`` /
+    ``dot`` / ``sqnorm``): each reads a device result on the host."""
     calls = []
     cpu, to = torch.Tensor.cpu, torch.Tensor.to
+    from fedkernels import ops
+    for name in ("any_", "all_", "dot", "sqnorm"):
+        def rec(*a, _f=getattr(ops, name), _n=name, **k):
+            calls.append((_n, tuple(a[0].shape)))
+            return _f(*a, **k)
+        monkeypatch.setattr(ops, name, rec)
 
     def to_cpu(dev):
         return isinstance(dev, str) and torch.device(dev).type == "cpu"
@@ -100,6 +108,41 @@ def test_kuramoto_brings_the_gram_to_the_host_with_the_flags(monkeypatch, mode):
     calls = _host_copies(monkeypatch)
     agg.aggregate(x, U, [1.0 + k for k in range(K)])
     assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("clip", [10.0, 1e-4])
+def test_kuramoto_mode_c_brings_the_clamp_flag_to_the_host_with_the_flags(monkeypatch, clip):
+    """Kuramoto mode C: one device-to-host copy per aggregate, the clamp's "clipped" flag in the same
+    copy as the NaN/Inf flags (weighted_sum(hold=True) + RoundInput.release), not a second sync; the
+    flag and the result as before (the clamp fires at clip=1e-4 only)."""
+    from fedkernels import algorithms
+    g = torch.Generator().manual_seed(2)
+    K, d = 40, 23
+    U, x = torch.randn(K, d, generator=g), torch.randn(d, generator=g)
+    pl = [{"phase": 0.1 * k} for k in range(K)]
+    agg = algorithms.build("kuramoto", mode="C", kappa0=0.5, clip=clip)
+    first = agg.aggregate(x, U, [1.0 + k for k in range(K)], payloads=pl)     # first round outside the count
+    calls = _host_copies(monkeypatch)
+    res = agg.aggregate(x, U, [1.0 + k for k in range(K)], payloads=pl)
+    assert len(calls) == 1, calls
+    assert res.info["clipped"] is first.info["clipped"] is (clip < 1)
+    assert torch.equal(res.params, first.params)
+
+
+def test_a_method_that_holds_the_flags_must_release_them():
+    """weighted_sum(hold=True) without RoundInput.release is an error, not an unscreened round."""
+    from fedkernels.algorithms.base import AggResult, Aggregator
+
+    class Forgets(Aggregator):
+        name = "forgets"
+        screen_in_pass = True
+
+        def _aggregate(self, rin):
+            return AggResult(rin.weighted_sum([1.0] * rin.K, base=rin.global_flat, hold=True), {})
+    U = torch.randn(3, 5)
+    U[1, 2] = float("nan")
+    with pytest.raises(RuntimeError, match=r"held the rows' NaN/Inf flags .* never released them"):
+        Forgets().aggregate(torch.zeros(5), U, [1, 1, 1])
 
 
 def test_host_copy_with_packs_flags_and_carry_exactly(monkeypatch):
@@ -135,6 +178,30 @@ def test_one_sync_per_aggregate_on_gpu(name):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(x.message) for x in w if "synchroniz" in str(x.message).lower()]
     assert len(syncs) <= 1, syncs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kuramoto_mode_c_one_sync_on_gpu():
+    from fedkernels import algorithms, build_info
+    if not build_info().get("cuda"):
+        pytest.skip("fedkernels built without CUDA")
+    g = torch.Generator().manual_seed(3)
+    U, x = torch.randn(64, 76, generator=g).cuda(), torch.randn(76, generator=g).cuda()
+    agg = algorithms.build("kuramoto", mode="C", clip=1e-4)
+    run = lambda: agg.aggregate(x, U, [1.0] * 64, payloads=[{"phase": 0.1 * k} for k in range(64)])  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            res = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(m.message) for m in w if "synchroniz" in str(m.message).lower()]
+    assert len(syncs) <= 1, syncs
+    assert res.info["clipped"] is True
 
 
 SCREEN_IN_PASS = {"fedavg": ["weighted_sum_screened"], "fedprox": ["weighted_sum_screened"],

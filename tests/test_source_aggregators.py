@@ -188,7 +188,7 @@ def test_a_source_of_the_wrong_shape_dtype_or_device_is_named():
 
 
 def test_a_method_that_reads_rin_U_directly_is_stopped_not_given_numbers():
-    """The stand-in U of a source round holds no data: a method reading it raises instead of computing."""
+    """A source round has no U tensor: a method reading ``rin.U`` raises instead of computing."""
     class Direct(Aggregator):
         name = "direct"
 
@@ -199,6 +199,29 @@ def test_a_method_that_reads_rin_U_directly_is_stopped_not_given_numbers():
     assert torch.equal(Direct().aggregate(x, U, [1, 1, 1]).params, ops.weighted_sum(U, [1.0] * 3, base=x))
     with pytest.raises(RuntimeError, match=r"chunked source: RoundInput.U holds no data"):
         Direct().aggregate(x, TensorSource(U), [1, 1, 1])
+
+
+def test_a_source_round_gives_its_shape_not_a_tensor_stand_in():
+    """validate and the exclude policy read the source's UpdatesShape (K, d, dtype, device) directly: no
+    tensor stand-in; after an exclusion K counts the kept rows; the method sees the model's dtype (a
+    bf16 source is summed in it) and device."""
+    seen = []
+
+    class Look(Aggregator):
+        name = "look"
+
+        def _aggregate(self, rin: RoundInput) -> AggResult:
+            seen.append((type(rin.updates).__name__, rin.K, rin.d, rin.dtype, rin.device))
+            return AggResult(rin.weighted_sum([1.0] * rin.K, base=rin.global_flat), {})
+    U = torch.randn(4, D)
+    U[2, 7] = float("nan")
+    x = torch.zeros(D)
+    res = Look(on_bad_update="exclude").aggregate(x, ChunkedUpdates(TensorSource(U.bfloat16()), chunk_cols=100),
+                                                  [1, 1, 1, 1])
+    assert res.info["excluded"] == [{"client_id": 2, "reason": "update contains NaN/Inf"}]
+    assert seen[-1] == ("UpdatesShape", 3, D, torch.float32, torch.device("cpu"))
+    Look().aggregate(x, U[[0, 1, 3]], [1, 1, 1])
+    assert seen[-1] == ("Tensor", 3, D, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", ["fedavg", "kuramoto"])

@@ -197,3 +197,80 @@ def test_weighted_sum_screened_bad_args():
         ops.weighted_sum_screened(U, [1.0, 2.0])
     with pytest.raises(ValueError, match="rows"):
         ops.weighted_sum_screened(U, [1.0], rows=[3])
+
+
+@pytest.mark.parametrize("K,d,dtype", [(1, 1, torch.float32), (3, 7, torch.float64), (9, 8193, torch.float32),
+                                       (5, 4099, torch.bfloat16)])
+def test_weighted_sum_screened_out_writes_the_same_bits_into_out(K, d, dtype):
+    """``out=``: the sum written into the caller's tensor (returned as it is), the flags as without out;
+    U with a row stride > d, rows selected, out aliasing base (in-place apply)."""
+    g = torch.Generator().manual_seed(K + d)
+    U = torch.randn(K, d + 3, generator=g).to(dtype)[:, 1:1 + d]
+    if K > 1:
+        U[1, d // 2] = float("inf")
+    coef = torch.rand(K, generator=g, dtype=torch.float64)
+    base = torch.randn(d, generator=g).to(dtype)
+    want, want_ok = ops.weighted_sum_screened(U, coef, base=base, alpha=-0.3)
+    out = torch.full((d,), 7.0, dtype=dtype)
+    got, ok = ops.weighted_sum_screened(U, coef, base=base, alpha=-0.3, out=out)
+    assert got is out and ok.tolist() == want_ok.tolist() == [k != 1 for k in range(K)]
+    torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
+    rows = [K - 1, 0, K - 1]
+    b2 = base.clone()
+    got, ok = ops.weighted_sum_screened(U, [0.5, -1.0, 2.0], base=b2, alpha=0.7, rows=rows, out=b2)
+    assert got is b2 and ok.tolist() == [K - 1 != 1, True, K - 1 != 1]
+    torch.testing.assert_close(b2, ops.weighted_sum(U, [0.5, -1.0, 2.0], base=base, alpha=0.7, rows=rows),
+                               equal_nan=True, rtol=0, atol=0)
+    fin = torch.isfinite(b2)
+    torch.testing.assert_close(b2[fin].double(), ref.weighted_sum(U, [0.5, -1.0, 2.0], base, 0.7, rows)[fin],
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+def test_weighted_sum_screened_out_bad_out_names_the_argument():
+    U = torch.randn(4, 10)
+    c = [1.0] * 4
+    with pytest.raises(ValueError, match=r"weighted_sum_screened: out must be a 1-D tensor of length 10, got shape \(11,\)"):
+        ops.weighted_sum_screened(U, c, out=torch.zeros(11))
+    with pytest.raises(ValueError, match=r"weighted_sum_screened: out must have dtype torch.float32 \(the dtype of U\), "
+                                         r"got torch.float64"):
+        ops.weighted_sum_screened(U, c, out=torch.zeros(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"weighted_sum_screened: out is on meta but U is on cpu"):
+        ops.weighted_sum_screened(U, c, out=torch.zeros(10, device="meta"))
+    with pytest.raises(ValueError, match=r"weighted_sum_screened: out must be contiguous"):
+        ops.weighted_sum_screened(U, c, out=torch.zeros(20)[::2])
+    with pytest.raises(TypeError, match=r"weighted_sum_screened: out must be a torch.Tensor"):
+        ops.weighted_sum_screened(U, c, out=[0.0] * 10)
+
+
+def test_weighted_sum_screened_out_opcheck():
+    U = torch.randn(5, 300)
+    U[3, 7] = float("nan")
+    c = torch.rand(5, dtype=torch.float64)
+    b = torch.randn(300)
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_screened_out.default, (U, c, b, 0.5, None, torch.empty(300)))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_screened_out.default,
+                          (U, c[:2], None, 1.0, torch.tensor([4, 3]), torch.empty(300)))
+
+
+def test_a_screened_source_block_is_summed_straight_into_its_output_slice(monkeypatch):
+    """sources.weighted_sum_block's screened path hands its destination slice to the op as ``out``
+    (no block-sized temporary and copy), with the bits and flags of the plain op."""
+    from fedkernels import sources
+    seen = []
+    real = ops.weighted_sum_screened
+
+    def spy(*a, **kw):
+        seen.append(kw.get("out"))
+        return real(*a, **kw)
+    monkeypatch.setattr(sources.ops, "weighted_sum_screened", spy)
+    U = torch.randn(6, 1000)
+    U[4, 999] = float("nan")
+    coef = torch.rand(6, dtype=torch.float64)
+    base = torch.randn(1000)
+    full = torch.zeros(3000)
+    dst = full[1000:2000]
+    ok = sources.weighted_sum_block(U, coef, base, 0.5, dst, screen=True)
+    assert len(seen) == 1 and seen[0] is dst
+    assert ok.tolist() == [True] * 4 + [False, True]
+    torch.testing.assert_close(dst, ops.weighted_sum(U, coef, base=base, alpha=0.5), equal_nan=True, rtol=0, atol=0)
+    assert not full[:1000].any() and not full[2000:].any()

@@ -4,7 +4,7 @@
 // accumulator, so every element of U is read once. fp32 inputs accumulate in fp32, fp64 in fp64,
 // fp16/bf16 in fp32. Each output element is summed in row order: deterministic for any thread count.
 // out may alias base (in-place apply).
-// weighted_sum_screened also returns ok[i] = all(isfinite(U[rows[i], :])) from the same pass: a
+// weighted_sum_screened (and weighted_sum_screened_out, into a caller's out) also returns ok[i] = all(isfinite(U[rows[i], :])) from the same pass: a
 // NaN/Inf anywhere in a chunk's rows makes that chunk's accumulator non-finite (c * Inf and
 // c * NaN are never finite, 0 * Inf is NaN), so the L1-resident accumulator is checked after each
 // chunk, and only a chunk whose accumulator is not finite (a bad row, or an fp32 overflow of
@@ -154,12 +154,19 @@ at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c
   return out;
 }
 
+at::Tensor weighted_sum_screened_out_cpu(const at::Tensor& U, const at::Tensor& coef,
+                                         const c10::optional<at::Tensor>& base, double alpha,
+                                         const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  at::Tensor ok;
+  wsum_cpu(U, coef, base, alpha, rows, out, &ok);
+  return ok;
+}
+
 std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cpu(const at::Tensor& U, const at::Tensor& coef,
                                                              const c10::optional<at::Tensor>& base, double alpha,
                                                              const c10::optional<at::Tensor>& rows) {
   auto out = checks::weighted_sum_output(U);
-  at::Tensor ok;
-  wsum_cpu(U, coef, base, alpha, rows, out, &ok);
+  auto ok = weighted_sum_screened_out_cpu(U, coef, base, alpha, rows, out);
   return {out, ok};
 }
 
@@ -169,6 +176,7 @@ TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("weighted_sum", &weighted_sum_cpu);
   m.impl("weighted_sum_out", &weighted_sum_out_cpu);
   m.impl("weighted_sum_screened", &weighted_sum_screened_cpu);
+  m.impl("weighted_sum_screened_out", &weighted_sum_screened_out_cpu);
 }
 
 }  // namespace fedkernels

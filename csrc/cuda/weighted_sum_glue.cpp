@@ -1,4 +1,4 @@
-// Torch glue of weighted_sum / weighted_sum_out / weighted_sum_screened (kernel: weighted_sum.cu).
+// Torch glue of weighted_sum / weighted_sum_out / weighted_sum_screened(_out) (kernel: weighted_sum.cu).
 // coef and rows may be host tensors (the Python wrappers pass them so: no host->device->host round
 // trip) or on U's device. Host coef: the accumulation type (float unless some |alpha*coef| > 3e38,
 // the CPU op's rule) is decided here; device coef: by the kernel.
@@ -58,13 +58,20 @@ at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const 
   return out;
 }
 
+at::Tensor weighted_sum_screened_out_cuda(const at::Tensor& U, const at::Tensor& coef,
+                                          const c10::optional<at::Tensor>& base, double alpha,
+                                          const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  at::Tensor ok;
+  wsum_cuda(U, coef, base, alpha, rows, out, &ok);
+  return ok;
+}
+
 std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cuda(const at::Tensor& U, const at::Tensor& coef,
                                                               const c10::optional<at::Tensor>& base, double alpha,
                                                               const c10::optional<at::Tensor>& rows) {
   c10::cuda::CUDAGuard guard(U.device());
   auto out = checks::weighted_sum_output(U);
-  at::Tensor ok;
-  wsum_cuda(U, coef, base, alpha, rows, out, &ok);
+  auto ok = weighted_sum_screened_out_cuda(U, coef, base, alpha, rows, out);
   return {out, ok};
 }
 
@@ -74,6 +81,7 @@ TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
   m.impl("weighted_sum", &weighted_sum_cuda);
   m.impl("weighted_sum_out", &weighted_sum_out_cuda);
   m.impl("weighted_sum_screened", &weighted_sum_screened_cuda);
+  m.impl("weighted_sum_screened_out", &weighted_sum_screened_out_cuda);
 }
 
 }  // namespace fedkernels

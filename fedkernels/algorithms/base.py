@@ -19,7 +19,8 @@ import abc
 import array
 import logging
 import math
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass, field, replace
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
                     TypeVar, Union)
 
@@ -27,7 +28,7 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import _float_dtype, _like, has_kernel, tracing  # tracing: also imported from here by the method modules
+from ..ops._checks import _float_dtype, _like, has_kernel, host_range, tracing  # tracing: also imported from here by the method modules
 from ..sources import ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
@@ -50,6 +51,23 @@ def info_values(t: Any) -> Any:
     return t if tracing() or not isinstance(t, torch.Tensor) else t.tolist()
 
 
+def _numbers(code: str, values: Any) -> "array.array":
+    """``array.array(code, values)`` ("d": floats, "q": int64): a sequence's numbers packed by ``struct``
+    in one C-level pass (2-3x faster than array's own conversion of a list of K numbers); TypeError
+    for an entry that is not such a number (OverflowError for an int out of range of "d")."""
+    try:
+        n = len(values)
+    except TypeError:
+        return array.array(code, values)
+    try:
+        b = struct.pack(f"{n}{code}", *values)
+    except struct.error as e:
+        raise TypeError(f"not a {code!r} number: {e}") from None
+    a = array.array(code)
+    a.frombytes(b)
+    return a
+
+
 def _f64(a: "array.array") -> torch.Tensor:
     return torch.frombuffer(a, dtype=torch.float64) if len(a) else torch.zeros(0, dtype=torch.float64)
 
@@ -60,7 +78,7 @@ def host_float64(values: Any) -> torch.Tensor:
     anything else goes through ``torch.as_tensor`` (which raises for what is not numbers)."""
     if isinstance(values, (list, tuple)):
         try:
-            return _f64(array.array("d", values))
+            return _f64(_numbers("d", values))
         except (TypeError, ValueError, OverflowError, RuntimeError):
             pass                       # nested sequences, text, ...: torch's conversion below
     t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
@@ -70,7 +88,7 @@ def host_float64(values: Any) -> torch.Tensor:
 def id_tensor(ids: Sequence[int], device: Any = None) -> torch.Tensor:
     """Client ids (Python ints, e.g. ``RoundInput.client_ids``) as an int64 index tensor in one C-level
     conversion (``torch.tensor`` of a list of K ints costs ~0.15 us per id)."""
-    a = array.array("q", ids)
+    a = _numbers("q", ids)
     t = torch.frombuffer(a, dtype=torch.long) if len(a) else torch.zeros(0, dtype=torch.long)
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
 
@@ -80,7 +98,7 @@ def payload_numbers(payloads: Sequence[Dict[str, Any]], key: str, default: float
     one C-level conversion, or None when some entry is not a plain number (text, a tensor of several
     elements, None, ...): the caller then looks at those payloads one by one."""
     try:
-        return _f64(array.array("d", [p.get(key, default) for p in payloads]))
+        return _f64(_numbers("d", [p.get(key, default) for p in payloads]))
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
 
@@ -121,43 +139,27 @@ class AggResult(NamedTuple):
 from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algorithms; re-exported here)
 
 
-class _SourceRows(torch.Tensor):
-    """What ``validate`` and the on_bad_update policy see of updates that come from a chunked source: a
-    [K, d] tensor of the global model's dtype and device that holds no data (zero strides over one NaN).
-    Its shape, dtype and device are read as a tensor's, ``index_select`` keeps this form (dropping rows
-    costs no K x d copy), and ``ops.finite_rows`` flags every row (the source pass that screened them
-    was exact: a flagged row stays flagged). Any other read raises: the rows are read through
-    ``RoundInput.weighted_sum`` / ``gram`` / ``blocks``."""
+@dataclass(frozen=True)
+class UpdatesShape:
+    """What ``validate`` and the on_bad_update policy read of a round's updates: the [K, d] rows'
+    shape, dtype and device, no data. A tensor gives it (``UpdatesShape.of(U)``), a chunked source its
+    own (``Aggregator._chunked_source``: K x d in the model's dtype and device, where its chunks are
+    summed); dropping rows is ``keep(n)`` (no K x d copy)."""
 
-    _GETSET_OK = {"dtype", "device", "shape", "ndim", "is_cuda", "is_cpu", "is_meta", "layout", "requires_grad",
-                  "is_sparse", "is_quantized", "is_nested", "names", "grad_fn", "is_leaf", "_base"}
-    _METHODS_OK = {"size", "stride", "dim", "numel", "is_floating_point", "is_complex", "element_size",
-                   "__len__", "storage_offset", "is_contiguous", "__format__", "__repr__", "_is_view"}
-
-    @classmethod
-    def of(cls, K: int, d: int, dtype: torch.dtype, device: torch.device) -> "_SourceRows":
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.Tensor._make_subclass(
-                cls, torch.full((1,), float("nan"), dtype=dtype, device=device).expand(K, d))
+    K: int
+    d: int
+    dtype: torch.dtype
+    device: torch.device
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.Tensor.index_select:
-            me, idx = args[0], args[2] if len(args) > 2 else kwargs["index"]
-            return cls.of(int(idx.numel()), me.size(1), me.dtype, me.device)
-        if func is torch.Tensor.contiguous:
-            return args[0]
-        if func in (torch.ops.fedkernels.finite_rows, torch.ops.fedkernels.finite_rows.default):
-            return torch.zeros(args[0].size(0), dtype=torch.bool, device=args[0].device)
-        name = getattr(func, "__name__", "")
-        if (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in cls._GETSET_OK) \
-                or name in cls._METHODS_OK:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        raise RuntimeError(f"the updates come from a chunked source: RoundInput.U holds no data ({name or func} "
-                           "read it); read the rows through RoundInput.weighted_sum / gram / blocks")
+    def of(cls, U: Union[torch.Tensor, "UpdatesShape"]) -> "UpdatesShape":
+        return U if isinstance(U, UpdatesShape) else cls(U.size(0), U.size(1), U.dtype, U.device)
+
+    def size(self, dim: int) -> int:
+        return (self.K, self.d)[dim]
+
+    def keep(self, n: int) -> "UpdatesShape":
+        return replace(self, K=n)
 
 
 @dataclass
@@ -166,12 +168,14 @@ class RoundInput:
 
     The updates are read only through ``weighted_sum``, ``gram`` and ``blocks`` (and ``screen``): one
     call on a [K, d] tensor, or chunk by chunk when they come from a chunked source (``src``, a
-    ``fedkernels.sources.ChunkedUpdates``; ``U`` is then a stand-in holding no data), with the same
-    result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram is summed over
-    the chunks in fp64 in column order."""
+    ``fedkernels.sources.ChunkedUpdates``; ``updates`` is then their ``UpdatesShape`` and ``U`` raises),
+    with the same result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram is
+    summed over the chunks in fp64 in column order. Their shape, dtype and device: ``K``, ``d``,
+    ``dtype``, ``device``."""
 
     global_flat: torch.Tensor
-    U: torch.Tensor                 # [K, d] updates of the accepted clients (a stand-in when ``src`` is set)
+    # the accepted clients' [K, d] updates: the tensor, or, when ``src`` is set, their UpdatesShape (no data)
+    updates: Union[torch.Tensor, UpdatesShape]
     num_examples: torch.Tensor      # [K] float64 (cpu)
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
@@ -189,6 +193,9 @@ class RoundInput:
     # source: the first ``weighted_sum`` with ``base=global_flat``; FedAWARE's table sum) writes into it
     # as it goes (``take_out``); whatever the method returns is copied into it at the end otherwise.
     out: Optional[torch.Tensor] = None
+    # ``weighted_sum(..., hold=True)``: the screening pass's flags, kept on the device until ``release``
+    held: Optional[torch.Tensor] = field(default=None, repr=False, init=False)
+    _hold: bool = field(default=False, repr=False, init=False)
 
     def take_out(self) -> Optional[torch.Tensor]:
         """The caller's ``out`` tensor for the method's result pass, once (None afterwards, or when the
@@ -196,13 +203,23 @@ class RoundInput:
         out, self.out = self.out, None
         return out
 
-    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0) -> torch.Tensor:
+    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                     hold: bool = False) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
-        ``ops.weighted_sum_screened`` and the flags go to ``on_flags``. From a source: chunk by chunk
+        ``ops.weighted_sum_screened`` and the flags go to ``on_flags`` (with ``hold``: they stay on the
+        device until :meth:`release`, which brings a value computed after this pass to the host in the
+        same copy; the method changes no state in between). From a source: chunk by chunk
         into a [d] vector of the global model's dtype and device (a bf16/fp16 source is summed in that
         dtype): the caller's ``out`` for the result pass ``base=global_flat`` (each chunk written as it
         is summed: a path ``out`` of ``fedkernels.streaming`` is a mapped temporary file, so the write
         overlaps the pass), else a fresh one."""
+        self._hold = hold and self.screen_rows
+        try:
+            return self._weighted_sum(coef, base, alpha)
+        finally:
+            self._hold = False
+
+    def _weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
         if self.src is not None:
             g = self.global_flat
             given = self.take_out() if base is g else None
@@ -218,6 +235,17 @@ class RoundInput:
                 return out
             self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
+
+    def release(self, carry: torch.Tensor) -> torch.Tensor:
+        """``carry`` (a tensor on U's device) on the host, brought there in one device-to-host copy with
+        the flags that ``weighted_sum(..., hold=True)`` held, which then go to ``on_flags`` (the policy:
+        raise, or the round again without the bad rows). Without held flags: ``carry`` copied alone."""
+        ok, self.held, self._hold = self.held, None, False
+        if ok is None:
+            return carry.cpu()
+        host = self._flags(ok, carry=carry)
+        assert host is not None
+        return host
 
     def gram(self, host: bool = False) -> torch.Tensor:
         """``ops.gram(U)`` ([K, K] fp64 on U's device, or on the host with ``host=True``); while the
@@ -289,8 +317,12 @@ class RoundInput:
     def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None,
                carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Hands the rows' flags to ``on_flags``; returns ``carry`` (None, or a tensor on ok's device) on
-        the host, brought there in the flags' copy."""
+        the host, brought there in the flags' copy. While a ``weighted_sum(..., hold=True)`` runs, the
+        flags of its pass are kept in ``held`` instead (``release`` hands them over)."""
         self.screen_rows = False
+        if self._hold and cols is None and carry is None:
+            self.held = ok
+            return None
         if self.on_flags is None:
             return None if carry is None else carry.cpu()
         if self.src is None:
@@ -306,12 +338,30 @@ class RoundInput:
             raise BadUpdateError(f"{e} (source: {self.src.row_name(k)}{where})") from None
 
     @property
+    def U(self) -> torch.Tensor:
+        """The [K, d] updates tensor (a round on a chunked source has none: read its rows through
+        ``weighted_sum`` / ``gram`` / ``blocks``)."""
+        if isinstance(self.updates, torch.Tensor):
+            return self.updates
+        raise RuntimeError("the updates come from a chunked source: RoundInput.U holds no data; read the rows "
+                           "through RoundInput.weighted_sum / gram / blocks (their shape: rin.K, rin.d, rin.dtype, "
+                           "rin.device)")
+
+    @property
     def K(self) -> int:
-        return self.U.size(0)
+        return self.updates.size(0)
 
     @property
     def d(self) -> int:
-        return self.U.size(1)
+        return self.updates.size(1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.updates.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.updates.device
 
     def sample_weights(self) -> torch.Tensor:
         """p_k = n_k / sum n (float64, cpu)."""
@@ -433,6 +483,7 @@ class Aggregator(abc.ABC):
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
         the eager call gives lists."""
         src: Optional[ChunkedUpdates] = None
+        rows: Union[Updates, UpdatesShape] = updates      # what validate checks: on a source, its UpdatesShape
         if out is not None:
             self._check_out(global_flat, out)
         if isinstance(updates, ChunkedUpdates) and isinstance(global_flat, torch.Tensor) and (
@@ -443,9 +494,9 @@ class Aggregator(abc.ABC):
             return self._into(updates.aggregate_placed(self.aggregate, global_flat, num_examples, client_ids,
                                                        payloads), out)
         if isinstance(updates, (MatrixSource, ChunkedUpdates)):
-            src, updates = self._chunked_source(global_flat, updates)
+            src, rows = self._chunked_source(global_flat, updates)
         if tracing():
-            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+            rin = self.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
             traced = self._into(self._aggregate(rin), out)
             traced.info.setdefault("num_clients", rin.K)
             self.round += 1
@@ -458,7 +509,7 @@ class Aggregator(abc.ABC):
             # without screen_in_pass on a source: a screening pass of its own over the chunks first.
             self._defer_global = True
             try:
-                rin = self.validate(global_flat, updates, num_examples, client_ids, payloads, screen=False)
+                rin = self.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
             finally:
                 self._defer_global = False
             g_ok, pp = self._pending_global, self._pending_payload
@@ -481,10 +532,13 @@ class Aggregator(abc.ABC):
                 if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                     raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
                                        "through RoundInput.weighted_sum / gram")
+                if rin.held is not None:
+                    raise RuntimeError(f"{self.name}: _aggregate held the rows' NaN/Inf flags "
+                                       "(RoundInput.weighted_sum(hold=True)) and never released them (rin.release)")
             elif g_ok is not None and not bool(g_ok.cpu()[0]):
                 raise self._global_nan()
         else:
-            rin = self.validate(global_flat, updates, num_examples, client_ids, payloads)
+            rin = self.validate(global_flat, rows, num_examples, client_ids, payloads)
             res = self._aggregate(rin) if rin.K > 0 else None
         if res is None:
             res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
@@ -505,8 +559,8 @@ class Aggregator(abc.ABC):
     no_chunked_source: Optional[str] = None
 
     def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
-                        ) -> Tuple[ChunkedUpdates, torch.Tensor]:
-        """(the source as chunks delivered to global_flat's device, the stand-in ``validate`` checks).
+                        ) -> Tuple[ChunkedUpdates, UpdatesShape]:
+        """(the source as chunks delivered to global_flat's device, the UpdatesShape ``validate`` checks).
         A source's dtype is global_flat's, or bf16/fp16 under a float32/float64 model (summed in the
         model's dtype)."""
         what = f"{self.name}.aggregate"
@@ -533,7 +587,7 @@ class Aggregator(abc.ABC):
                                      and gdt in (torch.float32, torch.float64)):
             raise ValueError(f"{what}: updates ({src!r}) has dtype {src.dtype}, expected global_flat's {gdt} "
                              "(or bfloat16/float16 under a float32/float64 model)")
-        return src, _SourceRows.of(src.K, d, gdt, dev)
+        return src, UpdatesShape(src.K, d, gdt, dev)
 
     def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]],
                 out: Optional[torch.Tensor] = None) -> RoundInput:
@@ -568,11 +622,13 @@ class Aggregator(abc.ABC):
             return res
         return AggResult(out.copy_(res.params), res.info)
 
-    def validate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
+    def validate(self, global_flat: torch.Tensor, updates: Union[Updates, UpdatesShape], num_examples: CoefLike,
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
                  screen: bool = True) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients.
-        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_in_pass``)."""
+        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_in_pass``). ``updates``
+        may be an :class:`UpdatesShape` (the rows of a chunked source): its shape, dtype and device are
+        checked as a tensor's, its rows are screened by the source pass (not here)."""
         if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
             raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
                              f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
@@ -590,15 +646,19 @@ class Aggregator(abc.ABC):
                 raise BadUpdateError(f"{self.name}.aggregate: updates[{i}] {got}, expected d={d} elements")
             updates = torch.stack([u.reshape(-1) if i not in bad_len else global_flat.new_full((d,), float("nan"))
                                    for i, u in enumerate(updates)]) if len(updates) else global_flat.new_zeros((0, d))
-        if not isinstance(updates, torch.Tensor) or updates.dim() != 2:
+        if isinstance(updates, torch.Tensor) and updates.dim() == 2:
+            shape = UpdatesShape.of(updates)
+        elif isinstance(updates, UpdatesShape):
+            shape, screen = updates, False
+        else:
             raise ValueError(f"{self.name}.aggregate: updates must be a [K, d] tensor, got "
                              f"{tuple(updates.shape) if isinstance(updates, torch.Tensor) else type(updates).__name__}")
-        K = updates.size(0)
-        if updates.size(1) != d:
-            raise BadUpdateError(f"{self.name}.aggregate: updates has {updates.size(1)} columns, expected d={d} (len(global_flat))")
+        K = shape.K
+        if shape.d != d:
+            raise BadUpdateError(f"{self.name}.aggregate: updates has {shape.d} columns, expected d={d} (len(global_flat))")
         # the tensor rules of the op wrappers (ops._checks), checked here before any state is touched
-        _like(updates, f"{self.name}.aggregate", "updates", global_flat, "global_flat")
-        _float_dtype(updates, f"{self.name}.aggregate", "updates")
+        _like(shape, f"{self.name}.aggregate", "updates", global_flat, "global_flat")
+        _float_dtype(shape, f"{self.name}.aggregate", "updates")
         # Counts, ids and payloads: whole-round conversions and checks (no Python call per client)
         try:
             n = host_float64(num_examples)
@@ -609,7 +669,7 @@ class Aggregator(abc.ABC):
         ids = self._client_ids(client_ids, K)
         if len(set(ids)) != K:
             raise ValueError(f"{self.name}.aggregate: client_ids must be distinct, got {ids}")
-        if self.num_clients is not None and K and (min(ids) < 0 or max(ids) >= self.num_clients):
+        if self.num_clients is not None and K and not self._ids_within(ids, self.num_clients):
             raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
         if payloads is None:
             pl: List[Dict[str, Any]] = [{} for _ in range(K)]
@@ -625,13 +685,19 @@ class Aggregator(abc.ABC):
             reasons[k] = f"update has the wrong number of elements (expected d={d})"
         return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
 
+    @staticmethod
+    def _ids_within(ids: List[int], N: int) -> bool:
+        """All of the K ints ``ids`` lie in [0, N) (one C-level min/max, not two passes in Python)."""
+        lo, hi = torch.aminmax(id_tensor(ids))
+        return int(lo) >= 0 and int(hi) < N
+
     def _client_ids(self, client_ids: Any, K: int) -> List[int]:
         """K ints naming the clients (default 0..K-1); ValueError unless they are K integers."""
         if client_ids is None:
             return list(range(K))
         given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
         try:
-            ids = array.array("q", given).tolist()        # ints only, in one pass (a float or text raises)
+            ids = _numbers("q", given).tolist()           # ints only, in one pass (a float or text raises)
         except (TypeError, ValueError, OverflowError, RuntimeError):
             try:                                            # integral floats, 0-d tensors, ...: one by one
                 ids = [int(c) for c in given]
@@ -664,8 +730,8 @@ class Aggregator(abc.ABC):
         if not bool(host[0]):
             raise self._global_nan()
         bad = (~host[1:1 + K]).nonzero().reshape(-1)
-        if bad.numel() and rin.U.dtype == torch.float64:
-            bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.U.device))).cpu()]
+        if bad.numel() and rin.src is None and rin.dtype == torch.float64:      # (a source's flags are exact)
+            bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.device))).cpu()]
         reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
         bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
         pairs = pp[1].pairs() if pp is not None and bad_pl else []
@@ -673,12 +739,12 @@ class Aggregator(abc.ABC):
             k, key = pairs[j]
             reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
         if reasons:
-            raise _Redo(self._apply_policy(rin.global_flat, rin.U, rin.num_examples, rin.client_ids, rin.payloads,
+            raise _Redo(self._apply_policy(rin.global_flat, rin.updates, rin.num_examples, rin.client_ids, rin.payloads,
                                            reasons, rin.excluded))
         return carry
 
-    def _apply_policy(self, global_flat: torch.Tensor, updates: torch.Tensor, n: torch.Tensor, ids: List[int],
-                      pl: List[Dict[str, Any]], reasons: Dict[int, str],
+    def _apply_policy(self, global_flat: torch.Tensor, updates: Union[torch.Tensor, UpdatesShape], n: torch.Tensor,
+                      ids: List[int], pl: List[Dict[str, Any]], reasons: Dict[int, str],
                       excluded: List[Dict[str, Any]]) -> RoundInput:
         """The on_bad_update policy for the rows in ``reasons`` ({row: reason}): raise for the first,
         or drop them all (one index_select) and log each; ``excluded`` lists earlier exclusions."""
@@ -701,7 +767,7 @@ class Aggregator(abc.ABC):
                 self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
                                          _FlagOwners([(at[where[j][0]], where[j][1]) for j in sel]))
             idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
-            updates = updates.index_select(0, idx)
+            updates = updates.index_select(0, idx) if isinstance(updates, torch.Tensor) else updates.keep(len(keep))
             n = n[keep]
             ids = [ids[k] for k in keep]
             kept = [pl[k] for k in keep]
@@ -774,7 +840,7 @@ class Aggregator(abc.ABC):
     def _global_nan(self) -> ValueError:
         return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
 
-    def _screen(self, global_flat: torch.Tensor, U: torch.Tensor, n: torch.Tensor,
+    def _screen(self, global_flat: torch.Tensor, U: Union[torch.Tensor, UpdatesShape], n: torch.Tensor,
                 payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
         """The value checks of one round, {row: reason} for the bad clients (eager only; raises
         ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
@@ -790,6 +856,7 @@ class Aggregator(abc.ABC):
         K, dev = U.size(0), U.device
         flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
         if rows:
+            assert isinstance(U, torch.Tensor)                                 # (a source's rows: its own pass)
             flags.append(ops.finite_rows(U))                                   # [K]
         where, where_other = _FlagOwners(), _FlagOwners()   # whose payload each flag screens
         other: List[torch.Tensor] = []        # flags on another device than U's (copied after flags)
@@ -832,8 +899,10 @@ class Aggregator(abc.ABC):
             for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
                 reasons[k] = "update contains NaN/Inf"
             pos += K
-        for k in rows_where(~((n > 0) & torch.isfinite(n))):                   # host tensor, vectorised
-            reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
+        lo, hi = host_range(n)                                                 # one reduction when all are good
+        if not (lo > 0 and hi < math.inf):
+            for k in rows_where(~((n > 0) & torch.isfinite(n))):               # host tensor, vectorised
+                reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
         bad = rows_where(~host[pos:])
         pairs = where.pairs() if bad else []
         for j in bad:

@@ -8,10 +8,11 @@ named like the op:
 ``min_norm``          ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
 ``gc_project``        ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
 ``lu``                ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve`` (FedECADO)
-``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step)
+``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step; ``BEStepWindow``: its
+                      attempts over one integration window, the fixed arguments checked once)
 ``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
-``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_``, ``amax_d``, ``mean_d`` and the sharded
-                      mode (``reduce_across``, ``active_reducer``)
+``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_`` / ``any_flag``, ``amax_d``, ``mean_d``
+                      and the sharded mode (``reduce_across``, ``active_reducer``)
 ``_autograd``         the autograd / vmap machinery the op modules share (each op registers its
                       own derivative, or a clear error on backward, beside its wrapper)
 ====================  ==========================================================================
@@ -42,18 +43,18 @@ from ._checks import FLOAT_DTYPES, RowsLike  # noqa: E402
 from .finite_rows import finite_rows  # noqa: E402
 from .gram import gram, gram_screened  # noqa: E402
 from .weighted_sum import weighted_sum, weighted_sum_chunked, weighted_sum_screened  # noqa: E402
-from .fedecado_be_step import fedecado_be_step  # noqa: E402
+from .fedecado_be_step import BEStepWindow, fedecado_be_step  # noqa: E402
 from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
 from .min_norm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
-from .reductions import (Reducer, active_reducer, all_, amax_d, any_, dot, mean_d, reduce_across,  # noqa: E402
-                         sqnorm)
+from .reductions import (Reducer, active_reducer, all_, amax_d, any_, any_flag, dot, mean_d,  # noqa: E402
+                         reduce_across, sqnorm)
 
 __all__ = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked",
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
-           "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step",
+           "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
            "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
-           "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d",
+           "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer"]

@@ -7,7 +7,7 @@ host (CPU) float64 vectors for every device. No derivative: a backward through i
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,7 +15,7 @@ from .._types import CoefLike
 from . import _autograd as _ag
 from ._checks import _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor, _vector
 
-__all__ = ["fedecado_be_step"]
+__all__ = ["fedecado_be_step", "BEStepWindow"]
 
 
 def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
@@ -36,59 +36,118 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     (theta_new_i - theta_old_i) U_i - inv_g_i (I'_i - Icur_i) - (x_c' - xc); NaN maps to +inf.
     out: optional (xc_out [d], I_out [K, d]) contiguous buffers (reused across attempts: nothing is
     allocated); they must not share storage with any input. lte_out: optional float64 [2] buffer.
-    Arithmetic is float64 inside for both dtypes on the CPU.
+    Arithmetic is float64 inside for both dtypes on the CPU. The attempts of one integration window
+    (the same xc0, U, Ik, S_off, L): :class:`BEStepWindow` checks those once.
     """
-    op = "fedecado_be_step"
-    U = _matrix(U, op, "U")
-    if U.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
-    K, d = U.shape
-    mats: Dict[str, torch.Tensor] = {}
-    for name, M in (("Icur", Icur), ("Ik", Ik)):
-        M = _matrix(M, op, name)
-        if tuple(M.shape) != (K, d):
-            raise ValueError(f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}")
-        if M.dtype != U.dtype or M.device != U.device:
-            raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
-        mats[name] = M
-    vecs: Dict[str, Optional[torch.Tensor]] = {}
-    for name, v in (("xc", xc), ("xc0", xc0), ("S_off", S_off)):
-        if v is None and name == "S_off":
-            vecs[name] = None
-            continue
-        vecs[name] = _vector(v, op, name, d, U).contiguous()
-    thn = _host_coef(theta_new, K, op, "theta_new")
-    tho = _host_coef(theta_old, K, op, "theta_old")
-    ig = _host_coef(inv_g, K, op, "inv_g", nonneg=True)
-    for name, x in (("dt", dt), ("L", L)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not x > 0:
-            raise ValueError(f"{op}: {name} must be a finite number > 0, got {x!r}")
-    _needs_kernel("fedecado_be_step_out", U.device, op)
-    _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None],
-                     theta_new, theta_old, inv_g)
-    if lte_out is None:
-        lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
-    elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64
-          or lte_out.device != U.device or not lte_out.is_contiguous()):
-        raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
-    if out is None:
-        xo, Io = torch.empty(d, dtype=U.dtype, device=U.device), torch.empty(K, d, dtype=U.dtype, device=U.device)
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"{op}: out must be a pair (xc_out [d], I_out [K, d])")
-        xo, Io = out
-        for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
-            t = _tensor(t, op, name)
-            if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
-                raise ValueError(f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
-                                 f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
-        ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
-        for name, t in (("xc_out", xo), ("I_out", Io)):
-            if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
-                raise ValueError(f"{op}: {name} must not share storage with an input or the other output")
-    torch.ops.fedkernels.fedecado_be_step_out(vecs["xc"], mats["Icur"], vecs["xc0"], U, mats["Ik"], vecs["S_off"],
-                                              thn, tho, ig, float(dt), float(L), xo, Io, lte_out)
-    return xo, Io, lte_out
+    win = BEStepWindow(xc0, U, Ik, S_off, L, xc=xc, Icur=Icur, theta=(theta_new, theta_old, inv_g, dt),
+                       out=out, lte_out=lte_out)
+    return win.step(theta_new, theta_old, inv_g, dt, src=None, dst=0)
+
+
+class BEStepWindow:
+    """:func:`fedecado_be_step` over the attempts of one integration window (FedECADO's
+    ``central_round``): what stays fixed (xc0, U, Ik, S_off, L, the start state (xc, Icur), default
+    (xc0, Ik)) is checked once here, with :func:`fedecado_be_step`'s rules and messages; the attempts
+    write into output pairs that the window owns (allocated on first use, or ``out`` as pair 0: checked
+    once), so :meth:`step` checks only its own arguments (the host vectors, dt, which state it reads and
+    which pair it writes). Same op, same results as calling :func:`fedecado_be_step` per attempt."""
+
+    def __init__(self, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor, S_off: Optional[torch.Tensor],
+                 L: float, xc: Optional[torch.Tensor] = None, Icur: Optional[torch.Tensor] = None,
+                 theta: Optional[Tuple[CoefLike, CoefLike, CoefLike, float]] = None,
+                 out: Optional[Sequence[torch.Tensor]] = None, lte_out: Optional[torch.Tensor] = None) -> None:
+        op = "fedecado_be_step"
+        U = _matrix(U, op, "U")
+        if U.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
+        K, d = U.shape
+        mats: Dict[str, torch.Tensor] = {}
+        for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik)):
+            M = _matrix(M, op, name)
+            if tuple(M.shape) != (K, d):
+                raise ValueError(f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}")
+            if M.dtype != U.dtype or M.device != U.device:
+                raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
+            mats[name] = M
+        vecs: Dict[str, Optional[torch.Tensor]] = {}
+        for name, v in (("xc", xc0 if xc is None else xc), ("xc0", xc0), ("S_off", S_off)):
+            if v is None and name == "S_off":
+                vecs[name] = None
+                continue
+            vecs[name] = _vector(v, op, name, d, U).contiguous()
+        self._pre: Optional[Tuple[Any, ...]] = None
+        if theta is not None:          # (a single call: its vectors and dt checked in fedecado_be_step's order)
+            self._pre = theta[:3] + (self._coefs(K, *theta[:3]),)
+            _positive(theta[3], op, "dt")
+        _positive(L, op, "L")
+        _needs_kernel("fedecado_be_step_out", U.device, op)
+        _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None],
+                         *(() if theta is None else theta[:3]))
+        if lte_out is None:
+            lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
+        elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64
+              or lte_out.device != U.device or not lte_out.is_contiguous()):
+            raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
+        self.pairs: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None, None]
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise ValueError(f"{op}: out must be a pair (xc_out [d], I_out [K, d])")
+            xo, Io = out
+            for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
+                t = _tensor(t, op, name)
+                if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
+                    raise ValueError(f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
+                                     f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+            ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
+            for name, t in (("xc_out", xo), ("I_out", Io)):
+                if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
+                    raise ValueError(f"{op}: {name} must not share storage with an input or the other output")
+            self.pairs[0] = (xo, Io)
+        self.U, self.Ik, self.xc0, self.S_off = U, mats["Ik"], vecs["xc0"], vecs["S_off"]
+        self.start = (vecs["xc"], mats["Icur"])
+        self.L, self.lte = float(L), lte_out
+
+    def _coefs(self, K: int, theta_new: CoefLike, theta_old: CoefLike,
+               inv_g: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        op = "fedecado_be_step"
+        return (_host_coef(theta_new, K, op, "theta_new"), _host_coef(theta_old, K, op, "theta_old"),
+                _host_coef(inv_g, K, op, "inv_g", nonneg=True))
+
+    def pair(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Output pair ``i`` (0 or 1): (x_c' [d], I' [K, d]) buffers of U's dtype and device."""
+        p = self.pairs[i]
+        if p is None:
+            U = self.U
+            p = self.pairs[i] = (torch.empty(U.size(1), dtype=U.dtype, device=U.device),
+                                 torch.empty(U.shape, dtype=U.dtype, device=U.device))
+        return p
+
+    def step(self, theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike, dt: float, src: Optional[int],
+             dst: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One attempt from state ``src`` (None: the start state; i: output pair i, written by an earlier
+        attempt) into output pair ``dst`` (not ``src``). Returns (x_c', I', lte) as fedecado_be_step
+        (``lte`` is the window's [2] buffer: read it before the next step)."""
+        op = "fedecado_be_step"
+        if src is not None and (src == dst or self.pairs[src] is None):
+            raise ValueError(f"{op}: an attempt reads state {src} and writes pair {dst}: it must read the start "
+                             "state or a pair written before, and write the other pair")
+        xc, Icur = self.start if src is None else self.pair(src)
+        pre, self._pre = self._pre, None
+        if pre is not None and pre[0] is theta_new and pre[1] is theta_old and pre[2] is inv_g:
+            thn, tho, ig = pre[3]                      # (checked by the constructor of a single call)
+        else:
+            thn, tho, ig = self._coefs(self.U.size(0), theta_new, theta_old, inv_g)
+        _positive(dt, op, "dt")
+        _no_grad_through(op, theta_new, theta_old, inv_g)
+        xo, Io = self.pair(dst)
+        torch.ops.fedkernels.fedecado_be_step_out(xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig,
+                                                  float(dt), self.L, xo, Io, self.lte)
+        return xo, Io, self.lte
+
+
+def _positive(x: object, op: str, name: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not x > 0:
+        raise ValueError(f"{op}: {name} must be a finite number > 0, got {x!r}")
 
 
 @torch.library.register_fake("fedkernels::fedecado_be_step")

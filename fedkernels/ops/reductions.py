@@ -1,4 +1,5 @@
-"""Reductions over d that are sharding-aware: ``dot``, ``sqnorm``, ``all_``, ``any_``, ``amax_d``,
+"""Reductions over d that are sharding-aware: ``dot``, ``sqnorm``, ``all_``, ``any_`` (``any_flag``: on the
+device), ``amax_d``,
 ``mean_d`` (and the K x K / [K] results of ``gram`` / ``finite_rows``).
 
 In sharded aggregation (:mod:`fedkernels.distributed`) every d-vector an aggregator sees is this
@@ -24,7 +25,8 @@ import torch
 
 from ._checks import _tensor
 
-__all__ = ["Reducer", "reduce_across", "active_reducer", "dot", "sqnorm", "all_", "any_", "amax_d", "mean_d"]
+__all__ = ["Reducer", "reduce_across", "active_reducer", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d",
+           "mean_d"]
 
 
 class Reducer(Protocol):
@@ -90,8 +92,14 @@ def all_(mask: torch.Tensor) -> bool:
 
 def any_(mask: torch.Tensor) -> bool:
     """``bool(mask.any())`` over a d-sized mask (logical or across ranks in sharded mode)."""
-    m = _tensor(mask, "any_", "mask")
-    return not bool(shard_and((~m.any()).reshape(1)))
+    return bool(any_flag(mask))
+
+
+def any_flag(mask: torch.Tensor) -> torch.Tensor:
+    """:func:`any_` left on the mask's device: a [1] bool tensor (no host sync; logical or across ranks
+    in sharded mode), for a caller that brings it to the host with other values in one copy."""
+    m = _tensor(mask, "any_flag", "mask")
+    return ~shard_and((~m.any()).reshape(1))
 
 
 def amax_d(x: torch.Tensor) -> torch.Tensor:

@@ -60,13 +60,14 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
 
 
 def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                          rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(weighted_sum(U, coef, base, alpha, rows), ok)``, ok[i] = all(isfinite(U[rows[i]])) ([len(rows)]
-    bool on U's device), from the same pass over U: the NaN/Inf screen of the rows costs no extra
-    read. Arguments as :func:`weighted_sum`; not differentiable (a screen, not a formula)."""
+                          rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(weighted_sum(U, coef, base, alpha, rows, out), ok)``, ok[i] = all(isfinite(U[rows[i]]))
+    ([len(rows)] bool on U's device), from the same pass over U: the NaN/Inf screen of the rows costs
+    no extra read. Arguments as :func:`weighted_sum` (``out``: optional [d] contiguous of U's dtype and
+    device, may be ``base``; returned as the sum); not differentiable (a screen, not a formula)."""
     op = "weighted_sum_screened"
     U = _matrix(U, op)
-    _needs_kernel(op, U.device, op)
+    _needs_kernel(op if out is None else "weighted_sum_screened_out", U.device, op)
     K, d = U.shape
     r = _rows(rows, K, op)
     c = _coef(coef, K if r is None else r.numel(), op)
@@ -76,8 +77,15 @@ def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.
         base = _vector(base, op, "base", d, U)
         if not base.is_contiguous():
             base = base.contiguous()
-    _no_grad_through(op, U, c, base)
-    out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
+    if out is None:
+        _no_grad_through(op, U, c, base)
+        out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
+        return out, shard_and(ok)
+    out = _vector(out, op, "out", d, U)
+    if not out.is_contiguous():
+        raise ValueError(f"{op}: out must be contiguous")
+    _no_grad_through(op, U, c, base, out)
+    ok = torch.ops.fedkernels.weighted_sum_screened_out(U, c, base, float(alpha), r, out)
     return out, shard_and(ok)
 
 
@@ -143,6 +151,12 @@ def _wsum_screened_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torc
                         rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     n = U.size(0) if rows is None else rows.size(0)
     return U.new_empty((U.size(1),)), U.new_empty((n,), dtype=torch.bool)
+
+
+@torch.library.register_fake("fedkernels::weighted_sum_screened_out")
+def _wsum_screened_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
+                            rows: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    return U.new_empty((U.size(0) if rows is None else rows.size(0),), dtype=torch.bool)
 
 
 # ---- derivative (``g`` = gradient of the output): dU[rows_i] += alpha coef_i g,

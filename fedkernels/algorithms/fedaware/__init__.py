@@ -259,7 +259,7 @@ class FedAWARE(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         x = rin.global_flat
         self._alloc(x)
-        dev = rin.U.device
+        dev = rin.device
         info: Dict[str, Any] = {}
         if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
             info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy

@@ -223,7 +223,7 @@ class FedECADO(FederationTables, Aggregator):
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
-        return self.hbar_tab[ids]                 # (indexing copies: the table is not aliased)
+        return self.hbar_tab.index_select(0, ids)   # (a copy: the table is not aliased)
 
     def _L_for(self, Tmax: float) -> float:
         if self.L is None:
@@ -235,7 +235,7 @@ class FedECADO(FederationTables, Aggregator):
         return self.L
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
-        dev = rin.U.device
+        dev = rin.device
         hids = id_tensor(rin.client_ids)
         ids = hids.to(dev)
         T, sent = self.payload_columns(rin.payloads)     # T: [K] float64 (host), read once with the checks
@@ -248,13 +248,13 @@ class FedECADO(FederationTables, Aggregator):
         if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
             T = torch.full_like(T, Tmax)
         hbar = self._hbar_for(rin, hids, sent)
-        w = self.w[hids]
+        w = self.w.index_select(0, hids)
         L = self._L_for(Tmax)
         Ik = self.I.index_select(0, ids)                           # K x d gather
         S_off = None
         Ik_sum = flow_sum(Ik)                                      # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
-            S_off = (self.S_all - Ik_sum).to(rin.U.dtype)
+            S_off = (self.S_all - Ik_sum).to(rin.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
         dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
         res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,

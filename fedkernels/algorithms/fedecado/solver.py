@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
 from ... import ops
+from ...ops._checks import has_kernel
 
 log = logging.getLogger("fedkernels")
 
@@ -99,13 +100,15 @@ def _norm(v: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm: str) -> bool:
-    """The native fused attempt (ops.fedecado_be_step) applies: inf-norm LTE and fp32/fp64 CPU
-    tensors of one dtype (the torch composition in be_step serves every other case)."""
+    """The native fused attempt (ops.fedecado_be_step) applies: inf-norm LTE and fp32/fp64 tensors of
+    one dtype on a device with its kernel (CPU, CUDA) (the torch composition in be_step serves every
+    other case)."""
     if lte_norm != "inf":
         return False
-    if U.dtype not in (torch.float32, torch.float64) or U.device.type != "cpu":
+    dt_, dev = U.dtype, U.device
+    if dt_ not in (torch.float32, torch.float64) or not has_kernel("fedecado_be_step_out", dev):
         return False
-    return all(t.dtype == U.dtype and t.device == U.device for t in (xc, Icur, xc0, Ik) + (() if S_off is None else (S_off,)))
+    return all(t.dtype == dt_ and t.device == dev for t in (xc, Icur, xc0, Ik) + (() if S_off is None else (S_off,)))
 
 
 def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_off=None,
@@ -116,14 +119,15 @@ def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_
     tau + dt and tau; inv_g [K] = 1/g_i (0 = ECADO limit). Returns (x_c', I', LTE_c, LTE_I).
 
     solver="fused": the native fused op ops.fedecado_be_step (one pass over d, no K x d
-    temporaries; needs lte_norm="inf" and fp32/fp64 CPU tensors of one dtype, else ValueError);
+    temporaries; needs lte_norm="inf" and fp32/fp64 tensors of one dtype on a device with the op's
+    kernel, else ValueError);
     out=(xc_buf [d], I_buf [K, d]) then receives x_c', I' (buffers sharing no storage with the
     inputs). Other solvers: the torch composition below with _solve_be_system's switch (out unused).
     central_round with solver="auto" picks "fused" whenever it applies."""
     if solver == "fused":
         if not _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm):
-            raise ValueError("be_step: solver='fused' needs lte_norm='inf', the native op and float32/float64 CPU "
-                             "tensors of one dtype")
+            raise ValueError("be_step: solver='fused' needs lte_norm='inf', the native op and float32/float64 "
+                             "tensors of one dtype on a device with its kernel (CPU, CUDA)")
         xn, In, lte = ops.fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, th_new, th_old, inv_g, float(dt), float(L),
                                            out=out)
         lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()   # max across ranks in sharded mode
@@ -139,12 +143,12 @@ def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_
     b0 = xc if S_off is None else xc + dt * S_off
     xn, In = _solve_be_system(a, dt, c, b0, r, solver)
     D = In - Icur
-    lte_c = 0.5 * dt * float(_norm(D.sum(0), lte_norm))
+    nc = _norm(D.sum(0), lte_norm)
     # (x~_i' - x_c') - (x~_i - x_c) = (th'_i - th_i) U_i - (I_i' - I_i)/g_i - (x_c' - x_c)
     e = torch.mul(U, (th_new - th_old).to(dt_).to(dev).unsqueeze(1))
     e.sub_(D.mul_(ig.to(dt_).to(dev).unsqueeze(1))).sub_((xn - xc).unsqueeze(0))
-    lte_I = 0.5 * dt / L * float(_norm(e, lte_norm).max())
-    return xn, In, lte_c, lte_I
+    nc, ni = torch.stack([nc, _norm(e, lte_norm).max()]).tolist()     # both norms: one device-to-host copy
+    return xn, In, 0.5 * dt * nc, 0.5 * dt / L * ni
 
 
 def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: float, S_off=None,
@@ -180,13 +184,13 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
             return torch.zeros_like(wv)
         return 1.0 / (1.0 / dtt + wh)
 
-    # Native fused attempts write into two preallocated (x_c, I) buffer pairs: an attempt writes the
-    # pair that is not the current state, a rejection retries into the same pair, an acceptance
-    # makes it current (swap). Nothing K x d is allocated per attempt.
+    # Native fused attempts (ops.BEStepWindow: the window's fixed arguments checked once) write into
+    # two (x_c, I) buffer pairs: an attempt writes the pair that is not the current state, a rejection
+    # retries into the same pair, an acceptance makes it current (swap). Nothing K x d is allocated
+    # per attempt; each attempt makes one device-to-host copy (its two LTE maxima).
     fused = solver in ("auto", "fused") and _fused_ok(xc0, I_act, xc0, U, I_act, S_off, lte_norm)
-    if fused:
-        solver = "fused"
-    bufs: List[Any] = [None, None]
+    win = ops.BEStepWindow(xc0, U, I_act, S_off, L) if fused else None
+    cur: Optional[int] = None      # the fused state: None = the round start, else the pair it is in
     nxt = 0
     finite = fused                 # (see ``finite`` above: proved only for fused attempts)
 
@@ -197,20 +201,18 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         if th_at[0] != tl:
             th_at[:] = [tl, theta(Tv, tl, extrap, max_extrap_ratio)]
         th_o = th_at[1]
-        out = None
-        if fused:
-            if bufs[nxt] is None:
-                bufs[nxt] = (torch.empty_like(xc0, memory_format=torch.contiguous_format),
-                             torch.empty(U.shape, dtype=U.dtype, device=U.device))
-            out = bufs[nxt]
-        return be_step(xc, Icur, xc0, U, Ik, th_n, th_o, inv_g(dtt), dtt, L, S_off, lte_norm, solver, out=out)
+        if win is not None:
+            xn, In, lte = win.step(th_n, th_o, inv_g(dtt), dtt, src=cur, dst=nxt)
+            lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()   # max across ranks in sharded mode
+            return xn, In, lc, li
+        return be_step(xc, Icur, xc0, U, Ik, th_n, th_o, inv_g(dtt), dtt, L, S_off, lte_norm, solver)
 
     while Tmax - tl > 1e-12 * Tmax:
         if steps >= max_steps:        # safety: finish the window in one forced step
             dtt = Tmax - tl
             xc, Icur, lc, li = attempt(dtt)
             finite = finite and math.isfinite(lc) and math.isfinite(li)
-            nxt ^= 1
+            cur, nxt = nxt, nxt ^ 1
             tl, steps, truncated = Tmax, steps + 1, True
             if trace is not None:
                 trace.append((tl - dtt, dtt, lc, li, "forced"))
@@ -233,7 +235,7 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         finite = finite and math.isfinite(lc) and math.isfinite(li)
         tl += dtt
         xc, Icur = xn, In
-        nxt ^= 1
+        cur, nxt = nxt, nxt ^ 1
         steps += 1
         if not clipped:
             dt = dtt

@@ -225,7 +225,7 @@ class GCFed(Aggregator):
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
-        dev = rin.U.device
+        dev = rin.device
         if self.global_scope == "none":
             new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
             return AggResult(new, {"weights": a.tolist()})

@@ -21,7 +21,9 @@ kappa_t = kappa0 * beta^t with t the aggregator's round counter (default beta = 
 
 Hot path (modes P and S): one ``ops.gram`` pass over U (K x K fp64 Gram G; then
 dot = G p, nsq = diag G, nbar = p^T G p, all fp64 on the host) and one ``ops.weighted_sum`` pass. No K x d
-temporary. On a GPU one device-to-host copy per aggregate: G rides in the NaN/Inf flags' copy. Mode C: two ``weighted_sum`` passes (the elementwise clamp needs the sync vector).
+temporary. On a GPU one device-to-host copy per aggregate: G rides in the NaN/Inf flags' copy. Mode C: two
+``weighted_sum`` passes (the elementwise clamp needs the sync vector), one device-to-host copy: the
+first pass's flags wait on the device (``hold``) for the clamp's flag (``RoundInput.release``).
 Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.
 """
 from __future__ import annotations
@@ -216,11 +218,13 @@ class KuramotoFedAvg(Aggregator):
             if phase is None:     # numbers as text, ...: one by one
                 phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
-            new = rin.weighted_sum(p, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
+            # the first pass screens U's rows; its flags wait on the device for the clamp's flag
+            new = rin.weighted_sum(p, base=rin.global_flat, alpha=self.server_lr, hold=True)
             sync = rin.weighted_sum(b)
-            clipped = ops.any_(sync.abs() > self.clip)
+            over = ops.any_flag(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
+            clipped = bool(rin.release(over))        # flags and clamp flag: one device-to-host copy
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
                     "sync_coef": b.tolist(), "clipped": clipped}
             return AggResult(new, info)
