@@ -275,6 +275,26 @@ def test_degenerate_inputs():
     torch.testing.assert_close(solve(A)[0], solve(0.5 * (A + A.T))[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("K", [31, 32, 33, 97])
+def test_symmetrised_tile_by_tile(K):
+    """The native op symmetrises G in 32 x 32 tiles: an asymmetric G (sizes around and across a tile's
+    edge) gives the bits of the same solve on 0.5 * (G + G^T) formed row by row, with polish and without."""
+    g = torch.Generator().manual_seed(K)
+    U = torch.randn(K, max(2, K // 3), generator=g, dtype=torch.float64) + 0.2
+    G = U @ U.T + 1e-3 * torch.rand(K, K, generator=g, dtype=torch.float64)
+    for polish in (True, False):
+        a = ops.min_norm(G, polish=polish)
+        b = ops.min_norm(0.5 * (G + G.T), polish=polish)
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (K, polish)
+
+
+def test_symmetrised_overflow_is_refused():
+    G = torch.eye(3, dtype=torch.float64)
+    G[0, 2] = G[2, 0] = 1.5e308    # finite, but G + G^T is not
+    with pytest.raises(ValueError, match=r"overflows at \[0, 2\]"):
+        ops.min_norm(G)
+
+
 def test_dtypes_and_noncontiguous():
     g = torch.Generator().manual_seed(6)
     U = torch.randn(12, 40, generator=g, dtype=torch.float64)
