@@ -338,9 +338,13 @@ def test_bad_inputs():
         ops.min_norm(torch.eye(3), lam0=torch.ones(2))
     with pytest.raises(TypeError):
         ops.min_norm([[1.0]])
-    # the native op checks too
-    with pytest.raises(RuntimeError, match="finite"):
+    # the native op checks too (the wrapper leaves finiteness to it: one read of G), naming the entry
+    with pytest.raises(ValueError, match=r"finite, got nan at \[0, 1\]"):
         torch.ops.fedkernels.min_norm(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64))
+    G = torch.eye(40, dtype=torch.float64)
+    G[33, 2] = float("-inf")      # beyond the first 32 x 32 tile, below the diagonal
+    with pytest.raises(ValueError, match=r"finite, got -inf at \[33, 2\]"):
+        ops.min_norm(G)
 
 
 def test_opcheck():

@@ -133,7 +133,8 @@ void symmetrise(const double* X, int64_t K, double* out) {
   for (int64_t j = 0; j < B; ++j) c += chk[j];
   if (c == 0.0) return;
   for (int64_t i = 0; i < K * K; ++i)
-    TORCH_CHECK(std::isfinite(X[i]), "min_norm: G must be finite, got ", X[i], " at [", i / K, ", ", i % K, "]");
+    TORCH_CHECK_VALUE(std::isfinite(X[i]), "min_norm: G must be finite, got ", X[i], " at [", i / K, ", ", i % K,
+                      "]");
   for (int64_t i = 0; i < K * K; ++i)
     TORCH_CHECK_VALUE(std::isfinite(out[i]), "min_norm: G: (G + G^T) / 2 overflows at [", i / K, ", ", i % K,
                 "]: scale G down (the minimiser does not depend on the scale)");
