@@ -174,7 +174,16 @@ void init_best_pair(State& s, bool code) {
       const double a = diag[i];
       const double* gi = G + i * K;
       for (int64_t j = i + 1; j < K; ++j) segment(a, gi[j], diag[j], gam[j], val[j]);
-      for (int64_t j = i + 1; j < K; ++j)
+      // the row's least value first (8 lanes, vectorised), then the scan only for a row that beats best
+      double lane[8] = {best, best, best, best, best, best, best, best};
+      int64_t j = i + 1;
+      for (; j + 8 <= K; j += 8)
+        for (int l = 0; l < 8; ++l) lane[l] = val[j + l] < lane[l] ? val[j + l] : lane[l];
+      double m = best;
+      for (int l = 0; l < 8; ++l) m = lane[l] < m ? lane[l] : m;
+      for (; j < K; ++j) m = val[j] < m ? val[j] : m;
+      if (!(m < best)) continue;
+      for (j = i + 1; j < K; ++j)
         if (val[j] < best) { best = val[j]; bi = i; bj = j; bg = gam[j]; }
     }
   }
