@@ -321,6 +321,28 @@ def test_gram_cache_rows_and_columns_in_any_client_order(monkeypatch):
         torch.testing.assert_close(a.Gm, a.M @ a.M.T, rtol=0, atol=2e-9)
 
 
+def test_gram_cache_layout_does_not_change_a_bit():
+    """After a round of every client the cached Gram is a transposed view (no copy); a contiguous copy of
+    it (e.g. a checkpoint written that way) must give the same next rounds: lambda, q and the step."""
+    N, d = 40, 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.zeros(d, dtype=torch.float32)
+    a = mk(num_clients=N, warmup="startup_full", elud=False)
+    a.aggregate(x, torch.randn(N, d, generator=g) + 0.3, [1.0] * N)
+    assert not a.Gm.is_contiguous()
+    b = mk(num_clients=N, warmup="startup_full", elud=False)
+    st = a.state_dict()
+    st["Gm"] = st["Gm"].contiguous()
+    b.load_state_dict(st)
+    assert b.Gm.is_contiguous() and torch.equal(a.Gm, b.Gm)
+    for k in (7, 5, N):                   # some clients (a view and a copy side by side), then every one
+        ids = torch.randperm(N, generator=g)[:k].tolist()
+        U = torch.randn(k, d, generator=g) + 0.3
+        ra, rb = a.aggregate(x, U, [2.0] * k, ids), b.aggregate(x, U, [2.0] * k, ids)
+        assert torch.equal(ra.params, rb.params)
+        assert ra.info["lam"] == rb.info["lam"] and ra.info["q"] == rb.info["q"]
+
+
 def test_state_dict_round_trip_mid_run():
     N, d = 6, 10
     g = torch.Generator().manual_seed(2)

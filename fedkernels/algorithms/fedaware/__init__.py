@@ -215,8 +215,8 @@ class FedAWARE(Aggregator):
         """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised:
         (G + G^T) / 2). ``symmetrise=False`` leaves the last step to the solver: ``ops.min_norm`` solves
         on (G + G^T) / 2 itself, with the same bits (that N x N pass, strided over G^T, is then made
-        once instead of twice); G is then given as G or G^T, whichever is contiguous (the cache is a
-        transposed view after a round of every client), since both have that same (G + G^T) / 2."""
+        once instead of twice). G may be a transposed view (the cache is one after a round of every
+        client): only its values matter here."""
         # every client active (active is sorted): the cached Gram itself, not two N x N copies
         G = self.Gm if active.numel() == self.Gm.size(0) else self.Gm.index_select(0, active).index_select(1, active)
         norms = torch.diagonal(G).clamp_min(0).sqrt()
@@ -225,11 +225,11 @@ class FedAWARE(Aggregator):
             G = G.div(nz[:, None]).div_(nz[None, :])
         else:
             nz = torch.ones_like(norms)
-        if symmetrise:
-            return G.add(G.T).mul_(0.5), nz
-        return (G.T if not G.is_contiguous() and G.T.is_contiguous() else G), nz
+        return (G.add(G.T).mul_(0.5) if symmetrise else G), nz
 
     def _solve(self, G: torch.Tensor, active: torch.Tensor):
+        if not G.is_contiguous() and G.T.is_contiguous():   # (a transposed view: ops.min_norm's (G + G^T)/2
+            G = G.T                                          # is the same from G^T, which it reads without a copy)
         lam0 = None
         if self.warm_start and self.lam_prev is not None:
             l = self.lam_prev.index_select(0, active)
