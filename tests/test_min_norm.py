@@ -288,6 +288,17 @@ def test_symmetrised_tile_by_tile(K):
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (K, polish)
 
 
+def test_best_pair_ties_go_to_the_first_pair_in_row_major_order():
+    """The best_pair init is found tile by tile (in the symmetrising pass), but a tie still goes to the
+    first pair in row-major order: (5, 40) (a later tile) before (6, 10) (visited first), as the plain
+    double loop over i < j finds it."""
+    G = 2.0 * torch.eye(70, dtype=torch.float64)
+    for i, j in ((6, 10), (5, 40)):
+        G[i, j] = G[j, i] = -1.9            # both segments: gamma 0.5, value 0.05, the least
+    lam, it, _ = ops.min_norm(G, max_iter=0)
+    assert it == 0 and torch.nonzero(lam).reshape(-1).tolist() == [5, 40] and lam[5] == lam[40] == 0.5
+
+
 def test_symmetrised_overflow_is_refused():
     G = torch.eye(3, dtype=torch.float64)
     G[0, 2] = G[2, 0] = 1.5e308    # finite, but G + G^T is not

@@ -19,13 +19,13 @@
 // exactly (v = G lam) at the returned lam.
 //
 // Cost (s = support size, n = a polished face's size): G read once and (G + G^T)/2 written once
-// (8 K^2 bytes each way, tile by tile, finiteness checked in the same pass); best_pair init O(K^2/2)
-// segment solves (vectorised, over rows of the upper triangle); O(K) per iteration; a recompute of
-// v = G lam O(s K) (the support's rows of G: G is symmetric); a face solve gathers G_SS once (n^2)
-// and costs O(n^2) per CG step. 1 thread, 2-core CPU: K = 1000, d = 76 (FedAWARE's Gram, origin in the
+// (8 K^2 bytes each way, tile by tile, finiteness checked in the same pass); the best_pair init's
+// O(K^2/2) segment solves in that same pass (vectorised, on the tiles' rows of the upper triangle);
+// O(K) per iteration; a recompute of v = G lam O(s K) (the support's rows of G: G is symmetric); a
+// face solve gathers G_SS once (n^2) and costs O(n^2) per CG step. 1 thread, 2-core CPU: K = 1000, d = 76 (FedAWARE's Gram, origin in the
 // hull, s = 123, 128 iterations) 12.7 -> 3.2 ms; K = 1000, d = 2000 (384 iterations) 30.9 -> 6.0 ms;
 // K = 100 0.43 -> 0.16 ms (before: v = G lam row by row, O(K^2), and (G + G^T)/2 read with a K stride).
-// What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory: ~2x a copy of G), best_pair ~0.6 ms.
+// What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory: ~2x a copy of G), best_pair ~0.5 ms.
 // Determinism: every sum has a fixed order (v_i over j ascending, CG column sums over the face's
 // indices ascending); one build gives the same bits for the same G at any thread count (the solve
 // is single-threaded). Products are fused into their sums where the build target has FMA.
@@ -47,7 +47,7 @@ namespace {
 // min over gamma in [0,1] of |gamma u + (1-gamma) w|^2 with a=|u|^2, b=<u,w>, c=|w|^2.
 inline void segment(double a, double b, double c, double& gamma, double& value) {
   const double den = a - 2.0 * b + c;
-  const double r = (c - b) / den;  // unused when den <= 0 (computed anyway: the loop of init_best_pair vectorises)
+  const double r = (c - b) / den;  // unused when den <= 0 (computed anyway: BestPair::row's loop vectorises)
   gamma = den > 0.0 ? std::min(1.0, std::max(0.0, r)) : 0.5;
   value = gamma * gamma * a + 2.0 * gamma * (1.0 - gamma) * b + (1.0 - gamma) * (1.0 - gamma) * c;
 }
@@ -95,16 +95,44 @@ struct State {
   }
 };
 
+// The default init's best vertex pair (fedaware.md 2.6): the least segment value over i < j, ties to the
+// smallest (i, j) (the first in row-major order, as the plain double loop with a strict '<' finds it);
+// (0, 1) with gamma 0.5 when no value is below +inf.
+struct BestPair {
+  double val = std::numeric_limits<double>::infinity();
+  int64_t i = 0, j = 1;
+  double gamma = 0.5;
+  // pairs (i, j0 + c), c < n, from b_c = S_{i, j0+c}, a = S_ii and the diagonal dj_c = S_{j0+c, j0+c}: the
+  // segments in one vectorised loop, the ordered scan only when the row's least value can win
+  void row(int64_t i, int64_t j0, int64_t n, double a, const double* b, const double* dj) {
+    alignas(64) double gam[32], v[32];
+    double m = val;
+    for (int64_t c = 0; c < n; ++c) segment(a, b[c], dj[c], gam[c], v[c]);
+    for (int64_t c = 0; c < n; ++c) m = v[c] < m ? v[c] : m;
+    if (!(m <= val)) return;
+    for (int64_t c = 0; c < n; ++c)
+      if (v[c] < val || (v[c] == val && (i < this->i || (i == this->i && j0 + c < j)))) {
+        val = v[c]; this->i = i; j = j0 + c; gamma = gam[c];
+      }
+  }
+};
+
 // out = (X + X^T) / 2 by pairs of 32 x 32 tiles: X_JI is transposed into an L1 buffer, out_IJ is
 // written row by row (vectorised) from X_IJ and that buffer, and out_JI as the transpose of out_IJ; a
 // row-by-row pass instead reads X^T with a stride of K doubles (at K = 1000 a cache miss per entry).
 // Bytes: X read once, out written once. 0.5 * (x + y) is commutative, so out is exactly symmetric with
 // the bits of the plain loop. Entries that are not finite (in X, or x + y overflowing) are caught in
-// the same pass (a per-column sum of out * 0); the first bad entry is then found row by row for the message.
-void symmetrise(const double* X, int64_t K, double* out) {
+// the same pass (a per-column sum of out * 0); the first bad entry is then found row by row for the
+// message. With `pair`, the best_pair init rides in the same pass, on out_IJ's rows while they are in L1.
+void symmetrise(const double* X, int64_t K, double* out, BestPair* pair) {
   constexpr int64_t B = 32;
   alignas(64) double t[B * B];
   double chk[B] = {0.0};
+  std::vector<double> diag;
+  if (pair != nullptr) {
+    diag.resize(K);
+    for (int64_t i = 0; i < K; ++i) diag[i] = 0.5 * (X[i * K + i] + X[i * K + i]);
+  }
   for (int64_t ib = 0; ib < K; ib += B) {
     const int64_t ni = std::min(B, K - ib);
     for (int64_t jb = ib; jb < K; jb += B) {
@@ -121,6 +149,10 @@ void symmetrise(const double* X, int64_t K, double* out) {
           const double m = 0.5 * (xi[j] + ti[j]);
           oi[j] = m;
           chk[j] += m * 0.0;
+        }
+        if (pair != nullptr) {  // pairs (ib + i, j) with j > ib + i in this tile
+          const int64_t c0 = jb == ib ? i + 1 : 0;
+          if (c0 < nj) pair->row(ib + i, jb + c0, nj - c0, diag[ib + i], oi + c0, diag.data() + jb + c0);
         }
       }
       if (jb == ib) continue;  // a diagonal tile is symmetric already
@@ -152,43 +184,20 @@ Method parse_method(const std::string& m) {
   TORCH_CHECK(false, "min_norm: method must be one of 'away', 'pairwise', 'fw', 'code_compat', got '", m, "'");
 }
 
-// Best pair init (code_compat uses the authors' segment solve and strict '<' against 1e8 -> inf).
-// The default segment solve runs over row i's pairs (i, j > i) as one vectorised pass into (gamma,
-// value) buffers, then a scan in the same order as the scalar double loop (strict '<': the first
-// smallest pair wins); the same formula, so the same bits, at K = 1000 about 5x faster.
-void init_best_pair(State& s, bool code) {
+// The authors' best pair init (code_compat): their segment solve and strict '<' against 1e8 -> inf.
+// (The default best_pair init rides in symmetrise(): BestPair.)
+void init_best_pair_code(State& s) {
   const int64_t K = s.K;
   const double* G = s.G;
   double best = std::numeric_limits<double>::infinity();
   int64_t bi = 0, bj = 1;
   double bg = 0.5;
-  if (code) {
-    for (int64_t i = 0; i < K; ++i)
-      for (int64_t j = i + 1; j < K; ++j) {
-        double g, val;
-        segment_code(G[i * K + i], G[i * K + j], G[j * K + j], g, val);
-        if (val < best) { best = val; bi = i; bj = j; bg = g; }
-      }
-  } else {
-    std::vector<double> diag(K), gam(K), val(K);
-    for (int64_t i = 0; i < K; ++i) diag[i] = G[i * K + i];
-    for (int64_t i = 0; i + 1 < K; ++i) {
-      const double a = diag[i];
-      const double* gi = G + i * K;
-      for (int64_t j = i + 1; j < K; ++j) segment(a, gi[j], diag[j], gam[j], val[j]);
-      // the row's least value first (8 lanes, vectorised), then the scan only for a row that beats best
-      double lane[8] = {best, best, best, best, best, best, best, best};
-      int64_t j = i + 1;
-      for (; j + 8 <= K; j += 8)
-        for (int l = 0; l < 8; ++l) lane[l] = val[j + l] < lane[l] ? val[j + l] : lane[l];
-      double m = best;
-      for (int l = 0; l < 8; ++l) m = lane[l] < m ? lane[l] : m;
-      for (; j < K; ++j) m = val[j] < m ? val[j] : m;
-      if (!(m < best)) continue;
-      for (j = i + 1; j < K; ++j)
-        if (val[j] < best) { best = val[j]; bi = i; bj = j; bg = gam[j]; }
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = i + 1; j < K; ++j) {
+      double g, val;
+      segment_code(G[i * K + i], G[i * K + j], G[j * K + j], g, val);
+      if (val < best) { best = val; bi = i; bj = j; bg = g; }
     }
-  }
   s.lam[bi] = bg;
   s.lam[bj] = 1.0 - bg;
 }
@@ -402,7 +411,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
 
   auto G64 = Gin.to(at::kDouble).contiguous();
   std::unique_ptr<double[]> G(new double[K * K]);  // (uninitialised: symmetrise() writes every entry)
-  symmetrise(G64.data_ptr<double>(), K, G.get());
+  const bool pair_init = K > 1 && !lam0.has_value() && method != Method::CodeCompat && init == "best_pair";
+  BestPair pair;
+  symmetrise(G64.data_ptr<double>(), K, G.get(), pair_init ? &pair : nullptr);
   double gdiag_max = 0.0;
   for (int64_t i = 0; i < K; ++i) gdiag_max = std::max(gdiag_max, std::abs(G[i * K + i]));
 
@@ -422,8 +433,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
       }
       TORCH_CHECK(sum > 0.0, "min_norm: lam0 must have a positive sum");
       for (int64_t i = 0; i < K; ++i) s.lam[i] = lp[i] / sum;
-    } else if (method == Method::CodeCompat || init == "best_pair") {
-      init_best_pair(s, method == Method::CodeCompat);
+    } else if (method == Method::CodeCompat) {
+      init_best_pair_code(s);
+    } else if (pair_init) {
+      s.lam[pair.i] = pair.gamma;
+      s.lam[pair.j] = 1.0 - pair.gamma;
     } else {
       init_min_diag(s);
     }
