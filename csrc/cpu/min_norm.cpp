@@ -64,8 +64,9 @@ struct State {
   int64_t K;
   const double* G;  // symmetric (the solver's (G + G^T)/2), row-major: column j is row j
   std::vector<double> lam, v;
+  std::vector<int64_t> nz;  // lam's support (lam_i != 0), ascending, as the last recompute / scan found it
   double q = 0.0;
-  explicit State(int64_t K_, const double* G_) : K(K_), G(G_), lam(K_, 0.0), v(K_, 0.0) {}
+  explicit State(int64_t K_, const double* G_) : K(K_), G(G_), lam(K_, 0.0), v(K_, 0.0) { nz.reserve(K_); }
   // v = G lam as a sum of the support's columns: v_i = sum_{j ascending, lam_j != 0} G_ji lam_j, the terms
   // of the row-by-row dot product sum_j G_ij lam_j in its order (G symmetric; a zero lam_j would add +-0,
   // which leaves a sum that starts at +0 unchanged), O(|supp| K), read row by row (contiguous,
@@ -73,19 +74,30 @@ struct State {
   // row-by-row loop this replaced was compiled into unfused products with a fused tail: other last bits).
   void recompute() {
     std::fill(v.begin(), v.end(), 0.0);
+    nz.clear();
     double* vp = v.data();
     for (int64_t j = 0; j < K; ++j) {
       const double l = lam[j];
       if (l == 0.0) continue;
+      nz.push_back(j);
       const double* gj = G + j * K;
       for (int64_t i = 0; i < K; ++i) vp[i] += gj[i] * l;
     }
-    refresh_q();
+    refresh_q(-1);
   }
-  void refresh_q() {  // q = lam' v over the support (zero terms skipped: same bits)
+  // q = lam' v over the support, ascending: the indices nz (lam_i != 0 before a step) and t (the one index
+  // a step can make nonzero; -1: none), zero terms skipped. O(|supp|), not O(K).
+  void refresh_q(int64_t t) {
     double s = 0.0;
-    for (int64_t i = 0; i < K; ++i)
+    bool t_done = t < 0;
+    for (const int64_t i : nz) {
+      if (!t_done && t <= i) {
+        if (t < i && lam[t] != 0.0) s += lam[t] * v[t];
+        t_done = true;
+      }
       if (lam[i] != 0.0) s += lam[i] * v[i];
+    }
+    if (!t_done && lam[t] != 0.0) s += lam[t] * v[t];
     q = s;
   }
   int64_t argmin_v() const {
@@ -312,6 +324,7 @@ int64_t solve_fw(State& s, Method method, int64_t max_iter, double tol_rel, doub
   const double* G = s.G;
   std::vector<double>& lam = s.lam;
   std::vector<double>& v = s.v;
+  std::vector<int64_t>& nz = s.nz;
   s.recompute();
   int64_t it = 0;
   for (;; ++it) {
@@ -321,9 +334,13 @@ int64_t solve_fw(State& s, Method method, int64_t max_iter, double tol_rel, doub
     }
     // FW vertex t (argmin v) and away vertex a (argmax v over the support); smallest index on ties.
     int64_t t = 0, a = -1;
+    nz.clear();
     for (int64_t i = 0; i < K; ++i) {
       if (v[i] < v[t]) t = i;
-      if (lam[i] > 0.0 && (a < 0 || v[i] > v[a])) a = i;
+      if (lam[i] != 0.0) {
+        nz.push_back(i);
+        if (lam[i] > 0.0 && (a < 0 || v[i] > v[a])) a = i;
+      }
     }
     const double q = s.q;
     const double gap = q - v[t];
@@ -373,7 +390,7 @@ int64_t solve_fw(State& s, Method method, int64_t max_iter, double tol_rel, doub
       for (int64_t i = 0; i < K; ++i) { lam[i] *= op; v[i] = op * v[i] - gamma * ga[i]; }
       if (gamma >= gmax) lam[a] = 0.0; else lam[a] -= gamma;
     }
-    s.refresh_q();
+    s.refresh_q(t);
   }
   return it;
 }
