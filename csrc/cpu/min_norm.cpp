@@ -21,11 +21,13 @@
 // Cost (s = support size, n = a polished face's size): G read once and (G + G^T)/2 written once
 // (8 K^2 bytes each way, tile by tile, finiteness checked in the same pass); the best_pair init's
 // O(K^2/2) segment solves in that same pass (vectorised, on the tiles' rows of the upper triangle);
-// O(K) per iteration; a recompute of v = G lam O(s K) (the support's rows of G: G is symmetric); a
-// face solve gathers G_SS once (n^2) and costs O(n^2) per CG step. 1 thread, 2-core CPU: K = 1000, d = 76 (FedAWARE's Gram, origin in the
-// hull, s = 123, 128 iterations) 12.7 -> 3.2 ms; K = 1000, d = 2000 (384 iterations) 30.9 -> 6.0 ms;
-// K = 100 0.43 -> 0.16 ms (before: v = G lam row by row, O(K^2), and (G + G^T)/2 read with a K stride).
-// What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory: ~2x a copy of G), best_pair ~0.5 ms.
+// O(K) per iteration (the vertex scan, the step) and O(s) for q; a recompute of v = G lam O(s K) (the
+// support's rows of G: G is symmetric); a face solve gathers G_SS once (n^2) and costs O(n^2) per CG
+// step. 1 thread, 2-core CPU (min of runs): K = 1000, d = 76 (FedAWARE's Gram, origin in the hull,
+// s = 123, 128 iterations) 12.3 -> 3.0 ms; K = 1000, d = 2000 (384 iterations) 30.6 -> 5.3 ms;
+// K = 100 0.43 -> 0.16-0.19 ms (before: v = G lam row by row, O(K^2), and (G + G^T)/2 read with a K
+// stride). What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory bound: ~2x a copy of G), best_pair
+// ~0.5 ms (compute: a division per pair).
 // Determinism: every sum has a fixed order (v_i over j ascending, CG column sums over the face's
 // indices ascending); one build gives the same bits for the same G at any thread count (the solve
 // is single-threaded). Products are fused into their sums where the build target has FMA.
