@@ -1,6 +1,6 @@
 """CPU benchmark of FedAWARE's min-norm solver and FedECADO's small linear solves.
 
-* min_norm, K in {10, 100, 300}: ours (away-step FW + face polish, native) against the MGDA-style
+* min_norm, K in {10, 100, 300, 1000}: ours (away-step FW + face polish, native) against the MGDA-style
   solver of the FedAWARE code (Gram entries pulled to the host one by one with .item(), best-pair
   init and Frank-Wolfe in a Python/NumPy loop, 1000 iterations, ||dlam||_1 < 1e-5 stop), our
   native code_compat port of that solver, and the float64 PyTorch reference. Quality: relative
@@ -191,7 +191,7 @@ def bench_arrowhead(K: int, m: int, repeats: int):
 def run(quick: bool = False):
     rep = 3 if quick else 7
     rows = []
-    for K in (10, 100, 300):
+    for K in (10, 100, 300, 1000):
         rows += bench_min_norm(K, 2000, rep)
     for m in [100_000, 1_000_000] + ([] if quick else [10_000_000]):
         rows.append(bench_lu_solve(11, m, rep))

@@ -68,6 +68,8 @@ def close(a, b, path=""):
         assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=2e-4, abs=1e-5), (path, a, b)
     elif isinstance(a, torch.Tensor):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-5)
+    elif path.endswith(".iterations"):   # an iterative solve (FedAWARE's min-norm) on inputs equal to fp32
+        assert abs(a - b) <= 1, (path, a, b)   # rounding may cross its stop threshold one step apart
     else:
         assert a == b, (path, a, b)
 

@@ -292,6 +292,57 @@ def test_incremental_gram_partial_participation_against_float64():
         x = r.params
 
 
+def test_gram_cache_rows_and_columns_in_any_client_order(monkeypatch):
+    """Gm[idx, :] = Gr, then Gm[:, idx] = Gr^T (Gr = gram(M, rows=idx)), bit for bit, when every client
+    takes part (ids sorted or shuffled: one transposing copy) and when some do (row and column copies).
+    The Gram is made slightly asymmetric (<m_i, m_j> != <m_j, m_i> in the last bits is allowed), so that
+    a write of Gr where Gr^T belongs shows."""
+    from fedkernels.algorithms import fedaware
+    gram = ops.gram
+
+    def skewed(U, rows=None):
+        G = gram(U, rows=rows)
+        return G + 1e-9 * torch.arange(G.numel(), dtype=F64).reshape(G.shape) / G.numel()
+    monkeypatch.setattr(fedaware.ops, "gram", skewed)
+    N, d = 6, 9
+    a = mk(num_clients=N, alpha=0.4, warmup="startup_full", elud=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.zeros(d, dtype=F64)
+    for ids in ([0, 1, 2, 3, 4, 5], [4, 0, 5, 2, 1, 3], [5, 1, 3], [2, 0], [3, 5, 0, 1, 4, 2]):
+        before = a.Gm.clone() if a.Gm is not None else torch.zeros(N, N, dtype=F64)
+        U = torch.randn(len(ids), d, generator=g, dtype=F64) + 0.1
+        a.aggregate(x, U, [1.0] * len(ids), client_ids=ids)
+        idx = torch.tensor(ids)
+        Gr = skewed(a.M, rows=idx)
+        want = before.clone()
+        want[idx, :] = Gr
+        want[:, idx] = Gr.T
+        assert torch.equal(a.Gm, want), ids
+        torch.testing.assert_close(a.Gm, a.M @ a.M.T, rtol=0, atol=2e-9)
+
+
+def test_gram_cache_layout_does_not_change_a_bit():
+    """After a round of every client the cached Gram is a transposed view (no copy); a contiguous copy of
+    it (e.g. a checkpoint written that way) must give the same next rounds: lambda, q and the step."""
+    N, d = 40, 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.zeros(d, dtype=torch.float32)
+    a = mk(num_clients=N, warmup="startup_full", elud=False)
+    a.aggregate(x, torch.randn(N, d, generator=g) + 0.3, [1.0] * N)
+    assert not a.Gm.is_contiguous()
+    b = mk(num_clients=N, warmup="startup_full", elud=False)
+    st = a.state_dict()
+    st["Gm"] = st["Gm"].contiguous()
+    b.load_state_dict(st)
+    assert b.Gm.is_contiguous() and torch.equal(a.Gm, b.Gm)
+    for k in (7, 5, N):                   # some clients (a view and a copy side by side), then every one
+        ids = torch.randperm(N, generator=g)[:k].tolist()
+        U = torch.randn(k, d, generator=g) + 0.3
+        ra, rb = a.aggregate(x, U, [2.0] * k, ids), b.aggregate(x, U, [2.0] * k, ids)
+        assert torch.equal(ra.params, rb.params)
+        assert ra.info["lam"] == rb.info["lam"] and ra.info["q"] == rb.info["q"]
+
+
 def test_state_dict_round_trip_mid_run():
     N, d = 6, 10
     g = torch.Generator().manual_seed(2)

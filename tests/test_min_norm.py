@@ -275,6 +275,37 @@ def test_degenerate_inputs():
     torch.testing.assert_close(solve(A)[0], solve(0.5 * (A + A.T))[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("K", [31, 32, 33, 97])
+def test_symmetrised_tile_by_tile(K):
+    """The native op symmetrises G in 32 x 32 tiles: an asymmetric G (sizes around and across a tile's
+    edge) gives the bits of the same solve on 0.5 * (G + G^T) formed row by row, with polish and without."""
+    g = torch.Generator().manual_seed(K)
+    U = torch.randn(K, max(2, K // 3), generator=g, dtype=torch.float64) + 0.2
+    G = U @ U.T + 1e-3 * torch.rand(K, K, generator=g, dtype=torch.float64)
+    for polish in (True, False):
+        a = ops.min_norm(G, polish=polish)
+        b = ops.min_norm(0.5 * (G + G.T), polish=polish)
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (K, polish)
+
+
+def test_best_pair_ties_go_to_the_first_pair_in_row_major_order():
+    """The best_pair init is found tile by tile (in the symmetrising pass), but a tie still goes to the
+    first pair in row-major order: (5, 40) (a later tile) before (6, 10) (visited first), as the plain
+    double loop over i < j finds it."""
+    G = 2.0 * torch.eye(70, dtype=torch.float64)
+    for i, j in ((6, 10), (5, 40)):
+        G[i, j] = G[j, i] = -1.9            # both segments: gamma 0.5, value 0.05, the least
+    lam, it, _ = ops.min_norm(G, max_iter=0)
+    assert it == 0 and torch.nonzero(lam).reshape(-1).tolist() == [5, 40] and lam[5] == lam[40] == 0.5
+
+
+def test_symmetrised_overflow_is_refused():
+    G = torch.eye(3, dtype=torch.float64)
+    G[0, 2] = G[2, 0] = 1.5e308    # finite, but G + G^T is not
+    with pytest.raises(ValueError, match=r"overflows at \[0, 2\]"):
+        ops.min_norm(G)
+
+
 def test_dtypes_and_noncontiguous():
     g = torch.Generator().manual_seed(6)
     U = torch.randn(12, 40, generator=g, dtype=torch.float64)
@@ -318,9 +349,13 @@ def test_bad_inputs():
         ops.min_norm(torch.eye(3), lam0=torch.ones(2))
     with pytest.raises(TypeError):
         ops.min_norm([[1.0]])
-    # the native op checks too
-    with pytest.raises(RuntimeError, match="finite"):
+    # the native op checks too (the wrapper leaves finiteness to it: one read of G), naming the entry
+    with pytest.raises(ValueError, match=r"finite, got nan at \[0, 1\]"):
         torch.ops.fedkernels.min_norm(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64))
+    G = torch.eye(40, dtype=torch.float64)
+    G[33, 2] = float("-inf")      # beyond the first 32 x 32 tile, below the diagonal
+    with pytest.raises(ValueError, match=r"finite, got -inf at \[33, 2\]"):
+        ops.min_norm(G)
 
 
 def test_opcheck():

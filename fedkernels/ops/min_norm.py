@@ -63,9 +63,8 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
         if not isinstance(t, (int, float)) or not (0.0 <= float(t) < float("inf")):
             raise ValueError(f"{op}: {name} must be a finite number >= 0, got {t!r}")
     G64 = G.to(device=HOST, dtype=torch.float64).contiguous()   # not detached: backward raises (no derivative)
-    # the native row scan: one pass over G, no K x K bool temporary (10x isfinite(G).all() at K=1000)
-    if not tracing() and not bool(torch.ops.fedkernels.finite_rows(G64).all()):
-        raise ValueError(f"{op}: G must be finite (got NaN or Inf entries)")
+    # G's finiteness: checked by the native solve in its symmetrising pass (the one read of G; a ValueError
+    # naming the first bad entry), not by a scan of its own (0.3 ms at K = 1000)
     l0 = None
     if lam0 is not None:
         l0 = _tensor(lam0, op, "lam0").detach().to(device=HOST, dtype=torch.float64).contiguous()
