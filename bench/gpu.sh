@@ -8,6 +8,10 @@
 #                                there), then pytest -m cuda, then compute-sanitizer memcheck and racecheck over
 #                                every op (bench/gpu.py --sanitize-subset); each step's exit status is kept
 #   bash bench/gpu.sh bench [gpu.py args]   bench/gpu.py -> bench/results/gpu-<device>.json (+ $OUT)
+#   bash bench/gpu.sh quick [--dry-run]   for a short lease (one command, ~6 min, < 10 min worst case):
+#                                build, pytest -m cuda, memcheck only, bench/gpu.py --only (GPU_QUICK_BENCH,
+#                                default weighted_sum,gram,min_norm,aggregate), then the overlapped streamed
+#                                FedAvg (bench.large_model.gpu_overlap at d = 1e8, K = 16 fp32: 6.4 GB of host RAM)
 # build and test are also separate commands: on the first H100 run the build took 1.5 min and the whole
 # suite 5.5 min (pytest -n 16): with the tests and the sanitizer, build-test can exceed a 10-minute limit
 # per command; there, run build, then test.
@@ -130,11 +134,13 @@ pytest_step() {  # name timeout_s pytest-args...
   return "$rc"
 }
 
-sanitize() {
-  echo "== compute-sanitizer (memcheck, racecheck) over bench/gpu.py --sanitize-subset"
+sanitize() {  # [tools...] (default: memcheck racecheck)
+  local tools=("$@")
+  [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck)
+  echo "== compute-sanitizer (${tools[*]}) over bench/gpu.py --sanitize-subset"
   local san tool t0 rc all=0
   san=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
-  for tool in memcheck racecheck; do
+  for tool in "${tools[@]}"; do
     t0=$SECONDS rc=0
     echo "+ timeout 150 $san --tool $tool --error-exitcode 3 $PY bench/gpu.py --sanitize-subset >$LOG/sanitizer-$tool.log"
     if [ "$DRY" = 0 ]; then
@@ -232,12 +238,41 @@ case "$step" in
     summary || rc=1
     exit $rc
     ;;
+  quick)
+    t0=$SECONDS
+    : >"$STEPS"
+    rc=0
+    if build; then
+      pytest_step cuda 150 -m cuda tests || rc=1
+      sanitize memcheck || rc=1
+      echo "+ timeout 150 $PY bench/gpu.py --only ${GPU_QUICK_BENCH:-weighted_sum,gram,min_norm,aggregate}"
+      if [ "$DRY" = 0 ]; then
+        b0=$SECONDS brc=0
+        timeout 150 "$PY" bench/gpu.py --only "${GPU_QUICK_BENCH:-weighted_sum,gram,min_norm,aggregate}" \
+          >"$LOG/bench.log" 2>&1 || brc=$?
+        tail -40 "$LOG/bench.log"
+        record bench "$brc" $((SECONDS - b0)) "$LOG/bench.log"
+        [ "$brc" = 0 ] || rc=1
+        b0=$SECONDS brc=0
+        timeout 90 "$PY" -c "from bench.large_model import gpu_overlap; gpu_overlap(d=100_000_000, out='$RESULTS')" \
+          >"$LOG/overlap.log" 2>&1 || brc=$?
+        tail -15 "$LOG/overlap.log"
+        record overlap "$brc" $((SECONDS - b0)) "$LOG/overlap.log"
+        [ "$brc" = 0 ] || rc=1
+      fi
+    else
+      rc=1
+    fi
+    summary || rc=1
+    echo "quick done in $((SECONDS - t0)) s, exit $rc"
+    exit $rc
+    ;;
   bench)
     echo "== benchmarks"
     timeout 470 "$PY" bench/gpu.py "$@"
     ;;
   *)
-    echo "usage: bash bench/gpu.sh build-test [--dry-run] | build [--dry-run] | test [--dry-run] | bench [bench/gpu.py args]" >&2
+    echo "usage: bash bench/gpu.sh build-test [--dry-run] | build [--dry-run] | test [--dry-run] | quick [--dry-run] | bench [bench/gpu.py args]" >&2
     exit 2
     ;;
 esac
