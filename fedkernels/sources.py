@@ -663,7 +663,7 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
 
 # ---- device="auto": the CPU or the GPU, whichever runs the method's round on a host matrix sooner -------------
 PROBE_BYTES = 64 << 20
-GRAM_PROBE_FMAS = 1 << 27    # fused multiply-adds per timed call of the Gram probe (~20 ms at 7 GFMA/s)
+GRAM_PROBE_FMAS = 1 << 27    # at most this many fused multiply-adds per timed call of the Gram probe
 _BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d", "stage", "gram:K"
 
 # A round as device="auto" weighs it: the passes an aggregator makes (``Aggregator.passes()``, in order), each
@@ -695,13 +695,14 @@ def cpu_read_gbps() -> float:
 
 def cpu_gram_gbps(K: int) -> float:
     """GB/s of U's bytes through the CPU op ``ops.gram`` on a host [K, n] fp32 matrix, n columns holding at
-    most PROBE_BYTES and GRAM_PROBE_FMAS fused multiply-adds (K (K + 1) / 2 per column) (best of three, with
-    torch's current thread count); measured once per process and K. Near the read rate at small K, it falls
-    as 1/K where the Gram is compute-bound."""
+    most a CPU chunk (CPU_CHUNK_BYTES: what the op gets per chunk of a source on the CPU) and GRAM_PROBE_FMAS
+    fused multiply-adds (K (K + 1) / 2 per column) (best of three, with torch's current thread count);
+    measured once per process and K. Near the read rate at small K, it falls as 1/K where the Gram is
+    compute-bound."""
     K = check_pos_int(K, "cpu_gram_gbps", "K")
     key = f"gram:{K}"
     if key not in _BANDWIDTH:
-        n = max(256, min(PROBE_BYTES // (4 * K), GRAM_PROBE_FMAS // (K * (K + 1) // 2)))
+        n = max(256, min(CPU_CHUNK_BYTES // (4 * K), GRAM_PROBE_FMAS // (K * (K + 1) // 2)))
         U = torch.ones(K, n)
         _BANDWIDTH[key] = U.numel() * 4 / _best(lambda: ops.gram(U)) / 1e9
     return _BANDWIDTH[key]

@@ -134,6 +134,7 @@ def test_probes_measure_once_per_process_and_k(monkeypatch):
     from fedkernels import ops
     monkeypatch.setattr(sources, "_BANDWIDTH", {})
     monkeypatch.setattr(sources, "PROBE_BYTES", 4 << 20)
+    monkeypatch.setattr(sources, "CPU_CHUNK_BYTES", 4 << 20)
     calls = {"weighted_sum": 0, "gram": 0}
     for op in calls:
         real = getattr(ops, op)
