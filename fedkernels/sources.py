@@ -683,6 +683,11 @@ PASSES: Dict[str, Tuple[int, int, bool]] = {
 HOST = "host:"
 
 
+def _kind(p: str) -> str:
+    """A pass's entry in PASSES (its name without the HOST prefix)."""
+    return p[len(HOST):] if p.startswith(HOST) else p
+
+
 def cpu_read_gbps() -> float:
     """GB/s of the CPU op ``ops.weighted_sum`` reading a host [16, PROBE_BYTES / 64] fp32 matrix (best of
     three, with torch's current thread count); measured once per process."""
@@ -748,10 +753,13 @@ def round_passes(method) -> Tuple[Tuple[str, ...], str]:
         return ("sum",), "one weighted sum"
     if isinstance(method, (list, tuple)):
         passes, label = tuple(method), "passes"
-    else:
+    elif callable(getattr(method, "passes", None)):
         passes, label = tuple(method.passes()), str(getattr(method, "name", type(method).__name__))
+    else:
+        raise TypeError(f"pick_device: method must be an aggregator (with passes()), a sequence of pass names or "
+                        f"None, got {type(method).__name__}")
     for p in passes:
-        if not isinstance(p, str) or (p[len(HOST):] if p.startswith(HOST) else p) not in PASSES:
+        if not isinstance(p, str) or _kind(p) not in PASSES:
             raise ValueError(f"pick_device: {label} declares the pass {p!r}; expected one of {sorted(PASSES)}, "
                              f"optionally prefixed {HOST!r}")
     return passes, label
@@ -763,7 +771,7 @@ def round_seconds(passes: Sequence[str], K: int) -> Tuple[float, float, int]:
     cpu, host, link_reads = 0.0, 0.0, 0
     for p in passes:
         on_host = p.startswith(HOST)
-        r, g, reads_u = PASSES[p[len(HOST):] if on_host else p]
+        r, g, reads_u = PASSES[_kind(p)]
         t = (r / cpu_read_gbps() if r else 0.0) + (g / cpu_gram_gbps(K) if g else 0.0)
         cpu += t
         if on_host:
@@ -805,7 +813,7 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
     link = min(h2d_gbps(), staging_gbps())
     cpu, host, gpu = gb * cpu, gb * host, gb * (host + link_reads / link)
     rates = f"reads {cpu_read_gbps():.1f} GB/s"
-    if any(PASSES[p[len(HOST):] if p.startswith(HOST) else p][1] for p in passes):
+    if any(PASSES[_kind(p)][1] for p in passes):
         rates += f", Gram at K={K} {cpu_gram_gbps(max(K, 1)):.1f} GB/s"
     on_gpu = f"{link_reads} read{'s' if link_reads != 1 else ''} of U at the staged host-to-device {link:.1f} GB/s"
     if host:

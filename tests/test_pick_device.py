@@ -120,6 +120,9 @@ def test_data_already_on_the_device_stays_there(rates):
 def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match=r"pick_device: passes declares the pass 'sums'; expected one of"):
         pick_device(("sum", "sums"))
+    with pytest.raises(TypeError, match=r"pick_device: method must be an aggregator \(with passes\(\)\), a sequence "
+                                        r"of pass names or None, got str"):
+        pick_device("fedavg")
     with pytest.raises(TypeError, match=r"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, "
                                         r"got list"):
         pick_device(None, [[1.0]])
@@ -198,7 +201,7 @@ def test_declared_reads_of_u_are_the_rounds_reads(monkeypatch, name, opts, paylo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     agg = algorithms.build(name, **opts)
     passes, _ = round_passes(agg)
-    declared = sum(PASSES[p.split(":")[-1]][2] for p in passes)
+    declared = sum(PASSES[sources._kind(p)][2] for p in passes)
     n = _u_reads(monkeypatch)
     payloads = [{"phase": 0.1 * k} for k in range(K)] if payload else None
     new, info = agg.aggregate(torch.zeros(D), ChunkedUpdates(_U(), chunk_cols=300, device="auto"), [1.0 + k for k in
