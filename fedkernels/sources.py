@@ -661,14 +661,14 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
         cur, i = nxt, i + 1
 
 
-# ---- device="auto": the CPU or the GPU, whichever runs the method's round on a host matrix sooner -------------
+# ---- device="auto": the CPU or the GPU, whichever runs the method's round on a host matrix sooner ---------
 PROBE_BYTES = 64 << 20
 GRAM_PROBE_FMAS = 1 << 27    # at most this many fused multiply-adds per timed call of the Gram probe
 _BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d", "stage", "gram:K"
 
 # A round as device="auto" weighs it: the passes an aggregator makes (``Aggregator.passes()``, in order), each
 # costed in B, the bytes of U (K x d x its itemsize): (B read by the CPU at cpu_read_gbps(), B at cpu_gram_gbps(K),
-# whether the pass reads U from the host, so over the link when the round runs on the GPU). A per-client table's
+# whether the pass reads B of host data, U or payloads, so over the link when the round runs on the GPU). A table's
 # passes are counted on its K round rows (as if N = K: more clients only add CPU work) and cost nothing on the GPU,
 # where the table lives with the model; prefixed HOST they run on the host wherever the round runs (a table kept
 # in host memory or in a file): the same CPU time on both sides, nothing over the link.

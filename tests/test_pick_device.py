@@ -139,9 +139,14 @@ def test_probes_measure_once_per_process_and_k(monkeypatch):
     monkeypatch.setattr(sources, "PROBE_BYTES", 4 << 20)
     monkeypatch.setattr(sources, "CPU_CHUNK_BYTES", 4 << 20)
     calls = {"weighted_sum": 0, "gram": 0}
+
+    def counted(op, real):
+        def f(*a, **k):
+            calls[op] += 1
+            return real(*a, **k)
+        return f
     for op in calls:
-        real = getattr(ops, op)
-        monkeypatch.setattr(ops, op, lambda *a, _r=real, _op=op, **k: calls.__setitem__(_op, calls[_op] + 1) or _r(*a, **k))
+        monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
     r = sources.cpu_read_gbps()
     g16 = sources.cpu_gram_gbps(16)
     assert r > 0 and g16 > 0 and calls == {"weighted_sum": 4, "gram": 4}     # one warm-up, three timed each
@@ -204,9 +209,8 @@ def test_declared_reads_of_u_are_the_rounds_reads(monkeypatch, name, opts, paylo
     declared = sum(PASSES[sources._kind(p)][2] for p in passes)
     n = _u_reads(monkeypatch)
     payloads = [{"phase": 0.1 * k} for k in range(K)] if payload else None
-    new, info = agg.aggregate(torch.zeros(D), ChunkedUpdates(_U(), chunk_cols=300, device="auto"), [1.0 + k for k in
-                                                                                                   range(K)],
-                              payloads=payloads)
+    cu = ChunkedUpdates(_U(), chunk_cols=300, device="auto")
+    new, info = agg.aggregate(torch.zeros(D), cu, [1.0 + k for k in range(K)], payloads=payloads)
     assert n[0] == declared, (passes, n[0])
     assert info["device"] == "cpu: no CUDA device" and torch.isfinite(new).all()
 
