@@ -22,7 +22,7 @@ no NumPy dtype involved) and ``ClientFilesSource`` (a list of K raw files of d e
 client row). ``as_source(x, ...)`` builds the right one. ``ChunkedUpdates`` reads a source ``chunk_cols``
 columns at a time onto a device (to a GPU through two pinned staging blocks and a copy stream, the
 copy of chunk i+1 overlapping the work on chunk i: :func:`overlapped`; ``device="auto"``: the CPU or
-the GPU, whichever reads a host matrix faster, :func:`pick_device`); every ``Aggregator.aggregate``
+the GPU, whichever runs the method's round sooner, :func:`pick_device`); every ``Aggregator.aggregate``
 takes either as its ``updates`` (``fedkernels.algorithms.base.RoundInput`` reads them chunk by chunk),
 and ``select_rows`` keeps the accepted clients' rows when some are excluded, errors still naming the
 original rows.
@@ -63,6 +63,7 @@ from .ops._checks import has_kernel
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
+           "cpu_gram_gbps", "PASSES", "HOST", "round_passes", "round_seconds",
            "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -482,19 +483,20 @@ class ChunkedUpdates:
     ``dtype``). chunk_cols: columns per chunk (default, for all K rows: ``CPU_CHUNK_BYTES`` on the CPU,
     ``DEFAULT_CHUNK_BYTES`` of staging on a device). device: where chunks are delivered (default CPU); to a CUDA device through two pinned
     staging blocks and a copy stream, overlapped with the caller's work (:func:`overlapped`);
-    ``"auto"``: the faster of the CPU and the host-to-device link for this host-resident source
-    (:func:`pick_device`), the choice and its reason in ``placement`` (None for a given device), and
-    ``Aggregator.aggregate`` runs there and returns its result on ``global_flat``'s device
-    (:meth:`aggregate_placed`), with ``info["device"] = placement``.
+    ``"auto"``: the CPU or the GPU, whichever runs a round of ``method`` on this host-resident source
+    sooner (:func:`pick_device`: ``method`` an aggregator, or its passes; default one weighted sum), the
+    choice and its reason in ``placement`` (None for a given device); ``Aggregator.aggregate`` picks again
+    for its own method (:meth:`aggregate_placed`), runs there and returns its result on ``global_flat``'s
+    device, with ``info["device"]`` the choice and its reason.
     """
 
     def __init__(self, source, K: Optional[int] = None, d: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, chunk_cols: Optional[int] = None, device=None, offset: int = 0):
+                 dtype: Optional[torch.dtype] = None, chunk_cols: Optional[int] = None, device=None, offset: int = 0,
+                 method=None):
         self.placement: Optional[str] = None
-        if isinstance(device, str) and device == "auto":
-            device, self.placement = pick_device()
+        self.auto = isinstance(device, str) and device == "auto"     # aggregate_placed picks again for its method
         try:
-            self.device = torch.device(device) if device is not None else torch.device("cpu")
+            self.device = torch.device("cpu" if device is None or self.auto else device)
         except (RuntimeError, TypeError):
             raise ValueError(f"ChunkedUpdates: device must be 'auto', a device name ('cpu', 'cuda', 'cuda:1') or a "
                              f"torch.device, got {device!r}") from None
@@ -503,6 +505,9 @@ class ChunkedUpdates:
         for name, v, got in (("K", K, self.K), ("d", d, self.d)):
             if v is not None and v != got:
                 raise ValueError(f"ChunkedUpdates: {name}={v} but the source has {name}={got}")
+        if self.auto:
+            self.device, self.placement = pick_device(method, self.source)
+        self._cols_given = chunk_cols is not None
         if chunk_cols is None:
             per = CPU_CHUNK_BYTES if self.device.type == "cpu" else DEFAULT_CHUNK_BYTES
             chunk_cols = max(1024, per // max(1, self.K * itemsize(self.dtype)))
@@ -545,21 +550,25 @@ class ChunkedUpdates:
         for a, b, c in blocks:             # on the CPU, or already on the device: no staging
             yield a, b, (c if c.device == self.device or self.device.type == "cpu" else c.to(self.device))
 
-    def aggregate_placed(self, aggregate: Callable, global_flat: torch.Tensor, num_examples,
-                         client_ids=None, payloads=None):
-        """``aggregate(global_flat, updates, ...)`` run on ``self.device`` (``Aggregator.aggregate``'s
-        hook for ``device="auto"``): ``global_flat`` (and tensors in ``payloads``) moved there once if
-        it lives elsewhere, the new model moved back once to ``global_flat``'s device, and
-        ``info["device"]`` set to ``placement``."""
-        dev = self.device
-        fixed = ChunkedUpdates(self.source, chunk_cols=self.chunk_cols, device=dev)
+    def aggregate_placed(self, aggregator, global_flat: torch.Tensor, num_examples, client_ids=None,
+                         payloads=None):
+        """``aggregator.aggregate(global_flat, updates, ...)`` run on ``self.device``, or with ``device="auto"``
+        where :func:`pick_device` puts a round of that aggregator (``Aggregator.aggregate``'s hook):
+        ``global_flat`` (and tensors in ``payloads``) moved there once if it lives elsewhere, the new model
+        moved back once to ``global_flat``'s device, and ``info["device"]`` set to the choice and its reason
+        (for a given device: ``"<device>: as given"``)."""
+        dev, placement = self.device, self.placement
+        if self.auto:
+            dev, placement = pick_device(aggregator, self.source)
+        cols = self.chunk_cols if self._cols_given or dev == self.device else None   # (a default width: the device's)
+        fixed = ChunkedUpdates(self.source, chunk_cols=cols, device=dev)
         home = global_flat.device if isinstance(global_flat, torch.Tensor) else dev
         g = global_flat.to(dev) if home != dev else global_flat       # (a bad global_flat: aggregate names it)
         if payloads is not None and home != dev:
             payloads = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
                         if isinstance(p, dict) else p for p in payloads]
-        params, info = res = aggregate(g, fixed, num_examples, client_ids, payloads)
-        info["device"] = self.placement if self.placement is not None else f"{dev}: as given"
+        params, info = res = aggregator.aggregate(g, fixed, num_examples, client_ids, payloads)
+        info["device"] = placement if placement is not None else f"{dev}: as given"
         return type(res)(params.to(home) if params.device != home else params, info)
 
     def __repr__(self) -> str:
@@ -652,9 +661,31 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
         cur, i = nxt, i + 1
 
 
-# ---- device="auto": the CPU or the host-to-device link, whichever reads a host matrix faster ------------
+# ---- device="auto": the CPU or the GPU, whichever runs the method's round on a host matrix sooner ---------
 PROBE_BYTES = 64 << 20
-_BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d"
+GRAM_PROBE_FMAS = 1 << 27    # at most this many fused multiply-adds per timed call of the Gram probe
+_BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d", "stage", "gram:K"
+
+# A round as device="auto" weighs it: the passes an aggregator makes (``Aggregator.passes()``, in order), each
+# costed in B, the bytes of U (K x d x its itemsize): (B read by the CPU at cpu_read_gbps(), B at cpu_gram_gbps(K),
+# whether the pass reads B of host data, U or payloads, so over the link when the round runs on the GPU). A table's
+# passes are counted on its K round rows (as if N = K: more clients only add CPU work) and cost nothing on the GPU,
+# where the table lives with the model; prefixed HOST they run on the host wherever the round runs (a table kept
+# in host memory or in a file): the same CPU time on both sides, nothing over the link.
+PASSES: Dict[str, Tuple[int, int, bool]] = {
+    "sum": (1, 0, True),           # a column-local read of U: weighted_sum, the NaN screen, an EMA of U into a table
+    "gram": (0, 1, True),          # U's K x K Gram matrix (fp64 accumulation)
+    "table": (2, 0, False),        # a table's K round rows read and written (FedAWARE's momenta, SCAFFOLD's c_i)
+    "table_gram": (0, 1, False),   # those rows' Gram against the table (FedAWARE)
+    "table_sum": (1, 0, False),    # a weighted sum over those rows (FedAWARE's step, SCAFFOLD's sum of delta_c)
+    "payload": (1, 0, True),       # K client payloads of d elements each (SCAFFOLD's delta_c): stacked, sent to the GPU
+}
+HOST = "host:"
+
+
+def _kind(p: str) -> str:
+    """A pass's entry in PASSES (its name without the HOST prefix)."""
+    return p[len(HOST):] if p.startswith(HOST) else p
 
 
 def cpu_read_gbps() -> float:
@@ -665,6 +696,21 @@ def cpu_read_gbps() -> float:
         coef = torch.full((16,), 1 / 16, dtype=torch.float64)
         _BANDWIDTH["cpu"] = U.numel() * 4 / _best(lambda: ops.weighted_sum(U, coef)) / 1e9
     return _BANDWIDTH["cpu"]
+
+
+def cpu_gram_gbps(K: int) -> float:
+    """GB/s of U's bytes through the CPU op ``ops.gram`` on a host [K, n] fp32 matrix, n columns holding at
+    most a CPU chunk (CPU_CHUNK_BYTES: what the op gets per chunk of a source on the CPU) and GRAM_PROBE_FMAS
+    fused multiply-adds (K (K + 1) / 2 per column) (best of three, with torch's current thread count);
+    measured once per process and K. Near the read rate at small K, it falls as 1/K where the Gram is
+    compute-bound."""
+    K = check_pos_int(K, "cpu_gram_gbps", "K")
+    key = f"gram:{K}"
+    if key not in _BANDWIDTH:
+        n = max(256, min(CPU_CHUNK_BYTES // (4 * K), GRAM_PROBE_FMAS // (K * (K + 1) // 2)))
+        U = torch.ones(K, n)
+        _BANDWIDTH[key] = U.numel() * 4 / _best(lambda: ops.gram(U)) / 1e9
+    return _BANDWIDTH[key]
 
 
 def h2d_gbps() -> float:
@@ -699,20 +745,82 @@ def _best(fn: Callable[[], Any], wait: Callable[[], Any] = lambda: None) -> floa
     return best
 
 
-def pick_device() -> Tuple[torch.device, str]:
-    """Where a host-resident source is aggregated fastest, and why (one short string). No CUDA: the
-    CPU. Else the CPU when the CPU op reads host memory at least as fast as chunks reach the GPU, the
-    GPU otherwise: :func:`cpu_read_gbps` vs the link, the slower of the two overlapped stages a chunk
-    goes through (:func:`staging_gbps` into pinned memory, :func:`h2d_gbps` over the link), all
-    probed once per process. The source itself (a disk, a memmap) is read the same way for both."""
+def round_passes(method) -> Tuple[Tuple[str, ...], str]:
+    """(the passes, a label) of ``method``: None (one weighted sum, what a caller naming no method gets), an
+    aggregator (its ``passes()``, labelled by its ``name``) or a sequence of pass names; ValueError naming a
+    pass that is not in PASSES (optionally prefixed HOST)."""
+    if method is None:
+        return ("sum",), "one weighted sum"
+    if isinstance(method, (list, tuple)):
+        passes, label = tuple(method), "passes"
+    elif callable(getattr(method, "passes", None)):
+        passes, label = tuple(method.passes()), str(getattr(method, "name", type(method).__name__))
+    else:
+        raise TypeError(f"pick_device: method must be an aggregator (with passes()), a sequence of pass names or "
+                        f"None, got {type(method).__name__}")
+    for p in passes:
+        if not isinstance(p, str) or _kind(p) not in PASSES:
+            raise ValueError(f"pick_device: {label} declares the pass {p!r}; expected one of {sorted(PASSES)}, "
+                             f"optionally prefixed {HOST!r}")
+    return passes, label
+
+
+def round_seconds(passes: Sequence[str], K: int) -> Tuple[float, float, int]:
+    """(CPU seconds, seconds of host work on the GPU path, reads of U over the link on the GPU path) per GB
+    of U of a round of ``passes`` over a host [K, d] matrix, from the probed CPU rates (PASSES)."""
+    cpu, host, link_reads = 0.0, 0.0, 0
+    for p in passes:
+        on_host = p.startswith(HOST)
+        r, g, reads_u = PASSES[_kind(p)]
+        t = (r / cpu_read_gbps() if r else 0.0) + (g / cpu_gram_gbps(K) if g else 0.0)
+        cpu += t
+        if on_host:
+            host += t
+        elif reads_u:
+            link_reads += 1
+    return cpu, host, link_reads
+
+
+def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
+    """Where one round of ``method`` on ``data`` runs sooner, and why (one short string with both estimates).
+
+    method: an aggregator (what a round does with U: its ``passes()``, see PASSES), a sequence of pass names,
+    or None (one weighted sum). data: the [K, d] updates: a tensor, a ``MatrixSource`` or a ``ChunkedUpdates``
+    (None: a host matrix of K = 16 rows, 1 GB). Data already on a CUDA device: that device. No CUDA: the
+    CPU. Otherwise the CPU time (per pass: its bytes over the probed CPU rate of that pass,
+    :func:`cpu_read_gbps` / :func:`cpu_gram_gbps` at data's K) against the GPU time (the bytes of U over
+    the link for each pass that reads U from the host, the slower of the two overlapped stages a chunk goes
+    through: :func:`staging_gbps` into pinned memory, :func:`h2d_gbps` over the link; plus the passes that
+    stay on the host; the GPU's own compute counted as nothing): the faster, the CPU on a tie. Each rate is
+    probed once per process. The source itself (a disk, a memmap) is read the same way for both; a bf16/fp16
+    matrix is costed by its bytes at the fp32 rates."""
+    passes, label = round_passes(method)
+    K, nbytes, where = 16, 10 ** 9, torch.device("cpu")
+    if isinstance(data, torch.Tensor):
+        K, nbytes, where = (data.size(0) if data.dim() else 1), data.numel() * data.element_size(), data.device
+    elif isinstance(data, (MatrixSource, ChunkedUpdates)):
+        src = data.source if isinstance(data, ChunkedUpdates) else data
+        K, nbytes = src.K, src.nbytes
+    elif data is not None:
+        raise TypeError(f"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, got "
+                        f"{type(data).__name__}")
+    if where.type == "cuda":
+        return where, f"{where}: the data is already there"
     if not torch.cuda.is_available():
         return torch.device("cpu"), "cpu: no CUDA device"
-    cpu, link = cpu_read_gbps(), min(h2d_gbps(), staging_gbps())
-    if cpu >= link:
-        return torch.device("cpu"), (f"cpu: host source, CPU op reads {cpu:.1f} GB/s >= staged host-to-device "
-                                     f"{link:.1f} GB/s")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    return dev, f"{dev}: host source, staged host-to-device {link:.1f} GB/s > CPU op reads {cpu:.1f} GB/s"
+    gb = nbytes / 1e9
+    cpu, host, link_reads = round_seconds(passes, max(K, 1))
+    link = min(h2d_gbps(), staging_gbps())
+    cpu, host, gpu = gb * cpu, gb * host, gb * (host + link_reads / link)
+    rates = f"reads {cpu_read_gbps():.1f} GB/s"
+    if any(PASSES[_kind(p)][1] for p in passes):
+        rates += f", Gram at K={K} {cpu_gram_gbps(max(K, 1)):.1f} GB/s"
+    on_gpu = f"{link_reads} read{'s' if link_reads != 1 else ''} of U at the staged host-to-device {link:.1f} GB/s"
+    if host:
+        on_gpu += f" + {host:.3g} s on the host"
+    dev = torch.device("cpu") if cpu <= gpu else torch.device("cuda", torch.cuda.current_device())
+    return dev, (f"{dev}: host source, {label} [{', '.join(passes)}] on {nbytes / 1e9:.3g} GB: CPU ~{cpu:.3g} s "
+                 f"({rates}) {'<=' if cpu <= gpu else '>'} GPU ~{gpu:.3g} s ({on_gpu})")
 
 
 CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted

@@ -1,4 +1,5 @@
-"""Host-to-device delivery of a source's chunks (fedkernels.sources.overlapped) and device="auto".
+"""Host-to-device delivery of a source's chunks (fedkernels.sources.overlapped) (device="auto":
+tests/test_pick_device.py).
 
 No GPU here: the copy schedule is driven with a fake CUDA whose streams run queued work only when the host
 waits on an event, in an adversarial order (compute first, copy first, random): a missing event between
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fedkernels import algorithms, ops, sources
-from fedkernels.sources import ChunkedUpdates, RawFileSource, TensorSource, overlapped, pick_device
+from fedkernels.sources import ChunkedUpdates, RawFileSource, TensorSource, overlapped
 
 K, D = 5, 1001
 
@@ -144,70 +145,6 @@ def test_chunked_updates_to_cuda_use_the_overlapped_schedule(monkeypatch):
     assert torch.equal(torch.cat([c for _, _, c in seen], 1), U)
     # on the CPU: the source's own blocks, no staging
     assert all(c.data_ptr() == U[:, a:b].data_ptr() for a, b, c in ChunkedUpdates(U, chunk_cols=128).chunks())
-
-
-# ---- device="auto" -----------------------------------------------------------------------------------
-def test_auto_picks_the_cpu_without_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cu = ChunkedUpdates(_U(), device="auto")
-    assert cu.device == torch.device("cpu") and cu.placement == "cpu: no CUDA device"
-    assert ChunkedUpdates(_U(), device="cpu").placement is None
-
-
-@pytest.mark.parametrize("cpu_gbps, h2d_gbps, stage_gbps, want", [
-    (105.0, 51.9, 80.0, "cpu"),        # the GPU machine of the first run: the CPU op beats the link
-    (10.0, 51.9, 80.0, "cuda:0"),      # a few cores: the link wins
-    (52.0, 52.0, 90.0, "cpu"),         # a tie stays on the host
-    (40.0, 51.9, 30.0, "cpu")])        # the host copy into pinned memory is the slower stage of the link
-def test_auto_with_cuda_compares_the_measured_bandwidths(monkeypatch, cpu_gbps, h2d_gbps, stage_gbps, want):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(sources, "cpu_read_gbps", lambda: cpu_gbps)
-    monkeypatch.setattr(sources, "h2d_gbps", lambda: h2d_gbps)
-    monkeypatch.setattr(sources, "staging_gbps", lambda: stage_gbps)
-    dev, why = pick_device()
-    link = min(h2d_gbps, stage_gbps)
-    assert str(dev) == want and why.startswith(want + ": host source")
-    assert f"CPU op reads {cpu_gbps:.1f} GB/s" in why and f"staged host-to-device {link:.1f} GB/s" in why
-    cu = ChunkedUpdates(_U(), device="auto")
-    assert str(cu.device) == want and cu.placement == why
-
-
-def test_cpu_probe_measures_once_per_process(monkeypatch):
-    monkeypatch.setattr(sources, "_BANDWIDTH", {})
-    monkeypatch.setattr(sources, "PROBE_BYTES", 4 << 20)
-    calls = []
-    real = ops.weighted_sum
-    monkeypatch.setattr(ops, "weighted_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
-    g = sources.cpu_read_gbps()
-    assert g > 0 and len(calls) == 4          # one warm-up, three timed
-    assert sources.cpu_read_gbps() == g and len(calls) == 4
-    assert set(sources._BANDWIDTH) == {"cpu"}   # without CUDA nothing else is probed
-
-
-@pytest.mark.parametrize("name", ["fedavg", "kuramoto"])
-def test_auto_aggregation_gives_the_same_result_and_says_where(monkeypatch, name):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    U = _U()
-    x = torch.randn(D)
-    n = [3, 7, 1, 9, 4]
-    ref, ref_info = algorithms.build(name).aggregate(x, U, n)
-    cu = ChunkedUpdates(U, chunk_cols=100, device="auto")
-    agg = algorithms.build(name)
-    new, info = cu.aggregate_placed(agg.aggregate, x, n)
-    torch.testing.assert_close(new, ref, rtol=1e-6, atol=1e-7)
-    if name == "fedavg":
-        assert torch.equal(new, ref)
-    assert info["device"] == "cpu: no CUDA device" and new.device == x.device and agg.round == 1
-    with pytest.raises(ValueError, match="global_flat must be a 1-D tensor"):
-        cu.aggregate_placed(agg.aggregate, x.view(7, 143), n)
-
-
-def test_a_bad_device_names_the_argument():
-    with pytest.raises(ValueError, match=r"ChunkedUpdates: device must be 'auto'.*got 'gpu'"):
-        ChunkedUpdates(_U(), device="gpu")
-    with pytest.raises(ValueError, match=r"got 3\.5"):
-        ChunkedUpdates(_U(), device=3.5)
 
 
 # ---- bf16 / fp16 through every source kind --------------------------------------------------------------

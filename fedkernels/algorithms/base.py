@@ -29,7 +29,7 @@ import torch
 from .. import ops
 from .._types import CoefLike
 from ..ops._checks import _float_dtype, _like, has_kernel, host_range, tracing  # tracing: also imported from here by the method modules
-from ..sources import ChunkedUpdates, MatrixSource, weighted_sum_block
+from ..sources import HOST, ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -376,6 +376,31 @@ class _Redo(Exception):
         self.rin = rin
 
 
+def _table(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
+    """A per-client table's passes, prefixed HOST when the table stays in host memory or a file."""
+    on_host = path is not None or (device is not None and torch.device(device).type == "cpu")
+    return tuple(HOST + p for p in passes) if on_host else passes
+
+
+# What one round of each registered method does with U (K x d) from a source besides the NaN screen, as
+# device="auto" weighs it (Aggregator.passes; the pass names and their costs: fedkernels.sources.PASSES), by
+# registered name, a function of the method's options. A method that refuses a source (no_chunked_source:
+# FedECADO) has none.
+_ROUND_PASSES: Dict[str, Callable[[Any], Tuple[str, ...]]] = {
+    **dict.fromkeys(("fedavg", "fedprox", "fednova", "fedpgvc", "gcfed", "local_gc", "global_gc", "local_gc_only"),
+                    lambda a: ("sum",)),
+    "fedavgm": lambda a: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
+    "kuramoto": lambda a: ("sum", "sum") if a.mode == "C" else ("gram", "sum"),
+    # SCAFFOLD / FedPVR: x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed
+    **dict.fromkeys(("scaffold", "fedpvr"), lambda a: ("sum", "payload") + _table(a.control_device, a.control_file,
+                                                                                  "table", "table_sum")),
+    # FedAWARE: the ELUD Gram (its screen), the extension's base step, then the momenta: U into the K rows of M
+    # (read, written), their Gram against M, the step's sum over M
+    "fedaware": lambda a: (("gram",) if a.log_elud else ()) + (("sum",) if a.extension is not None else ())
+    + _table(a.momentum_device, a.momentum_file, "sum", "table", "table_gram", "table_sum"),
+}
+
+
 class Aggregator(abc.ABC):
     """Base class of every server-side method. Subclasses implement ``_aggregate``."""
 
@@ -491,8 +516,7 @@ class Aggregator(abc.ABC):
                                                   {updates.device.type, global_flat.device.type} <= {"cpu", "cuda"})):
             # device="auto", or chunks delivered to another device than the model's: the round runs
             # there (global_flat moved once, the new model moved back once; info["device"] says where)
-            return self._into(updates.aggregate_placed(self.aggregate, global_flat, num_examples, client_ids,
-                                                       payloads), out)
+            return self._into(updates.aggregate_placed(self, global_flat, num_examples, client_ids, payloads), out)
         if isinstance(updates, (MatrixSource, ChunkedUpdates)):
             src, rows = self._chunked_source(global_flat, updates)
         if tracing():
@@ -557,6 +581,21 @@ class Aggregator(abc.ABC):
     # Why this method cannot aggregate updates read in column chunks (None: it can); such a method
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
+
+    def passes(self) -> Tuple[str, ...]:
+        """What one round does with U from a source, in order, as ``device="auto"`` weighs it
+        (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``): the NaN screen's own read
+        of U for a method without ``screen_in_pass``, then the method's passes (``_ROUND_PASSES``, by
+        registered name); none for a method that refuses a source. A method defined outside this package
+        overrides this; without it ``device="auto"`` raises ValueError (a given device still works)."""
+        if self.no_chunked_source is not None:
+            return ()
+        own = _ROUND_PASSES.get(self.name)
+        if own is None:
+            raise ValueError(f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
+                             "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
+                             "ChunkedUpdates(..., device='cpu') or device='cuda'")
+        return (() if self.screen_in_pass else ("sum",)) + own(self)
 
     def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
                         ) -> Tuple[ChunkedUpdates, UpdatesShape]:
