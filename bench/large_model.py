@@ -335,7 +335,8 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
     g_cpu = glob.cpu()
     t_cpu, ref = best(lambda: ops.weighted_sum(U, p, base=g_cpu), 2)
     h2d, stage, cpu_probe = sources.h2d_gbps(), sources.staging_gbps(), sources.cpu_read_gbps()
-    auto = ChunkedUpdates(U, device="auto").placement
+    auto = ChunkedUpdates(U, device="auto", method=agg).placement
+    auto_kuramoto = ChunkedUpdates(U, device="auto", method=algorithms.build("kuramoto")).placement
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     res = {"benchmark": "large_model_gpu", "commit": commit.stdout.strip() or None,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": os.cpu_count(),
@@ -348,11 +349,12 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
            "target_vs_h2d": 0.85, "sync_loop_s": t_sync, "sync_loop_GBps": nbytes / t_sync / 1e9,
            "cpu_op_s": t_cpu, "cpu_op_GBps": nbytes / t_cpu / 1e9,
            "max_abs_diff_vs_cpu_op": float((new.cpu() - ref).abs().max()), "auto_placement": auto,
+           "auto_placement_kuramoto": auto_kuramoto,
            "notes": "FedAvg (rows screened in the same pass) over ChunkedUpdates(device='cuda'), global model on the "
                     "GPU; best of 3 after a warm-up; the sync loop and the CPU op are the baselines a user would "
                     "otherwise write; pinned_h2d/staging/cpu_op_probe are sources' 64 MiB probes (device='auto')."}
     for key in ("pinned_h2d_GBps", "staging_GBps", "overlapped_GBps", "overlapped_vs_h2d", "sync_loop_GBps",
-                "cpu_op_GBps", "max_abs_diff_vs_cpu_op", "auto_placement"):
+                "cpu_op_GBps", "max_abs_diff_vs_cpu_op", "auto_placement", "auto_placement_kuramoto"):
         print(f"{key}: {res[key]}", flush=True)
     path = output_path(out, "large-model-gpu.json")
     with open(path + ".tmp", "w") as f:
