@@ -229,3 +229,29 @@ def test_cuda_wide_result_matches_converting_first(udt, odt):
             ops.weighted_sum(U.to(odt), coef[:3], alpha=2.0, rows=rows))
         assert_close(s.cpu(), ops.weighted_sum(U.cpu(), coef, base=base.cpu(), alpha=-0.5), equal_nan=True,
                      rtol=1e-5 if odt == torch.float32 else 1e-12, atol=1e-5 if odt == torch.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("udt,odt", WIDE)
+def test_chunked_table_on_the_device_is_one_widened_pass(monkeypatch, udt, odt):
+    """weighted_sum_chunked of a bf16/fp16 table into fp32/fp64 on its own device: one weighted_sum call
+    (no converted chunks), the bits of the chunked conversion (forced here by a column-strided table)."""
+    import sys
+    wsmod = sys.modules["fedkernels.ops.weighted_sum"]     # the module (ops.weighted_sum is the function)
+    U, coef, base = _data(7, 2 * 3001, udt, odt, seed=2)
+    Us, b = U[:, ::2], base[:3001]                          # column stride 2: the chunked conversion path
+    Uc = Us.contiguous()
+    rows = [6, 1, 1, 4]
+    c4 = coef[:4]
+    calls = []
+    real = wsmod.weighted_sum
+    monkeypatch.setattr(wsmod, "weighted_sum", lambda M, *a, **kw: calls.append(M.dtype) or real(M, *a, **kw))
+    want = ops.weighted_sum_chunked(Us, c4, base=b, alpha=0.5, rows=rows, out_dtype=odt, chunk_cols=1000)
+    assert calls == [odt] * 4                                # 4 converted chunks
+    calls.clear()
+    got = ops.weighted_sum_chunked(Uc, c4, base=b, alpha=0.5, rows=rows, out_dtype=odt, chunk_cols=1000)
+    assert calls == [udt]                                    # one pass over the table as it is
+    _eq(got, want)
+    _eq(got, _converted(Uc, c4, b, 0.5, rows, odt))
+    calls.clear()
+    _eq(ops.weighted_sum_chunked(Uc, coef, out_dtype=odt), _converted(Uc, coef, odt=odt))
+    assert calls == [udt]

@@ -20,7 +20,8 @@
 // row or an overflow). Bytes moved: as weighted_sum, plus those re-read blocks.
 // Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
 // tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
-// (tests/test_cuda.py): the shared-memory staging between barriers, the 16-byte loads, the launch.
+// (tests/test_cuda.py, tests/test_weighted_sum_wide.py): the shared-memory staging between barriers, the
+// 16-byte loads, the wide out's 16-byte pieces (load_vec_rw / store_vec), the launch.
 #include <type_traits>
 
 #include "common.cuh"

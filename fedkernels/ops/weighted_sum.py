@@ -21,7 +21,8 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor
+from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor,
+                      has_kernel)
 from .reductions import shard_and
 
 __all__ = ["weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "out_dtypes"]
@@ -133,7 +134,9 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
     another device (the host) than the result: column chunks of the selected rows are converted to
     ``out_dtype`` (default: base's dtype, else M's) on ``device`` (default: base's device, else M's)
     one at a time (temporary: len(rows) x chunk_cols) and summed with :func:`weighted_sum`. Equal to
-    ``weighted_sum(M[rows].to(device, out_dtype), coef, base, alpha)`` without the full copy.
+    ``weighted_sum(M[rows].to(device, out_dtype), coef, base, alpha)`` without the full copy. A table
+    already on ``device`` whose dtype widens to ``out_dtype`` (:func:`out_dtypes`: bf16/fp16 to
+    fp32/fp64) is summed in one :func:`weighted_sum` pass instead (no temporary; the same bits).
     """
     op = "weighted_sum_chunked"
     M = _tensor(M, op, "M")
@@ -160,6 +163,9 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
     r = torch.arange(K) if rows is None else _rows(rows, K, op)
     c64 = _coef(coef, r.numel(), op).to(torch.float64)
     out = torch.empty(d, dtype=odt, device=dev)
+    if (M.device == dev and odt in out_dtypes(M.dtype) and has_kernel("weighted_sum_out", dev)
+            and (d <= 1 or M.stride(1) == 1) and (K <= 1 or M.stride(0) >= d)):   # read in place: one pass
+        return weighted_sum(M, c64, base=base, alpha=alpha, rows=None if rows is None else r, out=out)
     ridx = r.to(M.device)
     for a in range(0, d, chunk_cols):
         b = min(d, a + chunk_cols)
