@@ -724,10 +724,10 @@ def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alph
     """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one column block ``c`` of U, in ``dst``'s dtype
     (``ops.weighted_sum``: column-local, so the blocks of a matrix give the bits of the whole). A
     bf16/fp16 block summed into fp32/fp64 goes through the op in one pass, widened (and screened) in its
-    kernel (``ops.weighted_sum.out_dtypes``); where that cannot be used (a non-contiguous ``dst``, a
-    device without the kernel) it is converted CONVERT_COLS columns at a time (a cache-sized scratch, not
-    a copy of the block). Both give the bits of converting the block whole. With ``screen`` returns the
-    [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
+    kernel (``out_dtypes`` in fedkernels/ops/weighted_sum.py); where that cannot be used (a non-contiguous
+    ``dst``, a device without the kernel) it is converted CONVERT_COLS columns at a time (a cache-sized
+    scratch, not a copy of the block). Both give the bits of converting the block whole. With ``screen``
+    returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
     odt = dst.dtype
     bb = None if base is None else base.to(device=dst.device, dtype=odt)
     if odt in out_dtypes(c.dtype) and dst.is_contiguous() and dst.device == c.device:  # into dst, no temporary
