@@ -60,6 +60,7 @@ from . import ops
 from ._memory import available_bytes
 from .errors import BadUpdateError
 from .ops._checks import has_kernel
+from .ops.weighted_sum import out_dtypes
 
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
@@ -823,30 +824,34 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
                  f"({rates}) {'<=' if cpu <= gpu else '>'} GPU ~{gpu:.3g} s ({on_gpu})")
 
 
-CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted
+CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted (the fallback)
 
 
 def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alpha: float, dst: torch.Tensor,
                        rows: Optional[torch.Tensor] = None, screen: bool = False) -> Optional[torch.Tensor]:
     """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one column block ``c`` of U, in ``dst``'s dtype
     (``ops.weighted_sum``: column-local, so the blocks of a matrix give the bits of the whole). A
-    bf16/fp16 block summed into a wider dtype is converted CONVERT_COLS columns at a time (a cache-sized
-    scratch, not a copy of the block); per coordinate the same bits as converting it whole. With
-    ``screen`` returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
+    bf16/fp16 block summed into fp32/fp64 goes through the op in one pass, widened (and screened) in its
+    kernel (``out_dtypes`` in fedkernels/ops/weighted_sum.py); where that cannot be used (a non-contiguous
+    ``dst``, a device without the kernel) it is converted CONVERT_COLS columns at a time (a cache-sized
+    scratch, not a copy of the block). Both give the bits of converting the block whole. With ``screen``
+    returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
     odt = dst.dtype
     bb = None if base is None else base.to(device=dst.device, dtype=odt)
-    if c.dtype == odt:
+    if odt in out_dtypes(c.dtype) and dst.is_contiguous() and dst.device == c.device:  # into dst, no temporary
         if screen and rows is None and has_kernel("weighted_sum_screened_out", c.device):
-            if dst.is_contiguous():                      # written straight into dst (no block temporary)
-                return ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha, out=dst)[1]
+            return ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha, out=dst)[1]
+        if has_kernel("weighted_sum_out", c.device):
+            ok = ops.finite_rows(c) if screen else None
+            ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows, out=dst)
+            return ok
+    if c.dtype == odt:
+        if screen and rows is None and has_kernel("weighted_sum_screened", c.device):
             res, ok = ops.weighted_sum_screened(c, coef, base=bb, alpha=alpha)
             dst.copy_(res)
             return ok
         ok = ops.finite_rows(c) if screen else None
-        if dst.is_contiguous() and has_kernel("weighted_sum_out", c.device):
-            ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows, out=dst)
-        else:
-            dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
+        dst.copy_(ops.weighted_sum(c, coef, base=bb, alpha=alpha, rows=rows))
         return ok
     ok = ops.finite_rows(c) if screen else None
     if rows is not None:

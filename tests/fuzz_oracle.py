@@ -130,9 +130,10 @@ def _gen_gram(rnd, c):
 def _gen_weighted_sum(rnd, c):
     _gen_gram(rnd, c)
     c["coef"] = rnd.choice(["list", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
-    c["base"] = rnd.choice([None, None, "ok", "noncontig", "expanded", "wrong_dtype", "wrong_len", "nan"])
+    c["base"] = rnd.choice([None, None, "ok", "noncontig", "expanded", "wrong_dtype", "wrong_len", "nan", "wide"])
     c["alpha"] = rnd.choice([1.0, 1.0, 0.0, -1.0, 0.37, 1e20, 3, True, float("nan"), "str", float("inf")])
-    c["out"] = rnd.choice([None, None, "fresh", "base", "noncontig", "wrong_dtype", "wrong_len"])
+    c["out"] = rnd.choice([None, None, "fresh", "base", "noncontig", "wrong_dtype", "wrong_len", "wide"])
+    c["wide"] = rnd.choice(["fp32", "fp64"])
 
 
 def _gen_weighted_sum_screened(rnd, c):
@@ -540,6 +541,18 @@ def _coef_arg(g, c, n):
     raise KeyError(k)
 
 
+# weighted_sum's result (out, base): U's dtype, or a wider fp32/fp64 for a half-precision U (accumulated in it)
+_WIDER_RESULT = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64)}
+
+
+def _result_dtype_arg(dt, kind, wide):
+    """The dtype of a "wide" (fp32/fp64: valid for a half U, not for fp32/fp64) or "wrong_dtype" base/out."""
+    if kind == "wide":
+        return DTYPES[wide]
+    return {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, torch.float64: torch.float32}.get(
+        dt, torch.float64)
+
+
 def _run_weighted_sum(g, c):
     U = _matrix_input(g, c)
     K, d = c["K"], c["d"]
@@ -551,14 +564,14 @@ def _run_weighted_sum(g, c):
     bk = c["base"]
     if bk is not None:
         base = _values(g, (d,), dt, "normal")
+        if bk in ("wrong_dtype", "wide"):
+            base = base.to(_result_dtype_arg(dt, bk, c.get("wide", "fp64")))
         if bk == "noncontig":
             b2 = torch.zeros(2 * d, dtype=dt)
             b2[::2] = base
             base = b2[::2]
         elif bk == "expanded":
             base = base[:1].expand(d) if d else base
-        elif bk == "wrong_dtype":
-            base = base.to(torch.float64 if dt != torch.float64 else torch.float32)
         elif bk == "wrong_len":
             base = torch.zeros(d + 1, dtype=dt)
         elif bk == "nan" and d and dt.is_floating_point:
@@ -574,8 +587,8 @@ def _run_weighted_sum(g, c):
         out = torch.zeros(2 * d + 2, dtype=dt)[::2][:d] if d > 1 else torch.zeros(4, dtype=dt)[::2][:d].t()
         if out.is_contiguous():   # a 0/1-element strided view is contiguous: nothing to test
             out = torch.zeros(2 * 2, dtype=dt)[::2]
-    elif ok_ == "wrong_dtype":
-        out = torch.zeros(d, dtype=torch.float64 if dt != torch.float64 else torch.float32)
+    elif ok_ in ("wrong_dtype", "wide"):
+        out = torch.zeros(d, dtype=_result_dtype_arg(dt, ok_, c.get("wide", "fp64")))
     elif ok_ == "wrong_len":
         out = torch.zeros(d + 1, dtype=dt)
     alpha = c["alpha"]
@@ -594,24 +607,28 @@ def _run_weighted_sum(g, c):
         raise Fail(f"weighted_sum accepted coef of shape {tuple(c64.shape)} / non-finite values")
     if ok_ is not None and out is not None and res is not out:
         raise Fail("weighted_sum did not return out")
-    if res.dtype != dt or res.shape != (d,):
-        raise Fail(f"weighted_sum: result {res.dtype} {tuple(res.shape)}, expected {dt} ({d},)")
+    rdt = out.dtype if out is not None else base.dtype if base is not None else dt
+    if rdt not in (dt,) + _WIDER_RESULT.get(dt, ()) or (base is not None and base.dtype != rdt):
+        raise Fail(f"weighted_sum accepted a {rdt} result (base {None if base is None else base.dtype}) for a {dt} U")
+    if res.dtype != rdt or res.shape != (d,):
+        raise Fail(f"weighted_sum: result {res.dtype} {tuple(res.shape)}, expected {rdt} ({d},)")
     ref = reference.weighted_sum(U, c64, base=base0, alpha=float(alpha), rows=rows)
     r = reference._rows_idx(rows, K, U.device)
     if c.get("screened"):
         want = reference.weighted_sum_screened(U, c64, base=base0, alpha=float(alpha), rows=r)[1]
         if okf.dtype != torch.bool or not torch.equal(okf.cpu(), want.cpu()):
             raise Fail(f"weighted_sum_screened: flags {okf.tolist()}, expected {want.tolist()}")
-        plain = ops.weighted_sum(U, coef, base=base0, alpha=alpha, rows=rows)
+        plain = ops.weighted_sum(U, coef, base=base0, alpha=alpha, rows=rows,
+                                 out=None if out is None else torch.empty(d, dtype=rdt))
         if not torch.equal(res.isnan(), plain.isnan()) or not torch.equal(res.nan_to_num(), plain.nan_to_num()):
             raise Fail("weighted_sum_screened: the sum differs from weighted_sum's")
-    acc = _acc_dtype(dt)
+    acc = _acc_dtype(rdt)
     S = abs(float(alpha)) * (c64.abs()[:, None] * U.to(torch.float64).abs()[r]).sum(0) if n else \
         torch.zeros(d, dtype=torch.float64)
     if base0 is not None:
         S = S + base0.to(torch.float64).abs()
-    tol = (n + 6) * 2 * _eps(acc) * S + 2 * _eps(dt) * ref.abs().nan_to_num(0, 0, 0) + (n + 2) * torch.finfo(dt).tiny
-    amax, omax = torch.finfo(acc).max, torch.finfo(dt).max
+    tol = (n + 6) * 2 * _eps(acc) * S + 2 * _eps(rdt) * ref.abs().nan_to_num(0, 0, 0) + (n + 2) * torch.finfo(rdt).tiny
+    amax, omax = torch.finfo(acc).max, torch.finfo(rdt).max
     may = ~torch.isfinite(S) | (S * 1.001 >= amax) | (ref.abs() * 1.001 >= omax)
     _check_close("weighted_sum", res, ref, tol, may)
     return "ok"

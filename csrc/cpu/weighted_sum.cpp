@@ -1,8 +1,13 @@
 // weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]], one pass over the rows.
 //
 // Column-blocked: a chunk of kChunk columns is accumulated over all rows in a small L1-resident
-// accumulator, so every element of U is read once. fp32 inputs accumulate in fp32, fp64 in fp64,
-// fp16/bf16 in fp32. Each output element is summed in row order: deterministic for any thread count.
+// accumulator, so every element of U is read once. out (and base) have U's dtype, or, for fp16/bf16
+// U, a wider fp32/fp64 (a half-precision update summed into an fp32/fp64 model in one pass, with no
+// converted copy of U). The accumulation type is out's: fp32 for fp32/fp16/bf16 out, fp64 for fp64
+// out (so fp16/bf16 U into fp64 out accumulates in fp64). Each element of U is converted exactly to
+// it, so a wide out gives the same bits as converting U to out's dtype first and summing that.
+// Each output element is summed in row order: deterministic for any thread count.
+// Bytes moved: n d elements of U's dtype, d of base and d of out (out's dtype).
 // out may alias base (in-place apply).
 // weighted_sum_screened (and weighted_sum_screened_out, into a caller's out) also returns ok[i] = all(isfinite(U[rows[i], :])) from the same pass: a
 // NaN/Inf anywhere in a chunk's rows makes that chunk's accumulator non-finite (c * Inf and
@@ -31,6 +36,7 @@ namespace {
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
+template <typename T> struct Tag { using type = T; };
 
 // ok[i] = ok[i] && (row rows[i] is finite on the chunk [j0, j0 + len)).
 template <typename T, typename A>
@@ -41,9 +47,9 @@ void finite_chunk(const T* u, int64_t stride0, const int64_t* rows, int64_t n, i
 
 // One column chunk [j0, j0+len): acc = sum_i c[i] * U[rows[i], chunk] in row order, then
 // o = b + acc (or acc). Runtime-dispatched to the widest vector ISA in portable builds.
-template <typename T, typename A>
+template <typename T, typename O, typename A>
 FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_t* rows, const A* c, int64_t n,
-                                       int64_t j0, int64_t len, const T* b, T* o, A* acc) {
+                                       int64_t j0, int64_t len, const O* b, O* o, A* acc) {
   for (int64_t j = 0; j < len; ++j) acc[j] = A(0);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -78,27 +84,27 @@ FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) acc[j] += c0 * A(x0[j]);
   }
-  T* oo = o + j0;
+  O* oo = o + j0;
   if (b) {
-    const T* bb = b + j0;
+    const O* bb = b + j0;
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(A(bb[j]) + acc[j]);
+    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(A(bb[j]) + acc[j]);
   } else {
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<T>(acc[j]);
+    for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(acc[j]);
   }
 }
 
-// A = accumulation type: float for fp32/fp16/bf16 inputs, double for fp64 inputs, and double for
-// any input when a scaled coefficient does not fit in float (e.g. lam / ||m|| for a denormal m),
-// so finite inputs never give an overflowed coefficient.
-template <typename T, typename A>
+// T = U's dtype, O = out's (and base's). A = accumulation type: float for fp32/fp16/bf16 out,
+// double for fp64 out, and double for any out when a scaled coefficient does not fit in float (e.g.
+// lam / ||m|| for a denormal m), so finite inputs never give an overflowed coefficient.
+template <typename T, typename O, typename A>
 void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::vector<int64_t>& rows,
                const at::Tensor* base, double alpha, at::Tensor& out, bool* ok_out) {
   const int64_t d = U.size(1), n = (int64_t)rows.size(), stride0 = U.stride(0);
   const T* u = U.data_ptr<T>();
-  const T* b = base ? base->data_ptr<T>() : nullptr;
-  T* o = out.data_ptr<T>();
+  const O* b = base ? base->data_ptr<O>() : nullptr;
+  O* o = out.data_ptr<O>();
   std::vector<A> c(n);
   for (int64_t i = 0; i < n; ++i) c[i] = static_cast<A>(alpha * coef[i]);
   constexpr int64_t CH = WSUM_CHUNK;
@@ -109,7 +115,7 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
     std::vector<A> accv(CH);
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t j0 = q * CH, len = std::min(CH, d - j0);
-      wsum_chunk<T, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data());
+      wsum_chunk<T, O, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data());
       if (ok_out && !finite_span<A>(accv.data(), len))   // rare: find the rows of this chunk
         finite_chunk<T, A>(u, stride0, rows.data(), n, j0, len, flag.data() + q * n);
     }
@@ -134,11 +140,21 @@ void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<a
   const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
   bool fits_float = true;
   for (double c : cv) fits_float = fits_float && std::abs(alpha * c) <= 3.0e38;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
+  // out's dtype is U's, or fp32/fp64 for fp16/bf16 U (checked above): O = out's element type.
+  const auto run = [&](auto u_tag, auto o_tag) {
+    using T = typename decltype(u_tag)::type;
+    using O = typename decltype(o_tag)::type;
     if (fits_float)
-      wsum_impl<scalar_t, typename Acc<scalar_t>::type>(U, cv, r, bp, alpha, out, okp);
+      wsum_impl<T, O, typename Acc<O>::type>(U, cv, r, bp, alpha, out, okp);
     else
-      wsum_impl<scalar_t, double>(U, cv, r, bp, alpha, out, okp);
+      wsum_impl<T, O, double>(U, cv, r, bp, alpha, out, okp);
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
+    if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+      if (out.scalar_type() == at::kFloat) return run(Tag<scalar_t>{}, Tag<float>{});
+      if (out.scalar_type() == at::kDouble) return run(Tag<scalar_t>{}, Tag<double>{});
+    }
+    run(Tag<scalar_t>{}, Tag<scalar_t>{});
   });
 }
 
@@ -149,7 +165,7 @@ void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10
 
 at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                             double alpha, const c10::optional<at::Tensor>& rows) {
-  auto out = checks::weighted_sum_output(U);
+  auto out = checks::weighted_sum_output(U, base);
   weighted_sum_out_cpu(U, coef, base, alpha, rows, out);
   return out;
 }
@@ -165,7 +181,7 @@ at::Tensor weighted_sum_screened_out_cpu(const at::Tensor& U, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cpu(const at::Tensor& U, const at::Tensor& coef,
                                                              const c10::optional<at::Tensor>& base, double alpha,
                                                              const c10::optional<at::Tensor>& rows) {
-  auto out = checks::weighted_sum_output(U);
+  auto out = checks::weighted_sum_output(U, base);
   auto ok = weighted_sum_screened_out_cpu(U, coef, base, alpha, rows, out);
   return {out, ok};
 }

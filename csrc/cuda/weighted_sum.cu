@@ -4,9 +4,13 @@
 // base and out are 16-byte aligned, otherwise single columns (coalesced scalar path); see
 // weighted_sum.cuh (wsum::col, wsum::vec_ok). The coefficients (alpha * coef[i], rounded once to
 // the accumulation type) and row pointers are staged in shared memory in batches of 256 rows.
-// Accumulation type as the CPU op: float for fp16/bf16/fp32 data, double for fp64 data, and
-// double for any data when some |alpha * coef[i]| does not fit in float (each block checks all
-// coefficients first: one __syncthreads_or over n values). Each output element accumulates the
+// out (and base) have U's dtype, or for fp16/bf16 U a wider fp32/fp64 (the CPU op's rule, csrc/
+// weighted_sum_checks.h): each thread then loads its V = 16 / sizeof(U's type) columns of U in one
+// 16-byte load and writes them to out as V * sizeof(out's type) / 16 16-byte stores.
+// Accumulation type as the CPU op: out's (float for fp16/bf16/fp32 out, double for fp64 out), and
+// double for any out when some |alpha * coef[i]| does not fit in float (each block checks all
+// coefficients first: one __syncthreads_or over n values). An element of U converts exactly to the
+// accumulation type, so a wide out gives the bits of summing U converted to out's dtype. Each output element accumulates the
 // rows in index order with fma: deterministic. An out-of-range rows entry contributes NaN (no
 // device assert, no read outside U). out may alias base: every element of base is read by the
 // thread that writes the same element of out, before the write.
@@ -16,7 +20,10 @@
 // row or an overflow). Bytes moved: as weighted_sum, plus those re-read blocks.
 // Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
 // tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
-// (tests/test_cuda.py): the shared-memory staging between barriers, the 16-byte loads, the launch.
+// (tests/test_cuda.py, tests/test_weighted_sum_wide.py): the shared-memory staging between barriers, the
+// 16-byte loads, the wide out's 16-byte pieces (load_vec_rw / store_vec), the launch.
+#include <type_traits>
+
 #include "common.cuh"
 #include "weighted_sum.cuh"
 
@@ -27,10 +34,39 @@ namespace {
 using namespace detail;
 using wsum::kThreads;
 
-template <typename T, typename A, bool VEC>
+// N elements of O at a 16-byte aligned p (N * sizeof(O) a multiple of 16), in 16-byte pieces: the
+// epilogue's base/out access when out is wider than U (N = U's vector width). For O == U's type
+// this is one 16-byte access, as load16_rw / store16.
+template <typename O, int N, typename A>
+__device__ __forceinline__ void load_vec_rw(const O* p, A (&v)[N]) {
+  static_assert((N * sizeof(O)) % 16 == 0, "whole 16-byte pieces");
+  constexpr int P = (int)(N * sizeof(O) / 16), E = 16 / (int)sizeof(O);
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    uint4 raw = reinterpret_cast<const uint4*>(p)[q];
+    const O* e = reinterpret_cast<const O*>(&raw);
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[q * E + i] = static_cast<A>(to_float(e[i]));
+  }
+}
+template <typename O, int N, typename A>
+__device__ __forceinline__ void store_vec(O* p, const A (&v)[N]) {
+  static_assert((N * sizeof(O)) % 16 == 0, "whole 16-byte pieces");
+  constexpr int P = (int)(N * sizeof(O) / 16), E = 16 / (int)sizeof(O);
+#pragma unroll
+  for (int q = 0; q < P; ++q) {
+    uint4 raw;
+    O* e = reinterpret_cast<O*>(&raw);
+#pragma unroll
+    for (int i = 0; i < E; ++i) e[i] = from_acc<O>(v[q * E + i]);
+    reinterpret_cast<uint4*>(p)[q] = raw;
+  }
+}
+
+template <typename T, typename O, typename A, bool VEC>
 __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld,
                                           const double* __restrict__ coef, const int64_t* __restrict__ rows, int64_t n,
-                                          const T* base, double alpha, T* out, A* cs, const T** rp, bool* ok) {
+                                          const O* base, double alpha, O* out, A* cs, const T** rp, bool* ok) {
   constexpr int V = Vec16<T>::n;
   const int tid = threadIdx.x;
   const int64_t b = blockIdx.x;
@@ -116,11 +152,11 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
   if (full) {
     if (base) {
       A bv[V];
-      load16_rw<T, A>(base + jv, bv);
+      load_vec_rw<O, V, A>(base + jv, bv);
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[e] = bv[e] + acc[e];
     }
-    store16<T, A>(out + jv, acc);
+    store_vec<O, V, A>(out + jv, acc);
   } else {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -128,17 +164,17 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
       if (j < d) {
         A v = acc[e];
         if (base) v = static_cast<A>(to_float(base[j])) + v;
-        out[j] = from_acc<T>(v);
+        out[j] = from_acc<O>(v);
       }
     }
   }
 }
 
-// wide: 1 = accumulate in double, 0 = in the data's accumulation type, -1 = decide here from coef.
-template <typename T, bool VEC>
+// wide: 1 = accumulate in double, 0 = in out's accumulation type, -1 = decide here from coef.
+template <typename T, typename O, bool VEC>
 __global__ void __launch_bounds__(kThreads)
     wsum_kernel(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld, const double* __restrict__ coef,
-                const int64_t* __restrict__ rows, int64_t n, const T* base, double alpha, T* out, int wide, bool* ok) {
+                const int64_t* __restrict__ rows, int64_t n, const O* base, double alpha, O* out, int wide, bool* ok) {
   __shared__ double cs[kThreads];
   __shared__ const T* rp[kThreads];
   if (wide < 0) {
@@ -146,34 +182,45 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t i = threadIdx.x; i < n; i += kThreads) bad |= !wsum::fits_float(alpha, coef[i]);
     wide = __syncthreads_or(bad) ? 1 : 0;
   }
-  using A = typename Acc<T>::type;
+  using A = typename Acc<O>::type;
   if (wide == 0 || sizeof(A) == sizeof(double))
-    wsum_body<T, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp, ok);
+    wsum_body<T, O, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp, ok);
   else
-    wsum_body<T, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp, ok);
+    wsum_body<T, O, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp, ok);
+}
+
+template <typename T, typename O>
+cudaError_t launch(const void* U, int64_t K, int64_t d, int64_t ld, const double* coef, const int64_t* rows,
+                   int64_t n, const void* base, double alpha, int wide, void* out, bool* ok, cudaStream_t stream) {
+  constexpr int V = Vec16<T>::n;
+  const T* u = static_cast<const T*>(U);
+  const O* b = static_cast<const O*>(base);
+  O* o = static_cast<O*>(out);
+  const bool vec = wsum::vec_ok(reinterpret_cast<uintptr_t>(u), ld * (int64_t)sizeof(T), K,
+                                reinterpret_cast<uintptr_t>(o), reinterpret_cast<uintptr_t>(b));
+  const int64_t blocks = wsum::num_blocks(d, V);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (vec)
+    wsum_kernel<T, O, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
+  else
+    wsum_kernel<T, O, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         bool* ok, cudaStream_t stream) {
+                         DType out_dt, bool* ok, cudaStream_t stream) {
   if (d <= 0) return cudaSuccess;
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    constexpr int V = Vec16<T>::n;
-    const T* u = static_cast<const T*>(U);
-    const T* b = static_cast<const T*>(base);
-    T* o = static_cast<T*>(out);
-    const bool vec = wsum::vec_ok(reinterpret_cast<uintptr_t>(u), ld * (int64_t)sizeof(T), K,
-                                  reinterpret_cast<uintptr_t>(o), reinterpret_cast<uintptr_t>(b));
-    const int64_t blocks = wsum::num_blocks(d, V);
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    if (vec)
-      wsum_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
-    else
-      wsum_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
-    return cudaGetLastError();
+    if (out_dt == dt) return launch<T, T>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {  // a wider out
+      if (out_dt == DType::Float32) return launch<T, float>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
+      if (out_dt == DType::Float64) return launch<T, double>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
+    }
+    return cudaErrorInvalidValue;  // the glue's checks (csrc/weighted_sum_checks.h) allow nothing else
   });
 }
 

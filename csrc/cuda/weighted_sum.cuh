@@ -79,14 +79,16 @@ namespace cuda {
 
 // ---- weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]] -----------------------------
 // coef: device float64 [n]; rows: device int64 [n] or nullptr (n == K, rows 0..K-1); base: [d] or
-// nullptr; out: [d], may alias base. Accumulation: fp32 for fp16/bf16/fp32, fp64 for fp64, fp64
-// for every dtype when some |alpha * coef[i]| > 3e38 (the CPU op's rule). wide: 1 / 0 when the
+// nullptr; out: [d] of dtype out_dt (dt, or Float32/Float64 for a Float16/BFloat16 U; any other pair:
+// cudaErrorInvalidValue), may alias base; base has out_dt. Accumulation: out_dt's (fp32 for
+// fp16/bf16/fp32, fp64 for fp64), fp64 for every dtype when some |alpha * coef[i]| > 3e38 (the CPU
+// op's rule). wide: 1 / 0 when the
 // caller knows (host coefficients), -1 to let every block decide from coef. Each output element
 // sums the rows in index order. ok: nullptr, or [n] bool set to true by the caller, where the
 // kernel writes false for each selected row holding a NaN/Inf (weighted_sum_screened).
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         bool* ok, cudaStream_t stream);
+                         DType out_dt, bool* ok, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fedkernels

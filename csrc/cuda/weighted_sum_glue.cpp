@@ -1,7 +1,8 @@
 // Torch glue of weighted_sum / weighted_sum_out / weighted_sum_screened(_out) (kernel: weighted_sum.cu).
 // coef and rows may be host tensors (the Python wrappers pass them so: no host->device->host round
 // trip) or on U's device. Host coef: the accumulation type (float unless some |alpha*coef| > 3e38,
-// the CPU op's rule) is decided here; device coef: by the kernel.
+// the CPU op's rule) is decided here; device coef: by the kernel. out (and base) have U's dtype, or
+// fp32/fp64 for an fp16/bf16 U (csrc/weighted_sum_checks.h); the functional forms take base's dtype.
 #include <cmath>
 #include <tuple>
 
@@ -42,6 +43,7 @@ void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<
   C10_CUDA_CHECK(fk::weighted_sum(U.data_ptr(), to_dtype(U.scalar_type(), "weighted_sum", "U"), K, d, row_stride(U),
                                   c.data_ptr<double>(), rows.has_value() ? r.data_ptr<int64_t>() : nullptr, n,
                                   base.has_value() ? base->data_ptr() : nullptr, alpha, wide, out.data_ptr(),
+                                  to_dtype(out.scalar_type(), "weighted_sum", "out"),
                                   ok ? ok->data_ptr<bool>() : nullptr, stream()));
 }
 
@@ -53,7 +55,7 @@ void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c1
 at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                              double alpha, const c10::optional<at::Tensor>& rows) {
   c10::cuda::CUDAGuard guard(U.device());
-  auto out = checks::weighted_sum_output(U);
+  auto out = checks::weighted_sum_output(U, base);
   weighted_sum_out_cuda(U, coef, base, alpha, rows, out);
   return out;
 }
@@ -70,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cuda(const at::Tensor& 
                                                               const c10::optional<at::Tensor>& base, double alpha,
                                                               const c10::optional<at::Tensor>& rows) {
   c10::cuda::CUDAGuard guard(U.device());
-  auto out = checks::weighted_sum_output(U);
+  auto out = checks::weighted_sum_output(U, base);
   auto ok = weighted_sum_screened_out_cuda(U, coef, base, alpha, rows, out);
   return {out, ok};
 }

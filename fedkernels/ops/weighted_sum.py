@@ -6,6 +6,11 @@ the weights: ``base + alpha * sum_i coef_i U[rows_i]`` (``csrc/cpu/weighted_sum.
 ``csrc/cuda/weighted_sum.cu``); float64 oracle: ``fedkernels.reference.weighted_sum``.
 ``coef`` and ``rows`` are small host vectors: they are checked on the host and handed to the
 native op as CPU tensors for every device of ``U`` (see ``_checks``).
+
+The result (``out``, ``base``) has ``U``'s dtype, or for a bf16/fp16 ``U`` a wider float32/float64
+(:func:`out_dtypes`): a half-precision update summed into an fp32/fp64 model in one pass, accumulated in
+the result's dtype, the same bits as converting ``U`` to it first. The functional forms take ``base``'s
+dtype (``U``'s without ``base``); ``out=`` names it.
 """
 from __future__ import annotations
 
@@ -17,21 +22,50 @@ import torch
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
 from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor,
-                      _vector)
+                      has_kernel)
 from .reductions import shard_and
 
-__all__ = ["weighted_sum", "weighted_sum_screened", "weighted_sum_chunked"]
+__all__ = ["weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "out_dtypes"]
+
+# The wider results of a half-precision U (csrc/weighted_sum_checks.h: weighted_sum_out_dtype_ok).
+_WIDER = {torch.float16: (torch.float32, torch.float64), torch.bfloat16: (torch.float32, torch.float64)}
+
+
+def out_dtypes(dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
+    """The dtypes the weighted sum of a U of ``dtype`` can be written in (``out``, ``base``): ``dtype``,
+    and float32/float64 for float16/bfloat16 (accumulated in that dtype)."""
+    return (dtype,) + _WIDER.get(dtype, ())
+
+
+def _result_vector(v: object, op: str, name: str, d: int, U: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``out`` / ``base``: 1-D of length d on U's device, of one of ``out_dtypes(U.dtype)`` (or exactly
+    ``dtype``: base must have out's)."""
+    v = _tensor(v, op, name)
+    if v.dim() != 1 or v.size(0) != d:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {d}, got shape {tuple(v.shape)}")
+    if v.device != U.device:
+        raise ValueError(f"{op}: {name} is on {v.device} but U is on {U.device}")
+    if dtype is not None:
+        if v.dtype != dtype:
+            raise ValueError(f"{op}: {name} must have dtype {dtype} (the dtype of out), got {v.dtype}")
+    elif v.dtype not in out_dtypes(U.dtype):
+        wider = _WIDER.get(U.dtype, ())
+        also = f" or a wider {' / '.join(map(str, wider))}" if wider else ""
+        raise ValueError(f"{op}: {name} must have dtype {U.dtype} (the dtype of U){also}, got {v.dtype}")
+    return v
 
 
 def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                  rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``base + alpha * sum_i coef[i] * U[rows[i]]`` in one pass over the selected rows.
 
-    U: [K, d]; coef: [len(rows)] (read as float64, applied in the accumulation dtype: fp32 for
-    fp32/fp16/bf16 inputs, fp64 for fp64; a host vector, a device one is copied to the host once);
-    base: optional [d] of U's dtype; out: optional [d] contiguous of U's dtype, may be ``base``
-    itself (in-place apply). Returns out. Differentiable w.r.t. ``U``, ``coef`` and ``base``
-    (without ``out``).
+    U: [K, d]; coef: [len(rows)] (read as float64, applied in the accumulation dtype, the result's:
+    fp32 for fp32/fp16/bf16, fp64 for fp64; a host vector, a device one is copied to the host once);
+    base: optional [d]; out: optional [d] contiguous, may be ``base`` itself (in-place apply). The
+    result's dtype: out's, else base's, else U's; U's or, for a bf16/fp16 U, float32/float64
+    (:func:`out_dtypes`); base has out's. Returns out. Differentiable w.r.t. ``U``, ``coef`` and
+    ``base`` (without ``out``).
     """
     op = "weighted_sum"
     U = _matrix(U, op)
@@ -43,17 +77,18 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
     alpha = float(alpha)
+    if out is not None:
+        out = _result_vector(out, op, "out", d, U)
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous")
     if base is not None:
-        base = _vector(base, op, "base", d, U)
+        base = _result_vector(base, op, "base", d, U, None if out is None else out.dtype)
         if not base.is_contiguous():
             base = base.contiguous()
     if out is None:
         if _ag.needs_grad(U, c, base):
             return _WeightedSum.apply(U, c, base, alpha, r)
         return _ag.call(torch.ops.fedkernels.weighted_sum, U, c, base, alpha, r)
-    out = _vector(out, op, "out", d, U)
-    if not out.is_contiguous():
-        raise ValueError(f"{op}: out must be contiguous")
     _no_grad_through("weighted_sum(out=...)", U, c, base, out)
     torch.ops.fedkernels.weighted_sum_out(U, c, base, alpha, r, out)
     return out
@@ -63,8 +98,9 @@ def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.
                           rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(weighted_sum(U, coef, base, alpha, rows, out), ok)``, ok[i] = all(isfinite(U[rows[i]]))
     ([len(rows)] bool on U's device), from the same pass over U: the NaN/Inf screen of the rows costs
-    no extra read. Arguments as :func:`weighted_sum` (``out``: optional [d] contiguous of U's dtype and
-    device, may be ``base``; returned as the sum); not differentiable (a screen, not a formula)."""
+    no extra read. Arguments as :func:`weighted_sum` (``out``: optional [d] contiguous on U's device, may
+    be ``base``; returned as the sum; the result's dtype as there: a bf16/fp16 U summed into an fp32/fp64
+    out screens and widens in one pass); not differentiable (a screen, not a formula)."""
     op = "weighted_sum_screened"
     U = _matrix(U, op)
     _needs_kernel(op if out is None else "weighted_sum_screened_out", U.device, op)
@@ -73,17 +109,18 @@ def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.
     c = _coef(coef, K if r is None else r.numel(), op)
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    if out is not None:
+        out = _result_vector(out, op, "out", d, U)
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous")
     if base is not None:
-        base = _vector(base, op, "base", d, U)
+        base = _result_vector(base, op, "base", d, U, None if out is None else out.dtype)
         if not base.is_contiguous():
             base = base.contiguous()
     if out is None:
         _no_grad_through(op, U, c, base)
         out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
         return out, shard_and(ok)
-    out = _vector(out, op, "out", d, U)
-    if not out.is_contiguous():
-        raise ValueError(f"{op}: out must be contiguous")
     _no_grad_through(op, U, c, base, out)
     ok = torch.ops.fedkernels.weighted_sum_screened_out(U, c, base, float(alpha), r, out)
     return out, shard_and(ok)
@@ -97,7 +134,9 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
     another device (the host) than the result: column chunks of the selected rows are converted to
     ``out_dtype`` (default: base's dtype, else M's) on ``device`` (default: base's device, else M's)
     one at a time (temporary: len(rows) x chunk_cols) and summed with :func:`weighted_sum`. Equal to
-    ``weighted_sum(M[rows].to(device, out_dtype), coef, base, alpha)`` without the full copy.
+    ``weighted_sum(M[rows].to(device, out_dtype), coef, base, alpha)`` without the full copy. A table
+    already on ``device`` whose dtype widens to ``out_dtype`` (:func:`out_dtypes`: bf16/fp16 to
+    fp32/fp64) is summed in one :func:`weighted_sum` pass instead (no temporary; the same bits).
     """
     op = "weighted_sum_chunked"
     M = _tensor(M, op, "M")
@@ -124,6 +163,9 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
     r = torch.arange(K) if rows is None else _rows(rows, K, op)
     c64 = _coef(coef, r.numel(), op).to(torch.float64)
     out = torch.empty(d, dtype=odt, device=dev)
+    if (M.device == dev and odt in out_dtypes(M.dtype) and has_kernel("weighted_sum_out", dev)
+            and (d <= 1 or M.stride(1) == 1) and (K <= 1 or M.stride(0) >= d)):   # read in place: one pass
+        return weighted_sum(M, c64, base=base, alpha=alpha, rows=None if rows is None else r, out=out)
     ridx = r.to(M.device)
     for a in range(0, d, chunk_cols):
         b = min(d, a + chunk_cols)
@@ -137,7 +179,7 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _wsum_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return U.new_empty((U.size(1),))
+    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
@@ -150,7 +192,7 @@ def _wsum_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Ten
 def _wsum_screened_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
                         rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     n = U.size(0) if rows is None else rows.size(0)
-    return U.new_empty((U.size(1),)), U.new_empty((n,), dtype=torch.bool)
+    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_screened_out")
