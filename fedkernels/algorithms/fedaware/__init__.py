@@ -211,32 +211,48 @@ class FedAWARE(Aggregator):
         tables.load_state_dict(self, super().load_state_dict, state, "M", "momentum_file")
         self._torn = None
 
-    def gram_matrix(self, active: torch.Tensor, symmetrise: bool = True):
-        """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised:
-        (G + G^T) / 2). ``symmetrise=False`` leaves the last step to the solver: ``ops.min_norm`` solves
-        on (G + G^T) / 2 itself, with the same bits (that N x N pass, strided over G^T, is then made
-        once instead of twice). G may be a transposed view (the cache is one after a round of every
-        client): only its values matter here."""
-        # every client active (active is sorted): the cached Gram itself, not two N x N copies
-        G = self.Gm if active.numel() == self.Gm.size(0) else self.Gm.index_select(0, active).index_select(1, active)
-        norms = torch.diagonal(G).clamp_min(0).sqrt()
-        if self.normalize:
-            nz = torch.where(norms > 0, norms, torch.ones_like(norms))
-            G = G.div(nz[:, None]).div_(nz[None, :])
-        else:
-            nz = torch.ones_like(norms)
-        return (G.add(G.T).mul_(0.5) if symmetrise else G), nz
+    def _active_gram(self, active: torch.Tensor) -> torch.Tensor:
+        """The cached Gram over the active rows (every client active, ``active`` sorted: the cache itself,
+        not two N x N copies). It may be a transposed view (the cache is one after a round of every client):
+        only its values matter."""
+        if active.numel() == self.Gm.size(0):
+            return self.Gm
+        return self.Gm.index_select(0, active).index_select(1, active)
 
-    def _solve(self, G: torch.Tensor, active: torch.Tensor):
-        if not G.is_contiguous() and G.T.is_contiguous():   # (a transposed view: ops.min_norm's (G + G^T)/2
-            G = G.T                                          # is the same from G^T, which it reads without a copy)
+    def _scale(self, G: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(nz, s): the momenta's norms ||m_i|| = sqrt(G_ii) (1 for a zero row) and the solver's row scale
+        s = 1 / nz when ``normalize`` (None: raw momenta)."""
+        norms = torch.diagonal(G).clamp_min(0).sqrt()
+        if not self.normalize:
+            return torch.ones_like(norms), None
+        nz = norms.masked_fill_(norms == 0, 1.0)
+        return nz, nz.reciprocal()
+
+    @staticmethod
+    def _scaled_sym(G: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+        """s_i s_j (G + G^T) / 2 (s None: (G + G^T) / 2): the matrix ``ops.min_norm(G, scale=s)`` solves on,
+        with its bits (an exactly symmetric G, since s_i s_j = s_j s_i)."""
+        S = G.add(G.T).mul_(0.5)
+        return S if s is None else S.mul_(torch.outer(s, s))
+
+    def gram_matrix(self, active: torch.Tensor):
+        """(G, nz) over the active rows: the solver's Gram, s_i s_j (G + G^T) / 2 with s_i = 1 / ||m_i||
+        when ``normalize`` (s = 1: raw), and the norms nz (1 for a zero row). The default solver
+        (ops.min_norm) makes this matrix itself in its one symmetrising pass (``scale=``), with the same bits;
+        this N x N form is what a custom ``solver`` gets (and what tests check the KKT conditions on)."""
+        G = self._active_gram(active)
+        nz, s = self._scale(G)
+        return self._scaled_sym(G, s), nz
+
+    def _solve(self, G: torch.Tensor, active: torch.Tensor, scale: Optional[torch.Tensor] = None):
         lam0 = None
         if self.warm_start and self.lam_prev is not None:
             l = self.lam_prev.index_select(0, active)
             if float(l.sum()) > 0:
                 lam0 = l
+        kw = {} if scale is None else {"scale": scale}
         lam, iters, gap = self.solver(G, self.max_iter, self.tol, method=self.method, init=self.solver_init,
-                                      tol_abs=self.tol_abs, lam0=lam0)
+                                      tol_abs=self.tol_abs, lam0=lam0, **kw)
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
     def _wsum_M(self, coef, base=None, alpha=1.0, rows=None, out=None):
@@ -254,22 +270,29 @@ class FedAWARE(Aggregator):
         (normalised rows), as the support rows of M and their coefficients lambda_i / ||m_i||; logs
         lambda, q = lambda' G lambda, the gap and the iterations into ``info``. ``zero_dir``: q is
         numerically zero (the fallback applies)."""
-        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
-        # the default solver (ops.min_norm) symmetrises G itself; lam' G lam and diag G are the same
-        # for G and (G + G^T) / 2 (q to rounding)
-        G, nz = self.gram_matrix(active, symmetrise=self.solver is not _default_solver)
-        lam, iters, gap = self._solve(G, active)
-        on = torch.nonzero(lam).reshape(-1)          # q = lam' G lam over lam's support (G_SS: |S|^2, not N^2)
+        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else None
+        act = torch.arange(self.num_clients) if active is None else active
+        Graw = self._active_gram(act)
+        nz, s = self._scale(Graw)
+        if self.solver is _default_solver:   # ops.min_norm makes s_i s_j (G + G^T) / 2 in its one pass over G
+            G = Graw.T if not Graw.is_contiguous() and Graw.T.is_contiguous() else Graw   # (same (G + G^T) / 2)
+            lam, iters, gap = self._solve(G, act, scale=s)
+        else:
+            lam, iters, gap = self._solve(self._scaled_sym(Graw, s), act)
+        # q = lam' S lam over lam's support (S_SS: |S|^2, not N^2); zero_dir: q <= ZERO_REL max_i S_ii
+        on = torch.nonzero(lam).reshape(-1)
         ls = lam.index_select(0, on)
-        q = float(ls @ (G.index_select(0, on).index_select(1, on) @ ls))
-        zero_dir = not (q > ZERO_REL * float(torch.diagonal(G).max()))
-        lam_full = torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
-        self.lam_prev = lam_full
+        q = float(ls @ (self._scaled_sym(Graw.index_select(0, on).index_select(1, on),
+                                         None if s is None else s.index_select(0, on)) @ ls))
+        dg = torch.diagonal(Graw)
+        zero_dir = not (q > ZERO_REL * float((dg if s is None else dg * s * s).max()))
+        self.lam_prev = lam if active is None else \
+            torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
         coef = lam / nz
-        sup = torch.nonzero(coef != 0).reshape(-1)
-        rows, c = active.index_select(0, sup), coef.index_select(0, sup)
-        info.update(lam=lam_full.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
-                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        sup = torch.nonzero(coef).reshape(-1)
+        rows, c = act.index_select(0, sup), coef.index_select(0, sup)
+        info.update(lam=self.lam_prev.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
+                    iterations=iters, zero_direction=zero_dir, num_active=int(act.numel()))
         return rows, c, zero_dir
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
