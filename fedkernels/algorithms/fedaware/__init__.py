@@ -32,7 +32,7 @@ from ... import ops
 from .. import tables
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
-from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
+from .options import ELUD_GRAM_MAX_K, EludSums, check_num_clients, check_options, elud, new_table, table_weighted_sum
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 
@@ -95,8 +95,9 @@ class FedAWARE(Aggregator):
 
     @property
     def screen_in_pass(self) -> bool:  # type: ignore[override]
-        """With ``elud`` the first read of U is the participants' Gram pass (RoundInput.gram), before
-        any state changes: it screens the rows. Without it the rows get their own finite_rows scan."""
+        """With ``elud`` the first read of U screens the rows, before any state changes: the participants'
+        Gram pass (RoundInput.gram) up to ELUD_GRAM_MAX_K of them, else the momentum pass's ``blocks`` (a
+        finite_rows scan first). Without it the rows get their own finite_rows scan."""
         return self.log_elud
 
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
@@ -128,27 +129,51 @@ class FedAWARE(Aggregator):
         elif self.M.size(1) != d:
             raise ValueError(f"fedaware: global_flat has d={d} but the momentum table has d={self.M.size(1)}")
 
-    def _update_momenta(self, rin: RoundInput) -> None:
+    @staticmethod
+    def _row_span(idx: torch.Tensor) -> Optional[slice]:
+        """rows lo..hi-1 when the round's ids are exactly that run, in order (every client in id order is
+        0..N-1): their momenta are a slice of the table, updated in place; None otherwise."""
+        k = idx.numel()
+        if k == 0 or (k > 1 and not bool((idx[1:] - idx[:-1] == 1).all())):
+            return None
+        lo = int(idx[0])
+        return slice(lo, lo + k)
+
+    def _update_momenta(self, rin: RoundInput, sums: Optional[EludSums] = None) -> None:
+        """(M) on the round's rows, block by block with U, and the Gram rows [k, N] of the new momenta; ELUD's
+        sums (``sums``) from the same blocks of U."""
         M, a = self.M, self.alpha
         idx = id_tensor(rin.client_ids)
         first = ~self.seen.index_select(0, idx) if self.init == "first_update" else None
         new_j = old_j = None
         if first is not None and bool(first.any()):          # m_i := U_i at first participation
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
+        span = self._row_span(idx) if new_j is None else None
         Gr = None
         path = self.momentum_file
         tables.updating(path, self.table_version + 1)
         done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
+        half = False             # the in-place update of block ``at`` has made (1 - a) m_i, not yet + a U_i
         try:
             for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
+                if sums is not None:
+                    sums.add(Ub)
                 Mb, old, Uo = M[:, cols], idx, Ub
                 at = cols
-                if new_j is not None:
-                    Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
-                    old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
-                if old.numel():                              # m_i <- (1 - a) m_i + a U_i on the k rows:
-                    i = old.to(M.device)                     # gather, two in-place ops, scatter back
-                    Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
+                if span is not None:                         # m_i <- (1 - a) m_i + a U_i on a run of rows, in
+                    Ms = Mb[span]                            # place: the gather path's arithmetic, no k x d copy
+                    half = True
+                    Ms.mul_(1.0 - a)
+                    Ms.add_(Ub, alpha=a)
+                    half = False
+                else:
+                    if new_j is not None:
+                        Mb.index_copy_(0, idx[new_j].to(M.device),
+                                       Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                        old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
+                    if old.numel():                          # m_i <- (1 - a) m_i + a U_i on the k rows:
+                        i = old.to(M.device)                 # gather, two in-place ops, scatter back
+                        Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
                 g = ops.gram(Mb, rows=idx)                   # [k, N] fp64 (summed over the chunks)
                 Gr = g if Gr is None else Gr.add_(g)
                 done, at = M.size(1) if cols.stop is None else cols.stop, None
@@ -156,7 +181,7 @@ class FedAWARE(Aggregator):
             if at is None and done == 0:                     # failed before the first write: M is as it was
                 tables.updated(path, self.table_version)
                 raise
-            self._torn = self._torn_message(rin, done, at, e)
+            self._torn = self._torn_message(rin, done, at, e, half)
             if isinstance(e, Exception):
                 raise RuntimeError(self._torn) from e
             raise
@@ -181,7 +206,8 @@ class FedAWARE(Aggregator):
         else:
             self.Gm = Gr.index_select(0, torch.argsort(idx)).T
 
-    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException) -> str:
+    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException,
+                      half: bool = False) -> str:
         d = self.M.size(1)
         where = f"momentum_file {self.momentum_file!r} (its marker says 'updating')" if self.momentum_file else \
             "the momentum table"
@@ -190,7 +216,8 @@ class FedAWARE(Aggregator):
         else:
             a, b = at.start or 0, at.stop if at.stop is not None else d
             cols, split = f"in columns {a}..{b - 1}", \
-                f"before column {a}, the old ones after column {b - 1}, either in between"
+                f"before column {a}, the old ones after column {b - 1}, " + \
+                (f"(1 - alpha) times the old ones in between" if half else "either in between")
         return (f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
                 f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
                 f"{split}; this aggregator refuses "
@@ -282,8 +309,10 @@ class FedAWARE(Aggregator):
         # q = lam' S lam over lam's support (S_SS: |S|^2, not N^2); zero_dir: q <= ZERO_REL max_i S_ii
         on = torch.nonzero(lam).reshape(-1)
         ls = lam.index_select(0, on)
-        q = float(ls @ (self._scaled_sym(Graw.index_select(0, on).index_select(1, on),
-                                         None if s is None else s.index_select(0, on)) @ ls))
+        Gc = Graw.T if not Graw.is_contiguous() else Graw    # ((G + G^T) / 2 is the same from G^T)
+        m = on.numel()
+        G_SS = Gc.reshape(-1).index_select(0, (on[:, None] * Gc.size(1) + on).reshape(-1)).view(m, m)
+        q = float(ls @ (self._scaled_sym(G_SS, None if s is None else s.index_select(0, on)) @ ls))
         dg = torch.diagonal(Graw)
         zero_dir = not (q > ZERO_REL * float((dg if s is None else dg * s * s).max()))
         self.lam_prev = lam if active is None else \
@@ -300,8 +329,12 @@ class FedAWARE(Aggregator):
         self._alloc(x)
         dev = rin.device
         info: Dict[str, Any] = {}
-        if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
-            info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
+        sums = None
+        if self.log_elud:
+            if rin.K <= ELUD_GRAM_MAX_K:   # the participants' Gram pass also screens U's rows (screen_in_pass)
+                info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
+            else:                          # O(kd) sums in the momentum pass (its blocks screen the rows first)
+                sums = EludSums(rin.K, self.M.device)
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None
@@ -309,7 +342,9 @@ class FedAWARE(Aggregator):
             base_step = self._ext.step(rin, p, x)
         elif self.extension == "fedavg":
             base_step = rin.weighted_sum(p)
-        self._update_momenta(rin)
+        self._update_momenta(rin, sums)
+        if sums is not None:
+            info["elud"], info["elud_sqrt"] = sums.result()
         exploring = self.warmup == "explore" and not bool(self.seen.all())
         info["phase"] = "explore" if exploring else "aware"
         if exploring:

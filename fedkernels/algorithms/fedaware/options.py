@@ -42,6 +42,7 @@ import torch
 
 from ... import ops
 from ...ops._checks import has_kernel
+from ...ops.reductions import shard_sum
 from ...sources import weighted_sum_block
 from ..parts import check_choice
 
@@ -115,16 +116,49 @@ def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.
 
 
 # ---- statistics ------------------------------------------------------------------------------------
+# ELUD = mean_i ||g_i||^2 / ||mean_i g_i||^2 = k sum_i ||g_i||^2 / ||sum_i g_i||^2 needs two sums, O(kd). Up to
+# ELUD_GRAM_MAX_K participants they come from the k x k Gram of U (trace and sum of G): that pass screens the
+# rows too and costs about one read of U (K = 16, d = 1e7 fp32: see bench/README.md's FedAWARE ELUD line).
+# Above it the Gram's O(k^2 d) costs more than reads (K = 1000, d = 76: 1.3 ms), and the two sums ride in
+# the momentum update's pass over U instead (EludSums), after a finite_rows screen.
+ELUD_GRAM_MAX_K = 32
+ELUD_BLOCK = 1 << 18     # elements of U converted to fp64 at a time (2 MB): no k x d fp64 temporary
+
+
+def elud_ratio(sq_rows: float, sq_sum: float, k: int):
+    """(ratio, sqrt_ratio) from sum_i ||g_i||^2 and ||sum_i g_i||^2 of k rows (None, None when the sum is 0)."""
+    if k == 0 or not sq_sum > 0:
+        return None, None
+    r = (sq_rows / k) / (sq_sum / (k * k))
+    return r, math.sqrt(r)
+
+
 def elud(G_S: torch.Tensor):
     """Empirical local-update diversity of the participants from their [k, k] Gram matrix:
     (ratio, sqrt_ratio) with ratio = mean_i ||g_i||^2 / ||mean_i g_i||^2 (None if the mean is 0)."""
     G = torch.as_tensor(G_S, dtype=torch.float64)
-    k = G.size(0)
-    if k == 0:
-        return None, None
-    num = float(torch.diagonal(G).sum()) / k
-    den = float(G.sum()) / (k * k)
-    if not den > 0:
-        return None, None
-    r = num / den
-    return r, math.sqrt(r)
+    return elud_ratio(float(torch.diagonal(G).sum()), float(G.sum()), G.size(0))
+
+
+class EludSums:
+    """ELUD's two sums accumulated in fp64 over column blocks of the k participants' updates (the
+    momentum pass's blocks): sum_i ||g_i||^2 = ||U||_F^2 and ||sum_i g_i||^2 = sum_j (sum_i U_ij)^2, both
+    additive over columns (summed across ranks in sharded mode). Each block is converted ELUD_BLOCK
+    elements at a time: exact products, fp64 sums, no k x d temporary."""
+
+    def __init__(self, k: int, device) -> None:
+        self.k = k
+        self.acc = torch.zeros(2, dtype=torch.float64, device=device)   # [sum_i ||g_i||^2, ||sum_i g_i||^2]
+
+    def add(self, Ub: torch.Tensor) -> None:
+        step = max(1, ELUD_BLOCK // max(1, Ub.size(0)))
+        for a in range(0, Ub.size(1), step):
+            u = Ub[:, a:a + step].to(torch.float64)
+            c = u.sum(0)
+            u = u.reshape(-1)
+            self.acc[0] += torch.dot(u, u)
+            self.acc[1] += torch.dot(c, c)
+
+    def result(self):
+        sq_rows, sq_sum = shard_sum(self.acc).tolist()      # (one device-to-host copy)
+        return elud_ratio(sq_rows, sq_sum, self.k)
