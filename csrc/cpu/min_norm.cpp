@@ -448,24 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
   const std::string init(init_sv);
 
   auto G64 = Gin.to(at::kDouble).contiguous();
-  // The symmetric G the solve reads: up to kKeepSymBytes a per-thread buffer kept across calls (a fresh
-  // 8 K^2 bytes costs its first-touch page faults on every call: ~0.6 ms at K = 1000), else a fresh one.
-  // Uninitialised either way: symmetrise() writes every entry.
-  constexpr int64_t kKeepSymBytes = int64_t(64) << 20;
-  thread_local std::unique_ptr<double[]> kept;
-  thread_local int64_t kept_n = 0;
-  std::unique_ptr<double[]> fresh;
-  double* Gs = nullptr;
-  if (K * K * int64_t(sizeof(double)) <= kKeepSymBytes) {
-    if (kept_n < K * K) {
-      kept.reset(new double[K * K]);
-      kept_n = K * K;
-    }
-    Gs = kept.get();
-  } else {
-    fresh.reset(new double[K * K]);
-    Gs = fresh.get();
-  }
+  std::unique_ptr<double[]> G(new double[K * K]);  // (uninitialised: symmetrise() writes every entry)
   const bool pair_init = K > 1 && !lam0.has_value() && method != Method::CodeCompat && init == "best_pair";
   BestPair pair;
   at::Tensor s64;
@@ -476,12 +459,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
       TORCH_CHECK_VALUE(std::isfinite(sp[i]) && sp[i] > 0.0, "min_norm: scale must be finite and > 0, got ", sp[i],
                         " at [", i, "]");
   }
-  symmetrise(G64.data_ptr<double>(), K, s64.defined() ? s64.data_ptr<double>() : nullptr, Gs,
+  symmetrise(G64.data_ptr<double>(), K, s64.defined() ? s64.data_ptr<double>() : nullptr, G.get(),
              pair_init ? &pair : nullptr);
   double gdiag_max = 0.0;
-  for (int64_t i = 0; i < K; ++i) gdiag_max = std::max(gdiag_max, std::abs(Gs[i * K + i]));
+  for (int64_t i = 0; i < K; ++i) gdiag_max = std::max(gdiag_max, std::abs(G[i * K + i]));
 
-  State s(K, Gs);
+  State s(K, G.get());
   int64_t iters = 0;
   if (K == 1) {
     s.lam[0] = 1.0;

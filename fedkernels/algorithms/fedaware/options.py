@@ -118,11 +118,12 @@ def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.
 # ---- statistics ------------------------------------------------------------------------------------
 # ELUD = mean_i ||g_i||^2 / ||mean_i g_i||^2 = k sum_i ||g_i||^2 / ||sum_i g_i||^2 needs two sums, O(kd). Up to
 # ELUD_GRAM_MAX_K participants they come from the k x k Gram of U (trace and sum of G): that pass screens the
-# rows too and costs about one read of U (K = 16, d = 1e7 fp32: see bench/README.md's FedAWARE ELUD line).
-# Above it the Gram's O(k^2 d) costs more than reads (K = 1000, d = 76: 1.3 ms), and the two sums ride in
-# the momentum update's pass over U instead (EludSums), after a finite_rows screen.
+# rows too. Above it the Gram's O(k^2 d) costs more than a finite_rows screen plus the two sums in the
+# momentum update's blocks (EludSums; the fp32 -> fp64 conversion is most of their cost). 1 thread, 2-core box
+# under load (min of runs, Gram path vs screen + sums): K = 16, d = 1e7 fp32 219 vs 414 ms; K = 32, d = 1e6
+# 62 vs 84 ms; K = 48 118 vs 107; K = 64 143 vs 150; K = 128, d = 1e5 39 vs 20; K = 1000, d = 76 1.8-2.5 vs 0.09.
 ELUD_GRAM_MAX_K = 32
-ELUD_BLOCK = 1 << 18     # elements of U converted to fp64 at a time (2 MB): no k x d fp64 temporary
+ELUD_BLOCK = 1 << 16     # elements of U converted to fp64 at a time (512 KB): no k x d fp64 temporary
 
 
 def elud_ratio(sq_rows: float, sq_sum: float, k: int):
