@@ -16,10 +16,13 @@ Gram matrix, lam and the projection are unchanged by that sign.
 Options (spec §3): see ``options.py`` beside this file, which also holds the momentum table's storage
 (default the global model's dtype and device; bf16 or host on request) and the ELUD statistic.
 
-Hot path per round: the EMA on the k participant rows, one ``ops.gram(M, rows=participants)``
-([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the
-N x N matrix (host, fp64), and one ``ops.weighted_sum`` over the support rows of M. No K x d
-temporaries.
+Hot path per round: the EMA on the k participant rows (in place when the round's ids are a run lo..hi-1
+in order, e.g. every client; a gather / scatter of the rows otherwise), one ``ops.gram(M, rows=participants)``
+([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the cached N x N
+matrix (host, fp64; the normalisation s_i s_j with s_i = 1 / ||m_i|| is made by ``ops.min_norm(scale=)``
+in its one symmetrising pass, not by the caller), and one ``ops.weighted_sum`` over the support rows of M.
+ELUD (logged): up to ELUD_GRAM_MAX_K participants from their k x k Gram (the pass that screens U), above it
+from two O(kd) sums in the momentum pass (``options.EludSums``). No K x d temporaries.
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ plain §2.6 Frank-Wolfe; "pairwise"; ``code_compat=True`` selects the authors' s
 (FedAWARE-NA ablation: x + server_lr sum_i p_i m_i over all clients); ``extension`` None, "fedavg"
 or "fedavgm" (the AWARE projection extension: the base method's step G is replaced by
 (<G, d>/<d, d>) d; its own state evolves unchanged), ``ext_beta`` (0.7, for fedavgm); ``elud``
-(log the empirical local-update diversity, one extra Gram pass over U); ``num_clients`` (N, or
-from ``setup``); ``solver`` (a callable with the signature of ``fedkernels.ops.min_norm``; default
+(log the empirical local-update diversity: up to ELUD_GRAM_MAX_K participants from their Gram, which
+is also the screening pass over U; above it from two fp64 sums in the momentum pass, after a finite_rows
+screen); ``num_clients`` (N, or from ``setup``); ``solver`` (a callable with the signature of ``fedkernels.ops.min_norm``; default
 ops.min_norm); ``momentum_dtype`` / ``momentum_device`` (storage of the N x d table, default the
 global model's: e.g. torch.bfloat16 for half the memory and/or "cpu" for large models on one device);
 ``momentum_file`` (a path: the table lives in that raw file, mapped on the host, created as zeros at
@@ -29,9 +30,10 @@ of completed momentum updates), not an N x d copy; ``load_state_dict`` reopens t
 A failed momentum update: the table is written column block by column block with U (one block for a
 tensor, the source's chunks otherwise), after the rows were screened. An error before the first write
 (e.g. the source's first read) leaves the table as it was. An error after it (a read error of a later
-chunk) leaves the round's rows new before the failing block and old after it: the aggregator raises a
-RuntimeError naming the columns and the clients, and then refuses further rounds and ``state_dict``
-(no checkpoint of a torn table); a process that dies there leaves the file's marker at "updating",
+chunk) leaves the round's rows new before the failing block and old after it (in the block being written:
+either, or (1 - alpha) times the old ones when the in-place update of a run of rows stopped between its two
+steps): the aggregator raises a RuntimeError naming the columns and the clients, and then refuses
+further rounds and ``state_dict`` (no checkpoint of a torn table); a process that dies there leaves the file's marker at "updating",
 which ``load_state_dict`` refuses. Undoing the rows would need a copy of them (k x d), so it is not done.
 """
 from __future__ import annotations
