@@ -192,9 +192,9 @@ class FedAWARE(Aggregator):
         self.table_version += 1
         self.seen.index_fill_(0, idx, True)
         self.n_examples.index_copy_(0, idx, rin.num_examples)
-        self._gram_rows(idx, Gr.to("cpu"))
+        self._gram_rows(idx, Gr.to("cpu"), in_order=span is not None)
 
-    def _gram_rows(self, idx: torch.Tensor, Gr: torch.Tensor) -> None:
+    def _gram_rows(self, idx: torch.Tensor, Gr: torch.Tensor, in_order: bool = False) -> None:
         """The cached Gram's rows and columns of the round's clients: Gm[idx, :] = Gr, then Gm[:, idx] = Gr^T
         (on the participants' block the column write is the one kept), as copies of whole rows of Gr. When
         every client took part the column write covers all of Gm: Gm becomes Gr^T, Gr's rows in id order, as
@@ -204,7 +204,7 @@ class FedAWARE(Aggregator):
         if idx.numel() < Gm.size(0):
             Gm.index_copy_(0, idx, Gr)
             Gm.T.index_copy_(0, idx, Gr)
-        elif bool((idx[1:] > idx[:-1]).all()):       # (distinct ids in [0, N): sorted means 0..N-1)
+        elif in_order or bool((idx[1:] > idx[:-1]).all()):   # (distinct ids in [0, N): sorted means 0..N-1)
             self.Gm = Gr.T
         else:
             self.Gm = Gr.index_select(0, torch.argsort(idx)).T
@@ -309,13 +309,16 @@ class FedAWARE(Aggregator):
             lam, iters, gap = self._solve(G, act, scale=s)
         else:
             lam, iters, gap = self._solve(self._scaled_sym(Graw, s), act)
-        # q = lam' S lam over lam's support (S_SS: |S|^2, not N^2); zero_dir: q <= ZERO_REL max_i S_ii
+        # q = lam' S lam = w' G_SS w, w = s_S lam_S, over lam's support S (one gather of |S|^2 entries, not N^2;
+        # lam' (G + G^T) / 2 lam = lam' G lam); zero_dir: q <= ZERO_REL max_i S_ii
         on = torch.nonzero(lam).reshape(-1)
-        ls = lam.index_select(0, on)
-        Gc = Graw.T if not Graw.is_contiguous() else Graw    # ((G + G^T) / 2 is the same from G^T)
+        w = lam.index_select(0, on)
+        if s is not None:
+            w.mul_(s.index_select(0, on))
+        Gc = Graw.T if not Graw.is_contiguous() else Graw    # (the same q from G^T)
         m = on.numel()
         G_SS = Gc.reshape(-1).index_select(0, (on[:, None] * Gc.size(1) + on).reshape(-1)).view(m, m)
-        q = float(ls @ (self._scaled_sym(G_SS, None if s is None else s.index_select(0, on)) @ ls))
+        q = float(w @ (G_SS @ w))
         dg = torch.diagonal(Graw)
         zero_dir = not (q > ZERO_REL * float((dg if s is None else dg * s * s).max()))
         self.lam_prev = lam if active is None else \
@@ -337,7 +340,7 @@ class FedAWARE(Aggregator):
             if rin.K <= ELUD_GRAM_MAX_K:   # the participants' Gram pass also screens U's rows (screen_in_pass)
                 info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
             else:                          # O(kd) sums in the momentum pass (its blocks screen the rows first)
-                sums = EludSums(rin.K, self.M.device)
+                sums = EludSums(rin.K)
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None

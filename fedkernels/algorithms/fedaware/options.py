@@ -149,9 +149,9 @@ class EludSums:
     additive over columns (summed across ranks in sharded mode). Each block is converted ELUD_BLOCK
     elements at a time: exact products, fp64 sums, no k x d temporary."""
 
-    def __init__(self, k: int, device) -> None:
+    def __init__(self, k: int) -> None:
         self.k = k
-        self.acc = torch.zeros(2, dtype=torch.float64, device=device)   # [sum_i ||g_i||^2, ||sum_i g_i||^2]
+        self.parts: list = []          # per sub-block [sum_i ||g_i||^2, ||sum_i g_i||^2] (0-d fp64 tensors)
 
     def add(self, Ub: torch.Tensor) -> None:
         step = max(1, ELUD_BLOCK // max(1, Ub.size(0)))
@@ -159,9 +159,13 @@ class EludSums:
             u = Ub[:, a:a + step].to(torch.float64)
             c = u.sum(0)
             u = u.reshape(-1)
-            self.acc[0] += torch.dot(u, u)
-            self.acc[1] += torch.dot(c, c)
+            self.parts += [torch.dot(u, u), torch.dot(c, c)]
+            if len(self.parts) >= 1024:                       # (bounded: folded in order)
+                self.parts = list(torch.stack(self.parts).view(-1, 2).sum(0).unbind())
 
     def result(self):
-        sq_rows, sq_sum = shard_sum(self.acc).tolist()      # (one device-to-host copy)
+        if not self.parts:
+            return None, None
+        acc = torch.stack(self.parts).view(-1, 2).sum(0)     # (in block order)
+        sq_rows, sq_sum = shard_sum(acc).tolist()            # (one device-to-host copy)
         return elud_ratio(sq_rows, sq_sum, self.k)
