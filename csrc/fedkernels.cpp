@@ -27,9 +27,10 @@ TORCH_LIBRARY(fedkernels, m) {
 
   // ---- min-norm solver (FedAWARE) -------------------------------------------------------------
   // lam = argmin_{lam in simplex} lam^T G lam on the symmetrised G (fp64). method: away | pairwise
-  // | fw | code_compat; init: best_pair | min_diag; polish: face solves (away/pairwise); lam0: warm start.
+  // | fw | code_compat; init: best_pair | min_diag; polish: face solves (away/pairwise); lam0: warm start;
+  // scale s (optional, [K] > 0): solve on s_i s_j (G + G^T)/2 instead (FedAWARE's normalised Gram).
   // Returns (lam [K] f64, iterations i64 [], gap f64 []).
-  m.def("min_norm(Tensor G, int max_iter=1000, float tol_rel=1e-12, float tol_abs=1e-15, str method=\"away\", str init=\"best_pair\", bool polish=True, Tensor? lam0=None) -> (Tensor, Tensor, Tensor)");
+  m.def("min_norm(Tensor G, int max_iter=1000, float tol_rel=1e-12, float tol_abs=1e-15, str method=\"away\", str init=\"best_pair\", bool polish=True, Tensor? lam0=None, Tensor? scale=None) -> (Tensor, Tensor, Tensor)");
 
   // ---- small dense linear algebra (FedECADO) --------------------------------------------------
   // Partial-pivoting LU of A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics:

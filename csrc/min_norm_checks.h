@@ -9,7 +9,8 @@ namespace checks {
 
 // Returns K. method is checked by each backend (the CUDA solver has no code_compat / polish).
 inline int64_t min_norm_args(const at::Tensor& G, int64_t max_iter, double tol_rel, double tol_abs,
-                             c10::string_view init, const c10::optional<at::Tensor>& lam0) {
+                             c10::string_view init, const c10::optional<at::Tensor>& lam0,
+                             const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
               G.sizes());
   TORCH_CHECK(at::isFloatingType(G.scalar_type()), "min_norm: G must have a floating dtype, got ", G.scalar_type());
@@ -22,6 +23,9 @@ inline int64_t min_norm_args(const at::Tensor& G, int64_t max_iter, double tol_r
   if (lam0.has_value())
     TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
                 ", got shape ", lam0->sizes());
+  if (scale.has_value())
+    TORCH_CHECK(scale->dim() == 1 && scale->size(0) == K, "min_norm: scale must be a 1-D tensor of length ", K,
+                ", got shape ", scale->sizes());
   return K;
 }
 

@@ -104,12 +104,16 @@ def _face_polish(G: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
 
 def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
              init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
-             lam0: Optional[CoefLike] = None) -> Tuple[torch.Tensor, int, float]:
+             lam0: Optional[CoefLike] = None, scale: Optional[CoefLike] = None) -> Tuple[torch.Tensor, int, float]:
     """Frank-Wolfe min-norm point (fedaware.md section 2.6), written plainly in float64.
 
-    Same arguments and result as ops.min_norm: (lam [K] float64, iterations, gap)."""
+    Same arguments and result as ops.min_norm: (lam [K] float64, iterations, gap); with ``scale`` s
+    the problem is that of s_i s_j (G + G^T) / 2."""
     G = G.detach().to(device="cpu", dtype=torch.float64)
     G = 0.5 * (G + G.T)
+    if scale is not None:
+        s = torch.as_tensor(scale, dtype=torch.float64).reshape(-1)
+        G = G * torch.outer(s, s)
     K = G.size(0)
     Gl = G.tolist()
     lam = torch.zeros(K, dtype=torch.float64)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedkernels import ops
 from fedkernels.algorithms import BadUpdateError, build
@@ -463,3 +464,140 @@ def test_bad_options_and_inputs():
         a.aggregate(torch.zeros(3), torch.ones(1, 3), [1], client_ids=[3])
     with pytest.raises(ValueError, match="N=4"):
         a.setup(num_clients=5)
+
+
+# ---- ELUD above ELUD_GRAM_MAX_K participants: O(kd) sums in the momentum pass (issue 28 item 2) -------------
+class _Ops(TorchDispatchMode):
+    """Records the fedkernels ops whose first argument is U (by data pointer) and the aten ops on M."""
+
+    def __init__(self, U, M=None):
+        super().__init__()
+        self.ptr, self.mptr, self.on_U, self.on_M = U.data_ptr(), None if M is None else M.data_ptr(), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        a0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if a0 is not None and str(func.namespace) == "fedkernels" and a0.data_ptr() == self.ptr:
+            self.on_U.append(str(func.overloadpacket))
+        if a0 is not None and self.mptr is not None and str(func.namespace) == "aten" \
+                and a0.untyped_storage().data_ptr() == self.mptr:
+            self.on_M.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_elud_above_gram_max_k_from_sums_matches_float64(monkeypatch, dtype):
+    """k > ELUD_GRAM_MAX_K: ELUD from sum_i ||g_i||^2 and ||sum_i g_i||^2 (fp64, in the momentum pass's blocks,
+    converted a few columns at a time), no Gram of U: fp64-accurate against the float64 formula on a round of
+    high diversity (rows nearly cancel), and equal to the Gram path's value to rounding."""
+    from fedkernels.algorithms import fedaware
+    from fedkernels.algorithms.fedaware import options
+    K, d = options.ELUD_GRAM_MAX_K + 9, 301
+    g = torch.Generator().manual_seed(5)
+    U = (torch.randn(K, d, generator=g) + 0.02).to(dtype)
+    U64 = U.double()
+    want = float(U64.pow(2).sum(1).mean() / U64.mean(0).pow(2).sum())
+    assert want > 20
+    monkeypatch.setattr(options, "ELUD_BLOCK", 7 * K)           # sub-blocks of 7 columns (301 = 43 x 7)
+    x = torch.zeros(d, dtype=dtype)
+    a = mk(num_clients=K, warmup="startup_full")
+    with _Ops(U) as o:
+        r = a.aggregate(x, U, [1] * K)
+    assert "fedkernels.gram" not in o.on_U and o.on_U == ["fedkernels.finite_rows"], o.on_U
+    assert abs(r.info["elud"] / want - 1) < 1e-13 and abs(r.info["elud_sqrt"] ** 2 / want - 1) < 1e-13
+    monkeypatch.setattr(fedaware, "ELUD_GRAM_MAX_K", K)         # the Gram path on the same round
+    b = mk(num_clients=K, warmup="startup_full")
+    with _Ops(U) as o:
+        rb = b.aggregate(x, U, [1] * K)
+    assert o.on_U == ["fedkernels.gram"], o.on_U                 # (its screened form: one read of U)
+    assert abs(rb.info["elud"] / r.info["elud"] - 1) < 1e-11
+    assert torch.equal(r.params, rb.params) and torch.equal(a.M, b.M)
+
+
+def test_elud_sums_path_screens_before_any_state_change():
+    """k > ELUD_GRAM_MAX_K with a NaN row: raise leaves the momenta as they were; exclude drops the row and
+    the logged ELUD is that of the other rows; a chunked source gives the tensor's ELUD."""
+    from fedkernels.algorithms.fedaware.options import ELUD_GRAM_MAX_K
+    from fedkernels.sources import ChunkedUpdates, TensorSource
+    K, d = ELUD_GRAM_MAX_K + 4, 50
+    g = torch.Generator().manual_seed(6)
+    U = torch.randn(K, d, generator=g)
+    x = torch.zeros(d)
+    a = mk(num_clients=K, warmup="startup_full")
+    a.aggregate(x, U, [1] * K)
+    M0 = a.M.clone()
+    Ub = U.clone()
+    Ub[7, 3] = float("nan")
+    with pytest.raises(BadUpdateError, match="client 7"):
+        a.aggregate(x, Ub, [1] * K)
+    assert torch.equal(a.M, M0)
+    e = mk(num_clients=K, warmup="startup_full", on_bad_update="exclude")
+    r = e.aggregate(x, Ub, [1] * K)
+    keep = [i for i in range(K) if i != 7]
+    U64 = U[keep].double()
+    want = float(U64.pow(2).sum(1).mean() / U64.mean(0).pow(2).sum())
+    assert r.info["excluded"][0]["client_id"] == 7 and abs(r.info["elud"] / want - 1) < 1e-12
+    s = mk(num_clients=K, warmup="startup_full")
+    rs = s.aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=9), [1] * K)
+    t = mk(num_clients=K, warmup="startup_full")
+    rt = t.aggregate(x, U, [1] * K)
+    assert abs(rs.info["elud"] / rt.info["elud"] - 1) < 1e-12 and torch.equal(s.M, t.M)
+
+
+# ---- the momentum update in place on a run of rows (issue 30) -------------------------------------------
+@pytest.mark.parametrize("mdtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("source", [False, True])
+def test_momentum_update_in_place_on_a_run_of_rows_gives_the_gather_bits(mdtype, source):
+    """Rounds whose ids are a run lo..hi-1 in order (every client: 0..N-1) update M[lo:hi] in place, without
+    the gather / scatter (no index_copy_ on M): the momenta, the cached Gram and the model are
+    those of the same rounds with the rows in another order (the gather path), bit for bit, on a tensor and
+    on a chunked source, fp32 and bf16 tables."""
+    from fedkernels.sources import ChunkedUpdates, TensorSource
+    N, d = 12, 301
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(d, generator=g)
+    rounds = [list(range(N)), [3, 4, 5, 6, 7], [11], list(range(N))]
+    runs = mk(num_clients=N, warmup="startup_full", alpha=0.3, momentum_dtype=mdtype)
+    perm = mk(num_clients=N, warmup="startup_full", alpha=0.3, momentum_dtype=mdtype)
+    for ids in rounds:
+        U = torch.randn(len(ids), d, generator=g) * 1e-2
+        p = list(range(len(ids)))[::-1]
+        p = p[1:] + p[:1] if len(p) > 2 else p
+        wrap = (lambda V: ChunkedUpdates(TensorSource(V), chunk_cols=50)) if source else (lambda V: V)
+        with _Ops(U, runs.M) as o:
+            ra = runs.aggregate(x, wrap(U), [1.0] * len(ids), ids)
+        if runs.M is not None and o.mptr is not None:
+            assert "aten.index_copy_" not in o.on_M and "aten.mul_" in o.on_M, o.on_M
+        rb = perm.aggregate(x, wrap(U[p]), [1.0] * len(ids), [ids[i] for i in p])
+        assert torch.equal(runs.M, perm.M) and torch.equal(runs.Gm, perm.Gm)
+        assert torch.equal(ra.params, rb.params)
+        x = ra.params
+    assert runs.M.dtype == (mdtype or torch.float32) and bool(runs.M.any())
+    Ue = torch.randn(N, d, generator=g)
+    with _Ops(Ue, runs.M) as o:                                   # the counter sees the in-place path's ops
+        runs.aggregate(x, Ue, [1.0] * N)
+    assert "aten.mul_" in o.on_M and "aten.add_" in o.on_M and "aten.index_copy_" not in o.on_M
+
+
+def test_momentum_update_interrupted_between_its_two_in_place_steps_is_named():
+    """A failure after M[lo:hi] *= (1 - alpha) and before += alpha U (the in-place path's two steps): the
+    torn table's message says those columns hold (1 - alpha) times the old momenta, and the aggregator
+    refuses to go on."""
+    N, d = 6, 40
+    a = mk(num_clients=N, warmup="startup_full")
+    x = torch.zeros(d)
+    a.aggregate(x, torch.randn(N, d), [1.0] * N)
+    mptr = a.M.untyped_storage().data_ptr()
+
+    class Fail(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.add_.Tensor and args[0].untyped_storage().data_ptr() == mptr:
+                raise RuntimeError("simulated failure")
+            return func(*args, **(kwargs or {}))
+
+    with Fail(), pytest.raises(RuntimeError, match=r"failed in columns 0\.\.39 of d=40 \(RuntimeError: simulated "
+                                                   r"failure\): .* clients \[0, 1, 2, 3, 4, 5\] hold the new momenta "
+                                                   r"before column 0, the old ones after column 39, \(1 - alpha\) "
+                                                   r"times the old ones in between"):
+        a.aggregate(x, torch.randn(N, d), [1.0] * N)
+    with pytest.raises(RuntimeError, match="refuses further rounds"):
+        a.aggregate(x, torch.randn(N, d), [1.0] * N)

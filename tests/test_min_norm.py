@@ -288,6 +288,48 @@ def test_symmetrised_tile_by_tile(K):
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (K, polish)
 
 
+@pytest.mark.parametrize("K", [1, 2, 31, 33, 97])
+@pytest.mark.parametrize("method", METHODS)
+def test_scale_solves_on_the_scaled_symmetrised_gram(K, method):
+    """scale=s solves on s_i s_j (G + G^T) / 2, made in the solver's one symmetrising pass: the bits of
+    the same solve on that matrix formed by the caller ((G + G^T) * 0.5 * outer(s, s)), with the best_pair
+    init and with min_diag, on an asymmetric G across the 32 x 32 tiles; and FedAWARE's normalisation
+    (s = 1 / sqrt(diag G)) matches the solve on the unit vectors' Gram and the float64 reference."""
+    g = torch.Generator().manual_seed(100 + K)
+    U = (torch.randn(K, max(2, K // 3), generator=g, dtype=torch.float64) + 0.2) \
+        * torch.rand(K, 1, generator=g, dtype=torch.float64).mul(5).add(0.1)
+    G = U @ U.T + 1e-3 * torch.rand(K, K, generator=g, dtype=torch.float64)
+    s = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
+    for init in ("best_pair", "min_diag"):
+        a = ops.min_norm(G, method=method, init=init, scale=s)
+        b = ops.min_norm((G + G.T) * 0.5 * torch.outer(s, s), method=method, init=init)
+        assert torch.equal(a[0], b[0]) and a[1:] == b[1:], (K, method, init)
+    Gu = U @ U.T
+    n = torch.diagonal(Gu).sqrt()
+    lam, _, gap = solve(Gu, method=method, scale=n.reciprocal())
+    u = U / n[:, None]
+    lam_u, _, _ = solve(u @ u.T, method=method)
+    lam_r, _, _ = reference.min_norm(Gu, method=method, scale=n.reciprocal())
+    Gn = u @ u.T
+    for other in (lam_u, lam_r):
+        assert abs(float(lam @ Gn @ lam - other @ Gn @ other)) <= 1e-10
+    assert gap >= 0
+
+
+def test_scale_bad_inputs():
+    G = torch.eye(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"scale must be a 1-D tensor of length 3, got shape \(2,\)"):
+        ops.min_norm(G, scale=torch.ones(2))
+    for bad, shown in ((0.0, "0"), (-1.0, "-1"), (float("nan"), "nan"), (float("inf"), "inf")):
+        s = torch.ones(3, dtype=torch.float64)
+        s[1] = bad
+        with pytest.raises(ValueError, match=rf"scale must be finite and > 0, got {shown} at \[1\]"):
+            ops.min_norm(G, scale=s)
+    G[0, 2] = G[2, 0] = 1e300
+    with pytest.raises(ValueError, match=r"s_i s_j \(G \+ G\^T\) / 2 overflows at \[0, 2\]"):
+        ops.min_norm(G, scale=torch.tensor([1e10, 1.0, 1e10], dtype=torch.float64))
+
+
 def test_best_pair_ties_go_to_the_first_pair_in_row_major_order():
     """The best_pair init is found tile by tile (in the symmetrising pass), but a tie still goes to the
     first pair in row-major order: (5, 40) (a later tile) before (6, 10) (visited first), as the plain
@@ -365,3 +407,5 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default, (G,))
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
                           (G, 50, 1e-9, 1e-15, "pairwise", "min_diag", True, torch.ones(9, dtype=torch.float64)))
+    torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
+                          (G, 50, 1e-9, 1e-15, "away", "best_pair", True, None, torch.rand(9, dtype=torch.float64) + 0.5))

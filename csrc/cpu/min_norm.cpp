@@ -2,7 +2,9 @@
 //
 //   lam = argmin_{lam in simplex} lam^T G lam
 //
-// All work is in float64 on the symmetrised Gram matrix (G + G^T)/2. Methods:
+// All work is in float64 on the symmetrised Gram matrix (G + G^T)/2, or, with the optional `scale` s ([K],
+// finite, > 0), on S = s_i s_j (G + G^T)/2 (= D G D with D = diag(s): FedAWARE's normalised Gram with
+// s_i = 1 / ||m_i||, made in the same pass instead of two N x N divides by the caller). Methods:
 //   away      Frank-Wolfe with away steps (default; linear convergence on the simplex)
 //   pairwise  pairwise Frank-Wolfe (mass moves from the worst support vertex to the best vertex)
 //   fw        plain Frank-Wolfe with exact line search (spec fedaware.md section 2.6)
@@ -19,7 +21,8 @@
 // exactly (v = G lam) at the returned lam.
 //
 // Cost (s = support size, n = a polished face's size): G read once and (G + G^T)/2 written once
-// (8 K^2 bytes each way, tile by tile, finiteness checked in the same pass); the best_pair init's
+// (8 K^2 bytes each way, tile by tile, finiteness checked in the same pass; `scale` adds two multiplies
+// per entry in that pass, no extra bytes but the [K] scale); the best_pair init's
 // O(K^2/2) segment solves in that same pass (vectorised, on the tiles' rows of the upper triangle);
 // O(K) per iteration (the vertex scan, the step) and O(s) for q; a recompute of v = G lam O(s K) (the
 // support's rows of G: G is symmetric); a face solve gathers G_SS once (n^2) and costs O(n^2) per CG
@@ -139,14 +142,17 @@ struct BestPair {
 // the bits of the plain loop. Entries that are not finite (in X, or x + y overflowing) are caught in
 // the same pass (a per-column sum of out * 0); the first bad entry is then found row by row for the
 // message. With `pair`, the best_pair init rides in the same pass, on out_IJ's rows while they are in L1.
-void symmetrise(const double* X, int64_t K, double* out, BestPair* pair) {
+void symmetrise(const double* X, int64_t K, const double* scale, double* out, BestPair* pair) {
   constexpr int64_t B = 32;
   alignas(64) double t[B * B];
+  alignas(64) double ss[B];
   double chk[B] = {0.0};
   std::vector<double> diag;
   if (pair != nullptr) {
     diag.resize(K);
-    for (int64_t i = 0; i < K; ++i) diag[i] = 0.5 * (X[i * K + i] + X[i * K + i]);
+    for (int64_t i = 0; i < K; ++i)
+      diag[i] = scale == nullptr ? 0.5 * (X[i * K + i] + X[i * K + i])
+                                 : 0.5 * (X[i * K + i] + X[i * K + i]) * (scale[i] * scale[i]);
   }
   for (int64_t ib = 0; ib < K; ib += B) {
     const int64_t ni = std::min(B, K - ib);
@@ -160,10 +166,20 @@ void symmetrise(const double* X, int64_t K, double* out, BestPair* pair) {
         const double* xi = X + (ib + i) * K + jb;
         const double* ti = t + i * B;
         double* oi = out + (ib + i) * K + jb;
-        for (int64_t j = 0; j < nj; ++j) {
-          const double m = 0.5 * (xi[j] + ti[j]);
-          oi[j] = m;
-          chk[j] += m * 0.0;
+        if (scale == nullptr) {
+          for (int64_t j = 0; j < nj; ++j) {
+            const double m = 0.5 * (xi[j] + ti[j]);
+            oi[j] = m;
+            chk[j] += m * 0.0;
+          }
+        } else {  // s_i s_j (x + y) / 2: s_i s_j = s_j s_i (commutative), so out stays exactly symmetric
+          const double si = scale[ib + i];
+          for (int64_t j = 0; j < nj; ++j) ss[j] = si * scale[jb + j];
+          for (int64_t j = 0; j < nj; ++j) {
+            const double m = 0.5 * (xi[j] + ti[j]) * ss[j];
+            oi[j] = m;
+            chk[j] += m * 0.0;
+          }
         }
         if (pair != nullptr) {  // pairs (ib + i, j) with j > ib + i in this tile
           const int64_t c0 = jb == ib ? i + 1 : 0;
@@ -185,8 +201,9 @@ void symmetrise(const double* X, int64_t K, double* out, BestPair* pair) {
     TORCH_CHECK_VALUE(std::isfinite(X[i]), "min_norm: G must be finite, got ", X[i], " at [", i / K, ", ", i % K,
                       "]");
   for (int64_t i = 0; i < K * K; ++i)
-    TORCH_CHECK_VALUE(std::isfinite(out[i]), "min_norm: G: (G + G^T) / 2 overflows at [", i / K, ", ", i % K,
-                "]: scale G down (the minimiser does not depend on the scale)");
+    TORCH_CHECK_VALUE(std::isfinite(out[i]), "min_norm: G: ", scale == nullptr ? "" : "s_i s_j ",
+                      "(G + G^T) / 2 overflows at [", i / K, ", ", i % K,
+                      "]: scale G down (the minimiser does not depend on the scale)");
 }
 
 enum class Method { Away, Pairwise, FW, CodeCompat };
@@ -424,8 +441,9 @@ int64_t solve_code_compat(State& s, int64_t max_iter) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gin, int64_t max_iter, double tol_rel,
                                                             double tol_abs, c10::string_view method_sv,
                                                             c10::string_view init_sv, bool use_polish,
-                                                            const c10::optional<at::Tensor>& lam0) {
-  const int64_t K = checks::min_norm_args(Gin, max_iter, tol_rel, tol_abs, init_sv, lam0);
+                                                            const c10::optional<at::Tensor>& lam0,
+                                                            const c10::optional<at::Tensor>& scale) {
+  const int64_t K = checks::min_norm_args(Gin, max_iter, tol_rel, tol_abs, init_sv, lam0, scale);
   const Method method = parse_method(std::string(method_sv));
   const std::string init(init_sv);
 
@@ -433,7 +451,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
   std::unique_ptr<double[]> G(new double[K * K]);  // (uninitialised: symmetrise() writes every entry)
   const bool pair_init = K > 1 && !lam0.has_value() && method != Method::CodeCompat && init == "best_pair";
   BestPair pair;
-  symmetrise(G64.data_ptr<double>(), K, G.get(), pair_init ? &pair : nullptr);
+  at::Tensor s64;
+  if (scale.has_value()) {
+    s64 = scale->to(at::kDouble).contiguous();
+    const double* sp = s64.data_ptr<double>();
+    for (int64_t i = 0; i < K; ++i)
+      TORCH_CHECK_VALUE(std::isfinite(sp[i]) && sp[i] > 0.0, "min_norm: scale must be finite and > 0, got ", sp[i],
+                        " at [", i, "]");
+  }
+  symmetrise(G64.data_ptr<double>(), K, s64.defined() ? s64.data_ptr<double>() : nullptr, G.get(),
+             pair_init ? &pair : nullptr);
   double gdiag_max = 0.0;
   for (int64_t i = 0; i < K; ++i) gdiag_max = std::max(gdiag_max, std::abs(G[i * K + i]));
 

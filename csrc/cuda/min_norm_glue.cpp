@@ -2,6 +2,8 @@
 #include <string>
 #include <tuple>
 
+#include <ATen/ops/outer.h>
+
 #include "glue.h"
 #include "min_norm.cuh"
 #include "../min_norm_checks.h"
@@ -12,15 +14,19 @@ namespace {
 using namespace glue;
 
 // Schema (csrc/fedkernels.cpp): min_norm(Tensor G, int max_iter, float tol_rel, float tol_abs,
-// str method, str init, bool polish, Tensor? lam0) -> (lam [K] f64, iterations i64 [], gap f64 [])
+// str method, str init, bool polish, Tensor? lam0, Tensor? scale) -> (lam [K] f64, iterations i64 [], gap f64 [])
+// scale (host or G's device): the kernel gets s_i s_j (G + G^T)/2, made here by ATen ops on the device
+// (exactly symmetric: s_i s_j = s_j s_i, so the kernel's own (G + G^T)/2 leaves it unchanged); the same bits
+// as the CPU solver's scaled symmetrising pass.
 // On CUDA: methods fw, away, pairwise; polish=True is rejected for away/pairwise (the face polish
 // is host-only) and code_compat is host-only. Outputs stay on the device (no sync); G finiteness
 // and lam0 validity are not checked here (that would need a sync): ops.min_norm checks them.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G, int64_t max_iter, double tol_rel,
                                                              double tol_abs, c10::string_view method,
                                                              c10::string_view init, bool polish,
-                                                             const c10::optional<at::Tensor>& lam0) {
-  const int64_t N = checks::min_norm_args(G, max_iter, tol_rel, tol_abs, init, lam0);
+                                                             const c10::optional<at::Tensor>& lam0,
+                                                             const c10::optional<at::Tensor>& scale) {
+  const int64_t N = checks::min_norm_args(G, max_iter, tol_rel, tol_abs, init, lam0, scale);
   TORCH_CHECK(N <= fk::kMinNormMaxN, "min_norm: the CUDA solver supports K <= ", fk::kMinNormMaxN, ", got ", N);
   int meth = -1;
   if (method == "fw") meth = 0;
@@ -31,6 +37,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G
   TORCH_CHECK(!polish || meth == 0, "min_norm: polish=True is implemented on the CPU only; on CUDA pass polish=False");
   c10::cuda::CUDAGuard guard(G.device());
   auto g = G.to(at::kDouble).contiguous();
+  if (scale.has_value()) {
+    check_host_or_device(*scale, G, "min_norm", "scale");
+    auto s = small_to_device(*scale, at::kDouble, G.device());
+    g = g.add(g.t()).mul_(0.5).mul_(at::outer(s, s)).contiguous();
+  }
   at::Tensor l0;
   if (lam0.has_value()) {
     check_host_or_device(*lam0, G, "min_norm", "lam0");

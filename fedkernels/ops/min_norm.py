@@ -21,7 +21,7 @@ MIN_NORM_INITS = ("best_pair", "min_diag")
 
 def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
              init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
-             lam0: Optional[torch.Tensor] = None
+             lam0: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
              ) -> Tuple[torch.Tensor, Union[int, torch.Tensor], Union[float, torch.Tensor]]:
     """Minimum-norm point of the convex hull of K vectors, given their K x K Gram matrix ``G``.
 
@@ -45,6 +45,10 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
     Frank-Wolfe's slow tail on ill-conditioned G; polish=False gives the textbook method.
     lam0: optional warm start (length K, >= 0, positive sum; normalised), e.g. the previous round's
     lam; it replaces ``init``. Ties break toward the smallest index; the same G gives the same bits.
+    scale: optional [K] tensor s (finite, > 0): solve on ``s_i s_j (G + G^T)/2`` (= D G D, D = diag(s))
+    instead, made in the solver's one symmetrising pass (bit for bit ``(G + G^T) * 0.5 * outer(s, s)``);
+    e.g. FedAWARE's normalised Gram with ``s = 1 / sqrt(diag G)``, without two K x K divides by the caller.
+    ``gap`` and the stop rule are then those of the scaled matrix.
     """
     op = "min_norm"
     G = _tensor(G, op, "G")
@@ -72,8 +76,14 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
             raise ValueError(f"{op}: lam0 must be a 1-D tensor of length {G.size(0)}, got shape {tuple(l0.shape)}")
         if not tracing() and (not bool(torch.isfinite(l0).all()) or bool((l0 < 0).any()) or not float(l0.sum()) > 0.0):
             raise ValueError(f"{op}: lam0 must be finite, >= 0 and have a positive sum")
+    s64 = None
+    if scale is not None:
+        s64 = _tensor(scale, op, "scale").detach().to(device=HOST, dtype=torch.float64).contiguous()
+        if s64.dim() != 1 or s64.size(0) != G.size(0):
+            raise ValueError(f"{op}: scale must be a 1-D tensor of length {G.size(0)}, got shape {tuple(s64.shape)}")
+        # finite and > 0: checked by the native solve before its symmetrising pass (a ValueError naming the entry)
     lam, iters, gap = _ag.call(torch.ops.fedkernels.min_norm, G64.detach(), max_iter, float(tol), float(tol_abs), method, init,
-                                                    bool(polish), l0)
+                                                    bool(polish), l0, s64)
     lam = _ag.no_derivative("min_norm", lam, G64)
     if tracing():   # torch.compile: no host sync; iterations and gap stay 0-d tensors
         return lam.to(G.device), iters, gap
@@ -83,7 +93,8 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
 @torch.library.register_fake("fedkernels::min_norm")
 def _min_norm_fake(G: torch.Tensor, max_iter: int = 1000, tol_rel: float = 1e-12, tol_abs: float = 1e-15,
                    method: str = "away", init: str = "best_pair", polish: bool = True,
-                   lam0: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lam0: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (G.new_empty((G.size(0),), dtype=torch.float64), G.new_empty((), dtype=torch.long),
             G.new_empty((), dtype=torch.float64))
 

@@ -16,10 +16,13 @@ Gram matrix, lam and the projection are unchanged by that sign.
 Options (spec §3): see ``options.py`` beside this file, which also holds the momentum table's storage
 (default the global model's dtype and device; bf16 or host on request) and the ELUD statistic.
 
-Hot path per round: the EMA on the k participant rows, one ``ops.gram(M, rows=participants)``
-([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the
-N x N matrix (host, fp64), and one ``ops.weighted_sum`` over the support rows of M. No K x d
-temporaries.
+Hot path per round: the EMA on the k participant rows (in place when the round's ids are a run lo..hi-1
+in order, e.g. every client; a gather / scatter of the rows otherwise), one ``ops.gram(M, rows=participants)``
+([k, N], fp64) to refresh rows and columns of the cached N x N Gram, the min-norm solve on the cached N x N
+matrix (host, fp64; the normalisation s_i s_j with s_i = 1 / ||m_i|| is made by ``ops.min_norm(scale=)``
+in its one symmetrising pass, not by the caller), and one ``ops.weighted_sum`` over the support rows of M.
+ELUD (logged): up to ELUD_GRAM_MAX_K participants from their k x k Gram (the pass that screens U), above it
+from two O(kd) sums in the momentum pass (``options.EludSums``). No K x d temporaries.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from ... import ops
 from .. import tables
 from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
 from ..parts import ServerMomentum, momentum_attr
-from .options import check_num_clients, check_options, elud, new_table, table_weighted_sum
+from .options import ELUD_GRAM_MAX_K, EludSums, check_num_clients, check_options, elud, new_table, table_weighted_sum
 
 ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 
@@ -95,8 +98,9 @@ class FedAWARE(Aggregator):
 
     @property
     def screen_in_pass(self) -> bool:  # type: ignore[override]
-        """With ``elud`` the first read of U is the participants' Gram pass (RoundInput.gram), before
-        any state changes: it screens the rows. Without it the rows get their own finite_rows scan."""
+        """With ``elud`` the first read of U screens the rows, before any state changes: the participants'
+        Gram pass (RoundInput.gram) up to ELUD_GRAM_MAX_K of them, else the momentum pass's ``blocks`` (a
+        finite_rows scan first). Without it the rows get their own finite_rows scan."""
         return self.log_elud
 
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
@@ -128,27 +132,51 @@ class FedAWARE(Aggregator):
         elif self.M.size(1) != d:
             raise ValueError(f"fedaware: global_flat has d={d} but the momentum table has d={self.M.size(1)}")
 
-    def _update_momenta(self, rin: RoundInput) -> None:
+    @staticmethod
+    def _row_span(idx: torch.Tensor) -> Optional[slice]:
+        """rows lo..hi-1 when the round's ids are exactly that run, in order (every client in id order is
+        0..N-1): their momenta are a slice of the table, updated in place; None otherwise."""
+        k = idx.numel()
+        if k == 0 or (k > 1 and not bool((idx[1:] - idx[:-1] == 1).all())):
+            return None
+        lo = int(idx[0])
+        return slice(lo, lo + k)
+
+    def _update_momenta(self, rin: RoundInput, sums: Optional[EludSums] = None) -> None:
+        """(M) on the round's rows, block by block with U, and the Gram rows [k, N] of the new momenta; ELUD's
+        sums (``sums``) from the same blocks of U."""
         M, a = self.M, self.alpha
         idx = id_tensor(rin.client_ids)
         first = ~self.seen.index_select(0, idx) if self.init == "first_update" else None
         new_j = old_j = None
         if first is not None and bool(first.any()):          # m_i := U_i at first participation
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
+        span = self._row_span(idx) if new_j is None else None
         Gr = None
         path = self.momentum_file
         tables.updating(path, self.table_version + 1)
         done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
+        half = False             # the in-place update of block ``at`` has made (1 - a) m_i, not yet + a U_i
         try:
             for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
+                if sums is not None:
+                    sums.add(Ub)
                 Mb, old, Uo = M[:, cols], idx, Ub
                 at = cols
-                if new_j is not None:
-                    Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
-                    old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
-                if old.numel():                              # m_i <- (1 - a) m_i + a U_i on the k rows:
-                    i = old.to(M.device)                     # gather, two in-place ops, scatter back
-                    Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
+                if span is not None:                         # m_i <- (1 - a) m_i + a U_i on a run of rows, in
+                    Ms = Mb[span]                            # place: the gather path's arithmetic, no k x d copy
+                    half = True
+                    Ms.mul_(1.0 - a)
+                    Ms.add_(Ub, alpha=a)
+                    half = False
+                else:
+                    if new_j is not None:
+                        Mb.index_copy_(0, idx[new_j].to(M.device),
+                                       Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                        old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
+                    if old.numel():                          # m_i <- (1 - a) m_i + a U_i on the k rows:
+                        i = old.to(M.device)                 # gather, two in-place ops, scatter back
+                        Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
                 g = ops.gram(Mb, rows=idx)                   # [k, N] fp64 (summed over the chunks)
                 Gr = g if Gr is None else Gr.add_(g)
                 done, at = M.size(1) if cols.stop is None else cols.stop, None
@@ -156,7 +184,7 @@ class FedAWARE(Aggregator):
             if at is None and done == 0:                     # failed before the first write: M is as it was
                 tables.updated(path, self.table_version)
                 raise
-            self._torn = self._torn_message(rin, done, at, e)
+            self._torn = self._torn_message(rin, done, at, e, half)
             if isinstance(e, Exception):
                 raise RuntimeError(self._torn) from e
             raise
@@ -164,9 +192,9 @@ class FedAWARE(Aggregator):
         self.table_version += 1
         self.seen.index_fill_(0, idx, True)
         self.n_examples.index_copy_(0, idx, rin.num_examples)
-        self._gram_rows(idx, Gr.to("cpu"))
+        self._gram_rows(idx, Gr.to("cpu"), in_order=span is not None)
 
-    def _gram_rows(self, idx: torch.Tensor, Gr: torch.Tensor) -> None:
+    def _gram_rows(self, idx: torch.Tensor, Gr: torch.Tensor, in_order: bool = False) -> None:
         """The cached Gram's rows and columns of the round's clients: Gm[idx, :] = Gr, then Gm[:, idx] = Gr^T
         (on the participants' block the column write is the one kept), as copies of whole rows of Gr. When
         every client took part the column write covers all of Gm: Gm becomes Gr^T, Gr's rows in id order, as
@@ -176,12 +204,13 @@ class FedAWARE(Aggregator):
         if idx.numel() < Gm.size(0):
             Gm.index_copy_(0, idx, Gr)
             Gm.T.index_copy_(0, idx, Gr)
-        elif bool((idx[1:] > idx[:-1]).all()):       # (distinct ids in [0, N): sorted means 0..N-1)
+        elif in_order or bool((idx[1:] > idx[:-1]).all()):   # (distinct ids in [0, N): sorted means 0..N-1)
             self.Gm = Gr.T
         else:
             self.Gm = Gr.index_select(0, torch.argsort(idx)).T
 
-    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException) -> str:
+    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException,
+                      half: bool = False) -> str:
         d = self.M.size(1)
         where = f"momentum_file {self.momentum_file!r} (its marker says 'updating')" if self.momentum_file else \
             "the momentum table"
@@ -190,7 +219,8 @@ class FedAWARE(Aggregator):
         else:
             a, b = at.start or 0, at.stop if at.stop is not None else d
             cols, split = f"in columns {a}..{b - 1}", \
-                f"before column {a}, the old ones after column {b - 1}, either in between"
+                f"before column {a}, the old ones after column {b - 1}, " + \
+                (f"(1 - alpha) times the old ones in between" if half else "either in between")
         return (f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
                 f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
                 f"{split}; this aggregator refuses "
@@ -211,32 +241,48 @@ class FedAWARE(Aggregator):
         tables.load_state_dict(self, super().load_state_dict, state, "M", "momentum_file")
         self._torn = None
 
-    def gram_matrix(self, active: torch.Tensor, symmetrise: bool = True):
-        """(G, norms) over the active rows: the solver's Gram (normalised if asked, symmetrised:
-        (G + G^T) / 2). ``symmetrise=False`` leaves the last step to the solver: ``ops.min_norm`` solves
-        on (G + G^T) / 2 itself, with the same bits (that N x N pass, strided over G^T, is then made
-        once instead of twice). G may be a transposed view (the cache is one after a round of every
-        client): only its values matter here."""
-        # every client active (active is sorted): the cached Gram itself, not two N x N copies
-        G = self.Gm if active.numel() == self.Gm.size(0) else self.Gm.index_select(0, active).index_select(1, active)
-        norms = torch.diagonal(G).clamp_min(0).sqrt()
-        if self.normalize:
-            nz = torch.where(norms > 0, norms, torch.ones_like(norms))
-            G = G.div(nz[:, None]).div_(nz[None, :])
-        else:
-            nz = torch.ones_like(norms)
-        return (G.add(G.T).mul_(0.5) if symmetrise else G), nz
+    def _active_gram(self, active: torch.Tensor) -> torch.Tensor:
+        """The cached Gram over the active rows (every client active, ``active`` sorted: the cache itself,
+        not two N x N copies). It may be a transposed view (the cache is one after a round of every client):
+        only its values matter."""
+        if active.numel() == self.Gm.size(0):
+            return self.Gm
+        return self.Gm.index_select(0, active).index_select(1, active)
 
-    def _solve(self, G: torch.Tensor, active: torch.Tensor):
-        if not G.is_contiguous() and G.T.is_contiguous():   # (a transposed view: ops.min_norm's (G + G^T)/2
-            G = G.T                                          # is the same from G^T, which it reads without a copy)
+    def _scale(self, G: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(nz, s): the momenta's norms ||m_i|| = sqrt(G_ii) (1 for a zero row) and the solver's row scale
+        s = 1 / nz when ``normalize`` (None: raw momenta)."""
+        norms = torch.diagonal(G).clamp_min(0).sqrt()
+        if not self.normalize:
+            return torch.ones_like(norms), None
+        nz = norms.masked_fill_(norms == 0, 1.0)
+        return nz, nz.reciprocal()
+
+    @staticmethod
+    def _scaled_sym(G: torch.Tensor, s: Optional[torch.Tensor]) -> torch.Tensor:
+        """s_i s_j (G + G^T) / 2 (s None: (G + G^T) / 2): the matrix ``ops.min_norm(G, scale=s)`` solves on,
+        with its bits (an exactly symmetric G, since s_i s_j = s_j s_i)."""
+        S = G.add(G.T).mul_(0.5)
+        return S if s is None else S.mul_(torch.outer(s, s))
+
+    def gram_matrix(self, active: torch.Tensor):
+        """(G, nz) over the active rows: the solver's Gram, s_i s_j (G + G^T) / 2 with s_i = 1 / ||m_i||
+        when ``normalize`` (s = 1: raw), and the norms nz (1 for a zero row). The default solver
+        (ops.min_norm) makes this matrix itself in its one symmetrising pass (``scale=``), with the same bits;
+        this N x N form is what a custom ``solver`` gets (and what tests check the KKT conditions on)."""
+        G = self._active_gram(active)
+        nz, s = self._scale(G)
+        return self._scaled_sym(G, s), nz
+
+    def _solve(self, G: torch.Tensor, active: torch.Tensor, scale: Optional[torch.Tensor] = None):
         lam0 = None
         if self.warm_start and self.lam_prev is not None:
             l = self.lam_prev.index_select(0, active)
             if float(l.sum()) > 0:
                 lam0 = l
+        kw = {} if scale is None else {"scale": scale}
         lam, iters, gap = self.solver(G, self.max_iter, self.tol, method=self.method, init=self.solver_init,
-                                      tol_abs=self.tol_abs, lam0=lam0)
+                                      tol_abs=self.tol_abs, lam0=lam0, **kw)
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
     def _wsum_M(self, coef, base=None, alpha=1.0, rows=None, out=None):
@@ -254,22 +300,34 @@ class FedAWARE(Aggregator):
         (normalised rows), as the support rows of M and their coefficients lambda_i / ||m_i||; logs
         lambda, q = lambda' G lambda, the gap and the iterations into ``info``. ``zero_dir``: q is
         numerically zero (the fallback applies)."""
-        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else torch.arange(self.num_clients)
-        # the default solver (ops.min_norm) symmetrises G itself; lam' G lam and diag G are the same
-        # for G and (G + G^T) / 2 (q to rounding)
-        G, nz = self.gram_matrix(active, symmetrise=self.solver is not _default_solver)
-        lam, iters, gap = self._solve(G, active)
-        on = torch.nonzero(lam).reshape(-1)          # q = lam' G lam over lam's support (G_SS: |S|^2, not N^2)
-        ls = lam.index_select(0, on)
-        q = float(ls @ (G.index_select(0, on).index_select(1, on) @ ls))
-        zero_dir = not (q > ZERO_REL * float(torch.diagonal(G).max()))
-        lam_full = torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
-        self.lam_prev = lam_full
+        active = torch.nonzero(self.seen).reshape(-1) if self.warmup == "mask" else None
+        act = torch.arange(self.num_clients) if active is None else active
+        Graw = self._active_gram(act)
+        nz, s = self._scale(Graw)
+        if self.solver is _default_solver:   # ops.min_norm makes s_i s_j (G + G^T) / 2 in its one pass over G
+            G = Graw.T if not Graw.is_contiguous() and Graw.T.is_contiguous() else Graw   # (same (G + G^T) / 2)
+            lam, iters, gap = self._solve(G, act, scale=s)
+        else:
+            lam, iters, gap = self._solve(self._scaled_sym(Graw, s), act)
+        # q = lam' S lam = w' G_SS w, w = s_S lam_S, over lam's support S (one gather of |S|^2 entries, not N^2;
+        # lam' (G + G^T) / 2 lam = lam' G lam); zero_dir: q <= ZERO_REL max_i S_ii
+        on = torch.nonzero(lam).reshape(-1)
+        w = lam.index_select(0, on)
+        if s is not None:
+            w.mul_(s.index_select(0, on))
+        Gc = Graw.T if not Graw.is_contiguous() else Graw    # (the same q from G^T)
+        m = on.numel()
+        G_SS = Gc.reshape(-1).index_select(0, (on[:, None] * Gc.size(1) + on).reshape(-1)).view(m, m)
+        q = float(w @ (G_SS @ w))
+        dg = torch.diagonal(Graw)
+        zero_dir = not (q > ZERO_REL * float((dg if s is None else dg * s * s).max()))
+        self.lam_prev = lam if active is None else \
+            torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
         coef = lam / nz
-        sup = torch.nonzero(coef != 0).reshape(-1)
-        rows, c = active.index_select(0, sup), coef.index_select(0, sup)
-        info.update(lam=lam_full.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
-                    iterations=iters, zero_direction=zero_dir, num_active=int(active.numel()))
+        sup = torch.nonzero(coef).reshape(-1)
+        rows, c = act.index_select(0, sup), coef.index_select(0, sup)
+        info.update(lam=self.lam_prev.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
+                    iterations=iters, zero_direction=zero_dir, num_active=int(act.numel()))
         return rows, c, zero_dir
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
@@ -277,8 +335,12 @@ class FedAWARE(Aggregator):
         self._alloc(x)
         dev = rin.device
         info: Dict[str, Any] = {}
-        if self.log_elud:       # the participants' Gram pass also screens U's rows (screen_in_pass)
-            info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
+        sums = None
+        if self.log_elud:
+            if rin.K <= ELUD_GRAM_MAX_K:   # the participants' Gram pass also screens U's rows (screen_in_pass)
+                info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
+            else:                          # O(kd) sums in the momentum pass (its blocks screen the rows first)
+                sums = EludSums(rin.K)
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
         base_step = None
@@ -286,7 +348,9 @@ class FedAWARE(Aggregator):
             base_step = self._ext.step(rin, p, x)
         elif self.extension == "fedavg":
             base_step = rin.weighted_sum(p)
-        self._update_momenta(rin)
+        self._update_momenta(rin, sums)
+        if sums is not None:
+            info["elud"], info["elud_sqrt"] = sums.result()
         exploring = self.warmup == "explore" and not bool(self.seen.all())
         info["phase"] = "explore" if exploring else "aware"
         if exploring:
