@@ -30,7 +30,8 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     U64 = U.to(torch.float64)
     r = _rows_idx(rows, U.size(0), U.device)
     c = torch.as_tensor(coef, dtype=torch.float64, device=U.device)
-    s = alpha * (c[:, None] * U64[r]).sum(0) if r.numel() else torch.zeros(U.size(1), dtype=torch.float64)
+    # alpha scales the coefficients, as in the kernels (alpha = 0 gives base even where the sum would overflow)
+    s = ((alpha * c)[:, None] * U64[r]).sum(0) if r.numel() else torch.zeros(U.size(1), dtype=torch.float64)
     if base is not None:
         s = base.to(torch.float64) + s
     return s

@@ -274,3 +274,14 @@ def test_a_screened_source_block_is_summed_straight_into_its_output_slice(monkey
     assert ok.tolist() == [True] * 4 + [False, True]
     torch.testing.assert_close(dst, ops.weighted_sum(U, coef, base=base, alpha=0.5), equal_nan=True, rtol=0, atol=0)
     assert not full[:1000].any() and not full[2000:].any()
+
+
+def test_alpha_scales_the_coefficients_like_the_oracle():
+    # alpha is folded into the coefficients (kernel header): alpha = 0 gives base even where the plain
+    # fp64 sum overflows; the float64 oracle does the same (it gave 0 * inf = NaN before; a fuzz case found it)
+    U = torch.full((3, 5), 1e308, dtype=torch.float64)
+    c = torch.ones(3, dtype=torch.float64)
+    base = torch.arange(5.0, dtype=torch.float64)
+    for f in (ops.weighted_sum, ref.weighted_sum):
+        assert torch.equal(f(U, c, base=base, alpha=0.0), base)
+        assert torch.isinf(f(U, c, base=base, alpha=1.0)).all()

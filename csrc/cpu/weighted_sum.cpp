@@ -1,4 +1,5 @@
-// weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]], one pass over the rows.
+// weighted_sum: out = base + alpha * sum_i coef[i] * U[rows[i]], one pass over the rows (alpha is folded into the
+// coefficients, sum_i (alpha coef[i]) U[rows[i]]: alpha = 0 gives base even where the plain sum would overflow).
 //
 // Column-blocked: a chunk of kChunk columns is accumulated over all rows in a small L1-resident
 // accumulator, so every element of U is read once. out (and base) have U's dtype, or, for fp16/bf16
