@@ -73,6 +73,12 @@ def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[to
     return b, p + kappa * b
 
 
+def _vec64(x) -> torch.Tensor:
+    """``x`` as a 1-D float64 tensor (no op when it is one)."""
+    t = torch.as_tensor(x, dtype=torch.float64)
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 def _info(**kv) -> Dict[str, Any]:
     """Phase statistics for AggResult.info: Python values in eager mode, tensors while tracing."""
     return {k: info_values(v) for k, v in kv.items()}
@@ -91,20 +97,18 @@ def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau
         raise ValueError(f"kuramoto_weights: mode must be 'P' or 'S' (mode C uses code_weights), got {mode!r}")
     if theta_bar not in ("uniform", "p"):
         raise ValueError(f"kuramoto_weights: theta_bar must be 'uniform' or 'p', got {theta_bar!r}")
-    dot = torch.as_tensor(dot, dtype=torch.float64).reshape(-1)
-    nsq = torch.as_tensor(nsq, dtype=torch.float64).reshape(-1)
-    p = torch.as_tensor(p, dtype=torch.float64).reshape(-1)
+    dot, nsq, p = _vec64(dot), _vec64(nsq), _vec64(p)
     nbar = torch.as_tensor(nbar, dtype=torch.float64)
     # tensor-only from here to the weights (traceable by torch.compile; no host syncs). Few ops, in
     # place where the tensor is fresh: each costs a few us on the host whatever K is. For x >= 0 (or
     # NaN), "x < inf" is isfinite(x) in one op.
     inf = math.inf
-    mean_zero = ~((nbar < inf) & (nbar > EPS2) & (nbar > REL_NBAR * (p * nsq).sum()))
+    mean_zero = ~((nbar < inf) & (nbar > (REL_NBAR * (p * nsq).sum()).clamp_min_(EPS2)))   # (NaN stays NaN)
     invalid = ~((nsq > EPS2) & (nsq < inf) & (dot.abs() < inf)) | mean_zero
     den = (nsq * nbar).sqrt_()                              # one rounding: identical rows give c = 1
     den = torch.where(den < inf, den, nsq.sqrt() * nbar.sqrt())   # product overflowed fp64
-    c = (dot / den).masked_fill_(invalid, 0.0).clamp_(-1.0, 1.0)
-    th0 = torch.arccos(c).masked_fill_(invalid, 0.0)        # theta, 0 where invalid
+    c = (dot / den).masked_fill_(invalid, 1.0).clamp_(-1.0, 1.0)
+    th0 = torch.arccos(c)                                   # theta, 0 (= arccos 1) where invalid
     valid = ~invalid
     nvalid = valid.sum()
     if theta_bar == "uniform":
