@@ -2,6 +2,7 @@
 re-computations, neutral-parameter reductions, state round trips, bad input, client rules on a
 tiny nn.Linear with a manual local loop)."""
 import copy
+import math
 
 import pytest
 import torch
@@ -334,6 +335,19 @@ def test_fednova_rule_and_bad_payloads(linear):
         agg.aggregate(g0, U2, [1, 1], payloads=[pl, {"local_steps": 2, "momentum": 1.5}])
     r = build("fednova", on_bad_update="exclude").aggregate(g0, U2, [1, 1], payloads=[pl, {}])
     close(r.params, g0 + U, rtol=1e-6, atol=1e-7)               # K = 1 after exclusion: w + U
+    # a_norm given by some clients: it replaces their local_steps (even a bad one); each row is
+    # checked by what it sent, in any position of the round
+    U3 = torch.stack([U, 0.5 * U, 0.25 * U])
+    for bad, key in (({"local_steps": math.inf}, "local_steps"), ({"local_steps": math.nan}, "local_steps"),
+                     ({"a_norm": math.nan}, "a_norm"), ({"a_norm": math.inf}, "a_norm"), ({"a_norm": 0.0}, "a_norm")):
+        for pos in range(3):
+            pls = [{"a_norm": 2.0, "local_steps": -1}, {"local_steps": 3}, {"a_norm": 4.0}]
+            pls[pos] = bad
+            with pytest.raises(BadUpdateError, match=rf"\(row {pos}\).*{key}"):
+                build("fednova").aggregate(g0, U3, [1, 1, 1], payloads=pls)
+    r = build("fednova").aggregate(g0, U3, [1, 1, 1], payloads=[{"a_norm": 2.0, "local_steps": -1}, {"local_steps": 3},
+                                                                 {"a_norm": 4.0}])
+    assert r.info["a_norm"] == [2.0, 3.0, 4.0]
     z = build("fednova").aggregate(g0, torch.zeros(2, spec.d), [1, 1], payloads=[{"local_steps": 1}, {"local_steps": 3}])
     assert torch.equal(z.params, g0)
     st = agg.state_dict()

@@ -41,7 +41,8 @@ def _close_lte(x, y, rtol):
 
 
 # ---- against the float64 reference (dense solve) --------------------------------------------------
-@pytest.mark.parametrize("K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65)])
+@pytest.mark.parametrize("K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65),
+                                 (200, 76), (300, 150)])   # (column chunks of the CPU kernel: 1 x 80, 80 + 70)
 @pytest.mark.parametrize("S", [True, False])
 def test_matches_reference_f64(K, d, S):
     a = _inputs(K, d, seed=K * 100 + d, S=S)

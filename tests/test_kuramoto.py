@@ -201,6 +201,22 @@ def test_k9_code_mode():
     assert r.info["clipped"]
 
 
+@pytest.mark.parametrize("K", [1, 2, 3, 301])
+def test_code_weights_match_the_pairwise_sum(K):
+    """c'_k = sum_{j != k} cos(phi_k - phi_j), summed pair by pair (K x K), equals code_weights' O(K)
+    form (cos/sin sums) to rounding, for spread-out phases and non-uniform p."""
+    g = torch.Generator().manual_seed(K)
+    phase = torch.rand(K, generator=g, dtype=F64) * 40 - 7
+    p = torch.rand(K, generator=g, dtype=F64) + 0.1
+    p /= p.sum()
+    cp = torch.cos(phase[:, None] - phase[None, :]).sum(1) - 1.0
+    b_ref = (cp - p * cp.sum()) / max(1, K - 1)
+    b, a = code_weights(phase, p, 0.3)
+    close(b, b_ref, rtol=0, atol=1e-13)
+    close(a, p + 0.3 * b_ref, rtol=0, atol=1e-13)
+    close(a.sum(), 1.0, rtol=0, atol=1e-13)
+
+
 def test_k10_kappa_schedule():
     a = build("kuramoto", kappa0=0.5, beta=0.9)
     close([a.kappa(s) for s in range(4)], [0.5, 0.45, 0.405, 0.3645])

@@ -102,18 +102,21 @@ class FedNova(FedAvg):
     _cols = None     # (payloads, their columns): read once per round by suspect_payloads and a_norms
 
     def _columns(self, payloads):
-        """(sent, a_norm, tau, rho) over the round: sent [K] bool (a_norm given), the rest [K] float64
-        (a_norm 0 where not sent); None when some entry is not a plain number."""
+        """(sent, a_norm, tau, rho) over the round: sent [K] bool (a_norm given; None when no client sent
+        one), a_norm [K] float64 (0 where not sent; None with sent), tau, rho [K] float64; None when some
+        entry is not a plain number."""
         if self._cols is not None and self._cols[0] is payloads:
             return self._cols[1]
         sent = [k for k, p in enumerate(payloads) if "a_norm" in p]
-        cols = (payload_numbers(payloads, "a_norm", 0.0) if sent else torch.zeros(len(payloads), dtype=torch.float64),
+        cols = (payload_numbers(payloads, "a_norm", 0.0) if sent else None,
                 payload_numbers(payloads, "local_steps"), payload_numbers(payloads, "momentum", self.local_momentum))
-        if any(c is None for c in cols):
+        if any(c is None for c in cols[1:]) or (sent and cols[0] is None):
             out = None
         else:
-            has_a = torch.zeros(len(payloads), dtype=torch.bool)
-            has_a[sent] = True
+            has_a = None
+            if sent:
+                has_a = torch.zeros(len(payloads), dtype=torch.bool)
+                has_a[sent] = True
             out = (has_a,) + cols
         self._cols = (payloads, out)
         return out
@@ -123,16 +126,19 @@ class FedNova(FedAvg):
         if rows is None or cols is None:
             return None
         sent, a, tau, rho = cols
-        ok = torch.where(sent, torch.isfinite(a) & (a > 0), torch.isfinite(tau) & (tau > 0) & (rho >= 0) & (rho < 1))
-        return rows + rows_where(~ok)
+        inf = math.inf        # (x > 0) & (x < inf): isfinite(x) & (x > 0) in two ops (NaN fails both)
+        ok = (tau > 0) & (tau < inf) & (rho >= 0) & (rho < 1)
+        if sent is not None:
+            ok = torch.where(sent, (a > 0) & (a < inf), ok)
+        return rows if bool(ok.all()) else rows + rows_where(~ok)
 
     def a_norms(self, rin: RoundInput) -> torch.Tensor:
         cols = self._columns(rin.payloads)
         self._cols = None
         if cols is not None:                  # whole-round: a = a_norm if sent, else ||a(tau, rho)||_1
             sent, a, tau, rho = cols
-            out = torch.where(sent, a, tau)
-            mom = ~sent & (rho != 0)
+            out = tau.clone() if sent is None else torch.where(sent, a, tau)
+            mom = (rho != 0) if sent is None else ~sent & (rho != 0)
             if bool(mom.any()):               # the closed form, once per distinct (tau, rho)
                 pairs = torch.stack([tau[mom], rho[mom]], 1).tolist()
                 memo = {tr: momentum_steps(*tr) for tr in set(map(tuple, pairs))}
