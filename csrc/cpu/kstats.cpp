@@ -17,9 +17,9 @@
 //
 // Order (determinism): d is split into nparts parts of whole chunks, nparts and C functions of (K, d,
 // U's element size) only. Within a part the chunks are added in column order: per chunk, mean_j is
-// the row-order sum (rows in groups of 4: (p0 x0 + p1 x1) + (p2 x2 + p3 x3)); a row's chunk dot and
-// nsq are one vector reduction each (the compiled lane order of this build's clone, picked once per
-// process), added to the part's sums. Parts are summed in index order from part 0. Threads share the
+// one fma chain over the rows in order; a row's chunk dot and
+// nsq are sums over 16 lanes (column j in lane j % 16) added in a fixed tree (independent of the ISA and
+// of the row's alignment), added to the part's sums. Parts are summed in index order from part 0. Threads share the
 // parts, each part computed by one thread: the same inputs give the same bits with any thread count.
 //
 // Bytes moved: U read once from memory (K x d elements; each chunk's second touch hits L2), plus the
@@ -41,7 +41,9 @@
 namespace fedkernels {
 namespace {
 
-// mean[j] = sum_k p[k] U[k, j0 + j], j < len, rows in order (4 at a time).
+// mean[j] = sum_k p[k] U[k, j0 + j], j < len: one fma chain per column over the rows in order.
+// Every accumulation is an explicit fma (never left to -ffp-contract, which may contract a vector body and
+// its scalar peel differently): the bits do not depend on the row's alignment or the ISA.
 template <typename T>
 FEDKERNELS_SIMD_CLONES void chunk_mean(const T* u, int64_t ld, const double* p, int64_t K, int64_t j0, int64_t len,
                                        double* mean) {
@@ -55,37 +57,58 @@ FEDKERNELS_SIMD_CLONES void chunk_mean(const T* u, int64_t ld, const double* p, 
     const double p0 = p[k], p1 = p[k + 1], p2 = p[k + 2], p3 = p[k + 3];
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j)
-      mean[j] += (p0 * double(x0[j]) + p1 * double(x1[j])) + (p2 * double(x2[j]) + p3 * double(x3[j]));
+      mean[j] = std::fma(p3, double(x3[j]), std::fma(p2, double(x2[j]), std::fma(p1, double(x1[j]),
+                std::fma(p0, double(x0[j]), mean[j]))));
   }
   for (; k < K; ++k) {
     const T* x0 = u + k * ld + j0;
     const double p0 = p[k];
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) mean[j] += p0 * double(x0[j]);
+    for (int64_t j = 0; j < len; ++j) mean[j] = std::fma(p0, double(x0[j]), mean[j]);
   }
 }
 
-// dot[k] += sum_j U[k, j0 + j] mean[j], nsq[k] += sum_j U[k, j0 + j]^2 (one vector reduction per row);
-// returns sum_j mean[j]^2.
+// The lanes of a row's chunk sums: column j goes to lane j % L (L = 16, whatever the vector width; a
+// tail shorter than L fills lanes 0..), the lanes added in a fixed tree: the order depends only on the
+// chunk's length, not on the ISA or the alignment of the row.
+constexpr int L = 16;
+inline double lanes_sum(const double* s) {
+  double t[L / 2];
+  for (int l = 0; l < L / 2; ++l) t[l] = s[l] + s[l + L / 2];
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+}
+
+// dot[k] += sum_j U[k, j0 + j] mean[j], nsq[k] += sum_j U[k, j0 + j]^2 over the chunk; returns sum_j mean[j]^2.
 template <typename T>
 FEDKERNELS_SIMD_CLONES double chunk_rows(const T* u, int64_t ld, const double* mean, int64_t K, int64_t j0,
                                          int64_t len, double* dot, double* nsq) {
+  const int64_t full = len / L * L;
   for (int64_t k = 0; k < K; ++k) {
     const T* x = u + k * ld + j0;
-    double sd = 0.0, sn = 0.0;
-#pragma omp simd reduction(+ : sd, sn)
-    for (int64_t j = 0; j < len; ++j) {
-      const double v = double(x[j]);
-      sd += v * mean[j];
-      sn += v * v;
+    double sd[L] = {}, sn[L] = {};
+    for (int64_t j = 0; j < full; j += L) {
+#pragma omp simd
+      for (int l = 0; l < L; ++l) {
+        const double v = double(x[j + l]);
+        sd[l] = std::fma(v, mean[j + l], sd[l]);
+        sn[l] = std::fma(v, v, sn[l]);
+      }
     }
-    dot[k] += sd;
-    nsq[k] += sn;
+    for (int64_t j = full; j < len; ++j) {
+      const double v = double(x[j]);
+      sd[j - full] = std::fma(v, mean[j], sd[j - full]);
+      sn[j - full] = std::fma(v, v, sn[j - full]);
+    }
+    dot[k] += lanes_sum(sd);
+    nsq[k] += lanes_sum(sn);
   }
-  double sm = 0.0;
-#pragma omp simd reduction(+ : sm)
-  for (int64_t j = 0; j < len; ++j) sm += mean[j] * mean[j];
-  return sm;
+  double sm[L] = {};
+  for (int64_t j = 0; j < full; j += L) {
+#pragma omp simd
+    for (int l = 0; l < L; ++l) sm[l] = std::fma(mean[j + l], mean[j + l], sm[l]);
+  }
+  for (int64_t j = full; j < len; ++j) sm[j - full] = std::fma(mean[j], mean[j], sm[j - full]);
+  return lanes_sum(sm);
 }
 
 // The plan, a function of (K, d, element size) only: chunks of C columns (K x C elements within ~192 KB,
