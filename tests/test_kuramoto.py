@@ -270,7 +270,7 @@ def test_against_float64_recomputation(K, d, mode):
     alpha = 0.7 if mode == "P" else 1.0
     expect = w.to(F64) + alpha * (a_ref[:, None] * U.to(F64)).sum(0)
     close(r.params, expect, rtol=1e-5, atol=1e-5)
-    dot, nsq, nbar = kuramoto_stats(U, p)                      # one Gram pass vs two passes, fp64
+    dot, nsq, nbar = kuramoto_stats(U, p)                      # one kstats pass vs two passes, fp64
     U64 = U.to(F64)
     mean = (p[:, None] * U64).sum(0)
     close(dot, U64 @ mean, rtol=1e-12, atol=1e-12)
