@@ -106,6 +106,149 @@ def test_a_gram_method_goes_to_the_gpu_where_a_sum_stays_on_the_cpu(rates):
     assert rates.gram_k and set(rates.gram_k) == {3}
 
 
+def test_a_table_on_the_host_counts_on_both_sides(rates):
+    """FedAWARE without ELUD (screen, momenta pass, table Gram, table sum): with its table on the device the GPU
+    only pays U's two reads over the link; kept on the host, the table work costs the same on both sides and
+    the CPU, saving the link, wins."""
+    host_work = GB * (1 / 20 + 2 / 20 + 1 / 3 + 1 / 20)          # host:sum, host:table, host:table_gram, host:table_sum
+    dev, why = pick_device(algorithms.build("fedaware", elud=False), _U())
+    assert dev.type == "cuda" and "fedaware [sum, sum, table, table_gram, table_sum]" in why
+    assert f"> GPU ~{GB * 2 / 12:.3g} s (2 reads of U at" in why
+    dev, why = pick_device(algorithms.build("fedaware", elud=False, momentum_device="cpu"), _U())
+    assert dev.type == "cpu" and "[sum, host:sum, host:table, host:table_gram, host:table_sum]" in why
+    assert (f"CPU ~{GB / 20 + host_work:.3g} s (reads 20.0 GB/s, Gram at K={K} 3.0 GB/s) <= "
+            f"GPU ~{GB / 12 + host_work:.3g} s (1 read of U at the staged host-to-device 12.0 GB/s + "
+            f"{host_work:.3g} s on the host)") in why
+
+
+def test_data_already_on_the_device_stays_there(rates):
+    class OnCuda(torch.Tensor):          # a CPU tensor that says it is on cuda:1 (no GPU here)
+        @property
+        def device(self):
+            return torch.device("cuda", 1)
+    rates.read = 1000.0                  # even a CPU that reads faster than the link
+    for method in (None, algorithms.build("fedavg"), algorithms.build("kuramoto")):
+        assert pick_device(method, _U().as_subclass(OnCuda)) == (torch.device("cuda", 1),
+                                                                 "cuda:1: the data is already there")
+
+
+def test_bad_arguments_name_what_was_expected():
+    with pytest.raises(ValueError, match=r"pick_device: passes declares the pass 'sums'; expected one of"):
+        pick_device(("sum", "sums"))
+    with pytest.raises(TypeError, match=r"pick_device: method must be an aggregator \(with passes\(\)\), a sequence "
+                                        r"of pass names or None, got str"):
+        pick_device("fedavg")
+    with pytest.raises(TypeError, match=r"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, "
+                                        r"got list"):
+        pick_device(None, [[1.0]])
+    with pytest.raises(ValueError, match=r"ChunkedUpdates: device must be 'auto'.*got 'gpu'"):
+        ChunkedUpdates(_U(), device="gpu")
+    with pytest.raises(ValueError, match=r"got 3\.5"):
+        ChunkedUpdates(_U(), device=3.5)
+
+
+# ---- the probes -------------------------------------------------------------------------------------------
+def test_probes_measure_once_per_process_and_k(monkeypatch):
+    from fedkernels import ops
+    monkeypatch.setattr(sources, "_BANDWIDTH", {})
+    monkeypatch.setattr(sources, "PROBE_BYTES", 4 << 20)
+    monkeypatch.setattr(sources, "CPU_CHUNK_BYTES", 4 << 20)
+    calls = {"weighted_sum": 0, "gram": 0}
+
+    def counted(op, real):
+        def f(*a, **k):
+            calls[op] += 1
+            return real(*a, **k)
+        return f
+    for op in calls:
+        monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
+    r = sources.cpu_read_gbps()
+    g16 = sources.cpu_gram_gbps(16)
+    assert r > 0 and g16 > 0 and calls == {"weighted_sum": 4, "gram": 4}     # one warm-up, three timed each
+    assert sources.cpu_read_gbps() == r and sources.cpu_gram_gbps(16) == g16 and calls["gram"] == 4
+    sources.cpu_gram_gbps(200)
+    assert calls["gram"] == 8 and set(sources._BANDWIDTH) == {"cpu", "gram:16", "gram:200"}  # no CUDA: no link probe
+
+
+# ---- every method declares its passes, and they are what it does --------------------------------------------
+def test_every_registered_method_declares_its_passes():
+    """Fails for a newly registered method that base._ROUND_PASSES does not cover (device="auto" could not
+    cost it)."""
+    for name, cls in sorted(_REGISTRY.items()):
+        agg = cls(**REQUIRED.get(name, {}))
+        passes, label = round_passes(agg)        # valid names (ValueError otherwise)
+        assert label == cls.name
+        if cls.no_chunked_source is None:
+            assert passes and passes[0] in ("sum", "gram"), name      # every round reads U (the screen at least)
+        else:
+            assert passes == (), name
+
+
+def test_a_method_that_declares_nothing_is_refused_by_auto_only():
+    class Mine(Aggregator):
+        name = "mine"
+
+        def _aggregate(self, rin):
+            return AggResult(rin.weighted_sum(rin.sample_weights(), base=rin.global_flat), {})
+    x = torch.zeros(D)
+    with pytest.raises(ValueError, match=r"mine: device='auto' cannot cost this method: declare what a round does "
+                                         r"with U by overriding Aggregator.passes\(\)"):
+        Mine().aggregate(x, ChunkedUpdates(_U(), device="auto"), [1] * K)
+    new, info = Mine().aggregate(x, ChunkedUpdates(_U(), device="cpu"), [1] * K)     # a given device: as before
+    assert info["num_clients"] == K
+
+
+def _u_reads(monkeypatch):
+    """Counts the passes over a TensorSource's rows (each ``chunks`` iteration)."""
+    n = [0]
+    real = TensorSource._blocks
+
+    def counted(self, chunk_cols):
+        n[0] += 1
+        return real(self, chunk_cols)
+    monkeypatch.setattr(TensorSource, "_blocks", counted)
+    return n
+
+
+@pytest.mark.parametrize("name, opts, payload", [
+    ("fedavg", {}, None), ("fedavgm", {"nesterov": True}, None), ("kuramoto", {}, None),
+    ("kuramoto", {"mode": "C", "kappa0": 0.5}, "phase"), ("fedaware", {"num_clients": K}, None),
+    ("fedaware", {"num_clients": K, "elud": False, "extension": "fedavg"}, None),
+    ("fedaware", {"num_clients": K, "momentum_device": "cpu"}, None)])
+def test_declared_reads_of_u_are_the_rounds_reads(monkeypatch, name, opts, payload):
+    """A round on a source reads U as many times as its declared passes that read U (PASSES[p][2], host
+    passes included: they read U on the host)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    agg = algorithms.build(name, **opts)
+    passes, _ = round_passes(agg)
+    declared = sum(PASSES[sources._kind(p)][2] for p in passes)
+    n = _u_reads(monkeypatch)
+    payloads = [{"phase": 0.1 * k} for k in range(K)] if payload else None
+    cu = ChunkedUpdates(_U(), chunk_cols=300, device="auto")
+    new, info = agg.aggregate(torch.zeros(D), cu, [1.0 + k for k in range(K)], payloads=payloads)
+    assert n[0] == declared, (passes, n[0])
+    assert info["device"] == "cpu: no CUDA device" and torch.isfinite(new).all()
+
+
+# ---- Aggregator.aggregate picks for its own method ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["fedavg", "kuramoto"])
+def test_auto_aggregation_gives_the_same_result_and_says_where(monkeypatch, name):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    U = _U()
+    x = torch.randn(D)
+    n = [3, 7, 1, 9, 4]
+    ref, ref_info = algorithms.build(name).aggregate(x, U, n)
+    cu = ChunkedUpdates(U, chunk_cols=100, device="auto")
+    agg = algorithms.build(name)
+    new, info = cu.aggregate_placed(agg, x, n)
+    torch.testing.assert_close(new, ref, rtol=1e-6, atol=1e-7)
+    if name == "fedavg":
+        assert torch.equal(new, ref)
+    assert info["device"] == "cpu: no CUDA device" and new.device == x.device and agg.round == 1
+    with pytest.raises(ValueError, match="global_flat must be a 1-D tensor"):
+        cu.aggregate_placed(agg, x.view(7, 143), n)
+
+
 def test_aggregate_picks_again_for_its_method(rates):
     """ChunkedUpdates(device="auto") without a method is placed for one weighted sum; Aggregator.aggregate
     decides again for its own passes and info["device"] says so (rates where both stay on the CPU: no GPU
