@@ -22,6 +22,10 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def("weighted_sum_screened(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> (Tensor, Tensor)");
   // the same into a caller's out (may alias base), returning ok
   m.def("weighted_sum_screened_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> Tensor");
+  // Kuramoto's phase statistics in one pass (no K x K Gram): mean = sum_k p[k] U[k] (fp64), then
+  // dot[k] = <U[k], mean>, nsq[k] = ||U[k]||^2, nbar = ||mean||^2 (fp64, fixed order) and ok[k] =
+  // all(isfinite(U[k])) from the same pass. p: [K] float (read as float64). -> (dot, nsq, nbar [], ok).
+  m.def("kstats(Tensor U, Tensor p) -> (Tensor, Tensor, Tensor, Tensor)");
   // ok[k] = all(isfinite(U[k])): [K] bool, one read of U (bad-update screening).
   m.def("finite_rows(Tensor U) -> Tensor");
 

@@ -5,8 +5,9 @@ every d-sized server state: momenta, control variates, momentum tables). Per-coo
 (``ops.weighted_sum``, EMA updates, axpys) is purely local; the few reductions over d are summed
 across ranks:
 
-* ``ops.gram`` (K x K fp64 partials) and ``ops.finite_rows`` (logical and) all-reduce their result
-  when a :func:`sharded` context is active;
+* ``ops.gram`` (K x K fp64 partials), ``ops.kstats`` (Kuramoto's 2K + 1 fp64 sums in one all-reduce,
+  its flags and-ed: each shard's mean is exact, being column-local) and ``ops.finite_rows`` (logical and)
+  all-reduce their result when a :func:`sharded` context is active;
 * aggregators route any other reduction over a d-vector through ``ops.dot`` / ``ops.sqnorm`` /
   ``ops.all_`` / ``ops.any_``, which do the same.
 
@@ -100,7 +101,7 @@ class ShardContext:
 
 @contextlib.contextmanager
 def sharded(group=None) -> Iterator[ShardContext]:
-    """Within this context ``ops.gram`` / ``ops.finite_rows`` / ``ops.dot`` / ``ops.sqnorm`` /
+    """Within this context ``ops.gram`` / ``ops.kstats`` / ``ops.finite_rows`` / ``ops.dot`` / ``ops.sqnorm`` /
     ``ops.all_`` / ``ops.any_`` reduce across the ranks of ``group`` (a process group, None for the
     default group, or a ShardContext). Every rank must make the same sequence of such calls.
     (The ShardContext is the :class:`fedkernels.ops.Reducer` of an ``ops.reduce_across`` block.)"""

@@ -51,6 +51,13 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(U).all(dim=1) if U.size(1) else torch.ones(U.size(0), dtype=torch.bool)
 
 
+def kstats(U: torch.Tensor, p: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kuramoto's statistics in two passes (the mean first, then the rows against it), in float64."""
+    U64 = U.to(torch.float64)
+    mean = torch.as_tensor(p, dtype=torch.float64, device=U.device) @ U64
+    return U64 @ mean, (U64 * U64).sum(1), mean @ mean, finite_rows(U)
+
+
 # ---- min-norm solver (FedAWARE) --------------------------------------------------------------
 def _segment(a: float, b: float, c: float, code: bool = False) -> Tuple[float, float]:
     """min over gamma in [0, 1] of |gamma u + (1 - gamma) w|^2 (a=|u|^2, b=<u,w>, c=|w|^2):

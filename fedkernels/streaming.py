@@ -133,7 +133,7 @@ def streamed_fedavg(global_flat: torch.Tensor, src, num_examples, server_lr: flo
 
 def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=None, out: OutLike = None):
     """``KuramotoFedAvg`` over a source (``aggregator``: its options and round counter; default mode S):
-    a Gram pass (screening the rows) and a sum pass. Returns (new, info)."""
+    a kstats pass (screening the rows; no K x K Gram) and a sum pass. Returns (new, info)."""
     from .algorithms.kuramoto import KuramotoFedAvg
     agg = aggregator if aggregator is not None else KuramotoFedAvg()
     return _round(agg, global_flat, src, num_examples, out=out, what="streamed_kuramoto")

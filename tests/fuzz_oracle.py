@@ -37,7 +37,7 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "gram_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
 
@@ -156,6 +156,11 @@ def _gen_finite_rows(rnd, c):
 
 def _gen_gram_screened(rnd, c):
     _gen_matrix(rnd, c)
+
+
+def _gen_kstats(rnd, c):
+    _gen_matrix(rnd, c)
+    c["coef"] = rnd.choice(["list", "f64", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
 
 
 def _gen_min_norm(rnd, c):
@@ -696,6 +701,31 @@ def _run_finite_rows(g, c):
     ref = reference.finite_rows(U)
     if out.dtype != torch.bool or not torch.equal(out, ref):
         raise Fail(f"finite_rows: {out.tolist()[:8]} != reference {ref.tolist()[:8]}")
+    return "ok"
+
+
+def _run_kstats(g, c):
+    """(dot, nsq, nbar) vs the two-pass float64 reference (the mean, then the rows against it) at the
+    rounding scale of their sums of magnitudes; ok = the reference's row flags exactly (every dtype)."""
+    U = _matrix_input(g, c)
+    p = _coef_arg(g, c, c["K"])
+    dot, nsq, nbar, ok = ops.kstats(U, p)
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail(f"kstats accepted an invalid U ({c.get('bad_U') or c['dtype']})")
+    if c["coef"] in ("nan", "inf", "wrong_len", "2d"):
+        raise Fail(f"kstats accepted an invalid p ({c['coef']})")
+    pt = torch.as_tensor(p, dtype=torch.float64)
+    want = reference.kstats(U, pt)
+    if ok.dtype != torch.bool or not torch.equal(ok, want[3]):
+        raise Fail(f"kstats: flags {ok.tolist()[:8]} != reference {want[3].tolist()[:8]}")
+    A = U.to(torch.float64).abs()
+    m = pt.abs() @ A
+    e = 4 * (c["d"] + c["K"] + 2) * _eps(torch.float64)
+    for name, got, ref, S in (("kstats dot", dot, want[0], A @ m), ("kstats nsq", nsq, want[1], (A * A).sum(1)),
+                              ("kstats nbar", nbar, want[2], m @ m)):
+        if got.dtype != torch.float64:
+            raise Fail(f"{name}: dtype {got.dtype}, expected float64")
+        _check_close(name, got, ref, e * S + 1e-300, ~torch.isfinite(S) | (S > 1e300))
     return "ok"
 
 

@@ -54,6 +54,40 @@ def _randn(dev: str, *shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     return torch.randn(*shape, generator=_gen(seed), dtype=torch.float64).to(dtype).to(dev)
 
 
+# ---- kstats (Kuramoto's statistics in one pass) ------------------------------------------------------
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (10, 4099), (100, 300), (1000, 76), (2, 262177)])
+def test_kstats_matches_reference_and_cpu(dev, K, d, dtype):
+    base = _randn(dev, K, d + 3, dtype=dtype, seed=K + d)
+    U = base[:, 1:1 + d]                                   # row stride d + 3, unaligned start
+    p = torch.rand(K, generator=_gen(d), dtype=torch.float64) + 0.1
+    p /= p.sum()
+    got = ops.kstats(U, p)
+    assert all(t.device.type == dev for t in got)
+    want = reference.kstats(U.cpu(), p)
+    A = U.cpu().double().abs()
+    m = p @ A
+    for g, w, S in zip(got[:3], want[:3], (A @ m, (A * A).sum(1), m @ m)):
+        assert g.dtype == torch.float64 and torch.all((g.cpu() - w).abs() <= 1e-12 * S + 1e-300)
+    assert got[3].cpu().tolist() == [True] * K
+    again = ops.kstats(U, p)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))     # bitwise: fixed order, no atomics
+
+
+def test_kstats_flags_exact(dev):
+    for dtype in FLOATS:
+        U = _randn(dev, 6, 999, dtype=dtype, seed=2)
+        U[1, 5], U[3, 998] = float("nan"), float("-inf")
+        U[0] = torch.finfo(dtype).max                       # finite (fp64: its squared norm overflows)
+        ok = ops.kstats(U, torch.full((6,), 1 / 6, dtype=torch.float64))[3]
+        assert ok.cpu().tolist() == [True, False, True, False, True, True], dtype
+
+
+def test_kstats_empty(dev):
+    dot, nsq, nbar, ok = ops.kstats(torch.empty(3, 0, device=dev), torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert float(dot.abs().sum() + nsq.sum() + nbar) == 0.0 and ok.all() and dot.device.type == dev
+
+
 # ---- gram -----------------------------------------------------------------------------------------
 # K <= 16: path R; K > 16: fp64 tensor cores (one diagonal block up to K = 128, off-diagonal blocks above)
 GRAM_SHAPES = [(1, 1), (2, 3), (3, 7), (10, 4099), (16, 1000), (17, 513), (33, 2000), (70, 1031), (130, 777)]

@@ -160,6 +160,24 @@ def _gram_emulate(harness, U, rows=None, eb=4):
     return int(ans[0]), torch.tensor([_f(x) for x in ans[1:]], dtype=torch.float64).view(k, K)
 
 
+@pytest.mark.parametrize("eb,dtype", [(4, torch.float32), (8, torch.float64), (2, torch.float16)])
+@pytest.mark.parametrize("K,d,parts,tw", [(1, 1, 1, 256), (3, 5, 1, 256), (7, 700, 3, 256), (100, 300, 3, 128),
+                                          (1000, 70, 3, 32), (2, 256 * 1024 + 33, 513, 256)])
+def test_kstats_emulation_matches_reference(harness, eb, dtype, K, d, parts, tw):
+    """kstats_parts / kstats_final emulated around ks::: every element of U read exactly once per phase
+    (ERR otherwise), the plan's parts and tile width (fp32 at K = 1000: 32 columns; 1025 tiles: 2 per
+    part: 513 parts), dot / nsq / nbar against the float64 reference."""
+    U = torch.randn(K, d, generator=_gen(K * 3 + d), dtype=torch.float64).to(dtype)
+    p = torch.rand(K, generator=_gen(d), dtype=torch.float64) + 0.1
+    p /= p.sum()
+    ans = harness("kstats", eb, K, d, U.double(), p)
+    got = torch.tensor([_f(x) for x in ans[2:]], dtype=torch.float64)
+    if eb == 4:
+        assert (int(ans[0]), int(ans[1])) == (parts, tw)
+    dot, nsq, nbar, _ = reference.kstats(U, p)
+    torch.testing.assert_close(got, torch.cat([dot, nsq, nbar.reshape(1)]), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("eb,dtype", [(4, torch.float32), (8, torch.float64), (2, torch.bfloat16)])
 @pytest.mark.parametrize("K,d", [(1, 1), (3, 5), (16, 600), (17, 513), (33, 129), (100, 200), (130, 70)])
 def test_gram_emulation_matches_reference(harness, eb, dtype, K, d):

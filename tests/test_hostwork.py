@@ -96,9 +96,9 @@ def _host_copies(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["S", "P"])
-def test_kuramoto_brings_the_gram_to_the_host_with_the_flags(monkeypatch, mode):
-    """Kuramoto (modes S and P): one device-to-host copy per aggregate, the Gram matrix in the same
-    copy as the NaN/Inf flags (RoundInput.gram(host=True)), not a second one for G."""
+def test_kuramoto_brings_its_stats_to_the_host_with_the_flags(monkeypatch, mode):
+    """Kuramoto (modes S and P): one device-to-host copy per aggregate, the kstats pass's statistics in
+    the same copy as the NaN/Inf flags (RoundInput.kstats), not a second one for them."""
     from fedkernels import algorithms
     g = torch.Generator().manual_seed(1)
     K, d = 40, 23
@@ -209,7 +209,7 @@ SCREEN_IN_PASS = {"fedavg": ["weighted_sum_screened"], "fedprox": ["weighted_sum
                   "fedpgvc": ["weighted_sum_screened"], "scaffold": ["weighted_sum_screened"],
                   "fedpvr": ["weighted_sum_screened"], "global_gc": ["weighted_sum_screened"],
                   "local_gc": ["weighted_sum_screened"], "gcfed": ["weighted_sum_screened"],
-                  "kuramoto": ["gram", "weighted_sum"],   # Gram pass (screens) + weighting pass
+                  "kuramoto": ["kstats", "weighted_sum"],   # stats pass (screens) + weighting pass
                   "fedaware": ["gram"]}                   # ELUD Gram pass (screens); the step reads M
 
 

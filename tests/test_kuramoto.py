@@ -270,7 +270,7 @@ def test_against_float64_recomputation(K, d, mode):
     alpha = 0.7 if mode == "P" else 1.0
     expect = w.to(F64) + alpha * (a_ref[:, None] * U.to(F64)).sum(0)
     close(r.params, expect, rtol=1e-5, atol=1e-5)
-    dot, nsq, nbar = kuramoto_stats(U, p)                      # one Gram pass vs two passes, fp64
+    dot, nsq, nbar = kuramoto_stats(U, p)                      # one kstats pass vs two passes, fp64
     U64 = U.to(F64)
     mean = (p[:, None] * U64).sum(0)
     close(dot, U64 @ mean, rtol=1e-12, atol=1e-12)
@@ -388,3 +388,18 @@ def test_phase_rule_on_tiny_linear():
         rule.after_step(ctx, model)
     pl = rule.end(ctx, model)
     close(pl["phase"], sum(norms) / 3, rtol=1e-6, atol=0)     # per-tensor norms in fp32
+
+
+def test_kuramoto_stats_from_kstats_or_a_given_gram():
+    """kuramoto_stats keeps its signature: from U (one kstats pass) or from a caller's Gram matrix G, the
+    same statistics to 1e-12 (spec §9 item 4); neither U nor G is one clear error."""
+    from fedkernels import ops
+    U, n = _rand(9, 300, 4, dtype=F64)
+    p = n / n.sum()
+    a = kuramoto_stats(U, p)
+    b = kuramoto_stats(None, p, G=ops.gram(U))
+    for x, y in zip(a, b):
+        assert x.device.type == "cpu" and x.dtype == F64
+        close(x, y, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="kuramoto_stats: pass U"):
+        kuramoto_stats(None, p)

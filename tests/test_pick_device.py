@@ -71,23 +71,38 @@ def test_one_sum_compares_the_read_rate_with_the_staged_link(rates, read, h2d, s
     assert str(cu.device) == want and cu.placement.startswith(want + ": host source")
 
 
+class _GramThenSum(Aggregator):
+    """A method with a Gram pass then a sum (what Kuramoto did before its kstats pass), as a user's method
+    declares it: Aggregator.passes() overridden."""
+    name = "gram_then_sum"
+
+    def passes(self):
+        return ("gram", "sum")
+
+    def _aggregate(self, rin):
+        return AggResult(rin.weighted_sum(rin.sample_weights(), base=rin.global_flat), {})
+
+
 def test_a_gram_method_goes_to_the_gpu_where_a_sum_stays_on_the_cpu(rates):
     """Read 20 GB/s, Gram 3 GB/s, link 12 GB/s: FedAvg's one read is faster on the CPU (1/20 < 1/12 s per GB),
-    Kuramoto's Gram + sum on the GPU (1/3 + 1/20 > 2/12); the Gram rate is probed at the data's K."""
+    a Gram + sum on the GPU (1/3 + 1/20 > 2/12); the Gram rate is probed at the data's K. Kuramoto (its
+    column-local kstats pass, then the sum: two reads) stays on the CPU (2/20 < 2/12)."""
     U = _U()
     dev, why = pick_device(algorithms.build("fedavg"), U)
     assert dev == torch.device("cpu") and why.startswith("cpu: host source, fedavg [sum] on ")
     assert f"CPU ~{GB / 20:.3g} s (reads 20.0 GB/s) <= GPU ~{GB / 12:.3g} s (1 read of U at" in why
-    dev, why = pick_device(algorithms.build("kuramoto"), U)
-    assert dev == torch.device("cuda", 0) and why.startswith("cuda:0: host source, kuramoto [gram, sum] on ")
+    dev, why = pick_device(_GramThenSum(), U)
+    assert dev == torch.device("cuda", 0) and why.startswith("cuda:0: host source, gram_then_sum [gram, sum] on ")
     assert (f"CPU ~{GB * (1 / 3 + 1 / 20):.3g} s (reads 20.0 GB/s, Gram at K={K} 3.0 GB/s) > "
             f"GPU ~{GB * 2 / 12:.3g} s (2 reads of U at the staged host-to-device 12.0 GB/s)") in why
     assert set(rates.gram_k) == {K}
-    # mode C reads U twice with weighted sums: no Gram, the CPU
-    assert pick_device(algorithms.build("kuramoto", mode="C"), U)[0] == torch.device("cpu")
+    # Kuramoto, modes S and C: two column-local reads, no Gram: the CPU
+    for mode in ("S", "C"):
+        dev, why = pick_device(algorithms.build("kuramoto", mode=mode), U)
+        assert dev == torch.device("cpu") and why.startswith("cpu: host source, kuramoto [sum, sum] on "), why
     # the same, K from a source and from a ChunkedUpdates
     rates.gram_k.clear()
-    assert pick_device(algorithms.build("kuramoto"), ChunkedUpdates(TensorSource(U[:3])))[0].type == "cuda"
+    assert pick_device(_GramThenSum(), ChunkedUpdates(TensorSource(U[:3])))[0].type == "cuda"
     assert rates.gram_k and set(rates.gram_k) == {3}
 
 
@@ -238,13 +253,13 @@ def test_aggregate_picks_again_for_its_method(rates):
     """ChunkedUpdates(device="auto") without a method is placed for one weighted sum; Aggregator.aggregate
     decides again for its own passes and info["device"] says so (rates where both stay on the CPU: no GPU
     here)."""
-    rates.read, rates.gram = 20.0, 10.0              # Kuramoto: 1/10 + 1/20 <= 2/12 s per GB: the CPU
+    rates.read, rates.gram = 20.0, 10.0              # Kuramoto: 2/20 <= 2/12 s per GB: the CPU
     cu = ChunkedUpdates(_U(), device="auto")
     assert cu.device.type == "cpu" and "one weighted sum [sum]" in cu.placement
     x = torch.zeros(D)
     new, info = algorithms.build("kuramoto").aggregate(x, cu, [1] * K)
-    assert info["device"].startswith("cpu: host source, kuramoto [gram, sum] on ")
-    assert f"CPU ~{GB * (1 / 10 + 1 / 20):.3g} s" in info["device"] and f"GPU ~{GB * 2 / 12:.3g} s" in info["device"]
+    assert info["device"].startswith("cpu: host source, kuramoto [sum, sum] on ")
+    assert f"CPU ~{GB * 2 / 20:.3g} s" in info["device"] and f"GPU ~{GB * 2 / 12:.3g} s" in info["device"]
     ref, _ = algorithms.build("kuramoto").aggregate(x, _U(), [1] * K)
     torch.testing.assert_close(new, ref, rtol=1e-6, atol=1e-7)
     placed = ChunkedUpdates(_U(), device="auto", method=algorithms.build("kuramoto"))

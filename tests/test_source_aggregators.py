@@ -20,7 +20,7 @@ from fedkernels.streaming import momentum_file, streamed_fedaware
 SPEC = spec_of([(40, 12), (40,), (12, 40), (12,)])      # d = 1012: chunks of 100 do not divide it
 D, N = SPEC.d, 8
 ROUNDS = [[0, 2, 5], [1, 2, 3, 4, 6], [7, 0, 5, 6, 1, 3, 4, 2]]   # the last round completes exploration
-GRAM_BASED = {"kuramoto", "fedaware"}                      # weights from a Gram summed over chunks
+GRAM_BASED = {"kuramoto", "fedaware"}      # weights from chunk sums (kstats, a Gram) added over chunks: not bitwise
 CASES = [(m, {}) for m in methods() if m != "fedecado"] + [
     ("local_gc_only", {"lam": 0.5}), ("fedavgm", {"nesterov": True}), ("kuramoto", {"mode": "P", "guard": False}),
     ("kuramoto", {"mode": "C"}), ("fedaware", {"warmup": "startup_full", "extension": "fedavgm"}),

@@ -166,11 +166,11 @@ class UpdatesShape:
 class RoundInput:
     """Validated inputs of one aggregation (what ``Aggregator._aggregate`` receives).
 
-    The updates are read only through ``weighted_sum``, ``gram`` and ``blocks`` (and ``screen``): one
+    The updates are read only through ``weighted_sum``, ``gram``, ``kstats`` and ``blocks`` (and ``screen``): one
     call on a [K, d] tensor, or chunk by chunk when they come from a chunked source (``src``, a
     ``fedkernels.sources.ChunkedUpdates``; ``updates`` is then their ``UpdatesShape`` and ``U`` raises),
-    with the same result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram is
-    summed over the chunks in fp64 in column order. Their shape, dtype and device: ``K``, ``d``,
+    with the same result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram and
+    Kuramoto's statistics (``kstats``) are summed over the chunks in fp64 in column order. Their shape, dtype and device: ``K``, ``d``,
     ``dtype``, ``device``."""
 
     global_flat: torch.Tensor
@@ -181,11 +181,11 @@ class RoundInput:
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
     # Rows not yet screened (methods with ``Aggregator.screen_in_pass``, and every method on a source):
-    # the first read of U through ``weighted_sum``, ``gram`` or ``screen`` below also screens its rows
+    # the first read of U through ``weighted_sum``, ``gram``, ``kstats`` or ``screen`` below also screens its rows
     # and hands the flags to ``on_flags`` (the aggregator's policy) before the method goes on.
     screen_rows: bool = False
     # on_flags(ok, carry): ``carry`` (None, or a tensor on ok's device) comes back on the host, brought
-    # there in the same device-to-host copy as the flags (RoundInput.gram(host=True))
+    # there in the same device-to-host copy as the flags (RoundInput.gram(host=True), RoundInput.kstats)
     on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
     src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
     stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
@@ -270,6 +270,28 @@ class RoundInput:
             return G if carried is None else carried
         G = ops.gram(self.U)
         return G.cpu() if host and G.device.type != "cpu" else G
+
+    def kstats(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``ops.kstats(U, p)``'s ``(dot [K], nsq [K], nbar [])``, float64 on the host: one column-local pass
+        over U, no K x K Gram. While the rows are unscreened its flags (exact for every dtype) go to
+        ``on_flags``, and the statistics ride in their device-to-host copy (one copy per pass). From a
+        source: the chunks' sums added in fp64 in column order (each chunk's mean is exact: column-local)."""
+        K = self.K
+        if self.src is not None:
+            acc = torch.zeros(2 * K + 1, dtype=torch.float64, device=self.src.device)
+
+            def add(a: int, b: int, c: torch.Tensor, screen: bool) -> Optional[torch.Tensor]:
+                dot, nsq, nbar, ok = ops.kstats(c, p)
+                acc.add_(torch.cat([dot, nsq, nbar.reshape(1)]))
+                return ok if screen else None
+            self._stream(add)
+            host = acc.cpu()
+        else:
+            dot, nsq, nbar, ok = ops.kstats(self.U, p)
+            stats = torch.cat([dot, nsq, nbar.reshape(1)])
+            carried = self._flags(ok, carry=stats) if self.screen_rows else None
+            host = carried if carried is not None else stats.cpu()
+        return host[:K], host[K:2 * K], host[2 * K]
 
     def blocks(self, device: Optional[torch.device] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
         """``(cols, U[:, cols])`` for a method's column-local work on U with per-client tables (FedAWARE's
@@ -390,7 +412,7 @@ _ROUND_PASSES: Dict[str, Callable[[Any], Tuple[str, ...]]] = {
     **dict.fromkeys(("fedavg", "fedprox", "fednova", "fedpgvc", "gcfed", "local_gc", "global_gc", "local_gc_only"),
                     lambda a: ("sum",)),
     "fedavgm": lambda a: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
-    "kuramoto": lambda a: ("sum", "sum") if a.mode == "C" else ("gram", "sum"),
+    "kuramoto": lambda a: ("sum", "sum"),      # modes P/S: the kstats pass (column-local, like a sum), the sum
     # SCAFFOLD / FedPVR: x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed
     **dict.fromkeys(("scaffold", "fedpvr"), lambda a: ("sum", "payload") + _table(a.control_device, a.control_file,
                                                                                   "table", "table_sum")),
@@ -406,7 +428,7 @@ class Aggregator(abc.ABC):
 
     name = "base"
     client_rule_cls: Optional[Type[ClientRule]] = None
-    # True for methods whose first read of U is RoundInput.weighted_sum or RoundInput.gram, before
+    # True for methods whose first read of U is RoundInput.weighted_sum, gram or kstats, before
     # any change of state: that pass also screens the rows (no separate finite_rows read of U).
     screen_in_pass = False
 

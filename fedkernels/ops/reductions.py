@@ -1,6 +1,6 @@
 """Reductions over d that are sharding-aware: ``dot``, ``sqnorm``, ``all_``, ``any_`` (``any_flag``: on the
 device), ``amax_d``,
-``mean_d`` (and the K x K / [K] results of ``gram`` / ``finite_rows``).
+``mean_d`` (and the K x K / [K] results of ``gram`` / ``kstats`` / ``finite_rows``).
 
 In sharded aggregation (:mod:`fedkernels.distributed`) every d-vector an aggregator sees is this
 rank's column slice, so a reduction over d must be combined across ranks. That is explicit here:

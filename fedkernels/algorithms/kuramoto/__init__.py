@@ -19,9 +19,10 @@ theta_bar the plain mean phase, and applies the weighted sum. Three modes:
 
 kappa_t = kappa0 * beta^t with t the aggregator's round counter (default beta = 1: constant).
 
-Hot path (modes P and S): one ``ops.gram`` pass over U (K x K fp64 Gram G; then
-dot = G p, nsq = diag G, nbar = p^T G p, all fp64 on the host) and one ``ops.weighted_sum`` pass. No K x d
-temporary. On a GPU one device-to-host copy per aggregate: G rides in the NaN/Inf flags' copy. Mode C: two
+Hot path (modes P and S): one ``ops.kstats`` pass over U (spec §5.1 KSTATS: the p-weighted mean, then
+dot = <U_k, mean>, nsq = ||U_k||^2, nbar = ||mean||^2, fp64, column-local: no K x K Gram) that also screens
+the rows, and one ``ops.weighted_sum`` pass. No K x d temporary. On a GPU one device-to-host copy per
+aggregate: the 2K + 1 statistics ride in the NaN/Inf flags' copy (``RoundInput.kstats``). Mode C: two
 ``weighted_sum`` passes (the elementwise clamp needs the sync vector), one device-to-host copy: the
 first pass's flags wait on the device (``hold``) for the clamp's flag (``RoundInput.release``).
 Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.
@@ -45,10 +46,13 @@ REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is
 
 def kuramoto_stats(U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
-    nbar = ||mean||^2 with mean = sum_k p_k U_k; all from one Gram pass over U (``G``: that Gram
-    matrix when the caller has it, best on the host already: ``RoundInput.gram(host=True)`` brings it
-    there in the round's one device-to-host copy)."""
-    G = ops.gram(U) if G is None else G
+    nbar = ||mean||^2 with mean = sum_k p_k U_k; from one ``ops.kstats`` pass over U (no Gram), or, when
+    the caller has U's Gram matrix ``G`` already, from it: dot = G p, nsq = diag G, nbar = p^T G p."""
+    if G is None:
+        if U is None:
+            raise ValueError("kuramoto_stats: pass U (the [K, d] updates) or G (their Gram matrix), got neither")
+        dot, nsq, nbar, _ = ops.kstats(U, host_float64(p))
+        return dot.cpu(), nsq.cpu(), nbar.cpu()
     if G.device.type != "cpu":
         G = G.cpu()
     p64 = host_float64(p)
@@ -197,7 +201,7 @@ KuramotoPhaseRule.batched_form = KuramotoPhaseBatched
 class KuramotoFedAvg(Aggregator):
     """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto/options.py``)."""
 
-    screen_in_pass = True     # the first read of U (Gram, or mode C's weighted_sum) screens its rows
+    screen_in_pass = True     # the first read of U (kstats, or mode C's weighted_sum) screens its rows
 
     def __init__(self, mode: str = "S", kappa0: Optional[float] = None, beta: float = 1.0, tau: float = 0.05,
                  guard: bool = True, clip_delta: bool = True, theta_bar: str = "uniform", clip: float = 10.0,
@@ -244,8 +248,8 @@ class KuramotoFedAvg(Aggregator):
             info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
                     "sync_coef": b.tolist(), "clipped": clipped}
             return AggResult(new, info)
-        dot, nsq, nbar = kuramoto_stats(None, p, G=rin.gram(host=True))   # the Gram pass screens U's rows;
-        # G comes to the host with the flags (one device-to-host copy), so the rest is host arithmetic
+        dot, nsq, nbar = rin.kstats(p)     # one pass over U that screens its rows (spec §5.1 KSTATS); the
+        # statistics come to the host with the flags (one device-to-host copy), so the rest is host arithmetic
         if self.mode == "S":
             kap = min(max(kt, 0.0), 1.0)
             a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,

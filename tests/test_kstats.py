@@ -1,0 +1,159 @@
+"""kstats: Kuramoto's statistics in one pass, against the float64 reference (two passes: the mean, then
+the rows against it) and the Gram route (dot = G p, nsq = diag G, nbar = p'G p); shapes, strides, dtypes,
+thread counts, the flags, edge cases, bad inputs."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedkernels import ops, reference as ref
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+# (K, d): odd sizes, one chunk and several, one part and many (K = 16, d = 200k: 64 parts), K >> d
+SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (1000, 76), (300, 150),
+          (4, 70001)]
+
+
+def _weights(K, seed=0):
+    p = torch.rand(K, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.1
+    return p / p.sum()
+
+
+def _close(got, want, U, p, tol=1e-12):
+    """dot, nsq, nbar within tol relative to the sums of magnitudes they are made of (fp64 rounding)."""
+    A = U.to(torch.float64).abs()
+    m = p.abs() @ A
+    for g, w, scale in ((got[0], want[0], A @ m), (got[1], want[1], (A * A).sum(1)), (got[2], want[2], m @ m)):
+        assert g.dtype == torch.float64 and g.shape == w.shape
+        assert torch.all((g - w).abs() <= tol * scale + 1e-300), (g, w)
+
+
+def _odd(K, d, dtype, seed=0):
+    """U as a strided view: rows of a wider buffer, from column 1."""
+    big = torch.randn(K, d + 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.3
+    return big.to(dtype)[:, 1:1 + d]
+
+
+@pytest.mark.parametrize("K,d", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kstats_matches_reference_and_gram_route(K, d, dtype):
+    U = _odd(K, d, dtype, seed=K + d)
+    assert U.stride(0) == d + 5
+    p = _weights(K, seed=d)
+    got = ops.kstats(U, p)
+    _close(got, ref.kstats(U, p), U, p)
+    G = ref.gram(U)
+    _close(got, (G @ p, torch.diagonal(G), p @ G @ p), U, p)       # spec §9 item 4: 1e-12
+    assert got[3].tolist() == [True] * K
+    assert got[0].shape == (K,) and got[2].shape == () and got[3].dtype == torch.bool
+
+
+def test_kstats_list_weights_and_contiguous_matches_strided():
+    U = _odd(9, 333, torch.float32)
+    p = _weights(9).tolist()
+    a, b = ops.kstats(U, p), ops.kstats(U.contiguous(), torch.tensor(p, dtype=torch.float64))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("K,d", [(16, 200_000), (300, 5000), (1000, 76)])
+def test_kstats_same_bits_with_1_and_2_threads(K, d):
+    """K = 16: threads take the 64 parts of d; K = 300: 2 parts; K = 1000, d = 76: one part."""
+    U, p = _odd(K, d, torch.float32, seed=3), _weights(K, 3)
+    n0 = torch.get_num_threads()
+    try:
+        out = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out.append(ops.kstats(U, p))
+    finally:
+        torch.set_num_threads(n0)
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    for a, b in zip(out[0], ops.kstats(U, p)):       # and across calls
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031), (40, 7000)])
+def test_kstats_flags_are_exact(K, d, dtype):
+    U = _odd(K, d, dtype, seed=K)
+    for k in range(1, K, 2):
+        U[k, (k * 13) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
+    U[0].fill_(torch.finfo(dtype).max)     # finite, the largest values (fp64: its squared norm overflows)
+    ok = ops.kstats(U, _weights(K))[3]
+    assert ok.tolist() == ref.finite_rows(U).tolist() == [k % 2 == 0 for k in range(K)]
+
+
+def test_kstats_good_rows_stats_after_dropping_bad_rows():
+    U = _odd(6, 500, torch.float32)
+    U[2, 7] = float("nan")
+    dot, nsq, nbar, ok = ops.kstats(U, _weights(6))
+    assert ok.tolist() == [True, True, False, True, True, True]
+    assert torch.isnan(nbar) and torch.isnan(dot).all()            # the mean saw the NaN
+    assert torch.isfinite(nsq[ok]).all()
+    keep = ok.nonzero().reshape(-1)
+    p = _weights(6)[keep]
+    p = p / p.sum()
+    _close(ops.kstats(U[keep], p), ref.kstats(U[keep], p), U[keep], p)
+
+
+def test_kstats_empty_and_zero_columns():
+    dot, nsq, nbar, ok = ops.kstats(torch.zeros(0, 5), torch.zeros(0, dtype=torch.float64))
+    assert dot.shape == nsq.shape == ok.shape == (0,) and float(nbar) == 0.0
+    dot, nsq, nbar, ok = ops.kstats(torch.zeros(3, 0), _weights(3))
+    assert torch.equal(dot, torch.zeros(3, dtype=torch.float64)) and torch.equal(nsq, dot)
+    assert float(nbar) == 0.0 and ok.tolist() == [True] * 3
+    z = ops.kstats(torch.zeros(4, 9), _weights(4))                  # zero rows: zeros, finite
+    assert float(z[0].abs().sum() + z[1].sum() + z[2]) == 0.0 and z[3].all()
+
+
+def test_kstats_bad_inputs_name_the_argument():
+    U = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="kstats: U must be a 2-D"):
+        ops.kstats(torch.randn(10), [1.0])
+    with pytest.raises(ValueError, match="floating dtype"):
+        ops.kstats(torch.ones(2, 3, dtype=torch.int64), [0.5, 0.5])
+    with pytest.raises(ValueError, match=r"kstats: p must be a 1-D tensor of length 4"):
+        ops.kstats(U, [0.5, 0.5])
+    with pytest.raises(ValueError, match="kstats: p must be finite"):
+        ops.kstats(U, [0.25, float("nan"), 0.25, 0.5])
+
+
+def test_kstats_has_no_derivative():
+    U = torch.randn(3, 8, requires_grad=True)
+    dot = torch.ops.fedkernels.kstats(U, torch.full((3,), 1 / 3, dtype=torch.float64))[0]
+    with pytest.raises(RuntimeError, match="fedkernels.kstats has no derivative"):
+        dot.sum().backward()
+
+
+def test_kstats_opcheck():
+    U = torch.randn(5, 300)
+    torch.library.opcheck(torch.ops.fedkernels.kstats.default, (U, _weights(5)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kstats_sharded_sums_the_shards():
+    """Column shards: each shard's mean is exact (column-local), so the ranks' sums add up to the whole."""
+    class TwoShards:                   # stands for 2 ranks holding U[:, :a] and U[:, a:]
+        def __init__(self, other):
+            self.other = other
+
+        def all_reduce_sum(self, t):
+            return t + self.other.pop(0)
+
+        def all_reduce_max(self, t):
+            return t
+
+        def all_reduce_and(self, m):
+            return m & self.other.pop(0)
+
+    U, p = _odd(7, 301, torch.float64), _weights(7)
+    d2, n2, b2, ok2 = ops.kstats(U[:, 150:], p)
+    ok2 = ok2.clone()
+    ok2[3] = False
+    with ops.reduce_across(TwoShards([torch.cat([d2, n2, b2.reshape(1)]), ok2])):
+        dot, nsq, nbar, ok = ops.kstats(U[:, :150], p)
+    _close((dot, nsq, nbar), ref.kstats(U, p), U, p)
+    assert ok.tolist() == [True, True, True, False, True, True, True]
