@@ -5,8 +5,8 @@ aggregate per method, i.e. no per-client host work (it was ~25 us per client).
 
 Columns: ``ms`` the aggregate (median), ``native_ms`` the time inside the native
 ``torch.ops.fedkernels.*`` kernels during one aggregate (min of a few runs: the arithmetic, e.g.
-Kuramoto's and FedAWARE's K x K / k x N Gram matrices, O(K^2 d), and FedAWARE's N x N min-norm
-solve), ``host_ms`` = the fastest sample - native_ms (Python, validation, torch glue and bookkeeping
+FedAWARE's k x N Gram of its momenta, O(k N d), and its N x N min-norm solve; Kuramoto's one-pass
+``kstats``, O(K d)), ``host_ms`` = the fastest sample - native_ms (Python, validation, torch glue and bookkeeping
 ops).
 
 ``aggregator_cases`` builds every registered method (aliases once) with the client payloads it
