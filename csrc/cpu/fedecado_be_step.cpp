@@ -172,12 +172,15 @@ void be_step_out_cpu(const at::Tensor& xc, const at::Tensor& Icur, const at::Ten
     lp[0] = lp[1] = 0.0;
     return;
   }
-  // Chunk of columns: C0 sizes the K x C float64 r scratch for L2 (128 KB where K allows; at least 64
-  // columns). The chunks are balanced, a remainder shorter than C0 joining the others (about d / C0
-  // chunks, rounded down, of under 2 C0 columns, a multiple of 16, so scratch_cols(n) <= C): a short tail
-  // chunk would cost the K row loops of a full one. Columns are independent: the chunking does not change
-  // the arithmetic (same bits). The scratch is left uninitialised (every entry is written before it is read).
-  const int64_t C0 = std::max<int64_t>(64, std::min<int64_t>(1024, (int64_t(16384) / std::max<int64_t>(K, 1)) / 64 * 64));
+  // Chunk of columns: C0 sizes the K x C float64 r scratch for L2 (512 KB where K allows; at least 64, at
+  // most 1024 columns). (128 KB made the chunks of K = 40..100 rows 384..128 columns wide, 1.5..0.5 KB of
+  // each of the 3 K input row streams per chunk in fp32, too short for the prefetchers: K = 100, d = 1e6 + 1,
+  // fp32, one core 421 -> 227 ms, K = 40 112 -> 86 ms; K <= 16 and K >= 1000 get the same chunks as then.)
+  // The chunks are balanced, a remainder shorter than C0 joining the others (about d / C0 chunks, rounded
+  // down, of under 2 C0 columns, a multiple of 16, so scratch_cols(n) <= C): a short tail chunk would cost
+  // the K row loops of a full one. Columns are independent: the chunking does not change the arithmetic
+  // (same bits). The scratch is left uninitialised (every entry is written before it is read).
+  const int64_t C0 = std::max<int64_t>(64, std::min<int64_t>(1024, (int64_t(65536) / std::max<int64_t>(K, 1)) / 64 * 64));
   const int64_t n0 = std::max<int64_t>(1, d / C0);
   const int64_t C = ((d + n0 - 1) / n0 + 15) / 16 * 16;
   const int64_t nch = (d + C - 1) / C;                         // (<= n0; every chunk has >= 1 column)
