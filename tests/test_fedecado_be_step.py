@@ -42,7 +42,7 @@ def _close_lte(x, y, rtol):
 
 # ---- against the float64 reference (dense solve) --------------------------------------------------
 @pytest.mark.parametrize("K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65),
-                                 (200, 76), (300, 150)])   # (column chunks of the CPU kernel: 1 x 80, 80 + 70)
+                                 (200, 76), (300, 390)])   # (column chunks of the CPU kernel: 1 x 80, 208 + 182)
 @pytest.mark.parametrize("S", [True, False])
 def test_matches_reference_f64(K, d, S):
     a = _inputs(K, d, seed=K * 100 + d, S=S)
@@ -92,6 +92,26 @@ def test_noncontiguous_inputs():
     x1, I1, l1 = ops.fedecado_be_step(*_args(a))
     x2, I2, l2 = ops.fedecado_be_step(*_args(b))
     assert torch.equal(x1, x2) and torch.equal(I1, I2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("dtype", [D64, torch.float32])
+@pytest.mark.parametrize("K", [3, 100])
+def test_bits_do_not_depend_on_the_column_position(K, dtype):
+    """A column's x', I' and its share of the LTE maxima are the same bits wherever it falls: in the whole
+    vectors of a chunk or in the CPU kernel's last span (the last 64 bytes of columns of a chunk whose width
+    is not a multiple of 64 bytes, recomputed over columns the vectors before it already hold), and for a
+    chunk narrower than one vector. Each [K, d] problem is compared with one of width dw (a multiple of 16:
+    whole vectors only) that holds its columns first and repeats them after (same maxima)."""
+    for d in list(range(1, 20)) + list(range(60, 85)):
+        a = _inputs(K, d, seed=K * 1000 + d, dtype=dtype, S=d % 2 == 0)
+        dw = (d + 15) // 16 * 16 + 16
+        idx = torch.arange(dw) % d
+        w = {k: (v[..., idx] if isinstance(v, torch.Tensor) and v.shape[-1] == d and k not in
+                 ("theta_new", "theta_old", "inv_g") else v) for k, v in a.items()}
+        xn, In, lte = ops.fedecado_be_step(*_args(a))
+        xw, Iw, ltew = ops.fedecado_be_step(*_args(w))
+        assert torch.equal(xn, xw[:d]) and torch.equal(In, Iw[:, :d]), (K, d)
+        assert torch.equal(lte, ltew), (K, d, lte, ltew)
 
 
 # ---- against the torch composition (fedecado.be_step) and spec numbers ---------------------------
