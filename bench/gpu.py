@@ -269,6 +269,43 @@ def bench_gram(copy_gbs):
         free()
 
 
+# ---- kstats -----------------------------------------------------------------------------------------
+def bench_kstats(copy_gbs):
+    """Kuramoto's statistics (dot with the p-weighted mean, row norms, ||mean||^2, flags): one read of U.
+    Baselines: the K x K Gram then G @ p (the path before ops.kstats) and the fp32 torch ops a user would
+    write (mean = p @ U, U @ mean, rows' squared norms: three reads)."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    if is_cuda():
+        torch.backends.cuda.matmul.allow_tf32 = False
+    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
+        U = torch.randn(K, d, device=DEV)
+        nb = K * d * 4
+        sets = copies_needed(nb)
+        Us = [U] + [torch.randn_like(U) for _ in range(sets - 1)]
+        p = torch.rand(K, dtype=torch.float64)
+        p /= p.sum()
+        ms = time_fns([lambda u=u: ops.kstats(u, p) for u in Us], reps=20)
+        p_dev, p32 = p.to(DEV), p.to(DEV, torch.float32)
+
+        def torch_fp32(u):
+            m = p32 @ u
+            return u @ m, u.square().sum(1), m @ m
+        base = {"gram_then_Gp": time_fns([lambda u=u: ops.gram(u) @ p_dev for u in Us], reps=10),
+                "torch_fp32_three_reads": time_fns([lambda u=u: torch_fp32(u) for u in Us], reps=20)}
+        dot, nsq, nbar, _ = ops.kstats(U, p)
+        same = bool(torch.equal(dot, ops.kstats(U, p)[0]))
+        U64 = U.double()
+        m64 = p_dev @ U64
+        rel = float((dot - U64 @ m64).norm() / (U64 @ m64).norm())
+        del U64, m64
+        record("kstats", f"K={K} d={d} fp32", ms, nbytes=nb, flops=6 * K * d, copy_gbs=copy_gbs, baselines=base,
+               sizes={"K": K, "d": d, "dtype": "float32"},
+               extra={"bitwise_repeatable": same, "rel_err_dot_vs_fp64": rel,
+                      "target": "Kuramoto = kstats + weighted_sum <= 2.5x one read of U"})
+        del U, Us
+        free()
+
+
 # ---- finite_rows ----------------------------------------------------------------------------------
 def bench_finite_rows(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
@@ -433,6 +470,8 @@ def sanitize_subset() -> int:
             close(f"gram {dt} {K}x{d}", ops.gram(Ud), ops.gram(U), 1e-6)
             close(f"gram rows {dt}", ops.gram(Ud, rows=[0, K - 1]), ops.gram(U, rows=[0, K - 1]), 1e-6)
             close(f"finite_rows {dt}", ops.finite_rows(Ud), ops.finite_rows(U), 0)
+            for name, a, b in zip(("dot", "nsq", "nbar", "ok"), ops.kstats(Ud, coef), ops.kstats(U, coef)):
+                close(f"kstats {name} {dt} {K}x{d}", a, b, 1e-9 if name != "ok" else 0)
     for N in (40, 200):   # G in shared memory / in global memory (N > 168 on sm_90)
         G = rn(N, N // 2, dt=torch.float64)
         G = G @ G.T / (N // 2) + torch.eye(N, dtype=torch.float64)
@@ -531,7 +570,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
+                    help="comma list: weighted_sum,gram,kstats,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
                          "(copy always runs)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
     ap.add_argument("--sanitize-subset", action="store_true",
@@ -553,7 +592,7 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
+    known = {"weighted_sum", "gram", "kstats", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -568,6 +607,7 @@ def main(argv=None):
     print(f"{'op':14s} {'case':34s} {'time':>12s} {'achieved':>23s}  speed-ups")
     copy_gbs = bench_copy()
     benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
+               ("kstats", lambda: bench_kstats(copy_gbs)),
                ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
                ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
                ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs)),
