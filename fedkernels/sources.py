@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import itertools
 import mmap
 import os
@@ -746,16 +747,19 @@ def _best(fn: Callable[[], Any], wait: Callable[[], Any] = lambda: None) -> floa
     return best
 
 
-def round_passes(method) -> Tuple[Tuple[str, ...], str]:
-    """(the passes, a label) of ``method``: None (one weighted sum, what a caller naming no method gets), an
-    aggregator (its ``passes()``, labelled by its ``name``) or a sequence of pass names; ValueError naming a
-    pass that is not in PASSES (optionally prefixed HOST)."""
+def round_passes(method, K: Optional[int] = None) -> Tuple[Tuple[str, ...], str]:
+    """(the passes, a label) of ``method`` for a round of ``K`` clients (None: not known): None (one weighted
+    sum, what a caller naming no method gets), an aggregator (its ``passes(K)``, or ``passes()`` where it takes
+    no K, labelled by its ``name``) or a sequence of pass names; ValueError naming a pass that is not in PASSES
+    (optionally prefixed HOST)."""
     if method is None:
         return ("sum",), "one weighted sum"
     if isinstance(method, (list, tuple)):
         passes, label = tuple(method), "passes"
     elif callable(getattr(method, "passes", None)):
-        passes, label = tuple(method.passes()), str(getattr(method, "name", type(method).__name__))
+        takes_k = "K" in inspect.signature(method.passes).parameters
+        passes = tuple(method.passes(K) if takes_k else method.passes())
+        label = str(getattr(method, "name", type(method).__name__))
     else:
         raise TypeError(f"pick_device: method must be an aggregator (with passes()), a sequence of pass names or "
                         f"None, got {type(method).__name__}")
@@ -795,7 +799,6 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
     stay on the host; the GPU's own compute counted as nothing): the faster, the CPU on a tie. Each rate is
     probed once per process. The source itself (a disk, a memmap) is read the same way for both; a bf16/fp16
     matrix is costed by its bytes at the fp32 rates."""
-    passes, label = round_passes(method)
     K, nbytes, where = 16, 10 ** 9, torch.device("cpu")
     if isinstance(data, torch.Tensor):
         K, nbytes, where = (data.size(0) if data.dim() else 1), data.numel() * data.element_size(), data.device
@@ -805,6 +808,7 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
     elif data is not None:
         raise TypeError(f"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, got "
                         f"{type(data).__name__}")
+    passes, label = round_passes(method, K)
     if where.type == "cuda":
         return where, f"{where}: the data is already there"
     if not torch.cuda.is_available():

@@ -264,3 +264,32 @@ def test_aggregate_picks_again_for_its_method(rates):
     torch.testing.assert_close(new, ref, rtol=1e-6, atol=1e-7)
     placed = ChunkedUpdates(_U(), device="auto", method=algorithms.build("kuramoto"))
     assert placed.placement == info["device"]
+
+
+def test_fedaware_passes_follow_its_elud_path_by_k(monkeypatch):
+    """FedAWARE's ELUD screens with the participants' Gram up to ELUD_GRAM_MAX_K of them, above it with a
+    finite_rows read (its sums ride in the momentum pass): the declared passes say so, and a round of more
+    clients on a source reads U exactly as declared."""
+    from fedkernels.algorithms.fedaware.options import ELUD_GRAM_MAX_K
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    big = ELUD_GRAM_MAX_K + 3
+    agg = algorithms.build("fedaware", num_clients=big)
+    assert round_passes(agg, ELUD_GRAM_MAX_K)[0][0] == "gram"
+    assert round_passes(agg, None)[0][0] == "gram"
+    passes, _ = round_passes(agg, big)
+    assert passes[0] == "sum" and "gram" not in passes
+    declared = sum(PASSES[sources._kind(p)][2] for p in passes)
+    n = _u_reads(monkeypatch)
+    U = torch.randn(big, 40, generator=torch.Generator().manual_seed(1)) * 0.1
+    new, info = agg.aggregate(torch.zeros(40), ChunkedUpdates(U, chunk_cols=16, device="auto"),
+                              [1.0 + k for k in range(big)])
+    assert n[0] == declared and torch.isfinite(new).all(), (passes, n[0])
+
+
+def test_a_users_passes_without_k_still_work(monkeypatch):
+    class Mine:
+        name = "mine"
+
+        def passes(self):
+            return ("gram", "sum")
+    assert round_passes(Mine(), 7) == (("gram", "sum"), "mine")

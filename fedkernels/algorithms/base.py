@@ -406,19 +406,20 @@ def _table(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
 
 # What one round of each registered method does with U (K x d) from a source besides the NaN screen, as
 # device="auto" weighs it (Aggregator.passes; the pass names and their costs: fedkernels.sources.PASSES), by
-# registered name, a function of the method's options. A method that refuses a source (no_chunked_source:
-# FedECADO) has none.
-_ROUND_PASSES: Dict[str, Callable[[Any], Tuple[str, ...]]] = {
+# registered name, a function of the method's options and the round's K (None: not known). A method that refuses
+# a source (no_chunked_source: FedECADO) has none.
+_ROUND_PASSES: Dict[str, Callable[[Any, Optional[int]], Tuple[str, ...]]] = {
     **dict.fromkeys(("fedavg", "fedprox", "fednova", "fedpgvc", "gcfed", "local_gc", "global_gc", "local_gc_only"),
-                    lambda a: ("sum",)),
-    "fedavgm": lambda a: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
-    "kuramoto": lambda a: ("sum", "sum"),      # modes P/S: the kstats pass (column-local, like a sum), the sum
+                    lambda a, K: ("sum",)),
+    "fedavgm": lambda a, K: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
+    "kuramoto": lambda a, K: ("sum", "sum"),      # modes P/S: the kstats pass (column-local, like a sum), the sum
     # SCAFFOLD / FedPVR: x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed
-    **dict.fromkeys(("scaffold", "fedpvr"), lambda a: ("sum", "payload") + _table(a.control_device, a.control_file,
-                                                                                  "table", "table_sum")),
-    # FedAWARE: the ELUD Gram (its screen), the extension's base step, then the momenta: U into the K rows of M
-    # (read, written), their Gram against M, the step's sum over M
-    "fedaware": lambda a: (("gram",) if a.log_elud else ()) + (("sum",) if a.extension is not None else ())
+    **dict.fromkeys(("scaffold", "fedpvr"), lambda a, K: ("sum", "payload") + _table(a.control_device, a.control_file,
+                                                                                     "table", "table_sum")),
+    # FedAWARE: ELUD's screening pass (the participants' Gram up to ELUD_GRAM_MAX_K of them, else a finite_rows
+    # read: FedAWARE.elud_passes), the extension's base step, then the momenta: U into the K rows of M (read,
+    # written), their Gram against M, the step's sum over M
+    "fedaware": lambda a, K: a.elud_passes(K) + (("sum",) if a.extension is not None else ())
     + _table(a.momentum_device, a.momentum_file, "sum", "table", "table_gram", "table_sum"),
 }
 
@@ -604,12 +605,13 @@ class Aggregator(abc.ABC):
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
 
-    def passes(self) -> Tuple[str, ...]:
-        """What one round does with U from a source, in order, as ``device="auto"`` weighs it
-        (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``): the NaN screen's own read
-        of U for a method without ``screen_in_pass``, then the method's passes (``_ROUND_PASSES``, by
-        registered name); none for a method that refuses a source. A method defined outside this package
-        overrides this; without it ``device="auto"`` raises ValueError (a given device still works)."""
+    def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        """What one round of ``K`` clients (None: not known) does with U from a source, in order, as
+        ``device="auto"`` weighs it (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``):
+        the NaN screen's own read of U for a method without ``screen_in_pass``, then the method's passes
+        (``_ROUND_PASSES``, by registered name); none for a method that refuses a source. A method defined
+        outside this package overrides this (with or without ``K``); without it ``device="auto"`` raises
+        ValueError (a given device still works)."""
         if self.no_chunked_source is not None:
             return ()
         own = _ROUND_PASSES.get(self.name)
@@ -617,7 +619,7 @@ class Aggregator(abc.ABC):
             raise ValueError(f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
                              "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
                              "ChunkedUpdates(..., device='cpu') or device='cuda'")
-        return (() if self.screen_in_pass else ("sum",)) + own(self)
+        return (() if self.screen_in_pass else ("sum",)) + own(self, K)
 
     def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
                         ) -> Tuple[ChunkedUpdates, UpdatesShape]:

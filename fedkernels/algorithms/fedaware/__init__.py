@@ -103,6 +103,14 @@ class FedAWARE(Aggregator):
         finite_rows scan first). Without it the rows get their own finite_rows scan."""
         return self.log_elud
 
+    def elud_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        """The screening pass that ELUD makes of U, as ``device="auto"`` weighs it (``Aggregator.passes``): the
+        participants' Gram up to ELUD_GRAM_MAX_K of them (or K unknown), else a finite_rows read (the ELUD sums
+        ride in the momentum pass); none without ``elud`` (the base class adds the finite_rows read then)."""
+        if not self.log_elud:
+            return ()
+        return ("gram",) if K is None or K <= ELUD_GRAM_MAX_K else ("sum",)
+
     def setup(self, spec=None, num_clients=None, global_flat=None) -> None:
         n = self.num_clients if num_clients is None else check_num_clients(num_clients)
         if self.M is not None and n != self.M.size(0):
