@@ -486,8 +486,8 @@ class _Ops(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_elud_above_gram_max_k_from_sums_matches_float64(monkeypatch, dtype):
-    """k > ELUD_GRAM_MAX_K: ELUD from sum_i ||g_i||^2 and ||sum_i g_i||^2 (fp64, in the momentum pass's blocks,
-    converted a few columns at a time), no Gram of U: fp64-accurate against the float64 formula on a round of
+    """k > ELUD_GRAM_MAX_K: ELUD from sum_i ||g_i||^2 and ||sum_i g_i||^2 (fp64, ops.kstats in the momentum
+    pass's blocks), no Gram of U: fp64-accurate against the float64 formula on a round of
     high diversity (rows nearly cancel), and equal to the Gram path's value to rounding."""
     from fedkernels.algorithms import fedaware
     from fedkernels.algorithms.fedaware import options
@@ -497,12 +497,12 @@ def test_elud_above_gram_max_k_from_sums_matches_float64(monkeypatch, dtype):
     U64 = U.double()
     want = float(U64.pow(2).sum(1).mean() / U64.mean(0).pow(2).sum())
     assert want > 20
-    monkeypatch.setattr(options, "ELUD_BLOCK", 7 * K)           # sub-blocks of 7 columns (301 = 43 x 7)
     x = torch.zeros(d, dtype=dtype)
     a = mk(num_clients=K, warmup="startup_full")
     with _Ops(U) as o:
         r = a.aggregate(x, U, [1] * K)
-    assert "fedkernels.gram" not in o.on_U and o.on_U == ["fedkernels.finite_rows"], o.on_U
+    # the screen, then the sums from ops.kstats (p = 1) on the momentum pass's block: no Gram of U
+    assert "fedkernels.gram" not in o.on_U and o.on_U == ["fedkernels.finite_rows", "fedkernels.kstats"], o.on_U
     assert abs(r.info["elud"] / want - 1) < 1e-13 and abs(r.info["elud_sqrt"] ** 2 / want - 1) < 1e-13
     monkeypatch.setattr(fedaware, "ELUD_GRAM_MAX_K", K)         # the Gram path on the same round
     b = mk(num_clients=K, warmup="startup_full")

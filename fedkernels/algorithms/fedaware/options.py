@@ -39,12 +39,12 @@ which ``load_state_dict`` refuses. Undoing the rows would need a copy of them (k
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from ... import ops
 from ...ops._checks import has_kernel
-from ...ops.reductions import shard_sum
 from ...sources import weighted_sum_block
 from ..parts import check_choice
 
@@ -120,12 +120,12 @@ def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.
 # ---- statistics ------------------------------------------------------------------------------------
 # ELUD = mean_i ||g_i||^2 / ||mean_i g_i||^2 = k sum_i ||g_i||^2 / ||sum_i g_i||^2 needs two sums, O(kd). Up to
 # ELUD_GRAM_MAX_K participants they come from the k x k Gram of U (trace and sum of G): that pass screens the
-# rows too. Above it the Gram's O(k^2 d) costs more than a finite_rows screen plus the two sums in the
-# momentum update's blocks (EludSums; the fp32 -> fp64 conversion is most of their cost). 1 thread, 2-core box
-# under load (min of runs, Gram path vs screen + sums): K = 16, d = 1e7 fp32 219 vs 414 ms; K = 32, d = 1e6
-# 62 vs 84 ms; K = 48 118 vs 107; K = 64 143 vs 150; K = 128, d = 1e5 39 vs 20; K = 1000, d = 76 1.8-2.5 vs 0.09.
+# rows too. Above it the Gram's O(k^2 d) costs more than a finite_rows screen plus the two sums, which
+# ops.kstats gives (with p = 1: nsq_i = ||g_i||^2, nbar = ||sum_i g_i||^2) from the momentum update's blocks
+# (EludSums). 1 thread, 2-core box under load (min of runs, Gram path vs screen + the sums, then computed in
+# Python): K = 16, d = 1e7 fp32 219 vs 414 ms; K = 32, d = 1e6 62 vs 84 ms; K = 48 118 vs 107; K = 64 143 vs
+# 150; K = 128, d = 1e5 39 vs 20; K = 1000, d = 76 1.8-2.5 vs 0.09.
 ELUD_GRAM_MAX_K = 32
-ELUD_BLOCK = 1 << 16     # elements of U converted to fp64 at a time (512 KB): no k x d fp64 temporary
 
 
 def elud_ratio(sq_rows: float, sq_sum: float, k: int):
@@ -145,27 +145,22 @@ def elud(G_S: torch.Tensor):
 
 class EludSums:
     """ELUD's two sums accumulated in fp64 over column blocks of the k participants' updates (the
-    momentum pass's blocks): sum_i ||g_i||^2 = ||U||_F^2 and ||sum_i g_i||^2 = sum_j (sum_i U_ij)^2, both
-    additive over columns (summed across ranks in sharded mode). Each block is converted ELUD_BLOCK
-    elements at a time: exact products, fp64 sums, no k x d temporary."""
+    momentum pass's blocks): sum_i ||g_i||^2 and ||sum_i g_i||^2, from ``ops.kstats(block, p = 1)`` (its
+    nsq and nbar: one native fp64 pass, no temporary; summed across ranks by the op in sharded mode),
+    added over the blocks in column order."""
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self.parts: list = []          # per sub-block [sum_i ||g_i||^2, ||sum_i g_i||^2] (0-d fp64 tensors)
+        self.ones = torch.ones(k, dtype=torch.float64)
+        self.acc: Optional[torch.Tensor] = None     # [sum_i ||g_i||^2, ||sum_i g_i||^2] on the blocks' device
 
     def add(self, Ub: torch.Tensor) -> None:
-        step = max(1, ELUD_BLOCK // max(1, Ub.size(0)))
-        for a in range(0, Ub.size(1), step):
-            u = Ub[:, a:a + step].to(torch.float64)
-            c = u.sum(0)
-            u = u.reshape(-1)
-            self.parts += [torch.dot(u, u), torch.dot(c, c)]
-            if len(self.parts) >= 1024:                       # (bounded: folded in order)
-                self.parts = list(torch.stack(self.parts).view(-1, 2).sum(0).unbind())
+        _, nsq, nbar, _ = ops.kstats(Ub, self.ones)
+        part = torch.stack([nsq.sum(), nbar])
+        self.acc = part if self.acc is None else self.acc.add_(part)
 
     def result(self):
-        if not self.parts:
+        if self.acc is None:
             return None, None
-        acc = torch.stack(self.parts).view(-1, 2).sum(0)     # (in block order)
-        sq_rows, sq_sum = shard_sum(acc).tolist()            # (one device-to-host copy)
+        sq_rows, sq_sum = self.acc.tolist()                  # (one device-to-host copy)
         return elud_ratio(sq_rows, sq_sum, self.k)
