@@ -15,7 +15,7 @@ TEST_DEPS := pytest hypothesis expecttest scipy mypy build mlxtend==0.25.0
 # the Flower adapter's tests (fedkernels[flower]); the [simulation] extra (Ray) lets tests/test_flower.py
 # also run the Message-API strategy under Flower's simulation runtime. Optional: skipped when it cannot install
 FLOWER  := flwr[simulation]==1.41.0
-SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 PYTEST_ARGS ?= -q
 
 # one step at a time (two pip runs in one venv at once would race)
