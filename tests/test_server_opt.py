@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fedkernels import algorithms, ops, reference as ref
+from fuzz_oracle import server_opt_expected   # tests/fuzz_oracle.py: the recomputation and its bound
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
 
@@ -37,24 +38,19 @@ def _inputs(d, dt, sdt, device="cpu", seed=0):
     return [t.to(device) for t in (x, g, m, v)]
 
 
-def _tol_step(want, x, sdt, dt):
-    """|got - want| bound of the new model: the step's roundings in the state's precision (m', v', sqrt,
-    the + tau, the product and the quotient: under 12 eps of |step| in all), the add to x and the
-    rounding to the model's dtype."""
-    x64 = x.to(torch.float64)
-    step = (want - x64).abs()
-    return 12 * torch.finfo(sdt).eps * step + 2 * torch.finfo(sdt).eps * x64.abs() \
-        + torch.finfo(dt).eps * want.abs() + torch.finfo(dt).tiny
-
-
 def _check(io, m, v, x, g, m0, v0, rule, lr, sdt, dt, **kw):
-    want, wm, wv = ref.server_opt_step(g, m0, v0, x, rule=rule, lr=lr, **kw)
-    e = torch.finfo(sdt).eps
+    """io, m, v against the float64 recomputation within the bound derived from the kernel's arithmetic
+    (fuzz_oracle.server_opt_expected: the roundings of m', v', sqrt, + tau, the quotient, the add)."""
+    want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(x.cpu(), g.cpu(), m0.cpu(), v0.cpu(), rule, lr,
+                                                               kw["beta_1"], kw["beta_2"], kw["tau"], sdt, dt)
     assert m.dtype == sdt and v.dtype == sdt and io.dtype == dt
-    assert torch.all((m.cpu().double() - wm.cpu()).abs() <= 3 * e * (wm.cpu().abs() + m0.cpu().double().abs()) + 1e-300)
-    assert torch.all((v.cpu().double() - wv.cpu()).abs() <= 3 * e * (wv.cpu().abs() + v0.cpu().double().abs()) + 1e-300)
-    tol = _tol_step(want.cpu(), x.cpu(), sdt, dt)
-    assert torch.all((io.cpu().double() - want.cpu()).abs() <= tol), (io, want)
+    assert not bool(may.any())                         # these inputs stay in range: every coordinate is checked
+    assert torch.all((m.cpu().double() - wm).abs() <= tol_m)
+    assert torch.all((v.cpu().double() - wv).abs() <= tol_v)
+    assert torch.all((io.cpu().double() - want).abs() <= tol), (io, want)
+    # the reference op (Flower's order of operations, float64) agrees with the recomputation
+    r_new, r_m, r_v = ref.server_opt_step(g.cpu().to(sdt), m0.cpu(), v0.cpu(), x.cpu(), rule=rule, lr=lr, **kw)
+    assert torch.allclose(r_new, want, rtol=1e-14, atol=1e-300) and torch.allclose(r_m, wm, rtol=1e-14, atol=0)
 
 
 # ---- the op -------------------------------------------------------------------------------------------
@@ -241,19 +237,26 @@ def test_method_matches_float64_reference_over_5_rounds(name, rule, opts, refopt
     assert agg.t == 5 and agg.m.dtype == torch.float64 and agg.v.shape == (501,)
 
 
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
 def test_method_narrow_model_keeps_float32_state(dt):
+    """A narrow model: float32 state, and every round is the weighted mean in the model's dtype (the same
+    weighted_sum op, bit for bit) followed by the step within its derived bound from the state before it."""
     x, Us, ns = _rounds(dt=dt, R=3)
-    agg = algorithms.build("fedadam")
+    agg = algorithms.build("fedadam", tau=1e-3)
     g = x
-    for U, n in zip(Us, ns):
-        g, _ = agg.aggregate(g, U, n)
-    assert g.dtype == dt and agg.m.dtype == torch.float32 and agg.v.dtype == torch.float32
-    want = _ref_rounds("adam", x, Us, ns, eta=0.1, beta_1=0.9, beta_2=0.99, tau=1e-9, correction="flower")
-    # each round's step is at most eta_t * (1 - beta_1) / sqrt(1 - beta_2) / (1 - beta_1^t) ~ 1 in size; the
-    # float32/bf16 pseudo-gradient changes a step by its relative rounding: bounded by 3 steps' eps(dt)
-    # and the final rounding of the model
-    assert torch.allclose(g.double(), want, rtol=torch.finfo(dt).eps, atol=6 * torch.finfo(dt).eps)
+    for r, (U, n) in enumerate(zip(Us, ns)):
+        m0 = agg.m.clone() if agg.m is not None else torch.zeros(x.numel())
+        v0 = agg.v.clone() if agg.v is not None else torch.zeros(x.numel())
+        p = torch.tensor(n, dtype=torch.float64) / sum(n)
+        delta = ops.weighted_sum(U, p)
+        new, info = agg.aggregate(g, U, n)
+        assert new.dtype == dt and agg.m.dtype == torch.float32 and agg.v.dtype == torch.float32
+        want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(g, delta, m0, v0, "adam", info["eta_t"], 0.9,
+                                                                   0.99, 1e-3, torch.float32, dt)
+        assert not bool(may.any())
+        assert torch.all((new.double() - want).abs() <= tol)
+        assert torch.all((agg.m.double() - wm).abs() <= tol_m) and torch.all((agg.v.double() - wv).abs() <= tol_v)
+        g = new
 
 
 def test_server_lr_scales_the_step():

@@ -59,6 +59,6 @@ __all__ = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_scre
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
-           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_", "SERVER_OPT_RULES",
+           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_",
            "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer"]

@@ -67,6 +67,8 @@ OPTION_RANGES: Dict[str, Dict[str, str]] = {
                  "T_bar": "> 0"},
     "FedPGVC": {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"},
     "GCFed": {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"},
+    "_FedOpt": {"eta": "> 0", "eta_l": "> 0", "beta_1": "[0, 1)", "beta_2": "[0, 1)", "tau": "> 0",
+                "initial_v": ">= 0"},   # FedAdam / FedYogi / FedAdagrad (algorithms/server_opt.py)
 }
 
 
