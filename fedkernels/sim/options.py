@@ -26,6 +26,7 @@ from ..algorithms.signature import _hints  # noqa: F401
 from ..algorithms.signature import describe, normalize_value, signature_params
 from ..algorithms.signature import expected as _expected, fmt_value as _fmt_value, matches as _matches
 from ..algorithms.signature import is_float_text, is_real
+from ..algorithms.wrappers import WRAPPERS, wrapper_options
 from .config import _suggest, in_range, range_words
 
 
@@ -91,7 +92,7 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
         return
     if not isinstance(options, Mapping):
         raise ValueError(f"{_key(where)}={options!r}: expected a mapping of option names to values")
-    params = signature_params(cls)
+    params = {**signature_params(cls), **wrapper_options()}     # a method's options, and the wrappers' (norm_bound)
     for key, val in options.items():
         if key not in params:
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: unknown option of {name}; "
@@ -102,14 +103,14 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
             continue
         if not _matches(val, exp):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects {_describe(exp)}")
-        spec = option_range(cls, key)
+        spec = WRAPPERS[key].option_range if key in WRAPPERS else option_range(cls, key)
         if spec is not None and (is_real(val) or is_float_text(val)) and not in_range(float(val), spec):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects a number {range_words(spec)}")
 
 
 def normalize_options(name: str, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """``options`` with number text for float parameters (``'1e-3'``) converted to float."""
-    params = signature_params(algorithm_class(name))
+    params = {**signature_params(algorithm_class(name)), **wrapper_options()}
     return {k: normalize_value(v, _expected(*params[k])) if k in params else v for k, v in (options or {}).items()}
 
 
