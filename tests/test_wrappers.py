@@ -312,3 +312,25 @@ def test_cli_reaches_norm_bound(tmp_path):
                        text=True, timeout=300)
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "algorithm.options.norm_bound=-1" in lines[0], p.stderr
+
+
+def test_every_method_declares_its_passes_and_ranges_beside_itself():
+    """Passes: a declaration counts for its own class's update (a subclass with another _aggregate and no
+    declaration of its own cannot be costed). Ranges: each method class's option_ranges, read by the
+    simulator's checks along the MRO."""
+    from fedkernels.algorithms.fedavg import FedAvg
+    from fedkernels.sim.options import option_range
+
+    class Mine(FedAvg):
+        name = "mine"
+
+        def _aggregate(self, rin):
+            return super()._aggregate(rin)
+    assert FedAvg().passes() == ("sum",)
+    with pytest.raises(ValueError, match="mine: device='auto' cannot cost this method"):
+        Mine().passes()
+    from fedkernels.algorithms.fedecado import FedECADO
+    from fedkernels.algorithms.gcfed import LocalGC
+    assert option_range(LocalGC, "lam") == "[0, 1]" and option_range(LocalGC, "server_lr") == "> 0"
+    assert option_range(FedECADO, "T_bar") == "> 0" and option_range(FedAvg, "weighting") is None
+    assert option_range(NormBound, "norm_bound") == "> 0"

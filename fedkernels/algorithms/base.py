@@ -502,30 +502,11 @@ class _Redo(Exception):
         self.rin = rin
 
 
-def _table(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
-    """A per-client table's passes, prefixed HOST when the table stays in host memory or a file."""
+def table_passes(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
+    """A per-client table's passes (``Aggregator.update_passes``), prefixed HOST when the table stays in host
+    memory or a file."""
     on_host = path is not None or (device is not None and torch.device(device).type == "cpu")
     return tuple(HOST + p for p in passes) if on_host else passes
-
-
-# What one round of each registered method does with U (K x d) from a source besides the NaN screen, as
-# device="auto" weighs it (Aggregator.passes; the pass names and their costs: fedkernels.sources.PASSES), by
-# registered name, a function of the method's options and the round's K (None: not known). A method that refuses
-# a source (no_chunked_source: FedECADO) has none.
-_ROUND_PASSES: Dict[str, Callable[[Any, Optional[int]], Tuple[str, ...]]] = {
-    **dict.fromkeys(("fedavg", "fedprox", "fednova", "fedpgvc", "gcfed", "local_gc", "global_gc", "local_gc_only"),
-                    lambda a, K: ("sum",)),
-    "fedavgm": lambda a, K: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
-    "kuramoto": lambda a, K: ("sum", "sum"),      # modes P/S: the kstats pass (column-local, like a sum), the sum
-    # SCAFFOLD / FedPVR: x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed
-    **dict.fromkeys(("scaffold", "fedpvr"), lambda a, K: ("sum", "payload") + _table(a.control_device, a.control_file,
-                                                                                     "table", "table_sum")),
-    # FedAWARE: ELUD's screening pass (the participants' Gram up to ELUD_GRAM_MAX_K of them, else a finite_rows
-    # read: FedAWARE.elud_passes), the extension's base step, then the momenta: U into the K rows of M (read,
-    # written), their Gram against M, the step's sum over M
-    "fedaware": lambda a, K: a.elud_passes(K) + (("sum",) if a.extension is not None else ())
-    + _table(a.momentum_device, a.momentum_file, "sum", "table", "table_gram", "table_sum"),
-}
 
 
 class Aggregator(abc.ABC):
@@ -536,6 +517,10 @@ class Aggregator(abc.ABC):
     # True for methods whose first read of U is RoundInput.weighted_sum, gram or kstats, before
     # any change of state: that pass also screens the rows (no separate finite_rows read of U).
     screen_in_pass = False
+
+    # the ranges of numeric options that the constructor does not check itself, for the simulator's checks
+    # before a run (fedkernels.sim.options; "> a", ">= a", "[a, b)" as config.RANGES): merged along the MRO
+    option_ranges: Dict[str, str] = {"server_lr": "> 0"}
 
     def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
         # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
@@ -717,21 +702,32 @@ class Aggregator(abc.ABC):
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
 
+    def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
+        """What this method's update (``_aggregate``) does with U from a source besides the NaN screen, in
+        order, for a round of ``K`` clients (None: not known), as ``device="auto"`` weighs it (the pass names
+        and their costs: ``fedkernels.sources.PASSES``; a per-client table's: :func:`table_passes`). Each
+        method declares it beside its ``_aggregate``; None: not declared."""
+        return None
+
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         """What one round of ``K`` clients (None: not known) does with U from a source, in order, as
         ``device="auto"`` weighs it (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``):
-        the NaN screen's own read of U for a method without ``screen_in_pass``, then the method's passes
-        (``_ROUND_PASSES``, by registered name); none for a method that refuses a source. A method defined
-        outside this package overrides this (with or without ``K``); without it ``device="auto"`` raises
-        ValueError (a given device still works)."""
+        the NaN screen's own read of U for a method without ``screen_in_pass``, then :meth:`update_passes`
+        (a declaration counts for the ``_aggregate`` of its own class or a base: a subclass with its own
+        update declares its own); none for a method that refuses a source. A method defined outside this
+        package declares ``update_passes`` or overrides this (with or without ``K``); without either
+        ``device="auto"`` raises ValueError (a given device still works)."""
         if self.no_chunked_source is not None:
             return ()
-        own = _ROUND_PASSES.get(self.name)
+        mro = type(self).__mro__
+        update = next(k for k in mro if "_aggregate" in vars(k))
+        declared = next(k for k in mro if "update_passes" in vars(k))
+        own = self.update_passes(K) if declared is not Aggregator and issubclass(declared, update) else None
         if own is None:
             raise ValueError(f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
                              "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
                              "ChunkedUpdates(..., device='cpu') or device='cuda'")
-        return (() if self.screen_in_pass else ("sum",)) + own(self, K)
+        return (() if self.screen_in_pass else ("sum",)) + tuple(own)
 
     def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
                         ) -> Tuple[ChunkedUpdates, UpdatesShape]:

@@ -55,7 +55,6 @@ class MethodWrapper(Aggregator):
     option = ""                      # the build / wrap keyword (registered wrappers)
     annotation: Any = Optional[float]
     default: Any = None
-    option_range: Optional[str] = None   # its numeric range for the simulator's checks ("> 0", "[0, 1)")
 
     def __new__(cls, *args: Any, **options: Any) -> "MethodWrapper":
         return object.__new__(cls)   # (no method options to check: the inner method's were)
@@ -166,7 +165,7 @@ class NormBound(MethodWrapper):
     ``info["norm_clipped"]``: how many updates were clipped this round."""
 
     option = "norm_bound"
-    option_range = "> 0"
+    option_ranges = {"norm_bound": "> 0"}
     screen_in_pass = True            # the norms' kstats pass screens the rows, before any state changes
 
     def __init__(self, inner: Aggregator, norm_bound: float) -> None:

@@ -57,24 +57,11 @@ def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
     return reg[key]
 
 
-# The ranges of the numeric options that the aggregators' constructors do not check themselves (the
-# others are checked there, when check_algorithm builds the aggregator once), by the class that
-# declares the option (looked up through the MRO: subclasses share it); "> a", "[a, b)" as config.RANGES.
-OPTION_RANGES: Dict[str, Dict[str, str]] = {
-    "Aggregator": {"server_lr": "> 0"},
-    "ControlVariateServer": {"num_clients": ">= 1"},
-    "FedAWARE": {"max_iter": ">= 1"},
-    "FedECADO": {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1",
-                 "T_bar": "> 0"},
-    "FedPGVC": {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"},
-    "GCFed": {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"},
-}
-
-
 def option_range(cls: type, key: str) -> Optional[str]:
-    """The range of numeric option ``key`` of aggregator class ``cls`` (None: not range-checked here)."""
+    """The range of numeric option ``key`` of aggregator class ``cls`` (None: not range-checked here): what
+    the class, or the nearest base that declares it, says in ``option_ranges`` (``Aggregator.option_ranges``)."""
     for klass in cls.__mro__:
-        spec = OPTION_RANGES.get(klass.__name__, {}).get(key)
+        spec = vars(klass).get("option_ranges", {}).get(key)
         if spec is not None:
             return spec
     return None
@@ -103,7 +90,7 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
             continue
         if not _matches(val, exp):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects {_describe(exp)}")
-        spec = WRAPPERS[key].option_range if key in WRAPPERS else option_range(cls, key)
+        spec = option_range(WRAPPERS.get(key, cls), key)
         if spec is not None and (is_real(val) or is_float_text(val)) and not in_range(float(val), spec):
             raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: {name} expects a number {range_words(spec)}")
 
