@@ -163,7 +163,11 @@ class _FedOpt(FedAvg):
             raise ValueError(f"{self.name}: eta_l must be > 0, got {eta_l}")
         self.opt = ServerOptimizer(self.rule, eta, beta_1, beta_2, tau, bias_correction, initial_v, owner=self.name)
 
-    def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+    # (the simulator's range checks before a run; the constructor checks them too)
+    option_ranges = {"eta": "> 0", "eta_l": "> 0", "beta_1": "[0, 1)", "beta_2": "[0, 1)", "tau": "> 0",
+                     "initial_v": ">= 0"}
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         return ("sum",)          # the screened weighted_sum over U; the step is a pass over d only
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
