@@ -376,44 +376,129 @@ def test_the_part_composes_after_another_aggregate():
     assert torch.allclose(g, h, rtol=0, atol=1e-12)
 
 
+# ---- the optimiser around any method (the wrapper seam: server_opt=) ------------------------------------------
+@pytest.mark.parametrize("rule,method", [("adam", "fedadam"), ("yogi", "fedyogi"), ("adagrad", "fedadagrad")])
+def test_server_opt_around_fedavg_is_the_method(rule, method):
+    """fedavg + server_opt=rule: the pseudo-gradient is new - x with new = x + delta (float64: the
+    difference is delta to ~1e-16 of |x|), so the models stay within 1e-12 of the method's over 5 rounds."""
+    x, Us, ns = _rounds()
+    a, b = algorithms.build("fedavg", server_opt=rule), algorithms.build(method)
+    ga, gb = x, x
+    for U, n in zip(Us, ns):
+        ga, info = a.aggregate(ga, U, n)
+        gb, _ = b.aggregate(gb, U, n)
+        assert info["server_opt"]["rule"] == rule
+    assert torch.allclose(ga, gb, rtol=0, atol=1e-12)
+    assert a.t == 5 and torch.allclose(a.v, b.v, rtol=1e-9, atol=0)
+
+
+def test_server_opt_mapping_overrides_the_defaults_and_resumes_bitwise():
+    x, Us, ns = _rounds(dt=torch.float32, R=4)
+    opts = dict(mode="S", server_opt={"rule": "yogi", "eta": 0.02, "tau": 1e-4, "bias_correction": "adam"})
+    full = algorithms.build("kuramoto", **opts)
+    g = x
+    for U, n in zip(Us, ns):
+        g, info = full.aggregate(g, U, n)
+    assert full.opt.eta == 0.02 and full.opt.tau == 1e-4 and full.opt.bias_correction == "adam"
+    first = algorithms.build("kuramoto", **opts)
+    h = x
+    for U, n in zip(Us[:2], ns[:2]):
+        h, _ = first.aggregate(h, U, n)
+    st = first.state_dict()
+    assert st["t"] == 2 and "inner" in st and st["m"].shape == (501,)
+    again = algorithms.build("kuramoto", **opts)
+    again.load_state_dict(st)
+    for U, n in zip(Us[2:], ns[2:]):
+        h, _ = again.aggregate(h, U, n)
+    assert torch.equal(g, h) and again.round == 4
+
+
+def test_server_opt_after_norm_bound_clips_first():
+    """norm_bound (inner) then server_opt: fedadam on the explicitly clipped rows (float64: the scaled
+    rows differ by fp64 rounding, which the step carries through at the 1e-12 level)."""
+    x, Us, ns = _rounds(R=3)
+    M = 0.5
+    a = algorithms.build("fedavg", norm_bound=M, server_opt="adam")
+    b = algorithms.build("fedadam")
+    ga, gb = x, x
+    for U, n in zip(Us, ns):
+        norms = U.norm(dim=1, keepdim=True)
+        Uc = U * torch.where(norms > M, M / norms, torch.ones_like(norms))
+        ga, info = a.aggregate(ga, U, n)
+        gb, _ = b.aggregate(gb, Uc, n)
+        assert info["norm_clipped"] > 0
+    assert torch.allclose(ga, gb, rtol=0, atol=1e-12)
+
+
+def test_server_opt_leaves_the_methods_own_result_alone_and_screens_first():
+    x, Us, ns = _rounds(R=1, dt=torch.float32)
+    U = Us[0].clone()
+    U[1, 3] = float("nan")
+    agg = algorithms.build("fedavgm", server_opt="adagrad")
+    with pytest.raises(algorithms.BadUpdateError, match="row 1"):
+        agg.aggregate(x, U, ns[0])
+    assert agg.t == 0 and agg.m is None                       # the policy acted before the step
+    keep = algorithms.build("fedavgm", server_opt="adagrad", on_bad_update="exclude")
+    new, info = keep.aggregate(x, U, ns[0])
+    assert [e["client_id"] for e in info["excluded"]] == [1] and keep.t == 1
+    assert not torch.equal(keep.momentum, new)                # the inner method's state is not the result
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("sgd", "server_opt rule 'sgd': expected one of"),
+    ({"eta": 0.1}, "server_opt rule None: expected one of"),
+    ({"rule": "adam", "momentum": 0.9}, "server_opt option 'momentum' is not one of"),
+    ({"rule": "adagrad", "beta_2": 0.9}, "server_opt option 'beta_2' is not one of"),
+    ({"rule": "adam", "eta": -1.0}, r"fedavg \(server_opt\): eta must be > 0"),
+    (3, "option server_opt=3: expected a string or a mapping"),
+])
+def test_server_opt_bad_values_are_one_line(spec, match):
+    with pytest.raises(ValueError, match=match) as e:
+        algorithms.build("fedavg", server_opt=spec)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_reaches_server_opt(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "rounds=2", "plots=false", "threads=1",
+            "--no-progress", "--quiet"]
+    p = subprocess.run(base + ["algorithm.options.server_opt=yogi"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    run_dir = json.loads(p.stdout.strip().splitlines()[-1])["run_dir"]
+    with open(tmp_path / run_dir / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["agg"]["server_opt"]["t"] for r in rows] == [1, 2]
+    p = subprocess.run(base + ["algorithm.name=fedadam", "algorithm.options.beta_1=1.5"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "algorithm.options.beta_1=1.5" in lines[0], p.stderr
+
+
 # ---- against Flower's strategies --------------------------------------------------------------------------
-flwr = pytest.importorskip("flwr")
-from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays  # noqa: E402
-from flwr.server.client_proxy import ClientProxy  # noqa: E402
-from flwr.server.strategy import FedAdagrad as FlAdagrad, FedAdam as FlAdam, FedYogi as FlYogi  # noqa: E402
-
 SHAPES = [(6, 3, 3, 3), (6,), (10, 54), (10,), (1,)]
-
-
-class _Proxy(ClientProxy):
-    def get_properties(self, ins, timeout, group_id):
-        raise RuntimeError("not used")
-
-    def get_parameters(self, ins, timeout, group_id):
-        raise RuntimeError("not used")
-
-    def fit(self, ins, timeout, group_id):
-        raise RuntimeError("not used")
-
-    def evaluate(self, ins, timeout, group_id):
-        raise RuntimeError("not used")
-
-    def reconnect(self, ins, timeout, group_id):
-        raise RuntimeError("not used")
-
-
-FLOWER = [("fedadam", FlAdam, {}), ("fedadam", FlAdam, dict(eta=0.03, beta_1=0.8, beta_2=0.95, tau=1e-4)),
-          ("fedyogi", FlYogi, {}), ("fedyogi", FlYogi, dict(eta=0.05, beta_1=0.5, beta_2=0.9, tau=1e-6)),
-          ("fedadagrad", FlAdagrad, {}), ("fedadagrad", FlAdagrad, dict(eta=0.2, tau=1e-5))]
+FLOWER = [("fedadam", "FedAdam", {}), ("fedadam", "FedAdam", dict(eta=0.03, beta_1=0.8, beta_2=0.95, tau=1e-4)),
+          ("fedyogi", "FedYogi", {}), ("fedyogi", "FedYogi", dict(eta=0.05, beta_1=0.5, beta_2=0.9, tau=1e-6)),
+          ("fedadagrad", "FedAdagrad", {}), ("fedadagrad", "FedAdagrad", dict(eta=0.2, tau=1e-5))]
 
 
 @pytest.mark.parametrize("name,cls,opts", FLOWER)
 def test_models_match_flower_over_5_rounds(name, cls, opts):
     """Flower's aggregate_fit on FitRes of float64 ndarrays (the clients' full models, as Flower's own
     tests build them) against the method on the same updates: the models agree to 1e-6 every round."""
+    pytest.importorskip("flwr")
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server import strategy
+    from test_flower import Proxy          # tests/test_flower.py: a ClientProxy that is never called
+
     rng = np.random.default_rng(11)
     glob = [rng.standard_normal(s) for s in SHAPES]
-    fl = cls(initial_parameters=ndarrays_to_parameters(glob), **opts)
+    fl = getattr(strategy, cls)(initial_parameters=ndarrays_to_parameters(glob), **opts)
     agg = algorithms.build(name, **opts)
     x = torch.cat([torch.from_numpy(a).reshape(-1) for a in glob])
     for rnd in range(1, 6):
@@ -423,7 +508,7 @@ def test_models_match_flower_over_5_rounds(name, cls, opts):
         for k in range(4 + rnd):
             w = [a + 0.05 * rng.standard_normal(a.shape) + 0.01 * rnd for a in cur]
             nk = int(rng.integers(5, 60))
-            res.append((_Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(w), nk, {})))
+            res.append((Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(w), nk, {})))
             U.append(torch.cat([torch.from_numpy(a).reshape(-1) for a in w]) - x)
             n.append(nk)
         params, _ = fl.aggregate_fit(rnd, res, [])

@@ -24,6 +24,10 @@ outside the square root. ``eta_l`` (the client learning rate) is recorded, not u
 local training takes its own learning rate (the simulator's ``train.lr``). The common option
 ``server_lr`` (default 1.0) multiplies eta_t.
 
+Composition: ``server_opt`` is a wrapper option of every method (``fedkernels.algorithms.wrappers``):
+``algorithms.build("trimmed_mean", server_opt="adam")`` (or ``{"rule": "adam", "eta": 0.01, ...}``) runs
+the method's update, then one step of the optimiser on its pseudo-gradient ``new - x`` (see ``ServerOpt``).
+
 The pseudo-gradient comes from one screened ``weighted_sum`` pass over U (a [d] vector in the
 model's dtype, the only temporary), then ``ops.server_opt_step_`` updates m, v and the model in one
 fused pass over d, in place in that vector (which becomes the new model). State: m and v ([d],
@@ -37,8 +41,10 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 
 from .. import ops
-from .base import AggResult, RoundInput, info_values, register
+from .base import AggResult, Aggregator, RoundInput, info_values, register
 from .fedavg import FedAvg
+from .signature import signature_params
+from .wrappers import MethodWrapper, register_wrapper
 
 BIAS_CORRECTIONS = ("flower", "adam", "none")
 
@@ -229,3 +235,69 @@ class FedAdagrad(_FedOpt):
                  initial_v: float = 0.0, **kw: Any):
         super().__init__(**kw)
         self._setup_opt(eta, eta_l, beta_1, 0.0, tau, False, initial_v)
+
+
+# ---- the optimiser around any method (the wrapper seam) -------------------------------------------------
+_RULE_METHOD = {"adam": FedAdam, "yogi": FedYogi, "adagrad": FedAdagrad}
+_PART_OPTIONS = ("eta", "beta_1", "beta_2", "tau", "bias_correction", "initial_v")
+
+
+def server_opt_options(spec: Any, owner: str) -> Dict[str, Any]:
+    """The ServerOptimizer arguments of a ``server_opt`` value: a rule name ("adam", "yogi", "adagrad";
+    the ``fed``-prefixed method names too) with Flower's defaults for that strategy (the defaults of
+    fedadam / fedyogi / fedadagrad), or a mapping ``{"rule": ..., "eta": ..., ...}`` overriding them.
+    ValueError (one line) for an unknown rule or key."""
+    given: Dict[str, Any] = {}
+    if isinstance(spec, str):
+        rule = spec
+    elif isinstance(spec, dict) or hasattr(spec, "items"):
+        given = dict(spec.items())
+        rule = given.pop("rule", None)
+    else:
+        raise ValueError(f"{owner}: server_opt={spec!r}: expected a rule name ('adam', 'yogi', 'adagrad') or a "
+                         "mapping {'rule': ..., 'eta': ..., ...}")
+    rule = rule[3:] if isinstance(rule, str) and rule.startswith("fed") else rule
+    if rule not in _RULE_METHOD:
+        raise ValueError(f"{owner}: server_opt rule {rule!r}: expected one of {tuple(_RULE_METHOD)}")
+    params = signature_params(_RULE_METHOD[rule])
+    allowed = [k for k in _PART_OPTIONS if k in params]
+    for key in given:
+        if key not in allowed:
+            raise ValueError(f"{owner}: server_opt option {key!r} is not one of {allowed} (rule {rule!r})")
+    opts = {k: params[k][1] for k in allowed}
+    opts.update(given)
+    opts.setdefault("beta_2", 0.0)
+    opts.setdefault("bias_correction", False)
+    return {"rule": rule, **opts}
+
+
+@register_wrapper
+class ServerOpt(MethodWrapper):
+    """An adaptive server optimiser after any method's update (``server_opt=``): the method's new model
+    ``new`` gives the pseudo-gradient ``new - x``, and one ``ServerOptimizer`` step (FedAdam / FedYogi /
+    FedAdagrad's, Flower's defaults per rule unless given) makes the round's model, in one fused pass
+    over d (``ops.server_opt_step_`` with ``from_model``) on a copy of ``new``. E.g. a trimmed mean followed by
+    an Adam step: ``build("trimmed_mean", beta=0.1, server_opt="adam")``. The round's screen and bad-row
+    policy are the method's (the step runs after them). State: m, v, t (``state_dict`` beside the
+    method's, under ``"inner"``). ``info["server_opt"]``: the rule, eta_t and t."""
+
+    option = "server_opt"
+    annotation = Optional[Union[str, Dict[str, Any]]]
+    default = None
+    state_attrs = ("m", "v", "t")
+    m = opt_attr("m")
+    v = opt_attr("v")
+    t = opt_attr("t")
+
+    def __init__(self, inner: Aggregator, server_opt: Union[str, Dict[str, Any]]) -> None:
+        super().__init__(inner)
+        o = server_opt_options(server_opt, self.name)
+        self.server_opt = server_opt
+        self.opt = ServerOptimizer(owner=f"{self.name} (server_opt)", **o)
+
+    def after(self, rin: RoundInput, res: AggResult) -> AggResult:
+        # a copy of the method's model: its result may be a buffer the method keeps (only our copy is written)
+        new = self.opt.step_(rin.global_flat, res.params.clone(), self.round, from_model=True)
+        res.info["server_opt"] = {"rule": self.opt.rule, **self.opt.info()}
+        return AggResult(new, res.info)
+
