@@ -47,10 +47,9 @@ def server_opt_step_(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torc
     tau = _finite_number(tau, op, "tau")
     if tau < 0:
         raise ValueError(f"{op}: tau must be >= 0, got {tau}")
-    for name, b in (("beta_1", beta_1), ("beta_2", beta_2)):
-        b = _finite_number(b, op, name)
-        if not 0.0 <= b <= 1.0:
-            raise ValueError(f"{op}: {name} must lie in [0, 1], got {b}")
+    for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+        if not 0.0 <= _finite_number(beta, op, name) <= 1.0:
+            raise ValueError(f"{op}: {name} must lie in [0, 1], got {beta}")
     if not isinstance(from_model, bool):
         raise ValueError(f"{op}: from_model must be a bool, got {from_model!r}")
     if x.dim() != 1:
@@ -69,10 +68,10 @@ def server_opt_step_(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torc
     if x.dtype == torch.float64 and m.dtype != torch.float64:
         raise ValueError(f"{op}: m and v must be float64 for a float64 model, got {m.dtype}")
     named = (("io", io), ("m", m), ("v", v), ("x", x))
-    for i, (a, ta) in enumerate(named):
-        for b, tb in named[i + 1:]:
+    for i, (na, ta) in enumerate(named):
+        for nb, tb in named[i + 1:]:
             if _same_storage(ta, tb):
-                raise ValueError(f"{op}: {a} and {b} share memory; pass separate tensors "
+                raise ValueError(f"{op}: {na} and {nb} share memory; pass separate tensors "
                                  "(io, m and v are written while x is read)")
     if not tracing():
         for name, t in named[:3]:
