@@ -417,6 +417,9 @@ class RowScaled(RoundInput):
     Every field (the rows, counts, ids, payloads, the screen's state) is the base input's: reading or
     setting one here reads or sets it there."""
 
+    base: RoundInput             # the input whose passes and fields these are
+    s: torch.Tensor              # [K] float64 row scales
+
     def __init__(self, base: RoundInput, s: Any) -> None:   # (not the dataclass' __init__: no fields of its own)
         st = torch.as_tensor(s, dtype=torch.float64).reshape(-1)
         if st.numel() != base.K:
@@ -485,13 +488,17 @@ class RowScaled(RoundInput):
 
 
 def _delegate(name: str) -> property:
-    return property(lambda self: getattr(self.base, name), lambda self, v: setattr(self.base, name, v))
+    """A RowScaled field: the base input's (K, d, dtype, device follow from its ``updates``)."""
+    def get(self: RowScaled) -> Any:
+        return getattr(self.base, name)
+
+    def put(self: RowScaled, value: Any) -> None:
+        setattr(self.base, name, value)
+    return property(get, put)
 
 
 for _f in fields(RoundInput):
     setattr(RowScaled, _f.name, _delegate(_f.name))
-for _p in ("K", "d", "dtype", "device"):
-    setattr(RowScaled, _p, property(lambda self, _p=_p: getattr(self.base, _p)))
 
 
 class _Redo(Exception):
