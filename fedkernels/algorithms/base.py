@@ -31,6 +31,7 @@ from .._types import CoefLike
 from ..ops._checks import _float_dtype, _like, has_kernel, host_range, tracing  # tracing: also imported from here by the method modules
 from ..sources import HOST, ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
+from .buffers import average_buffers
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
 if TYPE_CHECKING:
@@ -591,6 +592,8 @@ class Aggregator(abc.ABC):
             res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
                             {"skipped": True, "reason": "no valid client update"})
         res = self._into(res, out)
+        if rin.K > 0 and not res.info.get("skipped"):    # buffers: the clients' average, whatever the method
+            average_buffers(self.spec, rin, res.params)
         res.info.setdefault("num_clients", rin.K)
         if rin.excluded:
             res.info["excluded"] = rin.excluded
