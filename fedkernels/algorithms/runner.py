@@ -32,6 +32,7 @@ from .. import ops
 from .._types import CoefLike
 from ..ops._checks import _float_dtype, _like, host_range, tracing
 from ..sources import ChunkedUpdates, MatrixSource
+from .buffers import average_buffers
 from .base import (AggResult, BadUpdateError, RoundInput, Updates, UpdatesShape, _numbers, host_copy_with, host_float64,
                    id_tensor, rows_where)
 
@@ -133,6 +134,8 @@ def run_round(method: "Aggregator", global_flat: torch.Tensor, updates: Updates,
         res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
                         {"skipped": True, "reason": "no valid client update"})
     res = _into(res, out)
+    if rin.K > 0 and not res.info.get("skipped"):    # buffers: the clients' average, whatever the method
+        average_buffers(method.spec, rin, res.params)
     res.info.setdefault("num_clients", rin.K)
     if rin.excluded:
         res.info["excluded"] = rin.excluded
