@@ -273,6 +273,9 @@ def test_state_dict_round_trips_the_inner_state():
     assert torch.equal(a.aggregate(x, U, n).params, b.aggregate(x, U, n).params)
     with pytest.raises(ValueError, match="no 'inner' entry"):
         b.load_state_dict(algorithms.build("fedavgm").state_dict())
+    import pickle                       # (the simulator's worker processes get the aggregator pickled)
+    c = pickle.loads(pickle.dumps(b))
+    assert repr(c) == repr(b) and c.inner is not b.inner and torch.equal(c.momentum, b.momentum)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x", True, [1.0]])
