@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+import fedkernels
 from fedkernels import algorithms, ops, reference as ref
 from fuzz_oracle import server_opt_expected   # tests/fuzz_oracle.py: the recomputation and its bound
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                  reason="needs a CUDA device"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not (torch.cuda.is_available() and fedkernels.build_info().get("cuda", False)),
+    reason="needs a CUDA device and the CUDA build of fedkernels")])]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 RULES = ["adam", "yogi", "adagrad"]
 OPTS = {"adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-3), "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
@@ -65,6 +67,21 @@ def test_op_matches_reference(device, rule, dt, d):
     out = ops.server_opt_step_(io, m, v, x, rule=rule, lr=0.03, **OPTS[rule])
     assert out is io
     _check(io, m, v, x, g, m0, v0, rule, 0.03, sdt, dt, **OPTS[rule])
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dt", DTYPES)
+def test_op_cuda_gives_the_cpu_bits(device, rule, dt):
+    """The CUDA kernel calls the CPU op's per-coordinate function with IEEE round-to-nearest fma, sqrt
+    and division intrinsics: the same bits (only a GPU run checks this)."""
+    sdt = _state_dtype(dt)
+    x, g, m, v = _inputs(70_001, dt, sdt, seed=9)
+    cpu = [g.clone(), m.clone(), v.clone()]
+    dev = [t.to(device) for t in (g, m, v)]
+    ops.server_opt_step_(*cpu, x, rule=rule, lr=0.02, from_model=rule == "yogi", **OPTS[rule])
+    ops.server_opt_step_(*dev, x.to(device), rule=rule, lr=0.02, from_model=rule == "yogi", **OPTS[rule])
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu, dev))
 
 
 @pytest.mark.parametrize("rule", RULES)
