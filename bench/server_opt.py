@@ -83,7 +83,7 @@ def aggregate_rows(d: int, Ks: List[int], repeats: int, flower: bool) -> List[Di
         U = base * torch.linspace(0.5, 1.5, K).unsqueeze(1)          # [K, d] fp32 (values do not matter)
         n = list(range(10, 10 + K))
         aggs = {name: algorithms.build(name) for name in ("fedavg", "fedadam", "fedyogi", "fedadagrad")}
-        fns = {name: (lambda a=a: a.aggregate(x, U, n)) for name, a in aggs.items()}
+        fns = {name: (lambda a=a, U=U, n=n: a.aggregate(x, U, n)) for name, a in aggs.items()}
         t = compare(fns, repeats=repeats, min_time=0.0)
         ref = t["fedavg"]["median_s"]
         for name in aggs:
