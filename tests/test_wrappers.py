@@ -378,3 +378,14 @@ def test_norm_bound_under_sharded_aggregation_clips_by_the_whole_rows_norm(tmp_p
     except Exception:
         msgs = [open(tmp_path / f).read() for f in sorted(os.listdir(tmp_path)) if f.startswith("err")]
         pytest.fail("worker failed:\n" + "\n".join(msgs))
+
+
+def test_norm_bound_writes_the_callers_out_on_a_source():
+    """On a source the method's result pass (after the norms' pass) writes into ``out`` chunk by chunk."""
+    x, U, n = _data()
+    agg = algorithms.build("fedavg", norm_bound=1.5)
+    want = agg.aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n).params
+    out = torch.empty_like(x)
+    res = algorithms.build("fedavg", norm_bound=1.5).aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n,
+                                                               out=out)
+    assert res.params is out and torch.equal(out, want)
