@@ -18,6 +18,7 @@ from torch import nn
 
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
+from fedkernels.sim.assemble import torch_settings
 from fedkernels.sim.callbacks import Callback
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import Simulation
@@ -72,9 +73,12 @@ def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
     if start is None:
         s.run()
     else:
-        if "round" in start:
+        with torch_settings(s.cfg):           # as run() sets up (threads: the data's normalisation)
             s.setup()
+        if "round" in start:
             s.load_state(copy.deepcopy(start))
+        else:
+            s.global_flat.copy_(start["global"])
         s.run(stop_after=s.start_round + 1)
     return s, rec.states
 
@@ -90,69 +94,101 @@ def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
 # round 3 for deep models), so each round is compared from the same state, as a relative bound on
 # the round's update (||u_a - u_b|| <= UPDATE_REL ||u_a||), never round after round.
 UPDATE_REL = 1e-3
+# Some rounds are ill-conditioned in themselves: a deep BatchNorm model whose last BatchNorm sees 1x1
+# maps (ResNet-18 on 8x8 digits) moves its first round's update by 3e-3 when the starting model moves
+# by one fp32 rounding (measured with torch's scalar kernels, ATEN_CPU_CAPABILITY=default; 1e-6 with
+# its AVX-512 ones). There the bound is the round's own response to a rounding-level change of its
+# start (``perturbed``: the first executor again from the state times 1 +- 2^-24), times SLACK.
+SLACK = 10
 
 
-def assert_same_update(start, a, b, what=""):
-    """The round's update from ``start`` (a tensor, the global model before the round) by two executors."""
+def perturbed(state, seed=0):
+    """``state`` with every element of its global model moved by one fp32 rounding (x (1 +- 2^-24))."""
+    st = copy.deepcopy(state)
+    g = st["global"]
+    sign = torch.randint(0, 2, g.shape, generator=torch.Generator().manual_seed(seed)).to(g.dtype) * 2 - 1
+    st["global"] = g * (1 + sign * 2.0 ** -24)
+    return st
+
+
+def _apart(a, b):
+    return float((a.double() - b.double()).norm())
+
+
+def assert_same_update(start, a, b, what="", c=None):
+    """The round's update from ``start`` (a tensor, the global model before the round) by two executors
+    (``a``, ``b``: the new global models); ``c``: the first executor's from the perturbed start."""
     ua, ub = a.double() - start.double(), b.double() - start.double()
     assert torch.isfinite(ub).all(), what
-    err, ref = float((ua - ub).norm()), float(ua.norm())
-    assert err <= UPDATE_REL * ref, f"{what}: the updates part by {err:.3g} ({err / max(ref, 1e-300):.3g} relative)"
+    err, ref = _apart(ua, ub), float(ua.norm())
+    bound = max(UPDATE_REL * ref, 0.0 if c is None else SLACK * _apart(a, c))
+    assert err <= bound, f"{what}: the updates part by {err:.3g} ({err / max(ref, 1e-300):.3g} relative)"
 
 
-def assert_rel_close(a, b, what=""):
-    """Two tensors that a round computed from the same state, to UPDATE_REL relative (2-norm)."""
-    a, b = a.double(), b.double()
-    err, ref = float((a - b).norm()), float(a.norm())
-    assert err <= UPDATE_REL * max(ref, 1e-12), f"{what}: {err:.3g} apart ({err / max(ref, 1e-300):.3g} relative)"
+def assert_rel_close(a, b, what="", c=None):
+    """Two tensors that a round computed from the same state, to UPDATE_REL relative (2-norm), or
+    within SLACK times their distance to ``c`` (the same from the perturbed start)."""
+    err, ref = _apart(a, b), float(a.double().norm())
+    bound = max(UPDATE_REL * max(ref, 1e-12), 0.0 if c is None else SLACK * _apart(a, c))
+    assert err <= bound, f"{what}: {err:.3g} apart ({err / max(ref, 1e-300):.3g} relative)"
 
 
-def close(a, b, path=""):
+def close(a, b, path="", c=None):
     """Every number of two metric records of one round from the same state equal to UPDATE_REL (the
     metrics are smooth functions of the model and of the updates), accuracy to one test sample
-    (a test sample at a near-tie of its two best logits may change its class); timings left out."""
+    (a test sample at a near-tie of its two best logits may change its class), or within SLACK times
+    their distance to ``c`` (the first executor's record from the perturbed start); timings left out."""
     if isinstance(a, dict):
         assert set(a) == set(b), (path, set(a) ^ set(b))
         for k in a:
             if k not in TIMING_KEYS:
-                close(a[k], b[k], f"{path}.{k}")
+                close(a[k], b[k], f"{path}.{k}", None if c is None else c[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            close(x, y, f"{path}[{i}]")
+            close(x, y, f"{path}[{i}]", None if c is None else c[i])
     elif path.endswith(".accuracy"):
-        assert abs(a - b) <= 1.5 / len(DATA[1].y), (path, a, b)
+        assert abs(a - b) <= max(1.5 / len(DATA[1].y), 0 if c is None else SLACK * abs(a - c)), (path, a, b)
     elif isinstance(a, float) and not isinstance(a, bool):
-        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=UPDATE_REL, abs=1e-5), (path, a, b)
+        spread = 0.0 if c is None or math.isnan(c) else SLACK * abs(a - c)
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= max(UPDATE_REL * abs(a) + 1e-5, spread), (path, a, b)
     elif isinstance(a, torch.Tensor):
-        assert_rel_close(a, b, path)
+        assert_rel_close(a, b, path, c)
     elif path.endswith(".iterations"):   # an iterative solve (FedAWARE's min-norm) on inputs equal to fp32
         assert abs(a - b) <= 1, (path, a, b)   # rounding may cross its stop threshold one step apart
     else:
         assert a == b, (path, a, b)
 
 
-def each_round_from_the_same_state(s1, states, *overrides, **kw):
+def each_round_from_the_same_state(s1, states, *overrides, sensitivity=None, **kw):
     """Every round of run ``s1`` (its ``states``) run again from the state before it with ``overrides``
-    (another executor): the same update to UPDATE_REL and the same metrics (``close``). Returns the
-    last of these one-round runs, its ``metrics`` the list of the rounds' metrics."""
-    rounds, ms = len(states) - 1, []
+    (another executor): the same update to UPDATE_REL and the same metrics (``close``). ``sensitivity``:
+    ``s1``'s own overrides, to bound each round by its response to a rounding-level change of its start
+    (SLACK; the perturbed runs go to ``s2.perturbed``). Returns the last of these one-round runs, its
+    ``metrics`` the list of the rounds' metrics."""
+    rounds, ms, s3 = len(states) - 1, [], None
     s2 = None
     for r in range(rounds):
         s2, st2 = sim(*overrides, start=states[r], **kw)
-        assert_same_update(states[r]["global"], states[r + 1]["global"], st2[-1]["global"], f"round {r + 1}")
+        c = m3 = None
+        if sensitivity is not None:
+            s3, st3 = sim(*sensitivity, start=perturbed(states[r], r), **kw)
+            c, m3 = st3[-1]["global"], s3.metrics[-1]
+        assert_same_update(states[r]["global"], states[r + 1]["global"], st2[-1]["global"], f"round {r + 1}", c)
         ms.append(s2.metrics[-1])
-        close(s1.metrics[r], s2.metrics[-1], f"round {r + 1}")
-    s2.metrics = ms
+        close(s1.metrics[r], s2.metrics[-1], f"round {r + 1}", m3)
+    s2.metrics, s2.perturbed = ms, s3
     return s2
 
 
-def same_run(*overrides, **kw):
-    """The sequential loop and the batched executor (4 clients at once): each round from the same state."""
+def same_run(*overrides, sensitivity=False, **kw):
+    """The sequential loop and the batched executor (4 clients at once): each round from the same state
+    (``sensitivity``: bounded by the round's response to a rounding-level change of its start too)."""
     s1, states = sim("clients_at_once=off", *overrides, **kw)
     assert s1.batched is None and len(states) == 4
     s1.round_states = states
-    s2 = each_round_from_the_same_state(s1, states, "clients_at_once=4", *overrides, **kw)
+    s2 = each_round_from_the_same_state(s1, states, "clients_at_once=4", *overrides, **kw,
+                                        sensitivity=("clients_at_once=off", *overrides) if sensitivity else None)
     assert s2.batched is not None, "the batched executor was not used"
     return s1, s2
 
@@ -301,12 +337,13 @@ def _batchnorm_statistics(s):
 
 def _same_statistics(s1, s2):
     st1, st2 = _batchnorm_statistics(s1), _batchnorm_statistics(s2)
+    st3 = _batchnorm_statistics(s2.perturbed) if getattr(s2, "perturbed", None) is not None else [(None,) * 3] * len(st1)
     assert st1 and len(st1) == len(st2)
     before = s1.round_states[-2]["tracked"]         # the last round's steps (it ran from the same state)
-    for (m1, v1, n1), (m2, v2, n2), n0 in zip(st1, st2, before):
+    for (m1, v1, n1), (m2, v2, n2), (m3, v3, _), n0 in zip(st1, st2, st3, before):
         assert n1 - n0 == n2 > 0              # every client step counted once, as in the sequential loop
-        assert_rel_close(m1, m2, "running_mean")       # the last round's, from the same state
-        assert_rel_close(v1, v2, "running_var")
+        assert_rel_close(m1, m2, "running_mean", m3)       # the last round's, from the same state
+        assert_rel_close(v1, v2, "running_var", v3)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "scaffold", "fedprox", "fedavg-momentum-wd"])
@@ -343,11 +380,11 @@ def test_batchnorm_with_the_other_rules(name):
 @pytest.mark.parametrize("method,steps", [("fedavg", 2), ("scaffold", 1)])
 def test_resnet18_batchnorm_trains_batched(method, steps):
     """models.py's ResNet-18 with norm=bn (width 4, so it runs in seconds), few local steps: on 8x8
-    digits its layer4 BatchNorm sees 1x1 maps, and with more steps (SCAFFOLD: 2) a 1e-7 change of the
-    global model after round 1 moves the sequential loop's own round-2 model by 1e-2 (measured), too
-    much for an fp32 comparison. The shallow BatchNorm models above compare every method and step count."""
+    digits its layer4 BatchNorm sees 1x1 maps, which makes a round ill-conditioned (see SLACK): each
+    round is also bounded by its own response to a rounding-level change of its start. The shallow
+    BatchNorm models above compare every method and step count."""
     s1, s2 = same_run("model.options={}", "model.name=resnet18_gn", "model.options.norm=bn", "model.options.width=4",
-                      f"train.steps={steps}", f"algorithm.name={method}", parts=_bn_parts())
+                      f"train.steps={steps}", f"algorithm.name={method}", parts=_bn_parts(), sensitivity=True)
     _same_statistics(s1, s2)
 
 

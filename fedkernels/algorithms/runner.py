@@ -22,6 +22,7 @@ Its state for one call lives in a :class:`_Round` made by that call, nothing on 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -111,7 +112,7 @@ def run_round(method: "Aggregator", global_flat: torch.Tensor, updates: Updates,
         if rin.K > 0:
             _attach(method, rin, src, rows_of, out)
             rin.screen_rows = True
-            rin.on_flags = rnd.flags_of(rin)
+            rin.on_flags = functools.partial(rnd.apply_flags, rin)     # the screening pass's flags, here
             try:
                 if not method.screen_in_pass:
                     rin.screen()
@@ -276,7 +277,7 @@ class _Round:
                 (where if dv == dev else where_other).add(key, [k for k, _ in kv])
         where.segs += where_other.segs
         if self.defer and not other:
-            # checked with the rows' flags after the screening pass (run_round / flags_of)
+            # checked with the rows' flags after the screening pass (run_round / apply_flags)
             self.g_ok = flags[0]
             self.pl_flags = (torch.cat(flags[1:]) if len(flags) > 1 else None, where)
             host = torch.ones(1, dtype=torch.bool)
@@ -303,10 +304,6 @@ class _Round:
         for k, r in m.check_payloads(payloads).items():                        # the method's own checks
             reasons.setdefault(k, r)
         return reasons
-
-    def flags_of(self, rin: RoundInput):
-        """``rin.on_flags``: the rows' flags from the method's screening pass, applied to ``rin``."""
-        return lambda ok, carry=None: self.apply_flags(rin, ok, carry)
 
     def apply_flags(self, rin: RoundInput, ok: torch.Tensor, carry: Optional[torch.Tensor] = None
                     ) -> Optional[torch.Tensor]:
