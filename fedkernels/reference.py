@@ -452,12 +452,13 @@ def order_mean_screened(U: torch.Tensor, lo: int, hi: int, rows: RowsLike = None
 
 def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Tensor:
     """Per column, the mean of the ``beta`` values closest to m = (x_a + x_{k//2}) / 2, a = (k-1)//2 (the
-    median of the sorted values x), distances |x - m| in float64, equal distances taken in ascending
+    median of the sorted values x; x_a / 2 + x_{k//2} / 2 where that sum overflows), distances |x - m| in float64, equal distances taken in ascending
     value order (a stable sort of the distances of the sorted values); NaN for a column with a NaN/Inf."""
     X = _selected64(U, rows)
     k = X.size(0)
     S = torch.sort(X, dim=0).values
     m = (S[(k - 1) // 2] + S[k // 2]) * 0.5
+    m = torch.where(torch.isfinite(m), m, S[(k - 1) // 2] * 0.5 + S[k // 2] * 0.5)   # the sum overflowed
     order = torch.sort((S - m).abs(), dim=0, stable=True).indices[:beta]
     out = S.gather(0, order).sum(0) / beta
     return torch.where(torch.isfinite(X).all(0), out, torch.full_like(out, math.nan))

@@ -6,13 +6,15 @@
 //                         (even k: the mean of the two middle values, as np.median), the trimmed mean
 //                         lo = int(beta k), hi = k - lo (scipy.stats.trim_mean, Flower's FedTrimmedAvg);
 //   closest_mean(beta)  = the mean of the beta values closest to m = (x_a + x_{k//2}) / 2, a = (k-1)//2
+//                         (x_a / 2 + x_{k//2} / 2 where the float64 sum overflows)
 //                         (the median; Bulyan's coordinate-wise step, Flower's _aggregate_n_closest_weights),
 //                         distances |x - m| in float64; at equal distance the smaller value first, so the
 //                         beta values are the consecutive order statistics x_s..x_{s+beta-1} with s the
 //                         first start where moving the window right does not bring a strictly closer value (a move over equal values is
 //                         taken: it changes nothing), searched from max(0, a - beta) to min(k - beta, k//2)
 //                         (the windows next to the median; rounding of m can favour either middle value).
-// The selected values are added in float64 in ascending order and divided by their count once: the
+// The selected values are added in float64 in ascending order (a sum of fp64 values near the maximum may
+// overflow to +-Inf, as np.mean's) and divided by their count once: the
 // median of odd k is its middle element exactly (of even k, the two middle values' float64 mean), then
 // rounded once to the result's dtype (float64 for a float64 U, else float32).
 // NaN/Inf: ok[i] = all(isfinite(U[rows[i], :])) comes from the same pass (exact, every dtype). A column
@@ -142,7 +144,8 @@ FEDKERNELS_SIMD_CLONES void closest_out(const S* x, int64_t stride, int64_t k, i
   // window starts and flags as doubles (small integers, exact) so that every lane array is one vector type
   double m[W], acc[W], s[W], go[W];
   for (int l = 0; l < W; ++l) {
-    m[l] = (double(x[a * stride + l]) + double(x[h * stride + l])) * 0.5;
+    const double xa = double(x[a * stride + l]), xh = double(x[h * stride + l]), mm = (xa + xh) * 0.5;
+    m[l] = std::isfinite(mm) ? mm : xa * 0.5 + xh * 0.5;   // the sum overflows only for fp64 values near the max
     s[l] = double(smin);
     go[l] = 1.0;
     acc[l] = 0.0;

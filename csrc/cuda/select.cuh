@@ -50,14 +50,15 @@ template <typename Get> FK_HD double order_mean_col(const Get& x, int64_t k, int
 }
 
 // closest_mean of one column: the beta values closest to m = (x_a + x_{k//2}) / 2 (a = (k-1)//2, sorted
-// positions), distances |x - m| in float64, ties by the smaller value (then the earlier row: equal
+// positions; x_a / 2 + x_{k//2} / 2 where the sum overflows), distances |x - m| in float64, ties by the smaller value (then the earlier row: equal
 // values, the same sum), summed in row order; NaN if a value is NaN or Inf.
 template <typename Get> FK_HD double closest_mean_col(const Get& x, int64_t k, int64_t beta) {
   for (int64_t i = 0; i < k; ++i) {
     const double v = x(i);
     if (v - v != 0.0) return NAN;
   }
-  const double m = (order_stat(x, k, (k - 1) / 2) + order_stat(x, k, k / 2)) * 0.5;
+  const double xa = order_stat(x, k, (k - 1) / 2), xh = order_stat(x, k, k / 2), mm = (xa + xh) * 0.5;
+  const double m = isfinite(mm) ? mm : xa * 0.5 + xh * 0.5;   // the sum overflows only near the fp64 max
   double acc = 0.0;
   for (int64_t i = 0; i < k; ++i) {
     const double v = x(i), dv = std::fabs(v - m);
