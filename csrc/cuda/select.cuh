@@ -58,7 +58,7 @@ template <typename Get> FK_HD double closest_mean_col(const Get& x, int64_t k, i
     if (v - v != 0.0) return NAN;
   }
   const double xa = order_stat(x, k, (k - 1) / 2), xh = order_stat(x, k, k / 2), mm = (xa + xh) * 0.5;
-  const double m = isfinite(mm) ? mm : xa * 0.5 + xh * 0.5;   // the sum overflows only near the fp64 max
+  const double m = mm - mm == 0.0 ? mm : xa * 0.5 + xh * 0.5;   // not finite: the sum overflowed (near the fp64 max)
   double acc = 0.0;
   for (int64_t i = 0; i < k; ++i) {
     const double v = x(i), dv = std::fabs(v - m);
