@@ -815,20 +815,8 @@ def _run_select(g, c, name):
     return "ok"
 
 
-def _run_order_mean(g, c):
-    return _run_select(g, c, "order_mean")
-
-
-def _run_order_mean_screened(g, c):
-    return _run_select(g, c, "order_mean_screened")
-
-
-def _run_closest_mean(g, c):
-    return _run_select(g, c, "closest_mean")
-
-
-def _run_closest_mean_screened(g, c):
-    return _run_select(g, c, "closest_mean_screened")
+for _n in ("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"):
+    globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_select(g, c, nm)))(_n)
 
 
 def _run_gram_screened(g, c):

@@ -10,22 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import fedkernels
+from test_cuda import NEEDS_CUDA   # tests/test_cuda.py: the cuda cases skip without a GPU and the CUDA build
+
 from fedkernels import ops, reference as ref
 from fedkernels.ops.select import median_bounds, trim_bounds
-
-
-def _cuda_build() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return bool(fedkernels.build_info().get("cuda", False))
-    except Exception:  # pragma: no cover - broken install
-        return False
-
-
-NEEDS_CUDA = [pytest.mark.cuda,
-              pytest.mark.skipif(not _cuda_build(), reason="needs a CUDA device and the CUDA build of fedkernels")]
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
