@@ -156,8 +156,8 @@ FEDKERNELS_SIMD_CLONES void closest_out(const S* x, int64_t stride, int64_t k, i
 #pragma omp simd
     for (int l = 0; l < W; ++l) {
       const double x0 = double(r0[l]), x1 = double(r1[l]);
-      const bool mv = (std::fabs(x1 - m[l]) < std::fabs(x0 - m[l])) || (x1 == x0);
-      go[l] = mv ? go[l] : 0.0;
+      const double mv = (std::fabs(x1 - m[l]) < std::fabs(x0 - m[l])) | (x1 == x0) ? 1.0 : 0.0;
+      go[l] *= mv;
       s[l] += go[l];
     }
   }
@@ -166,9 +166,9 @@ FEDKERNELS_SIMD_CLONES void closest_out(const S* x, int64_t stride, int64_t k, i
     const S* r = x + p * stride;
     const double q = double(p);
 #pragma omp simd
-    for (int l = 0; l < W; ++l) {
-      const bool in = q >= s[l] && q < s[l] + b;
-      acc[l] = in ? acc[l] + double(r[l]) : acc[l];
+    for (int l = 0; l < W; ++l) {   // acc + 1 * x = acc + x; acc + 0 * x = acc (a NaN/Inf column is flagged)
+      const double in = (q >= s[l]) & (q < s[l] + b) ? 1.0 : 0.0;
+      acc[l] += in * double(r[l]);
     }
   }
   const double n = b;
