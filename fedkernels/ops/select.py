@@ -9,7 +9,7 @@ float64 ``U``, else float32. Deterministic (a sort and a fixed-order sum per col
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -45,7 +45,7 @@ def _args(U: object, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Optional[to
     return U, r, k
 
 
-def _chunks(U: torch.Tensor, r: Optional[torch.Tensor], k: int):
+def _chunks(U: torch.Tensor, r: Optional[torch.Tensor], k: int) -> Iterator[Tuple[int, int, torch.Tensor]]:
     """(a, b, U[rows, a:b] as float64) over column chunks."""
     d = U.size(1)
     step = max(1, CHUNK_ELEMS // max(k, 1))
