@@ -134,9 +134,11 @@ class Attack:
         elif self.kind == "gaussian":
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + r) ^ _SEED_SALT)
             noise = torch.randn(len(rows), U.size(1), generator=g, dtype=torch.float64)
-            U.index_copy_(0, idx, (noise * (1.0 if self.cfg.std is None else float(self.cfg.std))).to(device=U.device, dtype=U.dtype))
+            std = 1.0 if self.cfg.std is None else float(self.cfg.std)
+            U.index_copy_(0, idx, (noise * std).to(device=U.device, dtype=U.dtype))
         else:
-            honest = [k for k in range(K) if k not in set(rows)] or list(range(K))
+            bad = set(rows)
+            honest = [k for k in range(K) if k not in bad] or list(range(K))
             H = U.index_select(0, torch.tensor(honest, dtype=torch.long, device=U.device)).to(torch.float64)
             mu = H.mean(0)
             if self.kind == "alie":

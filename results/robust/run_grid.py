@@ -4,7 +4,9 @@
 
 Each run is small (15 clients all taking part, 3 of them attackers, a 1-hidden-layer MLP, 20 rounds of
 10 local steps on a 6000-example subset); one process runs them one after the other and appends one
-JSON line per finished run to --log (default results/robust/grid.jsonl; a rerun skips the runs already there).
+JSON line per finished run (a run stopped by a RunError, e.g. every update NaN after the model blew up,
+is recorded as diverged with its error) to --log (default results/robust/grid.jsonl; a rerun skips the
+runs already there).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--log", default="results/robust/grid.jsonl")
     a = ap.parse_args()
+    from fedkernels.errors import RunError
     from fedkernels.sim import Simulation
     os.makedirs(a.out, exist_ok=True)
     log = a.log
@@ -67,19 +70,23 @@ def main() -> None:
                     continue
                 t0 = time.time()
                 sim = Simulation(config(rule, attack, seed, a.out), overwrite=True)
-                summ = sim.run()
-                last = sim.metrics[-1]
+                try:
+                    sim.run()
+                    error = None
+                except RunError as e:        # e.g. every client's update NaN from a blown-up model
+                    error = str(e)
+                last = sim.metrics[-1] if sim.metrics and error is None else {"diverged": True}
                 sel = [m["attack"].get("selected") for m in sim.metrics if "attack" in m]
                 rec = {"rule": rule, "attack": attack, "seed": seed, "accuracy": last.get("accuracy"),
                        "diverged": bool(last.get("diverged", False)),
                        "attackers": sim.attack.attackers if sim.attack else [],
                        "selected_per_round": sel if any(s is not None for s in sel) else None,
                        "curve": [[m["round"], m["accuracy"]] for m in sim.metrics if "accuracy" in m],
+                       "error": error, "rounds_done": len(sim.metrics),
                        "wall_s": round(time.time() - t0, 2)}
                 with open(log, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps(rec), flush=True)
-                del summ
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-
 from ..base import RoundInput
 
 # columns of one float64 chunk of the rows in ``row_dots`` (k rows x ROW_CHUNK float64 temporaries)
@@ -97,6 +96,7 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
 
 
 def selected_ids(rin: RoundInput, rows: Sequence[int]) -> list:
+    """The client ids of the round's rows ``rows``."""
     return [rin.client_ids[k] for k in rows]
 
 
