@@ -26,7 +26,8 @@ RULES = {
 }
 # label -> the attack section (kind and options; defaults of fedkernels.sim.attacks otherwise)
 ATTACKS = {"none": None, "sign_flip": {"kind": "sign_flip"}, "scale": {"kind": "scale"},
-           "gaussian": {"kind": "gaussian"}, "alie": {"kind": "alie"}, "ipm": {"kind": "ipm", "epsilon": 0.1},
+           "gaussian": {"kind": "gaussian"}, "alie": {"kind": "alie"},
+           "alie_z1.5": {"kind": "alie", "z": 1.5}, "ipm": {"kind": "ipm", "epsilon": 0.1},
            "ipm100": {"kind": "ipm", "epsilon": 100.0}, "label_flip": {"kind": "label_flip"}}
 BASE = {
     "rounds": 20, "num_clients": 15, "participation": 1.0, "eval_every": 5, "client_loss": "none",
