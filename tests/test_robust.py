@@ -400,7 +400,9 @@ def test_attackers_fixed_by_seed_and_label_flip():
     ({"kind": "alie", "clients": [3, 12]}, "attack.clients must be distinct client ids in [0, num_clients=10)"),
     ({"fraction": 0.2}, "attack.fraction=0.2 needs attack.kind"),
     ({"kind": "ipm", "fraction": 0.2, "std": 1.0}, "attack.std=1.0 is an option of attack.kind=gaussian"),
-    ({"kind": "ipm", "fraction": 0.2, "epsilon": -1.0}, "attack.epsilon must be finite, > 0"),
+    ({"kind": "ipm", "fraction": 0.2, "epsilon": -1.0}, "attack.epsilon must be > 0, got -1.0"),
+    ({"kind": "scale", "fraction": 0.2, "factor": 0.0}, "attack.factor must be > 0, got 0.0"),
+    ({"kind": "alie", "fraction": 0.01}, "attack.fraction=0.01 of num_clients=10 is no attacker"),
 ])
 def test_bad_attack_config(attack, msg):
     with pytest.raises(ValueError) as e:

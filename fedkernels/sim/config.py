@@ -416,13 +416,15 @@ class AttackConfig:
     kind: Optional[str] = None           # sign_flip | scale | gaussian | alie | ipm | label_flip (null: no attack)
     fraction: Optional[float] = None     # round(fraction * num_clients) attackers drawn from the seed, or
     clients: Optional[List[int]] = None  # the attackers' client ids
-    factor: Optional[float] = None       # scale: the multiplier (null: the round's K)
+    factor: Optional[float] = None       # scale: the multiplier, > 0 (null: the round's K; sign_flip negates)
     std: Optional[float] = None          # gaussian: the noise's standard deviation (null: 1.0)
     z: Optional[float] = None            # alie: z (null: Baruch et al.'s z_max from n and f)
     epsilon: Optional[float] = None      # ipm: epsilon (null: 0.1)
 
 
 _SECTIONS[(RunConfig, "attack")] = AttackConfig
+RANGES.update({"attack.fraction": "(0, 1)", "attack.factor": "> 0", "attack.std": "> 0", "attack.z": "> 0",
+               "attack.epsilon": "> 0"})
 
 
 def attack_config_errors(cfg: RunConfig) -> List[str]:
