@@ -95,7 +95,7 @@ def figure(acc, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    fig, ax = plt.subplots(figsize=(12, 4.2))
+    fig, ax = plt.subplots(figsize=(12, 4.8))
     w = 0.8 / len(RULES)
     x = np.arange(len(ATTACKS))
     for i, r in enumerate(RULES):
@@ -107,7 +107,7 @@ def figure(acc, path):
     ax.set_ylim(0, 100)
     ax.axhline(10, color="gray", lw=0.8, ls=":")
     ax.set_title("Fashion-MNIST, 20% attackers, 20 rounds: rule x attack (mean ± std over seeds)")
-    ax.legend(ncol=4, fontsize=8, loc="lower left")
+    ax.legend(ncol=len(RULES), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
