@@ -44,6 +44,9 @@ OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_scree
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
 FUZZED_VIA = {"BEStepWindow": "fedecado_be_step"}
+# the selection ops, through the robust aggregators that call them (agg:median, agg:trimmed_mean, agg:bulyan)
+FUZZED_VIA.update(dict.fromkeys(("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"),
+                                "agg:median"))
 
 # public names of fedkernels.ops that are not data-path ops (the sharded-mode hooks)
 NOT_DATA_OPS = {"reduce_across", "active_reducer", "Reducer"}
@@ -1693,7 +1696,27 @@ def _agg_options(name: str, c) -> Dict[str, Any]:
         kw["lam"] = [0.5, 0.0, 1.0, 0.3][o]
     elif name == "fedecado":
         kw["hessian"] = ["identity", "none", "hutchinson", "identity"][o]
+    elif name in ROBUST_OPTIONS:
+        kw.update(ROBUST_OPTIONS[name][o])
     return kw
+
+
+# the robust rules' option sets (by c["opts"]) and the clients each needs per round (their one-line ValueError)
+ROBUST_OPTIONS = {
+    "trimmed_mean": [{}, {"beta": 0.1}, {"beta": 0.45}, {"beta": 0.0}],
+    "krum": [{}, {"f": 1}, {"f": 1, "m": 2}, {"m": 3, "weighting": "uniform"}],
+    "bulyan": [{}, {"f": 1}, {}, {"f": 2}],
+    "geometric_median": [{}, {"iterations": 1}, {"iterations": 5, "weighting": "uniform"}, {"ftol": 0.0}],
+    "centered_clip": [{}, {"tau": 0.5, "iterations": 2}, {"tau": 1e-3}, {"iterations": 3}],
+}
+
+
+def _robust_bound(name: str, kw: Dict[str, Any], e: Exception, K_given: int, K_kept: int) -> bool:
+    """Whether ``e`` is a robust rule's one-line refusal of too few clients, and rightly so."""
+    f, m = kw.get("f", 0), kw.get("m", 1)
+    need = {"krum": max(2 * f + 3, m), "bulyan": 4 * f + 3}.get(name)
+    return need is not None and isinstance(e, ValueError) and "needs K >= " in str(e) \
+        and str(e).startswith(f"{name}: ") and min(K_given, K_kept) < need
 
 
 def _payloads(name, agg, K, d, dt, g, kw, ids):
@@ -1906,6 +1929,10 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
             return (x64 + lr * _sum_rows64(M64, coef, rows),
                     (coef.abs()[:, None] * M64[rows].abs()).sum(0) if rows.numel() else torch.zeros_like(x64))
         return None, None
+    if name in ("median", "trimmed_mean"):       # per column, the mean of the sorted values lo..hi-1
+        lo = int(kw.get("beta", 0.2) * K) if name == "trimmed_mean" else (K - 1) // 2
+        hi = K - lo if name == "trimmed_mean" else K // 2 + 1
+        return x64 + lr * torch.sort(U64, dim=0).values[lo:hi].mean(0), U64.abs().amax(0) if K else x64.abs()
     return None, None
 
 
@@ -1941,6 +1968,11 @@ def _run_agg(g, c):
             why = _clean_rejection(e, names)
             if why:
                 raise Fail(f"round {r}: {why}\n{traceback.format_exc(limit=4)}")
+            K_given = len(args["updates"]) if isinstance(args["updates"], (list, tuple)) else \
+                (args["updates"].size(0) if isinstance(args["updates"], torch.Tensor) and args["updates"].dim() == 2
+                 else 0)
+            if _robust_bound(name, kw, e, K_given, K_given - len(set(bad_rows))):
+                return "rejected"
             if expect == "valid" and not (c["layout"] == "expanded" or c["d"] == 0):
                 raise Fail(f"round {r}: valid input rejected: {type(e).__name__}: {e}")
             if expect == "bad_rows" and c["policy"] == "exclude":

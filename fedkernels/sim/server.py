@@ -38,7 +38,7 @@ from torch import nn
 from .. import algorithms
 from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
-from . import assemble
+from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from .batched import BatchedExecutor, for_simulation
@@ -93,6 +93,7 @@ class Simulation:
         self._ready = False
         self.stop = StopRequest(self)
         self._first_round = 0
+        self.attack: Optional[attacks.Attack] = None
 
     @property
     def is_main(self) -> bool:
@@ -133,6 +134,9 @@ class Simulation:
         self.x, self.y = x.to(dev), y.to(dev)
         self.xt, self.yt = xt.to(dev), yt.to(dev)
         self.parts = [p.to(dev) for p in parts]
+        self.attack = attacks.for_run(cfg)             # Byzantine attackers (label_flip: their labels here)
+        if self.attack is not None:
+            self.y = self.attack.poison_labels(self.y, self.parts, self.num_classes)
         self.model = model = assemble.build_model(cfg, x, self.num_classes, self._model_fn).to(dev)
         self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
         self.global_flat = self.spec.flatten(model).clone()
@@ -301,6 +305,7 @@ class Simulation:
         local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
         ex = self.procs.exchange(local)                                # 3. exchange
         acc, excluded = ex["accepted"], list(ex["excluded"])
+        attacked = self.attack.corrupt(r, ex["U"], [a["cid"] for a in acc]) if self.attack is not None else None
         if not acc:                                                    # nothing to aggregate: a run error
             raise nothing_trained(r, ids, excluded)
         seen = len(excluded)
@@ -332,6 +337,8 @@ class Simulation:
         if self.is_main and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
             self.evaluate_round(r, m, [a["cid"] for a in acc])      # 5. evaluate
         m["agg"] = json_safe(info)
+        if self.attack is not None:
+            m["attack"] = self.attack.record(attacked, info)
         return m
 
     # ---- the run ------------------------------------------------------------------------------------
