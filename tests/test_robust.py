@@ -337,7 +337,7 @@ def test_selection_ops_match_numpy():
     assert ok.all() and out.dtype == torch.float32
     with pytest.raises(ValueError, match="hi must be in"):
         ops.order_mean(U, 5, 5)
-    with pytest.raises(ValueError, match="beta must lie in"):
+    with pytest.raises(ValueError, match="beta must be in"):
         ops.closest_mean(U, 0)
 
 
