@@ -154,9 +154,9 @@ def test_cli_compressed_run_records_bytes_sent(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["compress.kind=int8_block", "compress.block=0"], "compress.block must be an integer >= 1"),
+    (["compress.kind=int8_block", "compress.block=0"], "compress.block must be >= 1, got 0"),
     (["compress.kind=int8_block", "compress.block=100000000"], r"compress.block: expected an int in \[1, d = "),
-    (["compress.kind=topk", "compress.k=0"], "compress.k must be an integer >= 1"),
+    (["compress.kind=topk", "compress.k=0"], "compress.k must be >= 1, got 0"),
     (["compress.kind=topk", "compress.k=100000000"], r"compress.k: expected an int in \[1, d = "),
     (["compress.kind=qsgd", "compress.levels=0"], r"compress.levels must be in \[1, 127\]"),
     (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),

@@ -242,6 +242,8 @@ RANGES: Dict[str, str] = {
     "train.momentum": "[0, 1)", "train.weight_decay": ">= 0", "train.lr_min": ">= 0", "train.lr_step": ">= 1",
     "train.lr_gamma": "(0, 1]", "train.grad_clip": "> 0",
 }
+RANGES.update({"compress.block": ">= 1", "compress.k": ">= 1", "compress.ratio": "(0, 1]", "compress.levels": "[1, 127]",
+               "compress.seed": ">= 0"})   # block <= d and k <= d are checked when the model is built
 
 
 def in_range(value: Any, spec: str) -> bool:
