@@ -195,3 +195,23 @@ def test_block_code_file_round_equals_in_memory_bit_for_bit(tmp_path, kind):
         BlockCodeFile(tmp_path / "q.bin", tmp_path / "q.bin", K, d, B)
     with pytest.raises(ValueError, match="RawFileSource: .* has 350005 bytes, expected exactly"):
         BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K - 1, d, B)
+
+
+@pytest.mark.parametrize("kind", ["int8_block", "fp8"])
+def test_tiny_blocks_encode_without_nan(kind):
+    """A block whose absmax / qmax is subnormal: its inverse would overflow (0 * inf = NaN codes); the codecs divide."""
+    U = torch.zeros(2, 64)
+    U[0, :32] = 1e-44
+    U[1] = torch.randn(64)
+    rows = compress.make_codec(kind, 64, block=32).encode_rows(U, [0, 1], 0)
+    out, ok = rows.weighted_sum([1.0, 1.0])
+    assert ok.tolist() == [True, True] and torch.isfinite(out).all()
+
+
+def test_a_nan_update_leaves_no_residual():
+    U = _U(2, 100)
+    c = compress.make_codec("topk", 100, k=5, error_feedback=True)
+    c.encode_rows(U, [0, 1], 0)
+    U[1, 3] = float("nan")
+    c.encode_rows(U, [0, 1], 1)
+    assert set(c.residuals) == {0}               # client 1's NaN is not carried into its next round

@@ -162,8 +162,13 @@ class Codec:
         rows = self._encode(V, client_ids, rnd)
         if self.error_feedback:
             D = rows.dense()
-            for k, cid in enumerate(client_ids):
-                self.residuals[int(cid)] = V[k] - D[k]
+            E = V - D
+            fin = torch.isfinite(E).all(1).tolist()
+            for k, cid in enumerate(client_ids):   # a NaN/Inf update (excluded by the server) leaves no residual
+                if fin[k]:
+                    self.residuals[int(cid)] = E[k]
+                else:
+                    self.residuals.pop(int(cid), None)
         return rows
 
     def _encode(self, V: torch.Tensor, client_ids: Sequence[int], rnd: int) -> Rows:
@@ -194,8 +199,8 @@ class Codec:
             qmax = _QMAX[self.kind]
             amax = P.abs().amax(2)                                          # [K, nb]
             scales = amax / qmax
-            inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))[:, :, None]
-            X = P * inv
+            # divide (not multiply by 1 / scale: a subnormal scale's inverse overflows and 0 * inf is NaN)
+            X = torch.where(scales[:, :, None] > 0, P / torch.where(scales > 0, scales, 1.0)[:, :, None], 0.0)
             Q = torch.round(X).clamp_(-127, 127).to(torch.int8) if self.kind == "int8_block" else \
                 X.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
         return BlockRows(Q.reshape(K, nb * B)[:, :d].contiguous(), scales.to(torch.float32).contiguous(), B)

@@ -34,7 +34,7 @@ for kind, levels in (("int8_block", ({"block": 32}, {"block": 2048})), ("fp8", (
 def config(seed: int, comp: dict, data: str) -> dict:
     return {"seed": seed, "rounds": 20, "num_clients": 10, "client_loss": "none", "checkpoint_every": 0,
             "plots": False, "verbose": False, "out_dir": os.path.join(ROOT, "runs", "compression"),
-            "data": {"name": data, "train_subset": 12000, "test_subset": 2000} if data == "fmnist" else {"name": data},
+            "data": {"name": data, "train_subset": 6000, "test_subset": 2000} if data == "fmnist" else {"name": data},
             "partition": {"scheme": "label_shards", "options": {"shards_per_client": 3}},
             "model": {"name": "mlp" if data == "fmnist" else "mlp_digits"},
             "train": {"epochs": 1, "batch_size": 64, "lr": 0.05, "momentum": 0.9},
