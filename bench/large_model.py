@@ -325,6 +325,7 @@ def run(args, save=lambda res: None) -> dict:
         res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
         res.update(dd_floor(path))
         res["dd_GBps"] = size / res["dd_s"] / 1e9
+        res["fio"] = fio_floor(path, K, size)       # the device's parallel direct-read bandwidth: the honest floor
         rp = read_path(path, K, d, dtype, args.chunk_mb)
         res["read_path"] = dict(rp, vs_dd=res["dd_s"] / rp["read_s"], chunk_MB=args.chunk_mb)
         save(res)
@@ -338,6 +339,9 @@ def run(args, save=lambda res: None) -> dict:
             row = json.loads(r.stdout.strip().splitlines()[-1])
             row["floor_s"] = row["passes_over_U"] * res["dd_s"]
             row["vs_floor"] = row["floor_s"] / row["time_s"]
+            if "floor_GBps" in res["fio"]:
+                row["fio_floor_s"] = row["passes_over_U"] * res["fio"]["floor_s_one_pass"]
+                row["vs_fio_floor"] = row["fio_floor_s"] / row["time_s"]
             if row["bytes_written_table"]:
                 row["floor_with_table_s"] = row["floor_s"] + 2 * res["dd_s"] + t_write
                 row["vs_floor_with_table"] = row["floor_with_table_s"] / row["time_s"]
