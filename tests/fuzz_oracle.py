@@ -1877,6 +1877,14 @@ def _dq_rows(g, c, K):
     return r if kind == "dups" else sorted(set(r))
 
 
+def _compressed_coef(g, kind: str, n: int) -> torch.Tensor:
+    return {"f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
+            "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
+            "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
+            "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
+            "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64)}[kind]()
+
+
 def _run_dequant_weighted_sum(g, c):
     """(out, ok) vs the float64 reference: flags exactly; out within (n + 2) eps of the accumulation type times
     the sum of magnitudes (one rounding per weight, one fma per code); non-finite exactly where the reference is,
@@ -1915,11 +1923,7 @@ def _run_dequant_weighted_sum(g, c):
         S = S.double()
     rows = _dq_rows(g, c, K)
     n = K if rows is None else len(rows)
-    coef = {"f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
-            "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
-            "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
-            "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
-            "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64)}[c["coef"]]()
+    coef = _compressed_coef(g, c["coef"], n)
     kw: Dict[str, Any] = {}
     res = c["result"]
     if res == "f64":
@@ -2013,11 +2017,7 @@ def _run_sparse_weighted_sum(g, c):
     K_seen = offsets.numel() - 1 if isinstance(offsets, torch.Tensor) else K
     rows = _dq_rows(g, c, K_seen)
     n = K_seen if rows is None else len(rows)
-    coef = {"f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
-            "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
-            "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
-            "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
-            "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64)}[c["coef"]]()
+    coef = _compressed_coef(g, c["coef"], n)
     kw: Dict[str, Any] = {}
     if c["result"] == "f64":
         kw["out_dtype"] = torch.float64

@@ -24,6 +24,7 @@
 // accumulation type, then the pass), d of base and d of out (out's dtype); the int8 rows are a quarter
 // of an fp32 row's bytes and half of a bf16 row's.
 #include "common.h"
+#include "chunk_result.h"
 #include "../dequant_weighted_sum_checks.h"
 
 #include <ATen/ops/empty.h>
@@ -141,22 +142,10 @@ void dq_impl(const at::Tensor& Q, const at::Tensor& S, int64_t block, const std:
       const int64_t j0 = c * CH, len = std::min(CH, d - j0);
       dq_chunk<C, A>(q, ldq, s, lds, rows.data(), ac.data(), n, block, j0, len, acc);
       if (!finite_span<A>(acc, len)) dq_flags<C>(q, ldq, s, lds, rows.data(), n, block, j0, len, flag.data() + c * n);
-      O* oo = o + j0;
-      if (b) {
-        const O* bb = b + j0;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(A(bb[j]) + acc[j]);
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(acc[j]);
-      }
+      store_chunk<O, A>(b ? b + j0 : nullptr, acc, o + j0, len);
     }
   });
-  for (int64_t i = 0; i < n; ++i) {
-    bool all = true;
-    for (int64_t c = 0; c < nch; ++c) all = all && flag[c * n + i];
-    ok_out[i] = all;
-  }
+  and_chunk_flags(flag, nch, n, ok_out);
 }
 
 std::tuple<at::Tensor, at::Tensor> dequant_weighted_sum_cpu(const at::Tensor& Q, const at::Tensor& scales,

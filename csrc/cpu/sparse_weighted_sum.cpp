@@ -19,6 +19,7 @@
 // Bytes moved: nnz (index + value) of the selected lists, a binary search per (chunk, list) (n log nnz_k
 // index reads per chunk), d of base and d of out. Dense work: d (the result is dense).
 #include "common.h"
+#include "chunk_result.h"
 #include "../sparse_weighted_sum_checks.h"
 
 #include <ATen/ops/empty.h>
@@ -74,22 +75,10 @@ void sp_impl(const I* idx, const T* val, const int64_t* off, const std::vector<i
         }
         if (!(z == A(0))) flag[c * n + i] = 0;
       }
-      O* oo = o + j0;
-      if (b) {
-        const O* bb = b + j0;
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(A(bb[j]) + acc[j]);
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < len; ++j) oo[j] = static_cast<O>(acc[j]);
-      }
+      store_chunk<O, A>(b ? b + j0 : nullptr, acc, o + j0, len);
     }
   });
-  for (int64_t i = 0; i < n; ++i) {
-    bool all = true;
-    for (int64_t c = 0; c < nch; ++c) all = all && flag[c * n + i];
-    ok_out[i] = all;
-  }
+  and_chunk_flags(flag, nch, n, ok_out);
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_weighted_sum_cpu(const at::Tensor& idx, const at::Tensor& val,
