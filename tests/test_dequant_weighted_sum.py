@@ -167,3 +167,37 @@ def test_opcheck_and_no_derivative():
     out, _ = torch.ops.fedkernels.dequant_weighted_sum(Q, Sg, torch.ones(4, dtype=torch.float64), 30)
     with pytest.raises(RuntimeError, match="fedkernels.dequant_weighted_sum has no derivative"):
         out.sum().backward()
+
+
+def test_cuda_per_thread_logic_on_the_host(tmp_path):
+    """The CUDA kernels' host-checkable logic (csrc/cuda/*.cuh under FEDKERNELS_HD_ONLY, compiled with g++): the
+    e4m3 conversion of every code equals torch's, the sparse kernel's binary search finds each list's first entry
+    at or after a column, and a run of equal indices starts where the index changes."""
+    import os
+    import shutil
+    import subprocess
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = tmp_path / "hd.cpp"
+    src.write_text(f"""#define FEDKERNELS_HD_ONLY
+#include "{root}/csrc/cuda/dequant_weighted_sum.cuh"
+#include "{root}/csrc/cuda/sparse_weighted_sum.cuh"
+#include <cstdio>
+using namespace fedkernels::cuda;
+int main() {{
+  for (int b = 0; b < 256; ++b) std::printf("%.17g\\n", (double)dq::e4m3((uint8_t)b));
+  const int64_t idx[] = {{1, 3, 3, 3, 7, 9}};
+  for (int v = 0; v <= 10; ++v) std::printf("%ld\\n", (long)sp::lower_bound(idx, 0, 6, v));
+  for (int p = 0; p < 6; ++p) std::printf("%d\\n", (int)sp::run_start(idx, 0, p));
+}}
+""")
+    exe = tmp_path / "hd"
+    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    got = torch.tensor([float(x) for x in out[:256]], dtype=torch.float64)
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+    assert [int(x) for x in out[256:267]] == [0, 0, 1, 1, 4, 4, 4, 4, 5, 5, 6]
+    assert [int(x) for x in out[267:]] == [1, 1, 0, 0, 1, 1]
