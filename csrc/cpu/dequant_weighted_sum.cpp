@@ -11,7 +11,7 @@
 // The result is base + acc (or acc), stored in out's dtype (float32 or float64; base has it).
 //
 // Layout: column chunks of WSUM_CHUNK columns; within a chunk, segments of one scale block; per segment
-// the rows are added 4 at a time in one vectorised loop (the fma chain keeps row order, so the bits do not
+// the rows are added 8 (then 4) at a time in one vectorised loop (the fma chain keeps row order, so the bits do not
 // depend on the unrolling, the ISA or the thread count: chunks are fixed, each element is one fma chain).
 //
 // Screen: ok[i] = all scales of row rows[i] finite and (e4m3) no NaN code in it, i.e. the dequantised row
@@ -87,6 +87,27 @@ FEDKERNELS_SIMD_CLONES void dq_chunk(const typename C::raw* q, int64_t ldq, cons
     const int64_t b = a / block, e = std::min((b + 1) * block, j0 + len), m = e - a;
     A* y = acc + (a - j0);
     int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {      // 8 rows per pass over the segment's accumulators (fewer loads / stores)
+      const R* x[8];
+      A w[8];
+      for (int r = 0; r < 8; ++r) {
+        x[r] = q + rows[i + r] * ldq + a;
+        w[r] = A(ac[i + r] * double(s[rows[i + r] * lds + b]));
+      }
+      const R *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5], *x6 = x[6], *x7 = x[7];
+      const A w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
+#pragma omp simd
+      for (int64_t j = 0; j < m; ++j) {
+        A t = std::fma(w0, A(C::value(x0[j])), y[j]);
+        t = std::fma(w1, A(C::value(x1[j])), t);
+        t = std::fma(w2, A(C::value(x2[j])), t);
+        t = std::fma(w3, A(C::value(x3[j])), t);
+        t = std::fma(w4, A(C::value(x4[j])), t);
+        t = std::fma(w5, A(C::value(x5[j])), t);
+        t = std::fma(w6, A(C::value(x6[j])), t);
+        y[j] = std::fma(w7, A(C::value(x7[j])), t);
+      }
+    }
     for (; i + 4 <= n; i += 4) {
       const R* x0 = q + rows[i] * ldq + a;
       const R* x1 = q + rows[i + 1] * ldq + a;
