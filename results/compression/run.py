@@ -67,16 +67,50 @@ def run_all() -> dict:
     return out
 
 
+def collect(res: dict) -> dict:
+    """Adds each run's accuracy curve (from its run directory's metrics.jsonl, when it is there) to ``res``."""
+    import yaml
+    base = os.path.join(ROOT, "runs", "compression")
+    want = {(label, seed): config(seed, comp, res["data"]) for label, comp in CODECS for seed in SEEDS}
+    found = {}
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(os.path.join(base, name, "config.yaml")) as f:
+                cfg = yaml.safe_load(f)
+            with open(os.path.join(base, name, "metrics.jsonl")) as f:
+                curve = [json.loads(x).get("accuracy") for x in f if x.strip()]
+        except OSError:
+            continue
+        for (label, seed), c in want.items():
+            comp = {k: v for k, v in cfg.get("compress", {}).items() if v not in (None, False)}
+            mine = {k: v for k, v in c["compress"].items() if v not in (None, False)}
+            if (cfg["seed"] == seed and cfg["data"].get("train_subset") == c["data"].get("train_subset")
+                    and comp.get("kind", "none") == mine.get("kind") and comp == {**comp, **mine}
+                    and set(comp) <= set(mine) | {"levels"}):
+                found[(label, seed)] = curve
+    for label, runs in res["runs"].items():
+        for r in runs:
+            if (label, r["seed"]) in found:
+                r["accuracy_curve"] = found[(label, r["seed"])]
+    return res
+
+
+def _last5(r: dict) -> float:
+    c = [a for a in r.get("accuracy_curve", []) if a is not None]
+    return sum(c[-5:]) / len(c[-5:]) if c else r["final_accuracy"]
+
+
 def report(res: dict) -> None:
     import numpy as np
     rows = []
     for label, runs in res["runs"].items():
-        acc = np.array([r["final_accuracy"] for r in runs])
+        acc = np.array([_last5(r) for r in runs])
         mb = np.mean([r["bytes_sent"] for r in runs]) / 1e6
         ratio = np.mean([r["dense_bytes"] / r["bytes_sent"] for r in runs])
         sd = acc.std(ddof=1) if len(acc) > 1 else float("nan")
         rows.append((label, len(runs), acc.mean(), sd, mb, ratio))
-    lines = ["| codec | seeds | final accuracy (mean ± sd) | MB sent (20 rounds) | compression |",
+    lines = ["| codec | seeds | accuracy, mean of the last 5 rounds (mean ± sd over seeds) | MB sent (20 rounds) | "
+             "compression |",
              "|---|---|---|---|---|"]
     for label, n, m, sd, mb, ratio in rows:
         lines.append(f"| {label} | {n} | {m:.4f} ± {sd:.4f} | {mb:.1f} | {ratio:.1f}x |")
@@ -86,17 +120,22 @@ def report(res: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"none": "black", "int8_block": "tab:blue", "fp8": "tab:orange", "qsgd": "tab:green", "topk": "tab:red"}
+    seen = {}
     for label, n, m, sd, mb, ratio in rows:
         kind = label.split("(")[0]
-        marker = {"none": "*", "int8_block": "o", "fp8": "s", "qsgd": "^", "topk": "D"}[kind]
-        ax.errorbar(mb, m, yerr=0 if sd != sd else sd, fmt=marker, mfc="none" if "+EF" not in label else None,
-                    label=label, capsize=2)
+        level = seen.setdefault(kind + label.replace("+EF", ""), len([k for k in seen if k.startswith(kind)]))
+        ef = "+EF" in label
+        marker = "*" if kind == "none" else ("o" if level == 0 else "s")
+        ax.errorbar(mb * (1.04 if ef else 1.0), m, yerr=0 if sd != sd else sd, fmt=marker, color=colors[kind],
+                    mfc=colors[kind] if ef or kind == "none" else "white", label=label, capsize=2, ms=6)
     ax.set_xscale("log")
-    ax.set_xlabel("MB sent by the clients in 20 rounds (log)")
-    ax.set_ylabel("final test accuracy")
-    ax.set_title(f"FedAvg on {res['data']}, 10 clients x 3 label shards, mean ± sd over seeds (filled: error feedback)")
-    ax.legend(fontsize=6, ncol=2)
+    ax.set_xlabel("MB sent by the clients in 20 rounds (log scale)")
+    ax.set_ylabel("test accuracy, mean of the last 5 rounds")
+    ax.set_title(f"FedAvg on {res['data']}, 10 clients x 3 label shards, {len(res['seeds'])} seeds (mean ± sd)\n"
+                 "filled: error feedback; circle / square: first / second compression level")
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(os.path.join(HERE, "accuracy_vs_bytes.png"), dpi=130)
 
@@ -107,6 +146,9 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.report:
         with open(os.path.join(HERE, "results.json")) as f:
-            report(json.load(f))
+            res = collect(json.load(f))
+        with open(os.path.join(HERE, "results.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        report(res)
     else:
-        report(run_all())
+        report(collect(run_all()))
