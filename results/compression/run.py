@@ -46,14 +46,28 @@ def run_all() -> dict:
     from fedkernels.sim import RunConfig, Simulation
     torch.set_num_threads(1)
     data = "fmnist" if os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz") else "digits"
+    from fedkernels.errors import RunError
     out = {"data": data, "method": "fedavg", "rounds": 20, "seeds": list(SEEDS), "runs": {}}
     path = os.path.join(HERE, "results.json")
+    if os.path.exists(path):          # a campaign cut short goes on where it stopped
+        with open(path) as f:
+            out = json.load(f)
     for label, comp in CODECS:
         for seed in SEEDS:
+            if any(r["seed"] == seed for r in out["runs"].get(label, [])):
+                continue
             cfg = RunConfig.from_dict(config(seed, comp, data)).validate()
             t0 = time.perf_counter()
             sim = Simulation(cfg, overwrite=True)
-            sim.run()
+            try:
+                sim.run()
+            except RunError as e:      # e.g. every client's update NaN: the run diverged; recorded as such
+                out["runs"].setdefault(label, []).append({"seed": seed, "diverged": str(e).splitlines()[0][:300],
+                                                         "rounds_done": len(sim.metrics)})
+                print(f"{label:34s} seed {seed}: diverged ({e})", flush=True)
+                with open(path, "w") as f:
+                    json.dump(out, f, indent=1)
+                continue
             ms = sim.metrics
             d = int(sim.global_flat.numel())
             sent = sum(m.get("bytes_sent", m["num_updates"] * 4 * d) for m in ms)
@@ -104,6 +118,14 @@ def report(res: dict) -> None:
     import numpy as np
     rows = []
     for label, runs in res["runs"].items():
+        diverged = [r for r in runs if "diverged" in r]
+        runs = [r for r in runs if "diverged" not in r]
+        if not runs:
+            rows.append((label + f" (diverged: {len(diverged)} of {len(diverged)} seeds)", 0, float("nan"),
+                         float("nan"), float("nan"), float("nan")))
+            continue
+        if diverged:
+            label += f" ({len(diverged)} of {len(runs) + len(diverged)} seeds diverged)"
         acc = np.array([_last5(r) for r in runs])
         mb = np.mean([r["bytes_sent"] for r in runs]) / 1e6
         ratio = np.mean([r["dense_bytes"] / r["bytes_sent"] for r in runs])
@@ -113,7 +135,8 @@ def report(res: dict) -> None:
              "compression |",
              "|---|---|---|---|---|"]
     for label, n, m, sd, mb, ratio in rows:
-        lines.append(f"| {label} | {n} | {m:.4f} ± {sd:.4f} | {mb:.1f} | {ratio:.1f}x |")
+        lines.append(f"| {label} | {n} | {m:.4f} ± {sd:.4f} | {mb:.1f} | {ratio:.1f}x |" if n else
+                     f"| {label} | 0 | - | - | - |")
     with open(os.path.join(HERE, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -124,9 +147,12 @@ def report(res: dict) -> None:
     colors = {"none": "black", "int8_block": "tab:blue", "fp8": "tab:orange", "qsgd": "tab:green", "topk": "tab:red"}
     seen = {}
     for label, n, m, sd, mb, ratio in rows:
+        if n == 0:
+            continue
         kind = label.split("(")[0]
-        level = seen.setdefault(kind + label.replace("+EF", ""), len([k for k in seen if k.startswith(kind)]))
-        ef = "+EF" in label
+        key = label.split(" (")[0].replace("+EF", "")
+        level = seen.setdefault(key, len([k for k in seen if k.startswith(kind)]))
+        ef = "+EF" in label.split(" (")[0]
         marker = "*" if kind == "none" else ("o" if level == 0 else "s")
         ax.errorbar(mb * (1.04 if ef else 1.0), m, yerr=0 if sd != sd else sd, fmt=marker, color=colors[kind],
                     mfc=colors[kind] if ef or kind == "none" else "white", label=label, capsize=2, ms=6)
