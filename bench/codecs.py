@@ -35,21 +35,21 @@ def bench_dense_vs_int8(K: int, d: int, bw: float, repeats: int):
     nbytes8 = K * d + 4 * K * nb + 4 * d
     t = compare({"int8": lambda: ops.dequant_weighted_sum(Q, S, coef, BLOCK, base=base),
                  "fp8": lambda: ops.dequant_weighted_sum(F8, S, coef, BLOCK, base=base)}, repeats=repeats)
-    del F8
+    F8 = None                       # (freed: the lambdas above are done with it)
     floor8 = nbytes8 / bw
     for name in ("int8", "fp8"):
         rows.append({"op": f"dequant_weighted_sum[{name}]", "K": K, "d": d, "ms": t[name]["median_s"] * 1e3,
                      "GBps": nbytes8 / t[name]["median_s"] / 1e9, "floor_ms": floor8 * 1e3,
                      "x_floor": t[name]["median_s"] / floor8})
     Ubf = Q.to(torch.bfloat16).mul_(1e-3)
-    del Q, S
+    Q = S = None
     gc.collect()
     tb = compare({"bf16": lambda: ops.weighted_sum(Ubf, coef, base=base)}, repeats=repeats)["bf16"]["median_s"]
     U32 = Ubf.float()
-    del Ubf
+    Ubf = None
     gc.collect()
     tf = compare({"fp32": lambda: ops.weighted_sum(U32, coef, base=base)}, repeats=repeats)["fp32"]["median_s"]
-    del U32
+    U32 = None
     gc.collect()
     t8 = t["int8"]["median_s"]
     for name, ts, esize in (("bf16", tb, 2), ("fp32", tf, 4)):
