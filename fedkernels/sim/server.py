@@ -41,6 +41,7 @@ from ..flat import FlatSpec, UpdateBuffer
 from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
+from . import compression
 from .batched import BatchedExecutor, for_simulation
 from .client import ClientTrainer, HeteroCompute, schedule_factor
 from .evaluate import evaluate_global, non_finite_evaluation
@@ -147,6 +148,7 @@ class Simulation:
         self.schedule = sample_schedule(cfg.seed, cfg.num_clients, self.per_round, cfg.rounds)
         self.agg = self.procs.aggregator(self._build_aggregator())
         self.agg.setup(self.spec, cfg.num_clients, self.global_flat)
+        self.compression = compression.build(cfg, self.agg, self.global_flat.numel())   # None: dense updates
         rule = self.agg.client_rule()
         if rule is not None:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
@@ -198,7 +200,8 @@ class Simulation:
                 "aggregator": agg,
                 "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
                 "rng": {"torch": torch.get_rng_state() if rng is None else rng},
-                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra}
+                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra,
+                **({"compression": self.compression.codec.state_dict()} if getattr(self, "compression", None) else {})}
 
     def load_state(self, st: Dict[str, Any]) -> None:
         """The inverse of :meth:`state` (the resume)."""
@@ -211,6 +214,8 @@ class Simulation:
         if "rng" in st and "torch" in st["rng"]:
             torch.set_rng_state(st["rng"]["torch"].cpu())
         self.metrics = list(st.get("metrics", []))
+        if getattr(self, "compression", None) is not None:      # the clients' error-feedback residuals
+            self.compression.codec.load_state_dict(st.get("compression", {}))
         self.start_round = int(st["round"])
 
     def check_resume(self) -> Optional[Dict[str, Any]]:
@@ -259,7 +264,10 @@ class Simulation:
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
         self.stop.committing = True    # from here the round changes the model: a second signal waits
         t1 = time.perf_counter()
-        new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
+        if getattr(self, "compression", None) is not None:     # the rows as the clients compressed them
+            new, info = self.compression.aggregate(self.agg, self.global_flat, U, n, ids, payloads, r)
+        else:
+            new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
             self.global_flat.copy_(new)
         self._sync()
@@ -339,6 +347,8 @@ class Simulation:
         m["agg"] = json_safe(info)
         if self.attack is not None:
             m["attack"] = self.attack.record(attacked, info)
+        if "bytes_sent" in info:                                       # compressed updates: what the clients sent
+            m["bytes_sent"], m["bytes_dense"] = info["bytes_sent"], info["bytes_dense"]
         return m
 
     # ---- the run ------------------------------------------------------------------------------------
