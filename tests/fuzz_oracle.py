@@ -37,7 +37,8 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
+              "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
 
@@ -164,6 +165,32 @@ def _gen_gram_screened(rnd, c):
 def _gen_kstats(rnd, c):
     _gen_matrix(rnd, c)
     c["coef"] = rnd.choice(["list", "f64", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
+
+
+def _gen_select_rows(rnd, c):
+    _gen_gram(rnd, c)
+    if rnd.random() < 0.6:   # mostly valid rows: the selection itself is the target
+        c["rows"] = rnd.choice([None, None, "subset", "dups", "tensor32"])
+
+
+def _gen_order_mean(rnd, c):
+    _gen_select_rows(rnd, c)
+    c["bounds"] = rnd.choice(["median", "median", "trim", "trim", "min", "max", "all", "random", "lo_eq_hi", "hi_gt_k",
+                              "neg", "float", "bool"])
+    c["beta"] = rnd.choice([0.0, 0.1, 0.2, 0.3, 0.45])
+
+
+def _gen_order_mean_screened(rnd, c):
+    _gen_order_mean(rnd, c)
+
+
+def _gen_closest_mean(rnd, c):
+    _gen_select_rows(rnd, c)
+    c["bounds"] = rnd.choice(["one", "half", "all", "bulyan", "bulyan", "zero", "gt_k", "float"])
+
+
+def _gen_closest_mean_screened(rnd, c):
+    _gen_closest_mean(rnd, c)
 
 
 def _gen_min_norm(rnd, c):
@@ -746,6 +773,69 @@ def _run_kstats(g, c):
             raise Fail(f"{name}: dtype {got.dtype}, expected float64")
         _check_close(name, got, ref, e * S + 1e-300, ~torch.isfinite(S) | (S > 1e300))
     return "ok"
+
+
+def _select_args(g, c):
+    """(U, rows, k, args, valid): the selection ops' arguments from the case (k = the selected rows)."""
+    U = _matrix_input(g, c)
+    rows = _rows_arg(g, c, c["K"])
+    k = c["K"] if rows is None else (len(rows) if isinstance(rows, list) else rows.numel())
+    b = c["bounds"]
+    if c["target"].startswith("op:order_mean"):
+        lo = {"median": (k - 1) // 2, "trim": int(c["beta"] * k), "min": 0, "max": k - 1, "all": 0,
+              "random": int(torch.randint(0, max(k, 1), (1,), generator=g)), "lo_eq_hi": 1, "hi_gt_k": 0,
+              "neg": -1, "float": 0.0, "bool": False}[b]
+        hi = {"median": k // 2 + 1, "trim": k - int(c["beta"] * k), "min": 1, "max": k, "all": k,
+              "lo_eq_hi": 1, "hi_gt_k": k + 1, "neg": 1, "float": 1, "bool": 1}.get(b)
+        if b == "random":
+            hi = lo + 1 + int(torch.randint(0, max(k - lo, 1), (1,), generator=g))
+        args = (lo, hi)
+        valid = type(lo) is int and type(hi) is int and 0 <= lo < hi <= k
+    else:
+        beta = {"one": 1, "half": max(1, k // 2), "all": k, "bulyan": max(1, k - 4 * (k // 4)), "zero": 0,
+                "gt_k": k + 1, "float": 1.0}[b]
+        args = (beta,)
+        valid = type(beta) is int and 1 <= beta <= k
+    return U, rows, k, args, valid
+
+
+def _run_select(g, c, name):
+    """order_mean / closest_mean (+ _screened) vs the float64 reference: NaN exactly where the reference
+    has it, the means within the rounding of the result plus a float64 sum of n values; the flags exactly."""
+    U, rows, k, args, valid = _select_args(g, c)
+    res = getattr(ops, name)(U, *args, rows=rows)
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail(f"{name} accepted an invalid U ({c.get('bad_U') or c['dtype']})")
+    if c.get("rows") in ("bad_range", "neg", "float", "2d", "bool"):
+        raise Fail(f"{name} accepted invalid rows ({c['rows']})")
+    if not valid:
+        raise Fail(f"{name} accepted invalid bounds {args} for k={k}")
+    out, ok = res if name.endswith("_screened") else (res, None)
+    base = name.replace("_screened", "")
+    want = getattr(reference, base)(U, *args, rows=rows)
+    idx = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    X = U.index_select(0, idx).to(torch.float64)
+    if ok is not None and (ok.dtype != torch.bool or not torch.equal(ok, reference.finite_rows(X))):
+        raise Fail(f"{name}: flags {ok.tolist()[:8]} != reference {reference.finite_rows(X).tolist()[:8]}")
+    want_dt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    if out.dtype != want_dt or out.shape != (U.size(1),):
+        raise Fail(f"{name}: result {out.dtype} {tuple(out.shape)}, expected {want_dt} ({U.size(1)},)")
+    if not torch.equal(out.isnan(), want.isnan()):
+        raise Fail(f"{name}: NaN columns differ from the reference")
+    n = args[1] - args[0] if base == "order_mean" else args[0]
+    A = X.abs().amax(0) if X.numel() else torch.zeros(U.size(1), dtype=torch.float64)
+    A = torch.where(torch.isfinite(A), A, torch.zeros_like(A))
+    fi = torch.finfo(want_dt)
+    tol = (fi.eps / 2 * want.abs().nan_to_num(posinf=0.0, neginf=0.0) + 2 * n * _eps(torch.float64) * A
+           + fi.tiny * fi.eps)                                       # + half a subnormal step of the result
+    inf = float("inf")
+    _check_close(name, out.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), want.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), tol,
+                 torch.isinf(want) | (A * n > torch.finfo(torch.float64).max / 4))
+    return "ok"
+
+
+for _n in ("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"):
+    globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_select(g, c, nm)))(_n)
 
 
 def _run_gram_screened(g, c):
@@ -1939,6 +2029,8 @@ def _run_agg(g, c):
 # execution and classification
 # ---------------------------------------------------------------------------------------------
 OP_ARG_NAMES = {
+    **{n: [n, "U", "rows", "lo", "hi", "beta"] for n in ("order_mean", "order_mean_screened", "closest_mean",
+                                                         "closest_mean_screened")},
     "gram": ["gram", "U", "rows"],
     "weighted_sum": ["weighted_sum", "U", "coef", "base", "alpha", "rows", "out"],
     "weighted_sum_chunked": ["weighted_sum_chunked", "M", "coef", "base", "alpha", "rows", "out_dtype", "chunk_cols"],

@@ -150,7 +150,9 @@ def test_fp64_updates_give_fp64_results():
     for name, opts in [("median", {}), ("trimmed_mean", {"beta": 0.3}), ("bulyan", {"f": 1})]:
         got = algorithms.build(name, **opts).aggregate(torch.zeros(U.size(1), dtype=torch.float64), U, n).params
         assert got.dtype == torch.float64
-        np.testing.assert_allclose(got.numpy(), reference(name, opts, U, n), rtol=1e-15, atol=0)
+        # a mean of at most K fp64 values in another order: K rounding errors of the largest |value|
+        bound = U.size(0) * np.finfo(np.float64).eps * float(U.abs().max())
+        np.testing.assert_allclose(got.numpy(), reference(name, opts, U, n), rtol=0, atol=bound)
 
 
 def test_server_lr_and_global_model():
@@ -333,9 +335,9 @@ def test_selection_ops_match_numpy():
     np.testing.assert_allclose(ops.closest_mean(U, beta, rows=rows).numpy(), ref, rtol=EPS32)
     out, ok = ops.order_mean_screened(U, 0, 10)
     assert ok.all() and out.dtype == torch.float32
-    with pytest.raises(ValueError, match="lo < hi"):
+    with pytest.raises(ValueError, match="hi must be in"):
         ops.order_mean(U, 5, 5)
-    with pytest.raises(ValueError, match="beta must lie in"):
+    with pytest.raises(ValueError, match="beta must be in"):
         ops.closest_mean(U, 0)
 
 
