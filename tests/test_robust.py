@@ -485,3 +485,17 @@ def test_attack_under_batched_executor(tmp_path):
     s = _tiny_run(tmp_path, clients_at_once=3, **{"attack.kind": "sign_flip", "attack.fraction": 0.34})
     assert s.batched is not None and len(s.metrics[-1]["attack"]["attackers"]) == 2
     assert s.metrics[-1]["attack"]["selected"] in (0, 1)
+
+
+@pytest.mark.parametrize("name,opts", RULES)
+def test_norm_bound_wrapper_clips_before_the_rule(name, opts):
+    """``norm_bound=M`` around a robust rule: the rule sees each update clipped to norm M."""
+    U, n = _data(K=11)
+    U[[1, 5]] *= 20.0
+    M = 10.0
+    clipped = U.double() * torch.clamp(M / U.double().norm(dim=1, keepdim=True), max=1.0)
+    x = torch.zeros(U.size(1))
+    got = algorithms.build(name, norm_bound=M, **opts).aggregate(x, U, n)
+    ref = algorithms.build(name, **opts).aggregate(x, clipped.float(), n)
+    assert got.info["norm_clipped"] == int((U.double().norm(dim=1) > M).sum())
+    torch.testing.assert_close(got.params, ref.params, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ..base import RoundInput
+from ..base import RoundInput, RowScaled
 
 # columns of one float64 chunk of the rows in ``row_dots`` (k rows x ROW_CHUNK float64 temporaries)
 ROW_CHUNK = 1 << 16
@@ -38,8 +38,9 @@ def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
     """``plain(U, *args, **kw)`` (a per-column op of ``fedkernels.ops.select``): on a tensor one call,
     the ``screened`` form while the rows are unscreened (its flags go to the policy: raise, or the
     round again without the bad rows); on a source the column chunks in order (screened first by
-    ``rin.blocks``). Returns the [d] result (float64 for a float64 U, else float32)."""
-    if rin.src is None:
+    ``rin.blocks``; a row-scaled input (``RoundInput.with_row_scale``: a wrapper such as ``norm_bound``)
+    too, its scaled rows in bounded blocks). Returns the [d] result (float64 for a float64 U, else float32)."""
+    if rin.src is None and not isinstance(rin, RowScaled):
         if rin.screen_rows:
             out, ok = screened(rin.U, *args, **kw)
             rin._flags(ok)          # the policy on this pass's flags (may restart the round without bad rows)
