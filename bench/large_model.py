@@ -48,6 +48,9 @@ from fedkernels.sources import CPU_CHUNK_BYTES, READ_BYTES  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METHODS = ("fedavg", "kuramoto", "fedaware")
+# --dtype int8: the clients' rows compressed by compress.kind=int8_block (int8 codes + one float32 scale per
+# INT8_BLOCK columns, in a second file), FedAvg on them through sources.BlockCodeFile + compress.aggregate_compressed
+INT8_BLOCK = 256
 
 
 def write_updates(path: str, K: int, d: int, dtype: torch.dtype, block: int = 1 << 24) -> float:
@@ -170,6 +173,125 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
             "read_mode": src.source.read_mode, "result_ok": ok, "info": info}
 
 
+def fio_floor(path: str, K: int, size: int) -> dict:
+    """The device's parallel direct-read bandwidth over the (cold) file, with ``fio`` (Debian: apt-get install fio):
+    ``rows``: the file sources' pattern, K streams (one per client row, as the sources read every row of a
+    block) of READ_BYTES / K direct reads each, one at a time per stream (psync); ``deep``: the same K streams with
+    libaio, 4 reads in flight each. ``floor_GBps`` is the faster: what no reader of this file can beat here."""
+    if shutil.which("fio") is None:
+        return {"fio": "not installed (apt-get install -y fio)"}
+    out = {}
+    per = size // K // 4096 * 4096          # direct reads: offsets in multiples of 4096
+    for name, extra in (("rows", ["--ioengine=psync", "--iodepth=1"]), ("deep", ["--ioengine=libaio", "--iodepth=4"])):
+        drop_cache(path)
+        bs = max(4096, (READ_BYTES // K) // 4096 * 4096)
+        cmd = ["fio", f"--name={name}", f"--filename={path}", "--rw=read", "--direct=1", f"--bs={bs}",
+               f"--numjobs={K}", f"--size={per // bs * bs}", f"--offset_increment={per}", "--group_reporting",
+               "--output-format=json", "--readonly"] + extra
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            out[name] = {"error": r.stderr.strip()[-300:]}
+            continue
+        j = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]["read"]
+        out[name] = {"GBps": j["bw_bytes"] / 1e9, "bytes": j["io_bytes"], "s": j["runtime"] / 1e3,
+                     "bs": bs, "streams": K, "cmd": " ".join(cmd[1:])}
+    rates = [v["GBps"] for v in out.values() if isinstance(v, dict) and "GBps" in v]
+    if rates:
+        out["floor_GBps"] = max(rates)
+        out["floor_s_one_pass"] = size / (max(rates) * 1e9)
+    return out
+
+
+def write_int8_updates(path: str, scales_path: str, K: int, d: int, block: int = 1 << 24) -> float:
+    """K rows of d int8 codes (R precomputed random blocks picked by a hash of (row, block), as write_updates)
+    and their float32 scales (one per INT8_BLOCK columns); returns seconds (fsync included)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randint(-127, 128, (block,), generator=g, dtype=torch.int8).view(torch.uint8).numpy()
+              for _ in range(8)]
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for k in range(K):
+            for i, a in enumerate(range(0, d, block)):
+                f.write(memoryview(blocks[hash((k, i)) % 8][: min(block, d - a)]))
+        f.flush()
+        os.fsync(f.fileno())
+    nb = -(-d // INT8_BLOCK)
+    (torch.rand(K, nb, generator=g) * 1e-3).numpy().tofile(scales_path)
+    return time.perf_counter() - t0
+
+
+def child_int8(path: str, scales_path: str, K: int, d: int, threads: int) -> dict:
+    """FedAvg over the int8 file in this (fresh) process: sources.BlockCodeFile (column blocks of READ_BYTES,
+    O_DIRECT when the file exceeds the available memory) summed block by block by ops.dequant_weighted_sum
+    into the fp32 model (compress.aggregate_compressed: FedAvg's own round)."""
+    from fedkernels import algorithms, compress
+    from fedkernels.sources import BlockCodeFile
+    torch.set_num_threads(threads)
+    src = BlockCodeFile(path, scales_path, K, d, INT8_BLOCK)
+    x = torch.zeros(d)
+    n = list(range(10, 10 + K))
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    load0 = load()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    res = compress.aggregate_compressed(algorithms.build("fedavg"), x, src, n, list(range(K)), kind="int8_block")
+    t = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    new = res.params
+    ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
+    read = src.nbytes
+    return {"method": "fedavg", "dtype": "int8", "block": INT8_BLOCK, "time_s": t, "passes_over_U": 1,
+            "bytes_read": read, "bytes_written_table": 0, "GBps_read": read / t / 1e9,
+            "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+            "rss_before_round_GB": rss0 * 1024 / 1e9, "read_block_MB": READ_BYTES / 2 ** 20,
+            "chunk_cols": src.chunk_cols(), "torch_threads": threads, "loadavg_before": load0,
+            "loadavg_after": load(), "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+            "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
+            "read_mode": src.codes.read_mode, "result_ok": ok, "info": {"codec": "int8_block(block=256)"}}
+
+
+def run_int8(args, save=lambda res: None) -> dict:
+    """The int8 row: write the K x d int8 file and its scales, dd and fio floors, FedAvg in a fresh process."""
+    K, d = args.K, int(args.d)
+    size = K * d
+    path = os.path.join(args.dir, f"fedkernels_large_Q_{K}x{d}.int8")
+    spath = path + ".scales"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    res = {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": "int8", "block": INT8_BLOCK,
+           "file_GB": size / 1e9, "scales_GB": 4 * K * -(-d // INT8_BLOCK) / 1e9, "dir": args.dir,
+           "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+           "complete": False, "methods": [],
+           "notes": "floor: fio's parallel direct reads of the same cold file (fio_floor: K streams as the sources "
+                    "read them, and 4 reads in flight each), dd (one buffered sequential reader) beside it"}
+    try:
+        t_write = write_int8_updates(path, spath, K, d)
+        res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
+        res.update(dd_floor(path))
+        res["dd_GBps"] = size / res["dd_s"] / 1e9
+        res["fio"] = fio_floor(path, K, size)
+        save(res)
+        drop_cache(path)
+        code = (f"import json; from bench.large_model import child_int8; print(json.dumps(child_int8({path!r}, "
+                f"{spath!r}, {K}, {d}, {args.threads})))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        if r.returncode != 0:
+            raise SystemExit(f"large_model: the int8 round failed:\n{r.stderr[-2000:]}")
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        row["floor_dd_s"] = res["dd_s"]
+        if "floor_GBps" in res["fio"]:
+            row["floor_s"] = row["bytes_read"] / (res["fio"]["floor_GBps"] * 1e9)
+            row["vs_floor"] = row["floor_s"] / row["time_s"]
+        res["methods"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "info"}), flush=True)
+        save(res)
+    finally:
+        for f in (path, spath):
+            if os.path.exists(f):
+                os.remove(f)
+    res["complete"] = True
+    return res
+
+
 def disk_needed(K: int, d: int, dtype: torch.dtype, methods) -> int:
     """Bytes the run writes to --dir: the update file, the fp32 output, FedAWARE's N = K table."""
     size = K * d * torch.empty(0, dtype=dtype).element_size()
@@ -203,6 +325,7 @@ def run(args, save=lambda res: None) -> dict:
         res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
         res.update(dd_floor(path))
         res["dd_GBps"] = size / res["dd_s"] / 1e9
+        res["fio"] = fio_floor(path, K, size)       # the device's parallel direct-read bandwidth: the honest floor
         rp = read_path(path, K, d, dtype, args.chunk_mb)
         res["read_path"] = dict(rp, vs_dd=res["dd_s"] / rp["read_s"], chunk_MB=args.chunk_mb)
         save(res)
@@ -216,6 +339,9 @@ def run(args, save=lambda res: None) -> dict:
             row = json.loads(r.stdout.strip().splitlines()[-1])
             row["floor_s"] = row["passes_over_U"] * res["dd_s"]
             row["vs_floor"] = row["floor_s"] / row["time_s"]
+            if "floor_GBps" in res["fio"]:
+                row["fio_floor_s"] = row["passes_over_U"] * res["fio"]["floor_s_one_pass"]
+                row["vs_fio_floor"] = row["fio_floor_s"] / row["time_s"]
             if row["bytes_written_table"]:
                 row["floor_with_table_s"] = row["floor_s"] + 2 * res["dd_s"] + t_write
                 row["vs_floor_with_table"] = row["floor_with_table_s"] / row["time_s"]
@@ -237,7 +363,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=float, default=1e8, help="parameters per client (default 1e8)")
     ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(DTYPES) + ["int8"], default="bf16",
+                    help="the update file's dtype; int8: compress.kind=int8_block rows (FedAvg only)")
     ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
     ap.add_argument("--chunk-mb", type=int, default=CPU_CHUNK_BYTES >> 20,
                     help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
@@ -260,7 +387,9 @@ def main(argv=None):
         ap.error(f"--d and --K must be positive integers, got {args.d}, {args.K}")
     if not os.path.isdir(args.dir):
         ap.error(f"--dir: {args.dir!r} is not a directory")
-    need, free = disk_needed(args.K, int(args.d), DTYPES[args.dtype], args.methods), shutil.disk_usage(args.dir).free
+    need = (args.K * int(args.d) * 1.02 if args.dtype == "int8" else
+            disk_needed(args.K, int(args.d), DTYPES[args.dtype], args.methods))
+    free = shutil.disk_usage(args.dir).free
     if need + args.margin_gb * 1e9 > free:
         ap.error(f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
                  f"{need / 1e9:.1f} GB + --margin-gb {args.margin_gb} GB: lower --d")
@@ -274,7 +403,7 @@ def main(argv=None):
         with open(path + ".tmp", "w") as f:
             json.dump({"benchmark": "large_model", "runs": runs + [res]}, f, indent=1)
         os.replace(path + ".tmp", path)
-    save(run(args, save))
+    save(run_int8(args, save) if args.dtype == "int8" else run(args, save))
     print(f"wrote {path}")
 
 

@@ -432,6 +432,30 @@ def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 # ---- end of references -----------------------------------------------------------------------
 
 
+# ---- adaptive server optimiser (FedAdam / FedYogi / FedAdagrad) --------------------------------
+def server_opt_step(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
+                    beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
+                    from_model: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 reference of ops.server_opt_step_, Flower's FedOpt arithmetic (fedadam.py / fedyogi.py /
+    fedadagrad.py) on float64 copies: returns (new model, m, v) in float64; the inputs are not modified.
+    g = io (or io - x), m = beta_1 m + (1 - beta_1) g, v per ``rule``, new = x + lr m / (sqrt(v) + tau)."""
+    x64 = x.detach().to(torch.float64)
+    g = io.detach().to(torch.float64)
+    if from_model:
+        g = g - x64
+    m1 = beta_1 * m.to(torch.float64) + (1.0 - beta_1) * g
+    v0 = v.to(torch.float64)
+    if rule == "adam":
+        v1 = beta_2 * v0 + (1.0 - beta_2) * (g * g)
+    elif rule == "yogi":
+        v1 = v0 - (1.0 - beta_2) * (g * g) * torch.sign(v0 - g * g)
+    elif rule == "adagrad":
+        v1 = v0 + g * g
+    else:
+        raise ValueError(f"server_opt_step: unknown rule {rule!r}")
+    return x64 + lr * m1 / (torch.sqrt(v1) + tau), m1, v1
+
+
 # ---- per-column selection (coordinate-wise median, trimmed mean, Bulyan) -------------------------
 def _selected64(U: torch.Tensor, rows: RowsLike) -> torch.Tensor:
     idx = _rows_idx(rows, U.size(0), U.device)
@@ -466,3 +490,38 @@ def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Ten
 
 def closest_mean_screened(U: torch.Tensor, beta: int, rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
     return closest_mean(U, beta, rows), finite_rows(U.index_select(0, _rows_idx(rows, U.size(0), U.device)))
+def dequantize_blocks(Q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """float64 [K, d]: scales[k, j // block] * Q[k, j] (int8 or float8_e4m3fn codes, exact in float64)."""
+    d = Q.size(1)
+    s = scales.to(torch.float64).repeat_interleave(block, dim=1)[:, :d]
+    return s * Q.to(torch.float64)
+
+
+def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, block: int,
+                         base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
+                         out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(base + alpha * sum_i coef_i dequant(Q)[rows_i] in float64, the rows' flags: every scale finite and
+    no NaN code)."""
+    D = dequantize_blocks(Q, scales, block)
+    r = _rows_idx(rows, Q.size(0), Q.device)
+    ok = torch.isfinite(scales.index_select(0, r)).all(1) & ~torch.isnan(D.index_select(0, r)).any(1)
+    return weighted_sum(D, coef, base, alpha, rows), ok
+
+
+def sparse_weighted_sum(idx: torch.Tensor, val: torch.Tensor, offsets: object, coef: CoefLike, d: int,
+                        base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
+                        out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(base + alpha * sum_i coef_i scatter(list rows_i) in float64, each list's finite flag): the lists
+    densified one by one (index_add_ sums duplicates)."""
+    o = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+    K = o.numel() - 1
+    dense = torch.zeros(K, d, dtype=torch.float64)
+    ok = torch.ones(K, dtype=torch.bool)
+    for k in range(K):
+        a, b = int(o[k]), int(o[k + 1])
+        v = val[a:b].cpu().to(torch.float64)
+        dense[k].index_add_(0, idx[a:b].cpu().to(torch.int64), v)
+        ok[k] = bool(torch.isfinite(v).all())
+    r = _rows_idx(rows, K, "cpu")
+    b64 = None if base is None else base.cpu()
+    return weighted_sum(dense, coef, b64, alpha, rows), ok.index_select(0, r)

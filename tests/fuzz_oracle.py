@@ -40,10 +40,14 @@ FLOAT_NAMES = list(FLOATS)
 OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
               "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
-              "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
+              "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
+              "dequant_weighted_sum", "sparse_weighted_sum"]
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
-FUZZED_VIA = {"BEStepWindow": "fedecado_be_step"}
+FUZZED_VIA = {"BEStepWindow": "fedecado_be_step", "stack_lists": "sparse_weighted_sum"}
+# the selection ops, through the robust aggregators that call them (agg:median, agg:trimmed_mean, agg:bulyan)
+FUZZED_VIA.update(dict.fromkeys(("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"),
+                                "agg:median"))
 
 # public names of fedkernels.ops that are not data-path ops (the sharded-mode hooks)
 NOT_DATA_OPS = {"reduce_across", "active_reducer", "Reducer"}
@@ -316,6 +320,22 @@ def _gen_gc_sgd_step_inplace(rnd, c):
     c["corr"] = None
     if c["gc"] in (None, "bad_len"):
         c["gc"] = True
+
+
+def _gen_server_opt_step_inplace(rnd, c):
+    c["d"] = rnd.choice([0, 1, 2, 7, 64, 1001, 4097])
+    c["dtype"] = rnd.choice(["fp32", "fp32", "fp64", "fp64", "fp16", "bf16", "i64"])
+    c["state"] = rnd.choice(["fp32", "fp32", "fp64", "fp16"])
+    c["rule"] = rnd.choice(["adam", "yogi", "adagrad", "adam", "yogi", "adagrad", "sgd"])
+    c["values"] = rnd.choice(["normal", "normal", "normal", "scaled", "zeros", "ints", "denormal", "huge", "nan",
+                              "inf"])
+    c["layout"] = rnd.choice(["contig", "contig", "strided"])
+    c["from_model"] = rnd.choice([False, True])
+    c["lr"] = rnd.choice([0.1, 0.01, 0.0, -0.5, 1e3, float("nan")])
+    c["tau"] = rnd.choice([1e-9, 1e-3, 1e-3, 0.0, -1.0])
+    c["beta_1"] = rnd.choice([0.9, 0.9, 0.0, 0.5, 1.0, 1.5])
+    c["beta_2"] = rnd.choice([0.99, 0.99, 0.0, 0.9, 1.0, -0.1])
+    c["bad"] = rnd.choice([None] * 10 + ["len", "alias", "io_dtype"])
 
 
 def _gen_dvec(rnd, c):
@@ -1498,6 +1518,98 @@ def _run_gc_sgd_step_(g, c):
     return _run_sgd(g, c, "gc_sgd_step_")
 
 
+def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from_model=False):
+    """float64 recomputation of ops.server_opt_step_ and the bound on |got - want| that its arithmetic
+    allows: (want, m', v', tol of the new model, tol of m', tol of v', may). The pseudo-gradient (io, or
+    io - x) and Yogi's sign of v - g^2 are formed as the kernel forms them, in the state's precision
+    (at a tie the sign depends on the precision, not on the kernel). Bounds, with e = eps of the state:
+    m' = fma(b1, m, c1 g): 2e (|b1 m| + |c1 g|) (the rounded coefficients, the product, the fma);
+    v': 3e (|b2 v| + c2 g^2) (adam), 3e (|v| + c2 g^2) (yogi), e (v + g^2) (adagrad); sqrt(v') moves by
+    min(dv / (2 sqrt v'), sqrt(dv)) + e sqrt(v'), the + tau by e of the sum; the step lr m' / den then
+    moves by |lr| (dm + |step / lr| dden) / den_lo + 3e |step|; the add to x and the rounding to the
+    model's dtype by e |new| + eps(dt) |new|. ``may``: where an intermediate leaves the state's range (or
+    tau = 0 meets a v' near the subnormals): nothing is asserted there but NaN/Inf propagation."""
+    f64 = torch.float64
+    gA = (g.to(sdt) - x.to(sdt)) if from_model else g.to(sdt)
+    g2A = gA * gA                                                     # rounded in the state's precision
+    g64, x64, m64, v64 = gA.to(f64), x.to(f64), m.to(f64), v.to(f64)
+    b1, b2, e, fi = beta_1, beta_2, _eps(sdt), torch.finfo(sdt)
+    sub = fi.tiny * e
+    m1 = b1 * m64 + (1 - b1) * g64
+    gg = g64 * g64
+    if rule == "adam":
+        v1 = b2 * v64 + (1 - b2) * gg
+        dv = 3 * e * (b2 * v64.abs() + (1 - b2) * gg)
+    elif rule == "yogi":
+        s = torch.sign(v.to(sdt) - g2A).to(f64).nan_to_num(0.0)
+        v1 = v64 - (1 - b2) * gg * s
+        v1 = torch.where(torch.isnan(g2A) | torch.isnan(v) | (torch.isinf(g2A) & torch.isinf(v)),
+                         torch.full_like(v1, float("nan")), v1)
+        dv = 3 * e * (v64.abs() + (1 - b2) * gg)
+    else:
+        v1 = v64 + gg
+        dv = e * (v64.abs() + gg)
+    dv = dv + 4 * sub
+    dm = 2 * e * (b1 * m64.abs() + (1 - b1) * g64.abs()) + 4 * sub
+    rv = torch.sqrt(v1)
+    dden = torch.minimum(dv / (2 * rv), torch.sqrt(dv)) + e * (rv + tau)
+    den = rv + tau
+    step = lr * m1 / den
+    want = x64 + step
+    den_lo = (den - dden).clamp_min(0)
+    with torch.no_grad():
+        tol = abs(lr) * (dm + (m1 / den).abs() * dden) / den_lo + 3 * e * step.abs() \
+            + e * want.abs() + _eps(dt) * want.abs() + torch.finfo(dt).tiny
+    big = fi.max / 4
+    may = (gg >= big) | (m1.abs() >= big) | (v1 >= big) | (want.abs() * 1.01 >= torch.finfo(dt).max) \
+        | (den_lo == 0) | ((v1 < 2 ** 30 * fi.tiny) & (tau == 0))
+    inf = float("inf")
+    return (want, m1, v1, torch.where(may, torch.full_like(tol, inf), tol).nan_to_num(inf),
+            torch.where(may, torch.full_like(dm, inf), dm), torch.where(may, torch.full_like(dv, inf), dv), may)
+
+
+def _run_server_opt_step_(g, c):
+    """The fused server-optimiser step against server_opt_expected (float64, with its derived bound)."""
+    dt, d = DTYPES[c["dtype"]], c["d"]
+    sdt = FLOATS[c["state"]]
+    x = _values(g, [d], dt, "normal")
+    io = _values(g, [d], dt, c["values"])
+    if c["from_model"] and dt.is_floating_point:
+        io = (x.to(torch.float64) + io.to(torch.float64)).to(dt)
+    m = _values(g, [d], sdt, "normal") * 0.1
+    v = _values(g, [d], sdt, "normal").abs() * 0.01
+    if c["values"] in ("nan", "inf") and d:
+        v[0] = float("inf") if c["values"] == "inf" else v[0]
+    if c["layout"] == "strided":
+        def strided(t):
+            big = torch.zeros(2 * d, dtype=t.dtype)
+            big[::2] = t
+            return big[::2]
+        x, io, m, v = strided(x), strided(io), strided(m), strided(v)
+    io0, m0, v0 = io.clone(), m.clone(), v.clone()
+    bad = c["bad"]
+    args = dict(rule=c["rule"], lr=c["lr"], beta_1=c["beta_1"], beta_2=c["beta_2"], tau=c["tau"],
+                from_model=c["from_model"])
+    xa = x
+    if bad == "len":
+        xa = torch.zeros(d + 1, dtype=dt)
+    elif bad == "io_dtype":
+        io = io.to(torch.float64 if dt != torch.float64 else torch.float32)
+    ops.server_opt_step_(io, m, x if bad == "alias" else v, xa, **args)
+    invalid = (bad is not None and not (bad == "alias" and d == 0)) or c["rule"] not in ops.SERVER_OPT_RULES or not math.isfinite(c["lr"]) \
+        or c["tau"] < 0 or not 0 <= c["beta_1"] <= 1 or not 0 <= c["beta_2"] <= 1 or not dt.is_floating_point \
+        or sdt not in (torch.float32, torch.float64) or (dt == torch.float64 and sdt != torch.float64)
+    if invalid:
+        raise Fail(f"server_opt_step_ accepted invalid input (bad={bad}, rule={c['rule']}, dtype={c['dtype']}, "
+                   f"state={c['state']}, lr={c['lr']}, tau={c['tau']}, betas={c['beta_1']}, {c['beta_2']})")
+    want, m1, v1, tol, tol_m, tol_v, may = server_opt_expected(
+        x, io0, m0, v0, c["rule"], c["lr"], c["beta_1"], c["beta_2"], c["tau"], sdt, dt, c["from_model"])
+    _check_close("server_opt_step_: io", io, want, tol, may)
+    _check_close("server_opt_step_: m", m, m1, tol_m, may)
+    _check_close("server_opt_step_: v", v, v1, tol_v, may)
+    return "ok"
+
+
 def _run_dvec(g, c, name):
     dt = torch.bool if c["dtype"] == "bool" else DTYPES[c["dtype"]]
     src = _values(g, c["shape"], torch.float64 if dt == torch.bool else dt, c["values"])
@@ -1585,7 +1697,27 @@ def _agg_options(name: str, c) -> Dict[str, Any]:
         kw["lam"] = [0.5, 0.0, 1.0, 0.3][o]
     elif name == "fedecado":
         kw["hessian"] = ["identity", "none", "hutchinson", "identity"][o]
+    elif name in ROBUST_OPTIONS:
+        kw.update(ROBUST_OPTIONS[name][o])
     return kw
+
+
+# the robust rules' option sets (by c["opts"]) and the clients each needs per round (their one-line ValueError)
+ROBUST_OPTIONS = {
+    "trimmed_mean": [{}, {"beta": 0.1}, {"beta": 0.45}, {"beta": 0.0}],
+    "krum": [{}, {"f": 1}, {"f": 1, "m": 2}, {"m": 3, "weighting": "uniform"}],
+    "bulyan": [{}, {"f": 1}, {}, {"f": 2}],
+    "geometric_median": [{}, {"iterations": 1}, {"iterations": 5, "weighting": "uniform"}, {"ftol": 0.0}],
+    "centered_clip": [{}, {"tau": 0.5, "iterations": 2}, {"tau": 1e-3}, {"iterations": 3}],
+}
+
+
+def _robust_bound(name: str, kw: Dict[str, Any], e: Exception, K_given: int, K_kept: int) -> bool:
+    """Whether ``e`` is a robust rule's one-line refusal of too few clients, and rightly so."""
+    f, m = kw.get("f", 0), kw.get("m", 1)
+    need = {"krum": max(2 * f + 3, m), "bulyan": 4 * f + 3}.get(name)
+    return need is not None and isinstance(e, ValueError) and "needs K >= " in str(e) \
+        and str(e).startswith(f"{name}: ") and min(K_given, K_kept) < need
 
 
 def _payloads(name, agg, K, d, dt, g, kw, ids):
@@ -1798,6 +1930,10 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
             return (x64 + lr * _sum_rows64(M64, coef, rows),
                     (coef.abs()[:, None] * M64[rows].abs()).sum(0) if rows.numel() else torch.zeros_like(x64))
         return None, None
+    if name in ("median", "trimmed_mean"):       # per column, the mean of the sorted values lo..hi-1
+        lo = int(kw.get("beta", 0.2) * K) if name == "trimmed_mean" else (K - 1) // 2
+        hi = K - lo if name == "trimmed_mean" else K // 2 + 1
+        return x64 + lr * torch.sort(U64, dim=0).values[lo:hi].mean(0), U64.abs().amax(0) if K else x64.abs()
     return None, None
 
 
@@ -1833,6 +1969,11 @@ def _run_agg(g, c):
             why = _clean_rejection(e, names)
             if why:
                 raise Fail(f"round {r}: {why}\n{traceback.format_exc(limit=4)}")
+            K_given = len(args["updates"]) if isinstance(args["updates"], (list, tuple)) else \
+                (args["updates"].size(0) if isinstance(args["updates"], torch.Tensor) and args["updates"].dim() == 2
+                 else 0)
+            if _robust_bound(name, kw, e, K_given, K_given - len(set(bad_rows))):
+                return "rejected"
             if expect == "valid" and not (c["layout"] == "expanded" or c["d"] == 0):
                 raise Fail(f"round {r}: valid input rejected: {type(e).__name__}: {e}")
             if expect == "bad_rows" and c["policy"] == "exclude":
@@ -1913,6 +2054,8 @@ OP_ARG_NAMES = {
     "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"], "any_flag": ["any_flag", "mask"],
     "amax_d": ["amax_d", "x"], "mean_d": ["mean_d", "x"],
     "lu_solve": ["lu_solve", "lu_factor", "LU", "piv", "pivots", "B"],
+    "server_opt_step_": ["server_opt_step_", "io", "m", "v", "x", "rule", "lr", "beta_1", "beta_2", "tau"],
+    "dequant_weighted_sum": ["dequant_weighted_sum"], "sparse_weighted_sum": ["sparse_weighted_sum"],
 }
 
 
@@ -1933,3 +2076,208 @@ def execute(case: Dict[str, Any]) -> Tuple[str, str]:
         if why:
             return "fail", why + "\n" + traceback.format_exc(limit=6)
         return "rejected", f"{type(e).__name__}: {str(e)[:200]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed rows: dequant_weighted_sum (int8 / fp8 blocks) and sparse_weighted_sum (index/value lists)
+# ---------------------------------------------------------------------------------------------
+def _gen_dequant_weighted_sum(rnd, c):
+    c["K"] = _K(rnd)
+    c["d"] = _d(rnd, c["K"])
+    c["code"] = rnd.choice(["int8"] * 5 + ["fp8"] * 5 + ["fp32"])
+    c["block"] = rnd.choice([1, 2, 3, 7, 64, 100, 4096] * 3 + [0, -3, 2.5])
+    c["scales"] = rnd.choice(["ok"] * 8 + ["nan", "inf", "huge", "zeros", "wrong_shape", "f64"])
+    c["codes"] = rnd.choice(["random", "random", "extreme", "nan_code"])
+    c["layout"] = rnd.choice(["contig", "contig", "colslice"])
+    c["rows"] = rnd.choice([None] * 4 + ["subset", "subset", "dups", "empty", "bad_range"])
+    c["coef"] = rnd.choice(["f64"] * 6 + ["big", "neg", "neg", "nan", "wrong_len"])
+    c["alpha"] = rnd.choice([1.0] * 5 + [0.0, -0.5, 1e30, float("nan")])
+    c["result"] = rnd.choice(["default", "default", "f64", "base32", "base32", "base64", "base16", "conflict"])
+
+
+def _dq_rows(g, c, K):
+    kind = c["rows"]
+    if kind is None:
+        return None
+    if kind == "empty":
+        return []
+    if kind == "bad_range":
+        return [0, K]
+    if K == 0:
+        return []
+    n = int(torch.randint(1, K + 1, (1,), generator=g))
+    r = torch.randint(0, K, (n,), generator=g).tolist()
+    return r if kind == "dups" else sorted(set(r))
+
+
+def _compressed_coef(g, kind: str, n: int) -> torch.Tensor:
+    return {"f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
+            "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
+            "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
+            "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
+            "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64)}[kind]()
+
+
+def _run_dequant_weighted_sum(g, c):
+    """(out, ok) vs the float64 reference: flags exactly; out within (n + 2) eps of the accumulation type times
+    the sum of magnitudes (one rounding per weight, one fma per code); non-finite exactly where the reference is,
+    except where a partial sum may pass float32's range."""
+    K, d, block = c["K"], c["d"], c["block"]
+    bad_block = not isinstance(block, int) or block < 1
+    nb = -(-d // block) if not bad_block else 1
+    if c["code"] == "int8":
+        Q = torch.randint(-128, 128, (K, d + 3), generator=g).to(torch.int8)
+        if c["codes"] == "extreme":
+            Q.fill_(-128)
+    else:
+        Q = (torch.randn(K, d + 3, generator=g, dtype=torch.float64) * 60).to(torch.float32)
+        if c["codes"] == "extreme":
+            Q.fill_(448.0)
+        if c["code"] == "fp8":
+            Q = Q.to(torch.float8_e4m3fn)
+            if c["codes"] == "nan_code" and K and d:
+                Q.view(torch.uint8)[int(torch.randint(0, K, (1,), generator=g)), 0] = 0xFF
+    Q = Q[:, :d] if c["layout"] == "contig" else Q[:, 3:3 + d]
+    if c["layout"] == "contig":
+        Q = Q.contiguous()
+    S = torch.rand(K, nb, generator=g) * 0.01
+    if K and nb:
+        if c["scales"] == "nan":
+            S[int(torch.randint(0, K, (1,), generator=g)), -1] = float("nan")
+        elif c["scales"] == "inf":
+            S[0, 0] = float("inf")
+        elif c["scales"] == "huge":
+            S.fill_(3e38)
+        elif c["scales"] == "zeros":
+            S.zero_()
+    if c["scales"] == "wrong_shape":
+        S = torch.rand(K, nb + 1, generator=g)
+    elif c["scales"] == "f64":
+        S = S.double()
+    rows = _dq_rows(g, c, K)
+    n = K if rows is None else len(rows)
+    coef = _compressed_coef(g, c["coef"], n)
+    kw: Dict[str, Any] = {}
+    res = c["result"]
+    if res == "f64":
+        kw["out_dtype"] = torch.float64
+    elif res.startswith("base"):
+        kw["base"] = torch.randn(d, generator=g).to({"base32": torch.float32, "base64": torch.float64,
+                                                     "base16": torch.float16}[res])
+    elif res == "conflict":
+        kw["base"], kw["out_dtype"] = torch.zeros(d), torch.float64
+    out, ok = ops.dequant_weighted_sum(Q, S, coef, block, alpha=c["alpha"], rows=rows, **kw)
+    invalid = [why for why, bad in (("code dtype", c["code"] == "fp32"), ("block", bad_block),
+                                    ("scales", c["scales"] in ("wrong_shape", "f64")), ("rows", c["rows"] == "bad_range"),
+                                    ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0), ("alpha", c["alpha"] != c["alpha"]),
+                                    ("result", res in ("base16", "conflict"))) if bad]
+    if invalid:
+        raise Fail(f"dequant_weighted_sum accepted an invalid {invalid[0]}")
+    want, wok = reference.dequant_weighted_sum(Q, S, coef, block, kw.get("base"), c["alpha"], rows)
+    if ok.dtype != torch.bool or not torch.equal(ok, wok):
+        raise Fail(f"dequant_weighted_sum: flags {ok.tolist()[:8]} != reference {wok.tolist()[:8]}")
+    odt = out.dtype
+    if odt != (kw["base"].dtype if "base" in kw else kw.get("out_dtype", torch.float32)):
+        raise Fail(f"dequant_weighted_sum: result dtype {odt}")
+    A = reference.dequantize_blocks(Q, S, block).abs()
+    r = torch.arange(K) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    mag = (coef.abs() * abs(c["alpha"])) @ A[r] if n else torch.zeros(d, dtype=torch.float64)
+    if "base" in kw:
+        mag = mag + kw["base"].double().abs()
+    tol = (n + 2) * _eps(odt) * mag + 1e-300
+    _check_close("dequant_weighted_sum", out, want, tol, ~torch.isfinite(mag) | (mag > 1e38))
+    return "ok"
+
+
+def _gen_sparse_weighted_sum(rnd, c):
+    c["K"] = _K(rnd)
+    c["d"] = rnd.choice([0, 1, 2, 7, 100, 5000, 20000])
+    c["nnz"] = rnd.choice([0, 1, 5, 50, 2000])
+    c["idx"] = rnd.choice(["i64"] * 4 + ["i32"] * 4 + ["f32"])
+    c["val"] = rnd.choice(["fp32"] * 4 + ["fp64", "fp64", "bf16", "fp16", "i64"])
+    c["order"] = rnd.choice(["sorted"] * 8 + ["unsorted", "out_of_range", "negative"])
+    c["values"] = rnd.choice(["normal"] * 4 + ["nan", "inf", "huge"])
+    c["offsets"] = rnd.choice(["ok"] * 8 + ["not_zero", "short", "decreasing", "float"])
+    c["rows"] = rnd.choice([None] * 4 + ["subset", "subset", "dups", "empty", "bad_range"])
+    c["coef"] = rnd.choice(["f64"] * 6 + ["big", "neg", "neg", "nan", "wrong_len"])
+    c["alpha"] = rnd.choice([1.0] * 5 + [0.0, -0.5, 1e30, float("nan")])
+    c["result"] = rnd.choice(["default", "default", "f64", "base32", "base32", "base64", "base16"])
+
+
+def _run_sparse_weighted_sum(g, c):
+    """(out, ok) vs the float64 reference (lists densified by index_add_): flags exactly; out within
+    (n m + 2) eps times the sum of magnitudes (m: the longest list), NaN/Inf where the reference has them."""
+    K, d = c["K"], c["d"]
+    lens = [int(torch.randint(0, c["nnz"] + 1, (1,), generator=g)) if d else 0 for _ in range(K)]
+    idx_l = [torch.randint(0, max(d, 1), (m,), generator=g).sort().values for m in lens]
+    off = torch.tensor([0] + lens).cumsum(0)
+    idx = torch.cat(idx_l) if K else torch.zeros(0, dtype=torch.int64)
+    nnz = idx.numel()
+    vdt = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "i64": torch.int64}[c["val"]]
+    val = torch.randn(nnz, generator=g, dtype=torch.float64)
+    if nnz:
+        if c["values"] == "nan":
+            val[int(torch.randint(0, nnz, (1,), generator=g))] = float("nan")
+        elif c["values"] == "inf":
+            val[-1] = float("-inf")
+        elif c["values"] == "huge":
+            val.fill_(3e38)
+    val = val.to(vdt) if vdt != torch.int64 else val.nan_to_num().clamp(-1e9, 1e9).to(torch.int64)
+    broken = None
+    if nnz and c["order"] == "unsorted" and any(m >= 2 and bool((t[1:] > t[:-1]).any()) for m, t in zip(lens, idx_l)):
+        for k, t in enumerate(idx_l):
+            if lens[k] >= 2 and bool((t[1:] > t[:-1]).any()):
+                a = int(off[k])
+                idx[a:a + lens[k]] = idx[a:a + lens[k]].flip(0)
+                broken = "order"
+                break
+    elif nnz and c["order"] == "out_of_range":
+        idx[-1], broken = d, "range"
+    elif nnz and c["order"] == "negative":
+        idx[0], broken = -1, "range"
+    idx = {"i64": idx, "i32": idx.to(torch.int32), "f32": idx.float()}[c["idx"]]
+    offsets: Any = off
+    if c["offsets"] == "not_zero":
+        offsets = off + 1
+    elif c["offsets"] == "short":
+        offsets = off[:-1] if K else torch.tensor([1])
+    elif c["offsets"] == "decreasing" and K >= 2 and lens[0] > 0:
+        offsets = off.clone()
+        offsets[1] = nnz + 1
+    elif c["offsets"] == "float":
+        offsets = off.double()
+    K_seen = offsets.numel() - 1 if isinstance(offsets, torch.Tensor) else K
+    rows = _dq_rows(g, c, K_seen)
+    n = K_seen if rows is None else len(rows)
+    coef = _compressed_coef(g, c["coef"], n)
+    kw: Dict[str, Any] = {}
+    if c["result"] == "f64":
+        kw["out_dtype"] = torch.float64
+    elif c["result"].startswith("base"):
+        kw["base"] = torch.randn(d, generator=g).to({"base32": torch.float32, "base64": torch.float64,
+                                                     "base16": torch.float16}[c["result"]])
+    out, ok = ops.sparse_weighted_sum(idx, val, offsets, coef, d, alpha=c["alpha"], rows=rows, **kw)
+    offsets_bad = c["offsets"] in ("not_zero", "float") or (c["offsets"] == "short" and (K == 0 or nnz != int(off[-2]))) \
+        or (c["offsets"] == "decreasing" and K >= 2 and lens[0] > 0)
+    invalid = [why for why, bad in (("idx dtype", c["idx"] == "f32"), ("val dtype", c["val"] == "i64"),
+                                    ("index", broken is not None), ("offsets", offsets_bad),
+                                    ("rows", c["rows"] == "bad_range"), ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0),
+                                    ("alpha", c["alpha"] != c["alpha"]), ("base", c["result"] == "base16")) if bad]
+    if invalid:
+        raise Fail(f"sparse_weighted_sum accepted an invalid {invalid[0]} ({c})")
+    want, wok = reference.sparse_weighted_sum(idx, val, offsets, coef, d, kw.get("base"), c["alpha"], rows)
+    if ok.dtype != torch.bool or not torch.equal(ok, wok):
+        raise Fail(f"sparse_weighted_sum: flags {ok.tolist()[:8]} != reference {wok.tolist()[:8]}")
+    o = offsets.tolist()
+    dense = torch.zeros(K_seen, d, dtype=torch.float64)
+    for k in range(K_seen):
+        dense[k].index_add_(0, idx[o[k]:o[k + 1]].long(), val[o[k]:o[k + 1]].double().abs())
+    r = torch.arange(K_seen) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    mag = (coef.abs() * abs(c["alpha"])) @ dense[r] if n else torch.zeros(d, dtype=torch.float64)
+    if "base" in kw:
+        mag = mag + kw["base"].double().abs()
+    m = max([o[k + 1] - o[k] for k in range(K_seen)] + [1])
+    tol = (n * m + 2) * _eps(out.dtype) * mag + 1e-300
+    _check_close("sparse_weighted_sum", out, want, tol, ~torch.isfinite(mag) | (mag > 1e38))
+    return "ok"

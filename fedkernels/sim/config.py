@@ -84,6 +84,18 @@ class AlgorithmConfig:
     options: Dict[str, Any] = field(default_factory=dict)  # algorithms.build(name, **options)
 
 
+@dataclass
+class CompressConfig:
+    """Compressed client updates (fedkernels.compress; sim/compression.py). kind: none | int8_block | fp8 | topk | qsgd."""
+    kind: str = "none"
+    block: Optional[int] = None          # int8_block / fp8 / qsgd: columns per scale (1..d; default min(256, d))
+    k: Optional[int] = None              # topk: entries kept (1..d), or
+    ratio: Optional[float] = None        # topk: their fraction of d, in (0, 1]
+    error_feedback: bool = False         # per-client residuals added to the next update (Stich 2018, Karimireddy 2019)
+    levels: int = 16                     # qsgd: s, in [1, 127]
+    seed: Optional[int] = None           # qsgd's stochastic rounding stream (default: the run's seed)
+
+
 def dir_label(label: str) -> str:
     """A method label as one path component of a run directory: path separators become ``_``
     (``fedavg:server_lr_schedule=dir/x.json`` would otherwise nest directories)."""
@@ -125,6 +137,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())   # Byzantine attackers (sim/attacks.py)
+    compress: CompressConfig = field(default_factory=CompressConfig)
 
     # ---- derived ---------------------------------------------------------------------------------
     def per_round(self) -> int:
@@ -145,6 +159,10 @@ class RunConfig:
     def config_hash(self, n: int = 8) -> str:
         """A short hash of everything that changes the computation (not output/progress settings)."""
         d = {k: v for k, v in self.to_dict().items() if k not in PRESENTATION_KEYS}
+        if self.attack.kind is None:      # no attack: the hash of a config without the section
+            d.pop("attack", None)
+        if d.get("compress", {}).get("kind", "none") == "none":   # uncompressed runs keep their hashes
+            d.pop("compress", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
@@ -164,6 +182,8 @@ class RunConfig:
             errs.append(f"clients_at_once={c} and {other} exclude each other: use one of them")
         if self.client_loss not in ("participants", "all", "none"):
             errs.append(f"client_loss must be participants|all|none, got {self.client_loss!r}")
+        from .compression import config_errors as _compress_errors   # the compress section's checks
+        errs += _compress_errors(self.compress, self.checkpoint_every, self.distributed)
         if self.bad_client_policy not in ("exclude", "raise"):
             errs.append(f"bad_client_policy must be exclude|raise, got {self.bad_client_policy!r}")
         t = self.train
@@ -179,6 +199,7 @@ class RunConfig:
         for nm, rg in (("lr_range", h.lr_range), ("epochs_range", h.epochs_range)):
             if rg is not None and (len(rg) != 2 or rg[0] > rg[1] or rg[0] <= 0):
                 errs.append(f"train.hetero.{nm} must be [low, high] with 0 < low <= high, got {rg}")
+        errs += attack_config_errors(self)
         if errs:
             raise ValueError("invalid config: " + "; ".join(errs))
         return self
@@ -225,6 +246,8 @@ RANGES: Dict[str, str] = {
     "train.momentum": "[0, 1)", "train.weight_decay": ">= 0", "train.lr_min": ">= 0", "train.lr_step": ">= 1",
     "train.lr_gamma": "(0, 1]", "train.grad_clip": "> 0",
 }
+RANGES.update({"compress.block": ">= 1", "compress.k": ">= 1", "compress.ratio": "(0, 1]", "compress.levels": "[1, 127]",
+               "compress.seed": ">= 0"})   # block <= d and k <= d are checked when the model is built
 
 
 def in_range(value: Any, spec: str) -> bool:
@@ -344,6 +367,7 @@ _SECTIONS = {
     (RunConfig, "data"): DataConfig, (RunConfig, "partition"): PartitionConfig,
     (RunConfig, "model"): ModelConfig, (RunConfig, "train"): TrainConfig,
     (RunConfig, "algorithm"): AlgorithmConfig, (TrainConfig, "hetero"): HeteroConfig,
+    (RunConfig, "compress"): CompressConfig,
 }
 
 
@@ -403,3 +427,27 @@ def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
         k, v = ov.split("=", 1)
         set_dotted(cfg, k.strip(), parse_value(v.strip()))
     return cfg
+
+
+@dataclass
+class AttackConfig:
+    """Byzantine attackers (``fedkernels.sim.attacks``): which clients attack and how."""
+
+    kind: Optional[str] = None           # sign_flip | scale | gaussian | alie | ipm | label_flip (null: no attack)
+    fraction: Optional[float] = None     # round(fraction * num_clients) attackers drawn from the seed, or
+    clients: Optional[List[int]] = None  # the attackers' client ids
+    factor: Optional[float] = None       # scale: the multiplier, > 0 (null: the round's K; sign_flip negates)
+    std: Optional[float] = None          # gaussian: the noise's standard deviation (null: 1.0)
+    z: Optional[float] = None            # alie: z (null: Baruch et al.'s z_max from n and f)
+    epsilon: Optional[float] = None      # ipm: epsilon (null: 0.1)
+
+
+_SECTIONS[(RunConfig, "attack")] = AttackConfig
+RANGES.update({"attack.fraction": "(0, 1)", "attack.factor": "> 0", "attack.std": "> 0", "attack.z": "> 0",
+               "attack.epsilon": "> 0"})
+
+
+def attack_config_errors(cfg: RunConfig) -> List[str]:
+    """The ``attack.*`` checks (one line each; fedkernels.sim.attacks)."""
+    from .attacks import attack_errors
+    return attack_errors(cfg)

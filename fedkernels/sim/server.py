@@ -36,13 +36,15 @@ import torch
 from torch import nn
 
 from .. import algorithms
+from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
-from . import assemble
+from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
+from . import compression
 from .batched import BatchedExecutor, for_simulation
 from .client import ClientTrainer, HeteroCompute, schedule_factor
-from .evaluate import evaluate_global
+from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
 from .executors import OneProcess, SequentialExecutor, nothing_trained
@@ -92,6 +94,7 @@ class Simulation:
         self._ready = False
         self.stop = StopRequest(self)
         self._first_round = 0
+        self.attack: Optional[attacks.Attack] = None
 
     @property
     def is_main(self) -> bool:
@@ -132,6 +135,9 @@ class Simulation:
         self.x, self.y = x.to(dev), y.to(dev)
         self.xt, self.yt = xt.to(dev), yt.to(dev)
         self.parts = [p.to(dev) for p in parts]
+        self.attack = attacks.for_run(cfg)             # Byzantine attackers (label_flip: their labels here)
+        if self.attack is not None:
+            self.y = self.attack.poison_labels(self.y, self.parts, self.num_classes)
         self.model = model = assemble.build_model(cfg, x, self.num_classes, self._model_fn).to(dev)
         self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
         self.global_flat = self.spec.flatten(model).clone()
@@ -142,6 +148,7 @@ class Simulation:
         self.schedule = sample_schedule(cfg.seed, cfg.num_clients, self.per_round, cfg.rounds)
         self.agg = self.procs.aggregator(self._build_aggregator())
         self.agg.setup(self.spec, cfg.num_clients, self.global_flat)
+        self.compression = compression.build(cfg, self.agg, self.global_flat.numel())   # None: dense updates
         rule = self.agg.client_rule()
         if rule is not None:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
@@ -193,7 +200,8 @@ class Simulation:
                 "aggregator": agg,
                 "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
                 "rng": {"torch": torch.get_rng_state() if rng is None else rng},
-                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra}
+                "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra,
+                **({"compression": self.compression.codec.state_dict()} if getattr(self, "compression", None) else {})}
 
     def load_state(self, st: Dict[str, Any]) -> None:
         """The inverse of :meth:`state` (the resume)."""
@@ -206,6 +214,8 @@ class Simulation:
         if "rng" in st and "torch" in st["rng"]:
             torch.set_rng_state(st["rng"]["torch"].cpu())
         self.metrics = list(st.get("metrics", []))
+        if getattr(self, "compression", None) is not None:      # the clients' error-feedback residuals
+            self.compression.codec.load_state_dict(st.get("compression", {}))
         self.start_round = int(st["round"])
 
     def check_resume(self) -> Optional[Dict[str, Any]]:
@@ -254,7 +264,10 @@ class Simulation:
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
         self.stop.committing = True    # from here the round changes the model: a second signal waits
         t1 = time.perf_counter()
-        new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
+        if getattr(self, "compression", None) is not None:     # the rows as the clients compressed them
+            new, info = self.compression.aggregate(self.agg, self.global_flat, U, n, ids, payloads, r)
+        else:
+            new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
             self.global_flat.copy_(new)
         self._sync()
@@ -300,6 +313,7 @@ class Simulation:
         local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
         ex = self.procs.exchange(local)                                # 3. exchange
         acc, excluded = ex["accepted"], list(ex["excluded"])
+        attacked = self.attack.corrupt(r, ex["U"], [a["cid"] for a in acc]) if self.attack is not None else None
         if not acc:                                                    # nothing to aggregate: a run error
             raise nothing_trained(r, ids, excluded)
         seen = len(excluded)
@@ -331,6 +345,10 @@ class Simulation:
         if self.is_main and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
             self.evaluate_round(r, m, [a["cid"] for a in acc])      # 5. evaluate
         m["agg"] = json_safe(info)
+        if self.attack is not None:
+            m["attack"] = self.attack.record(attacked, info)
+        if "bytes_sent" in info:                                       # compressed updates: what the clients sent
+            m["bytes_sent"], m["bytes_dense"] = info["bytes_sent"], info["bytes_dense"]
         return m
 
     # ---- the run ------------------------------------------------------------------------------------
@@ -347,6 +365,10 @@ class Simulation:
             if m.get("diverged"):
                 self.say(f"round {r + 1}: the global model is not finite; stopping (diverged)")
                 return
+            bad = non_finite_evaluation(m)
+            if bad is not None:        # (sim/checkpoint.py writes no checkpoint of this round)
+                raise RunError(f"round {r + 1}: the evaluation is not finite ({bad}) under {self.cfg.algorithm.name}; "
+                               "the run stops (its metrics and earlier checkpoints are kept)")
             if self.procs.stop_agreed(self.stop.signal):
                 self.interrupted = True
                 self._emit("on_interrupt", r + 1, None)     # a checkpoint of this round, if it has none

@@ -1,0 +1,113 @@
+"""The weighted sum of blockwise-quantised update rows, read as they are: ``dequant_weighted_sum``.
+
+``base + alpha * sum_i coef_i * dequant(Q[rows_i])`` with ``dequant(Q)[k, j] = scales[k, j // block] * Q[k, j]``
+for int8 or float8 e4m3 (``torch.float8_e4m3fn``) codes ``Q`` [K, d] and float32 scales [K, ceil(d / block)]
+(the last block of a row may be short), accumulated straight into a float32/float64 result in one pass over
+the codes, with the rows' NaN/Inf flags from the same pass (``csrc/cpu/dequant_weighted_sum.cpp``,
+``csrc/cuda/dequant_weighted_sum.cu``); float64 oracle: ``fedkernels.reference.dequant_weighted_sum``.
+No dequantised copy of ``Q`` is made: an int8 row is read as a quarter of an fp32 row's bytes.
+``coef`` and ``rows`` are small host vectors, checked on the host (see ``_checks``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from .._types import CoefLike, RowsLike
+from . import _autograd as _ag
+from ._checks import _coef, _needs_kernel, _rows, _tensor
+
+__all__ = ["dequant_weighted_sum", "CODE_DTYPES", "RESULT_DTYPES"]
+
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+RESULT_DTYPES = (torch.float32, torch.float64)
+
+
+def _result_dtype(op: str, base: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], default: torch.dtype,
+                  d: int, device: torch.device) -> Tuple[Optional[torch.Tensor], torch.dtype]:
+    """(base, the result's dtype): base's (1-D [d], float32/float64, on ``device``), else out_dtype, else default."""
+    if out_dtype is not None and out_dtype not in RESULT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be torch.float32 or torch.float64, got {out_dtype!r}")
+    if base is None:
+        return None, out_dtype or default
+    base = _tensor(base, op, "base")
+    if base.dim() != 1 or base.size(0) != d:
+        raise ValueError(f"{op}: base must be a 1-D tensor of length {d}, got shape {tuple(base.shape)}")
+    if base.dtype not in RESULT_DTYPES:
+        raise ValueError(f"{op}: base must be float32 or float64 (the result's dtype), got {base.dtype}")
+    if out_dtype is not None and out_dtype != base.dtype:
+        raise ValueError(f"{op}: out_dtype {out_dtype} differs from base's dtype {base.dtype}")
+    if base.device != device:
+        raise ValueError(f"{op}: base is on {base.device} but the rows are on {device}")
+    return base.contiguous(), base.dtype
+
+
+def _alpha(alpha: object, op: str) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    return float(alpha)
+
+
+def _block(block: object, op: str) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"{op}: block must be an int >= 1 (columns per scale), got {block!r}")
+    return block
+
+
+def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, block: int,
+                         base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
+                         out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(out, ok)``: ``out = base + alpha * sum_i coef[i] * scales[rows[i], j // block] * Q[rows[i], j]`` and
+    ``ok[i]`` = row ``rows[i]`` dequantises to finite numbers (all its scales finite, no NaN code), from one
+    pass over the codes.
+
+    Q: [K, d] int8 or float8_e4m3fn (any row stride, unit column stride; copied once otherwise); scales:
+    [K, ceil(d / block)] float32; coef: [len(rows)] finite (read as float64); block >= 1 (the last block of a
+    row holds d - (nb - 1) block columns). The result: base's dtype, else ``out_dtype``, else float32 (float32
+    or float64: accumulated in it, in float64 when some alpha coef_i scale exceeds float32's range); per
+    (row, block) the weight alpha coef_i scale is rounded once, each code adds one fma, rows in the order
+    given: the same bits with any thread count. Not differentiable.
+    """
+    op = "dequant_weighted_sum"
+    Q = _tensor(Q, op, "Q")
+    if Q.dim() != 2:
+        raise ValueError(f"{op}: Q must be a 2-D [K, d] tensor of codes, got shape {tuple(Q.shape)}")
+    if Q.dtype not in CODE_DTYPES:
+        raise ValueError(f"{op}: Q must hold int8 or float8_e4m3fn codes, got {Q.dtype}")
+    K, d = Q.shape
+    if Q.size(1) > 1 and Q.stride(1) != 1 or Q.size(0) > 1 and Q.stride(0) < d:
+        Q = Q.contiguous()
+    _needs_kernel(op, Q.device, op)
+    block = _block(block, op)
+    nb = -(-d // block)
+    scales = _tensor(scales, op, "scales")
+    if scales.dim() != 2 or tuple(scales.shape) != (K, nb):
+        raise ValueError(f"{op}: scales must be [K, ceil(d / block)] = [{K}, {nb}] (one per row and block of "
+                         f"{block}), got shape {tuple(scales.shape)}")
+    if scales.dtype != torch.float32:
+        raise ValueError(f"{op}: scales must be float32, got {scales.dtype}")
+    if scales.device != Q.device:
+        raise ValueError(f"{op}: scales is on {scales.device} but Q is on {Q.device}")
+    if scales.size(1) > 1 and scales.stride(1) != 1 or scales.size(0) > 1 and scales.stride(0) < nb:
+        scales = scales.contiguous()
+    r = _rows(rows, K, op)
+    c = _coef(coef, K if r is None else r.numel(), op)
+    a = _alpha(alpha, op)
+    base, odt = _result_dtype(op, base, out_dtype, torch.float32, d, Q.device)
+    return _ag.call(torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r,
+                    None if base is not None else odt)
+
+
+@torch.library.register_fake("fedkernels::dequant_weighted_sum")
+def _dequant_fake(Q: torch.Tensor, scales: torch.Tensor, coef: torch.Tensor, block: int,
+                  base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Optional[torch.Tensor] = None,
+                  out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    odt = base.dtype if base is not None else (out_dtype or torch.float32)
+    n = Q.size(0) if rows is None else rows.size(0)
+    return Q.new_empty((Q.size(1),), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
+
+
+_ag.no_derivative_op("dequant_weighted_sum", "quantised codes have no gradient; differentiate "
+                     "reference.dequant_weighted_sum instead")

@@ -1,0 +1,72 @@
+"""The simulator's compressed updates (config section ``compress``): each accepted client's update row is
+encoded as that client would before sending it (``fedkernels.compress`` codecs, error-feedback residuals per
+client, kept in memory and in the run's checkpoints), and the server's round runs on the compressed rows (``aggregate_compressed``: the
+method's weighted sums straight from the codes). Bytes sent per round go to the round's metrics."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import compress
+from .config import CompressConfig
+
+
+class RoundCompression:
+    """The run's codec and its per-round server step."""
+
+    def __init__(self, codec: compress.Codec):
+        self.codec = codec
+
+    def aggregate(self, agg: Any, global_flat: torch.Tensor, U: torch.Tensor, n: Sequence[float], ids: Sequence[int],
+                  payloads: Any, r: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        rows = self.codec.encode_rows(U[:len(ids)], ids, r)              # client-side: each row as its client sends it
+        sent = rows.nbytes()
+        res = compress.aggregate_compressed(agg, global_flat, rows, n, ids, payloads, kind=self.codec.kind)
+        info = dict(res.info)
+        info.update(codec=self.codec.describe(), bytes_sent=int(sum(sent)),
+                    bytes_dense=int(len(ids) * compress.dense_bytes(self.codec.d)))
+        return res.params, info
+
+
+def build(cfg: Any, agg: Any, d: int) -> Optional[RoundCompression]:
+    """The run's compression, or None for ``compress.kind = none``; ValueError (one line) for options that do not
+    fit this model (block or k against d) or a method that needs more than weighted sums of the updates."""
+    c: CompressConfig = cfg.compress
+    if c.kind == "none":
+        return None
+    compress.check_method(agg, c.kind)
+    codec = compress.make_codec(c.kind, d, block=c.block, k=c.k, ratio=c.ratio, error_feedback=c.error_feedback,
+                                levels=c.levels, seed=cfg.seed if c.seed is None else c.seed)
+    return RoundCompression(codec)
+
+
+def config_errors(c: CompressConfig, checkpoint_every: int, distributed: bool) -> List[str]:
+    """The section's checks that need no model (kinds, ranges, option combinations), as RunConfig.validate's lines."""
+    errs: List[str] = []
+    kinds = ("none",) + compress.KINDS
+    if c.kind not in kinds:
+        return [f"compress.kind must be {'|'.join(kinds)}, got {c.kind!r}"]
+    if c.kind == "none":
+        set_ = [k for k in ("block", "k", "ratio") if getattr(c, k) is not None] + (["error_feedback"] if c.error_feedback else [])
+        if set_:
+            errs.append(f"compress.{set_[0]} is set but compress.kind is none: set compress.kind too")
+        return errs
+    if c.block is not None and (isinstance(c.block, bool) or c.block < 1):
+        errs.append(f"compress.block must be an integer >= 1 (columns per scale, at most d), got {c.block}")
+    if c.kind == "topk":
+        if c.block is not None:
+            errs.append(f"compress.block is not used by topk (got {c.block}); set compress.k or compress.ratio")
+        if (c.k is None) == (c.ratio is None):
+            errs.append(f"compress.kind=topk needs exactly one of compress.k and compress.ratio, got k={c.k}, ratio={c.ratio}")
+        elif c.k is not None and c.k < 1:
+            errs.append(f"compress.k must be an integer >= 1 (at most d), got {c.k}")
+        elif c.ratio is not None and not 0 < c.ratio <= 1:
+            errs.append(f"compress.ratio must be in (0, 1], got {c.ratio}")
+    elif c.k is not None or c.ratio is not None:
+        errs.append(f"compress.k / compress.ratio are topk's; compress.kind={c.kind} takes compress.block")
+    if c.kind == "qsgd" and not 1 <= c.levels <= 127:
+        errs.append(f"compress.levels must be in [1, 127] (qsgd's s, stored as int8), got {c.levels}")
+    if distributed:
+        errs.append("compress.kind with distributed=true is not supported (ranks exchange dense column slices)")
+    return errs

@@ -1,0 +1,217 @@
+"""fedkernels.compress: the codecs' encodings (bounds from their definitions), error feedback, QSGD's seeded
+unbiased rounding, the server's round on compressed rows against the same method on the decoded rows, the
+refusal of methods that need more than weighted sums, and the simulator's compress section through the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fedkernels import algorithms, compress
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _U(K=5, d=1003, seed=0):
+    return torch.randn(K, d, generator=torch.Generator().manual_seed(seed)) * 0.01
+
+
+@pytest.mark.parametrize("kind,opts,bound", [("int8_block", {"block": 100}, 0.5 / 127), ("fp8", {"block": 64}, 2.0 ** -4)])
+def test_block_codecs_error_within_their_rounding(kind, opts, bound):
+    """int8: |x - D(C(x))| <= scale / 2 = absmax / 254 per block; e4m3: 3 mantissa bits, half an ulp <= 2^-4 |x|
+    above the subnormals (absmax / 448 * 2^-9 below them)."""
+    U = _U()
+    c = compress.make_codec(kind, U.size(1), **opts)
+    rows = c.encode_rows(U, list(range(5)), 0)
+    D = rows.dense()
+    B = opts["block"]
+    for b in range(0, U.size(1), B):
+        x, y = U[:, b:b + B], D[:, b:b + B]
+        amax = x.abs().amax(1, keepdim=True)
+        lim = amax * bound if kind == "int8_block" else torch.maximum(x.abs() * bound, amax / 448 * 2.0 ** -9)
+        assert torch.all((x - y).abs() <= lim * (1 + 1e-6) + 1e-12)
+    assert rows.nbytes() == [U.size(1) + 4 * -(-U.size(1) // B)] * 5 == [c.row_bytes()] * 5
+
+
+def test_topk_keeps_the_largest_entries_sorted():
+    U = _U(3, 500)
+    rows = compress.make_codec("topk", 500, k=20).encode_rows(U, [7, 8, 9], 0)
+    o = rows.offsets.tolist()
+    for r in range(3):
+        idx = rows.idx[o[r]:o[r + 1]].long()
+        assert torch.equal(idx, torch.sort(torch.topk(U[r].abs(), 20).indices).values)
+        assert torch.equal(rows.val[o[r]:o[r + 1]], U[r, idx])
+    assert rows.nbytes() == [160] * 3
+
+
+def test_qsgd_is_seeded_and_unbiased():
+    U = _U(2, 300)
+    c = compress.make_codec("qsgd", 300, levels=4, block=100, seed=3)
+    a, b = c.encode_rows(U, [0, 1], 5), c.encode_rows(U, [0, 1], 5)
+    assert torch.equal(a.Q, b.Q) and torch.equal(a.scales, b.scales)       # same (seed, round, client): same bits
+    assert not torch.equal(a.Q, c.encode_rows(U, [0, 1], 6).Q)
+    # unbiased: the mean over many rounds approaches U (each entry's variance <= (norm / s)^2 / 4)
+    mean = sum(c.encode_rows(U, [0, 1], r).dense() for r in range(400)) / 400
+    norm = U.view(2, 3, 100).norm(dim=2).repeat_interleave(100, dim=1)
+    assert torch.all((mean - U).abs() <= 5 * norm / 4 / 2 / 20 + 1e-9)       # 5 sd of the 400-round mean
+    lv = a.Q.abs().max()
+    assert lv <= 4
+
+
+def test_error_feedback_carries_what_was_dropped():
+    U = _U(2, 200)
+    c = compress.make_codec("topk", 200, k=10, error_feedback=True)
+    r1 = c.encode_rows(U, [4, 9], 0)
+    assert torch.allclose(c.residuals[4] + r1.dense()[0], U[0], atol=0, rtol=0)
+    r2 = c.encode_rows(U, [4, 9], 1)              # the second round compresses U + residual
+    V = U[0] + (U[0] - r1.dense()[0])
+    assert torch.equal(r2.idx[:10].long(), torch.sort(torch.topk(V.abs(), 10).indices).values)
+    c.load_state_dict(c.state_dict())
+    assert set(c.residuals) == {4, 9}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedavgm", "fedprox", "fednova"])
+@pytest.mark.parametrize("kind,opts", [("int8_block", {"block": 77}), ("fp8", {}), ("qsgd", {"levels": 8}),
+                                       ("topk", {"ratio": 0.05})])
+def test_server_round_equals_the_method_on_decoded_rows(method, kind, opts):
+    """The compressed round and the method on the dense decoded rows differ only by the fp32 rounding of the two
+    sums (the codes' weights rounded once, summation order): a bound from the arithmetic, far below the update."""
+    K, d = 6, 2001
+    U, g = _U(K, d), torch.randn(d)
+    n, ids = [5, 10, 3, 8, 2, 7], [3, 1, 4, 0, 9, 2]
+    payloads = ([{"local_steps": 3 + k} for k in range(K)] if method == "fednova" else
+                [{"prox_mu": 0.01}] * K if method == "fedprox" else None)
+    rows = compress.make_codec(kind, d, **opts).encode_rows(U, ids, 0)
+    opts = {"mu": 0.01} if method == "fedprox" else {}
+    a, b = algorithms.build(method, **opts), algorithms.build(method, **opts)
+    for r in range(2):                                    # twice: server state (momentum) advances alike
+        got = compress.aggregate_compressed(a, g, rows, n, ids, payloads, kind=kind)
+        want = b.aggregate(g, rows.dense(), n, ids, payloads)
+        tol = 64 * torch.finfo(torch.float32).eps * (g.abs() + 4 * rows.dense().abs().sum(0))
+        assert torch.all((got.params - want.params).abs() <= tol)
+        assert got.info["num_clients"] == K and a.round == b.round == r + 1
+
+
+def test_bad_compressed_rows_are_excluded_or_raise():
+    U = _U(4, 300)
+    rows = compress.make_codec("int8_block", 300, block=50).encode_rows(U, [0, 1, 2, 3], 0)
+    rows.scales[2, 1] = float("nan")
+    g = torch.zeros(300)
+    with pytest.raises(ValueError, match="client 2's compressed update contains NaN/Inf"):
+        compress.aggregate_compressed(algorithms.build("fedavg"), g, rows, [1] * 4, [0, 1, 2, 3])
+    res = compress.aggregate_compressed(algorithms.build("fedavg", on_bad_update="exclude"), g, rows, [1] * 4,
+                                        [0, 1, 2, 3])
+    assert [e["client_id"] for e in res.info["excluded"]] == [2] and res.info["num_clients"] == 3
+    want = rows.select([0, 1, 3]).dense().mean(0)
+    assert torch.allclose(res.params, want, rtol=0, atol=1e-7)
+
+
+def test_methods_that_need_more_than_weighted_sums_are_refused():
+    rows = compress.make_codec("fp8", 100).encode_rows(_U(2, 100), [0, 1], 0)
+    for name, what in (("kuramoto", "ops.kstats"), ("fedaware", "Gram matrix"), ("fedecado", "backward-Euler")):
+        with pytest.raises(ValueError, match=f"compress.kind=fp8: method '{name}' needs .*{what}") as e:
+            compress.aggregate_compressed(algorithms.build(name), torch.zeros(100), rows, [1, 1], [0, 1], kind="fp8")
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(kind="zip"), "compress.kind: expected one of int8_block, fp8, topk, qsgd, got 'zip'"),
+    (dict(kind="int8_block", block=0), r"compress.block: expected an int in \[1, d = 100\]"),
+    (dict(kind="fp8", block=101), r"compress.block: expected an int in \[1, d = 100\]"),
+    (dict(kind="topk", k=0), r"compress.k: expected an int in \[1, d = 100\], got 0"),
+    (dict(kind="topk", k=101), r"compress.k: expected an int in \[1, d = 100\], got 101"),
+    (dict(kind="topk"), "topk needs exactly one of them"),
+    (dict(kind="topk", ratio=1.5), r"compress.ratio: expected a number in \(0, 1\]"),
+    (dict(kind="topk", k=5, block=4), "topk has no blocks"),
+    (dict(kind="qsgd", levels=0), r"compress.levels: expected an int in \[1, 127\]"),
+    (dict(kind="qsgd", levels=128), r"compress.levels: expected an int in \[1, 127\]"),
+    (dict(kind="int8_block", k=3), "only topk keeps k entries"),
+])
+def test_codec_options_one_line_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        compress.make_codec(d=100, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def _cli(tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "fedkernels.sim.cli", "run", "--preset", "smoke",
+                           f"out_dir={tmp_path}", "rounds=2", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_cli_compressed_run_records_bytes_sent(tmp_path):
+    p = _cli(tmp_path, "compress.kind=topk", "compress.ratio=0.1", "compress.error_feedback=true")
+    assert p.returncode == 0, p.stderr
+    run = next(d for d in os.listdir(tmp_path) if d.startswith("smoke"))
+    ms = [json.loads(x) for x in open(os.path.join(tmp_path, run, "metrics.jsonl"))]
+    d = ms[0]["bytes_dense"] // (4 * ms[0]["num_updates"])
+    k = round(0.1 * d)
+    assert [m["bytes_sent"] for m in ms] == [m["num_updates"] * 8 * k for m in ms]
+    assert ms[0]["agg"]["codec"] == f"topk(k={k}, error_feedback=on)"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["compress.kind=int8_block", "compress.block=0"], "compress.block must be >= 1, got 0"),
+    (["compress.kind=int8_block", "compress.block=100000000"], r"compress.block: expected an int in \[1, d = "),
+    (["compress.kind=topk", "compress.k=0"], "compress.k must be >= 1, got 0"),
+    (["compress.kind=topk", "compress.k=100000000"], r"compress.k: expected an int in \[1, d = "),
+    (["compress.kind=qsgd", "compress.levels=0"], r"compress.levels must be in \[1, 127\]"),
+    (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),
+    (["compress.ratio=0.1"], "compress.ratio is set but compress.kind is none"),
+    (["compress.kind=fp8", "algorithm.name=kuramoto"], "method 'kuramoto' needs"),
+])
+def test_cli_bad_compress_options_exit_2_and_write_nothing(tmp_path, args, msg):
+    p = _cli(tmp_path, *args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert msg in p.stderr or __import__("re").search(msg, p.stderr), p.stderr
+    assert len([x for x in p.stderr.strip().splitlines() if x.strip()]) == 1
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["int8_block", "fp8"])
+def test_block_code_file_round_equals_in_memory_bit_for_bit(tmp_path, kind):
+    """sources.BlockCodeFile: the codes read from disk in column blocks, each block summed by the same op: every
+    output element is the same fma chain as in memory (rows in order), so the same bits; rows dropped by select."""
+    from fedkernels.sources import BlockCodeFile
+    K, d, B = 5, 70001, 128
+    rows = compress.make_codec(kind, d, block=B).encode_rows(_U(K, d), list(range(K)), 0)
+    rows.Q.view(torch.uint8).numpy().tofile(tmp_path / "q.bin")
+    rows.scales.numpy().tofile(tmp_path / "s.bin")
+    f = BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K, d, B, dtype=rows.Q.dtype)
+    f.chunk_cols = lambda: 4 * B                     # many blocks
+    g, n = torch.randn(d), [1, 2, 3, 4, 5]
+    for method in ("fedavg", "fedavgm"):
+        a = compress.aggregate_compressed(algorithms.build(method), g, f, n, list(range(K)))
+        b = compress.aggregate_compressed(algorithms.build(method), g, rows, n, list(range(K)))
+        assert torch.equal(a.params, b.params)
+    sub = f.select([4, 0, 2])
+    want = rows.select([4, 0, 2]).weighted_sum([0.5, 0.25, 1.0])
+    got = sub.weighted_sum([0.5, 0.25, 1.0])
+    assert torch.equal(got[0], want[0]) and got[1].tolist() == [True] * 3
+    with pytest.raises(ValueError, match=r"BlockCodeFile: scales file .* must hold K x ceil\(d / block\) = 5 x 547"):
+        BlockCodeFile(tmp_path / "q.bin", tmp_path / "q.bin", K, d, B)
+    with pytest.raises(ValueError, match="RawFileSource: .* has 350005 bytes, expected exactly"):
+        BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K - 1, d, B)
+
+
+@pytest.mark.parametrize("kind", ["int8_block", "fp8"])
+def test_tiny_blocks_encode_without_nan(kind):
+    """A block whose absmax / qmax is subnormal: its inverse would overflow (0 * inf = NaN codes); the codecs divide."""
+    U = torch.zeros(2, 64)
+    U[0, :32] = 1e-44
+    U[1] = torch.randn(64)
+    rows = compress.make_codec(kind, 64, block=32).encode_rows(U, [0, 1], 0)
+    out, ok = rows.weighted_sum([1.0, 1.0])
+    assert ok.tolist() == [True, True] and torch.isfinite(out).all()
+
+
+def test_a_nan_update_leaves_no_residual():
+    U = _U(2, 100)
+    c = compress.make_codec("topk", 100, k=5, error_feedback=True)
+    c.encode_rows(U, [0, 1], 0)
+    U[1, 3] = float("nan")
+    c.encode_rows(U, [0, 1], 1)
+    assert set(c.residuals) == {0}               # client 1's NaN is not carried into its next round
