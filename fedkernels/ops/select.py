@@ -67,7 +67,8 @@ def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Op
     return U, r, U.size(0) if r is None else r.numel()
 
 
-def _order_args(U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str):
+def _order_args(U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
     U, r, k = _prepare(U, rows, op)
     lo, hi = _int(lo, op, "lo"), _int(hi, op, "hi")
     if not 0 <= lo < k:
@@ -77,7 +78,8 @@ def _order_args(U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str):
     return U, r, lo, hi
 
 
-def _closest_args(U: torch.Tensor, beta: int, rows: RowsLike, op: str):
+def _closest_args(U: torch.Tensor, beta: int, rows: RowsLike, op: str
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int]:
     U, r, k = _prepare(U, rows, op)
     beta = _int(beta, op, "beta")
     if not 1 <= beta <= k:
