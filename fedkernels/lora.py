@@ -360,12 +360,14 @@ class LoraAggregator:
         p = self._weights(K, num_examples)
         rk = self._ranks(K, client_ranks)
         X = adapters.detach()
-        if not bool(torch.isfinite(X).all()):
-            bad = (~torch.isfinite(X).all(dim=1)).nonzero().flatten().tolist()
-            raise ValueError(f"{who}: adapters rows {bad[:8]} hold NaN or Inf")
         out_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
-        # the factors averaged separately: one pass of the weighted-sum kernel over the rows
-        avg = ops.weighted_sum(X, p, out=torch.empty(spec.d, dtype=out_dtype, device=X.device))
+        # the factors averaged separately, and the rows' NaN/Inf screen, in one pass of the weighted-sum kernel
+        avg, ok = ops.weighted_sum_screened(X, p, out=torch.empty(spec.d, dtype=out_dtype, device=X.device))
+        ok = ok.cpu()
+        if not bool(ok.all()):
+            bad = (~ok).nonzero().flatten().tolist()
+            raise ValueError(f"{who}: adapters rows {bad[:8]} hold NaN or Inf")
+        rk_t = None if rk is None else torch.tensor(rk, device=X.device)
         new = avg if self.mode != "exact" else avg.clone()
         residuals: Dict[str, torch.Tensor] = {}
         per_layer: Dict[str, dict] = {}
@@ -374,11 +376,13 @@ class LoraAggregator:
             r, m, n = l.rank, l.fan_out, l.fan_in
             A = X[:, l.a].to(torch.float64).reshape(K, r, n)
             B = X[:, l.b].to(torch.float64).reshape(K, m, r)
-            if rk is not None:
-                for k, rr in enumerate(rk):
-                    if rr < r and (bool(A[k, rr:].any()) or bool(B[k, :, rr:].any())):
-                        raise ValueError(f"{who}: client {k} has client_ranks={rr} but nonzero components beyond "
-                                         f"rank {rr} in layer {l.name!r} (the server's rank is {r})")
+            if rk_t is not None:
+                beyond = torch.arange(r, device=X.device)[None, :] >= rk_t[:, None]          # [K, r]
+                bad = ((A != 0).any(dim=2) | (B != 0).any(dim=1)) & beyond
+                if bool(bad.any()):
+                    k = int(bad.any(dim=1).nonzero()[0])
+                    raise ValueError(f"{who}: client {k} has client_ranks={rk[k]} but nonzero components beyond "
+                                     f"rank {rk[k]} in layer {l.name!r} (the server's rank is {r})")
             Kr = K * r
             Bcat = B.permute(1, 0, 2).reshape(m, Kr)    # [B_1 .. B_K]
             Acat = A.reshape(Kr, n)                     # [A_1; ..; A_K]

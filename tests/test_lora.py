@@ -9,8 +9,6 @@ square root of the singular values split between the factors ``||B*||_F^2 = ||A*
 kept singular values``, so the bound is ``u (2 + u) ||M_r||_*`` (nuclear norm). The float64 QR / SVD
 add a backward error of a few eps64 * ||M||, covered by a 1e-10 relative term, far below u.
 """
-import math
-
 import pytest
 import torch
 from torch import nn
