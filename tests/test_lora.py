@@ -382,3 +382,30 @@ def test_peft_bad_models():
     with pytest.raises(ValueError) as e:
         LoraSpec.from_model(dora)
     _one_line(e, "DoRA")
+
+
+# ---- the offline example, run as a user would ----------------------------------------------------------
+@pytest.mark.slow
+def test_example_lora_digits_runs_two_rounds():
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("peft")
+    pytest.importorskip("sklearn")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    cmd = [sys.executable, os.path.join(root, "examples", "lora_digits.py"), "--rounds", "2", "--clients", "3",
+           "--local-steps", "5"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    final = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("final "))[len("final "):])
+    assert set(final) == {"naive", "exact", "fold"}
+    # fold is exact at any rank; exact is the best rank-r approximation, so never farther than naive's
+    # factors (a rank-r matrix too) from the same round's true average
+    assert final["fold"]["relative_error"] < 1e-6
+    assert final["exact"]["relative_error"] <= final["exact"]["naive_relative_error"] * (1 + 1e-6)
+    assert final["naive"]["relative_error"] == final["naive"]["naive_relative_error"] > 0
+    assert all(0 <= r[k] <= 1 for r in final.values() for k in ("acc_new", "acc_all"))
+    bad = subprocess.run(cmd[:2] + ["--rank", "0"], capture_output=True, text=True, env=env, timeout=600)
+    assert bad.returncode == 2 and "--rank must be >= 1" in bad.stderr
