@@ -3,8 +3,9 @@
 An MLP (64 -> 64 -> 10) is pretrained centrally on digits 0-4, then wrapped with peft LoRA (rank r
 on both layers, base frozen) and fine-tuned federatedly on digits 5-9 by K clients that each hold
 two of those classes (non-IID). Every round each mode's server aggregates the same kind of client
-adapters with fedkernels.lora; printed per round and mode: the aggregated update's relative distance
-to the true average of the clients' s * B_k A_k (and what naive averaging would have lost), and the
+adapters with fedkernels.lora; printed per round and mode: the aggregated update's distance to the
+true average update s * (sum_k p_k B_k A_k - B A), relative to that update's norm (and what naive
+averaging would have lost), and the
 global model's accuracy on the held-out digits 5-9 and on all ten.
 
     python examples/lora_digits.py --rounds 20 [--rank 4] [--server-rank 4] [--json runs/lora_digits.json]
@@ -124,7 +125,7 @@ def main(argv=None):
                             p2.data.copy_(p1.data)
                 train(client, Xk, yk, a.local_steps, a.lr, gen=gen)
                 rows.append(spec.flatten(client))
-            res = agg.aggregate(torch.stack(rows), num_examples=counts,
+            res = agg.aggregate(torch.stack(rows), num_examples=counts, global_adapter=g,
                                 client_ranks=[a.rank] * a.clients if a.rank < a.server_rank else None)
             spec.load_(server, res.adapter)
             if res.residuals:

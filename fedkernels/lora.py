@@ -32,8 +32,10 @@ client's best rank-r_k approximation of the average, as FlexLoRA redistributes i
 Cost per layer (fan_out m, fan_in n, K clients of rank r): a QR of the stacked ``[B_1 .. B_K]``
 (m x Kr) and ``[A_1; ..; A_K]^T`` (n x Kr), and an SVD of the Kr x Kr core ``R_B diag(p) R_A^T``:
 O((m + n) (Kr)^2 + (Kr)^3) in float64 through torch's LAPACK, never the dense m x n product
-(``fold`` writes one dense m x n residual per layer). The errors against the true average reported in
-``info`` are computed in the same core coordinates, exactly (no cancellation of large norms).
+(``fold`` writes one dense m x n residual per layer). The one flat pass (the factor average and
+the rows' NaN/Inf screen) is ``ops.weighted_sum_screened``; the per-layer work reads the layer's
+K x r (m + n) factors once, converted to float64, one layer at a time. The errors against the true
+average reported in ``info`` are computed in the same core coordinates, exactly (no cancellation of large norms).
 """
 from __future__ import annotations
 
@@ -341,10 +343,14 @@ class LoraAggregator:
         return rk
 
     def aggregate(self, adapters: torch.Tensor, num_examples: object = None,
-                  client_ranks: Optional[Sequence[int]] = None) -> LoraResult:
+                  client_ranks: Optional[Sequence[int]] = None,
+                  global_adapter: Optional[torch.Tensor] = None) -> LoraResult:
         """``adapters``: [K, d] float, row k client k's adapter vector (``spec.flatten(client_model)``);
         ``num_examples``: K counts (None: uniform); ``client_ranks``: K ranks (None: the server's), a
-        client's components beyond its rank must be zero. Returns a :class:`LoraResult`."""
+        client's components beyond its rank must be zero; ``global_adapter``: optional [d], the round's
+        starting global adapters, only to report the errors relative to the true average *update*
+        ``s * (sum_k p_k B_k A_k - B A)`` (without it: relative to ``s * sum_k p_k B_k A_k``).
+        Returns a :class:`LoraResult`."""
         from . import ops
 
         spec, who = self.spec, "LoraAggregator.aggregate"
@@ -359,6 +365,14 @@ class LoraAggregator:
             raise ValueError(f"{who}: adapters must be a float tensor, got {adapters.dtype}")
         p = self._weights(K, num_examples)
         rk = self._ranks(K, client_ranks)
+        G = None
+        if global_adapter is not None:
+            if not isinstance(global_adapter, torch.Tensor) or global_adapter.dim() != 1 or \
+                    global_adapter.numel() != spec.d or not global_adapter.is_floating_point():
+                got = tuple(global_adapter.shape) if isinstance(global_adapter, torch.Tensor) else \
+                    type(global_adapter).__name__
+                raise ValueError(f"{who}: global_adapter must be a 1-D float tensor of length d={spec.d}, got {got}")
+            G = global_adapter.detach().to(device=adapters.device, dtype=torch.float64)
         X = adapters.detach()
         out_dtype = X.dtype if X.dtype in (torch.float32, torch.float64) else torch.float32
         # the factors averaged separately, and the rows' NaN/Inf screen, in one pass of the weighted-sum kernel
@@ -387,15 +401,23 @@ class LoraAggregator:
             Bcat = B.permute(1, 0, 2).reshape(m, Kr)    # [B_1 .. B_K]
             Acat = A.reshape(Kr, n)                     # [A_1; ..; A_K]
             w = p.to(X.device).repeat_interleave(r)     # diag(p_k I_r)
+            P = torch.kron(p.to(X.device)[:, None], torch.eye(r, dtype=torch.float64, device=X.device))
+            if G is not None:                           # the global's factors join the basis, weight 0 in M
+                Bg, Ag = l.factors(G)
+                Bcat, Acat = torch.cat([Bcat, Bg], 1), torch.cat([Acat, Ag], 0)
+                w = torch.cat([w, w.new_zeros(r)])
+                P = torch.cat([P, P.new_zeros(r, r)])
             Qb, Rb = torch.linalg.qr(Bcat)
             Qa, Ra = torch.linalg.qr(Acat.t())
             core = (Rb * w) @ Ra.t()                    # M = sum_k p_k B_k A_k = Qb core Qa^T
-            P = torch.kron(p.to(X.device)[:, None], torch.eye(r, dtype=torch.float64, device=X.device))
             naive_core = (Rb @ P) @ (Ra @ P).t()        # (sum p_k B_k)(sum p_k A_k) in the same basis
             s = l.scaling
-            true_norm = s * float(torch.linalg.matrix_norm(core))
+            if G is None:
+                true_norm = s * float(torch.linalg.matrix_norm(core))
+            else:                                       # the true average update M - Bg Ag
+                true_norm = s * float(torch.linalg.matrix_norm(core - Rb[:, Kr:] @ Ra[:, Kr:].t()))
             err_naive = s * float(torch.linalg.matrix_norm(naive_core - core))
-            row = {"rank": r, "true_norm": true_norm, "error_naive": err_naive}
+            row = {"rank": r, "true_norm": true_norm, "error_naive": err_naive}  # true_norm: as relative_to says
             if self.mode == "naive":
                 err = err_naive
             elif self.mode == "exact":
@@ -431,7 +453,7 @@ class LoraAggregator:
             tot_err += err ** 2
         tn = math.sqrt(tot_true)
         info = {"mode": self.mode, "K": K, "weights": p.tolist(), "client_ranks": rk, "layers": per_layer,
-                "true_update_norm": tn,
+                "relative_to": "product" if G is None else "update", "true_norm": tn,
                 "error_to_true_average": math.sqrt(tot_err),
                 "naive_error_to_true_average": math.sqrt(tot_naive),
                 "relative_error": math.sqrt(tot_err) / tn if tn > 0 else 0.0,

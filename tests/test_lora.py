@@ -9,6 +9,8 @@ square root of the singular values split between the factors ``||B*||_F^2 = ||A*
 kept singular values``, so the bound is ``u (2 + u) ||M_r||_*`` (nuclear norm). The float64 QR / SVD
 add a backward error of a few eps64 * ||M||, covered by a 1e-10 relative term, far below u.
 """
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -125,6 +127,32 @@ def test_naive_is_the_average_of_the_factors():
         assert res.info["layers"][l.name]["error_naive"] == pytest.approx(want, rel=1e-9)
         assert res.info["layers"][l.name]["error"] == res.info["layers"][l.name]["error_naive"]
     assert res.info["naive_relative_error"] > 0.1
+    assert res.info["relative_to"] == "product"
+    # given the round's global adapters: errors relative to the true average update s (M - B_g A_g)
+    g = clients(spec, 1, seed=7)[0]
+    for mode in ("naive", "exact", "fold"):
+        r0 = LoraAggregator(spec, mode).aggregate(X, num_examples=[1, 2, 3, 4])
+        rg = LoraAggregator(spec, mode).aggregate(X, num_examples=[1, 2, 3, 4], global_adapter=g)
+        assert rg.info["relative_to"] == "update"
+        upd = 0.0
+        for l in spec.layers:
+            M, _ = prods[l.name]
+            Bg, Ag = l.factors(g.double())
+            want = l.scaling * float(torch.linalg.matrix_norm(M - Bg @ Ag))
+            assert rg.info["layers"][l.name]["true_norm"] == pytest.approx(want, rel=1e-9)
+            upd += want ** 2
+        assert rg.info["true_norm"] == pytest.approx(math.sqrt(upd), rel=1e-9)
+        # the aggregate does not depend on the reporting basis: naive's and fold's factors are the same
+        # weighted-sum pass; exact's products are both the rank-r truncation of M to the bound of
+        # test_exact_* (each within u (2 + u) ||M_r||_* + F64 ||M|| of it)
+        if mode != "exact":
+            assert torch.equal(rg.adapter, r0.adapter)
+            continue
+        for l in spec.layers:
+            M, _ = prods[l.name]
+            S = torch.linalg.svdvals(M)
+            tol = 2 * (U32 * (2 + U32) * float(S[:l.rank].sum()) + F64 * float(S[0]))
+            assert float(torch.linalg.matrix_norm(stored_product(l, rg.adapter) - stored_product(l, r0.adapter))) <= tol
 
 
 def test_exact_with_enough_rank_reproduces_the_average_of_products():
