@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))) \
     + ["bench/README.md"]
 SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip:\s*(?P<why>\S.*?)\s*-->")
-OPTIONAL = ("flwr",)
+OPTIONAL = ("flwr", "peft")
 README_MAX_LINES = 210
 
 # Names README snippets use as "your" objects: a small model and a client's locally trained copy.
