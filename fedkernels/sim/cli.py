@@ -186,11 +186,13 @@ def cmd_compare(a) -> int:
         res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
                       preset=a.preset, band=a.band)
     except KeyboardInterrupt:   # the interrupted run printed its line (checkpoint); no later run starts
-        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written)",
-              file=sys.stderr, flush=True)
+        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written); "
+              "the same command continues: finished runs are reused, the interrupted one resumes from its "
+              "checkpoint", file=sys.stderr, flush=True)
         return 130
-    print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
-          + (f" and {res['plot']}" if res.get("plot") else ""))
+    if not res.get("kept"):
+        print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
+              + (f" and {res['plot']}" if res.get("plot") else ""))
     if res.get("failed"):
         print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
               + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
@@ -297,6 +299,10 @@ def cmd_info(a) -> int:
     return 0
 
 
+def _duration(sec: float) -> str:
+    return f"{sec / 60:.0f} min" if sec >= 90 else f"{sec:.0f} s"
+
+
 def cmd_presets(a) -> int:
     from . import presets
     for name, doc in presets.describe().items():
@@ -304,10 +310,9 @@ def cmd_presets(a) -> int:
         if est is None:
             t = "not measured on CPU"
         else:
-            sec = est["s_per_run"]
-            t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
-                f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
-                f"estimate from {est['source']})")
+            t = (f"~{_duration(est['s_per_run'])} (quiet) to ~{_duration(est['s_per_run_busy'])} (busy) per method "
+                 f"and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU, up to "
+                 f"{presets.BUSY_FACTOR:g}x that when the machine is busy; estimate from {est['source']})")
         default = presets.default_method(name)
         methods = ", ".join(m + (" (default)" if m == default else "") for m in presets.variants(name))
         print(f"{name}\n    {doc}\n    methods: {methods}\n    time: {t}")

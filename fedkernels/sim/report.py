@@ -19,7 +19,7 @@ import torch
 from .callbacks import Callback
 
 # Keys that vary from run to run (wall-clock), left out when runs are compared for determinism.
-TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "t_local_total", "t_agg_total",
+TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "wall_s_session", "t_local_total", "t_agg_total",
                "t_eval_total", "t_round1_s", "t_round_median_s", "t_local_median_s", "t_agg_median_s",
                "agg_share_incl_round1")
 
@@ -283,9 +283,16 @@ class RunFiles(Callback):
         if not (sim.write_outputs and sim.is_main):
             return
         self.writer = w = RunWriter(sim.run_dir)
+        old_rounds = None
+        if sim.start_round > 0:     # a resume: its figure titles name the rounds, which may have changed
+            try:
+                from .config import RunConfig
+                old_rounds = RunConfig.from_yaml(os.path.join(sim.run_dir, "config.yaml")).rounds
+            except (OSError, ValueError):
+                pass
         w.write_config(sim.cfg)
         w.reset_metrics(sim.metrics)
-        if sim.start_round == 0:   # partition.json/.txt (+ .png): client sizes and label mix
+        if sim.start_round == 0 or old_rounds != sim.cfg.rounds:   # partition.json/.txt (+ .png)
             w.write_partition_report(sim.y, sim.parts, plot=bool(sim.cfg.plots))
 
     def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
@@ -296,11 +303,19 @@ class RunFiles(Callback):
         if self.writer is None:
             return
         cfg = sim.cfg
+        if sim._first_round > 0 and isinstance(summary.get("wall_s"), (int, float)):
+            # a resumed run: its totals (local training, aggregation) cover every session, so does its wall time
+            from .provenance import read as read_provenance
+            prev = (read_provenance(sim.run_dir) or {}).get("previous") or []
+            before = sum(p.get("duration_s") or 0.0 for p in prev if isinstance(p, dict))
+            summary["wall_s_session"] = summary["wall_s"]
+            summary["wall_s"] = summary["wall_s"] + before
         self.writer.write_summary(summary)
         if sim.start_round >= cfg.rounds or not sim.cut_short:
             self.save_final_model(sim)
         if cfg.plots:
             try:
+                sim.stop.figures = True
                 if self.writer.plot(sim.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})") is None:
                     sim.say("plots=true but matplotlib is not installed: curves.png not written "
                             "(pip install matplotlib; metrics.jsonl has every round)")
@@ -314,6 +329,8 @@ class RunFiles(Callback):
                        "checkpoints are complete: free space and plot them from metrics.jsonl")
                 sim.output_errors = [*getattr(sim, "output_errors", []), msg]
                 print(f"fedkernels run: error: {msg}", file=sys.stderr, flush=True)
+            finally:
+                sim.stop.figures = False
 
     @staticmethod
     def save_final_model(sim) -> str:

@@ -24,6 +24,7 @@ class StopRequest:
         self.signal: Optional[int] = None   # the first signal received, if any
         self.committing = False             # the round under way is changing the model: a signal waits
         self.running = True                 # a round (or the set-up before the first) is under way
+        self.figures = False                # the figures are being drawn (a second signal may skip them)
 
     def install(self) -> Callable[[], None]:
         """Installs the handlers; returns the function that restores the previous ones."""
@@ -41,9 +42,15 @@ class StopRequest:
             if first:
                 self.signal = signum
             done, total = sim.start_round, sim.cfg.rounds
-            if done >= total:      # every round is trained: the outputs are being written; nothing to abandon
-                say(f"{name}: all {total} rounds are done; writing the outputs, then stopping" if first else
-                    f"{name}: the outputs of the complete run are being written; stopping as soon as they are")
+            if done >= total:      # every round is trained: the outputs are being written
+                if first:
+                    say(f"{name}: all {total} rounds are done; writing the outputs, then stopping (again to skip "
+                        "the figures)")
+                elif self.figures:  # only the figures may be abandoned: the run stays complete
+                    say(f"{name} again: abandoning the figures; the run is complete")
+                    raise KeyboardInterrupt
+                else:
+                    say(f"{name}: the results of the complete run are being written; stopping as soon as they are")
                 return
             if first:
                 if self.running:
