@@ -62,8 +62,13 @@ def test_cosine_extension_is_refused_and_a_step_extension_equals_a_straight_run(
 
     step = ["train.lr_schedule=step", "train.lr_gamma=0.5", "checkpoint_every=1"]
     assert fk("run", *SMALL, "rounds=2", *step, "--name", "st", cwd=tmp_path).returncode == 0
+    part = os.stat(tmp_path / "runs" / "st" / "partition.json").st_mtime_ns
     r = fk("run", "--resume", "runs/st", "rounds=4", "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert os.stat(tmp_path / "runs" / "st" / "partition.json").st_mtime_ns != part   # its report names the rounds
+    with open(tmp_path / "runs" / "st" / "summary.json") as f:
+        s = json.load(f)                     # the wall time covers both sessions, as the other totals do
+    assert s["wall_s"] > s["wall_s_session"] > 0
     assert ("note: rounds=4 (was 2): rounds 3-4 will be trained; rounds 1-2 keep their values (the step lr "
             "schedule does not depend on rounds); the metrics and model equal an uninterrupted 4-round run") in r.stderr
     assert fk("run", *SMALL, "rounds=4", *step, "--name", "st4", cwd=tmp_path).returncode == 0
@@ -293,3 +298,29 @@ def test_run_method_takes_what_compare_takes(tmp_path):
     with open(tmp_path / "runs" / "m" / "config.yaml") as f:
         algo = yaml.safe_load(f)["algorithm"]
     assert algo == {"name": "kuramoto", "options": {"kappa0": 0.5}}
+
+
+def test_plots_without_matplotlib_are_said(tmp_path):
+    no_mpl = """
+        import sys
+        sys.modules["matplotlib"] = None
+    """
+    args = [a for a in SMALL if a != "plots=false"] + ["plots=true", "rounds=1", "--name", "np"]
+    p = fk("run", *args, cwd=tmp_path, inject=no_mpl)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "plots=true but matplotlib is not installed: curves.png not written" in p.stdout + p.stderr
+
+
+def test_a_full_disk_mid_run_is_one_line_with_its_cause_in_the_run_folder(tmp_path):
+    full = """
+        import errno
+        from fedkernels.sim import checkpoint
+        def save(path, state):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        checkpoint.save = save
+    """
+    p = fk("run", *SMALL, "checkpoint_every=1", "--name", "disk", cwd=tmp_path, inject=full)
+    line = _one_error(p, 1)
+    assert "No space left on device: runs/disk/checkpoints/ckpt_round_000001.pt" in line
+    prov = _prov(tmp_path / "runs" / "disk")
+    assert prov["status"] == "failed" and "OSError" in prov["error"] and "No space left" in prov["error"]

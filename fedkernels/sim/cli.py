@@ -192,7 +192,8 @@ def cmd_compare(a) -> int:
         return 130
     if not res.get("kept"):
         print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
-              + (f" and {res['plot']}" if res.get("plot") else ""))
+              + (f" and {res['plot']}" if res.get("plot") else
+                 " (no figure: matplotlib is not installed)" if base.plots else ""))
     if res.get("failed"):
         print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
               + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
