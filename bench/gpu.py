@@ -7,7 +7,9 @@ torch baselines a user would write: ``coef @ U`` (FedAvg), fp64 ``U @ U.T`` (Gra
 ``torch.linalg.lu_solve``, a ``_foreach`` SGD step (the fused local step). Host-bound ops (small
 kernels: min_norm, gc_project_, the fused step, LU of small batches) are timed inside a CUDA graph
 (20 calls per replay) or, where capture is not possible, as 20 calls per CUDA-event pair.
-Writes ``<out>/gpu-<device>.json`` (default bench/results, and $OUT when set) and prints a table.
+Writes ``gpu-<device>.json`` to ``--out`` (default runs/bench/ under the current directory, as every
+benchmark: bench/common.py; ``bench/gpu.sh`` passes ``--out bench/results``, the published results) and
+to $OUT when set, and prints a table.
 
 ``--device cpu --quick`` runs the same harness on the CPU with small sizes (perf_counter timing,
 no graphs): CI runs it so that only the GPU numbers are new on the GPU.
@@ -35,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fedkernels  # noqa: E402
+from bench.common import add_out_argument, output_path  # noqa: E402
 from fedkernels import ops  # noqa: E402
 
 DEV = "cuda"
@@ -572,7 +575,7 @@ def main(argv=None):
     ap.add_argument("--only", default="",
                     help="comma list: weighted_sum,gram,kstats,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
                          "(copy always runs)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
+    add_out_argument(ap)
     ap.add_argument("--sanitize-subset", action="store_true",
                     help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
     args = ap.parse_args(argv)
@@ -619,7 +622,7 @@ def main(argv=None):
            "torch": torch.__version__, "cuda": torch.version.cuda, "build_info": info,
            "python": platform.python_version(), "quick": QUICK, "results": RESULTS}
     slug = "".join(c if c.isalnum() else "-" for c in dev_name).strip("-").lower()
-    paths = [os.path.join(args.out, f"gpu-{slug}.json")]
+    paths = [output_path(args.out, f"gpu-{slug}.json")]
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], f"gpu-{slug}.json"))
     for p in paths:

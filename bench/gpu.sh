@@ -245,10 +245,10 @@ case "$step" in
     if build; then
       pytest_step cuda 150 -m cuda tests || rc=1
       sanitize memcheck || rc=1
-      echo "+ timeout 150 $PY bench/gpu.py --only ${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,min_norm,aggregate}"
+      echo "+ timeout 150 $PY bench/gpu.py --out $RESULTS --only ${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,min_norm,aggregate}"
       if [ "$DRY" = 0 ]; then
         b0=$SECONDS brc=0
-        timeout 150 "$PY" bench/gpu.py --only "${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,min_norm,aggregate}" \
+        timeout 150 "$PY" bench/gpu.py --out "$RESULTS" --only "${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,min_norm,aggregate}" \
           >"$LOG/bench.log" 2>&1 || brc=$?
         tail -40 "$LOG/bench.log"
         record bench "$brc" $((SECONDS - b0)) "$LOG/bench.log"
@@ -269,7 +269,7 @@ case "$step" in
     ;;
   bench)
     echo "== benchmarks"
-    timeout 470 "$PY" bench/gpu.py "$@"
+    timeout 470 "$PY" bench/gpu.py --out bench/results "$@"     # the published results (a later --out wins)
     ;;
   *)
     echo "usage: bash bench/gpu.sh build-test [--dry-run] | build [--dry-run] | test [--dry-run] | quick [--dry-run] | bench [bench/gpu.py args]" >&2

@@ -430,3 +430,27 @@ def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
 
 # ---- end of references -----------------------------------------------------------------------
+
+
+# ---- adaptive server optimiser (FedAdam / FedYogi / FedAdagrad) --------------------------------
+def server_opt_step(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
+                    beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
+                    from_model: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 reference of ops.server_opt_step_, Flower's FedOpt arithmetic (fedadam.py / fedyogi.py /
+    fedadagrad.py) on float64 copies: returns (new model, m, v) in float64; the inputs are not modified.
+    g = io (or io - x), m = beta_1 m + (1 - beta_1) g, v per ``rule``, new = x + lr m / (sqrt(v) + tau)."""
+    x64 = x.detach().to(torch.float64)
+    g = io.detach().to(torch.float64)
+    if from_model:
+        g = g - x64
+    m1 = beta_1 * m.to(torch.float64) + (1.0 - beta_1) * g
+    v0 = v.to(torch.float64)
+    if rule == "adam":
+        v1 = beta_2 * v0 + (1.0 - beta_2) * (g * g)
+    elif rule == "yogi":
+        v1 = v0 - (1.0 - beta_2) * (g * g) * torch.sign(v0 - g * g)
+    elif rule == "adagrad":
+        v1 = v0 + g * g
+    else:
+        raise ValueError(f"server_opt_step: unknown rule {rule!r}")
+    return x64 + lr * m1 / (torch.sqrt(v1) + tau), m1, v1

@@ -39,7 +39,7 @@ FLOAT_NAMES = list(FLOATS)
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
 OP_TARGETS = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
-              "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
+              "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"]
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
 FUZZED_VIA = {"BEStepWindow": "fedecado_be_step"}
@@ -289,6 +289,22 @@ def _gen_gc_sgd_step_inplace(rnd, c):
     c["corr"] = None
     if c["gc"] in (None, "bad_len"):
         c["gc"] = True
+
+
+def _gen_server_opt_step_inplace(rnd, c):
+    c["d"] = rnd.choice([0, 1, 2, 7, 64, 1001, 4097])
+    c["dtype"] = rnd.choice(["fp32", "fp32", "fp64", "fp64", "fp16", "bf16", "i64"])
+    c["state"] = rnd.choice(["fp32", "fp32", "fp64", "fp16"])
+    c["rule"] = rnd.choice(["adam", "yogi", "adagrad", "adam", "yogi", "adagrad", "sgd"])
+    c["values"] = rnd.choice(["normal", "normal", "normal", "scaled", "zeros", "ints", "denormal", "huge", "nan",
+                              "inf"])
+    c["layout"] = rnd.choice(["contig", "contig", "strided"])
+    c["from_model"] = rnd.choice([False, True])
+    c["lr"] = rnd.choice([0.1, 0.01, 0.0, -0.5, 1e3, float("nan")])
+    c["tau"] = rnd.choice([1e-9, 1e-3, 1e-3, 0.0, -1.0])
+    c["beta_1"] = rnd.choice([0.9, 0.9, 0.0, 0.5, 1.0, 1.5])
+    c["beta_2"] = rnd.choice([0.99, 0.99, 0.0, 0.9, 1.0, -0.1])
+    c["bad"] = rnd.choice([None] * 10 + ["len", "alias", "io_dtype"])
 
 
 def _gen_dvec(rnd, c):
@@ -1408,6 +1424,98 @@ def _run_gc_sgd_step_(g, c):
     return _run_sgd(g, c, "gc_sgd_step_")
 
 
+def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from_model=False):
+    """float64 recomputation of ops.server_opt_step_ and the bound on |got - want| that its arithmetic
+    allows: (want, m', v', tol of the new model, tol of m', tol of v', may). The pseudo-gradient (io, or
+    io - x) and Yogi's sign of v - g^2 are formed as the kernel forms them, in the state's precision
+    (at a tie the sign depends on the precision, not on the kernel). Bounds, with e = eps of the state:
+    m' = fma(b1, m, c1 g): 2e (|b1 m| + |c1 g|) (the rounded coefficients, the product, the fma);
+    v': 3e (|b2 v| + c2 g^2) (adam), 3e (|v| + c2 g^2) (yogi), e (v + g^2) (adagrad); sqrt(v') moves by
+    min(dv / (2 sqrt v'), sqrt(dv)) + e sqrt(v'), the + tau by e of the sum; the step lr m' / den then
+    moves by |lr| (dm + |step / lr| dden) / den_lo + 3e |step|; the add to x and the rounding to the
+    model's dtype by e |new| + eps(dt) |new|. ``may``: where an intermediate leaves the state's range (or
+    tau = 0 meets a v' near the subnormals): nothing is asserted there but NaN/Inf propagation."""
+    f64 = torch.float64
+    gA = (g.to(sdt) - x.to(sdt)) if from_model else g.to(sdt)
+    g2A = gA * gA                                                     # rounded in the state's precision
+    g64, x64, m64, v64 = gA.to(f64), x.to(f64), m.to(f64), v.to(f64)
+    b1, b2, e, fi = beta_1, beta_2, _eps(sdt), torch.finfo(sdt)
+    sub = fi.tiny * e
+    m1 = b1 * m64 + (1 - b1) * g64
+    gg = g64 * g64
+    if rule == "adam":
+        v1 = b2 * v64 + (1 - b2) * gg
+        dv = 3 * e * (b2 * v64.abs() + (1 - b2) * gg)
+    elif rule == "yogi":
+        s = torch.sign(v.to(sdt) - g2A).to(f64).nan_to_num(0.0)
+        v1 = v64 - (1 - b2) * gg * s
+        v1 = torch.where(torch.isnan(g2A) | torch.isnan(v) | (torch.isinf(g2A) & torch.isinf(v)),
+                         torch.full_like(v1, float("nan")), v1)
+        dv = 3 * e * (v64.abs() + (1 - b2) * gg)
+    else:
+        v1 = v64 + gg
+        dv = e * (v64.abs() + gg)
+    dv = dv + 4 * sub
+    dm = 2 * e * (b1 * m64.abs() + (1 - b1) * g64.abs()) + 4 * sub
+    rv = torch.sqrt(v1)
+    dden = torch.minimum(dv / (2 * rv), torch.sqrt(dv)) + e * (rv + tau)
+    den = rv + tau
+    step = lr * m1 / den
+    want = x64 + step
+    den_lo = (den - dden).clamp_min(0)
+    with torch.no_grad():
+        tol = abs(lr) * (dm + (m1 / den).abs() * dden) / den_lo + 3 * e * step.abs() \
+            + e * want.abs() + _eps(dt) * want.abs() + torch.finfo(dt).tiny
+    big = fi.max / 4
+    may = (gg >= big) | (m1.abs() >= big) | (v1 >= big) | (want.abs() * 1.01 >= torch.finfo(dt).max) \
+        | (den_lo == 0) | ((v1 < 2 ** 30 * fi.tiny) & (tau == 0))
+    inf = float("inf")
+    return (want, m1, v1, torch.where(may, torch.full_like(tol, inf), tol).nan_to_num(inf),
+            torch.where(may, torch.full_like(dm, inf), dm), torch.where(may, torch.full_like(dv, inf), dv), may)
+
+
+def _run_server_opt_step_(g, c):
+    """The fused server-optimiser step against server_opt_expected (float64, with its derived bound)."""
+    dt, d = DTYPES[c["dtype"]], c["d"]
+    sdt = FLOATS[c["state"]]
+    x = _values(g, [d], dt, "normal")
+    io = _values(g, [d], dt, c["values"])
+    if c["from_model"] and dt.is_floating_point:
+        io = (x.to(torch.float64) + io.to(torch.float64)).to(dt)
+    m = _values(g, [d], sdt, "normal") * 0.1
+    v = _values(g, [d], sdt, "normal").abs() * 0.01
+    if c["values"] in ("nan", "inf") and d:
+        v[0] = float("inf") if c["values"] == "inf" else v[0]
+    if c["layout"] == "strided":
+        def strided(t):
+            big = torch.zeros(2 * d, dtype=t.dtype)
+            big[::2] = t
+            return big[::2]
+        x, io, m, v = strided(x), strided(io), strided(m), strided(v)
+    io0, m0, v0 = io.clone(), m.clone(), v.clone()
+    bad = c["bad"]
+    args = dict(rule=c["rule"], lr=c["lr"], beta_1=c["beta_1"], beta_2=c["beta_2"], tau=c["tau"],
+                from_model=c["from_model"])
+    xa = x
+    if bad == "len":
+        xa = torch.zeros(d + 1, dtype=dt)
+    elif bad == "io_dtype":
+        io = io.to(torch.float64 if dt != torch.float64 else torch.float32)
+    ops.server_opt_step_(io, m, x if bad == "alias" else v, xa, **args)
+    invalid = (bad is not None and not (bad == "alias" and d == 0)) or c["rule"] not in ops.SERVER_OPT_RULES or not math.isfinite(c["lr"]) \
+        or c["tau"] < 0 or not 0 <= c["beta_1"] <= 1 or not 0 <= c["beta_2"] <= 1 or not dt.is_floating_point \
+        or sdt not in (torch.float32, torch.float64) or (dt == torch.float64 and sdt != torch.float64)
+    if invalid:
+        raise Fail(f"server_opt_step_ accepted invalid input (bad={bad}, rule={c['rule']}, dtype={c['dtype']}, "
+                   f"state={c['state']}, lr={c['lr']}, tau={c['tau']}, betas={c['beta_1']}, {c['beta_2']})")
+    want, m1, v1, tol, tol_m, tol_v, may = server_opt_expected(
+        x, io0, m0, v0, c["rule"], c["lr"], c["beta_1"], c["beta_2"], c["tau"], sdt, dt, c["from_model"])
+    _check_close("server_opt_step_: io", io, want, tol, may)
+    _check_close("server_opt_step_: m", m, m1, tol_m, may)
+    _check_close("server_opt_step_: v", v, v1, tol_v, may)
+    return "ok"
+
+
 def _run_dvec(g, c, name):
     dt = torch.bool if c["dtype"] == "bool" else DTYPES[c["dtype"]]
     src = _values(g, c["shape"], torch.float64 if dt == torch.bool else dt, c["values"])
@@ -1821,6 +1929,7 @@ OP_ARG_NAMES = {
     "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"], "any_flag": ["any_flag", "mask"],
     "amax_d": ["amax_d", "x"], "mean_d": ["mean_d", "x"],
     "lu_solve": ["lu_solve", "lu_factor", "LU", "piv", "pivots", "B"],
+    "server_opt_step_": ["server_opt_step_", "io", "m", "v", "x", "rule", "lr", "beta_1", "beta_2", "tau"],
 }
 
 

@@ -73,3 +73,14 @@ def test_gpu_bench_bad_arguments_exit_2(tmp_path):
         r = _run("--device", "cuda", "--out", str(tmp_path))
         assert r.returncode == 2 and "no CUDA device" in r.stderr
     assert not list(tmp_path.glob("gpu-*.json"))
+
+
+def test_default_output_is_runs_bench_under_the_cwd(tmp_path):
+    """Without --out the result goes to runs/bench/ under the current directory, never into the
+    committed bench/results/ (only bench/gpu.sh passes --out bench/results, on a GPU)."""
+    published = os.path.join(ROOT, "bench", "results")
+    before = {f: os.path.getmtime(os.path.join(published, f)) for f in os.listdir(published)}
+    r = _run("--device", "cpu", "--quick", "--only", "weighted_sum", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "runs" / "bench").glob("gpu-*.json")] != []
+    assert {f: os.path.getmtime(os.path.join(published, f)) for f in os.listdir(published)} == before

@@ -21,7 +21,8 @@ from .. import ops
 from . import tables
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor
+from .base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
+                   table_passes)
 from .parts import WEIGHTINGS, check_choice, client_weights, momentum_steps, optimizer_lr_momentum
 
 
@@ -231,6 +232,8 @@ class ControlVariateServer(Aggregator):
     screen_in_pass = True                               # _aggregate reads U first, through rin.weighted_sum
     screened_payload_keys = ("delta_c",)               # stacked once per round, scanned for NaN/Inf
 
+    option_ranges = {"num_clients": ">= 1"}
+
     def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
                  num_clients: Optional[int] = None, control_device=None,
                  control_file: Optional[Union[str, os.PathLike]] = None, **kw):
@@ -318,10 +321,9 @@ class ControlVariateServer(Aggregator):
             ci = ci.clone()            # a view of the file mapping cannot go to worker processes (fd-shared storages)
         return {"c": self.c, "c_i": ci}
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
+    def prepare_round(self, global_flat) -> None:
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
             self._alloc(global_flat)
-        return super().validate(global_flat, updates, num_examples, client_ids, payloads, screen)
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         r = super().check_payload(payload)
@@ -336,8 +338,8 @@ class ControlVariateServer(Aggregator):
 
     def suspect_payloads(self, payloads):
         rows = super().suspect_payloads(payloads)
-        st = (self._payload_stacks or {}).get("delta_c")      # the screen stacked them: all tensors, one shape
-        if rows is None or st is None or st[0] is not payloads or (self.d_c is not None and st[1][0].numel() != self.d_c):
+        S = getattr(payloads, "stacks", {}).get("delta_c")    # the screen stacked them: all tensors, one shape
+        if rows is None or S is None or (self.d_c is not None and S[0].numel() != self.d_c):
             return None
         return rows
 
@@ -349,6 +351,10 @@ class ControlVariateServer(Aggregator):
         except RuntimeError:              # shapes or devices differ (same numel: checked)
             D = torch.stack([pl["delta_c"].reshape(-1).to(device=c.device, dtype=c.dtype) for pl in rin.payloads])
         return D.reshape(rin.K, -1).to(device=c.device, dtype=c.dtype)
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        """x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed."""
+        return ("sum", "payload") + table_passes(self.control_device, self.control_file, "table", "table_sum")
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat

@@ -12,6 +12,7 @@ named like the op:
 ``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step; ``BEStepWindow``: its
                       attempts over one integration window, the fixed arguments checked once)
 ``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
+``server_opt_step``   ``server_opt_step_`` (FedAdam / FedYogi / FedAdagrad's fused m, v and model update)
 ``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_`` / ``any_flag``, ``amax_d``, ``mean_d``
                       and the sharded mode (``reduce_across``, ``active_reducer``)
 ``_autograd``         the autograd / vmap machinery the op modules share (each op registers its
@@ -49,6 +50,7 @@ from .fedecado_be_step import BEStepWindow, fedecado_be_step  # noqa: E402
 from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
+from .server_opt_step import SERVER_OPT_RULES, server_opt_step_  # noqa: E402
 from .min_norm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .reductions import (Reducer, active_reducer, all_, amax_d, any_, any_flag, dot, mean_d,  # noqa: E402
                          reduce_across, sqnorm)
@@ -57,6 +59,6 @@ __all__ = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_scre
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
-           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
+           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_",
            "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer"]

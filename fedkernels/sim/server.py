@@ -36,13 +36,14 @@ import torch
 from torch import nn
 
 from .. import algorithms
+from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
 from . import assemble
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from .batched import BatchedExecutor, for_simulation
 from .client import ClientTrainer, HeteroCompute, schedule_factor
-from .evaluate import evaluate_global
+from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
 from .executors import OneProcess, SequentialExecutor, nothing_trained
@@ -349,6 +350,10 @@ class Simulation:
             if m.get("diverged"):
                 self.say(f"round {r + 1}: the global model is not finite; stopping (diverged)")
                 return
+            bad = non_finite_evaluation(m)
+            if bad is not None:        # (sim/checkpoint.py writes no checkpoint of this round)
+                raise RunError(f"round {r + 1}: the evaluation is not finite ({bad}) under {self.cfg.algorithm.name}; "
+                               "the run stops (its metrics and earlier checkpoints are kept)")
             if self.procs.stop_agreed(self.stop.signal):
                 self.interrupted = True
                 self._emit("on_interrupt", r + 1, None)     # a checkpoint of this round, if it has none
