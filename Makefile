@@ -46,6 +46,7 @@ $(VENV)/.stamp-test-deps: $(VENV)/.stamp-deps pyproject.toml
 # First time: editable install (compiles the extension in place). Afterwards only changed
 # kernel files are recompiled (setup.py build_ext --inplace reuses build/).
 $(VENV)/.stamp-build: $(VENV)/.stamp-deps $(SOURCES)
+	@echo "building the native extension (the first build compiles every kernel: 1.5-3 min on 2 cores; later builds only changed files)"
 	@if [ -f $(VENV)/.stamp-installed ]; then \
 	  $(PYBIN) setup.py -q build_ext --inplace; \
 	else \

@@ -33,7 +33,7 @@ log = logging.getLogger("fedkernels.sim")
 
 __all__ = ["MAGIC", "CheckpointError", "Checkpoints", "save", "load", "path_for", "list_checkpoints", "load_latest",
            "prune", "completed_rounds", "read_summary", "config_diff", "check_resume", "already_complete_line",
-           "interrupted_line"]
+           "interrupted_line", "check_extension", "resume_note"]
 
 _NAME = "ckpt_round_{:06d}.pt"
 _RE = re.compile(r"ckpt_round_(\d+)\.pt$")
@@ -124,10 +124,67 @@ def read_summary(run_dir: str) -> Optional[Dict[str, Any]]:
     return _read_json(os.path.join(run_dir, "summary.json"))
 
 
-# config keys that may change on resume without changing the computation
+# config keys that may change on resume without changing the computation (``rounds``: checked by
+# check_extension; ``threads`` is not free: another thread count rounds differently)
 RESUME_FREE = {"name", "preset", "method", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
-               "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy", "client_loss",
+               "keep_checkpoints", "plots", "progress", "verbose", "target_accuracy", "client_loss",
                "distributed", "workers", "clients_at_once"}
+
+
+def _lr_factors(train: Dict[str, Any], rounds: int, upto: int) -> List[float]:
+    from .client import schedule_factor
+    from .config import TrainConfig, _from_dict
+    t = _from_dict(TrainConfig, train, "train.")
+    return [schedule_factor(t, r, rounds) for r in range(upto)]
+
+
+def check_extension(run_dir: str, old: Dict[str, Any], new, done: int) -> None:
+    """A resume of ``run_dir`` (``done`` rounds trained under config dict ``old``) with config ``new``
+    must not change the rounds already trained: a learning-rate schedule defined over the planned
+    rounds (``cosine``) would give them other values under another ``rounds``. ValueError (one line,
+    saying why and what to do) when it would; nothing happens otherwise."""
+    r0, r1 = int(old.get("rounds") or 0), int(new.rounds)
+    if r0 == r1 or done < 1 or not isinstance(old.get("train"), dict):
+        return
+    try:
+        before = _lr_factors(old["train"], r0, done)
+    except (TypeError, ValueError):
+        return
+    after = _lr_factors(new.to_dict()["train"], r1, done)
+    bad = [r for r in range(done) if before[r] != after[r]]
+    if bad:
+        r, lr = bad[-1], float(new.train.lr)
+        raise ValueError(
+            f"--resume {run_dir} rounds={r1}: train.lr_schedule={new.train.lr_schedule} is defined over the "
+            f"planned rounds ({r0}), so rounds={r1} would change the learning rate of rounds already trained "
+            f"(round {r + 1}: {lr * before[r]:.4g} -> {lr * after[r]:.4g}) and the run would equal no "
+            f"uninterrupted one; nothing was changed. Start a new run with rounds={r1} instead")
+
+
+def resume_note(old: Dict[str, Any], new, done: int) -> Optional[str]:
+    """What a resume with config ``new`` of a run with config dict ``old`` (``done`` rounds trained)
+    changes, in one line; None when nothing changes."""
+    parts = []
+    diff = config_diff(old, new.to_dict())
+    if diff:
+        parts.append(f"{', '.join(diff)} differ from the run's config: rounds {done + 1}- are computed with the "
+                     f"new values, so the run will not equal an uninterrupted one")
+    r0, r1 = int(old.get("rounds") or 0), int(new.rounds)
+    if r1 != r0 and r1 > done:
+        sched = new.train.lr_schedule
+        why = ("the lr is constant" if sched == "constant" else
+               "the step lr schedule does not depend on rounds" if sched == "step" else
+               f"the {sched} lr schedule gives them the same values")
+        extra = ""
+        ev = int(old.get("eval_every") or 1)
+        if r1 > r0 and r0 <= done and r0 % ev:
+            extra = f" (except round {r0}, evaluated as the last round of the {r0})"
+        parts.append(f"rounds={r1} (was {r0}): rounds {done + 1}-{r1} will be trained; rounds 1-{done} keep their "
+                     f"values ({why}); the metrics and model equal an uninterrupted {r1}-round run{extra}")
+    free = [k for k in sorted(RESUME_FREE - {"rounds"}) if old.get(k) != new.to_dict().get(k)]
+    if free:
+        parts.append(f"{', '.join(free)} changed (outputs and how the rounds run, not their results)")
+    return "; ".join(parts) or None
 
 
 def config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "", free=RESUME_FREE) -> List[str]:
@@ -236,6 +293,10 @@ class Checkpoints(Callback):
         if found is None:
             raise CheckpointError(no_checkpoint_message(sim.run_dir, sim.cfg.checkpoint_every))
         path, st = found
+        try:
+            check_extension(sim.run_dir, st.get("config") or {}, sim.cfg, int(st["round"]))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
         diff = config_diff(st.get("config", {}), sim.cfg.to_dict())
         if diff:
             log.warning("resume: the config differs from the checkpoint's in %s; the run will not repeat "

@@ -67,7 +67,49 @@ def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, mod
                      skip=("labels", "num_clients", "scheme", "seed"))
     if model:
         _check_model(cfg)
+    _check_applies(cfg)
     return cfg
+
+
+# the partition options each scheme reads (num_classes: every scheme); any other is refused, not ignored
+_SCHEME_OPTIONS = {
+    "iid": (), "shards": ("shards_per_client",), "pathological": ("shards_per_client",),
+    "label_shards": ("shards_per_client",), "natural": ("owners",),
+    **{k: ("alpha", "convention", "min_size", "max_retries", "balance", "sizes", "prior")
+       for k in ("dirichlet", "dir", "hetero_dir")},
+}
+
+
+def _check_applies(cfg: RunConfig) -> None:
+    """A set option that the chosen scheme or training setup does not read is a one-line ValueError
+    (it would be silently ignored): partition options of another scheme, the lr schedule's
+    parameters of another schedule, SGD's momentum/nesterov with Adam, hetero ranges while off."""
+    scheme = str(cfg.partition.scheme).lower()
+    used = _SCHEME_OPTIONS.get(scheme)
+    if used is not None:
+        for k, v in cfg.partition.options.items():
+            if k not in used and k != "num_classes":
+                raise ValueError(f"partition.options.{k}={v!r} does not apply to partition.scheme={scheme} "
+                                 f"(its options: {', '.join(used) or 'none'}); remove it or choose a scheme "
+                                 "that reads it")
+    t, d = cfg.train, RunConfig().train
+    for key, schedules in (("lr_min", ("cosine",)), ("lr_step", ("step",)), ("lr_gamma", ("step",))):
+        v = getattr(t, key)
+        if v != getattr(d, key) and t.lr_schedule not in schedules:
+            raise ValueError(f"train.{key}={v} does not apply to train.lr_schedule={t.lr_schedule} (it is read by "
+                             f"lr_schedule={'|'.join(schedules)}); remove it or set train.lr_schedule")
+    if t.optimizer == "adam" and (t.momentum or t.nesterov):
+        key = "momentum" if t.momentum else "nesterov"
+        raise ValueError(f"train.{key}={getattr(t, key)} does not apply to train.optimizer=adam (SGD only); remove it")
+    if t.nesterov and not t.momentum:
+        raise ValueError("train.nesterov=true needs train.momentum > 0 (Nesterov momentum without momentum is "
+                         "plain SGD); set train.momentum or remove train.nesterov")
+    h = t.hetero
+    if not h.enabled:
+        for key in ("lr_range", "epochs_range"):
+            if getattr(h, key) is not None:
+                raise ValueError(f"train.hetero.{key}={getattr(h, key)} is read only with train.hetero.enabled=true; "
+                                 "set it or remove the range")
 
 
 def _check_data(cfg: RunConfig) -> None:

@@ -28,11 +28,27 @@ from .config import RunConfig, apply_overrides
 
 
 def _split_args(items: Sequence[str]):
-    """(config paths, overrides) from positional arguments."""
+    """(config paths, overrides) from positional arguments; ValueError for a word that is neither
+    (``rounds`` without ``=N``)."""
     paths, ovs = [], []
     for it in items:
+        if "=" not in it and not os.path.exists(it) and not it.lower().endswith((".yaml", ".yml")):
+            raise ValueError(f"{it!r} is neither key=value nor a config file: an override needs its value "
+                             f"(e.g. {it}=VALUE)")
         (ovs if "=" in it else paths).append(it)
     return paths, ovs
+
+
+def _choose_threads(cfg: RunConfig) -> Optional[str]:
+    """``threads=null`` becomes the count chosen for the machine's current load (provenance.auto_threads),
+    written into the config (it is part of the run's identity: another count rounds differently);
+    returns why, or None when the config already says. Distributed ranks keep torch's default (each
+    rank must name the same run directory)."""
+    if cfg.threads is not None or cfg.distributed:
+        return None
+    from .provenance import auto_threads
+    cfg.threads, why = auto_threads(cfg.workers)
+    return why
 
 
 def _base_config(config: Optional[str], preset: Optional[str]) -> RunConfig:
@@ -92,7 +108,8 @@ def cmd_run(a) -> int:
         cfg_path = os.path.join(a.resume, "config.yaml")
         if not os.path.exists(cfg_path):
             raise ValueError(f"--resume: {cfg_path} not found (is {a.resume} a run directory?)")
-        cfg = apply_overrides(RunConfig.from_yaml(cfg_path), ovs)
+        old = RunConfig.from_yaml(cfg_path)
+        cfg = apply_overrides(old, ovs)
         run_dir = a.resume
     else:
         cfg = _run_config(paths[0] if paths else None, a.preset, a.method, ovs)
@@ -107,14 +124,22 @@ def cmd_run(a) -> int:
         cfg.verbose = False
     if a.distributed:
         cfg.distributed = True
+    why_threads = None if a.resume else _choose_threads(cfg)
     check_run(cfg)            # every key, value and option, before anything is written
     if cfg.distributed:
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
     sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite,
                      callbacks=_callbacks(a, cfg))
-    if a.resume and sim.check_resume() is None and ovs:   # no checkpoint: CheckpointError, exit 2
-        print(f"note: overrides on a resumed run ({', '.join(ovs)}); anything but rounds/eval/output "
-              "settings makes it differ from an uninterrupted run", file=sys.stderr)
+    sim.threads_choice = why_threads       # provenance.json says how the thread count was chosen
+    if why_threads and cfg.verbose and getattr(sim, "rank", 0) == 0:
+        print(f"threads: {why_threads}", file=sys.stderr, flush=True)
+    if a.resume and sim.check_resume() is None:   # no checkpoint: CheckpointError, exit 2
+        from .checkpoint import check_extension, completed_rounds, resume_note
+        done = completed_rounds(run_dir)
+        check_extension(run_dir, old.to_dict(), cfg, done)     # the rounds already trained keep their values
+        note = resume_note(old.to_dict(), cfg, done)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     try:
         s = sim.run()
     except KeyboardInterrupt:
@@ -126,6 +151,8 @@ def cmd_run(a) -> int:
         return 1
     if a.quiet and getattr(sim, "rank", 0) == 0:
         print(json.dumps({k: s.get(k) for k in ("final_accuracy", "best_accuracy", "run_dir")}))
+    if getattr(sim, "output_errors", None):   # e.g. a full disk at plotting: said, the rest written
+        return 1
     return 0 if not s.get("diverged") else 3
 
 
@@ -159,11 +186,14 @@ def cmd_compare(a) -> int:
         res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
                       preset=a.preset, band=a.band)
     except KeyboardInterrupt:   # the interrupted run printed its line (checkpoint); no later run starts
-        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written)",
-              file=sys.stderr, flush=True)
+        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written); "
+              "the same command continues: finished runs are reused, the interrupted one resumes from its "
+              "checkpoint", file=sys.stderr, flush=True)
         return 130
-    print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
-          + (f" and {res['plot']}" if res.get("plot") else ""))
+    if not res.get("kept"):
+        print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
+              + (f" and {res['plot']}" if res.get("plot") else
+                 " (no figure: matplotlib is not installed)" if base.plots else ""))
     if res.get("failed"):
         print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
               + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
@@ -270,6 +300,10 @@ def cmd_info(a) -> int:
     return 0
 
 
+def _duration(sec: float) -> str:
+    return f"{sec / 60:.0f} min" if sec >= 90 else f"{sec:.0f} s"
+
+
 def cmd_presets(a) -> int:
     from . import presets
     for name, doc in presets.describe().items():
@@ -277,10 +311,9 @@ def cmd_presets(a) -> int:
         if est is None:
             t = "not measured on CPU"
         else:
-            sec = est["s_per_run"]
-            t = (f"~{sec / 60:.0f} min" if sec >= 90 else f"~{sec:.0f} s") + (
-                f" per method and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU; "
-                f"estimate from {est['source']})")
+            t = (f"~{_duration(est['s_per_run'])} (quiet) to ~{_duration(est['s_per_run_busy'])} (busy) per method "
+                 f"and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU, up to "
+                 f"{presets.BUSY_FACTOR:g}x that when the machine is busy; estimate from {est['source']})")
         default = presets.default_method(name)
         methods = ", ".join(m + (" (default)" if m == default else "") for m in presets.variants(name))
         print(f"{name}\n    {doc}\n    methods: {methods}\n    time: {t}")
@@ -338,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _one_line(e: BaseException) -> str:
+    """An error as one line: an OSError as its reason and file (``No space left on device: PATH``)."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return " ".join(str(e).split())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser()
     a, rest = ap.parse_known_args(argv)
@@ -363,13 +403,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_info(a)
         if a.cmd == "presets":
             return cmd_presets(a)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"fedkernels {a.cmd}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            CheckpointError) as e:
+        print(f"fedkernels {a.cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:       # `fedkernels presets | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as e:          # the environment (read-only file system, full disk, permissions): exit 1
+        print(f"fedkernels {a.cmd}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     return 1
 
 

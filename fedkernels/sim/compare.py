@@ -1,7 +1,11 @@
 """Runs several methods (and seeds) on one setup and tabulates them (``fedkernels compare``).
 
-Every method and option is validated before the first run (:mod:`.options`); a bad one is a
-ValueError naming it (exit 2 on the command line). Each run goes to ``out_dir/<label>-s<seed>``.
+Every method and option, every run's config and the data set are checked before the first run
+(:mod:`.options`, :mod:`.checks`); a bad one is a ValueError naming it (exit 2 on the command line).
+Each run goes to ``out_dir/<label>-s<seed>``. Compare resumes: a run folder holding a finished run
+of the same config is reused, an interrupted one continues from its checkpoint, and one holding
+another config (e.g. another ``rounds``) stops the compare before its first run (give it its own
+``out_dir``). Tables are never replaced by worse ones (more failed runs, or every run failed).
 The results are written as ``compare.json`` and as tables ``compare.csv`` (one row per method and
 metric), ``compare.md`` and ``compare.tex``, with the sample std over seeds (n - 1), a 95% Student-t
 CI and, since runs with the same seed share the partition and the client-sampling stream, the paired
@@ -14,6 +18,7 @@ run logs.
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import os
@@ -24,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from . import stats
 from .config import RunConfig, dir_label
 from .options import check_algorithm, check_method
+from .provenance import auto_threads
 from .report import describe_setup, json_safe, plot_curves, write_json_atomic, write_text_atomic
 
 # (summary key, table heading): accuracy metrics, in percent, compared pairwise with the baseline
@@ -124,7 +130,16 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
             raise ValueError(f"rounds={rounds!r}: expected an integer >= 1")
         base.rounds = int(rounds)
     base.validate()
+    why_threads = None
+    if base.threads is None and not base.distributed:   # chosen once for every run (part of each one's config)
+        base.threads = _existing_threads(out_dir)
+        why_threads = f"{base.threads} thread(s) per process, as the runs already in {out_dir}"
+        if not base.threads:
+            base.threads, why_threads = auto_threads(base.workers)
+        if verbose:
+            print(f"threads: {why_threads}", flush=True)
     title = title or describe_setup(base, seeds, preset)
+    plan = _plan(base, meths, seeds, out_dir, run_kwargs)   # every check before the first run
     os.makedirs(out_dir, exist_ok=True)
 
     total = len(meths) * len(seeds)
@@ -133,19 +148,20 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
     failed: List[Dict[str, Any]] = []
     t0 = time.perf_counter()
     k = 0
-    for label, var in meths:
-        for seed in seeds:
-            k += 1
-            cfg = base.copy()
-            cfg.seed = int(seed)
-            cfg.algorithm.name = var["name"]
-            cfg.algorithm.options = dict(var.get("options", {}))
-            cfg.name = f"{dir_label(label)}-s{seed}"
-            cfg.out_dir = out_dir
+    for label, seed, cfg, state in plan:
+        k += 1
+        tr = time.perf_counter()
+        if state == "done":       # a finished run of this very config (an earlier compare): reused
+            s, metrics = _finished(os.path.join(out_dir, cfg.name))
             if verbose:
-                print(f"[{k}/{total}] {label} (seed {seed}) ...", flush=True)
-            tr = time.perf_counter()
-            sim = Simulation(cfg, **(run_kwargs or {}))
+                print(f"[{k}/{total}] {label} (seed {seed}): finished earlier, reused", flush=True)
+        else:
+            if verbose:
+                print(f"[{k}/{total}] {label} (seed {seed}) ..." + (" (resumed from its checkpoint)"
+                                                                    if state == "resume" else ""), flush=True)
+            where = {"run_dir": os.path.join(out_dir, cfg.name), "resume": True} if state == "resume" else {}
+            sim = Simulation(cfg, **{**(run_kwargs or {}), **where})
+            sim.threads_choice = why_threads
             try:
                 s = sim.run()
             except KeyboardInterrupt:
@@ -155,14 +171,15 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
                 print(f"[{k}/{total}] {label} (seed {seed}) FAILED: {msg}", flush=True)
                 failed.append({"method": label, "seed": seed, "error": msg})
                 s = None
-            runs[label][seed] = s
-            curves[label].append(list(sim.metrics))
-            el = time.perf_counter() - t0
-            eta = el / k * (total - k)
-            acc = s.get("final_accuracy") if s else None
-            print(f"[{k}/{total}] done {label} (seed {seed}) in {time.perf_counter() - tr:.0f}s"
-                  + (f", final acc {100 * acc:.2f}%" if isinstance(acc, (int, float)) else "")
-                  + f"; elapsed {_hms(el)}, ETA {_hms(eta)}", flush=True)
+            metrics = list(sim.metrics)
+        runs[label][seed] = s
+        curves[label].append(metrics)
+        el = time.perf_counter() - t0
+        eta = el / k * (total - k)
+        acc = s.get("final_accuracy") if s else None
+        print(f"[{k}/{total}] done {label} (seed {seed}) in {time.perf_counter() - tr:.0f}s"
+              + (f", final acc {100 * acc:.2f}%" if isinstance(acc, (int, float)) else "")
+              + f"; elapsed {_hms(el)}, ETA {_hms(eta)}", flush=True)
 
     st = method_stats(runs, baseline)
     methods_out: Dict[str, Any] = {}
@@ -181,6 +198,11 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
                   "paired": "method - baseline per seed (same partition and sampling stream), mean, 95% CI "
                             "and two-sided paired t-test p value"},
         "methods": methods_out, "failed": failed, "wall_s": time.perf_counter() - t0}
+    keep = _better_tables(out_dir, out)
+    if keep:         # never replace an earlier compare's tables with worse ones
+        out["kept"] = keep
+        print(f"compare: {keep}", flush=True)
+        return out
     write_json_atomic(os.path.join(out_dir, "compare.json"), out)
     out["tables"] = write_tables(out, os.path.join(out_dir, "compare"))
     if base.plots:
@@ -189,6 +211,108 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
     if verbose:
         print(format_table(out), flush=True)
     return out
+
+
+def _existing_threads(out_dir: str) -> Optional[int]:
+    """The thread count of the runs an earlier compare left in ``out_dir`` (so that a resumed compare
+    keeps their config), or None."""
+    for p in sorted(glob.glob(os.path.join(out_dir, "*", "config.yaml"))):
+        try:
+            t = RunConfig.from_yaml(p).threads
+        except (OSError, ValueError):
+            continue
+        if t:
+            return int(t)
+    return None
+
+
+def _plan(base: RunConfig, meths, seeds, out_dir: str, run_kwargs) -> List[Tuple[str, int, RunConfig, str]]:
+    """``(label, seed, config, state)`` of every run, state ``new`` | ``resume`` (an interrupted run of
+    the same config with a checkpoint) | ``done`` (a finished run of the same config: reused), after
+    every check that can be made before the first run: each run's config and options, the data set
+    (found and readable), the output folder (writable, and no run folder holding another config)."""
+    from .checkpoint import completed_rounds, config_diff, list_checkpoints, read_summary
+    from .checks import check_run
+    from .config import PRESENTATION_KEYS
+    from .report import check_writable_dir
+    check_writable_dir(out_dir, "compare folder")
+    plan, clash = [], []
+    for label, var in meths:
+        for seed in seeds:
+            cfg = base.copy()
+            cfg.seed = int(seed)
+            cfg.algorithm.name = var["name"]
+            cfg.algorithm.options = dict(var.get("options", {}))
+            cfg.name = f"{dir_label(label)}-s{seed}"
+            cfg.out_dir = out_dir
+            kw = run_kwargs or {}
+            check_run(cfg, data_set=kw.get("train") is None or kw.get("test") is None,
+                      partition=kw.get("client_indices") is None, model=kw.get("model_fn") is None)
+            run_dir = os.path.join(out_dir, cfg.name)
+            state = "new"
+            if os.path.exists(os.path.join(run_dir, "config.yaml")):
+                try:
+                    old = RunConfig.from_yaml(os.path.join(run_dir, "config.yaml")).to_dict()
+                    diff = config_diff(old, cfg.to_dict(), free=PRESENTATION_KEYS)
+                except ValueError:
+                    diff = ["<unreadable config.yaml>"]
+                if diff:
+                    clash.append((run_dir, diff))
+                elif completed_rounds(run_dir) >= cfg.rounds and read_summary(run_dir) is not None \
+                        and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                    state = "done"
+                elif list_checkpoints(os.path.join(run_dir, "checkpoints")):
+                    state = "resume"
+            plan.append((label, int(seed), cfg, state))
+    if clash:
+        run_dir, diff = clash[0]
+        raise ValueError(f"{run_dir} holds a run with another config ({', '.join(diff[:4])}"
+                         f"{', ...' if len(diff) > 4 else ''}){f' (and {len(clash) - 1} more run folders)' if len(clash) > 1 else ''}; "
+                         f"nothing was run. Give this compare its own folder with --out DIR")
+    kw = run_kwargs or {}
+    if (kw.get("train") is None or kw.get("test") is None) and any(st != "done" for *_, st in plan):
+        _probe_data(base)
+    return plan
+
+
+def _probe_data(cfg: RunConfig) -> None:
+    """Loads a few examples of the config's data set: a missing or unreadable one stops the compare
+    before its first run (DatasetNotFoundError: where it was looked for, how to get it)."""
+    from .data import load_dataset
+    kw = dict(cfg.data.options)
+    kw.update(max_train=50, max_test=50)
+    load_dataset(cfg.data.name, root=cfg.data.root, **kw)
+
+
+def _finished(run_dir: str) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """(summary, metrics) of a finished run folder."""
+    from .checkpoint import read_summary
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    return read_summary(run_dir) or {}, metrics
+
+
+def _better_tables(out_dir: str, out: Mapping[str, Any]) -> Optional[str]:
+    """Why the tables already in ``out_dir`` are kept instead of ``out``'s (None: write ``out``'s): a
+    compare in which every run failed writes no tables; one with failed runs does not replace tables
+    of the same methods and seeds with fewer failures."""
+    n_failed = len(out.get("failed") or [])
+    n_runs = sum(len(m.get("runs") or []) for m in out["methods"].values())
+    old_path = os.path.join(out_dir, "compare.json")
+    if n_failed == 0:
+        return None
+    if n_failed >= n_runs:
+        return ("every run failed: no tables written"
+                + (f"; the earlier tables in {out_dir} are kept" if os.path.exists(old_path) else ""))
+    try:
+        with open(old_path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if len(old.get("failed") or []) < n_failed:
+        return (f"{n_failed} run(s) failed: the earlier tables in {out_dir} (with {len(old.get('failed') or [])} "
+                "failed) are kept; this compare's runs are in their folders")
+    return None
 
 
 def _err(failed, label, seed):

@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
@@ -118,7 +119,8 @@ class RunConfig:
     target_accuracy: Optional[float] = None  # for rounds-to-target in the summary (fraction, e.g. 0.85)
     bad_client_policy: str = "exclude"   # exclude | raise
     device: str = "cpu"                  # cpu | cuda | auto
-    threads: Optional[int] = None        # torch.set_num_threads for the run (None: torch's default); per worker
+    threads: Optional[int] = None        # torch.set_num_threads for the run, per process (None: torch's default;
+                                          # the CLI chooses for the load); in the config hash: it changes the bits
     workers: int = 1                     # train a round's clients in N worker processes (sim.workers; CPU)
     clients_at_once: Union[str, int, bool] = "auto"  # batched local training (sim.batched): auto (CUDA: on,
                                           # CPU: off) | off | N clients per vmapped chunk; equal to off up to
@@ -221,14 +223,29 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, path_or_text: str) -> "RunConfig":
+        """A config from a YAML file or text; ValueError (one line, naming the file and line) for an
+        unreadable file or a YAML syntax error. Numbers in YAML 1.2 forms (``1e-3``) are numbers."""
+        where = "config text"
         if "\n" not in path_or_text and not path_or_text.lstrip().startswith("{"):
-            with open(path_or_text) as f:
-                text = f.read()
+            where = path_or_text
+            try:
+                with open(path_or_text) as f:
+                    text = f.read()
+            except FileNotFoundError:
+                raise ValueError(f"config file not found: {path_or_text}") from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"config file {path_or_text}: cannot be read ({e.strerror or e})") from None
         else:
             text = path_or_text
-        d = yaml.safe_load(text)
+        try:
+            d = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ValueError(f"{where}: YAML syntax error{at}: {what}") from None
         if d is not None and not isinstance(d, dict):
-            raise ValueError(f"config YAML must be a mapping at the top level, got {type(d).__name__}")
+            raise ValueError(f"{where}: config YAML must be a mapping at the top level, got {type(d).__name__}")
         return cls.from_dict(d or {})
 
     def copy(self) -> "RunConfig":
@@ -280,9 +297,11 @@ def range_errors(cfg: "RunConfig") -> List[str]:
     return out
 
 
-# keys that do not change what is computed (left out of config_hash; free to change on resume)
+# keys that do not change what is computed (left out of config_hash; free to change on resume).
+# ``threads`` is not one: CPU kernels round differently at another thread count (workers=N gives the
+# bits of workers=1 at the same threads per process)
 PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "checkpoint_every",
-                     "keep_checkpoints", "plots", "progress", "verbose", "threads", "target_accuracy",
+                     "keep_checkpoints", "plots", "progress", "verbose", "target_accuracy",
                      "distributed", "workers", "clients_at_once")
 
 
@@ -336,9 +355,23 @@ def _type_word(tp: Any) -> str:
 
 def check_field(cls, key: str, name: str, value: Any) -> Any:
     """``value`` for field ``name`` of config dataclass ``cls`` (dotted ``key`` for messages), type-checked
-    against the field's annotation; an int given for a float field becomes a float."""
+    against the field's annotation; an int given for a float field becomes a float. A number field
+    takes every form Python's ``float()`` and YAML 1.2 accept, as text too (``"1e-3"``, ``"1_000"``); an
+    integer field a whole number in any of them (``1e3``)."""
     tp = typing.get_type_hints(cls)[name]
     if not _type_ok(value, tp):
+        args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+        num = value
+        if isinstance(value, str) and (float in args or int in args):
+            t = value.strip()
+            try:     # float() forms, and YAML 1.2's .inf / .nan (the range checks refuse those)
+                num = float({".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(t.lower(), t))
+            except ValueError:
+                num = value
+        if float in args and isinstance(num, float):
+            return num
+        if int in args and isinstance(num, float) and num == num and abs(num) != float("inf") and num == int(num):
+            return int(num)
         raise ValueError(f"config key {key}: got {value!r} ({type(value).__name__}), expected {_type_word(tp)}")
     if tp is float or (typing.get_origin(tp) is typing.Union and float in typing.get_args(tp)):
         if isinstance(value, int) and not isinstance(value, bool):
@@ -375,10 +408,21 @@ def _dataclass_type(cls, name: str):
     return _SECTIONS.get((cls, name))
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading YAML 1.2 floats too: ``1e-3``, ``1.0e6``, ``5E+2`` (YAML 1.1, which
+    PyYAML follows, wants a dot and a signed exponent and reads them as text)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 def parse_value(text: str) -> Any:
-    """A command-line value, parsed as YAML (``0.1`` -> float, ``[1,2]`` -> list, ``null`` -> None)."""
+    """A command-line value, parsed as YAML (``0.1`` -> float, ``[1,2]`` -> list, ``null`` -> None;
+    ``1e-3`` a float as in YAML 1.2)."""
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml.load(text, Loader=_Loader) if text != "" else ""
     except yaml.YAMLError:
         return text
 

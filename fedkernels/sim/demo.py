@@ -10,7 +10,8 @@ accuracy per round, a table at the end, where everything is and what to try next
     runs/demo-<hash>/compare/                 compare.json, the tables compare.csv/.md/.tex and the
                                               figure compare.png/.pdf/.svg
 
-``<hash>`` is the demo setup's config hash (another ``--rounds`` or ``--seed``: another folder).
+``<hash>`` is the demo setup's config hash (another ``--rounds``, ``--seed`` or thread count, which
+follows the machine's load: another folder).
 Options: ``--rounds N``, ``--methods a,b,c`` (default: all demo methods), ``--fedavg-only``,
 ``--out DIR`` (instead of ``runs/demo-<hash>``), ``--seed S``.
 """
@@ -24,6 +25,7 @@ import time
 
 from . import presets
 from .compare import compare, resolve_methods
+from .provenance import auto_threads
 
 FMNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -41,14 +43,11 @@ def demo_config(rounds=None, seed=0):
         cfg.rounds = int(rounds)
     cfg.seed = int(seed)
     cfg.progress = False
-    # Small batches on a shared 2-core machine: two OpenMP threads fighting other processes are
-    # many times slower than one, so use one thread when the machine is already busy.
-    try:
-        busy = os.getloadavg()[0] >= 1.0
-    except OSError:
-        busy = False
-    if busy or (os.cpu_count() or 1) <= 1:
-        cfg.threads = 1
+    # Small batches on a shared machine: OpenMP threads fighting other processes are many times
+    # slower than fewer, so the thread count follows the load (as `fedkernels run` and `compare` do);
+    # it is part of the config (another count rounds differently), hence of the folder's hash.
+    cfg.threads, why = auto_threads(cfg.workers)
+    print(f"threads: {why}", flush=True)
     return cfg
 
 

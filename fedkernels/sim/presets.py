@@ -266,15 +266,17 @@ def default_method(name: str) -> Optional[str]:
 
 
 def with_method(cfg: RunConfig, name: str, label: str) -> RunConfig:
-    """A copy of preset ``name``'s ``cfg`` running its method ``label``; ValueError naming the labels."""
+    """A copy of preset ``name``'s ``cfg`` running ``label``: one of its methods, or (as ``compare
+    --methods`` takes) a registered algorithm name or ``algo:key=value``; ValueError naming them."""
+    from .options import check_method
     vs = variants(name)
-    if label not in vs:
-        from .config import _suggest
-        raise ValueError(f"--method {label!r}: not a method of preset {name}{_suggest(label, list(vs))}; "
-                         f"its methods: {', '.join(vs)}")
+    try:
+        label, var = check_method(label, vs)
+    except ValueError as e:
+        raise ValueError(f"--{e} (the preset's methods: {', '.join(vs)})") from None
     cfg = cfg.copy()
-    cfg.algorithm.name = vs[label]["name"]
-    cfg.algorithm.options = dict(vs[label].get("options", {}))
+    cfg.algorithm.name = var["name"]
+    cfg.algorithm.options = dict(var.get("options", {}))
     cfg.method = label
     return cfg
 
@@ -324,6 +326,11 @@ _SECONDS_PER_ROUND: Dict[str, Tuple[float, str]] = {
     "fedaware-synthetic": (0.024, "results/fedaware/synthetic-fr1"),
     "kuramoto-synthetic": (0.066, "results/kuramoto/synthetic-kr1"),
 }
+# On a busy machine the same rounds take longer, with the thread count chosen for the load (one thread
+# on 2 cores): median round 3.6-5x the figures above at a 1-minute load of 14 on the 2 cores
+# (kuramoto-digits 0.30 s, fedaware-synthetic 0.115 s, fedpgvc-digits 0.43 s; 2026-11-28); with two
+# threads fighting that load it was 5-7x (issue: rounds of 0.24 s median took up to 52-67 s).
+BUSY_FACTOR = 5.0
 
 
 # Every preset checkpoints (``--resume`` works after a crash, not only after Ctrl-C, which always
@@ -350,4 +357,5 @@ def estimate(name: str):
         return None
     s, src = _SECONDS_PER_ROUND[name]
     rounds = int(_P[name][1].get("rounds", RunConfig().rounds))
-    return {"s_per_round": s, "rounds": rounds, "s_per_run": s * rounds, "source": src}
+    return {"s_per_round": s, "rounds": rounds, "s_per_run": s * rounds, "source": src,
+            "s_per_run_busy": s * rounds * BUSY_FACTOR}

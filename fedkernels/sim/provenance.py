@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .callbacks import Callback
 from .report import write_json_atomic
@@ -76,6 +76,29 @@ def gpu_names() -> List[str]:
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - a broken driver must not stop a run from starting
         return []
+
+
+def auto_threads(workers: int = 1) -> Tuple[int, str]:
+    """(intra-op threads per training process, why) for the machine's current load: the cores this
+    process may use less the 1-minute load average (rounded down), at least 1, shared by ``workers``
+    processes, and at most torch's default (``OMP_NUM_THREADS`` when set). Two OpenMP threads on a
+    2-core machine that is already busy are many times slower than one. The number of threads can
+    change a run's bits (CPU kernels round differently), so the CLI writes the choice into the run's
+    config (``threads``, part of its config hash) and its provenance."""
+    import torch
+
+    from .workers import usable_cores
+    cores = usable_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    idle = cores if load is None else max(1, cores - int(load))
+    n = max(1, min(idle, torch.get_num_threads()) // max(1, int(workers)))
+    why = (f"{n} thread(s) per process chosen for the load: {cores} usable core(s), 1-minute load "
+           f"{'unknown' if load is None else f'{load:.2f}'}, {workers} process(es), torch default "
+           f"{torch.get_num_threads()}; set threads=N to choose")
+    return n, why
 
 
 def collect(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
@@ -198,6 +221,9 @@ class Provenance(Callback):
             info = collect(sys.argv)
             if getattr(sim, "attack", None) is not None:      # the run's attackers (sim/attacks.py)
                 info["attack"] = sim.attack.describe()
+            how = getattr(sim, "threads_choice", None) or (
+                "threads=N in the config" if sim.cfg.threads else "torch's default (threads=null)")
+            info["threads"] = {"per_process": info["torch_threads"], "workers": sim.cfg.workers, "how": how}
             write(sim.run_dir, info)
             self.log = RunLog(sim.run_dir)
 
@@ -206,9 +232,19 @@ class Provenance(Callback):
             self.log(msg)
 
     def close(self, sim, status: str) -> None:
+        """The end line and status; a failed run's cause (``sim.failure``) in both files. A file
+        that cannot be written (a full disk) is skipped: the error that ended the run is reported."""
         if self.log is None:
             return
-        self.log(f"end: {status} after round {sim.start_round}")
-        self.log.close()
+        cause = getattr(sim, "failure", None) if status == "failed" else None
+        extra = {"error": cause} if cause else {}
+        try:
+            self.log(f"end: {status} after round {sim.start_round}" + (f": {cause}" if cause else ""))
+            self.log.close()
+        except OSError:
+            pass
         self.log = None
-        finish(sim.run_dir, status=status, rounds_completed=sim.start_round)
+        try:
+            finish(sim.run_dir, status=status, rounds_completed=sim.start_round, **extra)
+        except OSError:
+            pass

@@ -19,7 +19,7 @@ import torch
 from .callbacks import Callback
 
 # Keys that vary from run to run (wall-clock), left out when runs are compared for determinism.
-TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "t_local_total", "t_agg_total",
+TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "wall_s_session", "t_local_total", "t_agg_total",
                "t_eval_total", "t_round1_s", "t_round_median_s", "t_local_median_s", "t_agg_median_s",
                "agg_share_incl_round1")
 
@@ -221,12 +221,36 @@ class RunWriter:
                                       title=describe_setup(self.cfg) if self.cfg is not None else "")
 
 
+def check_writable_dir(path: str, what: str = "run directory") -> None:
+    """Before anything is computed: ``path`` is (or can be made) a directory this process may write
+    in. ValueError (a user error: a file where a directory goes) or PermissionError / OSError(EROFS)
+    (the environment), one line naming the path; nothing is created."""
+    import errno
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"{what} {path} is a file, not a directory: choose another --name/--out (or remove it)")
+    up = p
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ValueError(f"{what} {path}: {up} is a file, not a directory: choose another --out/out_dir")
+    try:
+        ro = bool(os.statvfs(up).f_flag & os.ST_RDONLY)
+    except (AttributeError, OSError):
+        ro = False
+    if ro:
+        raise OSError(errno.EROFS, f"{what} {path}: {up} is on a read-only file system; choose another --out")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{what} {path}: no permission to write in {up}; choose another --out")
+
+
 def check_run_dir(run_dir: str, cfg, overwrite: bool = False, remove: bool = True) -> None:
     """Never overwrite another run: an existing ``run_dir`` must hold ``cfg`` (presentation keys
     aside), else a ValueError naming the differing keys; ``overwrite`` replaces it instead (its
     checkpoints are removed when ``remove``: on the main process)."""
     from .checkpoint import config_diff
     from .config import PRESENTATION_KEYS, RunConfig
+    check_writable_dir(run_dir)
     old_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(old_path):
         return
@@ -259,9 +283,16 @@ class RunFiles(Callback):
         if not (sim.write_outputs and sim.is_main):
             return
         self.writer = w = RunWriter(sim.run_dir)
+        old_rounds = None
+        if sim.start_round > 0:     # a resume: its figure titles name the rounds, which may have changed
+            try:
+                from .config import RunConfig
+                old_rounds = RunConfig.from_yaml(os.path.join(sim.run_dir, "config.yaml")).rounds
+            except (OSError, ValueError):
+                pass
         w.write_config(sim.cfg)
         w.reset_metrics(sim.metrics)
-        if sim.start_round == 0:   # partition.json/.txt (+ .png): client sizes and label mix
+        if sim.start_round == 0 or old_rounds != sim.cfg.rounds:   # partition.json/.txt (+ .png)
             w.write_partition_report(sim.y, sim.parts, plot=bool(sim.cfg.plots))
 
     def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
@@ -272,16 +303,34 @@ class RunFiles(Callback):
         if self.writer is None:
             return
         cfg = sim.cfg
+        if sim._first_round > 0 and isinstance(summary.get("wall_s"), (int, float)):
+            # a resumed run: its totals (local training, aggregation) cover every session, so does its wall time
+            from .provenance import read as read_provenance
+            prev = (read_provenance(sim.run_dir) or {}).get("previous") or []
+            before = sum(p.get("duration_s") or 0.0 for p in prev if isinstance(p, dict))
+            summary["wall_s_session"] = summary["wall_s"]
+            summary["wall_s"] = summary["wall_s"] + before
         self.writer.write_summary(summary)
         if sim.start_round >= cfg.rounds or not sim.cut_short:
             self.save_final_model(sim)
         if cfg.plots:
             try:
-                self.writer.plot(sim.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})")
+                sim.stop.figures = True
+                if self.writer.plot(sim.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})") is None:
+                    sim.say("plots=true but matplotlib is not installed: curves.png not written "
+                            "(pip install matplotlib; metrics.jsonl has every round)")
             except KeyboardInterrupt:
-                sim.interrupted = True
+                if sim.start_round < cfg.rounds:    # a complete run stays complete
+                    sim.interrupted = True
                 print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
                       file=sys.stderr)
+            except OSError as e:    # e.g. a full disk: the metrics, summary and model are already written
+                msg = (f"curves.png not written ({e.strerror or e}); metrics.jsonl, summary.json and the "
+                       "checkpoints are complete: free space and plot them from metrics.jsonl")
+                sim.output_errors = [*getattr(sim, "output_errors", []), msg]
+                print(f"fedkernels run: error: {msg}", file=sys.stderr, flush=True)
+            finally:
+                sim.stop.figures = False
 
     @staticmethod
     def save_final_model(sim) -> str:

@@ -357,10 +357,12 @@ class Simulation:
         progress, yours, the checkpoint); stops after a diverged round or an agreed stop signal."""
         for r in range(self.start_round, end):
             self._rng_at_round, self.stop.committing = torch.get_rng_state(), False
+            self.stop.running = True         # a signal now: this round finishes first
             with self.procs.collective(f"during round {r + 1}"):
                 m = self.run_round(r)
             self.metrics.append(m)
             self.start_round = r + 1
+            self.stop.running = False        # between rounds: a signal stops after this one
             self._emit("on_round_end", m)
             if m.get("diverged"):
                 self.say(f"round {r + 1}: the global model is not finite; stopping (diverged)")
@@ -426,13 +428,16 @@ class Simulation:
                                 wall_s=time.perf_counter() - t_start,
                                 run_dir=self.run_dir if self.write_outputs and self.is_main else None)
             self._emit("on_end", self.summary)
-            status = ("interrupted" if self.interrupted or self.stop.signal is not None else
-                      "diverged" if self.summary.get("diverged") else
-                      "completed" if self.start_round >= cfg.rounds else "stopped")
+            status = ("diverged" if self.summary.get("diverged") else
+                      "completed" if self.start_round >= cfg.rounds else
+                      "interrupted" if self.interrupted or self.stop.signal is not None else "stopped")
         except KeyboardInterrupt:     # a second signal outside the rounds (setup, the summary): say where things are
             status = "interrupted"
             if self.is_main:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
+            raise
+        except Exception as e:        # the cause goes into run.log and provenance.json (Provenance.close)
+            self.failure = f"{type(e).__name__}: {' '.join(str(e).split())}"
             raise
         finally:
             try:
@@ -441,10 +446,12 @@ class Simulation:
                 self._emit("close", status)                        # provenance.json's status, run.log's end line
             finally:
                 restore()
-        if self.interrupted or self.stop.signal is not None:
+        if (self.interrupted or self.stop.signal is not None) and status != "completed":
             if self.is_main:
                 print(self._interrupted_line(), file=sys.stderr, flush=True)
             raise KeyboardInterrupt
+        if self.stop.signal is not None and self.is_main:
+            print(f"stopped after the last round ({self.start_round}): the run is complete", file=sys.stderr, flush=True)
         return self.summary
 
     def _interrupted_line(self) -> str:

@@ -23,6 +23,8 @@ class StopRequest:
         self.sim = sim
         self.signal: Optional[int] = None   # the first signal received, if any
         self.committing = False             # the round under way is changing the model: a signal waits
+        self.running = True                 # a round (or the set-up before the first) is under way
+        self.figures = False                # the figures are being drawn (a second signal may skip them)
 
     def install(self) -> Callable[[], None]:
         """Installs the handlers; returns the function that restores the previous ones."""
@@ -30,20 +32,42 @@ class StopRequest:
             return lambda: None
         sim = self.sim
 
+        def say(msg: str) -> None:
+            if sim.is_main:
+                print(msg, file=sys.stderr, flush=True)
+
         def handler(signum, frame):
             name = signal.Signals(signum).name
-            if self.signal is None:
+            first = self.signal is None
+            if first:
                 self.signal = signum
-                if sim.is_main:
-                    keep = f" and keep round {sim.start_round}" if sim.start_round > 0 else ""
-                    print(f"{name}: finishing round {sim.start_round + 1} and writing a checkpoint (again to "
-                          f"abandon the round{keep})", file=sys.stderr, flush=True)
+            done, total = sim.start_round, sim.cfg.rounds
+            if done >= total:      # every round is trained: the outputs are being written
+                if first:
+                    say(f"{name}: all {total} rounds are done; writing the outputs, then stopping (again to skip "
+                        "the figures)")
+                elif self.figures:  # only the figures may be abandoned: the run stays complete
+                    say(f"{name} again: abandoning the figures; the run is complete")
+                    raise KeyboardInterrupt
+                else:
+                    say(f"{name}: the results of the complete run are being written; stopping as soon as they are")
+                return
+            if first:
+                if self.running:
+                    again = (f"again to abandon it and keep round {done}" if done > 0 else
+                             "again to stop at once: nothing is kept")
+                    say(f"{name}: finishing round {done + 1}, then writing a checkpoint and stopping ({again})")
+                else:
+                    say(f"{name}: stopping after round {done}, with its checkpoint")
                 return
             if self.committing:   # the model already changed: finish the round, then stop
-                if sim.is_main:
-                    print(f"{name}: round {sim.start_round + 1} is past local training; stopping as soon as it "
-                          "is written", file=sys.stderr, flush=True)
+                say(f"{name}: round {done + 1} is past local training; stopping as soon as it is written")
                 return
+            if not self.running:  # between rounds: the completed round's files and checkpoint are being written
+                say(f"{name}: stopping as soon as round {done}'s checkpoint is written")
+                return
+            say(f"{name} again: abandoning round {done + 1}" + (f"; keeping round {done}" if done > 0 else
+                                                                  "; no round completed, nothing to keep"))
             raise KeyboardInterrupt
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
