@@ -12,6 +12,8 @@ named like the op:
 ``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step; ``BEStepWindow``: its
                       attempts over one integration window, the fixed arguments checked once)
 ``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
+``gaussian_noise``    ``add_gaussian_noise_``, ``weighted_sum_noised``, ``philox_normal`` (the DP noise:
+                      Philox4x32-10 + Box-Muller, the same bits on every device)
 ``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_`` / ``any_flag``, ``amax_d``, ``mean_d``
                       and the sharded mode (``reduce_across``, ``active_reducer``)
 ``_autograd``         the autograd / vmap machinery the op modules share (each op registers its
@@ -46,6 +48,7 @@ from .gram import gram, gram_screened  # noqa: E402
 from .kstats import kstats  # noqa: E402
 from .weighted_sum import weighted_sum, weighted_sum_chunked, weighted_sum_screened  # noqa: E402
 from .fedecado_be_step import BEStepWindow, fedecado_be_step  # noqa: E402
+from .gaussian_noise import add_gaussian_noise_, philox_normal, weighted_sum_noised  # noqa: E402
 from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
@@ -59,4 +62,5 @@ __all__ = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_scre
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
            "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
            "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
-           "reduce_across", "active_reducer", "Reducer"]
+           "reduce_across", "active_reducer", "Reducer",
+           "add_gaussian_noise_", "weighted_sum_noised", "philox_normal"]
