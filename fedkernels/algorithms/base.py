@@ -20,7 +20,7 @@ import array
 import logging
 import math
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
                     TypeVar, Union)
 
@@ -388,6 +388,110 @@ class RoundInput:
     def sample_weights(self) -> torch.Tensor:
         """p_k = n_k / sum n (float64, cpu)."""
         return self.num_examples / self.num_examples.sum()
+    def with_row_scale(self, s: torch.Tensor) -> "RoundInput":
+        """This round's input with its rows scaled: every pass of a method on the returned RoundInput
+        sees ``diag(s) U`` (``s``: [K] finite scales, on the host or U's device), with no K x d copy
+        (:class:`RowScaled`). Its screen, state and ``out`` are this one's."""
+        return RowScaled(self, s)
+
+
+# columns per block of a row-scaled tensor's blocks (RowScaled.blocks): the scaled copy is K x BLOCK_COLS
+SCALED_BLOCK_ELEMS = 1 << 22
+
+
+class RowScaled(RoundInput):
+    """``RoundInput.with_row_scale(s)``: a round input whose passes see ``diag(s) U`` while U stays as
+    it is. Each pass is the base input's pass (the same screen, flags, ``out`` and source), its
+    arithmetic adjusted:
+
+    * ``weighted_sum(c)`` = ``base.weighted_sum(c * s)`` (s folded into the fp64 coefficients);
+    * ``gram()`` = ``s_i s_j G_ij``;
+    * ``kstats(p)``: with ``m = sum_k p_k s_k U_k`` (the mean of the scaled rows), ``base.kstats(p * s)``
+      gives ``<U_k, m>``, ``||U_k||^2`` and ``||m||^2``; the scaled rows' statistics are
+      ``s_k <U_k, m>``, ``s_k^2 ||U_k||^2`` and ``||m||^2``;
+    * ``blocks()``: column blocks of the scaled rows, each a copy of its chunk, ``s_k u`` rounded once
+      from float64 to U's dtype (a tensor's U in blocks of ``SCALED_BLOCK_ELEMS`` elements);
+    * ``screen()``: the base's (a finite scale keeps a finite row finite);
+    * ``U``: a scaled K x d copy, for a method that reads the tensor itself (FedECADO).
+
+    Every field (the rows, counts, ids, payloads, the screen's state) is the base input's: reading or
+    setting one here reads or sets it there."""
+
+    def __init__(self, base: RoundInput, s: Any) -> None:   # (not the dataclass' __init__: no fields of its own)
+        st = torch.as_tensor(s, dtype=torch.float64).reshape(-1)
+        if st.numel() != base.K:
+            raise ValueError(f"RoundInput.with_row_scale: s has {st.numel()} entries, expected K={base.K}")
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "s", st)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        setattr(self.base, key, value)
+
+    def __repr__(self) -> str:
+        return f"RowScaled(K={self.K}, d={self.d})"
+
+    def _s(self, device: Any) -> torch.Tensor:
+        return self.s if self.s.device == torch.device(device) else self.s.to(device)
+
+    def take_out(self) -> Optional[torch.Tensor]:
+        return self.base.take_out()
+
+    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                     hold: bool = False) -> torch.Tensor:
+        c = torch.as_tensor(coef, dtype=torch.float64).reshape(-1)
+        return self.base.weighted_sum(c * self._s(c.device), base=base, alpha=alpha, hold=hold)
+
+    def release(self, carry: torch.Tensor) -> torch.Tensor:
+        return self.base.release(carry)
+
+    def gram(self, host: bool = False) -> torch.Tensor:
+        G = self.base.gram(host=host)
+        s = self._s(G.device)
+        return G * torch.outer(s, s)
+
+    def kstats(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self._s("cpu")
+        dot, nsq, nbar = self.base.kstats(torch.as_tensor(p, dtype=torch.float64).reshape(-1).cpu() * s)
+        return dot * s, nsq * (s * s), nbar
+
+    def blocks(self, device: Optional[torch.device] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
+        for cols, c in self.base.blocks(device):
+            if self.base.src is not None or c.numel() <= SCALED_BLOCK_ELEMS:
+                yield cols, self._scaled(c)
+                continue
+            width = max(1, SCALED_BLOCK_ELEMS // max(1, c.size(0)))
+            for a in range(0, c.size(1), width):
+                b = min(c.size(1), a + width)
+                yield slice(a, b), self._scaled(c[:, a:b])
+
+    def _scaled(self, c: torch.Tensor) -> torch.Tensor:
+        """``diag(s) c``: each product in float64, rounded once to c's dtype."""
+        s = self._s(c.device).unsqueeze(1)
+        return (c * s) if c.dtype == torch.float64 else (c.to(torch.float64) * s).to(c.dtype)
+
+    def screen(self) -> None:
+        self.base.screen()
+
+    @property
+    def U(self) -> torch.Tensor:
+        U = self.base.U
+        out = torch.empty_like(U)
+        for cols, c in self.blocks():
+            out[:, cols] = c
+        return out
+
+    def sample_weights(self) -> torch.Tensor:
+        return self.base.sample_weights()
+
+
+def _delegate(name: str) -> property:
+    return property(lambda self: getattr(self.base, name), lambda self, v: setattr(self.base, name, v))
+
+
+for _f in fields(RoundInput):
+    setattr(RowScaled, _f.name, _delegate(_f.name))
+for _p in ("K", "d", "dtype", "device"):
+    setattr(RowScaled, _p, property(lambda self, _p=_p: getattr(self.base, _p)))
 
 
 class _Redo(Exception):
@@ -398,30 +502,11 @@ class _Redo(Exception):
         self.rin = rin
 
 
-def _table(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
-    """A per-client table's passes, prefixed HOST when the table stays in host memory or a file."""
+def table_passes(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
+    """A per-client table's passes (``Aggregator.update_passes``), prefixed HOST when the table stays in host
+    memory or a file."""
     on_host = path is not None or (device is not None and torch.device(device).type == "cpu")
     return tuple(HOST + p for p in passes) if on_host else passes
-
-
-# What one round of each registered method does with U (K x d) from a source besides the NaN screen, as
-# device="auto" weighs it (Aggregator.passes; the pass names and their costs: fedkernels.sources.PASSES), by
-# registered name, a function of the method's options and the round's K (None: not known). A method that refuses
-# a source (no_chunked_source: FedECADO) has none.
-_ROUND_PASSES: Dict[str, Callable[[Any, Optional[int]], Tuple[str, ...]]] = {
-    **dict.fromkeys(("fedavg", "fedprox", "fednova", "fedpgvc", "gcfed", "local_gc", "global_gc", "local_gc_only"),
-                    lambda a, K: ("sum",)),
-    "fedavgm": lambda a, K: ("sum", "sum") if a.nesterov else ("sum",),     # Nesterov: the mean update again
-    "kuramoto": lambda a, K: ("sum", "sum"),      # modes P/S: the kstats pass (column-local, like a sum), the sum
-    # SCAFFOLD / FedPVR: x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed
-    **dict.fromkeys(("scaffold", "fedpvr"), lambda a, K: ("sum", "payload") + _table(a.control_device, a.control_file,
-                                                                                     "table", "table_sum")),
-    # FedAWARE: ELUD's screening pass (the participants' Gram up to ELUD_GRAM_MAX_K of them, else a finite_rows
-    # read: FedAWARE.elud_passes), the extension's base step, then the momenta: U into the K rows of M (read,
-    # written), their Gram against M, the step's sum over M
-    "fedaware": lambda a, K: a.elud_passes(K) + (("sum",) if a.extension is not None else ())
-    + _table(a.momentum_device, a.momentum_file, "sum", "table", "table_gram", "table_sum"),
-}
 
 
 class Aggregator(abc.ABC):
@@ -432,6 +517,10 @@ class Aggregator(abc.ABC):
     # True for methods whose first read of U is RoundInput.weighted_sum, gram or kstats, before
     # any change of state: that pass also screens the rows (no separate finite_rows read of U).
     screen_in_pass = False
+
+    # the ranges of numeric options that the constructor does not check itself, for the simulator's checks
+    # before a run (fedkernels.sim.options; "> a", ">= a", "[a, b)" as config.RANGES): merged along the MRO
+    option_ranges: Dict[str, str] = {"server_lr": "> 0"}
 
     def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
         # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
@@ -530,6 +619,14 @@ class Aggregator(abc.ABC):
         screening of rows, results and payloads, sample counts > 0) are skipped: the eager call
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
         the eager call gives lists."""
+        return self._round(global_flat, updates, num_examples, client_ids, payloads, out, self)
+
+    def _round(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
+               client_ids: Optional[Sequence[int]], payloads: Optional[Sequence[Dict[str, Any]]],
+               out: Optional[torch.Tensor], entry: "Aggregator") -> AggResult:
+        """``aggregate``'s round protocol on this method's checks and state, with ``entry``'s update
+        (``entry._aggregate``, ``entry.screen_in_pass``): ``entry`` is this method, or a
+        :class:`~fedkernels.algorithms.wrappers.MethodWrapper` around it."""
         src: Optional[ChunkedUpdates] = None
         rows: Union[Updates, UpdatesShape] = updates      # what validate checks: on a source, its UpdatesShape
         if out is not None:
@@ -539,16 +636,16 @@ class Aggregator(abc.ABC):
                                                   {updates.device.type, global_flat.device.type} <= {"cpu", "cuda"})):
             # device="auto", or chunks delivered to another device than the model's: the round runs
             # there (global_flat moved once, the new model moved back once; info["device"] says where)
-            return self._into(updates.aggregate_placed(self, global_flat, num_examples, client_ids, payloads), out)
+            return self._into(updates.aggregate_placed(entry, global_flat, num_examples, client_ids, payloads), out)
         if isinstance(updates, (MatrixSource, ChunkedUpdates)):
             src, rows = self._chunked_source(global_flat, updates)
         if tracing():
             rin = self.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
-            traced = self._into(self._aggregate(rin), out)
+            traced = self._into(entry._aggregate(rin), out)
             traced.info.setdefault("num_clients", rin.K)
             self.round += 1
             return traced
-        if self.screen_in_pass or src is not None:
+        if entry.screen_in_pass or src is not None:
             # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
             # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
             # or drop the bad rows and run the round again without them: nothing was changed yet).
@@ -570,12 +667,12 @@ class Aggregator(abc.ABC):
                 rin.screen_rows = True
                 rin.on_flags = lambda ok, carry=None: self._apply_flags(rin, ok, g_ok, pp, carry)
                 try:
-                    if not self.screen_in_pass:
+                    if not entry.screen_in_pass:
                         rin.screen()
-                    res = self._aggregate(rin)
+                    res = entry._aggregate(rin)
                 except _Redo as redo:
                     rin = self._attach(redo.rin, src, rows_of, out)
-                    res = self._aggregate(rin) if rin.K > 0 else None
+                    res = entry._aggregate(rin) if rin.K > 0 else None
                 if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                     raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
                                        "through RoundInput.weighted_sum / gram")
@@ -586,7 +683,7 @@ class Aggregator(abc.ABC):
                 raise self._global_nan()
         else:
             rin = self.validate(global_flat, rows, num_examples, client_ids, payloads)
-            res = self._aggregate(rin) if rin.K > 0 else None
+            res = entry._aggregate(rin) if rin.K > 0 else None
         if res is None:
             res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
                             {"skipped": True, "reason": "no valid client update"})
@@ -605,21 +702,32 @@ class Aggregator(abc.ABC):
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
 
+    def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
+        """What this method's update (``_aggregate``) does with U from a source besides the NaN screen, in
+        order, for a round of ``K`` clients (None: not known), as ``device="auto"`` weighs it (the pass names
+        and their costs: ``fedkernels.sources.PASSES``; a per-client table's: :func:`table_passes`). Each
+        method declares it beside its ``_aggregate``; None: not declared."""
+        return None
+
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         """What one round of ``K`` clients (None: not known) does with U from a source, in order, as
         ``device="auto"`` weighs it (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``):
-        the NaN screen's own read of U for a method without ``screen_in_pass``, then the method's passes
-        (``_ROUND_PASSES``, by registered name); none for a method that refuses a source. A method defined
-        outside this package overrides this (with or without ``K``); without it ``device="auto"`` raises
-        ValueError (a given device still works)."""
+        the NaN screen's own read of U for a method without ``screen_in_pass``, then :meth:`update_passes`
+        (a declaration counts for the ``_aggregate`` of its own class or a base: a subclass with its own
+        update declares its own); none for a method that refuses a source. A method defined outside this
+        package declares ``update_passes`` or overrides this (with or without ``K``); without either
+        ``device="auto"`` raises ValueError (a given device still works)."""
         if self.no_chunked_source is not None:
             return ()
-        own = _ROUND_PASSES.get(self.name)
+        mro = type(self).__mro__
+        update = next(k for k in mro if "_aggregate" in vars(k))
+        declared = next(k for k in mro if "update_passes" in vars(k))
+        own = self.update_passes(K) if declared is not Aggregator and issubclass(declared, update) else None
         if own is None:
             raise ValueError(f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
                              "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
                              "ChunkedUpdates(..., device='cpu') or device='cuda'")
-        return (() if self.screen_in_pass else ("sum",)) + own(self, K)
+        return (() if self.screen_in_pass else ("sum",)) + tuple(own)
 
     def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
                         ) -> Tuple[ChunkedUpdates, UpdatesShape]:
@@ -1184,15 +1292,22 @@ def build(name: str, **options: Any) -> Aggregator:
     constructor then checks choices and ranges. ``options(name)`` gives each option's expected
     type and default; the method's class docstring (``help(cls)``) and module say what each does.
     An unknown name raises ValueError listing ``available()``.
+
+    A wrapper's option (:mod:`fedkernels.algorithms.wrappers`: ``norm_bound=M``) returns the method
+    inside that wrapper, e.g. ``build("fedavg", norm_bound=5.0)``; None adds none.
     """
     cls = _lookup(name)
-    return cls(**check_options(name.lower(), cls, options))
+    from . import wrappers            # (wrappers builds on this module: imported when called)
+    wrapping = wrappers.split_options(name.lower(), options)
+    return wrappers.wrap(cls(**check_options(name.lower(), cls, options)), **wrapping)
 
 
 def options(name: str) -> Dict[str, Option]:
     """``{option: Option(type, default, required)}`` of the method registered as ``name``: what
-    ``build(name, **options)`` accepts (the common ``on_bad_update`` and ``server_lr`` included)."""
-    return signature.options(_lookup(name))
+    ``build(name, **options)`` accepts (the common ``on_bad_update`` and ``server_lr`` and the
+    wrappers' options included)."""
+    from . import wrappers
+    return {**signature.options(_lookup(name)), **wrappers.options()}
 
 
 def _lookup(name: str) -> Callable[..., Aggregator]:

@@ -21,7 +21,8 @@ from .. import ops
 from . import tables
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
-from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor
+from .base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
+                   table_passes)
 from .parts import WEIGHTINGS, check_choice, client_weights, momentum_steps, optimizer_lr_momentum
 
 
@@ -231,6 +232,8 @@ class ControlVariateServer(Aggregator):
     screen_in_pass = True                               # _aggregate reads U first, through rin.weighted_sum
     screened_payload_keys = ("delta_c",)               # stacked once per round, scanned for NaN/Inf
 
+    option_ranges = {"num_clients": ">= 1"}
+
     def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
                  num_clients: Optional[int] = None, control_device=None,
                  control_file: Optional[Union[str, os.PathLike]] = None, **kw):
@@ -349,6 +352,10 @@ class ControlVariateServer(Aggregator):
         except RuntimeError:              # shapes or devices differ (same numel: checked)
             D = torch.stack([pl["delta_c"].reshape(-1).to(device=c.device, dtype=c.dtype) for pl in rin.payloads])
         return D.reshape(rin.K, -1).to(device=c.device, dtype=c.dtype)
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        """x + sum p U; the K delta_c payloads sent with the round, added to their c_i rows, summed."""
+        return ("sum", "payload") + table_passes(self.control_device, self.control_file, "table", "table_sum")
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat

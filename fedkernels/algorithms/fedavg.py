@@ -1,7 +1,7 @@
 """FedAvg (McMahan et al., 2017): global <- global + eta_g * sum_k p_k U_k, p_k = n_k / sum n."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from .base import AggResult, Aggregator, RoundInput, info_values, register
 from .parts import WEIGHTINGS, check_choice, client_weights
@@ -44,6 +44,9 @@ class FedAvg(Aggregator):
             return self.server_lr
         ids = list(rin.client_ids) + [e["client_id"] for e in rin.excluded if "client_id" in e]
         return self.server_lr * self.lr_schedule.value(self.round, ids)
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)

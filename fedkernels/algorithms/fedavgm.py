@@ -10,6 +10,8 @@ In the update convention of fedkernels (U_k = local - global):
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 from .base import AggResult, RoundInput, register
 from .fedavg import FedAvg
 from .parts import ServerMomentum, momentum_attr
@@ -38,6 +40,9 @@ class FedAvgM(FedAvg):
         self._mom = ServerMomentum(beta)
 
     momentum = momentum_attr("_mom")
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum", "sum") if self.nesterov else ("sum",)     # Nesterov: the mean update again
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)

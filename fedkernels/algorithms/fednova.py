@@ -17,7 +17,7 @@ i.e. one ``weighted_sum`` with coefficients p_i tau_eff / a_i. Equal a_i gives F
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -151,6 +151,9 @@ class FedNova(FedAvg):
             else:
                 out.append(momentum_steps(_number(pl["local_steps"]), _number(pl.get("momentum", self.local_momentum))))
         return torch.tensor(out, dtype=torch.float64)
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)

@@ -144,6 +144,9 @@ class FedProx(FedAvg):
         mu = payload_numbers(payloads, "prox_mu")        # NaN where missing
         return None if mu is None else rows + rows_where(mu != self.mu)
 
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+
     def _aggregate(self, rin):
         res = super()._aggregate(rin)
         res.info["mu"] = self.mu

@@ -33,7 +33,7 @@ import torch
 
 from ... import ops
 from .. import tables
-from ..base import AggResult, Aggregator, RoundInput, id_tensor, register
+from ..base import AggResult, Aggregator, RoundInput, id_tensor, register, table_passes
 from ..parts import ServerMomentum, momentum_attr
 from .options import ELUD_GRAM_MAX_K, EludSums, check_num_clients, check_options, elud, new_table, table_weighted_sum
 
@@ -60,6 +60,8 @@ class FedAWARE(Aggregator):
     """FedAWARE server aggregator (see module docstring for the options)."""
 
     state_attrs = ("M", "Gm", "seen", "n_examples", "lam_prev", "ext_momentum")
+
+    option_ranges = {"max_iter": ">= 1"}
 
     def __init__(self, alpha: float = 0.5, normalize: bool = True, warmup: str = "explore",
                  init: str = "ema_from_zero", method: str = "away", solver_init: str = "best_pair",
@@ -337,6 +339,12 @@ class FedAWARE(Aggregator):
         info.update(lam=self.lam_prev.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
                     iterations=iters, zero_direction=zero_dir, num_active=int(act.numel()))
         return rows, c, zero_dir
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        """ELUD's screening pass (:meth:`elud_passes`), the extension's base step, then the momenta: U into
+        the K rows of M (read, written), their Gram against M, the step's sum over M."""
+        return self.elud_passes(K) + (("sum",) if self.extension is not None else ()) \
+            + table_passes(self.momentum_device, self.momentum_file, "sum", "table", "table_gram", "table_sum")
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         x = rin.global_flat

@@ -171,6 +171,9 @@ class FedECADO(FederationTables, Aggregator):
     no_chunked_source = ("its backward-Euler integration reads U and the K x d flow table once per attempted step and "
                          "accepts or rejects each step on a norm over all d coordinates")
 
+    option_ranges = {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1",
+                     "T_bar": "> 0"}
+
     def __init__(self, stepping: Optional[Stepping] = None, ablations: Optional[Ablations] = None,
                  solver: str = "auto", hbar=None, weights: Optional[Sequence[float]] = None,
                  data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None, loss_fn=None,

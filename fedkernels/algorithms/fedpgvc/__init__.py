@@ -21,7 +21,7 @@ one ``ops.weighted_sum`` pass.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +249,8 @@ class FedPGVC(Aggregator):
     client_rule_cls = FedPGVCRule
     screen_in_pass = True     # stateless: its weighted_sum pass screens the rows
 
+    option_ranges = {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"}
+
     def __init__(self, n_ctrl: Union[int, str] = 2, ctrl_modules: Optional[Sequence[str]] = None,
                  mode: str = "hadamard", lam: float = 1.0, stat: str = "mean", tau: float = 1.0,
                  code_eta: Optional[float] = 0.001, code_layers: Optional[Sequence[str]] = None,
@@ -285,6 +287,9 @@ class FedPGVC(Aggregator):
     def suspect_payloads(self, payloads):
         rows = super().suspect_payloads(payloads)
         return None if rows is None else rows + [k for k, p in enumerate(payloads) if "pgvc_skipped_steps" not in p]
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)

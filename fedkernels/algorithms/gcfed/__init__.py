@@ -14,7 +14,7 @@ first floor(lam L) tensors, no Global GC: the paper's Fig. 9 comparison curve).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -161,6 +161,8 @@ class GCFed(Aggregator):
     screen_in_pass = True     # the first read of U is rin.weighted_sum; the workspace holds no state
     _defaults = dict(local_layers="all_except", global_scope="all")
 
+    option_ranges = {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"}
+
     def __init__(self, local_layers: Optional[str] = None, global_layers: Optional[Sequence[str]] = None,
                  lam: Optional[float] = None, global_scope: Optional[str] = None, vector_policy: str = "center",
                  min_fanin: int = 2, mu: str = "cout", weighting: str = "uniform", local_order: str = "pre_wd",
@@ -222,6 +224,9 @@ class GCFed(Aggregator):
             ents = self.global_entries(self.spec) if self.global_scope != "none" else []
             self._views = [self._buf[e.slice].view(e.shape) for e in ents]
         return self._buf
+
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)

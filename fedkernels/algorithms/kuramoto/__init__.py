@@ -230,6 +230,9 @@ class KuramotoFedAvg(Aggregator):
         phase = payload_numbers(payloads, "phase")       # NaN where missing
         return None if phase is None else rows + rows_where(~torch.isfinite(phase))
 
+    def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
+        return ("sum", "sum")      # modes P/S: the kstats pass (column-local, like a sum), the sum; mode C: the sum
+
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = client_weights(rin, self.weighting)
         kt = self.kappa()
