@@ -59,6 +59,8 @@ def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, mod
             .local_training_conflict(cfg.train.steps)
         if why:
             raise ValueError(f"train.steps={cfg.train.steps} with algorithm {name}: {why}")
+    if cfg.dp.kind is not None:        # the DP wrapper's own checks: the method's verdict, the target epsilon
+        _check_dp(cfg)
     if data_set:
         _check_data(cfg)
     if partition:
@@ -68,6 +70,16 @@ def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, mod
     if model:
         _check_model(cfg)
     return cfg
+
+
+def _check_dp(cfg: RunConfig) -> None:
+    from ..algorithms.dp import check_dp_options, method_verdict
+    name = cfg.algorithm.name
+    core = algorithms.build(name, **normalize_options(name, dict(cfg.algorithm.options)))
+    label, verdict = method_verdict(core)
+    if verdict != "private":
+        raise ValueError(f"dp with algorithm {name}: refused: {verdict}")
+    check_dp_options(cfg.dp.options(cfg))
 
 
 def _check_data(cfg: RunConfig) -> None:

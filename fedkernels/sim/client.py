@@ -258,7 +258,7 @@ def train_client(sim, buf, cid: int, r: int, base_lr: float, factor: float, epoc
                             client_seed(sim.cfg.seed, r, cid), rule=sim._rule(cid),
                             payload=payload, base_lr=base_lr)
     slot = buf.add(cid, res.num_examples)
-    row = buf.write_delta(slot, sim.model, sim.global_flat)
+    row = buf.write_delta(slot, sim.model, sim.global_flat, getattr(sim, "client_clip", None))
     if sim.screen_clients:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
             buf.client_ids.pop()

@@ -74,6 +74,8 @@ class Simulation:
         from .checks import check_run     # keys, values and options: one-line ValueError before any work
         self.cfg = check_run(cfg.copy(), data_set=train is None or test is None,
                              partition=client_indices is None, model=model_fn is None)
+        # client-side DP: each client clips its update to dp.clip as it writes its row (flat.clip_rows_)
+        self.client_clip = self.cfg.dp.clip if self.cfg.dp.kind == "client" else None
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.resume = resume
@@ -112,6 +114,8 @@ class Simulation:
         cfg = self.cfg
         opts = dict(cfg.algorithm.options)
         opts.setdefault("on_bad_update", cfg.bad_client_policy)
+        if cfg.dp.kind is not None:      # the DP wrapper (algorithms.dp) around the method
+            opts["dp"] = cfg.dp.options(cfg)
         return algorithms.build(cfg.algorithm.name, **opts)
 
     def setup(self) -> "Simulation":
@@ -331,6 +335,8 @@ class Simulation:
         if self.is_main and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
             self.evaluate_round(r, m, [a["cid"] for a in acc])      # 5. evaluate
         m["agg"] = json_safe(info)
+        if "epsilon" in info:            # a DP run: the privacy spent so far (dp-accounting), on every row
+            m["epsilon"] = info["epsilon"]
         return m
 
     # ---- the run ------------------------------------------------------------------------------------
