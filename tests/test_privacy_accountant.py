@@ -30,7 +30,8 @@ def test_reproduces_tensorflow_privacy_published_epsilons(z, epochs, eps):
 
 
 @pytest.mark.parametrize("sampling,rel,mk", [
-    ("fixed_size", "REPLACE_ONE", lambda z: dpa.SampledWithoutReplacementDpEvent(3000, 100, dpa.GaussianDpEvent(z / 2))),
+    ("fixed_size", "REPLACE_ONE",
+     lambda z: dpa.SampledWithoutReplacementDpEvent(3000, 100, dpa.GaussianDpEvent(z / 2))),
     ("poisson", "ADD_OR_REMOVE_ONE", lambda z: dpa.PoissonSampledDpEvent(100 / 3000, dpa.GaussianDpEvent(z))),
 ])
 def test_rounds_compose_as_dp_accounting_does(sampling, rel, mk):

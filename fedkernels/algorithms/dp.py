@@ -185,7 +185,8 @@ class Noised(RowScaled):
         b = self.base
         if b.src is None and not b.screen_rows and not hold and isinstance(b.updates, torch.Tensor) \
                 and has_kernel("weighted_sum_noised", b.updates.device):
-            return ops.weighted_sum_noised(b.updates, cs, base, alpha, sigma=sigma, seed=self.seed, counter=self.counter)
+            return ops.weighted_sum_noised(b.updates, cs, base, alpha, sigma=sigma, seed=self.seed,
+                                           counter=self.counter)
         out = b.weighted_sum(cs, base=base, alpha=alpha, hold=hold)
         return ops.add_gaussian_noise_(out, sigma, self.seed, self.counter)
 

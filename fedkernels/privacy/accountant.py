@@ -18,6 +18,7 @@ Rounds compose (``SelfComposedDpEvent``); epsilon is reported at the run's delta
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -139,6 +140,7 @@ def epsilon_after(rounds: int, noise_multiplier: float, sample_size: int, popula
     return PrivacyAccountant(noise_multiplier, sample_size, population, delta, accountant, sampling).epsilon_at(rounds)
 
 
+@functools.lru_cache(maxsize=64)      # the run's checks and its set-up ask the same question
 def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int, sample_size: int, population: int,
                                accountant: str = "rdp", sampling: str = "fixed_size", tol: float = 1e-3,
                                z_max: float = 1e3) -> float:
@@ -155,7 +157,8 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int,
         return epsilon_after(rounds, z, sample_size, population, delta, accountant, sampling)
 
     if eps(z_max) > target_epsilon:
-        raise ValueError(f"privacy: target_epsilon={target_epsilon} cannot be reached in {rounds} rounds of {sample_size} "
+        raise ValueError(f"privacy: target_epsilon={target_epsilon} cannot be reached in {rounds} rounds of "
+                         f"{sample_size} "
                          f"of {population} clients at delta={delta} (epsilon {eps(z_max):.3g} even at noise "
                          f"multiplier {z_max:g})")
     lo, hi = 0.0, 1.0
