@@ -174,3 +174,16 @@ def test_bad_options_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         algorithms.build("fedavg", dp={k: v for k, v in _dp(**kw).items()})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["central", "client"])
+def test_bad_row_is_excluded_and_the_round_redone_without_it(kind):
+    gflat, U, n = _round_inputs(K=6, d=300)
+    U[2, 7] = float("nan")
+    agg = algorithms.build("fedavg", on_bad_update="exclude", dp=_dp(kind=kind))
+    new, info = agg.aggregate(gflat, U, n, list(range(6)))
+    assert torch.isfinite(new).all()
+    assert [e["client_id"] for e in info["excluded"]] == [2] and info["weights"] == [0.2] * 5
+    keep = [0, 1, 3, 4, 5]
+    ref, _ = algorithms.build("fedavg", dp=_dp(kind=kind)).aggregate(gflat, U[keep], n[keep], keep)
+    assert torch.equal(new, ref)
