@@ -287,11 +287,20 @@ class UpdateBuffer:
         return torch.tensor(self.num_examples, dtype=torch.float64)
 
 
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """[n] float64 host: the L2 norm of each row of ``rows`` ([n, d], unit column stride), every element
+    converted exactly to float64 and accumulated in float64 in a fixed order (``ops.kstats``' squared
+    norms: one native pass); NaN/Inf for a row holding one."""
+    from . import ops
+    n = rows.size(0)
+    return ops.kstats(rows, torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64))[1].cpu().sqrt()
+
+
 def clip_rows_(rows: torch.Tensor, clip: float) -> torch.Tensor:
     """In place: each row of ``rows`` ([n, d]) scaled to L2 norm at most ``clip``, ``u * min(1, clip / ||u||)``
-    (the norm accumulated in float64; Flower's ``clip_inputs_inplace``): the clients' clipping under
-    client-side differential privacy. Returns ``rows``."""
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    (the norm accumulated in float64, :func:`row_norms`; Flower's ``clip_inputs_inplace``): the clients'
+    clipping under client-side differential privacy. Returns ``rows``."""
+    norms = row_norms(rows).to(rows.device)
     over = norms > clip
     if bool(over.any()):
         s = torch.where(over, clip / norms, torch.ones_like(norms))

@@ -187,3 +187,18 @@ def test_bad_row_is_excluded_and_the_round_redone_without_it(kind):
     keep = [0, 1, 3, 4, 5]
     ref, _ = algorithms.build("fedavg", dp=_dp(kind=kind)).aggregate(gflat, U[keep], n[keep], keep)
     assert torch.equal(new, ref)
+
+
+def test_norms_measured_at_write_time_give_the_same_round():
+    """The simulator hands the rows' norms (taken as each row was written) to the wrapper: the round
+    skips its norms pass and gives the same bits as measuring them itself."""
+    from fedkernels.flat import row_norms
+    gflat, U, n = _round_inputs(K=7, d=5000)
+    a = algorithms.build("fedavg", dp=_dp())
+    b = algorithms.build("fedavg", dp=_dp())
+    norms = row_norms(U)
+    b.known_norms = {c: float(x) for c, x in zip(range(7), norms)}
+    ra, ia = a.aggregate(gflat, U, n, list(range(7)))
+    rb, ib = b.aggregate(gflat, U, n, list(range(7)))
+    assert torch.equal(ra, rb) and ia["dp_clipped"] == ib["dp_clipped"] and b.known_norms is None
+    assert torch.allclose(norms, U.double().norm(dim=1), rtol=1e-13)

@@ -233,6 +233,9 @@ class DifferentialPrivacy(MethodWrapper):
         self.target_quantile, self.clip_lr = o["target_clipped_quantile"], o["clip_norm_lr"]
         self._acc_rounds = 0
         self._accountant: Any = None
+        # {client id: ||U_k||} measured by the simulator as it wrote the rows (server-side code on the same
+        # rows): the norms' pass is then skipped. Used for one round, then cleared.
+        self.known_norms: Optional[Dict[int, float]] = None
         self._z_model = self.noise_multiplier
         if self.kind == "adaptive":
             m = o["num_sampled_clients"]
@@ -259,13 +262,19 @@ class DifferentialPrivacy(MethodWrapper):
             s = torch.ones(K, dtype=torch.float64)
             self._within = None
         else:
-            s, norms = clip_scales(rin, C)                         # the screening pass (kstats' nsq)
+            known = self.known_norms
+            if known is not None and all(c in known for c in rin.client_ids):
+                norms = torch.tensor([known[c] for c in rin.client_ids], dtype=torch.float64)
+                s = torch.where(norms > C, C / norms, torch.ones_like(norms))   # (the sum screens the rows)
+            else:
+                s, norms = clip_scales(rin, C)                     # the screening pass (kstats' nsq)
             self._within = int((norms <= C).sum())
         self._clipped = int((s < 1).sum())
         self._round_clip = C
         return Noised(rin, s, self._z_model * C, self.seed, 2 * self.round, self.name)
 
     def after(self, rin: RoundInput, res: AggResult) -> AggResult:
+        self.known_norms = None
         info = res.info
         info["dp_clip"] = self._round_clip
         info["dp_clipped"] = self._clipped

@@ -76,6 +76,10 @@ class Simulation:
                              partition=client_indices is None, model=model_fn is None)
         # client-side DP: each client clips its update to dp.clip as it writes its row (flat.clip_rows_)
         self.client_clip = self.cfg.dp.clip if self.cfg.dp.kind == "client" else None
+        # server-side DP in one process: each row's norm taken as the row is written ({client id: norm}),
+        # handed to the DP wrapper, whose aggregate then reads U once (other executors: its own norm pass)
+        self.dp_norms = ({} if self.cfg.dp.kind in ("central", "adaptive") and self.cfg.workers == 1
+                         and not self.cfg.distributed else None)
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.resume = resume
@@ -258,6 +262,8 @@ class Simulation:
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
         self.stop.committing = True    # from here the round changes the model: a second signal waits
         t1 = time.perf_counter()
+        if self.dp_norms is not None:
+            self.agg.known_norms = dict(self.dp_norms)
         new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
             self.global_flat.copy_(new)
@@ -298,6 +304,8 @@ class Simulation:
         cfg = self.cfg
         ids = list(self.schedule[r])
         self.buf.reset()
+        if self.dp_norms is not None:
+            self.dp_norms.clear()
         factor = schedule_factor(cfg.train, r, cfg.rounds)
         mine = self.procs.positions(len(ids))
         payload_of = self.procs.payloads(ids, mine)                    # 1. payloads
