@@ -40,6 +40,7 @@ def test_dp_run_reports_epsilon_every_round(tmp_path, kind):
         assert all(r["agg"]["dp_clipped"] == 0 for r in rows)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["epsilon"] == acc.epsilon_at(2)
+    assert f"epsilon {acc.epsilon_at(2):.4g} after the last round" in p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("ov,words", [
