@@ -596,13 +596,17 @@ def _result_dtype_arg(dt, kind, wide):
         dt, torch.float64)
 
 
-def _run_weighted_sum(g, c):
+def _wsum_inputs(g, c):
+    """(U, K, d, rows, n, coef, dt) of a weighted-sum case: the matrix, its rows and their coefficients."""
     U = _matrix_input(g, c)
     K, d = c["K"], c["d"]
     rows = _rows_arg(g, c, K)
     n = K if rows is None else len(rows) if not isinstance(rows, torch.Tensor) else rows.numel()
-    coef = _coef_arg(g, c, n)
-    dt = DTYPES[c["dtype"]]
+    return U, K, d, rows, n, _coef_arg(g, c, n), DTYPES[c["dtype"]]
+
+
+def _run_weighted_sum(g, c):
+    U, K, d, rows, n, coef, dt = _wsum_inputs(g, c)
     base = None
     bk = c["base"]
     if bk is not None:
@@ -736,12 +740,7 @@ def _run_weighted_sum_noised(g, c):
     is weighted_sum's value plus sigma N(seed, counter, offset + j) within the two roundings of the noised
     write (the noise rounded to the accumulation type, the sum to the result's dtype); invalid noise
     arguments are refused."""
-    U = _matrix_input(g, c)
-    K, d = c["K"], c["d"]
-    rows = _rows_arg(g, c, K)
-    n = K if rows is None else len(rows) if not isinstance(rows, torch.Tensor) else rows.numel()
-    coef = _coef_arg(g, c, n)
-    dt = DTYPES[c["dtype"]]
+    U, K, d, rows, n, coef, dt = _wsum_inputs(g, c)
     base = None
     if c["base"] == "ok" and dt.is_floating_point:
         base = _values(g, (d,), dt, "normal")
