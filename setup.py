@@ -54,7 +54,9 @@ def _ext():
     # (argument rules shared by the CPU kernels and the CUDA glue), csrc/cpu/common.h, csrc/cuda/*.h/.cuh.
     depends = rel(glob.glob(os.path.join(ROOT, "csrc", "*.h")) + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h"))
                   + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh")))
-    cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast"]
+    # -fno-math-errno: sqrt need not set errno (nothing reads it), so a loop with a sqrt vectorises
+    # (server_opt_step: without it GCC keeps a scalar sqrt and a library call for negative arguments)
+    cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast", "-fno-math-errno"]
     # A source build (make, pip install -e .) runs where it is built: tuned for this CPU. A wheel for
     # other machines: FEDKERNELS_MARCH=x86-64-v2 python -m build --no-isolation, a portable baseline
     # whose hot loops are also compiled for AVX2 and AVX-512 and picked at load time (FEDKERNELS_DISPATCH,

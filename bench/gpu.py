@@ -7,7 +7,9 @@ torch baselines a user would write: ``coef @ U`` (FedAvg), fp64 ``U @ U.T`` (Gra
 ``torch.linalg.lu_solve``, a ``_foreach`` SGD step (the fused local step). Host-bound ops (small
 kernels: min_norm, gc_project_, the fused step, LU of small batches) are timed inside a CUDA graph
 (20 calls per replay) or, where capture is not possible, as 20 calls per CUDA-event pair.
-Writes ``<out>/gpu-<device>.json`` (default bench/results, and $OUT when set) and prints a table.
+Writes ``gpu-<device>.json`` to ``--out`` (default runs/bench/ under the current directory, as every
+benchmark: bench/common.py; ``bench/gpu.sh`` passes ``--out bench/results``, the published results) and
+to $OUT when set, and prints a table.
 
 ``--device cpu --quick`` runs the same harness on the CPU with small sizes (perf_counter timing,
 no graphs): CI runs it so that only the GPU numbers are new on the GPU.
@@ -35,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fedkernels  # noqa: E402
+from bench.common import add_out_argument, output_path  # noqa: E402
 from fedkernels import ops  # noqa: E402
 
 DEV = "cuda"
@@ -306,6 +309,39 @@ def bench_kstats(copy_gbs):
         free()
 
 
+# ---- select (order_mean, closest_mean) -------------------------------------------------------------
+def bench_select(copy_gbs):
+    """Coordinate-wise median, trimmed mean (beta = 0.1) and Bulyan's beta-closest mean: one read of U.
+    Baselines: torch.median(U, 0) and a torch.sort trimmed mean (a sorted K x d copy)."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
+        U = torch.randn(K, d, device=DEV)
+        nb = K * d * 4
+        sets = copies_needed(nb)
+        Us = [U] + [torch.randn_like(U) for _ in range(sets - 1)]
+        lo_m, hi_m = ops.select.median_bounds(K)
+        lo_t, hi_t = ops.select.trim_bounds(K, 0.1)
+        beta = max(1, K - 4 * (K // 10))
+        med = ops.order_mean(U, lo_m, hi_m)
+        same = bool(torch.equal(med, ops.order_mean(U, lo_m, hi_m)))
+        from fedkernels import reference
+        err = float((med.double() - reference.order_mean(U, lo_m, hi_m)).abs().max())
+        for label, fn, base in (
+                ("median", lambda u: ops.order_mean(u, lo_m, hi_m),
+                 {"torch_median_0": time_fns([lambda u=u: torch.median(u, 0) for u in Us], reps=5)}),
+                ("trimmed 0.1", lambda u: ops.order_mean(u, lo_t, hi_t),
+                 {"torch_sort_trimmed": time_fns([lambda u=u: torch.sort(u, 0).values[lo_t:hi_t].mean(0) for u in Us],
+                                                 reps=5)}),
+                (f"closest beta={beta}", lambda u: ops.closest_mean(u, beta), {})):
+            ms = time_fns([lambda u=u: fn(u) for u in Us], reps=10)
+            record("order_mean" if label != f"closest beta={beta}" else "closest_mean", f"{label} K={K} d={d} fp32", ms,
+                   nbytes=nb, copy_gbs=copy_gbs, baselines=base, sizes={"K": K, "d": d, "dtype": "float32"},
+                   extra={"bitwise_repeatable": same, "median_max_abs_err_vs_fp64": err,
+                          "target": "median / trimmed mean: one read of U (GPU speed not yet measured)"})
+        del U, Us
+        free()
+
+
 # ---- finite_rows ----------------------------------------------------------------------------------
 def bench_finite_rows(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
@@ -472,6 +508,14 @@ def sanitize_subset() -> int:
             close(f"finite_rows {dt}", ops.finite_rows(Ud), ops.finite_rows(U), 0)
             for name, a, b in zip(("dot", "nsq", "nbar", "ok"), ops.kstats(Ud, coef), ops.kstats(U, coef)):
                 close(f"kstats {name} {dt} {K}x{d}", a, b, 1e-9 if name != "ok" else 0)
+            if K <= 20:   # select: O(K^2) per column on the GPU
+                rows = [0, K - 1, K // 2]
+                for name, a, b in (("order_mean", ops.order_mean_screened(Ud, 1, K, rows=rows[:2] + [1] * (K - 2)),
+                                    ops.order_mean_screened(U, 1, K, rows=rows[:2] + [1] * (K - 2))),
+                                   ("closest_mean", ops.closest_mean_screened(Ud, 2, rows=rows),
+                                    ops.closest_mean_screened(U, 2, rows=rows))):
+                    close(f"{name} {dt} {K}x{d}", a[0], b[0], 1e-6)
+                    close(f"{name} ok {dt} {K}x{d}", a[1], b[1], 0)
     for N in (40, 200):   # G in shared memory / in global memory (N > 168 on sm_90)
         G = rn(N, N // 2, dt=torch.float64)
         G = G @ G.T / (N // 2) + torch.eye(N, dtype=torch.float64)
@@ -570,9 +614,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,kstats,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
+                    help="comma list: weighted_sum,gram,kstats,select,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
                          "(copy always runs)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory of gpu-<device>.json")
+    add_out_argument(ap)
     ap.add_argument("--sanitize-subset", action="store_true",
                     help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
     args = ap.parse_args(argv)
@@ -592,7 +636,7 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "kstats", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
+    known = {"weighted_sum", "gram", "kstats", "select", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -607,7 +651,7 @@ def main(argv=None):
     print(f"{'op':14s} {'case':34s} {'time':>12s} {'achieved':>23s}  speed-ups")
     copy_gbs = bench_copy()
     benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
-               ("kstats", lambda: bench_kstats(copy_gbs)),
+               ("kstats", lambda: bench_kstats(copy_gbs)), ("select", lambda: bench_select(copy_gbs)),
                ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
                ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
                ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs)),
@@ -619,7 +663,7 @@ def main(argv=None):
            "torch": torch.__version__, "cuda": torch.version.cuda, "build_info": info,
            "python": platform.python_version(), "quick": QUICK, "results": RESULTS}
     slug = "".join(c if c.isalnum() else "-" for c in dev_name).strip("-").lower()
-    paths = [os.path.join(args.out, f"gpu-{slug}.json")]
+    paths = [output_path(args.out, f"gpu-{slug}.json")]
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], f"gpu-{slug}.json"))
     for p in paths:

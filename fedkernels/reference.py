@@ -546,3 +546,61 @@ def weighted_sum_noised(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Te
     """float64: base + alpha * sum_i coef[i] U[rows[i]] + sigma * N(seed, counter, j)."""
     s = weighted_sum(U, coef, base, alpha, rows).to(torch.float64)
     return s + sigma * philox_normal(s.numel(), seed, counter)
+# ---- adaptive server optimiser (FedAdam / FedYogi / FedAdagrad) --------------------------------
+def server_opt_step(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
+                    beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
+                    from_model: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 reference of ops.server_opt_step_, Flower's FedOpt arithmetic (fedadam.py / fedyogi.py /
+    fedadagrad.py) on float64 copies: returns (new model, m, v) in float64; the inputs are not modified.
+    g = io (or io - x), m = beta_1 m + (1 - beta_1) g, v per ``rule``, new = x + lr m / (sqrt(v) + tau)."""
+    x64 = x.detach().to(torch.float64)
+    g = io.detach().to(torch.float64)
+    if from_model:
+        g = g - x64
+    m1 = beta_1 * m.to(torch.float64) + (1.0 - beta_1) * g
+    v0 = v.to(torch.float64)
+    if rule == "adam":
+        v1 = beta_2 * v0 + (1.0 - beta_2) * (g * g)
+    elif rule == "yogi":
+        v1 = v0 - (1.0 - beta_2) * (g * g) * torch.sign(v0 - g * g)
+    elif rule == "adagrad":
+        v1 = v0 + g * g
+    else:
+        raise ValueError(f"server_opt_step: unknown rule {rule!r}")
+    return x64 + lr * m1 / (torch.sqrt(v1) + tau), m1, v1
+
+
+# ---- per-column selection (coordinate-wise median, trimmed mean, Bulyan) -------------------------
+def _selected64(U: torch.Tensor, rows: RowsLike) -> torch.Tensor:
+    idx = _rows_idx(rows, U.size(0), U.device)
+    return U.index_select(0, idx).to(torch.float64)
+
+
+def order_mean(U: torch.Tensor, lo: int, hi: int, rows: RowsLike = None) -> torch.Tensor:
+    """Per column, the mean of the sorted (ascending) values at positions lo..hi-1 of the rows ``rows``
+    (torch.sort, float64); NaN for a column with a NaN among them."""
+    X = _selected64(U, rows)
+    out = torch.sort(X, dim=0).values[lo:hi].sum(0) / (hi - lo)
+    return torch.where(torch.isnan(X).any(0), torch.full_like(out, math.nan), out)
+
+
+def order_mean_screened(U: torch.Tensor, lo: int, hi: int, rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    return order_mean(U, lo, hi, rows), finite_rows(U.index_select(0, _rows_idx(rows, U.size(0), U.device)))
+
+
+def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Tensor:
+    """Per column, the mean of the ``beta`` values closest to m = (x_a + x_{k//2}) / 2, a = (k-1)//2 (the
+    median of the sorted values x; x_a / 2 + x_{k//2} / 2 where that sum overflows), distances |x - m| in float64, equal distances taken in ascending
+    value order (a stable sort of the distances of the sorted values); NaN for a column with a NaN/Inf."""
+    X = _selected64(U, rows)
+    k = X.size(0)
+    S = torch.sort(X, dim=0).values
+    m = (S[(k - 1) // 2] + S[k // 2]) * 0.5
+    m = torch.where(torch.isfinite(m), m, S[(k - 1) // 2] * 0.5 + S[k // 2] * 0.5)   # the sum overflowed
+    order = torch.sort((S - m).abs(), dim=0, stable=True).indices[:beta]
+    out = S.gather(0, order).sum(0) / beta
+    return torch.where(torch.isfinite(X).all(0), out, torch.full_like(out, math.nan))
+
+
+def closest_mean_screened(U: torch.Tensor, beta: int, rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    return closest_mean(U, beta, rows), finite_rows(U.index_select(0, _rows_idx(rows, U.size(0), U.device)))

@@ -37,13 +37,17 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
+OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
+              "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
-              "gc_sgd_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
+              "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
               "weighted_sum_noised", "add_gaussian_noise_", "philox_normal"]
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
 FUZZED_VIA = {"BEStepWindow": "fedecado_be_step"}
+# the selection ops, through the robust aggregators that call them (agg:median, agg:trimmed_mean, agg:bulyan)
+FUZZED_VIA.update(dict.fromkeys(("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"),
+                                "agg:median"))
 
 # public names of fedkernels.ops that are not data-path ops (the sharded-mode hooks)
 NOT_DATA_OPS = {"reduce_across", "active_reducer", "Reducer"}
@@ -201,6 +205,32 @@ def _gen_kstats(rnd, c):
     c["coef"] = rnd.choice(["list", "f64", "f64", "f32", "int", "zeros", "big", "neg", "nan", "wrong_len", "2d", "inf"])
 
 
+def _gen_select_rows(rnd, c):
+    _gen_gram(rnd, c)
+    if rnd.random() < 0.6:   # mostly valid rows: the selection itself is the target
+        c["rows"] = rnd.choice([None, None, "subset", "dups", "tensor32"])
+
+
+def _gen_order_mean(rnd, c):
+    _gen_select_rows(rnd, c)
+    c["bounds"] = rnd.choice(["median", "median", "trim", "trim", "min", "max", "all", "random", "lo_eq_hi", "hi_gt_k",
+                              "neg", "float", "bool"])
+    c["beta"] = rnd.choice([0.0, 0.1, 0.2, 0.3, 0.45])
+
+
+def _gen_order_mean_screened(rnd, c):
+    _gen_order_mean(rnd, c)
+
+
+def _gen_closest_mean(rnd, c):
+    _gen_select_rows(rnd, c)
+    c["bounds"] = rnd.choice(["one", "half", "all", "bulyan", "bulyan", "zero", "gt_k", "float"])
+
+
+def _gen_closest_mean_screened(rnd, c):
+    _gen_closest_mean(rnd, c)
+
+
 def _gen_min_norm(rnd, c):
     c["K"] = rnd.choice([0, 1, 2, 2, 3, 4, 5, 8, 13, 30, 64])
     c["gkind"] = rnd.choice(["psd", "psd", "psd_lowrank", "dups", "zero_rows", "psd_scaled", "indefinite",
@@ -327,6 +357,22 @@ def _gen_gc_sgd_step_inplace(rnd, c):
     c["corr"] = None
     if c["gc"] in (None, "bad_len"):
         c["gc"] = True
+
+
+def _gen_server_opt_step_inplace(rnd, c):
+    c["d"] = rnd.choice([0, 1, 2, 7, 64, 1001, 4097])
+    c["dtype"] = rnd.choice(["fp32", "fp32", "fp64", "fp64", "fp16", "bf16", "i64"])
+    c["state"] = rnd.choice(["fp32", "fp32", "fp64", "fp16"])
+    c["rule"] = rnd.choice(["adam", "yogi", "adagrad", "adam", "yogi", "adagrad", "sgd"])
+    c["values"] = rnd.choice(["normal", "normal", "normal", "scaled", "zeros", "ints", "denormal", "huge", "nan",
+                              "inf"])
+    c["layout"] = rnd.choice(["contig", "contig", "strided"])
+    c["from_model"] = rnd.choice([False, True])
+    c["lr"] = rnd.choice([0.1, 0.01, 0.0, -0.5, 1e3, float("nan")])
+    c["tau"] = rnd.choice([1e-9, 1e-3, 1e-3, 0.0, -1.0])
+    c["beta_1"] = rnd.choice([0.9, 0.9, 0.0, 0.5, 1.0, 1.5])
+    c["beta_2"] = rnd.choice([0.99, 0.99, 0.0, 0.9, 1.0, -0.1])
+    c["bad"] = rnd.choice([None] * 10 + ["len", "alias", "io_dtype"])
 
 
 def _gen_dvec(rnd, c):
@@ -843,6 +889,69 @@ def _run_kstats(g, c):
             raise Fail(f"{name}: dtype {got.dtype}, expected float64")
         _check_close(name, got, ref, e * S + 1e-300, ~torch.isfinite(S) | (S > 1e300))
     return "ok"
+
+
+def _select_args(g, c):
+    """(U, rows, k, args, valid): the selection ops' arguments from the case (k = the selected rows)."""
+    U = _matrix_input(g, c)
+    rows = _rows_arg(g, c, c["K"])
+    k = c["K"] if rows is None else (len(rows) if isinstance(rows, list) else rows.numel())
+    b = c["bounds"]
+    if c["target"].startswith("op:order_mean"):
+        lo = {"median": (k - 1) // 2, "trim": int(c["beta"] * k), "min": 0, "max": k - 1, "all": 0,
+              "random": int(torch.randint(0, max(k, 1), (1,), generator=g)), "lo_eq_hi": 1, "hi_gt_k": 0,
+              "neg": -1, "float": 0.0, "bool": False}[b]
+        hi = {"median": k // 2 + 1, "trim": k - int(c["beta"] * k), "min": 1, "max": k, "all": k,
+              "lo_eq_hi": 1, "hi_gt_k": k + 1, "neg": 1, "float": 1, "bool": 1}.get(b)
+        if b == "random":
+            hi = lo + 1 + int(torch.randint(0, max(k - lo, 1), (1,), generator=g))
+        args = (lo, hi)
+        valid = type(lo) is int and type(hi) is int and 0 <= lo < hi <= k
+    else:
+        beta = {"one": 1, "half": max(1, k // 2), "all": k, "bulyan": max(1, k - 4 * (k // 4)), "zero": 0,
+                "gt_k": k + 1, "float": 1.0}[b]
+        args = (beta,)
+        valid = type(beta) is int and 1 <= beta <= k
+    return U, rows, k, args, valid
+
+
+def _run_select(g, c, name):
+    """order_mean / closest_mean (+ _screened) vs the float64 reference: NaN exactly where the reference
+    has it, the means within the rounding of the result plus a float64 sum of n values; the flags exactly."""
+    U, rows, k, args, valid = _select_args(g, c)
+    res = getattr(ops, name)(U, *args, rows=rows)
+    if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
+        raise Fail(f"{name} accepted an invalid U ({c.get('bad_U') or c['dtype']})")
+    if c.get("rows") in ("bad_range", "neg", "float", "2d", "bool"):
+        raise Fail(f"{name} accepted invalid rows ({c['rows']})")
+    if not valid:
+        raise Fail(f"{name} accepted invalid bounds {args} for k={k}")
+    out, ok = res if name.endswith("_screened") else (res, None)
+    base = name.replace("_screened", "")
+    want = getattr(reference, base)(U, *args, rows=rows)
+    idx = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    X = U.index_select(0, idx).to(torch.float64)
+    if ok is not None and (ok.dtype != torch.bool or not torch.equal(ok, reference.finite_rows(X))):
+        raise Fail(f"{name}: flags {ok.tolist()[:8]} != reference {reference.finite_rows(X).tolist()[:8]}")
+    want_dt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    if out.dtype != want_dt or out.shape != (U.size(1),):
+        raise Fail(f"{name}: result {out.dtype} {tuple(out.shape)}, expected {want_dt} ({U.size(1)},)")
+    if not torch.equal(out.isnan(), want.isnan()):
+        raise Fail(f"{name}: NaN columns differ from the reference")
+    n = args[1] - args[0] if base == "order_mean" else args[0]
+    A = X.abs().amax(0) if X.numel() else torch.zeros(U.size(1), dtype=torch.float64)
+    A = torch.where(torch.isfinite(A), A, torch.zeros_like(A))
+    fi = torch.finfo(want_dt)
+    tol = (fi.eps / 2 * want.abs().nan_to_num(posinf=0.0, neginf=0.0) + 2 * n * _eps(torch.float64) * A
+           + fi.tiny * fi.eps)                                       # + half a subnormal step of the result
+    inf = float("inf")
+    _check_close(name, out.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), want.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), tol,
+                 torch.isinf(want) | (A * n > torch.finfo(torch.float64).max / 4))
+    return "ok"
+
+
+for _n in ("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"):
+    globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_select(g, c, nm)))(_n)
 
 
 def _run_gram_screened(g, c):
@@ -1524,6 +1633,98 @@ def _run_gc_sgd_step_(g, c):
     return _run_sgd(g, c, "gc_sgd_step_")
 
 
+def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from_model=False):
+    """float64 recomputation of ops.server_opt_step_ and the bound on |got - want| that its arithmetic
+    allows: (want, m', v', tol of the new model, tol of m', tol of v', may). The pseudo-gradient (io, or
+    io - x) and Yogi's sign of v - g^2 are formed as the kernel forms them, in the state's precision
+    (at a tie the sign depends on the precision, not on the kernel). Bounds, with e = eps of the state:
+    m' = fma(b1, m, c1 g): 2e (|b1 m| + |c1 g|) (the rounded coefficients, the product, the fma);
+    v': 3e (|b2 v| + c2 g^2) (adam), 3e (|v| + c2 g^2) (yogi), e (v + g^2) (adagrad); sqrt(v') moves by
+    min(dv / (2 sqrt v'), sqrt(dv)) + e sqrt(v'), the + tau by e of the sum; the step lr m' / den then
+    moves by |lr| (dm + |step / lr| dden) / den_lo + 3e |step|; the add to x and the rounding to the
+    model's dtype by e |new| + eps(dt) |new|. ``may``: where an intermediate leaves the state's range (or
+    tau = 0 meets a v' near the subnormals): nothing is asserted there but NaN/Inf propagation."""
+    f64 = torch.float64
+    gA = (g.to(sdt) - x.to(sdt)) if from_model else g.to(sdt)
+    g2A = gA * gA                                                     # rounded in the state's precision
+    g64, x64, m64, v64 = gA.to(f64), x.to(f64), m.to(f64), v.to(f64)
+    b1, b2, e, fi = beta_1, beta_2, _eps(sdt), torch.finfo(sdt)
+    sub = fi.tiny * e
+    m1 = b1 * m64 + (1 - b1) * g64
+    gg = g64 * g64
+    if rule == "adam":
+        v1 = b2 * v64 + (1 - b2) * gg
+        dv = 3 * e * (b2 * v64.abs() + (1 - b2) * gg)
+    elif rule == "yogi":
+        s = torch.sign(v.to(sdt) - g2A).to(f64).nan_to_num(0.0)
+        v1 = v64 - (1 - b2) * gg * s
+        v1 = torch.where(torch.isnan(g2A) | torch.isnan(v) | (torch.isinf(g2A) & torch.isinf(v)),
+                         torch.full_like(v1, float("nan")), v1)
+        dv = 3 * e * (v64.abs() + (1 - b2) * gg)
+    else:
+        v1 = v64 + gg
+        dv = e * (v64.abs() + gg)
+    dv = dv + 4 * sub
+    dm = 2 * e * (b1 * m64.abs() + (1 - b1) * g64.abs()) + 4 * sub
+    rv = torch.sqrt(v1)
+    dden = torch.minimum(dv / (2 * rv), torch.sqrt(dv)) + e * (rv + tau)
+    den = rv + tau
+    step = lr * m1 / den
+    want = x64 + step
+    den_lo = (den - dden).clamp_min(0)
+    with torch.no_grad():
+        tol = abs(lr) * (dm + (m1 / den).abs() * dden) / den_lo + 3 * e * step.abs() \
+            + e * want.abs() + _eps(dt) * want.abs() + torch.finfo(dt).tiny
+    big = fi.max / 4
+    may = (gg >= big) | (m1.abs() >= big) | (v1 >= big) | (want.abs() * 1.01 >= torch.finfo(dt).max) \
+        | (den_lo == 0) | ((v1 < 2 ** 30 * fi.tiny) & (tau == 0))
+    inf = float("inf")
+    return (want, m1, v1, torch.where(may, torch.full_like(tol, inf), tol).nan_to_num(inf),
+            torch.where(may, torch.full_like(dm, inf), dm), torch.where(may, torch.full_like(dv, inf), dv), may)
+
+
+def _run_server_opt_step_(g, c):
+    """The fused server-optimiser step against server_opt_expected (float64, with its derived bound)."""
+    dt, d = DTYPES[c["dtype"]], c["d"]
+    sdt = FLOATS[c["state"]]
+    x = _values(g, [d], dt, "normal")
+    io = _values(g, [d], dt, c["values"])
+    if c["from_model"] and dt.is_floating_point:
+        io = (x.to(torch.float64) + io.to(torch.float64)).to(dt)
+    m = _values(g, [d], sdt, "normal") * 0.1
+    v = _values(g, [d], sdt, "normal").abs() * 0.01
+    if c["values"] in ("nan", "inf") and d:
+        v[0] = float("inf") if c["values"] == "inf" else v[0]
+    if c["layout"] == "strided":
+        def strided(t):
+            big = torch.zeros(2 * d, dtype=t.dtype)
+            big[::2] = t
+            return big[::2]
+        x, io, m, v = strided(x), strided(io), strided(m), strided(v)
+    io0, m0, v0 = io.clone(), m.clone(), v.clone()
+    bad = c["bad"]
+    args = dict(rule=c["rule"], lr=c["lr"], beta_1=c["beta_1"], beta_2=c["beta_2"], tau=c["tau"],
+                from_model=c["from_model"])
+    xa = x
+    if bad == "len":
+        xa = torch.zeros(d + 1, dtype=dt)
+    elif bad == "io_dtype":
+        io = io.to(torch.float64 if dt != torch.float64 else torch.float32)
+    ops.server_opt_step_(io, m, x if bad == "alias" else v, xa, **args)
+    invalid = (bad is not None and not (bad == "alias" and d == 0)) or c["rule"] not in ops.SERVER_OPT_RULES or not math.isfinite(c["lr"]) \
+        or c["tau"] < 0 or not 0 <= c["beta_1"] <= 1 or not 0 <= c["beta_2"] <= 1 or not dt.is_floating_point \
+        or sdt not in (torch.float32, torch.float64) or (dt == torch.float64 and sdt != torch.float64)
+    if invalid:
+        raise Fail(f"server_opt_step_ accepted invalid input (bad={bad}, rule={c['rule']}, dtype={c['dtype']}, "
+                   f"state={c['state']}, lr={c['lr']}, tau={c['tau']}, betas={c['beta_1']}, {c['beta_2']})")
+    want, m1, v1, tol, tol_m, tol_v, may = server_opt_expected(
+        x, io0, m0, v0, c["rule"], c["lr"], c["beta_1"], c["beta_2"], c["tau"], sdt, dt, c["from_model"])
+    _check_close("server_opt_step_: io", io, want, tol, may)
+    _check_close("server_opt_step_: m", m, m1, tol_m, may)
+    _check_close("server_opt_step_: v", v, v1, tol_v, may)
+    return "ok"
+
+
 def _run_dvec(g, c, name):
     dt = torch.bool if c["dtype"] == "bool" else DTYPES[c["dtype"]]
     src = _values(g, c["shape"], torch.float64 if dt == torch.bool else dt, c["values"])
@@ -1611,7 +1812,27 @@ def _agg_options(name: str, c) -> Dict[str, Any]:
         kw["lam"] = [0.5, 0.0, 1.0, 0.3][o]
     elif name == "fedecado":
         kw["hessian"] = ["identity", "none", "hutchinson", "identity"][o]
+    elif name in ROBUST_OPTIONS:
+        kw.update(ROBUST_OPTIONS[name][o])
     return kw
+
+
+# the robust rules' option sets (by c["opts"]) and the clients each needs per round (their one-line ValueError)
+ROBUST_OPTIONS = {
+    "trimmed_mean": [{}, {"beta": 0.1}, {"beta": 0.45}, {"beta": 0.0}],
+    "krum": [{}, {"f": 1}, {"f": 1, "m": 2}, {"m": 3, "weighting": "uniform"}],
+    "bulyan": [{}, {"f": 1}, {}, {"f": 2}],
+    "geometric_median": [{}, {"iterations": 1}, {"iterations": 5, "weighting": "uniform"}, {"ftol": 0.0}],
+    "centered_clip": [{}, {"tau": 0.5, "iterations": 2}, {"tau": 1e-3}, {"iterations": 3}],
+}
+
+
+def _robust_bound(name: str, kw: Dict[str, Any], e: Exception, K_given: int, K_kept: int) -> bool:
+    """Whether ``e`` is a robust rule's one-line refusal of too few clients, and rightly so."""
+    f, m = kw.get("f", 0), kw.get("m", 1)
+    need = {"krum": max(2 * f + 3, m), "bulyan": 4 * f + 3}.get(name)
+    return need is not None and isinstance(e, ValueError) and "needs K >= " in str(e) \
+        and str(e).startswith(f"{name}: ") and min(K_given, K_kept) < need
 
 
 def _payloads(name, agg, K, d, dt, g, kw, ids):
@@ -1824,6 +2045,10 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
             return (x64 + lr * _sum_rows64(M64, coef, rows),
                     (coef.abs()[:, None] * M64[rows].abs()).sum(0) if rows.numel() else torch.zeros_like(x64))
         return None, None
+    if name in ("median", "trimmed_mean"):       # per column, the mean of the sorted values lo..hi-1
+        lo = int(kw.get("beta", 0.2) * K) if name == "trimmed_mean" else (K - 1) // 2
+        hi = K - lo if name == "trimmed_mean" else K // 2 + 1
+        return x64 + lr * torch.sort(U64, dim=0).values[lo:hi].mean(0), U64.abs().amax(0) if K else x64.abs()
     return None, None
 
 
@@ -1859,6 +2084,11 @@ def _run_agg(g, c):
             why = _clean_rejection(e, names)
             if why:
                 raise Fail(f"round {r}: {why}\n{traceback.format_exc(limit=4)}")
+            K_given = len(args["updates"]) if isinstance(args["updates"], (list, tuple)) else \
+                (args["updates"].size(0) if isinstance(args["updates"], torch.Tensor) and args["updates"].dim() == 2
+                 else 0)
+            if _robust_bound(name, kw, e, K_given, K_given - len(set(bad_rows))):
+                return "rejected"
             if expect == "valid" and not (c["layout"] == "expanded" or c["d"] == 0):
                 raise Fail(f"round {r}: valid input rejected: {type(e).__name__}: {e}")
             if expect == "bad_rows" and c["policy"] == "exclude":
@@ -1915,6 +2145,8 @@ def _run_agg(g, c):
 # execution and classification
 # ---------------------------------------------------------------------------------------------
 OP_ARG_NAMES = {
+    **{n: [n, "U", "rows", "lo", "hi", "beta"] for n in ("order_mean", "order_mean_screened", "closest_mean",
+                                                         "closest_mean_screened")},
     "gram": ["gram", "U", "rows"],
     "weighted_sum": ["weighted_sum", "U", "coef", "base", "alpha", "rows", "out"],
     "weighted_sum_chunked": ["weighted_sum_chunked", "M", "coef", "base", "alpha", "rows", "out_dtype", "chunk_cols"],
@@ -1937,6 +2169,7 @@ OP_ARG_NAMES = {
     "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"], "any_flag": ["any_flag", "mask"],
     "amax_d": ["amax_d", "x"], "mean_d": ["mean_d", "x"],
     "lu_solve": ["lu_solve", "lu_factor", "LU", "piv", "pivots", "B"],
+    "server_opt_step_": ["server_opt_step_", "io", "m", "v", "x", "rule", "lr", "beta_1", "beta_2", "tau"],
 }
 
 

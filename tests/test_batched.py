@@ -1,6 +1,7 @@
 """The batched executor (fedkernels.sim.batched, clients_at_once=N): a round's clients stacked and trained
-as one vmapped computation must give what the sequential loop gives, to fp32 rounding, round by round:
-the global model after every round and every logged metric. Unequal client sizes (a client smaller
+as one vmapped computation must give what the sequential loop gives: each round, run from the same
+state by both, gives the same update to a bound derived from fp32 rounding (UPDATE_REL below) and the
+same logged metrics. Unequal client sizes (a client smaller
 than the batch, short tail batches), per-client epochs and learning rates, every client rule; a rule or
 model it cannot batch trains sequentially with one line saying why."""
 import copy
@@ -17,6 +18,8 @@ from torch import nn
 
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
+from fedkernels.sim.assemble import torch_settings
+from fedkernels.sim.callbacks import Callback
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import Simulation
 
@@ -38,7 +41,25 @@ def _data_and_parts():
 DATA = None
 
 
-def sim(*overrides, model_fn=None, parts=None, train=None):
+class _States(Callback):
+    """The run's state after each round (``Simulation.state``), after the model it starts from."""
+    def __init__(self):
+        self.states = []
+
+    def on_start(self, sim):
+        self.states.append({"global": sim.global_flat.detach().cpu().clone()})
+
+    def on_round_end(self, sim, metrics):
+        st = copy.deepcopy(sim.state(metrics["round"]))
+        st["tracked"] = [int(m.num_batches_tracked) for m in sim.model.modules()     # BatchNorm's step count
+                         if isinstance(m, nn.modules.batchnorm._BatchNorm)]           # (not in the flat state)
+        self.states.append(st)
+
+
+def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
+    """A run of the smoke preset (3 rounds, 4 clients) on DATA, and its states: ``states[0]`` holds the
+    initial model, ``states[r]`` the state after round r. ``start``: one of these states, to run the
+    one round after it instead."""
     global DATA
     if DATA is None:
         DATA = _data_and_parts()
@@ -46,43 +67,129 @@ def sim(*overrides, model_fn=None, parts=None, train=None):
     cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
                                                  "rounds=3", "num_clients=4", "client_loss=participants",
                                                  *overrides])
-    rounds = []
+    rec = _States()
     s = Simulation(cfg, write_outputs=False, train=train or tr, test=te, client_indices=parts or p,
-                   model_fn=model_fn, callbacks=[lambda r, m, model: rounds.append(s.global_flat.clone())])
-    s.run()
-    return s, rounds
+                   model_fn=model_fn, callbacks=[rec])
+    if start is None:
+        s.run()
+    else:
+        with torch_settings(s.cfg):           # as run() sets up (threads: the data's normalisation)
+            s.setup()
+        if "round" in start:
+            s.load_state(copy.deepcopy(start))
+        else:
+            s.global_flat.copy_(start["global"])
+        s.run(stop_after=s.start_round + 1)
+    return s, rec.states
 
 
-def close(a, b, path=""):
-    """Every number of two metric records equal to fp32 rounding (timings left out)."""
+# Two executors (or chunkings) run the same arithmetic in another order (a vmapped matmul sums in
+# another order than the per-client one): their fp32 results part by rounding, about 1e-7 relative
+# per operation, and across a round's local steps (at most 3 epochs x 5 batches here) the update
+# parts by about 5e-7 relative (measured <= 5e-7). A ReLU input within rounding of 0 can take
+# opposite signs under the two orders: that one sample's gradient through that one unit, at most
+# 1/B of the unit's batch gradient in one of the round's steps, moves the update by at most about
+# 1/(B * sqrt(units) * steps) ~ 1e-3 relative (seen: 5e-5 in one FedECADO round on AVX-512). The
+# global model's trajectory is chaotic across rounds (a 1e-7 change after round 1 grows to 1e-2 by
+# round 3 for deep models), so each round is compared from the same state, as a relative bound on
+# the round's update (||u_a - u_b|| <= UPDATE_REL ||u_a||), never round after round.
+UPDATE_REL = 1e-3
+# Some rounds are ill-conditioned in themselves: a deep BatchNorm model whose last BatchNorm sees 1x1
+# maps (ResNet-18 on 8x8 digits) moves its first round's update by 3e-3 when the starting model moves
+# by one fp32 rounding (measured with torch's scalar kernels, ATEN_CPU_CAPABILITY=default; 1e-6 with
+# its AVX-512 ones). There the bound is the round's own response to a rounding-level change of its
+# start (``perturbed``: the first executor again from the state times 1 +- 2^-24), times SLACK.
+SLACK = 10
+
+
+def perturbed(state, seed=0):
+    """``state`` with every element of its global model moved by one fp32 rounding (x (1 +- 2^-24))."""
+    st = copy.deepcopy(state)
+    g = st["global"]
+    sign = torch.randint(0, 2, g.shape, generator=torch.Generator().manual_seed(seed)).to(g.dtype) * 2 - 1
+    st["global"] = g * (1 + sign * 2.0 ** -24)
+    return st
+
+
+def _apart(a, b):
+    return float((a.double() - b.double()).norm())
+
+
+def assert_same_update(start, a, b, what="", c=None):
+    """The round's update from ``start`` (a tensor, the global model before the round) by two executors
+    (``a``, ``b``: the new global models); ``c``: the first executor's from the perturbed start."""
+    ua, ub = a.double() - start.double(), b.double() - start.double()
+    assert torch.isfinite(ub).all(), what
+    err, ref = _apart(ua, ub), float(ua.norm())
+    bound = max(UPDATE_REL * ref, 0.0 if c is None else SLACK * _apart(a, c))
+    assert err <= bound, f"{what}: the updates part by {err:.3g} ({err / max(ref, 1e-300):.3g} relative)"
+
+
+def assert_rel_close(a, b, what="", c=None):
+    """Two tensors that a round computed from the same state, to UPDATE_REL relative (2-norm), or
+    within SLACK times their distance to ``c`` (the same from the perturbed start)."""
+    err, ref = _apart(a, b), float(a.double().norm())
+    bound = max(UPDATE_REL * max(ref, 1e-12), 0.0 if c is None else SLACK * _apart(a, c))
+    assert err <= bound, f"{what}: {err:.3g} apart ({err / max(ref, 1e-300):.3g} relative)"
+
+
+def close(a, b, path="", c=None):
+    """Every number of two metric records of one round from the same state equal to UPDATE_REL (the
+    metrics are smooth functions of the model and of the updates), accuracy to one test sample
+    (a test sample at a near-tie of its two best logits may change its class), or within SLACK times
+    their distance to ``c`` (the first executor's record from the perturbed start); timings left out."""
     if isinstance(a, dict):
         assert set(a) == set(b), (path, set(a) ^ set(b))
         for k in a:
             if k not in TIMING_KEYS:
-                close(a[k], b[k], f"{path}.{k}")
+                close(a[k], b[k], f"{path}.{k}", None if c is None else c[k])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
-            close(x, y, f"{path}[{i}]")
+            close(x, y, f"{path}[{i}]", None if c is None else c[i])
+    elif path.endswith(".accuracy"):
+        assert abs(a - b) <= max(1.5 / len(DATA[1].y), 0 if c is None else SLACK * abs(a - c)), (path, a, b)
     elif isinstance(a, float) and not isinstance(a, bool):
-        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=2e-4, abs=1e-5), (path, a, b)
+        spread = 0.0 if c is None or math.isnan(c) else SLACK * abs(a - c)
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= max(UPDATE_REL * abs(a) + 1e-5, spread), (path, a, b)
     elif isinstance(a, torch.Tensor):
-        torch.testing.assert_close(a, b, rtol=2e-4, atol=1e-5)
+        assert_rel_close(a, b, path, c)
     elif path.endswith(".iterations"):   # an iterative solve (FedAWARE's min-norm) on inputs equal to fp32
         assert abs(a - b) <= 1, (path, a, b)   # rounding may cross its stop threshold one step apart
     else:
         assert a == b, (path, a, b)
 
 
-def same_run(*overrides, **kw):
-    s1, r1 = sim("clients_at_once=off", *overrides, **kw)
-    s2, r2 = sim("clients_at_once=4", *overrides, **kw)
-    assert s1.batched is None
+def each_round_from_the_same_state(s1, states, *overrides, sensitivity=None, **kw):
+    """Every round of run ``s1`` (its ``states``) run again from the state before it with ``overrides``
+    (another executor): the same update to UPDATE_REL and the same metrics (``close``). ``sensitivity``:
+    ``s1``'s own overrides, to bound each round by its response to a rounding-level change of its start
+    (SLACK; the perturbed runs go to ``s2.perturbed``). Returns the last of these one-round runs, its
+    ``metrics`` the list of the rounds' metrics."""
+    rounds, ms, s3 = len(states) - 1, [], None
+    s2 = None
+    for r in range(rounds):
+        s2, st2 = sim(*overrides, start=states[r], **kw)
+        c = m3 = None
+        if sensitivity is not None:
+            s3, st3 = sim(*sensitivity, start=perturbed(states[r], r), **kw)
+            c, m3 = st3[-1]["global"], s3.metrics[-1]
+        assert_same_update(states[r]["global"], states[r + 1]["global"], st2[-1]["global"], f"round {r + 1}", c)
+        ms.append(s2.metrics[-1])
+        close(s1.metrics[r], s2.metrics[-1], f"round {r + 1}", m3)
+    s2.metrics, s2.perturbed = ms, s3
+    return s2
+
+
+def same_run(*overrides, sensitivity=False, **kw):
+    """The sequential loop and the batched executor (4 clients at once): each round from the same state
+    (``sensitivity``: bounded by the round's response to a rounding-level change of its start too)."""
+    s1, states = sim("clients_at_once=off", *overrides, **kw)
+    assert s1.batched is None and len(states) == 4
+    s1.round_states = states
+    s2 = each_round_from_the_same_state(s1, states, "clients_at_once=4", *overrides, **kw,
+                                        sensitivity=("clients_at_once=off", *overrides) if sensitivity else None)
     assert s2.batched is not None, "the batched executor was not used"
-    assert len(r1) == len(r2) == 3
-    for a, b in zip(r1, r2):             # the global model after every round
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
-    close(s1.metrics, s2.metrics)
     return s1, s2
 
 
@@ -134,10 +241,10 @@ METHODS = {
 def test_batched_equals_sequential_round_by_round(name):
     s1, s2 = same_run(*METHODS[name])
     assert [m["local_steps"] for m in s1.metrics] == [m["local_steps"] for m in s2.metrics]
-    if name.startswith(("scaffold", "fedpvr")):   # the server's control variates agree too
+    if name.startswith(("scaffold", "fedpvr")):   # the server's control variates agree too (round 3's)
         for k, v in s1.agg.state_dict().items():
             if isinstance(v, torch.Tensor):
-                torch.testing.assert_close(v, s2.agg.state_dict()[k], rtol=1e-4, atol=1e-5)
+                assert_rel_close(v, s2.agg.state_dict()[k], k)
 
 
 def test_unequal_sizes_and_steps_are_what_the_clients_trained():
@@ -150,16 +257,14 @@ def test_unequal_sizes_and_steps_are_what_the_clients_trained():
 def test_deterministic_for_a_seed():
     a, ra = sim("clients_at_once=4", *HETERO)
     b, rb = sim("clients_at_once=4", *HETERO)
-    assert all(torch.equal(x, y) for x, y in zip(ra, rb))
+    assert len(ra) == 4 and all(torch.equal(x["global"], y["global"]) for x, y in zip(ra, rb))
     c, rc = sim("clients_at_once=4", "seed=1", *HETERO)
-    assert not torch.equal(ra[-1], rc[-1])
+    assert not torch.equal(ra[-1]["global"], rc[-1]["global"])
 
 
 def test_chunks_of_clients_equal_one_chunk():
     s1, r1 = sim("clients_at_once=4", "algorithm.name=scaffold", *HETERO)
-    s2, r2 = sim("clients_at_once=3", "algorithm.name=scaffold", *HETERO)   # chunks of 3 + 1
-    for a, b in zip(r1, r2):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    each_round_from_the_same_state(s1, r1, "clients_at_once=3", "algorithm.name=scaffold", *HETERO)   # 3 + 1
 
 
 def _bad_data():
@@ -176,13 +281,11 @@ def _bad_data():
 
 def test_bad_clients_excluded_as_in_the_sequential_loop():
     bad, parts = _bad_data()
-    s1, _ = sim("clients_at_once=off", parts=parts, train=bad)
-    s2, _ = sim("clients_at_once=4", parts=parts, train=bad)
+    s1, s2 = same_run(parts=parts, train=bad)
     ex1 = [m["excluded"] for m in s1.metrics]
     assert ex1 == [m["excluded"] for m in s2.metrics]
     assert [e["client_id"] for e in ex1[0]] == [1, 2]
     assert [m["num_updates"] for m in s2.metrics] == [2, 2, 2]
-    torch.testing.assert_close(s1.global_flat, s2.global_flat, rtol=1e-4, atol=2e-6)
 
 
 def test_fedpgvc_skips_the_non_finite_steps_as_in_the_sequential_loop():
@@ -234,11 +337,13 @@ def _batchnorm_statistics(s):
 
 def _same_statistics(s1, s2):
     st1, st2 = _batchnorm_statistics(s1), _batchnorm_statistics(s2)
+    st3 = _batchnorm_statistics(s2.perturbed) if getattr(s2, "perturbed", None) is not None else [(None,) * 3] * len(st1)
     assert st1 and len(st1) == len(st2)
-    for (m1, v1, n1), (m2, v2, n2) in zip(st1, st2):
-        assert n1 == n2 > 0                   # every client step counted once, as in the sequential loop
-        torch.testing.assert_close(m1, m2, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+    before = s1.round_states[-2]["tracked"]         # the last round's steps (it ran from the same state)
+    for (m1, v1, n1), (m2, v2, n2), (m3, v3, _), n0 in zip(st1, st2, st3, before):
+        assert n1 - n0 == n2 > 0              # every client step counted once, as in the sequential loop
+        assert_rel_close(m1, m2, "running_mean", m3)       # the last round's, from the same state
+        assert_rel_close(v1, v2, "running_var", v3)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "scaffold", "fedprox", "fedavg-momentum-wd"])
@@ -254,7 +359,7 @@ def test_batchnorm_statistics_are_carried_per_client(name, net):
     if name == "scaffold":                # buffers carry no control variate, in both executors
         for k, v in s1.agg.state_dict().items():
             if isinstance(v, torch.Tensor):
-                torch.testing.assert_close(v, s2.agg.state_dict()[k], rtol=1e-4, atol=1e-5)
+                assert_rel_close(v, s2.agg.state_dict()[k], k)
 
 
 class BNNoBiasNet(BNNet):
@@ -275,11 +380,11 @@ def test_batchnorm_with_the_other_rules(name):
 @pytest.mark.parametrize("method,steps", [("fedavg", 2), ("scaffold", 1)])
 def test_resnet18_batchnorm_trains_batched(method, steps):
     """models.py's ResNet-18 with norm=bn (width 4, so it runs in seconds), few local steps: on 8x8
-    digits its layer4 BatchNorm sees 1x1 maps, and with more steps (SCAFFOLD: 2) a 1e-7 change of the
-    global model after round 1 moves the sequential loop's own round-2 model by 1e-2 (measured), too
-    much for an fp32 comparison. The shallow BatchNorm models above compare every method and step count."""
+    digits its layer4 BatchNorm sees 1x1 maps, which makes a round ill-conditioned (see SLACK): each
+    round is also bounded by its own response to a rounding-level change of its start. The shallow
+    BatchNorm models above compare every method and step count."""
     s1, s2 = same_run("model.options={}", "model.name=resnet18_gn", "model.options.norm=bn", "model.options.width=4",
-                      f"train.steps={steps}", f"algorithm.name={method}", parts=_bn_parts())
+                      f"train.steps={steps}", f"algorithm.name={method}", parts=_bn_parts(), sensitivity=True)
     _same_statistics(s1, s2)
 
 
@@ -339,7 +444,7 @@ def test_batchnorm_it_cannot_carry_is_refused_with_one_line(caplog, net, words):
 def test_rules_that_cannot_be_batched_fall_back_with_one_line(caplog, overrides, words):
     with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
         s, r = sim("clients_at_once=4", "rounds=1", *overrides)
-    assert s.batched is None and len(r) == 1
+    assert s.batched is None and len(r) == 2      # the initial model and round 1
     lines = [r.getMessage() for r in caplog.records if "clients_at_once" in r.getMessage()]
     assert len(lines) == 1, lines
     for w in words:
@@ -448,10 +553,9 @@ def test_auto_sizes_chunks_each_round_and_stops_when_one_client_does_not_fit(mon
         free["bytes"] = 3 * self.per_client // 2 * 2
         return spy(self, r, items, f)
     monkeypatch.setattr(B.BatchedExecutor, "_train_chunk", train_chunk)
-    s, _ = sim("rounds=2")
+    s, states = sim("rounds=2")
     assert s.batched is not None and chunks == [4, 1, 1, 1, 1], chunks
-    s1, _ = sim("rounds=2", "clients_at_once=off")
-    torch.testing.assert_close(s.global_flat, s1.global_flat, rtol=1e-4, atol=2e-6)
+    each_round_from_the_same_state(s, states, "rounds=2", "clients_at_once=off")
     free["bytes"] = 2**10                     # at set-up
     with pytest.raises(RunError, match=r"^clients_at_once=auto: one client needs about .* MiB of working memory"):
         sim("rounds=1")

@@ -29,7 +29,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     assert doc["copy_GBps"] > 0
     rows = doc["results"]
     ops = {r["op"] for r in rows}
-    assert ops == {"copy", "weighted_sum", "gram", "kstats", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
+    assert ops == {"copy", "weighted_sum", "gram", "kstats", "order_mean", "closest_mean", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
                    "lu_factor", "lu_solve", "fedecado_be_step", "aggregate"}
     for r in rows:
         assert r["ms"] > 0 and r["sizes"], r
@@ -37,6 +37,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
             assert r["GBps"] > 0 and r["pct_copy_bw"] > 0
     baselines = {(r["op"], k) for r in rows for k in r.get("baselines", {})}
     for want in [("weighted_sum", "torch_coef_at_U"), ("gram", "torch_fp64_U_UT"), ("kstats", "gram_then_Gp"),
+                 ("order_mean", "torch_median_0"), ("order_mean", "torch_sort_trimmed"),
                  ("lu_solve", "torch_linalg_lu_solve"), ("fused_sgd_step_", "torch_foreach_sgd")]:
         assert want in baselines, want
     for r in rows:
@@ -46,6 +47,8 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     assert all(r["bitwise_repeatable"] and r["rel_err_vs_fp64"] < 1e-12 for r in gram)
     kst = [r for r in rows if r["op"] == "kstats"]
     assert kst and all(r["bitwise_repeatable"] and r["rel_err_dot_vs_fp64"] < 1e-12 for r in kst)
+    sel = [r for r in rows if r["op"] in ("order_mean", "closest_mean")]
+    assert len(sel) == 6 and all(r["bitwise_repeatable"] and r["median_max_abs_err_vs_fp64"] < 1e-6 for r in sel)
 
 
 def test_gpu_bench_whole_aggregate_table(tmp_path):
@@ -73,3 +76,14 @@ def test_gpu_bench_bad_arguments_exit_2(tmp_path):
         r = _run("--device", "cuda", "--out", str(tmp_path))
         assert r.returncode == 2 and "no CUDA device" in r.stderr
     assert not list(tmp_path.glob("gpu-*.json"))
+
+
+def test_default_output_is_runs_bench_under_the_cwd(tmp_path):
+    """Without --out the result goes to runs/bench/ under the current directory, never into the
+    committed bench/results/ (only bench/gpu.sh passes --out bench/results, on a GPU)."""
+    published = os.path.join(ROOT, "bench", "results")
+    before = {f: os.path.getmtime(os.path.join(published, f)) for f in os.listdir(published)}
+    r = _run("--device", "cpu", "--quick", "--only", "weighted_sum", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [p.name for p in (tmp_path / "runs" / "bench").glob("gpu-*.json")] != []
+    assert {f: os.path.getmtime(os.path.join(published, f)) for f in os.listdir(published)} == before

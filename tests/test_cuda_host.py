@@ -671,3 +671,36 @@ def test_gc_plan_covers_every_row_once(harness):
         if rows and cols:
             want_items += -(-rows // 64) if path == 0 else rows
     assert items == want_items
+
+
+# ---- select (order_mean / closest_mean: one thread per column, stable ranks) -------------------------
+@pytest.mark.parametrize("K,d", [(1, 3), (2, 5), (3, 7), (4, 40), (7, 33), (10, 50), (33, 9)])
+def test_select_columns_match_reference(harness, K, d):
+    """sel::order_mean_col / closest_mean_col per emulated thread against the float64 reference: the
+    median of odd k exactly, the other means to float64 summation order; ties (small integers) and a NaN
+    and an Inf row (NaN columns as the reference; the row flags as finite_rows)."""
+    from fedkernels.ops.select import median_bounds, trim_bounds
+    g = _gen(K * 7 + d)
+    U = torch.randn(K, d, generator=g, dtype=torch.float64)
+    U[:, : d // 2] = torch.randint(-2, 3, (K, d // 2), generator=g).double()     # columns full of ties
+    if K >= 3:
+        U[1, 0], U[2, d - 1] = float("nan"), float("inf")
+
+    def ask(mode, lo, hi):
+        ans = harness("select", mode, K, d, lo, hi, U)
+        vals = torch.tensor([_f(x) for x in ans[1:1 + d]], dtype=torch.float64)
+        return vals, [bool(int(x)) for x in ans[1 + d:]]
+
+    for lo, hi in {median_bounds(K), trim_bounds(K, 0.2), (0, K), (K - 1, K)}:
+        got, ok = ask(0, lo, hi)
+        want = reference.order_mean(U, lo, hi)
+        assert ok == reference.finite_rows(U).tolist()
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got, want, rtol=4 * K * 2.0 ** -53, atol=4 * K * 2.0 ** -53 * 4, equal_nan=True)
+        if hi - lo == 1:
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    for beta in sorted({1, max(1, K // 2), K}):
+        got, _ = ask(1, beta, 0)
+        want = reference.closest_mean(U, beta)
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got, want, rtol=4 * K * 2.0 ** -53, atol=4 * K * 2.0 ** -53 * 4, equal_nan=True)

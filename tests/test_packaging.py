@@ -225,3 +225,11 @@ def test_public_functions_are_annotated():
             if bad or fn.returns is None:
                 missing.append(f"{f}:{fn.lineno} {fn.name} {bad}{'' if fn.returns else ' (no return type)'}")
     assert not missing, "\n".join(missing)
+
+
+def test_make_test_runs_the_suite_on_the_cores():
+    """`make test` runs pytest-xdist (in the test extra and in TEST_DEPS, checked above) with one worker
+    per core, a file's tests in one worker."""
+    args = " ".join(_make_vars()["PYTEST_ARGS"])
+    assert "-n auto" in args and "--dist loadfile" in args, args
+    assert "pytest-xdist" in {_req_name(r) for r in _pyproject()["project"]["optional-dependencies"]["test"]}

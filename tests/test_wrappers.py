@@ -273,6 +273,9 @@ def test_state_dict_round_trips_the_inner_state():
     assert torch.equal(a.aggregate(x, U, n).params, b.aggregate(x, U, n).params)
     with pytest.raises(ValueError, match="no 'inner' entry"):
         b.load_state_dict(algorithms.build("fedavgm").state_dict())
+    import pickle                       # (the simulator's worker processes get the aggregator pickled)
+    c = pickle.loads(pickle.dumps(b))
+    assert repr(c) == repr(b) and c.inner is not b.inner and torch.equal(c.momentum, b.momentum)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "x", True, [1.0]])
@@ -334,3 +337,55 @@ def test_every_method_declares_its_passes_and_ranges_beside_itself():
     assert option_range(LocalGC, "lam") == "[0, 1]" and option_range(LocalGC, "server_lr") == "> 0"
     assert option_range(FedECADO, "T_bar") == "> 0" and option_range(FedAvg, "weighting") is None
     assert option_range(NormBound, "norm_bound") == "> 0"
+
+
+def _sharded_worker(rank, world, init_file, errfile, M):
+    import traceback
+
+    import torch.distributed as dist
+
+    from fedkernels.distributed import ShardedAggregator
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        x, U, n = _data(K=5, d=41)
+        for name, opts in [("fedavg", {}), ("kuramoto", {"mode": "S"})]:
+            one = algorithms.build(name, norm_bound=M, **opts)
+            sh = ShardedAggregator(algorithms.build(name, norm_bound=M, **opts))
+            sh.setup(d=41)
+            for _ in range(2):
+                r1 = one.aggregate(x, U, n)
+                r2 = sh.aggregate(x, U, n, gather=True)
+                assert r2.info["norm_clipped"] == r1.info["norm_clipped"] > 0, (name, r1.info, r2.info)
+                # the norms are the whole rows' (kstats' sums added over the shards): the same scales up to
+                # the fp64 order of the shard sums, so the same model to fp32 rounding
+                torch.testing.assert_close(r2.params, r1.params, rtol=2e-6, atol=2e-7)
+                x = r1.params
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def test_norm_bound_under_sharded_aggregation_clips_by_the_whole_rows_norm(tmp_path):
+    """Two ranks each holding half the columns: the norms come from kstats summed across the ranks, so a
+    row is clipped by its whole norm (a per-shard norm would clip by less)."""
+    import torch.multiprocessing as mp
+    init_file, errfile = str(tmp_path / "init"), str(tmp_path / "err")
+    try:
+        mp.spawn(_sharded_worker, args=(2, init_file, errfile, 1.5), nprocs=2, join=True)
+    except Exception:
+        msgs = [open(tmp_path / f).read() for f in sorted(os.listdir(tmp_path)) if f.startswith("err")]
+        pytest.fail("worker failed:\n" + "\n".join(msgs))
+
+
+def test_norm_bound_writes_the_callers_out_on_a_source():
+    """On a source the method's result pass (after the norms' pass) writes into ``out`` chunk by chunk."""
+    x, U, n = _data()
+    agg = algorithms.build("fedavg", norm_bound=1.5)
+    want = agg.aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n).params
+    out = torch.empty_like(x)
+    res = algorithms.build("fedavg", norm_bound=1.5).aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n,
+                                                               out=out)
+    assert res.params is out and torch.equal(out, want)

@@ -10,6 +10,11 @@ An ``Aggregator`` is the server side of a method. It is stateful (``state_dict``
 * ``num_examples``: K sample counts (> 0); ``client_ids``: K ints naming the clients (state rows);
   ``payloads``: optional K dicts of extra client outputs (control-variate deltas, step counts, ...).
 
+``aggregate`` is the round runner (:mod:`fedkernels.algorithms.runner`: validation, the NaN/Inf screen,
+the bad-row policy) around the method's update, ``_aggregate(rin)``; what a method is (its update,
+``passes()``, options and ranges, state) lives in its class, what acts around any method in a wrapper
+(:mod:`fedkernels.algorithms.wrappers`).
+
 A ``ClientRule`` is the client side of a method that changes local training. The training loop
 (fedkernels.sim, or the user's own) calls its hooks; see ``ClientRule`` below.
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import array
-import logging
 import math
 import struct
 from dataclasses import dataclass, field, fields, replace
@@ -28,15 +32,13 @@ import torch
 
 from .. import ops
 from .._types import CoefLike
-from ..ops._checks import _float_dtype, _like, has_kernel, host_range, tracing  # tracing: also imported from here by the method modules
+from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
 from ..sources import HOST, ChunkedUpdates, MatrixSource, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
 if TYPE_CHECKING:
     from ..flat import FlatSpec
-
-log = logging.getLogger("fedkernels")
 
 BAD_UPDATE_POLICIES = ("raise", "exclude")
 
@@ -117,20 +119,6 @@ def rows_where(mask: torch.Tensor) -> List[int]:
     return mask.nonzero().reshape(-1).tolist()
 
 
-class _FlagOwners:
-    """Whose payload tensor each NaN/Inf flag of a round screens: segments (key, rows), expanded to
-    one (row, key) per flag only when a flag is bad (``pairs``)."""
-
-    def __init__(self, pairs: Sequence[Tuple[int, str]] = ()) -> None:
-        self.segs: List[Tuple[str, Sequence[int]]] = [(key, [k]) for k, key in pairs]
-
-    def add(self, key: str, rows: Sequence[int]) -> None:
-        self.segs.append((key, rows))
-
-    def pairs(self) -> List[Tuple[int, str]]:
-        return [(k, key) for key, rows in self.segs for k in rows]
-
-
 class AggResult(NamedTuple):
     params: torch.Tensor   # the new global flat vector
     info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
@@ -143,7 +131,7 @@ from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algor
 class UpdatesShape:
     """What ``validate`` and the on_bad_update policy read of a round's updates: the [K, d] rows'
     shape, dtype and device, no data. A tensor gives it (``UpdatesShape.of(U)``), a chunked source its
-    own (``Aggregator._chunked_source``: K x d in the model's dtype and device, where its chunks are
+    own (``runner._chunked_source``: K x d in the model's dtype and device, where its chunks are
     summed); dropping rows is ``keep(n)`` (no K x d copy)."""
 
     K: int
@@ -182,7 +170,7 @@ class RoundInput:
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
     # Rows not yet screened (methods with ``Aggregator.screen_in_pass``, and every method on a source):
     # the first read of U through ``weighted_sum``, ``gram``, ``kstats`` or ``screen`` below also screens its rows
-    # and hands the flags to ``on_flags`` (the aggregator's policy) before the method goes on.
+    # and hands the flags to ``on_flags`` (the round runner's policy) before the method goes on.
     screen_rows: bool = False
     # on_flags(ok, carry): ``carry`` (None, or a tensor on ok's device) comes back on the host, brought
     # there in the same device-to-host copy as the flags (RoundInput.gram(host=True), RoundInput.kstats)
@@ -417,6 +405,9 @@ class RowScaled(RoundInput):
     Every field (the rows, counts, ids, payloads, the screen's state) is the base input's: reading or
     setting one here reads or sets it there."""
 
+    base: RoundInput             # the input whose passes and fields these are
+    s: torch.Tensor              # [K] float64 row scales
+
     def __init__(self, base: RoundInput, s: Any) -> None:   # (not the dataclass' __init__: no fields of its own)
         st = torch.as_tensor(s, dtype=torch.float64).reshape(-1)
         if st.numel() != base.K:
@@ -485,21 +476,17 @@ class RowScaled(RoundInput):
 
 
 def _delegate(name: str) -> property:
-    return property(lambda self: getattr(self.base, name), lambda self, v: setattr(self.base, name, v))
+    """A RowScaled field: the base input's (K, d, dtype, device follow from its ``updates``)."""
+    def get(self: RowScaled) -> Any:
+        return getattr(self.base, name)
+
+    def put(self: RowScaled, value: Any) -> None:
+        setattr(self.base, name, value)
+    return property(get, put)
 
 
 for _f in fields(RoundInput):
     setattr(RowScaled, _f.name, _delegate(_f.name))
-for _p in ("K", "d", "dtype", "device"):
-    setattr(RowScaled, _p, property(lambda self, _p=_p: getattr(self.base, _p)))
-
-
-class _Redo(Exception):
-    """Raised by a screening pass that dropped bad rows: the round runs again on ``rin``."""
-
-    def __init__(self, rin: RoundInput) -> None:
-        super().__init__("round restarted without the bad rows")
-        self.rin = rin
 
 
 def table_passes(device: Any, path: Any, *passes: str) -> Tuple[str, ...]:
@@ -619,80 +606,7 @@ class Aggregator(abc.ABC):
         screening of rows, results and payloads, sample counts > 0) are skipped: the eager call
         raises on bad values, a compiled one propagates them. ``info`` then holds tensors where
         the eager call gives lists."""
-        return self._round(global_flat, updates, num_examples, client_ids, payloads, out, self)
-
-    def _round(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
-               client_ids: Optional[Sequence[int]], payloads: Optional[Sequence[Dict[str, Any]]],
-               out: Optional[torch.Tensor], entry: "Aggregator") -> AggResult:
-        """``aggregate``'s round protocol on this method's checks and state, with ``entry``'s update
-        (``entry._aggregate``, ``entry.screen_in_pass``): ``entry`` is this method, or a
-        :class:`~fedkernels.algorithms.wrappers.MethodWrapper` around it."""
-        src: Optional[ChunkedUpdates] = None
-        rows: Union[Updates, UpdatesShape] = updates      # what validate checks: on a source, its UpdatesShape
-        if out is not None:
-            self._check_out(global_flat, out)
-        if isinstance(updates, ChunkedUpdates) and isinstance(global_flat, torch.Tensor) and (
-                updates.placement is not None or (updates.device != global_flat.device and
-                                                  {updates.device.type, global_flat.device.type} <= {"cpu", "cuda"})):
-            # device="auto", or chunks delivered to another device than the model's: the round runs
-            # there (global_flat moved once, the new model moved back once; info["device"] says where)
-            return self._into(updates.aggregate_placed(entry, global_flat, num_examples, client_ids, payloads), out)
-        if isinstance(updates, (MatrixSource, ChunkedUpdates)):
-            src, rows = self._chunked_source(global_flat, updates)
-        if tracing():
-            rin = self.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
-            traced = self._into(entry._aggregate(rin), out)
-            traced.info.setdefault("num_clients", rin.K)
-            self.round += 1
-            return traced
-        if entry.screen_in_pass or src is not None:
-            # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram) also
-            # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
-            # or drop the bad rows and run the round again without them: nothing was changed yet).
-            # global_flat's flag joins the rows' flags: one device-to-host copy in all. A method
-            # without screen_in_pass on a source: a screening pass of its own over the chunks first.
-            self._defer_global = True
-            try:
-                rin = self.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
-            finally:
-                self._defer_global = False
-            g_ok, pp = self._pending_global, self._pending_payload
-            self._pending_global = self._pending_payload = None
-            rows_of = None
-            if src is not None:      # client id -> row of the source (validate checked the ids)
-                rows_of = {c: k for k, c in enumerate(self._client_ids(client_ids, src.K))}
-            res: Optional[AggResult] = None
-            if rin.K > 0:
-                self._attach(rin, src, rows_of, out)
-                rin.screen_rows = True
-                rin.on_flags = lambda ok, carry=None: self._apply_flags(rin, ok, g_ok, pp, carry)
-                try:
-                    if not entry.screen_in_pass:
-                        rin.screen()
-                    res = entry._aggregate(rin)
-                except _Redo as redo:
-                    rin = self._attach(redo.rin, src, rows_of, out)
-                    res = entry._aggregate(rin) if rin.K > 0 else None
-                if rin.screen_rows:      # the method did not read U through rin: screen its rows now
-                    raise RuntimeError(f"{self.name}: screen_in_pass is set but _aggregate never read U "
-                                       "through RoundInput.weighted_sum / gram")
-                if rin.held is not None:
-                    raise RuntimeError(f"{self.name}: _aggregate held the rows' NaN/Inf flags "
-                                       "(RoundInput.weighted_sum(hold=True)) and never released them (rin.release)")
-            elif g_ok is not None and not bool(g_ok.cpu()[0]):
-                raise self._global_nan()
-        else:
-            rin = self.validate(global_flat, rows, num_examples, client_ids, payloads)
-            res = entry._aggregate(rin) if rin.K > 0 else None
-        if res is None:
-            res = AggResult(global_flat.clone() if out is None else out.copy_(global_flat),
-                            {"skipped": True, "reason": "no valid client update"})
-        res = self._into(res, out)
-        res.info.setdefault("num_clients", rin.K)
-        if rin.excluded:
-            res.info["excluded"] = rin.excluded
-        self.round += 1
-        return res
+        return _runner.run_round(self, global_flat, updates, num_examples, client_ids, payloads, out)
 
     @abc.abstractmethod
     def _aggregate(self, rin: RoundInput) -> AggResult:
@@ -729,225 +643,19 @@ class Aggregator(abc.ABC):
                              "ChunkedUpdates(..., device='cpu') or device='cuda'")
         return (() if self.screen_in_pass else ("sum",)) + tuple(own)
 
-    def _chunked_source(self, global_flat: torch.Tensor, updates: Union[MatrixSource, ChunkedUpdates]
-                        ) -> Tuple[ChunkedUpdates, UpdatesShape]:
-        """(the source as chunks delivered to global_flat's device, the UpdatesShape ``validate`` checks).
-        A source's dtype is global_flat's, or bf16/fp16 under a float32/float64 model (summed in the
-        model's dtype)."""
-        what = f"{self.name}.aggregate"
-        if self.no_chunked_source is not None:
-            raise ValueError(f"{what}: updates from a chunked source ({updates!r}) are not supported: "
-                             f"{self.no_chunked_source}; pass a [K, d] tensor")
-        if tracing():
-            raise ValueError(f"{what}: updates from a chunked source cannot be traced (torch.compile / export); "
-                             "pass a [K, d] tensor")
-        if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
-            raise ValueError(f"{what}: global_flat must be a 1-D tensor, got "
-                             f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
-        d, gdt, dev = global_flat.numel(), global_flat.dtype, global_flat.device
-        if isinstance(updates, MatrixSource):
-            src = ChunkedUpdates(updates, device=dev)
-        elif updates.device != dev and not (updates.device.type == dev.type == "cpu"):
-            raise ValueError(f"{what}: updates ({updates!r}) delivers its chunks to {updates.device} but "
-                             f"global_flat is on {dev}: pass ChunkedUpdates(..., device={str(dev)!r})")
-        else:
-            src = updates
-        if src.d != d:
-            raise ValueError(f"{what}: updates ({src!r}) has d={src.d} columns, expected d={d} (len(global_flat))")
-        if src.dtype != gdt and not (src.dtype in (torch.float16, torch.bfloat16)
-                                     and gdt in (torch.float32, torch.float64)):
-            raise ValueError(f"{what}: updates ({src!r}) has dtype {src.dtype}, expected global_flat's {gdt} "
-                             "(or bfloat16/float16 under a float32/float64 model)")
-        return src, UpdatesShape(src.K, d, gdt, dev)
-
-    def _attach(self, rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]],
-                out: Optional[torch.Tensor] = None) -> RoundInput:
-        """Gives ``rin`` its source rows (the accepted clients' rows of ``src``) and the caller's ``out``."""
-        if src is not None and rows_of is not None:
-            rin.src = src.select_rows([rows_of[c] for c in rin.client_ids])
-            rin.stop_at_bad = self.on_bad_update == "raise"
-        rin.out = out
-        return rin
-
-    def _check_out(self, global_flat: torch.Tensor, out: Any) -> None:
-        """``aggregate``'s ``out``: a [d] contiguous tensor of global_flat's dtype and device, apart from it."""
-        what = f"{self.name}.aggregate"
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"{what}: out must be a [d] tensor or None, got {type(out).__name__}")
-        if not isinstance(global_flat, torch.Tensor):
-            return                                            # (validate names global_flat)
-        d = global_flat.numel()
-        if out.dim() != 1 or out.numel() != d or out.dtype != global_flat.dtype or out.device != global_flat.device \
-                or not out.is_contiguous():
-            raise ValueError(f"{what}: out must be a contiguous [d={d}] tensor of global_flat's dtype "
-                             f"{global_flat.dtype} on {global_flat.device}, got shape {tuple(out.shape)} {out.dtype} "
-                             f"on {out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
-        if d and out.untyped_storage().data_ptr() == global_flat.untyped_storage().data_ptr():
-            raise ValueError(f"{what}: out shares memory with global_flat (the method reads global_flat while it "
-                             "writes out): pass another tensor, or copy the result into global_flat afterwards")
-
-    @staticmethod
-    def _into(res: AggResult, out: Optional[torch.Tensor]) -> AggResult:
-        """``res`` with its params in ``out`` (copied unless the method's result pass wrote them there)."""
-        if out is None or res.params is out:
-            return res
-        return AggResult(out.copy_(res.params), res.info)
+    def prepare_round(self, global_flat: Any) -> None:
+        """Called by the round runner first, with the caller's ``global_flat`` (not yet checked): a
+        method sizes what it keeps per model here (SCAFFOLD's c, FedECADO's flows)."""
 
     def validate(self, global_flat: torch.Tensor, updates: Union[Updates, UpdatesShape], num_examples: CoefLike,
                  client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
                  screen: bool = True) -> RoundInput:
-        """Checks every argument; applies the on_bad_update policy to bad clients.
-        ``screen=False`` skips the NaN/Inf scan of the update rows (see ``screen_in_pass``). ``updates``
-        may be an :class:`UpdatesShape` (the rows of a chunked source): its shape, dtype and device are
-        checked as a tensor's, its rows are screened by the source pass (not here)."""
-        if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
-            raise ValueError(f"{self.name}.aggregate: global_flat must be a 1-D tensor, got "
-                             f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
-        d = global_flat.numel()
-        traced = tracing()
-        if traced:
-            screen = False
-        bad_len: List[int] = []
-        if isinstance(updates, (list, tuple)):
-            bad_len = [i for i, u in enumerate(updates) if not isinstance(u, torch.Tensor) or u.numel() != d]
-            if bad_len and self.on_bad_update == "raise":
-                i = bad_len[0]
-                got = f"has {updates[i].numel()} elements" if isinstance(updates[i], torch.Tensor) else \
-                    f"is a {type(updates[i]).__name__}, not a tensor"
-                raise BadUpdateError(f"{self.name}.aggregate: updates[{i}] {got}, expected d={d} elements")
-            updates = torch.stack([u.reshape(-1) if i not in bad_len else global_flat.new_full((d,), float("nan"))
-                                   for i, u in enumerate(updates)]) if len(updates) else global_flat.new_zeros((0, d))
-        if isinstance(updates, torch.Tensor) and updates.dim() == 2:
-            shape = UpdatesShape.of(updates)
-        elif isinstance(updates, UpdatesShape):
-            shape, screen = updates, False
-        else:
-            raise ValueError(f"{self.name}.aggregate: updates must be a [K, d] tensor, got "
-                             f"{tuple(updates.shape) if isinstance(updates, torch.Tensor) else type(updates).__name__}")
-        K = shape.K
-        if shape.d != d:
-            raise BadUpdateError(f"{self.name}.aggregate: updates has {shape.d} columns, expected d={d} (len(global_flat))")
-        # the tensor rules of the op wrappers (ops._checks), checked here before any state is touched
-        _like(shape, f"{self.name}.aggregate", "updates", global_flat, "global_flat")
-        _float_dtype(shape, f"{self.name}.aggregate", "updates")
-        # Counts, ids and payloads: whole-round conversions and checks (no Python call per client)
-        try:
-            n = host_float64(num_examples)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"{self.name}.aggregate: num_examples must be K={K} numbers, got {num_examples!r:.100}") from None
-        if n.numel() != K:
-            raise ValueError(f"{self.name}.aggregate: num_examples has {n.numel()} entries, expected K={K}")
-        ids = self._client_ids(client_ids, K)
-        if len(set(ids)) != K:
-            raise ValueError(f"{self.name}.aggregate: client_ids must be distinct, got {ids}")
-        if self.num_clients is not None and K and not self._ids_within(ids, self.num_clients):
-            raise ValueError(f"{self.name}.aggregate: client_ids must lie in [0, {self.num_clients}), got {ids}")
-        if payloads is None:
-            pl: List[Dict[str, Any]] = [{} for _ in range(K)]
-        else:        # the caller's dicts, not copies (nothing writes them); other mappings become dicts
-            pl = list(payloads)
-            if set(map(type, pl)) - {dict}:
-                pl = [dict(p) for p in pl]
-        if len(pl) != K:
-            raise ValueError(f"{self.name}.aggregate: payloads has {len(pl)} entries, expected K={K}")
-
-        reasons = self._screen(global_flat, updates, n, pl, screen and K > 0, traced)
-        for k in bad_len:   # (with d = 0 the NaN placeholder row is empty: flag wrong lengths directly)
-            reasons[k] = f"update has the wrong number of elements (expected d={d})"
-        return self._apply_policy(global_flat, updates, n, ids, pl, reasons, [])
-
-    @staticmethod
-    def _ids_within(ids: List[int], N: int) -> bool:
-        """All of the K ints ``ids`` lie in [0, N) (one C-level min/max, not two passes in Python)."""
-        lo, hi = torch.aminmax(id_tensor(ids))
-        return int(lo) >= 0 and int(hi) < N
-
-    def _client_ids(self, client_ids: Any, K: int) -> List[int]:
-        """K ints naming the clients (default 0..K-1); ValueError unless they are K integers."""
-        if client_ids is None:
-            return list(range(K))
-        given = client_ids.tolist() if isinstance(client_ids, torch.Tensor) else client_ids  # one copy, not K
-        try:
-            ids = _numbers("q", given).tolist()           # ints only, in one pass (a float or text raises)
-        except (TypeError, ValueError, OverflowError, RuntimeError):
-            try:                                            # integral floats, 0-d tensors, ...: one by one
-                ids = [int(c) for c in given]
-                bad = any(c != i for c, i in zip(given, ids))
-            except (TypeError, ValueError, RuntimeError, AttributeError):
-                bad = True
-            if bad:
-                raise ValueError(f"{self.name}.aggregate: client_ids must be K={K} integers, got {client_ids!r:.100}") from None
-        if len(ids) != K:
-            raise ValueError(f"{self.name}.aggregate: client_ids has {len(ids)} entries, expected K={K}")
-        return ids
-
-    def _apply_flags(self, rin: RoundInput, ok: torch.Tensor, g_ok: Optional[torch.Tensor],
-                     pp: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]],
-                     carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The rows' flags from a screening pass, with global_flat's and the payload tensors'
-        (deferred by ``_screen``): one host copy; bad clients raise, or are dropped and the round
-        starts again (``_Redo``). A row flagged by a Gram diagonal is confirmed on its own values
-        (a float64 row whose squared norm overflows is finite). Returns ``carry`` on the host: off the
-        CPU it rides in the same copy (its bytes and the flags' packed into one buffer)."""
-        K = rin.K
-        parts = [g_ok.to(ok.device) if g_ok is not None else ok.new_ones(1), ok]
-        if pp is not None and pp[0] is not None:
-            parts.append(pp[0].to(ok.device))
-        flags = torch.cat(parts)
-        if carry is None or carry.device.type == "cpu":
-            host = flags.cpu()                                                   # the one sync
-        else:
-            host, carry = host_copy_with(flags, carry)                           # the one sync
-        if not bool(host[0]):
-            raise self._global_nan()
-        bad = (~host[1:1 + K]).nonzero().reshape(-1)
-        if bad.numel() and rin.src is None and rin.dtype == torch.float64:      # (a source's flags are exact)
-            bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.device))).cpu()]
-        reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
-        bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
-        pairs = pp[1].pairs() if pp is not None and bad_pl else []
-        for j in bad_pl:
-            k, key = pairs[j]
-            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
-        if reasons:
-            raise _Redo(self._apply_policy(rin.global_flat, rin.updates, rin.num_examples, rin.client_ids, rin.payloads,
-                                           reasons, rin.excluded))
-        return carry
-
-    def _apply_policy(self, global_flat: torch.Tensor, updates: Union[torch.Tensor, UpdatesShape], n: torch.Tensor,
-                      ids: List[int], pl: List[Dict[str, Any]], reasons: Dict[int, str],
-                      excluded: List[Dict[str, Any]]) -> RoundInput:
-        """The on_bad_update policy for the rows in ``reasons`` ({row: reason}): raise for the first,
-        or drop them all (one index_select) and log each; ``excluded`` lists earlier exclusions."""
-        if reasons:
-            if self.on_bad_update == "raise":
-                k = min(reasons)
-                raise BadUpdateError(f"{self.name}.aggregate: client {ids[k]} (row {k}): {reasons[k]}; "
-                                     f"pass on_bad_update='exclude' to drop such clients instead")
-            keep = [k for k in range(len(ids)) if k not in reasons]
-            new = [{"client_id": ids[k], "reason": reasons[k]} for k in sorted(reasons)]
-            for e in new:
-                log.warning("%s: excluded client %d: %s", self.name, e["client_id"], e["reason"])
-            excluded = list(excluded) + new
-            fl, owners = self._pending_payload if self._pending_payload is not None else (None, _FlagOwners())
-            if fl is not None:
-                # deferred payload flags follow their clients to the new row numbers
-                at = {k: i for i, k in enumerate(keep)}
-                where = owners.pairs()
-                sel = [j for j, (k, _) in enumerate(where) if k in at]
-                self._pending_payload = (fl.index_select(0, torch.tensor(sel, dtype=torch.long, device=fl.device)),
-                                         _FlagOwners([(at[where[j][0]], where[j][1]) for j in sel]))
-            idx = torch.tensor(keep, dtype=torch.long, device=updates.device)
-            updates = updates.index_select(0, idx) if isinstance(updates, torch.Tensor) else updates.keep(len(keep))
-            n = n[keep]
-            ids = [ids[k] for k in keep]
-            kept = [pl[k] for k in keep]
-            stacks = self._payload_stacks or {}
-            for key, (of, S) in list(stacks.items()):   # stacked payloads follow too
-                if of is pl:
-                    stacks[key] = (kept, S.index_select(0, idx.to(S.device)))
-            pl = kept
-        return RoundInput(global_flat, updates, n, ids, pl, excluded)
+        """Checks every argument; applies the on_bad_update policy to bad clients (the round runner's
+        validation, :func:`fedkernels.algorithms.runner.validate`). ``screen=False`` skips the NaN/Inf
+        scan of the update rows (see ``screen_in_pass``). ``updates`` may be an :class:`UpdatesShape`
+        (the rows of a chunked source): its shape, dtype and device are checked as a tensor's, its rows
+        are screened by the source pass (not here)."""
+        return _runner.validate(self, global_flat, updates, num_examples, client_ids, payloads, screen)
 
     def missing_payload(self, key: str, what: str) -> str:
         """The one message for a payload entry the method's client side should have sent."""
@@ -959,7 +667,7 @@ class Aggregator(abc.ABC):
         """The reason one client's payload is unusable, or None (subclasses extend): the wording of
         each rule, in plain Python on the payload's structure and scalars. A round calls it only on
         the rows :meth:`suspect_payloads` names; the NaN/Inf scan of the payload tensors the method
-        reads (``screened_payload_keys``) is batched over the round by ``_screen``."""
+        reads (``screened_payload_keys``) is batched over the round by the round runner (``runner._Round.screen``)."""
         return None
 
     def suspect_payloads(self, payloads: List[Dict[str, Any]]) -> Optional[List[int]]:
@@ -984,104 +692,16 @@ class Aggregator(abc.ABC):
     # with the method through ``payload_stack``) and scanned for NaN/Inf in one native pass
     screened_payload_keys: Tuple[str, ...] = ()
 
-    _payload_stacks: Optional[Dict[str, Tuple[List[Dict[str, Any]], torch.Tensor]]] = None
-
     def payload_stack(self, rin: RoundInput, key: str) -> torch.Tensor:
-        """The round's ``payload[key]`` tensors stacked, [K, ...]: the stack ``_screen`` made for the
-        NaN/Inf scan (handed over once: it is not kept), else a new one."""
-        st = (self._payload_stacks or {}).pop(key, None)
-        if st is not None and st[0] is rin.payloads:
-            return st[1]
-        return torch.stack([p[key] for p in rin.payloads])
-
-    def _stack_payloads(self, payloads: List[Dict[str, Any]], key: str) -> Optional[torch.Tensor]:
-        """``payload[key]`` of every client stacked, when they are tensors of one shape, floating
-        dtype and device; else None."""
-        col = [p.get(key) for p in payloads]
-        try:
-            S = torch.stack(col) if col else None    # type: ignore[arg-type]  # a None entry raises TypeError
-        except (TypeError, RuntimeError):
-            return None
-        return S if S is not None and S.is_floating_point() else None
-
-    _defer_global = False                              # set by aggregate() around validate (screen_in_pass)
-    _pending_global: Optional[torch.Tensor] = None     # global_flat's [1] device flag, not yet copied
-    _pending_payload: Optional[Tuple[Optional[torch.Tensor], _FlagOwners]] = None  # (flags, their owners)
-
-    def _global_nan(self) -> ValueError:
-        return ValueError(f"{self.name}.aggregate: global_flat contains NaN/Inf")
+        """The round's ``payload[key]`` tensors stacked, [K, ...]: the stack the screen made for the
+        NaN/Inf scan (``rin.payloads.stacks``, handed over once: it is not kept), else a new one."""
+        S = getattr(rin.payloads, "stacks", {}).pop(key, None)
+        return S if S is not None else torch.stack([p[key] for p in rin.payloads])
 
     def _screen(self, global_flat: torch.Tensor, U: Union[torch.Tensor, UpdatesShape], n: torch.Tensor,
                 payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
-        """The value checks of one round, {row: reason} for the bad clients (eager only; raises
-        ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
-        copy for the whole round: the NaN/Inf flags of global_flat, of the rows of U (when
-        ``rows``) and of the payload tensors under ``screened_payload_keys`` are computed on the
-        device (one native ``finite_rows`` pass each: a key's tensors are stacked once, or, when
-        they differ in shape, dtype or device, one ``_foreach_norm`` per dtype and device) and
-        copied to the host together. Order of the reasons per client: row, num_examples, payload
-        tensors, ``check_payloads``."""
-        self._payload_stacks = {}
-        if traced:
-            return {}
-        K, dev = U.size(0), U.device
-        flags = [ops.finite_rows(global_flat.unsqueeze(0))]                    # [1]
-        if rows:
-            assert isinstance(U, torch.Tensor)                                 # (a source's rows: its own pass)
-            flags.append(ops.finite_rows(U))                                   # [K]
-        where, where_other = _FlagOwners(), _FlagOwners()   # whose payload each flag screens
-        other: List[torch.Tensor] = []        # flags on another device than U's (copied after flags)
-        for key in self.screened_payload_keys:
-            S = self._stack_payloads(payloads, key) if K else None
-            if S is not None:
-                self._payload_stacks[key] = (payloads, S)
-                if S[0].numel():                                               # (empty ones are finite)
-                    ok = ops.finite_rows(S.reshape(K, -1))
-                    (flags if S.device == dev else other).append(ok)
-                    (where if S.device == dev else where_other).add(key, range(K))
-                continue
-            # ragged, mixed or missing: the floating tensors among them, max |x| per tensor
-            # (NaN/Inf iff x has a NaN/Inf); what is missing or not a tensor is check_payload's
-            found = [(k, p[key]) for k, p in enumerate(payloads) if isinstance(p.get(key), torch.Tensor)]
-            found = [(k, v) for k, v in found if v.is_floating_point() and v.numel()]
-            by_dev: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
-            for k, v in found:
-                by_dev.setdefault((v.device, v.dtype), []).append((k, v))
-            for (dv, _), kv in by_dev.items():
-                with torch.no_grad():
-                    amax = torch.stack(torch._foreach_norm([v for _, v in kv], float("inf")))
-                ok = torch.isfinite(amax.to(torch.float32) if amax.dtype != torch.float64 else amax)
-                (flags if dv == dev else other).append(ok)
-                (where if dv == dev else where_other).add(key, [k for k, _ in kv])
-        where.segs += where_other.segs
-        if self._defer_global and not other:
-            # checked with the rows' flags after the screening pass (aggregate / _apply_flags)
-            self._pending_global = flags[0]
-            self._pending_payload = (torch.cat(flags[1:]) if len(flags) > 1 else None, where)
-            host = torch.ones(1, dtype=torch.bool)
-        else:
-            host = torch.cat([f.to(torch.bool) for f in flags]).cpu()                # the one sync
-            host = torch.cat([host] + [o.cpu() for o in other]) if other else host
-        if not bool(host[0]):
-            raise self._global_nan()
-        reasons: Dict[int, str] = {}
-        pos = 1
-        if rows:
-            for k in (~host[1:1 + K]).nonzero().reshape(-1).tolist():
-                reasons[k] = "update contains NaN/Inf"
-            pos += K
-        lo, hi = host_range(n)                                                 # one reduction when all are good
-        if not (lo > 0 and hi < math.inf):
-            for k in rows_where(~((n > 0) & torch.isfinite(n))):               # host tensor, vectorised
-                reasons.setdefault(k, f"num_examples must be > 0, got {float(n[k])}")
-        bad = rows_where(~host[pos:])
-        pairs = where.pairs() if bad else []
-        for j in bad:
-            k, key = pairs[j]
-            reasons.setdefault(k, f"payload {key!r} contains NaN/Inf")
-        for k, r in self.check_payloads(payloads).items():                     # the method's own checks
-            reasons.setdefault(k, r)
-        return reasons
+        """The round runner's value screen of one round for this method, alone (``runner.screen_values``)."""
+        return _runner.screen_values(self, global_flat, U, n, payloads, rows, traced)
 
     # ---- state ------------------------------------------------------------------------------------
     # Declared state: the attribute names a method carries across rounds. ``state_dict`` copies them
@@ -1320,3 +940,6 @@ def _lookup(name: str) -> Callable[..., Aggregator]:
 def available() -> List[str]:
     """The registered aggregator names (lower case, aliases included)."""
     return sorted(_REGISTRY)
+
+
+from . import runner as _runner  # noqa: E402  (the round protocol; it builds on the classes above)

@@ -321,10 +321,9 @@ class ControlVariateServer(Aggregator):
             ci = ci.clone()            # a view of the file mapping cannot go to worker processes (fd-shared storages)
         return {"c": self.c, "c_i": ci}
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
+    def prepare_round(self, global_flat) -> None:
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
             self._alloc(global_flat)
-        return super().validate(global_flat, updates, num_examples, client_ids, payloads, screen)
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         r = super().check_payload(payload)
@@ -339,8 +338,8 @@ class ControlVariateServer(Aggregator):
 
     def suspect_payloads(self, payloads):
         rows = super().suspect_payloads(payloads)
-        st = (self._payload_stacks or {}).get("delta_c")      # the screen stacked them: all tensors, one shape
-        if rows is None or st is None or st[0] is not payloads or (self.d_c is not None and st[1][0].numel() != self.d_c):
+        S = getattr(payloads, "stacks", {}).get("delta_c")    # the screen stacked them: all tensors, one shape
+        if rows is None or S is None or (self.d_c is not None and S[0].numel() != self.d_c):
             return None
         return rows
 

@@ -60,11 +60,16 @@ VERDICTS: Dict[str, str] = {
     "fedpgvc": "private",       # FedAvg-style sum; the skipped-step counts are metadata
     "gcfed": "private", "gc-fed": "private", "global_gc": "private", "local_gc": "private",
     "local_gc_only": "private",   # the gradient-centralisation projection of the noised sum: post-processing
+    "fedadam": "private", "fedyogi": "private", "fedadagrad": "private",   # server Adam/Yogi/Adagrad of the noised sum
     "scaffold": _CONTROL, "scaffold_partial": _CONTROL, "fedpvr": _CONTROL,
     "fedaware": "its per-client momentum table and min-norm weights are computed from the un-noised updates",
     "fedecado": "its per-client tables and the central ODE solve read the un-noised updates directly",
     "kuramoto": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
     "kuramoto_fedavg": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
+    **{m: "it selects or weights the updates by their un-noised values (order statistics, distances, "
+          "iterated clipping): its output is not one noised weighted sum"
+       for m in ("median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "rfa",
+                 "centered_clip")},
 }
 
 _DEFAULTS: Dict[str, Any] = {

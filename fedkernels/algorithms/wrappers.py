@@ -1,8 +1,9 @@
 """Wrappers: what acts around any method's update, built once and composed with every method.
 
 A :class:`MethodWrapper` is an ``Aggregator`` around another (the *inner* method, itself possibly a
-wrapper). The round protocol (validation, the NaN/Inf screen, the bad-row policy) is the inner
-method's, run once; the wrapper's update runs inside it in two narrow hooks::
+wrapper). The round runner (:mod:`fedkernels.algorithms.runner`: validation, the NaN/Inf screen, the
+bad-row policy) runs once, on the wrapper, which answers its questions with the inner method's
+checks; the wrapper's update is the inner method's between two narrow hooks::
 
     rin = wrapper.before(rin)          # e.g. scale the rows: rin.with_row_scale(s), no K x d copy
     res = inner._aggregate(rin)        # the method's update
@@ -21,12 +22,12 @@ sees it (the rule of Flower's fixed clipping, ``clip_inputs_inplace``).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 
 from ..sources import round_passes
-from .base import AggResult, Aggregator, ClientRule, RoundInput, Updates, _copy_state
+from .base import AggResult, Aggregator, ClientRule, RoundInput, _copy_state
 from .signature import Option, describe, expected, fmt_value, matches, normalize_value, suggest
 
 # build / wrap keyword -> the wrapper that takes it, in the order wrap applies them (the first innermost)
@@ -96,11 +97,6 @@ class MethodWrapper(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         return self.after(rin, self.inner._aggregate(self.before(rin)))
 
-    def _round(self, global_flat: torch.Tensor, updates: Updates, num_examples: Any,
-               client_ids: Optional[Sequence[int]], payloads: Optional[Sequence[Dict[str, Any]]],
-               out: Optional[torch.Tensor], entry: Aggregator) -> AggResult:
-        return self.inner._round(global_flat, updates, num_examples, client_ids, payloads, out, entry)
-
     # ---- the inner method's lifecycle, client side and checks --------------------------------------
     def setup(self, spec: Any = None, num_clients: Optional[int] = None,
               global_flat: Optional[torch.Tensor] = None) -> None:
@@ -115,8 +111,8 @@ class MethodWrapper(Aggregator):
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         return self.inner.client_payload(client_id)
 
-    def validate(self, *args: Any, **kw: Any) -> RoundInput:
-        return self.inner.validate(*args, **kw)
+    def prepare_round(self, global_flat: Any) -> None:
+        self.inner.prepare_round(global_flat)
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         return self.inner.check_payload(payload)

@@ -6,6 +6,8 @@ named like the op:
 ``weighted_sum``      ``weighted_sum``, ``weighted_sum_screened``, ``weighted_sum_chunked``
 ``finite_rows``       ``finite_rows`` (the NaN/Inf screen of the update rows)
 ``kstats``            ``kstats`` (Kuramoto's phase statistics and the NaN/Inf screen in one pass, no Gram)
+``select``            ``order_mean``, ``order_mean_screened``, ``closest_mean``, ``closest_mean_screened``
+                      (per-column selection: coordinate-wise median, trimmed mean, Bulyan's step)
 ``min_norm``          ``min_norm`` (FedAWARE's min-norm point on the Gram matrix)
 ``gc_project``        ``gc_project_``, ``gc_project``, ``gc_project_flat_`` (GC-Fed)
 ``lu``                ``lu_factor``, ``lu_factor_ex``, ``lu_solve``, ``arrowhead_solve`` (FedECADO)
@@ -14,6 +16,7 @@ named like the op:
 ``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
 ``gaussian_noise``    ``add_gaussian_noise_``, ``weighted_sum_noised``, ``philox_normal`` (the DP noise:
                       Philox4x32-10 + Box-Muller, the same bits on every device)
+``server_opt_step``   ``server_opt_step_`` (FedAdam / FedYogi / FedAdagrad's fused m, v and model update)
 ``reductions``        ``dot``, ``sqnorm``, ``all_``, ``any_`` / ``any_flag``, ``amax_d``, ``mean_d``
                       and the sharded mode (``reduce_across``, ``active_reducer``)
 ``_autograd``         the autograd / vmap machinery the op modules share (each op registers its
@@ -46,21 +49,24 @@ from ._checks import FLOAT_DTYPES, RowsLike  # noqa: E402
 from .finite_rows import finite_rows  # noqa: E402
 from .gram import gram, gram_screened  # noqa: E402
 from .kstats import kstats  # noqa: E402
+from .select import closest_mean, closest_mean_screened, order_mean, order_mean_screened  # noqa: E402
 from .weighted_sum import weighted_sum, weighted_sum_chunked, weighted_sum_screened  # noqa: E402
 from .fedecado_be_step import BEStepWindow, fedecado_be_step  # noqa: E402
 from .gaussian_noise import add_gaussian_noise_, philox_normal, weighted_sum_noised  # noqa: E402
 from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
+from .server_opt_step import SERVER_OPT_RULES, server_opt_step_  # noqa: E402
 from .min_norm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .reductions import (Reducer, active_reducer, all_, amax_d, any_, any_flag, dot, mean_d,  # noqa: E402
                          reduce_across, sqnorm)
 
-__all__ = ["gram", "gram_screened", "kstats", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked",
+__all__ = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
+           "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked",
            "min_norm",
            "gc_project_", "gc_project", "gc_project_flat_",
            "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
-           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_",
+           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_",
            "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer",
            "add_gaussian_noise_", "weighted_sum_noised", "philox_normal"]

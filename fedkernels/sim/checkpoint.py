@@ -27,6 +27,7 @@ from ..safe_io import MAGIC, CheckpointError
 from ..safe_io import load_checkpoint as _load
 from ..safe_io import save_checkpoint as _save
 from .callbacks import Callback
+from .evaluate import non_finite_evaluation
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -209,7 +210,7 @@ class Checkpoints(Callback):
 
     def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
         rnd, every = metrics["round"], sim.cfg.checkpoint_every
-        if metrics.get("diverged") or not sim.write_outputs or every <= 0:
+        if metrics.get("diverged") or not sim.write_outputs or every <= 0 or non_finite_evaluation(metrics):
             return
         if rnd % every == 0 or rnd == sim.cfg.rounds:
             self.save(sim, rnd)

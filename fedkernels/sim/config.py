@@ -126,6 +126,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dp: "DPConfig" = field(default_factory=lambda: DPConfig())   # differential privacy (off: dp.kind null)
+    attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())   # Byzantine attackers (sim/attacks.py)
 
     # ---- derived ---------------------------------------------------------------------------------
     def per_round(self) -> int:
@@ -148,6 +149,8 @@ class RunConfig:
         d = {k: v for k, v in self.to_dict().items() if k not in PRESENTATION_KEYS}
         if d.get("dp", {}).get("kind") is None:
             d.pop("dp", None)          # DP off: the hash (and the run directory) of a config without the section
+        if self.attack.kind is None:      # no attack: the hash of a config without the section
+            d.pop("attack", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
@@ -183,6 +186,7 @@ class RunConfig:
             if rg is not None and (len(rg) != 2 or rg[0] > rg[1] or rg[0] <= 0):
                 errs.append(f"train.hetero.{nm} must be [low, high] with 0 < low <= high, got {rg}")
         errs += dp_errors(self)
+        errs += attack_config_errors(self)
         if errs:
             raise ValueError("invalid config: " + "; ".join(errs))
         return self
@@ -456,3 +460,25 @@ def dp_errors(cfg: "RunConfig") -> List[str]:
     if (d.noise_multiplier is None) == (d.target_epsilon is None):
         return ["dp: give exactly one of dp.noise_multiplier and dp.target_epsilon"]
     return []
+@dataclass
+class AttackConfig:
+    """Byzantine attackers (``fedkernels.sim.attacks``): which clients attack and how."""
+
+    kind: Optional[str] = None           # sign_flip | scale | gaussian | alie | ipm | label_flip (null: no attack)
+    fraction: Optional[float] = None     # round(fraction * num_clients) attackers drawn from the seed, or
+    clients: Optional[List[int]] = None  # the attackers' client ids
+    factor: Optional[float] = None       # scale: the multiplier, > 0 (null: the round's K; sign_flip negates)
+    std: Optional[float] = None          # gaussian: the noise's standard deviation (null: 1.0)
+    z: Optional[float] = None            # alie: z (null: Baruch et al.'s z_max from n and f)
+    epsilon: Optional[float] = None      # ipm: epsilon (null: 0.1)
+
+
+_SECTIONS[(RunConfig, "attack")] = AttackConfig
+RANGES.update({"attack.fraction": "(0, 1)", "attack.factor": "> 0", "attack.std": "> 0", "attack.z": "> 0",
+               "attack.epsilon": "> 0"})
+
+
+def attack_config_errors(cfg: RunConfig) -> List[str]:
+    """The ``attack.*`` checks (one line each; fedkernels.sim.attacks)."""
+    from .attacks import attack_errors
+    return attack_errors(cfg)

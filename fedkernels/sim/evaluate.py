@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -101,3 +102,12 @@ def evaluate_global(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor
         model.train(was)
     acc, tl = (host[0] / n, host[1] / n) if n else (float("nan"), float("nan"))
     return acc, tl, (None if cl is None else host[2:])
+
+
+def non_finite_evaluation(metrics: dict) -> Optional[str]:
+    """What of a round's evaluation is not finite (``"test loss nan"``, ``"accuracy inf"``, ...), or None:
+    a model whose test loss is NaN/Inf has gone wrong although its parameters are finite (e.g. a
+    BatchNorm variance below 0); the run stops there (``Simulation._rounds``), its checkpoints kept."""
+    bad = [f"{what} {metrics[key]}" for key, what in (("test_loss", "test loss"), ("accuracy", "accuracy"))
+           if isinstance(metrics.get(key), float) and not np.isfinite(metrics[key])]
+    return ", ".join(bad) or None

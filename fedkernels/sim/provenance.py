@@ -195,7 +195,10 @@ class Provenance(Callback):
 
     def on_start(self, sim) -> None:
         if sim.write_outputs and sim.is_main:
-            write(sim.run_dir, collect(sys.argv))
+            info = collect(sys.argv)
+            if getattr(sim, "attack", None) is not None:      # the run's attackers (sim/attacks.py)
+                info["attack"] = sim.attack.describe()
+            write(sim.run_dir, info)
             self.log = RunLog(sim.run_dir)
 
     def on_message(self, sim, msg: str, console: bool) -> None:

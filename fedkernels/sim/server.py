@@ -36,13 +36,14 @@ import torch
 from torch import nn
 
 from .. import algorithms
+from ..errors import RunError
 from ..flat import FlatSpec, UpdateBuffer
-from . import assemble
+from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from .batched import BatchedExecutor, for_simulation
 from .client import ClientTrainer, HeteroCompute, schedule_factor
-from .evaluate import evaluate_global
+from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
 from .executors import OneProcess, SequentialExecutor, nothing_trained
@@ -98,6 +99,7 @@ class Simulation:
         self._ready = False
         self.stop = StopRequest(self)
         self._first_round = 0
+        self.attack: Optional[attacks.Attack] = None
 
     @property
     def is_main(self) -> bool:
@@ -140,6 +142,9 @@ class Simulation:
         self.x, self.y = x.to(dev), y.to(dev)
         self.xt, self.yt = xt.to(dev), yt.to(dev)
         self.parts = [p.to(dev) for p in parts]
+        self.attack = attacks.for_run(cfg)             # Byzantine attackers (label_flip: their labels here)
+        if self.attack is not None:
+            self.y = self.attack.poison_labels(self.y, self.parts, self.num_classes)
         self.model = model = assemble.build_model(cfg, x, self.num_classes, self._model_fn).to(dev)
         self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
         self.global_flat = self.spec.flatten(model).clone()
@@ -312,6 +317,7 @@ class Simulation:
         local = self.train_local(r, ids, mine, payload_of, factor)     # 2. local training
         ex = self.procs.exchange(local)                                # 3. exchange
         acc, excluded = ex["accepted"], list(ex["excluded"])
+        attacked = self.attack.corrupt(r, ex["U"], [a["cid"] for a in acc]) if self.attack is not None else None
         if not acc:                                                    # nothing to aggregate: a run error
             raise nothing_trained(r, ids, excluded)
         seen = len(excluded)
@@ -345,6 +351,8 @@ class Simulation:
         m["agg"] = json_safe(info)
         if "epsilon" in info:            # a DP run: the privacy spent so far (dp-accounting), on every row
             m["epsilon"] = info["epsilon"]
+        if self.attack is not None:
+            m["attack"] = self.attack.record(attacked, info)
         return m
 
     # ---- the run ------------------------------------------------------------------------------------
@@ -361,6 +369,10 @@ class Simulation:
             if m.get("diverged"):
                 self.say(f"round {r + 1}: the global model is not finite; stopping (diverged)")
                 return
+            bad = non_finite_evaluation(m)
+            if bad is not None:        # (sim/checkpoint.py writes no checkpoint of this round)
+                raise RunError(f"round {r + 1}: the evaluation is not finite ({bad}) under {self.cfg.algorithm.name}; "
+                               "the run stops (its metrics and earlier checkpoints are kept)")
             if self.procs.stop_agreed(self.stop.signal):
                 self.interrupted = True
                 self._emit("on_interrupt", r + 1, None)     # a checkpoint of this round, if it has none

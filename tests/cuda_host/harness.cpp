@@ -32,6 +32,9 @@
 //                                           over rows and lanes over columns, the butterfly warp sum), then
 //                                           kstats_final's part sums. ERR on an element of U read other than
 //                                           once per phase
+//   select mode K d lo hi U[K*d]            -> out[d]: select_kernel's columns through sel:: (mode 0:
+//                                           order_mean(lo, hi); 1: closest_mean(beta = lo)) and the rows'
+//                                           finite flags ok[K] (as the kernel stores them)
 //   gcplan n rows[n] cols[n]         -> items, then per tensor: path and how often each row was covered
 //                                       (emulating every block's gc::item and the per-path row loops)
 // wsum emulates weighted_sum_kernel: every (block, thread, element) through wsum::col, the staged
@@ -54,6 +57,7 @@
 #include "kstats.cuh"
 #include "lu.cuh"
 #include "min_norm.cuh"
+#include "select.cuh"
 #include "weighted_sum.cuh"
 
 using namespace fedkernels::cuda;
@@ -516,6 +520,22 @@ static void gram_cmd(std::istream& in) {
   std::printf("\n");
 }
 
+static void select_cmd(std::istream& in) {
+  const long long mode = ri(in), K = ri(in), d = ri(in), lo = ri(in), hi = ri(in);
+  std::vector<double> U(K * d);
+  for (auto& x : U) x = rd(in);
+  std::vector<int> ok(K, 1);
+  std::printf("ok");
+  for (long long j = 0; j < d; ++j) {   // one emulated thread per column
+    auto x = [&](int64_t i) -> double { return U[i * d + j]; };
+    for (long long i = 0; i < K; ++i)
+      if (x(i) - x(i) != 0.0) ok[i] = 0;
+    put(mode == 1 ? sel::closest_mean_col(x, K, lo) : sel::order_mean_col(x, K, lo, hi));
+  }
+  for (long long i = 0; i < K; ++i) std::printf(" %d", ok[i]);
+  std::printf("\n");
+}
+
 static void kstats_cmd(std::istream& in) {
   const long long eb = ri(in), K = ri(in), d = ri(in);
   std::vector<double> U(K * d), p(K);
@@ -811,6 +831,8 @@ int main() {
                   (long long)gm::workspace_bytes(pl));
     } else if (cmd == "gram") {
       gram_cmd(in);
+    } else if (cmd == "select") {
+      select_cmd(in);
     } else if (cmd == "kstats") {
       kstats_cmd(in);
     } else if (cmd == "gramred") {

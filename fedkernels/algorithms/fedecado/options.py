@@ -287,8 +287,7 @@ class FederationTables:
             rows += [sent[j] for j in rows_where(~torch.isfinite(h))]
         return rows
 
-    def validate(self, global_flat, updates, num_examples, client_ids=None, payloads=None, screen: bool = True):
+    def prepare_round(self, global_flat) -> None:
         self._tables()
         if isinstance(global_flat, torch.Tensor) and global_flat.dim() == 1:
             self._flows(global_flat)
-        return super().validate(global_flat, updates, num_examples, client_ids, payloads, screen)

@@ -5,7 +5,7 @@ uses the value a black pixel takes after normalisation, as torchvision's pad-the
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 

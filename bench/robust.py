@@ -1,0 +1,195 @@
+"""The robust rules on the CPU: the selection op (``ops.order_mean`` / ``ops.closest_mean``) against the
+one-read floor, plain torch and Flower's aggregate functions, and the registered robust / server-optimiser
+methods against their natural baselines, in one interleaved run (bench/common.compare).
+
+At K = 10 and 100 clients of d = 11.2M parameters (ResNet-18; ``--d`` for a smaller quick run):
+
+* op rows: the median (``order_mean(U, (K-1)//2, K//2+1)``), the trimmed mean (beta = 0.1) and Bulyan's
+  beta-closest mean (beta = K - 4f, f = K // 10) against the **floor** (``ops.weighted_sum`` on the same U:
+  one read of U), ``torch.median(U, 0)``, a ``torch.sort`` trimmed mean (a sorted K x d copy) and
+  Flower's ``aggregate_median`` / ``aggregate_trimmed_avg`` (on NumPy lists, one array per client, as
+  Flower takes them). Flower's ``aggregate_krum`` / ``aggregate_bulyan`` (K^2 ``np.linalg.norm`` of
+  flattened copies in a Python loop) run on the same lists (Bulyan only up to K = 20: at K = 100 it is
+  theta = 80 Krum rounds, about a minute per call at d = 200k).
+* method rows: one whole ``aggregate`` round of every method registered among median, trimmed_mean, krum
+  (f = 1), multi-krum (krum, m = K // 2), bulyan, geometric_median, centered_clip, fedadam, fedyogi and
+  fedadagrad (methods that are not registered are skipped), krum against ``ops.gram``'s time and
+  fedadam/yogi/adagrad against fedavg's aggregate.
+
+The torch and Flower baselines sort or stack copies of U (several K x d temporaries): where K x d exceeds
+``--baseline-elems`` (default 2.5e8) they run on the first ``baseline-elems / K`` columns and their time is
+scaled to d (linear in d: every column is independent); the row says so (``baseline_d``).
+
+Targets (2-core CPU): median and trimmed mean <= 3x the floor at K = 10 and <= 5x at K = 100, and >= 5x
+faster than torch.median(U, 0); Krum / Multi-Krum <= 1.3x the Gram's time; FedAdam/Yogi/Adagrad <= 1.3x
+FedAvg's aggregate; each >= 10x faster than Flower's. Writes runs/bench/robust.json (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.common import add_out_argument, compare, print_table, write_json  # noqa: E402
+from bench.cpu_hostwork import spec_of  # noqa: E402
+from fedkernels import algorithms, ops  # noqa: E402
+from fedkernels.ops.select import median_bounds, trim_bounds  # noqa: E402
+
+RESNET18_D = 11_220_132
+# (row label, registered name, options; "K//2" stands for K // 2)
+METHODS = [("median", "median", {}), ("trimmed_mean", "trimmed_mean", {"beta": 0.1}), ("krum", "krum", {"f": 1}),
+           ("multi-krum", "krum", {"f": 1, "m": "K//2"}), ("bulyan", "bulyan", {"f": 1}),
+           ("geometric_median", "geometric_median", {}), ("centered_clip", "centered_clip", {}),
+           ("fedadam", "fedadam", {}), ("fedyogi", "fedyogi", {}), ("fedadagrad", "fedadagrad", {})]
+
+
+def _flower():
+    try:
+        from flwr.server.strategy import aggregate as fl
+        return fl
+    except Exception:  # pragma: no cover - flwr is optional
+        return None
+
+
+def _method_round(label: str, name: str, opts: Dict[str, Any], U: torch.Tensor, x0: torch.Tensor
+                  ) -> Optional[Callable[[], Any]]:
+    """One aggregate round of a registered method on U (None when ``name`` is not registered)."""
+    if name not in algorithms.available():
+        return None
+    K, d = U.shape
+    o = {k: (K // 2 if v == "K//2" else v) for k, v in opts.items()}
+    agg = algorithms.build(name, **o)
+    agg.setup(spec_of([(d,)]), num_clients=K, global_flat=x0)
+    n = [float(100 + 7 * k) for k in range(K)]
+    ids = list(range(K))
+    payloads = [{} for _ in range(K)]
+
+    def run():
+        return agg.aggregate(x0, U, n, ids, payloads)
+    run()   # the first round allocates the method's state
+    return run
+
+
+def bench(K: int, d: int, baseline_elems: float, repeats: int, flower: bool) -> List[Dict[str, Any]]:
+    g = torch.Generator().manual_seed(K)
+    U = torch.randn(K, d, generator=g) * 1e-3
+    x0 = torch.randn(d, generator=g) * 0.1
+    coef = torch.full((K,), 1.0 / K, dtype=torch.float64)
+    lo_m, hi_m = median_bounds(K)
+    lo_t, hi_t = trim_bounds(K, 0.1)
+    f = max(1, K // 10)
+    beta = K - 4 * f
+    db = int(min(d, baseline_elems // K))
+    Ub = U[:, :db]
+    scale = d / db
+    fns: Dict[str, Callable[[], Any]] = {
+        "floor:weighted_sum": lambda: ops.weighted_sum(U, coef),
+        "op:median": lambda: ops.order_mean(U, lo_m, hi_m),
+        "op:trimmed_mean": lambda: ops.order_mean(U, lo_t, hi_t),
+        "op:closest_mean": lambda: ops.closest_mean(U, beta),
+        "op:gram": lambda: ops.gram(U),
+        "torch:median": lambda: torch.median(Ub, 0),
+        "torch:sort_trimmed": lambda: torch.sort(Ub, 0).values[lo_t:hi_t].mean(0),
+    }
+    fl = _flower() if flower else None
+    if fl is not None:
+        nd = [([Ub[k].numpy()], 1) for k in range(K)]
+        fns["flower:aggregate_median"] = lambda: fl.aggregate_median(nd)
+        fns["flower:aggregate_trimmed_avg"] = lambda: fl.aggregate_trimmed_avg(nd, 0.1)
+        fns["flower:aggregate_krum"] = lambda: fl.aggregate_krum(nd, f, 0)
+        if 4 * f + 3 <= K <= 20:   # theta Krum rounds of K^2 norms each: minutes per call at K = 100
+            fns["flower:aggregate_bulyan"] = lambda: fl.aggregate_bulyan(list(nd), f, fl.aggregate_krum, to_keep=0)
+    skipped = []
+    for label, name, opts in METHODS:
+        run = _method_round(label, name, opts, U, x0)
+        if run is None:
+            skipped.append(label)
+        else:
+            fns["method:" + label] = run
+    fedavg = _method_round("fedavg", "fedavg", {}, U, x0)
+    if fedavg is not None:
+        fns["method:fedavg"] = fedavg
+    t0 = time.perf_counter()
+    res = compare(fns, repeats=repeats, min_time=0.0, warmup=0)
+    wall = time.perf_counter() - t0
+    ms = {k: v["median_s"] * 1e3 * (scale if k.split(":")[0] in ("torch", "flower") else 1.0) for k, v in res.items()}
+    floor = ms["floor:weighted_sum"]
+    rows = []
+    for k, v in ms.items():
+        kind, name = k.split(":", 1)
+        row: Dict[str, Any] = {"K": K, "d": d, "case": k, "ms": v, "x_floor": v / floor,
+                               "baseline_d": db if kind in ("torch", "flower") else d}
+        if k == "op:median":
+            row["torch_median_over_op"] = ms["torch:median"] / v
+            if "flower:aggregate_median" in ms:
+                row["flower_over_op"] = ms["flower:aggregate_median"] / v
+        if k == "op:trimmed_mean":
+            row["torch_sort_over_op"] = ms["torch:sort_trimmed"] / v
+            if "flower:aggregate_trimmed_avg" in ms:
+                row["flower_over_op"] = ms["flower:aggregate_trimmed_avg"] / v
+        if kind == "method":
+            if name in ("krum", "multi-krum"):
+                row["x_gram"] = v / ms["op:gram"]
+                if "flower:aggregate_krum" in ms:
+                    row["flower_over_method"] = ms["flower:aggregate_krum"] / v
+            if name in ("fedadam", "fedyogi", "fedadagrad") and "method:fedavg" in ms:
+                row["x_fedavg"] = v / ms["method:fedavg"]
+            if name == "bulyan" and "flower:aggregate_bulyan" in ms:
+                row["flower_over_method"] = ms["flower:aggregate_bulyan"] / v
+            if name in ("median", "trimmed_mean"):
+                fk = "flower:aggregate_median" if name == "median" else "flower:aggregate_trimmed_avg"
+                if fk in ms:
+                    row["flower_over_method"] = ms[fk] / v
+        rows.append(row)
+    rows.append({"K": K, "d": d, "case": "skipped_methods", "skipped": skipped, "wall_s": wall})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=RESNET18_D, help="parameters per client (default ResNet-18's 11.2M)")
+    ap.add_argument("--ks", default="10,100", help="comma list of client counts K")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved samples per case")
+    ap.add_argument("--baseline-elems", type=float, default=2.5e8,
+                    help="largest K x d the torch / Flower baselines run on (their time is scaled to d)")
+    ap.add_argument("--no-flower", action="store_true", help="leave out Flower's functions")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    try:
+        ks = [int(x) for x in args.ks.split(",") if x]
+    except ValueError:
+        print(f"bench/robust.py: --ks must be a comma list of ints, got {args.ks!r}", file=sys.stderr)
+        return 2
+    if args.d < 1 or not ks or min(ks) < 1 or args.repeats < 1:
+        print(f"bench/robust.py: need --d >= 1, --ks >= 1 and --repeats >= 1, got d={args.d} ks={ks} "
+              f"repeats={args.repeats}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: List[Dict[str, Any]] = []
+    for K in ks:
+        rows += bench(K, args.d, args.baseline_elems, args.repeats, not args.no_flower)
+    table = [r for r in rows if "ms" in r]
+    print_table(table, ["K", "d", "case", "ms", "x_floor", "baseline_d", "torch_median_over_op", "torch_sort_over_op",
+                        "flower_over_op", "x_gram", "x_fedavg", "flower_over_method"])
+    for r in rows:
+        if r["case"] == "skipped_methods" and r["skipped"]:
+            print(f"K={r['K']}: not registered here, skipped: {', '.join(r['skipped'])}")
+    path = write_json("robust.json", rows, extra={"targets": {
+        "median_trimmed_x_floor": {"10": 3.0, "100": 5.0}, "torch_median_over_op_min": 5.0,
+        "krum_x_gram_max": 1.3, "server_opt_x_fedavg_max": 1.3, "flower_over_min": 10.0}}, out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,296 @@
+// select: per-column selection over the k selected rows of U (coordinate-wise median, trimmed mean,
+// Bulyan's "beta closest to the median"), one read of U, no K x d sorted copy.
+//
+// Maths, per column j, with x_0 <= ... <= x_{k-1} the sorted values of U[rows[i], j]:
+//   order_mean(lo, hi)  = (x_lo + ... + x_{hi-1}) / (hi - lo): the median is lo = (k-1)//2, hi = k//2 + 1
+//                         (even k: the mean of the two middle values, as np.median), the trimmed mean
+//                         lo = int(beta k), hi = k - lo (scipy.stats.trim_mean, Flower's FedTrimmedAvg);
+//   closest_mean(beta)  = the mean of the beta values closest to m = (x_a + x_{k//2}) / 2, a = (k-1)//2
+//                         (x_a / 2 + x_{k//2} / 2 where the float64 sum overflows)
+//                         (the median; Bulyan's coordinate-wise step, Flower's _aggregate_n_closest_weights),
+//                         distances |x - m| in float64; at equal distance the smaller value first, so the
+//                         beta values are the consecutive order statistics x_s..x_{s+beta-1} with s the
+//                         first start where moving the window right does not bring a strictly closer value (a move over equal values is
+//                         taken: it changes nothing), searched from max(0, a - beta) to min(k - beta, k//2)
+//                         (the windows next to the median; rounding of m can favour either middle value).
+// The selected values are added in float64 in ascending order (a sum of fp64 values near the maximum may
+// overflow to +-Inf, as np.mean's) and divided by their count once: the
+// median of odd k is its middle element exactly (of even k, the two middle values' float64 mean), then
+// rounded once to the result's dtype (float64 for a float64 U, else float32).
+// NaN/Inf: ok[i] = all(isfinite(U[rows[i], :])) comes from the same pass (exact, every dtype). A column
+// with a NaN among its selected values gives NaN (order_mean: +-Inf are ordered values, so a window that
+// holds one is +-Inf, or NaN for both); closest_mean gives NaN for a column with any NaN or Inf.
+//
+// Kernel: columns in tiles of C columns (the k x C tile, converted to S = float (fp16/bf16/fp32, exact) or
+// double (fp64), within ~128 KB of L2, row stride C + W so the rows do not alias in L1); a tile is read
+// from U once (per row a contiguous run: the row's finite flag and the columns' NaN flags are taken
+// there), then sorted in place W = 64 / sizeof(S) columns at a time (one 64-byte vector per row) by a
+// sorting network across the columns: Batcher's odd-even merge sort on the next power of two, the
+// comparators that touch a padding position dropped (a +inf pad never moves) and those that cannot
+// reach the needed sorted positions pruned (the median of 10 values: 21 of 63 comparators). k > kNetMax
+// (256) selected rows: per column std::nth_element + partial_sort of the needed positions instead.
+// Bytes moved: U's selected rows read once (k d elements), the result written once (d elements of 4 or
+// 8 bytes); the tile's re-reads hit L1/L2. Determinism: every column is computed on its own in a fixed
+// order (no cross-column sums); the flags are and-ed: the same bits for any thread count.
+#include "common.h"
+#include "../select_checks.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace fedkernels {
+namespace {
+
+constexpr int64_t kNetMax = 256;            // largest k sorted by a network (n = 256: 3839 comparators)
+constexpr int64_t kTileBytes = 128 * 1024;  // the k x C tile of converted values
+
+enum class Mode { Order, Closest };
+
+// The sorted positions [plo, phi) a mode needs.
+struct Need { int64_t plo, phi; };
+Need needed(Mode mode, int64_t k, int64_t lo, int64_t hi, int64_t beta) {
+  if (mode == Mode::Order) return {lo, hi};
+  const int64_t a = (k - 1) / 2;
+  const int64_t smin = std::max<int64_t>(0, a - beta), send = std::min(k - beta, k / 2);
+  return {smin, std::max(send + beta, k / 2 + 1)};   // and the upper middle value, for the median
+}
+
+// Batcher's odd-even merge sort for n = 2^p >= k (min to the lower index), without the comparators that
+// touch a position >= k, pruned backwards to those that reach a position in [plo, phi). Each comparator
+// is stored as its two row offsets in the tile (row * stride).
+std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride) {
+  int64_t n = 1;
+  while (n < k) n <<= 1;
+  std::vector<std::pair<int32_t, int32_t>> all;
+  for (int64_t p = 1; p < n; p <<= 1)
+    for (int64_t q = p; q >= 1; q >>= 1)
+      for (int64_t j = q % p; j + q < n; j += 2 * q)
+        for (int64_t i = 0; i < std::min(q, n - j - q); ++i)
+          if ((i + j) / (2 * p) == (i + j + q) / (2 * p) && i + j + q < k)
+            all.emplace_back((int32_t)(i + j), (int32_t)(i + j + q));
+  std::vector<char> need(k, 0);
+  for (int64_t i = plo; i < phi; ++i) need[i] = 1;
+  std::vector<std::pair<int32_t, int32_t>> kept;
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (need[it->first] || need[it->second]) {
+      need[it->first] = need[it->second] = 1;
+      kept.push_back(*it);
+    }
+  std::vector<int32_t> off;
+  off.reserve(2 * kept.size());
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
+    off.push_back((int32_t)(it->first * stride));
+    off.push_back((int32_t)(it->second * stride));
+  }
+  return off;
+}
+
+// The network on one group of G = 2W columns (x: the group's first column in the tile, 64-byte aligned):
+// two 64-byte vectors per row, independent work for the out-of-order core. A GCC vector of G values per row, so each comparator is one min, one max and two plain stores (an
+// element loop is turned into masked stores behind a data-dependent branch).
+template <typename S, int W>
+FEDKERNELS_SIMD_CLONES void sort_group(S* x, const int32_t* off, int64_t ncomp) {
+  typedef S V __attribute__((vector_size(W * sizeof(S))));   // one 64-byte vector (wider ones are split)
+  for (int64_t c = 0; c < ncomp; ++c) {
+    V* a = reinterpret_cast<V*>(x + off[2 * c]);
+    V* b = reinterpret_cast<V*>(x + off[2 * c + 1]);
+    const V u0 = a[0], v0 = b[0], u1 = a[1], v1 = b[1];
+    a[0] = v0 < u0 ? v0 : u0;
+    b[0] = v0 < u0 ? u0 : v0;
+    a[1] = v1 < u1 ? v1 : u1;
+    b[1] = v1 < u1 ? u1 : v1;
+  }
+}
+
+// out[l] = acc[l] / n rounded to O, NaN where the column is flagged, for the group's first len columns.
+template <typename S, typename O, int W>
+inline void store_out(const double* acc, double n, const S* flag, O* out, int64_t len) {
+  O res[W];
+#pragma omp simd
+  for (int l = 0; l < W; ++l) res[l] = flag[l] != flag[l] ? std::numeric_limits<O>::quiet_NaN() : O(acc[l] / n);
+  for (int64_t l = 0; l < len; ++l) out[l] = res[l];
+}
+
+// Per column of a group: the mean of the sorted positions [lo, hi) (ascending, float64), NaN where flagged.
+template <typename S, typename O, int W>
+FEDKERNELS_SIMD_CLONES void order_out(const S* x, int64_t stride, int64_t lo, int64_t hi, const S* flag, O* out,
+                                      int64_t len) {
+  double acc[W];
+  for (int l = 0; l < W; ++l) acc[l] = 0.0;
+  for (int64_t p = lo; p < hi; ++p) {
+    const S* r = x + p * stride;
+#pragma omp simd
+    for (int l = 0; l < W; ++l) acc[l] += double(r[l]);
+  }
+  const double n = double(hi - lo);
+  store_out<S, O, W>(acc, n, flag, out, len);
+}
+
+// Per column of a group: the mean of the beta values closest to the median (see the header).
+template <typename S, typename O, int W>
+FEDKERNELS_SIMD_CLONES void closest_out(const S* x, int64_t stride, int64_t k, int64_t beta, const S* flag, O* out,
+                                        int64_t len) {
+  const int64_t a = (k - 1) / 2, h = k / 2;
+  const int64_t smin = std::max<int64_t>(0, a - beta), send = std::min(k - beta, h);
+  // window starts and flags as doubles (small integers, exact) so that every lane array is one vector type
+  double m[W], acc[W], s[W], go[W];
+  for (int l = 0; l < W; ++l) {
+    const double xa = double(x[a * stride + l]), xh = double(x[h * stride + l]), mm = (xa + xh) * 0.5;
+    m[l] = std::isfinite(mm) ? mm : xa * 0.5 + xh * 0.5;   // the sum overflows only for fp64 values near the max
+    s[l] = double(smin);
+    go[l] = 1.0;
+    acc[l] = 0.0;
+  }
+  for (int64_t p = smin; p < send; ++p) {
+    const S* r0 = x + p * stride;
+    const S* r1 = x + (p + beta) * stride;
+#pragma omp simd
+    for (int l = 0; l < W; ++l) {
+      const double x0 = double(r0[l]), x1 = double(r1[l]);
+      const double mv = (std::fabs(x1 - m[l]) < std::fabs(x0 - m[l])) | (x1 == x0) ? 1.0 : 0.0;
+      go[l] *= mv;
+      s[l] += go[l];
+    }
+  }
+  const double b = double(beta);
+  for (int64_t p = smin; p < send + beta; ++p) {
+    const S* r = x + p * stride;
+    const double q = double(p);
+#pragma omp simd
+    for (int l = 0; l < W; ++l) {   // acc + 1 * x = acc + x; acc + 0 * x = acc (a NaN/Inf column is flagged)
+      const double in = (q >= s[l]) & (q < s[l] + b) ? 1.0 : 0.0;
+      acc[l] += in * double(r[l]);
+    }
+  }
+  const double n = b;
+  store_out<S, O, W>(acc, n, flag, out, len);
+}
+
+// Copies row segment src[0, len) into dst as S; returns false if it holds a NaN/Inf. flag[j] becomes
+// NaN when the column's value is NaN (Order) or NaN/Inf (Closest).
+template <typename T, typename S, Mode mode>
+FEDKERNELS_SIMD_CLONES bool load_row(const T* src, int64_t len, S* dst, S* flag) {
+  S z = 0;
+#pragma omp simd reduction(+ : z)
+  for (int64_t j = 0; j < len; ++j) {
+    const S v = S(src[j]);
+    dst[j] = v;
+    const S t = v * S(0);
+    z += t;
+    if constexpr (mode == Mode::Order) flag[j] = v != v ? v : flag[j];
+    else flag[j] += t;
+  }
+  return z == S(0);
+}
+
+template <typename T, Mode mode>
+void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t lo, int64_t hi, int64_t beta,
+                 at::Tensor& out, bool* ok) {
+  using S = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using O = S;
+  constexpr int W = 64 / sizeof(S);
+  const int64_t k = (int64_t)rows.size(), d = U.size(1), ld = U.size(0) > 1 ? U.stride(0) : d;
+  const T* u = U.data_ptr<T>();
+  O* o = out.data_ptr<O>();
+  int64_t C = kTileBytes / (k * (int64_t)sizeof(S));
+  C = std::max<int64_t>(2 * W, std::min<int64_t>(C, 4096)) / (2 * W) * (2 * W);   // whole network groups
+  C = std::min<int64_t>(C, (d + 2 * W - 1) / (2 * W) * (2 * W));
+  const int64_t stride = C + W, ntiles = (d + C - 1) / C;
+  const Need nd = needed(mode, k, lo, hi, beta);
+  const bool net = k <= kNetMax;
+  const std::vector<int32_t> off = net ? network(k, nd.plo, nd.phi, stride) : std::vector<int32_t>();
+  const int64_t ncomp = (int64_t)off.size() / 2;
+  std::vector<char> good(k, 1);
+  std::mutex mu;
+  at::parallel_for(0, ntiles, grain_for(k * C), [&](int64_t t0, int64_t t1) {
+    std::vector<S> buf(k * stride + W), flag(C);
+    S* tile = buf.data() + (W - (reinterpret_cast<uintptr_t>(buf.data()) / sizeof(S)) % W) % W;   // 64-byte aligned
+    std::vector<char> g(k, 1);
+    std::vector<S> col(net ? 0 : k);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * C, len = std::min(C, d - j0), lg = (len + 2 * W - 1) / (2 * W) * (2 * W);
+      std::fill(flag.begin(), flag.end(), S(0));
+      for (int64_t i = 0; i < k; ++i) {
+        S* dst = tile + i * stride;
+        if (!load_row<T, S, mode>(u + rows[i] * ld + j0, len, dst, flag.data())) g[i] = 0;
+        for (int64_t j = len; j < lg; ++j) dst[j] = S(0);
+      }
+      if (!net) {   // per column: the needed positions in place, sorted (a flagged column is skipped)
+        for (int64_t j = 0; j < len; ++j) {
+          if (flag[j] != flag[j]) continue;
+          for (int64_t i = 0; i < k; ++i) col[i] = tile[i * stride + j];
+          std::nth_element(col.begin(), col.begin() + nd.plo, col.end());
+          std::partial_sort(col.begin() + nd.plo, col.begin() + nd.phi, col.end());
+          for (int64_t i = nd.plo; i < nd.phi; ++i) tile[i * stride + j] = col[i];
+        }
+      }
+      for (int64_t j = 0; j < lg; j += W) {
+        S* x = tile + j;
+        if (net && j % (2 * W) == 0) sort_group<S, W>(x, off.data(), ncomp);
+        const int64_t n = std::min<int64_t>(W, len - j);
+        if (n <= 0) continue;
+        if constexpr (mode == Mode::Order) order_out<S, O, W>(x, stride, lo, hi, flag.data() + j, o + j0 + j, n);
+        else closest_out<S, O, W>(x, stride, k, beta, flag.data() + j, o + j0 + j, n);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    for (int64_t i = 0; i < k; ++i) good[i] = good[i] && g[i];
+  });
+  for (int64_t i = 0; i < k; ++i) ok[i] = good[i] != 0;
+}
+
+template <Mode mode>
+std::tuple<at::Tensor, at::Tensor> select_cpu(const at::Tensor& U, int64_t lo, int64_t hi, int64_t beta,
+                                              const c10::optional<at::Tensor>& rows, const char* op) {
+  checks::select_matrix(U, at::kCPU, op);
+  if (rows.has_value()) checks::on_device(*rows, at::kCPU, op, "rows");
+  const auto r = row_list(rows, U.size(0), op);
+  const int64_t k = (int64_t)r.size();
+  if (mode == Mode::Order) checks::order_mean_args(k, lo, hi);
+  else checks::closest_mean_args(k, beta);
+  auto out = at::empty({U.size(1)}, U.options().dtype(checks::select_out_dtype(U.scalar_type())));
+  auto ok = at::ones({k}, U.options().dtype(at::kBool));
+  if (U.size(1) == 0) return {out, ok};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "select_cpu", [&] {
+    select_impl<scalar_t, mode>(U, r, lo, hi, beta, out, ok.data_ptr<bool>());
+  });
+  return {out, ok};
+}
+
+std::tuple<at::Tensor, at::Tensor> order_mean_cpu(const at::Tensor& U, int64_t lo, int64_t hi,
+                                                  const c10::optional<at::Tensor>& rows) {
+  return select_cpu<Mode::Order>(U, lo, hi, 0, rows, "order_mean");
+}
+
+std::tuple<at::Tensor, at::Tensor> closest_mean_cpu(const at::Tensor& U, int64_t beta,
+                                                    const c10::optional<at::Tensor>& rows) {
+  return select_cpu<Mode::Closest>(U, 0, 0, beta, rows, "closest_mean");
+}
+
+}  // namespace
+
+// The schemas (this op's own fragment of the fedkernels library):
+//   order_mean(U, lo, hi, rows) -> (out [d], ok [k]): per column the mean of the sorted positions lo..hi-1
+//     of the selected rows' values; ok[i] = all(isfinite(U[rows[i]])) from the same pass.
+//   closest_mean(U, beta, rows) -> (out [d], ok [k]): per column the mean of the beta values closest to
+//     the median (Bulyan). out: float64 for a float64 U, else float32. rows: int64 indices (all K if None).
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  m.def("order_mean(Tensor U, int lo, int hi, Tensor? rows=None) -> (Tensor, Tensor)");
+  m.def("closest_mean(Tensor U, int beta, Tensor? rows=None) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
+  m.impl("order_mean", &order_mean_cpu);
+  m.impl("closest_mean", &closest_mean_cpu);
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,102 @@
+"""Pieces the robust rules share: the per-column selection pass over U (screening the rows in the same
+pass, chunk by chunk on a source), the one-line bound checks, the Krum scores on a distance matrix,
+and the rows' distances to a point for the iterative rules."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+from ..base import RoundInput
+
+# columns of one float64 chunk of the rows in ``row_dots`` (k rows x ROW_CHUNK float64 temporaries)
+ROW_CHUNK = 1 << 16
+
+
+def check_int(method: str, option: str, value: int, least: int) -> int:
+    """``value`` as an int >= ``least``; one-line ValueError naming the method and option otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{method}: {option} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def check_positive(method: str, option: str, value: float) -> float:
+    v = float(value)
+    if not v > 0 or v == float("inf"):
+        raise ValueError(f"{method}: {option} must be a finite number > 0, got {value!r}")
+    return v
+
+
+def check_clients(method: str, option: str, value: int, K: int, bound: int, formula: str) -> None:
+    """The rule's bound on the round's K clients, checked before U is read."""
+    if K < bound:
+        raise ValueError(f"{method}: {option}={value} needs K >= {formula} = {bound} clients per round, got K={K}")
+
+
+def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
+                screened: Callable[..., Tuple[torch.Tensor, torch.Tensor]], *args, **kw) -> torch.Tensor:
+    """``plain(U, *args, **kw)`` (a per-column op of ``fedkernels.ops.select``): on a tensor one call,
+    the ``screened`` form while the rows are unscreened (its flags go to the policy: raise, or the
+    round again without the bad rows); on a source the column chunks in order (screened first by
+    ``rin.blocks``). Returns the [d] result (float64 for a float64 U, else float32)."""
+    if rin.src is None:
+        if rin.screen_rows:
+            out, ok = screened(rin.U, *args, **kw)
+            rin._flags(ok)          # the policy on this pass's flags (may restart the round without bad rows)
+            return out
+        return plain(rin.U, *args, **kw)
+    res = torch.empty(rin.d, dtype=torch.float64 if rin.dtype == torch.float64 else torch.float32,
+                      device=rin.device)
+    for cols, B in rin.blocks():
+        res[cols] = plain(B, *args, **kw)
+    return res
+
+
+def step_from(rin: RoundInput, agg: torch.Tensor, lr: float) -> torch.Tensor:
+    """The new global model ``global + lr * agg`` in the global model's dtype (``agg``: [d] fp32/fp64)."""
+    g = rin.global_flat
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    return g.to(acc).add(agg.to(device=g.device, dtype=acc), alpha=lr).to(g.dtype)
+
+
+def sq_distances(G: torch.Tensor) -> torch.Tensor:
+    """[K, K] squared distances ``G_ii + G_jj - 2 G_ij`` from the fp64 Gram, clamped at 0 (the
+    diagonal is exactly 0)."""
+    g = torch.diagonal(G)
+    return (g.unsqueeze(1) + g.unsqueeze(0) - 2.0 * G).clamp_min_(0.0)
+
+
+def krum_scores(D: torch.Tensor, f: int, alive: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Krum's score of each row among the ``alive`` ones (all if None): the sum of the distances to its
+    ``max(1, n - f - 2)`` nearest other alive rows (n alive rows), as Flower's ``aggregate_krum``: the row
+    sorted, its first entry (itself, 0) skipped. Rows not alive score +inf."""
+    K = D.size(0)
+    if alive is None:
+        alive = torch.ones(K, dtype=torch.bool)
+    n = int(alive.sum())
+    nc = max(1, n - f - 2)
+    Dm = D.masked_fill(~alive.unsqueeze(0), float("inf"))
+    s = torch.sort(Dm, dim=1).values[:, 1:nc + 1].sum(1)
+    return s.masked_fill(~alive, float("inf"))
+
+
+def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(U x, ||U_k||^2): [K] float64 host tensors from one read of U (column chunks of ROW_CHUNK in
+    float64; a source chunk by chunk); the rows are screened first while unscreened (``rin.blocks``)."""
+    K = rin.K
+    dots = torch.zeros(K, dtype=torch.float64, device=rin.device)
+    nsq = torch.zeros(K, dtype=torch.float64, device=rin.device)
+    for cols, B in rin.blocks():
+        xb = x[cols]
+        for a in range(0, B.size(1), ROW_CHUNK):
+            c = B[:, a:a + ROW_CHUNK].to(torch.float64)
+            dots += c @ xb[a:a + ROW_CHUNK].to(device=c.device, dtype=torch.float64)
+            nsq += (c * c).sum(1)
+    return dots.cpu(), nsq.cpu()
+
+
+def selected_ids(rin: RoundInput, rows: Sequence[int]) -> list:
+    """The client ids of the round's rows ``rows``."""
+    return [rin.client_ids[k] for k in rows]
+
+
