@@ -266,13 +266,17 @@ class UpdateBuffer:
             raise ValueError(f"UpdateBuffer: slot must be in [0, {self.K}), got {slot}")
         return self.data[slot]
 
-    def write_delta(self, slot: int, model: nn.Module, global_flat: torch.Tensor) -> torch.Tensor:
-        """row[slot] = flatten(model) - global_flat, written in place."""
+    def write_delta(self, slot: int, model: nn.Module, global_flat: torch.Tensor,
+                    clip: Optional[float] = None) -> torch.Tensor:
+        """row[slot] = flatten(model) - global_flat, written in place; with ``clip``, then scaled to norm at
+        most ``clip`` while the row is hot (client-side clipping of differential privacy: :func:`clip_rows_`)."""
         if self.spec is None:
             raise ValueError("UpdateBuffer.write_delta needs a buffer built from a FlatSpec")
         r = self.row(slot)
         self.spec.flatten(model, out=r)
         r.sub_(global_flat.to(r.dtype))
+        if clip is not None:
+            clip_rows_(r.unsqueeze(0), clip)
         return r
 
     def matrix(self) -> torch.Tensor:
@@ -281,3 +285,24 @@ class UpdateBuffer:
 
     def weights(self) -> torch.Tensor:
         return torch.tensor(self.num_examples, dtype=torch.float64)
+
+
+def row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """[n] float64 host: the L2 norm of each row of ``rows`` ([n, d], unit column stride), every element
+    converted exactly to float64 and accumulated in float64 in a fixed order (``ops.kstats``' squared
+    norms: one native pass); NaN/Inf for a row holding one."""
+    from . import ops
+    n = rows.size(0)
+    return ops.kstats(rows, torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64))[1].cpu().sqrt()
+
+
+def clip_rows_(rows: torch.Tensor, clip: float) -> torch.Tensor:
+    """In place: each row of ``rows`` ([n, d]) scaled to L2 norm at most ``clip``, ``u * min(1, clip / ||u||)``
+    (the norm accumulated in float64, :func:`row_norms`; Flower's ``clip_inputs_inplace``): the clients'
+    clipping under client-side differential privacy. Returns ``rows``."""
+    norms = row_norms(rows).to(rows.device)
+    over = norms > clip
+    if bool(over.any()):
+        s = torch.where(over, clip / norms, torch.ones_like(norms))
+        rows.mul_(s.to(rows.dtype).unsqueeze(1) if rows.dtype != torch.float64 else s.unsqueeze(1))
+    return rows

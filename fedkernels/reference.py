@@ -432,6 +432,120 @@ def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 # ---- end of references -----------------------------------------------------------------------
 
 
+# ---- differential-privacy noise (csrc/cuda/gaussian_noise.cuh) ---------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of a * b for a constant a and uint32 values b (held in int64), exactly:
+    b split in 16-bit halves so no int64 product overflows."""
+    bl, bh = b & 0xFFFF, b >> 16
+    p1, p2 = a * bl, a * bh                      # < 2^48 each
+    t = p1 + ((p2 & 0xFFFF) << 16)               # < 2^49
+    return (p2 >> 16) + (t >> 32), t & _M32
+
+
+def philox4x32_10(ctr: Sequence[torch.Tensor], key: Tuple[int, int]) -> List[torch.Tensor]:
+    """Philox4x32-10 (Random123) of the counters ``ctr`` (four int64 tensors of uint32 words) with
+    ``key`` (two uint32): the four output words, in int64 integer ops only."""
+    c = [torch.as_tensor(x, dtype=torch.int64) & _M32 for x in ctr]
+    k0, k1 = key[0] & _M32, key[1] & _M32
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        hi0, lo0 = _mulhilo32(0xD2511F53, c[0])
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c[2])
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+    return c
+
+
+def _fma(a: float, b: float, c: float) -> float:
+    """a * b + c rounded once (exact rational arithmetic; CPython's int division rounds correctly)."""
+    from fractions import Fraction
+    return float(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def _log_unit(u: float) -> float:
+    m, e = math.frexp(u)
+    if m < 0.70710678118654752440:
+        m, e = m * 2.0, e - 1
+    f = m - 1.0
+    s = f / (2.0 + f)
+    z = s * s
+    p = 1.0 / 23.0
+    for k in (21, 19, 17, 15, 13, 11, 9, 7, 5, 3):
+        p = _fma(p, z, 1.0 / k)
+    lnm = 2.0 * _fma(s, z * p, s)
+    de = float(e)
+    return _fma(de, 6.93147180369123816490e-01, _fma(de, 1.90821492927058770002e-10, lnm))
+
+
+def _sincos_octant(x: float) -> Tuple[float, float]:
+    z = x * x
+    ps = -1.0 / math.factorial(17)
+    for k, sg in ((15, 1), (13, -1), (11, 1), (9, -1), (7, 1), (5, -1), (3, 1)):
+        ps = _fma(ps, z, sg / math.factorial(k))
+    s = _fma(-(x * z), ps, x)
+    pc = 1.0 / math.factorial(18)
+    for k, sg in ((16, -1), (14, 1), (12, -1), (10, 1), (8, -1), (6, 1), (4, -1), (2, 1)):
+        pc = _fma(pc, z, sg / math.factorial(k))
+    return s, _fma(-z, pc, 1.0)
+
+
+def _box_muller(x0: int, x1: int, x2: int, x3: int) -> Tuple[float, float]:
+    u1 = (float(((x1 & 0xFFFFF) << 32) | x0) + 0.5) * 2.0 ** -52
+    w = float(((x3 & 0x3FFFFFFF) << 22) | (x2 >> 10)) * 2.0 ** -52
+    q = x3 >> 30
+    hi = w > 0.5
+    sv, cv = _sincos_octant((1.0 - w if hi else w) * 1.57079632679489661923)
+    sn, cs = (cv, sv) if hi else (sv, cv)
+    s1, c1 = (cs, -sn) if q & 1 else (sn, cs)
+    s2, c2 = (-s1, -c1) if q & 2 else (s1, c1)
+    rho = math.sqrt(-2.0 * _log_unit(u1))
+    return rho * c2, rho * s2
+
+
+def philox_normal(n: int, seed: int, counter: int, j0: int = 0) -> torch.Tensor:
+    """N(seed, counter, j) for j = j0 .. j0 + n - 1 as float64: Philox4x32-10 of the column pair j // 2
+    (key = the seed's 32-bit halves, counter = (pair lo, pair hi, counter lo, counter hi)) and the same
+    Box-Muller steps as csrc/cuda/gaussian_noise.cuh, evaluated with correctly rounded float64
+    operations (fma exact): the same bits as the native kernels. Slow (per element); for tests."""
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.float64)
+    p = torch.arange(j0 // 2, (j0 + n - 1) // 2 + 1, dtype=torch.int64)
+    ctr = [p & _M32, p >> 32, torch.full_like(p, counter & _M32), torch.full_like(p, (counter >> 32) & _M32)]
+    x = philox4x32_10(ctr, (seed & _M32, (seed >> 32) & _M32))
+    cols = [v.tolist() for v in x]
+    vals: List[float] = []
+    for i in range(p.numel()):
+        vals.extend(_box_muller(cols[0][i], cols[1][i], cols[2][i], cols[3][i]))
+    off = j0 - 2 * (j0 // 2)
+    return torch.tensor(vals[off:off + n], dtype=torch.float64)
+
+
+def _noise_like(x: torch.Tensor, sigma: float, seed: int, counter: int) -> torch.Tensor:
+    """x + sigma * N(seed, counter, j) over x's flat elements, with the kernels' rounding: fp64 x as one
+    fma, any other dtype as float(x) + float(sigma * n), then rounded to x's dtype."""
+    flat = x.reshape(-1)
+    nz = philox_normal(flat.numel(), seed, counter)
+    if x.dtype == torch.float64:
+        out = torch.tensor([_fma(sigma, n, v) for n, v in zip(nz.tolist(), flat.tolist())], dtype=torch.float64)
+    else:
+        out = flat.float() + (sigma * nz).float()
+    return out.to(x.dtype).reshape(x.shape)
+
+
+def add_gaussian_noise_(x: torch.Tensor, sigma: float, seed: int, counter: int) -> torch.Tensor:
+    """In place: x[j] += sigma * N(seed, counter, j) (x's flat index j); returns x."""
+    x.copy_(_noise_like(x, sigma, seed, counter))
+    return x
+
+
+def weighted_sum_noised(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
+                        rows: RowsLike = None, sigma: float = 0.0, seed: int = 0, counter: int = 0) -> torch.Tensor:
+    """float64: base + alpha * sum_i coef[i] U[rows[i]] + sigma * N(seed, counter, j)."""
+    s = weighted_sum(U, coef, base, alpha, rows).to(torch.float64)
+    return s + sigma * philox_normal(s.numel(), seed, counter)
 # ---- adaptive server optimiser (FedAdam / FedYogi / FedAdagrad) --------------------------------
 def server_opt_step(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
                     beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,

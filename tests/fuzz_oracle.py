@@ -41,7 +41,8 @@ OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_scree
               "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
               "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
               "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
-              "dequant_weighted_sum", "sparse_weighted_sum"]
+              "dequant_weighted_sum", "sparse_weighted_sum",
+              "weighted_sum_noised", "add_gaussian_noise_", "philox_normal"]
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
 FUZZED_VIA = {"BEStepWindow": "fedecado_be_step", "stack_lists": "sparse_weighted_sum"}
@@ -153,6 +154,43 @@ def _gen_weighted_sum_chunked(rnd, c):
     c["alpha"] = rnd.choice([1.0, 1.0, 0.0, -1.0, 0.37, 3, float("nan"), "str"])
     c["out_dtype"] = rnd.choice([None, None, "same", "fp32", "fp64", "i64"])
     c["chunk_cols"] = rnd.choice([1, 3, 64, 1 << 18, 1 << 18, 0, "x"])
+
+
+_NOISE_SIGMAS = [0.0, 0.5, 3.0, 1e-30, 1e30, -1.0, float("nan"), float("inf"), "x", True]
+_NOISE_INTS = [0, 1, 7, 2 ** 32 + 5, 2 ** 63 - 1, -1, 2 ** 63, 1.5, True]
+
+
+def _gen_noise_args(rnd, c):
+    c["sigma"] = rnd.choice(_NOISE_SIGMAS[:3] * 3 + _NOISE_SIGMAS)
+    c["nseed"] = rnd.choice(_NOISE_INTS[:5] * 3 + _NOISE_INTS)
+    c["counter"] = rnd.choice(_NOISE_INTS[:5] * 3 + _NOISE_INTS)
+    c["offset"] = rnd.choice([0, 0, 1, 8191, 2 ** 40 + 1, -3])
+
+
+def _gen_weighted_sum_noised(rnd, c):
+    _gen_weighted_sum(rnd, c)
+    c["out"] = None
+    _gen_noise_args(rnd, c)
+
+
+def _gen_add_gaussian_noise_inplace(rnd, c):
+    c["dtype"] = _dtype(rnd)
+    c["n"] = rnd.choice([0, 1, 2, 3, 17, 256, 1001])
+    c["layout"] = rnd.choice(["contig", "contig", "2d", "noncontig"])
+    _gen_noise_args(rnd, c)
+
+
+def _gen_philox_normal(rnd, c):
+    c["n"] = rnd.choice([0, 1, 2, 3, 64, 257, -1])
+    _gen_noise_args(rnd, c)
+
+
+def _valid_noise_args(c, sigma=True):
+    ints_ok = all(isinstance(c[k], int) and not isinstance(c[k], bool) and 0 <= c[k] < 2 ** 63
+                  for k in ("nseed", "counter", "offset"))
+    s = c["sigma"]
+    return ints_ok and (not sigma or (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                                      and s >= 0))
 
 
 def _gen_finite_rows(rnd, c):
@@ -605,13 +643,17 @@ def _result_dtype_arg(dt, kind, wide):
         dt, torch.float64)
 
 
-def _run_weighted_sum(g, c):
+def _wsum_inputs(g, c):
+    """(U, K, d, rows, n, coef, dt) of a weighted-sum case: the matrix, its rows and their coefficients."""
     U = _matrix_input(g, c)
     K, d = c["K"], c["d"]
     rows = _rows_arg(g, c, K)
     n = K if rows is None else len(rows) if not isinstance(rows, torch.Tensor) else rows.numel()
-    coef = _coef_arg(g, c, n)
-    dt = DTYPES[c["dtype"]]
+    return U, K, d, rows, n, _coef_arg(g, c, n), DTYPES[c["dtype"]]
+
+
+def _run_weighted_sum(g, c):
+    U, K, d, rows, n, coef, dt = _wsum_inputs(g, c)
     base = None
     bk = c["base"]
     if bk is not None:
@@ -737,6 +779,80 @@ def _run_weighted_sum_chunked(g, c):
     amax, omax = torch.finfo(acc).max, torch.finfo(rdt).max
     may = ~torch.isfinite(S) | (S * 1.001 >= amax) | (ref.abs() * 1.001 >= omax)
     _check_close("weighted_sum_chunked", res, ref, tol, may)
+    return "ok"
+
+
+def _run_weighted_sum_noised(g, c):
+    """weighted_sum's arguments plus the noise: sigma = 0 gives weighted_sum's bits; otherwise each column
+    is weighted_sum's value plus sigma N(seed, counter, offset + j) within the two roundings of the noised
+    write (the noise rounded to the accumulation type, the sum to the result's dtype); invalid noise
+    arguments are refused."""
+    U, K, d, rows, n, coef, dt = _wsum_inputs(g, c)
+    base = None
+    if c["base"] == "ok" and dt.is_floating_point:
+        base = _values(g, (d,), dt, "normal")
+    try:
+        plain = ops.weighted_sum(U, coef, base=base, alpha=c["alpha"], rows=rows)
+    except (ValueError, TypeError):
+        plain = None
+    res = ops.weighted_sum_noised(U, coef, base, c["alpha"], rows, sigma=c["sigma"], seed=c["nseed"],
+                                  counter=c["counter"], offset=c["offset"])
+    if plain is None:
+        raise Fail("weighted_sum_noised accepted arguments that weighted_sum refuses")
+    if not _valid_noise_args(c):
+        raise Fail(f"weighted_sum_noised accepted sigma={c['sigma']!r} seed={c['nseed']!r} "
+                   f"counter={c['counter']!r} offset={c['offset']!r}")
+    if res.dtype != plain.dtype or res.shape != plain.shape:
+        raise Fail(f"weighted_sum_noised: result {res.dtype} {tuple(res.shape)} != weighted_sum's")
+    if float(c["sigma"]) == 0.0:
+        if not torch.equal(res.isnan(), plain.isnan()) or not torch.equal(res.nan_to_num(), plain.nan_to_num()):
+            raise Fail("weighted_sum_noised with sigma = 0 differs from weighted_sum")
+        return "ok"
+    z = float(c["sigma"]) * ops.philox_normal(d, c["nseed"], c["counter"], c["offset"])
+    want = plain.to(torch.float64) + z
+    tol = 2 * (_eps(_acc_dtype(res.dtype)) + _eps(res.dtype)) * (plain.to(torch.float64).abs() + z.abs()) \
+        + torch.finfo(res.dtype).tiny
+    may = ~torch.isfinite(want) | (want.abs() * 1.001 >= torch.finfo(res.dtype).max)
+    _check_close("weighted_sum_noised", res, want, tol, may)
+    return "ok"
+
+
+def _run_add_gaussian_noise_(g, c):
+    """The same bits as reference._noise_like (the normals and the rounding rule), or a refusal."""
+    dt = DTYPES[c["dtype"]]
+    n = c["n"]
+    x = _values(g, (n,), dt, "normal") if dt.is_floating_point else torch.zeros(n, dtype=dt)
+    if c["layout"] == "2d" and n % 2 == 0 and n:
+        x = x.reshape(2, n // 2)
+    elif c["layout"] == "noncontig" and n > 1:
+        x = torch.stack([x, x], 1)[:, 0]
+    x0 = x.clone()
+    res = ops.add_gaussian_noise_(x, c["sigma"], c["nseed"], c["counter"], c["offset"])
+    if not dt.is_floating_point or not x.is_contiguous() or not _valid_noise_args(c):
+        raise Fail(f"add_gaussian_noise_ accepted {dt} contiguous={x.is_contiguous()} sigma={c['sigma']!r} "
+                   f"seed={c['nseed']!r} counter={c['counter']!r} offset={c['offset']!r}")
+    if res is not x:
+        raise Fail("add_gaussian_noise_ did not return x")
+    flat = x0.reshape(-1)
+    nz = reference.philox_normal(flat.numel(), c["nseed"], c["counter"], c["offset"])
+    s = float(c["sigma"])
+    if dt == torch.float64:
+        want = torch.tensor([reference._fma(s, a, b) for a, b in zip(nz.tolist(), flat.tolist())], dtype=dt)
+    else:
+        want = (flat.float() + (s * nz).float()).to(dt)
+    got = x.reshape(-1)
+    if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
+        raise Fail("add_gaussian_noise_: bits differ from the reference")
+    return "ok"
+
+
+def _run_philox_normal(g, c):
+    res = ops.philox_normal(c["n"], c["nseed"], c["counter"], c["offset"])
+    if c["n"] < 0 or not _valid_noise_args(c, sigma=False):
+        raise Fail(f"philox_normal accepted n={c['n']} seed={c['nseed']!r} counter={c['counter']!r} "
+                   f"j0={c['offset']!r}")
+    if not torch.equal(res, reference.philox_normal(c["n"], c["nseed"], c["counter"], c["offset"])):
+        raise Fail("philox_normal: bits differ from the reference")
     return "ok"
 
 

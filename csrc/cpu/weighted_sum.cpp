@@ -19,6 +19,8 @@
 // bits as weighted_sum's.
 #include "common.h"
 #include "../weighted_sum_checks.h"
+#define FEDKERNELS_HD_ONLY  // the shared per-element logic only, not the CUDA launchers
+#include "../cuda/gaussian_noise.cuh"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
@@ -39,6 +41,13 @@ template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 template <typename T> struct Tag { using type = T; };
 
+// The Gaussian noise of weighted_sum_noised (csrc/cpu/gaussian_noise.cpp): sigma * N(seed, counter, j)
+// added in the output write; nullptr for weighted_sum (whose code path and bits are unchanged).
+struct Noise {
+  double sigma;
+  uint64_t seed, counter, offset;  // column j draws N(seed, counter, offset + j)
+};
+
 // ok[i] = ok[i] && (row rows[i] is finite on the chunk [j0, j0 + len)).
 template <typename T, typename A>
 void finite_chunk(const T* u, int64_t stride0, const int64_t* rows, int64_t n, int64_t j0, int64_t len,
@@ -50,7 +59,8 @@ void finite_chunk(const T* u, int64_t stride0, const int64_t* rows, int64_t n, i
 // o = b + acc (or acc). Runtime-dispatched to the widest vector ISA in portable builds.
 template <typename T, typename O, typename A>
 FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_t* rows, const A* c, int64_t n,
-                                       int64_t j0, int64_t len, const O* b, O* o, A* acc) {
+                                       int64_t j0, int64_t len, const O* b, O* o, A* acc,
+                                       const Noise* nz = nullptr, double* nbuf = nullptr) {
   for (int64_t j = 0; j < len; ++j) acc[j] = A(0);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -86,6 +96,15 @@ FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_
     for (int64_t j = 0; j < len; ++j) acc[j] += c0 * A(x0[j]);
   }
   O* oo = o + j0;
+  if (nz) {  // weighted_sum_noised: the chunk's normals, then the noise in the output write
+    cuda::gnoise::fill_normals(nz->seed, nz->counter, nz->offset + (uint64_t)j0, len, nbuf);
+    const O* bb = b ? b + j0 : nullptr;
+    for (int64_t j = 0; j < len; ++j) {
+      const A v = bb ? A(bb[j]) + acc[j] : acc[j];
+      oo[j] = static_cast<O>(cuda::gnoise::add_noise(v, nz->sigma, nbuf[j]));
+    }
+    return;
+  }
   if (b) {
     const O* bb = b + j0;
 #pragma omp simd
@@ -101,7 +120,7 @@ FEDKERNELS_SIMD_CLONES void wsum_chunk(const T* u, int64_t stride0, const int64_
 // lam / ||m|| for a denormal m), so finite inputs never give an overflowed coefficient.
 template <typename T, typename O, typename A>
 void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::vector<int64_t>& rows,
-               const at::Tensor* base, double alpha, at::Tensor& out, bool* ok_out) {
+               const at::Tensor* base, double alpha, at::Tensor& out, bool* ok_out, const Noise* nz = nullptr) {
   const int64_t d = U.size(1), n = (int64_t)rows.size(), stride0 = U.stride(0);
   const T* u = U.data_ptr<T>();
   const O* b = base ? base->data_ptr<O>() : nullptr;
@@ -114,9 +133,10 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
   std::vector<unsigned char> flag(ok_out ? nch * n : 0, 1);
   at::parallel_for(0, nch, grain_for(std::min(CH, d) * std::max<int64_t>(n, 1)), [&](int64_t q0, int64_t q1) {
     std::vector<A> accv(CH);
+    std::vector<double> nbuf(nz ? CH : 0);
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t j0 = q * CH, len = std::min(CH, d - j0);
-      wsum_chunk<T, O, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data());
+      wsum_chunk<T, O, A>(u, stride0, rows.data(), c.data(), n, j0, len, b, o, accv.data(), nz, nbuf.data());
       if (ok_out && !finite_span<A>(accv.data(), len))   // rare: find the rows of this chunk
         finite_chunk<T, A>(u, stride0, rows.data(), n, j0, len, flag.data() + q * n);
     }
@@ -130,7 +150,8 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
 }
 
 void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-              double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok) {
+              double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok,
+              const Noise* nz = nullptr) {
   auto r = row_list(rows, U.dim() == 2 ? U.size(0) : 0, "weighted_sum");
   checks::weighted_sum_args(U, coef, (int64_t)r.size(), base, out, at::kCPU);
   checks::on_device(coef, at::kCPU, "weighted_sum", "coef");
@@ -146,9 +167,9 @@ void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<a
     using T = typename decltype(u_tag)::type;
     using O = typename decltype(o_tag)::type;
     if (fits_float)
-      wsum_impl<T, O, typename Acc<O>::type>(U, cv, r, bp, alpha, out, okp);
+      wsum_impl<T, O, typename Acc<O>::type>(U, cv, r, bp, alpha, out, okp, nz);
     else
-      wsum_impl<T, O, double>(U, cv, r, bp, alpha, out, okp);
+      wsum_impl<T, O, double>(U, cv, r, bp, alpha, out, okp, nz);
   };
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "weighted_sum_cpu", [&] {
     if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
@@ -188,6 +209,14 @@ std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cpu(const at::Tensor& U
 }
 
 }  // namespace
+
+// weighted_sum_noised's pass (its schema and wrapper: csrc/cpu/gaussian_noise.cpp); sigma = 0: weighted_sum.
+void weighted_sum_noised_out_cpu_impl(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                                      double alpha, const c10::optional<at::Tensor>& rows, double sigma, uint64_t seed,
+                                      uint64_t counter, uint64_t offset, at::Tensor& out) {
+  const Noise nz{sigma, seed, counter, offset};
+  wsum_cpu(U, coef, base, alpha, rows, out, nullptr, sigma != 0 ? &nz : nullptr);
+}
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("weighted_sum", &weighted_sum_cpu);

@@ -18,6 +18,8 @@
 // rows[i] holds a NaN/Inf. The screen rides inside the pass: each block votes on its accumulators
 // being finite; only a block with a non-finite one re-reads its columns of the n rows (rare: a bad
 // row or an overflow). Bytes moved: as weighted_sum, plus those re-read blocks.
+// sigma > 0 (weighted_sum_noised): each output element also gets sigma * N(seed, counter, offset + j) in its
+// write (gaussian_noise.cuh's normal and add_noise, the CPU kernel's functions: the same noise bits).
 // Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
 // tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
 // (tests/test_cuda.py, tests/test_weighted_sum_wide.py): the shared-memory staging between barriers, the
@@ -26,6 +28,7 @@
 
 #include "common.cuh"
 #include "weighted_sum.cuh"
+#include "gaussian_noise.cuh"
 
 namespace fedkernels {
 namespace cuda {
@@ -33,6 +36,12 @@ namespace {
 
 using namespace detail;
 using wsum::kThreads;
+
+// weighted_sum_noised's noise (sigma == 0: none).
+struct Noise {
+  double sigma;
+  uint64_t seed, counter, offset;  // column j draws N(seed, counter, offset + j)
+};
 
 // N elements of O at a 16-byte aligned p (N * sizeof(O) a multiple of 16), in 16-byte pieces: the
 // epilogue's base/out access when out is wider than U (N = U's vector width). For O == U's type
@@ -66,7 +75,8 @@ __device__ __forceinline__ void store_vec(O* p, const A (&v)[N]) {
 template <typename T, typename O, typename A, bool VEC>
 __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld,
                                           const double* __restrict__ coef, const int64_t* __restrict__ rows, int64_t n,
-                                          const O* base, double alpha, O* out, A* cs, const T** rp, bool* ok) {
+                                          const O* base, double alpha, O* out, A* cs, const T** rp, bool* ok,
+                                          Noise nz) {
   constexpr int V = Vec16<T>::n;
   const int tid = threadIdx.x;
   const int64_t b = blockIdx.x;
@@ -156,6 +166,11 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
 #pragma unroll
       for (int e = 0; e < V; ++e) acc[e] = bv[e] + acc[e];
     }
+    if (nz.sigma != 0) {
+#pragma unroll
+      for (int e = 0; e < V; ++e)
+        acc[e] = gnoise::add_noise(acc[e], nz.sigma, gnoise::normal(nz.seed, nz.counter, nz.offset + (uint64_t)(jv + e)));
+    }
     store_vec<O, V, A>(out + jv, acc);
   } else {
 #pragma unroll
@@ -164,6 +179,7 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
       if (j < d) {
         A v = acc[e];
         if (base) v = static_cast<A>(to_float(base[j])) + v;
+        if (nz.sigma != 0) v = gnoise::add_noise(v, nz.sigma, gnoise::normal(nz.seed, nz.counter, nz.offset + (uint64_t)j));
         out[j] = from_acc<O>(v);
       }
     }
@@ -174,7 +190,8 @@ __device__ __forceinline__ void wsum_body(const T* __restrict__ U, int64_t K, in
 template <typename T, typename O, bool VEC>
 __global__ void __launch_bounds__(kThreads)
     wsum_kernel(const T* __restrict__ U, int64_t K, int64_t d, int64_t ld, const double* __restrict__ coef,
-                const int64_t* __restrict__ rows, int64_t n, const O* base, double alpha, O* out, int wide, bool* ok) {
+                const int64_t* __restrict__ rows, int64_t n, const O* base, double alpha, O* out, int wide, bool* ok,
+                Noise nz) {
   __shared__ double cs[kThreads];
   __shared__ const T* rp[kThreads];
   if (wide < 0) {
@@ -184,14 +201,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   using A = typename Acc<O>::type;
   if (wide == 0 || sizeof(A) == sizeof(double))
-    wsum_body<T, O, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp, ok);
+    wsum_body<T, O, A, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, reinterpret_cast<A*>(cs), rp, ok, nz);
   else
-    wsum_body<T, O, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp, ok);
+    wsum_body<T, O, double, VEC>(U, K, d, ld, coef, rows, n, base, alpha, out, cs, rp, ok, nz);
 }
 
 template <typename T, typename O>
 cudaError_t launch(const void* U, int64_t K, int64_t d, int64_t ld, const double* coef, const int64_t* rows,
-                   int64_t n, const void* base, double alpha, int wide, void* out, bool* ok, cudaStream_t stream) {
+                   int64_t n, const void* base, double alpha, int wide, void* out, bool* ok, cudaStream_t stream,
+                   Noise nz) {
   constexpr int V = Vec16<T>::n;
   const T* u = static_cast<const T*>(U);
   const O* b = static_cast<const O*>(base);
@@ -201,9 +219,9 @@ cudaError_t launch(const void* U, int64_t K, int64_t d, int64_t ld, const double
   const int64_t blocks = wsum::num_blocks(d, V);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (vec)
-    wsum_kernel<T, O, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
+    wsum_kernel<T, O, true><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok, nz);
   else
-    wsum_kernel<T, O, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok);
+    wsum_kernel<T, O, false><<<(unsigned)blocks, kThreads, 0, stream>>>(u, K, d, ld, coef, rows, n, b, alpha, o, wide, ok, nz);
   return cudaGetLastError();
 }
 
@@ -211,14 +229,16 @@ cudaError_t launch(const void* U, int64_t K, int64_t d, int64_t ld, const double
 
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         DType out_dt, bool* ok, cudaStream_t stream) {
+                         DType out_dt, bool* ok, cudaStream_t stream, double sigma, uint64_t seed,
+                         uint64_t counter, uint64_t offset) {
   if (d <= 0) return cudaSuccess;
+  const Noise nz{sigma, seed, counter, offset};
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (out_dt == dt) return launch<T, T>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
+    if (out_dt == dt) return launch<T, T>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream, nz);
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {  // a wider out
-      if (out_dt == DType::Float32) return launch<T, float>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
-      if (out_dt == DType::Float64) return launch<T, double>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream);
+      if (out_dt == DType::Float32) return launch<T, float>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream, nz);
+      if (out_dt == DType::Float64) return launch<T, double>(U, K, d, ld, coef, rows, n, base, alpha, wide, out, ok, stream, nz);
     }
     return cudaErrorInvalidValue;  // the glue's checks (csrc/weighted_sum_checks.h) allow nothing else
   });

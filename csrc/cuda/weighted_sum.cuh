@@ -86,9 +86,12 @@ namespace cuda {
 // caller knows (host coefficients), -1 to let every block decide from coef. Each output element
 // sums the rows in index order. ok: nullptr, or [n] bool set to true by the caller, where the
 // kernel writes false for each selected row holding a NaN/Inf (weighted_sum_screened).
+// sigma > 0 (weighted_sum_noised): out[j] also gets sigma * N(seed, counter, offset + j) (gaussian_noise.cuh) in
+// its write, with gnoise::add_noise's rounding in the accumulation type; sigma = 0: no noise, weighted_sum.
 cudaError_t weighted_sum(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* coef,
                          const int64_t* rows, int64_t n, const void* base, double alpha, int wide, void* out,
-                         DType out_dt, bool* ok, cudaStream_t stream);
+                         DType out_dt, bool* ok, cudaStream_t stream, double sigma = 0.0, uint64_t seed = 0,
+                         uint64_t counter = 0, uint64_t offset = 0);
 
 }  // namespace cuda
 }  // namespace fedkernels

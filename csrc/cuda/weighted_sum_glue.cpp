@@ -11,14 +11,17 @@
 #include "glue.h"
 #include "weighted_sum.cuh"
 #include "../weighted_sum_checks.h"
+#include "../gaussian_noise_checks.h"
 
 namespace fedkernels {
 namespace {
 
 using namespace glue;
 
+// sigma > 0: weighted_sum_noised (its schema: csrc/cpu/gaussian_noise.cpp), the noise in the output write.
 void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-               double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok) {
+               double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok,
+               double sigma = 0.0, int64_t seed = 0, int64_t counter = 0, int64_t offset = 0) {
   check_rowmajor(U, "weighted_sum");
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
@@ -44,7 +47,8 @@ void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<
                                   c.data_ptr<double>(), rows.has_value() ? r.data_ptr<int64_t>() : nullptr, n,
                                   base.has_value() ? base->data_ptr() : nullptr, alpha, wide, out.data_ptr(),
                                   to_dtype(out.scalar_type(), "weighted_sum", "out"),
-                                  ok ? ok->data_ptr<bool>() : nullptr, stream()));
+                                  ok ? ok->data_ptr<bool>() : nullptr, stream(), sigma, (uint64_t)seed,
+                                  (uint64_t)counter, (uint64_t)offset));
 }
 
 void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
@@ -77,9 +81,20 @@ std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cuda(const at::Tensor& 
   return {out, ok};
 }
 
+at::Tensor weighted_sum_noised_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
+                                    double alpha, const c10::optional<at::Tensor>& rows, double sigma, int64_t seed,
+                                    int64_t counter, int64_t offset) {
+  c10::cuda::CUDAGuard guard(U.device());
+  checks::noise_args(sigma, seed, counter, offset, "weighted_sum_noised");
+  auto out = checks::weighted_sum_output(U, base);
+  wsum_cuda(U, coef, base, alpha, rows, out, nullptr, sigma, seed, counter, offset);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
+  m.impl("weighted_sum_noised", &weighted_sum_noised_cuda);
   m.impl("weighted_sum", &weighted_sum_cuda);
   m.impl("weighted_sum_out", &weighted_sum_out_cuda);
   m.impl("weighted_sum_screened", &weighted_sum_screened_cuda);

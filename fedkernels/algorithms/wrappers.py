@@ -152,6 +152,15 @@ class MethodWrapper(Aggregator):
         return f"{type(self).__name__}({self.inner!r}{own})"
 
 
+def clip_scales(rin: RoundInput, M: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norms)``, [K] float64 on the host: the update norms ``||U_k||`` from one kstats pass over U
+    (which screens the rows when they are unscreened) and the clip factors ``s_k = min(1, M / ||U_k||)``
+    (1 for a zero row): the clipping of norm_bound and of the DP wrapper (Flower's ``clip_inputs_inplace``)."""
+    _, nsq, _ = rin.kstats(rin.sample_weights())
+    norms = nsq.sqrt()
+    return torch.where(norms > M, M / norms, torch.ones_like(norms)), norms
+
+
 @register_wrapper
 class NormBound(MethodWrapper):
     """Norm bounding (Sun et al., 2019): each client update clipped to norm at most ``norm_bound`` (M),
@@ -174,10 +183,7 @@ class NormBound(MethodWrapper):
 
     def scales(self, rin: RoundInput) -> torch.Tensor:
         """[K] float64 host: ``min(1, M / ||U_k||)`` (1 for a zero row), from one kstats pass."""
-        _, nsq, _ = rin.kstats(rin.sample_weights())
-        norms = nsq.sqrt()
-        M = self.norm_bound
-        return torch.where(norms > M, M / norms, torch.ones_like(norms))
+        return clip_scales(rin, self.norm_bound)[0]
 
     def before(self, rin: RoundInput) -> RoundInput:
         s = self.scales(rin)

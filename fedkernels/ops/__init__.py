@@ -14,6 +14,8 @@ named like the op:
 ``fedecado_be_step``  ``fedecado_be_step`` (FedECADO's fused backward-Euler step; ``BEStepWindow``: its
                       attempts over one integration window, the fixed arguments checked once)
 ``fused_sgd_step``    ``fused_sgd_step_``, ``corrected_sgd_step_``, ``gc_sgd_step_`` (local steps)
+``gaussian_noise``    ``add_gaussian_noise_``, ``weighted_sum_noised``, ``philox_normal`` (the DP noise:
+                      Philox4x32-10 + Box-Muller, the same bits on every device)
 ``server_opt_step``   ``server_opt_step_`` (FedAdam / FedYogi / FedAdagrad's fused m, v and model update)
 ``dequant_weighted_sum``  ``dequant_weighted_sum`` (int8 / fp8 blockwise rows summed without a dequantised copy)
 ``sparse_weighted_sum``   ``sparse_weighted_sum``, ``stack_lists`` (K index/value lists summed, top-k rows)
@@ -52,6 +54,7 @@ from .kstats import kstats  # noqa: E402
 from .select import closest_mean, closest_mean_screened, order_mean, order_mean_screened  # noqa: E402
 from .weighted_sum import weighted_sum, weighted_sum_chunked, weighted_sum_screened  # noqa: E402
 from .fedecado_be_step import BEStepWindow, fedecado_be_step  # noqa: E402
+from .gaussian_noise import add_gaussian_noise_, philox_normal, weighted_sum_noised  # noqa: E402
 from .fused_sgd_step import corrected_sgd_step_, fused_sgd_step_, gc_sgd_step_  # noqa: E402
 from .gc_project import GC_VECTOR_POLICIES, gc_project, gc_project_, gc_project_flat_  # noqa: E402
 from .lu import LU_MAX_N, arrowhead_solve, lu_factor, lu_factor_ex, lu_solve  # noqa: E402
@@ -70,4 +73,5 @@ __all__ = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened
            "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_",
            "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
            "reduce_across", "active_reducer", "Reducer",
-           "dequant_weighted_sum", "sparse_weighted_sum", "stack_lists"]
+           "dequant_weighted_sum", "sparse_weighted_sum", "stack_lists",
+           "add_gaussian_noise_", "weighted_sum_noised", "philox_normal"]

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..flat import clip_rows_, row_norms
 from ..errors import RunError
 from ..algorithms.base import BatchedRule, Chunk, ClientRule
 from .client import BadClientError, client_seed
@@ -432,6 +433,10 @@ class BatchedExecutor:
                 Wb.copy_(torch.where(active.unsqueeze(1), stats, Wb))
         payloads = form.end(ch)
         W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
+        if getattr(self.sim, "client_clip", None) is not None:   # client-side DP clipping, each row as written
+            clip_rows_(W, self.sim.client_clip)
+        if getattr(self.sim, "dp_norms", None) is not None:      # server-side DP: the rows' norms while hot
+            self.sim.dp_norms.update(zip(buf.client_ids[s0:s0 + C], row_norms(W).tolist()))
         for mod in self.bns.values():          # one more batch per client step, as the shared model counts
             if mod.num_batches_tracked is not None:
                 mod.num_batches_tracked.add_(sum(steps))

@@ -229,6 +229,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     lines.append(f"   local training {s.get('t_local_total', 0):.2f}s, aggregation {s.get('t_agg_total', 0):.3f}s"
                  f" ({'n/a' if share is None else f'{100 * share:.2f}%'} of the two), eval "
                  f"{s.get('t_eval_total', 0):.2f}s, wall {s.get('wall_s', 0):.1f}s")
+    if s.get("epsilon") is not None:       # a DP run (docs/privacy.md)
+        lines.append(f"   differential privacy: epsilon {s['epsilon']:.4g} after the last round (dp-accounting, RDP)")
     if s.get("excluded_total"):
         lines.append(f"   excluded client updates: {s['excluded_total']}")
     if s.get("diverged"):

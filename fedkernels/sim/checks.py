@@ -59,6 +59,8 @@ def check_run(cfg: RunConfig, data_set: bool = True, partition: bool = True, mod
             .local_training_conflict(cfg.train.steps)
         if why:
             raise ValueError(f"train.steps={cfg.train.steps} with algorithm {name}: {why}")
+    if cfg.dp.kind is not None:        # the DP wrapper's own checks: the method's verdict, the target epsilon
+        _check_dp(cfg)
     if data_set:
         _check_data(cfg)
     if partition:
@@ -110,6 +112,19 @@ def _check_applies(cfg: RunConfig) -> None:
             if getattr(h, key) is not None:
                 raise ValueError(f"train.hetero.{key}={getattr(h, key)} is read only with train.hetero.enabled=true; "
                                  "set it or remove the range")
+
+
+def _check_dp(cfg: RunConfig) -> None:
+    from ..algorithms.dp import check_dp_options, method_verdict
+    name = cfg.algorithm.name
+    core = algorithms.build(name, **normalize_options(name, dict(cfg.algorithm.options)))
+    label, verdict = method_verdict(core)
+    if verdict != "private":
+        raise ValueError(f"dp with algorithm {name}: refused: {verdict}")
+    if cfg.compress.kind not in (None, "none"):
+        raise ValueError(f"dp.kind={cfg.dp.kind} with compress.kind={cfg.compress.kind}: refused (the compressed "
+                         "aggregation path does not clip or noise the rows); use one of them")
+    check_dp_options(cfg.dp.options(cfg))
 
 
 def _check_data(cfg: RunConfig) -> None:

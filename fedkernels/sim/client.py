@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..flat import row_norms
 from ..algorithms.base import ClientContext, ClientRule
 from .config import TrainConfig
 
@@ -258,7 +259,9 @@ def train_client(sim, buf, cid: int, r: int, base_lr: float, factor: float, epoc
                             client_seed(sim.cfg.seed, r, cid), rule=sim._rule(cid),
                             payload=payload, base_lr=base_lr)
     slot = buf.add(cid, res.num_examples)
-    row = buf.write_delta(slot, sim.model, sim.global_flat)
+    row = buf.write_delta(slot, sim.model, sim.global_flat, getattr(sim, "client_clip", None))
+    if getattr(sim, "dp_norms", None) is not None:   # server-side DP: the row's norm while it is hot
+        sim.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
     if sim.screen_clients:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
             buf.client_ids.pop()

@@ -187,6 +187,7 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
         methods_out[label] = {"algorithm": var["name"], "options": var.get("options", {}), **st[label],
                               "rounds_to_target": [(runs[label][s] or {}).get("rounds_to_target") for s in seeds],
                               "timing": _timing(runs[label].values()),
+                              "epsilon": _epsilon(runs[label].values()),
                               "runs": [runs[label][s] or {"error": _err(failed, label, s), "seed": s}
                                        for s in seeds]}
     out: Dict[str, Any] = {
@@ -319,6 +320,17 @@ def _err(failed, label, seed):
     return next((f["error"] for f in failed if f["method"] == label and f["seed"] == seed), None)
 
 
+def _epsilon(summaries) -> Optional[float]:
+    """A DP method's epsilon after its last round (the largest over its seeds; None: not a DP run)."""
+    eps = [s["epsilon"] for s in summaries if s and s.get("epsilon") is not None]
+    return max(eps) if eps else None
+
+
+def _eps_cell(r: Mapping[str, Any]) -> str:
+    e = r.get("epsilon")
+    return "-" if e is None else f"{e:.3g}"
+
+
 def _hms(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
@@ -395,7 +407,8 @@ def markdown_table(out: Mapping[str, Any]) -> str:
     for key in HEADLINE:
         name = dict(METRICS)[key]
         head += [f"{name} % (mean ± sd)", "95% CI", f"Δ vs {base} (pp) [95% CI]", "p", "sig."]
-    head += ["round 1 s", "median round s", "agg share %"]
+    dp = any(r.get("epsilon") is not None for r in out["methods"].values())
+    head += ["round 1 s", "median round s", "agg share %"] + (["epsilon"] if dp else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for label, r in out["methods"].items():
         row = [label, str(r.get("n_seeds", ""))]
@@ -405,7 +418,7 @@ def markdown_table(out: Mapping[str, Any]) -> str:
         t = r.get("timing") or {}
         row += ["" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
                 "" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
-                _pct(t.get("agg_share"), 3)]
+                _pct(t.get("agg_share"), 3)] + ([_eps_cell(r)] if dp else [])
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append(legend(out))
@@ -479,7 +492,8 @@ def format_table(out: Mapping[str, Any]) -> str:
         head += [f"{dict(METRICS)[key]} %", f"Δ vs {base} [95% CI]", "p"]
     if tgt is not None:
         head.append(f"rounds to {100 * tgt:.0f}%")
-    head += ["round 1 s", "median round s", "agg share %"]
+    dp = any(r.get("epsilon") is not None for r in out["methods"].values())
+    head += ["round 1 s", "median round s", "agg share %"] + (["epsilon"] if dp else [])
     rows = []
     for label, r in out["methods"].items():
         row = [label]
@@ -492,7 +506,7 @@ def format_table(out: Mapping[str, Any]) -> str:
         t = r.get("timing") or {}
         row += ["n/a" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
                 "n/a" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
-                "n/a" if t.get("agg_share") is None else f"{100 * t['agg_share']:.3f}"]
+                "n/a" if t.get("agg_share") is None else f"{100 * t['agg_share']:.3f}"] + ([_eps_cell(r)] if dp else [])
         rows.append(row)
     w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(k) for c, k in zip(cells, w))  # noqa: E731

@@ -139,6 +139,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dp: "DPConfig" = field(default_factory=lambda: DPConfig())   # differential privacy (off: dp.kind null)
     attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())   # Byzantine attackers (sim/attacks.py)
     compress: CompressConfig = field(default_factory=CompressConfig)
 
@@ -161,6 +162,8 @@ class RunConfig:
     def config_hash(self, n: int = 8) -> str:
         """A short hash of everything that changes the computation (not output/progress settings)."""
         d = {k: v for k, v in self.to_dict().items() if k not in PRESENTATION_KEYS}
+        if d.get("dp", {}).get("kind") is None:
+            d.pop("dp", None)          # DP off: the hash (and the run directory) of a config without the section
         if self.attack.kind is None:      # no attack: the hash of a config without the section
             d.pop("attack", None)
         if d.get("compress", {}).get("kind", "none") == "none":   # uncompressed runs keep their hashes
@@ -201,6 +204,7 @@ class RunConfig:
         for nm, rg in (("lr_range", h.lr_range), ("epochs_range", h.epochs_range)):
             if rg is not None and (len(rg) != 2 or rg[0] > rg[1] or rg[0] <= 0):
                 errs.append(f"train.hetero.{nm} must be [low, high] with 0 < low <= high, got {rg}")
+        errs += dp_errors(self)
         errs += attack_config_errors(self)
         if errs:
             raise ValueError("invalid config: " + "; ".join(errs))
@@ -473,6 +477,53 @@ def apply_overrides(cfg: RunConfig, overrides: Sequence[str]) -> RunConfig:
     return cfg
 
 
+# ---- differential privacy (fedkernels.algorithms.dp; docs/privacy.md) ---------------------------------
+@dataclass
+class DPConfig:
+    """Client-level differential privacy of the released models (the DP wrapper around the method):
+    ``kind`` null (off) | central (the server clips each update to ``clip``) | client (clients clip their
+    row as they write it) | adaptive (Andrew et al.: ``clip`` is the initial norm); Gaussian noise of std
+    ``noise_multiplier * clip / m`` on the average, or ``target_epsilon`` at ``delta`` over the planned
+    rounds (the multiplier calibrated before round 1); epsilon from dp-accounting's RDP accountant for the
+    simulator's sampling (m of num_clients, uniformly without replacement)."""
+
+    kind: Optional[str] = None               # null | central | client | adaptive
+    clip: Optional[float] = None             # the clip norm C (adaptive: the initial C)
+    noise_multiplier: Optional[float] = None  # z (exactly one of noise_multiplier and target_epsilon)
+    delta: float = 1e-5
+    target_epsilon: Optional[float] = None
+    target_clipped_quantile: float = 0.5     # adaptive: the quantile of update norms C tracks
+    clip_norm_lr: float = 0.2                # adaptive: the geometric step of C
+    clipped_count_stddev: Optional[float] = None   # adaptive: the count noise's std (null: m / 20)
+
+    def options(self, cfg: "RunConfig") -> Dict[str, Any]:
+        """The DP wrapper's options for run ``cfg`` (``algorithms.build(name, dp=...)``)."""
+        return {"kind": self.kind, "clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta,
+                "target_epsilon": self.target_epsilon, "rounds": cfg.rounds, "seed": cfg.seed,
+                "num_sampled_clients": cfg.per_round(), "population": cfg.num_clients,
+                "target_clipped_quantile": self.target_clipped_quantile, "clip_norm_lr": self.clip_norm_lr,
+                "clipped_count_stddev": self.clipped_count_stddev}
+
+
+_SECTIONS[(RunConfig, "dp")] = DPConfig
+RANGES.update({"dp.clip": "> 0", "dp.noise_multiplier": ">= 0", "dp.delta": "(0, 1)", "dp.target_epsilon": "> 0",
+               "dp.target_clipped_quantile": "[0, 1]", "dp.clip_norm_lr": "> 0", "dp.clipped_count_stddev": ">= 0"})
+
+
+def dp_errors(cfg: "RunConfig") -> List[str]:
+    """The dp section's own checks (numbers: RANGES): a kind, the clip norm, one of noise_multiplier and
+    target_epsilon. The method's verdict and the target's reachability: ``checks.check_run``."""
+    d = cfg.dp
+    if d.kind is None:
+        set_keys = [k for k in ("clip", "noise_multiplier", "target_epsilon") if getattr(d, k) is not None]
+        return [f"dp.{set_keys[0]} is set but dp.kind is null: set dp.kind=central|client|adaptive"] if set_keys else []
+    if d.kind not in ("central", "client", "adaptive"):
+        return [f"dp.kind must be central|client|adaptive (or null: off), got {d.kind!r}"]
+    if d.clip is None:
+        return ["dp.clip is required with dp.kind (the L2 norm each update is clipped to)"]
+    if (d.noise_multiplier is None) == (d.target_epsilon is None):
+        return ["dp: give exactly one of dp.noise_multiplier and dp.target_epsilon"]
+    return []
 @dataclass
 class AttackConfig:
     """Byzantine attackers (``fedkernels.sim.attacks``): which clients attack and how."""

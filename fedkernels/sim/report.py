@@ -170,6 +170,9 @@ def summarize(metrics: Sequence[Dict[str, Any]], rounds: int, target: Optional[f
     s.update(timing_summary(metrics))
     s.update(excluded_total=sum(len(m.get("excluded", []) or []) for m in metrics),
              diverged=any(m.get("diverged") for m in metrics))
+    eps = [m["epsilon"] for m in metrics if "epsilon" in m]
+    if eps:                            # a DP run: the epsilon of the released models after the last round
+        s["epsilon"] = eps[-1]
     return s
 
 

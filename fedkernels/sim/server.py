@@ -76,6 +76,12 @@ class Simulation:
         from .checks import check_run     # keys, values and options: one-line ValueError before any work
         self.cfg = check_run(cfg.copy(), data_set=train is None or test is None,
                              partition=client_indices is None, model=model_fn is None)
+        # client-side DP: each client clips its update to dp.clip as it writes its row (flat.clip_rows_)
+        self.client_clip = self.cfg.dp.clip if self.cfg.dp.kind == "client" else None
+        # server-side DP in one process: each row's norm taken as the row is written ({client id: norm}),
+        # handed to the DP wrapper, whose aggregate then reads U once (other executors: its own norm pass)
+        self.dp_norms = ({} if self.cfg.dp.kind in ("central", "adaptive") and self.cfg.workers == 1
+                         and not self.cfg.distributed else None)
         self.run_dir = run_dir or os.path.join(self.cfg.out_dir, self.cfg.run_name())
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         self.resume = resume
@@ -115,6 +121,8 @@ class Simulation:
         cfg = self.cfg
         opts = dict(cfg.algorithm.options)
         opts.setdefault("on_bad_update", cfg.bad_client_policy)
+        if cfg.dp.kind is not None:      # the DP wrapper (algorithms.dp) around the method
+            opts["dp"] = cfg.dp.options(cfg)
         return algorithms.build(cfg.algorithm.name, **opts)
 
     def setup(self) -> "Simulation":
@@ -264,6 +272,8 @@ class Simulation:
         Clients the aggregator excluded are appended to ``excluded`` and logged."""
         self.stop.committing = True    # from here the round changes the model: a second signal waits
         t1 = time.perf_counter()
+        if self.dp_norms is not None:
+            self.agg.known_norms = dict(self.dp_norms)
         if getattr(self, "compression", None) is not None:     # the rows as the clients compressed them
             new, info = self.compression.aggregate(self.agg, self.global_flat, U, n, ids, payloads, r)
         else:
@@ -307,6 +317,8 @@ class Simulation:
         cfg = self.cfg
         ids = list(self.schedule[r])
         self.buf.reset()
+        if self.dp_norms is not None:
+            self.dp_norms.clear()
         factor = schedule_factor(cfg.train, r, cfg.rounds)
         mine = self.procs.positions(len(ids))
         payload_of = self.procs.payloads(ids, mine)                    # 1. payloads
@@ -345,6 +357,8 @@ class Simulation:
         if self.is_main and not diverged and ((r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds):
             self.evaluate_round(r, m, [a["cid"] for a in acc])      # 5. evaluate
         m["agg"] = json_safe(info)
+        if "epsilon" in info:            # a DP run: the privacy spent so far (dp-accounting), on every row
+            m["epsilon"] = info["epsilon"]
         if self.attack is not None:
             m["attack"] = self.attack.record(attacked, info)
         if "bytes_sent" in info:                                       # compressed updates: what the clients sent

@@ -113,8 +113,8 @@ class _RowAt:
         self.num_examples.append(float(num_examples))
         return self.pos
 
-    def write_delta(self, slot: int, model, global_flat):
-        return self.buf.write_delta(slot, model, global_flat)
+    def write_delta(self, slot: int, model, global_flat, clip=None):
+        return self.buf.write_delta(slot, model, global_flat, clip)
 
 
 def _die_with_parent() -> None:
