@@ -117,3 +117,10 @@ def test_fedecado_flat_stepping_options_are_typed():
     assert _error(algorithms.build, "fedecado", T_bar="banana").startswith(
         "fedecado: option T_bar='banana': expected a number or None")
     assert algorithms.build("fedecado", L="2.5").stepping.L == 2.5
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), float("inf")])
+def test_server_lr_out_of_range_is_one_line(bad):
+    # the library refuses what the CLI's range refuses (server_lr > 0), naming the method and the value
+    with pytest.raises(ValueError, match=r"^fedavg: server_lr must be a finite number > 0, got "):
+        algorithms.build("fedavg", server_lr=bad)

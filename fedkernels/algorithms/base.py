@@ -523,7 +523,13 @@ class Aggregator(abc.ABC):
         if on_bad_update not in BAD_UPDATE_POLICIES:
             raise ValueError(f"on_bad_update must be one of {BAD_UPDATE_POLICIES}, got {on_bad_update!r}")
         self.on_bad_update = on_bad_update
-        self.server_lr = float(server_lr)
+        try:
+            lr = float(server_lr)
+        except (TypeError, ValueError):
+            lr = math.nan
+        if isinstance(server_lr, bool) or not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"{self.name}: server_lr must be a finite number > 0, got {server_lr!r}")
+        self.server_lr = lr
         self.round = 0
         self.num_clients: Optional[int] = None
         self.spec: Optional[FlatSpec] = None
