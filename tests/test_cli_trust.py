@@ -98,7 +98,7 @@ def test_threads_are_part_of_the_run_and_a_finished_run_is_never_replaced(tmp_pa
     with open(tmp_path / "runs" / "auto" / "config.yaml") as f:
         assert "threads: null" not in f.read()
     how = _prov(tmp_path / "runs" / "auto")["threads"]["how"]
-    assert "load" in how and "threads: " in p.stderr
+    assert "load" in how and "threads: " in p.stdout
 
 
 # ---- 5. numbers as people write them -------------------------------------------------------------------

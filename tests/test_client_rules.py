@@ -51,9 +51,9 @@ def test_fedprox_mu_mismatch_is_named():
         build("fedprox", mu=0.1).aggregate(torch.zeros(3), torch.ones(1, 3), [1], payloads=[{"prox_mu": 0.5}])
 
 
-def test_readme_snippet_runs_as_written(tmp_path):
-    text = open(os.path.join(ROOT, "README.md")).read()
-    at = text.index("In your own training loop, a whole round")
+def test_library_doc_round_snippet_runs_as_written(tmp_path):
+    text = open(os.path.join(ROOT, "docs", "library.md")).read()
+    at = text.index("## A whole round in your own training loop")
     block = re.search(r"```python\n(.*?)```", text[at:], re.S).group(1)
     assert "spec.load_(model, glob)" in block and "rule.end(ctx, model)" in block
     script = tmp_path / "snippet.py"

@@ -132,7 +132,7 @@ def cmd_run(a) -> int:
                      callbacks=_callbacks(a, cfg))
     sim.threads_choice = why_threads       # provenance.json says how the thread count was chosen
     if why_threads and cfg.verbose and getattr(sim, "rank", 0) == 0:
-        print(f"threads: {why_threads}", file=sys.stderr, flush=True)
+        print(f"threads: {why_threads}", flush=True)   # information: stdout (stderr is for errors)
     if a.resume and sim.check_resume() is None:   # no checkpoint: CheckpointError, exit 2
         from .checkpoint import check_extension, completed_rounds, resume_note
         done = completed_rounds(run_dir)
