@@ -328,8 +328,8 @@ _SECONDS_PER_ROUND: Dict[str, Tuple[float, str]] = {
 }
 # On a busy machine the same rounds take longer, with the thread count chosen for the load (one thread
 # on 2 cores): median round 3.6-5x the figures above at a 1-minute load of 14 on the 2 cores
-# (kuramoto-digits 0.30 s, fedaware-synthetic 0.115 s, fedpgvc-digits 0.43 s; 2026-11-28); with two
-# threads fighting that load it was 5-7x (issue: rounds of 0.24 s median took up to 52-67 s).
+# (kuramoto-digits 0.30 s, fedaware-synthetic 0.115 s, fedpgvc-digits 0.43 s); with two threads
+# fighting that load it was 5-7x.
 BUSY_FACTOR = 5.0
 
 
