@@ -20,16 +20,6 @@ constexpr int kThreads = 256;
 FK_HD int64_t num_blocks(int64_t d) { return (d + kThreads - 1) / kThreads; }
 FK_HD int64_t col(int64_t b, int tid) { return b * (int64_t)kThreads + tid; }
 
-FK_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
-
 // float8 e4m3fn code -> float, exact (the CPU op's conversion: exponent rebiased, subnormals as 2^-6 (1 + m/8) - 2^-6).
 FK_HD float e4m3(uint8_t b) {
   const uint32_t mag = b & 0x7Fu;

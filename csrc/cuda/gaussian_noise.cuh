@@ -30,33 +30,7 @@ namespace fedkernels {
 namespace cuda {
 namespace gnoise {
 
-FK_HD double fma_(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return fma(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-
-FK_HD uint64_t bits_of(double x) {
-#if defined(__CUDA_ARCH__)
-  return (uint64_t)__double_as_longlong(x);
-#else
-  uint64_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-#endif
-}
-FK_HD double of_bits(uint64_t b) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double((long long)b);
-#else
-  double x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-#endif
-}
-
+// fma_rn, bits_of, of_bits: hd.h
 FK_HD void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
   const uint64_t p = (uint64_t)a * (uint64_t)b;
   hi = (uint32_t)(p >> 32);
@@ -96,46 +70,46 @@ FK_HD double log_unit(double u) {
   const double s = f / (2.0 + f);
   const double z = s * s;
   double p = 1.0 / 23.0;
-  p = fma_(p, z, 1.0 / 21.0);
-  p = fma_(p, z, 1.0 / 19.0);
-  p = fma_(p, z, 1.0 / 17.0);
-  p = fma_(p, z, 1.0 / 15.0);
-  p = fma_(p, z, 1.0 / 13.0);
-  p = fma_(p, z, 1.0 / 11.0);
-  p = fma_(p, z, 1.0 / 9.0);
-  p = fma_(p, z, 1.0 / 7.0);
-  p = fma_(p, z, 1.0 / 5.0);
-  p = fma_(p, z, 1.0 / 3.0);
+  p = fma_rn(p, z, 1.0 / 21.0);
+  p = fma_rn(p, z, 1.0 / 19.0);
+  p = fma_rn(p, z, 1.0 / 17.0);
+  p = fma_rn(p, z, 1.0 / 15.0);
+  p = fma_rn(p, z, 1.0 / 13.0);
+  p = fma_rn(p, z, 1.0 / 11.0);
+  p = fma_rn(p, z, 1.0 / 9.0);
+  p = fma_rn(p, z, 1.0 / 7.0);
+  p = fma_rn(p, z, 1.0 / 5.0);
+  p = fma_rn(p, z, 1.0 / 3.0);
   const double t = z * p;
-  const double lnm = 2.0 * fma_(s, t, s);  // 2 (s + s^3 p(s^2)); the doubling is exact
+  const double lnm = 2.0 * fma_rn(s, t, s);  // 2 (s + s^3 p(s^2)); the doubling is exact
   const double de = (double)e;
-  return fma_(de, 6.93147180369123816490e-01, fma_(de, 1.90821492927058770002e-10, lnm));  // e ln2 (hi + lo)
+  return fma_rn(de, 6.93147180369123816490e-01, fma_rn(de, 1.90821492927058770002e-10, lnm));  // e ln2 (hi + lo)
 }
 
 // sin and cos of x in [0, pi/4] by their Taylor series (to x^17 and x^18).
 FK_HD void sincos_octant(double x, double& s, double& c) {
   const double z = x * x;
   double ps = -1.0 / 355687428096000.0;       // -1/17!
-  ps = fma_(ps, z, 1.0 / 1307674368000.0);    // 1/15!
-  ps = fma_(ps, z, -1.0 / 6227020800.0);      // -1/13!
-  ps = fma_(ps, z, 1.0 / 39916800.0);         // 1/11!
-  ps = fma_(ps, z, -1.0 / 362880.0);          // -1/9!
-  ps = fma_(ps, z, 1.0 / 5040.0);             // 1/7!
-  ps = fma_(ps, z, -1.0 / 120.0);             // 1/5!
-  ps = fma_(ps, z, 1.0 / 6.0);                // 1/3!
+  ps = fma_rn(ps, z, 1.0 / 1307674368000.0);    // 1/15!
+  ps = fma_rn(ps, z, -1.0 / 6227020800.0);      // -1/13!
+  ps = fma_rn(ps, z, 1.0 / 39916800.0);         // 1/11!
+  ps = fma_rn(ps, z, -1.0 / 362880.0);          // -1/9!
+  ps = fma_rn(ps, z, 1.0 / 5040.0);             // 1/7!
+  ps = fma_rn(ps, z, -1.0 / 120.0);             // 1/5!
+  ps = fma_rn(ps, z, 1.0 / 6.0);                // 1/3!
   // sin x = x - x z ps(z), ps(z) = 1/3! - z/5! + z^2/7! - ...; cos x = 1 - z pc(z), pc(z) = 1/2! - z/4! + ...
   const double xz = x * z;
-  s = fma_(-xz, ps, x);
+  s = fma_rn(-xz, ps, x);
   double pc = 1.0 / 6402373705728000.0;       // 1/18!
-  pc = fma_(pc, z, -1.0 / 20922789888000.0);  // -1/16!
-  pc = fma_(pc, z, 1.0 / 87178291200.0);      // 1/14!
-  pc = fma_(pc, z, -1.0 / 479001600.0);       // -1/12!
-  pc = fma_(pc, z, 1.0 / 3628800.0);          // 1/10!
-  pc = fma_(pc, z, -1.0 / 40320.0);           // -1/8!
-  pc = fma_(pc, z, 1.0 / 720.0);              // 1/6!
-  pc = fma_(pc, z, -1.0 / 24.0);              // -1/4!
-  pc = fma_(pc, z, 1.0 / 2.0);                // 1/2!
-  c = fma_(-z, pc, 1.0);
+  pc = fma_rn(pc, z, -1.0 / 20922789888000.0);  // -1/16!
+  pc = fma_rn(pc, z, 1.0 / 87178291200.0);      // 1/14!
+  pc = fma_rn(pc, z, -1.0 / 479001600.0);       // -1/12!
+  pc = fma_rn(pc, z, 1.0 / 3628800.0);          // 1/10!
+  pc = fma_rn(pc, z, -1.0 / 40320.0);           // -1/8!
+  pc = fma_rn(pc, z, 1.0 / 720.0);              // 1/6!
+  pc = fma_rn(pc, z, -1.0 / 24.0);              // -1/4!
+  pc = fma_rn(pc, z, 1.0 / 2.0);                // 1/2!
+  c = fma_rn(-z, pc, 1.0);
 }
 
 // Box-Muller from Philox words (see the header comment): the squared radius -2 ln u1 from x0, x1 ...
@@ -247,7 +221,7 @@ FK_HD void fill_normals(uint64_t seed, uint64_t counter, uint64_t j0, int64_t le
 
 // v + sigma * n in accumulation type A, the one rounding rule every kernel uses: fp64 as fma(sigma, n,
 // v) (one rounding), fp32 as v + float(sigma * n) (the noise rounded to float, then the float add).
-FK_HD double add_noise(double v, double sigma, double n) { return fma_(sigma, n, v); }
+FK_HD double add_noise(double v, double sigma, double n) { return fma_rn(sigma, n, v); }
 FK_HD float add_noise(float v, double sigma, double n) { return v + (float)(sigma * n); }
 
 }  // namespace gnoise

@@ -34,21 +34,7 @@ namespace so {
 
 enum Rule : int { kAdam = 0, kYogi = 1, kAdagrad = 2 };
 
-// IEEE round-to-nearest fma, sqrt and division on both sides (the device intrinsics ignore --use_fast_math).
-FK_HD float fma_rn(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-FK_HD double fma_rn(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return __fma_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
+// IEEE round-to-nearest sqrt and division on both sides (the device intrinsics ignore --use_fast_math; fma_rn: hd.h).
 FK_HD float sqrt_rn(float a) {
 #if defined(__CUDA_ARCH__)
   return __fsqrt_rn(a);
