@@ -342,6 +342,106 @@ def bench_select(copy_gbs):
         free()
 
 
+# ---- the codecs' and privacy's ops, the server optimiser step ---------------------------------------
+def bench_codecs(copy_gbs):
+    """dequant_weighted_sum (int8 / fp8 e4m3 blocks x fp32 scales summed into fp32: one read of the K d
+    codes) against torch's dequantise-then-sum (a K x d fp32 copy), and sparse_weighted_sum of top-1%
+    lists against torch's index_add_ into a zero vector."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    block = 256
+    for K in ((10, 100) if is_cuda() and not QUICK else (4,)):
+        nb = -(-d // block)
+        coef = torch.rand(K, dtype=torch.float64)
+        coef_dev = coef.to(DEV)
+        for name, qdt in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+            raw = torch.randint(-127, 128, (K, d), device=DEV, dtype=torch.int8)
+            Q = raw if qdt == torch.int8 else (raw.float() / 16).to(qdt)
+            S = torch.rand(K, nb, device=DEV) / 127
+            nbytes = K * d + K * nb * 4
+            sets = copies_needed(nbytes)
+            Qs = [Q] + [Q.roll(i + 1, 1) for i in range(sets - 1)]
+            ms = time_fns([lambda q=q: ops.dequant_weighted_sum(q, S, coef, block) for q in Qs], reps=10)
+
+            def torch_dequant(q):
+                full = torch.zeros(K, nb * block, device=DEV)
+                full[:, :d] = q.float()
+                return coef_dev.float() @ (full.view(K, nb, block) * S[:, :, None]).view(K, -1)[:, :d]
+            base = {"torch_dequantise_then_sum": time_fns([lambda q=q: torch_dequant(q) for q in Qs], reps=5)}
+            out, ok = ops.dequant_weighted_sum(Q, S, coef, block)
+            same = bool(torch.equal(out, ops.dequant_weighted_sum(Q, S, coef, block)[0]))
+            rec = (Q.double().view(K, -1) if qdt == torch.int8 else Q.to(torch.float64))
+            ref = coef.to(DEV) @ (rec * S.double().repeat_interleave(block, 1)[:, :d])
+            err = float((out.double() - ref).abs().max() / ref.abs().max())
+            record("dequant_weighted_sum", f"{name} block={block} K={K} d={d}", ms, nbytes=nbytes, copy_gbs=copy_gbs,
+                   baselines=base, sizes={"K": K, "d": d, "block": block, "codes": name},
+                   extra={"bitwise_repeatable": same, "rel_err_vs_fp64": err, "rows_ok": bool(ok.all())})
+            del Q, Qs, S, raw
+            free()
+        k = max(1, d // 100)
+        idx = [torch.sort(torch.randperm(d, device=DEV)[:k]).values for _ in range(K)]
+        val = [torch.randn(k, device=DEV) for _ in range(K)]
+        I, V, offs = ops.stack_lists(idx, val)
+        nbytes = K * k * (8 + 4) + d * 4
+        ms = time_fns([lambda: ops.sparse_weighted_sum(I, V, offs, coef, d)], reps=10)
+
+        def torch_scatter():
+            out = torch.zeros(d, device=DEV)
+            return out.index_add_(0, I, V * coef_dev.float().repeat_interleave(torch.diff(offs.to(DEV))))
+        base = {"torch_index_add": time_fns([torch_scatter], reps=5)}
+        out, _ = ops.sparse_weighted_sum(I, V, offs, coef, d)
+        same = bool(torch.equal(out, ops.sparse_weighted_sum(I, V, offs, coef, d)[0]))
+        record("sparse_weighted_sum", f"top-1% K={K} d={d}", ms, nbytes=nbytes, copy_gbs=copy_gbs, baselines=base,
+               sizes={"K": K, "d": d, "k": k}, extra={"bitwise_repeatable": same})
+        del idx, val, I, V
+        free()
+
+
+def bench_noise(copy_gbs):
+    """Central DP's aggregate: weighted_sum_noised (the Gaussian noise drawn in the sum's output write)
+    against weighted_sum alone and weighted_sum + torch.randn."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    for K in ((10, 100) if is_cuda() and not QUICK else (4,)):
+        U = torch.randn(K, d, device=DEV)
+        coef = torch.full((K,), 1.0 / K, dtype=torch.float64)
+        nb = K * d * 4
+        Us = [U] + [torch.randn_like(U) for _ in range(copies_needed(nb) - 1)]
+        ms = time_fns([lambda u=u: ops.weighted_sum_noised(u, coef, sigma=0.01, seed=7, counter=3) for u in Us])
+        base = {"weighted_sum": time_fns([lambda u=u: ops.weighted_sum(u, coef) for u in Us]),
+                "weighted_sum_plus_torch_randn": time_fns(
+                    [lambda u=u: ops.weighted_sum(u, coef).add_(torch.randn(d, device=DEV), alpha=0.01) for u in Us])}
+        a = ops.weighted_sum_noised(U, coef, sigma=0.01, seed=7, counter=3)
+        same = bool(torch.equal(a, ops.weighted_sum_noised(U, coef, sigma=0.01, seed=7, counter=3)))
+        record("weighted_sum_noised", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base,
+               sizes={"K": K, "d": d}, extra={"bitwise_repeatable": same})
+        del U, Us
+        free()
+
+
+def bench_server_opt(copy_gbs):
+    """FedAdam's server step: server_opt_step_ (one pass over io, m, v, x) against the same step as
+    torch elementwise ops (Flower's arithmetic on tensors)."""
+    d = D(11_220_132, 2_000_003, 50_003)
+    x = torch.randn(d, device=DEV)
+    g = torch.randn(d, device=DEV) * 1e-2
+    m, v = torch.zeros(d, device=DEV), torch.zeros(d, device=DEV)
+    nbytes = d * 4 * 6  # read io, m, v, x; write io, m, v (io written in place counts once more)
+
+    def ours():
+        io = g.clone()
+        ops.server_opt_step_(io, m, v, x, rule="adam", lr=0.01, beta_1=0.9, beta_2=0.99, tau=1e-9)
+
+    def plain():
+        mm = 0.9 * m + 0.1 * g
+        vv = 0.99 * v + 0.01 * g * g
+        return x + 0.01 * mm / (vv.sqrt() + 1e-9)
+    ms = time_fns([ours])
+    base = {"torch_elementwise": time_fns([plain])}
+    record("server_opt_step_", f"adam d={d} fp32", ms, nbytes=nbytes, copy_gbs=copy_gbs, baselines=base,
+           sizes={"d": d, "dtype": "float32"})
+    del x, g, m, v
+    free()
+
+
 # ---- finite_rows ----------------------------------------------------------------------------------
 def bench_finite_rows(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
@@ -560,6 +660,29 @@ def sanitize_subset() -> int:
         torch.ops.fedkernels.fused_sgd_step_(p, gg, bb, [], [], [True, False, True], 0.1, 0.9, 1e-3, False, "skip", 2)
     for i in range(len(shapes)):
         close(f"fused_sgd_step_ {i}", p_g[i], p_c[i], 1e-5)
+    for K, d, block in ((3, 1031, 256), (17, 4099, 64)):   # the codecs' and privacy's ops
+        coef = torch.rand(K, generator=g, dtype=torch.float64)
+        Q = torch.randint(-127, 128, (K, d), generator=g, dtype=torch.int8)
+        S = torch.rand(K, -(-d // block), generator=g)
+        for qn, q in (("int8", Q), ("fp8", (Q.float() / 16).to(torch.float8_e4m3fn))):
+            a, b = ops.dequant_weighted_sum(q.to(dev), S.to(dev), coef, block), ops.dequant_weighted_sum(q, S, coef, block)
+            close(f"dequant_weighted_sum {qn} K={K}", a[0], b[0], 1e-5)
+            close(f"dequant_weighted_sum ok {qn} K={K}", a[1], b[1], 0)
+        idx = [torch.sort(torch.randperm(d, generator=g)[:d // 7]).values for _ in range(K)]
+        I, V, offs = ops.stack_lists(idx, [rn(d // 7) for _ in range(K)])
+        close(f"sparse_weighted_sum K={K}", ops.sparse_weighted_sum(I.to(dev), V.to(dev), offs, coef, d)[0],
+              ops.sparse_weighted_sum(I, V, offs, coef, d)[0], 1e-5)
+        U = rn(K, d)
+        close(f"weighted_sum_noised K={K}", ops.weighted_sum_noised(U.to(dev), coef, sigma=0.5, seed=3, counter=K),
+              ops.weighted_sum_noised(U, coef, sigma=0.5, seed=3, counter=K), 1e-5)
+        x, gr = rn(d), rn(d)
+        for rule in ("adam", "yogi", "adagrad"):
+            res = []
+            for where in (dev, "cpu"):
+                io, m, v = gr.clone().to(where), torch.zeros(d, device=where), torch.full((d,), 1e-6, device=where)
+                ops.server_opt_step_(io, m, v, x.to(where), rule=rule, lr=0.1, beta_1=0.9, beta_2=0.99, tau=1e-3)
+                res.append(io)
+            close(f"server_opt_step_ {rule} d={d}", res[0], res[1], 1e-6)
     torch.cuda.synchronize()
     if bad:
         print("sanitize subset: results differ from the CPU ops:", ", ".join(bad), file=sys.stderr)
@@ -614,7 +737,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,kstats,select,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
+                    help="comma list: weighted_sum,gram,kstats,select,codecs,noise,server_opt,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
                          "(copy always runs)")
     add_out_argument(ap)
     ap.add_argument("--sanitize-subset", action="store_true",
@@ -636,7 +759,8 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "kstats", "select", "finite_rows", "min_norm", "gc", "fused_step", "lu", "be_step", "aggregate"}
+    known = {"weighted_sum", "gram", "kstats", "select", "codecs", "noise", "server_opt", "finite_rows", "min_norm", "gc",
+             "fused_step", "lu", "be_step", "aggregate"}
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -652,6 +776,8 @@ def main(argv=None):
     copy_gbs = bench_copy()
     benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
                ("kstats", lambda: bench_kstats(copy_gbs)), ("select", lambda: bench_select(copy_gbs)),
+               ("codecs", lambda: bench_codecs(copy_gbs)), ("noise", lambda: bench_noise(copy_gbs)),
+               ("server_opt", lambda: bench_server_opt(copy_gbs)),
                ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
                ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
                ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs)),

@@ -10,7 +10,7 @@
 #   bash bench/gpu.sh bench [gpu.py args]   bench/gpu.py -> bench/results/gpu-<device>.json (+ $OUT)
 #   bash bench/gpu.sh quick [--dry-run]   for a short lease (one command, ~6 min, < 10 min worst case):
 #                                build, pytest -m cuda, memcheck only, bench/gpu.py --only (GPU_QUICK_BENCH,
-#                                default weighted_sum,gram,kstats,select,min_norm,aggregate), then the overlapped streamed
+#                                default weighted_sum,gram,kstats,select,codecs,noise,server_opt,min_norm,aggregate), then the overlapped streamed
 #                                FedAvg (bench.large_model.gpu_overlap at d = 1e8, K = 16 fp32: 6.4 GB of host RAM)
 # build and test are also separate commands: on the first H100 run the build took 1.5 min and the whole
 # suite 5.5 min (pytest -n 16): with the tests and the sanitizer, build-test can exceed a 10-minute limit
@@ -245,10 +245,10 @@ case "$step" in
     if build; then
       pytest_step cuda 150 -m cuda tests || rc=1
       sanitize memcheck || rc=1
-      echo "+ timeout 150 $PY bench/gpu.py --out $RESULTS --only ${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,select,min_norm,aggregate}"
+      echo "+ timeout 150 $PY bench/gpu.py --out $RESULTS --only ${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,select,codecs,noise,server_opt,min_norm,aggregate}"
       if [ "$DRY" = 0 ]; then
         b0=$SECONDS brc=0
-        timeout 150 "$PY" bench/gpu.py --out "$RESULTS" --only "${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,select,min_norm,aggregate}" \
+        timeout 150 "$PY" bench/gpu.py --out "$RESULTS" --only "${GPU_QUICK_BENCH:-weighted_sum,gram,kstats,select,codecs,noise,server_opt,min_norm,aggregate}" \
           >"$LOG/bench.log" 2>&1 || brc=$?
         tail -40 "$LOG/bench.log"
         record bench "$brc" $((SECONDS - b0)) "$LOG/bench.log"

@@ -29,7 +29,8 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     assert doc["copy_GBps"] > 0
     rows = doc["results"]
     ops = {r["op"] for r in rows}
-    assert ops == {"copy", "weighted_sum", "gram", "kstats", "order_mean", "closest_mean", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
+    assert ops == {"copy", "weighted_sum", "gram", "kstats", "order_mean", "closest_mean",
+                   "dequant_weighted_sum", "sparse_weighted_sum", "weighted_sum_noised", "server_opt_step_", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
                    "lu_factor", "lu_solve", "fedecado_be_step", "aggregate"}
     for r in rows:
         assert r["ms"] > 0 and r["sizes"], r
@@ -38,6 +39,8 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     baselines = {(r["op"], k) for r in rows for k in r.get("baselines", {})}
     for want in [("weighted_sum", "torch_coef_at_U"), ("gram", "torch_fp64_U_UT"), ("kstats", "gram_then_Gp"),
                  ("order_mean", "torch_median_0"), ("order_mean", "torch_sort_trimmed"),
+                 ("dequant_weighted_sum", "torch_dequantise_then_sum"), ("sparse_weighted_sum", "torch_index_add"),
+                 ("weighted_sum_noised", "weighted_sum_plus_torch_randn"), ("server_opt_step_", "torch_elementwise"),
                  ("lu_solve", "torch_linalg_lu_solve"), ("fused_sgd_step_", "torch_foreach_sgd")]:
         assert want in baselines, want
     for r in rows:
@@ -49,6 +52,10 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     assert kst and all(r["bitwise_repeatable"] and r["rel_err_dot_vs_fp64"] < 1e-12 for r in kst)
     sel = [r for r in rows if r["op"] in ("order_mean", "closest_mean")]
     assert len(sel) == 6 and all(r["bitwise_repeatable"] and r["median_max_abs_err_vs_fp64"] < 1e-6 for r in sel)
+    deq = [r for r in rows if r["op"] == "dequant_weighted_sum"]
+    # fp32 accumulation of K = 4 rows of |code * scale| <= 1: relative error well under 1e-5
+    assert len(deq) == 2 and all(r["bitwise_repeatable"] and r["rows_ok"] and r["rel_err_vs_fp64"] < 1e-5 for r in deq)
+    assert all(r["bitwise_repeatable"] for r in rows if r["op"] in ("sparse_weighted_sum", "weighted_sum_noised"))
 
 
 def test_gpu_bench_whole_aggregate_table(tmp_path):
