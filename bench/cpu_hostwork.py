@@ -1,7 +1,8 @@
 """Host work per aggregate: every registered aggregator with K = 1000 clients of a tiny model
 (d ~ 64), so that the time is what Python and the host do per round (validation, screening,
 per-client state updates), not the arithmetic over U. Target: under 1 ms per aggregate per method,
-i.e. no per-client host work (a Python step per client costs ~25 us, 25 ms at K = 1000).
+i.e. no per-client host work (code that validates and updates state client by client takes 13-92 us per
+client: bench/results/cpu-hostwork-before.json).
 
 Columns: ``ms`` the aggregate (median), ``native_ms`` the time inside the native
 ``torch.ops.fedkernels.*`` kernels during one aggregate (min of a few runs: the arithmetic, e.g.
