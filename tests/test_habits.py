@@ -2,7 +2,7 @@
 
 * comments and docstrings explain the code, not its history: no issue reference (a hash sign and two
   to four digits, or "issue" and a number), no ISO date and no commit hash in a comment of the code
-  (fedkernels/, csrc/, bench/, tests/, examples/, .ci/, Makefile, setup.py,
+  (fedkernels/, csrc/, bench/, tests/, examples/, .ci/, results/'s scripts, Makefile, setup.py,
   pyproject.toml); history belongs in git. Only comments and docstrings are read (a hex constant, a
   seed or a regex in the code is not a comment), URLs are skipped, and the few comments that must name
   a date or hash are listed in ``ALLOWED`` with the reason. Documents (``*.md``) may date a measurement
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CODE_DIRS = ("fedkernels/", "csrc/", "bench/", "tests/", "examples/", ".ci/")
+CODE_DIRS = ("fedkernels/", "csrc/", "bench/", "tests/", "examples/", ".ci/", "results/")
 CODE_FILES = ("Makefile", "setup.py", "pyproject.toml", "MANIFEST.in")
 C_LIKE = (".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh")
 HASH_COMMENTED = (".sh", ".toml", ".cfg", ".yaml", ".yml", ".in", ".txt")
