@@ -2,7 +2,7 @@
 
 ``gram`` on the CPU has two kernels (csrc/cpu/gram.cpp): ``bcast`` (clients staged transposed,
 one element broadcast times vectors along the clients) and ``cols`` (vectors along the columns, one
-horizontal sum per entry and sub-chunk: the kernel before issue #28, unchanged). ``auto`` is what
+horizontal sum per entry and sub-chunk). ``auto`` is what
 ``ops.gram`` runs (it picks one by shape); ``FEDKERNELS_GRAM_PATH`` forces one. Baselines: torch
 ``U.double() @ U.double().T`` (fp64 like ours, the conversion included) and fp32 ``U @ U.T``.
 

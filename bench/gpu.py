@@ -16,9 +16,9 @@ no graphs): CI runs it so that only the GPU numbers are new on the GPU.
 
 ``aggregate``: one whole round of every registered aggregator (with the client payloads it needs)
 at ResNet-18 and VGG-11 sizes, K = 10 and 100, against the one-read floor (K d 4 bytes at the
-copy bandwidth: ``x_floor``) and plain torch ``glob + w @ U`` (issue 28 item 5).
+copy bandwidth: ``x_floor``) and plain torch ``glob + w @ U``.
 
-Targets (DESIGN / issue 18): memory-bound ops >= 85% of copy bandwidth; gram at K=100, d=11.2M
+Targets (docs/design.md): memory-bound ops >= 85% of copy bandwidth; gram at K=100, d=11.2M
 within 2x of its memory floor; min_norm K=1000 < 1 ms; FedAvg of 100 clients x 11M params < 5 ms.
 """
 from __future__ import annotations

@@ -12,8 +12,8 @@
 #                                build, pytest -m cuda, memcheck only, bench/gpu.py --only (GPU_QUICK_BENCH,
 #                                default weighted_sum,gram,kstats,select,codecs,noise,server_opt,min_norm,aggregate), then the overlapped streamed
 #                                FedAvg (bench.large_model.gpu_overlap at d = 1e8, K = 16 fp32: 6.4 GB of host RAM)
-# build and test are also separate commands: on the first H100 run the build took 1.5 min and the whole
-# suite 5.5 min (pytest -n 16): with the tests and the sanitizer, build-test can exceed a 10-minute limit
+# build and test are also separate commands: on an H100 machine with 16 cores the build takes 1.5 min and the
+# whole suite 5.5 min (pytest -n 16): with the tests and the sanitizer, build-test can exceed a 10-minute limit
 # per command; there, run build, then test.
 # Logs go to $OUT (when set) or bench/results; test writes bench/results/gpu-tests-<device>.json (+ $OUT):
 # per step its exit status, seconds and pass/fail/error/skip counts. Any failure is a non-zero exit.

@@ -1,4 +1,4 @@
-"""A real large-model round from a file on disk (issue #30 item 6): K client updates of d parameters in
+"""A real large-model round from a file on disk: K client updates of d parameters in
 one raw bfloat16 file, aggregated by FedAvg, Kuramoto-FedAvg and FedAWARE, each in a fresh process: the
 aggregators themselves over a ``fedkernels.sources.RawFileSource`` read in column chunks (through
 ``fedkernels.streaming``'s ``streamed_*``: the result pass writes into a mapped temporary file that is
@@ -411,11 +411,11 @@ if __name__ == "__main__":
     main()
 
 
-# ---- GPU case (issue #30 item 3): a host matrix streamed through the GPU, copies overlapped ---------------
+# ---- GPU case: a host matrix streamed through the GPU, copies overlapped ---------------------------------
 def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb: int = 64, out=None) -> dict:
     """FedAvg over a [K, d] matrix in (pageable) host RAM, delivered to the GPU by
     ``ChunkedUpdates(device="cuda")`` (two pinned staging blocks, a copy stream: ``sources.overlapped``),
-    against the measured pinned host-to-device bandwidth (issue #30's target: >= 85% of it). Side by
+    against the measured pinned host-to-device bandwidth (the target: >= 85% of it). Side by
     side: the host copy into pinned memory (the link's other stage), a synchronous chunk loop (each chunk
     ``.to("cuda")`` then the op: the plain-torch way), the CPU op on the same matrix, and what
     ``device="auto"`` picks. On a GPU machine (K x d x itemsize of host RAM: 16 GB by default):

@@ -4,7 +4,7 @@ weights and hyper-parameters.
 
     python -m bench.sim_compare                      # both tasks, every runner that is installed
     python -m bench.sim_compare --tasks demo --runners fedkernels-w1,fedkernels-w2,plain
-    PEERS=/work/peers/bin/python python -m bench.sim_compare   # the peers from their own venv
+    PEERS=.peers-venv/bin/python python -m bench.sim_compare   # the peers from their own venv
     make bench-sim                                   # installs the peers into .peers-venv first
 
 Tasks (Fashion-MNIST, the simulator's small_cnn (18,378 parameters), SGD lr 0.05, batch 16, one
@@ -40,7 +40,7 @@ done and their times (it prints a ``PROGRESS`` line per round on stderr).
 Writes sim-compare.json (``--out``; bench/common.py) and prints a Markdown table with ratios to the
 fedkernels workers=1 run and to the plain loop.
 
-Executor mode (issue #29): ``--executors [--device cpu|cuda] [--presets a,b] [--rounds R] [--repeat N]
+Executor mode: ``--executors [--device cpu|cuda] [--presets a,b] [--rounds R] [--repeat N]
 [--chunk round|auto|N]`` runs fedkernels itself on presets (default: the MLP presets whose data are
 bundled) with the sequential executor (``clients_at_once=off``) and the batched one (chunks of the
 whole round by default), interleaved N times in one process, and reports the median local-training

@@ -1,10 +1,10 @@
 """The C++ toolchain guard of the native build: the extension must use the shared libstdc++.
 
-Why (measured on the GPU image, 2026-11-25): there ``$CXX`` was a gcc wrapper whose search path
-has ``libstdc++.a`` but not ``libstdc++.so``. torch's cpp_extension compiles and links with
-``$CXX`` (else ``c++``), so ``_C.so`` got a private static copy of libstdc++ whose locale is never
-initialised, and the first C++ error message (``ostream << long`` in a csrc/<op>_checks.h rule) crashed the
-process with SIGSEGV: every bad argument that reached a C++ check killed Python.
+Why: where ``$CXX`` is a gcc wrapper whose search path has ``libstdc++.a`` but not ``libstdc++.so``
+(as on a GPU image this project was built on), torch's cpp_extension, which compiles and links with
+``$CXX`` (else ``c++``), gives ``_C.so`` a private static copy of libstdc++ whose locale is never
+initialised, and the first C++ error message (``ostream << long`` in a csrc/<op>_checks.h rule) crashes the
+process with SIGSEGV: every bad argument that reaches a C++ check kills Python.
 
 Two checks, both used by setup.py (which loads this file by path: stdlib only, no fedkernels
 import, since the package is not importable before its extension is built):

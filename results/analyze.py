@@ -99,7 +99,7 @@ CLAIMS = [
     ("gcfed", "Local GC beats FedAvg, α = 0.05", ("digits-a0.05", "local_gc"), ("digits-a0.05", "fedavg"),
      "last10", +1),
     ("gcfed", "GC-Fed beats FedAvg, α = 0.1", ("digits-a0.1", "gcfed"), ("digits-a0.1", "fedavg"), "last10", +1),
-    # third pass (issue #16): matched server-lr controls (results/scripts/matched_server_lr.py)
+    # third pass: matched server-lr controls (results/scripts/matched_server_lr.py)
     ("fedaware", "FedAWARE beats FedAvg with the matched server-lr schedule, 100 rounds",
      ("fmnist", "fedaware"), ("fmnist-lrmatched", "fedavg-lrmatched"), "last10pct", +1),
     ("fedaware", "FedAWARE beats FedAvgM with the matched server-lr schedule, 100 rounds",
@@ -495,7 +495,7 @@ def claims_section():
     return lines, out
 
 
-# Issue #16 item 5, tuning parity: every method of a headline comparison gets the same 3-value grid
+# Tuning parity: every method of a headline comparison gets the same 3-value grid
 # (local learning rate; FedProx also mu in {0.001, 0.01, 0.1}, one row per mu), extended where a
 # method's best sat at the grid's edge (Kuramoto lr 0.1; FedAWARE lr 0.1 and 0.3; FedPGVC digits
 # Adam 1e-2 and 3e-2; FedECADO's Table 1 setting lr 0.3 (and 0.003, 0.001 for

@@ -1,4 +1,4 @@
-"""Derivatives of the ops (issue 15 item 1): gradcheck in float64 of weighted_sum (coef, U, base),
+"""Derivatives of the ops: gradcheck in float64 of weighted_sum (coef, U, base),
 gram (U) and gc_project; opcheck with its autograd checks; torch.func.grad; and a clear error on
 backward through every op without a derivative (never silent zeros / None)."""
 import pytest

@@ -60,7 +60,7 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
 
 def test_gpu_bench_whole_aggregate_table(tmp_path):
     """Every registered aggregator runs a whole round with its payloads, at two K, next to the
-    one-read floor and plain torch glob + w @ U (issue 28 item 5)."""
+    one-read floor and plain torch glob + w @ U."""
     from bench.cpu_hostwork import methods
     r = _run("--device", "cpu", "--quick", "--only", "aggregate", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

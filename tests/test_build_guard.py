@@ -1,7 +1,7 @@
-"""The build's libstdc++ guard (fedkernels/_toolchain.py, used by setup.py; issue #25).
+"""The build's libstdc++ guard (fedkernels/_toolchain.py, used by setup.py).
 
-On the GPU image, ``$CXX`` was a wrapper whose search path hid libstdc++.so: the extension got a
-private static libstdc++ whose locale is never initialised, and every C++ error message crashed
+A ``$CXX`` wrapper whose search path hides libstdc++.so (as on a GPU image) gives the extension a
+private static libstdc++ whose locale is never initialised, and every C++ error message crashes
 the process. Here the same compiler is simulated by a wrapper script (it answers
 ``-print-file-name=libstdc++.so`` with the bare name and links with ``-static-libstdc++``); tiny
 shared libraries built both ways check the ELF reader. No extension build (a few seconds in all).
@@ -133,7 +133,7 @@ def test_the_built_extension_uses_the_shared_libstdcxx():
 
 
 def test_a_cpp_error_message_formats_numbers_instead_of_crashing():
-    # the crash of issue #25: `ostream << long` in a TORCH_CHECK message (csrc/<op>_checks.h), run apart
+    # the crash the guard prevents: `ostream << long` in a TORCH_CHECK message (csrc/<op>_checks.h), run apart
     # so that a SIGSEGV fails this test instead of killing pytest
     code = ("import torch, fedkernels\n"
             "try:\n    torch.ops.fedkernels.gc_project_([torch.zeros(2, 3)], 'skip', -7)\n"

@@ -50,13 +50,13 @@ def test_bad_invocations(tmp_path, capsys):
     assert "unknown preset" in capsys.readouterr().err
     assert main(["run", "--preset", "smoke", "train.nope=1"]) == 2
     assert "unknown config key 'train.nope'" in capsys.readouterr().err
-    # issue 14 item 5: --resume errors carry the usual prefix and exit 2 (was: a bare SystemExit)
+    # --resume errors carry the usual prefix and exit 2
     assert main(["run", "--resume", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith("fedkernels run: error: --resume:")
 
 
 def test_compare_table_and_outputs(tmp_path, capsys):
-    # an unknown method is an error before any run (tests/test_compare.py), no longer "skipped"
+    # an unknown method is an error before any run (tests/test_compare.py), not a skipped run
     rc = main(["compare", "--preset", "smoke", "--methods", "fedavg,fedavgm:beta=0.5",
                "--seeds", "0,1", "--rounds", "1", "--out", str(tmp_path), "--quiet", "--no-progress"])
     assert rc == 0

@@ -1,4 +1,4 @@
-"""The newcomer's hints (issue 26 items 4 and 8), through the real command: a mistyped preset gets
+"""The newcomer's hints, through the real command: a mistyped preset gets
 the closest name, `fedkernels info` says how to get each missing data set, every preset runs a
 method of its own without --method."""
 import json

@@ -1,5 +1,4 @@
-"""Every numeric config key and algorithm option is range-checked before anything runs (issue 26
-item 3): one line naming the key, the value and the range, exit 2, nothing written."""
+"""Every numeric config key and algorithm option is range-checked before anything runs: one line naming the key, the value and the range, exit 2, nothing written."""
 import dataclasses
 import os
 import subprocess
@@ -76,8 +75,8 @@ def test_range_errors_through_the_real_command(tmp_path, args, expect):
 
 
 def test_an_option_that_needs_epochs_with_fixed_steps_is_refused_up_front(tmp_path, capsys):
-    """FedECADO's time_unit='epoch' counts client time in epochs: with train.steps set it used to
-    stop in the first round with an internal TypeError; now one line, exit 2, nothing written."""
+    """FedECADO's time_unit='epoch' counts client time in epochs: with train.steps set there are no
+    epochs to count, so the run is refused before round 1: one line, exit 2, nothing written."""
     out = tmp_path / "runs"
     args = ["run", "--preset", "fedecado-synthetic", "rounds=1", "--out", str(out)]
     assert main(args + ["train.steps=3", "algorithm.options.time_unit=epoch"]) == 2

@@ -1,4 +1,4 @@
-"""`fedkernels run --resume` and Ctrl-C as a user meets them (issue 26 item 2), every test a real
+"""`fedkernels run --resume` and Ctrl-C as a user meets them, every test a real
 ``python -m fedkernels`` child: a finished run is left byte for byte as it was (exit 0), a run without
 a checkpoint is one error line (exit 2, nothing touched), and a double Ctrl-C keeps every completed
 round (the second signal abandons local training; one that lands while a round aggregates lets that

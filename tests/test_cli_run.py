@@ -1,4 +1,4 @@
-"""`fedkernels run` as a user meets it (issue 14 items 1, 2, 4, 5, 7, 13): a preset runs what its
+"""`fedkernels run` as a user meets it: a preset runs what its
 name says, run directories are never overwritten, bad keys/values/options are one line and exit 2
 before anything is written, Ctrl-C/SIGTERM checkpoint and exit 130. Every test runs the real command."""
 import glob
@@ -60,8 +60,8 @@ def test_preset_runs_its_own_method_and_method_picks_another(tmp_path):
 
 
 def test_demo_preset_runs_its_default_method_where_run_puts_runs(tmp_path):
-    """Issue 26 item 4: a preset may carry a default method (demo: fedavg); its run directory is the
-    documented runs/<preset>-<method>-s<seed>-<hash> (the preset used to pin it to runs/demo)."""
+    """A preset may carry a default method (demo: fedavg); its run directory is the documented
+    runs/<preset>-<method>-s<seed>-<hash>, like any other run's."""
     digits = ["data.name=digits", "data.train_subset=null", "data.test_subset=null", "model.name=digit_cnn"]
     p = fk("run", "--preset", "demo", *digits, "rounds=1", "--quiet", *QUICK, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -183,7 +183,7 @@ def test_start_line_and_one_line_per_round_with_eta(tmp_path):
     rounds = [x for x in lines if x.startswith("round ")]
     assert [x.split()[1] for x in rounds] == ["1/3", "2/3", "3/3"] and all("ETA" in x for x in rounds)
     assert "acc" not in rounds[0] and "acc" in rounds[1]
-    # provenance (issue 14 item 6, the outputs engineer's module) and a timestamped run.log
+    # provenance (sim/provenance.py) and a timestamped run.log
     run_dir = tmp_path / lines[0].split("outputs: ")[1]
     prov = json.loads((run_dir / "provenance.json").read_text())
     assert prov["status"] == "completed" and prov["rounds_completed"] == 3 and "end_time" in prov

@@ -324,3 +324,20 @@ def test_a_full_disk_mid_run_is_one_line_with_its_cause_in_the_run_folder(tmp_pa
     assert "No space left on device: runs/disk/checkpoints/ckpt_round_000001.pt" in line
     prov = _prov(tmp_path / "runs" / "disk")
     assert prov["status"] == "failed" and "OSError" in prov["error"] and "No space left" in prov["error"]
+
+
+def test_an_extension_redraws_the_figures_with_the_new_round_count(tmp_path):
+    """partition.png's title names the rounds: after `--resume DIR rounds=4` it is the figure of a straight
+    4-round run (bytes equal: the Agg PNG holds no time), not the 2-round one; curves.png is redrawn too."""
+    args = [a for a in SMALL if a != "plots=false"] + ["plots=true", "train.lr_schedule=step", "checkpoint_every=1",
+                                                       "--name", "ext"]
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    assert fk("run", *args, "rounds=2", cwd=tmp_path / "a").returncode == 0
+    run = tmp_path / "a" / "runs" / "ext"
+    two = {f: (run / f).read_bytes() for f in ("partition.png", "curves.png")}
+    r = fk("run", "--resume", "runs/ext", "rounds=4", "--no-progress", cwd=tmp_path / "a")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert fk("run", *args, "rounds=4", cwd=tmp_path / "b").returncode == 0
+    straight = tmp_path / "b" / "runs" / "ext"
+    assert (run / "partition.png").read_bytes() == (straight / "partition.png").read_bytes() != two["partition.png"]
+    assert (run / "curves.png").read_bytes() != two["curves.png"]

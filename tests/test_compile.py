@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) of the op wrappers and torch.vmap batching rules (issue 15 item 6).
+"""torch.compile(fullgraph=True) of the op wrappers and torch.vmap batching rules.
 
 Compiled wrappers must trace without graph breaks and give the eager results; value checks are
 skipped under tracing (documented in fedkernels/ops/_checks.py) while the eager wrappers keep their

@@ -430,7 +430,7 @@ def test_be_step_opcheck_cuda():  # the CPU ops' opchecks: tests/test_<op>.py
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step_out.default, tuple(args) + outs)
 
 
-# ---- issue 18: every op on CUDA, host vectors, no device asserts, NaN-safe pivots, capture ----------
+# ---- every op on CUDA, host vectors, no device asserts, NaN-safe pivots, capture -------------------
 @cuda_only
 def test_host_coef_and_rows_match_device_ones():
     K, d = 12, 3001
@@ -554,7 +554,7 @@ def test_opcheck_new_cuda_ops():  # the CPU ops' opchecks: tests/test_<op>.py
                            _randn(DEV, 4, 30, dtype=torch.float64, seed=10)))
 
 
-# ---- issue 25: a bad argument raises one clear line, and the next valid call is right ---------------
+# ---- a bad argument raises one clear line, and the next valid call is right ------------------------
 # Each op gets bad arguments (shape, dtype, device mix, rows out of range, NaN where it screens) through
 # its Python wrapper (ValueError) and, where the wrapper would catch it first, through the native op
 # itself (RuntimeError from csrc/<op>_checks.h: the message formats numbers and devices in C++, which crashed

@@ -224,7 +224,7 @@ def test_wrapper_needs_initialised_process_group():
 
 
 def test_default_split_is_balanced_by_bytes():
-    """Issue 15 item 8: the default split balances the columns (bytes) per rank, cutting inside
+    """The default split balances the columns (bytes) per rank, cutting inside
     tensors at output-row boundaries; align="tensor" keeps whole tensors per rank."""
     from fedkernels.distributed import DEFAULT_ALIGN
     assert DEFAULT_ALIGN == "bytes"

@@ -56,7 +56,7 @@ def test_bad_client_with_raise_policy_stops(tmp_path, fault):
 
 @pytest.mark.parametrize("policy", ["exclude", "raise"])
 def test_rows_screened_by_the_aggregator_not_twice(tmp_path, monkeypatch, policy):
-    """#28: under "exclude" the simulator does not scan each client's row itself: the aggregator's first
+    """Under "exclude" the simulator does not scan each client's row itself: the aggregator's first
     read of U screens the rows, and the NaN client is still excluded and logged. Under "raise" each row
     is screened as it is written (the first bad client in schedule order stops the run)."""
     from fedkernels import ops

@@ -466,7 +466,7 @@ def test_bad_options_and_inputs():
         a.setup(num_clients=5)
 
 
-# ---- ELUD above ELUD_GRAM_MAX_K participants: O(kd) sums in the momentum pass (issue 28 item 2) -------------
+# ---- ELUD above ELUD_GRAM_MAX_K participants: O(kd) sums in the momentum pass -------------------------------
 class _Ops(TorchDispatchMode):
     """Records the fedkernels ops whose first argument is U (by data pointer) and the aten ops on M."""
 
@@ -543,7 +543,7 @@ def test_elud_sums_path_screens_before_any_state_change():
     assert abs(rs.info["elud"] / rt.info["elud"] - 1) < 1e-12 and torch.equal(s.M, t.M)
 
 
-# ---- the momentum update in place on a run of rows (issue 30) -------------------------------------------
+# ---- the momentum update in place on a run of rows ------------------------------------------------------
 @pytest.mark.parametrize("mdtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("source", [False, True])
 def test_momentum_update_in_place_on_a_run_of_rows_gives_the_gather_bits(mdtype, source):

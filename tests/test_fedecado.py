@@ -1,4 +1,4 @@
-"""FedECADO: spec specs/fedecado.md §9 vectors (U1-U12), solver paths, client rule, state, bad input."""
+"""FedECADO: spec docs/specs/fedecado.md §9 vectors (U1-U12), solver paths, client rule, state, bad input."""
 import math
 
 import numpy as np
@@ -468,7 +468,7 @@ def test_client_rule_step_time_and_hutchinson():
 
 def test_native_switch_call_conventions(monkeypatch):
     """The solver switch calls ops.arrowhead_solve / ops.lu_factor / ops.lu_solve with the documented
-    conventions (checked here with stand-ins, so this runs before the native ops are merged)."""
+    conventions (checked here with stand-ins, so it holds whatever the native ops compute)."""
     from fedkernels import ops
     calls = []
 
@@ -571,7 +571,7 @@ def test_grouped_options_and_flat_options_agree():
 
 def test_validate_takes_the_base_screen_argument():
     # Aggregator.aggregate calls validate(..., screen=False) while tracing; FedECADO's override must
-    # accept and forward it (it used to take no `screen` and raised TypeError under torch.compile).
+    # accept and forward it (without it, a TypeError under torch.compile).
     g = torch.Generator().manual_seed(1)
     U = torch.randn(2, 7, generator=g, dtype=D64)
     U[1, 3] = float("nan")

@@ -297,10 +297,10 @@ def test_aggregator_unchanged(dtype):
     torch.testing.assert_close(res["auto"][1], res["closed_form"][1], rtol=tol, atol=tol)
 
 
-# ---- regression: fuzz campaign failure op:fedecado_be_step seed 1410940040 (column 50 of 64) -------------
+# ---- regression: fuzz case op:fedecado_be_step seed 1410940040 (column 50 of 64) --------------------------
 # Huge client updates of opposite signs: x' is 1e4 below its two terms (~4e295). The op and the dense
-# reference both round correctly relative to the terms, yet differed by 1e-13 of |x'|: the oracle's bound
-# was relative to |x'| + 1 instead of to the magnitude of the summed terms (fuzz_oracle.be_step_bounds).
+# reference both round correctly relative to the terms, yet differ by 1e-13 of |x'|: the oracle's bound is
+# relative to the magnitude of the summed terms, not to |x'| + 1 (fuzz_oracle.be_step_bounds).
 FUZZ_CASE = {"target": "op:fedecado_be_step", "seed": 1410940040, "K": 2, "d": 64, "dtype": "fp64", "kind": "huge",
              "layout": "contig", "use_out": False}
 

@@ -1,4 +1,4 @@
-"""FedPGVC and FedPVR: spec specs/fedpgvc.md §9 vectors, layer mask, client rules, server, state."""
+"""FedPGVC and FedPVR: spec docs/specs/fedpgvc.md §9 vectors, layer mask, client rules, server, state."""
 import math
 
 import pytest
@@ -339,7 +339,7 @@ def test_code_mode_runs_plain_steps_then_shrinks():
     torch.testing.assert_close(m[0].weight, ref[0].weight, atol=0, rtol=0)     # S_sgd: plain
     # S_gvc: every tensor of Keras layer j (here [Dense(relu), Dense], so "2" is j = 1) scaled by
     # 1 - eta * r_j, r_j = l_j * mean(G_j) with G_j the gradient of Keras tensor j (= 0.bias), at the final model
-    # (issue #16 item 7: this assertion used to scale tensor t by its own r_t, which is not the script)
+    # (each tensor of layer j by layer j's r_j, as the script does; not tensor t by its own r_t)
     ell = F.cross_entropy(ref(x), y, reduction="none")
     G = torch.autograd.grad(ell.sum(), list(ref.parameters()))
     r = float(ell[1].detach()) * float(G[1].mean())
@@ -443,7 +443,7 @@ def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
 
 
 def test_simulator_client_code_mode_uses_the_whole_local_set():
-    """Issue #16 item 7(b): 40 local samples at batch 8; r comes from all 40 (stored order), not the
+    """40 local samples at batch 8; r comes from all 40 (stored order), not the
     last minibatch."""
     from fedkernels.sim.client import ClientTrainer
     from fedkernels.sim.config import TrainConfig

@@ -57,7 +57,7 @@ def test_flatten_load_roundtrip_and_views():
 
 
 def test_default_spec_is_the_simulators():
-    """Issue 14 item 12: FlatSpec.from_module and the simulator agree: float buffers (BatchNorm
+    """FlatSpec.from_module and the simulator agree: float buffers (BatchNorm
     running statistics) are in the flat vector by default, after the parameters."""
     from fedkernels.sim import presets
     from fedkernels.sim.config import apply_overrides

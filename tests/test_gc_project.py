@@ -258,9 +258,9 @@ def test_large_offset_rows_accuracy():
 
 
 
-# ---- regression: fuzz campaign failure op:gc_project seed 2045883929 ------------------------------------
-# A finite fp64 row near the fp64 maximum with a finite exact mean: the reference's plain torch mean
-# overflowed in a partial sum (+Inf and -Inf in two vector lanes: NaN), the op (16 lanes here) did not.
+# ---- regression: fuzz case op:gc_project seed 2045883929 ------------------------------------------------
+# A finite fp64 row near the fp64 maximum with a finite exact mean: a plain torch mean overflows in a
+# partial sum (+Inf and -Inf in two vector lanes: NaN), the op (16 lanes here) does not.
 FUZZ_ROW = [-1.0610966488320719e+308, 1.3849307721008802e+308, -1.0085393767552198e+308, -6.514626792454308e+307,
             5.341044000256762e+307, 1.356132276862947e+308, -9.778413698198433e+307, 5.81750342852853e+307]
 FUZZ_CASE = {"target": "op:gc_project", "seed": 2045883929, "tensors": [{"shape": [8, 1, 8, 1], "dtype": "fp64",
@@ -287,7 +287,7 @@ def test_reference_mean_of_finite_huge_rows_is_finite(row):
 def test_fuzz_case_huge_fp64_rows():
     import fuzz_oracle   # tests/fuzz_oracle.py: the campaign's checker
     assert fuzz_oracle.execute(FUZZ_CASE) == ("ok", "")
-    # the op itself was right: no partial sum of 8 elements in 16 lanes overflows
+    # the op itself is right: no partial sum of 8 elements in 16 lanes overflows
     x = torch.tensor([FUZZ_ROW], dtype=torch.float64)
     exp = torch.tensor([_exact_gc(FUZZ_ROW)], dtype=torch.float64)
     assert_close(ops.gc_project([x])[0], exp, rtol=0, atol=4 * 8 * torch.finfo(torch.float64).eps * x.abs().max())

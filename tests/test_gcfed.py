@@ -1,4 +1,4 @@
-"""GC-Fed: spec specs/gcfed.md §9 vectors (T1-T8), layer splits, client rule, server, bad input."""
+"""GC-Fed: spec docs/specs/gcfed.md §9 vectors (T1-T8), layer splits, client rule, server, bad input."""
 import pytest
 import torch
 from torch import nn

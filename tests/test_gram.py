@@ -116,7 +116,7 @@ def test_gram_screened_fp64_overflow_is_flagged():
 
 
 def test_gram_screened_checks_its_arguments_once(monkeypatch):
-    """One metadata check per call (issue #27): gram_screened does not re-run gram's checks."""
+    """One metadata check per call: gram_screened does not re-run gram's checks."""
     import importlib
     from fedkernels.ops import _checks
     gram_mod = importlib.import_module("fedkernels.ops.gram")    # (ops.gram is the function)
@@ -131,7 +131,7 @@ def test_gram_screened_checks_its_arguments_once(monkeypatch):
         ops.gram_screened(torch.zeros(3))
 
 
-# ---- the two CPU kernels (issue #28): broadcast (clients along the vectors) and column vectors ------
+# ---- the two CPU kernels: broadcast (clients along the vectors) and column vectors ------------------
 # FEDKERNELS_GRAM_PATH forces one; unset, the kernel picks by shape. Shapes: K off the register tiles
 # (8 x 16 AVX-512, 4 x 12 AVX2) and the old 4 x 4, d off the vector width and below it, d split into
 # several sub-chunks (128 columns at K >= 128) and into parts (K < 128, d >= 4096).

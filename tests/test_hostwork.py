@@ -1,4 +1,4 @@
-"""No per-client host work on an aggregate's hot path (issue 28 item 2): the number of tensor ops
+"""No per-client host work on an aggregate's hot path: the number of tensor ops
 (and host copies) one aggregate runs must not grow with the number of clients K, for every
 registered aggregator with the payloads it needs (bench/cpu_hostwork.py builds the cases). On a
 GPU: at most one device-to-host sync per aggregate."""
@@ -216,7 +216,7 @@ SCREEN_IN_PASS = {"fedavg": ["weighted_sum_screened"], "fedprox": ["weighted_sum
 @pytest.mark.parametrize("name", sorted(SCREEN_IN_PASS))
 def test_methods_read_U_once_per_pass(name):
     """The NaN/Inf screen rides inside the method's first pass over U: no separate finite_rows
-    read (issue 28 item 1)."""
+    read."""
     (_, run, info), = aggregator_cases(30, spec_of(TINY), only={name})
     ptr = info["U"].data_ptr()
 

@@ -123,7 +123,7 @@ def _numeric_options(cls):
 
 @pytest.mark.parametrize("name", algorithms.available())
 def test_every_numeric_option_is_range_checked(name):
-    """Issue 26 item 3: no numeric option takes -1 or NaN silently (the range comes from
+    """No numeric option takes -1 or NaN silently (the range comes from
     sim.options.OPTION_RANGES or from the aggregator's own constructor check)."""
     required = {"local_gc_only": {"lam": 0.5}}
     keys = list(_numeric_options(algorithm_class(name)))

@@ -55,7 +55,7 @@ def test_no_cuda_is_the_cpu_without_probing(monkeypatch):
 
 
 @pytest.mark.parametrize("read, h2d, stage, want", [
-    (105.0, 51.9, 80.0, "cpu"),        # the GPU machine of the first run: the CPU op beats the link
+    (105.0, 51.9, 80.0, "cpu"),        # a 16-core H100 machine: the CPU op beats the link
     (10.0, 51.9, 80.0, "cuda:0"),      # a few cores: the link wins
     (52.0, 52.0, 90.0, "cpu"),         # a tie stays on the host
     (40.0, 51.9, 30.0, "cpu")])        # the host copy into pinned memory is the slower stage of the link

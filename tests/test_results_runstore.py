@@ -1,5 +1,5 @@
 """results/: the raw run directories packed one deterministic archive per setup (results/scripts/runstore.py),
-read by results/analyze.py and the scripts directly from the archives (issue #27)."""
+read by results/analyze.py and the scripts directly from the archives."""
 from __future__ import annotations
 
 import gzip

@@ -129,7 +129,7 @@ def test_safe_io_sits_below_the_simulator():
 
 
 def test_checkpoint_opens_with_plain_torch_load(tmp_path):
-    """Issue 15 item 9: a checkpoint is a torch.save archive a user opens with torch.load as it is."""
+    """A checkpoint is a torch.save archive a user opens with torch.load as it is."""
     st = {"round": 2, "global": torch.randn(7), "aggregator": {"c": torch.ones(3)}}
     p = save_checkpoint(st, tmp_path / "c.pt")
     plain = torch.load(p, weights_only=True)

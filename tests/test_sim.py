@@ -241,7 +241,7 @@ def test_bad_client_policy_raise(digits, tmp_path, monkeypatch):
 
 
 def test_all_clients_bad_is_a_run_error(digits, tmp_path, monkeypatch):
-    """Every client of a round excluded: nothing was trained, the run stops (#26), the global model kept."""
+    """Every client of a round excluded: nothing was trained, the run stops, the global model kept."""
     cfg = tiny_cfg(tmp_path, rounds=1, num_clients=2, clients_per_round=1)
     s = sim(cfg, digits, write_outputs=False)
     s.setup()

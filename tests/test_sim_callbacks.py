@@ -1,4 +1,4 @@
-"""Per-round callbacks (issue 15 item 10): cb(round, metrics, model) after every round, with the new
+"""Per-round callbacks: cb(round, metrics, model) after every round, with the new
 global model in ``model``; TensorBoard's callback when tensorboard is installed."""
 import importlib.util
 import os

@@ -1,12 +1,12 @@
-"""Distributed faults (issue 14 item 14): one rank of a 2-rank `fedkernels run --distributed` is
+"""Distributed faults: one rank of a 2-rank `fedkernels run --distributed` is
 killed (SIGKILL) or raises in round 3; the other rank stops within a bounded time with one line naming
 the lost rank, and `--resume` on 2 ranks finishes bit-identical to an uninterrupted run.
 
-The race this once lost (issue 15): torchrun's agent sends SIGTERM to the surviving rank as soon as
-it sees rank 1 exit, while rank 0 is detecting the loss and writing its line. SIGTERM arriving after
-the run had restored the default handler but before the CLI printed killed rank 0 silently (no line;
-seen once under heavy load). The survivor now ignores SIGTERM once it has detected the loss;
-``FK_SLOW_REPORT`` holds rank 0 in exactly that window, so the ordering that failed is forced.
+The race this guards against: torchrun's agent sends SIGTERM to the surviving rank as soon as
+it sees rank 1 exit, while rank 0 is detecting the loss and writing its line. A SIGTERM arriving after
+the run restored the default handler but before the CLI printed would kill rank 0 silently (no line;
+a window hit under heavy load). The survivor ignores SIGTERM once it has detected the loss;
+``FK_SLOW_REPORT`` holds rank 0 in exactly that window, so that ordering is forced.
 """
 import os
 import socket

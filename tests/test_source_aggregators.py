@@ -1,4 +1,4 @@
-"""Every aggregator on a matrix source (issue 30 items 1-2): ``aggregate(x, source, ...)`` is the same
+"""Every aggregator on a matrix source: ``aggregate(x, source, ...)`` is the same
 method as ``aggregate(x, tensor, ...)`` with the same result (bit for bit for the column-local methods,
 the Gram-based ones to fp64 summation order), state included, over 3 rounds; bad rows are screened in
 the same pass and named with their source row; a method that cannot stream refuses at once."""

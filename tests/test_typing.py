@@ -22,7 +22,7 @@ except ImportError:  # Python 3.10
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USAGE = os.path.join("tests", "typing_usage.py")
 
-# the modules issue 15 asks to be fully annotated: the config may grow, never drop one of these
+# the modules that must be fully annotated: the config may grow, never drop one of these
 REQUIRED = {"fedkernels/__init__.py", "fedkernels/_native.py", "fedkernels/errors.py", "fedkernels/flat.py",
             "fedkernels/optim.py", "fedkernels/reference.py", "fedkernels/ops", "fedkernels/algorithms/base.py"}
 

@@ -404,7 +404,7 @@ def test_client_runtime_error_is_a_run_error_in_one_process(monkeypatch):
     assert s.metrics == []
 
 
-# ---- a round with every client excluded is a run error (#26) -----------------------------------------------
+# ---- a round with every client excluded is a run error -----------------------------------------------------
 @pytest.mark.parametrize("workers", ["workers=1", "workers=2"])
 def test_every_client_excluded_is_a_run_error_on_the_cli(tmp_path, workers):
     """A learning rate so large that every client's update overflows to NaN/Inf: each client is

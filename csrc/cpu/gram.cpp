@@ -14,7 +14,7 @@
 //   is copied from it: G is exactly symmetric and gram(U, rows) is bitwise gram(U)[rows]. Other rows=
 //   compute their distinct rows against all K rows; repeated rows are copies.
 // * column vectors (K < 16, or K < 200 with d >= 512): TI x TJ = 4 x 4 rows, W-wide vectors along
-//   the columns, one horizontal sum per entry and sub-chunk (the only kernel before issue #28).
+//   the columns, one horizontal sum per entry and sub-chunk.
 //
 // Order (determinism): d is split into nparts parts and each part into sub-chunks, nparts and the
 // sub-chunk length functions of (d, k, K) and the ISA level only, never of the thread count.

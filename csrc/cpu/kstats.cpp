@@ -1,5 +1,5 @@
 // kstats: Kuramoto's phase statistics in one pass over U, no K x K Gram matrix
-// (shared/specs/kuramoto_fedavg.md §2.7 line 7, §5.1 KSTATS).
+// (docs/specs/kuramoto_fedavg.md §2.7 line 7, §5.1 KSTATS).
 //
 // Maths: mean_j = sum_k p_k U_kj (the p-weighted mean update), then
 //   dot_k = sum_j U_kj mean_j,  nsq_k = sum_j U_kj^2,  nbar = sum_j mean_j^2,

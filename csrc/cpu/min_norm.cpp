@@ -27,9 +27,9 @@
 // O(K) per iteration (the vertex scan, the step) and O(s) for q; a recompute of v = G lam O(s K) (the
 // support's rows of G: G is symmetric); a face solve gathers G_SS once (n^2) and costs O(n^2) per CG
 // step. 1 thread, 2-core CPU (min of runs): K = 1000, d = 76 (FedAWARE's Gram, origin in the hull,
-// s = 123, 128 iterations) 12.3 -> 3.0 ms; K = 1000, d = 2000 (384 iterations) 30.6 -> 5.3 ms;
-// K = 100 0.43 -> 0.16-0.19 ms (before: v = G lam row by row, O(K^2), and (G + G^T)/2 read with a K
-// stride). What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory bound: ~2x a copy of G), best_pair
+// s = 123, 128 iterations) 3.0 ms; K = 1000, d = 2000 (384 iterations) 5.3 ms; K = 100 0.16-0.19 ms,
+// against 12.3, 30.6 and 0.43 ms with v = G lam recomputed row by row (O(K^2)) and (G + G^T)/2 read
+// with a K stride. What is left at K = 1000: (G + G^T)/2 ~1.1 ms (memory bound: ~2x a copy of G), best_pair
 // ~0.5 ms (compute: a division per pair).
 // Determinism: every sum has a fixed order (v_i over j ascending, CG column sums over the face's
 // indices ascending); one build gives the same bits for the same G at any thread count (the solve
@@ -75,8 +75,8 @@ struct State {
   // v = G lam as a sum of the support's columns: v_i = sum_{j ascending, lam_j != 0} G_ji lam_j, the terms
   // of the row-by-row dot product sum_j G_ij lam_j in its order (G symmetric; a zero lam_j would add +-0,
   // which leaves a sum that starts at +0 unchanged), O(|supp| K), read row by row (contiguous,
-  // vectorised) instead of O(K^2) dependent adds. Each product is fused into its sum on an FMA target (the
-  // row-by-row loop this replaced was compiled into unfused products with a fused tail: other last bits).
+  // vectorised) instead of O(K^2) dependent adds. Each product is fused into its sum on an FMA target (a
+  // row-by-row loop compiles into unfused products with a fused tail: other last bits).
   void recompute() {
     std::fill(v.begin(), v.end(), 0.0);
     nz.clear();

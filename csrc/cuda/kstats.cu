@@ -1,5 +1,5 @@
 // kstats: Kuramoto's phase statistics in one pass over U, no K x K Gram (csrc/cpu/kstats.cpp has the
-// maths; shared/specs/kuramoto_fedavg.md §5.1 KSTATS).
+// maths; docs/specs/kuramoto_fedavg.md §5.1 KSTATS).
 //
 // A block per column part (kstats.cuh ks::plan: tiles of TW columns, a part = tpp consecutive tiles,
 // at most kMaxParts parts; all functions of K, d and the element size). Per tile: phase 1, the tile's

@@ -4,7 +4,7 @@ One rule for the whole package: the Python wrapper validates each argument once,
 and raises ``TypeError`` (not a tensor) or ``ValueError`` with one line naming the op, the argument,
 the value and what was expected. The native ops keep only cheap ``TORCH_CHECK``s as a last line.
 
-Host-side index and coefficient checks (issue 18): ``rows`` and the small per-client vectors
+Host-side index and coefficient checks: ``rows`` and the small per-client vectors
 (``coef``, FedECADO's thetas) are checked and handed to the native op as HOST (CPU) tensors for
 every device of ``U``: a CUDA ``rows``/``coef`` is copied to the host once; the CUDA glue moves
 them to the device. So a bad index is a ValueError here and never a device assert.

@@ -314,8 +314,8 @@ def parse_method(spec: str, known: Dict[str, Dict[str, Any]] = None) -> Tuple[st
 # work while they ran. ESTIMATES for that machine class: another machine, thread count or load moves
 # them several-fold, and slow methods (FedECADO, FedAWARE with 100 clients) take up to ~2x the median.
 _SECONDS_PER_ROUND: Dict[str, Tuple[float, str]] = {
-    "smoke": (5.3, "3-round smoke compare on a busy machine, 2026-11-24"),
-    "demo": (3.6, "issue 14: 172 s for 6 methods x 8 rounds"),
+    "smoke": (5.3, "3-round smoke compare on a busy machine"),
+    "demo": (3.6, "demo compare: 172 s for 6 methods x 8 rounds"),
     "kuramoto-fmnist": (1.34, "results/kuramoto/fmnist-s3"),
     "kuramoto-digits": (0.07, "results/kuramoto/digits-s3"),
     "fedaware-fmnist": (0.71, "results/fedaware/fmnist-T200"),
@@ -336,7 +336,7 @@ BUSY_FACTOR = 5.0
 # Every preset checkpoints (``--resume`` works after a crash, not only after Ctrl-C, which always
 # writes one), every N rounds with N = ceil(save / (1% of a round)) rounded to a divisor of T (the last
 # round is always saved), so the checkpoints cost about 1% of the run or less. save: measured per
-# checkpoint (torch.save + fsync, on the 2-core box under load, issue 26): 25 ms for states up to
+# checkpoint (torch.save + fsync, on the 2-core machine under load): 25 ms for states up to
 # 0.1 MB (demo d=22k 25 ms = 2.5% of its 1.0 s digits round; kuramoto-digits 25 ms vs 0.25 s;
 # gcfed-digits 22 ms vs 0.75 s; fedecado-synthetic 34 ms vs 0.57 s), 113 ms for FedAWARE's
 # 100-client momentum table (4 MB, fedaware-digits). The GPU presets keep their own cadence.

@@ -1,4 +1,4 @@
-"""Matched server-learning-rate controls (issue #16 item 2; results/REPORT.md §2):
+"""Matched server-learning-rate controls (results/REPORT.md §2):
 
     PYTHONPATH=. python results/scripts/matched_server_lr.py --preset fedaware-fmnist --method fedaware \\
         --seeds 0,1,2 --rounds 100 --log-out results/fedaware/fmnist-steplog \\

@@ -14,7 +14,7 @@ POSIX.1-2001 (pax) tar, mode 0644, uid/gid 0, no user or group name, mtime 0; th
 uncompressed (a file ``X.gz`` on disk, e.g. a gzipped ``metrics.jsonl.gz``, is stored as ``X``, its
 gunzipped bytes: the archive is compressed as a whole, which finds what the runs of a setup share);
 the tar compressed by xz (LZMA2 preset 9 extreme, CRC64 check; Python's ``lzma``). This is about a
-quarter smaller than gzipping each log and the tar again (issue #27).
+quarter smaller than gzipping each log and the tar again.
 
 Names: every reader sees a file ``X.gz`` on disk as ``X`` (gunzipped), like the archive stores it,
 so ``run/metrics.jsonl`` is the one name of a run's per-round log, however it was kept.
@@ -42,7 +42,7 @@ RAW_TOP = ("compare.json", "compare.csv", "compare.md", "compare.tex")   # a set
 ARCHIVES = "runs"                    # results/runs/<paper>/<setup>.tar.xz
 SUFFIX = ".tar.xz"
 XZ = dict(format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=9 | lzma.PRESET_EXTREME)
-OLD_SUFFIX = ".tar.gz"               # the format before 2026-11-25 (gzipped members, gzip): refused, never read
+OLD_SUFFIX = ".tar.gz"               # the older format (gzipped members, gzip): refused, never read
 NOT_PACKED = (".pt",)                # model files and checkpoints are never committed (REPORT.md)
 
 

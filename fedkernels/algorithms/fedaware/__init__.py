@@ -1,5 +1,5 @@
 """FedAWARE (Zeng et al., "On the Power of Adaptive Weighted Aggregation"), per
-shared/specs/fedaware.md.
+docs/specs/fedaware.md.
 
 The server keeps an exponential moving average ("momentum") m_i of every client's update, for all
 N clients (stale rows kept for non-participants), and steps along the minimum-norm point of their

@@ -1,5 +1,5 @@
 """FedECADO (Agarwal, Joshi, Pileggi): FL as an equivalent circuit integrated by the server.
-Spec: specs/fedecado.md (§2 maths, §9.1 authoritative reference, §9.2 test vectors).
+Spec: docs/specs/fedecado.md (§2 maths, §9.1 authoritative reference, §9.2 test vectors).
 
 Clients integrate dx_i/dt = -w_i grad f_i(x_i) - I_i with forward Euler (plain SGD on w_i f_i plus
 the constant flow I_i, ``FedECADORule``) and report their simulated time T_i = sum of the applied

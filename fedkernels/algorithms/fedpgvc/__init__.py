@@ -1,4 +1,4 @@
-"""FedPGVC (Sahoo et al., TMLR). Spec: specs/fedpgvc.md. The FedPVR baseline (spec §2.6) is in fedpvr.py.
+"""FedPGVC (Sahoo et al., TMLR). Spec: docs/specs/fedpgvc.md. The FedPVR baseline (spec §2.6) is in fedpvr.py.
 
 FedPGVC changes only local training: on the controlled set S_gvc (the last ``n_ctrl`` parameterised
 layers) every local step uses a direction built from the minibatch gradient g and the "gradient

@@ -1,5 +1,5 @@
 """GC-Fed (Seo et al., arXiv 2503.13180): gradient centralization, local, global and hybrid.
-Spec: specs/gcfed.md.
+Spec: docs/specs/gcfed.md.
 
 GC(X)[i, :] = X[i, :] - mean_j X[i, j] per output row (axis 0 = row, the fan-in flattened).
 * Local GC (``LocalGCRule.before_step``): GC on the local-set gradients at every local step.

@@ -1,4 +1,4 @@
-"""Kuramoto-FedAvg (Muhebwa et al., 2025), per shared/specs/kuramoto_fedavg.md.
+"""Kuramoto-FedAvg (Muhebwa et al., 2025), per docs/specs/kuramoto_fedavg.md.
 
 Each client update U_k gets a phase theta_k = arccos(cos(U_k, mean)), measured against the
 p-weighted mean update; the server re-weights the clients with s_k = sin(theta_bar - theta_k),
