@@ -90,11 +90,46 @@ def test_gram_bad_inputs_name_the_argument():
         ops.gram(U, rows=torch.tensor([0.5]))
 
 
+# ---- one list of samples drives correctness, gradients and opcheck on every device (pytorch/extension-cpp) ----
+def sample_inputs(dev, *, requires_grad=False):
+    """Arguments of torch.ops.fedkernels.gram (U, rows): one element, float32 and float64 column chunks of a
+    wider buffer (row stride d + 3, unaligned start), a row subset with a repeat (rows on the device)."""
+    def U(K, d, dtype, seed):
+        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1:1 + d].requires_grad_(requires_grad)
+    return [[U(1, 1, torch.float64, 1), None],
+            [U(5, 300, torch.float32, 2), None],
+            [U(6, 257, torch.float64, 3), torch.tensor([4, 0, 0, 2], device=dev)]]
+
+
+def _grad_tol(U):
+    """The gradient is rounded to U's dtype (float32: 2^-24 relative)."""
+    return (1e-11, 1e-11 * U.shape[1]) if U.dtype == torch.float64 else (1e-5, 1e-5 * U.shape[1])
+
+
 @pytest.mark.parametrize("dev", DEVICES)
-def test_gram_opcheck(dev):
-    U = torch.randn(5, 300).to(dev)
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, torch.tensor([1, 3], device=dev)))
+def test_gram_samples_match_reference(dev):
+    for U, rows in sample_inputs(dev):
+        G = torch.ops.fedkernels.gram(U, rows)
+        assert G.dtype == torch.float64 and G.device.type == dev
+        # exact float64 products for every input dtype: only the summation order differs
+        assert_close(G, ref.gram(U, rows), rtol=1e-11, atol=1e-11 * U.shape[1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_samples_gradients_match_reference(dev):
+    for U, rows in sample_inputs(dev, requires_grad=True):
+        W = randn(dev, U.shape[0] if rows is None else len(rows), U.shape[0], dtype=torch.float64, seed=9)
+        (got,) = torch.autograd.grad((ops.gram(U, rows=rows) * W).sum(), U)
+        (want,) = torch.autograd.grad((ref.gram(U, rows) * W).sum(), U)
+        rtol, atol = _grad_tol(U)
+        assert got.dtype == U.dtype and got.device == U.device
+        assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_opcheck(dev):   # with requires_grad (the autograd checks, ~30x slower): tests/test_autograd.py
+    for U, rows in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, rows))
 
 
 # ---- gram_screened: the rows' NaN/Inf flags from the Gram pass (its diagonal) -----------------------

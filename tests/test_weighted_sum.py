@@ -97,16 +97,58 @@ def test_weighted_sum_bad_inputs_name_the_argument():
         ops.weighted_sum(U, [1.0] * 4, base=torch.zeros(10, device="meta"))
 
 
+# ---- one list of samples drives correctness, gradients and opcheck on every device (pytorch/extension-cpp) ----
+def sample_inputs(dev, *, requires_grad=False):
+    """Arguments of torch.ops.fedkernels.weighted_sum (U, coef, base, alpha, rows): one element; float32 with a
+    base; a float64 column chunk of a wider buffer (row stride d + 3, unaligned) with a row subset that repeats
+    a row (rows on the device). coef is float64 on the device (host coefficients: the cuda-only cases)."""
+    def t(*shape, dtype, seed):
+        return randn(dev, *shape, dtype=dtype, seed=seed).requires_grad_(requires_grad)
+
+    def U(K, d, dtype, seed):
+        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1:1 + d].requires_grad_(requires_grad)
+    return [[U(1, 1, torch.float64, 1), t(1, dtype=torch.float64, seed=2), None, 1.0, None],
+            [U(5, 300, torch.float32, 3), t(5, dtype=torch.float64, seed=4), t(300, dtype=torch.float32, seed=5), 0.5,
+             None],
+            [U(6, 257, torch.float64, 6), t(4, dtype=torch.float64, seed=7), None, -1.3,
+             torch.tensor([5, 0, 0, 2], device=dev)]]
+
+
+def _sample_tol(U):
+    """float32: the sum is accumulated in float and rounded to float (2^-24 relative per step)."""
+    return (1e-12, 1e-12) if U.dtype == torch.float64 else (1e-5, 1e-5)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
-def test_weighted_sum_opcheck(dev):
-    U = torch.randn(5, 300).to(dev)
-    c = torch.rand(5, dtype=torch.float64).to(dev)
-    b = torch.randn(300).to(dev)
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c, b, 0.5, None))
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default,
-                          (U, c[:2], None, 1.0, torch.tensor([4, 0], device=dev)))
+def test_weighted_sum_samples_match_reference(dev):
+    for U, coef, base, alpha, rows in sample_inputs(dev):
+        got = torch.ops.fedkernels.weighted_sum(U, coef, base, alpha, rows)
+        assert got.dtype == U.dtype and got.device == U.device
+        rtol, atol = _sample_tol(U)
+        assert_close(got.double(), ref.weighted_sum(U, coef, base, alpha, rows), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_weighted_sum_samples_gradients_match_reference(dev):
+    for U, coef, base, alpha, rows in sample_inputs(dev, requires_grad=True):
+        w = randn(dev, U.shape[1], dtype=torch.float64, seed=8)
+        inputs = [x for x in (U, coef, base) if x is not None]
+        got = torch.autograd.grad((ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows).double() * w).sum(),
+                                  inputs)
+        want = torch.autograd.grad((ref.weighted_sum(U, coef, base, alpha, rows) * w).sum(), inputs)
+        rtol, atol = _sample_tol(U)
+        for g, r, x in zip(got, want, inputs):
+            assert g.dtype == x.dtype and g.device == x.device
+            assert_close(g, r, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_weighted_sum_opcheck(dev):   # with requires_grad (the autograd checks): tests/test_autograd.py
+    for args in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, tuple(args))
+    U, coef, base, alpha, rows = sample_inputs(dev)[1]
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default,
-                          (U, c, b, 0.5, None, torch.empty(300, device=dev)))
+                          (U, coef, base, alpha, rows, torch.empty(U.shape[1], device=dev)))
 
 
 def test_weighted_sum_coefficients_beyond_float_range():
