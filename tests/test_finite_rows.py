@@ -23,9 +23,28 @@ def test_finite_rows(dtype):
     assert ops.finite_rows(big).all()
 
 
+# ---- one list of samples drives correctness and opcheck on every device (pytorch/extension-cpp) -------------
+def sample_inputs(dev):
+    """Arguments of torch.ops.fedkernels.finite_rows (U,): one element; float32 rows with a NaN at the end
+    of one and an Inf at the start of another; a float16 column chunk of a wider buffer (unaligned rows)."""
+    U = randn(dev, 5, 300, seed=1)
+    U[1, 299], U[3, 0] = float("nan"), float("inf")
+    return [[randn(dev, 1, 1, dtype=torch.float64, seed=2)], [U],
+            [randn(dev, 4, 1003, dtype=torch.float16, seed=3)[:, 1:1000]]]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_finite_rows_samples_match_reference(dev):
+    for (U,) in sample_inputs(dev):
+        ok = torch.ops.fedkernels.finite_rows(U)
+        assert ok.dtype == torch.bool and ok.device == U.device
+        assert torch.equal(ok, ref.finite_rows(U))
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_finite_rows_opcheck(dev):
-    torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, (torch.randn(5, 300).to(dev),))
+    for args in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.finite_rows.default, tuple(args))
 
 
 # ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------

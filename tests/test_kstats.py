@@ -131,11 +131,35 @@ def test_kstats_has_no_derivative():
         dot.sum().backward()
 
 
+# ---- one list of samples drives correctness and opcheck on every device (pytorch/extension-cpp) -------------
+def sample_inputs(dev):
+    """Arguments of torch.ops.fedkernels.kstats (U, p): one element; float32 rows with a NaN in one; a
+    bfloat16 column chunk of a wider buffer (unaligned rows). p: host float64 weights on every device."""
+    U = randn(dev, 5, 300, seed=1)
+    U[2, 17] = float("nan")
+    return [[randn(dev, 1, 1, dtype=torch.float64, seed=2), _weights(1)], [U, _weights(5, seed=3)],
+            [randn(dev, 4, 1003, dtype=torch.bfloat16, seed=4)[:, 1:1000], _weights(4, seed=5)]]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kstats_samples_match_reference(dev):
+    for U, p in sample_inputs(dev):
+        got = torch.ops.fedkernels.kstats(U, p)
+        assert all(t.device == U.device for t in got)
+        want = ref.kstats(U.cpu(), p)
+        assert torch.equal(got[3].cpu(), want[3])
+        good = want[3]                                   # a NaN row: NaN in its own dot and nsq and in nbar
+        if good.all():
+            _close([t.cpu() for t in got], want, U.cpu(), p)
+        else:
+            assert torch.isnan(got[2]) and torch.isnan(got[1][~good.to(U.device)]).all()
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_kstats_opcheck(dev):
-    U = torch.randn(5, 300).to(dev)     # p: host weights on every device
-    torch.library.opcheck(torch.ops.fedkernels.kstats.default, (U, _weights(5)),
-                          test_utils=("test_schema", "test_faketensor"))
+    for args in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.kstats.default, tuple(args),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_kstats_sharded_sums_the_shards():
