@@ -7,6 +7,18 @@
 
 #include "lu.cuh"
 
+// the kernels' pivot butterfly over 32 lanes: each lane keeps the better of its key and lane l ^ o's
+static void pivot_butterfly(lu::PivotKey lanes[32]) {
+  for (int o = 16; o > 0; o >>= 1) {
+    lu::PivotKey nxt[32];
+    for (int l = 0; l < 32; ++l) {
+      nxt[l] = lanes[l];
+      if (lu::pivot_better(lanes[l ^ o], lanes[l])) nxt[l] = lanes[l ^ o];
+    }
+    for (int l = 0; l < 32; ++l) lanes[l] = nxt[l];
+  }
+}
+
 FK_HOST_COMMAND(pivot) {
   const int k = (int)ri(in), n = (int)ri(in);
   std::vector<double> col(n);
@@ -16,14 +28,7 @@ FK_HOST_COMMAND(pivot) {
   if (n <= 32) {
     lu::PivotKey lanes[32];
     for (int l = 0; l < 32; ++l) lanes[l] = lu::pivot_key(l < n ? col[l] : 0.0, l, k, n);
-    for (int o = 16; o > 0; o >>= 1) {
-      lu::PivotKey nxt[32];
-      for (int l = 0; l < 32; ++l) {
-        nxt[l] = lanes[l];
-        if (lu::pivot_better(lanes[l ^ o], lanes[l])) nxt[l] = lanes[l ^ o];
-      }
-      for (int l = 0; l < 32; ++l) lanes[l] = nxt[l];
-    }
+    pivot_butterfly(lanes);
     for (int l = 1; l < 32; ++l)
       if (lanes[l].i != lanes[0].i) warp_p = -2;  // lanes disagree
     if (warp_p == -1) warp_p = lanes[0].i;
@@ -37,14 +42,7 @@ FK_HOST_COMMAND(pivot) {
       if (lu::pivot_better(c, lanes[t])) lanes[t] = c;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    lu::PivotKey nxt[32];
-    for (int l = 0; l < 32; ++l) {
-      nxt[l] = lanes[l];
-      if (lu::pivot_better(lanes[l ^ o], lanes[l])) nxt[l] = lanes[l ^ o];
-    }
-    for (int l = 0; l < 32; ++l) lanes[l] = nxt[l];
-  }
+  pivot_butterfly(lanes);
   int block_p = lanes[0].i;
   for (int l = 1; l < 32; ++l)
     if (lanes[l].i != block_p) block_p = -2;
