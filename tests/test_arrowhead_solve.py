@@ -3,7 +3,10 @@ reference, general coefficients, non-contiguous inputs, opcheck, bad inputs."""
 import pytest
 import torch
 
+from devices import DEVICES, gen   # tests/devices.py: every case on cpu and cuda
 from fedkernels import ops, reference
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 
 def test_u2_arrowhead_closed_form():
@@ -74,7 +77,36 @@ def test_arrowhead_bad_inputs():
         ops.arrowhead_solve(torch.ones(3), 1.0, 1.0, 1.0, torch.zeros(3), torch.zeros(2, 3))
 
 
-def test_arrowhead_opcheck():
-    a = torch.tensor([1.5, 2.0, 3.0], dtype=torch.float64)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_arrowhead_opcheck(dev):
+    a = torch.tensor([1.5, 2.0, 3.0], dtype=torch.float64)   # a, b, c: host coefficients on every device
     torch.library.opcheck(torch.ops.fedkernels.arrowhead_solve.default,
-                          (a, -a, a, 1.0, torch.randn(11), torch.randn(3, 11)))
+                          (a, -a, a, 1.0, torch.randn(11).to(dev), torch.randn(3, 11).to(dev)))
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/lu.cpp) ----------------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+@pytest.mark.parametrize("K,m", [(1, 1), (4, 7), (300, 3)])
+def test_arrowhead_column_matches_reference(harness, K, m):
+    g = gen(K)
+    a = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
+    b = -0.1 * torch.rand(K, generator=g, dtype=torch.float64)
+    c = 0.2 * torch.rand(K, generator=g, dtype=torch.float64)
+    alpha = 1.0
+    r0 = torch.randn(m, generator=g, dtype=torch.float64)
+    R = torch.randn(K, m, generator=g, dtype=torch.float64)
+    coef = torch.cat([b / a, c, 1.0 / a])     # what csrc/cuda/lu_glue.cpp uploads
+    inv_den = 1.0 / (alpha - float((b * c / a).sum()))
+    ans = harness("arrow", K, m, inv_den, coef, r0, R)
+    vals = torch.tensor([hexf(s) for s in ans[1:]], dtype=torch.float64)
+    x, I = vals[:m], vals[m:].view(K, m)
+    xr, Ir = reference.arrowhead_solve(a, b, c, alpha, r0, R)
+    torch.testing.assert_close(x, xr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(I, Ir, rtol=1e-12, atol=1e-12)
+    xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, alpha, r0, R)   # the CPU op: same order
+    torch.testing.assert_close(x, xc, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(I, Ic, rtol=1e-14, atol=1e-14)

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
+from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 CODES = [torch.int8, torch.float8_e4m3fn]
 # (K, d, block): one column, blocks that do not divide d (a short last block), a block wider than d, one
 # block per column, several 8192-column chunks, a block across a chunk boundary

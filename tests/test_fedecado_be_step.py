@@ -10,6 +10,9 @@ import torch
 from fedkernels import ops, reference
 from fedkernels.algorithms import build
 from fedkernels.algorithms.fedecado import solver as fe
+from devices import DEV, DEVICES, cuda_only, gen, one_line, settle   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 D64 = torch.float64
 
@@ -176,13 +179,17 @@ def test_empty_d():
 
 
 # ---- opcheck and bad inputs -----------------------------------------------------------------------
-def test_opcheck():
-    a = _inputs(3, 70, seed=2)
-    args = tuple(v.contiguous() if isinstance(v, torch.Tensor) else v for v in _args(a))
+@pytest.mark.parametrize("dev", DEVICES)
+def test_opcheck(dev):
+    def on(a):   # the [d] and [K, d] tensors on dev; theta_new, theta_old, inv_g stay host coefficients
+        return {k: v.contiguous().to(dev) if isinstance(v, torch.Tensor) and k not in ("theta_new", "theta_old", "inv_g")
+                else v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    args = _args(on(_inputs(3, 70, seed=2)))
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, args)
     a32 = _inputs(3, 70, seed=2, dtype=torch.float32, S=False)
-    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, _args(a32))
-    outs = (torch.empty(70, dtype=D64), torch.empty(3, 70, dtype=D64), torch.empty(2, dtype=D64))
+    torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, _args(on(a32)))
+    outs = (torch.empty(70, dtype=D64, device=dev), torch.empty(3, 70, dtype=D64, device=dev),
+            torch.empty(2, dtype=D64, device=dev))
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step_out.default, args + outs)
 
 
@@ -384,8 +391,7 @@ def test_central_round_checks_the_window_once(monkeypatch):
     assert windows == [1] and not singles and res["steps"] + res["rejects"] > 3
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
     import warnings
     if not fedkernels_cuda():
@@ -411,3 +417,171 @@ def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
 def fedkernels_cuda():
     import fedkernels
     return bool(fedkernels.build_info().get("cuda"))
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+@pytest.mark.parametrize("dev", DEVICES)
+def _be_inputs(dev, K, d, dtype, seed):
+    g = gen(seed)
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)   # noqa: E731
+    T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
+    tl = 0.3 * float(T.max())
+    dt = 0.5 * (float(T.max()) - tl)
+    ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
+    on = lambda x: x.to(dtype).to(dev)   # noqa: E731
+    return [on(rn(d)), on(rn(K, d)), on(rn(d)), on(rn(K, d)), on(rn(K, d)), on(rn(d)),
+            (tl + dt) / T, tl / T, ig, dt, 1.7]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+# K <= 32: registers; above: per-thread shared-memory slots; K = 500 in fp64: the recomputing pass
+
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 1000), (5, 4099), (16, 777), (32, 2049), (33, 513), (70, 300), (500, 65)])
+def test_be_step_matches_reference_and_cpu(dev, K, d, dtype):
+    args = _be_inputs(dev, K, d, dtype, seed=K * 31 + d)
+    xn, In, lte = ops.fedecado_be_step(*args)
+    assert xn.device.type == In.device.type == lte.device.type == dev and lte.dtype == torch.float64
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    rx, rI, rl = reference.fedecado_be_step(*cpu)
+    cx, cI, cl = ops.fedecado_be_step(*cpu)
+    tol = 1e-11 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(xn.cpu().double(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(In.cpu().double(), rI, rtol=tol, atol=tol)
+    torch.testing.assert_close(xn.cpu(), cx, rtol=tol, atol=tol)
+    torch.testing.assert_close(lte.cpu(), rl, rtol=tol * 100, atol=tol * 100)
+    torch.testing.assert_close(lte.cpu(), cl, rtol=tol * 100, atol=tol * 100)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_be_step_noncontiguous_out_nan_deterministic(dev):
+    K, d = 6, 3001
+    args = _be_inputs(dev, K, d, torch.float32, seed=5)
+    big = torch.zeros(K, d + 5, device=dev)
+    big[:, 5:] = args[3]
+    a2 = list(args)
+    a2[3] = big[:, 5:]                                  # row-strided column chunk
+    x1, I1, l1 = ops.fedecado_be_step(*args)
+    xo, Io, lo = torch.empty(d, device=dev), torch.empty(K, d, device=dev), torch.empty(2, dtype=torch.float64, device=dev)
+    ops.fedecado_be_step(*a2, out=(xo, Io), lte_out=lo)
+    assert torch.equal(xo, x1) and torch.equal(Io, I1) and torch.equal(lo, l1)
+    for _ in range(3):                                  # atomicMax of a max: bitwise repeatable
+        x2, I2, l2 = ops.fedecado_be_step(*args)
+        assert torch.equal(x2, x1) and torch.equal(I2, I1) and torch.equal(l2, l1)
+    a3 = list(args)
+    a3[3] = args[3].clone()
+    a3[3][2, 1234] = float("nan")
+    _, _, l3 = ops.fedecado_be_step(*a3)
+    assert torch.isinf(l3[1]) and float(l3[1]) > 0
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_fedecado_be_step(dev):
+    args = _be_inputs(dev, 4, 333, torch.float64, seed=57)
+    F = torch.ops.fedkernels
+
+    def with_(i, v):
+        a = list(args)
+        a[i] = v
+        return a
+    one_line(ValueError, r"fedecado_be_step: Icur must have shape \[K, d\] = \[4, 333\] .*got \(3, 333\)",
+             ops.fedecado_be_step, *with_(1, args[1][:3]))
+    one_line(RuntimeError, r"fedecado_be_step: Icur must be \[K, d\] = \[4, 333\], got \[3, 333\]",
+             F.fedecado_be_step, *with_(1, args[1][:3]))
+    one_line(ValueError, r"fedecado_be_step: dt must be a finite number > 0, got nan", ops.fedecado_be_step,
+             *with_(9, float("nan")))
+    one_line(RuntimeError, r"fedecado_be_step: dt must be finite and > 0, got -1", F.fedecado_be_step,
+             *with_(9, -1.0))
+    one_line(ValueError, r"fedecado_be_step: xc must have dtype torch.float64 .*got torch.float32",
+             ops.fedecado_be_step, *with_(0, args[0].float()))
+    if dev == DEV:
+        one_line(ValueError, r"fedecado_be_step: Ik must have U's dtype torch.float64 and device cuda.*on cpu",
+                 ops.fedecado_be_step, *with_(4, args[4].cpu()))
+    xn, In, lte = ops.fedecado_be_step(*args)
+    settle(dev)
+    rx, rI, rl = reference.fedecado_be_step(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
+    torch.testing.assert_close(xn.cpu(), rx, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(In.cpu(), rI, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(lte.cpu(), rl, rtol=1e-9, atol=1e-9)
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/fedecado_be_step.cpp) ---
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+def _be_case(K, d, dtype, seed, with_s=True):
+    g = gen(seed)
+    rn = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64).to(dtype)   # noqa: E731
+    T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
+    tl = 0.3 * float(T.max())
+    dt = 0.5 * (float(T.max()) - tl)
+    ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
+    ig[0] = 0.0                                                      # the ECADO limit for one client
+    return [rn(d), rn(K, d), rn(d), rn(K, d), rn(K, d), rn(d) if with_s else None, (tl + dt) / T, tl / T, ig, dt, 1.7]
+
+
+def _be_emulate(harness, args, path, nt):
+    xc, Icur, xc0, U, Ik, S, thn, tho, ig, dt, L = args
+    K, d = U.shape
+    c = dt / L
+    ia = 1.0 / (1.0 + c * ig)
+    coef = torch.cat([thn, thn - tho, ig, ia])                        # what the glue uploads
+    inv_den = 1.0 / (1.0 + dt * c * float(ia.sum()))
+    A = 4 if U.dtype == torch.float32 else 8
+    ans = harness("bestep", A, path, nt, K, d, int(S is not None), c, dt, inv_den, coef, xc.double(),
+                  Icur.double(), xc0.double(), U.double(), Ik.double(), S.double() if S is not None else [])
+    v = torch.tensor([hexf(x) for x in ans[1:]], dtype=torch.float64)
+    x, I, mc, me = v[:d], v[d:d + K * d].view(K, d), float(v[-2]), float(v[-1])
+    return x.to(U.dtype), I.to(U.dtype), torch.tensor([0.5 * dt * mc, 0.5 * dt / L * me], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (32, 65), (33, 300), (100, 129)])
+@pytest.mark.parametrize("with_s", [True, False])
+def test_be_step_paths_match_reference_and_cpu(harness, dtype, K, d, with_s):
+    """Registers (K <= 32), shared-memory slots and the recomputing pass: every column once, each
+    thread only its own slots, the same bits on all three paths, and the float64 reference / CPU op
+    to the rounding of the arithmetic type."""
+    args = _be_case(K, d, dtype, seed=K * 31 + d, with_s=with_s)
+    nt = int(harness("besmem", K, 4 if dtype == torch.float32 else 8, 232448 - 1024)[0])
+    assert nt >= 32
+    outs = []
+    for path, threads in ((0, 256), (1, nt), (1, 32), (2, 256)):
+        if path == 0 and K > 32:
+            continue
+        outs.append(_be_emulate(harness, args, path, threads))
+    for o in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))
+    x, I, lte = outs[0]
+    rx, rI, rl = reference.fedecado_be_step(*args)
+    cx, cI, cl = torch.ops.fedkernels.fedecado_be_step(*args)
+    tol = 1e-12 if dtype == torch.float64 else 3e-6 * max(1, K ** 0.5)
+    torch.testing.assert_close(x.double(), rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(I.double(), rI, rtol=tol, atol=tol)
+    torch.testing.assert_close(x.double(), cx.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(I.double(), cI.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lte, rl, rtol=100 * tol, atol=100 * tol)
+    torch.testing.assert_close(lte, cl, rtol=100 * tol, atol=100 * tol)
+
+
+def test_be_step_nan_gives_infinite_lte(harness):
+    args = _be_case(40, 50, torch.float32, seed=1)
+    args[3] = args[3].clone()
+    args[3][7, 11] = float("nan")
+    _, _, lte = _be_emulate(harness, args, 1, 64)
+    assert lte.tolist() == [math.inf, math.inf]
+    _, _, cl = torch.ops.fedkernels.fedecado_be_step(*args)
+    assert cl.tolist() == [math.inf, math.inf]
+
+
+def test_be_step_smem_plan(harness):
+    budget = 232448 - 1024
+    # per thread 2K slots; the largest of 256..32 threads within 96 KB, else the device budget
+    assert harness("besmem", 33, 4, budget) == ["256", str(2 * 33 * 4 * 256)]
+    assert harness("besmem", 100, 4, budget) == ["64", str(2 * 100 * 4 * 64)]
+    assert harness("besmem", 100, 8, budget) == ["32", str(2 * 100 * 8 * 32)]
+    assert harness("besmem", 400, 8, budget)[0] == "32"             # 204800 bytes: beyond 96 KB, within the budget
+    assert harness("besmem", 460, 8, budget) == ["0", "0"]          # recomputing pass
+    assert harness("besmem", 900, 4, budget)[0] == "32" and harness("besmem", 910, 4, budget)[0] == "0"

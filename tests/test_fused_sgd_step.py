@@ -5,6 +5,7 @@ import torch
 from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
+from devices import DEV, DEVICES, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
 
 SHAPES = [(64, 3, 3, 3), (32, 3, 5, 5), (16, 64, 3, 3), (6, 512, 3, 3), (2, 25088), (10, 512), (7, 13), (5, 1),
           (100,), (7,), (1,), ()]
@@ -217,12 +218,63 @@ def test_bad_inputs():
         torch.ops.fedkernels.fused_sgd_step_([p], [g], [], [], [], [], 0.1, 0.9, 0.0, False, "skip", 2)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_opcheck(dev):
     def args():
-        P = [torch.randn(6, 3, 3, 3), torch.randn(5, dtype=torch.float64), torch.randn(4, 7)]
+        P = [t.to(dev) for t in (torch.randn(6, 3, 3, 3), torch.randn(5, dtype=torch.float64), torch.randn(4, 7))]
         G = [torch.randn_like(x) for x in P]
         B = [torch.randn_like(x) for x in P]
         C = [torch.randn_like(P[0]), None, torch.randn_like(P[2])]
         Ci = [None, torch.randn_like(P[1]), torch.randn_like(P[2])]
         return (P, G, B, C, Ci, [True, True, False], 0.1, 0.9, 1e-4, False, "center", 2)
     torch.library.opcheck(torch.ops.fedkernels.fused_sgd_step_.default, args())
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("momentum,first", [(0.0, False), (0.9, True), (0.9, False)])
+def test_fused_sgd_step_every_device_matches_cpu(dev, momentum, first):
+    shapes = [(8, 3, 3, 3), (8,), (10, 72), (5,)]
+    mk = lambda s: [torch.randn(*sh, generator=gen(s + i), dtype=torch.float64).float() for i, sh in enumerate(shapes)]  # noqa: E731
+    p, g, buf, c, ci = mk(1), mk(10), mk(20), mk(30), mk(40)
+    pd, gd, bd, cd, cid = ([t.to(dev, copy=True) for t in x] for x in (p, g, buf, c, ci))
+    mask = [True, False, True, True]
+    cadd = [c[0], None, c[2], None]
+    args = (0.1, momentum, 1e-3, first, "center", 2)
+    torch.ops.fedkernels.fused_sgd_step_(p, g, buf if momentum else [], cadd, ci, mask, *args)
+    torch.ops.fedkernels.fused_sgd_step_(pd, gd, bd if momentum else [], [cd[0], None, cd[2], None], cid, mask, *args)
+    for x, y in zip(pd + (bd if momentum else []), p + (buf if momentum else [])):
+        torch.testing.assert_close(x.cpu(), y, rtol=1e-5, atol=1e-6)
+    for x, y in zip(gd, g):
+        assert torch.equal(x.cpu(), y)                                                # grads untouched
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_fused_sgd_step(dev):
+    shapes = [(6, 2, 3), (6,), (4, 9)]
+    p = [randn(dev, *s, seed=60 + i) for i, s in enumerate(shapes)]
+    g = [randn(dev, *s, seed=70 + i) for i, s in enumerate(shapes)]
+    buf = [randn(dev, *s, seed=80 + i) for i, s in enumerate(shapes)]
+    F = torch.ops.fedkernels
+    one_line(ValueError, r"fused_sgd_step_: momentum must be >= 0, got -0.5", ops.fused_sgd_step_, p, g, buf,
+             lr=0.1, momentum=-0.5)
+    one_line(ValueError, r"fused_sgd_step_: gc_mask must have one entry per parameter \(3\), got 2",
+             ops.fused_sgd_step_, p, g, lr=0.1, gc_mask=[True, False])
+    one_line(ValueError, r"fused_sgd_step_: lr must be a finite number, got nan", ops.fused_sgd_step_, p, g,
+             lr=float("nan"))
+    one_line(RuntimeError, r"fused_sgd_step_: grads has 2 tensors, expected 3", F.fused_sgd_step_,
+             p, g[:2], [], [], [], [], 0.1, 0.0, 0.0, False, "skip", 2)
+    one_line(RuntimeError, r"fused_sgd_step_: grads\[2\] has shape \[9, 4\], expected the shape of params\[2\] "
+              r"\[4, 9\]", F.fused_sgd_step_, p, g[:2] + [g[2].T.contiguous()], [], [], [], [], 0.1, 0.0, 0.0,
+              False, "skip", 2)
+    if dev == DEV:
+        one_line(ValueError, r"fused_sgd_step_: grads\[1\].*cpu", ops.fused_sgd_step_, p,
+                 [g[0], g[1].cpu(), g[2]], lr=0.1)
+    rp, rb = [t.cpu().clone() for t in p], [t.cpu().clone() for t in buf]
+    ref.fused_sgd_step_(rp, [t.cpu() for t in g], rb, lr=0.1, momentum=0.9, weight_decay=1e-3,
+                              gc_mask=[True, False, True], vector_policy="center")
+    ops.fused_sgd_step_(p, g, buf, lr=0.1, momentum=0.9, weight_decay=1e-3, gc_mask=[True, False, True],
+                        vector_policy="center")
+    settle(dev)
+    for x, y in zip(p + buf, rp + rb):
+        torch.testing.assert_close(x.cpu().double(), y.double(), rtol=1e-5, atol=1e-6)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 # Random123 kat_vectors, "philox4x32 10": counter[4], key[2] -> output[4]

@@ -9,6 +9,8 @@ from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
 from fedkernels.flat import FlatSpec
+from devices import DEV, DEVICES, FLOATS, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # the paper models' row lengths: 27 (3x3x3 first conv), 75 (5x5x3), 576 (64x3x3), 4608 (512x3x3),
@@ -319,10 +321,85 @@ def test_bad_inputs():
 
 
 # ---- opcheck -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("policy", ["skip", "center"])
-def test_opcheck(policy):
+def test_opcheck(dev, policy):
     def make():
-        return [torch.randn(6, 3, 3, 3), torch.randn(5, 7, dtype=torch.float64), torch.randn(9),
-                torch.randn(4, 6).T, torch.randn(3, 8, dtype=torch.bfloat16)]
+        return [t.to(dev) for t in (torch.randn(6, 3, 3, 3), torch.randn(5, 7, dtype=torch.float64), torch.randn(9),
+                                    torch.randn(4, 6).T, torch.randn(3, 8, dtype=torch.bfloat16))]
     torch.library.opcheck(torch.ops.fedkernels.gc_project_.default, (make(), policy, 2))
     torch.library.opcheck(torch.ops.fedkernels.gc_project.default, (make(), policy, 2))
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+GC_SHAPES = [(8, 3, 3, 3), (64, 64, 3, 3), (16, 2048), (4, 3000), (6, 25088), (10,), (5, 1), (), (0, 4)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("policy", ["skip", "center"])
+def test_gc_project_matches_reference(dev, dtype, policy):
+    ts = [randn(dev, *s, dtype=dtype, seed=i) if len(s) else torch.tensor(1.5, dtype=dtype, device=dev)
+          for i, s in enumerate(GC_SHAPES)]
+    ts.append(randn(dev, 32, 40, dtype=dtype, seed=99).T)  # non-contiguous: goes through a copy
+    want = ref.gc_project([t.cpu() for t in ts], vector_policy=policy)
+    out = ops.gc_project(ts, vector_policy=policy)
+    work = [t.clone() for t in ts]
+    ops.gc_project_(work, vector_policy=policy)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for o, w, r in zip(out, work, want):
+        torch.testing.assert_close(o.cpu().double(), r.double(), rtol=tol, atol=tol)
+        torch.testing.assert_close(w.cpu().double(), r.double(), rtol=tol, atol=tol)
+    cpu = ops.gc_project([t.cpu() for t in ts], vector_policy=policy)
+    for o, c in zip(out, cpu):
+        torch.testing.assert_close(o.cpu().double(), c.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gc_project_deterministic(dev):
+    t = randn(dev, 256, 4608, seed=1)
+    a, b = ops.gc_project([t])[0], ops.gc_project([t])[0]
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_gc_project(dev):
+    ts = [randn(dev, 8, 3, 3, 3, seed=55), randn(dev, 8, seed=56)]
+    F = torch.ops.fedkernels
+    one_line(ValueError, r"gc_project_: min_fanin must be an int >= 1, got 0", ops.gc_project_, ts, min_fanin=0)
+    one_line(RuntimeError, r"gc_project: min_fanin must be >= 1, got -7", F.gc_project_, ts, "skip", -7)
+    one_line(ValueError, r"gc_project_: tensors\[1\] must have a floating dtype .*got torch.int64", ops.gc_project_,
+             [ts[0], torch.zeros(4, 3, dtype=torch.long, device=dev)])
+    one_line(ValueError, r"gc_project_: vector_policy must be 'skip' or 'center', got 'mean'", ops.gc_project_, ts,
+             vector_policy="mean")
+    if dev == DEV:
+        one_line(ValueError, r"gc_project_: all tensors must be on one device; tensors\[0\] is on cuda",
+                 ops.gc_project_, [ts[0], torch.zeros(4, 3)])
+    want = ref.gc_project([t.cpu() for t in ts], vector_policy="center")
+    ops.gc_project_(ts, vector_policy="center")
+    settle(dev)
+    for t, r in zip(ts, want):
+        torch.testing.assert_close(t.cpu().double(), r.double(), rtol=1e-5, atol=1e-5)
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/gc_project.cpp) --------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+def test_gc_plan_covers_every_row_once(harness):
+    # rows, cols of a ResNet-like list plus edge cases: one row, exactly the path limits, empty tensors
+    shapes = [(64, 147), (0, 5), (64, 576), (128, 1152), (1, 10), (512, 4608), (3, 1024), (2, 1025), (5, 8192),
+              (4, 8193), (100, 512), (0, 0), (65, 3), (1, 100000)]
+    ans = harness("gcplan", len(shapes), [r for r, _ in shapes], [c for _, c in shapes])
+    items = int(ans[0])
+    per = [tuple(int(x) for x in a.split(":")) for a in ans[1:]]
+    want_items = 0
+    for (rows, cols), (path, lo, hi) in zip(shapes, per):
+        want_path = 0 if cols <= 1024 else (1 if cols <= 8192 else 2)
+        assert path == want_path, (rows, cols)
+        assert lo == hi == 1, (rows, cols)            # every row exactly once
+        if rows and cols:
+            want_items += -(-rows // 64) if path == 0 else rows
+    assert items == want_items

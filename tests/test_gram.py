@@ -1,4 +1,5 @@
 """gram: the native op against the float64 reference (shapes, rows, layouts, determinism, bad inputs)."""
+import math
 import subprocess
 import sys
 
@@ -7,6 +8,9 @@ import torch
 from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
+from devices import DEVICES, FLOATS, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (10, 70001)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -86,10 +90,46 @@ def test_gram_bad_inputs_name_the_argument():
         ops.gram(U, rows=torch.tensor([0.5]))
 
 
-def test_gram_opcheck():
-    U = torch.randn(5, 300)
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
-    torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, torch.tensor([1, 3])))
+# ---- one list of samples drives correctness, gradients and opcheck on every device (pytorch/extension-cpp) ----
+def sample_inputs(dev, *, requires_grad=False):
+    """Arguments of torch.ops.fedkernels.gram (U, rows): one element, float32 and float64 column chunks of a
+    wider buffer (row stride d + 3, unaligned start), a row subset with a repeat (rows on the device)."""
+    def U(K, d, dtype, seed):
+        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1:1 + d].requires_grad_(requires_grad)
+    return [[U(1, 1, torch.float64, 1), None],
+            [U(5, 300, torch.float32, 2), None],
+            [U(6, 257, torch.float64, 3), torch.tensor([4, 0, 0, 2], device=dev)]]
+
+
+def _grad_tol(U):
+    """The gradient is rounded to U's dtype (float32: 2^-24 relative)."""
+    return (1e-11, 1e-11 * U.shape[1]) if U.dtype == torch.float64 else (1e-5, 1e-5 * U.shape[1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_samples_match_reference(dev):
+    for U, rows in sample_inputs(dev):
+        G = torch.ops.fedkernels.gram(U, rows)
+        assert G.dtype == torch.float64 and G.device.type == dev
+        # exact float64 products for every input dtype: only the summation order differs
+        assert_close(G, ref.gram(U, rows), rtol=1e-11, atol=1e-11 * U.shape[1])
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_samples_gradients_match_reference(dev):
+    for U, rows in sample_inputs(dev, requires_grad=True):
+        W = randn(dev, U.shape[0] if rows is None else len(rows), U.shape[0], dtype=torch.float64, seed=9)
+        (got,) = torch.autograd.grad((ops.gram(U, rows=rows) * W).sum(), U)
+        (want,) = torch.autograd.grad((ref.gram(U, rows) * W).sum(), U)
+        rtol, atol = _grad_tol(U)
+        assert got.dtype == U.dtype and got.device == U.device
+        assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_opcheck(dev):   # with requires_grad (the autograd checks, ~30x slower): tests/test_autograd.py
+    for U, rows in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, rows))
 
 
 # ---- gram_screened: the rows' NaN/Inf flags from the Gram pass (its diagonal) -----------------------
@@ -222,3 +262,182 @@ def test_gram_path_variable_bad_value(monkeypatch):
     monkeypatch.setenv("FEDKERNELS_GRAM_PATH", "fast")
     with pytest.raises(ValueError, match="FEDKERNELS_GRAM_PATH=fast: expected auto, cols or bcast"):
         ops.gram(torch.ones(3, 4))
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+# K <= 16: path R; K > 16: fp64 tensor cores (one diagonal block up to K = 128, off-diagonal blocks above)
+GRAM_SHAPES = [(1, 1), (2, 3), (3, 7), (10, 4099), (16, 1000), (17, 513), (33, 2000), (70, 1031), (130, 777)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", GRAM_SHAPES)
+def test_gram_matches_reference_on_every_device(dev, K, d, dtype):
+    U = randn(dev, K, d, dtype=dtype, seed=K * 1000 + d)
+    G = ops.gram(U)
+    assert G.dtype == torch.float64 and G.device.type == dev and G.shape == (K, K)
+    want = ref.gram(U)  # exact float64 products: only the summation order differs
+    torch.testing.assert_close(G, want, rtol=1e-11, atol=1e-11 * d)
+    assert torch.equal(G, G.T)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("K,d", [(5, 100), (12, 3333), (40, 777)])
+def test_gram_rows_and_noncontiguous(dev, K, d):
+    base = randn(dev, K, d + 9, seed=3)
+    U = base[:, 4:4 + d]  # row stride d + 9, unaligned start
+    rows = torch.tensor([K - 1, 0, 2, 2], device=dev)
+    G = ops.gram(U, rows=rows)
+    torch.testing.assert_close(G, ref.gram(U, rows=rows), rtol=1e-11, atol=1e-11 * d)
+    torch.testing.assert_close(ops.gram(U), ref.gram(U), rtol=1e-11, atol=1e-11 * d)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("K,d", [(10, 100_003), (64, 20_000)])
+def test_gram_deterministic_and_matches_cpu(dev, K, d):
+    U = randn(dev, K, d, seed=11)
+    G1, G2 = ops.gram(U), ops.gram(U)
+    assert torch.equal(G1, G2)  # bitwise: fixed-order reduction, no atomics
+    torch.testing.assert_close(G1.cpu(), ops.gram(U.cpu()), rtol=1e-11, atol=1e-11 * d)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_gram_empty(dev):
+    U = torch.empty(3, 0, device=dev)
+    assert torch.equal(ops.gram(U), torch.zeros(3, 3, dtype=torch.float64, device=dev))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_gram(dev):
+    U, F = randn(dev, 5, 257, seed=53), torch.ops.fedkernels
+    one_line(ValueError, r"gram: U must be a 2-D \[K, d\] tensor, got shape \(5, 257, 1\)", ops.gram, U[..., None])
+    one_line(RuntimeError, r"gram: U must be 2-D \[K, d\], got 3-D", F.gram, U[..., None], None)
+    one_line(ValueError, r"gram: rows must lie in \[0, 5\), got min -1 max 2", ops.gram, U, rows=[2, -1])
+    one_line(RuntimeError, r"gram: rows( entry|\[1\] =) 5 out of range \[0, 5\)", F.gram, U, torch.tensor([1, 5]))
+    one_line(ValueError, r"gram: rows must hold integer row indices, got dtype torch.float32", ops.gram, U,
+             rows=torch.tensor([1.0]))
+    G = ops.gram(U, rows=[4, 1])
+    settle(dev)
+    torch.testing.assert_close(G, ref.gram(U, rows=[4, 1]), rtol=1e-11, atol=1e-11 * 257)
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/gram.cpp) --------------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+def _gram_emulate(harness, U, rows=None, eb=4):
+    K, d = U.shape
+    sym = rows is None
+    ans = harness("gram", eb, 0 if sym else len(rows), K, d, int(sym), [] if sym else list(rows), U.double())
+    k = K if sym else len(rows)
+    return int(ans[0]), torch.tensor([hexf(x) for x in ans[1:]], dtype=torch.float64).view(k, K)
+
+
+@pytest.mark.parametrize("eb,dtype", [(4, torch.float32), (8, torch.float64), (2, torch.bfloat16)])
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 5), (16, 600), (17, 513), (33, 129), (100, 200), (130, 70)])
+def test_gram_emulation_matches_reference(harness, eb, dtype, K, d):
+    """Path R (K <= 16) and path T (DMMA tiles, diagonal and off-diagonal blocks at K = 130 > 128):
+    every staged slot, every 8x8 tile and every output element exactly once per part (ERR
+    otherwise), the fragment layout through an mma built from the PTX layout, G exactly symmetric."""
+    U = torch.randn(K, d, generator=gen(K * 7 + d), dtype=torch.float64).to(dtype)
+    _, G = _gram_emulate(harness, U, eb=eb)
+    want = ref.gram(U)
+    torch.testing.assert_close(G, want, rtol=1e-12, atol=1e-12 * d)
+    assert torch.equal(G, G.T)
+    if K <= 16:
+        assert torch.equal(G, _gram_r_model(U))      # path R: the documented order, bit for bit
+
+
+@pytest.mark.parametrize("k,K,d", [(5, 20, 300), (20, 3, 257), (3, 140, 65), (17, 17, 64)])
+def test_gram_emulation_rows_duplicates_bad_rows(harness, k, K, d):
+    U = torch.randn(K, d, generator=gen(k + K + d), dtype=torch.float64).float()
+    rows = [(i * 7) % K for i in range(k)]
+    rows[-1] = rows[0]                                # a duplicate
+    _, G = _gram_emulate(harness, U, rows=rows)
+    torch.testing.assert_close(G, ref.gram(U, rows=rows), rtol=1e-12, atol=1e-12 * d)
+    bad = list(rows)
+    bad[1] = K                                        # out of range: a NaN row, the others intact
+    _, G = _gram_emulate(harness, U, rows=bad)
+    assert torch.isnan(G[1]).all()
+    keep = [i for i in range(k) if i != 1]
+    torch.testing.assert_close(G[keep], ref.gram(U, rows=[bad[i] for i in keep]), rtol=1e-12, atol=1e-12 * d)
+
+
+def _fma(a: float, b: float, c: float) -> float:
+    from fractions import Fraction
+    if not all(math.isfinite(x) for x in (a, b, c)):
+        return a * b + c
+    return float(Fraction(a) * Fraction(b) + Fraction(c))    # exact, then one correct rounding
+
+
+def _butterfly(x):
+    x = list(x)
+    for o in (16, 8, 4, 2, 1):
+        x = [x[l] + x[l ^ o] for l in range(32)]
+    return x[0]
+
+
+def _gram_r_model(U):
+    """Path R's documented order for one part (d <= part width): thread t sums fma over columns t,
+    t + 256, ...; per warp the butterfly x_l + x_{l^o}; warps added in index order."""
+    U64 = U.double().tolist()
+    K, d = len(U64), len(U64[0])
+    G = torch.zeros(K, K, dtype=torch.float64)
+    for i in range(K):
+        for j in range(i, K):
+            part = []
+            for t in range(256):
+                acc = 0.0
+                for c in range(t, d, 256):
+                    acc = _fma(U64[i][c], U64[j][c], acc)
+                part.append(acc)
+            s = _butterfly(part[0:32])
+            for w in range(1, 8):
+                s = s + _butterfly(part[32 * w:32 * w + 32])
+            G[i, j] = G[j, i] = s
+    return G
+
+
+def test_gram_final_reduction_is_the_documented_order(harness):
+    """G[i][j] = part_0 + ... + part_7 (warp order), part_w = sum of parts w, w + 8, ... from 0.0."""
+    g = gen(11)
+    for n in (1, 7, 8, 9, 100, 1024):
+        vals = (torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-8, 9, (n,), generator=g)).tolist()
+        got = hexf(harness("gramred", n, vals)[1])
+        parts = []
+        for w in range(8):
+            s = 0.0
+            for p in range(w, n, 8):
+                s += vals[p]
+            parts.append(s)
+        t = parts[0]
+        for q in range(1, 8):
+            t += parts[q]
+        assert got == t, n
+        if n == 1024:
+            seq = 0.0
+            for v in vals:
+                seq += v
+            assert seq != t   # the order matters for these values: the check above can fail
+
+
+def test_gram_plan(harness):
+    def plan(k, K, d, sym, eb):
+        r = [int(x) for x in harness("gramplan", k, K, d, int(sym), eb)]
+        return dict(zip(["path_r", "tile", "kp", "Kp", "pairs", "part_cols", "nparts", "ws"], r))
+    p = plan(100, 100, 11_220_132, True, 4)           # ResNet-18, K = 100: one diagonal block, 1024 parts
+    assert p["path_r"] == 0 and p["tile"] == 128 and p["pairs"] == 1 and 1000 <= p["nparts"] <= 1024
+    for k, K, d, sym in [(16, 16, 10**6, True), (17, 17, 5, True), (100, 100, 11_220_132, True), (1000, 1000, 10**6, True),
+                         (5, 300, 12345, False), (300, 2, 999, False), (1, 1, 1, True), (129, 129, 4097, True)]:
+        for eb in (2, 4, 8):
+            p = plan(k, K, d, sym, eb)
+            align = 256 if p["path_r"] else (32 if eb == 8 else 64)
+            assert p["part_cols"] % align == 0
+            assert (p["nparts"] - 1) * p["part_cols"] < d <= p["nparts"] * p["part_cols"]   # every column in one part
+            assert p["ws"] == p["nparts"] * p["kp"] * p["Kp"] * 8 <= 256 << 20
+            assert p["nparts"] <= 1024 and p["kp"] >= k and p["Kp"] >= K
+            t = p["tile"]
+            n_t = -(-K // t)
+            assert p["pairs"] == (n_t * (n_t + 1) // 2 if sym else -(-k // t) * n_t)

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
+from devices import DEVICES, FLOATS, gen, randn   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # (K, d): odd sizes, one chunk and several, one part and many (K = 16, d = 200k: 64 parts), K >> d
@@ -128,10 +131,35 @@ def test_kstats_has_no_derivative():
         dot.sum().backward()
 
 
-def test_kstats_opcheck():
-    U = torch.randn(5, 300)
-    torch.library.opcheck(torch.ops.fedkernels.kstats.default, (U, _weights(5)),
-                          test_utils=("test_schema", "test_faketensor"))
+# ---- one list of samples drives correctness and opcheck on every device (pytorch/extension-cpp) -------------
+def sample_inputs(dev):
+    """Arguments of torch.ops.fedkernels.kstats (U, p): one element; float32 rows with a NaN in one; a
+    bfloat16 column chunk of a wider buffer (unaligned rows). p: host float64 weights on every device."""
+    U = randn(dev, 5, 300, seed=1)
+    U[2, 17] = float("nan")
+    return [[randn(dev, 1, 1, dtype=torch.float64, seed=2), _weights(1)], [U, _weights(5, seed=3)],
+            [randn(dev, 4, 1003, dtype=torch.bfloat16, seed=4)[:, 1:1000], _weights(4, seed=5)]]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kstats_samples_match_reference(dev):
+    for U, p in sample_inputs(dev):
+        got = torch.ops.fedkernels.kstats(U, p)
+        assert all(t.device == U.device for t in got)
+        want = ref.kstats(U.cpu(), p)
+        assert torch.equal(got[3].cpu(), want[3])
+        good = want[3]                                   # a NaN row: NaN in its own dot and nsq and in nbar
+        if good.all():
+            _close([t.cpu() for t in got], want, U.cpu(), p)
+        else:
+            assert torch.isnan(got[2]) and torch.isnan(got[1][~good.to(U.device)]).all()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kstats_opcheck(dev):
+    for args in sample_inputs(dev):
+        torch.library.opcheck(torch.ops.fedkernels.kstats.default, tuple(args),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_kstats_sharded_sums_the_shards():
@@ -157,3 +185,65 @@ def test_kstats_sharded_sums_the_shards():
         dot, nsq, nbar, ok = ops.kstats(U[:, :150], p)
     _close((dot, nsq, nbar), ref.kstats(U, p), U, p)
     assert ok.tolist() == [True, True, True, False, True, True, True]
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (10, 4099), (100, 300), (1000, 76), (2, 262177)])
+def test_kstats_matches_reference_and_cpu(dev, K, d, dtype):
+    base = randn(dev, K, d + 3, dtype=dtype, seed=K + d)
+    U = base[:, 1:1 + d]                                   # row stride d + 3, unaligned start
+    p = torch.rand(K, generator=gen(d), dtype=torch.float64) + 0.1
+    p /= p.sum()
+    got = ops.kstats(U, p)
+    assert all(t.device.type == dev for t in got)
+    want = ref.kstats(U.cpu(), p)
+    A = U.cpu().double().abs()
+    m = p @ A
+    for g, w, S in zip(got[:3], want[:3], (A @ m, (A * A).sum(1), m @ m)):
+        assert g.dtype == torch.float64 and torch.all((g.cpu() - w).abs() <= 1e-12 * S + 1e-300)
+    assert got[3].cpu().tolist() == [True] * K
+    again = ops.kstats(U, p)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))     # bitwise: fixed order, no atomics
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kstats_flags_exact(dev):
+    for dtype in FLOATS:
+        U = randn(dev, 6, 999, dtype=dtype, seed=2)
+        U[1, 5], U[3, 998] = float("nan"), float("-inf")
+        U[0] = torch.finfo(dtype).max                       # finite (fp64: its squared norm overflows)
+        ok = ops.kstats(U, torch.full((6,), 1 / 6, dtype=torch.float64))[3]
+        assert ok.cpu().tolist() == [True, False, True, False, True, True], dtype
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_kstats_empty(dev):
+    dot, nsq, nbar, ok = ops.kstats(torch.empty(3, 0, device=dev), torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert float(dot.abs().sum() + nsq.sum() + nbar) == 0.0 and ok.all() and dot.device.type == dev
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/kstats.cpp) ------------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+@pytest.mark.parametrize("eb,dtype", [(4, torch.float32), (8, torch.float64), (2, torch.float16)])
+@pytest.mark.parametrize("K,d,parts,tw", [(1, 1, 1, 256), (3, 5, 1, 256), (7, 700, 3, 256), (100, 300, 3, 128),
+                                          (1000, 70, 3, 32), (2, 256 * 1024 + 33, 513, 256)])
+
+def test_kstats_emulation_matches_reference(harness, eb, dtype, K, d, parts, tw):
+    """kstats_parts / kstats_final emulated around ks::: every element of U read exactly once per phase
+    (ERR otherwise), the plan's parts and tile width (fp32 at K = 1000: 32 columns; 1025 tiles: 2 per
+    part: 513 parts), dot / nsq / nbar against the float64 reference."""
+    U = torch.randn(K, d, generator=gen(K * 3 + d), dtype=torch.float64).to(dtype)
+    p = torch.rand(K, generator=gen(d), dtype=torch.float64) + 0.1
+    p /= p.sum()
+    ans = harness("kstats", eb, K, d, U.double(), p)
+    got = torch.tensor([hexf(x) for x in ans[2:]], dtype=torch.float64)
+    if eb == 4:
+        assert (int(ans[0]), int(ans[1])) == (parts, tw)
+    dot, nsq, nbar, _ = ref.kstats(U, p)
+    torch.testing.assert_close(got, torch.cat([dot, nsq, nbar.reshape(1)]), rtol=1e-12, atol=1e-12)

@@ -1,10 +1,14 @@
 """lu_factor / lu_factor_ex / lu_solve: spec fedecado.md section 9 (U3, U10; U2, U5d, U9 in test_arrowhead_solve.py),
 torch.linalg agreement, float64 reference, odd and non-contiguous shapes, opcheck, bad inputs."""
+import math
 import numpy as np
 import pytest
 import torch
 
 from fedkernels import ops, reference
+from devices import DEV, DEVICES, cuda_only, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 
 def well_conditioned(B, n, dtype, seed):
@@ -191,10 +195,196 @@ def test_one_size_limit_for_python_and_native():
         torch.ops.fedkernels.lu_factor(torch.eye(n + 1))
 
 
-def test_opcheck():
-    A = well_conditioned(3, 5, torch.float64, 2)
+@pytest.mark.parametrize("dev", DEVICES)
+def test_opcheck(dev):
+    A = well_conditioned(3, 5, torch.float64, 2).to(dev)
     torch.library.opcheck(torch.ops.fedkernels.lu_factor.default, (A,))
     torch.library.opcheck(torch.ops.fedkernels.lu_factor.default, (A[0],))
     LU, piv, _ = torch.ops.fedkernels.lu_factor(A)
-    torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU, piv, torch.randn(3, 5, 7, dtype=torch.float64)))
-    torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU[0], piv[0], torch.randn(5, 9)))
+    R = torch.randn(3, 5, 7, dtype=torch.float64).to(dev)
+    torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU, piv, R))
+    torch.library.opcheck(torch.ops.fedkernels.lu_solve.default, (LU[0], piv[0], torch.randn(5, 9).to(dev)))
+    if dev == DEV:  # the CPU case of lu_solve_out: test_deterministic_and_out
+        torch.library.opcheck(torch.ops.fedkernels.lu_solve_out.default, (LU, piv, R, torch.empty_like(R)))
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 4, 11, 21, 32, 33, 64])
+def test_lu_factor_solve(dev, n, dtype):
+    B, m = 37, 300
+    A = torch.randn(B, n, n, generator=gen(n), dtype=torch.float64).to(dtype)
+    A[0] = 0.0  # singular: info = 1, no NaN from a division
+    if n > 2:
+        A[1, :, 1] = 0.0  # zero pivot in column 1 -> info = 2
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(dev))
+    LU_c, piv_c, info_c = torch.ops.fedkernels.lu_factor(A)  # CPU op: same LAPACK getf2 rules
+    assert torch.equal(piv.cpu(), piv_c) and torch.equal(info.cpu(), info_c)
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(LU.cpu(), LU_c, rtol=tol, atol=tol)
+    LU_r, piv_r, info_r = torch.linalg.lu_factor_ex(A[2:].double())
+    assert torch.equal(piv.cpu()[2:], piv_r.to(torch.int32))
+    R = torch.randn(B - 2, n, m, generator=gen(n + 1), dtype=torch.float64).to(dtype)
+    X = torch.ops.fedkernels.lu_solve(LU[2:], piv[2:], R.to(dev))
+    assert X.dtype == dtype and X.shape == R.shape
+    X_c = torch.ops.fedkernels.lu_solve(LU_c[2:], piv_c[2:], R)
+    torch.testing.assert_close(X.cpu(), X_c, rtol=tol * 10, atol=tol * 10)
+    X_r = torch.linalg.solve(A[2:].double(), R.double())
+    torch.testing.assert_close(X.cpu().double(), X_r, rtol=tol * 100, atol=tol * 100)
+    A1 = A[5].to(dev)  # unbatched
+    LU1, piv1, info1 = torch.ops.fedkernels.lu_factor(A1)
+    assert LU1.shape == (n, n) and piv1.shape == (n,) and info1.shape == ()
+    torch.testing.assert_close(LU1.cpu(), LU_c[5], rtol=tol, atol=tol)
+
+
+@cuda_only
+@pytest.mark.parametrize("n", [5, 32, 40])
+def test_lu_factor_nan_does_not_hang_and_pivots_match_the_cpu_rule(n):  # the CPU op refuses NaN
+    A = torch.randn(8, n, n, generator=gen(n), dtype=torch.float64)
+    A[0, 2, 0] = float("nan")          # NaN below the diagonal: never the pivot
+    A[1, 0, 0] = float("nan")          # NaN on the diagonal: keeps row 0
+    A[2, :, 0] = float("nan")
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(DEV))
+    torch.cuda.synchronize()
+    assert int(piv[1, 0]) == 1 and int(piv[2, 0]) == 1
+    assert int(piv[0, 0]) - 1 == int(torch.where(torch.isnan(A[0, :, 0]), -1.0, A[0, :, 0].abs()).argmax())
+    LUc, pivc, _ = torch.ops.fedkernels.lu_factor(A[3:])
+    assert torch.equal(piv[3:].cpu(), pivc)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_lu_solve_out_and_arrowhead_on_every_device(dev):
+    A = torch.randn(4, 9, 9, generator=gen(31), dtype=torch.float64) + 9 * torch.eye(9, dtype=torch.float64)
+    LU, piv, _ = torch.ops.fedkernels.lu_factor(A.to(dev))
+    R = torch.randn(4, 9, 500, generator=gen(32), dtype=torch.float64).to(dev)
+    X = torch.ops.fedkernels.lu_solve(LU, piv, R)
+    out = torch.empty_like(R)
+    torch.ops.fedkernels.lu_solve_out(LU, piv, R, out)
+    assert torch.equal(out, X)
+    torch.ops.fedkernels.lu_solve_out(LU, piv.cpu(), R, R)                               # in place, host pivots
+    assert torch.equal(R, X)
+    a = torch.rand(6, generator=gen(33), dtype=torch.float64) + 0.5
+    b, c = -0.1 * torch.rand(6, generator=gen(34), dtype=torch.float64), torch.rand(6, generator=gen(35),
+                                                                                      dtype=torch.float64)
+    for dt in (torch.float32, torch.float64):
+        r0, RR = randn(dev, 1001, dtype=dt, seed=36), randn(dev, 6, 1001, dtype=dt, seed=37)
+        x, I = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0, RR)
+        xr, Ir = reference.arrowhead_solve(a, b, c, 1.0, r0.cpu(), RR.cpu())
+        tol = 1e-12 if dt == torch.float64 else 1e-5
+        torch.testing.assert_close(x.cpu().double(), xr, rtol=tol, atol=tol)
+        torch.testing.assert_close(I.cpu().double(), Ir, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_lu(dev):
+    A = (torch.randn(3, 6, 6, generator=gen(58), dtype=torch.float64) + 6 * torch.eye(6, dtype=torch.float64)).to(dev)
+    R = torch.randn(3, 6, 40, generator=gen(59), dtype=torch.float64).to(dev)
+    F = torch.ops.fedkernels
+    one_line(ValueError, r"lu_factor: A must be a square \[n, n\] or batched \[B, n, n\] matrix, got shape \(3, 6, 5\)",
+             ops.lu_factor, A[..., :5])
+    one_line(RuntimeError, r"lu_factor: n must be in \[1, 64\] \(small systems\), got 70", F.lu_factor,
+             torch.zeros(70, 70, dtype=torch.float64, device=dev))
+    bad = A.clone()
+    bad[1, 2, 3] = float("nan")
+    one_line(ValueError, r"lu_factor: A must be finite \(got NaN or Inf entries\)", ops.lu_factor, bad)
+    one_line(ValueError, r"lu_factor: A must be float32 or float64, got torch.float16", ops.lu_factor, A.half())
+    LU, piv = ops.lu_factor(A)
+    one_line(ValueError, r"lu_solve: pivots must be int32 or int64, got torch.float32", ops.lu_solve, LU,
+             piv.float(), R)
+    one_line(RuntimeError, r"lu_solve: pivots must be \[n\] \(or \[B, n\]\), got \[3, 5\]", F.lu_solve, LU,
+             piv[:, :5].contiguous(), R)
+    one_line(ValueError, r"lu_solve: R must be .*got shape \(3, 5, 40\)", ops.lu_solve, LU, piv, R[:, :5])
+    if dev == DEV:
+        one_line(ValueError, r"lu_solve: LU, pivots and R must be on one device, got cuda.*cpu", ops.lu_solve,
+                 LU, piv, R.cpu())
+    X = ops.lu_solve(LU, piv, R)
+    settle(dev)
+    torch.testing.assert_close(X.cpu(), torch.linalg.solve(A.cpu(), R.cpu()), rtol=1e-10, atol=1e-10)
+    LU_r, piv_r = reference.lu_factor(A.cpu())
+    torch.testing.assert_close(X.cpu(), reference.lu_solve(LU_r, piv_r, R.cpu()), rtol=1e-10, atol=1e-10)
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/lu.cpp) ----------------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+def _scan_pivot(col, k):
+    """csrc/cpu/lu.cpp getf2: p = k, best = |a_kk|; the first i > k with |a_ik| > best (NaN never)."""
+    p, best = k, abs(col[k])
+    for i in range(k + 1, len(col)):
+        v = abs(col[i])
+        if v > best:
+            p, best = i, v
+    return p
+
+
+def _columns():
+    g = gen(5)
+    nan, inf = float("nan"), float("inf")
+    cols = []
+    for n in (1, 2, 5, 31, 32, 33, 64):
+        base = torch.randn(n, generator=g, dtype=torch.float64).tolist()
+        cols.append(base)
+        cols.append([abs(x) if i % 3 else -abs(x) for i, x in enumerate(base)])
+        cols.append([1.0 if i % 2 else -1.0 for i in range(n)])                # ties: smallest index
+        cols.append([0.0] * n)                                                  # zero pivot
+        for pos in {0, n // 2, n - 1}:
+            c = list(base)
+            c[pos] = nan
+            cols.append(c)                                                       # NaN on/below the diagonal
+            c2 = list(base)
+            c2[pos] = inf if pos % 2 else -inf
+            cols.append(c2)
+        cols.append([nan] * n)
+        cols.append([inf, nan, -inf] * (n // 3) + [inf] * (n % 3))
+    return cols
+
+
+def test_lu_pivot_total_order_every_lane_agrees(harness):
+    checked = 0
+    for col in _columns():
+        n = len(col)
+        for k in sorted({0, n // 2, n - 1}):
+            warp_p, block_p = (int(x) for x in harness("pivot", k, n, col))
+            want = _scan_pivot(col, k)
+            assert block_p == want, (col, k)
+            if n <= 32:
+                assert warp_p == want, (col, k)   # -2 would mean two lanes chose differently
+            assert k <= block_p < n
+            checked += 1
+    assert checked > 100
+
+
+def test_lu_pivot_scan_rule_is_the_cpu_op():
+    """The Python scan above is the CPU op's rule (on finite columns, where the CPU op runs)."""
+    for col in _columns():
+        if not all(math.isfinite(x) for x in col) or len(col) < 2:
+            continue
+        n = len(col)
+        A = torch.eye(n, dtype=torch.float64)
+        A[:, 0] = torch.tensor(col, dtype=torch.float64)
+        _, piv, _ = torch.ops.fedkernels.lu_factor(A)
+        assert int(piv[0]) - 1 == _scan_pivot(col, 0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 32, 33, 64])
+def test_lu_solve_column_matches_reference(harness, n):
+    m = 5
+    A = torch.randn(n, n, generator=gen(n), dtype=torch.float64) + n * torch.eye(n, dtype=torch.float64)
+    A = A[torch.randperm(n, generator=gen(n + 1))]  # pivoting needed
+    LU, piv, info = torch.ops.fedkernels.lu_factor(A)
+    assert int(info) == 0
+    R = torch.randn(n, m, generator=gen(n + 2), dtype=torch.float64)
+    ans = harness("lusolve", n, m, LU, [int(p) for p in piv], R)
+    assert ans[0] == "1"
+    X = torch.tensor([hexf(s) for s in ans[1:]], dtype=torch.float64).view(n, m)
+    torch.testing.assert_close(X, reference.lu_solve(LU, piv, R), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(X, torch.linalg.solve(A, R), rtol=1e-9, atol=1e-9)
+    if n > 1:
+        bad = [int(p) for p in piv]
+        bad[n - 1] = n + 1                      # out of range: NaN columns, no assert
+        ans = harness("lusolve", n, m, LU, bad, R)
+        assert ans[0] == "0" and all(math.isnan(hexf(s)) for s in ans[1:])

@@ -5,9 +5,13 @@ import math
 import numpy as np
 import pytest
 import scipy.optimize
+import spec_vectors   # tests/spec_vectors.py (its MIN_NORM_CASES are the spec's matrices, not this file's)
 import torch
 
 from fedkernels import ops, reference
+from devices import DEV, DEVICES, cuda_only, gen, one_line, settle   # tests/devices.py: every case on cpu and cuda
+import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from host_harness import hexf
 
 METHODS = ["away", "pairwise", "fw", "code_compat"]
 
@@ -400,12 +404,221 @@ def test_bad_inputs():
         ops.min_norm(G)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_opcheck(dev):
     g = torch.Generator().manual_seed(7)
     U = torch.randn(9, 5, generator=g, dtype=torch.float64)
     G = U @ U.T
+    if dev == DEV:  # the device solver has no polish (face solves) and no code_compat: the schema's defaults
+        G = G.to(dev)
+        torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
+                              (G, 1000, 1e-12, 1e-15, "away", "best_pair", False, None))
+        return
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default, (G,))
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
                           (G, 50, 1e-9, 1e-15, "pairwise", "min_diag", True, torch.ones(9, dtype=torch.float64)))
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
                           (G, 50, 1e-9, 1e-15, "away", "best_pair", True, None, torch.rand(9, dtype=torch.float64) + 0.5))
+
+
+# ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
+def _kkt(G, lam, tol=1e-9):
+    G = 0.5 * (G + G.T)
+    v = G @ lam
+    q = float(lam @ v)
+    assert float(lam.min()) >= 0.0
+    assert abs(float(lam.sum()) - 1.0) < 1e-12
+    assert float(v.min()) >= q - tol * max(1.0, float(G.diagonal().abs().max()))
+    return q
+
+
+# G = U U^T / p + I is strongly convex, so lam is unique and away/pairwise Frank-Wolfe converge
+# linearly (the CPU op reaches tol 1e-12 in 1910 / 992 iterations at K=100, 18993 / 9899 at K=1000).
+# Plain FW converges sublinearly when the optimum has many active vertices: it is tested where it
+# converges (K <= 10: 8735 iterations at K=10); a rank-deficient G at K=100/1000 converges for no method.
+MIN_NORM_CASES = [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 1000)
+                  if m != "fw" or K <= 10]
+
+
+def _min_norm_G(K: int) -> torch.Tensor:
+    U = torch.randn(K, max(2, K // 2), generator=gen(K), dtype=torch.float64)
+    return U @ U.T / U.shape[1] + torch.eye(K, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("K,method", MIN_NORM_CASES)
+def test_min_norm_matches_reference(dev, K, method):
+    if dev == "cpu" and K > 100:
+        pytest.skip("K=1000 on the CPU: ~15 s of float64 reference solver (the cuda case runs it)")
+    max_iter = 30000
+    U = torch.randn(K, max(2, K // 2), generator=gen(K), dtype=torch.float64)
+    G = _min_norm_G(K).to(dev)
+    lam, it, gap = torch.ops.fedkernels.min_norm(G, max_iter, 1e-12, 1e-15, method, "best_pair", False, None)
+    assert lam.device.type == dev and it.dtype == torch.long and gap.dtype == torch.float64
+    assert int(it) < max_iter  # converged
+    lam_c = lam.cpu()
+    q = _kkt(G.cpu(), lam_c, tol=1e-7)
+    lam_r, _, _ = reference.min_norm(G.cpu(), max_iter=max_iter, tol=1e-12, method=method, polish=False)
+    q_r = float(lam_r @ (G.cpu() @ lam_r))
+    assert abs(q - q_r) <= 1e-9 * max(1.0, float(G.diagonal().max()))
+    d_gpu, d_ref = U.T @ lam_c, U.T @ lam_r  # lam is unique (G strongly convex): so is U^T lam
+    torch.testing.assert_close(d_gpu, d_ref, rtol=0, atol=1e-6)
+    lam2, it2, gap2 = torch.ops.fedkernels.min_norm(G, max_iter, 1e-12, 1e-15, method, "best_pair", False, None)
+    assert torch.equal(lam, lam2) and torch.equal(it, it2) and torch.equal(gap, gap2)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
+def test_min_norm_spec_vectors(dev, method):
+    for m, q_exp in spec_vectors.MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7
+        M = torch.tensor(m, dtype=torch.float64)
+        G = (M @ M.T).to(dev)
+        lam, _, _ = torch.ops.fedkernels.min_norm(G, 10000, 1e-14, 1e-15, method, "best_pair", False, None)
+        q = _kkt(G.cpu(), lam.cpu())
+        assert abs(q - q_exp) <= 1e-10
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_min_norm_warm_start_and_min_diag(dev):
+    U = torch.randn(30, 12, generator=gen(3), dtype=torch.float64)
+    G = (U @ U.T).to(dev)
+    lam0 = torch.rand(30, generator=gen(4), dtype=torch.float64).to(dev)
+    for init, l0 in (("min_diag", None), ("best_pair", lam0)):
+        lam, _, _ = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, "away", init, False, l0)
+        _kkt(G.cpu(), lam.cpu(), tol=1e-7)
+
+
+@cuda_only
+def test_min_norm_rejects_host_only_modes():
+    G = torch.eye(3, dtype=torch.float64, device=DEV)
+    with pytest.raises(RuntimeError, match="polish"):
+        torch.ops.fedkernels.min_norm(G, 100, 1e-12, 1e-15, "away", "best_pair", True, None)
+    with pytest.raises(RuntimeError, match="code_compat"):
+        torch.ops.fedkernels.min_norm(G, 100, 1e-12, 1e-15, "code_compat", "best_pair", False, None)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_bad_args_min_norm(dev):
+    G = _min_norm_G(7).to(dev)
+    F = torch.ops.fedkernels
+    one_line(ValueError, r"min_norm: G must be a square \[K, K\] Gram matrix, got shape \(7, 6\)", ops.min_norm,
+             G[:, :6])
+    one_line(RuntimeError, r"min_norm: G must be a square \[K, K\] matrix, got shape \[7, 6\]", F.min_norm,
+             G[:, :6].contiguous(), 100, 1e-12, 1e-15, "away", "best_pair", False, None)
+    one_line(RuntimeError, r"min_norm: max_iter must be >= 0, got -5", F.min_norm,
+             G, -5, 1e-12, 1e-15, "away", "best_pair", False, None)
+    bad = G.clone()
+    bad[2, 3] = float("nan")
+    one_line(ValueError, r"min_norm: G must be finite, got nan at \[2, 3\]", ops.min_norm, bad)
+    one_line(ValueError, r"min_norm: method must be one of .*got 'newton'", ops.min_norm, G, method="newton")
+    one_line(ValueError, r"min_norm: lam0 must be a 1-D tensor of length 7, got shape \(6,\)", ops.min_norm, G,
+             lam0=torch.ones(6, dtype=torch.float64, device=dev))
+    lam, _, _ = F.min_norm(G, 5000, 1e-12, 1e-15, "away", "best_pair", False, None)
+    settle(dev)
+    lam_r, _, _ = reference.min_norm(G.cpu(), max_iter=5000, tol=1e-12, method="away", polish=False)
+    Gc = G.cpu()
+    assert lam.device.type == dev
+    assert abs(float(lam.cpu() @ Gc @ lam.cpu()) - float(lam_r @ Gc @ lam_r)) <= 1e-9
+
+
+# ---- the device cases above are ones the solver converges on ------------------------------------------
+def test_cuda_min_norm_cases_converge_on_the_cpu_op():
+    for K, method in MIN_NORM_CASES:
+        if K > 100:
+            continue  # K=1000 measured: 18993 (away) / 9899 (pairwise) iterations of 30000
+        _, it, _ = torch.ops.fedkernels.min_norm(_min_norm_G(K), 30000, 1e-12, 1e-15, method, "best_pair", False, None)
+        assert int(it) < 30000, (K, method)
+
+
+# ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/min_norm.cpp) ----------
+@pytest.fixture(scope="module")
+def harness():
+    yield from host_harness.session()
+
+
+@pytest.mark.parametrize("a,b,c", [(1.0, 0.5, 2.0), (1.0, 1.0, 1.0), (2.0, 3.0, 1.0), (1.0, -2.0, 5.0),
+                                   (3.0, 0.0, 3.0), (1e-300, 0.0, 1e-300), (4.0, 4.5, 9.0), (1.0, 2.0, 3.0)])
+
+def test_min_norm_segment_is_the_reference_line_search(harness, a, b, c):
+    g, val = (hexf(x) for x in harness("segment", a, b, c)[1:])
+    g_r, val_r = reference._segment(a, b, c)
+    assert g == g_r and val == val_r    # same formula and order; no fma on the host build
+
+
+_MN_METHODS = {"fw": 0, "away": 1, "pairwise": 2}
+
+
+def _mn_emulate(harness, G, method, init="best_pair", max_iter=30000, tol=1e-12, tol_abs=1e-15, lam0=None):
+    ans = harness("minnorm", G.shape[0], _MN_METHODS[method], int(init == "min_diag"), max_iter, tol, tol_abs,
+                  int(lam0 is not None), G, lam0 if lam0 is not None else [])
+    return torch.tensor([hexf(x) for x in ans[2:]], dtype=torch.float64), int(ans[0]), hexf(ans[1])
+
+
+def _mn_G(K, seed=None):
+    U = torch.randn(K, max(2, K // 2), generator=gen(K if seed is None else seed), dtype=torch.float64)
+    return U, U @ U.T / U.shape[1] + torch.eye(K, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("K,method", [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 300)
+                                      if m != "fw" or K <= 10])
+
+def test_min_norm_block_emulation_matches_cpu_op_and_reference(harness, K, method):
+    """The kernel's control flow around mn::plan / mn::update / scan_thread / row_partial, with the
+    block's reduction orders (K=300 > 256 threads: two entries per thread), converges to the CPU
+    op's and the reference's minimiser (G strongly convex: lam unique)."""
+    U, G = _mn_G(K)
+    G = G + 1e-3 * torch.triu(torch.ones(K, K, dtype=torch.float64), 1)   # not symmetric: symmetrised
+    lam, it, gap = _mn_emulate(harness, G, method)
+    Gs = 0.5 * (G + G.T)
+    assert it < 30000
+    assert float(lam.min()) >= 0.0 and abs(float(lam.sum()) - 1.0) < 1e-12
+    v = Gs @ lam
+    q = float(lam @ v)
+    assert abs(gap - (q - float(v.min()))) <= 1e-12 * max(1.0, q)   # the exact gap at the returned lam
+    assert gap <= 1e-12 * q + 1e-15 * float(Gs.diagonal().max()) + 1e-13
+    lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 30000, 1e-12, 1e-15, method, "best_pair", False, None)
+    q_c = float(lam_c @ (Gs @ lam_c))
+    assert abs(q - q_c) <= 1e-11 * max(1.0, q_c)
+    torch.testing.assert_close(U.T @ lam, U.T @ lam_c, rtol=0, atol=1e-6)
+    assert abs(it - int(it_c)) <= max(2, int(it_c) // 20)    # same steps; sums in another order
+    if K <= 10:
+        lam_r, _, _ = reference.min_norm(G, max_iter=30000, tol=1e-12, method=method, polish=False)
+        assert abs(q - float(lam_r @ (Gs @ lam_r))) <= 1e-11
+
+
+@pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
+def test_min_norm_block_emulation_spec_vectors(harness, method):
+    for m, q_exp in spec_vectors.MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7 (tests/spec_vectors.py)
+        M = torch.tensor(m, dtype=torch.float64)
+        G = M @ M.T
+        lam, _, _ = _mn_emulate(harness, G, method, max_iter=10000, tol=1e-14)
+        assert abs(float(lam @ G @ lam) - q_exp) <= 1e-10, (m, method)
+
+
+def test_min_norm_block_emulation_inits(harness):
+    U = torch.randn(30, 12, generator=gen(3), dtype=torch.float64)
+    G = U @ U.T
+    lam0 = torch.rand(30, generator=gen(4), dtype=torch.float64)
+    for init, l0 in (("min_diag", None), ("best_pair", lam0), ("best_pair", torch.zeros(30, dtype=torch.float64))):
+        lam, it, _ = _mn_emulate(harness, G, "away", init=init, max_iter=5000, lam0=l0)
+        lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, "away", init, False,
+                                                        l0 if l0 is not None and float(l0.sum()) > 0 else None)
+        assert abs(float(lam @ G @ lam) - float(lam_c @ G @ lam_c)) <= 1e-9
+    # zero iterations: the init itself (best pair on a 3-vertex hull; min_diag: the vertex of least norm)
+    M = torch.tensor([[1.0, 0, 0], [0, 2.0, 0], [0, 0, 3.0]])
+    for init, want in (("best_pair", [0.8, 0.2, 0.0]), ("min_diag", [1.0, 0.0, 0.0])):
+        lam, it, _ = _mn_emulate(harness, M @ M.T, "away", init=init, max_iter=0)
+        assert it == 0 and torch.allclose(lam, torch.tensor(want, dtype=torch.float64), atol=1e-15)
+    # ties: two identical vertices, the smallest index wins everywhere
+    G = torch.ones(4, 4, dtype=torch.float64) + torch.diag(torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64))
+    lam, _, _ = _mn_emulate(harness, G, "away", init="min_diag", max_iter=100)
+    assert lam.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_min_norm_g_placement(harness):
+    budget = 232448 - 1024       # sm_90 opt-in limit minus the static scratch and margin (min_norm.cu)
+    n_max = max(n for n in range(1, 400) if n * n * 8 + 24 * n <= budget)
+    assert harness("gsmem", n_max, budget) == ["1", str(24 * n_max)]
+    assert harness("gsmem", n_max + 1, budget)[0] == "0"
+    assert harness("gsmem", 1000, budget)[0] == "0" and harness("gsmem", 1, 64)[0] == "1"
+    assert n_max >= 160

@@ -8,15 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import fedkernels
 from fedkernels import algorithms, ops, reference as ref
 from fuzz_oracle import server_opt_expected   # tests/fuzz_oracle.py: the recomputation and its bound
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
+from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not (torch.cuda.is_available() and fedkernels.build_info().get("cuda", False)),
-    reason="needs a CUDA device and the CUDA build of fedkernels")])]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 RULES = ["adam", "yogi", "adagrad"]
 OPTS = {"adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-3), "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),

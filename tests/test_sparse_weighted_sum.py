@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
+from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 VALS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 

@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref, sources
 from fedkernels.ops.weighted_sum import out_dtypes
+from devices import cuda_only   # tests/devices.py
 
 WIDE = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
         (torch.bfloat16, torch.float64), (torch.float16, torch.float64)]
@@ -209,7 +210,7 @@ def test_block_keeps_the_conversion_path_where_there_is_no_kernel(monkeypatch):
     _eq(dst, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 @pytest.mark.parametrize("udt,odt", WIDE)
 def test_cuda_wide_result_matches_converting_first(udt, odt):
     """The CUDA kernel: vector path (16-byte aligned rows) and scalar path (odd row stride), rows=, the

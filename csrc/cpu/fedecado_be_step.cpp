@@ -237,6 +237,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> be_step_cpu(const at::Tensor& xc,
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // One fused FedECADO backward-Euler attempt (fedecado.md §2.6/§2.7/§5.3(a)), one pass over d:
+  // U = x_end - xc0 [K, d]; theta_new/theta_old/inv_g: [K] host (CPU) coefficients (inv_g >= 0).
+  // Returns (x_c' [d], I' [K, d], lte f64 [2] = (LTE_c, LTE_I), inf-norm, NaN -> +inf).
+  // The _out variant writes into caller buffers, which must not overlap the inputs.
+  m.def("fedecado_be_step(Tensor xc, Tensor Icur, Tensor xc0, Tensor U, Tensor Ik, Tensor? S_off, Tensor theta_new, "
+        "Tensor theta_old, Tensor inv_g, float dt, float L) -> (Tensor, Tensor, Tensor)");
+  m.def("fedecado_be_step_out(Tensor xc, Tensor Icur, Tensor xc0, Tensor U, Tensor Ik, Tensor? S_off, "
+        "Tensor theta_new, Tensor theta_old, Tensor inv_g, float dt, float L, Tensor(a!) xc_out, Tensor(b!) I_out, "
+        "Tensor(c!) lte) -> ()");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("fedecado_be_step", &be_step_cpu);
   m.impl("fedecado_be_step_out", &be_step_out_cpu);

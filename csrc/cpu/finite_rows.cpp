@@ -41,6 +41,11 @@ at::Tensor finite_rows_cpu(const at::Tensor& U) {
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // ok[k] = all(isfinite(U[k])): [K] bool, one read of U (bad-update screening).
+  m.def("finite_rows(Tensor U) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("finite_rows", &finite_rows_cpu); }
 
 }  // namespace fedkernels

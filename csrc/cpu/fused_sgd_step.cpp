@@ -187,6 +187,16 @@ void fused_sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // One SGD step over a list of tensors in one pass, torch.optim.SGD semantics (dampening 0):
+  //   d = GC(g) [gc_mask] + c_add - c_sub [per tensor, where given] + weight_decay * p
+  //   buf = d (first_step) or momentum * buf + d [momentum != 0];  p -= lr * buf (lr * d)
+  // c_add / c_sub / gc_mask: empty (none) or one entry per parameter. grads are not modified.
+  m.def("fused_sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_bufs, Tensor?[] c_add, "
+        "Tensor?[] c_sub, bool[] gc_mask, float lr, float momentum, float weight_decay, bool first_step, "
+        "str vector_policy=\"skip\", int min_fanin=2) -> ()");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("fused_sgd_step_", &fused_sgd_step_cpu); }
 
 }  // namespace fedkernels

@@ -159,6 +159,14 @@ std::vector<at::Tensor> gc_project_cpu(at::TensorList tensors, c10::string_view 
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Every output-channel row (dim 0) of every tensor has its mean over the other dims removed, in one
+  // call. 1-D tensors: "skip" or "center" (one row); 0-D/empty tensors and rows shorter than
+  // min_fanin are unchanged. fp32 accumulation (fp64 for fp64). Any layout; mixed dtypes allowed.
+  m.def("gc_project_(Tensor(a!)[] tensors, str vector_policy=\"skip\", int min_fanin=2) -> ()");
+  m.def("gc_project(Tensor[] tensors, str vector_policy=\"skip\", int min_fanin=2) -> Tensor[]");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("gc_project_", &gc_project_inplace_cpu);
   m.impl("gc_project", &gc_project_cpu);

@@ -552,6 +552,12 @@ at::Tensor gram_cpu(const at::Tensor& U, const c10::optional<at::Tensor>& rows) 
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // G = U[rows] @ U^T with float64 accumulation and a fixed reduction order: [k or K, K] fp64.
+  // U: [K, d] with unit column stride (any row stride, so a column chunk U[:, a:b] is a view).
+  m.def("gram(Tensor U, Tensor? rows=None) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("gram", &gram_cpu); }
 
 }  // namespace fedkernels

@@ -172,6 +172,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kstats_cpu(const at::
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Kuramoto's phase statistics in one pass (no K x K Gram): mean = sum_k p[k] U[k] (fp64), then
+  // dot[k] = <U[k], mean>, nsq[k] = ||U[k]||^2, nbar = ||mean||^2 (fp64, fixed order) and ok[k] =
+  // all(isfinite(U[k])) from the same pass. p: [K] float (read as float64). -> (dot, nsq, nbar [], ok).
+  m.def("kstats(Tensor U, Tensor p) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("kstats", &kstats_cpu); }
 
 }  // namespace fedkernels

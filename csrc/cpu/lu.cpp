@@ -255,6 +255,17 @@ std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cpu(const at::Tensor& a, cons
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Partial-pivoting LU of A [n, n] or [B, n, n] (n <= 64), LAPACK getf2 semantics:
+  // (LU, pivots int32 1-based, info int32: first zero pivot (1-based) or 0).
+  m.def("lu_factor(Tensor A) -> (Tensor, Tensor, Tensor)");
+  // X = A^{-1} R from lu_factor's (LU, pivots); R [n, m] or [B, n, m], streamed over the m columns.
+  m.def("lu_solve(Tensor LU, Tensor pivots, Tensor R) -> Tensor");
+  m.def("lu_solve_out(Tensor LU, Tensor pivots, Tensor R, Tensor(a!) out) -> ()");
+  // [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R] per column (Schur complement on x): (x [m], I [K, m]).
+  m.def("arrowhead_solve(Tensor a, Tensor b, Tensor c, float alpha, Tensor r0, Tensor R) -> (Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("lu_factor", &lu_factor_cpu);
   m.impl("lu_solve", &lu_solve_cpu);

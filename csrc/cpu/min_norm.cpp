@@ -506,6 +506,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cpu(const at::Tensor& Gi
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // lam = argmin_{lam in simplex} lam^T G lam on the symmetrised G (fp64). method: away | pairwise
+  // | fw | code_compat; init: best_pair | min_diag; polish: face solves (away/pairwise); lam0: warm start;
+  // scale s (optional, [K] > 0): solve on s_i s_j (G + G^T)/2 instead (FedAWARE's normalised Gram).
+  // Returns (lam [K] f64, iterations i64 [], gap f64 []).
+  m.def("min_norm(Tensor G, int max_iter=1000, float tol_rel=1e-12, float tol_abs=1e-15, str method=\"away\", str init=\"best_pair\", bool polish=True, Tensor? lam0=None, Tensor? scale=None) -> (Tensor, Tensor, Tensor)");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) { m.impl("min_norm", &min_norm_cpu); }
 
 }  // namespace fedkernels

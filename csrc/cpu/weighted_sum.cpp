@@ -218,6 +218,17 @@ void weighted_sum_noised_out_cpu_impl(const at::Tensor& U, const at::Tensor& coe
   wsum_cpu(U, coef, base, alpha, rows, out, nullptr, sigma != 0 ? &nz : nullptr);
 }
 
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // out = base + alpha * sum_i coef[i] * U[rows[i]]  (rows defaults to all K rows).
+  // out may alias base (in-place apply). coef: float tensor of len(rows) (read as float64).
+  m.def("weighted_sum(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> Tensor");
+  m.def("weighted_sum_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> ()");
+  // weighted_sum and, from the same pass, ok[i] = all(isfinite(U[rows[i]])) (the NaN/Inf screen)
+  m.def("weighted_sum_screened(Tensor U, Tensor coef, Tensor? base=None, float alpha=1.0, Tensor? rows=None) -> (Tensor, Tensor)");
+  // the same into a caller's out (may alias base), returning ok
+  m.def("weighted_sum_screened_out(Tensor U, Tensor coef, Tensor? base, float alpha, Tensor? rows, Tensor(a!) out) -> Tensor");
+}
+
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
   m.impl("weighted_sum", &weighted_sum_cpu);
   m.impl("weighted_sum_out", &weighted_sum_out_cpu);

@@ -16,9 +16,9 @@
 // memory, scaled by dt/2 (dt/(2L)) in float64 and combined with atomicMax on the bit patterns of
 // these non-negative doubles (monotone in the value; max is order-independent, so the result is
 // deterministic). The launcher clears lte[2] first (cudaMemsetAsync).
-// Host-tested (fedecado_be_step.cuh, tests/test_cuda_host.py): the per-element update of all three
+// Host-tested (fedecado_be_step.cuh, tests/test_fedecado_be_step.py's host cases): the per-element update of all three
 // paths and their slot layout and column split, against the float64 reference and the CPU op.
-// Only a GPU run checks (tests/test_cuda.py): the launch and dynamic shared memory, the block max
+// Only a GPU run checks (tests/test_fedecado_be_step.py's cuda cases): the launch and dynamic shared memory, the block max
 // and atomicMax of the LTE, bitwise repeatability.
 #include "common.cuh"
 #include "fedecado_be_step.cuh"

@@ -3,9 +3,9 @@
 // ok is first set to true (memset); a 1-D grid of (row, chunk) blocks scans 16-byte vectors (or
 // single elements when unaligned) and a block that finds a NaN/Inf writes ok[k] = false. Every
 // writer writes the same value, so the result needs no atomics and is deterministic.
-// Host-tested (finite_rows.cuh, tests/test_cuda_host.py): the block split, the path choice, the
+// Host-tested (finite_rows.cuh, tests/test_finite_rows.py's host cases): the block split, the path choice, the
 // column of every thread on both paths (each column exactly once, tails, misaligned rows) and the
-// NaN/Inf test. Only a GPU run checks (tests/test_cuda.py, compute-sanitizer in bench/gpu.sh): the
+// NaN/Inf test. Only a GPU run checks (tests/test_finite_rows.py's cuda cases, compute-sanitizer in bench/gpu.sh): the
 // 16-byte loads, __syncthreads_or and the launch.
 #include "common.cuh"
 #include "finite_rows.cuh"

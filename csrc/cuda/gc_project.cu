@@ -8,9 +8,9 @@
 // Sums in fp32 (fp64 for fp64 inputs) in a fixed tree order: deterministic, no atomics. Every
 // element is read before it is written by the same thread, and a barrier (path 1, 2) or the warp
 // reduction (path 0) separates the reduce and the write phases.
-// Host-tested (gc_project.cuh, tests/test_cuda_host.py): the work plan (gc::plan / gc::item: every
+// Host-tested (gc_project.cuh, tests/test_gc_project.py's host cases): the work plan (gc::plan / gc::item: every
 // row of every tensor exactly once, the path per row length). Not host-tested: the per-path row
-// loops and tree reductions here. Only a GPU run checks (tests/test_cuda.py, compute-sanitizer
+// loops and tree reductions here. Only a GPU run checks (tests/test_gc_project.py's cuda cases, compute-sanitizer
 // racecheck in bench/gpu.sh): the warp / block reductions, the barriers, the launch.
 #include "common.cuh"
 #include "gc_project.cuh"

@@ -24,10 +24,10 @@
 // Final reduction (gram_reduce_kernel): a block owns 32 consecutive output elements (one per lane,
 // coalesced part rows); warp w sums parts w, w + 8, ... in increasing order (gm::red_partial),
 // then the 8 partials are added in warp order (gm::red_combine). Deterministic, no atomics.
-// Host-tested (gram.cuh, tests/test_cuda_host.py): the plan, the pair map, both paths' thread /
+// Host-tested (gram.cuh, tests/test_gram.py's host cases): the plan, the pair map, both paths' thread /
 // warp / lane index maths and fragment layout through an emulated mma, path R's partials and the
 // final reduction bit for bit against a Python model of the documented orders. Only a GPU run
-// checks (tests/test_cuda.py, bench/gpu.py): the mma.sync instruction and the order of the four
+// checks (tests/test_gram.py's cuda cases, bench/gpu.py): the mma.sync instruction and the order of the four
 // products inside one DMMA (the hardware's, fixed), shared-memory barriers, shuffles, the launch.
 #include "common.cuh"
 #include "gram.cuh"

@@ -15,7 +15,7 @@
 // Bytes moved: U read from memory once (phase 2 re-reads the block's K x TW tile, sized to stay in L2),
 // the parts' sums nparts x (2K + 1) doubles written, read and re-written per tile, outputs 3K + 1
 // doubles and K bools. Plain loads (no 16-byte vectors): simple first, GPU speed not measured.
-// Compile-checked only (nvcc, sm_90); no GPU run yet: tests/test_cuda.py's kstats tests check it there.
+// Compile-checked only (nvcc, sm_90); no GPU run yet: tests/test_kstats.py's cuda cases check it there.
 #include "common.cuh"
 #include "kstats.cuh"
 

@@ -17,10 +17,10 @@
 // An out-of-range pivot passed to lu_solve gives NaN columns (no device assert).
 // arrowhead_solve: one thread per column (lu::arrowhead_column); all threads read the same
 // coefficient at a time (a broadcast from L1).
-// Host-tested (lu.cuh, tests/test_cuda_host.py): the pivot order through emulated warp butterflies
+// Host-tested (lu.cuh, tests/test_lu.py's host cases): the pivot order through emulated warp butterflies
 // (NaN, +-inf, ties, zero columns), the permutation and the per-column substitution of lu_solve,
 // the arrowhead column solve, against the CPU ops and the float64 reference. Only a GPU run checks
-// (tests/test_cuda.py): the shuffles (row swaps, pivot-row broadcast), the shared-memory staging and
+// (tests/test_lu.py's cuda cases): the shuffles (row swaps, pivot-row broadcast), the shared-memory staging and
 // barriers of the block kernels, the launches.
 #include "common.cuh"
 #include "lu.cuh"

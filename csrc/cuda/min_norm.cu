@@ -18,9 +18,9 @@
 // segment, smallest value, ties -> lexicographically smallest (i, j)), or e_{argmin G_ii}.
 // Not on the GPU: the CPU op's face polish and the code_compat solver. Deterministic: every
 // reduction runs in a fixed order.
-// Host-tested (min_norm.cuh, tests/test_cuda_host.py): segment, the orders, plan/update, the
+// Host-tested (min_norm.cuh, tests/test_min_norm.py's host cases): segment, the orders, plan/update, the
 // per-thread scan and per-lane recompute parts, the smem/global choice, through an emulation of
-// the whole block against the reference and the CPU op. Only a GPU run checks (tests/test_cuda.py):
+// the whole block against the reference and the CPU op. Only a GPU run checks (tests/test_min_norm.py's cuda cases):
 // the shuffles, barriers, the shared-memory copy of G and the launch.
 #include "common.cuh"
 #include "min_norm.cuh"

@@ -1,7 +1,7 @@
 // upload: host bytes -> device through the by-value argument of a one-block kernel (launch.h).
 // Kernel arguments are copied at launch (and at capture time under CUDA-graph capture), so the
 // host buffer may be freed or reused as soon as upload() returns; no pinned memory, no host sync.
-// Not host-tested (a copy loop); tests/test_cuda.py (host coefficients and rows vs device ones)
+// Not host-tested (a copy loop); tests/test_weighted_sum.py's cuda cases (host coefficients and rows vs device ones)
 // checks it on a GPU.
 #include "common.cuh"
 

@@ -20,9 +20,9 @@
 // row or an overflow). Bytes moved: as weighted_sum, plus those re-read blocks.
 // sigma > 0 (weighted_sum_noised): each output element also gets sigma * N(seed, counter, offset + j) in its
 // write (gaussian_noise.cuh's normal and add_noise, the CPU kernel's functions: the same noise bits).
-// Host-tested (weighted_sum.cuh, tests/test_cuda_host.py): see weighted_sum.cuh (columns per thread,
+// Host-tested (weighted_sum.cuh, tests/test_weighted_sum.py's host cases): see weighted_sum.cuh (columns per thread,
 // tails, accumulation-type rule, NaN for bad rows, row order). Only a GPU run checks
-// (tests/test_cuda.py, tests/test_weighted_sum_wide.py): the shared-memory staging between barriers, the
+// (tests/test_weighted_sum.py's cuda cases, tests/test_weighted_sum_wide.py): the shared-memory staging between barriers, the
 // 16-byte loads, the wide out's 16-byte pieces (load_vec_rw / store_vec), the launch.
 #include <type_traits>
 
