@@ -23,7 +23,8 @@ without it loses most of its accuracy (FedLab's table); the quantisers need it l
 
 The server sums what it received without a dense copy: ``BlockRows.weighted_sum`` is one
 ``ops.dequant_weighted_sum`` pass over the codes, ``SparseRows.weighted_sum`` one ``ops.sparse_weighted_sum`` pass
-over the lists, both with the rows' NaN/Inf flags. This module imports only ``fedkernels.ops``.
+over the lists, both with the rows' NaN/Inf flags. Both are ``fedkernels.sources.PackedRows``: the round runner takes
+them as the updates (``agg.aggregate(g, rows, ...)``). This module imports only ``fedkernels.ops`` and ``sources``.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import ops
+from ..sources import PackedRows
 
 __all__ = ["KINDS", "Codec", "BlockRows", "SparseRows", "make_codec", "dense_bytes"]
 
@@ -53,7 +55,7 @@ def _seed(*keys: int) -> int:
 
 
 @dataclass
-class BlockRows:
+class BlockRows(PackedRows):
     """K rows of block codes: ``Q`` [K, d] int8 / float8_e4m3fn, ``scales`` [K, ceil(d / block)] float32."""
     Q: torch.Tensor
     scales: torch.Tensor
@@ -74,7 +76,12 @@ class BlockRows:
 
     def select(self, keep: Sequence[int]) -> "BlockRows":
         k = torch.as_tensor(list(keep), dtype=torch.long)
-        return BlockRows(self.Q.index_select(0, k), self.scales.index_select(0, k), self.block)
+        return self._carry(BlockRows(self.Q.index_select(0, k), self.scales.index_select(0, k), self.block), keep)
+
+    def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """[K, n] float32: the columns of ``dense()`` in ``ranges`` (the same products, without the K x d copy)."""
+        cols = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+        return self.scales.index_select(1, cols // self.block) * self.Q.index_select(1, cols).to(torch.float32)
 
     def dense(self) -> torch.Tensor:
         """float32 [K, d] (tests and the residuals; the server never calls it)."""
@@ -87,7 +94,7 @@ class BlockRows:
 
 
 @dataclass
-class SparseRows:
+class SparseRows(PackedRows):
     """K index/value lists (CSR-like): ``idx`` int32, ``val`` float32, ``offsets`` [K + 1]."""
     idx: torch.Tensor
     val: torch.Tensor
@@ -105,8 +112,21 @@ class SparseRows:
 
     def select(self, keep: Sequence[int]) -> "SparseRows":
         o = self.offsets.tolist()
-        return SparseRows(*ops.stack_lists([self.idx[o[k]:o[k + 1]] for k in keep],
-                                           [self.val[o[k]:o[k + 1]] for k in keep]), d=self.d)
+        return self._carry(SparseRows(*ops.stack_lists([self.idx[o[k]:o[k + 1]] for k in keep],
+                                                       [self.val[o[k]:o[k + 1]] for k in keep]), d=self.d), keep)
+
+    def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """[K, n] float32: the columns of ``dense()`` in ``ranges`` (each kept entry placed, the others 0)."""
+        n = sum(b - a for a, b in ranges)
+        out = torch.zeros(self.K, n)
+        row = torch.repeat_interleave(torch.arange(self.K), (self.offsets[1:] - self.offsets[:-1]).long())
+        idx = self.idx.long()
+        at = 0
+        for a, b in ranges:
+            m = (idx >= a) & (idx < b)
+            out.index_put_((row[m], idx[m] - a + at), self.val[m], accumulate=True)
+            at += b - a
+        return out
 
     def dense(self) -> torch.Tensor:
         out = torch.zeros(self.K, self.d)

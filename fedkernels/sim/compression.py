@@ -1,7 +1,9 @@
 """The simulator's compressed updates (config section ``compress``): each accepted client's update row is
 encoded as that client would before sending it (``fedkernels.compress`` codecs, error-feedback residuals per
 client, kept in memory and in the run's checkpoints), and the server's round runs on the compressed rows (``aggregate_compressed``: the
-method's weighted sums straight from the codes). Bytes sent per round go to the round's metrics."""
+round runner's round, the method's weighted sums straight from the codes). The model's buffers (BatchNorm statistics)
+are sent uncompressed beside the codes and averaged as for dense rows. Bytes sent per round (codes, scales or lists,
+and those buffers) go to the round's metrics."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -9,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import compress
+from ..algorithms.buffers import buffer_ranges
 from .config import CompressConfig
 
 
@@ -20,12 +23,20 @@ class RoundCompression:
 
     def aggregate(self, agg: Any, global_flat: torch.Tensor, U: torch.Tensor, n: Sequence[float], ids: Sequence[int],
                   payloads: Any, r: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        rows = self.codec.encode_rows(U[:len(ids)], ids, r)              # client-side: each row as its client sends it
-        sent = rows.nbytes()
+        K = len(ids)
+        rows = self.codec.encode_rows(U[:K], ids, r)              # client-side: each row as its client sends it
+        sent = sum(rows.nbytes())
+        ranges = buffer_ranges(getattr(agg, "spec", None))
+        if ranges and getattr(agg.spec, "d", None) == self.codec.d:
+            # the model's buffers (BatchNorm statistics) travel uncompressed beside the codes: the round runner
+            # averages them as it does dense rows' (the same bits); 4 bytes a buffer element a client (fp32)
+            V = torch.cat([U[:K, a:b] for a, b in ranges], 1)
+            rows = rows.with_dense_columns(ranges, V)
+            sent += V.numel() * V.element_size()
         res = compress.aggregate_compressed(agg, global_flat, rows, n, ids, payloads, kind=self.codec.kind)
         info = dict(res.info)
-        info.update(codec=self.codec.describe(), bytes_sent=int(sum(sent)),
-                    bytes_dense=int(len(ids) * compress.dense_bytes(self.codec.d)))
+        info.update(codec=self.codec.describe(), bytes_sent=int(sent),
+                    bytes_dense=int(K * compress.dense_bytes(self.codec.d)))
         return res.params, info
 
 
