@@ -335,3 +335,81 @@ def test_batchnorm_model_under_each_codec_keeps_running_var_valid(kind, opts):
     s.global_model()
     bn = s.model.norm
     assert torch.isfinite(bn.running_mean).all() and bool((bn.running_var >= 0).all()), bn.running_var
+
+
+# ---- error-feedback residuals in a per-client file table -------------------------------------------------------
+def test_residual_file_keeps_the_same_numbers_as_memory_and_checkpoints_by_reference(tmp_path):
+    """topk with error feedback: residuals in a file table give the same rows, bit for bit, as in memory (a NaN
+    client's residual dropped in both); state_dict references the file (no N x d copy) and load_state_dict reopens
+    it at the state's version, refusing a table that moved on since."""
+    from fedkernels.algorithms import tables
+    d, N = 300, 6
+    path = str(tmp_path / "res.f32")
+    mem = compress.make_codec("topk", d, k=7, error_feedback=True)
+    fil = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    for r, ids in enumerate([[0, 3, 5], [3, 1, 0], [5, 3, 2]]):
+        U = _U(3, d, seed=r)
+        if r == 1:
+            U[1, 4] = float("nan")                         # client 1: no residual kept
+        a, b = mem.encode_rows(U, ids, r), fil.encode_rows(U, ids, r)
+        ok = [k for k in range(3) if not (r == 1 and k == 1)]             # (the NaN row's values are NaN in both)
+        assert torch.equal(a.select(ok).idx, b.select(ok).idx) and torch.equal(a.select(ok).val, b.select(ok).val)
+    assert fil.has == set(mem.residuals) == {0, 2, 3, 5}
+    for c, e in mem.residuals.items():
+        assert torch.equal(fil.table[c], e)
+    st = fil.state_dict()
+    assert tables.is_reference(st["residuals"]) and st["residuals"]["version"] == 3 and st["has"] == [0, 2, 3, 5]
+    again = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    again.load_state_dict(st)
+    U = _U(3, d, seed=9)
+    x, y = mem.encode_rows(U, [2, 0, 4], 3), again.encode_rows(U, [2, 0, 4], 3)
+    assert torch.equal(x.idx, y.idx) and torch.equal(x.val, y.val)
+    stale = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    with pytest.raises(ValueError, match=r"residual_file .* is at version 4 \(done\), the state expects version 3"):
+        stale.load_state_dict(st)
+    into_mem = compress.make_codec("topk", d, k=7, error_feedback=True)
+    into_mem.load_state_dict(again.state_dict())               # a file's rows into a codec without one
+    assert set(into_mem.residuals) == {0, 2, 3, 4, 5} and torch.equal(into_mem.residuals[4], again.table[4])
+    fresh = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    with pytest.raises(ValueError, match="compress.residual_file .* already exists"):
+        fresh.encode_rows(U, [0, 1, 2], 0)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(residual_file="x.f32", num_clients=4), "compress.residual_file: set .* but compress.error_feedback is off"),
+    (dict(residual_file="x.f32", error_feedback=True), r"compress.residual_file: needs num_clients .*, got None"),
+    (dict(residual_file="/no/such/dir/x.f32", error_feedback=True, num_clients=4), "folder '/no/such/dir' does not exist"),
+])
+def test_residual_file_options_one_line_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        compress.make_codec("topk", 100, k=5, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_error_feedback_from_a_file_resumes_bit_identical(tmp_path):
+    """Through the CLI: a topk + error-feedback run with compress.residual_file, stopped after 2 rounds (its
+    checkpoint references the file) and resumed to 4, ends with the same model as an uninterrupted 4-round run,
+    and as the same run with the residuals in memory; the file is a 30 x d float32 table."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    common = ["--preset", "smoke", "data.train_subset=400", "client_loss=none", "plots=false", "threads=1",
+              "--no-progress", "compress.kind=topk", "compress.ratio=0.05", "compress.error_feedback=true"]
+
+    def fk(*args):
+        p = subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p
+
+    def final(name):
+        return torch.load(tmp_path / "runs" / name / "final_model.pt", weights_only=True)["flat"]
+    fk("run", *common, "rounds=4", "--name", "mem")
+    fk("run", *common, "rounds=4", f"compress.residual_file={tmp_path / 'full.f32'}", "--name", "full")
+    fk("run", *common, "rounds=2", "checkpoint_every=1", f"compress.residual_file={tmp_path / 'cut.f32'}",
+       "--name", "cut")
+    r = fk("run", "--resume", "runs/cut", "rounds=4", "--no-progress")
+    assert "resumed from runs/cut/checkpoints/ckpt_round_000002.pt (round 2)" in r.stdout
+    assert torch.equal(final("cut"), final("full")) and torch.equal(final("full"), final("mem"))
+    cfg = __import__("yaml").safe_load(open(tmp_path / "runs" / "full" / "config.yaml"))
+    d = final("full").numel()
+    assert os.path.getsize(tmp_path / "full.f32") == cfg["num_clients"] * d * 4
+    assert open(str(tmp_path / "full.f32") + ".state").read().split() == ["4", "done"]
