@@ -163,7 +163,8 @@ class RoundInput:
     ``fedkernels.sources.ChunkedUpdates``; ``updates`` is then their ``UpdatesShape`` and ``U`` raises),
     with the same result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram and
     Kuramoto's statistics (``kstats``) are summed over the chunks in fp64 in column order. Their shape, dtype and device: ``K``, ``d``,
-    ``dtype``, ``device``."""
+    ``dtype``, ``device``. Packed (compressed) rows (``packed``, a ``fedkernels.sources.PackedRows``) give only
+    ``weighted_sum``, computed from the codes in the model's precision."""
 
     global_flat: torch.Tensor
     # the accepted clients' [K, d] updates: the tensor, or, when ``src`` is set, their UpdatesShape (no data)
