@@ -162,6 +162,10 @@ def test_cli_compressed_run_records_bytes_sent(tmp_path):
     (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),
     (["compress.ratio=0.1"], "compress.ratio is set but compress.kind is none"),
     (["compress.kind=fp8", "algorithm.name=kuramoto"], "method 'kuramoto' needs"),
+    (["compress.kind=topk", "compress.k=5", "compress.residual_file=r.f32"],
+     "compress.residual_file is set ('r.f32') but compress.error_feedback is false"),
+    (["compress.kind=topk", "compress.k=5", "compress.error_feedback=true", "compress.residual_file=/no/dir/r.f32"],
+     "compress: residual_file '/no/dir/r.f32': folder '/no/dir' does not exist"),
 ])
 def test_cli_bad_compress_options_exit_2_and_write_nothing(tmp_path, args, msg):
     p = _cli(tmp_path, *args)
