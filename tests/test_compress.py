@@ -417,3 +417,22 @@ def test_cli_error_feedback_from_a_file_resumes_bit_identical(tmp_path):
     d = final("full").numel()
     assert os.path.getsize(tmp_path / "full.f32") == cfg["num_clients"] * d * 4
     assert open(str(tmp_path / "full.f32") + ".state").read().split() == ["4", "done"]
+
+
+def test_block_code_file_bad_row_is_excluded_by_the_runner(tmp_path):
+    """A codes file with a NaN scale in row 1: under exclude the runner drops that row (BlockCodeFile.select) and
+    the round equals the in-memory rows' round, bit for bit; under raise it names client and row."""
+    from fedkernels.sources import BlockCodeFile
+    K, d, B = 4, 5000, 64
+    rows = compress.make_codec("int8_block", d, block=B).encode_rows(_U(K, d), list(range(K)), 0)
+    rows.scales[1, 7] = float("nan")
+    rows.Q.view(torch.uint8).numpy().tofile(tmp_path / "q.bin")
+    rows.scales.numpy().tofile(tmp_path / "s.bin")
+    f = BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K, d, B)
+    g, n, ids = torch.randn(d), [1.0, 2.0, 3.0, 4.0], [5, 6, 7, 8]
+    a = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, f, n, ids)
+    b = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, rows, n, ids)
+    assert torch.equal(a.params, b.params) and a.info["excluded"] == b.info["excluded"] == [
+        {"client_id": 6, "reason": "compressed update contains NaN/Inf"}]
+    with pytest.raises(ValueError, match=r"client 6 \(row 1\): compressed update contains NaN/Inf"):
+        algorithms.build("fedavg").aggregate(g, f, n, ids)
