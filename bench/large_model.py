@@ -23,6 +23,12 @@ each method (``"complete": false`` until the last one), so a run stopped half-wa
 
     python -m bench.large_model --d 100000000          # a first timing (3.2 GB at K=16)
     python -m bench.large_model --d 1000000000 --out bench/results --append   # the published run
+    python -m bench.large_model --d 1e9 --dtype int8+bf16    # FedAvg on bf16 rows, then on int8 rows, one run
+
+``--dtype int8+bf16``: the bf16 FedAvg row (its file, floors, round; the file deleted), then the int8 row (its
+file, floors, round), one after the other in one run record (``pair``), with ``int8_vs_bf16`` (bf16 time / int8
+time) and each row against the fio floor of its own file measured minutes before it. The disk holds one file at
+a time (32 GB at d = 1e9, K = 16).
 """
 from __future__ import annotations
 
@@ -49,7 +55,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METHODS = ("fedavg", "kuramoto", "fedaware")
 # --dtype int8: the clients' rows compressed by compress.kind=int8_block (int8 codes + one float32 scale per
-# INT8_BLOCK columns, in a second file), FedAvg on them through sources.BlockCodeFile + compress.aggregate_compressed
+# INT8_BLOCK columns, in a second file), FedAvg on them: agg.aggregate over sources.BlockCodeFile (the round
+# runner's packed-rows form, through compress.aggregate_compressed)
 INT8_BLOCK = 256
 
 
@@ -281,6 +288,7 @@ def run_int8(args, save=lambda res: None) -> dict:
         if "floor_GBps" in res["fio"]:
             row["floor_s"] = row["bytes_read"] / (res["fio"]["floor_GBps"] * 1e9)
             row["vs_floor"] = row["floor_s"] / row["time_s"]
+            row["fio_floor_s"], row["vs_fio_floor"] = row["floor_s"], row["vs_floor"]   # (the bf16 rows' names)
         res["methods"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "info"}), flush=True)
         save(res)
@@ -363,8 +371,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=float, default=1e8, help="parameters per client (default 1e8)")
     ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES) + ["int8"], default="bf16",
-                    help="the update file's dtype; int8: compress.kind=int8_block rows (FedAvg only)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES) + ["int8", "int8+bf16"], default="bf16",
+                    help="the update file's dtype; int8: compress.kind=int8_block rows (FedAvg only); int8+bf16: "
+                         "FedAvg on a bf16 file, then on an int8 file, in one run")
     ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
     ap.add_argument("--chunk-mb", type=int, default=CPU_CHUNK_BYTES >> 20,
                     help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
@@ -387,8 +396,10 @@ def main(argv=None):
         ap.error(f"--d and --K must be positive integers, got {args.d}, {args.K}")
     if not os.path.isdir(args.dir):
         ap.error(f"--dir: {args.dir!r} is not a directory")
+    if args.dtype == "int8+bf16":
+        args.methods = ["fedavg"]
     need = (args.K * int(args.d) * 1.02 if args.dtype == "int8" else
-            disk_needed(args.K, int(args.d), DTYPES[args.dtype], args.methods))
+            disk_needed(args.K, int(args.d), DTYPES["bf16" if args.dtype == "int8+bf16" else args.dtype], args.methods))
     free = shutil.disk_usage(args.dir).free
     if need + args.margin_gb * 1e9 > free:
         ap.error(f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
@@ -403,8 +414,28 @@ def main(argv=None):
         with open(path + ".tmp", "w") as f:
             json.dump({"benchmark": "large_model", "runs": runs + [res]}, f, indent=1)
         os.replace(path + ".tmp", path)
-    save(run_int8(args, save) if args.dtype == "int8" else run(args, save))
+    if args.dtype == "int8+bf16":
+        save(run_pair(args, save))
+    else:
+        save(run_int8(args, save) if args.dtype == "int8" else run(args, save))
     print(f"wrote {path}")
+
+
+def run_pair(args, save=lambda res: None) -> dict:
+    """``--dtype int8+bf16``: FedAvg over a bf16 file, then over an int8 file of the same K x d, one record."""
+    import copy
+    pair = {"pair": "int8+bf16", "K": args.K, "d": int(args.d), "complete": False,
+            "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    b = copy.copy(args)
+    b.dtype, b.methods = "bf16", ["fedavg"]
+    pair["bf16"] = run(b, lambda r: save(dict(pair, bf16=r)))
+    save(pair)
+    pair["int8"] = run_int8(args, lambda r: save(dict(pair, int8=r)))
+    tb, ti = pair["bf16"]["methods"][0]["time_s"], pair["int8"]["methods"][0]["time_s"]
+    pair.update(int8_vs_bf16=tb / ti, uptime_after=subprocess.run(["uptime"], capture_output=True,
+                                                                   text=True).stdout.strip(), complete=True)
+    print(json.dumps({"int8_vs_bf16": pair["int8_vs_bf16"], "bf16_s": tb, "int8_s": ti}), flush=True)
+    return pair
 
 
 if __name__ == "__main__":

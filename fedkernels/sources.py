@@ -46,6 +46,7 @@ with buffered ones (12.6-14.3 s system CPU).
 from __future__ import annotations
 
 import abc
+import copy
 import functools
 import inspect
 import itertools
@@ -66,7 +67,7 @@ from .ops.weighted_sum import out_dtypes
 __all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
            "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
            "cpu_gram_gbps", "PASSES", "HOST", "round_passes", "round_seconds",
-           "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize", "BlockCodeFile"]
+           "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize", "BlockCodeFile", "PackedRows"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
@@ -901,14 +902,68 @@ class _CodeRows(RawFileSource):
     _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-class BlockCodeFile:
+class PackedRows:
+    """K update rows in a packed (compressed) form, one of the round runner's input forms: ``agg.aggregate(g,
+    rows, ...)`` runs a method whose server reads U only through ``RoundInput.weighted_sum`` on them, each weighted
+    sum one pass over the packed rows (``weighted_sum``: ``(base + alpha * sum_k coef_k row_k, ok)``, ``ok`` the
+    rows' NaN/Inf flags of that pass); the runner's validation, screen, bad-row policy and re-run apply as to dense
+    rows (``select(keep)``: the rows kept). Implemented by ``fedkernels.compress``' ``BlockRows`` / ``SparseRows``
+    and by :class:`BlockCodeFile`.
+
+    Dense columns may travel alongside (``with_dense_columns(ranges, V)``: V [K, sum of the ranges' widths],
+    uncompressed): the model's buffers (BatchNorm statistics), whose average the runner takes from them
+    (``algorithms.buffers``), the same bits as from dense rows. Without them, ``dense_columns`` decodes those
+    columns from the packed rows where the form can (``decoded_columns``)."""
+
+    dense_side: Optional[Tuple[Tuple[Tuple[int, int], ...], torch.Tensor]] = None   # (column ranges, [K, n] values)
+
+    K: int
+    d: int
+
+    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Any = None,
+                     out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def select(self, keep: Sequence[int]) -> "PackedRows":
+        raise NotImplementedError
+
+    def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> Optional[torch.Tensor]:
+        """The rows' values in the column ``ranges``, decoded ([K, n] float32), or None where the form cannot."""
+        return None
+
+    def with_dense_columns(self, ranges: Sequence[Tuple[int, int]], V: torch.Tensor) -> "PackedRows":
+        """These rows with ``V`` ([K, n]: the rows' uncompressed values in the column ``ranges``, in order) alongside."""
+        rg = tuple((int(a), int(b)) for a, b in ranges)
+        n = sum(b - a for a, b in rg)
+        if not all(0 <= a < b <= self.d for a, b in rg) or V.dim() != 2 or tuple(V.shape) != (self.K, n):
+            raise ValueError(f"{type(self).__name__}.with_dense_columns: V must be [K={self.K}, {n}] for column "
+                             f"ranges {list(rg)} within d={self.d}, got {tuple(V.shape)}")
+        out = copy.copy(self)
+        out.dense_side = (rg, V)
+        return out
+
+    def dense_columns(self, ranges: Sequence[Tuple[int, int]]) -> Optional[torch.Tensor]:
+        """[K, n]: the values in the column ``ranges`` sent alongside (when they are those ranges), else decoded."""
+        if self.dense_side is not None and self.dense_side[0] == tuple((int(a), int(b)) for a, b in ranges):
+            return self.dense_side[1]
+        return self.decoded_columns(ranges)
+
+    def _carry(self, out: "PackedRows", keep: Sequence[int]) -> "PackedRows":
+        """``out`` (``select(keep)``'s rows) with the dense columns of the rows kept."""
+        if self.dense_side is not None:
+            rg, V = self.dense_side
+            out.dense_side = (rg, V.index_select(0, torch.as_tensor(list(keep), dtype=torch.long, device=V.device)))
+        return out
+
+
+class BlockCodeFile(PackedRows):
     """K compressed rows on disk: a raw file of K x d int8 or float8_e4m3fn codes (row-major, one byte each) and
     their float32 scales, one per ``block`` columns ([K, ceil(d / block)]: a tensor, or a raw float32 file read
     into memory, 4 / block of the codes' bytes). A round over it reads the codes once, in column blocks (READ_BYTES
     per block, ``O_DIRECT`` as the other file sources decide), each block summed by ``ops.dequant_weighted_sum``:
     a d = 1e9, K = 16 int8 round reads 16 GB where a bf16 file holds 32. It has the interface of
-    ``fedkernels.compress.BlockRows`` (``K``, ``d``, ``weighted_sum``, ``select``), so
-    ``compress.aggregate_compressed`` runs a weighted-sum method (FedAvg, FedAvgM, ...) on it unchanged; the
+    ``fedkernels.compress.BlockRows`` (:class:`PackedRows`), so ``agg.aggregate(g, file, ...)`` (or
+    ``compress.aggregate_compressed``) runs a weighted-sum method (FedAvg, FedAvgM, ...) on it unchanged; the
     result is a [d] tensor in memory (float32 or float64)."""
 
     def __init__(self, codes: PathLike, scales: Union[PathLike, torch.Tensor], K: int, d: int, block: int,
@@ -953,7 +1008,7 @@ class BlockCodeFile:
         out = object.__new__(BlockCodeFile)
         out.block, out.codes, out.scales = self.block, self.codes, self.scales
         out._rows = [base[k] for k in keep]
-        return out
+        return self._carry(out, keep)
 
     def chunk_cols(self) -> int:
         per_row = max(1, READ_BYTES // max(self.codes.K, 1))

@@ -99,7 +99,7 @@ def test_bad_compressed_rows_are_excluded_or_raise():
     rows = compress.make_codec("int8_block", 300, block=50).encode_rows(U, [0, 1, 2, 3], 0)
     rows.scales[2, 1] = float("nan")
     g = torch.zeros(300)
-    with pytest.raises(ValueError, match="client 2's compressed update contains NaN/Inf"):
+    with pytest.raises(ValueError, match=r"fedavg.aggregate: client 2 \(row 2\): compressed update contains NaN/Inf"):
         compress.aggregate_compressed(algorithms.build("fedavg"), g, rows, [1] * 4, [0, 1, 2, 3])
     res = compress.aggregate_compressed(algorithms.build("fedavg", on_bad_update="exclude"), g, rows, [1] * 4,
                                         [0, 1, 2, 3])
@@ -162,6 +162,10 @@ def test_cli_compressed_run_records_bytes_sent(tmp_path):
     (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),
     (["compress.ratio=0.1"], "compress.ratio is set but compress.kind is none"),
     (["compress.kind=fp8", "algorithm.name=kuramoto"], "method 'kuramoto' needs"),
+    (["compress.kind=topk", "compress.k=5", "compress.residual_file=r.f32"],
+     "compress.residual_file is set ('r.f32') but compress.error_feedback is false"),
+    (["compress.kind=topk", "compress.k=5", "compress.error_feedback=true", "compress.residual_file=/no/dir/r.f32"],
+     "compress: residual_file '/no/dir/r.f32': folder '/no/dir' does not exist"),
 ])
 def test_cli_bad_compress_options_exit_2_and_write_nothing(tmp_path, args, msg):
     p = _cli(tmp_path, *args)
@@ -215,3 +219,220 @@ def test_a_nan_update_leaves_no_residual():
     U[1, 3] = float("nan")
     c.encode_rows(U, [0, 1], 1)
     assert set(c.residuals) == {0}               # client 1's NaN is not carried into its next round
+
+
+# ---- compressed rows as one of the round runner's input forms -------------------------------------------------
+KINDS_OPTS = [("int8_block", {"block": 77}), ("fp8", {}), ("qsgd", {"levels": 8}), ("topk", {"ratio": 0.05})]
+
+
+@pytest.mark.parametrize("kind,opts", KINDS_OPTS)
+@pytest.mark.parametrize("gdt", [torch.float32, torch.float64])
+def test_runner_takes_compressed_rows_and_reruns_without_bad_rows(kind, opts, gdt):
+    """agg.aggregate(g, rows) is the round runner's round on packed rows: a bad row under exclude is dropped before
+    any state changes (FedAvgM's momentum is not touched by the aborted pass), so the round and the next equal a
+    fresh run on the good rows alone, bit for bit; under raise the runner names the client and row."""
+    K, d = 5, 1500
+    ids, n = [8, 2, 5, 0, 3], [4.0, 1.0, 7.0, 2.0, 5.0]
+    rows = compress.make_codec(kind, d, **opts).encode_rows(_U(K, d), ids, 0)
+    bad = rows.select(range(K))
+    if kind == "topk":
+        bad.val[bad.offsets[2]] = float("inf")
+    else:
+        bad.scales[2, 0] = float("nan")
+    good = [0, 1, 3, 4]
+    g = torch.randn(d, generator=torch.Generator().manual_seed(1)).to(gdt)
+    a = algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7)
+    b = algorithms.build("fedavgm", server_lr=0.7)
+    for _ in range(2):
+        got = a.aggregate(g, bad, n, ids)
+        want = b.aggregate(g, rows.select(good), [n[k] for k in good], [ids[k] for k in good])
+        assert torch.isfinite(got.params).all() and torch.equal(got.params, want.params)
+        assert got.info["excluded"] == [{"client_id": 5, "reason": "compressed update contains NaN/Inf"}]
+        assert got.info["num_clients"] == 4 and a.round == b.round
+    with pytest.raises(ValueError, match=r"fedavgm.aggregate: client 5 \(row 2\): compressed update contains NaN/Inf"):
+        algorithms.build("fedavgm").aggregate(g, bad, n, ids)
+    # the library entry point is the same round
+    c = algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7)
+    assert torch.equal(compress.aggregate_compressed(c, g, bad, n, ids, kind=kind).params,
+                       algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7).aggregate(g, bad, n, ids).params)
+
+
+def test_runner_refuses_other_reads_of_compressed_rows_in_one_line():
+    rows = compress.make_codec("int8_block", 100).encode_rows(_U(3, 100), [0, 1, 2], 0)
+    for name, what in (("kuramoto", "per-row statistics"), ("fedaware", "the Gram matrix"), ("krum", "the Gram matrix")):
+        with pytest.raises(ValueError, match=f"{name}: compressed rows: this method reads {what}") as e:
+            algorithms.build(name, **({"num_clients": 3} if name == "fedaware" else {})).aggregate(
+                torch.zeros(100), rows, [1, 1, 1], [0, 1, 2])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"fedavg.aggregate: the compressed rows have d=100 columns, expected d=99"):
+        algorithms.build("fedavg").aggregate(torch.zeros(99), rows, [1, 1, 1], [0, 1, 2])
+
+
+class _BN(torch.nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8 * 8 * 8, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("kind,opts", KINDS_OPTS)
+def test_buffers_sent_beside_the_codes_average_as_dense_rows(kind, opts):
+    """A BatchNorm model's buffers sent uncompressed beside the codes: the buffer columns of the new model are the
+    dense path's buffer average bit for bit (whatever FedAvgM's momentum does to the parameters); without them the
+    buffers are the sample-weighted average of the decoded buffer columns."""
+    from fedkernels.algorithms.buffers import buffer_ranges
+    from fedkernels.flat import FlatSpec
+    spec = FlatSpec.from_module(_BN())
+    (a, b), = buffer_ranges(spec)
+    K, d = 4, spec.d
+    U = _U(K, d, seed=3)
+    ids, n = [0, 1, 2, 3], [3.0, 9.0, 1.0, 6.0]
+    g = spec.flatten(_BN()).clone()
+    rows = compress.make_codec(kind, d, **opts).encode_rows(U, ids, 0)
+
+    def agg():
+        m = algorithms.build("fedavgm", server_lr=1.5)
+        m.setup(spec, K, g)
+        return m
+    dense, side, dec = agg(), agg(), agg()
+    for _ in range(2):                                     # the second round: momentum is non-zero
+        want = dense.aggregate(g, U, n, ids).params
+        got = side.aggregate(g, rows.with_dense_columns([(a, b)], U[:, a:b]), n, ids).params
+        assert torch.equal(got[a:b], want[a:b])
+        got2 = dec.aggregate(g, rows, n, ids).params
+        p = torch.tensor(n, dtype=torch.float64) / sum(n)
+        assert torch.equal(got2[a:b], __import__("fedkernels").ops.weighted_sum(rows.dense()[:, a:b].contiguous(), p,
+                                                                                 base=g[a:b]))
+        assert torch.equal(got[:a], got2[:a])             # the parameters: the codes' round either way
+    assert set(rows.with_dense_columns([(a, b)], U[:, a:b]).select([2, 0]).dense_columns([(a, b)]).tolist()[0]) == \
+        set(U[2, a:b].tolist())
+
+
+@pytest.mark.parametrize("kind,opts", [("int8_block", ["compress.block=64"]), ("fp8", []), ("qsgd", []),
+                                       ("topk", ["compress.ratio=0.05", "compress.error_feedback=true"])])
+def test_batchnorm_model_under_each_codec_keeps_running_var_valid(kind, opts):
+    """A simulated BatchNorm model trained 3 rounds with FedAvgM (server momentum, which alone drives a running
+    variance negative) under each codec: every running variance >= 0, finite losses, and the bytes sent count the
+    buffers sent beside the codes."""
+    import numpy as np
+    from fedkernels.sim import presets
+    from fedkernels.sim.config import apply_overrides
+    from fedkernels.sim.data import load_dataset
+    from fedkernels.sim.server import Simulation
+    tr, te = load_dataset("digits")
+    perm = np.random.default_rng(0).permutation(len(tr.y))
+    parts = [perm[a:b] for a, b in ((0, 13), (13, 74), (74, 164), (164, 314))]
+    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
+                                                 "rounds=3", "num_clients=4", "algorithm.name=fedavgm",
+                                                 "train.hetero.enabled=true", "train.hetero.lr_range=[0.02,0.2]",
+                                                 "train.hetero.epochs_range=[1,3]", f"compress.kind={kind}", *opts])
+    s = Simulation(cfg, write_outputs=False, train=tr, test=te, client_indices=parts, model_fn=lambda nc, c, sz: _BN(nc))
+    s.run()
+    assert len(s.metrics) == 3
+    for m in s.metrics:
+        assert np.isfinite(m["test_loss"]) and np.isfinite(m["accuracy"]), (kind, m["round"], m["test_loss"])
+        assert m["bytes_sent"] == m["num_updates"] * (s.compression.codec.row_bytes() + 16 * 4)
+    s.global_model()
+    bn = s.model.norm
+    assert torch.isfinite(bn.running_mean).all() and bool((bn.running_var >= 0).all()), bn.running_var
+
+
+# ---- error-feedback residuals in a per-client file table -------------------------------------------------------
+def test_residual_file_keeps_the_same_numbers_as_memory_and_checkpoints_by_reference(tmp_path):
+    """topk with error feedback: residuals in a file table give the same rows, bit for bit, as in memory (a NaN
+    client's residual dropped in both); state_dict references the file (no N x d copy) and load_state_dict reopens
+    it at the state's version, refusing a table that moved on since."""
+    from fedkernels.algorithms import tables
+    d, N = 300, 6
+    path = str(tmp_path / "res.f32")
+    mem = compress.make_codec("topk", d, k=7, error_feedback=True)
+    fil = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    for r, ids in enumerate([[0, 3, 5], [3, 1, 0], [5, 3, 2]]):
+        U = _U(3, d, seed=r)
+        if r == 1:
+            U[1, 4] = float("nan")                         # client 1: no residual kept
+        a, b = mem.encode_rows(U, ids, r), fil.encode_rows(U, ids, r)
+        ok = [k for k in range(3) if not (r == 1 and k == 1)]             # (the NaN row's values are NaN in both)
+        assert torch.equal(a.select(ok).idx, b.select(ok).idx) and torch.equal(a.select(ok).val, b.select(ok).val)
+    assert fil.has == set(mem.residuals) == {0, 2, 3, 5}
+    for c, e in mem.residuals.items():
+        assert torch.equal(fil.table[c], e)
+    st = fil.state_dict()
+    assert tables.is_reference(st["residuals"]) and st["residuals"]["version"] == 3 and st["has"] == [0, 2, 3, 5]
+    again = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    again.load_state_dict(st)
+    U = _U(3, d, seed=9)
+    x, y = mem.encode_rows(U, [2, 0, 4], 3), again.encode_rows(U, [2, 0, 4], 3)
+    assert torch.equal(x.idx, y.idx) and torch.equal(x.val, y.val)
+    stale = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    with pytest.raises(ValueError, match=r"residual_file .* is at version 4 \(done\), the state expects version 3"):
+        stale.load_state_dict(st)
+    into_mem = compress.make_codec("topk", d, k=7, error_feedback=True)
+    into_mem.load_state_dict(again.state_dict())               # a file's rows into a codec without one
+    assert set(into_mem.residuals) == {0, 2, 3, 4, 5} and torch.equal(into_mem.residuals[4], again.table[4])
+    fresh = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
+    with pytest.raises(ValueError, match="compress.residual_file .* already exists"):
+        fresh.encode_rows(U, [0, 1, 2], 0)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(residual_file="x.f32", num_clients=4), "compress.residual_file: set .* but compress.error_feedback is off"),
+    (dict(residual_file="x.f32", error_feedback=True), r"compress.residual_file: needs num_clients .*, got None"),
+    (dict(residual_file="/no/such/dir/x.f32", error_feedback=True, num_clients=4), "folder '/no/such/dir' does not exist"),
+])
+def test_residual_file_options_one_line_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        compress.make_codec("topk", 100, k=5, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_error_feedback_from_a_file_resumes_bit_identical(tmp_path):
+    """Through the CLI: a topk + error-feedback run with compress.residual_file, stopped after 2 rounds (its
+    checkpoint references the file) and resumed to 4, ends with the same model as an uninterrupted 4-round run,
+    and as the same run with the residuals in memory; the file is a 30 x d float32 table."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    common = ["--preset", "smoke", "data.train_subset=400", "client_loss=none", "plots=false", "threads=1",
+              "--no-progress", "compress.kind=topk", "compress.ratio=0.05", "compress.error_feedback=true"]
+
+    def fk(*args):
+        p = subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p
+
+    def final(name):
+        return torch.load(tmp_path / "runs" / name / "final_model.pt", weights_only=True)["flat"]
+    fk("run", *common, "rounds=4", "--name", "mem")
+    fk("run", *common, "rounds=4", f"compress.residual_file={tmp_path / 'full.f32'}", "--name", "full")
+    fk("run", *common, "rounds=2", "checkpoint_every=1", f"compress.residual_file={tmp_path / 'cut.f32'}",
+       "--name", "cut")
+    r = fk("run", "--resume", "runs/cut", "rounds=4", "--no-progress")
+    assert "resumed from runs/cut/checkpoints/ckpt_round_000002.pt (round 2)" in r.stdout
+    assert torch.equal(final("cut"), final("full")) and torch.equal(final("full"), final("mem"))
+    cfg = __import__("yaml").safe_load(open(tmp_path / "runs" / "full" / "config.yaml"))
+    d = final("full").numel()
+    assert os.path.getsize(tmp_path / "full.f32") == cfg["num_clients"] * d * 4
+    assert open(str(tmp_path / "full.f32") + ".state").read().split() == ["4", "done"]
+
+
+def test_block_code_file_bad_row_is_excluded_by_the_runner(tmp_path):
+    """A codes file with a NaN scale in row 1: under exclude the runner drops that row (BlockCodeFile.select) and
+    the round equals the in-memory rows' round, bit for bit; under raise it names client and row."""
+    from fedkernels.sources import BlockCodeFile
+    K, d, B = 4, 5000, 64
+    rows = compress.make_codec("int8_block", d, block=B).encode_rows(_U(K, d), list(range(K)), 0)
+    rows.scales[1, 7] = float("nan")
+    rows.Q.view(torch.uint8).numpy().tofile(tmp_path / "q.bin")
+    rows.scales.numpy().tofile(tmp_path / "s.bin")
+    f = BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K, d, B)
+    g, n, ids = torch.randn(d), [1.0, 2.0, 3.0, 4.0], [5, 6, 7, 8]
+    a = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, f, n, ids)
+    b = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, rows, n, ids)
+    assert torch.equal(a.params, b.params) and a.info["excluded"] == b.info["excluded"] == [
+        {"client_id": 6, "reason": "compressed update contains NaN/Inf"}]
+    with pytest.raises(ValueError, match=r"client 6 \(row 1\): compressed update contains NaN/Inf"):
+        algorithms.build("fedavg").aggregate(g, f, n, ids)

@@ -33,7 +33,7 @@ import torch
 from .. import ops
 from .._types import CoefLike
 from ..ops._checks import has_kernel, tracing  # tracing: also imported from here by the method modules
-from ..sources import HOST, ChunkedUpdates, MatrixSource, weighted_sum_block
+from ..sources import HOST, ChunkedUpdates, MatrixSource, PackedRows, weighted_sum_block
 from . import signature
 from .signature import Option, check_options, signature_params, suggest, unknown_option
 
@@ -150,6 +150,10 @@ class UpdatesShape:
         return replace(self, K=n)
 
 
+class PackedRowsRefused(ValueError):
+    """A method read packed (compressed) rows another way than through ``RoundInput.weighted_sum``."""
+
+
 @dataclass
 class RoundInput:
     """Validated inputs of one aggregation (what ``Aggregator._aggregate`` receives).
@@ -159,7 +163,8 @@ class RoundInput:
     ``fedkernels.sources.ChunkedUpdates``; ``updates`` is then their ``UpdatesShape`` and ``U`` raises),
     with the same result: bit for bit for the column-local ``weighted_sum`` and ``blocks``; the Gram and
     Kuramoto's statistics (``kstats``) are summed over the chunks in fp64 in column order. Their shape, dtype and device: ``K``, ``d``,
-    ``dtype``, ``device``."""
+    ``dtype``, ``device``. Packed (compressed) rows (``packed``, a ``fedkernels.sources.PackedRows``) give only
+    ``weighted_sum``, computed from the codes in the model's precision."""
 
     global_flat: torch.Tensor
     # the accepted clients' [K, d] updates: the tensor, or, when ``src`` is set, their UpdatesShape (no data)
@@ -176,6 +181,9 @@ class RoundInput:
     # there in the same device-to-host copy as the flags (RoundInput.gram(host=True), RoundInput.kstats)
     on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
     src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
+    # the rows of U in a packed (compressed) form (``sources.PackedRows``): read only through ``weighted_sum``
+    # (one pass over the packed rows, screened in it); every other read refuses them (``PackedRowsRefused``)
+    packed: Optional[PackedRows] = None
     stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
     # ``aggregate(..., out=)``: the caller's [d] tensor for the new model. The method's result pass (on a
     # source: the first ``weighted_sum`` with ``base=global_flat``; FedAWARE's table sum) writes into it
@@ -208,6 +216,15 @@ class RoundInput:
             self._hold = False
 
     def _weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
+        if self.packed is not None:          # in the model's precision (fp64 for an fp64 model, else fp32)
+            g = self.global_flat
+            out_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+            b = None if base is None else base.to(out_dtype)
+            out, ok = self.packed.weighted_sum(coef, base=b, alpha=alpha,
+                                               out_dtype=None if b is not None else out_dtype)
+            if self.screen_rows:
+                self._flags(ok)
+            return out.to(g.dtype)
         if self.src is not None:
             g = self.global_flat
             given = self.take_out() if base is g else None
@@ -240,6 +257,8 @@ class RoundInput:
         rows are unscreened it is ``ops.gram_screened`` and the flags go to ``on_flags``. ``host=True``
         on another device than the CPU: G comes to the host in the flags' device-to-host copy (one
         copy per aggregate, not two). From a source: the chunks' Grams summed in fp64 in column order."""
+        if self.packed is not None:
+            self._refuse_packed("the Gram matrix")
         if self.src is not None:
             G = torch.zeros(self.K, self.K, dtype=torch.float64, device=self.src.device)
 
@@ -264,6 +283,8 @@ class RoundInput:
         over U, no K x K Gram. While the rows are unscreened its flags (exact for every dtype) go to
         ``on_flags``, and the statistics ride in their device-to-host copy (one copy per pass). From a
         source: the chunks' sums added in fp64 in column order (each chunk's mean is exact: column-local)."""
+        if self.packed is not None:
+            self._refuse_packed("per-row statistics (kstats)")
         K = self.K
         if self.src is not None:
             acc = torch.zeros(2 * K + 1, dtype=torch.float64, device=self.src.device)
@@ -286,6 +307,8 @@ class RoundInput:
         momenta: ``M[:, cols]``): one block, all of U, for a tensor; the column chunks in order for a
         source. ``device``: where the blocks are wanted (default: where they are). Unscreened rows are
         screened first (``screen``), so the caller may write its tables block by block."""
+        if self.packed is not None:
+            self._refuse_packed("column blocks")
         if self.screen_rows:
             self.screen()
         if self.src is None:
@@ -297,6 +320,8 @@ class RoundInput:
 
     def screen(self) -> None:
         """The rows' NaN/Inf screen as a read of its own (``ops.finite_rows``), flags to ``on_flags``."""
+        if self.packed is not None:
+            self._refuse_packed("a screening pass of their own")
         if self.src is not None:
             self._stream(lambda a, b, c, screen: None)
         elif self.screen_rows:
@@ -347,12 +372,18 @@ class RoundInput:
             where = f", columns {cols[0]}..{cols[1] - 1} of d={self.d}" if cols is not None else ""
             raise BadUpdateError(f"{e} (source: {self.src.row_name(k)}{where})") from None
 
+    def _refuse_packed(self, what: str) -> None:
+        raise PackedRowsRefused(f"compressed rows: this method reads {what} of the updates, which compressed rows "
+                                "do not give without decompressing them")
+
     @property
     def U(self) -> torch.Tensor:
         """The [K, d] updates tensor (a round on a chunked source has none: read its rows through
         ``weighted_sum`` / ``gram`` / ``blocks``)."""
         if isinstance(self.updates, torch.Tensor):
             return self.updates
+        if self.packed is not None:
+            self._refuse_packed("the dense [K, d] tensor")
         raise RuntimeError("the updates come from a chunked source: RoundInput.U holds no data; read the rows "
                            "through RoundInput.weighted_sum / gram / blocks (their shape: rin.K, rin.d, rin.dtype, "
                            "rin.device)")

@@ -13,7 +13,10 @@ unchanged bit for bit.
 
 A no-op without a FlatSpec (library use without ``setup(spec)``), for a spec without buffers, for
 updates read from a chunked source (``fedkernels.sources``; their column chunks cover all of d), and
-where the spec does not describe U's columns. FedBN's "keep the buffers local" is not offered: it needs
+where the spec does not describe U's columns. Compressed rows (``sources.PackedRows``): from the buffer
+columns sent uncompressed alongside them (``with_dense_columns``; the simulator sends them so: the same
+bits as dense rows), else from the codes decoded on those columns only (a variance stays >= 0 up to the
+codec's error on the clients' buffer updates). FedBN's "keep the buffers local" is not offered: it needs
 per-client buffer storage between rounds, which the simulator's clients do not keep."""
 from __future__ import annotations
 
@@ -47,7 +50,20 @@ def average_buffers(spec: Optional[FlatSpec], rin, params: torch.Tensor) -> torc
     if not ranges or rin.K == 0 or rin.src is not None or spec.d != rin.d or params.numel() != rin.d:
         return params
     p = rin.sample_weights()
-    U, g = rin.U, rin.global_flat
+    g = rin.global_flat
+    if rin.packed is not None:
+        # compressed rows: the buffer columns sent uncompressed alongside (the same bits as dense rows), else
+        # decoded from the codes; a form that can do neither (a codes file) keeps the method's result
+        V = rin.packed.dense_columns(ranges)
+        if V is None:
+            return params
+        V = V.to(device=g.device, dtype=g.dtype)
+        at = 0
+        for a, b in ranges:
+            ops.weighted_sum(V[:, at:at + b - a], p, base=g[a:b], out=params[a:b])
+            at += b - a
+        return params
+    U = rin.U
     for a, b in ranges:
         ops.weighted_sum(U[:, a:b], p, base=g[a:b], out=params[a:b])
     return params

@@ -5,14 +5,16 @@
 (``Aggregator.aggregate`` is this call.) The method is the strategy: its update (``_aggregate``), what it
 checks in a payload, its passes and state. The runner owns what every method shares:
 
-1. ``out`` and the updates' form: a [K, d] tensor, a list of K rows, or a chunked source (placed on a
-   device, ``ChunkedUpdates.aggregate_placed``; its rows' shape checked as a tensor's);
+1. ``out`` and the updates' form: a [K, d] tensor, a list of K rows, a chunked source (placed on a
+   device, ``ChunkedUpdates.aggregate_placed``; its rows' shape checked as a tensor's), or packed
+   (compressed) rows (``sources.PackedRows``: ``fedkernels.compress``' codes, ``sources.BlockCodeFile``),
+   which a method reads only through ``RoundInput.weighted_sum`` (one pass over the codes, screened in it);
 2. validation (:func:`validate`): shapes, dtypes, devices, counts, ids, payloads, and the value screen:
    the NaN/Inf flags of ``global_flat``, of the rows (unless the method's first pass screens them) and of
    the payload tensors the method reads, computed on the device and copied to the host once;
 3. the ``on_bad_update`` policy: raise for the first bad client, or drop the bad rows (one
    ``index_select``) and log them;
-4. the update. A method with ``screen_in_pass`` (and every method on a source) gets unscreened rows: its
+4. the update. A method with ``screen_in_pass`` (and every method on a source or packed rows) gets unscreened rows: its
    first read of U through the RoundInput also screens them, and the flags come back here
    (``RoundInput.on_flags``) with ``global_flat``'s and the payloads' in one device-to-host copy; bad rows
    raise, or the round starts again without them (nothing has changed yet);
@@ -32,10 +34,10 @@ import torch
 from .. import ops
 from .._types import CoefLike
 from ..ops._checks import _float_dtype, _like, host_range, tracing
-from ..sources import ChunkedUpdates, MatrixSource
+from ..sources import ChunkedUpdates, MatrixSource, PackedRows
 from .buffers import average_buffers
-from .base import (AggResult, BadUpdateError, RoundInput, Updates, UpdatesShape, _numbers, host_copy_with, host_float64,
-                   id_tensor, rows_where)
+from .base import (AggResult, BadUpdateError, PackedRowsRefused, RoundInput, Updates, UpdatesShape, _numbers,
+                   host_copy_with, host_float64, id_tensor, rows_where)
 
 if TYPE_CHECKING:
     from .base import Aggregator
@@ -80,7 +82,8 @@ def run_round(method: "Aggregator", global_flat: torch.Tensor, updates: Updates,
               out: Optional[torch.Tensor] = None) -> AggResult:
     """One round of ``method`` (see ``Aggregator.aggregate`` for the arguments, result and errors)."""
     src: Optional[ChunkedUpdates] = None
-    rows: Union[Updates, UpdatesShape] = updates      # what validate checks: on a source, its UpdatesShape
+    packed: Optional[PackedRows] = None
+    rows: Union[Updates, UpdatesShape] = updates      # what validate checks: on a source or packed rows, their UpdatesShape
     if out is not None:
         _check_out(method, global_flat, out)
     if isinstance(updates, ChunkedUpdates) and isinstance(global_flat, torch.Tensor) and (
@@ -91,13 +94,15 @@ def run_round(method: "Aggregator", global_flat: torch.Tensor, updates: Updates,
         return _into(updates.aggregate_placed(method, global_flat, num_examples, client_ids, payloads), out)
     if isinstance(updates, (MatrixSource, ChunkedUpdates)):
         src, rows = _chunked_source(method, global_flat, updates)
+    elif isinstance(updates, PackedRows):
+        packed, rows = updates, _packed_shape(method, global_flat, updates)
     if tracing():
         rin = validate(method, global_flat, rows, num_examples, client_ids, payloads, screen=False)
         traced = _into(method._aggregate(rin), out)
         traced.info.setdefault("num_clients", rin.K)
         method.round += 1
         return traced
-    if method.screen_in_pass or src is not None:
+    if method.screen_in_pass or src is not None or packed is not None:
         # One read of U: the method's first pass over it (RoundInput.weighted_sum / .gram / .kstats) also
         # screens the rows; the on_bad_update policy is applied to those flags at once (raise,
         # or drop the bad rows and run the round again without them: nothing was changed yet).
@@ -106,20 +111,23 @@ def run_round(method: "Aggregator", global_flat: torch.Tensor, updates: Updates,
         rnd = _Round(method, defer=True)
         rin = rnd.validate(global_flat, rows, num_examples, client_ids, payloads, screen=False)
         rows_of = None
-        if src is not None:      # client id -> row of the source (validate checked the ids)
-            rows_of = {c: k for k, c in enumerate(client_ids_of(method, client_ids, src.K))}
+        if src is not None or packed is not None:      # client id -> row of the source (validate checked the ids)
+            rows_of = {c: k for k, c in enumerate(client_ids_of(method, client_ids, rows.size(0)))}
         res: Optional[AggResult] = None
         if rin.K > 0:
-            _attach(method, rin, src, rows_of, out)
+            _attach(method, rin, src, rows_of, out, packed)
             rin.screen_rows = True
             rin.on_flags = functools.partial(rnd.apply_flags, rin)     # the screening pass's flags, here
             try:
-                if not method.screen_in_pass:
-                    rin.screen()
-                res = method._aggregate(rin)
-            except _Again as again:
-                rin = _attach(method, again.rin, src, rows_of, out)
-                res = method._aggregate(rin) if rin.K > 0 else None
+                try:
+                    if not method.screen_in_pass:
+                        rin.screen()
+                    res = method._aggregate(rin)
+                except _Again as again:
+                    rin = _attach(method, again.rin, src, rows_of, out, packed)
+                    res = method._aggregate(rin) if rin.K > 0 else None
+            except PackedRowsRefused as e:
+                raise ValueError(f"{method.name}: {e}") from None
             if rin.screen_rows:      # the method did not read U through rin: screen its rows now
                 raise RuntimeError(f"{method.name}: screen_in_pass is set but _aggregate never read U "
                                    "through RoundInput.weighted_sum / gram")
@@ -324,9 +332,11 @@ class _Round:
         if not bool(host[0]):
             raise _global_nan(self.method)
         bad = (~host[1:1 + K]).nonzero().reshape(-1)
-        if bad.numel() and rin.src is None and rin.dtype == torch.float64:      # (a source's flags are exact)
+        if bad.numel() and rin.src is None and rin.packed is None and rin.dtype == torch.float64:
+            # (a source's and packed rows' flags are exact)
             bad = bad[~ops.finite_rows(rin.U.index_select(0, bad.to(rin.device))).cpu()]
-        reasons = {k: "update contains NaN/Inf" for k in bad.tolist()}
+        what = "compressed update" if rin.packed is not None else "update"
+        reasons = {k: f"{what} contains NaN/Inf" for k in bad.tolist()}
         bad_pl = rows_where(~host[1 + K:]) if pp is not None else []
         pairs = pp[1].pairs() if pp is not None and bad_pl else []
         for j in bad_pl:
@@ -445,13 +455,32 @@ def _chunked_source(method: "Aggregator", global_flat: torch.Tensor, updates: Un
 
 
 def _attach(method: "Aggregator", rin: RoundInput, src: Optional[ChunkedUpdates], rows_of: Optional[Dict[int, int]],
-            out: Optional[torch.Tensor] = None) -> RoundInput:
-    """Gives ``rin`` its source rows (the accepted clients' rows of ``src``) and the caller's ``out``."""
+            out: Optional[torch.Tensor] = None, packed: Optional[PackedRows] = None) -> RoundInput:
+    """Gives ``rin`` its source rows or packed rows (the accepted clients' rows of ``src`` / ``packed``) and the
+    caller's ``out``."""
     if src is not None and rows_of is not None:
         rin.src = src.select_rows([rows_of[c] for c in rin.client_ids])
         rin.stop_at_bad = method.on_bad_update == "raise"
+    if packed is not None and rows_of is not None:
+        keep = [rows_of[c] for c in rin.client_ids]
+        rin.packed = packed if keep == list(range(packed.K)) else packed.select(keep)
     rin.out = out
     return rin
+
+
+def _packed_shape(method: "Aggregator", global_flat: torch.Tensor, rows: PackedRows) -> UpdatesShape:
+    """The UpdatesShape ``validate`` checks for packed rows: K x d in global_flat's dtype and device (their weighted
+    sums are computed in its precision)."""
+    what = f"{method.name}.aggregate"
+    if tracing():
+        raise ValueError(f"{what}: compressed rows cannot be traced (torch.compile / export); pass a [K, d] tensor")
+    if not isinstance(global_flat, torch.Tensor) or global_flat.dim() != 1:
+        raise ValueError(f"{what}: global_flat must be a 1-D tensor, got "
+                         f"{tuple(global_flat.shape) if isinstance(global_flat, torch.Tensor) else type(global_flat).__name__}")
+    if rows.d != global_flat.numel():
+        raise ValueError(f"{what}: the compressed rows have d={rows.d} columns, expected d={global_flat.numel()} "
+                         "(len(global_flat))")
+    return UpdatesShape(rows.K, rows.d, global_flat.dtype, global_flat.device)
 
 
 def _check_out(method: "Aggregator", global_flat: torch.Tensor, out: Any) -> None:

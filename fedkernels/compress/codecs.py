@@ -18,12 +18,17 @@
 
 Each codec can keep **error feedback** (Stich et al. 2018, Karimireddy et al. 2019): a per-client residual
 ``e_i`` (what compression dropped last time) is added to the next update before compressing, ``e_i = v - D(C(v))``
-after: kept in memory here (``Codec.residuals``; ``state_dict`` / ``load_state_dict`` for checkpoints). Top-k
+after: kept in memory (``Codec.residuals``, a dict) or, with ``residual_file=PATH``, as an N x d float32 table in a
+file like the methods' other per-client tables (``algorithms.tables``: SCAFFOLD's ``control_file``, FedAWARE's
+``momentum_file``): created with its blocks reserved on the first round, a version marker ``PATH.state`` written around
+each update, referenced (not copied) by ``state_dict`` and reopened, checked, by ``load_state_dict``. Both keep the
+same numbers: a run's rows are the same bits either way. Top-k
 without it loses most of its accuracy (FedLab's table); the quantisers need it less.
 
 The server sums what it received without a dense copy: ``BlockRows.weighted_sum`` is one
 ``ops.dequant_weighted_sum`` pass over the codes, ``SparseRows.weighted_sum`` one ``ops.sparse_weighted_sum`` pass
-over the lists, both with the rows' NaN/Inf flags. This module imports only ``fedkernels.ops``.
+over the lists, both with the rows' NaN/Inf flags. Both are ``fedkernels.sources.PackedRows``: the round runner takes
+them as the updates (``agg.aggregate(g, rows, ...)``). This module imports only ``fedkernels.ops`` and ``sources``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import ops
+from ..algorithms import tables
+from ..sources import PackedRows
 
 __all__ = ["KINDS", "Codec", "BlockRows", "SparseRows", "make_codec", "dense_bytes"]
 
@@ -53,7 +60,7 @@ def _seed(*keys: int) -> int:
 
 
 @dataclass
-class BlockRows:
+class BlockRows(PackedRows):
     """K rows of block codes: ``Q`` [K, d] int8 / float8_e4m3fn, ``scales`` [K, ceil(d / block)] float32."""
     Q: torch.Tensor
     scales: torch.Tensor
@@ -74,7 +81,12 @@ class BlockRows:
 
     def select(self, keep: Sequence[int]) -> "BlockRows":
         k = torch.as_tensor(list(keep), dtype=torch.long)
-        return BlockRows(self.Q.index_select(0, k), self.scales.index_select(0, k), self.block)
+        return self._carry(BlockRows(self.Q.index_select(0, k), self.scales.index_select(0, k), self.block), keep)
+
+    def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """[K, n] float32: the columns of ``dense()`` in ``ranges`` (the same products, without the K x d copy)."""
+        cols = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+        return self.scales.index_select(1, cols // self.block) * self.Q.index_select(1, cols).to(torch.float32)
 
     def dense(self) -> torch.Tensor:
         """float32 [K, d] (tests and the residuals; the server never calls it)."""
@@ -87,7 +99,7 @@ class BlockRows:
 
 
 @dataclass
-class SparseRows:
+class SparseRows(PackedRows):
     """K index/value lists (CSR-like): ``idx`` int32, ``val`` float32, ``offsets`` [K + 1]."""
     idx: torch.Tensor
     val: torch.Tensor
@@ -105,8 +117,21 @@ class SparseRows:
 
     def select(self, keep: Sequence[int]) -> "SparseRows":
         o = self.offsets.tolist()
-        return SparseRows(*ops.stack_lists([self.idx[o[k]:o[k + 1]] for k in keep],
-                                           [self.val[o[k]:o[k + 1]] for k in keep]), d=self.d)
+        return self._carry(SparseRows(*ops.stack_lists([self.idx[o[k]:o[k + 1]] for k in keep],
+                                                       [self.val[o[k]:o[k + 1]] for k in keep]), d=self.d), keep)
+
+    def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """[K, n] float32: the columns of ``dense()`` in ``ranges`` (each kept entry placed, the others 0)."""
+        n = sum(b - a for a, b in ranges)
+        out = torch.zeros(self.K, n)
+        row = torch.repeat_interleave(torch.arange(self.K), (self.offsets[1:] - self.offsets[:-1]).long())
+        idx = self.idx.long()
+        at = 0
+        for a, b in ranges:
+            m = (idx >= a) & (idx < b)
+            out.index_put_((row[m], idx[m] - a + at), self.val[m], accumulate=True)
+            at += b - a
+        return out
 
     def dense(self) -> torch.Tensor:
         out = torch.zeros(self.K, self.d)
@@ -130,10 +155,29 @@ class Codec:
     row of ``U`` [K, d] (row k = client ``client_ids[k]``'s update, in round ``rnd``) and returns the rows as the
     server receives them (:class:`BlockRows` or :class:`SparseRows`), whose ``weighted_sum`` the server runs."""
 
-    def __init__(self, kind: str, d: int, block: int, k: int, error_feedback: bool, levels: int, seed: int):
+    def __init__(self, kind: str, d: int, block: int, k: int, error_feedback: bool, levels: int, seed: int,
+                 residual_file: Optional[str] = None, num_clients: Optional[int] = None):
         self.kind, self.d, self.block, self.k = kind, d, block, k
         self.error_feedback, self.levels, self.seed = error_feedback, levels, seed
         self.residuals: Dict[int, torch.Tensor] = {}
+        # residual_file: the residuals as rows of an [N, d] float32 file table (``table``, mapped on first use);
+        # ``has``: the clients whose row holds a residual; ``table_version``: completed updates of the file
+        self.residual_file, self.num_clients = residual_file, num_clients
+        self.table: Optional[torch.Tensor] = None
+        self.has: set = set()
+        self.table_version = 0
+
+    def _residual(self, cid: int) -> Optional[torch.Tensor]:
+        if self.residual_file is None:
+            return self.residuals.get(cid)
+        return self.table[cid] if self.table is not None and cid in self.has else None
+
+    def _table(self) -> torch.Tensor:
+        if self.table is None:
+            self.table = tables.table_file(self.residual_file, self.num_clients, self.d, torch.float32,
+                                           exist_ok=False, what="compress.residual_file")
+            tables.updated(self.residual_file, self.table_version)
+        return self.table
 
     def describe(self) -> str:
         opts = {"int8_block": f"block={self.block}", "fp8": f"block={self.block}",
@@ -154,9 +198,12 @@ class Codec:
             raise ValueError(f"compress.{self.kind}: {U.size(0)} rows but {len(client_ids)} client ids")
         V = U.detach().to(torch.float32)
         if self.error_feedback:
+            if self.residual_file is not None and not all(0 <= int(c) < self.num_clients for c in client_ids):
+                raise ValueError(f"compress.residual_file: client ids must lie in [0, {self.num_clients}), got "
+                                 f"{list(client_ids)!r:.100}")
             V = V.clone()
             for k, cid in enumerate(client_ids):        # each client adds its own residual (client-side work)
-                e = self.residuals.get(int(cid))
+                e = self._residual(int(cid))
                 if e is not None:
                     V[k].add_(e)
         rows = self._encode(V, client_ids, rnd)
@@ -164,6 +211,18 @@ class Codec:
             D = rows.dense()
             E = V - D
             fin = torch.isfinite(E).all(1).tolist()
+            if self.residual_file is not None:
+                T = self._table()
+                tables.updating(self.residual_file, self.table_version + 1)
+                for k, cid in enumerate(client_ids):
+                    if fin[k]:
+                        T[int(cid)].copy_(E[k])
+                        self.has.add(int(cid))
+                    else:
+                        self.has.discard(int(cid))
+                self.table_version += 1
+                tables.updated(self.residual_file, self.table_version)
+                return rows
             for k, cid in enumerate(client_ids):   # a NaN/Inf update (excluded by the server) leaves no residual
                 if fin[k]:
                     self.residuals[int(cid)] = E[k]
@@ -207,18 +266,48 @@ class Codec:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        """The residuals: copies (in memory), or a reference to the file table (``tables.reference``: path, shape,
+        dtype, version) and the clients that hold one."""
+        if self.residual_file is not None and self.table is not None:
+            return {"residuals": tables.reference(self.residual_file, self.table, self.table_version),
+                    "has": sorted(self.has)}
         return {"residuals": {int(c): e.clone() for c, e in self.residuals.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.residuals = {int(c): e.clone() for c, e in state.get("residuals", {}).items()}
+        """The inverse of :meth:`state_dict`. A referenced file table is reopened after its checks (the same
+        path as this codec's ``residual_file``, its marker at the state's version: ValueError otherwise); in-memory
+        residuals loaded into a codec with a ``residual_file`` are written to that (new) file, and a file's rows
+        into a codec without one are copied into memory."""
+        res = state.get("residuals", {})
+        if tables.is_reference(res):
+            T, path, v = tables.reopen("compress.load_state_dict", "compress.residual_file", res, self.residual_file)
+            has = sorted(int(c) for c in state.get("has", []))
+            if self.residual_file is None:
+                self.residuals = {c: T[c].clone() for c in has}
+                return
+            self.table, self.residual_file, self.table_version, self.has = T, path, v, set(has)
+            return
+        loaded = {int(c): e.clone() for c, e in res.items()}
+        if self.residual_file is None:
+            self.residuals = loaded
+        elif loaded:
+            T = self._table()
+            tables.updating(self.residual_file, self.table_version + 1)
+            for c, e in loaded.items():
+                T[c].copy_(e)
+            self.has = set(loaded)
+            self.table_version += 1
+            tables.updated(self.residual_file, self.table_version)
 
 
 def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] = None, ratio: Optional[float] = None,
-               error_feedback: bool = False, levels: int = 16, seed: int = 0) -> Codec:
+               error_feedback: bool = False, levels: int = 16, seed: int = 0, residual_file: Optional[Any] = None,
+               num_clients: Optional[int] = None) -> Codec:
     """A :class:`Codec` for rows of ``d`` parameters, its options checked (one-line ValueError naming the option,
     the value and what was expected). ``block``: columns per scale (int8_block, fp8, qsgd; 1..d; default
     min(256, d)); ``k`` (1..d) or ``ratio`` (0 < ratio <= 1, k = max(1, round(ratio d))): top-k's kept entries;
-    ``levels``: qsgd's s (1..127); ``error_feedback``: keep per-client residuals; ``seed``: qsgd's stream."""
+    ``levels``: qsgd's s (1..127); ``error_feedback``: keep per-client residuals; ``seed``: qsgd's stream;
+    ``residual_file``: keep the residuals in that file (an [num_clients, d] float32 table) instead of memory."""
     if kind not in KINDS:
         raise ValueError(f"compress.kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if isinstance(d, bool) or not isinstance(d, int) or d < 1:
@@ -252,4 +341,12 @@ def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] 
             raise ValueError(f"compress.levels: expected an int in [1, 127] (qsgd's s, stored as int8), got {levels!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"compress.seed: expected an int, got {seed!r}")
-    return Codec(kind, d, bl, kk, error_feedback, int(levels), seed)
+    if residual_file is not None:
+        if not error_feedback:
+            raise ValueError(f"compress.residual_file: set (got {residual_file!r}) but compress.error_feedback is off: "
+                             "there are no residuals to keep")
+        if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
+            raise ValueError(f"compress.residual_file: needs num_clients (the table's rows), an int >= 1, got "
+                             f"{num_clients!r}")
+        residual_file = tables.check_path("compress", "residual_file", residual_file)
+    return Codec(kind, d, bl, kk, error_feedback, int(levels), seed, residual_file, num_clients)

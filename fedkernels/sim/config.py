@@ -95,6 +95,7 @@ class CompressConfig:
     error_feedback: bool = False         # per-client residuals added to the next update (Stich 2018, Karimireddy 2019)
     levels: int = 16                     # qsgd: s, in [1, 127]
     seed: Optional[int] = None           # qsgd's stochastic rounding stream (default: the run's seed)
+    residual_file: Optional[str] = None  # error feedback's residuals in this file (N x d float32 table), not in memory
 
 
 def dir_label(label: str) -> str:
@@ -168,6 +169,8 @@ class RunConfig:
             d.pop("attack", None)
         if d.get("compress", {}).get("kind", "none") == "none":   # uncompressed runs keep their hashes
             d.pop("compress", None)
+        if d.get("compress", {}).get("residual_file") is None:   # where residuals live does not change the numbers
+            d.get("compress", {}).pop("residual_file", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
