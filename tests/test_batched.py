@@ -51,7 +51,7 @@ class _States(Callback):
 
     def on_round_end(self, sim, metrics):
         st = copy.deepcopy(sim.state(metrics["round"]))
-        st["tracked"] = [int(m.num_batches_tracked) for m in sim.model.modules()     # BatchNorm's step count
+        st["tracked"] = [int(m.num_batches_tracked) for m in sim.global_model().modules()   # BatchNorm's step count
                          if isinstance(m, nn.modules.batchnorm._BatchNorm)]           # (not in the flat state)
         self.states.append(st)
 

@@ -100,7 +100,7 @@ def test_callback_hooks_run_in_order_between_the_run_files_and_the_checkpoint(tm
             with open(os.path.join(sim.run_dir, "metrics.jsonl")) as f:
                 lines = len(f.read().splitlines())
             has_ckpt = os.path.exists(ckpt.path_for(sim.ckpt_dir, m["round"]))
-            events.append(("round", m["round"], sim.start_round, lines, has_ckpt))
+            events.append(("round", m["round"], sim.rounds_done, lines, has_ckpt))
 
         def on_end(self, sim, summary):
             events.append(("end", summary["rounds_completed"]))
@@ -146,3 +146,45 @@ def test_user_callbacks_keep_the_default_files_and_a_failure_is_closed(tmp_path)
 def test_a_callback_that_is_not_callable_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"callbacks: 3 is neither a Callback nor a callable"):
         Simulation(_cfg(tmp_path), callbacks=[3])
+
+
+def test_a_callback_returns_stop_and_extra_metrics(tmp_path):
+    """pfl-research's contract: a callable returning (stop, extra_metrics) adds its metrics to the round's
+    row of metrics.jsonl and ends the run after that round, with a checkpoint of it and the final model."""
+    import json
+    from fedkernels.sim import checkpoint as ckpt
+
+    def stop_at_two(rnd, metrics, model):
+        return rnd == 2, {"my_round": rnd * 10}
+
+    sim = Simulation(_cfg(tmp_path, rounds=4, checkpoint_every=3), callbacks=[stop_at_two])
+    summary = sim.run()
+    with open(os.path.join(sim.run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["my_round"] for r in rows] == [10, 20] and summary["rounds_completed"] == 2
+    assert [r for r, _ in ckpt.list_checkpoints(sim.ckpt_dir)] == [2]
+    saved = torch.load(os.path.join(sim.run_dir, "final_model.pt"), weights_only=True)
+    assert saved["round"] == 2 and torch.equal(saved["flat"], sim.global_flat.cpu())
+    with open(os.path.join(sim.run_dir, "provenance.json")) as f:
+        assert json.load(f)["status"] == "stopped"
+
+
+def test_a_callback_metric_may_not_replace_the_rounds(tmp_path):
+    with pytest.raises(ValueError, match=r"returned the metric 'accuracy', which round 1 already has"):
+        Simulation(_cfg(tmp_path), callbacks=[lambda r, m, model: (False, {"accuracy": 1.0})]).run()
+
+
+def test_the_run_view_is_read_only(tmp_path):
+    """Callbacks get a view of the run, not the simulation: they cannot write into it."""
+    from fedkernels.sim.callbacks import Callback
+    from fedkernels.sim.runstate import RunView
+    seen = []
+
+    class Writer(Callback):
+        def on_round_end(self, run, m):
+            seen.append((type(run), run.rounds_done, len(run.metrics)))
+            with pytest.raises(AttributeError, match="read-only"):
+                run.start_round = 0
+
+    Simulation(_cfg(tmp_path, rounds=2), callbacks=[Writer()]).run()
+    assert seen == [(RunView, 1, 1), (RunView, 2, 2)]

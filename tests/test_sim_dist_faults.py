@@ -25,7 +25,7 @@ from fedkernels.sim.distributed_sim import DistributedSimulation, Ranks
 fault, rank = os.environ.get("FK_FAULT", "none"), int(os.environ["RANK"])
 orig = Ranks.exchange
 def exchange(self, local):
-    if fault in ("kill", "raise") and rank == 1 and self.sim.start_round == 2:   # rank 1, round 3, before the exchange
+    if fault in ("kill", "raise") and rank == 1 and self.rounds_done() == 2:   # rank 1, round 3, before the exchange
         if fault == "kill":
             os.kill(os.getpid(), 9)
         raise RuntimeError("injected failure on rank 1")
@@ -33,7 +33,7 @@ def exchange(self, local):
 Ranks.exchange = exchange
 orig_stop = Ranks.stop_agreed
 def stop_agreed(self, sig):
-    if fault == "kill-after" and rank == 1 and self.sim.start_round == 3:  # rank 1, after round 3 and its checkpoint
+    if fault == "kill-after" and rank == 1 and self.rounds_done() == 3:  # rank 1, after round 3 and its checkpoint
         os.kill(os.getpid(), 9)
     return orig_stop(self, sig)
 Ranks.stop_agreed = stop_agreed

@@ -66,7 +66,7 @@ class PidRecorder:
         self.sim_ref, self.interrupt_at, self.pids = sim_ref, interrupt_at, []
 
     def __call__(self, rnd, m, model):
-        self.pids = list(self.sim_ref[0]._pool.pids)
+        self.pids = list(self.sim_ref[0].pool.pids)
         if self.interrupt_at == rnd:
             raise KeyboardInterrupt
 
@@ -95,9 +95,18 @@ def test_workers_get_the_aggregator_configuration_not_its_state():
     from fedkernels.sim.workers import _worker_state
     s = Simulation(smoke("algorithm.name=scaffold", "num_clients=40", "workers=2"), write_outputs=False).setup()
     table = s.agg.c_table
-    _, blob = _worker_state(s)
+    _, blob = _worker_state(s.local)
     assert table.numel() >= 40 * s.spec.d and len(blob) < table.numel() * table.element_size() // 10
     assert s.agg.c_table is table                      # the main process's aggregator is untouched
+
+
+def test_client_side_dp_clips_in_the_workers_as_in_one_process():
+    """dp.kind=client: each client clips its row as it writes it, in a worker as in the main process
+    (the workers get the run's LocalTraining, clip norm included): the same model bit for bit."""
+    dp = ["dp.kind=client", "dp.clip=0.05", "dp.noise_multiplier=0.5"]
+    s1, _ = run(smoke(*dp))
+    s2, _ = run(smoke(*dp, "workers=2"))
+    assert torch.equal(s1.global_flat, s2.global_flat)
 
 
 def _parts_with_empty_client(cfg):
@@ -133,13 +142,13 @@ def test_bad_client_raise_stops_and_workers_end():
 
     def spy(*a, **k):
         out = orig(*a, **k)
-        ref[:] = s._pool.pids
+        ref[:] = s.pool.pids
         return out
     s.train_local = spy
     with pytest.raises(BadClientError) as e2:
         s.run()
     assert str(e1.value) == str(e2.value)
-    assert s._pool is None
+    assert s.pool is None
     assert ref and not any(alive(p) for p in ref)
 
 
@@ -148,7 +157,7 @@ def test_workers_end_after_run_and_on_keyboard_interrupt():
     rec = PidRecorder(box)
     box[0] = Simulation(smoke("workers=2", "rounds=2"), write_outputs=False, callbacks=[rec])
     box[0].run()
-    assert len(rec.pids) == 2 and box[0]._pool is None
+    assert len(rec.pids) == 2 and box[0].pool is None
     assert not any(alive(p) for p in rec.pids)
 
     box2 = [None]
@@ -178,7 +187,7 @@ def test_dead_worker_stops_the_run_with_one_line():
     s = Simulation(smoke("workers=2"), write_outputs=False, model_fn=lambda *a: _ExitInChild(parent))
     with pytest.raises(RuntimeError, match=r"workers=2: worker \d \(pid \d+\) exited with code 7 during round 1"):
         s.run()
-    assert s._pool is None
+    assert s.pool is None
 
 
 def test_workers_die_with_the_main_process(tmp_path):
@@ -193,7 +202,7 @@ def test_workers_die_with_the_main_process(tmp_path):
         box = []
         def cb(r, m, model):
             if r == 1:
-                print(" ".join(str(p) for p in box[0]._pool.pids), flush=True)
+                print(" ".join(str(p) for p in box[0].pool.pids), flush=True)
                 time.sleep(120)
         box.append(Simulation(cfg, write_outputs=False, callbacks=[cb]))
         box[0].run()
@@ -235,9 +244,9 @@ def test_config_checks():
     assert smoke("workers=2").config_hash() == smoke().config_hash()
     s = Simulation(smoke("workers=2"), write_outputs=False)
     s.setup()
-    s.device = torch.device("cuda")
+    import dataclasses
     with pytest.raises(ValueError, match="CPU only"):
-        WorkerPool(s, 2)
+        WorkerPool(dataclasses.replace(s.local, device=torch.device("cuda")), 2)
 
 
 def test_default_threads():
@@ -373,7 +382,7 @@ def test_worker_that_cannot_start_stops_the_run():
     with pytest.raises(RunError, match=r"workers=2: worker \d \(pid \d+\) could not start: ImportError: injected: "
                                        r"no module named 'only_in_the_parent' while starting; the run stops"):
         s.run()
-    assert s._pool is None and s.metrics == []
+    assert s.pool is None and s.metrics == []
 
 
 def test_what_cannot_be_sent_to_the_workers_is_refused_before_they_start():
@@ -382,7 +391,7 @@ def test_what_cannot_be_sent_to_the_workers_is_refused_before_they_start():
                                          r"\(.*lambda.*\); with workers > 1 the model, transform and aggregator must "
                                          "be picklable"):
         s.run()
-    assert s._pool is None and s.metrics == []
+    assert s.pool is None and s.metrics == []
 
 
 def test_client_runtime_error_is_a_run_error_in_one_process(monkeypatch):

@@ -52,7 +52,7 @@ executors (control_variates.clear_buffers_).
 
 An executor of the round loop (``sim/executors.py``: ``train_local(r, ids, positions, payload_of,
 factor)``, ``close()``): per accepted client ``pos, cid, n, payload, loss, steps``, in schedule
-order, with the rows written into ``sim.buf`` in that order. Clients that cannot be batched
+order, with the rows written into ``local.buf`` in that order. Clients that cannot be batched
 (payload-dependent, e.g. FedECADO's first participation, or an empty client) are trained by the
 :class:`~fedkernels.sim.executors.SequentialExecutor` in their place in the schedule.
 
@@ -87,6 +87,7 @@ from ..errors import RunError
 from ..algorithms.base import BatchedRule, Chunk, ClientRule
 from .client import BadClientError, client_seed
 from .executors import SequentialExecutor, client_failed
+from .runstate import LocalTraining
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -216,20 +217,20 @@ def chunk_size(free: Optional[int], per_client: int, K: int, device: Any = "", f
 # the executor
 # ---------------------------------------------------------------------------------------------
 class BatchedExecutor:
-    """Trains a Simulation's clients in chunks (module docstring). Build with :func:`for_simulation`."""
+    """Trains a run's clients in chunks (module docstring). Build with :func:`for_run`."""
 
-    def __init__(self, sim, chunk: Optional[int] = None) -> None:
-        self.sim = sim
-        self.model, self.spec = sim.model, sim.spec
-        tr = sim.trainer
+    def __init__(self, local: LocalTraining, chunk: Optional[int] = None) -> None:
+        self.local = local
+        self.model, self.spec = local.model, local.spec
+        tr = local.trainer
         self.x, self.y, self.parts = tr.x, tr.y, tr.client_indices
         self.parts_host = [p.cpu() for p in self.parts]    # drawing batches reads them: no per-client sync
-        self.train = sim.cfg.train
+        self.train = local.cfg.train
         self.chunk = chunk
-        rule = sim.agg.client_rule()
+        rule = local.rules.fresh()
         self.form: BatchedRule = type(rule).__dict__["batched_form"](rule, self.spec) if rule is not None \
             else BatchedRule(None, self.spec)
-        self.sequential = SequentialExecutor(sim)   # the clients that cannot be batched, in their place
+        self.sequential = SequentialExecutor(local)   # the clients that cannot be batched, in their place
         # BatchNorm: its running statistics are the flat vector's trailing buffer columns [dp, d)
         self.bns = {n: m for n, m in self.model.named_modules() if isinstance(m, BATCH_NORMS)}
         self.buffer_entries = [e for e in self.spec.entries if e.is_buffer]
@@ -309,13 +310,13 @@ class BatchedExecutor:
     def probe(self) -> None:
         """One vmapped gradient of two clients on one sample: raises if torch.func cannot run the model.
         Then measures the bytes autograd saves for one client's batch (``per_client``, :func:`client_bytes`)."""
-        W = self.sim.global_flat.detach().unsqueeze(0).expand(2, -1).contiguous()
+        W = self.local.global_flat.detach().unsqueeze(0).expand(2, -1).contiguous()
         x = self.x[:1].unsqueeze(0).expand(2, *self.x[:1].shape)
         y = self.y[:1].unsqueeze(0).expand(2, 1)
         m = torch.ones(2, 1, dtype=W.dtype, device=W.device)
         self.grads(W, x, y, m)
         B = min(int(self.train.batch_size), int(self.x.size(0)))
-        w = self.sim.global_flat.detach().clone().requires_grad_(True)
+        w = self.local.global_flat.detach().clone().requires_grad_(True)
         own, saved = w.untyped_storage().data_ptr(), [0]
 
         def pack(t):
@@ -371,16 +372,16 @@ class BatchedExecutor:
 
     # ---- one chunk ------------------------------------------------------------------------------------
     def _train_chunk(self, r: int, items: List[Tuple[int, int, Dict[str, Any], float, int]], factor: float):
-        """Trains the chunk's clients into the next rows of sim.buf; returns (accepted, bad) with bad
+        """Trains the chunk's clients into the next rows of local.buf; returns (accepted, bad) with bad
         the (pos, cid) of clients whose update is not finite (their rows already released)."""
-        sim, t, buf = self.sim, self.train, self.sim.buf
-        dev, x0 = sim.global_flat.device, sim.global_flat
+        local, t, buf = self.local, self.train, self.local.buf
+        dev, x0 = local.global_flat.device, local.global_flat
         C = len(items)
         cids = [c for _, c, _, _, _ in items]
         ns = [int(self.parts[c].numel()) for c in cids]
         epochs = [None if t.steps is not None else int(e) for _, _, _, _, e in items]
-        steps = [sim.trainer.planned_steps(n, e) for n, (_, _, _, _, e) in zip(ns, items)]
-        seeds = [client_seed(sim.cfg.seed, r, c) for c in cids]
+        steps = [local.trainer.planned_steps(n, e) for n, (_, _, _, _, e) in zip(ns, items)]
+        seeds = [client_seed(local.cfg.seed, r, c) for c in cids]
         s0 = buf.count
         for c, n in zip(cids, ns):
             buf.add(c, n)
@@ -433,18 +434,18 @@ class BatchedExecutor:
                 Wb.copy_(torch.where(active.unsqueeze(1), stats, Wb))
         payloads = form.end(ch)
         W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
-        if getattr(self.sim, "client_clip", None) is not None:   # client-side DP clipping, each row as written
-            clip_rows_(W, self.sim.client_clip)
-        if getattr(self.sim, "dp_norms", None) is not None:      # server-side DP: the rows' norms while hot
-            self.sim.dp_norms.update(zip(buf.client_ids[s0:s0 + C], row_norms(W).tolist()))
+        if self.local.client_clip is not None:   # client-side DP clipping, each row as written
+            clip_rows_(W, self.local.client_clip)
+        if self.local.dp_norms is not None:      # server-side DP: the rows' norms while hot
+            self.local.dp_norms.update(zip(buf.client_ids[s0:s0 + C], row_norms(W).tolist()))
         for mod in self.bns.values():          # one more batch per client step, as the shared model counts
             if mod.num_batches_tracked is not None:
                 mod.num_batches_tracked.add_(sum(steps))
         torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
-        # the rows are screened here only when the aggregator does not screen them (sim.screen_clients)
-        finite = ops.finite_rows(W).tolist() if sim.screen_clients else [True] * C   # one host sync per chunk
+        # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_clients)
+        finite = ops.finite_rows(W).tolist() if local.screen_clients else [True] * C   # one host sync per chunk
         accepted, bad = [], []
         for i, (pos, cid, _, _, _) in enumerate(items):
             if finite[i]:
@@ -465,14 +466,14 @@ class BatchedExecutor:
     def train_local(self, r: int, ids: Sequence[int], mine, payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
         """Phase 2 of the round, batched (module docstring); ``Simulation.train_local``'s return value."""
-        sim, cfg = self.sim, self.sim.cfg
-        sim._sync()
+        local, cfg = self.local, self.local.cfg
+        local.sync()
         t0 = time.perf_counter()
         accepted: List[Dict[str, Any]] = []
         excluded: List[Any] = []
         error = None
         pending: List[Tuple[int, int, Dict[str, Any], float, int]] = []
-        dev = sim.global_flat.device
+        dev = local.global_flat.device
         cap = self.chunk or chunk_size(free_memory(dev), self.per_client, len(mine), dev)
 
         def flush():
@@ -491,7 +492,7 @@ class BatchedExecutor:
             if error is not None:
                 break
             cid = ids[pos]
-            base_lr, epochs = sim.hetero.get(cid, r)
+            base_lr, epochs = local.hetero.get(cid, r)
             try:
                 payload = payload_of(pos)
                 why = None if self.parts[cid].numel() > 0 else "empty"
@@ -513,41 +514,41 @@ class BatchedExecutor:
             error = one["error"]
         if error is None:
             flush()
-        sim._sync()
+        local.sync()
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
 
     def close(self) -> None:
         pass
 
 
-def for_simulation(sim) -> Optional[BatchedExecutor]:
-    """The batched executor for a set-up Simulation, or None (sequential). ``clients_at_once``: "off"
+def for_run(local: LocalTraining) -> Optional[BatchedExecutor]:
+    """The batched executor for a set-up run (``local``: its ``runstate.LocalTraining``), or None (sequential). ``clients_at_once``: "off"
     (False) -> None; "auto" -> batched on CUDA, sequential on the CPU; N -> batched in chunks of N.
     When batched training was asked for (N, or auto on CUDA) and the run cannot do it, one warning
     line says why and the run trains sequentially."""
-    cfg = sim.cfg
+    cfg = local.cfg
     v = cfg.clients_at_once
     if v is False or v == "off" or cfg.workers > 1 or getattr(cfg, "distributed", False):
         return None
-    if v == "auto" and sim.device.type not in AUTO_DEVICES:
+    if v == "auto" and local.device.type not in AUTO_DEVICES:
         return None
     chunk = None if v == "auto" else int(v)
-    rule = sim.agg.client_rule()
-    why = batch_reason(cfg, sim.model, rule, sim.trainer.transform, sim.trainer.criterion)
+    rule = local.rules.fresh()
+    why = batch_reason(cfg, local.model, rule, local.trainer.transform, local.trainer.criterion)
     ex = None
     if why is None:
         try:
-            ex = BatchedExecutor(sim, chunk)
+            ex = BatchedExecutor(local, chunk)
             ex.probe()
         except Exception as e:  # noqa: BLE001 - said in one line, then sequential
             why, ex = f"torch.func cannot vmap the model: {type(e).__name__}: {e}", None
     if why is not None:
         log.warning("clients_at_once=%s: training clients one at a time: %s", v, why)
         return None
-    dev = sim.global_flat.device
+    dev = local.global_flat.device
     free, mib = free_memory(dev), ex.per_client / 2**20
     if chunk is None:
-        fits = chunk_size(free, ex.per_client, sim.per_round, dev)      # RunError when not even one client fits
+        fits = chunk_size(free, ex.per_client, local.per_round, dev)      # RunError when not even one client fits
         log.info("clients_at_once=auto: batched executor, chunks of up to %d clients (%.1f MiB each, %s MiB free)",
                  fits, mib, "?" if free is None else f"{free / 2**20:.0f}")
     elif free is not None and chunk * ex.per_client > free:

@@ -1,8 +1,10 @@
 """Callbacks of the round loop: everything a run writes or shows, and your own logging.
 
 The loop (``sim/server.py``) calls the hooks of its callbacks in a fixed order, on every process
-(``sim.is_main``: the one that evaluates and writes). :class:`Simulation` registers its defaults
-around the ones you pass, in this order::
+(``run.is_main``: the one that evaluates and writes). A hook receives ``run``, a read-only view of
+the run (``runstate.RunView``: ``cfg``, ``run_dir``, ``rounds_done``, ``metrics``, ``global_model()``,
+``say(msg)``, ...), never the simulation itself; what a callback reports back is its return value.
+:class:`Simulation` registers its defaults around the ones you pass, in this order::
 
     RunFiles (report.py)      config.yaml, metrics.jsonl, partition report, summary.json/csv,
                               final_model.pt, curves.png
@@ -14,24 +16,33 @@ around the ones you pass, in this order::
 
 so a round is checkpointed only after every callback has seen it. Hooks (all optional)::
 
-    on_setup(sim)                 the run's state is built (a resumed run's checkpoint loads here)
-    on_start(sim)                 before this session's first round
-    on_round_end(sim, metrics)    after every round (``sim.start_round`` rounds are done)
-    on_interrupt(sim, rnd, rng)   the run stops early at round ``rnd`` (a signal); ``rng``: the torch
-                                  RNG state of that round's end (None: the current one)
-    on_message(sim, msg, console) a progress line (``console``: also meant for the terminal)
-    on_end(sim, summary)          the rounds are over (not after a failure)
-    close(sim, status)            however the run ended (status: completed | interrupted | failed | ...)
+    on_setup(run)                 the run's state is built (before a resumed run's checkpoint loads)
+    on_start(run)                 before this session's first round
+    after_round(run, metrics)     after every round, before anything is written (``run.rounds_done``
+        -> None | (stop, extra)   rounds are done): in the style of pfl-research's
+                                  ``after_central_iteration``, it may return ``(stop, extra_metrics)``:
+                                  ``extra_metrics`` (a dict of new names) join the round's metrics
+                                  (metrics.jsonl), ``stop=True`` ends the run after this round (a
+                                  checkpoint of it is written; status "stopped", the final model saved)
+    on_round_end(run, metrics)    after every round, once the metrics are final (files, console, checkpoint)
+    on_interrupt(run, rnd, rng)   the run stops early at round ``rnd`` (a signal, a callback's stop);
+                                  ``rng``: the torch RNG state of that round's end (None: the current one)
+    on_message(run, msg, console) a progress line (``console``: also meant for the terminal)
+    on_end(run, summary)          the rounds are over (not after a failure)
+    close(run, status)            however the run ended (status: completed | interrupted | failed | ...)
 
 A plain callable ``cb(round, metrics, model)`` works too: called on the main process after every
-round, ``round`` from 1, ``metrics`` the round's dict as written to metrics.jsonl (``accuracy``,
-``test_loss``, ``train_loss_mean``, ``global_loss``, ``t_local``, ... and ``agg``, the aggregator's
-info), ``model`` the ``nn.Module`` holding the new global model; its optional ``bind(run_dir)`` is
-called at the start and ``close()`` at the end::
+round (its ``after_round``), ``round`` from 1, ``metrics`` the round's dict as written to
+metrics.jsonl (``accuracy``, ``test_loss``, ``train_loss_mean``, ``global_loss``, ``t_local``, ...
+and ``agg``, the aggregator's info), ``model`` the ``nn.Module`` holding the new global model. It may
+return ``(stop, extra_metrics)`` as ``after_round`` does (any other return value is ignored); its
+optional ``bind(run_dir)`` is called at the start and ``close()`` at the end::
 
     def to_wandb(rnd, metrics, model):
         wandb.log({k: v for k, v in metrics.items() if isinstance(v, float)}, step=rnd)
-    Simulation(cfg, callbacks=[to_wandb, TensorBoardCallback()]).run()
+    def early_stop(rnd, metrics, model):          # stop once the test accuracy reaches 90%
+        return metrics.get("accuracy", 0.0) >= 0.9, {}
+    Simulation(cfg, callbacks=[to_wandb, early_stop, TensorBoardCallback()]).run()
 
 :class:`TensorBoardCallback` ships here (``pip install tensorboard``; ``fedkernels run --tensorboard``).
 """
@@ -46,38 +57,51 @@ __all__ = ["Callback", "PerRound", "Progress", "TensorBoardCallback", "as_callba
 
 
 class Callback:
-    """The hooks of the round loop (module docstring); each does nothing here."""
+    """The hooks of the round loop (module docstring); each does nothing here. ``run`` is the run's
+    read-only ``runstate.RunView``."""
 
-    def on_setup(self, sim) -> None: ...
+    def on_setup(self, run) -> None: ...
 
-    def on_start(self, sim) -> None: ...
+    def on_start(self, run) -> None: ...
 
-    def on_round_end(self, sim, metrics: Dict[str, Any]) -> None: ...
+    def after_round(self, run, metrics: Dict[str, Any]) -> Optional[Tuple[bool, Dict[str, Any]]]:
+        return None
 
-    def on_interrupt(self, sim, rnd: int, rng) -> None: ...
+    def on_round_end(self, run, metrics: Dict[str, Any]) -> None: ...
 
-    def on_message(self, sim, msg: str, console: bool) -> None: ...
+    def on_interrupt(self, run, rnd: int, rng) -> None: ...
 
-    def on_end(self, sim, summary: Dict[str, Any]) -> None: ...
+    def on_message(self, run, msg: str, console: bool) -> None: ...
 
-    def close(self, sim, status: str) -> None: ...
+    def on_end(self, run, summary: Dict[str, Any]) -> None: ...
+
+    def close(self, run, status: str) -> None: ...
 
 
 class PerRound(Callback):
-    """A plain ``fn(round, metrics, model)`` as a callback (main process only)."""
+    """A plain ``fn(round, metrics, model)`` as a callback (main process only); a ``(stop, extra)``
+    it returns is its ``after_round``'s."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def on_start(self, sim) -> None:
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
+    def on_start(self, run) -> None:
         if hasattr(self.fn, "bind"):
-            self.fn.bind(sim.run_dir)
+            self.fn.bind(run.run_dir)
 
-    def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
-        if sim.is_main:
-            self.fn(metrics["round"], metrics, sim.global_model())
+    def after_round(self, run, metrics: Dict[str, Any]) -> Optional[Tuple[bool, Dict[str, Any]]]:
+        if not run.is_main:
+            return None
+        out = self.fn(metrics["round"], metrics, run.global_model())
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], bool) \
+                and (out[1] is None or isinstance(out[1], dict)):
+            return out
+        return None
 
-    def close(self, sim, status: str) -> None:
+    def close(self, run, status: str) -> None:
         if hasattr(self.fn, "close"):
             self.fn.close()
 
@@ -139,22 +163,22 @@ class Progress(Callback):
     def __init__(self) -> None:
         self.bar = None
 
-    def on_start(self, sim) -> None:
+    def on_start(self, run) -> None:
         from tqdm.auto import tqdm
-        self.t_start, self.first = time.perf_counter(), sim.start_round
-        sim.say(start_line(sim))
-        self.bar = tqdm(total=sim.cfg.rounds, initial=sim.start_round, desc=f"{sim.cfg.algorithm.name}",
-                        disable=not sim._progress_enabled(), dynamic_ncols=True)
+        self.t_start, self.first = time.perf_counter(), run.rounds_done
+        run.say(start_line(run))
+        self.bar = tqdm(total=run.cfg.rounds, initial=run.rounds_done, desc=f"{run.cfg.algorithm.name}",
+                        disable=not run.progress, dynamic_ncols=True)
 
-    def on_message(self, sim, msg: str, console: bool) -> None:
-        if not console or not sim.cfg.verbose:
+    def on_message(self, run, msg: str, console: bool) -> None:
+        if not console or not run.cfg.verbose:
             return
         if self.bar is not None and not self.bar.disable:
             self.bar.write(msg)
         else:
             print(msg, flush=True)
 
-    def on_round_end(self, sim, m: Dict[str, Any]) -> None:
+    def on_round_end(self, run, m: Dict[str, Any]) -> None:
         """The round's line: always for an evaluated round; outside a terminal (no progress bar) one
         line per round with the ETA (in run.log too when the bar is shown)."""
         if self.bar is None:
@@ -164,18 +188,18 @@ class Progress(Callback):
             self.bar.set_postfix(acc=f"{100 * m['accuracy']:.2f}")
         bar = not self.bar.disable
         done = m["round"] - self.first
-        eta = (time.perf_counter() - self.t_start) / max(done, 1) * (sim.cfg.rounds - m["round"])
-        line = round_line(m, sim.cfg.rounds) + f"  ETA {_hms(eta)}"
+        eta = (time.perf_counter() - self.t_start) / max(done, 1) * (run.cfg.rounds - m["round"])
+        line = round_line(m, run.cfg.rounds) + f"  ETA {_hms(eta)}"
         if "accuracy" in m or not bar:
-            sim.say(line if not bar else round_line(m, sim.cfg.rounds))
+            run.say(line if not bar else round_line(m, run.cfg.rounds))
         else:
-            sim.say(line, console=False)
+            run.say(line, console=False)
 
-    def on_end(self, sim, summary: Dict[str, Any]) -> None:
+    def on_end(self, run, summary: Dict[str, Any]) -> None:
         self._close_bar()
-        sim.say(format_summary(summary))
+        run.say(format_summary(summary))
 
-    def close(self, sim, status: str) -> None:
+    def close(self, run, status: str) -> None:
         self._close_bar()
 
     def _close_bar(self) -> None:
@@ -184,15 +208,15 @@ class Progress(Callback):
             self.bar = None
 
 
-def start_line(sim) -> str:
-    cfg = sim.cfg
+def start_line(run) -> str:
+    cfg = run.cfg
     what = f"preset {cfg.preset}, method {cfg.method or cfg.algorithm.name}" if cfg.preset else cfg.algorithm.name
     opts = ", ".join(f"{k}={v}" for k, v in cfg.algorithm.options.items())
     return (f"fedkernels run: {what} ({cfg.algorithm.name}{'(' + opts + ')' if opts else ''}); "
             f"{cfg.data.name}, {cfg.partition.scheme} partition, {cfg.num_clients} clients "
-            f"({sim.per_round} per round), model {cfg.model.name} (d={sim.spec.d}), "
-            f"{cfg.rounds} rounds, seed {cfg.seed}, {sim.device}; outputs: "
-            f"{sim.run_dir if sim.write_outputs else '(not written)'}")
+            f"({run.per_round} per round), model {cfg.model.name} (d={run.d}), "
+            f"{cfg.rounds} rounds, seed {cfg.seed}, {run.device}; outputs: "
+            f"{run.run_dir if run.write_outputs else '(not written)'}")
 
 
 def round_line(m: Dict[str, Any], rounds: int) -> str:

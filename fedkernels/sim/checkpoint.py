@@ -10,9 +10,9 @@ Writing is atomic: a temporary file in the same directory, flushed and fsync'ed,
 the checksum with a clear :class:`CheckpointError`; :func:`load_latest` then falls back to the
 previous checkpoint with a warning.
 
-A simulation writes and reads them through its :class:`Checkpoints` callback: every
-``checkpoint_every`` rounds, after the last round (``--resume rounds=N`` extends a run), when a run
-is stopped by a signal (the last completed round), and the resume at set-up.
+A simulation writes them through its :class:`Checkpoints` callback: every ``checkpoint_every``
+rounds, after the last round (``--resume rounds=N`` extends a run), when a run is stopped by a
+signal or a callback (the last completed round); it reads one at set-up (:func:`resume_state`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..safe_io import MAGIC, CheckpointError
 from ..safe_io import load_checkpoint as _load
@@ -249,61 +249,61 @@ def interrupted_line(run_dir: str, done: int, written: bool = True) -> str:
 
 
 class Checkpoints(Callback):
-    """A simulation's checkpoints (a callback of the round loop, on every process: gathering the state
-    may be a collective; the main process writes). Writes round ``r`` when ``r % checkpoint_every ==
-    0`` or ``r`` is the last round (not after a diverged round), and at an interruption the last
-    completed round, once; keeps the newest ``keep_checkpoints``. ``on_setup`` of a resumed run loads
-    the newest usable one into the simulation (``Simulation.load_state``)."""
+    """A run's checkpoints (a callback of the round loop, on every process: gathering the state may be
+    a collective; the main process writes). Writes round ``r`` when ``r % checkpoint_every == 0`` or
+    ``r`` is the last round (not after a diverged round), and at an interruption the last completed
+    round, once; keeps the newest ``keep_checkpoints``. The resume is the loop's
+    (:func:`resume_state`, then ``Simulation.load_state``)."""
 
     def __init__(self) -> None:
         self.saved_at: Optional[int] = None
 
-    def on_setup(self, sim) -> None:
-        if sim.resume:
-            self.restore(sim)
-
-    def on_start(self, sim) -> None:
+    def on_start(self, run) -> None:
         self.saved_at = None
 
-    def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
-        rnd, every = metrics["round"], sim.cfg.checkpoint_every
-        if metrics.get("diverged") or not sim.write_outputs or every <= 0 or non_finite_evaluation(metrics):
+    def on_round_end(self, run, metrics: Dict[str, Any]) -> None:
+        rnd, every = metrics["round"], run.cfg.checkpoint_every
+        if metrics.get("diverged") or not run.write_outputs or every <= 0 or non_finite_evaluation(metrics):
             return
-        if rnd % every == 0 or rnd == sim.cfg.rounds:
-            self.save(sim, rnd)
+        if rnd % every == 0 or rnd == run.cfg.rounds:
+            self.save(run, rnd)
 
-    def on_interrupt(self, sim, rnd: int, rng) -> None:
-        if sim.write_outputs and self.saved_at != rnd:
-            self.save(sim, rnd, rng)
+    def on_interrupt(self, run, rnd: int, rng) -> None:
+        if run.write_outputs and self.saved_at != rnd:
+            self.save(run, rnd, rng)
 
-    def save(self, sim, rnd: int, rng=None) -> Optional[str]:
-        """The round-``rnd`` checkpoint of ``sim`` (``rng``: the torch RNG state to record; default
-        the current one). Called on every process; the path on the main one, else None."""
+    def save(self, run, rnd: int, rng=None) -> Optional[str]:
+        """The round-``rnd`` checkpoint of the run (``run``: its ``runstate.RunView``; ``rng``: the torch
+        RNG state to record, default the current one). Called on every process; the path on the main
+        one, else None."""
         self.saved_at = rnd
-        st = sim.state(rnd, rng)
-        if st is None or not sim.is_main:
+        st = run.state(rnd, rng)
+        if st is None or not run.is_main:
             return None
-        p = save(path_for(sim.ckpt_dir, rnd), st)
-        prune(sim.ckpt_dir, sim.cfg.keep_checkpoints)
+        p = save(path_for(run.ckpt_dir, rnd), st)
+        prune(run.ckpt_dir, run.cfg.keep_checkpoints)
         return p
 
-    @staticmethod
-    def restore(sim) -> None:
-        found = sim.procs.find_checkpoint(sim.ckpt_dir, sim.device)
-        if found is None:
-            raise CheckpointError(no_checkpoint_message(sim.run_dir, sim.cfg.checkpoint_every))
-        path, st = found
-        try:
-            check_extension(sim.run_dir, st.get("config") or {}, sim.cfg, int(st["round"]))
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-        diff = config_diff(st.get("config", {}), sim.cfg.to_dict())
-        if diff:
-            log.warning("resume: the config differs from the checkpoint's in %s; the run will not repeat "
-                        "an uninterrupted one", ", ".join(diff))
-        if st["global"].numel() != sim.global_flat.numel():
-            raise CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
-                                  f"config's model has {sim.global_flat.numel()}")
-        sim.load_state(st)
-        log.info("resumed from %s at round %d", path, sim.start_round)
-        sim.say(f"resumed from {path} (round {sim.start_round})")
+
+def resume_state(find: Callable[[str, Any], Optional[Tuple[str, Dict[str, Any]]]], run_dir: str, ckpt_dir: str,
+                 cfg, device, d: int) -> Tuple[str, Dict[str, Any]]:
+    """``(path, state)`` of the checkpoint a resumed run continues from: the newest usable one
+    (``find(ckpt_dir, device)``: the run's processes' ``find_checkpoint``), checked against the
+    config (``cfg``: more rounds only; a differing config is logged) and the model's size ``d``.
+    CheckpointError when there is none or it does not fit."""
+    found = find(ckpt_dir, device)
+    if found is None:
+        raise CheckpointError(no_checkpoint_message(run_dir, cfg.checkpoint_every))
+    path, st = found
+    try:
+        check_extension(run_dir, st.get("config") or {}, cfg, int(st["round"]))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    diff = config_diff(st.get("config", {}), cfg.to_dict())
+    if diff:
+        log.warning("resume: the config differs from the checkpoint's in %s; the run will not repeat "
+                    "an uninterrupted one", ", ".join(diff))
+    if st["global"].numel() != d:
+        raise CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
+                              f"config's model has {d}")
+    return path, st

@@ -249,20 +249,20 @@ def client_error(e: BaseException):
     return reason, isinstance(e, CLIENT_ERRORS)
 
 
-def train_client(sim, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload) -> ClientResult:
-    """Trains client ``cid`` of a set-up simulation ``sim`` in round ``r`` (``sim.trainer``, its rule
-    ``sim._rule(cid)``) and writes its update into the next row of ``buf``. With
-    ``sim.screen_clients`` (bad_client_policy="raise", or an aggregator that does not screen the
-    rows itself) the row is checked here: BadClientError (row released) when it is not finite;
-    otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
-    res = sim.trainer.train(cid, r, sim.global_flat, base_lr * factor, epochs,
-                            client_seed(sim.cfg.seed, r, cid), rule=sim._rule(cid),
-                            payload=payload, base_lr=base_lr)
+def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload) -> ClientResult:
+    """Trains client ``cid`` in round ``r`` (``local``: the run's ``runstate.LocalTraining``: its
+    trainer, the client's rule ``local.rules.get(cid)``) and writes its update into the next row of
+    ``buf``. With ``local.screen_clients`` (bad_client_policy="raise", or an aggregator that does not
+    screen the rows itself) the row is checked here: BadClientError (row released) when it is not
+    finite; otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
+    res = local.trainer.train(cid, r, local.global_flat, base_lr * factor, epochs,
+                              client_seed(local.cfg.seed, r, cid), rule=local.rules.get(cid),
+                              payload=payload, base_lr=base_lr)
     slot = buf.add(cid, res.num_examples)
-    row = buf.write_delta(slot, sim.model, sim.global_flat, getattr(sim, "client_clip", None))
-    if getattr(sim, "dp_norms", None) is not None:   # server-side DP: the row's norm while it is hot
-        sim.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
-    if sim.screen_clients:
+    row = buf.write_delta(slot, local.model, local.global_flat, local.client_clip)
+    if local.dp_norms is not None:   # server-side DP: the row's norm while it is hot
+        local.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
+    if local.screen_clients:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
             buf.client_ids.pop()
             buf.num_examples.pop()

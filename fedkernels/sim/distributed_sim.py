@@ -59,6 +59,7 @@ from . import checkpoint as ckpt
 from .config import RunConfig
 from .client import BadClientError
 from .assemble import resolve_device
+from .runstate import LocalTraining
 from .server import Simulation
 
 log = logging.getLogger("fedkernels.sim")
@@ -175,11 +176,13 @@ class Ranks:
     def aggregator(self, agg) -> ShardedAggregator:
         return ShardedAggregator(agg, group=self.group, align=self.align)
 
-    def attach(self, sim) -> None:
-        self.sim = sim
-        stateful = sim.agg.client_rule()
+    def attach(self, agg: ShardedAggregator, local: LocalTraining, rounds_done: Callable[[], int]) -> None:
+        """The run's sharded aggregator, its local training (buffer, FlatSpec, device) and its count
+        of rounds done (named in a lost peer's line)."""
+        self.agg, self.local, self.rounds_done = agg, local, rounds_done
+        stateful = agg.client_rule()
         if stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict"):
-            raise ValueError(f"distributed=true: {sim.cfg.algorithm.name}'s client rule keeps state across rounds; "
+            raise ValueError(f"distributed=true: {local.cfg.algorithm.name}'s client rule keeps state across rounds; "
                              "the distributed simulator does not move client-rule state between ranks")
 
     def buffer_rows(self, K: int) -> int:
@@ -229,7 +232,7 @@ class Ranks:
 
     def stop_agreed(self, sig: Optional[int]) -> bool:
         """A signal seen by any rank stops every rank after this round (a small collective)."""
-        with self.collective(f"after round {self.sim.start_round}"):
+        with self.collective(f"after round {self.rounds_done()}"):
             return any(f is not None for f in self._all_gather_object(sig))
 
     def barrier(self) -> None:
@@ -246,13 +249,13 @@ class Ranks:
         """All-to-all of column slices. This rank sends, for every rank s, columns ``bounds[s]`` of its
         ``counts[rank]`` rows (``src`` [m, d] or the list ``rows`` of [d] tensors); returns the
         ``[sum(counts), hi - lo]`` matrix of every rank's rows (rank order), this rank's columns."""
-        sim = self.sim
-        bounds = sim.agg.bounds
-        lo, hi = sim.agg.lo, sim.agg.hi
+        agg, local = self.agg, self.local
+        bounds = agg.bounds
+        lo, hi = agg.lo, agg.hi
         w = hi - lo
         m = counts[self.rank]
-        dev = sim.device if (sim.agg.ctx.backend != "gloo") else torch.device("cpu")
-        send = torch.empty(m * sim.spec.d, dtype=dtype, device=dev)
+        dev = local.device if (agg.ctx.backend != "gloo") else torch.device("cpu")
+        send = torch.empty(m * local.spec.d, dtype=dtype, device=dev)
         in_splits, off = [], 0
         for a, b in bounds:
             n = m * (b - a)
@@ -270,7 +273,7 @@ class Ranks:
             recv.copy_(send)
         else:
             dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
-        return recv.view(sum(counts), w).to(sim.device)
+        return recv.view(sum(counts), w).to(local.device)
 
     # ---- the round's phases 1 and 3 ---------------------------------------------------------------------
     def payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
@@ -279,7 +282,7 @@ class Ranks:
         sent: Dict[int, Any] = {}
         for pos, cid in enumerate(ids):
             try:
-                p = self.sim.agg.client_payload(cid)
+                p = self.agg.client_payload(cid)
             except Exception as e:  # noqa: BLE001 - reported by the rank that trains the client
                 p = e
             if pos in mine:
@@ -294,7 +297,7 @@ class Ranks:
     def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """The small facts as objects (all-gather), then the column slices of the update rows and of
         the d-sized payload tensors (all-to-all)."""
-        d = self.sim.spec.d
+        d = self.local.spec.d
         mine, big = [], []            # big: d-sized payload tensors, in (position, key) order
         for a in local["accepted"]:
             small, keys = {}, []
@@ -315,7 +318,7 @@ class Ranks:
             raise BadClientError(errs[0][1])
         acc = [a for f in facts for a in f["accepted"]]                  # rank order = schedule order
         excluded = [e for _, e in sorted((x for f in facts for x in f["excluded"]), key=lambda x: x[0])]
-        buf = self.sim.buf.data
+        buf = self.local.buf.data
         U = self._exchange_columns([], buf, [len(f["accepted"]) for f in facts], buf.dtype)
         payloads = [dict(a["payload"]) for a in acc]
         my_keys = [k for a in mine for k in a["big"]]
@@ -337,10 +340,10 @@ class Ranks:
     def aggregator_state(self) -> Optional[Dict[str, Any]]:
         """The wrapped aggregator's whole state (rank 0; None elsewhere): every rank's slice gathered
         and merged with :func:`merge_sliced_state`. A collective."""
-        agg = self.sim.agg
+        agg = self.agg
         st = agg.agg.state_dict()
         st = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()} if isinstance(st, dict) else st
-        with self.collective(f"after round {self.sim.start_round}"):
+        with self.collective(f"after round {self.rounds_done()}"):
             allst = self._all_gather_object(st)
         if self.rank != 0:
             return None
@@ -361,9 +364,8 @@ class Ranks:
 
     def load_aggregator_state(self, state: Dict[str, Any]) -> None:
         """Keeps this rank's columns of the full aggregator state."""
-        sim = self.sim
-        loc = slice_state(state, sim.spec.d, sim.agg.lo, sim.agg.hi)
-        sim.agg.agg.load_state_dict(_to_device(loc, sim.device))
+        loc = slice_state(state, self.local.spec.d, self.agg.lo, self.agg.hi)
+        self.agg.agg.load_state_dict(_to_device(loc, self.local.device))
 
 
 class DistributedSimulation(Simulation):

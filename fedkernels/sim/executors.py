@@ -14,8 +14,8 @@ phase 2 to the run's executor, exchanges and aggregates; the executor only train
 process trains (all of them in one process; a rank's block under torch.distributed);
 ``payload_of(pos)``: the client's payload (an exception it raises counts as that client's);
 ``factor``: the round's lr schedule factor. Per accepted client, in schedule order: ``pos, cid, n,
-payload, loss, steps``, its update written into the next row of ``sim.buf`` in that order (so
-``sim.buf.matrix()`` is the round's U). A client that fails goes through :func:`client_failed`
+payload, loss, steps``, its update written into the next row of the run's buffer (``local.buf``,
+``runstate.LocalTraining``) in that order (so ``local.buf.matrix()`` is the round's U). A client that fails goes through :func:`client_failed`
 (the bad-client policy): excluded (``excluded``), or the round's ``error``.
 
 Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
@@ -41,7 +41,8 @@ Around the executor, the run's *processes* (:class:`OneProcess` here; torch.dist
 the trained rows into the round's U (phase 3), and own what spans processes: the aggregator's form
 (column shards), its state at a checkpoint, the stop agreement, the final barrier::
 
-    procs.attach(sim)                        # at set-up, after the aggregator is built
+    procs.attach(agg, local, rounds_done)    # at set-up: the aggregator it returned, the run's
+                                             # runstate.LocalTraining, a callable giving the rounds done
     procs.aggregator(agg) -> agg             # the aggregator this process runs (wrapped or not)
     procs.buffer_rows(K), procs.positions(K), procs.payloads(ids, positions) -> payload_of
     procs.exchange(local) -> {"U", "accepted", "payloads", "excluded", "t_local", "t_exchange"}
@@ -59,6 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 from ..errors import RunError
 from . import checkpoint as ckpt
 from .client import BadClientError, client_error, train_client
+from .runstate import LocalTraining
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -108,32 +110,32 @@ def nothing_trained(r: int, ids: Sequence[int], excluded: List[Dict[str, Any]]) 
 class SequentialExecutor:
     """One client after another in this process (``client.train_client``), with a progress bar."""
 
-    def __init__(self, sim) -> None:
-        self.sim = sim
+    def __init__(self, local: LocalTraining) -> None:
+        self.local = local
 
     def train_local(self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
         from tqdm.auto import tqdm
-        sim = self.sim
-        sim._sync()
+        local = self.local
+        local.sync()
         t0 = time.perf_counter()
         accepted: List[Dict[str, Any]] = []
         excluded: List[Any] = []
         error = None
-        for pos in tqdm(positions, desc=f"round {r + 1} clients{sim.procs.tag}", leave=False,
-                        disable=not sim._progress_enabled(), dynamic_ncols=True):
+        for pos in tqdm(positions, desc=f"round {r + 1} clients{local.tag}", leave=False,
+                        disable=not local.progress, dynamic_ncols=True):
             cid = ids[pos]
-            base_lr, epochs = sim.hetero.get(cid, r)
+            base_lr, epochs = local.hetero.get(cid, r)
             try:
-                res = train_client(sim, sim.buf, cid, r, base_lr, factor, epochs, payload_of(pos))
+                res = train_client(local, local.buf, cid, r, base_lr, factor, epochs, payload_of(pos))
             except Exception as e:  # noqa: BLE001 - the policy decides
-                error = client_failed(sim.cfg.bad_client_policy, r, pos, cid, *client_error(e), e, excluded)
+                error = client_failed(local.cfg.bad_client_policy, r, pos, cid, *client_error(e), e, excluded)
                 if error is not None:
                     break
                 continue
             accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": res.payload,
                              "loss": res.train_loss, "steps": res.steps})
-        sim._sync()
+        local.sync()
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
 
     def close(self) -> None:
@@ -142,7 +144,7 @@ class SequentialExecutor:
 
 class OneProcess:
     """The run's processes when there is one (module docstring): this process trains every position
-    of the round into its rows of ``sim.buf`` in schedule order, so the exchange moves nothing."""
+    of the round into its rows of ``local.buf`` in schedule order, so the exchange moves nothing."""
 
     rank, world, is_main, tag = 0, 1, True, ""
     saves_alone = True         # a checkpoint needs no other process (a signal may reach one rank only)
@@ -150,8 +152,8 @@ class OneProcess:
     aggregate_kwargs: Dict[str, Any] = {}
     state_extra: Dict[str, Any] = {}   # added to a checkpoint's state
 
-    def attach(self, sim) -> None:
-        self.sim = sim
+    def attach(self, agg, local: LocalTraining, rounds_done: Callable[[], int]) -> None:
+        self.agg, self.buf = agg, local.buf
 
     def aggregator(self, agg):
         return agg
@@ -164,7 +166,7 @@ class OneProcess:
 
     def payloads(self, ids: Sequence[int], mine: range) -> Callable[[int], Any]:
         """Phase 1: ``pos -> payload`` (computed on demand, so no K payloads are held at once)."""
-        return lambda pos: self.sim.agg.client_payload(ids[pos])
+        return lambda pos: self.agg.client_payload(ids[pos])
 
     def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """Phase 3: every trained client of the round, in schedule order, as the aggregator takes them.
@@ -175,7 +177,7 @@ class OneProcess:
                 raise exc
             raise BadClientError(msg) from exc
         acc = local["accepted"]
-        return {"U": self.sim.buf.matrix(), "accepted": acc, "payloads": [a["payload"] for a in acc],
+        return {"U": self.buf.matrix(), "accepted": acc, "payloads": [a["payload"] for a in acc],
                 "excluded": [e for _, e in local["excluded"]], "t_local": local["t_local"], "t_exchange": 0.0}
 
     def stop_agreed(self, signal: Optional[int]) -> bool:
@@ -193,10 +195,10 @@ class OneProcess:
         pass
 
     def aggregator_state(self) -> Optional[Dict[str, Any]]:
-        return self.sim.agg.state_dict()
+        return self.agg.state_dict()
 
     def load_aggregator_state(self, state: Dict[str, Any]) -> None:
-        self.sim.agg.load_state_dict(state)
+        self.agg.load_state_dict(state)
 
     def find_checkpoint(self, ckpt_dir: str, device):
         """(path, state) of the newest usable checkpoint, or None."""

@@ -216,35 +216,35 @@ class Provenance(Callback):
     def __init__(self) -> None:
         self.log: Optional[RunLog] = None
 
-    def on_start(self, sim) -> None:
-        if sim.write_outputs and sim.is_main:
+    def on_start(self, run) -> None:
+        if run.write_outputs and run.is_main:
             info = collect(sys.argv)
-            if getattr(sim, "attack", None) is not None:      # the run's attackers (sim/attacks.py)
-                info["attack"] = sim.attack.describe()
-            how = getattr(sim, "threads_choice", None) or (
-                "threads=N in the config" if sim.cfg.threads else "torch's default (threads=null)")
-            info["threads"] = {"per_process": info["torch_threads"], "workers": sim.cfg.workers, "how": how}
-            write(sim.run_dir, info)
-            self.log = RunLog(sim.run_dir)
+            if run.attack is not None:      # the run's attackers (sim/attacks.py)
+                info["attack"] = run.attack
+            how = run.threads_choice or (
+                "threads=N in the config" if run.cfg.threads else "torch's default (threads=null)")
+            info["threads"] = {"per_process": info["torch_threads"], "workers": run.cfg.workers, "how": how}
+            write(run.run_dir, info)
+            self.log = RunLog(run.run_dir)
 
-    def on_message(self, sim, msg: str, console: bool) -> None:
+    def on_message(self, run, msg: str, console: bool) -> None:
         if self.log is not None:
             self.log(msg)
 
-    def close(self, sim, status: str) -> None:
-        """The end line and status; a failed run's cause (``sim.failure``) in both files. A file
+    def close(self, run, status: str) -> None:
+        """The end line and status; a failed run's cause (``run.failure``) in both files. A file
         that cannot be written (a full disk) is skipped: the error that ended the run is reported."""
         if self.log is None:
             return
-        cause = getattr(sim, "failure", None) if status == "failed" else None
+        cause = run.failure if status == "failed" else None
         extra = {"error": cause} if cause else {}
         try:
-            self.log(f"end: {status} after round {sim.start_round}" + (f": {cause}" if cause else ""))
+            self.log(f"end: {status} after round {run.rounds_done}" + (f": {cause}" if cause else ""))
             self.log.close()
         except OSError:
             pass
         self.log = None
         try:
-            finish(sim.run_dir, status=status, rounds_completed=sim.start_round, **extra)
+            finish(run.run_dir, status=status, rounds_completed=run.rounds_done, **extra)
         except OSError:
             pass

@@ -282,67 +282,65 @@ class RunFiles(Callback):
     def __init__(self) -> None:
         self.writer: Optional[RunWriter] = None
 
-    def on_start(self, sim) -> None:
-        if not (sim.write_outputs and sim.is_main):
+    def on_start(self, run) -> None:
+        if not (run.write_outputs and run.is_main):
             return
-        self.writer = w = RunWriter(sim.run_dir)
+        self.writer = w = RunWriter(run.run_dir)
         old_rounds = None
-        if sim.start_round > 0:     # a resume: its figure titles name the rounds, which may have changed
+        if run.rounds_done > 0:     # a resume: its figure titles name the rounds, which may have changed
             try:
                 from .config import RunConfig
-                old_rounds = RunConfig.from_yaml(os.path.join(sim.run_dir, "config.yaml")).rounds
+                old_rounds = RunConfig.from_yaml(os.path.join(run.run_dir, "config.yaml")).rounds
             except (OSError, ValueError):
                 pass
-        w.write_config(sim.cfg)
-        w.reset_metrics(sim.metrics)
-        if sim.start_round == 0 or old_rounds != sim.cfg.rounds:   # partition.json/.txt (+ .png)
-            w.write_partition_report(sim.y, sim.parts, plot=bool(sim.cfg.plots))
+        w.write_config(run.cfg)
+        w.reset_metrics(run.metrics)
+        if run.rounds_done == 0 or old_rounds != run.cfg.rounds:   # partition.json/.txt (+ .png)
+            w.write_partition_report(run.labels, run.parts, plot=bool(run.cfg.plots))
 
-    def on_round_end(self, sim, metrics: Dict[str, Any]) -> None:
+    def on_round_end(self, run, metrics: Dict[str, Any]) -> None:
         if self.writer is not None:
             self.writer.append(metrics)
 
-    def on_end(self, sim, summary: Dict[str, Any]) -> None:
+    def on_end(self, run, summary: Dict[str, Any]) -> None:
         if self.writer is None:
             return
-        cfg = sim.cfg
-        if sim._first_round > 0 and isinstance(summary.get("wall_s"), (int, float)):
+        cfg = run.cfg
+        if run.first_round > 0 and isinstance(summary.get("wall_s"), (int, float)):
             # a resumed run: its totals (local training, aggregation) cover every session, so does its wall time
             from .provenance import read as read_provenance
-            prev = (read_provenance(sim.run_dir) or {}).get("previous") or []
+            prev = (read_provenance(run.run_dir) or {}).get("previous") or []
             before = sum(p.get("duration_s") or 0.0 for p in prev if isinstance(p, dict))
             summary["wall_s_session"] = summary["wall_s"]
             summary["wall_s"] = summary["wall_s"] + before
         self.writer.write_summary(summary)
-        if sim.start_round >= cfg.rounds or not sim.cut_short:
-            self.save_final_model(sim)
+        if run.rounds_done >= cfg.rounds or not run.cut_short:
+            self.save_final_model(run)
         if cfg.plots:
             try:
-                sim.stop.figures = True
-                if self.writer.plot(sim.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})") is None:
-                    sim.say("plots=true but matplotlib is not installed: curves.png not written "
-                            "(pip install matplotlib; metrics.jsonl has every round)")
+                with run.figures():
+                    if self.writer.plot(run.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})") is None:
+                        run.say("plots=true but matplotlib is not installed: curves.png not written "
+                                "(pip install matplotlib; metrics.jsonl has every round)")
             except KeyboardInterrupt:
-                if sim.start_round < cfg.rounds:    # a complete run stays complete
-                    sim.interrupted = True
+                if run.rounds_done < cfg.rounds:    # a complete run stays complete
+                    run.figures_abandoned()
                 print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
                       file=sys.stderr)
             except OSError as e:    # e.g. a full disk: the metrics, summary and model are already written
                 msg = (f"curves.png not written ({e.strerror or e}); metrics.jsonl, summary.json and the "
                        "checkpoints are complete: free space and plot them from metrics.jsonl")
-                sim.output_errors = [*getattr(sim, "output_errors", []), msg]
+                run.note_output_error(msg)
                 print(f"fedkernels run: error: {msg}", file=sys.stderr, flush=True)
-            finally:
-                sim.stop.figures = False
 
     @staticmethod
-    def save_final_model(sim) -> str:
+    def save_final_model(run) -> str:
         """final_model.pt: the global model as a flat vector and as the model's state_dict."""
-        model = sim.global_model()
-        path = os.path.join(sim.run_dir, "final_model.pt")
-        torch.save({"flat": sim.global_flat.detach().cpu().clone(),
+        model = run.global_model()
+        path = os.path.join(run.run_dir, "final_model.pt")
+        torch.save({"flat": run.global_flat.detach().cpu().clone(),
                     "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-                    "names": sim.spec.names, "round": sim.start_round}, path)
+                    "names": run.names, "round": run.rounds_done}, path)
         return path
 
 

@@ -42,7 +42,7 @@ from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from . import compression
-from .batched import BatchedExecutor, for_simulation
+from .batched import BatchedExecutor, for_run
 from .client import ClientTrainer, HeteroCompute, schedule_factor
 from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
@@ -50,6 +50,7 @@ from .config import RunConfig
 from .executors import OneProcess, SequentialExecutor, nothing_trained
 from .provenance import Provenance
 from .report import RunFiles, check_run_dir, json_safe, summarize
+from .runstate import ClientRules, LocalTraining, RunView, sync
 from .stopping import StopRequest
 
 log = logging.getLogger("fedkernels.sim")
@@ -64,8 +65,10 @@ class Simulation:
     ``fedkernels.sim.models.build_model``); ``client_indices`` a list of index arrays (default:
     ``fedkernels.sim.partition.partition``); ``transform(x, generator) -> x`` for train batches.
     ``callbacks``: :class:`~fedkernels.sim.callbacks.Callback` objects or callables
-    ``cb(round, metrics, model)``, run after the default ones (run files, provenance, progress)
-    and before the checkpoints (``sim/callbacks.py``).
+    ``cb(round, metrics, model)`` (which may return ``(stop, extra_metrics)``), run after the default
+    ones (run files, provenance, progress) and before the checkpoints (``sim/callbacks.py``). The
+    hooks receive what they need, never this object: the executors the run's
+    ``runstate.LocalTraining``, the callbacks a read-only ``runstate.RunView`` (``self.view``).
     """
 
     def __init__(self, cfg: RunConfig, *, run_dir: Optional[str] = None, resume: bool = False,
@@ -94,12 +97,14 @@ class Simulation:
                                           *(as_callback(cb) for cb in callbacks), ckpt.Checkpoints()]
         self.metrics: List[Dict[str, Any]] = []
         self.start_round = 0                 # rounds completed
-        self.rules: Dict[int, Any] = {}      # stateful client rules, by client id
+        self.client_rules: Optional[ClientRules] = None   # the method's client rules (stateful ones kept)
         self.summary: Optional[Dict[str, Any]] = None
         self.interrupted, self.stop_after = False, None
+        self.stopped_by_callback = False     # a callback's after_round asked the run to stop
         self._ready = False
-        self.stop = StopRequest(self)
-        self._first_round = 0
+        self.view = RunView(self)            # what the callbacks see of the run (read-only)
+        self.stop = StopRequest(self.view)
+        self.first_round = 0                 # rounds done when this session started (> 0: resumed)
         self.attack: Optional[attacks.Attack] = None
 
     @property
@@ -160,31 +165,38 @@ class Simulation:
         rule = self.agg.client_rule()
         if rule is not None:
             rule.check_model(model, self.spec)          # a model the method cannot train stops here, once
-        self.procs.attach(self)
+        self.client_rules = ClientRules(self.agg)
         self.buf = UpdateBuffer(self.procs.buffer_rows(self.per_round), self.spec, device=dev, dtype=self.spec.dtype)
         # "exclude": the aggregator's first read of U screens the rows; "raise": each row as it is written
         self.screen_clients = cfg.bad_client_policy == "raise" or self.procs.screens_rows
+        self.local = LocalTraining(
+            cfg=cfg, device=dev, spec=self.spec, model=model, trainer=self.trainer, global_flat=self.global_flat,
+            buf=self.buf, hetero=self.hetero, rules=self.client_rules, screen_clients=self.screen_clients,
+            client_clip=self.client_clip, dp_norms=self.dp_norms, x=self.x, y=self.y, xt=self.xt, yt=self.yt,
+            parts=self.parts, per_round=self.per_round, progress=self.progress_enabled(), tag=self.procs.tag)
+        self.procs.attach(self.agg, self.local, lambda: self.start_round)
         self.executor = self._build_executor()
         self._emit("on_setup")
-        self._first_round = self.start_round
+        if self.resume:               # the newest usable checkpoint (sim/checkpoint.py)
+            self._restore()
+        self.first_round = self.start_round
         self._ready = True
         return self
 
-    def _rule(self, cid: int):
-        if cid in self.rules:
-            return self.rules[cid]
-        rule = self.agg.client_rule()
-        if rule is not None and hasattr(rule, "state_dict") and hasattr(rule, "load_state_dict"):
-            self.rules[cid] = rule   # stateful across rounds: kept per client and checkpointed
-        return rule
+    def _restore(self) -> None:
+        path, st = ckpt.resume_state(self.procs.find_checkpoint, self.run_dir, self.ckpt_dir, self.cfg,
+                                     self.device, self.global_flat.numel())
+        self.load_state(st)
+        log.info("resumed from %s at round %d", path, self.start_round)
+        self.say(f"resumed from {path} (round {self.start_round})")
 
     def _build_executor(self):
         """Phase 2's executor (``sim/executors.py``): a worker pool (``workers=N``), the batched
         executor (``clients_at_once``, when the run can be batched) or the sequential loop."""
         if self.cfg.workers > 1:
             from .workers import WorkerExecutor
-            return WorkerExecutor(self)
-        return for_simulation(self) or SequentialExecutor(self)
+            return WorkerExecutor(self.local)
+        return for_run(self.local) or SequentialExecutor(self.local)
 
     @property
     def batched(self) -> Optional[BatchedExecutor]:
@@ -193,7 +205,7 @@ class Simulation:
         return ex if isinstance(ex, BatchedExecutor) else None
 
     @property
-    def _pool(self):
+    def pool(self):
         """The running worker pool (``workers=N``, once started), else None."""
         return getattr(getattr(self, "executor", None), "pool", None)
 
@@ -206,7 +218,7 @@ class Simulation:
             return None
         return {"version": 1, "round": int(rnd), "global": self.global_flat.detach().cpu().clone(),
                 "aggregator": agg,
-                "rules": {int(c): r.state_dict() for c, r in self.rules.items()},
+                "rules": self.client_rules.state_dict(),
                 "rng": {"torch": torch.get_rng_state() if rng is None else rng},
                 "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra,
                 **({"compression": self.compression.codec.state_dict()} if getattr(self, "compression", None) else {})}
@@ -215,10 +227,7 @@ class Simulation:
         """The inverse of :meth:`state` (the resume)."""
         self.global_flat.copy_(st["global"].to(self.global_flat.device))
         self.procs.load_aggregator_state(st["aggregator"])
-        for c, rs in st.get("rules", {}).items():
-            rule = self.agg.client_rule()
-            rule.load_state_dict(rs)
-            self.rules[int(c)] = rule
+        self.client_rules.load_state_dict(st.get("rules", {}))
         if "rng" in st and "torch" in st["rng"]:
             torch.set_rng_state(st["rng"]["torch"].cpu())
         self.metrics = list(st.get("metrics", []))
@@ -239,8 +248,30 @@ class Simulation:
 
     # ---- callbacks and progress ---------------------------------------------------------------------
     def _emit(self, hook: str, *args) -> None:
-        for cb in self.callbacks:            # in their fixed order (sim/callbacks.py)
-            getattr(cb, hook)(self, *args)
+        for cb in self.callbacks:            # in their fixed order (sim/callbacks.py), each with the run's view
+            getattr(cb, hook)(self.view, *args)
+
+    def _after_round(self, m: Dict[str, Any]) -> bool:
+        """The callbacks' ``after_round`` (pfl-research's ``after_central_iteration``): each may return
+        ``(stop, extra_metrics)``; the extra metrics join the round's (a name it already has is a
+        ValueError), and whether any asked to stop is returned."""
+        stop = False
+        for cb in self.callbacks:
+            out = cb.after_round(self.view, m)
+            if out is None:
+                continue
+            asked, extra = out
+            stop = stop or bool(asked)
+            for k, v in (extra or {}).items():
+                if k in m:
+                    raise ValueError(f"callbacks: {cb!r} returned the metric {k!r}, which round {m['round']} "
+                                     "already has; expected new names")
+                m[k] = v
+        return stop
+
+    def note_interrupted(self) -> None:
+        """The session is an interrupted one (e.g. a signal abandoned the figures of an incomplete run)."""
+        self.interrupted = True
 
     def say(self, msg: str, console: bool = True) -> None:
         """A progress line (main process only), to the callbacks' ``on_message``: run.log (timestamped)
@@ -248,14 +279,10 @@ class Simulation:
         if self.is_main:
             self._emit("on_message", msg, console)
 
-    def _progress_enabled(self) -> bool:
+    def progress_enabled(self) -> bool:
         """Progress bars: on the main process only, where ``progress`` says (default: a terminal)."""
         p = self.cfg.progress
         return self.is_main and (bool(p) if p is not None else sys.stderr.isatty())
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # ---- one round: phases --------------------------------------------------------------------------
     # payloads -> local training -> exchange -> aggregate -> evaluate; the loop (run) logs. The run's
@@ -280,7 +307,7 @@ class Simulation:
             new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
         if new is not self.global_flat:
             self.global_flat.copy_(new)
-        self._sync()
+        sync(self.device)
         t_agg = time.perf_counter() - t1
         info = dict(info)
         for e in info.pop("excluded", []):
@@ -309,7 +336,7 @@ class Simulation:
                 if cfg.client_loss == "all":   # the federated objective sum_i n_i f_i / sum_i n_i
                     n = np.asarray(self.num_examples_all, dtype=np.float64)
                     m["global_loss"] = float(np.dot(n, cl) / max(n.sum(), 1.0))
-        self._sync()
+        sync(self.device)
         m["t_eval"] = time.perf_counter() - te
 
     def run_round(self, r: int) -> Dict[str, Any]:
@@ -377,6 +404,7 @@ class Simulation:
             self.metrics.append(m)
             self.start_round = r + 1
             self.stop.running = False        # between rounds: a signal stops after this one
+            asked = self._after_round(m)     # the callbacks' (stop, extra metrics), before anything is written
             self._emit("on_round_end", m)
             if m.get("diverged"):
                 self.say(f"round {r + 1}: the global model is not finite; stopping (diverged)")
@@ -388,6 +416,12 @@ class Simulation:
             if self.procs.stop_agreed(self.stop.signal):
                 self.interrupted = True
                 self._emit("on_interrupt", r + 1, None)     # a checkpoint of this round, if it has none
+                return
+            if self.procs.stop_agreed(True if asked else None):   # a callback's stop: the run ends here
+                self.stopped_by_callback = True
+                self.say(f"round {r + 1}: a callback asked to stop; stopping")
+                if r + 1 < end:
+                    self._emit("on_interrupt", r + 1, None)
                 return
 
     def run(self, stop_after: Optional[int] = None) -> Dict[str, Any]:
@@ -417,9 +451,9 @@ class Simulation:
                 self.summary = done
                 return done
         t_start = time.perf_counter()
-        self.stop = StopRequest(self)     # SIGINT/SIGTERM: stop after the round (sim/stopping.py)
+        self.stop = StopRequest(self.view)   # SIGINT/SIGTERM: stop after the round (sim/stopping.py)
         self._rng_at_round = None         # the torch RNG state at the start of the round under way
-        self.interrupted, self.stop_after = False, stop_after
+        self.interrupted, self.stop_after, self.stopped_by_callback = False, stop_after, False
         restore = self.procs.guard_signals(self.stop.install)
         status = "failed"
         try:
@@ -431,7 +465,7 @@ class Simulation:
                 except KeyboardInterrupt:      # a second signal during local training: the state is round start_round's
                     self.interrupted, clean = True, not self.stop.committing
                     self.stop.committing = True    # further signals wait for this checkpoint
-                    if clean and self.procs.saves_alone and self.start_round > self._first_round:
+                    if clean and self.procs.saves_alone and self.start_round > self.first_round:
                         self._emit("on_interrupt", self.start_round, self._rng_at_round)
                 finally:
                     self.stop.committing = False

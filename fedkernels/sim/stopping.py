@@ -17,10 +17,10 @@ __all__ = ["StopRequest"]
 
 
 class StopRequest:
-    """The stop state of one run of ``sim`` (messages on its main process)."""
+    """The stop state of one run (``run``: its ``runstate.RunView``; messages on its main process)."""
 
-    def __init__(self, sim) -> None:
-        self.sim = sim
+    def __init__(self, run) -> None:
+        self.run = run
         self.signal: Optional[int] = None   # the first signal received, if any
         self.committing = False             # the round under way is changing the model: a signal waits
         self.running = True                 # a round (or the set-up before the first) is under way
@@ -30,10 +30,10 @@ class StopRequest:
         """Installs the handlers; returns the function that restores the previous ones."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        sim = self.sim
+        run = self.run
 
         def say(msg: str) -> None:
-            if sim.is_main:
+            if run.is_main:
                 print(msg, file=sys.stderr, flush=True)
 
         def handler(signum, frame):
@@ -41,7 +41,7 @@ class StopRequest:
             first = self.signal is None
             if first:
                 self.signal = signum
-            done, total = sim.start_round, sim.cfg.rounds
+            done, total = run.rounds_done, run.cfg.rounds
             if done >= total:      # every round is trained: the outputs are being written
                 if first:
                     say(f"{name}: all {total} rounds are done; writing the outputs, then stopping (again to skip "

@@ -14,7 +14,7 @@ exchange and the aggregation stay in the main process, unchanged.
   has usually run autograd before (an earlier run, a notebook, a test). The fork server is a fresh
   interpreter that imports this module and never runs autograd, so the workers it forks are safe on
   every machine; it is started once per main process (later runs reuse it). A worker receives the
-  set-up simulation pickled once (:func:`_worker_state`: the model, FlatSpec, the aggregator's
+  run's local training (``runstate.LocalTraining``) pickled once (:func:`_worker_state`: the model, FlatSpec, the aggregator's
   configuration without its declared state, client partition, transform), except the large tensors, which stay in shared
   memory: the data set (train and test), the global model vector and the server's ``UpdateBuffer``.
   A worker reads the broadcast global model from the one shared vector and writes its clients'
@@ -63,6 +63,7 @@ these models).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 import os
@@ -78,6 +79,7 @@ from torch import nn
 from ..errors import RunError
 from .client import client_error, sample_owners, train_client
 from .executors import client_failed
+from .runstate import ClientRules, LocalTraining
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -145,10 +147,8 @@ def _die_with_parent() -> None:
 _PRELOAD = ["__main__", __name__, "fedkernels.sim.server", "torch._dynamo"]
 
 # ---- what a worker receives --------------------------------------------------------------------------
-# the Simulation attributes client.train_client, _rule and _eval_batch use: the rest (writer,
-# callbacks, metrics, the executor and its pool) stays in the main process
-_WORKER_ATTRS = ("cfg", "device", "spec", "model", "trainer", "global_flat", "buf", "agg", "rules",
-                 "x", "y", "xt", "yt", "parts", "screen_clients")
+# the run's runstate.LocalTraining (what client.train_client and _eval_batch read); everything else
+# (callbacks, metrics, the executor and its pool) stays in the main process
 
 
 def _storage_key(t: torch.Tensor) -> Optional[int]:
@@ -204,42 +204,43 @@ class _StateUnpickler(pickle.Unpickler):
         return t.requires_grad_() if requires_grad else t
 
 
-def _worker_state(sim):
+def _worker_state(local: LocalTraining):
     """``(storages, blob)``: the shared-memory storages (data set, global model, update buffer) and
-    the pickled rest of what a worker needs (:data:`_WORKER_ATTRS`), whose tensors in those storages,
-    and in the model's flat vector ``trainer.work`` (private in each worker), are references.
-    ValueError when something cannot be pickled."""
+    the pickled rest of what a worker needs (``local``, a ``runstate.LocalTraining``), whose tensors
+    in those storages, and in the model's flat vector ``trainer.work`` (private in each worker), are
+    references. ValueError when something cannot be pickled."""
     keys: Dict[int, str] = {}
     storages: Dict[str, Any] = {}
-    for name, t, in_place in (("global", sim.global_flat, True), ("buf", sim.buf.data, True),
-                              ("x", sim.x, False), ("y", sim.y, False), ("xt", sim.xt, False), ("yt", sim.yt, False)):
+    for name, t, in_place in (("global", local.global_flat, True), ("buf", local.buf.data, True),
+                              ("x", local.x, False), ("y", local.y, False), ("xt", local.xt, False),
+                              ("yt", local.yt, False)):
         k = _storage_key(t)
         if k is None or k in keys:          # empty, or the same storage as an earlier name
             continue
         storages[name] = _shared(t, in_place)
         keys[_storage_key(t)] = name         # (moved in place: the key after the move)
-    keys[_storage_key(sim.trainer.work)] = "work"
-    lite = object.__new__(type(sim))
-    lite.__dict__.update({k: sim.__dict__[k] for k in _WORKER_ATTRS})
+    keys[_storage_key(local.trainer.work)] = "work"
     # the aggregator's configuration, which its client rule reads; not its declared state (state_attrs:
     # per-client tables, momentum, ...: the server's, K x d for SCAFFOLD), which a rule gets as payloads
-    lite.agg = copy.copy(sim.agg)
-    for k in getattr(sim.agg, "state_attrs", ()):
-        if k in lite.agg.__dict__:
-            lite.agg.__dict__[k] = None
+    agg = local.rules.agg
+    lite_agg = copy.copy(agg)
+    for k in getattr(agg, "state_attrs", ()):
+        if k in lite_agg.__dict__:
+            lite_agg.__dict__[k] = None
+    lite = dataclasses.replace(local, rules=ClientRules(lite_agg, local.rules.kept), progress=False)
     f = io.BytesIO()
     try:
         _StatePickler(f, keys).dump(lite)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise ValueError(f"workers={sim.cfg.workers}: the set-up simulation cannot be sent to the worker "
+        raise ValueError(f"workers={local.cfg.workers}: the set-up simulation cannot be sent to the worker "
                          f"processes ({type(e).__name__}: {e}); with workers > 1 the model, transform and "
                          "aggregator must be picklable (module-level classes and functions, no lambdas), "
                          "or use workers=1") from None
     return storages, f.getvalue()
 
 
-def _load_state(blob: bytes, storages: Dict[str, Any], work_nbytes: int):
-    """The worker's simulation from :func:`_worker_state`'s output; its model's own flat vector."""
+def _load_state(blob: bytes, storages: Dict[str, Any], work_nbytes: int) -> LocalTraining:
+    """The worker's ``LocalTraining`` from :func:`_worker_state`'s output; its model's own flat vector."""
     storages = dict(storages, work=torch.UntypedStorage(work_nbytes))
     return _StateUnpickler(io.BytesIO(blob), storages).load()
 
@@ -251,33 +252,33 @@ def _send(conn, msg) -> None:
         pass
 
 
-def _eval_batch(sim, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any]):
+def _eval_batch(local: LocalTraining, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any]):
     """One evaluation batch of the global model (rows ``s:e``): ``(correct, float64 loss sum)`` of the
     test set, or the float64 per-sample losses of the listed clients' training data (as numpy).
     ``client.eval_batch`` / ``client.batch_losses``, the per-batch steps of ``client.evaluate`` and
     ``client.client_losses``."""
     from .client import batch_losses, eval_batch
-    model = sim.model
-    sim.trainer.work.copy_(sim.global_flat)          # the model's tensors are views of work
+    model = local.model
+    local.trainer.work.copy_(local.global_flat)      # the model's tensors are views of work
     was = model.training
     model.eval()
     try:
         with torch.no_grad():
             if job["what"] == "test":
-                correct, loss = eval_batch(model, sim.xt[s:e], sim.yt[s:e])
+                correct, loss = eval_batch(model, local.xt[s:e], local.yt[s:e])
                 return int(correct), float(loss)
             if cache.get("job") != job["id"]:         # the clients' rows, once per evaluation
                 cache["job"] = job["id"]
-                cache["idx"] = torch.cat([sim.parts[c] for c in job["clients"]])
+                cache["idx"] = torch.cat([local.parts[c] for c in job["clients"]])
             b = cache["idx"][s:e]
-            return batch_losses(model, sim.x[b], sim.y[b]).cpu().numpy()
+            return batch_losses(model, local.x[b], local.y[b]).cpu().numpy()
     finally:
         model.train(was)
 
 
 def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict[str, Any], work_nbytes: int,
                  blob: bytes, tasks, conn) -> None:
-    """One worker: rebuilds the simulation (:func:`_load_state`), says ("ready", index), then takes
+    """One worker: rebuilds the run's local training (:func:`_load_state`), says ("ready", index), then takes
     ("train", round, factor, pos, cid, base_lr, epochs, payload) and ("eval", job, batch, start, stop)
     tasks until None. A failure outside a task's own work is sent as ("fatal", index, message)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
@@ -290,7 +291,7 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
         if flags["deterministic"]:      # (only then: the call imports torch._inductor, 1.4 s of CPU)
             torch.use_deterministic_algorithms(True, warn_only=flags["warn_only"])
         t_loaded = time.time() - flags["t_launch"]
-        sim = _load_state(blob, storages, work_nbytes)
+        local = _load_state(blob, storages, work_nbytes)
         del blob
     except Exception as e:  # noqa: BLE001 - the main process stops the run with it
         _send(conn, ("fatal", index, f"could not start: {type(e).__name__}: {e}"))
@@ -306,7 +307,7 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
             if task[0] == "eval":
                 _, job, k, s, e = task
                 try:
-                    msg = ("eval", k, _eval_batch(sim, job, s, e, cache))
+                    msg = ("eval", k, _eval_batch(local, job, s, e, cache))
                 except Exception as ex:  # noqa: BLE001 - the main process raises it
                     msg = ("eval_err", k, f"{type(ex).__name__}: {ex} (in worker {index}, pid {os.getpid()})")
                 conn.send(msg)
@@ -315,7 +316,7 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
             try:
                 if isinstance(payload, BaseException):
                     raise payload
-                res = train_client(sim, _RowAt(sim.buf, pos), cid, r, base_lr, factor, epochs, payload)
+                res = train_client(local, _RowAt(local.buf, pos), cid, r, base_lr, factor, epochs, payload)
                 msg = ("ok", pos, {"pos": pos, "cid": int(cid), "n": float(res.num_examples),
                                    "payload": res.payload, "loss": res.train_loss, "steps": res.steps})
             except Exception as e:  # noqa: BLE001 - reported to the main process, which applies the policy
@@ -350,16 +351,17 @@ def prestart() -> None:
 
 
 class WorkerPool:
-    """N forked worker processes training clients of a set-up :class:`Simulation` (module docstring).
-    ``start()`` once after ``sim.setup()``; ``train_local(...)`` per round; ``close()`` always."""
+    """N forked worker processes training the clients of a set-up run (``local``: its
+    ``runstate.LocalTraining``; module docstring). ``start()`` once after the run's set-up;
+    ``train_local(...)`` per round; ``close()`` always."""
 
-    def __init__(self, sim, workers: int, threads: Optional[int] = None):
+    def __init__(self, local: LocalTraining, workers: int, threads: Optional[int] = None):
         if int(workers) < 2:
             raise ValueError(f"WorkerPool: workers must be >= 2, got {workers!r} (workers=1 trains in the main process)")
-        if sim.device.type != "cpu":
+        if local.device.type != "cpu":
             raise ValueError(f"workers={workers}: parallel worker processes run on the CPU only, got device "
-                             f"{sim.device} (use workers=1 on a GPU)")
-        self.sim, self.n = sim, int(workers)
+                             f"{local.device} (use workers=1 on a GPU)")
+        self.local, self.n = local, int(workers)
         self.threads = default_threads(self.n, threads)
         self.procs: List[Any] = []
         self.conns: List[Any] = []
@@ -370,17 +372,17 @@ class WorkerPool:
 
     def start(self) -> "WorkerPool":
         """Starts the N workers from the fork server (module docstring) and waits until each has
-        rebuilt the simulation; RunError naming the worker when one cannot start."""
+        rebuilt the run's local training; RunError naming the worker when one cannot start."""
         import torch.multiprocessing as tmp
         t0 = time.perf_counter()
-        sim = self.sim
-        storages, blob = _worker_state(sim)
+        local = self.local
+        storages, blob = _worker_state(local)
         prestart()
         ctx = tmp.get_context("forkserver")
         flags = {"default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
                  "deterministic": torch.are_deterministic_algorithms_enabled(),
                  "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(), "t_launch": time.time()}
-        work_nbytes = sim.trainer.work.untyped_storage().nbytes()
+        work_nbytes = local.trainer.work.untyped_storage().nbytes()
         self.tasks = ctx.SimpleQueue()
         try:
             for i in range(self.n):
@@ -408,13 +410,13 @@ class WorkerPool:
     def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
                     factor: float) -> Dict[str, Any]:
         """``Simulation.train_local`` run by the workers: the same return value."""
-        sim = self.sim
+        local = self.local
         t0 = time.perf_counter()
         order = []
         for pos in mine:
             cid = ids[pos]
-            base_lr, epochs = sim.hetero.get(cid, r)
-            steps = sim.trainer.planned_steps(max(1, sim.trainer.num_examples(cid)), epochs)
+            base_lr, epochs = local.hetero.get(cid, r)
+            steps = local.trainer.planned_steps(max(1, local.trainer.num_examples(cid)), epochs)
             order.append((-steps, pos, cid, base_lr, epochs))
         order.sort()                          # longest client first (the order does not change any result)
         for _, pos, cid, base_lr, epochs in order:
@@ -425,14 +427,14 @@ class WorkerPool:
             self.tasks.put(("train", r, factor, pos, cid, base_lr, epochs, payload))
         results = self._collect(len(order), f"during round {r + 1}")
         # schedule order; the accepted clients' rows packed at the front of the buffer
-        buf = sim.buf
+        buf = local.buf
         accepted: List[Dict[str, Any]] = []
         excluded: List[Any] = []
         error = None
         for pos in mine:
             kind, val = results[pos]
             if kind == "err":                 # the policy of one process (a bad client, or a run error)
-                error = client_failed(sim.cfg.bad_client_policy, r, pos, *val, excluded)
+                error = client_failed(local.cfg.bad_client_policy, r, pos, *val, excluded)
                 if error is not None:
                     break
                 continue
@@ -500,15 +502,15 @@ class WorkerPool:
         """``Simulation.evaluate_round``'s forward passes in the workers: ``(accuracy, test loss,
         client losses or None)``, equal bit for bit to ``client.evaluate`` and ``client.client_losses``
         (``clients``: whose training-data loss, None for none) at the same threads per process."""
-        sim = self.sim
+        local = self.local
         bs = int(batch_size)
         self._jobs += 1
-        n = int(sim.yt.numel())
+        n = int(local.yt.numel())
         who = None if clients is None else [int(c) for c in clients]
         jobs: List[Any] = []
         owner = None
         if who:
-            parts = sim.parts
+            parts = local.parts
             owner = sample_owners(parts, who)[0]
             jobs.append(({"id": self._jobs, "what": "clients", "clients": who}, int(owner.numel())))
         jobs.append(({"id": self._jobs, "what": "test"}, n))
@@ -526,7 +528,7 @@ class WorkerPool:
         sums = torch.zeros(len(who), dtype=torch.float64)
         for k, l in enumerate(per[0]):     # as client.client_losses: index_add_ batch by batch
             sums.index_add_(0, owner[k * bs:(k + 1) * bs], torch.from_numpy(l))
-        counts = torch.tensor([max(sim.parts[c].numel(), 1) for c in who], dtype=torch.float64)
+        counts = torch.tensor([max(local.parts[c].numel(), 1) for c in who], dtype=torch.float64)
         return acc, tl, (sums / counts).tolist()
 
     # ---- shutdown ---------------------------------------------------------------------------------
@@ -570,14 +572,14 @@ class WorkerExecutor:
     the first round (``pool``: None until then and once closed); local training and the evaluation's
     forward passes in the workers."""
 
-    def __init__(self, sim) -> None:
-        self.sim = sim
+    def __init__(self, local: LocalTraining) -> None:
+        self.local = local
         self.pool: Optional[WorkerPool] = None
 
     def _started(self) -> WorkerPool:
         if self.pool is None:
-            sim = self.sim
-            pool = WorkerPool(sim, sim.cfg.workers, sim.cfg.threads).start()
+            cfg = self.local.cfg
+            pool = WorkerPool(self.local, cfg.workers, cfg.threads).start()
             self.pool = pool
             log.info("workers=%d: started (pids %s, %d thread(s) each) in %.3fs", pool.n, pool.pids, pool.threads,
                      pool.t_start)
