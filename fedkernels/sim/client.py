@@ -255,7 +255,9 @@ def train_client(sim, buf, cid: int, r: int, base_lr: float, factor: float, epoc
     ``sim.screen_clients`` (bad_client_policy="raise", or an aggregator that does not screen the
     rows itself) the row is checked here: BadClientError (row released) when it is not finite;
     otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
-    res = sim.trainer.train(cid, r, sim.global_flat, base_lr * factor, epochs,
+    lora = getattr(sim, "lora", None)      # LoRA: a lower-rank client starts from its rank's share (sim/lora.py)
+    start = sim.global_flat if lora is None else lora.client_start(cid, sim.global_flat)
+    res = sim.trainer.train(cid, r, start, base_lr * factor, epochs,
                             client_seed(sim.cfg.seed, r, cid), rule=sim._rule(cid),
                             payload=payload, base_lr=base_lr)
     slot = buf.add(cid, res.num_examples)

@@ -221,6 +221,8 @@ class Provenance(Callback):
             info = collect(sys.argv)
             if getattr(sim, "attack", None) is not None:      # the run's attackers (sim/attacks.py)
                 info["attack"] = sim.attack.describe()
+            if getattr(sim, "lora", None) is not None:        # the run's LoRA mode and ranks (sim/lora.py)
+                info["lora"] = sim.lora.describe()
             how = getattr(sim, "threads_choice", None) or (
                 "threads=N in the config" if sim.cfg.threads else "torch's default (threads=null)")
             info["threads"] = {"per_process": info["torch_threads"], "workers": sim.cfg.workers, "how": how}
