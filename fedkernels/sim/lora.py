@@ -9,8 +9,10 @@ flat vector the clients train, send and the server aggregates holds only the tra
 - heterogeneous ranks (``lora.ranks``, cycled over the client ids: client c trains at rank
   ``ranks[c % len(ranks)]``): a client starts from its first r_c components of the global adapters
   (``client_start``) and trains only those, in the server's layout (A's rows and B's columns beyond r_c zero,
-  B scaled by s_c / s as ``LoraSpec.flatten`` pads a rank-r_c peft adapter; its gradient is scaled by
-  (s_c / s)^2, which makes SGD (with momentum and weight decay) take the very steps of a rank-r_c peft adapter);
+  their gradients zeroed). Every client keeps the server's scaling s = alpha / r: a rank-r_c client is a peft
+  adapter of rank r_c with ``lora_alpha = alpha * r_c / r`` (rslora: ``alpha * sqrt(r_c / r)``), as HetLoRA
+  and FlexLoRA's truncation treat the clients' adapters as slices of the server's (with peft's default of one
+  alpha for every rank, a rank-1 client's update would be scaled r times more than a rank-r one's);
 - the server's step (``aggregate``): with plain FedAvg the adapters ``global + row`` go to ``LoraAggregator``
   (naive / exact / fold, client ranks; its distances to the true average update in the round's ``agg``
   metrics), fold's residuals are added to the frozen base weights; a codec (``compress.*``) encodes each row
@@ -189,7 +191,7 @@ class LoraRun:
         self.agg = LoraAggregator(self.spec, mode=self.mode, weighting=weighting) if self.own else None
         self.elt = torch.empty((), dtype=flat.dtype).element_size()
         self.lora_numel = sum(l.a.stop - l.a.start + l.b.stop - l.b.start for l in layers)
-        self._s = {r: _scaling(float(c.alpha), r, bool(c.rslora)) for r in set(self.client_ranks or [R]) | {R}}
+        self.scaling = _scaling(float(c.alpha), R, bool(c.rslora))
         self._rank_now = R
         self._params: Dict[str, nn.Parameter] = dict(model.named_parameters())
         if self.hetero:
@@ -200,20 +202,17 @@ class LoraRun:
         return self.client_ranks[cid] if self.client_ranks is not None else int(self.cfg.lora.r)
 
     def _hook(self, model: nn.Module) -> None:
-        """Gradient hooks on every LoRA factor: the components beyond the training client's rank get no
-        gradient, B's the factor (s_c / s)^2 (a rank-r_c adapter's SGD step in the server's layout)."""
-        R = int(self.cfg.lora.r)
+        """Gradient hooks on every LoRA factor: the components beyond the training client's rank get none."""
         names = {e.slice.start: e.name for e in self.flat.entries}
         for l in self.spec.layers:
-            A, B = self._params[names[l.a.start]], self._params[names[l.b.start]]
-            A.register_hook(lambda g: self._mask(g, 0, 1.0))
-            B.register_hook(lambda g: self._mask(g, 1, (self._s[self._rank_now] / self._s[R]) ** 2))
+            self._params[names[l.a.start]].register_hook(lambda g: self._mask(g, 0))
+            self._params[names[l.b.start]].register_hook(lambda g: self._mask(g, 1))
 
-    def _mask(self, g: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
+    def _mask(self, g: torch.Tensor, dim: int) -> torch.Tensor:
         r = self._rank_now
-        if r >= g.shape[dim] and scale == 1.0:
+        if r >= g.shape[dim]:
             return g
-        g = g * scale if scale != 1.0 else g.clone()
+        g = g.clone()
         g.narrow(dim, r, g.shape[dim] - r).zero_()
         return g
 
@@ -305,7 +304,7 @@ class LoraRun:
         c = self.cfg.lora
         out: Dict[str, Any] = {
             "mode": c.mode, "r": int(c.r), "alpha": float(c.alpha), "rslora": bool(c.rslora),
-            "scaling": self._s[int(c.r)], "layers": {l.name: {"rank": l.rank, "fan_in": l.fan_in, "fan_out": l.fan_out}
+            "scaling": self.scaling, "layers": {l.name: {"rank": l.rank, "fan_in": l.fan_in, "fan_out": l.fan_out}
                                                       for l in self.spec.layers},
             "d_trainable": self.flat.d, "d_adapters": self.lora_numel,
             "aggregation": "fedkernels.lora.LoraAggregator" if self.own else f"the method ({self.cfg.algorithm.name})",
