@@ -196,3 +196,13 @@ def test_a_model_whose_rank_is_not_the_servers_is_one_line_nothing_written(tmp_p
         _sim(tmp_path, model_fn, mode="exact").run()
     assert "\n" not in str(e.value)
     assert not (tmp_path / "runs").exists()
+
+
+def test_exact_lora_in_two_worker_processes_gives_the_bits_of_one(tmp_path):
+    ov = ["lora.mode=exact", "lora.r=4"]
+    one = fk("run", "--preset", "smoke", *QUICK, "--name", "one", *ov, cwd=tmp_path)
+    two = fk("run", "--preset", "smoke", *QUICK, "--name", "two", *ov, "workers=2", cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    a = torch.load(tmp_path / "runs" / "one" / "final_model.pt", weights_only=True)
+    b = torch.load(tmp_path / "runs" / "two" / "final_model.pt", weights_only=True)
+    assert torch.equal(a["flat"], b["flat"])
