@@ -416,7 +416,7 @@ def test_no_attack_keeps_config_hash():
     from fedkernels.sim.config import RunConfig
     cfg = RunConfig()
     d = cfg.to_dict()
-    for off in ("attack", "compress", "dp"):      # the optional sections, all off: none is in the hash
+    for off in ("attack", "compress", "dp", "lora"):   # the optional sections, all off: none is in the hash
         d.pop(off)
     import hashlib
     from fedkernels.sim.config import PRESENTATION_KEYS

@@ -70,13 +70,14 @@ def build_model(cfg: RunConfig, x: torch.Tensor, num_classes: int,
     in_ch = int(x.shape[1]) if x.dim() >= 2 else 1
     size = int(x.shape[-1]) if x.dim() >= 3 else int(x.shape[-1])
     torch.manual_seed(derive_seed(cfg.seed, STREAM_INIT))
+    from .lora import wrap          # lora.*: the model wrapped by peft, its LoRA init from the same stream
     if model_fn is not None:
-        return model_fn(num_classes, in_ch, size)
+        return wrap(cfg, model_fn(num_classes, in_ch, size))
     from .models import build_model as build
     mopts = dict(cfg.model.options)
     if x.dim() == 2:  # flat [N, F] rows (synthetic, gmm): MLP / logreg take in_features=F
         mopts.setdefault("in_features", int(x.shape[1]))
-    return build(cfg.model.name, num_classes, in_ch, size, **mopts)
+    return wrap(cfg, build(cfg.model.name, num_classes, in_ch, size, **mopts))
 
 
 def train_transform(cfg: RunConfig, train, transform: Optional[Callable] = None) -> Optional[Callable]:

@@ -255,7 +255,9 @@ def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, ep
     ``buf``. With ``local.screen_clients`` (bad_client_policy="raise", or an aggregator that does not
     screen the rows itself) the row is checked here: BadClientError (row released) when it is not
     finite; otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
-    res = local.trainer.train(cid, r, local.global_flat, base_lr * factor, epochs,
+    lora = local.lora      # LoRA with ranks below the server's: the client starts from its rank's share (sim/lora.py)
+    start = local.global_flat if lora is None else lora.client_start(cid, local.global_flat)
+    res = local.trainer.train(cid, r, start, base_lr * factor, epochs,
                               client_seed(local.cfg.seed, r, cid), rule=local.rules.get(cid),
                               payload=payload, base_lr=base_lr)
     slot = buf.add(cid, res.num_examples)

@@ -143,6 +143,7 @@ class RunConfig:
     dp: "DPConfig" = field(default_factory=lambda: DPConfig())   # differential privacy (off: dp.kind null)
     attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())   # Byzantine attackers (sim/attacks.py)
     compress: CompressConfig = field(default_factory=CompressConfig)
+    lora: "LoraConfig" = field(default_factory=lambda: LoraConfig())   # LoRA fine-tuning (sim/lora.py; off: mode null)
 
     # ---- derived ---------------------------------------------------------------------------------
     def per_round(self) -> int:
@@ -171,6 +172,8 @@ class RunConfig:
             d.pop("compress", None)
         if d.get("compress", {}).get("residual_file") is None:   # where residuals live does not change the numbers
             d.get("compress", {}).pop("residual_file", None)
+        if d.get("lora", {}).get("mode") is None:     # no LoRA: the hash of a config without the section
+            d.pop("lora", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
@@ -209,6 +212,7 @@ class RunConfig:
                 errs.append(f"train.hetero.{nm} must be [low, high] with 0 < low <= high, got {rg}")
         errs += dp_errors(self)
         errs += attack_config_errors(self)
+        errs += lora_config_errors(self)
         if errs:
             raise ValueError("invalid config: " + "; ".join(errs))
         return self
@@ -549,3 +553,30 @@ def attack_config_errors(cfg: RunConfig) -> List[str]:
     """The ``attack.*`` checks (one line each; fedkernels.sim.attacks)."""
     from .attacks import attack_errors
     return attack_errors(cfg)
+
+
+# ---- LoRA fine-tuning (fedkernels.lora over peft; sim/lora.py; docs/lora.md) ----------------------------
+@dataclass
+class LoraConfig:
+    """Federated LoRA fine-tuning: the model is wrapped with peft, only its adapters are trained, sent and
+    aggregated (``mode``: naive = A and B averaged separately, exact = FlexLoRA's re-factorised average of the
+    products B_k A_k, fold = FedEx-LoRA's residual folded into the frozen base)."""
+
+    mode: Optional[str] = None                   # null (off) | naive | exact | fold
+    r: int = 8                                   # the server's rank (every client's, without ranks)
+    alpha: float = 8.0                           # lora_alpha: scaling alpha / r (rslora: alpha / sqrt(r)), peft's
+    target_modules: Optional[List[str]] = None   # layer names (peft's suffix match); null: every Linear and Conv
+    ranks: Optional[List[int]] = None            # heterogeneous ranks: client c trains at rank ranks[c % len(ranks)]
+    dropout: float = 0.0                         # lora_dropout
+    rslora: bool = False                         # use_rslora: scaling alpha / sqrt(r)
+    base: Optional[str] = None                   # a state_dict file (torch.save) of the base model's pretrained weights
+
+
+_SECTIONS[(RunConfig, "lora")] = LoraConfig
+RANGES.update({"lora.r": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"})
+
+
+def lora_config_errors(cfg: RunConfig) -> List[str]:
+    """The ``lora.*`` checks (one line each; fedkernels.sim.lora)."""
+    from .lora import config_errors
+    return config_errors(cfg)

@@ -221,6 +221,8 @@ class Provenance(Callback):
             info = collect(sys.argv)
             if run.attack is not None:      # the run's attackers (sim/attacks.py)
                 info["attack"] = run.attack
+            if run.lora is not None:        # the run's LoRA mode and ranks (sim/lora.py)
+                info["lora"] = run.lora
             how = run.threads_choice or (
                 "threads=N in the config" if run.cfg.threads else "torch's default (threads=null)")
             info["threads"] = {"per_process": info["torch_threads"], "workers": run.cfg.workers, "how": how}

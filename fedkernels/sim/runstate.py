@@ -92,6 +92,7 @@ class LocalTraining:
     per_round: int                    # clients per round
     progress: bool = False            # progress bars (the main process, where `progress` says)
     tag: str = ""                     # the process's tag in progress bars (" (rank q)")
+    lora: Any = None                  # sim/lora.LoraRun when clients train at ranks below the server's
 
     def sync(self) -> None:
         sync(self.device)
@@ -147,6 +148,12 @@ class RunView:
         """The run's attackers described (sim/attacks.py), or None."""
         a = getattr(self._sim, "attack", None)
         return None if a is None else a.describe()
+
+    @property
+    def lora(self) -> Optional[Dict[str, Any]]:
+        """The run's LoRA mode and ranks described (sim/lora.py), or None."""
+        lo = getattr(self._sim, "lora", None)
+        return None if lo is None else lo.describe()
 
     @property
     def threads_choice(self) -> Optional[str]:

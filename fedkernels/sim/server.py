@@ -42,6 +42,7 @@ from . import assemble, attacks
 from .assemble import resolve_device, sample_schedule, torch_settings
 from . import checkpoint as ckpt
 from . import compression
+from . import lora as sim_lora
 from .batched import BatchedExecutor, for_run
 from .client import ClientTrainer, HeteroCompute, schedule_factor
 from .evaluate import evaluate_global, non_finite_evaluation
@@ -152,7 +153,8 @@ class Simulation:
         if self.attack is not None:
             self.y = self.attack.poison_labels(self.y, self.parts, self.num_classes)
         self.model = model = assemble.build_model(cfg, x, self.num_classes, self._model_fn).to(dev)
-        self.spec = FlatSpec.from_module(model)          # parameters and float buffers (BatchNorm statistics)
+        self.lora = sim_lora.for_run(cfg, model)         # lora.*: only the adapters are flat (sim/lora.py)
+        self.spec = self.lora.flat if self.lora is not None else FlatSpec.from_module(model)   # params, float buffers
         self.global_flat = self.spec.flatten(model).clone()
         self.trainer = ClientTrainer(model, self.spec, self.x, self.y, self.parts, cfg.train,
                                      transform=assemble.train_transform(cfg, self._train, self._transform))
@@ -173,7 +175,8 @@ class Simulation:
             cfg=cfg, device=dev, spec=self.spec, model=model, trainer=self.trainer, global_flat=self.global_flat,
             buf=self.buf, hetero=self.hetero, rules=self.client_rules, screen_clients=self.screen_clients,
             client_clip=self.client_clip, dp_norms=self.dp_norms, x=self.x, y=self.y, xt=self.xt, yt=self.yt,
-            parts=self.parts, per_round=self.per_round, progress=self.progress_enabled(), tag=self.procs.tag)
+            parts=self.parts, per_round=self.per_round, progress=self.progress_enabled(), tag=self.procs.tag,
+            lora=self.lora if self.lora is not None and self.lora.hetero else None)
         self.procs.attach(self.agg, self.local, lambda: self.start_round)
         self.executor = self._build_executor()
         self._emit("on_setup")
@@ -221,7 +224,8 @@ class Simulation:
                 "rules": self.client_rules.state_dict(),
                 "rng": {"torch": torch.get_rng_state() if rng is None else rng},
                 "metrics": json_safe(self.metrics), "config": self.cfg.to_dict(), **self.procs.state_extra,
-                **({"compression": self.compression.codec.state_dict()} if getattr(self, "compression", None) else {})}
+                **({"compression": self.compression.codec.state_dict()} if getattr(self, "compression", None) else {}),
+                **({"lora": self.lora.state_dict(self.model)} if getattr(self, "lora", None) else {})}
 
     def load_state(self, st: Dict[str, Any]) -> None:
         """The inverse of :meth:`state` (the resume)."""
@@ -233,6 +237,8 @@ class Simulation:
         self.metrics = list(st.get("metrics", []))
         if getattr(self, "compression", None) is not None:      # the clients' error-feedback residuals
             self.compression.codec.load_state_dict(st.get("compression", {}))
+        if getattr(self, "lora", None) is not None:             # fold: the base weights it changed
+            self.lora.load_state_dict(self.model, st.get("lora", {}))
         self.start_round = int(st["round"])
 
     def check_resume(self) -> Optional[Dict[str, Any]]:
@@ -301,7 +307,10 @@ class Simulation:
         t1 = time.perf_counter()
         if self.dp_norms is not None:
             self.agg.known_norms = dict(self.dp_norms)
-        if getattr(self, "compression", None) is not None:     # the rows as the clients compressed them
+        if getattr(self, "lora", None) is not None:            # LoRA: the adapters' step (sim/lora.py)
+            new, info = self.lora.aggregate(self.agg, self.global_flat, self.model, getattr(self, "compression", None),
+                                           U, n, ids, payloads, r, **kw)
+        elif getattr(self, "compression", None) is not None:     # the rows as the clients compressed them
             new, info = self.compression.aggregate(self.agg, self.global_flat, U, n, ids, payloads, r)
         else:
             new, info = self.agg.aggregate(self.global_flat, U, n, ids, payloads, **kw)
