@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from ... import ops
 from ..base import RoundInput, RowScaled
 
 # columns of one float64 chunk of the rows in ``row_dots`` (k rows x ROW_CHUNK float64 temporaries)
@@ -51,6 +52,21 @@ def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
     for cols, B in rin.blocks():
         res[cols] = plain(B, *args, **kw)
     return res
+
+
+def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, base: Optional[torch.Tensor] = None,
+             alpha: float = 1.0) -> torch.Tensor:
+    """``base + alpha * sum_i w[i] U[rows[i]]``: on a tensor whose rows are already screened (after the
+    method's Gram pass) one ``ops.weighted_sum`` over the selected rows only (m rows read, not K; taken in
+    ascending row order, the order of the full sum, whose zero terms add nothing); otherwise (a source, a
+    row-scaled input, unscreened rows) ``rin.weighted_sum`` with zero weights on the other rows."""
+    idx, order = torch.sort(torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu())
+    wv = torch.as_tensor(w, dtype=torch.float64).reshape(-1).cpu()[order]
+    if rin.src is None and not isinstance(rin, RowScaled) and not rin.screen_rows:
+        return ops.weighted_sum(rin.U, wv, base=base, alpha=alpha, rows=idx)
+    coef = torch.zeros(rin.K, dtype=torch.float64)
+    coef[idx] = wv
+    return rin.weighted_sum(coef, base=base, alpha=alpha)
 
 
 def step_from(rin: RoundInput, agg: torch.Tensor, lr: float) -> torch.Tensor:
