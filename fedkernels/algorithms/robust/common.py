@@ -106,7 +106,7 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     flags screen them (no separate pass; the policy gets them once, after the pass); on a source or a
     row-scaled input the rows are screened first (``rin.blocks``)."""
     K = rin.K
-    acc = torch.zeros(2 * K + 2, dtype=torch.float64)
+    acc = torch.zeros(2 * K + 2, dtype=torch.float64, device=rin.device)   # on U's device: no copy per chunk
     p = torch.zeros(K + 1, dtype=torch.float64)
     p[K] = 1.0
     screen = rin.src is None and not isinstance(rin, RowScaled) and rin.screen_rows
@@ -123,12 +123,16 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
             S[:K].copy_(B[:, a:a + w])
             S[K].copy_(xb[a:a + w])
             dot, nsq, _, ok = ops.kstats(S, p)
-            acc[:K + 1].add_(dot.cpu())
-            acc[K + 1:].add_(nsq.cpu())
+            acc[:K + 1].add_(dot.to(acc.device))
+            acc[K + 1:].add_(nsq.to(acc.device))
             if screen:
                 ok_all = ok[:K] if ok_all is None else ok_all & ok[:K]
-    if screen:
-        rin._flags(ok_all if ok_all is not None else torch.ones(K, dtype=torch.bool))
+    if screen:   # the flags and the sums to the host in one copy
+        ok = ok_all if ok_all is not None else torch.ones(K, dtype=torch.bool, device=acc.device)
+        host = rin._flags(ok, carry=acc)
+        acc = host if host is not None else acc.cpu()
+    else:
+        acc = acc.cpu()
     return acc[:K].clone(), acc[K + 1:2 * K + 1].clone(), float(acc[2 * K + 1])
 
 
