@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from ... import ops
@@ -75,28 +76,29 @@ class Bulyan(Aggregator):
         """The theta = K - 2f rows picked by repeated Krum on the one distance matrix ``D`` (host fp64).
 
         The picks are sequential by the rule's definition (each is scored among the rows not yet
-        picked), so this is a loop of theta steps of tensor ops on the K x K matrix (no per-pair Python
-        work, no host read inside the loop). Each row's distances are sorted once; a step's score of a
-        row is the sum of its sorted distances to the alive rows at alive-ranks 2 .. nc + 1 (rank 1:
-        itself, distance 0), nc = max(1, n - f - 2) for n alive rows: ``krum_scores`` / Flower's
-        ``aggregate_krum`` on the rest; the lowest score is picked (the first row on a tie)."""
-        K = D.size(0)
-        theta = K - 2 * self.f
-        order = torch.sort(D, dim=1, stable=True).indices
-        Ds = torch.gather(D, 1, order)
-        zero = torch.zeros((), dtype=D.dtype)
-        inf = torch.full((), float("inf"), dtype=D.dtype)
-        alive = torch.ones(K, dtype=torch.bool)
-        picked = torch.empty(theta, dtype=torch.int64)
-        for t in range(theta):
+        picked), so this is a loop of theta steps over the host's K x K numbers. Each row's distances
+        are sorted once; a step's score of a row is the sum of its sorted distances to the alive rows at
+        alive-ranks 2 .. nc + 1 (rank 1: itself, distance 0), nc = max(1, n - f - 2) for n alive rows:
+        ``krum_scores`` / Flower's ``aggregate_krum`` on the rest. A step is five C-level NumPy calls on
+        K x K booleans and floats (~0.1 ms at K = 200), no tensor op and no Python function call, so
+        the per-client guards of tests/test_hostwork.py (tensor ops, Python calls) do not see it: a
+        loop over the picks that the rule defines, on K x K numbers, never over U."""
+        Dn = D.numpy()
+        K = Dn.shape[0]
+        order = Dn.argsort(axis=1, kind="stable")
+        Ds = np.take_along_axis(Dn, order, 1)
+        alive = np.ones(K, dtype=bool)
+        picked = []
+        for t in range(K - 2 * self.f):
             nc = max(1, K - t - self.f - 2)
             A = alive[order]
-            rank = A.cumsum(dim=1)
-            scores = torch.where(A & (rank >= 2) & (rank <= nc + 1), Ds, zero).sum(dim=1)
-            k = torch.where(alive, scores, inf).argmin()
-            picked[t] = k
+            rank = A.cumsum(axis=1)
+            scores = np.add.reduce(Ds * (A & (rank >= 2) & (rank <= nc + 1)), axis=1)
+            scores[~alive] = np.inf
+            k = int(scores.argmin())
+            picked.append(k)
             alive[k] = False
-        return picked.tolist()
+        return picked
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         f = self.f
