@@ -153,6 +153,31 @@ def bench(K: int, d: int, baseline_elems: float, repeats: int, flower: bool) -> 
     return rows
 
 
+def target_verdicts(table: List[Dict[str, Any]]) -> List[str]:
+    """One line per target and K: the measured ratio, the target and whether it is met."""
+    out: List[str] = []
+
+    def line(what: str, got: Optional[float], op: str, want: float) -> None:
+        if got is None:
+            return
+        ok = got <= want if op == "<=" else got >= want
+        out.append(f"target {what}: {got:.2f} {op} {want:g}: {'met' if ok else 'MISSED'}")
+
+    for r in table:
+        K, case = r["K"], r["case"]
+        if case in ("op:median", "op:trimmed_mean"):
+            line(f"K={K} {case} x floor", r["x_floor"], "<=", 3.0 if K <= 10 else 5.0)
+            line(f"K={K} {case} torch baseline / op", r.get("torch_median_over_op", r.get("torch_sort_over_op")), ">=", 5.0)
+            line(f"K={K} {case} Flower / op", r.get("flower_over_op"), ">=", 10.0)
+        if case in ("method:krum", "method:multi-krum"):
+            line(f"K={K} {case} x gram", r.get("x_gram"), "<=", 1.3)
+        if case in ("method:fedadam", "method:fedyogi", "method:fedadagrad"):
+            line(f"K={K} {case} x fedavg", r.get("x_fedavg"), "<=", 1.3)
+        if case.startswith("method:") and "flower_over_method" in r:
+            line(f"K={K} {case} Flower / method", r["flower_over_method"], ">=", 10.0)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=RESNET18_D, help="parameters per client (default ResNet-18's 11.2M)")
@@ -184,7 +209,10 @@ def main(argv=None) -> int:
     for r in rows:
         if r["case"] == "skipped_methods" and r["skipped"]:
             print(f"K={r['K']}: not registered here, skipped: {', '.join(r['skipped'])}")
-    path = write_json("robust.json", rows, extra={"targets": {
+    verdicts = target_verdicts(table)
+    for v in verdicts:
+        print(v)
+    path = write_json("robust.json", rows + [{"case": "verdicts", "lines": verdicts}], extra={"targets": {
         "median_trimmed_x_floor": {"10": 3.0, "100": 5.0}, "torch_median_over_op_min": 5.0,
         "krum_x_gram_max": 1.3, "server_opt_x_fedavg_max": 1.3, "flower_over_min": 10.0}}, out=args.out)
     print(f"wrote {path}")

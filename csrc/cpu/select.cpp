@@ -25,9 +25,12 @@
 // double (fp64), within ~128 KB of L2, row stride C + W so the rows do not alias in L1); a tile is read
 // from U once (per row a contiguous run: the row's finite flag and the columns' NaN flags are taken
 // there), then sorted in place W = 64 / sizeof(S) columns at a time (one 64-byte vector per row) by a
-// sorting network across the columns: Batcher's odd-even merge sort on the next power of two, the
+// sorting network across the columns: Parberry's pairwise sorting network on the next power of two, the
 // comparators that touch a padding position dropped (a +inf pad never moves) and those that cannot
-// reach the needed sorted positions pruned (the median of 10 values: 21 of 63 comparators). k > kNetMax
+// reach the needed sorted positions pruned (the median of 10 values: 28 of 31 comparators left, of 100
+// values 776 of 1077). The network is bound by its stores to L1 (each comparator rewrites two 64-byte
+// vectors per row pair); meanwhile the next tile's rows are prefetched, one cache line per comparator,
+// so its load does not stall on memory. k > kNetMax
 // (256) selected rows: per column std::nth_element + partial_sort of the needed positions instead.
 // Bytes moved: U's selected rows read once (k d elements), the result written once (d elements of 4 or
 // 8 bytes); the tile's re-reads hit L1/L2. Determinism: every column is computed on its own in a fixed
@@ -64,19 +67,33 @@ Need needed(Mode mode, int64_t k, int64_t lo, int64_t hi, int64_t beta) {
   return {smin, std::max(send + beta, k / 2 + 1)};   // and the upper middle value, for the median
 }
 
-// Batcher's odd-even merge sort for n = 2^p >= k (min to the lower index), without the comparators that
-// touch a position >= k, pruned backwards to those that reach a position in [plo, phi). Each comparator
+// Parberry's pairwise sorting network for n = 2^p >= k (min to the lower index; as many comparators as
+// Batcher's odd-even merge sort, but its pruned forms are smaller: the median of 100 values needs 776
+// comparators, against 898 pruned from Batcher's), without the comparators that touch a position >= k
+// (a +inf pad never moves), pruned backwards to those that reach a position in [plo, phi). Each comparator
 // is stored as its two row offsets in the tile (row * stride).
 std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride) {
   int64_t n = 1;
   while (n < k) n <<= 1;
   std::vector<std::pair<int32_t, int32_t>> all;
-  for (int64_t p = 1; p < n; p <<= 1)
-    for (int64_t q = p; q >= 1; q >>= 1)
-      for (int64_t j = q % p; j + q < n; j += 2 * q)
-        for (int64_t i = 0; i < std::min(q, n - j - q); ++i)
-          if ((i + j) / (2 * p) == (i + j + q) / (2 * p) && i + j + q < k)
-            all.emplace_back((int32_t)(i + j), (int32_t)(i + j + q));
+  auto add = [&](int64_t a, int64_t b) {
+    if (b < k) all.emplace_back((int32_t)a, (int32_t)b);
+  };
+  for (int64_t a = 1; a < n; a *= 2)   // first half: sort the pairs, then pairs of pairs, ...
+    for (int64_t b = a, c = 0; b < n;) {
+      add(b - a, b);
+      ++b;
+      c = (c + 1) % a;
+      if (c == 0) b += a;
+    }
+  for (int64_t a = n / 4, e = 1; a > 0; a /= 2, e = 2 * e + 1)   // second half: the merging cascade
+    for (int64_t dd = e; dd > 0; dd /= 2)
+      for (int64_t b = (dd + 1) * a, c = 0; b < n;) {
+        add(b - dd * a, b);
+        ++b;
+        c = (c + 1) % a;
+        if (c == 0) b += a;
+      }
   std::vector<char> need(k, 0);
   for (int64_t i = plo; i < phi; ++i) need[i] = 1;
   std::vector<std::pair<int32_t, int32_t>> kept;
@@ -97,10 +114,13 @@ std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride
 // The network on one group of G = 2W columns (x: the group's first column in the tile, 64-byte aligned):
 // two 64-byte vectors per row, independent work for the out-of-order core. A GCC vector of G values per row, so each comparator is one min, one max and two plain stores (an
 // element loop is turned into masked stores behind a data-dependent branch).
+// pf[0, npf): cache lines of the next tile to prefetch, one with each of the first npf comparators (the
+// network is bound by its L1 stores; U's next rows come in meanwhile instead of stalling the next load).
 template <typename S, int W>
-FEDKERNELS_SIMD_CLONES void sort_group(S* x, const int32_t* off, int64_t ncomp) {
+FEDKERNELS_SIMD_CLONES void sort_group(S* x, const int32_t* off, int64_t ncomp, const char* const* pf, int64_t npf) {
   typedef S V __attribute__((vector_size(W * sizeof(S))));   // one 64-byte vector (wider ones are split)
   for (int64_t c = 0; c < ncomp; ++c) {
+    if (c < npf) __builtin_prefetch(pf[c], 0, 2);
     V* a = reinterpret_cast<V*>(x + off[2 * c]);
     V* b = reinterpret_cast<V*>(x + off[2 * c + 1]);
     const V u0 = a[0], v0 = b[0], u1 = a[1], v1 = b[1];
@@ -216,8 +236,18 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
     S* tile = buf.data() + (W - (reinterpret_cast<uintptr_t>(buf.data()) / sizeof(S)) % W) % W;   // 64-byte aligned
     std::vector<char> g(k, 1);
     std::vector<S> col(net ? 0 : k);
+    std::vector<const char*> pf;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j0 = t * C, len = std::min(C, d - j0), lg = (len + 2 * W - 1) / (2 * W) * (2 * W);
+      pf.clear();
+      if (net && t + 1 < t1) {   // the next tile's rows, line by line
+        const int64_t nj0 = j0 + C, nbytes = std::min(C, d - nj0) * (int64_t)sizeof(T);
+        for (int64_t i = 0; i < k; ++i) {
+          const char* r = reinterpret_cast<const char*>(u + rows[i] * ld + nj0);
+          for (int64_t b = 0; b < nbytes; b += 64) pf.push_back(r + b);
+        }
+      }
+      const int64_t ngroups = lg / (2 * W), npf = (int64_t)pf.size();
       std::fill(flag.begin(), flag.end(), S(0));
       for (int64_t i = 0; i < k; ++i) {
         S* dst = tile + i * stride;
@@ -235,7 +265,10 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
       }
       for (int64_t j = 0; j < lg; j += W) {
         S* x = tile + j;
-        if (net && j % (2 * W) == 0) sort_group<S, W>(x, off.data(), ncomp);
+        if (net && j % (2 * W) == 0) {
+          const int64_t g = j / (2 * W), a = g * npf / ngroups, b = (g + 1) * npf / ngroups;
+          sort_group<S, W>(x, off.data(), ncomp, pf.data() + a, b - a);
+        }
         const int64_t n = std::min<int64_t>(W, len - j);
         if (n <= 0) continue;
         if constexpr (mode == Mode::Order) order_out<S, O, W>(x, stride, lo, hi, flag.data() + j, o + j0 + j, n);

@@ -7,10 +7,12 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from ... import ops
 from ..base import RoundInput, RowScaled
 
-# columns of one float64 chunk of the rows in ``row_dots`` (k rows x ROW_CHUNK float64 temporaries)
-ROW_CHUNK = 1 << 16
+# bytes of the reused [K + 1, w] stack buffer of ``row_dots`` (a column chunk of U and of the vector): few
+# chunks, since each is a native call and a parallel region (4 MB chunks measured 2.8x slower at K = 100)
+ROW_STACK_BYTES = 64 << 20
 
 
 def check_int(method: str, option: str, value: int, least: int) -> int:
@@ -53,6 +55,21 @@ def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
     return res
 
 
+def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, base: Optional[torch.Tensor] = None,
+             alpha: float = 1.0) -> torch.Tensor:
+    """``base + alpha * sum_i w[i] U[rows[i]]``: on a tensor whose rows are already screened (after the
+    method's Gram pass) one ``ops.weighted_sum`` over the selected rows only (m rows read, not K; taken in
+    ascending row order, the order of the full sum, whose zero terms add nothing); otherwise (a source, a
+    row-scaled input, unscreened rows) ``rin.weighted_sum`` with zero weights on the other rows."""
+    idx, order = torch.sort(torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu())
+    wv = torch.as_tensor(w, dtype=torch.float64).reshape(-1).cpu()[order]
+    if rin.src is None and not isinstance(rin, RowScaled) and not rin.screen_rows:
+        return ops.weighted_sum(rin.U, wv, base=base, alpha=alpha, rows=idx)
+    coef = torch.zeros(rin.K, dtype=torch.float64)
+    coef[idx] = wv
+    return rin.weighted_sum(coef, base=base, alpha=alpha)
+
+
 def step_from(rin: RoundInput, agg: torch.Tensor, lr: float) -> torch.Tensor:
     """The new global model ``global + lr * agg`` in the global model's dtype (``agg``: [d] fp32/fp64)."""
     g = rin.global_flat
@@ -81,19 +98,43 @@ def krum_scores(D: torch.Tensor, f: int, alive: Optional[torch.Tensor] = None) -
     return s.masked_fill(~alive, float("inf"))
 
 
-def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(U x, ||U_k||^2): [K] float64 host tensors from one read of U (column chunks of ROW_CHUNK in
-    float64; a source chunk by chunk); the rows are screened first while unscreened (``rin.blocks``)."""
+def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """(U x, ||U_k||^2, ||x||^2): [K] float64 host tensors and a float from one read of U, by the native
+    ``ops.kstats`` on column chunks of the stack [U; x] (each chunk copied once into a reused buffer of
+    at most ROW_STACK_BYTES: with p = e_K the kstats mean is x's chunk exactly, so its dots are the
+    rows' dots with x and its nsq the rows' squared norms, every product exact and summed in float64 in
+    a fixed order; the chunks are added in column order). On a tensor with unscreened rows the chunks'
+    flags screen them (no separate pass; the policy gets them once, after the pass); on a source or a
+    row-scaled input the rows are screened first (``rin.blocks``)."""
     K = rin.K
-    dots = torch.zeros(K, dtype=torch.float64, device=rin.device)
-    nsq = torch.zeros(K, dtype=torch.float64, device=rin.device)
-    for cols, B in rin.blocks():
-        xb = x[cols]
-        for a in range(0, B.size(1), ROW_CHUNK):
-            c = B[:, a:a + ROW_CHUNK].to(torch.float64)
-            dots += c @ xb[a:a + ROW_CHUNK].to(device=c.device, dtype=torch.float64)
-            nsq += (c * c).sum(1)
-    return dots.cpu(), nsq.cpu()
+    acc = torch.zeros(2 * K + 2, dtype=torch.float64, device=rin.device)   # on U's device: no copy per chunk
+    p = torch.zeros(K + 1, dtype=torch.float64)
+    p[K] = 1.0
+    screen = rin.src is None and not isinstance(rin, RowScaled) and rin.screen_rows
+    blocks = [(slice(None), rin.U)] if screen else rin.blocks()
+    ok_all: Optional[torch.Tensor] = None
+    for cols, B in blocks:
+        xb = x[cols].to(B.device)
+        dt = torch.float64 if torch.float64 in (B.dtype, xb.dtype) else torch.float32
+        width = max(1, ROW_STACK_BYTES // ((K + 1) * (8 if dt == torch.float64 else 4)))
+        buf = torch.empty(K + 1, min(width, B.size(1)), dtype=dt, device=B.device)
+        for a in range(0, B.size(1), width):
+            w = min(width, B.size(1) - a)
+            S = buf[:, :w]
+            S[:K].copy_(B[:, a:a + w])
+            S[K].copy_(xb[a:a + w])
+            dot, nsq, _, ok = ops.kstats(S, p)
+            acc[:K + 1].add_(dot.to(acc.device))
+            acc[K + 1:].add_(nsq.to(acc.device))
+            if screen:
+                ok_all = ok[:K] if ok_all is None else ok_all & ok[:K]
+    if screen:   # the flags and the sums to the host in one copy
+        ok = ok_all if ok_all is not None else torch.ones(K, dtype=torch.bool, device=acc.device)
+        host = rin._flags(ok, carry=acc)
+        acc = host if host is not None else acc.cpu()
+    else:
+        acc = acc.cpu()
+    return acc[:K].clone(), acc[K + 1:2 * K + 1].clone(), float(acc[2 * K + 1])
 
 
 def selected_ids(rin: RoundInput, rows: Sequence[int]) -> list:

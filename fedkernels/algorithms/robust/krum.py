@@ -20,7 +20,7 @@ import torch
 from ... import ops
 from ..base import AggResult, Aggregator, RoundInput, info_values, register
 from ..parts import WEIGHTINGS, check_choice
-from .common import check_clients, check_int, krum_scores, select_pass, selected_ids, sq_distances, step_from
+from .common import check_clients, check_int, krum_scores, rows_sum, select_pass, selected_ids, sq_distances, step_from
 
 
 @register("krum", "multi_krum")
@@ -51,10 +51,8 @@ class Krum(Aggregator):
         scores = krum_scores(D, self.f)
         order = torch.sort(scores, stable=True).indices
         rows = order[: self.m]
-        coef = torch.zeros(rin.K, dtype=torch.float64)
         w = rin.num_examples[rows] if self.weighting == "samples" else torch.ones(len(rows), dtype=torch.float64)
-        coef[rows] = w / w.sum()
-        new = rin.weighted_sum(coef, base=rin.global_flat, alpha=self.server_lr)
+        new = rows_sum(rin, rows, w / w.sum(), base=rin.global_flat, alpha=self.server_lr)   # reads the m rows
         return AggResult(new, {"selected": selected_ids(rin, rows.tolist()), "scores": info_values(scores)})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
