@@ -17,9 +17,12 @@ TEST_DEPS := pytest pytest-xdist hypothesis expecttest scipy mypy build ruff==0.
 # also run the Message-API strategy under Flower's simulation runtime. Optional: skipped when it cannot install
 FLOWER  := flwr[simulation]==1.41.0
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
-# the suite in one pytest-xdist worker per core, a test file's tests in one worker (--dist loadfile: a
-# module's costly fixtures run once); `make test PYTEST_ARGS=-q` runs it in one process
-PYTEST_ARGS ?= -q -n auto --dist loadfile
+# the suite in one pytest-xdist worker per core; --dist worksteal: an idle worker takes tests from the
+# other's queue, so one long test file does not bound the suite (every test is safe to run beside any
+# other: temporary directories, free ports; a module's fixtures run once per worker that needs them);
+# `make test PYTEST_ARGS=-q` runs it in one process, `PYTEST_ARGS='-q -n auto --hypothesis-profile
+# thorough'` with ten times the fuzz examples
+PYTEST_ARGS ?= -q -n auto --dist worksteal
 
 # one step at a time (two pip runs in one venv at once would race)
 .NOTPARALLEL:

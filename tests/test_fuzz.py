@@ -29,8 +29,10 @@ def _quiet_exclusion_warnings():
     lg.setLevel(old)
 
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+# Example counts from the loaded hypothesis profile (tests/conftest.py: "suite" 30 per op target,
+# "thorough" 300 with --hypothesis-profile thorough); an aggregator example costs about 2.4 op examples
+SETTINGS = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+AGG_EXAMPLES = max(1, SETTINGS.max_examples * 5 // 12)
 
 
 def _check(target, rnd):
@@ -51,7 +53,7 @@ def test_fuzz_op(target, rnd):
 
 
 @pytest.mark.parametrize("target", AGG_TARGETS)
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=AGG_EXAMPLES)
 @given(rnd=st.randoms(use_true_random=False))
 def test_fuzz_aggregator(target, rnd):
     _check(target, rnd)

@@ -229,7 +229,7 @@ def test_public_functions_are_annotated():
 
 def test_make_test_runs_the_suite_on_the_cores():
     """`make test` runs pytest-xdist (in the test extra and in TEST_DEPS, checked above) with one worker
-    per core, a file's tests in one worker."""
+    per core, an idle worker taking tests from the other's queue (worksteal)."""
     args = " ".join(_make_vars()["PYTEST_ARGS"])
-    assert "-n auto" in args and "--dist loadfile" in args, args
+    assert "-n auto" in args and "--dist worksteal" in args, args
     assert "pytest-xdist" in {_req_name(r) for r in _pyproject()["project"]["optional-dependencies"]["test"]}

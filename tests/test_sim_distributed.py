@@ -1,6 +1,9 @@
 """The distributed simulator (fedkernels.sim.distributed_sim): 2 gloo ranks on 127.0.0.1 train
 disjoint parts of each round's clients, exchange column slices and aggregate them; the result equals
-the single-process run of the same config (model, metrics, checkpoints)."""
+the single-process run of the same config (model, metrics, checkpoints): bit for bit where the
+arithmetic is the same (per-coordinate methods), each round from the same state to a bound derived
+from the arithmetic where it is not (Gram-based methods, see ONE_ROUND)."""
+import copy
 import datetime
 import json
 import os
@@ -14,6 +17,8 @@ import torch.multiprocessing as mp
 
 from fedkernels.sim import checkpoint as ckpt
 from fedkernels.sim import presets
+from fedkernels.sim.assemble import torch_settings
+from fedkernels.sim.callbacks import Callback
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.distributed_sim import assign_positions, merge_sliced_state, slice_state
 from fedkernels.sim.report import TIMING_KEYS
@@ -110,17 +115,14 @@ def test_two_ranks_match_one_process(tmp_path):
         assert ref.numel() == got.numel()
         if bitwise:
             assert torch.equal(got, ref), f"{name}: max diff {(got - ref).abs().max()}"
-        else:
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # (a Gram-based method's model and metrics: each round from the same state, to the bounds of
+        # ONE_ROUND, in test_same_metrics_as_one_process; its trajectory over rounds is chaotic)
         md, ms = _metrics(d_dir), _metrics(s.run_dir)
         assert [m["clients"] for m in md] == [m["clients"] for m in ms] == [list(c) for c in s.schedule[:3]]
         for a, b in zip(md, ms):
             assert a["local_steps"] == b["local_steps"] and a["num_updates"] == b["num_updates"] == 3
             if bitwise:
                 assert a == b, name
-            else:
-                assert a["accuracy"] == pytest.approx(b["accuracy"], abs=2e-3)
-                assert a["train_loss_mean"] == pytest.approx(b["train_loss_mean"], rel=1e-4)
         if name == "scaffold":
             # the merged distributed checkpoint is the single-process one (full-size control variates)
             compared = 0
@@ -141,56 +143,121 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 # ---- one round loop: same metric keys and values in both modes -----------------------------------
-def _metrics_worker(rank, tmp, data, name, opts):
+class _States(Callback):
+    """The run's state after each round (``Simulation.state``), after the model it starts from."""
+    def __init__(self):
+        self.states = []
+
+    def on_start(self, sim):
+        self.states.append({"global": sim.global_flat.detach().cpu().clone()})
+
+    def on_round_end(self, sim, metrics):
+        self.states.append(copy.deepcopy(sim.state(metrics["round"])))
+
+
+def _metrics_worker(rank, tmp, data, name, opts, states):
+    """The whole run (``states`` None), or each round once from the single-process run's state before
+    it: rank 0 saves the new global model and the round's metrics to tmp/round<r>.pt."""
     from fedkernels.sim.distributed_sim import DistributedSimulation
-    DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
-                          train=data[0], test=data[1]).run()
+    if states is None:
+        DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
+                              train=data[0], test=data[1]).run()
+        return
+    for r, st in enumerate(states[:-1]):
+        s = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
+                                  train=data[0], test=data[1], write_outputs=False)
+        with torch_settings(s.cfg):           # as run() sets up
+            s.setup()
+        if "round" in st:
+            s.load_state(copy.deepcopy(st))
+        else:
+            s.global_flat.copy_(st["global"])
+        s.run(stop_after=s.start_round + 1)
+        if rank == 0:
+            torch.save({"global": s.global_flat.detach().cpu().clone(), "metrics": json.loads(json.dumps(s.metrics[-1]))},
+                       os.path.join(tmp, f"round{r}.pt"))
 
 
 # A Gram-based method's G is, in distributed runs, the sum of the ranks' fp64 partials over their
 # column slices, in one process one fp64 accumulation over all d: the same numbers summed in another
 # order. The fp64 statistics it logs (info "agg": Kuramoto's theta, s, S, ratio, weights; FedAWARE's
-# lam, coef, q, gap, elud) then differ in the last bits, while the fp32 model, and so every learning
-# metric, is bit for bit the same here. Those statistics are compared at AGG_ABS: the worst-case
-# error of a reordered fp64 sum of n terms is about n * 2^-53 relative (n = d = 2410 for the smoke
-# MLP: 2.7e-13), times 1/sin(theta) <= 5 through Kuramoto's arccos; seen here: <= 4.5e-15 (FedAWARE's
-# coef), <= 1.2e-15 (Kuramoto's theta). Everything else must be equal.
+# lam, coef, q, gap, elud) then differ in the last bits. Those statistics are compared at AGG_ABS: the
+# worst-case error of a reordered fp64 sum of n terms is about n * 2^-53 relative (n = d = 2410 for
+# the smoke MLP: 2.7e-13), times 1/sin(theta) <= 5 through Kuramoto's arccos; seen here: <= 4.5e-15
+# (FedAWARE's coef), <= 1.2e-15 (Kuramoto's theta).
 AGG_ABS = 1e-12
+# ONE_ROUND: the fp32 model then differs only where a coefficient's change (<= AGG_ABS, times
+# sum_k |row_k| <= 3 * 10 here: < 1e-10) moves the fp64 accumulation of `base + alpha * sum_k c_k row_k`
+# across an fp32 rounding boundary: at most one rounding of the result (and one of the step, where a
+# method adds its step in fp32): |a - b| <= 2^-23 (|a| + |a - start|) + 1e-10, per element. One round
+# from the same state only: the trajectory over rounds is chaotic (a one-ulp change after round 1 moves
+# round 3's model by ~1e-4), so later rounds start again from the single-process run's state. The
+# local training of a round from the same state is the same arithmetic (train_loss_*, local_steps:
+# equal); the evaluation runs on models apart by that bound: losses to LOSS_REL (a relative change
+# 2^-22 of the weights moves the smoke MLP's logits by about that times its condition, <= 100), the
+# accuracy to one test sample (one at a near-tie of its two best logits may change its class).
+ONE_ROUND_ABS = 1e-10
+LOSS_REL = 2.0 ** -22 * 100
+EVAL_KEYS = ("accuracy", "test_loss", "client_loss_mean", "client_loss_var", "global_loss")
 
 
-def _assert_same(a, b, path="", in_agg=False):
+def _assert_same(a, b, path="", in_agg=False, n_test=None):
     if isinstance(a, dict) and isinstance(b, dict):
         assert sorted(a) == sorted(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
         for k in a:
-            _assert_same(a[k], b[k], f"{path}/{k}", in_agg or k == "agg")
+            _assert_same(a[k], b[k], f"{path}/{k}", in_agg or k == "agg", n_test)
     elif isinstance(a, list) and isinstance(b, list):
         assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]", in_agg)
+            _assert_same(x, y, f"{path}[{i}]", in_agg, n_test)
     elif in_agg and isinstance(a, float) and isinstance(b, float):
         assert a == pytest.approx(b, rel=0, abs=AGG_ABS), f"{path}: {a!r} != {b!r}"
+    elif n_test is not None and path.endswith("/accuracy"):
+        assert abs(a - b) <= 1.5 / n_test, f"{path}: {a!r} != {b!r} (more than one test sample)"
+    elif n_test is not None and path.rsplit("/", 1)[-1] in EVAL_KEYS:
+        assert abs(a - b) <= LOSS_REL * abs(b) + 1e-12, f"{path}: {a!r} != {b!r}"
     else:
         assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _assert_one_round(start, a, b, what):
+    """The new global models ``a`` (distributed) and ``b`` (one process) of one round from ``start``."""
+    a, b, start = a.double(), b.double(), start.double()
+    bound = 2.0 ** -23 * (b.abs() + (b - start).abs()) + ONE_ROUND_ABS
+    err = (a - b).abs()
+    assert bool((err <= bound).all()), f"{what}: apart by {float(err.max()):.3g} (bound {float(bound[err.argmax()]):.3g})"
 
 
 @pytest.mark.parametrize("name,opts,bitwise", METHODS, ids=[m[0] for m in METHODS])
 def test_same_metrics_as_one_process(tmp_path, name, opts, bitwise):
     """Distributed and single-process runs log the same metric keys and values (global_loss, the
-    federated objective over all clients, included): FedAvg, a stateful method with client payloads
-    (SCAFFOLD) and the Gram-based Kuramoto and FedAWARE (see AGG_ABS)."""
+    federated objective over all clients, included): FedAvg and a stateful method with client payloads
+    (SCAFFOLD) bit for bit over the whole run; the Gram-based Kuramoto and FedAWARE each round from the
+    same state, the model to ONE_ROUND and the statistics to AGG_ABS."""
     from fedkernels.sim.data import load_dataset
     torch.set_num_threads(1)
     data = load_dataset("digits")
-    _spawn(tmp_path, _metrics_worker, data, name, opts)
     cfg = _cfg(str(tmp_path / "single"), name, opts, client_loss="all", name="allloss")
-    s = Simulation(cfg, train=data[0], test=data[1])
+    rec = _States()
+    s = Simulation(cfg, train=data[0], test=data[1], callbacks=[] if bitwise else [rec])
     s.run()
-    md, ms = _metrics(os.path.join(str(tmp_path / "dist"), cfg.run_name())), _metrics(s.run_dir)
-    assert len(md) == len(ms) == 3 and all("global_loss" in m for m in md)
-    assert [sorted(m) for m in md] == [sorted(m) for m in ms]
+    ms = _metrics(s.run_dir)
+    assert len(ms) == 3 and all("global_loss" in m for m in ms)
     if bitwise:
+        _spawn(tmp_path, _metrics_worker, data, name, opts, None)
+        md = _metrics(os.path.join(str(tmp_path / "dist"), cfg.run_name()))
+        assert [sorted(m) for m in md] == [sorted(m) for m in ms]
         assert md == ms
-    _assert_same(md, ms)
+        _assert_same(md, ms)
+        return
+    assert len(rec.states) == 4
+    _spawn(tmp_path, _metrics_worker, data, name, opts, rec.states)
+    for r in range(3):
+        got = torch.load(tmp_path / f"round{r}.pt", weights_only=False)
+        _assert_one_round(rec.states[r]["global"], got["global"], rec.states[r + 1]["global"], f"{name} round {r + 1}")
+        md = {k: v for k, v in got["metrics"].items() if k not in TIMING_KEYS}
+        assert sorted(md) == sorted(ms[r])
+        _assert_same(md, ms[r], f"round {r + 1}", n_test=len(data[1].y))
 
 
 # ---- pieces without processes -------------------------------------------------------------------
