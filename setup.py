@@ -1,6 +1,7 @@
 """Build of fedkernels._C: the CPU kernels always, the CUDA kernels when torch has CUDA
 and nvcc is present (or FORCE_CUDA=1). The C++ compiler must link the shared libstdc++: checked
 before compiling and after linking (fedkernels/_toolchain.py says why and how)."""
+
 import glob
 import importlib.util
 import json
@@ -13,8 +14,10 @@ from setuptools import setup
 try:
     import torch
 except ImportError:  # an isolated build (plain `pip install .`) has no torch: fedkernels names none
-    raise SystemExit("fedkernels is compiled against the torch you run it with: install torch first "
-                     "(e.g. pip install torch==2.13.0), then pip install --no-build-isolation .")
+    raise SystemExit(
+        "fedkernels is compiled against the torch you run it with: install torch first "
+        "(e.g. pip install torch==2.13.0), then pip install --no-build-isolation ."
+    )
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -37,8 +40,12 @@ def _want_cuda() -> bool:
         return True
     if os.environ.get("FEDKERNELS_NO_CUDA", "0") == "1":
         return False
-    return torch.version.cuda is not None and torch.cuda.is_available() and CUDA_HOME is not None \
+    return (
+        torch.version.cuda is not None
+        and torch.cuda.is_available()
+        and CUDA_HOME is not None
         and shutil.which("nvcc") is not None
+    )
 
 
 def _cxx_std() -> str:
@@ -52,8 +59,11 @@ def _ext():
     sources = ["csrc/fedkernels.cpp"] + rel(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
     # Headers (rebuild triggers; the sdist ships them through MANIFEST.in's `graft csrc`): csrc/<op>_checks.h
     # (argument rules shared by the CPU kernels and the CUDA glue), csrc/cpu/common.h, csrc/cuda/*.h/.cuh.
-    depends = rel(glob.glob(os.path.join(ROOT, "csrc", "*.h")) + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h"))
-                  + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh")))
+    depends = rel(
+        glob.glob(os.path.join(ROOT, "csrc", "*.h"))
+        + glob.glob(os.path.join(ROOT, "csrc", "*", "*.h"))
+        + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cuh"))
+    )
     # -fno-math-errno: sqrt need not set errno (nothing reads it), so a loop with a sqrt vectorises
     # (server_opt_step: without it GCC keeps a scalar sqrt and a library call for negative arguments)
     cxx = ["-O3", "-g0", "-fopenmp", f"-std={_cxx_std()}", "-ffp-contract=fast", "-fno-math-errno"]
@@ -77,12 +87,22 @@ def _ext():
         sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         sources += rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*_glue.cpp")))
         nvcc = ["-O3", f"-std={_cxx_std()}", "--expt-relaxed-constexpr", "-lineinfo"]
-        return CUDAExtension("fedkernels._C", sources,
-                             define_macros=macros + [("FEDKERNELS_WITH_CUDA", "1")],
-                             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-                             extra_link_args=link, depends=depends)
-    return CppExtension("fedkernels._C", sources, define_macros=macros,
-                        extra_compile_args={"cxx": cxx}, extra_link_args=link, depends=depends)
+        return CUDAExtension(
+            "fedkernels._C",
+            sources,
+            define_macros=macros + [("FEDKERNELS_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=link,
+            depends=depends,
+        )
+    return CppExtension(
+        "fedkernels._C",
+        sources,
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=link,
+        depends=depends,
+    )
 
 
 class GuardedBuildExt(BuildExtension):
@@ -100,8 +120,9 @@ class GuardedBuildExt(BuildExtension):
         os.environ.update(choice.env)  # read by torch's ninja file (compile) and setuptools (link)
         self.fedkernels_cxx = choice.cxx
         for ext in self.extensions:  # build_info()["cxx"]
-            ext.define_macros = [m for m in ext.define_macros if m[0] != "FEDKERNELS_CXX"] + \
-                [("FEDKERNELS_CXX", json.dumps(choice.cxx))]
+            ext.define_macros = [m for m in ext.define_macros if m[0] != "FEDKERNELS_CXX"] + [
+                ("FEDKERNELS_CXX", json.dumps(choice.cxx))
+            ]
         super().run()
 
     def build_extension(self, ext):

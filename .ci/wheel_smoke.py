@@ -4,6 +4,7 @@ directory outside the repository so that the installed package, not the checkout
 Checks: the package imports from site-packages, its extension was built for the torch that runs it
 and for the requested -march, one weighted_sum equals the float64 reference, one FedAvg aggregation
 equals the hand-computed weighted mean, and the lazily imported subpackages resolve."""
+
 import os
 import sys
 

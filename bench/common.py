@@ -3,6 +3,7 @@
 A benchmark writes its JSON result to ``runs/bench/`` under the current directory (untracked, like
 the simulator's ``runs/``); the published results in ``bench/results/`` change only with an explicit
 ``--out bench/results`` (``--out`` takes a directory or a ``.json`` path: ``output_path``)."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,19 @@ from typing import Callable, Dict, List
 
 import torch
 
-PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")   # the committed results
-DEFAULT_OUT = os.path.join("runs", "bench")                                        # relative to the cwd
+PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # the committed results
+DEFAULT_OUT = os.path.join("runs", "bench")  # relative to the cwd
 
 
 def add_out_argument(ap) -> None:
     """The one ``--out`` option of every benchmark script."""
-    ap.add_argument("--out", default=None, metavar="DIR|FILE.json",
-                    help="where the JSON result goes: a directory or a .json path (default: runs/bench/ "
-                         "under the current directory; `--out bench/results` updates the published results)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR|FILE.json",
+        help="where the JSON result goes: a directory or a .json path (default: runs/bench/ "
+        "under the current directory; `--out bench/results` updates the published results)",
+    )
 
 
 def output_path(out, name: str) -> str:
@@ -49,8 +54,9 @@ def timeit(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, min_time
     return statistics.median(ts)
 
 
-def compare(fns: Dict[str, Callable[[], object]], repeats: int = 9, min_time: float = 0.02,
-            warmup: int = 1) -> Dict[str, Dict[str, float]]:
+def compare(
+    fns: Dict[str, Callable[[], object]], repeats: int = 9, min_time: float = 0.02, warmup: int = 1
+) -> Dict[str, Dict[str, float]]:
     """Times several functions *interleaved* (one sample of each per round), so that load from
     other processes hits all of them alike. Each sample loops a function until ``min_time`` has
     passed (at least once) and records the per-call time. Returns {name: {median_s, min_s, ...}}."""
@@ -70,8 +76,10 @@ def compare(fns: Dict[str, Callable[[], object]], repeats: int = 9, min_time: fl
             for _ in range(inner[k]):
                 f()
             samples[k].append((time.perf_counter() - t0) / inner[k])
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "repeats": repeats, "inner": inner[k]}
-            for k, v in samples.items()}
+    return {
+        k: {"median_s": statistics.median(v), "min_s": min(v), "repeats": repeats, "inner": inner[k]}
+        for k, v in samples.items()
+    }
 
 
 _COPY_BW = None
@@ -111,8 +119,9 @@ def print_table(rows: List[Dict[str, object]], cols: List[str]) -> None:
         print("  ".join(v.ljust(w[i]) for i, v in enumerate(x)))
 
 
-def write_json(name: str, rows: List[Dict[str, object]], extra: Dict[str, object] | None = None,
-               out: str | None = None) -> str:
+def write_json(
+    name: str, rows: List[Dict[str, object]], extra: Dict[str, object] | None = None, out: str | None = None
+) -> str:
     """Writes ``rows`` (+ machine facts and the copy bandwidth) to ``output_path(out, name)``."""
     path = output_path(out, name)
     payload = {"machine": machine(), "copy_bandwidth_GBps": copy_bandwidth() / 1e9, "results": rows}

@@ -4,6 +4,7 @@ Each suite measures an op against the baselines a user would otherwise run and a
 memory-bandwidth floor, prints a table and writes cpu-<suite>.json to runs/bench/ (under the current
 directory); `--out bench/results` updates the published results (bench/common.py).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ bytes (reads xc, xc0, S_off, U, Icur, Ik; writes x', I') against the measured co
 Threads {1, 2} (--threads), the copy bandwidth measured at each thread count.
 Run: python -m bench.cpu_becado [--quick] [--threads 1 2] [--out DIR]; writes cpu-becado.json (bench/common.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ def _copy_bw() -> float:
 
 def _inputs(K: int, d: int, dtype=torch.float32):
     g = torch.Generator().manual_seed(K * 7 + d)
-    rn = lambda *s: torch.randn(*s, generator=g, dtype=dtype)   # noqa: E731
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
     T = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
     tl, dt, L = 0.1, 0.05, 1.0
     ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64))
@@ -42,20 +43,36 @@ def _inputs(K: int, d: int, dtype=torch.float32):
 def bench_one(K: int, d: int, repeats: int, bw: float, with_torch: bool = True):
     a = _inputs(K, d)
     out = (torch.empty(d), torch.empty(K, d))
-    fused = lambda: fe.be_step(*a, solver="fused", out=out)   # noqa: E731
+    fused = lambda: fe.be_step(*a, solver="fused", out=out)  # noqa: E731
     xf, If, lcf, lif = fused()
     t_f = timeit(fused, repeats=repeats, warmup=1)
     nbytes = 16 * (K + 1) * d
-    row = {"op": "be_step", "K": K, "d": d, "dtype": "float32", "threads": torch.get_num_threads(),
-           "fused_ms": t_f * 1e3, "ns_per_element": t_f * 1e9 / (K * d), "GBps": nbytes / t_f / 1e9,
-           "copy_GBps": bw / 1e9, "pct_copy_bw": 100 * nbytes / t_f / bw, "lte_fused": [lcf, lif]}
+    row = {
+        "op": "be_step",
+        "K": K,
+        "d": d,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "fused_ms": t_f * 1e3,
+        "ns_per_element": t_f * 1e9 / (K * d),
+        "GBps": nbytes / t_f / 1e9,
+        "copy_GBps": bw / 1e9,
+        "pct_copy_bw": 100 * nbytes / t_f / bw,
+        "lte_fused": [lcf, lif],
+    }
     if with_torch:
-        old = lambda: fe.be_step(*a, solver="auto")               # noqa: E731
+        old = lambda: fe.be_step(*a, solver="auto")  # noqa: E731
         xt, It, lct, lit = old()
         t_t = timeit(old, repeats=max(3, repeats // 2), warmup=1)
-        row.update({"torch_ms": t_t * 1e3, "speedup_vs_torch": t_t / t_f, "torch_pct_copy_bw": 100 * nbytes / t_t / bw,
-                    "max_abs_diff_vs_torch": max(float((xf - xt).abs().max()), float((If - It).abs().max())),
-                    "lte_torch": [lct, lit]})
+        row.update(
+            {
+                "torch_ms": t_t * 1e3,
+                "speedup_vs_torch": t_t / t_f,
+                "torch_pct_copy_bw": 100 * nbytes / t_t / bw,
+                "max_abs_diff_vs_torch": max(float((xf - xt).abs().max()), float((If - It).abs().max())),
+                "lte_torch": [lct, lit],
+            }
+        )
     return row
 
 
@@ -70,7 +87,7 @@ def run(quick: bool = False, threads=(1, 2)):
             for d in (100_000, 1_000_000):
                 for K in (5, 10) + (() if quick else (32,)):
                     rows.append(bench_one(K, d, rep, bw))
-            for K in (() if quick else (40, 100)):
+            for K in () if quick else (40, 100):
                 rows.append(bench_one(K, 1_000_001, 3, bw, with_torch=False))
             for d in (64, 76, 80):
                 rows.append(bench_one(1000, d, 20 * rep, bw))
@@ -88,10 +105,26 @@ def main(argv=None):
     load = os.getloadavg()[0]
     rows = run(a.quick, tuple(a.threads))
     print(f"load average before the run: {load:.2f} (the machine's cores are shared: timings are noisy)")
-    print_table(rows, ["threads", "K", "d", "fused_ms", "ns_per_element", "torch_ms", "speedup_vs_torch", "GBps",
-                       "pct_copy_bw", "torch_pct_copy_bw", "copy_GBps", "max_abs_diff_vs_torch"])
-    path = write_json("cpu-becado.json", rows, {"bytes_formula": "16 (K + 1) d (fp32)", "loadavg_1min": load},
-                      out=a.out)
+    print_table(
+        rows,
+        [
+            "threads",
+            "K",
+            "d",
+            "fused_ms",
+            "ns_per_element",
+            "torch_ms",
+            "speedup_vs_torch",
+            "GBps",
+            "pct_copy_bw",
+            "torch_pct_copy_bw",
+            "copy_GBps",
+            "max_abs_diff_vs_torch",
+        ],
+    )
+    path = write_json(
+        "cpu-becado.json", rows, {"bytes_formula": "16 (K + 1) d (fp32)", "loadavg_1min": load}, out=a.out
+    )
     print(f"wrote {path}")
     return rows
 

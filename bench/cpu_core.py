@@ -7,6 +7,7 @@ Baselines, all in this process on the same inputs:
 * gram: ``U @ U.T`` in fp32 and in fp64 (with the conversion), accuracy against fp64.
 Run: python -m bench.cpu_core [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,31 @@ from fedkernels import ops
 from .common import add_out_argument, copy_bandwidth, print_table, timeit, write_json
 
 # ResNet-18-like layer size profile (fractions of d), used to split a flat vector into "layers"
-_PROFILE = [0.0002, 0.00001, 0.0033, 0.0033, 0.0033, 0.0033, 0.0066, 0.013, 0.0007, 0.013, 0.013, 0.026,
-            0.052, 0.003, 0.052, 0.052, 0.105, 0.21, 0.012, 0.21, 0.21, 0.0046, 0.00001]
+_PROFILE = [
+    0.0002,
+    0.00001,
+    0.0033,
+    0.0033,
+    0.0033,
+    0.0033,
+    0.0066,
+    0.013,
+    0.0007,
+    0.013,
+    0.013,
+    0.026,
+    0.052,
+    0.003,
+    0.052,
+    0.052,
+    0.105,
+    0.21,
+    0.012,
+    0.21,
+    0.21,
+    0.0046,
+    0.00001,
+]
 
 
 def layer_sizes(d: int):
@@ -50,7 +74,7 @@ def bench_weighted_sum(K: int, d: int, repeats: int):
         res = []
         for li in range(len(sizes)):
             st = torch.stack([layers[k][li] for k in range(K)], dim=-1)
-            res.append(base[sum(sizes[:li]):sum(sizes[:li + 1])] + torch.sum(st * pf, dim=-1))
+            res.append(base[sum(sizes[:li]) : sum(sizes[: li + 1])] + torch.sum(st * pf, dim=-1))
         return res
 
     def flower():  # Flower aggregate(): scaled per-layer copies, reduce(np.add), divide
@@ -68,21 +92,37 @@ def bench_weighted_sum(K: int, d: int, repeats: int):
 
     bw = copy_bandwidth()
     floor_bytes = (K + 2) * 4 * d
-    t = {name: timeit(f, repeats=repeats) for name, f in
-         [("ours", ours), ("torch_coef@U", matvec), ("fedlab", fedlab), ("flbench", flbench), ("flower", flower)]}
+    t = {
+        name: timeit(f, repeats=repeats)
+        for name, f in [
+            ("ours", ours),
+            ("torch_coef@U", matvec),
+            ("fedlab", fedlab),
+            ("flbench", flbench),
+            ("flower", flower),
+        ]
+    }
     return {
-        "op": "weighted_sum", "K": K, "d": d, "t_ours_ms": t["ours"] * 1e3,
-        "GBps": floor_bytes / t["ours"] / 1e9, "pct_copy_bw": 100 * floor_bytes / t["ours"] / bw,
-        "x_vs_flbench": t["flbench"] / t["ours"], "x_vs_flower": t["flower"] / t["ours"],
-        "x_vs_fedlab": t["fedlab"] / t["ours"], "x_vs_torch_matvec": t["torch_coef@U"] / t["ours"],
-        "t_flbench_ms": t["flbench"] * 1e3, "t_flower_ms": t["flower"] * 1e3, "t_fedlab_ms": t["fedlab"] * 1e3,
+        "op": "weighted_sum",
+        "K": K,
+        "d": d,
+        "t_ours_ms": t["ours"] * 1e3,
+        "GBps": floor_bytes / t["ours"] / 1e9,
+        "pct_copy_bw": 100 * floor_bytes / t["ours"] / bw,
+        "x_vs_flbench": t["flbench"] / t["ours"],
+        "x_vs_flower": t["flower"] / t["ours"],
+        "x_vs_fedlab": t["fedlab"] / t["ours"],
+        "x_vs_torch_matvec": t["torch_coef@U"] / t["ours"],
+        "t_flbench_ms": t["flbench"] * 1e3,
+        "t_flower_ms": t["flower"] * 1e3,
+        "t_fedlab_ms": t["fedlab"] * 1e3,
         "t_torch_matvec_ms": t["torch_coef@U"] * 1e3,
     }
 
 
 def bench_gram(K: int, d: int, repeats: int):
     U = torch.randn(K, d)
-    ref = (U.double() @ U.double().T)
+    ref = U.double() @ U.double().T
     t_ours = timeit(lambda: ops.gram(U), repeats=repeats)
     t_f32 = timeit(lambda: U @ U.T, repeats=repeats)
     t_f64 = timeit(lambda: (lambda V: V @ V.T)(U.double()), repeats=max(2, repeats // 2))
@@ -94,19 +134,28 @@ def bench_gram(K: int, d: int, repeats: int):
     rel = lambda A: float(((A - ref).abs() / (dg[:, None] * dg[None, :]).clamp_min(1e-300)).max())
     bw = copy_bandwidth()
     return {
-        "op": "gram", "K": K, "d": d, "t_ours_ms": t_ours * 1e3, "GBps": 4 * K * d / t_ours / 1e9,
+        "op": "gram",
+        "K": K,
+        "d": d,
+        "t_ours_ms": t_ours * 1e3,
+        "GBps": 4 * K * d / t_ours / 1e9,
         "pct_copy_bw": 100 * 4 * K * d / t_ours / bw,
         "GFLOPs": K * (K + 1) * d / t_ours / 1e9,
-        "ratio_to_fp32_mm": t_ours / t_f32, "x_vs_fp64_mm": t_f64 / t_ours,
-        "relerr_ours": rel(G), "relerr_fp32_mm": rel(G32),
-        "t_fp32_mm_ms": t_f32 * 1e3, "t_fp64_mm_ms": t_f64 * 1e3,
+        "ratio_to_fp32_mm": t_ours / t_f32,
+        "x_vs_fp64_mm": t_f64 / t_ours,
+        "relerr_ours": rel(G),
+        "relerr_fp32_mm": rel(G32),
+        "t_fp32_mm_ms": t_f32 * 1e3,
+        "t_fp64_mm_ms": t_f64 * 1e3,
     }
 
 
 def run(quick: bool = False):
     rep = 3 if quick else 7
     ws_sizes = [(10, 100_000), (16, 1_000_000), (100, 1_000_000)] + ([] if quick else [(16, 10_000_000)])
-    gr_sizes = [(10, 100_000), (16, 1_000_000), (100, 1_000_000)] + ([] if quick else [(16, 10_000_000), (100, 3_000_000)])
+    gr_sizes = [(10, 100_000), (16, 1_000_000), (100, 1_000_000)] + (
+        [] if quick else [(16, 10_000_000), (100, 3_000_000)]
+    )
     rows = [bench_weighted_sum(K, d, rep) for K, d in ws_sizes]
     rows += [bench_gram(K, d, rep) for K, d in gr_sizes]
     return rows
@@ -119,12 +168,36 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = run(a.quick)
     print(f"copy bandwidth: {copy_bandwidth() / 1e9:.2f} GB/s, threads {torch.get_num_threads()}")
-    print_table([r for r in rows if r["op"] == "weighted_sum"],
-                ["op", "K", "d", "t_ours_ms", "GBps", "pct_copy_bw", "x_vs_flbench", "x_vs_flower", "x_vs_fedlab",
-                 "x_vs_torch_matvec"])
-    print_table([r for r in rows if r["op"] == "gram"],
-                ["op", "K", "d", "t_ours_ms", "GBps", "GFLOPs", "ratio_to_fp32_mm", "x_vs_fp64_mm", "relerr_ours",
-                 "relerr_fp32_mm"])
+    print_table(
+        [r for r in rows if r["op"] == "weighted_sum"],
+        [
+            "op",
+            "K",
+            "d",
+            "t_ours_ms",
+            "GBps",
+            "pct_copy_bw",
+            "x_vs_flbench",
+            "x_vs_flower",
+            "x_vs_fedlab",
+            "x_vs_torch_matvec",
+        ],
+    )
+    print_table(
+        [r for r in rows if r["op"] == "gram"],
+        [
+            "op",
+            "K",
+            "d",
+            "t_ours_ms",
+            "GBps",
+            "GFLOPs",
+            "ratio_to_fp32_mm",
+            "x_vs_fp64_mm",
+            "relerr_ours",
+            "relerr_fp32_mm",
+        ],
+    )
     print("wrote", write_json("cpu-core.json", rows, out=a.out))
 
 

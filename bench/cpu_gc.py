@@ -18,6 +18,7 @@ Timings: functions are timed interleaved (one sample of each per round) so that 
 processes hits all alike; median and min over the rounds are both recorded. Writes
 cpu-gc.json (``--out``; bench/common.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,20 +107,33 @@ def bench_gc(model: str, repeats: int, bw_copy: float, bw_inplace: float) -> Lis
         for g in gc_ts:
             g.sub_(g.mean(dim=tuple(range(1, g.dim())), keepdim=True))
 
-    r = compare({"fedkernels.gc_project_": ours, "torch loop g - g.mean()": loop,
-                 "torch loop g.sub_(g.mean())": loop_inplace}, repeats=repeats, min_time=0.05)
+    r = compare(
+        {"fedkernels.gc_project_": ours, "torch loop g - g.mean()": loop, "torch loop g.sub_(g.mean())": loop_inplace},
+        repeats=repeats,
+        min_time=0.05,
+    )
     base_med = r["fedkernels.gc_project_"]["median_s"]
     base_min = r["fedkernels.gc_project_"]["min_s"]
     rows = []
     for impl, t in r.items():
-        rows.append({
-            "bench": "gc_project_", "model": model, "impl": impl, "tensors": len(ts), "N": n,
-            "bytes_floor": nbytes, "median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3,
-            "GBps": nbytes / t["median_s"] / 1e9, "GBps_best": nbytes / t["min_s"] / 1e9,
-            "pct_copy_bw": 100 * nbytes / t["median_s"] / bw_copy,
-            "pct_inplace_bw": 100 * nbytes / t["median_s"] / bw_inplace,
-            "ours_speedup_median": t["median_s"] / base_med, "ours_speedup_min": t["min_s"] / base_min,
-        })
+        rows.append(
+            {
+                "bench": "gc_project_",
+                "model": model,
+                "impl": impl,
+                "tensors": len(ts),
+                "N": n,
+                "bytes_floor": nbytes,
+                "median_ms": t["median_s"] * 1e3,
+                "min_ms": t["min_s"] * 1e3,
+                "GBps": nbytes / t["median_s"] / 1e9,
+                "GBps_best": nbytes / t["min_s"] / 1e9,
+                "pct_copy_bw": 100 * nbytes / t["median_s"] / bw_copy,
+                "pct_inplace_bw": 100 * nbytes / t["median_s"] / bw_inplace,
+                "ours_speedup_median": t["median_s"] / base_med,
+                "ours_speedup_min": t["min_s"] / base_min,
+            }
+        )
     return rows
 
 
@@ -131,8 +145,9 @@ def bench_steps(model: str, repeats: int) -> List[Dict[str, object]]:
     P, G, B, C, Ci = (_tensors(shapes, seed=s) for s in range(5))
     lr, mu, wd = 0.01, 0.9, 1e-5
     mask = [True] * len(shapes)
-    sgd_kw = dict(weight_decay=wd, momentum=mu, lr=lr, dampening=0.0, nesterov=False, maximize=False,
-                  is_first_step=False)
+    sgd_kw = dict(
+        weight_decay=wd, momentum=mu, lr=lr, dampening=0.0, nesterov=False, maximize=False, is_first_step=False
+    )
 
     def scaf_ours():
         ops.corrected_sgd_step_(P, G, C, Ci, B, lr=lr, momentum=mu, weight_decay=wd)
@@ -177,23 +192,47 @@ def bench_steps(model: str, repeats: int) -> List[Dict[str, object]]:
 
     rows = []
     for step, floor, fns, ours_key in (
-        ("scaffold_step (c, c_i, momentum, wd)", 7 * n * 4,
-         {"fedkernels.corrected_sgd_step_": scaf_ours, "_foreach composition": scaf_foreach,
-          "_foreach corr + torch._fused_sgd_": scaf_fused_sgd}, "fedkernels.corrected_sgd_step_"),
-        ("local_gc_step (GC, momentum, wd)", 5 * n * 4,
-         {"fedkernels.gc_sgd_step_": gc_ours, "gc_project_ + _foreach": gc_foreach,
-          "gc_project_ + torch._fused_sgd_": gc_fused_sgd, "per-tensor GC loop + _foreach": gc_loop},
-         "fedkernels.gc_sgd_step_"),
+        (
+            "scaffold_step (c, c_i, momentum, wd)",
+            7 * n * 4,
+            {
+                "fedkernels.corrected_sgd_step_": scaf_ours,
+                "_foreach composition": scaf_foreach,
+                "_foreach corr + torch._fused_sgd_": scaf_fused_sgd,
+            },
+            "fedkernels.corrected_sgd_step_",
+        ),
+        (
+            "local_gc_step (GC, momentum, wd)",
+            5 * n * 4,
+            {
+                "fedkernels.gc_sgd_step_": gc_ours,
+                "gc_project_ + _foreach": gc_foreach,
+                "gc_project_ + torch._fused_sgd_": gc_fused_sgd,
+                "per-tensor GC loop + _foreach": gc_loop,
+            },
+            "fedkernels.gc_sgd_step_",
+        ),
     ):
         r = compare(fns, repeats=repeats, min_time=0.05)
         om, on = r[ours_key]["median_s"], r[ours_key]["min_s"]
         for impl, t in r.items():
-            rows.append({
-                "bench": step, "model": model, "impl": impl, "tensors": len(shapes), "N": n, "bytes_floor": floor,
-                "median_ms": t["median_s"] * 1e3, "min_ms": t["min_s"] * 1e3,
-                "GBps": floor / t["median_s"] / 1e9, "GBps_best": floor / t["min_s"] / 1e9,
-                "ours_speedup_median": t["median_s"] / om, "ours_speedup_min": t["min_s"] / on,
-            })
+            rows.append(
+                {
+                    "bench": step,
+                    "model": model,
+                    "impl": impl,
+                    "tensors": len(shapes),
+                    "N": n,
+                    "bytes_floor": floor,
+                    "median_ms": t["median_s"] * 1e3,
+                    "min_ms": t["min_s"] * 1e3,
+                    "GBps": floor / t["median_s"] / 1e9,
+                    "GBps_best": floor / t["min_s"] / 1e9,
+                    "ours_speedup_median": t["median_s"] / om,
+                    "ours_speedup_min": t["min_s"] / on,
+                }
+            )
     return rows
 
 
@@ -224,19 +263,40 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     rows = run(quick=a.quick)
     bw_copy, bw_in = rows[0]["copy_GBps"], rows[0]["inplace_GBps"]
-    print(f"copy bandwidth {bw_copy:.1f} GB/s, in-place stream {bw_in:.1f} GB/s, threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"copy bandwidth {bw_copy:.1f} GB/s, in-place stream {bw_in:.1f} GB/s, threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     gc_rows = [r for r in rows if r["bench"] == "gc_project_"]
-    print_table(gc_rows, ["model", "impl", "N", "median_ms", "min_ms", "GBps", "pct_copy_bw", "pct_inplace_bw",
-                          "ours_speedup_median", "ours_speedup_min"])
+    print_table(
+        gc_rows,
+        [
+            "model",
+            "impl",
+            "N",
+            "median_ms",
+            "min_ms",
+            "GBps",
+            "pct_copy_bw",
+            "pct_inplace_bw",
+            "ours_speedup_median",
+            "ours_speedup_min",
+        ],
+    )
     print()
-    print_table([r for r in rows if r["bench"] != "gc_project_"],
-                ["bench", "model", "impl", "median_ms", "min_ms", "GBps", "ours_speedup_median", "ours_speedup_min"])
-    extra = {"threads": torch.get_num_threads(), "load_average": list(os.getloadavg()), "quick": a.quick,
-             "inplace_bandwidth_GBps": bw_in,
-             "notes": "GC bytes floor 2*N*4 over the tensors GC touches (vector_policy='skip'); fused steps floors "
-                      "7*N*4 (SCAFFOLD with c, c_i, momentum) and 5*N*4 (Local GC + momentum). ours_speedup = "
-                      "time(impl) / time(fedkernels). Interleaved timing on a shared machine: compare min and median."}
+    print_table(
+        [r for r in rows if r["bench"] != "gc_project_"],
+        ["bench", "model", "impl", "median_ms", "min_ms", "GBps", "ours_speedup_median", "ours_speedup_min"],
+    )
+    extra = {
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "quick": a.quick,
+        "inplace_bandwidth_GBps": bw_in,
+        "notes": "GC bytes floor 2*N*4 over the tensors GC touches (vector_policy='skip'); fused steps floors "
+        "7*N*4 (SCAFFOLD with c, c_i, momentum) and 5*N*4 (Local GC + momentum). ours_speedup = "
+        "time(impl) / time(fedkernels). Interleaved timing on a shared machine: compare min and median.",
+    }
     print("wrote", write_json("cpu-gc.json", rows, extra, out=a.out))
     return rows
 

@@ -13,6 +13,7 @@ every client participating, in a shuffled order.
 
 Run: python -m bench.cpu_gram [--quick] [--threads 1,2] [--out DIR|FILE.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,9 @@ from fedkernels import ops
 from .common import add_out_argument, print_table, write_json
 
 VAR = "FEDKERNELS_GRAM_PATH"
-SHAPES = [(K, d) for K in (4, 10, 16, 32, 100, 1000) for d in (76, 10_000, 1_000_000)
-          if K * d <= 100_000_000]               # K = 1000, d = 1e6 (4 GB, 5e11 multiply-adds) left out
+SHAPES = [
+    (K, d) for K in (4, 10, 16, 32, 100, 1000) for d in (76, 10_000, 1_000_000) if K * d <= 100_000_000
+]  # K = 1000, d = 1e6 (4 GB, 5e11 multiply-adds) left out
 QUICK = [(4, 76), (16, 10_000), (100, 76), (1000, 76)]
 
 
@@ -38,6 +40,7 @@ def _with_path(path, fn):
         else:
             os.environ[VAR] = path
         return fn()
+
     return run
 
 
@@ -50,7 +53,7 @@ def _time_min(fns, repeats, min_time=0.02):
     inner = {}
     for k, (setup, call) in fns.items():
         setup()
-        call()                                            # warm-up
+        call()  # warm-up
         t0 = time.perf_counter()
         call()
         inner[k] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-9)))
@@ -67,8 +70,10 @@ def _time_min(fns, repeats, min_time=0.02):
 def bench_shape(K, d, rows, repeats):
     U = torch.randn(K, d)
     sym = rows is None
-    fns = {name: (_with_path(path, lambda: None), lambda: ops.gram(U, rows=rows))
-           for name, path in (("auto", None), ("bcast", "bcast"), ("cols", "cols"))}
+    fns = {
+        name: (_with_path(path, lambda: None), lambda: ops.gram(U, rows=rows))
+        for name, path in (("auto", None), ("bcast", "bcast"), ("cols", "cols"))
+    }
     if sym:
         fns["torch_fp64"] = (lambda: None, lambda: (lambda V: V @ V.T)(U.double()))
         fns["torch_fp32"] = (lambda: None, lambda: U @ U.T)
@@ -81,9 +86,16 @@ def bench_shape(K, d, rows, repeats):
         os.environ.pop(VAR, None) if saved is None else os.environ.__setitem__(VAR, saved)
     R = U.double()[rows if rows is not None else slice(None)] @ U.double().T
     fma = (K * (K + 1) // 2 if sym else len(rows) * K) * d
-    row = {"K": K, "d": d, "rows": "-" if sym else "perm", "threads": torch.get_num_threads(),
-           **{f"{k}_ms": v * 1e3 for k, v in t.items()}, "GFMAs": fma / t["auto"] / 1e9,
-           "x_vs_cols": t["cols"] / t["auto"], "maxrel_err": float(((G - R).abs() / R.abs().max()).max())}
+    row = {
+        "K": K,
+        "d": d,
+        "rows": "-" if sym else "perm",
+        "threads": torch.get_num_threads(),
+        **{f"{k}_ms": v * 1e3 for k, v in t.items()},
+        "GFMAs": fma / t["auto"] / 1e9,
+        "x_vs_cols": t["cols"] / t["auto"],
+        "maxrel_err": float(((G - R).abs() / R.abs().max()).max()),
+    }
     if sym:
         row["x_vs_torch_fp64"] = t["torch_fp64"] / t["auto"]
         row["x_vs_torch_fp32"] = t["torch_fp32"] / t["auto"]
@@ -124,11 +136,30 @@ def main(argv=None):
         ap.error(f"--threads: {a.threads!r} is not a comma-separated list of positive integers")
     load = os.getloadavg()
     rows = run(a.quick, threads)
-    print_table(rows, ["K", "d", "rows", "threads", "auto_ms", "bcast_ms", "cols_ms", "torch_fp64_ms",
-                       "torch_fp32_ms", "GFMAs", "x_vs_cols", "x_vs_torch_fp64", "x_vs_torch_fp32", "maxrel_err"])
-    extra = {"loadavg_1_5_15_min": {"before": load, "after": os.getloadavg()},
-             "note": "min over interleaved repeats; other processes share this machine's cores (see loadavg), "
-                     "which hits the 2-thread rows hardest"}
+    print_table(
+        rows,
+        [
+            "K",
+            "d",
+            "rows",
+            "threads",
+            "auto_ms",
+            "bcast_ms",
+            "cols_ms",
+            "torch_fp64_ms",
+            "torch_fp32_ms",
+            "GFMAs",
+            "x_vs_cols",
+            "x_vs_torch_fp64",
+            "x_vs_torch_fp32",
+            "maxrel_err",
+        ],
+    )
+    extra = {
+        "loadavg_1_5_15_min": {"before": load, "after": os.getloadavg()},
+        "note": "min over interleaved repeats; other processes share this machine's cores (see loadavg), "
+        "which hits the 2-thread rows hardest",
+    }
     print("wrote", write_json("cpu-gram.json", rows, extra=extra, out=a.out))
 
 

@@ -18,6 +18,7 @@ Run: python -m bench.cpu_hostwork [--clients K] [--quick] [--methods NAME,...] [
 bench/results/cpu-hostwork-before.json, a run of a version with per-client host work) next to
 this one, with the ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,7 +66,7 @@ def spec_of(shapes) -> FlatSpec:
         return FlatSpec.from_module(_Shapes(shapes))
 
 
-TINY = [(8, 4), (8,), (4, 8), (4,)]   # d = 32 + 8 + 32 + 4 = 76
+TINY = [(8, 4), (8,), (4, 8), (4,)]  # d = 32 + 8 + 32 + 4 = 76
 
 
 def methods() -> List[str]:
@@ -73,8 +74,9 @@ def methods() -> List[str]:
     return sorted({cls.name for cls in _REGISTRY.values()})
 
 
-def aggregator_cases(K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, seed: int = 0,
-                     only=None) -> Iterator[Tuple[str, Callable[[], Any], Dict[str, Any]]]:
+def aggregator_cases(
+    K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, seed: int = 0, only=None
+) -> Iterator[Tuple[str, Callable[[], Any], Dict[str, Any]]]:
     """Yields (name, aggregate, info) for every registered method (one at a time, so a large
     model's state tables are freed before the next method's are made): ``aggregate()`` runs one
     round of K clients (ids 0..K-1 of a federation of K) on a random update matrix built once. The
@@ -90,13 +92,19 @@ def aggregator_cases(K: int, spec: FlatSpec, device="cpu", dtype=torch.float32, 
             continue
         agg = algorithms.build(name, **OPTIONS.get(name, {}))
         agg.setup(spec, num_clients=K, global_flat=x0)
-        pl: Dict[str, Any] = {"local_steps": 5, "num_steps": 5, "pgvc_skipped_steps": 0, "local_gc": 1,
-                              "T": 0.1, "phase": 0.5}
+        pl: Dict[str, Any] = {
+            "local_steps": 5,
+            "num_steps": 5,
+            "pgvc_skipped_steps": 0,
+            "local_gc": 1,
+            "T": 0.1,
+            "phase": 0.5,
+        }
         if getattr(agg, "mu", None) is not None and isinstance(agg.mu, float):
             pl["prox_mu"] = agg.mu
         d_c = getattr(agg, "d_c", None)
         payloads = None
-        if d_c is not None:       # control variates: one [d_c] delta per client
+        if d_c is not None:  # control variates: one [d_c] delta per client
             dc = (torch.randn(K, d_c, generator=g) * 1e-4).to(device=device, dtype=dtype)
             payloads = [dict(pl, delta_c=dc[k]) for k in range(K)]
         else:
@@ -143,11 +151,23 @@ def run(K: int = 1000, quick: bool = False, only=None) -> List[Dict[str, Any]]:
         r = compare({name: fn}, repeats=3 if quick else 7, min_time=0.0 if quick else 0.05)[name]
         t, host = r["median_s"], r["min_s"]
         nat = min(native_seconds(fn, 2 if quick else 5), host)
-        host -= nat                       # (from the fastest sample: the least noise from other load)
-        rows.append({"method": name, "K": K, "d": info["d"], "ms": 1e3 * t, "us_per_client": 1e6 * t / K,
-                     "native_ms": 1e3 * nat, "host_ms": 1e3 * host})
-        print(f"{name:16s} {1e3 * t:9.3f} ms  {1e6 * t / K:7.2f} us/client  (native {1e3 * nat:8.3f} ms, "
-              f"host {1e3 * host:8.3f} ms)", flush=True)
+        host -= nat  # (from the fastest sample: the least noise from other load)
+        rows.append(
+            {
+                "method": name,
+                "K": K,
+                "d": info["d"],
+                "ms": 1e3 * t,
+                "us_per_client": 1e6 * t / K,
+                "native_ms": 1e3 * nat,
+                "host_ms": 1e3 * host,
+            }
+        )
+        print(
+            f"{name:16s} {1e3 * t:9.3f} ms  {1e6 * t / K:7.2f} us/client  (native {1e3 * nat:8.3f} ms, "
+            f"host {1e3 * host:8.3f} ms)",
+            flush=True,
+        )
     return rows
 
 
@@ -167,8 +187,11 @@ def main(argv=None) -> int:
         only = [m for m in a.methods.split(",") if m]
         unknown = [m for m in only if m not in methods()]
         if unknown or not only:
-            print(f"cpu_hostwork: --methods {a.methods!r}: {unknown[0] if unknown else 'no method'} is not a method; "
-                  f"expected names among {', '.join(methods())}", file=sys.stderr)
+            print(
+                f"cpu_hostwork: --methods {a.methods!r}: {unknown[0] if unknown else 'no method'} is not a method; "
+                f"expected names among {', '.join(methods())}",
+                file=sys.stderr,
+            )
             return 2
     before = None
     if a.baseline:

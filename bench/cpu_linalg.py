@@ -16,6 +16,7 @@ bytes into a fresh tensor, as a % of ours (100 = as fast as a fresh copy). ``our
 into a reused ``out=``) is the cost inside a FedECADO round loop, which reuses its buffers.
 Run: python -m bench.cpu_linalg [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,20 +98,31 @@ def bench_min_norm(K: int, d: int, repeats: int):
         sols["mgda"] = torch.from_numpy(mgda_min_norm(M.float()))
         q = {k: float(v @ M @ v) for k, v in sols.items()}
         qb = min(q.values())
-        rows.append({
-            "op": "min_norm", "mode": mode, "K": K, "d": d, "iters": it, "gap": gap,
-            "ours_ms": t["ours"] * 1e3, "code_compat_ms": t["ours_code_compat"] * 1e3,
-            "reference_ms": t["reference"] * 1e3, "mgda_ms": t["mgda"] * 1e3,
-            "speedup_vs_mgda": t["mgda"] / t["ours"], "speedup_vs_reference": t["reference"] / t["ours"],
-            "subopt_ours": (q["ours"] - qb) / qb, "subopt_mgda": (q["mgda"] - qb) / qb,
-            "subopt_code_compat": (q["ours_code_compat"] - qb) / qb,
-        })
+        rows.append(
+            {
+                "op": "min_norm",
+                "mode": mode,
+                "K": K,
+                "d": d,
+                "iters": it,
+                "gap": gap,
+                "ours_ms": t["ours"] * 1e3,
+                "code_compat_ms": t["ours_code_compat"] * 1e3,
+                "reference_ms": t["reference"] * 1e3,
+                "mgda_ms": t["mgda"] * 1e3,
+                "speedup_vs_mgda": t["mgda"] / t["ours"],
+                "speedup_vs_reference": t["reference"] / t["ours"],
+                "subopt_ours": (q["ours"] - qb) / qb,
+                "subopt_mgda": (q["mgda"] - qb) / qb,
+                "subopt_code_compat": (q["ours_code_compat"] - qb) / qb,
+            }
+        )
     return rows
 
 
 def bench_lu_solve(n: int, m: int, repeats: int):
     g = torch.Generator().manual_seed(m)
-    A = torch.randn(n, n, generator=g) + 2 * n ** 0.5 * torch.eye(n)
+    A = torch.randn(n, n, generator=g) + 2 * n**0.5 * torch.eye(n)
     R = torch.randn(n, m, generator=g)
     X = torch.empty_like(R)
 
@@ -132,20 +144,32 @@ def bench_lu_solve(n: int, m: int, repeats: int):
     t_oo = timeit(ours_out, repeats=repeats, warmup=1)
     t_t = timeit(torch_lu, repeats=repeats, warmup=1)
     t_c = timeit(lambda: X.copy_(R), repeats=repeats, warmup=1)  # same bytes, same sizes
-    t_f = timeit(lambda: R.clone(), repeats=repeats, warmup=1)    # same bytes into a fresh allocation
+    t_f = timeit(lambda: R.clone(), repeats=repeats, warmup=1)  # same bytes into a fresh allocation
     nbytes = 2 * n * m * 4
     bw = copy_bandwidth()
     err = float((ours().double() - torch.linalg.solve(A.double(), R.double())).abs().max())
-    return {"op": "lu_solve", "n": n, "m": m, "B": 1, "ours_ms": t_o * 1e3, "ours_out_ms": t_oo * 1e3,
-            "torch_ms": t_t * 1e3, "speedup_vs_torch": t_t / t_o, "GBps": nbytes / t_o / 1e9,
-            "pct_copy_bw": 100 * nbytes / t_o / bw, "GBps_out": nbytes / t_oo / 1e9,
-            "pct_copy_bw_out": 100 * nbytes / t_oo / bw, "pct_same_size_copy_out": 100 * t_c / t_oo,
-            "pct_fresh_copy": 100 * t_f / t_o, "max_abs_err": err}
+    return {
+        "op": "lu_solve",
+        "n": n,
+        "m": m,
+        "B": 1,
+        "ours_ms": t_o * 1e3,
+        "ours_out_ms": t_oo * 1e3,
+        "torch_ms": t_t * 1e3,
+        "speedup_vs_torch": t_t / t_o,
+        "GBps": nbytes / t_o / 1e9,
+        "pct_copy_bw": 100 * nbytes / t_o / bw,
+        "GBps_out": nbytes / t_oo / 1e9,
+        "pct_copy_bw_out": 100 * nbytes / t_oo / bw,
+        "pct_same_size_copy_out": 100 * t_c / t_oo,
+        "pct_fresh_copy": 100 * t_f / t_o,
+        "max_abs_err": err,
+    }
 
 
 def bench_batched(B: int, n: int, m: int, repeats: int):
     g = torch.Generator().manual_seed(B + n)
-    A = torch.randn(B, n, n, generator=g) + 2 * n ** 0.5 * torch.eye(n)
+    A = torch.randn(B, n, n, generator=g) + 2 * n**0.5 * torch.eye(n)
     R = torch.randn(B, n, m, generator=g)
 
     def ours():
@@ -161,10 +185,19 @@ def bench_batched(B: int, n: int, m: int, repeats: int):
     t_f = timeit(lambda: ops.lu_factor(A), repeats=repeats, warmup=1)
     t_tf = timeit(lambda: torch.linalg.lu_factor(A), repeats=repeats, warmup=1)
     nbytes = (B * n * n * 4) * 2 + 2 * B * n * m * 4
-    return {"op": "batched lu_factor+lu_solve", "n": n, "m": m, "B": B, "ours_ms": t_o * 1e3,
-            "torch_ms": t_t * 1e3, "speedup_vs_torch": t_t / t_o, "factor_ours_ms": t_f * 1e3,
-            "factor_torch_ms": t_tf * 1e3, "GBps": nbytes / t_o / 1e9,
-            "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth()}
+    return {
+        "op": "batched lu_factor+lu_solve",
+        "n": n,
+        "m": m,
+        "B": B,
+        "ours_ms": t_o * 1e3,
+        "torch_ms": t_t * 1e3,
+        "speedup_vs_torch": t_t / t_o,
+        "factor_ours_ms": t_f * 1e3,
+        "factor_torch_ms": t_tf * 1e3,
+        "GBps": nbytes / t_o / 1e9,
+        "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth(),
+    }
 
 
 def bench_arrowhead(K: int, m: int, repeats: int):
@@ -182,10 +215,19 @@ def bench_arrowhead(K: int, m: int, repeats: int):
     # Reference: the same bytes copied into fresh tensors (R.clone(), r0.clone()).
     t_f = timeit(lambda: (R.clone(), r0.clone()), repeats=repeats, warmup=1)
     nbytes = 2 * (K + 1) * m * 4
-    return {"op": "arrowhead_solve", "n": K + 1, "m": m, "B": 1, "ours_ms": t_o * 1e3, "torch_ms": t_t * 1e3,
-            "speedup_vs_torch": t_t / t_o, "GBps": nbytes / t_o / 1e9,
-            "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth(), "fresh_copy_ms": t_f * 1e3,
-            "pct_fresh_copy": 100 * t_f / t_o}
+    return {
+        "op": "arrowhead_solve",
+        "n": K + 1,
+        "m": m,
+        "B": 1,
+        "ours_ms": t_o * 1e3,
+        "torch_ms": t_t * 1e3,
+        "speedup_vs_torch": t_t / t_o,
+        "GBps": nbytes / t_o / 1e9,
+        "pct_copy_bw": 100 * nbytes / t_o / copy_bandwidth(),
+        "fresh_copy_ms": t_f * 1e3,
+        "pct_fresh_copy": 100 * t_f / t_o,
+    }
 
 
 def run(quick: bool = False):
@@ -210,12 +252,41 @@ def main(argv=None):
     rows = run(a.quick)
     print(f"copy bandwidth: {copy_bandwidth() / 1e9:.1f} GB/s (read + write)")
     mn = [r for r in rows if r["op"] == "min_norm"]
-    print_table(mn, ["mode", "K", "iters", "ours_ms", "code_compat_ms", "reference_ms", "mgda_ms",
-                     "speedup_vs_mgda", "subopt_ours", "subopt_code_compat", "subopt_mgda"])
+    print_table(
+        mn,
+        [
+            "mode",
+            "K",
+            "iters",
+            "ours_ms",
+            "code_compat_ms",
+            "reference_ms",
+            "mgda_ms",
+            "speedup_vs_mgda",
+            "subopt_ours",
+            "subopt_code_compat",
+            "subopt_mgda",
+        ],
+    )
     print()
-    print_table([r for r in rows if r["op"] != "min_norm"],
-                ["op", "B", "n", "m", "ours_ms", "ours_out_ms", "torch_ms", "speedup_vs_torch", "GBps", "pct_copy_bw",
-                 "pct_copy_bw_out", "pct_same_size_copy_out", "pct_fresh_copy"])
+    print_table(
+        [r for r in rows if r["op"] != "min_norm"],
+        [
+            "op",
+            "B",
+            "n",
+            "m",
+            "ours_ms",
+            "ours_out_ms",
+            "torch_ms",
+            "speedup_vs_torch",
+            "GBps",
+            "pct_copy_bw",
+            "pct_copy_bw_out",
+            "pct_same_size_copy_out",
+            "pct_fresh_copy",
+        ],
+    )
     path = write_json("cpu-linalg.json", rows, out=a.out)
     print(f"wrote {path}")
     return rows

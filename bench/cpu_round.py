@@ -4,6 +4,7 @@ per-layer implementation a user would otherwise run.
 
 Run: python -m bench.cpu_round [--quick] [--clients K]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,10 @@ def perlayer_fedaware(M_layers, layers, p, alpha, solver):
     nrm = torch.sqrt(torch.diagonal(G)).clamp_min(1e-30)
     lam, _, _ = solver(G / nrm[:, None] / nrm[None, :])
     c = (lam / nrm).float()
-    return [torch.sum(torch.stack([M_layers[k][li] for k in range(K)], dim=-1) * c, dim=-1)
-            for li in range(len(M_layers[0]))]
+    return [
+        torch.sum(torch.stack([M_layers[k][li] for k in range(K)], dim=-1) * c, dim=-1)
+        for li in range(len(M_layers[0]))
+    ]
 
 
 def run(quick: bool = False, clients: int | None = None):
@@ -60,20 +63,40 @@ def run(quick: bool = False, clients: int | None = None):
     t_ours = timeit(lambda: agg.aggregate(x, U, n), repeats=rep)
     t_base = timeit(lambda: perlayer_fedavg(layers, p), repeats=max(2, rep // 2))
     floor = (K + 2) * 4 * d
-    rows.append({"method": "fedavg", "K": K, "d": d, "t_ours_s": t_ours, "t_perlayer_s": t_base,
-                 "x_vs_perlayer": t_base / t_ours, "floor_s": floor / bw, "pct_of_floor": 100 * floor / bw / t_ours})
+    rows.append(
+        {
+            "method": "fedavg",
+            "K": K,
+            "d": d,
+            "t_ours_s": t_ours,
+            "t_perlayer_s": t_base,
+            "x_vs_perlayer": t_base / t_ours,
+            "floor_s": floor / bw,
+            "pct_of_floor": 100 * floor / bw / t_ours,
+        }
+    )
 
     fa = algorithms.build("fedaware", num_clients=K, elud=False)
     fa.setup(spec, num_clients=K, global_flat=x)
     ids = list(range(K))
-    fa.aggregate(x, U, n, ids)                     # round 1: fills the momentum table
+    fa.aggregate(x, U, n, ids)  # round 1: fills the momentum table
     t_ours = timeit(lambda: fa.aggregate(x, U, n, ids), repeats=max(2, rep - 2))
     M_layers = [[torch.zeros(e.shape) for e in spec.entries] for _ in range(K)]
     t_base = timeit(lambda: perlayer_fedaware(M_layers, layers, p, 0.5, ops.min_norm), repeats=2, warmup=1)
     # minimal traffic: EMA (read M_S, U_S, write M_S) + Gram (read M) + apply (read M_supp, x; write x)
     floor = 4 * d * (3 * K + K + K + 2)
-    rows.append({"method": "fedaware", "K": K, "d": d, "t_ours_s": t_ours, "t_perlayer_s": t_base,
-                 "x_vs_perlayer": t_base / t_ours, "floor_s": floor / bw, "pct_of_floor": 100 * floor / bw / t_ours})
+    rows.append(
+        {
+            "method": "fedaware",
+            "K": K,
+            "d": d,
+            "t_ours_s": t_ours,
+            "t_perlayer_s": t_base,
+            "x_vs_perlayer": t_base / t_ours,
+            "floor_s": floor / bw,
+            "pct_of_floor": 100 * floor / bw / t_ours,
+        }
+    )
     return rows
 
 

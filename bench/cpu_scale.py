@@ -12,6 +12,7 @@ comfortable in memory aggregated from disk in bounded memory.
    pass). Peak RSS from ``resource.getrusage`` (ru_maxrss, includes the [d] global and result vectors).
 Writes cpu-scale.json (``--out``; bench/common.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def _rank_worker(rank, world, init_file, d, K, repeats, out_file):
     import torch.distributed as dist
     from fedkernels import algorithms
     from fedkernels.distributed import ShardedAggregator
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     res = {}
@@ -63,6 +65,7 @@ def _rank_worker(rank, world, init_file, d, K, repeats, out_file):
 
 def bench_ranks(d, K, worlds, repeats):
     import torch.multiprocessing as mp
+
     rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
@@ -70,8 +73,17 @@ def bench_ranks(d, K, worlds, repeats):
             mp.spawn(_rank_worker, args=(world, os.path.join(tmp, "init"), d, K, repeats, out), nprocs=world)
             res = json.load(open(out))
         for name, t in res.items():
-            rows.append({"part": "ranks", "method": name, "world": world, "d": d, "K": K, "time_s": t,
-                         "GBps": K * d * 4 / t / 1e9})
+            rows.append(
+                {
+                    "part": "ranks",
+                    "method": name,
+                    "world": world,
+                    "d": d,
+                    "K": K,
+                    "time_s": t,
+                    "GBps": K * d * 4 / t / 1e9,
+                }
+            )
     base = {r["method"]: r["time_s"] for r in rows if r["world"] == 1}
     for r in rows:
         r["speedup_vs_1"] = base.get(r["method"], r["time_s"]) / r["time_s"]
@@ -97,19 +109,29 @@ def _disk_child(path, K, d, chunk_cols, method):
     """Runs in a fresh process: one streamed aggregation from the memmap; prints a JSON line."""
     from fedkernels import algorithms
     from fedkernels.sources import ChunkedUpdates
-    mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(K, d))   # r+: chunks used without a copy
+
+    mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(K, d))  # r+: chunks used without a copy
     src = ChunkedUpdates(mm, chunk_cols=chunk_cols)
     x = torch.zeros(d)
     n = list(range(10, 10 + K))
-    agg = algorithms.build(method)                  # the aggregator itself, over the source
+    agg = algorithms.build(method)  # the aggregator itself, over the source
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     agg.aggregate(x, src, n)
-    passes = 1 if method == "fedavg" else 2         # kuramoto: a Gram pass and a sum pass
+    passes = 1 if method == "fedavg" else 2  # kuramoto: a Gram pass and a sum pass
     t = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"time_s": t, "passes": passes, "peak_rss_MB": rss / 1024, "rss_before_MB": rss0 / 1024,
-                      "staging_MB": src.staging_bytes / 2 ** 20}))
+    print(
+        json.dumps(
+            {
+                "time_s": t,
+                "passes": passes,
+                "peak_rss_MB": rss / 1024,
+                "rss_before_MB": rss0 / 1024,
+                "staging_MB": src.staging_bytes / 2**20,
+            }
+        )
+    )
 
 
 def bench_disk(d, K, directory, chunk_cols):
@@ -119,14 +141,30 @@ def bench_disk(d, K, directory, chunk_cols):
         tw = write_matrix(path, K, d)
         size = K * d * 4
         for method in ("fedavg", "kuramoto"):
-            cmd = [sys.executable, "-c", f"from bench.cpu_scale import _disk_child; _disk_child({path!r}, {K}, {d}, "
-                   f"{chunk_cols}, {method!r})"]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            cmd = [
+                sys.executable,
+                "-c",
+                f"from bench.cpu_scale import _disk_child; _disk_child({path!r}, {K}, {d}, {chunk_cols}, {method!r})",
+            ]
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            r.update(part="disk", method=method, d=d, K=K, file_GB=size / 1e9, write_s=tw,
-                     GBps=r["passes"] * size / r["time_s"] / 1e9, chunk_cols=chunk_cols,
-                     matrix_vs_peak_rss=size / (r["peak_rss_MB"] * 2 ** 20))
+            r.update(
+                part="disk",
+                method=method,
+                d=d,
+                K=K,
+                file_GB=size / 1e9,
+                write_s=tw,
+                GBps=r["passes"] * size / r["time_s"] / 1e9,
+                chunk_cols=chunk_cols,
+                matrix_vs_peak_rss=size / (r["peak_rss_MB"] * 2**20),
+            )
             rows.append(r)
     finally:
         if os.path.exists(path):
@@ -154,9 +192,15 @@ def main(argv=None):
         disk = bench_disk(args.big_d, args.big_k, args.dir, args.chunk_cols)
         print_table(disk, ["method", "d", "K", "file_GB", "time_s", "passes", "GBps", "peak_rss_MB", "staging_MB"])
         rows += disk
-    path = write_json("cpu-scale.json", rows, {"note": "ranks: gloo on loopback, each rank holds its [K, d/world] "
-                                                       "slice; disk: np.memmap source, fresh process per method"},
-                      out=args.out)
+    path = write_json(
+        "cpu-scale.json",
+        rows,
+        {
+            "note": "ranks: gloo on loopback, each rank holds its [K, d/world] "
+            "slice; disk: np.memmap source, fresh process per method"
+        },
+        out=args.out,
+    )
     print("wrote", path)
 
 

@@ -21,6 +21,7 @@ ResNet-18 size (d = 11.2M fp32), K = 10 and 100 clients. Rows, each a full aggre
 
 Prints ratios against fedavg and Flower; writes runs/bench/cpu-dp.json (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,8 @@ from fedkernels.flat import clip_rows_
 
 try:
     from flwr.server.strategy.aggregate import aggregate as flwr_aggregate
-    from flwr.supercore.differential_privacy import (add_gaussian_noise_inplace, compute_clip_model_update,
-                                                     compute_stdv)
-except ImportError:      # flwr not installed: the Flower rows are left out
+    from flwr.supercore.differential_privacy import add_gaussian_noise_inplace, compute_clip_model_update, compute_stdv
+except ImportError:  # flwr not installed: the Flower rows are left out
     flwr_aggregate = None
 
 DP = dict(clip=1.0, noise_multiplier=1.0, population=1000, seed=1)
@@ -56,9 +56,11 @@ def bench_K(K: int, d: int, repeats: int, flower: bool):
     gflat = torch.randn(d, generator=g)
     n = torch.ones(K, dtype=torch.float64)
     ids = list(range(K))
-    aggs = {"fedavg": algorithms.build("fedavg"),
-            "dp_central": algorithms.build("fedavg", dp=dict(DP, kind="central")),
-            "dp_client": algorithms.build("fedavg", dp=dict(DP, kind="client"))}
+    aggs = {
+        "fedavg": algorithms.build("fedavg"),
+        "dp_central": algorithms.build("fedavg", dp=dict(DP, kind="central")),
+        "dp_client": algorithms.build("fedavg", dp=dict(DP, kind="client")),
+    }
     x = torch.empty(d)
     fns = {k: (lambda a=a, U=U: a.aggregate(gflat, U, n, ids)) for k, a in aggs.items()}
     fns["noise_only"] = lambda: ops.add_gaussian_noise_(x, 0.1, 1, 2)
@@ -67,19 +69,41 @@ def bench_K(K: int, d: int, repeats: int, flower: bool):
     rows = []
     base = t["fedavg"]["median_s"]
     for k, v in t.items():
-        rows.append({"K": K, "d": d, "what": k, "median_ms": 1e3 * v["median_s"], "min_ms": 1e3 * v["min_s"],
-                     "x_fedavg": v["median_s"] / base, "GBps_U": K * d * 4 / v["median_s"] / 1e9})
+        rows.append(
+            {
+                "K": K,
+                "d": d,
+                "what": k,
+                "median_ms": 1e3 * v["median_s"],
+                "min_ms": 1e3 * v["min_s"],
+                "x_fedavg": v["median_s"] / base,
+                "GBps_U": K * d * 4 / v["median_s"] / 1e9,
+            }
+        )
     row = U[0].clone()
-    clips = iter(1e-3 * 0.999 ** np.arange(10_000))        # a smaller C each call: every call scales the row
-    rows.append({"K": K, "d": d, "what": "client_clip_row",
-                 "median_ms": 1e3 * timeit(lambda: clip_rows_(row.unsqueeze(0), float(next(clips))), repeats=repeats),
-                 "min_ms": None})
-    rows.append({"K": K, "d": d, "what": "row_sub_global (write_delta's last pass)",
-                 "median_ms": 1e3 * timeit(lambda: row.sub_(gflat), repeats=repeats), "min_ms": None})
+    clips = iter(1e-3 * 0.999 ** np.arange(10_000))  # a smaller C each call: every call scales the row
+    rows.append(
+        {
+            "K": K,
+            "d": d,
+            "what": "client_clip_row",
+            "median_ms": 1e3 * timeit(lambda: clip_rows_(row.unsqueeze(0), float(next(clips))), repeats=repeats),
+            "min_ms": None,
+        }
+    )
+    rows.append(
+        {
+            "K": K,
+            "d": d,
+            "what": "row_sub_global (write_delta's last pass)",
+            "median_ms": 1e3 * timeit(lambda: row.sub_(gflat), repeats=repeats),
+            "min_ms": None,
+        }
+    )
     if flower and flwr_aggregate is not None:
         layers = _layers(U)
         glayers = [a.copy() for a in _layers(gflat.unsqueeze(0))[0]]
-        params = [[gl + ul for gl, ul in zip(glayers, u)] for u in layers]     # the clients' models
+        params = [[gl + ul for gl, ul in zip(glayers, u)] for u in layers]  # the clients' models
         del layers
         gc.collect()
 
@@ -89,7 +113,7 @@ def bench_K(K: int, d: int, repeats: int, flower: bool):
         def flower_dp():
             clipped = []
             for p in params:
-                q = [a.copy() for a in p]                 # Flower clips the FitRes' arrays in place
+                q = [a.copy() for a in p]  # Flower clips the FitRes' arrays in place
                 compute_clip_model_update(q, glayers, DP["clip"])
                 clipped.append((q, 1))
             agg = flwr_aggregate(clipped)
@@ -97,11 +121,22 @@ def bench_K(K: int, d: int, repeats: int, flower: bool):
             return agg
 
         reps = max(1, repeats // 3)
-        tf = {"flower_fedavg": timeit(flower_fedavg, repeats=reps, warmup=0),
-              "flower_dp_central": timeit(flower_dp, repeats=reps, warmup=0)}
+        tf = {
+            "flower_fedavg": timeit(flower_fedavg, repeats=reps, warmup=0),
+            "flower_dp_central": timeit(flower_dp, repeats=reps, warmup=0),
+        }
         for k, v in tf.items():
-            rows.append({"K": K, "d": d, "what": k, "median_ms": 1e3 * v, "min_ms": None, "x_fedavg": v / base,
-                         "GBps_U": K * d * 4 / v / 1e9})
+            rows.append(
+                {
+                    "K": K,
+                    "d": d,
+                    "what": k,
+                    "median_ms": 1e3 * v,
+                    "min_ms": None,
+                    "x_fedavg": v / base,
+                    "GBps_U": K * d * 4 / v / 1e9,
+                }
+            )
         del params
     for r in rows:
         if r["what"] in ("dp_central", "dp_client", "flower_dp_central"):
@@ -132,8 +167,10 @@ def main(argv=None):
     for K in Ks:
         rows += bench_K(K, d, reps, not a.no_flower)
     print_table(rows, ["K", "d", "what", "median_ms", "min_ms", "x_fedavg", "GBps_U", "flower_dp_over_this"])
-    print(f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s; targets: dp_central <= 2.1x fedavg, "
-          "dp_client <= 1.15x fedavg")
+    print(
+        f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s; targets: dp_central <= 2.1x fedavg, "
+        "dp_client <= 1.15x fedavg"
+    )
     path = write_json("cpu-dp.json", rows, {"threads": torch.get_num_threads(), "d": d, "Ks": Ks}, out=a.out)
     print("wrote", path)
 

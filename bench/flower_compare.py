@@ -8,6 +8,7 @@ Reported: end-to-end aggregate_fit time, and the aggregation arithmetic alone (F
 the two, and the achieved bandwidth of fedkernels' arithmetic (bytes of U read / time).
 Writes cpu-flower.json (``--out``; bench/common.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,9 @@ def make_results(shapes, K, seed=0):
     res = []
     for k in range(K):
         arrs = [g + 0.01 * rng.standard_normal(g.shape, dtype=np.float32) for g in glob]
-        res.append((_Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs),
-                                            int(rng.integers(10, 100)), {})))
+        res.append(
+            (_Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), int(rng.integers(10, 100)), {}))
+        )
     return glob, res
 
 
@@ -84,7 +86,7 @@ def main(argv=None):
         d = int(sum(np.prod(s) for s in shapes))
         glob, res = make_results(shapes, K)
         gp = ndarrays_to_parameters(glob)
-        flower = FedAvg()                                  # inplace=True: Flower's default
+        flower = FedAvg()  # inplace=True: Flower's default
         ours = FedKernelsStrategy(algorithms.build("fedavg"))
         ours.set_global(gp)
         rep = 3 if d > 5e6 else 5
@@ -104,19 +106,47 @@ def main(argv=None):
         b = np.concatenate([v.reshape(-1) for v in parameters_to_ndarrays(ours.aggregate_fit(1, res, [])[0])])
         err = float(np.max(np.abs(a - b)) / max(1e-30, float(np.max(np.abs(a)))))
         bytes_u = K * d * 4
-        rows.append({"d": d, "K": K, "tensors": len(shapes), "flower_aggregate_fit_s": t_fl,
-                     "fedkernels_aggregate_fit_s": t_fk, "speedup_end_to_end": t_fl / t_fk,
-                     "flower_math_s": t_fl_math, "fedkernels_math_s": t_fk_math,
-                     "speedup_math": t_fl_math / t_fk_math,
-                     "fedkernels_math_GBps": bytes_u / t_fk_math / 1e9,
-                     "fedkernels_math_vs_copy_bw": bytes_u / t_fk_math / copy_bandwidth(),
-                     "max_rel_diff": err})
-    print_table(rows, ["d", "K", "flower_aggregate_fit_s", "fedkernels_aggregate_fit_s", "speedup_end_to_end",
-                       "flower_math_s", "fedkernels_math_s", "speedup_math", "fedkernels_math_GBps", "max_rel_diff"])
-    path = write_json("cpu-flower.json", rows, {"flwr": __import__("flwr").__version__,
-                                                 "note": "aggregate_fit end to end (Parameters in, Parameters out) "
-                                                         "and arithmetic only; Flower FedAvg inplace=True"},
-                      out=args.out)
+        rows.append(
+            {
+                "d": d,
+                "K": K,
+                "tensors": len(shapes),
+                "flower_aggregate_fit_s": t_fl,
+                "fedkernels_aggregate_fit_s": t_fk,
+                "speedup_end_to_end": t_fl / t_fk,
+                "flower_math_s": t_fl_math,
+                "fedkernels_math_s": t_fk_math,
+                "speedup_math": t_fl_math / t_fk_math,
+                "fedkernels_math_GBps": bytes_u / t_fk_math / 1e9,
+                "fedkernels_math_vs_copy_bw": bytes_u / t_fk_math / copy_bandwidth(),
+                "max_rel_diff": err,
+            }
+        )
+    print_table(
+        rows,
+        [
+            "d",
+            "K",
+            "flower_aggregate_fit_s",
+            "fedkernels_aggregate_fit_s",
+            "speedup_end_to_end",
+            "flower_math_s",
+            "fedkernels_math_s",
+            "speedup_math",
+            "fedkernels_math_GBps",
+            "max_rel_diff",
+        ],
+    )
+    path = write_json(
+        "cpu-flower.json",
+        rows,
+        {
+            "flwr": __import__("flwr").__version__,
+            "note": "aggregate_fit end to end (Parameters in, Parameters out) "
+            "and arithmetic only; Flower FedAvg inplace=True",
+        },
+        out=args.out,
+    )
     print("wrote", path)
 
 

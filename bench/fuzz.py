@@ -7,6 +7,7 @@ The case generators and the checkers (the oracle) live in tests/fuzz_oracle.py, 
 tests/test_fuzz.py; this module runs the cases in a subprocess worker (restarted after a crash
 or a timeout) and counts a crash or a per-case timeout (a hang) as a failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,19 @@ import torch
 import fedkernels
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.join(_ROOT, "tests") not in sys.path:   # the oracle is a test helper module (tests/ is no package)
+if os.path.join(_ROOT, "tests") not in sys.path:  # the oracle is a test helper module (tests/ is no package)
     sys.path.insert(0, os.path.join(_ROOT, "tests"))
 
 from bench.common import add_out_argument, output_path  # noqa: E402
-from fuzz_oracle import (_payloads, agg_names, execute, gen_case, synthetic_spec, targets,  # noqa: E402,F401
-                         unfuzzed_ops)
-
+from fuzz_oracle import (  # noqa: E402,F401
+    _payloads,
+    agg_names,
+    execute,
+    gen_case,
+    synthetic_spec,
+    targets,
+    unfuzzed_ops,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,6 +46,7 @@ from fuzz_oracle import (_payloads, agg_names, execute, gen_case, synthetic_spec
 def _worker() -> None:
     torch.set_num_threads(1)
     import logging
+
     logging.disable(logging.WARNING)
     for line in sys.stdin:
         case = json.loads(line)
@@ -49,9 +57,15 @@ def _worker() -> None:
 
 class _Worker:
     def __init__(self):
-        self.p = subprocess.Popen([sys.executable, "-m", "bench.fuzz", "--worker"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "bench.fuzz", "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
 
     def run(self, case, timeout: float) -> Tuple[str, str]:
         try:
@@ -104,11 +118,21 @@ def campaign(cases: int, seed: int, timeout: float, out_path: Optional[str]) -> 
     w.close()
     total_fail = counts["fail"] + counts["crash"] + counts["timeout"]
     summary = {
-        "cases": cases, "seed": seed, "timeout_s": timeout, "wall_s": round(time.time() - t0, 1),
-        "correct": counts["ok"], "rejected": counts["rejected"], "failures": total_fail,
-        "wrong_or_unclear": counts["fail"], "crashes": counts["crash"], "timeouts": counts["timeout"],
-        "targets": per_target, "not_fuzzed_ops": unfuzzed_ops(), "failure_cases": failures,
-        "torch": torch.__version__, "build": {k: str(v) for k, v in fedkernels.build_info().items()},
+        "cases": cases,
+        "seed": seed,
+        "timeout_s": timeout,
+        "wall_s": round(time.time() - t0, 1),
+        "correct": counts["ok"],
+        "rejected": counts["rejected"],
+        "failures": total_fail,
+        "wrong_or_unclear": counts["fail"],
+        "crashes": counts["crash"],
+        "timeouts": counts["timeout"],
+        "targets": per_target,
+        "not_fuzzed_ops": unfuzzed_ops(),
+        "failure_cases": failures,
+        "torch": torch.__version__,
+        "build": {k: str(v) for k, v in fedkernels.build_info().items()},
     }
     if out_path:
         os.makedirs(os.path.dirname(out_path), exist_ok=True)
@@ -135,9 +159,11 @@ def main(argv=None) -> int:
         return 0 if out != "fail" else 1
     out = output_path(a.out, "fuzz.json")
     s = campaign(a.cases, a.seed, a.timeout, out)
-    print(f"cases run: {s['cases']}  correct results: {s['correct']}  clean rejections: {s['rejected']}  "
-          f"failures: {s['failures']} (wrong/unclear {s['wrong_or_unclear']}, crashes {s['crashes']}, "
-          f"timeouts {s['timeouts']})  [{s['wall_s']} s]")
+    print(
+        f"cases run: {s['cases']}  correct results: {s['correct']}  clean rejections: {s['rejected']}  "
+        f"failures: {s['failures']} (wrong/unclear {s['wrong_or_unclear']}, crashes {s['crashes']}, "
+        f"timeouts {s['timeouts']})  [{s['wall_s']} s]"
+    )
     if s["not_fuzzed_ops"]:
         print("public ops without a fuzz generator:", ", ".join(s["not_fuzzed_ops"]))
     print("wrote", out)

@@ -21,6 +21,7 @@ copy bandwidth: ``x_floor``) and plain torch ``glob + w @ U``.
 Targets (docs/design.md): memory-bound ops >= 85% of copy bandwidth; gram at K=100, d=11.2M
 within 2x of its memory floor; min_norm K=1000 < 1 ms; FedAvg of 100 clients x 11M params < 5 ms.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,9 +101,11 @@ def time_fns(fns, warmup: int = 5, reps: int = 30, max_seconds: float = 20.0, ca
         if calls == 1:
             times.append(_elapsed_ms(f))
         else:
+
             def many(f=f):
                 for _ in range(calls):
                     f()
+
             times.append(_elapsed_ms(many) / calls)
         if time.perf_counter() - t_start > max_seconds and len(times) >= 3:
             break
@@ -224,7 +227,7 @@ def numel(s):
 # ---- weighted_sum (FedAvg apply) ------------------------------------------------------------------
 def bench_weighted_sum(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
-    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
+    for K in (10, 100) if is_cuda() and not QUICK else (4, 10):
         for dtype in (torch.float32, torch.bfloat16):
             U = torch.randn(K, d, device=DEV).to(dtype)
             esz = U.element_size()
@@ -238,9 +241,17 @@ def bench_weighted_sum(copy_gbs):
             ms = time_fns([lambda u=u: ops.weighted_sum(u, coef, base=w, out=out) for u in Us])
             c = coef.to(DEV, dtype)
             base = {"torch_coef_at_U": time_fns([lambda u=u: torch.add(w, c @ u, out=out) for u in Us])}
-            record("weighted_sum", f"K={K} d={d} {str(dtype)[6:]}", ms, nbytes=nb, flops=2 * K * d,
-                   copy_gbs=copy_gbs, baselines=base, sizes={"K": K, "d": d, "dtype": str(dtype)[6:]},
-                   extra={"target": "FedAvg 100x11M < 5 ms; >= 85% copy bw"})
+            record(
+                "weighted_sum",
+                f"K={K} d={d} {str(dtype)[6:]}",
+                ms,
+                nbytes=nb,
+                flops=2 * K * d,
+                copy_gbs=copy_gbs,
+                baselines=base,
+                sizes={"K": K, "d": d, "dtype": str(dtype)[6:]},
+                extra={"target": "FedAvg 100x11M < 5 ms; >= 85% copy bw"},
+            )
             del U, Us, w, out
             free()
 
@@ -250,24 +261,37 @@ def bench_gram(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
     if is_cuda():
         torch.backends.cuda.matmul.allow_tf32 = False
-    for K in ((10, 16, 32, 100) if is_cuda() and not QUICK else (4, 10)):
+    for K in (10, 16, 32, 100) if is_cuda() and not QUICK else (4, 10):
         U = torch.randn(K, d, device=DEV)
         nb = K * d * 4
         sets = copies_needed(nb)
         Us = [U] + [torch.randn_like(U) for _ in range(sets - 1)]
         ms = time_fns([lambda u=u: ops.gram(u) for u in Us], reps=20)
         U64 = U.double()
-        base = {"torch_fp64_U_UT": time_fns([lambda: U64 @ U64.T], reps=10),
-                "torch_fp32_U_UT_notf32": time_fns([lambda u=u: u @ u.T for u in Us], reps=20)}
+        base = {
+            "torch_fp64_U_UT": time_fns([lambda: U64 @ U64.T], reps=10),
+            "torch_fp32_U_UT_notf32": time_fns([lambda u=u: u @ u.T for u in Us], reps=20),
+        }
         G1, G2 = ops.gram(U), ops.gram(U)
         same = bool(torch.equal(G1, G2))
         ref = U64 @ U64.T
         rel = float((G1 - ref).norm() / ref.norm())
         del ref, U64
-        record("gram", f"K={K} d={d} fp32", ms, nbytes=nb, flops=2 * K * K * d, copy_gbs=copy_gbs, baselines=base,
-               sizes={"K": K, "d": d, "dtype": "float32"},
-               extra={"bitwise_repeatable": same, "rel_err_vs_fp64": rel,
-                      "target": "K=100: within 2x of the memory floor"})
+        record(
+            "gram",
+            f"K={K} d={d} fp32",
+            ms,
+            nbytes=nb,
+            flops=2 * K * K * d,
+            copy_gbs=copy_gbs,
+            baselines=base,
+            sizes={"K": K, "d": d, "dtype": "float32"},
+            extra={
+                "bitwise_repeatable": same,
+                "rel_err_vs_fp64": rel,
+                "target": "K=100: within 2x of the memory floor",
+            },
+        )
         del U, Us
         free()
 
@@ -280,7 +304,7 @@ def bench_kstats(copy_gbs):
     d = D(11_220_132, 2_000_003, 50_003)
     if is_cuda():
         torch.backends.cuda.matmul.allow_tf32 = False
-    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
+    for K in (10, 100) if is_cuda() and not QUICK else (4, 10):
         U = torch.randn(K, d, device=DEV)
         nb = K * d * 4
         sets = copies_needed(nb)
@@ -293,18 +317,32 @@ def bench_kstats(copy_gbs):
         def torch_fp32(u):
             m = p32 @ u
             return u @ m, u.square().sum(1), m @ m
-        base = {"gram_then_Gp": time_fns([lambda u=u: ops.gram(u) @ p_dev for u in Us], reps=10),
-                "torch_fp32_three_reads": time_fns([lambda u=u: torch_fp32(u) for u in Us], reps=20)}
+
+        base = {
+            "gram_then_Gp": time_fns([lambda u=u: ops.gram(u) @ p_dev for u in Us], reps=10),
+            "torch_fp32_three_reads": time_fns([lambda u=u: torch_fp32(u) for u in Us], reps=20),
+        }
         dot, nsq, nbar, _ = ops.kstats(U, p)
         same = bool(torch.equal(dot, ops.kstats(U, p)[0]))
         U64 = U.double()
         m64 = p_dev @ U64
         rel = float((dot - U64 @ m64).norm() / (U64 @ m64).norm())
         del U64, m64
-        record("kstats", f"K={K} d={d} fp32", ms, nbytes=nb, flops=6 * K * d, copy_gbs=copy_gbs, baselines=base,
-               sizes={"K": K, "d": d, "dtype": "float32"},
-               extra={"bitwise_repeatable": same, "rel_err_dot_vs_fp64": rel,
-                      "target": "Kuramoto = kstats + weighted_sum <= 2.5x one read of U"})
+        record(
+            "kstats",
+            f"K={K} d={d} fp32",
+            ms,
+            nbytes=nb,
+            flops=6 * K * d,
+            copy_gbs=copy_gbs,
+            baselines=base,
+            sizes={"K": K, "d": d, "dtype": "float32"},
+            extra={
+                "bitwise_repeatable": same,
+                "rel_err_dot_vs_fp64": rel,
+                "target": "Kuramoto = kstats + weighted_sum <= 2.5x one read of U",
+            },
+        )
         del U, Us
         free()
 
@@ -314,7 +352,7 @@ def bench_select(copy_gbs):
     """Coordinate-wise median, trimmed mean (beta = 0.1) and Bulyan's beta-closest mean: one read of U.
     Baselines: torch.median(U, 0) and a torch.sort trimmed mean (a sorted K x d copy)."""
     d = D(11_220_132, 2_000_003, 50_003)
-    for K in ((10, 100) if is_cuda() and not QUICK else (4, 10)):
+    for K in (10, 100) if is_cuda() and not QUICK else (4, 10):
         U = torch.randn(K, d, device=DEV)
         nb = K * d * 4
         sets = copies_needed(nb)
@@ -325,19 +363,40 @@ def bench_select(copy_gbs):
         med = ops.order_mean(U, lo_m, hi_m)
         same = bool(torch.equal(med, ops.order_mean(U, lo_m, hi_m)))
         from fedkernels import reference
+
         err = float((med.double() - reference.order_mean(U, lo_m, hi_m)).abs().max())
         for label, fn, base in (
-                ("median", lambda u: ops.order_mean(u, lo_m, hi_m),
-                 {"torch_median_0": time_fns([lambda u=u: torch.median(u, 0) for u in Us], reps=5)}),
-                ("trimmed 0.1", lambda u: ops.order_mean(u, lo_t, hi_t),
-                 {"torch_sort_trimmed": time_fns([lambda u=u: torch.sort(u, 0).values[lo_t:hi_t].mean(0) for u in Us],
-                                                 reps=5)}),
-                (f"closest beta={beta}", lambda u: ops.closest_mean(u, beta), {})):
+            (
+                "median",
+                lambda u: ops.order_mean(u, lo_m, hi_m),
+                {"torch_median_0": time_fns([lambda u=u: torch.median(u, 0) for u in Us], reps=5)},
+            ),
+            (
+                "trimmed 0.1",
+                lambda u: ops.order_mean(u, lo_t, hi_t),
+                {
+                    "torch_sort_trimmed": time_fns(
+                        [lambda u=u: torch.sort(u, 0).values[lo_t:hi_t].mean(0) for u in Us], reps=5
+                    )
+                },
+            ),
+            (f"closest beta={beta}", lambda u: ops.closest_mean(u, beta), {}),
+        ):
             ms = time_fns([lambda u=u: fn(u) for u in Us], reps=10)
-            record("order_mean" if label != f"closest beta={beta}" else "closest_mean", f"{label} K={K} d={d} fp32", ms,
-                   nbytes=nb, copy_gbs=copy_gbs, baselines=base, sizes={"K": K, "d": d, "dtype": "float32"},
-                   extra={"bitwise_repeatable": same, "median_max_abs_err_vs_fp64": err,
-                          "target": "median / trimmed mean: one read of U (GPU speed not yet measured)"})
+            record(
+                "order_mean" if label != f"closest beta={beta}" else "closest_mean",
+                f"{label} K={K} d={d} fp32",
+                ms,
+                nbytes=nb,
+                copy_gbs=copy_gbs,
+                baselines=base,
+                sizes={"K": K, "d": d, "dtype": "float32"},
+                extra={
+                    "bitwise_repeatable": same,
+                    "median_max_abs_err_vs_fp64": err,
+                    "target": "median / trimmed mean: one read of U (GPU speed not yet measured)",
+                },
+            )
         del U, Us
         free()
 
@@ -349,7 +408,7 @@ def bench_codecs(copy_gbs):
     lists against torch's index_add_ into a zero vector."""
     d = D(11_220_132, 2_000_003, 50_003)
     block = 256
-    for K in ((10, 100) if is_cuda() and not QUICK else (4,)):
+    for K in (10, 100) if is_cuda() and not QUICK else (4,):
         nb = -(-d // block)
         coef = torch.rand(K, dtype=torch.float64)
         coef_dev = coef.to(DEV)
@@ -366,15 +425,23 @@ def bench_codecs(copy_gbs):
                 full = torch.zeros(K, nb * block, device=DEV)
                 full[:, :d] = q.float()
                 return coef_dev.float() @ (full.view(K, nb, block) * S[:, :, None]).view(K, -1)[:, :d]
+
             base = {"torch_dequantise_then_sum": time_fns([lambda q=q: torch_dequant(q) for q in Qs], reps=5)}
             out, ok = ops.dequant_weighted_sum(Q, S, coef, block)
             same = bool(torch.equal(out, ops.dequant_weighted_sum(Q, S, coef, block)[0]))
-            rec = (Q.double().view(K, -1) if qdt == torch.int8 else Q.to(torch.float64))
+            rec = Q.double().view(K, -1) if qdt == torch.int8 else Q.to(torch.float64)
             ref = coef.to(DEV) @ (rec * S.double().repeat_interleave(block, 1)[:, :d])
             err = float((out.double() - ref).abs().max() / ref.abs().max())
-            record("dequant_weighted_sum", f"{name} block={block} K={K} d={d}", ms, nbytes=nbytes, copy_gbs=copy_gbs,
-                   baselines=base, sizes={"K": K, "d": d, "block": block, "codes": name},
-                   extra={"bitwise_repeatable": same, "rel_err_vs_fp64": err, "rows_ok": bool(ok.all())})
+            record(
+                "dequant_weighted_sum",
+                f"{name} block={block} K={K} d={d}",
+                ms,
+                nbytes=nbytes,
+                copy_gbs=copy_gbs,
+                baselines=base,
+                sizes={"K": K, "d": d, "block": block, "codes": name},
+                extra={"bitwise_repeatable": same, "rel_err_vs_fp64": err, "rows_ok": bool(ok.all())},
+            )
             del Q, Qs, S, raw
             free()
         k = max(1, d // 100)
@@ -387,11 +454,20 @@ def bench_codecs(copy_gbs):
         def torch_scatter():
             out = torch.zeros(d, device=DEV)
             return out.index_add_(0, I, V * coef_dev.float().repeat_interleave(torch.diff(offs.to(DEV))))
+
         base = {"torch_index_add": time_fns([torch_scatter], reps=5)}
         out, _ = ops.sparse_weighted_sum(I, V, offs, coef, d)
         same = bool(torch.equal(out, ops.sparse_weighted_sum(I, V, offs, coef, d)[0]))
-        record("sparse_weighted_sum", f"top-1% K={K} d={d}", ms, nbytes=nbytes, copy_gbs=copy_gbs, baselines=base,
-               sizes={"K": K, "d": d, "k": k}, extra={"bitwise_repeatable": same})
+        record(
+            "sparse_weighted_sum",
+            f"top-1% K={K} d={d}",
+            ms,
+            nbytes=nbytes,
+            copy_gbs=copy_gbs,
+            baselines=base,
+            sizes={"K": K, "d": d, "k": k},
+            extra={"bitwise_repeatable": same},
+        )
         del idx, val, I, V
         free()
 
@@ -400,19 +476,30 @@ def bench_noise(copy_gbs):
     """Central DP's aggregate: weighted_sum_noised (the Gaussian noise drawn in the sum's output write)
     against weighted_sum alone and weighted_sum + torch.randn."""
     d = D(11_220_132, 2_000_003, 50_003)
-    for K in ((10, 100) if is_cuda() and not QUICK else (4,)):
+    for K in (10, 100) if is_cuda() and not QUICK else (4,):
         U = torch.randn(K, d, device=DEV)
         coef = torch.full((K,), 1.0 / K, dtype=torch.float64)
         nb = K * d * 4
         Us = [U] + [torch.randn_like(U) for _ in range(copies_needed(nb) - 1)]
         ms = time_fns([lambda u=u: ops.weighted_sum_noised(u, coef, sigma=0.01, seed=7, counter=3) for u in Us])
-        base = {"weighted_sum": time_fns([lambda u=u: ops.weighted_sum(u, coef) for u in Us]),
-                "weighted_sum_plus_torch_randn": time_fns(
-                    [lambda u=u: ops.weighted_sum(u, coef).add_(torch.randn(d, device=DEV), alpha=0.01) for u in Us])}
+        base = {
+            "weighted_sum": time_fns([lambda u=u: ops.weighted_sum(u, coef) for u in Us]),
+            "weighted_sum_plus_torch_randn": time_fns(
+                [lambda u=u: ops.weighted_sum(u, coef).add_(torch.randn(d, device=DEV), alpha=0.01) for u in Us]
+            ),
+        }
         a = ops.weighted_sum_noised(U, coef, sigma=0.01, seed=7, counter=3)
         same = bool(torch.equal(a, ops.weighted_sum_noised(U, coef, sigma=0.01, seed=7, counter=3)))
-        record("weighted_sum_noised", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base,
-               sizes={"K": K, "d": d}, extra={"bitwise_repeatable": same})
+        record(
+            "weighted_sum_noised",
+            f"K={K} d={d} fp32",
+            ms,
+            nbytes=nb,
+            copy_gbs=copy_gbs,
+            baselines=base,
+            sizes={"K": K, "d": d},
+            extra={"bitwise_repeatable": same},
+        )
         del U, Us
         free()
 
@@ -434,10 +521,18 @@ def bench_server_opt(copy_gbs):
         mm = 0.9 * m + 0.1 * g
         vv = 0.99 * v + 0.01 * g * g
         return x + 0.01 * mm / (vv.sqrt() + 1e-9)
+
     ms = time_fns([ours])
     base = {"torch_elementwise": time_fns([plain])}
-    record("server_opt_step_", f"adam d={d} fp32", ms, nbytes=nbytes, copy_gbs=copy_gbs, baselines=base,
-           sizes={"d": d, "dtype": "float32"})
+    record(
+        "server_opt_step_",
+        f"adam d={d} fp32",
+        ms,
+        nbytes=nbytes,
+        copy_gbs=copy_gbs,
+        baselines=base,
+        sizes={"d": d, "dtype": "float32"},
+    )
     del x, g, m, v
     free()
 
@@ -450,21 +545,21 @@ def bench_finite_rows(copy_gbs):
     nb = K * d * 4
     ms = time_fns([lambda: ops.finite_rows(U)])
     base = {"torch_isfinite_all": time_fns([lambda: torch.isfinite(U).all(1)])}
-    record("finite_rows", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base,
-           sizes={"K": K, "d": d})
+    record("finite_rows", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, baselines=base, sizes={"K": K, "d": d})
     del U
     free()
 
 
 # ---- min_norm -------------------------------------------------------------------------------------
 def bench_min_norm():
-    for K in ((10, 100, 1000) if is_cuda() and not QUICK else (10, 100)):
+    for K in (10, 100, 1000) if is_cuda() and not QUICK else (10, 100):
         g = torch.Generator(device="cpu").manual_seed(K)
         M = torch.randn(K, 2 * K, generator=g, dtype=torch.float64) + 0.3
-        G = (M @ M.T)
+        G = M @ M.T
         G /= G.diagonal().max()
         Gd = G.to(DEV)
         for method in ("fw", "away"):
+
             def run():
                 return torch.ops.fedkernels.min_norm(Gd, 1000, 1e-6, 1e-12, method, "best_pair", False, None)
 
@@ -473,18 +568,31 @@ def bench_min_norm():
             sync()
             q = float(lam.cpu() @ G @ lam.cpu())
             lam_h, it_h, _ = torch.ops.fedkernels.min_norm(G, 1000, 1e-6, 1e-12, method, "best_pair", False, None)
-            host_ms = time_fns([lambda: torch.ops.fedkernels.min_norm(G, 1000, 1e-6, 1e-12, method, "best_pair",
-                                                                     False, None)], reps=5)
+            host_ms = time_fns(
+                [lambda: torch.ops.fedkernels.min_norm(G, 1000, 1e-6, 1e-12, method, "best_pair", False, None)], reps=5
+            )
             q_h = float(lam_h @ G @ lam_h)
-            record("min_norm", f"K={K} {method} tol_rel=1e-6", ms, baselines={"cpu_op": host_ms},
-                   sizes={"K": K, "method": method},
-                   extra={"timing": how, "iterations": int(it), "gap": float(gap), "q": q, "q_cpu": q_h,
-                          "cpu_iterations": int(it_h), "target": "K=1000 < 1 ms"})
+            record(
+                "min_norm",
+                f"K={K} {method} tol_rel=1e-6",
+                ms,
+                baselines={"cpu_op": host_ms},
+                sizes={"K": K, "method": method},
+                extra={
+                    "timing": how,
+                    "iterations": int(it),
+                    "gap": float(gap),
+                    "q": q,
+                    "q_cpu": q_h,
+                    "cpu_iterations": int(it_h),
+                    "target": "K=1000 < 1 ms",
+                },
+            )
 
 
 # ---- gc_project_ ----------------------------------------------------------------------------------
 def bench_gc(copy_gbs):
-    for model in (("resnet18", "vgg11") if is_cuda() and not QUICK else ("resnet18",)):
+    for model in ("resnet18", "vgg11") if is_cuda() and not QUICK else ("resnet18",):
         shapes = layer_shapes(model) if is_cuda() else small_shapes()
         n_total = sum(numel(s) for s in shapes)
         nb = 2 * n_total * 4
@@ -497,9 +605,16 @@ def bench_gc(copy_gbs):
                     t.sub_(t.mean(dim=tuple(range(1, t.dim())), keepdim=True))
 
         base = {"per_tensor_loop": time_host_bound(loop)[0]}
-        record("gc_project_", f"{model if is_cuda() else 'small'} ({len(shapes)} tensors, {n_total} params)", ms,
-               nbytes=nb, copy_gbs=copy_gbs, baselines=base, sizes={"tensors": len(shapes), "params": n_total},
-               extra={"timing": how})
+        record(
+            "gc_project_",
+            f"{model if is_cuda() else 'small'} ({len(shapes)} tensors, {n_total} params)",
+            ms,
+            nbytes=nb,
+            copy_gbs=copy_gbs,
+            baselines=base,
+            sizes={"tensors": len(shapes), "params": n_total},
+            extra={"timing": how},
+        )
         del ts
         free()
 
@@ -526,9 +641,16 @@ def bench_fused_step(copy_gbs):
 
     ms, how = time_host_bound(fused)
     base = {"torch_foreach_sgd": time_host_bound(foreach)[0]}
-    record("fused_sgd_step_", f"SCAFFOLD+momentum ({len(shapes)} tensors, {n_total} params)", ms, nbytes=nb,
-           copy_gbs=copy_gbs, baselines=base, sizes={"tensors": len(shapes), "params": n_total},
-           extra={"timing": how})
+    record(
+        "fused_sgd_step_",
+        f"SCAFFOLD+momentum ({len(shapes)} tensors, {n_total} params)",
+        ms,
+        nbytes=nb,
+        copy_gbs=copy_gbs,
+        baselines=base,
+        sizes={"tensors": len(shapes), "params": n_total},
+        extra={"timing": how},
+    )
     del p, g, buf, c, ci
     free()
 
@@ -550,10 +672,25 @@ def bench_lu(copy_gbs):
         LUt, pivt = torch.linalg.lu_factor(A.float())
         bs = {"torch_linalg_lu_solve": time_fns([lambda: torch.linalg.lu_solve(LUt, pivt, R)], reps=5)}
         sizes = {"n": n, "B": B, "m": m}
-        record("lu_factor", f"n={n} B={B} fp64", ms_f, nbytes=2 * B * n * n * 8, copy_gbs=copy_gbs, baselines=bf,
-               sizes=sizes, extra={"timing": how_f})
-        record("lu_solve", f"n={n} B={B} m={m} fp32", ms_s, nbytes=B * (n * n * 8 + 2 * n * m * 4),
-               copy_gbs=copy_gbs, baselines=bs, sizes=sizes)
+        record(
+            "lu_factor",
+            f"n={n} B={B} fp64",
+            ms_f,
+            nbytes=2 * B * n * n * 8,
+            copy_gbs=copy_gbs,
+            baselines=bf,
+            sizes=sizes,
+            extra={"timing": how_f},
+        )
+        record(
+            "lu_solve",
+            f"n={n} B={B} m={m} fp32",
+            ms_s,
+            nbytes=B * (n * n * 8 + 2 * n * m * 4),
+            copy_gbs=copy_gbs,
+            baselines=bs,
+            sizes=sizes,
+        )
         del A, R, LU, LUt
         free()
 
@@ -564,10 +701,10 @@ def bench_be_step(copy_gbs):
     keeps r_i / q_i in registers, larger K in per-thread shared-memory slots: every input element is
     read once either way, so the floor is (3K + 3) d reads + (K + 1) d writes."""
     d = D(11_220_132, 2_000_003, 50_003)
-    for K in ((10, 40, 100) if is_cuda() and not QUICK else (4, 40)):
+    for K in (10, 40, 100) if is_cuda() and not QUICK else (4, 40):
         g = torch.Generator(device="cpu").manual_seed(K)
         T = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
-        coefs = (T, 0.5 * T, 0.2 * torch.rand(K, generator=g, dtype=torch.float64))   # host per-client scalars
+        coefs = (T, 0.5 * T, 0.2 * torch.rand(K, generator=g, dtype=torch.float64))  # host per-client scalars
         xc, xc0, S = (torch.randn(d, device=DEV) for _ in range(3))
         Icur, U, Ik = (torch.randn(K, d, device=DEV) for _ in range(3))
         xo, Io = torch.empty(d, device=DEV), torch.empty(K, d, device=DEV)
@@ -575,9 +712,18 @@ def bench_be_step(copy_gbs):
         args = (xc, Icur, xc0, U, Ik, S) + coefs + (0.3, 1.7)
         ms = time_fns([lambda: torch.ops.fedkernels.fedecado_be_step_out(*args, xo, Io, lte)], reps=10)
         nb = ((3 * K + 3) + (K + 1)) * d * 4
-        record("fedecado_be_step", f"K={K} d={d} fp32", ms, nbytes=nb, copy_gbs=copy_gbs, sizes={"K": K, "d": d},
-               extra={"path": "registers" if K <= 32 else "shared-memory slots",
-                      "target": "one read of every input element (>= 85% of copy bandwidth)"})
+        record(
+            "fedecado_be_step",
+            f"K={K} d={d} fp32",
+            ms,
+            nbytes=nb,
+            copy_gbs=copy_gbs,
+            sizes={"K": K, "d": d},
+            extra={
+                "path": "registers" if K <= 32 else "shared-memory slots",
+                "target": "one read of every input element (>= 85% of copy bandwidth)",
+            },
+        )
         del xc, xc0, S, Icur, U, Ik, xo, Io
         free()
 
@@ -599,24 +745,32 @@ def sanitize_subset() -> int:
     for dt in (torch.float32, torch.bfloat16, torch.float64):
         for K, d, off in ((3, 1031, 0), (300, 70, 1), (17, 4099, 0)):
             big = rn(K, d + 3, dt=dt)
-            U = big[:, off:off + d]
+            U = big[:, off : off + d]
             coef = torch.rand(K, generator=g, dtype=torch.float64)
-            Ud = big.to(dev)[:, off:off + d]
+            Ud = big.to(dev)[:, off : off + d]
             close(f"weighted_sum {dt} {K}x{d}", ops.weighted_sum(Ud, coef), ops.weighted_sum(U, coef), 2e-2)
             close(f"gram {dt} {K}x{d}", ops.gram(Ud), ops.gram(U), 1e-6)
             close(f"gram rows {dt}", ops.gram(Ud, rows=[0, K - 1]), ops.gram(U, rows=[0, K - 1]), 1e-6)
             close(f"finite_rows {dt}", ops.finite_rows(Ud), ops.finite_rows(U), 0)
             for name, a, b in zip(("dot", "nsq", "nbar", "ok"), ops.kstats(Ud, coef), ops.kstats(U, coef)):
                 close(f"kstats {name} {dt} {K}x{d}", a, b, 1e-9 if name != "ok" else 0)
-            if K <= 20:   # select: O(K^2) per column on the GPU
+            if K <= 20:  # select: O(K^2) per column on the GPU
                 rows = [0, K - 1, K // 2]
-                for name, a, b in (("order_mean", ops.order_mean_screened(Ud, 1, K, rows=rows[:2] + [1] * (K - 2)),
-                                    ops.order_mean_screened(U, 1, K, rows=rows[:2] + [1] * (K - 2))),
-                                   ("closest_mean", ops.closest_mean_screened(Ud, 2, rows=rows),
-                                    ops.closest_mean_screened(U, 2, rows=rows))):
+                for name, a, b in (
+                    (
+                        "order_mean",
+                        ops.order_mean_screened(Ud, 1, K, rows=rows[:2] + [1] * (K - 2)),
+                        ops.order_mean_screened(U, 1, K, rows=rows[:2] + [1] * (K - 2)),
+                    ),
+                    (
+                        "closest_mean",
+                        ops.closest_mean_screened(Ud, 2, rows=rows),
+                        ops.closest_mean_screened(U, 2, rows=rows),
+                    ),
+                ):
                     close(f"{name} {dt} {K}x{d}", a[0], b[0], 1e-6)
                     close(f"{name} ok {dt} {K}x{d}", a[1], b[1], 0)
-    for N in (40, 200):   # G in shared memory / in global memory (N > 168 on sm_90)
+    for N in (40, 200):  # G in shared memory / in global memory (N > 168 on sm_90)
         G = rn(N, N // 2, dt=torch.float64)
         G = G @ G.T / (N // 2) + torch.eye(N, dtype=torch.float64)
         for m in ("fw", "away", "pairwise"):
@@ -624,18 +778,29 @@ def sanitize_subset() -> int:
             lam_c, _, _ = torch.ops.fedkernels.min_norm(G, 2000, 1e-10, 1e-15, m, "best_pair", False, None)
             close(f"min_norm {m} N={N}", lam @ G.to(dev) @ lam, lam_c @ G @ lam_c, 1e-6)
     ts = [rn(8, 3, 3, 3), rn(16, 2000), rn(4, 9000), rn(10)]
-    close("gc_project", torch.cat([t.reshape(-1) for t in ops.gc_project([t.to(dev) for t in ts], "center")]),
-          torch.cat([t.reshape(-1) for t in ops.gc_project(ts, "center")]), 1e-5)
+    close(
+        "gc_project",
+        torch.cat([t.reshape(-1) for t in ops.gc_project([t.to(dev) for t in ts], "center")]),
+        torch.cat([t.reshape(-1) for t in ops.gc_project(ts, "center")]),
+        1e-5,
+    )
     for n in (5, 33):
         A = rn(6, n, n, dt=torch.float64) + n * torch.eye(n, dtype=torch.float64)
         LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(dev))
         LUc, pivc, _ = torch.ops.fedkernels.lu_factor(A)
         close(f"lu_factor n={n}", LU, LUc, 1e-10)
         R = rn(6, n, 300)
-        close(f"lu_solve n={n}", torch.ops.fedkernels.lu_solve(LU, piv, R.to(dev)),
-              torch.ops.fedkernels.lu_solve(LUc, pivc, R), 1e-4)
-    a, b, c = torch.rand(5, generator=g, dtype=torch.float64) + 1, -torch.rand(5, generator=g, dtype=torch.float64), \
-        torch.rand(5, generator=g, dtype=torch.float64)
+        close(
+            f"lu_solve n={n}",
+            torch.ops.fedkernels.lu_solve(LU, piv, R.to(dev)),
+            torch.ops.fedkernels.lu_solve(LUc, pivc, R),
+            1e-4,
+        )
+    a, b, c = (
+        torch.rand(5, generator=g, dtype=torch.float64) + 1,
+        -torch.rand(5, generator=g, dtype=torch.float64),
+        torch.rand(5, generator=g, dtype=torch.float64),
+    )
     r0, R = rn(700), rn(5, 700)
     xg, Ig = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0.to(dev), R.to(dev))
     xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0, R)
@@ -644,8 +809,19 @@ def sanitize_subset() -> int:
     for K in (3, 40):
         d = 2049
         T = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
-        args = [rn(d), rn(K, d), rn(d), rn(K, d), rn(K, d), rn(d), T, 0.5 * T, 0.2 * torch.rand(K, generator=g,
-                dtype=torch.float64), 0.3, 1.7]
+        args = [
+            rn(d),
+            rn(K, d),
+            rn(d),
+            rn(K, d),
+            rn(K, d),
+            rn(d),
+            T,
+            0.5 * T,
+            0.2 * torch.rand(K, generator=g, dtype=torch.float64),
+            0.3,
+            1.7,
+        ]
         dev_args = [x.to(dev) if isinstance(x, torch.Tensor) and i < 6 else x for i, x in enumerate(args)]
         outs_g = torch.ops.fedkernels.fedecado_be_step(*dev_args)
         outs_c = torch.ops.fedkernels.fedecado_be_step(*args)
@@ -660,21 +836,32 @@ def sanitize_subset() -> int:
         torch.ops.fedkernels.fused_sgd_step_(p, gg, bb, [], [], [True, False, True], 0.1, 0.9, 1e-3, False, "skip", 2)
     for i in range(len(shapes)):
         close(f"fused_sgd_step_ {i}", p_g[i], p_c[i], 1e-5)
-    for K, d, block in ((3, 1031, 256), (17, 4099, 64)):   # the codecs' and privacy's ops
+    for K, d, block in ((3, 1031, 256), (17, 4099, 64)):  # the codecs' and privacy's ops
         coef = torch.rand(K, generator=g, dtype=torch.float64)
         Q = torch.randint(-127, 128, (K, d), generator=g, dtype=torch.int8)
         S = torch.rand(K, -(-d // block), generator=g)
         for qn, q in (("int8", Q), ("fp8", (Q.float() / 16).to(torch.float8_e4m3fn))):
-            a, b = ops.dequant_weighted_sum(q.to(dev), S.to(dev), coef, block), ops.dequant_weighted_sum(q, S, coef, block)
+            a, b = (
+                ops.dequant_weighted_sum(q.to(dev), S.to(dev), coef, block),
+                ops.dequant_weighted_sum(q, S, coef, block),
+            )
             close(f"dequant_weighted_sum {qn} K={K}", a[0], b[0], 1e-5)
             close(f"dequant_weighted_sum ok {qn} K={K}", a[1], b[1], 0)
-        idx = [torch.sort(torch.randperm(d, generator=g)[:d // 7]).values for _ in range(K)]
+        idx = [torch.sort(torch.randperm(d, generator=g)[: d // 7]).values for _ in range(K)]
         I, V, offs = ops.stack_lists(idx, [rn(d // 7) for _ in range(K)])
-        close(f"sparse_weighted_sum K={K}", ops.sparse_weighted_sum(I.to(dev), V.to(dev), offs, coef, d)[0],
-              ops.sparse_weighted_sum(I, V, offs, coef, d)[0], 1e-5)
+        close(
+            f"sparse_weighted_sum K={K}",
+            ops.sparse_weighted_sum(I.to(dev), V.to(dev), offs, coef, d)[0],
+            ops.sparse_weighted_sum(I, V, offs, coef, d)[0],
+            1e-5,
+        )
         U = rn(K, d)
-        close(f"weighted_sum_noised K={K}", ops.weighted_sum_noised(U.to(dev), coef, sigma=0.5, seed=3, counter=K),
-              ops.weighted_sum_noised(U, coef, sigma=0.5, seed=3, counter=K), 1e-5)
+        close(
+            f"weighted_sum_noised K={K}",
+            ops.weighted_sum_noised(U.to(dev), coef, sigma=0.5, seed=3, counter=K),
+            ops.weighted_sum_noised(U, coef, sigma=0.5, seed=3, counter=K),
+            1e-5,
+        )
         x, gr = rn(d), rn(d)
         for rule in ("adam", "yogi", "adagrad"):
             res = []
@@ -697,6 +884,7 @@ def bench_aggregate(copy_gbs):
     payloads it needs), against the one-read floor (K d bytes at the copy bandwidth) and plain torch
     ``glob + w @ U``. ResNet-18 at K = 10 and 100, VGG-11 at K = 10 (and 100 where it fits)."""
     from bench.cpu_hostwork import aggregator_cases, spec_of
+
     if is_cuda() and not QUICK:
         models = [("resnet18", layer_shapes("resnet18"), (10, 100)), ("vgg11", layer_shapes("vgg11"), (10, 100))]
     elif is_cuda():
@@ -720,14 +908,27 @@ def bench_aggregate(copy_gbs):
                     w = torch.tensor(info["n"], dtype=torch.float32, device=DEV)
                     w /= w.sum()
                     torch_ms = time_fns([lambda: x0 + w @ U], reps=10)
-                    record("aggregate", f"torch glob+w@U {mname} K={K}", torch_ms, nbytes=floor_b,
-                           copy_gbs=copy_gbs, sizes={"K": K, "d": d, "model": mname},
-                           extra={"method": "torch_glob_plus_w_at_U"})
+                    record(
+                        "aggregate",
+                        f"torch glob+w@U {mname} K={K}",
+                        torch_ms,
+                        nbytes=floor_b,
+                        copy_gbs=copy_gbs,
+                        sizes={"K": K, "d": d, "model": mname},
+                        extra={"method": "torch_glob_plus_w_at_U"},
+                    )
                 ms = time_fns([run], warmup=2, reps=10)
                 floor_ms = floor_b / copy_gbs / 1e6
-                record("aggregate", f"{name} {mname} K={K}", ms, nbytes=floor_b, copy_gbs=copy_gbs,
-                       baselines={"torch_glob_plus_w_at_U": torch_ms}, sizes={"K": K, "d": d, "model": mname},
-                       extra={"method": name, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
+                record(
+                    "aggregate",
+                    f"{name} {mname} K={K}",
+                    ms,
+                    nbytes=floor_b,
+                    copy_gbs=copy_gbs,
+                    baselines={"torch_glob_plus_w_at_U": torch_ms},
+                    sizes={"K": K, "d": d, "model": mname},
+                    extra={"method": name, "floor_ms": floor_ms, "x_floor": ms / floor_ms},
+                )
             free()
 
 
@@ -736,12 +937,18 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (default) or cpu (CI smoke run)")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
-    ap.add_argument("--only", default="",
-                    help="comma list: weighted_sum,gram,kstats,select,codecs,noise,server_opt,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
-                         "(copy always runs)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list: weighted_sum,gram,kstats,select,codecs,noise,server_opt,finite_rows,min_norm,gc,fused_step,lu,be_step,aggregate "
+        "(copy always runs)",
+    )
     add_out_argument(ap)
-    ap.add_argument("--sanitize-subset", action="store_true",
-                    help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit")
+    ap.add_argument(
+        "--sanitize-subset",
+        action="store_true",
+        help="run every CUDA op once on small shapes (the compute-sanitizer workload) and exit",
+    )
     args = ap.parse_args(argv)
     DEV, QUICK = args.device, args.quick
     if args.sanitize_subset:
@@ -759,8 +966,22 @@ def main(argv=None):
         if not info.get("cuda"):
             print("bench/gpu.py: fedkernels was built without CUDA", file=sys.stderr)
             return 2
-    known = {"weighted_sum", "gram", "kstats", "select", "codecs", "noise", "server_opt", "finite_rows", "min_norm", "gc",
-             "fused_step", "lu", "be_step", "aggregate"}
+    known = {
+        "weighted_sum",
+        "gram",
+        "kstats",
+        "select",
+        "codecs",
+        "noise",
+        "server_opt",
+        "finite_rows",
+        "min_norm",
+        "gc",
+        "fused_step",
+        "lu",
+        "be_step",
+        "aggregate",
+    }
     only = set(filter(None, args.only.split(",")))
     if only - known:
         print(f"bench/gpu.py: --only got {sorted(only - known)}, expected names from {sorted(known)}", file=sys.stderr)
@@ -774,20 +995,37 @@ def main(argv=None):
     print(f"device {dev_name}, {sms} SMs, {mem >> 30} GiB, L2 {l2_bytes() >> 20} MiB, quick={QUICK}")
     print(f"{'op':14s} {'case':34s} {'time':>12s} {'achieved':>23s}  speed-ups")
     copy_gbs = bench_copy()
-    benches = [("weighted_sum", lambda: bench_weighted_sum(copy_gbs)), ("gram", lambda: bench_gram(copy_gbs)),
-               ("kstats", lambda: bench_kstats(copy_gbs)), ("select", lambda: bench_select(copy_gbs)),
-               ("codecs", lambda: bench_codecs(copy_gbs)), ("noise", lambda: bench_noise(copy_gbs)),
-               ("server_opt", lambda: bench_server_opt(copy_gbs)),
-               ("finite_rows", lambda: bench_finite_rows(copy_gbs)), ("min_norm", bench_min_norm),
-               ("gc", lambda: bench_gc(copy_gbs)), ("fused_step", lambda: bench_fused_step(copy_gbs)),
-               ("lu", lambda: bench_lu(copy_gbs)), ("be_step", lambda: bench_be_step(copy_gbs)),
-               ("aggregate", lambda: bench_aggregate(copy_gbs))]
+    benches = [
+        ("weighted_sum", lambda: bench_weighted_sum(copy_gbs)),
+        ("gram", lambda: bench_gram(copy_gbs)),
+        ("kstats", lambda: bench_kstats(copy_gbs)),
+        ("select", lambda: bench_select(copy_gbs)),
+        ("codecs", lambda: bench_codecs(copy_gbs)),
+        ("noise", lambda: bench_noise(copy_gbs)),
+        ("server_opt", lambda: bench_server_opt(copy_gbs)),
+        ("finite_rows", lambda: bench_finite_rows(copy_gbs)),
+        ("min_norm", bench_min_norm),
+        ("gc", lambda: bench_gc(copy_gbs)),
+        ("fused_step", lambda: bench_fused_step(copy_gbs)),
+        ("lu", lambda: bench_lu(copy_gbs)),
+        ("be_step", lambda: bench_be_step(copy_gbs)),
+        ("aggregate", lambda: bench_aggregate(copy_gbs)),
+    ]
     for name, fn in benches:
         if want(name):
             fn()
-    doc = {"device": dev_name, "sms": sms, "l2_bytes": l2_bytes(), "copy_GBps": copy_gbs,
-           "torch": torch.__version__, "cuda": torch.version.cuda, "build_info": info,
-           "python": platform.python_version(), "quick": QUICK, "results": RESULTS}
+    doc = {
+        "device": dev_name,
+        "sms": sms,
+        "l2_bytes": l2_bytes(),
+        "copy_GBps": copy_gbs,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "build_info": info,
+        "python": platform.python_version(),
+        "quick": QUICK,
+        "results": RESULTS,
+    }
     slug = "".join(c if c.isalnum() else "-" for c in dev_name).strip("-").lower()
     paths = [output_path(args.out, f"gpu-{slug}.json")]
     if os.environ.get("OUT"):

@@ -30,6 +30,7 @@ file, floors, round), one after the other in one run record (``pair``), with ``i
 time) and each row against the fio floor of its own file measured minutes before it. The disk holds one file at
 a time (32 GB at d = 1e9, K = 16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,7 @@ def write_updates(path: str, K: int, d: int, dtype: torch.dtype, block: int = 1 
     g = torch.Generator().manual_seed(0)
     R = 8
     common = torch.randn(block, generator=g) * 0.05
-    blocks = [(common + torch.randn(block, generator=g) * 0.1).to(dtype).view(torch.uint8).numpy()
-              for _ in range(R)]
+    blocks = [(common + torch.randn(block, generator=g) * 0.1).to(dtype).view(torch.uint8).numpy() for _ in range(R)]
     es = torch.empty(0, dtype=dtype).element_size()
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -105,6 +105,7 @@ def read_path(path: str, K: int, d: int, dtype: torch.dtype, chunk_mb: int) -> d
     reader thread one block ahead; O_DIRECT for a file larger than the available memory), no arithmetic;
     seconds, GB/s and the read mode."""
     from fedkernels.sources import RawFileSource
+
     es = torch.empty(0, dtype=dtype).element_size()
     src = RawFileSource(path, K, d, dtype)
     drop_cache(path)
@@ -123,20 +124,20 @@ def load() -> list:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str,
-          threads: int) -> dict:
+def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int, workdir: str, threads: int) -> dict:
     """One streamed round in this (fresh) process; returns its measurements."""
     import cProfile
     import pstats
     from fedkernels import algorithms
     from fedkernels.sources import RawFileSource
     from fedkernels.streaming import ChunkedUpdates, streamed_fedavg, streamed_fedaware, streamed_kuramoto
+
     torch.set_num_threads(threads)
     dtype = DTYPES[dtype_name]
     es = torch.empty(0, dtype=dtype).element_size()
     cols = chunk_cols(K, es, chunk_mb)
     src = ChunkedUpdates(RawFileSource(path, K, d, dtype), chunk_cols=cols)
-    x = torch.zeros(d)                                      # the fp32 global model, in memory
+    x = torch.zeros(d)  # the fp32 global model, in memory
     out = os.path.join(workdir, "fedkernels_large_out.f32")
     n = list(range(10, 10 + K))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -153,31 +154,52 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
         new, info = streamed_kuramoto(x, src, n, out=out)
         passes, info = 2, {"weights": info["weights"]}
     else:
-        mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")   # N = K clients, all participate
-        agg = algorithms.build("fedaware", num_clients=K, warmup="startup_full", elud=False, momentum_file=mpath,
-                               momentum_dtype=dtype)
+        mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")  # N = K clients, all participate
+        agg = algorithms.build(
+            "fedaware", num_clients=K, warmup="startup_full", elud=False, momentum_file=mpath, momentum_dtype=dtype
+        )
         new, info = streamed_fedaware(x, src, n, list(range(K)), agg, out=out)
-        passes = 2                                           # a screening pass (elud=False), the momentum pass
-        extra_read, extra_write = 2 * K * d * es, K * d * es   # the table: read by both table passes, written once
-        info = {"lam": info["lam"], "table_dtype": dtype_name,
-                "note": "round 0: the momentum table starts as a zero file (blocks reserved)"}
+        passes = 2  # a screening pass (elud=False), the momentum pass
+        extra_read, extra_write = 2 * K * d * es, K * d * es  # the table: read by both table passes, written once
+        info = {
+            "lam": info["lam"],
+            "table_dtype": dtype_name,
+            "note": "round 0: the momentum table starts as a zero file (blocks reserved)",
+        }
     prof.disable()
     t = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     read = passes * K * d * es + extra_read
-    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:6]   # by own time
-    return {"method": method, "time_s": t, "passes_over_U": passes, "bytes_read": read, "bytes_written_table":
-            extra_write, "GBps_read": read / t / 1e9, "peak_rss_GB": rss * 1024 / 1e9,
-            "rss_before_round_GB": rss0 * 1024 / 1e9, "chunk_MB": src.staging_bytes / 2 ** 20,
-            "read_block_MB": READ_BYTES / 2 ** 20,
-            "chunk_cols": cols, "torch_threads": threads, "loadavg_before": load0, "loadavg_after": load(),
-            "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
-            "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
-            "top_calls_own_s": [[fn if file == "~" else f"{os.path.basename(file)}:{line}({fn})", round(st[2], 2)]
-                                for (file, line, fn), st in top],
-            "read_mode": src.source.read_mode, "result_ok": ok, "info": info}
+    top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:6]  # by own time
+    return {
+        "method": method,
+        "time_s": t,
+        "passes_over_U": passes,
+        "bytes_read": read,
+        "bytes_written_table": extra_write,
+        "GBps_read": read / t / 1e9,
+        "peak_rss_GB": rss * 1024 / 1e9,
+        "rss_before_round_GB": rss0 * 1024 / 1e9,
+        "chunk_MB": src.staging_bytes / 2**20,
+        "read_block_MB": READ_BYTES / 2**20,
+        "chunk_cols": cols,
+        "torch_threads": threads,
+        "loadavg_before": load0,
+        "loadavg_after": load(),
+        "user_s": r1.ru_utime - r0.ru_utime,
+        "sys_s": r1.ru_stime - r0.ru_stime,
+        "minor_faults": r1.ru_minflt - r0.ru_minflt,
+        "major_faults": r1.ru_majflt - r0.ru_majflt,
+        "top_calls_own_s": [
+            [fn if file == "~" else f"{os.path.basename(file)}:{line}({fn})", round(st[2], 2)]
+            for (file, line, fn), st in top
+        ],
+        "read_mode": src.source.read_mode,
+        "result_ok": ok,
+        "info": info,
+    }
 
 
 def fio_floor(path: str, K: int, size: int) -> dict:
@@ -188,20 +210,37 @@ def fio_floor(path: str, K: int, size: int) -> dict:
     if shutil.which("fio") is None:
         return {"fio": "not installed (apt-get install -y fio)"}
     out = {}
-    per = size // K // 4096 * 4096          # direct reads: offsets in multiples of 4096
+    per = size // K // 4096 * 4096  # direct reads: offsets in multiples of 4096
     for name, extra in (("rows", ["--ioengine=psync", "--iodepth=1"]), ("deep", ["--ioengine=libaio", "--iodepth=4"])):
         drop_cache(path)
         bs = max(4096, (READ_BYTES // K) // 4096 * 4096)
-        cmd = ["fio", f"--name={name}", f"--filename={path}", "--rw=read", "--direct=1", f"--bs={bs}",
-               f"--numjobs={K}", f"--size={per // bs * bs}", f"--offset_increment={per}", "--group_reporting",
-               "--output-format=json", "--readonly"] + extra
+        cmd = [
+            "fio",
+            f"--name={name}",
+            f"--filename={path}",
+            "--rw=read",
+            "--direct=1",
+            f"--bs={bs}",
+            f"--numjobs={K}",
+            f"--size={per // bs * bs}",
+            f"--offset_increment={per}",
+            "--group_reporting",
+            "--output-format=json",
+            "--readonly",
+        ] + extra
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             out[name] = {"error": r.stderr.strip()[-300:]}
             continue
-        j = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]["read"]
-        out[name] = {"GBps": j["bw_bytes"] / 1e9, "bytes": j["io_bytes"], "s": j["runtime"] / 1e3,
-                     "bs": bs, "streams": K, "cmd": " ".join(cmd[1:])}
+        j = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]["read"]
+        out[name] = {
+            "GBps": j["bw_bytes"] / 1e9,
+            "bytes": j["io_bytes"],
+            "s": j["runtime"] / 1e3,
+            "bs": bs,
+            "streams": K,
+            "cmd": " ".join(cmd[1:]),
+        }
     rates = [v["GBps"] for v in out.values() if isinstance(v, dict) and "GBps" in v]
     if rates:
         out["floor_GBps"] = max(rates)
@@ -213,8 +252,9 @@ def write_int8_updates(path: str, scales_path: str, K: int, d: int, block: int =
     """K rows of d int8 codes (R precomputed random blocks picked by a hash of (row, block), as write_updates)
     and their float32 scales (one per INT8_BLOCK columns); returns seconds (fsync included)."""
     g = torch.Generator().manual_seed(0)
-    blocks = [torch.randint(-127, 128, (block,), generator=g, dtype=torch.int8).view(torch.uint8).numpy()
-              for _ in range(8)]
+    blocks = [
+        torch.randint(-127, 128, (block,), generator=g, dtype=torch.int8).view(torch.uint8).numpy() for _ in range(8)
+    ]
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         for k in range(K):
@@ -233,6 +273,7 @@ def child_int8(path: str, scales_path: str, K: int, d: int, threads: int) -> dic
     into the fp32 model (compress.aggregate_compressed: FedAvg's own round)."""
     from fedkernels import algorithms, compress
     from fedkernels.sources import BlockCodeFile
+
     torch.set_num_threads(threads)
     src = BlockCodeFile(path, scales_path, K, d, INT8_BLOCK)
     x = torch.zeros(d)
@@ -247,14 +288,30 @@ def child_int8(path: str, scales_path: str, K: int, d: int, threads: int) -> dic
     new = res.params
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
     read = src.nbytes
-    return {"method": "fedavg", "dtype": "int8", "block": INT8_BLOCK, "time_s": t, "passes_over_U": 1,
-            "bytes_read": read, "bytes_written_table": 0, "GBps_read": read / t / 1e9,
-            "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-            "rss_before_round_GB": rss0 * 1024 / 1e9, "read_block_MB": READ_BYTES / 2 ** 20,
-            "chunk_cols": src.chunk_cols(), "torch_threads": threads, "loadavg_before": load0,
-            "loadavg_after": load(), "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
-            "minor_faults": r1.ru_minflt - r0.ru_minflt, "major_faults": r1.ru_majflt - r0.ru_majflt,
-            "read_mode": src.codes.read_mode, "result_ok": ok, "info": {"codec": "int8_block(block=256)"}}
+    return {
+        "method": "fedavg",
+        "dtype": "int8",
+        "block": INT8_BLOCK,
+        "time_s": t,
+        "passes_over_U": 1,
+        "bytes_read": read,
+        "bytes_written_table": 0,
+        "GBps_read": read / t / 1e9,
+        "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "rss_before_round_GB": rss0 * 1024 / 1e9,
+        "read_block_MB": READ_BYTES / 2**20,
+        "chunk_cols": src.chunk_cols(),
+        "torch_threads": threads,
+        "loadavg_before": load0,
+        "loadavg_after": load(),
+        "user_s": r1.ru_utime - r0.ru_utime,
+        "sys_s": r1.ru_stime - r0.ru_stime,
+        "minor_faults": r1.ru_minflt - r0.ru_minflt,
+        "major_faults": r1.ru_majflt - r0.ru_majflt,
+        "read_mode": src.codes.read_mode,
+        "result_ok": ok,
+        "info": {"codec": "int8_block(block=256)"},
+    }
 
 
 def run_int8(args, save=lambda res: None) -> dict:
@@ -264,12 +321,21 @@ def run_int8(args, save=lambda res: None) -> dict:
     path = os.path.join(args.dir, f"fedkernels_large_Q_{K}x{d}.int8")
     spath = path + ".scales"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    res = {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": "int8", "block": INT8_BLOCK,
-           "file_GB": size / 1e9, "scales_GB": 4 * K * -(-d // INT8_BLOCK) / 1e9, "dir": args.dir,
-           "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-           "complete": False, "methods": [],
-           "notes": "floor: fio's parallel direct reads of the same cold file (fio_floor: K streams as the sources "
-                    "read them, and 4 reads in flight each), dd (one buffered sequential reader) beside it"}
+    res = {
+        "commit": commit.stdout.strip() or None,
+        "K": K,
+        "d": d,
+        "dtype": "int8",
+        "block": INT8_BLOCK,
+        "file_GB": size / 1e9,
+        "scales_GB": 4 * K * -(-d // INT8_BLOCK) / 1e9,
+        "dir": args.dir,
+        "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "complete": False,
+        "methods": [],
+        "notes": "floor: fio's parallel direct reads of the same cold file (fio_floor: K streams as the sources "
+        "read them, and 4 reads in flight each), dd (one buffered sequential reader) beside it",
+    }
     try:
         t_write = write_int8_updates(path, spath, K, d)
         res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
@@ -278,8 +344,10 @@ def run_int8(args, save=lambda res: None) -> dict:
         res["fio"] = fio_floor(path, K, size)
         save(res)
         drop_cache(path)
-        code = (f"import json; from bench.large_model import child_int8; print(json.dumps(child_int8({path!r}, "
-                f"{spath!r}, {K}, {d}, {args.threads})))")
+        code = (
+            f"import json; from bench.large_model import child_int8; print(json.dumps(child_int8({path!r}, "
+            f"{spath!r}, {K}, {d}, {args.threads})))"
+        )
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
         if r.returncode != 0:
             raise SystemExit(f"large_model: the int8 round failed:\n{r.stderr[-2000:]}")
@@ -288,7 +356,7 @@ def run_int8(args, save=lambda res: None) -> dict:
         if "floor_GBps" in res["fio"]:
             row["floor_s"] = row["bytes_read"] / (res["fio"]["floor_GBps"] * 1e9)
             row["vs_floor"] = row["floor_s"] / row["time_s"]
-            row["fio_floor_s"], row["vs_fio_floor"] = row["floor_s"], row["vs_floor"]   # (the bf16 rows' names)
+            row["fio_floor_s"], row["vs_fio_floor"] = row["floor_s"], row["vs_floor"]  # (the bf16 rows' names)
         res["methods"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "info"}), flush=True)
         save(res)
@@ -314,33 +382,48 @@ def run(args, save=lambda res: None) -> dict:
     size = K * d * es
     free = shutil.disk_usage(args.dir).free
     path = os.path.join(args.dir, f"fedkernels_large_U_{K}x{d}.{args.dtype}")
-    junk = [path] + [os.path.join(args.dir, f) for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin",
-                                                          "fedkernels_large_momenta.bin.state")]
+    junk = [path] + [
+        os.path.join(args.dir, f)
+        for f in ("fedkernels_large_out.f32", "fedkernels_large_momenta.bin", "fedkernels_large_momenta.bin.state")
+    ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     uptime = subprocess.run(["uptime"], capture_output=True, text=True)
-    res = {"commit": commit.stdout.strip() or None, "K": K, "d": d, "dtype": args.dtype, "file_GB": size / 1e9,
-           "dir": args.dir, "disk_free_GB_before": free / 1e9, "uptime_before": uptime.stdout.strip(),
-           "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-           "cpus": os.cpu_count(), "machine": platform.node(), "torch": torch.__version__, "complete": False,
-           "methods": [],
-           "notes": "peak RSS includes the fp32 global model (4 d bytes) and the pages of the mapped output file "
-                    "(written during the result pass, then fsynced and renamed); the update file's pages are "
-                    "dropped before dd, read_path and each method (all start from the disk); floor_s = passes "
-                    "over U x dd time; FedAWARE's floor_with_table_s adds its table: two reads at the dd rate, one "
-                    "write at write_GBps. The machine is shared: loadavg_before/after."}
+    res = {
+        "commit": commit.stdout.strip() or None,
+        "K": K,
+        "d": d,
+        "dtype": args.dtype,
+        "file_GB": size / 1e9,
+        "dir": args.dir,
+        "disk_free_GB_before": free / 1e9,
+        "uptime_before": uptime.stdout.strip(),
+        "ram_GB": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+        "cpus": os.cpu_count(),
+        "machine": platform.node(),
+        "torch": torch.__version__,
+        "complete": False,
+        "methods": [],
+        "notes": "peak RSS includes the fp32 global model (4 d bytes) and the pages of the mapped output file "
+        "(written during the result pass, then fsynced and renamed); the update file's pages are "
+        "dropped before dd, read_path and each method (all start from the disk); floor_s = passes "
+        "over U x dd time; FedAWARE's floor_with_table_s adds its table: two reads at the dd rate, one "
+        "write at write_GBps. The machine is shared: loadavg_before/after.",
+    }
     try:
         t_write = write_updates(path, K, d, dtype)
         res.update(write_s=t_write, write_GBps=size / t_write / 1e9)
         res.update(dd_floor(path))
         res["dd_GBps"] = size / res["dd_s"] / 1e9
-        res["fio"] = fio_floor(path, K, size)       # the device's parallel direct-read bandwidth: the honest floor
+        res["fio"] = fio_floor(path, K, size)  # the device's parallel direct-read bandwidth: the honest floor
         rp = read_path(path, K, d, dtype, args.chunk_mb)
         res["read_path"] = dict(rp, vs_dd=res["dd_s"] / rp["read_s"], chunk_MB=args.chunk_mb)
         save(res)
         for m in args.methods:
             drop_cache(path)
-            code = (f"import json; from bench.large_model import child; print(json.dumps(child({m!r}, {path!r}, "
-                    f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r}, {args.threads})))")
+            code = (
+                f"import json; from bench.large_model import child; print(json.dumps(child({m!r}, {path!r}, "
+                f"{K}, {d}, {args.dtype!r}, {args.chunk_mb}, {args.dir!r}, {args.threads})))"
+            )
             r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
             if r.returncode != 0:
                 raise SystemExit(f"large_model: the {m} round failed:\n{r.stderr[-2000:]}")
@@ -371,19 +454,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d", type=float, default=1e8, help="parameters per client (default 1e8)")
     ap.add_argument("--K", type=int, default=16, help="clients (default 16)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES) + ["int8", "int8+bf16"], default="bf16",
-                    help="the update file's dtype; int8: compress.kind=int8_block rows (FedAvg only); int8+bf16: "
-                         "FedAvg on a bf16 file, then on an int8 file, in one run")
+    ap.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES) + ["int8", "int8+bf16"],
+        default="bf16",
+        help="the update file's dtype; int8: compress.kind=int8_block rows (FedAvg only); int8+bf16: "
+        "FedAvg on a bf16 file, then on an int8 file, in one run",
+    )
     ap.add_argument("--dir", default="/tmp", help="where the temporary files go (deleted at the end)")
-    ap.add_argument("--chunk-mb", type=int, default=CPU_CHUNK_BYTES >> 20,
-                    help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
-                         "default); the file is read in blocks of at least sources.READ_BYTES")
+    ap.add_argument(
+        "--chunk-mb",
+        type=int,
+        default=CPU_CHUNK_BYTES >> 20,
+        help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
+        "default); the file is read in blocks of at least sources.READ_BYTES",
+    )
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                    help="torch threads of each round (default: torch's default)")
-    ap.add_argument("--append", action="store_true",
-                    help="add this run to the runs of an existing result file instead of replacing it")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads of each round (default: torch's default)",
+    )
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run to the runs of an existing result file instead of replacing it",
+    )
     add_out_argument(ap)
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
@@ -398,12 +496,17 @@ def main(argv=None):
         ap.error(f"--dir: {args.dir!r} is not a directory")
     if args.dtype == "int8+bf16":
         args.methods = ["fedavg"]
-    need = (args.K * int(args.d) * 1.02 if args.dtype == "int8" else
-            disk_needed(args.K, int(args.d), DTYPES["bf16" if args.dtype == "int8+bf16" else args.dtype], args.methods))
+    need = (
+        args.K * int(args.d) * 1.02
+        if args.dtype == "int8"
+        else disk_needed(args.K, int(args.d), DTYPES["bf16" if args.dtype == "int8+bf16" else args.dtype], args.methods)
+    )
     free = shutil.disk_usage(args.dir).free
     if need + args.margin_gb * 1e9 > free:
-        ap.error(f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
-                 f"{need / 1e9:.1f} GB + --margin-gb {args.margin_gb} GB: lower --d")
+        ap.error(
+            f"--d {int(args.d)}: --dir {args.dir} has {free / 1e9:.1f} GB free, the run needs "
+            f"{need / 1e9:.1f} GB + --margin-gb {args.margin_gb} GB: lower --d"
+        )
     path = output_path(args.out, "large-model-cpu.json")
     runs = []
     if args.append and os.path.exists(path):
@@ -414,6 +517,7 @@ def main(argv=None):
         with open(path + ".tmp", "w") as f:
             json.dump({"benchmark": "large_model", "runs": runs + [res]}, f, indent=1)
         os.replace(path + ".tmp", path)
+
     if args.dtype == "int8+bf16":
         save(run_pair(args, save))
     else:
@@ -424,16 +528,25 @@ def main(argv=None):
 def run_pair(args, save=lambda res: None) -> dict:
     """``--dtype int8+bf16``: FedAvg over a bf16 file, then over an int8 file of the same K x d, one record."""
     import copy
-    pair = {"pair": "int8+bf16", "K": args.K, "d": int(args.d), "complete": False,
-            "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+    pair = {
+        "pair": "int8+bf16",
+        "K": args.K,
+        "d": int(args.d),
+        "complete": False,
+        "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    }
     b = copy.copy(args)
     b.dtype, b.methods = "bf16", ["fedavg"]
     pair["bf16"] = run(b, lambda r: save(dict(pair, bf16=r)))
     save(pair)
     pair["int8"] = run_int8(args, lambda r: save(dict(pair, int8=r)))
     tb, ti = pair["bf16"]["methods"][0]["time_s"], pair["int8"]["methods"][0]["time_s"]
-    pair.update(int8_vs_bf16=tb / ti, uptime_after=subprocess.run(["uptime"], capture_output=True,
-                                                                   text=True).stdout.strip(), complete=True)
+    pair.update(
+        int8_vs_bf16=tb / ti,
+        uptime_after=subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        complete=True,
+    )
     print(json.dumps({"int8_vs_bf16": pair["int8_vs_bf16"], "bf16_s": tb, "int8_s": ti}), flush=True)
     return pair
 
@@ -464,7 +577,7 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
     nbytes = K * d * es
     U = torch.empty(K, d, dtype=dt)
     U.fill_(1e-3)
-    for k in range(K):                                   # rows that differ, cheaply
+    for k in range(K):  # rows that differ, cheaply
         U[k, k::997] = (k + 1) * 1e-3
     n = [float(k + 1) for k in range(K)]
     p = torch.tensor(n, dtype=torch.float64) / sum(n)
@@ -483,7 +596,7 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
 
     agg = algorithms.build("fedavg")
     cu = ChunkedUpdates(U, chunk_cols=chunk_cols, device="cuda")
-    agg.aggregate(glob, cu, n)                                              # warm-up (allocations, streams)
+    agg.aggregate(glob, cu, n)  # warm-up (allocations, streams)
     t_ovl, (new, _) = best(lambda: agg.aggregate(glob, cu, n), 3)
 
     def sync_loop():
@@ -491,6 +604,7 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
         for a, b, c in TensorSource(U).chunks(chunk_cols):
             res[a:b] = ops.weighted_sum(c.to("cuda").float(), p, base=glob[a:b])
         return res
+
     t_sync, _ = best(sync_loop, 1)
     g_cpu = glob.cpu()
     t_cpu, ref = best(lambda: ops.weighted_sum(U, p, base=g_cpu), 2)
@@ -498,23 +612,48 @@ def gpu_overlap(K: int = 16, d: int = 250_000_000, dtype: str = "fp32", chunk_mb
     auto = ChunkedUpdates(U, device="auto", method=agg).placement
     auto_kuramoto = ChunkedUpdates(U, device="auto", method=algorithms.build("kuramoto")).placement
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    res = {"benchmark": "large_model_gpu", "commit": commit.stdout.strip() or None,
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cpus": os.cpu_count(),
-           "threads": torch.get_num_threads(), "K": K, "d": d, "dtype": dtype, "U_GB": nbytes / 1e9,
-           "chunk_MB": K * chunk_cols * es / 2 ** 20,
-           "pinned_h2d_GBps": h2d, "staging_GBps": stage, "cpu_op_probe_GBps": cpu_probe,
-           "floor_s": nbytes / 1e9 / h2d,
-           "overlapped_s": t_ovl, "overlapped_GBps": nbytes / t_ovl / 1e9,
-           "overlapped_vs_h2d": nbytes / t_ovl / 1e9 / h2d,
-           "target_vs_h2d": 0.85, "sync_loop_s": t_sync, "sync_loop_GBps": nbytes / t_sync / 1e9,
-           "cpu_op_s": t_cpu, "cpu_op_GBps": nbytes / t_cpu / 1e9,
-           "max_abs_diff_vs_cpu_op": float((new.cpu() - ref).abs().max()), "auto_placement": auto,
-           "auto_placement_kuramoto": auto_kuramoto,
-           "notes": "FedAvg (rows screened in the same pass) over ChunkedUpdates(device='cuda'), global model on the "
-                    "GPU; best of 3 after a warm-up; the sync loop and the CPU op are the baselines a user would "
-                    "otherwise write; pinned_h2d/staging/cpu_op_probe are sources' 64 MiB probes (device='auto')."}
-    for key in ("pinned_h2d_GBps", "staging_GBps", "overlapped_GBps", "overlapped_vs_h2d", "sync_loop_GBps",
-                "cpu_op_GBps", "max_abs_diff_vs_cpu_op", "auto_placement", "auto_placement_kuramoto"):
+    res = {
+        "benchmark": "large_model_gpu",
+        "commit": commit.stdout.strip() or None,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "K": K,
+        "d": d,
+        "dtype": dtype,
+        "U_GB": nbytes / 1e9,
+        "chunk_MB": K * chunk_cols * es / 2**20,
+        "pinned_h2d_GBps": h2d,
+        "staging_GBps": stage,
+        "cpu_op_probe_GBps": cpu_probe,
+        "floor_s": nbytes / 1e9 / h2d,
+        "overlapped_s": t_ovl,
+        "overlapped_GBps": nbytes / t_ovl / 1e9,
+        "overlapped_vs_h2d": nbytes / t_ovl / 1e9 / h2d,
+        "target_vs_h2d": 0.85,
+        "sync_loop_s": t_sync,
+        "sync_loop_GBps": nbytes / t_sync / 1e9,
+        "cpu_op_s": t_cpu,
+        "cpu_op_GBps": nbytes / t_cpu / 1e9,
+        "max_abs_diff_vs_cpu_op": float((new.cpu() - ref).abs().max()),
+        "auto_placement": auto,
+        "auto_placement_kuramoto": auto_kuramoto,
+        "notes": "FedAvg (rows screened in the same pass) over ChunkedUpdates(device='cuda'), global model on the "
+        "GPU; best of 3 after a warm-up; the sync loop and the CPU op are the baselines a user would "
+        "otherwise write; pinned_h2d/staging/cpu_op_probe are sources' 64 MiB probes (device='auto').",
+    }
+    for key in (
+        "pinned_h2d_GBps",
+        "staging_GBps",
+        "overlapped_GBps",
+        "overlapped_vs_h2d",
+        "sync_loop_GBps",
+        "cpu_op_GBps",
+        "max_abs_diff_vs_cpu_op",
+        "auto_placement",
+        "auto_placement_kuramoto",
+    ):
         print(f"{key}: {res[key]}", flush=True)
     path = output_path(out, "large-model-gpu.json")
     with open(path + ".tmp", "w") as f:

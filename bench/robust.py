@@ -24,6 +24,7 @@ Targets (2-core CPU): median and trimmed mean <= 3x the floor at K = 10 and <= 5
 faster than torch.median(U, 0); Krum / Multi-Krum <= 1.3x the Gram's time; FedAdam/Yogi/Adagrad <= 1.3x
 FedAvg's aggregate; each >= 10x faster than Flower's. Writes runs/bench/robust.json (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,22 +46,32 @@ from fedkernels.ops.select import median_bounds, trim_bounds  # noqa: E402
 
 RESNET18_D = 11_220_132
 # (row label, registered name, options; "K//2" stands for K // 2)
-METHODS = [("median", "median", {}), ("trimmed_mean", "trimmed_mean", {"beta": 0.1}), ("krum", "krum", {"f": 1}),
-           ("multi-krum", "krum", {"f": 1, "m": "K//2"}), ("bulyan", "bulyan", {"f": 1}),
-           ("geometric_median", "geometric_median", {}), ("centered_clip", "centered_clip", {}),
-           ("fedadam", "fedadam", {}), ("fedyogi", "fedyogi", {}), ("fedadagrad", "fedadagrad", {})]
+METHODS = [
+    ("median", "median", {}),
+    ("trimmed_mean", "trimmed_mean", {"beta": 0.1}),
+    ("krum", "krum", {"f": 1}),
+    ("multi-krum", "krum", {"f": 1, "m": "K//2"}),
+    ("bulyan", "bulyan", {"f": 1}),
+    ("geometric_median", "geometric_median", {}),
+    ("centered_clip", "centered_clip", {}),
+    ("fedadam", "fedadam", {}),
+    ("fedyogi", "fedyogi", {}),
+    ("fedadagrad", "fedadagrad", {}),
+]
 
 
 def _flower():
     try:
         from flwr.server.strategy import aggregate as fl
+
         return fl
     except Exception:  # pragma: no cover - flwr is optional
         return None
 
 
-def _method_round(label: str, name: str, opts: Dict[str, Any], U: torch.Tensor, x0: torch.Tensor
-                  ) -> Optional[Callable[[], Any]]:
+def _method_round(
+    label: str, name: str, opts: Dict[str, Any], U: torch.Tensor, x0: torch.Tensor
+) -> Optional[Callable[[], Any]]:
     """One aggregate round of a registered method on U (None when ``name`` is not registered)."""
     if name not in algorithms.available():
         return None
@@ -74,7 +85,8 @@ def _method_round(label: str, name: str, opts: Dict[str, Any], U: torch.Tensor, 
 
     def run():
         return agg.aggregate(x0, U, n, ids, payloads)
-    run()   # the first round allocates the method's state
+
+    run()  # the first round allocates the method's state
     return run
 
 
@@ -105,7 +117,7 @@ def bench(K: int, d: int, baseline_elems: float, repeats: int, flower: bool) -> 
         fns["flower:aggregate_median"] = lambda: fl.aggregate_median(nd)
         fns["flower:aggregate_trimmed_avg"] = lambda: fl.aggregate_trimmed_avg(nd, 0.1)
         fns["flower:aggregate_krum"] = lambda: fl.aggregate_krum(nd, f, 0)
-        if 4 * f + 3 <= K <= 20:   # theta Krum rounds of K^2 norms each: minutes per call at K = 100
+        if 4 * f + 3 <= K <= 20:  # theta Krum rounds of K^2 norms each: minutes per call at K = 100
             fns["flower:aggregate_bulyan"] = lambda: fl.aggregate_bulyan(list(nd), f, fl.aggregate_krum, to_keep=0)
     skipped = []
     for label, name, opts in METHODS:
@@ -125,8 +137,14 @@ def bench(K: int, d: int, baseline_elems: float, repeats: int, flower: bool) -> 
     rows = []
     for k, v in ms.items():
         kind, name = k.split(":", 1)
-        row: Dict[str, Any] = {"K": K, "d": d, "case": k, "ms": v, "x_floor": v / floor,
-                               "baseline_d": db if kind in ("torch", "flower") else d}
+        row: Dict[str, Any] = {
+            "K": K,
+            "d": d,
+            "case": k,
+            "ms": v,
+            "x_floor": v / floor,
+            "baseline_d": db if kind in ("torch", "flower") else d,
+        }
         if k == "op:median":
             row["torch_median_over_op"] = ms["torch:median"] / v
             if "flower:aggregate_median" in ms:
@@ -167,7 +185,12 @@ def target_verdicts(table: List[Dict[str, Any]]) -> List[str]:
         K, case = r["K"], r["case"]
         if case in ("op:median", "op:trimmed_mean"):
             line(f"K={K} {case} x floor", r["x_floor"], "<=", 3.0 if K <= 10 else 5.0)
-            line(f"K={K} {case} torch baseline / op", r.get("torch_median_over_op", r.get("torch_sort_over_op")), ">=", 5.0)
+            line(
+                f"K={K} {case} torch baseline / op",
+                r.get("torch_median_over_op", r.get("torch_sort_over_op")),
+                ">=",
+                5.0,
+            )
             line(f"K={K} {case} Flower / op", r.get("flower_over_op"), ">=", 10.0)
         if case in ("method:krum", "method:multi-krum"):
             line(f"K={K} {case} x gram", r.get("x_gram"), "<=", 1.3)
@@ -183,8 +206,12 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=RESNET18_D, help="parameters per client (default ResNet-18's 11.2M)")
     ap.add_argument("--ks", default="10,100", help="comma list of client counts K")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved samples per case")
-    ap.add_argument("--baseline-elems", type=float, default=2.5e8,
-                    help="largest K x d the torch / Flower baselines run on (their time is scaled to d)")
+    ap.add_argument(
+        "--baseline-elems",
+        type=float,
+        default=2.5e8,
+        help="largest K x d the torch / Flower baselines run on (their time is scaled to d)",
+    )
     ap.add_argument("--no-flower", action="store_true", help="leave out Flower's functions")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add_out_argument(ap)
@@ -195,8 +222,11 @@ def main(argv=None) -> int:
         print(f"bench/robust.py: --ks must be a comma list of ints, got {args.ks!r}", file=sys.stderr)
         return 2
     if args.d < 1 or not ks or min(ks) < 1 or args.repeats < 1:
-        print(f"bench/robust.py: need --d >= 1, --ks >= 1 and --repeats >= 1, got d={args.d} ks={ks} "
-              f"repeats={args.repeats}", file=sys.stderr)
+        print(
+            f"bench/robust.py: need --d >= 1, --ks >= 1 and --repeats >= 1, got d={args.d} ks={ks} "
+            f"repeats={args.repeats}",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -204,17 +234,43 @@ def main(argv=None) -> int:
     for K in ks:
         rows += bench(K, args.d, args.baseline_elems, args.repeats, not args.no_flower)
     table = [r for r in rows if "ms" in r]
-    print_table(table, ["K", "d", "case", "ms", "x_floor", "baseline_d", "torch_median_over_op", "torch_sort_over_op",
-                        "flower_over_op", "x_gram", "x_fedavg", "flower_over_method"])
+    print_table(
+        table,
+        [
+            "K",
+            "d",
+            "case",
+            "ms",
+            "x_floor",
+            "baseline_d",
+            "torch_median_over_op",
+            "torch_sort_over_op",
+            "flower_over_op",
+            "x_gram",
+            "x_fedavg",
+            "flower_over_method",
+        ],
+    )
     for r in rows:
         if r["case"] == "skipped_methods" and r["skipped"]:
             print(f"K={r['K']}: not registered here, skipped: {', '.join(r['skipped'])}")
     verdicts = target_verdicts(table)
     for v in verdicts:
         print(v)
-    path = write_json("robust.json", rows + [{"case": "verdicts", "lines": verdicts}], extra={"targets": {
-        "median_trimmed_x_floor": {"10": 3.0, "100": 5.0}, "torch_median_over_op_min": 5.0,
-        "krum_x_gram_max": 1.3, "server_opt_x_fedavg_max": 1.3, "flower_over_min": 10.0}}, out=args.out)
+    path = write_json(
+        "robust.json",
+        rows + [{"case": "verdicts", "lines": verdicts}],
+        extra={
+            "targets": {
+                "median_trimmed_x_floor": {"10": 3.0, "100": 5.0},
+                "torch_median_over_op_min": 5.0,
+                "krum_x_gram_max": 1.3,
+                "server_opt_x_fedavg_max": 1.3,
+                "flower_over_min": 10.0,
+            }
+        },
+        out=args.out,
+    )
     print(f"wrote {path}")
     return 0
 

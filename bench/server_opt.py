@@ -16,6 +16,7 @@ Flower's ``FedAdam.aggregate_fit`` at the smallest K (NumPy, the clients' models
 Timings are interleaved (one sample of each function per round, bench/common.compare): load from other
 processes hits all alike; median and min are recorded. Writes cpu-server-opt.json (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,11 @@ from fedkernels import algorithms, ops
 from .common import add_out_argument, compare, print_table, write_json
 
 D_RESNET18 = 11_220_132
-OPTS = {"adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-9), "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
-        "adagrad": dict(beta_1=0.0, beta_2=0.0, tau=1e-9)}
+OPTS = {
+    "adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-9),
+    "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
+    "adagrad": dict(beta_1=0.0, beta_2=0.0, tau=1e-9),
+}
 
 
 def torch_step(rule: str, io, m, v, x, lr, beta_1, beta_2, tau):
@@ -54,7 +58,7 @@ def step_rows(d: int, repeats: int) -> List[Dict[str, object]]:
         bufs = {k: (g.clone(), torch.zeros(d), torch.full((d,), 1e-4)) for k in ("op", "torch")}
 
         def op(b=bufs["op"], rule=rule, o=o):
-            b[0].copy_(g)                            # (the copy is timed in both: the pseudo-gradient's write)
+            b[0].copy_(g)  # (the copy is timed in both: the pseudo-gradient's write)
             ops.server_opt_step_(b[0], b[1], b[2], x, rule=rule, lr=0.01, **o)
 
         def comp(b=bufs["torch"], rule=rule, o=o):
@@ -62,16 +66,26 @@ def step_rows(d: int, repeats: int) -> List[Dict[str, object]]:
             torch_step(rule, b[0], b[1], b[2], x, 0.01, **o)
 
         def refill(b=bufs["op"]):
-            b[0].copy_(g)                            # the copy alone, subtracted below
+            b[0].copy_(g)  # the copy alone, subtracted below
+
         t = compare({"op": op, "torch": comp, "copy": refill}, repeats=repeats, min_time=0.0)
         top = t["op"]["median_s"] - t["copy"]["median_s"]
         ttorch = t["torch"]["median_s"] - t["copy"]["median_s"]
         # the floor: 28 bytes a coordinate at the bandwidth of the interleaved copy (8 bytes a coordinate),
         # measured in the same rounds as the op (a busy machine's bandwidth moves between probes)
         floor_s = 3.5 * t["copy"]["median_s"]
-        rows.append({"row": f"step {rule}", "d": d, "op_ms": 1e3 * top, "torch_ms": 1e3 * ttorch,
-                     "floor_ms": 1e3 * floor_s, "op/floor": top / floor_s, "torch/op": ttorch / top,
-                     "op_min_ms": 1e3 * (t["op"]["min_s"] - t["copy"]["min_s"])})
+        rows.append(
+            {
+                "row": f"step {rule}",
+                "d": d,
+                "op_ms": 1e3 * top,
+                "torch_ms": 1e3 * ttorch,
+                "floor_ms": 1e3 * floor_s,
+                "op/floor": top / floor_s,
+                "torch/op": ttorch / top,
+                "op_min_ms": 1e3 * (t["op"]["min_s"] - t["copy"]["min_s"]),
+            }
+        )
     return rows
 
 
@@ -80,15 +94,23 @@ def aggregate_rows(d: int, Ks: List[int], repeats: int, flower: bool) -> List[Di
     x = torch.randn(d, generator=torch.Generator().manual_seed(1))
     base = 0.01 * torch.randn(d, generator=torch.Generator().manual_seed(2))
     for K in Ks:
-        U = base * torch.linspace(0.5, 1.5, K).unsqueeze(1)          # [K, d] fp32 (values do not matter)
+        U = base * torch.linspace(0.5, 1.5, K).unsqueeze(1)  # [K, d] fp32 (values do not matter)
         n = list(range(10, 10 + K))
         aggs = {name: algorithms.build(name) for name in ("fedavg", "fedadam", "fedyogi", "fedadagrad")}
         fns = {name: (lambda a=a, U=U, n=n: a.aggregate(x, U, n)) for name, a in aggs.items()}
         t = compare(fns, repeats=repeats, min_time=0.0)
         ref = t["fedavg"]["median_s"]
         for name in aggs:
-            rows.append({"row": f"aggregate {name}", "K": K, "d": d, "ms": 1e3 * t[name]["median_s"],
-                         "min_ms": 1e3 * t[name]["min_s"], "x fedavg": t[name]["median_s"] / ref})
+            rows.append(
+                {
+                    "row": f"aggregate {name}",
+                    "K": K,
+                    "d": d,
+                    "ms": 1e3 * t[name]["median_s"],
+                    "min_ms": 1e3 * t[name]["min_s"],
+                    "x fedavg": t[name]["median_s"] / ref,
+                }
+            )
         if flower and K == min(Ks):
             rows.append(flower_row(x, U, n, t["fedadam"]["median_s"]))
         del U
@@ -103,8 +125,10 @@ def flower_row(x, U, n, ours_s) -> Dict[str, object]:
     from flwr.server.strategy import FedAdam
 
     xs = x.numpy()
-    res = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([xs + U[k].numpy()]), n[k], {}))
-           for k in range(U.size(0))]
+    res = [
+        (None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([xs + U[k].numpy()]), n[k], {}))
+        for k in range(U.size(0))
+    ]
     ts = []
     for r in range(3):
         st = FedAdam(initial_parameters=ndarrays_to_parameters([xs]))
@@ -112,8 +136,13 @@ def flower_row(x, U, n, ours_s) -> Dict[str, object]:
         st.aggregate_fit(1, res, [])
         ts.append(time.perf_counter() - t0)
     t = sorted(ts)[1]
-    return {"row": "aggregate flower FedAdam", "K": U.size(0), "d": x.numel(), "ms": 1e3 * t,
-            "x fedkernels fedadam": t / ours_s}
+    return {
+        "row": "aggregate flower FedAdam",
+        "K": U.size(0),
+        "d": x.numel(),
+        "ms": 1e3 * t,
+        "x fedkernels fedadam": t / ours_s,
+    }
 
 
 def main(argv=None) -> None:

@@ -12,6 +12,7 @@ global model's accuracy on the held-out digits 5-9 and on all ten.
 
 Needs peft and scikit-learn (`pip install 'fedkernels[lora,sim]'`). A few seconds on a CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def parse(argv):
         ap.error(f"--server-rank must be >= --rank ({a.rank}), got {a.server_rank}")
     a.modes = a.modes.split(",")
     from fedkernels.lora import MODES
+
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown mode {bad[0]!r}; expected some of {', '.join(MODES)}")
@@ -52,6 +54,7 @@ def parse(argv):
 
 def data(seed):
     from sklearn.datasets import load_digits
+
     X, y = load_digits(return_X_y=True)
     X = torch.tensor(X / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
@@ -91,8 +94,10 @@ def main(argv=None):
     base = mlp()
     train(base, Xtr[old], ytr[old], steps=600, lr=0.2, gen=torch.Generator().manual_seed(a.seed))
     new_te = yte >= 5
-    print(f"pretrained on digits 0-4: accuracy on 5-9 {accuracy(base, Xte[new_te], yte[new_te]):.3f}, "
-          f"on all {accuracy(base, Xte, yte):.3f}")
+    print(
+        f"pretrained on digits 0-4: accuracy on 5-9 {accuracy(base, Xte[new_te], yte[new_te]):.3f}, "
+        f"on all {accuracy(base, Xte, yte):.3f}"
+    )
 
     # non-IID: client k holds two of the classes 5-9 (classes 5 + (k, k+1) mod 5)
     Xn, yn = Xtr[new], ytr[new]
@@ -118,25 +123,36 @@ def main(argv=None):
             g = spec.flatten(server)
             rows = []
             for Xk, yk in shards:
-                spec.load_(client, g)                 # the client's rank-r share of the global adapters
-                if mode == "fold":                    # the same base as the server (folded residuals)
+                spec.load_(client, g)  # the client's rank-r share of the global adapters
+                if mode == "fold":  # the same base as the server (folded residuals)
                     for (n1, p1), (n2, p2) in zip(server.named_parameters(), client.named_parameters()):
                         if not p1.requires_grad:
                             p2.data.copy_(p1.data)
                 train(client, Xk, yk, a.local_steps, a.lr, gen=gen)
                 rows.append(spec.flatten(client))
-            res = agg.aggregate(torch.stack(rows), num_examples=counts, global_adapter=g,
-                                client_ranks=[a.rank] * a.clients if a.rank < a.server_rank else None)
+            res = agg.aggregate(
+                torch.stack(rows),
+                num_examples=counts,
+                global_adapter=g,
+                client_ranks=[a.rank] * a.clients if a.rank < a.server_rank else None,
+            )
             spec.load_(server, res.adapter)
             if res.residuals:
                 spec.fold_(server, res.residuals)
             acc_new = accuracy(server, Xte[new_te], yte[new_te])
             acc_all = accuracy(server, Xte, yte)
-            row = {"round": rnd + 1, "relative_error": res.info["relative_error"],
-                   "naive_relative_error": res.info["naive_relative_error"], "acc_new": acc_new, "acc_all": acc_all}
+            row = {
+                "round": rnd + 1,
+                "relative_error": res.info["relative_error"],
+                "naive_relative_error": res.info["naive_relative_error"],
+                "acc_new": acc_new,
+                "acc_all": acc_all,
+            }
             results["rounds"][mode].append(row)
-            print(f"{mode:5s} round {rnd + 1:3d}: distance to the true average {row['relative_error']:.2e} "
-                  f"(naive's {row['naive_relative_error']:.2e}), accuracy 5-9 {acc_new:.3f}, all {acc_all:.3f}")
+            print(
+                f"{mode:5s} round {rnd + 1:3d}: distance to the true average {row['relative_error']:.2e} "
+                f"(naive's {row['naive_relative_error']:.2e}), accuracy 5-9 {acc_new:.3f}, all {acc_all:.3f}"
+            )
     final = {m: results["rounds"][m][-1] for m in a.modes}
     print("final " + json.dumps(final))
     if a.json:

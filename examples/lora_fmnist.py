@@ -22,6 +22,7 @@ s (sum_k p_k B_k A_k - B A) relative to its norm (mean over rounds; naive's is w
 Writes ``OUT/results.json`` (every run, every round), ``OUT/table.md`` (means over seeds) and ``OUT/lora_fmnist.png``.
 Needs peft and Fashion-MNIST (Debian's dataset-fashion-mnist, or --root DIR with the IDX files).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CODECS = {"none": [], "int8_block": ["compress.kind=int8_block"],
-          "topk+EF": ["compress.kind=topk", "compress.ratio=0.1", "compress.error_feedback=true"]}
-METHODS = {"full": [], "naive": ["lora.mode=naive"], "exact": ["lora.mode=exact"], "fold": ["lora.mode=fold"],
-           "naive-het": ["lora.mode=naive", "lora.r=8", "lora.ranks=[2,4,8]"],
-           "exact-het": ["lora.mode=exact", "lora.r=8", "lora.ranks=[2,4,8]"]}
+CODECS = {
+    "none": [],
+    "int8_block": ["compress.kind=int8_block"],
+    "topk+EF": ["compress.kind=topk", "compress.ratio=0.1", "compress.error_feedback=true"],
+}
+METHODS = {
+    "full": [],
+    "naive": ["lora.mode=naive"],
+    "exact": ["lora.mode=exact"],
+    "fold": ["lora.mode=fold"],
+    "naive-het": ["lora.mode=naive", "lora.r=8", "lora.ranks=[2,4,8]"],
+    "exact-het": ["lora.mode=exact", "lora.r=8", "lora.ranks=[2,4,8]"],
+}
 
 
 class Net(nn.Module):
@@ -64,8 +73,12 @@ def parse(argv):
     ap.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration of the label split")
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="local gradient-norm clip (the new classes' "
-                    "first losses are large)")
+    ap.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="local gradient-norm clip (the new classes' first losses are large)",
+    )
     ap.add_argument("--train", type=int, default=1500, help="fine-tuning samples (classes 5-9)")
     ap.add_argument("--test", type=int, default=2000, help="test samples (classes 5-9)")
     ap.add_argument("--pretrain", type=int, default=12000, help="pretraining samples (classes 0-4)")
@@ -73,8 +86,12 @@ def parse(argv):
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--root", default=None, help="directory of the Fashion-MNIST IDX files")
     ap.add_argument("--out", default="runs/lora_fmnist")
-    ap.add_argument("--merge", default=None, help="comma-separated output directories of earlier runs (e.g. one "
-                    "per seed, run in parallel): only their table and figure are written to --out")
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="comma-separated output directories of earlier runs (e.g. one "
+        "per seed, run in parallel): only their table and figure are written to --out",
+    )
     a = ap.parse_args(argv)
     a.seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
     a.methods, a.codecs = a.methods.split(","), a.codecs.split(",")
@@ -112,30 +129,56 @@ def pretrain(x, y, seed, epochs=2):
 def one_run(a, seed, method, codec, data, base_path):
     from fedkernels.sim.config import RunConfig, apply_overrides
     from fedkernels.sim.server import Simulation
+
     train, test = data
-    cfg = RunConfig(seed=seed, rounds=a.rounds, num_clients=a.clients, threads=1, plots=False, verbose=False,
-                    progress=False, client_loss="none")
-    cfg = apply_overrides(cfg, [
-        "partition.scheme=dirichlet", f"partition.options={{alpha: {a.alpha}, min_size: 10}}",
-        "train.batch_size=32", "train.epochs=1", f"train.lr={a.lr}", "train.momentum=0.9",
-        f"train.grad_clip={a.grad_clip}",
-        *METHODS[method], *(["lora.alpha=" + str(2 * (8 if "het" in method else a.rank))] if method != "full" else []),
-        *([f"lora.r={a.rank}"] if method in ("naive", "exact", "fold") else []), *CODECS[codec]])
+    cfg = RunConfig(
+        seed=seed,
+        rounds=a.rounds,
+        num_clients=a.clients,
+        threads=1,
+        plots=False,
+        verbose=False,
+        progress=False,
+        client_loss="none",
+    )
+    cfg = apply_overrides(
+        cfg,
+        [
+            "partition.scheme=dirichlet",
+            f"partition.options={{alpha: {a.alpha}, min_size: 10}}",
+            "train.batch_size=32",
+            "train.epochs=1",
+            f"train.lr={a.lr}",
+            "train.momentum=0.9",
+            f"train.grad_clip={a.grad_clip}",
+            *METHODS[method],
+            *(["lora.alpha=" + str(2 * (8 if "het" in method else a.rank))] if method != "full" else []),
+            *([f"lora.r={a.rank}"] if method in ("naive", "exact", "fold") else []),
+            *CODECS[codec],
+        ],
+    )
 
     def model_fn(num_classes, in_ch, size):
         net = Net(num_classes)
         net.load_state_dict(torch.load(base_path, weights_only=True))
         return net
+
     sim = Simulation(cfg, train=train, test=test, model_fn=model_fn, write_outputs=False)
     t0 = time.perf_counter()
     s = sim.run()
     rows = sim.metrics
-    out = {"seed": seed, "method": method, "codec": codec, "final_accuracy": s["final_accuracy"],
-           "d": sim.spec.d, "wall_s": time.perf_counter() - t0,
-           "bytes_sent_per_round": sum(r.get("bytes_sent", len(r["clients"]) * sim.spec.d * 4) for r in rows) / len(rows),
-           "t_agg_mean": sum(r["t_agg"] for r in rows) / len(rows),
-           "accuracy": [r.get("accuracy") for r in rows]}
-    rel = [r["agg"].get("relative_error") for r in rows[1:]]            # round 1: B = 0 at the start, no error
+    out = {
+        "seed": seed,
+        "method": method,
+        "codec": codec,
+        "final_accuracy": s["final_accuracy"],
+        "d": sim.spec.d,
+        "wall_s": time.perf_counter() - t0,
+        "bytes_sent_per_round": sum(r.get("bytes_sent", len(r["clients"]) * sim.spec.d * 4) for r in rows) / len(rows),
+        "t_agg_mean": sum(r["t_agg"] for r in rows) / len(rows),
+        "accuracy": [r.get("accuracy") for r in rows],
+    }
+    rel = [r["agg"].get("relative_error") for r in rows[1:]]  # round 1: B = 0 at the start, no error
     nrel = [r["agg"].get("naive_relative_error") for r in rows[1:]]
     if rel and rel[0] is not None:
         out["relative_error_mean"] = sum(rel) / len(rel)
@@ -144,10 +187,15 @@ def one_run(a, seed, method, codec, data, base_path):
 
 
 def table(results):
-    keys = sorted({(r["method"], r["codec"]) for r in results}, key=lambda k: (list(METHODS).index(k[0]),
-                                                                                 list(CODECS).index(k[1])))
-    lines = ["| method | codec | seeds | final accuracy (%) | bytes sent / round | server agg. time (ms) | "
-             "rel. distance to true avg. update | naive's on the same rounds |", "|---|---|---|---|---|---|---|---|"]
+    keys = sorted(
+        {(r["method"], r["codec"]) for r in results},
+        key=lambda k: (list(METHODS).index(k[0]), list(CODECS).index(k[1])),
+    )
+    lines = [
+        "| method | codec | seeds | final accuracy (%) | bytes sent / round | server agg. time (ms) | "
+        "rel. distance to true avg. update | naive's on the same rounds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m, c in keys:
         rs = [r for r in results if r["method"] == m and r["codec"] == c]
         acc = [100 * r["final_accuracy"] for r in rs]
@@ -165,11 +213,13 @@ def table(results):
 
 def figure(results, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     marks = {"none": "o", "int8_block": "s", "topk+EF": "^"}
-    for i, m in enumerate(METHODS):             # colour: the method; marker: the codec
+    for i, m in enumerate(METHODS):  # colour: the method; marker: the codec
         for c in CODECS:
             rs = [r for r in results if r["method"] == m and r["codec"] == c]
             if not rs:
@@ -215,6 +265,7 @@ def main(argv=None) -> int:
         write_outputs(results, a.out)
         return 0
     from fedkernels.sim.data import load_dataset
+
     try:
         tr, te = load_dataset("fmnist", root=a.root)
     except (FileNotFoundError, ValueError) as e:
@@ -234,16 +285,25 @@ def main(argv=None) -> int:
         data = (SimpleNamespace(x=fx, y=fy, num_classes=10), SimpleNamespace(x=tx, y=ty, num_classes=10))
         with torch.no_grad():
             acc0 = float((base(tx).argmax(1) == ty).float().mean())
-        print(f"seed {seed}: base model pretrained on classes 0-4; its accuracy on classes 5-9: {100 * acc0:.1f}%",
-              flush=True)
+        print(
+            f"seed {seed}: base model pretrained on classes 0-4; its accuracy on classes 5-9: {100 * acc0:.1f}%",
+            flush=True,
+        )
         for m in a.methods:
             for c in a.codecs if "het" not in m else ["none"]:
                 r = one_run(a, seed, m, c, data, base_path)
                 results.append(r)
-                extra = (f", distance to the true average {r['relative_error_mean']:.2e} (naive "
-                         f"{r['naive_relative_error_mean']:.2e})" if "relative_error_mean" in r else "")
-                print(f"  {m:9s} {c:10s} acc {100 * r['final_accuracy']:.2f}%  {r['bytes_sent_per_round'] / 1e3:9.1f} kB"
-                      f"/round  agg {1e3 * r['t_agg_mean']:.1f} ms{extra}  ({r['wall_s']:.0f} s)", flush=True)
+                extra = (
+                    f", distance to the true average {r['relative_error_mean']:.2e} (naive "
+                    f"{r['naive_relative_error_mean']:.2e})"
+                    if "relative_error_mean" in r
+                    else ""
+                )
+                print(
+                    f"  {m:9s} {c:10s} acc {100 * r['final_accuracy']:.2f}%  {r['bytes_sent_per_round'] / 1e3:9.1f} kB"
+                    f"/round  agg {1e3 * r['t_agg_mean']:.1f} ms{extra}  ({r['wall_s']:.0f} s)",
+                    flush=True,
+                )
                 with open(os.path.join(a.out, "results.json"), "w") as f:
                     json.dump({"args": {k: v for k, v in vars(a).items()}, "results": results}, f, indent=1)
     write_outputs(results, a.out)

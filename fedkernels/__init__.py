@@ -8,6 +8,7 @@ Layers (top to bottom): sim (simulator, CLI) -> integrations (Flower), distribut
 ``algorithms``, ``distributed``, ``streaming``, ``sources``, ``integrations`` and ``sim`` are imported on first
 attribute access (``fedkernels.distributed.ShardedAggregator`` works without importing it first).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``python -m fedkernels ...`` = the ``fedkernels`` command (fedkernels.sim.cli)."""
+
 from __future__ import annotations
 
 import importlib
@@ -18,9 +19,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         except ImportError:
             missing.append(pkg)
     if missing:
-        print(f"fedkernels: the command needs the simulator extra (missing {', '.join(missing)}): "
-              "pip install --no-build-isolation '.[sim]' (or pip install " + " ".join(missing) + ")",
-              file=sys.stderr)
+        print(
+            f"fedkernels: the command needs the simulator extra (missing {', '.join(missing)}): "
+            "pip install --no-build-isolation '.[sim]' (or pip install " + " ".join(missing) + ")",
+            file=sys.stderr,
+        )
         return 2
     from .sim.cli import main as cli_main
 

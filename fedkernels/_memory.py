@@ -15,6 +15,7 @@ memory of the machine; torch would then fail late (or the OOM killer would end t
 
 Set ``FEDKERNELS_MEMORY_GUARD=0`` to disable the guard (e.g. when overcommit is intended).
 """
+
 from __future__ import annotations
 
 import os
@@ -90,7 +91,7 @@ def _cgroup_available() -> Optional[int]:
     mem = os.path.join(base, "memory")
     for d in ([os.path.join(mem, v1.lstrip("/"))] if v1 else []) + [mem]:
         lim = _read_int(os.path.join(d, "memory.limit_in_bytes"))
-        if lim is not None and lim < (1 << 60):                 # v1 "unlimited" is a huge number
+        if lim is not None and lim < (1 << 60):  # v1 "unlimited" is a huge number
             use = _read_int(os.path.join(d, "memory.usage_in_bytes")) or 0
             return max(lim - use, 0)
     return None
@@ -126,8 +127,10 @@ def check_alloc(nbytes: int, what: str, device=None, hint: str = "", fraction: f
         return
     if nbytes > fraction * avail:
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        msg = (f"{what} needs {format_bytes(nbytes)} but only {format_bytes(avail)} is available on {dev} "
-               f"(refused before allocating).")
+        msg = (
+            f"{what} needs {format_bytes(nbytes)} but only {format_bytes(avail)} is available on {dev} "
+            f"(refused before allocating)."
+        )
         if hint:
             msg += " " + hint
         msg += " Set FEDKERNELS_MEMORY_GUARD=0 to skip this check."

@@ -3,6 +3,7 @@
 The extension is compiled against one torch version, and torch has no ABI promise across minor
 versions: the import checks that the running torch has the major.minor the build recorded and
 raises a one-line ImportError telling the user to rebuild otherwise."""
+
 from __future__ import annotations
 
 import importlib
@@ -29,7 +30,8 @@ def check_torch_version(built: str, running: str) -> None:
     if _major_minor(built) != _major_minor(running):
         raise ImportError(
             f"fedkernels._C was built against torch {built} but torch {running} is running; torch has no "
-            f"ABI promise across minor versions: rebuild fedkernels with this torch: {REBUILD}")
+            f"ABI promise across minor versions: rebuild fedkernels with this torch: {REBUILD}"
+        )
 
 
 def recorded_torch_version() -> Optional[str]:
@@ -38,11 +40,13 @@ def recorded_torch_version() -> Optional[str]:
 
 
 if _C is not None:
-    check_torch_version(str(recorded_torch_version()), torch.__version__)   # not None: _C is loaded
+    check_torch_version(str(recorded_torch_version()), torch.__version__)  # not None: _C is loaded
 elif _error is not None and "undefined symbol" in str(_error):
     # an extension built for another torch usually fails to load with a missing C++ symbol
-    _error = ImportError(f"fedkernels._C does not match torch {torch.__version__} ({_error}); rebuild "
-                         f"fedkernels with this torch: {REBUILD}")
+    _error = ImportError(
+        f"fedkernels._C does not match torch {torch.__version__} ({_error}); rebuild "
+        f"fedkernels with this torch: {REBUILD}"
+    )
 
 
 def available() -> bool:

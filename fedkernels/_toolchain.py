@@ -25,6 +25,7 @@ At run time ``fedkernels.build_info()`` reports ``cxx`` (the compiler the build 
 script needs (nothing when ``$CXX`` passes; exit 2 with one line when no compiler does);
 ``python fedkernels/_toolchain.py FILE.so`` prints a file's libstdc++ linkage.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,10 @@ def probe_shared_libstdcxx(cxx: str) -> Tuple[bool, str]:
         return False, f"fails on -print-file-name=libstdc++.so (exit {r.returncode})"
     if os.path.isabs(path) and os.path.isfile(path):
         return True, path
-    return False, (f"has no libstdc++.so on its search path (-print-file-name=libstdc++.so answers {path!r}), "
-                   f"so it links a private static libstdc++ that crashes on the first C++ error message")
+    return False, (
+        f"has no libstdc++.so on its search path (-print-file-name=libstdc++.so answers {path!r}), "
+        f"so it links a private static libstdc++ that crashes on the first C++ error message"
+    )
 
 
 def choose_compiler(environ: Mapping[str, str], system: Tuple[str, str] = (SYSTEM_CXX, SYSTEM_CC)) -> Choice:
@@ -101,10 +104,12 @@ def choose_compiler(environ: Mapping[str, str], system: Tuple[str, str] = (SYSTE
         return Choice(sys_cxx, env, f"fedkernels build: {named} {why}; building with {setting} instead")
     raise ToolchainError(
         f"fedkernels build: {named} {why}; set CXX (and CC) to a compiler that links the shared "
-        f"libstdc++, e.g. CXX={SYSTEM_CXX} CC={SYSTEM_CC} (checked with `$CXX -print-file-name=libstdc++.so`)")
+        f"libstdc++, e.g. CXX={SYSTEM_CXX} CC={SYSTEM_CC} (checked with `$CXX -print-file-name=libstdc++.so`)"
+    )
 
 
 # ---- ELF reading (enough of the format for NEEDED entries and defined symbol names) -------------
+
 
 class _Elf:
     def __init__(self, path: str) -> None:
@@ -116,10 +121,10 @@ class _Elf:
         self.is64 = d[4] == 2
         self.end = "<" if d[5] == 1 else ">"
         if self.is64:
-            shoff, = struct.unpack_from(self.end + "Q", d, 0x28)
+            (shoff,) = struct.unpack_from(self.end + "Q", d, 0x28)
             shentsize, shnum, shstrndx = struct.unpack_from(self.end + "HHH", d, 0x3A)
         else:
-            shoff, = struct.unpack_from(self.end + "I", d, 0x20)
+            (shoff,) = struct.unpack_from(self.end + "I", d, 0x20)
             shentsize, shnum, shstrndx = struct.unpack_from(self.end + "HHH", d, 0x2E)
         if shoff == 0 or shnum == 0:
             raise ValueError(f"{path}: ELF file without section headers")
@@ -129,12 +134,12 @@ class _Elf:
 
     def _bytes(self, index: int) -> bytes:
         s = self.sections[index]
-        return self.data[s[4]:s[4] + s[5]] if s[1] != 8 else b""  # SHT_NOBITS has no file bytes
+        return self.data[s[4] : s[4] + s[5]] if s[1] != 8 else b""  # SHT_NOBITS has no file bytes
 
     @staticmethod
     def _cstr(table: bytes, offset: int) -> bytes:
         end = table.find(b"\0", offset)
-        return table[offset:end if end >= 0 else len(table)]
+        return table[offset : end if end >= 0 else len(table)]
 
     def needed(self) -> List[str]:
         """The DT_NEEDED entries (the shared libraries the loader must open for this file)."""
@@ -145,7 +150,7 @@ class _Elf:
             if s[1] != 6:  # SHT_DYNAMIC
                 continue
             strtab, table = self._bytes(s[6]), self._bytes(i)
-            for tag, val in struct.iter_unpack(fmt, table[:len(table) - len(table) % size]):
+            for tag, val in struct.iter_unpack(fmt, table[: len(table) - len(table) % size]):
                 if tag == 0:  # DT_NULL
                     break
                 if tag == 1:  # DT_NEEDED
@@ -166,7 +171,7 @@ class _Elf:
                 fmt, name_at, shndx_at = self.end + "IIIBBH", 0, 5
             size = struct.calcsize(fmt)
             table = self._bytes(i)
-            for sym in struct.iter_unpack(fmt, table[:len(table) - len(table) % size]):
+            for sym in struct.iter_unpack(fmt, table[: len(table) - len(table) % size]):
                 if sym[shndx_at] != 0 and strtab.startswith(prefix, sym[name_at]):  # 0: SHN_UNDEF
                     return True
         return False
@@ -198,7 +203,8 @@ def check_extension(path: str, cxx: str) -> str:
         raise ToolchainError(
             f"fedkernels build: {path} was linked by CXX={cxx} with a private static libstdc++ (no libstdc++.so "
             f"among its NEEDED libraries), which crashes on its first C++ error message; deleted it: rebuild "
-            f"with CXX={SYSTEM_CXX} CC={SYSTEM_CC} or another compiler that links the shared libstdc++")
+            f"with CXX={SYSTEM_CXX} CC={SYSTEM_CC} or another compiler that links the shared libstdc++"
+        )
     return linkage
 
 

@@ -3,6 +3,7 @@
 These are the accepted forms of the small per-client arguments of :mod:`fedkernels.ops` and its
 float64 oracle :mod:`fedkernels.reference`; the wrappers check the values at run time.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union

@@ -39,6 +39,7 @@ reduction order differs), so weights agree to ~1e-16 relative and results to fp3
 All ranks always hold identical K-sized statistics (a collective returns the same bits
 everywhere), so they take the same branches.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -54,7 +55,7 @@ from .flat import FlatSpec, ParamEntry
 
 __all__ = ["ShardContext", "sharded", "active", "shard_bounds", "shard_spec", "ShardSpec", "ShardedAggregator"]
 
-ALIGNS = ("bytes", "row", "tensor")   # "row": the former name of "bytes" (the same split)
+ALIGNS = ("bytes", "row", "tensor")  # "row": the former name of "bytes" (the same split)
 DEFAULT_ALIGN = "bytes"
 EVEN_ALIGN = 64  # elements: slice starts of an unstructured split are multiples of this
 
@@ -64,8 +65,10 @@ class ShardContext:
 
     def __init__(self, group=None):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("fedkernels.distributed: torch.distributed is not initialised "
-                               "(call torch.distributed.init_process_group first)")
+            raise RuntimeError(
+                "fedkernels.distributed: torch.distributed is not initialised "
+                "(call torch.distributed.init_process_group first)"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -117,8 +120,9 @@ def active() -> Optional[ShardContext]:
 
 
 # ---- slicing ----------------------------------------------------------------------------------------
-def shard_bounds(d: int, world: int, spec: Optional[FlatSpec] = None,
-                 align: str = DEFAULT_ALIGN) -> List[Tuple[int, int]]:
+def shard_bounds(
+    d: int, world: int, spec: Optional[FlatSpec] = None, align: str = DEFAULT_ALIGN
+) -> List[Tuple[int, int]]:
     """``world`` contiguous ``[lo, hi)`` column ranges covering ``[0, d)``.
 
     With ``spec``: ``align="bytes"`` (default) balances the bytes per rank, each cut at the output-row
@@ -142,7 +146,7 @@ def shard_bounds(d: int, world: int, spec: Optional[FlatSpec] = None,
         if spec is None:
             b = min(d, (t + EVEN_ALIGN // 2) // EVEN_ALIGN * EVEN_ALIGN)
         else:
-            j = max(0, bisect.bisect_right(offs, t) - 1)           # the entry holding t
+            j = max(0, bisect.bisect_right(offs, t) - 1)  # the entry holding t
             e = spec.entries[j] if spec.entries else None
             if e is None:
                 b = 0
@@ -185,9 +189,19 @@ def shard_spec(spec: FlatSpec, lo: int, hi: int) -> ShardSpec:
             if (a - e.offset) % fi or (b - e.offset) % fi or len(e.shape) < 2:
                 raise ValueError(f"shard_spec: [{lo}, {hi}) cuts tensor {e.name!r} inside an output row")
             shape = ((b - a) // fi,) + tuple(e.shape[1:])
-        out.append(ParamEntry(name=e.name, module=e.module, shape=tuple(shape), offset=a - lo, numel=b - a,
-                              kind=e.kind, index=e.index, layer_from_output=e.layer_from_output,
-                              is_buffer=e.is_buffer))
+        out.append(
+            ParamEntry(
+                name=e.name,
+                module=e.module,
+                shape=tuple(shape),
+                offset=a - lo,
+                numel=b - a,
+                kind=e.kind,
+                index=e.index,
+                layer_from_output=e.layer_from_output,
+                is_buffer=e.is_buffer,
+            )
+        )
     return ShardSpec(out, hi - lo, spec.dtype, spec, lo, hi)
 
 
@@ -202,7 +216,9 @@ class ShardedAggregator:
 
     def __init__(self, aggregator: Aggregator, group=None, align: str = DEFAULT_ALIGN):
         if not isinstance(aggregator, Aggregator):
-            raise TypeError(f"ShardedAggregator: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}")
+            raise TypeError(
+                f"ShardedAggregator: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}"
+            )
         if align not in ALIGNS:
             raise ValueError(f"ShardedAggregator: align must be one of {ALIGNS}, got {align!r}")
         self.agg = aggregator
@@ -233,8 +249,13 @@ class ShardedAggregator:
         self.bounds = shard_bounds(self.d, self.world, spec, self.align)
         self.local_spec = shard_spec(spec, self.lo, self.hi) if spec is not None else None
 
-    def setup(self, spec: Optional[FlatSpec] = None, num_clients: Optional[int] = None,
-              global_flat: Optional[torch.Tensor] = None, d: Optional[int] = None) -> None:
+    def setup(
+        self,
+        spec: Optional[FlatSpec] = None,
+        num_clients: Optional[int] = None,
+        global_flat: Optional[torch.Tensor] = None,
+        d: Optional[int] = None,
+    ) -> None:
         """Fixes the slice (from ``spec``, else ``global_flat`` or ``d``) and sets up the wrapped
         aggregator with the rank's ShardSpec and slice of ``global_flat``."""
         if spec is not None:
@@ -254,19 +275,28 @@ class ShardedAggregator:
             raise ValueError("ShardedAggregator: call setup() first (or aggregate() with full-size inputs)")
         if x.size(-1) != self.d:
             raise ValueError(f"ShardedAggregator.local: expected last dim d={self.d}, got {tuple(x.shape)}")
-        return x[..., self.lo:self.hi]
+        return x[..., self.lo : self.hi]
 
     def _as_local(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.hi - self.lo
         if x.size(-1) == self.d:
-            return x[..., self.lo:self.hi]
+            return x[..., self.lo : self.hi]
         if x.size(-1) == w:
             return x
-        raise ValueError(f"ShardedAggregator: {name} must have last dim d={self.d} (full) or {w} "
-                         f"(this rank's slice [{self.lo}, {self.hi})), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"ShardedAggregator: {name} must have last dim d={self.d} (full) or {w} "
+            f"(this rank's slice [{self.lo}, {self.hi})), got shape {tuple(x.shape)}"
+        )
 
-    def aggregate(self, global_flat: torch.Tensor, updates, num_examples, client_ids=None,
-                  payloads: Optional[Sequence[Dict[str, Any]]] = None, gather: bool = False) -> AggResult:
+    def aggregate(
+        self,
+        global_flat: torch.Tensor,
+        updates,
+        num_examples,
+        client_ids=None,
+        payloads: Optional[Sequence[Dict[str, Any]]] = None,
+        gather: bool = False,
+    ) -> AggResult:
         """The wrapped aggregator's round on this rank's slice. Full-size inputs are sliced (views);
         payload tensors with d elements are sliced too. Returns the new *local* slice, or the full
         vector with ``gather=True``; ``info`` is identical on every rank."""
@@ -279,7 +309,9 @@ class ShardedAggregator:
             U = [self._as_local(u.reshape(-1), f"updates[{i}]") for i, u in enumerate(updates)]
         else:
             if not isinstance(updates, torch.Tensor) or updates.dim() != 2:
-                raise ValueError("ShardedAggregator.aggregate: updates must be a [K, d] tensor or a list of [d] tensors")
+                raise ValueError(
+                    "ShardedAggregator.aggregate: updates must be a [K, d] tensor or a list of [d] tensors"
+                )
             U = self._as_local(updates, "updates")
         pl = None
         if payloads is not None:
@@ -288,7 +320,7 @@ class ShardedAggregator:
                 q = dict(p)
                 for k, v in q.items():
                     if isinstance(v, torch.Tensor) and v.numel() == self.d and self.d != self.hi - self.lo:
-                        q[k] = v.reshape(-1)[self.lo:self.hi]
+                        q[k] = v.reshape(-1)[self.lo : self.hi]
                 pl.append(q)
         with sharded(self.ctx):
             res = self.agg.aggregate(g, U, num_examples, client_ids, pl)
@@ -326,13 +358,20 @@ class ShardedAggregator:
 
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped aggregator's state (this rank's slice) and the slice bounds."""
-        return {"aggregator": self.agg.state_dict(), "bounds": list(self.bounds or []), "d": self.d,
-                "rank": self.rank, "world": self.world}
+        return {
+            "aggregator": self.agg.state_dict(),
+            "bounds": list(self.bounds or []),
+            "d": self.d,
+            "rank": self.rank,
+            "world": self.world,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("world") != self.world or state.get("rank") != self.rank:
-            raise ValueError(f"ShardedAggregator.load_state_dict: state is for rank {state.get('rank')} of "
-                             f"{state.get('world')}, this is rank {self.rank} of {self.world}")
+            raise ValueError(
+                f"ShardedAggregator.load_state_dict: state is for rank {state.get('rank')} of "
+                f"{state.get('world')}, this is rank {self.rank} of {self.world}"
+            )
         self.d = state["d"]
         self.bounds = [tuple(b) for b in state["bounds"]]
         self.agg.load_state_dict(state["aggregator"])

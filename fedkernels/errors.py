@@ -8,6 +8,7 @@ the aggregators (``fedkernels.algorithms``) and by the streamed aggregation
 update (a worker process could not start or died, a client failed with an error that is not a
 bad-client error, every client of a round was excluded). The CLI prints it as one line, exit 1.
 """
+
 from __future__ import annotations
 
 __all__ = ["BadUpdateError", "RunError"]

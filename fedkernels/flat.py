@@ -9,6 +9,7 @@ Sign convention used everywhere in fedkernels: a client *update* is ``local_mode
 (FedAvg then is ``global + sum_k p_k U_k``). Methods defined on pseudo-gradients
 ``global - local`` negate internally.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,13 +27,13 @@ KINDS = ("conv", "linear", "vector", "norm", "other")
 class ParamEntry:
     """One tensor of the flat vector."""
 
-    name: str            # e.g. "features.0.weight"
-    module: str          # owning module name, e.g. "features.0"
+    name: str  # e.g. "features.0.weight"
+    module: str  # owning module name, e.g. "features.0"
     shape: tuple
     offset: int
     numel: int
-    kind: str            # conv | linear | vector | norm | other
-    index: int           # position in named_parameters() order (buffers after parameters)
+    kind: str  # conv | linear | vector | norm | other
+    index: int  # position in named_parameters() order (buffers after parameters)
     layer_from_output: int  # 0 = the last parameterised module (output layer), 1 = the one before, ...
     is_buffer: bool = False
 
@@ -77,8 +78,7 @@ class FlatSpec:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_module(cls, model: nn.Module, include_buffers: bool = True,
-                    trainable_only: bool = False) -> "FlatSpec":
+    def from_module(cls, model: nn.Module, include_buffers: bool = True, trainable_only: bool = False) -> "FlatSpec":
         """Records every parameter and, with ``include_buffers`` (the default), every float buffer
         (BatchNorm running statistics) after them: the flat vector is the model's floating-point
         state, the one the simulator aggregates. ``include_buffers=False``: parameters only."""
@@ -105,9 +105,19 @@ class FlatSpec:
         dtypes = set()
         for i, (name, mname, mod, t, isbuf) in enumerate(owners):
             n = t.numel()
-            entries.append(ParamEntry(name=name, module=mname, shape=tuple(t.shape), offset=off, numel=n,
-                                      kind=_kind(mod, t), index=i, layer_from_output=pos.get(mname, -1),
-                                      is_buffer=isbuf))
+            entries.append(
+                ParamEntry(
+                    name=name,
+                    module=mname,
+                    shape=tuple(t.shape),
+                    offset=off,
+                    numel=n,
+                    kind=_kind(mod, t),
+                    index=i,
+                    layer_from_output=pos.get(mname, -1),
+                    is_buffer=isbuf,
+                )
+            )
             dtypes.add(t.dtype)
             off += n
         dtype = torch.float32 if len(dtypes) != 1 else dtypes.pop()
@@ -130,8 +140,9 @@ class FlatSpec:
     def select(self, pred: Callable[[ParamEntry], bool]) -> List[ParamEntry]:
         return [e for e in self.entries if pred(e)]
 
-    def mask(self, pred: Callable[[ParamEntry], bool], device: Optional[Union[str, torch.device]] = None
-             ) -> torch.Tensor:
+    def mask(
+        self, pred: Callable[[ParamEntry], bool], device: Optional[Union[str, torch.device]] = None
+    ) -> torch.Tensor:
         """[d] bool mask of the entries where ``pred`` holds."""
         m = torch.zeros(self.d, dtype=torch.bool, device=device)
         for e in self.entries:
@@ -225,23 +236,33 @@ class UpdateBuffer:
     is the [count, d] view the aggregator reads. ``reset()`` starts a new round without reallocating.
     """
 
-    def __init__(self, K: int, spec_or_d: Union[FlatSpec, int], device: Optional[Union[str, torch.device]] = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        K: int,
+        spec_or_d: Union[FlatSpec, int],
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         d = spec_or_d.d if isinstance(spec_or_d, FlatSpec) else int(spec_or_d)
         if not isinstance(K, int) or K < 1:
             raise ValueError(f"UpdateBuffer: K must be a positive int, got {K!r}")
         self.spec = spec_or_d if isinstance(spec_or_d, FlatSpec) else None
         self.K, self.d = K, d
         from ._memory import check_alloc
+
         es = torch.empty((), dtype=dtype).element_size()
         # Row stride padded to 16 bytes (128 bytes for rows of 4 KiB and more), so every row starts
         # aligned for the 16-byte vector loads of the CUDA kernels (bf16/fp16 rows of odd length
         # would otherwise all take the scalar path); ``data`` is the [K, d] view of the padded block.
         pad = (128 if d * es >= 4096 else 16) // es
         ld = -(-d // pad) * pad
-        check_alloc(K * ld * es, f"UpdateBuffer K={K} x d={d} {dtype}",
-                    device, hint="Aggregate in column chunks (fedkernels.streaming), store updates in bfloat16, "
-                    "or use fewer clients per round.")
+        check_alloc(
+            K * ld * es,
+            f"UpdateBuffer K={K} x d={d} {dtype}",
+            device,
+            hint="Aggregate in column chunks (fedkernels.streaming), store updates in bfloat16, "
+            "or use fewer clients per round.",
+        )
         self.data = torch.zeros(K, ld, device=device, dtype=dtype)[:, :d]
         self.client_ids: List[int] = []
         self.num_examples: List[float] = []
@@ -266,8 +287,9 @@ class UpdateBuffer:
             raise ValueError(f"UpdateBuffer: slot must be in [0, {self.K}), got {slot}")
         return self.data[slot]
 
-    def write_delta(self, slot: int, model: nn.Module, global_flat: torch.Tensor,
-                    clip: Optional[float] = None) -> torch.Tensor:
+    def write_delta(
+        self, slot: int, model: nn.Module, global_flat: torch.Tensor, clip: Optional[float] = None
+    ) -> torch.Tensor:
         """row[slot] = flatten(model) - global_flat, written in place; with ``clip``, then scaled to norm at
         most ``clip`` while the row is hot (client-side clipping of differential privacy: :func:`clip_rows_`)."""
         if self.spec is None:
@@ -292,6 +314,7 @@ def row_norms(rows: torch.Tensor) -> torch.Tensor:
     converted exactly to float64 and accumulated in float64 in a fixed order (``ops.kstats``' squared
     norms: one native pass); NaN/Inf for a row holding one."""
     from . import ops
+
     n = rows.size(0)
     return ops.kstats(rows, torch.full((n,), 1.0 / max(n, 1), dtype=torch.float64))[1].cpu().sqrt()
 

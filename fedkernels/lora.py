@@ -37,6 +37,7 @@ the rows' NaN/Inf screen) is ``ops.weighted_sum_screened``; the per-layer work r
 K x r (m + n) factors once, converted to float64, one layer at a time. The errors against the true
 average reported in ``info`` are computed in the same core coordinates, exactly (no cancellation of large norms).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,17 +58,17 @@ MODES = ("naive", "exact", "fold")
 class LoraLayer:
     """One LoRA layer of the flat adapter vector."""
 
-    name: str                 # the LoRA module's name in the model, e.g. "base_model.model.fc1"
-    a: slice                  # A's slice of the flat vector ([rank, fan_in] row-major)
-    b: slice                  # B's slice ([fan_out, rank] row-major)
+    name: str  # the LoRA module's name in the model, e.g. "base_model.model.fc1"
+    a: slice  # A's slice of the flat vector ([rank, fan_in] row-major)
+    b: slice  # B's slice ([fan_out, rank] row-major)
     a_shape: Tuple[int, ...]  # A's parameter shape (Linear: (r, in); conv: (r, in, *kernel))
     b_shape: Tuple[int, ...]  # B's parameter shape (Linear: (out, r); conv: (out, r, 1, ...))
     rank: int
-    scaling: float            # s: the layer adds s * B @ A to its base weight
+    scaling: float  # s: the layer adds s * B @ A to its base weight
     fan_in: int
     fan_out: int
     weight_shape: Tuple[int, ...]  # the frozen base weight's shape
-    fan_in_fan_out: bool = False   # base weight stored transposed (GPT-2's Conv1D)
+    fan_in_fan_out: bool = False  # base weight stored transposed (GPT-2's Conv1D)
 
     def factors(self, vec: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(B [fan_out, rank], A [rank, fan_in]) as views of ``vec`` (one adapter vector)."""
@@ -110,22 +111,25 @@ def _lora_layers(model: nn.Module, adapter: Optional[str], who: str) -> Tuple[st
             continue
         emb = getattr(m, "lora_embedding_A", None)
         if isinstance(emb, nn.ParameterDict) and len(emb) > 0:
-            raise ValueError(f"{who}: layer {mname!r} has an embedding LoRA adapter; only Linear and "
-                             "convolution LoRA layers are supported")
+            raise ValueError(
+                f"{who}: layer {mname!r} has an embedding LoRA adapter; only Linear and "
+                "convolution LoRA layers are supported"
+            )
         if len(la) == 0:
             continue
         if adapter is None:
             keys = list(la.keys())
             if len(keys) != 1:
-                raise ValueError(f"{who}: layer {mname!r} has adapters {keys}; name the one to aggregate "
-                                 "with adapter=")
+                raise ValueError(f"{who}: layer {mname!r} has adapters {keys}; name the one to aggregate with adapter=")
             adapter = keys[0]
         if adapter not in la or adapter not in lb:
             raise ValueError(f"{who}: layer {mname!r} has no adapter {adapter!r} (it has {list(la.keys())})")
         mag = getattr(m, "lora_magnitude_vector", None)
         if isinstance(mag, nn.ModuleDict) and adapter in mag:
-            raise ValueError(f"{who}: layer {mname!r} uses DoRA (use_dora=True); its update is not s * B @ A, "
-                             "use a plain LoRA adapter")
+            raise ValueError(
+                f"{who}: layer {mname!r} uses DoRA (use_dora=True); its update is not s * B @ A, "
+                "use a plain LoRA adapter"
+            )
         a_mod, b_mod = la[adapter], lb[adapter]
         if getattr(b_mod, "bias", None) is not None:
             raise ValueError(f"{who}: layer {mname!r} has a LoRA bias (lora_bias=True); not supported")
@@ -134,19 +138,34 @@ def _lora_layers(model: nn.Module, adapter: Optional[str], who: str) -> Tuple[st
         A, B = a_mod.weight, b_mod.weight
         r = int(A.shape[0])
         if B.dim() < 2 or B.shape[1] != r or any(s != 1 for s in B.shape[2:]):
-            raise ValueError(f"{who}: layer {mname!r} has A of shape {tuple(A.shape)} and B of shape "
-                             f"{tuple(B.shape)}; expected B [fan_out, {r}, 1, ...]")
+            raise ValueError(
+                f"{who}: layer {mname!r} has A of shape {tuple(A.shape)} and B of shape "
+                f"{tuple(B.shape)}; expected B [fan_out, {r}, 1, ...]"
+            )
         base_layer = m.get_base_layer() if hasattr(m, "get_base_layer") else getattr(m, "base_layer", None)
         base = getattr(base_layer, "weight", None)
         if not isinstance(base, torch.Tensor):
             raise ValueError(f"{who}: layer {mname!r} has no base weight")
         scaling = m.scaling[adapter] if hasattr(m, "scaling") else 1.0
-        found.append(_Found(name=mname, A=A, B=B, A_name=names[id(A)], B_name=names[id(B)], rank=r,
-                            scaling=float(scaling), base=base, base_name=names.get(id(base), mname + ".weight"),
-                            fan_in_fan_out=bool(getattr(m, "fan_in_fan_out", False))))
+        found.append(
+            _Found(
+                name=mname,
+                A=A,
+                B=B,
+                A_name=names[id(A)],
+                B_name=names[id(B)],
+                rank=r,
+                scaling=float(scaling),
+                base=base,
+                base_name=names.get(id(base), mname + ".weight"),
+                fan_in_fan_out=bool(getattr(m, "fan_in_fan_out", False)),
+            )
+        )
     if not found:
-        raise ValueError(f"{who}: the model has no LoRA layers (wrap it with peft.get_peft_model and a "
-                         "LoraConfig whose target_modules match some of its layers)")
+        raise ValueError(
+            f"{who}: the model has no LoRA layers (wrap it with peft.get_peft_model and a "
+            "LoraConfig whose target_modules match some of its layers)"
+        )
     return adapter or "default", found
 
 
@@ -170,9 +189,18 @@ class LoraSpec:
             kind = "linear" if f.A.dim() == 2 else "conv"
             sl = {}
             for which, t, pname in (("a", f.A, f.A_name), ("b", f.B, f.B_name)):
-                entries.append(ParamEntry(name=pname, module=pname.rsplit(".", 1)[0], shape=tuple(t.shape),
-                                          offset=off, numel=t.numel(), kind=kind, index=len(entries),
-                                          layer_from_output=n - 1 - i))
+                entries.append(
+                    ParamEntry(
+                        name=pname,
+                        module=pname.rsplit(".", 1)[0],
+                        shape=tuple(t.shape),
+                        offset=off,
+                        numel=t.numel(),
+                        kind=kind,
+                        index=len(entries),
+                        layer_from_output=n - 1 - i,
+                    )
+                )
                 sl[which] = slice(off, off + t.numel())
                 off += t.numel()
                 dtypes.add(t.dtype)
@@ -181,11 +209,25 @@ class LoraSpec:
             ws = tuple(f.base.shape)
             want = fan_in * fan_out
             if math.prod(ws) != want:
-                raise ValueError(f"LoraSpec.from_model: layer {f.name!r} has a base weight of shape {ws} but "
-                                 f"B @ A is {fan_out} x {fan_in}")
-            layers.append(LoraLayer(name=f.name, a=sl["a"], b=sl["b"], a_shape=tuple(f.A.shape),
-                                    b_shape=tuple(f.B.shape), rank=f.rank, scaling=f.scaling, fan_in=fan_in,
-                                    fan_out=fan_out, weight_shape=ws, fan_in_fan_out=f.fan_in_fan_out))
+                raise ValueError(
+                    f"LoraSpec.from_model: layer {f.name!r} has a base weight of shape {ws} but "
+                    f"B @ A is {fan_out} x {fan_in}"
+                )
+            layers.append(
+                LoraLayer(
+                    name=f.name,
+                    a=sl["a"],
+                    b=sl["b"],
+                    a_shape=tuple(f.A.shape),
+                    b_shape=tuple(f.B.shape),
+                    rank=f.rank,
+                    scaling=f.scaling,
+                    fan_in=fan_in,
+                    fan_out=fan_out,
+                    weight_shape=ws,
+                    fan_in_fan_out=f.fan_in_fan_out,
+                )
+            )
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return cls(FlatSpec(entries=entries, d=off, dtype=dtype), layers, adapter)
 
@@ -211,13 +253,16 @@ class LoraSpec:
         for l in self.layers:
             f = got[l.name]
             if f.rank > l.rank:
-                raise ValueError(f"{who}: layer {l.name!r} has rank {f.rank} in this model but {l.rank} in the "
-                                 f"server's spec; a client's rank must be <= the server's")
-            if f.A.numel() // f.rank != l.fan_in or f.B.shape[0] != l.fan_out or \
-                    tuple(f.A.shape[1:]) != l.a_shape[1:]:
-                raise ValueError(f"{who}: layer {l.name!r} has A {tuple(f.A.shape)} and B {tuple(f.B.shape)}; "
-                                 f"the spec expects A [r, {', '.join(map(str, l.a_shape[1:]))}] and B "
-                                 f"[{l.fan_out}, r]")
+                raise ValueError(
+                    f"{who}: layer {l.name!r} has rank {f.rank} in this model but {l.rank} in the "
+                    f"server's spec; a client's rank must be <= the server's"
+                )
+            if f.A.numel() // f.rank != l.fan_in or f.B.shape[0] != l.fan_out or tuple(f.A.shape[1:]) != l.a_shape[1:]:
+                raise ValueError(
+                    f"{who}: layer {l.name!r} has A {tuple(f.A.shape)} and B {tuple(f.B.shape)}; "
+                    f"the spec expects A [r, {', '.join(map(str, l.a_shape[1:]))}] and B "
+                    f"[{l.fan_out}, r]"
+                )
             out.append((l, f))
         return out
 
@@ -280,8 +325,10 @@ class LoraSpec:
                     raise ValueError(f"LoraSpec.fold_: the model has no LoRA layer {name!r}")
                 base = got[name].base
                 if tuple(r.shape) != tuple(base.shape):
-                    raise ValueError(f"LoraSpec.fold_: residual of {name!r} has shape {tuple(r.shape)}, the base "
-                                     f"weight {tuple(base.shape)}")
+                    raise ValueError(
+                        f"LoraSpec.fold_: residual of {name!r} has shape {tuple(r.shape)}, the base "
+                        f"weight {tuple(base.shape)}"
+                    )
                 base.add_(r.to(base.dtype))
         return model
 
@@ -311,7 +358,9 @@ class LoraAggregator:
 
     def __init__(self, spec: LoraSpec, mode: str = "exact", weighting: str = "samples") -> None:
         if not isinstance(spec, LoraSpec):
-            raise ValueError(f"LoraAggregator: spec must be a LoraSpec (LoraSpec.from_model), got {type(spec).__name__}")
+            raise ValueError(
+                f"LoraAggregator: spec must be a LoraSpec (LoraSpec.from_model), got {type(spec).__name__}"
+            )
         if mode not in MODES:
             raise ValueError(f"LoraAggregator: mode must be one of {', '.join(MODES)}, got {mode!r}")
         if weighting not in ("samples", "uniform"):
@@ -323,8 +372,9 @@ class LoraAggregator:
             return torch.full((K,), 1.0 / K, dtype=torch.float64)
         n = torch.as_tensor(num_examples, dtype=torch.float64).detach().cpu()
         if n.dim() != 1 or n.numel() != K:
-            raise ValueError(f"LoraAggregator: num_examples must hold one count per client (K={K}), got shape "
-                             f"{tuple(n.shape)}")
+            raise ValueError(
+                f"LoraAggregator: num_examples must hold one count per client (K={K}), got shape {tuple(n.shape)}"
+            )
         if not bool(torch.isfinite(n).all()) or bool((n < 0).any()) or float(n.sum()) <= 0:
             raise ValueError(f"LoraAggregator: num_examples must be finite, >= 0 and not all 0, got {n.tolist()}")
         return n / n.sum()
@@ -338,13 +388,18 @@ class LoraAggregator:
         top = max(l.rank for l in self.spec.layers)
         for k, r in enumerate(rk):
             if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= top:
-                raise ValueError(f"LoraAggregator: client_ranks[{k}] must be an int in [1, {top}] (the server's "
-                                 f"rank), got {r!r}")
+                raise ValueError(
+                    f"LoraAggregator: client_ranks[{k}] must be an int in [1, {top}] (the server's rank), got {r!r}"
+                )
         return rk
 
-    def aggregate(self, adapters: torch.Tensor, num_examples: object = None,
-                  client_ranks: Optional[Sequence[int]] = None,
-                  global_adapter: Optional[torch.Tensor] = None) -> LoraResult:
+    def aggregate(
+        self,
+        adapters: torch.Tensor,
+        num_examples: object = None,
+        client_ranks: Optional[Sequence[int]] = None,
+        global_adapter: Optional[torch.Tensor] = None,
+    ) -> LoraResult:
         """``adapters``: [K, d] float, row k client k's adapter vector (``spec.flatten(client_model)``);
         ``num_examples``: K counts (None: uniform); ``client_ranks``: K ranks (None: the server's), a
         client's components beyond its rank must be zero; ``global_adapter``: optional [d], the round's
@@ -356,8 +411,9 @@ class LoraAggregator:
         spec, who = self.spec, "LoraAggregator.aggregate"
         if not isinstance(adapters, torch.Tensor) or adapters.dim() != 2 or adapters.size(1) != spec.d:
             got = tuple(adapters.shape) if isinstance(adapters, torch.Tensor) else type(adapters).__name__
-            raise ValueError(f"{who}: adapters must be a [K, d={spec.d}] tensor (one client's adapter vector a "
-                             f"row), got {got}")
+            raise ValueError(
+                f"{who}: adapters must be a [K, d={spec.d}] tensor (one client's adapter vector a row), got {got}"
+            )
         K = adapters.size(0)
         if K == 0:
             raise ValueError(f"{who}: adapters has K=0 rows; aggregation needs at least one client")
@@ -367,10 +423,17 @@ class LoraAggregator:
         rk = self._ranks(K, client_ranks)
         G = None
         if global_adapter is not None:
-            if not isinstance(global_adapter, torch.Tensor) or global_adapter.dim() != 1 or \
-                    global_adapter.numel() != spec.d or not global_adapter.is_floating_point():
-                got = tuple(global_adapter.shape) if isinstance(global_adapter, torch.Tensor) else \
-                    type(global_adapter).__name__
+            if (
+                not isinstance(global_adapter, torch.Tensor)
+                or global_adapter.dim() != 1
+                or global_adapter.numel() != spec.d
+                or not global_adapter.is_floating_point()
+            ):
+                got = (
+                    tuple(global_adapter.shape)
+                    if isinstance(global_adapter, torch.Tensor)
+                    else type(global_adapter).__name__
+                )
                 raise ValueError(f"{who}: global_adapter must be a 1-D float tensor of length d={spec.d}, got {got}")
             G = global_adapter.detach().to(device=adapters.device, dtype=torch.float64)
         X = adapters.detach()
@@ -391,30 +454,32 @@ class LoraAggregator:
             A = X[:, l.a].to(torch.float64).reshape(K, r, n)
             B = X[:, l.b].to(torch.float64).reshape(K, m, r)
             if rk_t is not None:
-                beyond = torch.arange(r, device=X.device)[None, :] >= rk_t[:, None]          # [K, r]
+                beyond = torch.arange(r, device=X.device)[None, :] >= rk_t[:, None]  # [K, r]
                 bad = ((A != 0).any(dim=2) | (B != 0).any(dim=1)) & beyond
                 if bool(bad.any()):
                     k = int(bad.any(dim=1).nonzero()[0])
-                    raise ValueError(f"{who}: client {k} has client_ranks={rk[k]} but nonzero components beyond "
-                                     f"rank {rk[k]} in layer {l.name!r} (the server's rank is {r})")
+                    raise ValueError(
+                        f"{who}: client {k} has client_ranks={rk[k]} but nonzero components beyond "
+                        f"rank {rk[k]} in layer {l.name!r} (the server's rank is {r})"
+                    )
             Kr = K * r
-            Bcat = B.permute(1, 0, 2).reshape(m, Kr)    # [B_1 .. B_K]
-            Acat = A.reshape(Kr, n)                     # [A_1; ..; A_K]
-            w = p.to(X.device).repeat_interleave(r)     # diag(p_k I_r)
+            Bcat = B.permute(1, 0, 2).reshape(m, Kr)  # [B_1 .. B_K]
+            Acat = A.reshape(Kr, n)  # [A_1; ..; A_K]
+            w = p.to(X.device).repeat_interleave(r)  # diag(p_k I_r)
             P = torch.kron(p.to(X.device)[:, None], torch.eye(r, dtype=torch.float64, device=X.device))
-            if G is not None:                           # the global's factors join the basis, weight 0 in M
+            if G is not None:  # the global's factors join the basis, weight 0 in M
                 Bg, Ag = l.factors(G)
                 Bcat, Acat = torch.cat([Bcat, Bg], 1), torch.cat([Acat, Ag], 0)
                 w = torch.cat([w, w.new_zeros(r)])
                 P = torch.cat([P, P.new_zeros(r, r)])
             Qb, Rb = torch.linalg.qr(Bcat)
             Qa, Ra = torch.linalg.qr(Acat.t())
-            core = (Rb * w) @ Ra.t()                    # M = sum_k p_k B_k A_k = Qb core Qa^T
-            naive_core = (Rb @ P) @ (Ra @ P).t()        # (sum p_k B_k)(sum p_k A_k) in the same basis
+            core = (Rb * w) @ Ra.t()  # M = sum_k p_k B_k A_k = Qb core Qa^T
+            naive_core = (Rb @ P) @ (Ra @ P).t()  # (sum p_k B_k)(sum p_k A_k) in the same basis
             s = l.scaling
             if G is None:
                 true_norm = s * float(torch.linalg.matrix_norm(core))
-            else:                                       # the true average update M - Bg Ag
+            else:  # the true average update M - Bg Ag
                 true_norm = s * float(torch.linalg.matrix_norm(core - Rb[:, Kr:] @ Ra[:, Kr:].t()))
             err_naive = s * float(torch.linalg.matrix_norm(naive_core - core))
             row = {"rank": r, "true_norm": true_norm, "error_naive": err_naive}  # true_norm: as relative_to says
@@ -448,14 +513,21 @@ class LoraAggregator:
                 err = s * float(torch.linalg.matrix_norm((Qb.t() @ Bq) @ (Aq @ Qa) + Qb.t() @ back @ Qa - core))
             row["error"] = err
             per_layer[l.name] = row
-            tot_true += true_norm ** 2
-            tot_naive += err_naive ** 2
-            tot_err += err ** 2
+            tot_true += true_norm**2
+            tot_naive += err_naive**2
+            tot_err += err**2
         tn = math.sqrt(tot_true)
-        info = {"mode": self.mode, "K": K, "weights": p.tolist(), "client_ranks": rk, "layers": per_layer,
-                "relative_to": "product" if G is None else "update", "true_norm": tn,
-                "error_to_true_average": math.sqrt(tot_err),
-                "naive_error_to_true_average": math.sqrt(tot_naive),
-                "relative_error": math.sqrt(tot_err) / tn if tn > 0 else 0.0,
-                "naive_relative_error": math.sqrt(tot_naive) / tn if tn > 0 else 0.0}
+        info = {
+            "mode": self.mode,
+            "K": K,
+            "weights": p.tolist(),
+            "client_ranks": rk,
+            "layers": per_layer,
+            "relative_to": "product" if G is None else "update",
+            "true_norm": tn,
+            "error_to_true_average": math.sqrt(tot_err),
+            "naive_error_to_true_average": math.sqrt(tot_naive),
+            "relative_error": math.sqrt(tot_err) / tn if tn > 0 else 0.0,
+            "naive_relative_error": math.sqrt(tot_naive) / tn if tn > 0 else 0.0,
+        }
         return LoraResult(adapter=new, residuals=residuals, info=info)

@@ -15,10 +15,23 @@ Per parameter, with g its gradient (torch SGD semantics, dampening 0)::
 GC is per output-channel row (``vector_policy``, ``min_fanin`` as ``ops.gc_project_``), applied
 to the raw gradient (GC-Fed's [CODE] order). Nesterov, dampening and maximize are not offered.
 """
+
 from __future__ import annotations
 
-from typing import (TYPE_CHECKING, Any, Callable, Dict, List, MutableMapping, Optional, Sequence, Tuple, Union, cast,
-                    overload)
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    List,
+    MutableMapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+    overload,
+)
 
 import torch
 
@@ -31,19 +44,29 @@ if TYPE_CHECKING:
 __all__ = ["FusedSGD", "sgd_step_"]
 
 
-def sgd_step_(params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor, Dict[str, Any]], *, lr: float,
-              momentum: float = 0.0, weight_decay: float = 0.0,
-              c_add: Optional[Sequence[Optional[torch.Tensor]]] = None, gc_mask: GcMask = None,
-              vector_policy: str = "skip", min_fanin: int = 2) -> None:
+def sgd_step_(
+    params: Sequence[torch.Tensor],
+    state: MutableMapping[torch.Tensor, Dict[str, Any]],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    c_add: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    gc_mask: GcMask = None,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> None:
     """One torch-SGD step over ``params`` (those with a gradient) by ``ops.fused_sgd_step_``, with
     the momentum buffers kept as torch.optim.SGD keeps them: ``state[p]["momentum_buffer"]``, created
     on a parameter's first step (buf = d). ``c_add`` / ``gc_mask``: one entry per parameter of
     ``params``. Shared by :class:`FusedSGD` and the client rules that step a torch SGD natively."""
     keep = [i for i, p in enumerate(params) if p.grad is not None]
     parts = [(keep, False)]
-    if momentum != 0:   # parameters whose buffer exists continue it; the others start it
-        parts = [([i for i in keep if state[params[i]].get("momentum_buffer") is not None], False),
-                 ([i for i in keep if state[params[i]].get("momentum_buffer") is None], True)]
+    if momentum != 0:  # parameters whose buffer exists continue it; the others start it
+        parts = [
+            ([i for i in keep if state[params[i]].get("momentum_buffer") is not None], False),
+            ([i for i in keep if state[params[i]].get("momentum_buffer") is None], True),
+        ]
     for idx, first in parts:
         if not idx:
             continue
@@ -53,21 +76,35 @@ def sgd_step_(params: Sequence[torch.Tensor], state: MutableMapping[torch.Tensor
                 state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         ca = None if c_add is None else [c_add[i] for i in idx]
         with torch.no_grad():
-            ops.fused_sgd_step_(ps, cast(List[torch.Tensor], [p.grad for p in ps]),   # all set (keep)
-                                [state[p]["momentum_buffer"] for p in ps] if momentum != 0 else None,
-                                lr=lr, momentum=momentum, weight_decay=weight_decay, first_step=first,
-                                c_add=ca if ca is not None and any(c is not None for c in ca) else None,
-                                gc_mask=gc_mask if isinstance(gc_mask, bool) or gc_mask is None
-                                else [bool(gc_mask[i]) for i in idx],
-                                vector_policy=vector_policy, min_fanin=min_fanin)
+            ops.fused_sgd_step_(
+                ps,
+                cast(List[torch.Tensor], [p.grad for p in ps]),  # all set (keep)
+                [state[p]["momentum_buffer"] for p in ps] if momentum != 0 else None,
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                first_step=first,
+                c_add=ca if ca is not None and any(c is not None for c in ca) else None,
+                gc_mask=gc_mask if isinstance(gc_mask, bool) or gc_mask is None else [bool(gc_mask[i]) for i in idx],
+                vector_policy=vector_policy,
+                min_fanin=min_fanin,
+            )
 
 
 class FusedSGD(torch.optim.Optimizer):
     """SGD (momentum, weight decay) with an optional per-parameter gradient correction
     (:meth:`set_correction`) and Local GC (group option ``gc``), one native pass per step."""
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
-                 gc: bool = False, vector_policy: str = "skip", min_fanin: int = 2) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        gc: bool = False,
+        vector_policy: str = "skip",
+        min_fanin: int = 2,
+    ) -> None:
         for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v) >= 0 or v == float("inf"):
                 raise ValueError(f"FusedSGD: {name} must be a finite number >= 0, got {v!r}")
@@ -75,12 +112,19 @@ class FusedSGD(torch.optim.Optimizer):
             raise ValueError(f"FusedSGD: vector_policy must be 'skip' or 'center', got {vector_policy!r}")
         if isinstance(min_fanin, bool) or not isinstance(min_fanin, int) or min_fanin < 1:
             raise ValueError(f"FusedSGD: min_fanin must be an int >= 1, got {min_fanin!r}")
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, gc=bool(gc),
-                        vector_policy=vector_policy, min_fanin=min_fanin)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            gc=bool(gc),
+            vector_policy=vector_policy,
+            min_fanin=min_fanin,
+        )
         super().__init__(params, defaults)
 
-    def set_correction(self, correction: Union[None, Dict[torch.Tensor, Optional[torch.Tensor]],
-                                               Sequence[Optional[torch.Tensor]]]) -> None:
+    def set_correction(
+        self, correction: Union[None, Dict[torch.Tensor, Optional[torch.Tensor]], Sequence[Optional[torch.Tensor]]]
+    ) -> None:
         """The tensor added to each parameter's gradient at every step (SCAFFOLD/FedPVR: c - c_i):
         a dict {parameter: tensor or None}, or a list with one tensor-or-None per parameter in
         ``param_groups`` order; None clears every correction. Kept in the optimizer state."""
@@ -96,14 +140,16 @@ class FusedSGD(torch.optim.Optimizer):
         else:
             correction = list(correction)
             if len(correction) != len(allp):
-                raise ValueError(f"FusedSGD.set_correction: got {len(correction)} tensors, expected one per "
-                                 f"parameter ({len(allp)})")
+                raise ValueError(
+                    f"FusedSGD.set_correction: got {len(correction)} tensors, expected one per parameter ({len(allp)})"
+                )
             items = list(zip(allp, correction))
         for p, c in items:
             if c is not None and (not isinstance(c, torch.Tensor) or c.shape != p.shape):
                 got = tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__
-                raise ValueError(f"FusedSGD.set_correction: correction of shape {got} for a parameter of "
-                                 f"shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"FusedSGD.set_correction: correction of shape {got} for a parameter of shape {tuple(p.shape)}"
+                )
         for p, c in items:
             st = self.state[p]
             if c is None:
@@ -125,8 +171,15 @@ class FusedSGD(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             ps = group["params"]
-            sgd_step_(ps, self.state, lr=float(group["lr"]), momentum=float(group["momentum"]),
-                      weight_decay=float(group["weight_decay"]), c_add=[self.state[p].get("correction") for p in ps],
-                      gc_mask=bool(group["gc"]), vector_policy=group["vector_policy"],
-                      min_fanin=int(group["min_fanin"]))
+            sgd_step_(
+                ps,
+                self.state,
+                lr=float(group["lr"]),
+                momentum=float(group["momentum"]),
+                weight_decay=float(group["weight_decay"]),
+                c_add=[self.state[p].get("correction") for p in ps],
+                gc_mask=bool(group["gc"]),
+                vector_policy=group["vector_policy"],
+                min_fanin=int(group["min_fanin"]),
+            )
         return loss

@@ -3,6 +3,7 @@
 These are written for clarity, not speed: the tests compare each native op against the matching
 function here on random inputs. They accept the same arguments as the functions in fedkernels.ops.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,14 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     return U64[_rows_idx(rows, U.size(0), U.device)] @ U64.T
 
 
-def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                 rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weighted_sum(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     U64 = U.to(torch.float64)
     r = _rows_idx(rows, U.size(0), U.device)
     c = torch.as_tensor(coef, dtype=torch.float64, device=U.device)
@@ -41,8 +48,14 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return gram(U), finite_rows(U)
 
 
-def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                          rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def weighted_sum_screened(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     r = torch.arange(U.size(0)) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     return weighted_sum(U, coef, base, alpha, rows, out), finite_rows(U.index_select(0, r.to(U.device)))
 
@@ -110,9 +123,17 @@ def _face_polish(G: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     return lam
 
 
-def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
-             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
-             lam0: Optional[CoefLike] = None, scale: Optional[CoefLike] = None) -> Tuple[torch.Tensor, int, float]:
+def min_norm(
+    G: torch.Tensor,
+    max_iter: int = 1000,
+    tol: float = 1e-12,
+    method: str = "away",
+    init: str = "best_pair",
+    tol_abs: float = 1e-15,
+    polish: bool = True,
+    lam0: Optional[CoefLike] = None,
+    scale: Optional[CoefLike] = None,
+) -> Tuple[torch.Tensor, int, float]:
     """Frank-Wolfe min-norm point (fedaware.md section 2.6), written plainly in float64.
 
     Same arguments and result as ops.min_norm: (lam [K] float64, iterations, gap); with ``scale`` s
@@ -236,10 +257,10 @@ def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
             if a[p, k] != 0:
                 if p != k:
                     a[[k, p]] = a[[p, k]]
-                a[k + 1:, k] /= a[k, k]
+                a[k + 1 :, k] /= a[k, k]
             elif info[b] == 0:
                 info[b] = k + 1
-            a[k + 1:, k + 1:] -= torch.outer(a[k + 1:, k], a[k, k + 1:])
+            a[k + 1 :, k + 1 :] -= torch.outer(a[k + 1 :, k], a[k, k + 1 :])
     if not batched:
         return As[0], piv[0], info[0]
     return As, piv, info
@@ -272,12 +293,16 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor) -> torch.T
     return X if batched else X[0]
 
 
-def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor,
-                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def arrowhead_solve(
+    a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor, R: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dense oracle: builds the (K+1) x (K+1) arrowhead matrix and solves it with torch.linalg.solve."""
     K = R.size(0)
-    f64 = lambda v: torch.as_tensor(v, dtype=torch.float64).expand(K) if torch.as_tensor(v).dim() == 0 \
+    f64 = lambda v: (
+        torch.as_tensor(v, dtype=torch.float64).expand(K)
+        if torch.as_tensor(v).dim() == 0
         else torch.as_tensor(v, dtype=torch.float64)
+    )
     a, b, c = f64(a), f64(b), f64(c)
     M = torch.zeros(K + 1, K + 1, dtype=torch.float64)
     M[0, 0] = alpha
@@ -288,9 +313,19 @@ def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: fl
     return Z[0], Z[1:]
 
 
-def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
-                     S_off: Optional[torch.Tensor], theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike,
-                     dt: float, L: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fedecado_be_step(
+    xc: torch.Tensor,
+    Icur: torch.Tensor,
+    xc0: torch.Tensor,
+    U: torch.Tensor,
+    Ik: torch.Tensor,
+    S_off: Optional[torch.Tensor],
+    theta_new: CoefLike,
+    theta_old: CoefLike,
+    inv_g: CoefLike,
+    dt: float,
+    L: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One FedECADO BE attempt in float64, literally as spec fedecado.md §2.6/§2.7: Gamma_i at tau
     and tau + dt, the dense (K+1) x (K+1) system M z = R solved by torch.linalg.solve, and the LTE
     from the sensitivity-model client states x~_i (inf-norm; NaN -> +inf). Returns (x_c', I', lte [2])."""
@@ -301,9 +336,9 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     K, d = U.shape
     S = torch.zeros(d, dtype=torch.float64) if S_off is None else f(S_off)
     c = dt / L
-    G_new = xc0[None] + thn[:, None] * U                 # Gamma_i(tau + dt)
-    G_old = xc0[None] + tho[:, None] * U                 # Gamma_i(tau)
-    a = 1.0 + c * ig                                     # 1 + dt / (L g_i)
+    G_new = xc0[None] + thn[:, None] * U  # Gamma_i(tau + dt)
+    G_old = xc0[None] + tho[:, None] * U  # Gamma_i(tau)
+    a = 1.0 + c * ig  # 1 + dt / (L g_i)
     M = torch.zeros(K + 1, K + 1, dtype=torch.float64)
     M[0, 0] = 1.0
     M[0, 1:] = -dt
@@ -312,7 +347,7 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     R = torch.cat([(xc + dt * S)[None], Icur + c * (G_new + ig[:, None] * Ik)])
     Z = torch.linalg.solve(M, R)
     xn, In = Z[0], Z[1:]
-    inf_nan = lambda t: torch.where(torch.isnan(t), torch.full_like(t, math.inf), t.abs())   # noqa: E731
+    inf_nan = lambda t: torch.where(torch.isnan(t), torch.full_like(t, math.inf), t.abs())  # noqa: E731
     lte_c = 0.5 * dt * float(inf_nan(In.sum(0) - Icur.sum(0)).max()) if d else 0.0
     xt_new = G_new - (In - Ik) * ig[:, None]
     xt_old = G_old - (Icur - Ik) * ig[:, None]
@@ -329,7 +364,7 @@ def _row_mean(x64: torch.Tensor, dims: Tuple[int, ...]) -> torch.Tensor:
     in [min x, max x]), whatever order torch sums in; a plain fp64 ``mean`` of a row near the fp64
     maximum can overflow in a partial sum (+Inf and -Inf in two lanes give NaN). The scaling only
     loses the bits of elements below 2**-1022 s (absolute error <= 2**-1074 s per element)."""
-    amax = x64.abs().amax(dim=dims, keepdim=True)   # non-finite rows: s is irrelevant, NaN/Inf propagate
+    amax = x64.abs().amax(dim=dims, keepdim=True)  # non-finite rows: s is irrelevant, NaN/Inf propagate
     s = torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - 1)
     return (x64 / s).mean(dim=dims, keepdim=True) * s
 
@@ -355,22 +390,29 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     return [_gc_one(x, vector_policy, min_fanin) for x in tensors]
 
 
-def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
-                ) -> List[torch.Tensor]:
+def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """In-place form of :func:`gc_project` (computed in float64, written back in each tensor's dtype)."""
     for x, y in zip(tensors, gc_project(tensors, vector_policy, min_fanin)):
         x.copy_(y)
     return list(tensors)
 
 
-
-
 # ---- fused local steps (SCAFFOLD, FedPVR, Local GC) -----------------------------------------
-def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
-                    weight_decay: float = 0.0, first_step: bool = False, c_add: Optional[TensorsOrNone] = None,
-                    c_sub: Optional[TensorsOrNone] = None, gc_mask: GcMask = None, vector_policy: str = "skip",
-                    min_fanin: int = 2) -> List[torch.Tensor]:
+def fused_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    c_add: Optional[TensorsOrNone] = None,
+    c_sub: Optional[TensorsOrNone] = None,
+    gc_mask: GcMask = None,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> List[torch.Tensor]:
     """float64 reference of ops.fused_sgd_step_: d = GC(g) + c_add - c_sub + wd*p; buf = d (first
     step) or momentum*buf + d; p -= lr*buf. Writes p (and buf) back in their dtypes."""
     n = len(params)
@@ -393,17 +435,26 @@ def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         if cs is not None:
             d = d - cs.to(torch.float64)
         if momentum != 0:
-            b = cast(Sequence[torch.Tensor], momentum_bufs)[i]   # required with momentum (as in ops)
+            b = cast(Sequence[torch.Tensor], momentum_bufs)[i]  # required with momentum (as in ops)
             d = d if first_step else momentum * b.to(torch.float64) + d
             b.copy_(d)
         p.copy_(p64 - lr * d)
     return list(params)
 
 
-def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], c: TensorsOrNone,
-                        c_i: Optional[TensorsOrNone] = None, momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
-                        *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, first_step: bool = False,
-                        subset: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+def corrected_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    c: TensorsOrNone,
+    c_i: Optional[TensorsOrNone] = None,
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    subset: Optional[Sequence[int]] = None,
+) -> List[torch.Tensor]:
     n = len(params)
     keep = [True] * n if subset is None else [False] * n
     if subset is not None:
@@ -415,18 +466,44 @@ def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
                 keep[s] = True
     ca = [x if k else None for x, k in zip(c, keep)]
     cs = None if c_i is None else [x if k else None for x, k in zip(c_i, keep)]
-    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           first_step=first_step, c_add=ca, c_sub=cs)
+    return fused_sgd_step_(
+        params,
+        grads,
+        momentum_bufs,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        first_step=first_step,
+        c_add=ca,
+        c_sub=cs,
+    )
 
 
-def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, first_step: bool = False, gc_mask: GcMask = True,
-                 vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
-    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           first_step=first_step, gc_mask=gc_mask, vector_policy=vector_policy, min_fanin=min_fanin)
-
-
+def gc_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    gc_mask: GcMask = True,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> List[torch.Tensor]:
+    return fused_sgd_step_(
+        params,
+        grads,
+        momentum_bufs,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        first_step=first_step,
+        gc_mask=gc_mask,
+        vector_policy=vector_policy,
+        min_fanin=min_fanin,
+    )
 
 
 # ---- end of references -----------------------------------------------------------------------
@@ -440,8 +517,8 @@ def _mulhilo32(a: int, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo) 32-bit words of a * b for a constant a and uint32 values b (held in int64), exactly:
     b split in 16-bit halves so no int64 product overflows."""
     bl, bh = b & 0xFFFF, b >> 16
-    p1, p2 = a * bl, a * bh                      # < 2^48 each
-    t = p1 + ((p2 & 0xFFFF) << 16)               # < 2^49
+    p1, p2 = a * bl, a * bh  # < 2^48 each
+    t = p1 + ((p2 & 0xFFFF) << 16)  # < 2^49
     return (p2 >> 16) + (t >> 32), t & _M32
 
 
@@ -462,6 +539,7 @@ def philox4x32_10(ctr: Sequence[torch.Tensor], key: Tuple[int, int]) -> List[tor
 def _fma(a: float, b: float, c: float) -> float:
     """a * b + c rounded once (exact rational arithmetic; CPython's int division rounds correctly)."""
     from fractions import Fraction
+
     return float(Fraction(a) * Fraction(b) + Fraction(c))
 
 
@@ -493,8 +571,8 @@ def _sincos_octant(x: float) -> Tuple[float, float]:
 
 
 def _box_muller(x0: int, x1: int, x2: int, x3: int) -> Tuple[float, float]:
-    u1 = (float(((x1 & 0xFFFFF) << 32) | x0) + 0.5) * 2.0 ** -52
-    w = float(((x3 & 0x3FFFFFFF) << 22) | (x2 >> 10)) * 2.0 ** -52
+    u1 = (float(((x1 & 0xFFFFF) << 32) | x0) + 0.5) * 2.0**-52
+    w = float(((x3 & 0x3FFFFFFF) << 22) | (x2 >> 10)) * 2.0**-52
     q = x3 >> 30
     hi = w > 0.5
     sv, cv = _sincos_octant((1.0 - w if hi else w) * 1.57079632679489661923)
@@ -520,7 +598,7 @@ def philox_normal(n: int, seed: int, counter: int, j0: int = 0) -> torch.Tensor:
     for i in range(p.numel()):
         vals.extend(_box_muller(cols[0][i], cols[1][i], cols[2][i], cols[3][i]))
     off = j0 - 2 * (j0 // 2)
-    return torch.tensor(vals[off:off + n], dtype=torch.float64)
+    return torch.tensor(vals[off : off + n], dtype=torch.float64)
 
 
 def _noise_like(x: torch.Tensor, sigma: float, seed: int, counter: int) -> torch.Tensor:
@@ -541,15 +619,35 @@ def add_gaussian_noise_(x: torch.Tensor, sigma: float, seed: int, counter: int) 
     return x
 
 
-def weighted_sum_noised(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                        rows: RowsLike = None, sigma: float = 0.0, seed: int = 0, counter: int = 0) -> torch.Tensor:
+def weighted_sum_noised(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    sigma: float = 0.0,
+    seed: int = 0,
+    counter: int = 0,
+) -> torch.Tensor:
     """float64: base + alpha * sum_i coef[i] U[rows[i]] + sigma * N(seed, counter, j)."""
     s = weighted_sum(U, coef, base, alpha, rows).to(torch.float64)
     return s + sigma * philox_normal(s.numel(), seed, counter)
+
+
 # ---- adaptive server optimiser (FedAdam / FedYogi / FedAdagrad) --------------------------------
-def server_opt_step(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
-                    beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
-                    from_model: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def server_opt_step(
+    io: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    rule: str,
+    lr: float,
+    beta_1: float = 0.0,
+    beta_2: float = 0.0,
+    tau: float = 1e-9,
+    from_model: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 reference of ops.server_opt_step_, Flower's FedOpt arithmetic (fedadam.py / fedyogi.py /
     fedadagrad.py) on float64 copies: returns (new model, m, v) in float64; the inputs are not modified.
     g = io (or io - x), m = beta_1 m + (1 - beta_1) g, v per ``rule``, new = x + lr m / (sqrt(v) + tau)."""
@@ -596,7 +694,7 @@ def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Ten
     k = X.size(0)
     S = torch.sort(X, dim=0).values
     m = (S[(k - 1) // 2] + S[k // 2]) * 0.5
-    m = torch.where(torch.isfinite(m), m, S[(k - 1) // 2] * 0.5 + S[k // 2] * 0.5)   # the sum overflowed
+    m = torch.where(torch.isfinite(m), m, S[(k - 1) // 2] * 0.5 + S[k // 2] * 0.5)  # the sum overflowed
     order = torch.sort((S - m).abs(), dim=0, stable=True).indices[:beta]
     out = S.gather(0, order).sum(0) / beta
     return torch.where(torch.isfinite(X).all(0), out, torch.full_like(out, math.nan))
@@ -604,6 +702,8 @@ def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Ten
 
 def closest_mean_screened(U: torch.Tensor, beta: int, rows: RowsLike = None) -> Tuple[torch.Tensor, torch.Tensor]:
     return closest_mean(U, beta, rows), finite_rows(U.index_select(0, _rows_idx(rows, U.size(0), U.device)))
+
+
 def dequantize_blocks(Q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """float64 [K, d]: scales[k, j // block] * Q[k, j] (int8 or float8_e4m3fn codes, exact in float64)."""
     d = Q.size(1)
@@ -611,9 +711,16 @@ def dequantize_blocks(Q: torch.Tensor, scales: torch.Tensor, block: int) -> torc
     return s * Q.to(torch.float64)
 
 
-def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, block: int,
-                         base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
-                         out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def dequant_weighted_sum(
+    Q: torch.Tensor,
+    scales: torch.Tensor,
+    coef: CoefLike,
+    block: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(base + alpha * sum_i coef_i dequant(Q)[rows_i] in float64, the rows' flags: every scale finite and
     no NaN code)."""
     D = dequantize_blocks(Q, scales, block)
@@ -622,9 +729,17 @@ def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, 
     return weighted_sum(D, coef, base, alpha, rows), ok
 
 
-def sparse_weighted_sum(idx: torch.Tensor, val: torch.Tensor, offsets: object, coef: CoefLike, d: int,
-                        base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
-                        out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def sparse_weighted_sum(
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    offsets: object,
+    coef: CoefLike,
+    d: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(base + alpha * sum_i coef_i scatter(list rows_i) in float64, each list's finite flag): the lists
     densified one by one (index_add_ sums duplicates)."""
     o = torch.as_tensor(offsets, dtype=torch.int64).cpu()

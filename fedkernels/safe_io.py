@@ -15,6 +15,7 @@
 The simulator's checkpoints (:mod:`fedkernels.sim.checkpoint`) are written and read with these
 functions; this module imports nothing from the layers above it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,8 @@ import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_config", "CheckpointError", "ConfigError", "MAGIC", "TRAILER"]
 
-MAGIC = b"FEDKERNELS-CKPT-v1\n"      # the first format's header (read only)
-TRAILER = b"FEDKERNELS-CKPT-v2"       # the checksum line after the torch.save archive
+MAGIC = b"FEDKERNELS-CKPT-v1\n"  # the first format's header (read only)
+TRAILER = b"FEDKERNELS-CKPT-v2"  # the checksum line after the torch.save archive
 
 
 class CheckpointError(RuntimeError):
@@ -73,19 +74,20 @@ def _save(path: str, state: Dict[str, Any]) -> str:
 
 def _split(path: str, data: bytes):
     """(payload, sha256 hex, length) of a checkpoint file of either format."""
-    if data.startswith(MAGIC):                      # first format: header line, then the payload
-        rest = data[len(MAGIC):]
+    if data.startswith(MAGIC):  # first format: header line, then the payload
+        rest = data[len(MAGIC) :]
         nl = rest.find(b"\n")
         try:
             digest, length = rest[:nl].decode().split()
-            return rest[nl + 1:], digest, int(length)
+            return rest[nl + 1 :], digest, int(length)
         except (ValueError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: corrupted checkpoint header") from None
     i = data.rfind(b"\n" + TRAILER + b" ")
     if i < 0:
-        raise CheckpointError(f"{path} is not a fedkernels checkpoint (bad header) or is truncated: "
-                              "it has no checksum line")
-    line = data[i + 1:]
+        raise CheckpointError(
+            f"{path} is not a fedkernels checkpoint (bad header) or is truncated: it has no checksum line"
+        )
+    line = data[i + 1 :]
     if not line.endswith(b"\n"):
         raise CheckpointError(f"{path}: truncated checkpoint (incomplete checksum line)")
     try:

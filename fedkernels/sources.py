@@ -43,6 +43,7 @@ therefore reads with ``O_DIRECT`` (``direct``, see ``_FileRows``): streamed FedA
 6.4 GB file, 1 torch thread, took 6.3-12.4 s with direct reads (0.4-1.1 s system CPU) and 23.7-29.5 s
 with buffered ones (12.6-14.3 s system CPU).
 """
+
 from __future__ import annotations
 
 import abc
@@ -64,14 +65,38 @@ from .errors import BadUpdateError
 from .ops._checks import has_kernel
 from .ops.weighted_sum import out_dtypes
 
-__all__ = ["MatrixSource", "TensorSource", "MemmapSource", "RawFileSource", "ClientFilesSource", "as_source",
-           "ChunkedUpdates", "overlapped", "CudaCalls", "pick_device", "cpu_read_gbps", "h2d_gbps",
-           "cpu_gram_gbps", "PASSES", "HOST", "round_passes", "round_seconds",
-           "staging_gbps", "weighted_sum_block", "FLOAT_DTYPES", "itemsize", "BlockCodeFile", "PackedRows"]
+__all__ = [
+    "MatrixSource",
+    "TensorSource",
+    "MemmapSource",
+    "RawFileSource",
+    "ClientFilesSource",
+    "as_source",
+    "ChunkedUpdates",
+    "overlapped",
+    "CudaCalls",
+    "pick_device",
+    "cpu_read_gbps",
+    "h2d_gbps",
+    "cpu_gram_gbps",
+    "PASSES",
+    "HOST",
+    "round_passes",
+    "round_seconds",
+    "staging_gbps",
+    "weighted_sum_block",
+    "FLOAT_DTYPES",
+    "itemsize",
+    "BlockCodeFile",
+    "PackedRows",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FROM_NP = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
-            np.dtype(np.float64): torch.float64}
+_FROM_NP = {
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+}
 PathLike = Union[str, os.PathLike]
 Block = Tuple[int, int, torch.Tensor]
 
@@ -126,8 +151,9 @@ class MatrixSource(abc.ABC):
         if not bool(fin.all()):
             k = int((~fin.cpu()).nonzero()[0])
             where = f" (in columns {cols[0]}..{cols[1] - 1} of d={self.d})" if cols is not None else ""
-            raise BadUpdateError(f"{self.row_name(k)} contains NaN/Inf{where}: the round is rejected and "
-                                 "nothing was written")
+            raise BadUpdateError(
+                f"{self.row_name(k)} contains NaN/Inf{where}: the round is rejected and nothing was written"
+            )
 
     @abc.abstractmethod
     def _blocks(self, chunk_cols: int) -> Iterator[Block]:
@@ -172,8 +198,9 @@ class TensorSource(MatrixSource):
         if U.dim() != 2:
             raise ValueError(f"TensorSource: U must be [K, d], got shape {tuple(U.shape)}")
         if U.device.type != "cpu":
-            raise ValueError(f"TensorSource: U must live on the CPU (aggregate device tensors with the ops "
-                             f"directly), got {U.device}")
+            raise ValueError(
+                f"TensorSource: U must live on the CPU (aggregate device tensors with the ops directly), got {U.device}"
+            )
         _check_dtype(U.dtype, "TensorSource")
         self.U = U if U.size(1) <= 1 or U.stride(1) == 1 else U.contiguous()
         self.K, self.d = U.shape
@@ -197,13 +224,16 @@ class MemmapSource(MatrixSource):
             raise ValueError(f"MemmapSource: arr must be [K, d], got shape {arr.shape}")
         if dtype == torch.bfloat16:
             if arr.dtype != np.uint16:
-                raise ValueError(f"MemmapSource: a bfloat16 memmap is stored as uint16 (NumPy has no bfloat16), "
-                                 f"got {arr.dtype}")
+                raise ValueError(
+                    f"MemmapSource: a bfloat16 memmap is stored as uint16 (NumPy has no bfloat16), got {arr.dtype}"
+                )
         else:
             got = _FROM_NP.get(arr.dtype)
             if got is None or (dtype is not None and dtype != got):
-                raise ValueError(f"MemmapSource: arr has dtype {arr.dtype}, expected "
-                                 f"{dtype if dtype is not None else 'float16, float32 or float64'}")
+                raise ValueError(
+                    f"MemmapSource: arr has dtype {arr.dtype}, expected "
+                    f"{dtype if dtype is not None else 'float16, float32 or float64'}"
+                )
             dtype = got
         self.arr, self.dtype = arr, dtype
         self.K, self.d = arr.shape
@@ -216,7 +246,7 @@ class MemmapSource(MatrixSource):
             view = self.arr[:, a:b]
             if self.arr.flags.writeable:
                 t = torch.from_numpy(view)
-            else:                                     # torch needs writable memory: one staging copy
+            else:  # torch needs writable memory: one staging copy
                 if self._stage is None or self._stage.size(1) < b - a:
                     self._stage = torch.empty(self.K, chunk_cols, dtype=torch.int16 if bf16 else self.dtype)
                 t = self._stage[:, : b - a]
@@ -238,15 +268,15 @@ class MemmapSource(MatrixSource):
                 return
 
 
-READ_BYTES = 64 << 20   # a file source reads at least this much per block (all K rows: 4 MB per row at K = 16)
-ALIGN = 4096   # direct reads (O_DIRECT): file offsets, lengths and buffer addresses in multiples of this
+READ_BYTES = 64 << 20  # a file source reads at least this much per block (all K rows: 4 MB per row at K = 16)
+ALIGN = 4096  # direct reads (O_DIRECT): file offsets, lengths and buffer addresses in multiples of this
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
     """A [nbytes] uint8 CPU tensor whose first byte is ALIGN-aligned."""
     t = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -t.data_ptr() % ALIGN
-    return t[skip: skip + nbytes]
+    return t[skip : skip + nbytes]
 
 
 class _FileRows(MatrixSource):
@@ -266,7 +296,7 @@ class _FileRows(MatrixSource):
     ``read_mode``: how the last pass read ("buffered" or "direct")."""
 
     paths: List[str]
-    _CODE_DTYPES: Tuple[torch.dtype, ...] = ()     # non-float element types a subclass reads (BlockCodeFile's codes)
+    _CODE_DTYPES: Tuple[torch.dtype, ...] = ()  # non-float element types a subclass reads (BlockCodeFile's codes)
 
     def __init__(self, dtype, pin_memory: bool = False, prefetch: bool = True, direct: Optional[bool] = None):
         self.dtype = dtype if dtype in self._CODE_DTYPES else _check_dtype(dtype, type(self).__name__)
@@ -292,7 +322,7 @@ class _FileRows(MatrixSource):
 
     def _read(self, fds, st: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """Columns [a, b) of every row into ``st`` (K preadv calls; they release the GIL)."""
-        raw = st.view(torch.uint8).numpy()             # [K, chunk_cols * itemsize] bytes
+        raw = st.view(torch.uint8).numpy()  # [K, chunk_cols * itemsize] bytes
         es = self._es
         nb = (b - a) * es
         for k in range(self.K):
@@ -301,7 +331,7 @@ class _FileRows(MatrixSource):
             pos, got = off + a * es, 0
             while got < nb:
                 r = os.preadv(fds[f], [dst[got:]], pos + got)
-                if r <= 0:                            # the file shrank after validation
+                if r <= 0:  # the file shrank after validation
                     self._short(k, f, pos + got)
                 got += r
         return st[:, : b - a]
@@ -338,16 +368,16 @@ class _FileRows(MatrixSource):
         for k in range(self.K):
             f, off = self._where(k)
             pos = off + a * es
-            head = pos % ALIGN                          # = (base + k * stride) % ALIGN
-            dst = base + k * stride - head              # aligned
+            head = pos % ALIGN  # = (base + k * stride) % ALIGN
+            dst = base + k * stride - head  # aligned
             need, want = head + nb, -(-(head + nb) // ALIGN) * ALIGN
             got = 0
             while got < need:
-                r = os.preadv(fds[f], [mv[dst + got: dst + want]], pos - head + got)
-                if r <= 0:                              # the file shrank after validation
+                r = os.preadv(fds[f], [mv[dst + got : dst + want]], pos - head + got)
+                if r <= 0:  # the file shrank after validation
                     self._short(k, f, pos - head + got)
                 got += r
-        rows = buf[base: base + (self.K - 1) * stride + nb].view(self.dtype)
+        rows = buf[base : base + (self.K - 1) * stride + nb].view(self.dtype)
         return rows.as_strided((self.K, b - a), (stride // es, 1))
 
     def _open(self, chunk_cols: int, n: int):
@@ -359,7 +389,7 @@ class _FileRows(MatrixSource):
             try:
                 for p in self.paths:
                     fds.append(os.open(p, os.O_RDONLY | os.O_DIRECT))
-            except OSError:                             # (a file system without O_DIRECT)
+            except OSError:  # (a file system without O_DIRECT)
                 for fd in fds:
                     os.close(fd)
                 fds, stride = [], None
@@ -381,7 +411,7 @@ class _FileRows(MatrixSource):
         for a0, b0, blk in self._reads(read_cols):
             for a in range(a0, b0, chunk_cols):
                 b = min(b0, a + chunk_cols)
-                yield a, b, blk[:, a - a0: b - a0]
+                yield a, b, blk[:, a - a0 : b - a0]
 
     def _reads(self, read_cols):
         """With ``prefetch`` (default) a reader thread fills the other of two staging blocks with the
@@ -395,10 +425,11 @@ class _FileRows(MatrixSource):
                     yield a, b, read(fds, bufs[0], a, b)
                 return
             from concurrent.futures import ThreadPoolExecutor
+
             with ThreadPoolExecutor(1, thread_name_prefix="fedkernels-read") as pool:
                 nxt = pool.submit(read, fds, bufs[0], *spans[0])
                 for i, (a, b) in enumerate(spans):
-                    blk = nxt.result()                # block i; the caller has finished with block i-1
+                    blk = nxt.result()  # block i; the caller has finished with block i-1
                     if i + 1 < len(spans):
                         nxt = pool.submit(read, fds, bufs[(i + 1) % 2], *spans[i + 1])
                     yield a, b, blk
@@ -412,8 +443,17 @@ class RawFileSource(_FileRows):
     header bytes. Its size must be exactly ``offset + K * d * itemsize``: a short file names the first
     client row that is incomplete; a longer one (another dtype or shape) is refused too."""
 
-    def __init__(self, path: PathLike, K: int, d: int, dtype: torch.dtype = torch.float32, offset: int = 0,
-                 pin_memory: bool = False, prefetch: bool = True, direct: Optional[bool] = None):
+    def __init__(
+        self,
+        path: PathLike,
+        K: int,
+        d: int,
+        dtype: torch.dtype = torch.float32,
+        offset: int = 0,
+        pin_memory: bool = False,
+        prefetch: bool = True,
+        direct: Optional[bool] = None,
+    ):
         super().__init__(dtype, pin_memory, prefetch, direct)
         what = "RawFileSource"
         self.K, self.d = check_pos_int(K, what, "K"), check_pos_int(d, what, "d")
@@ -427,12 +467,16 @@ class RawFileSource(_FileRows):
         need = offset + self.K * row
         if size < need:
             k = max(0, (size - offset)) // row
-            raise ValueError(f"{what}: {self.path} has {size} bytes, need {need} for K={self.K} x d={self.d} "
-                             f"{self.dtype} (+{offset} header): client row {k} is short (ends at byte "
-                             f"{offset + (k + 1) * row})")
+            raise ValueError(
+                f"{what}: {self.path} has {size} bytes, need {need} for K={self.K} x d={self.d} "
+                f"{self.dtype} (+{offset} header): client row {k} is short (ends at byte "
+                f"{offset + (k + 1) * row})"
+            )
         if size > need:
-            raise ValueError(f"{what}: {self.path} has {size} bytes, expected exactly {need} for K={self.K} x "
-                             f"d={self.d} {self.dtype} (+{offset} header): wrong dtype or shape?")
+            raise ValueError(
+                f"{what}: {self.path} has {size} bytes, expected exactly {need} for K={self.K} x "
+                f"d={self.d} {self.dtype} (+{offset} header): wrong dtype or shape?"
+            )
 
     def _where(self, k):
         return 0, self.offset + k * self.d * self._es
@@ -443,8 +487,15 @@ class ClientFilesSource(_FileRows):
     server stores the updates it receives). Each size must be exactly ``d * itemsize``; an error names
     the client row and its file."""
 
-    def __init__(self, paths: Sequence[PathLike], d: int, dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False, prefetch: bool = True, direct: Optional[bool] = None):
+    def __init__(
+        self,
+        paths: Sequence[PathLike],
+        d: int,
+        dtype: torch.dtype = torch.float32,
+        pin_memory: bool = False,
+        prefetch: bool = True,
+        direct: Optional[bool] = None,
+    ):
         super().__init__(dtype, pin_memory, prefetch, direct)
         what = "ClientFilesSource"
         if isinstance(paths, (str, os.PathLike)) or not len(paths):
@@ -458,8 +509,10 @@ class ClientFilesSource(_FileRows):
             size = os.path.getsize(p)
             if size != need:
                 kind = "short" if size < need else "too long (wrong dtype or d?)"
-                raise ValueError(f"{what}: {self.row_name(k)} is {kind}: {p} has {size} bytes, expected {need} "
-                                 f"(d={self.d} x {self.dtype})")
+                raise ValueError(
+                    f"{what}: {self.row_name(k)} is {kind}: {p} has {size} bytes, expected {need} "
+                    f"(d={self.d} x {self.dtype})"
+                )
 
     def row_name(self, k: int) -> str:
         return f"client row {k} ({self.paths[k]})"
@@ -469,7 +522,7 @@ class ClientFilesSource(_FileRows):
 
 
 # ---- chunk plumbing: a source read in column chunks on a device -----------------------------------------
-DEFAULT_CHUNK_BYTES = 64 << 20   # staging memory per chunk (all K rows) delivered to a device
+DEFAULT_CHUNK_BYTES = 64 << 20  # staging memory per chunk (all K rows) delivered to a device
 # ... and on the CPU: a method's per-chunk temporaries (FedAWARE's gathered table rows) stay below glibc's
 # largest mmap threshold (32 MB), so malloc reuses them instead of mapping (and faulting in) fresh pages
 # for every chunk: the streamed FedAWARE round at K = 16, d = 1e8 bf16 took 2.35M page faults and
@@ -494,16 +547,26 @@ class ChunkedUpdates:
     device, with ``info["device"]`` the choice and its reason.
     """
 
-    def __init__(self, source, K: Optional[int] = None, d: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, chunk_cols: Optional[int] = None, device=None, offset: int = 0,
-                 method=None):
+    def __init__(
+        self,
+        source,
+        K: Optional[int] = None,
+        d: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        chunk_cols: Optional[int] = None,
+        device=None,
+        offset: int = 0,
+        method=None,
+    ):
         self.placement: Optional[str] = None
-        self.auto = isinstance(device, str) and device == "auto"     # aggregate_placed picks again for its method
+        self.auto = isinstance(device, str) and device == "auto"  # aggregate_placed picks again for its method
         try:
             self.device = torch.device("cpu" if device is None or self.auto else device)
         except (RuntimeError, TypeError):
-            raise ValueError(f"ChunkedUpdates: device must be 'auto', a device name ('cpu', 'cuda', 'cuda:1') or a "
-                             f"torch.device, got {device!r}") from None
+            raise ValueError(
+                f"ChunkedUpdates: device must be 'auto', a device name ('cpu', 'cuda', 'cuda:1') or a "
+                f"torch.device, got {device!r}"
+            ) from None
         self.source: MatrixSource = as_source(source, K, d, dtype, offset, what="ChunkedUpdates")
         self.K, self.d, self.dtype = self.source.K, self.source.d, self.source.dtype
         for name, v, got in (("K", K, self.K), ("d", d, self.d)):
@@ -551,11 +614,10 @@ class ChunkedUpdates:
         if self.device.type == "cuda" and first[2].device != self.device:
             yield from overlapped(blocks, self.K, self.chunk_cols, self.dtype, CudaCalls(self.device))
             return
-        for a, b, c in blocks:             # on the CPU, or already on the device: no staging
+        for a, b, c in blocks:  # on the CPU, or already on the device: no staging
             yield a, b, (c if c.device == self.device or self.device.type == "cpu" else c.to(self.device))
 
-    def aggregate_placed(self, aggregator, global_flat: torch.Tensor, num_examples, client_ids=None,
-                         payloads=None):
+    def aggregate_placed(self, aggregator, global_flat: torch.Tensor, num_examples, client_ids=None, payloads=None):
         """``aggregator.aggregate(global_flat, updates, ...)`` run on ``self.device``, or with ``device="auto"``
         where :func:`pick_device` puts a round of that aggregator (``Aggregator.aggregate``'s hook):
         ``global_flat`` (and tensors in ``payloads``) moved there once if it lives elsewhere, the new model
@@ -564,13 +626,15 @@ class ChunkedUpdates:
         dev, placement = self.device, self.placement
         if self.auto:
             dev, placement = pick_device(aggregator, self.source)
-        cols = self.chunk_cols if self._cols_given or dev == self.device else None   # (a default width: the device's)
+        cols = self.chunk_cols if self._cols_given or dev == self.device else None  # (a default width: the device's)
         fixed = ChunkedUpdates(self.source, chunk_cols=cols, device=dev)
         home = global_flat.device if isinstance(global_flat, torch.Tensor) else dev
-        g = global_flat.to(dev) if home != dev else global_flat       # (a bad global_flat: aggregate names it)
+        g = global_flat.to(dev) if home != dev else global_flat  # (a bad global_flat: aggregate names it)
         if payloads is not None and home != dev:
-            payloads = [{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
-                        if isinstance(p, dict) else p for p in payloads]
+            payloads = [
+                {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in p.items()} if isinstance(p, dict) else p
+                for p in payloads
+            ]
         params, info = res = aggregator.aggregate(g, fixed, num_examples, client_ids, payloads)
         info["device"] = placement if placement is not None else f"{dev}: as given"
         return type(res)(params.to(home) if params.device != home else params, info)
@@ -598,12 +662,12 @@ class CudaCalls:
         """Two flat pinned host buffers and two flat device buffers of ``numel`` elements."""
         host = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(2)]
         dev = [torch.empty(numel, dtype=dtype, device=self.device) for _ in range(2)]
-        for t in dev:                         # once freed, their memory also waits for the copy stream's work
+        for t in dev:  # once freed, their memory also waits for the copy stream's work
             t.record_stream(self.copy)
         return host, dev
 
     def fill(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)                        # host memcpy into pinned memory
+        dst.copy_(src)  # host memcpy into pinned memory
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor):
         """Copies ``src`` (pinned) to ``dst`` on the copy stream; returns the event of its end."""
@@ -616,10 +680,10 @@ class CudaCalls:
         ev.record(stream)
         return ev
 
-    def wait(self, stream, ev) -> None:       # device side: ``stream`` runs on after ``ev``
+    def wait(self, stream, ev) -> None:  # device side: ``stream`` runs on after ``ev``
         stream.wait_event(ev)
 
-    def sync(self, ev) -> None:               # host side: returns after ``ev``
+    def sync(self, ev) -> None:  # host side: returns after ``ev``
         ev.synchronize()
 
 
@@ -637,17 +701,17 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
     A yielded chunk is a contiguous [K, b - a] view of a device buffer, valid until the next one; the
     caller consumes it on the compute stream (the current stream). ``cuda``: :class:`CudaCalls`."""
     host, dev = cuda.buffers(K * width, dtype)
-    copied: List[Any] = [None, None]      # event: the last copy host[s] -> dev[s] finished
-    used: List[Any] = [None, None]        # event: the compute on the chunk in dev[s] finished
+    copied: List[Any] = [None, None]  # event: the last copy host[s] -> dev[s] finished
+    used: List[Any] = [None, None]  # event: the compute on the chunk in dev[s] finished
 
     def issue(i: int, a: int, b: int, c: torch.Tensor):
         s, n = i % 2, K * (b - a)
         if copied[s] is not None:
-            cuda.sync(copied[s])                       # host[s] is free again
+            cuda.sync(copied[s])  # host[s] is free again
         h, d = host[s][:n].view(K, b - a), dev[s][:n].view(K, b - a)
         cuda.fill(h, c)
         if used[s] is not None:
-            cuda.wait(cuda.copy, used[s])              # dev[s] is free again
+            cuda.wait(cuda.copy, used[s])  # dev[s] is free again
         copied[s] = cuda.h2d(d, h)
         return a, b, d, s
 
@@ -659,7 +723,7 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
         following = next(it, None)
         nxt = None if following is None else issue(i + 1, *following)
         a, b, d, s = cur
-        cuda.wait(cuda.compute, copied[s])             # the caller's kernels see the whole chunk
+        cuda.wait(cuda.compute, copied[s])  # the caller's kernels see the whole chunk
         yield a, b, d
         used[s] = cuda.record(cuda.compute)
         cur, i = nxt, i + 1
@@ -667,8 +731,8 @@ def overlapped(blocks: Iterable[Block], K: int, width: int, dtype: torch.dtype, 
 
 # ---- device="auto": the CPU or the GPU, whichever runs the method's round on a host matrix sooner ---------
 PROBE_BYTES = 64 << 20
-GRAM_PROBE_FMAS = 1 << 27    # at most this many fused multiply-adds per timed call of the Gram probe
-_BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu", "h2d", "stage", "gram:K"
+GRAM_PROBE_FMAS = 1 << 27  # at most this many fused multiply-adds per timed call of the Gram probe
+_BANDWIDTH: Dict[str, float] = {}  # GB/s measured once per process: "cpu", "h2d", "stage", "gram:K"
 
 # A round as device="auto" weighs it: the passes an aggregator makes (``Aggregator.passes()``, in order), each
 # costed in B, the bytes of U (K x d x its itemsize): (B read by the CPU at cpu_read_gbps(), B at cpu_gram_gbps(K),
@@ -677,19 +741,19 @@ _BANDWIDTH: Dict[str, float] = {}         # GB/s measured once per process: "cpu
 # where the table lives with the model; prefixed HOST they run on the host wherever the round runs (a table kept
 # in host memory or in a file): the same CPU time on both sides, nothing over the link.
 PASSES: Dict[str, Tuple[int, int, bool]] = {
-    "sum": (1, 0, True),           # a column-local read of U: weighted_sum, the NaN screen, an EMA of U into a table
-    "gram": (0, 1, True),          # U's K x K Gram matrix (fp64 accumulation)
-    "table": (2, 0, False),        # a table's K round rows read and written (FedAWARE's momenta, SCAFFOLD's c_i)
-    "table_gram": (0, 1, False),   # those rows' Gram against the table (FedAWARE)
-    "table_sum": (1, 0, False),    # a weighted sum over those rows (FedAWARE's step, SCAFFOLD's sum of delta_c)
-    "payload": (1, 0, True),       # K client payloads of d elements each (SCAFFOLD's delta_c): stacked, sent to the GPU
+    "sum": (1, 0, True),  # a column-local read of U: weighted_sum, the NaN screen, an EMA of U into a table
+    "gram": (0, 1, True),  # U's K x K Gram matrix (fp64 accumulation)
+    "table": (2, 0, False),  # a table's K round rows read and written (FedAWARE's momenta, SCAFFOLD's c_i)
+    "table_gram": (0, 1, False),  # those rows' Gram against the table (FedAWARE)
+    "table_sum": (1, 0, False),  # a weighted sum over those rows (FedAWARE's step, SCAFFOLD's sum of delta_c)
+    "payload": (1, 0, True),  # K client payloads of d elements each (SCAFFOLD's delta_c): stacked, sent to the GPU
 }
 HOST = "host:"
 
 
 def _kind(p: str) -> str:
     """A pass's entry in PASSES (its name without the HOST prefix)."""
-    return p[len(HOST):] if p.startswith(HOST) else p
+    return p[len(HOST) :] if p.startswith(HOST) else p
 
 
 def cpu_read_gbps() -> float:
@@ -763,12 +827,16 @@ def round_passes(method, K: Optional[int] = None) -> Tuple[Tuple[str, ...], str]
         passes = tuple(method.passes(K) if takes_k else method.passes())
         label = str(getattr(method, "name", type(method).__name__))
     else:
-        raise TypeError(f"pick_device: method must be an aggregator (with passes()), a sequence of pass names or "
-                        f"None, got {type(method).__name__}")
+        raise TypeError(
+            f"pick_device: method must be an aggregator (with passes()), a sequence of pass names or "
+            f"None, got {type(method).__name__}"
+        )
     for p in passes:
         if not isinstance(p, str) or _kind(p) not in PASSES:
-            raise ValueError(f"pick_device: {label} declares the pass {p!r}; expected one of {sorted(PASSES)}, "
-                             f"optionally prefixed {HOST!r}")
+            raise ValueError(
+                f"pick_device: {label} declares the pass {p!r}; expected one of {sorted(PASSES)}, "
+                f"optionally prefixed {HOST!r}"
+            )
     return passes, label
 
 
@@ -801,15 +869,16 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
     stay on the host; the GPU's own compute counted as nothing): the faster, the CPU on a tie. Each rate is
     probed once per process. The source itself (a disk, a memmap) is read the same way for both; a bf16/fp16
     matrix is costed by its bytes at the fp32 rates."""
-    K, nbytes, where = 16, 10 ** 9, torch.device("cpu")
+    K, nbytes, where = 16, 10**9, torch.device("cpu")
     if isinstance(data, torch.Tensor):
         K, nbytes, where = (data.size(0) if data.dim() else 1), data.numel() * data.element_size(), data.device
     elif isinstance(data, (MatrixSource, ChunkedUpdates)):
         src = data.source if isinstance(data, ChunkedUpdates) else data
         K, nbytes = src.K, src.nbytes
     elif data is not None:
-        raise TypeError(f"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, got "
-                        f"{type(data).__name__}")
+        raise TypeError(
+            f"pick_device: data must be a tensor, a MatrixSource or a ChunkedUpdates, got {type(data).__name__}"
+        )
     passes, label = round_passes(method, K)
     if where.type == "cuda":
         return where, f"{where}: the data is already there"
@@ -826,15 +895,24 @@ def pick_device(method=None, data=None) -> Tuple[torch.device, str]:
     if host:
         on_gpu += f" + {host:.3g} s on the host"
     dev = torch.device("cpu") if cpu <= gpu else torch.device("cuda", torch.cuda.current_device())
-    return dev, (f"{dev}: host source, {label} [{', '.join(passes)}] on {nbytes / 1e9:.3g} GB: CPU ~{cpu:.3g} s "
-                 f"({rates}) {'<=' if cpu <= gpu else '>'} GPU ~{gpu:.3g} s ({on_gpu})")
+    return dev, (
+        f"{dev}: host source, {label} [{', '.join(passes)}] on {nbytes / 1e9:.3g} GB: CPU ~{cpu:.3g} s "
+        f"({rates}) {'<=' if cpu <= gpu else '>'} GPU ~{gpu:.3g} s ({on_gpu})"
+    )
 
 
-CONVERT_COLS = 1 << 17   # columns per cache-sized block when a chunk's dtype is converted (the fallback)
+CONVERT_COLS = 1 << 17  # columns per cache-sized block when a chunk's dtype is converted (the fallback)
 
 
-def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alpha: float, dst: torch.Tensor,
-                       rows: Optional[torch.Tensor] = None, screen: bool = False) -> Optional[torch.Tensor]:
+def weighted_sum_block(
+    c: torch.Tensor,
+    coef,
+    base: Optional[torch.Tensor],
+    alpha: float,
+    dst: torch.Tensor,
+    rows: Optional[torch.Tensor] = None,
+    screen: bool = False,
+) -> Optional[torch.Tensor]:
     """``dst = base + alpha * sum_i coef_i c[rows_i]`` for one column block ``c`` of U, in ``dst``'s dtype
     (``ops.weighted_sum``: column-local, so the blocks of a matrix give the bits of the whole). A
     bf16/fp16 block summed into fp32/fp64 goes through the op in one pass, widened (and screened) in its
@@ -872,8 +950,14 @@ def weighted_sum_block(c: torch.Tensor, coef, base: Optional[torch.Tensor], alph
     return ok
 
 
-def as_source(x, K: Optional[int] = None, d: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-              offset: int = 0, what: str = "source") -> MatrixSource:
+def as_source(
+    x,
+    K: Optional[int] = None,
+    d: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    offset: int = 0,
+    what: str = "source",
+) -> MatrixSource:
     """A MatrixSource from a MatrixSource (returned as is), a [K, d] CPU tensor, a NumPy array /
     memmap, a path to a raw file (``K``, ``d`` and ``dtype`` required; default float32) or a list of
     per-client files (``d`` required)."""
@@ -893,12 +977,15 @@ def as_source(x, K: Optional[int] = None, d: Optional[int] = None, dtype: Option
         if d is None:
             raise ValueError(f"{what}: a list of client files needs d")
         return ClientFilesSource(x, d, torch.float32 if dtype is None else dtype)
-    raise TypeError(f"{what}: source must be a MatrixSource, a tensor, an ndarray/memmap, a path or a list of "
-                    f"per-client paths, got {type(x).__name__}")
+    raise TypeError(
+        f"{what}: source must be a MatrixSource, a tensor, an ndarray/memmap, a path or a list of "
+        f"per-client paths, got {type(x).__name__}"
+    )
 
 
 class _CodeRows(RawFileSource):
     """A raw file of K x d int8 / float8_e4m3fn codes (BlockCodeFile's), read like any file source."""
+
     _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -915,13 +1002,19 @@ class PackedRows:
     (``algorithms.buffers``), the same bits as from dense rows. Without them, ``dense_columns`` decodes those
     columns from the packed rows where the form can (``decoded_columns``)."""
 
-    dense_side: Optional[Tuple[Tuple[Tuple[int, int], ...], torch.Tensor]] = None   # (column ranges, [K, n] values)
+    dense_side: Optional[Tuple[Tuple[Tuple[int, int], ...], torch.Tensor]] = None  # (column ranges, [K, n] values)
 
     K: int
     d: int
 
-    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Any = None,
-                     out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def weighted_sum(
+        self,
+        coef: Any,
+        base: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
+        rows: Any = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def select(self, keep: Sequence[int]) -> "PackedRows":
@@ -936,8 +1029,10 @@ class PackedRows:
         rg = tuple((int(a), int(b)) for a, b in ranges)
         n = sum(b - a for a, b in rg)
         if not all(0 <= a < b <= self.d for a, b in rg) or V.dim() != 2 or tuple(V.shape) != (self.K, n):
-            raise ValueError(f"{type(self).__name__}.with_dense_columns: V must be [K={self.K}, {n}] for column "
-                             f"ranges {list(rg)} within d={self.d}, got {tuple(V.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}.with_dense_columns: V must be [K={self.K}, {n}] for column "
+                f"ranges {list(rg)} within d={self.d}, got {tuple(V.shape)}"
+            )
         out = copy.copy(self)
         out.dense_side = (rg, V)
         return out
@@ -966,9 +1061,18 @@ class BlockCodeFile(PackedRows):
     ``compress.aggregate_compressed``) runs a weighted-sum method (FedAvg, FedAvgM, ...) on it unchanged; the
     result is a [d] tensor in memory (float32 or float64)."""
 
-    def __init__(self, codes: PathLike, scales: Union[PathLike, torch.Tensor], K: int, d: int, block: int,
-                 dtype: torch.dtype = torch.int8, direct: Optional[bool] = None, prefetch: bool = True,
-                 rows: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        codes: PathLike,
+        scales: Union[PathLike, torch.Tensor],
+        K: int,
+        d: int,
+        block: int,
+        dtype: torch.dtype = torch.int8,
+        direct: Optional[bool] = None,
+        prefetch: bool = True,
+        rows: Optional[Sequence[int]] = None,
+    ):
         what = "BlockCodeFile"
         if dtype not in _CodeRows._CODE_DTYPES:
             raise ValueError(f"{what}: dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
@@ -981,12 +1085,15 @@ class BlockCodeFile(PackedRows):
             p = os.fspath(scales)
             if not os.path.isfile(p) or os.path.getsize(p) != 4 * K * nb:
                 have = os.path.getsize(p) if os.path.isfile(p) else "no file"
-                raise ValueError(f"{what}: scales file {p!r} must hold K x ceil(d / block) = {K} x {nb} float32 "
-                                 f"({4 * K * nb} bytes), got {have}")
+                raise ValueError(
+                    f"{what}: scales file {p!r} must hold K x ceil(d / block) = {K} x {nb} float32 "
+                    f"({4 * K * nb} bytes), got {have}"
+                )
             S = torch.from_file(p, shared=False, size=K * nb, dtype=torch.float32).view(K, nb)
         if S.dtype != torch.float32 or tuple(S.shape) != (K, nb):
-            raise ValueError(f"{what}: scales must be float32 [K, ceil(d / block)] = [{K}, {nb}], got "
-                             f"{S.dtype} {tuple(S.shape)}")
+            raise ValueError(
+                f"{what}: scales must be float32 [K, ceil(d / block)] = [{K}, {nb}], got {S.dtype} {tuple(S.shape)}"
+            )
         self.scales = S.contiguous()
         self._rows = None if rows is None else [int(r) for r in rows]
 
@@ -1014,8 +1121,14 @@ class BlockCodeFile(PackedRows):
         per_row = max(1, READ_BYTES // max(self.codes.K, 1))
         return max(self.block, per_row // self.block * self.block)
 
-    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Any = None,
-                     out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def weighted_sum(
+        self,
+        coef: Any,
+        base: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
+        rows: Any = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(base + alpha * sum_i coef_i dequant(row_i), ok)`` over the file in column blocks (rows: the
         selected rows' positions, as ``ops.dequant_weighted_sum``'s)."""
         sel = self._rows
@@ -1028,9 +1141,17 @@ class BlockCodeFile(PackedRows):
         ok = torch.ones(n, dtype=torch.bool)
         B = self.block
         for a, b, Q in self.codes.chunks(self.chunk_cols()):
-            S = self.scales[:, a // B: -(-b // B)]
-            o, f = ops.dequant_weighted_sum(Q, S, coef, B, base=None if base is None else base[a:b], alpha=alpha,
-                                            rows=sel, out_dtype=None if base is not None else odt)
+            S = self.scales[:, a // B : -(-b // B)]
+            o, f = ops.dequant_weighted_sum(
+                Q,
+                S,
+                coef,
+                B,
+                base=None if base is None else base[a:b],
+                alpha=alpha,
+                rows=sel,
+                out_dtype=None if base is not None else odt,
+            )
             out[a:b] = o
             ok &= f
         return out, ok

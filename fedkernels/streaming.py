@@ -21,6 +21,7 @@ out=)``), then fsynced and renamed into place; the returned tensor is a private,
 the published file). A bad row (NaN/Inf) raises BadUpdateError naming the client row (and its file);
 nothing is published (the temporary is removed) and the global model is never modified.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,17 @@ from .errors import BadUpdateError  # noqa: F401  (raised through the aggregator
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
 from .sources import DEFAULT_CHUNK_BYTES, ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
 
-__all__ = ["ChunkedUpdates", "streamed_gram", "streamed_finite_rows", "streamed_weighted_sum",
-           "streamed_fedavg", "streamed_kuramoto", "streamed_fedaware", "momentum_file", "weighted_sum_chunked"]
+__all__ = [
+    "ChunkedUpdates",
+    "streamed_gram",
+    "streamed_finite_rows",
+    "streamed_weighted_sum",
+    "streamed_fedavg",
+    "streamed_kuramoto",
+    "streamed_fedaware",
+    "momentum_file",
+    "weighted_sum_chunked",
+]
 
 OutLike = Union[None, torch.Tensor, str, os.PathLike]
 
@@ -89,20 +99,20 @@ class _Out:
     def __exit__(self, *exc) -> None:
         self.buf = None
         if self.tmp is not None and os.path.exists(self.tmp):
-            os.remove(self.tmp)                      # (not published: the aggregation failed)
+            os.remove(self.tmp)  # (not published: the aggregation failed)
 
     def publish(self, new: torch.Tensor) -> torch.Tensor:
         if isinstance(self.out, (str, os.PathLike)):
             path = os.fspath(self.out)
-            if self.tmp is None:                     # d = 0: an empty file
+            if self.tmp is None:  # d = 0: an empty file
                 open(path, "wb").close()
                 return new
-            if new is not self.buf:                  # (the aggregation wrote elsewhere: copy it in)
+            if new is not self.buf:  # (the aggregation wrote elsewhere: copy it in)
                 self.buf.copy_(new)
             self.buf = None
             fd = os.open(self.tmp, os.O_RDWR)
             try:
-                os.fsync(fd)                         # the mapped pages are the file's page cache
+                os.fsync(fd)  # the mapped pages are the file's page cache
             finally:
                 os.close(fd)
             os.replace(self.tmp, path)
@@ -114,20 +124,23 @@ class _Out:
 
 
 # ---- one round of an aggregator over a source ------------------------------------------------------------
-def _round(agg, global_flat: torch.Tensor, src, num_examples, client_ids=None, out: OutLike = None,
-           what: str = "streamed"):
+def _round(
+    agg, global_flat: torch.Tensor, src, num_examples, client_ids=None, out: OutLike = None, what: str = "streamed"
+):
     src = _as_chunked(src)
     _check_vec(global_flat, "global_flat", what, src.d)
-    with _Out(out, src.d, global_flat.dtype, what) as dst:     # refuses a bad out before reading U
+    with _Out(out, src.d, global_flat.dtype, what) as dst:  # refuses a bad out before reading U
         new, info = agg.aggregate(global_flat, src, num_examples, client_ids, out=dst.buf)
         return dst.publish(new), info
 
 
-def streamed_fedavg(global_flat: torch.Tensor, src, num_examples, server_lr: float = 1.0,
-                    out: OutLike = None) -> torch.Tensor:
+def streamed_fedavg(
+    global_flat: torch.Tensor, src, num_examples, server_lr: float = 1.0, out: OutLike = None
+) -> torch.Tensor:
     """``FedAvg(server_lr=...)`` over a source: ``global + server_lr * sum_k p_k U_k`` in one streamed
     pass (rows screened in the same pass)."""
     from .algorithms.fedavg import FedAvg
+
     return _round(FedAvg(server_lr=server_lr), global_flat, src, num_examples, out=out, what="streamed_fedavg")[0]
 
 
@@ -135,17 +148,26 @@ def streamed_kuramoto(global_flat: torch.Tensor, src, num_examples, aggregator=N
     """``KuramotoFedAvg`` over a source (``aggregator``: its options and round counter; default mode S):
     a kstats pass (screening the rows; no K x K Gram) and a sum pass. Returns (new, info)."""
     from .algorithms.kuramoto import KuramotoFedAvg
+
     agg = aggregator if aggregator is not None else KuramotoFedAvg()
     return _round(agg, global_flat, src, num_examples, out=out, what="streamed_kuramoto")
 
 
-def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: Sequence[int], aggregator,
-                      momenta: Optional[torch.Tensor] = None, out: OutLike = None):
+def streamed_fedaware(
+    global_flat: torch.Tensor,
+    src,
+    num_examples,
+    client_ids: Sequence[int],
+    aggregator,
+    momenta: Optional[torch.Tensor] = None,
+    out: OutLike = None,
+):
     """One round of the FedAWARE ``aggregator`` over a source. Its momentum table: the aggregator's own
     (``momenta=None``; e.g. ``FedAWARE(momentum_file=PATH)``, a disk table with a checkpointable
     reference), or ``momenta`` ([N, d], e.g. from :func:`momentum_file`), installed as ``aggregator.M``
     at the first call (the same tensor afterwards). Updated chunk by chunk with U. Returns (new, info)."""
     from .algorithms.fedaware import FedAWARE
+
     what = "streamed_fedaware"
     if not isinstance(aggregator, FedAWARE):
         raise TypeError(f"{what}: aggregator must be a FedAWARE, got {type(aggregator).__name__}")
@@ -155,11 +177,15 @@ def streamed_fedaware(global_flat: torch.Tensor, src, num_examples, client_ids: 
             raise ValueError(f"{what}: the aggregator needs num_clients=N")
         d = _as_chunked(src).d
         if not isinstance(momenta, torch.Tensor) or tuple(momenta.shape) != (N, d):
-            raise ValueError(f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
-                             f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}")
+            raise ValueError(
+                f"{what}: momenta must be a [N={N}, d={d}] tensor, got "
+                f"{tuple(getattr(momenta, 'shape', ()))} {type(momenta).__name__}"
+            )
         if aggregator.momentum_file is not None:
-            raise ValueError(f"{what}: the aggregator keeps its table in momentum_file={aggregator.momentum_file!r}; "
-                             "pass momenta=None")
+            raise ValueError(
+                f"{what}: the aggregator keeps its table in momentum_file={aggregator.momentum_file!r}; "
+                "pass momenta=None"
+            )
         if aggregator.M is None:
             aggregator.M = momenta
             aggregator.Gm = torch.zeros(N, N, dtype=torch.float64)
@@ -177,6 +203,7 @@ def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dt
     itemsize. (``FedAWARE(momentum_file=PATH)`` does this itself, with a state_dict that references the
     file.)"""
     from .algorithms.tables import table_file
+
     return table_file(os.fspath(path), N, d, dtype, exist_ok=True, what="momentum_file:")
 
 
@@ -204,8 +231,15 @@ def streamed_finite_rows(src) -> torch.Tensor:
     return fin.cpu()
 
 
-def streamed_weighted_sum(src, coef, base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows=None,
-                          out: OutLike = None, check_finite: bool = False):
+def streamed_weighted_sum(
+    src,
+    coef,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows=None,
+    out: OutLike = None,
+    check_finite: bool = False,
+):
     """``base + alpha * sum_i coef_i U[rows_i]`` one chunk at a time ([d], base's dtype, else float32
     for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite-row
     flags (the caller decides)."""
@@ -213,14 +247,20 @@ def streamed_weighted_sum(src, coef, base: Optional[torch.Tensor] = None, alpha:
     what = "streamed_weighted_sum"
     if base is not None:
         _check_vec(base, "base", what, src.d)
-    odt = base.dtype if base is not None else (
-        torch.float32 if src.dtype in (torch.float16, torch.bfloat16) else src.dtype)
+    odt = (
+        base.dtype
+        if base is not None
+        else (torch.float32 if src.dtype in (torch.float16, torch.bfloat16) else src.dtype)
+    )
     c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()
     r = None if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
     fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
     with _Out(out, src.d, odt, what) as dst:
-        new = dst.buf if dst.buf is not None and src.device.type == "cpu" else \
-            torch.empty(src.d, dtype=odt, device=src.device)
+        new = (
+            dst.buf
+            if dst.buf is not None and src.device.type == "cpu"
+            else torch.empty(src.d, dtype=odt, device=src.device)
+        )
         for a, b, c in src.chunks():
             if check_finite:
                 fin &= ops.finite_rows(c)

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover  (hypothesis is in the `test` extra)
 if _hyp_settings is not None:
     _hyp_settings.register_profile("suite", max_examples=30)
     _hyp_settings.register_profile("thorough", max_examples=300)
-    _hyp_settings.load_profile("suite")      # --hypothesis-profile NAME (pytest_configure) loads another
+    _hyp_settings.load_profile("suite")  # --hypothesis-profile NAME (pytest_configure) loads another
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ bug in a test's data or unpacking shows on a CPU machine, not first on a GPU), t
 (``fedkernels.build_info()['cuda']``). Tests of CUDA-only behaviour (host vectors, device asserts) use
 ``cuda_only``. On a GPU machine: ``python -m pytest -m cuda tests/``.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,10 @@ def cuda_build() -> bool:
         return False
 
 
-NEEDS_CUDA = [pytest.mark.cuda,
-              pytest.mark.skipif(not cuda_build(), reason="needs a CUDA device and the CUDA build of fedkernels")]
+NEEDS_CUDA = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not cuda_build(), reason="needs a CUDA device and the CUDA build of fedkernels"),
+]
 DEV = "cuda"
 DEVICES = ["cpu", pytest.param(DEV, marks=NEEDS_CUDA)]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -17,6 +17,7 @@ builds the tensors from the seed and checks the outcome:
 
 The campaign (bench/fuzz.py) runs cases in a subprocess worker (restarted after a crash or a timeout).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,18 +38,51 @@ DTYPES = {**FLOATS, **INTS}
 FLOAT_NAMES = list(FLOATS)
 
 # ops with a generator below; any other public callable in ops.__all__ is reported as not fuzzed
-OP_TARGETS = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
-              "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "finite_rows", "min_norm", "gc_project_", "gc_project", "gc_project_flat_",
-              "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "fused_sgd_step_", "corrected_sgd_step_",
-              "gc_sgd_step_", "server_opt_step_", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
-              "dequant_weighted_sum", "sparse_weighted_sum",
-              "weighted_sum_noised", "add_gaussian_noise_", "philox_normal"]
+OP_TARGETS = [
+    "gram",
+    "gram_screened",
+    "kstats",
+    "order_mean",
+    "order_mean_screened",
+    "closest_mean",
+    "closest_mean_screened",
+    "weighted_sum",
+    "weighted_sum_screened",
+    "weighted_sum_chunked",
+    "finite_rows",
+    "min_norm",
+    "gc_project_",
+    "gc_project",
+    "gc_project_flat_",
+    "lu_factor",
+    "lu_factor_ex",
+    "lu_solve",
+    "arrowhead_solve",
+    "fedecado_be_step",
+    "fused_sgd_step_",
+    "corrected_sgd_step_",
+    "gc_sgd_step_",
+    "server_opt_step_",
+    "dot",
+    "sqnorm",
+    "all_",
+    "any_",
+    "any_flag",
+    "amax_d",
+    "mean_d",
+    "dequant_weighted_sum",
+    "sparse_weighted_sum",
+    "weighted_sum_noised",
+    "add_gaussian_noise_",
+    "philox_normal",
+]
 
 # public names of fedkernels.ops fuzzed through another target (BEStepWindow: fedecado_be_step's cases)
 FUZZED_VIA = {"BEStepWindow": "fedecado_be_step", "stack_lists": "sparse_weighted_sum"}
 # the selection ops, through the robust aggregators that call them (agg:median, agg:trimmed_mean, agg:bulyan)
-FUZZED_VIA.update(dict.fromkeys(("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"),
-                                "agg:median"))
+FUZZED_VIA.update(
+    dict.fromkeys(("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"), "agg:median")
+)
 
 # public names of fedkernels.ops that are not data-path ops (the sharded-mode hooks)
 NOT_DATA_OPS = {"reduce_across", "active_reducer", "Reducer"}
@@ -78,8 +112,11 @@ def agg_names() -> List[str]:
 
 
 def unfuzzed_ops() -> List[str]:
-    return [n for n in getattr(ops, "__all__", []) if callable(getattr(ops, n, None)) and n not in OP_TARGETS
-            and n not in NOT_DATA_OPS and n not in FUZZED_VIA]
+    return [
+        n
+        for n in getattr(ops, "__all__", [])
+        if callable(getattr(ops, n, None)) and n not in OP_TARGETS and n not in NOT_DATA_OPS and n not in FUZZED_VIA
+    ]
 
 
 def _K(rnd: random.Random, allow0=True) -> int:
@@ -101,15 +138,27 @@ def _dtype(rnd, invalid_p=0.05) -> str:
     return rnd.choice(FLOAT_NAMES)
 
 
-VALUES = ["normal", "normal", "normal", "scaled", "huge", "denormal", "zeros", "dup_rows", "ints", "nan", "inf",
-          "mixed"]
+VALUES = [
+    "normal",
+    "normal",
+    "normal",
+    "scaled",
+    "huge",
+    "denormal",
+    "zeros",
+    "dup_rows",
+    "ints",
+    "nan",
+    "inf",
+    "mixed",
+]
 LAYOUTS = ["contig", "contig", "colslice", "transposed", "rowstep", "expanded", "overlap", "stride0col"]
 
 
 def gen_case(rnd: random.Random, target: Optional[str] = None) -> Dict[str, Any]:
     if target is None:
         target = rnd.choice(targets())
-    c: Dict[str, Any] = {"target": target, "seed": rnd.randrange(2 ** 31)}
+    c: Dict[str, Any] = {"target": target, "seed": rnd.randrange(2**31)}
     kind, name = target.split(":", 1)
     if kind == "agg":
         _gen_agg(rnd, c, name)
@@ -129,7 +178,9 @@ def _gen_matrix(rnd, c, allow0=True):
 
 def _gen_gram(rnd, c):
     _gen_matrix(rnd, c)
-    c["rows"] = rnd.choice([None, None, "subset", "dups", "empty", "tensor32", "bad_range", "neg", "float", "2d", "bool"])
+    c["rows"] = rnd.choice(
+        [None, None, "subset", "dups", "empty", "tensor32", "bad_range", "neg", "float", "2d", "bool"]
+    )
     c["nrows"] = rnd.choice([1, 2, 3, 7])
 
 
@@ -157,14 +208,14 @@ def _gen_weighted_sum_chunked(rnd, c):
 
 
 _NOISE_SIGMAS = [0.0, 0.5, 3.0, 1e-30, 1e30, -1.0, float("nan"), float("inf"), "x", True]
-_NOISE_INTS = [0, 1, 7, 2 ** 32 + 5, 2 ** 63 - 1, -1, 2 ** 63, 1.5, True]
+_NOISE_INTS = [0, 1, 7, 2**32 + 5, 2**63 - 1, -1, 2**63, 1.5, True]
 
 
 def _gen_noise_args(rnd, c):
     c["sigma"] = rnd.choice(_NOISE_SIGMAS[:3] * 3 + _NOISE_SIGMAS)
     c["nseed"] = rnd.choice(_NOISE_INTS[:5] * 3 + _NOISE_INTS)
     c["counter"] = rnd.choice(_NOISE_INTS[:5] * 3 + _NOISE_INTS)
-    c["offset"] = rnd.choice([0, 0, 1, 8191, 2 ** 40 + 1, -3])
+    c["offset"] = rnd.choice([0, 0, 1, 8191, 2**40 + 1, -3])
 
 
 def _gen_weighted_sum_noised(rnd, c):
@@ -186,11 +237,14 @@ def _gen_philox_normal(rnd, c):
 
 
 def _valid_noise_args(c, sigma=True):
-    ints_ok = all(isinstance(c[k], int) and not isinstance(c[k], bool) and 0 <= c[k] < 2 ** 63
-                  for k in ("nseed", "counter", "offset"))
+    ints_ok = all(
+        isinstance(c[k], int) and not isinstance(c[k], bool) and 0 <= c[k] < 2**63
+        for k in ("nseed", "counter", "offset")
+    )
     s = c["sigma"]
-    return ints_ok and (not sigma or (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
-                                      and s >= 0))
+    return ints_ok and (
+        not sigma or (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0)
+    )
 
 
 def _gen_finite_rows(rnd, c):
@@ -208,14 +262,29 @@ def _gen_kstats(rnd, c):
 
 def _gen_select_rows(rnd, c):
     _gen_gram(rnd, c)
-    if rnd.random() < 0.6:   # mostly valid rows: the selection itself is the target
+    if rnd.random() < 0.6:  # mostly valid rows: the selection itself is the target
         c["rows"] = rnd.choice([None, None, "subset", "dups", "tensor32"])
 
 
 def _gen_order_mean(rnd, c):
     _gen_select_rows(rnd, c)
-    c["bounds"] = rnd.choice(["median", "median", "trim", "trim", "min", "max", "all", "random", "lo_eq_hi", "hi_gt_k",
-                              "neg", "float", "bool"])
+    c["bounds"] = rnd.choice(
+        [
+            "median",
+            "median",
+            "trim",
+            "trim",
+            "min",
+            "max",
+            "all",
+            "random",
+            "lo_eq_hi",
+            "hi_gt_k",
+            "neg",
+            "float",
+            "bool",
+        ]
+    )
     c["beta"] = rnd.choice([0.0, 0.1, 0.2, 0.3, 0.45])
 
 
@@ -234,8 +303,26 @@ def _gen_closest_mean_screened(rnd, c):
 
 def _gen_min_norm(rnd, c):
     c["K"] = rnd.choice([0, 1, 2, 2, 3, 4, 5, 8, 13, 30, 64])
-    c["gkind"] = rnd.choice(["psd", "psd", "psd_lowrank", "dups", "zero_rows", "psd_scaled", "indefinite",
-                             "neg_diag", "nonsym", "identity", "zeros", "nan", "inf", "nonsquare", "int", "1d"])
+    c["gkind"] = rnd.choice(
+        [
+            "psd",
+            "psd",
+            "psd_lowrank",
+            "dups",
+            "zero_rows",
+            "psd_scaled",
+            "indefinite",
+            "neg_diag",
+            "nonsym",
+            "identity",
+            "zeros",
+            "nan",
+            "inf",
+            "nonsquare",
+            "int",
+            "1d",
+        ]
+    )
     c["scale_exp"] = rnd.choice([0, 0, -300, -150, -30, 30, 150, 300])
     c["dtype"] = rnd.choice(FLOAT_NAMES)
     c["transposed"] = rnd.random() < 0.2
@@ -253,16 +340,26 @@ def _gen_gc_tensors(rnd, c):
     ts = []
     for _ in range(n):
         nd = rnd.choice([0, 1, 1, 2, 2, 3, 4, 4, 5])
-        shape = [rnd.choice([0, 1, 1, 2, 3, 5, 8, 33]) if rnd.random() < 0.15 else rnd.choice([1, 2, 3, 5, 8, 16, 33])
-                 for _ in range(nd)]
+        shape = [
+            rnd.choice([0, 1, 1, 2, 3, 5, 8, 33]) if rnd.random() < 0.15 else rnd.choice([1, 2, 3, 5, 8, 16, 33])
+            for _ in range(nd)
+        ]
         while math.prod(shape) > 100_000:
             shape[shape.index(max(shape))] //= 2
-        ts.append({"shape": shape, "dtype": _dtype(rnd, 0.03), "values": rnd.choice(VALUES),
-                   "layout": rnd.choice(["contig", "contig", "channels_last", "transposed", "sliced", "expanded",
-                                         "dup_prev"])})
+        ts.append(
+            {
+                "shape": shape,
+                "dtype": _dtype(rnd, 0.03),
+                "values": rnd.choice(VALUES),
+                "layout": rnd.choice(
+                    ["contig", "contig", "channels_last", "transposed", "sliced", "expanded", "dup_prev"]
+                ),
+            }
+        )
     c["tensors"] = ts
-    c["vector_policy"] = rnd.choice(["skip", "center", "center", "skip", "bogus"] if rnd.random() < 0.1 else
-                                    ["skip", "center"])
+    c["vector_policy"] = rnd.choice(
+        ["skip", "center", "center", "skip", "bogus"] if rnd.random() < 0.1 else ["skip", "center"]
+    )
     c["min_fanin"] = rnd.choice([1, 2, 2, 2, 3, 17, 0, 1.5, True] if rnd.random() < 0.15 else [1, 2, 2, 3, 17])
     c["bad_list"] = rnd.choice([None] * 25 + ["tensor", "nontensor_item", "mixed_device_none"])
 
@@ -288,8 +385,21 @@ def _gen_gc_project_flat_inplace(rnd, c):
 
 def _gen_lu_factor(rnd, c):
     c["n"] = rnd.choice([0, 1, 2, 3, 5, 8, 17, 40])
-    c["akind"] = rnd.choice(["random", "random", "diag_dom", "singular", "zero", "nan", "nonsquare", "int",
-                             "near_singular", "huge", "denormal"])
+    c["akind"] = rnd.choice(
+        [
+            "random",
+            "random",
+            "diag_dom",
+            "singular",
+            "zero",
+            "nan",
+            "nonsquare",
+            "int",
+            "near_singular",
+            "huge",
+            "denormal",
+        ]
+    )
     c["dtype"] = rnd.choice(FLOAT_NAMES)
     c["nrhs"] = rnd.choice([None, 0, 1, 3, 1000])
     c["transposed"] = rnd.random() < 0.2
@@ -315,18 +425,24 @@ def _gen_fedecado_be_step(rnd, c):
     c["K"] = rnd.choice([0, 1, 2, 3, 5, 17])
     c["d"] = rnd.choice([0, 1, 2, 7, 64, 1001])
     c["dtype"] = rnd.choice(["fp32", "fp64", "fp32", "fp64", "fp16", "bf16", "i64"])
-    c["kind"] = rnd.choice(["ok", "ok", "ok", "no_soff", "nan", "huge", "bad_dt", "neg_inv_g", "wrong_shape",
-                            "wrong_theta_len"])
+    c["kind"] = rnd.choice(
+        ["ok", "ok", "ok", "no_soff", "nan", "huge", "bad_dt", "neg_inv_g", "wrong_shape", "wrong_theta_len"]
+    )
     c["layout"] = rnd.choice(["contig", "contig", "transposed", "colslice"])
     c["use_out"] = rnd.choice([False, True])
-    c["window"] = rnd.choice([False, True])      # through ops.BEStepWindow (two steps), not the single call
+    c["window"] = rnd.choice([False, True])  # through ops.BEStepWindow (two steps), not the single call
 
 
 def _gen_sgd(rnd, c):
     n = rnd.choice([0, 1, 2, 3])
-    c["params"] = [{"shape": [rnd.choice([1, 2, 3, 5, 16]) for _ in range(rnd.choice([0, 1, 2, 4]))],
-                    "dtype": _dtype(rnd, 0.03), "layout": rnd.choice(["contig", "contig", "transposed", "sliced"])}
-                   for _ in range(n)]
+    c["params"] = [
+        {
+            "shape": [rnd.choice([1, 2, 3, 5, 16]) for _ in range(rnd.choice([0, 1, 2, 4]))],
+            "dtype": _dtype(rnd, 0.03),
+            "layout": rnd.choice(["contig", "contig", "transposed", "sliced"]),
+        }
+        for _ in range(n)
+    ]
     c["values"] = rnd.choice(["normal", "normal", "scaled", "zeros", "nan", "denormal"])
     c["lr"] = rnd.choice([0.1, 0.01, 0.0, 1.0, -0.5, float("nan"), "x"])
     c["momentum"] = rnd.choice([0.0, 0.0, 0.9, 0.5, -0.1])
@@ -365,8 +481,9 @@ def _gen_server_opt_step_inplace(rnd, c):
     c["dtype"] = rnd.choice(["fp32", "fp32", "fp64", "fp64", "fp16", "bf16", "i64"])
     c["state"] = rnd.choice(["fp32", "fp32", "fp64", "fp16"])
     c["rule"] = rnd.choice(["adam", "yogi", "adagrad", "adam", "yogi", "adagrad", "sgd"])
-    c["values"] = rnd.choice(["normal", "normal", "normal", "scaled", "zeros", "ints", "denormal", "huge", "nan",
-                              "inf"])
+    c["values"] = rnd.choice(
+        ["normal", "normal", "normal", "scaled", "zeros", "ints", "denormal", "huge", "nan", "inf"]
+    )
     c["layout"] = rnd.choice(["contig", "contig", "strided"])
     c["from_model"] = rnd.choice([False, True])
     c["lr"] = rnd.choice([0.1, 0.01, 0.0, -0.5, 1e3, float("nan")])
@@ -384,7 +501,7 @@ def _gen_dvec(rnd, c):
     c["nontensor"] = rnd.random() < 0.05
 
 
-def _gen_dvec_float(rnd, c):   # amax_d / mean_d: float d-reductions (no dtype validation by design)
+def _gen_dvec_float(rnd, c):  # amax_d / mean_d: float d-reductions (no dtype validation by design)
     _gen_dvec(rnd, c)
     c["dtype"] = rnd.choice(FLOAT_NAMES)
 
@@ -396,11 +513,35 @@ _gen_amax_d = _gen_mean_d = _gen_dvec_float
 
 
 # aggregators -----------------------------------------------------------------------------------
-AGG_MUTATIONS = [None] * 12 + ["nan_rows", "inf_rows", "all_bad", "wrong_d", "list_bad_len", "list_nontensor",
-                               "dtype_mismatch", "int_dtype", "n_len", "n_neg", "n_zero", "n_nan", "n_none", "n_str",
-                               "ids_len", "ids_dup", "ids_range", "ids_str", "ids_float", "payload_len",
-                               "payload_missing", "payload_nan", "global_nan", "global_2d", "global_list",
-                               "updates_none", "K0"]
+AGG_MUTATIONS = [None] * 12 + [
+    "nan_rows",
+    "inf_rows",
+    "all_bad",
+    "wrong_d",
+    "list_bad_len",
+    "list_nontensor",
+    "dtype_mismatch",
+    "int_dtype",
+    "n_len",
+    "n_neg",
+    "n_zero",
+    "n_nan",
+    "n_none",
+    "n_str",
+    "ids_len",
+    "ids_dup",
+    "ids_range",
+    "ids_str",
+    "ids_float",
+    "payload_len",
+    "payload_missing",
+    "payload_nan",
+    "global_nan",
+    "global_2d",
+    "global_list",
+    "updates_none",
+    "K0",
+]
 
 
 def _gen_agg(rnd, c, name):
@@ -409,13 +550,14 @@ def _gen_agg(rnd, c, name):
     c["d"] = rnd.choice([0, 1, 2, 3, 7, 16, 33, 100, 513, 2000]) if rnd.random() > 0.02 else 0
     c["dtype"] = rnd.choice(["fp32", "fp32", "fp64", "fp16", "bf16"])
     c["rounds"] = rnd.choice([1, 1, 2, 3])
-    c["values"] = rnd.choice(["normal", "normal", "normal", "scaled", "zeros", "dup_rows", "ints", "denormal",
-                              "tiny_big"])
+    c["values"] = rnd.choice(
+        ["normal", "normal", "normal", "scaled", "zeros", "dup_rows", "ints", "denormal", "tiny_big"]
+    )
     c["layout"] = rnd.choice(["contig", "contig", "contig", "transposed", "colslice", "expanded", "rowstep"])
     c["policy"] = rnd.choice(["raise", "exclude"])
     c["server_lr"] = rnd.choice([1.0, 1.0, 0.5, 2.0])
     c["mutation"] = rnd.choice(AGG_MUTATIONS)
-    c["opts"] = rnd.randrange(4)   # per-method option set (see _agg_options)
+    c["opts"] = rnd.randrange(4)  # per-method option set (see _agg_options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,11 +572,11 @@ def _values(g: torch.Generator, shape, dtype, kind: str) -> torch.Tensor:
     shape = tuple(shape)
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     n = x.numel()
-    fmax = _finfo(dtype).max if dtype.is_floating_point else 2.0 ** 30
+    fmax = _finfo(dtype).max if dtype.is_floating_point else 2.0**30
     tiny = _finfo(dtype).tiny if dtype.is_floating_point else 1.0
     if kind == "scaled":
         e = float(torch.randint(-30, 31, (1,), generator=g))
-        x = x * 10.0 ** e
+        x = x * 10.0**e
     elif kind == "huge":
         x = x.sign() * fmax * (0.25 + 0.7 * torch.rand(shape, generator=g, dtype=torch.float64))
     elif kind == "denormal":
@@ -460,7 +602,8 @@ def _values(g: torch.Generator, shape, dtype, kind: str) -> torch.Tensor:
             flat[idx] = float("inf") * torch.where(torch.rand(m, generator=g) < 0.5, -1.0, 1.0).double()
         else:
             flat[idx] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e300], dtype=torch.float64)[
-                torch.randint(0, 4, (m,), generator=g)]
+                torch.randint(0, 4, (m,), generator=g)
+            ]
     if dtype.is_floating_point:
         return x.to(dtype)
     return x.clamp(-1e6, 1e6).round().to(dtype)
@@ -471,8 +614,8 @@ def _layout(g, X: torch.Tensor, layout: str) -> torch.Tensor:
     K, d = X.shape
     if layout == "colslice":
         big = torch.zeros(K, d + 5, dtype=X.dtype)
-        big[:, 2:2 + d] = X
-        return big[:, 2:2 + d]
+        big[:, 2 : 2 + d] = X
+        return big[:, 2 : 2 + d]
     if layout == "transposed":
         return X.t().contiguous().t()
     if layout == "rowstep":
@@ -555,20 +698,26 @@ def _check_close(name, got: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, 
     bad = rf & ~gf & ~may_overflow
     if bool(bad.any()):
         i = int(torch.nonzero(bad.reshape(-1))[0])
-        raise Fail(f"{name}: non-finite output {g64.reshape(-1)[i].item()} where the reference is finite "
-                   f"{ref.reshape(-1)[i].item()} (flat index {i})")
-    bad = ~rf & gf & ~(may_overflow & ~torch.isnan(ref))   # the fp64 reference itself may overflow
+        raise Fail(
+            f"{name}: non-finite output {g64.reshape(-1)[i].item()} where the reference is finite "
+            f"{ref.reshape(-1)[i].item()} (flat index {i})"
+        )
+    bad = ~rf & gf & ~(may_overflow & ~torch.isnan(ref))  # the fp64 reference itself may overflow
     if bool(bad.any()):
         i = int(torch.nonzero(bad.reshape(-1))[0])
-        raise Fail(f"{name}: finite output {g64.reshape(-1)[i].item()} where the reference is "
-                   f"{ref.reshape(-1)[i].item()} (NaN/Inf must propagate; flat index {i})")
+        raise Fail(
+            f"{name}: finite output {g64.reshape(-1)[i].item()} where the reference is "
+            f"{ref.reshape(-1)[i].item()} (NaN/Inf must propagate; flat index {i})"
+        )
     both = rf & gf
     err = (g64 - ref).abs()
     bad = both & (err > tol)
     if bool(bad.any()):
         i = int(torch.nonzero(bad.reshape(-1))[0])
-        raise Fail(f"{name}: |got - ref| = {err.reshape(-1)[i].item():.3e} > tol {tol.reshape(-1)[i].item():.3e} "
-                   f"(got {g64.reshape(-1)[i].item()!r}, ref {ref.reshape(-1)[i].item()!r}, flat index {i})")
+        raise Fail(
+            f"{name}: |got - ref| = {err.reshape(-1)[i].item():.3e} > tol {tol.reshape(-1)[i].item():.3e} "
+            f"(got {g64.reshape(-1)[i].item()!r}, ref {ref.reshape(-1)[i].item()!r}, flat index {i})"
+        )
 
 
 def _clean_rejection(e: BaseException, names: List[str]) -> Optional[str]:
@@ -596,7 +745,7 @@ def _run_gram(g, c):
     U64 = U.to(torch.float64)
     nrm = U64.abs()
     r = reference._rows_idx(rows, U.size(0), U.device)
-    S = nrm[r] @ nrm.T                       # sum |u_ik||u_jk|: the rounding scale
+    S = nrm[r] @ nrm.T  # sum |u_ik||u_jk|: the rounding scale
     tol = 4 * (c["d"] + 2) * _eps(torch.float64) * S + 1e-300
     may = ~torch.isfinite(S) | (S > 1e300)
     _check_close("gram", out, ref, tol, may)
@@ -640,7 +789,8 @@ def _result_dtype_arg(dt, kind, wide):
     if kind == "wide":
         return DTYPES[wide]
     return {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16, torch.float64: torch.float32}.get(
-        dt, torch.float64)
+        dt, torch.float64
+    )
 
 
 def _wsum_inputs(g, c):
@@ -679,7 +829,7 @@ def _run_weighted_sum(g, c):
         out = base
     elif ok_ == "noncontig":
         out = torch.zeros(2 * d + 2, dtype=dt)[::2][:d] if d > 1 else torch.zeros(4, dtype=dt)[::2][:d].t()
-        if out.is_contiguous():   # a 0/1-element strided view is contiguous: nothing to test
+        if out.is_contiguous():  # a 0/1-element strided view is contiguous: nothing to test
             out = torch.zeros(2 * 2, dtype=dt)[::2]
     elif ok_ in ("wrong_dtype", "wide"):
         out = torch.zeros(d, dtype=_result_dtype_arg(dt, ok_, c.get("wide", "fp64")))
@@ -687,7 +837,7 @@ def _run_weighted_sum(g, c):
         out = torch.zeros(d + 1, dtype=dt)
     alpha = c["alpha"]
     base0 = None if base is None else base.clone()
-    if c.get("screened"):     # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
+    if c.get("screened"):  # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
         res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     else:
         res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)
@@ -712,13 +862,17 @@ def _run_weighted_sum(g, c):
         want = reference.weighted_sum_screened(U, c64, base=base0, alpha=float(alpha), rows=r)[1]
         if okf.dtype != torch.bool or not torch.equal(okf.cpu(), want.cpu()):
             raise Fail(f"weighted_sum_screened: flags {okf.tolist()}, expected {want.tolist()}")
-        plain = ops.weighted_sum(U, coef, base=base0, alpha=alpha, rows=rows,
-                                 out=None if out is None else torch.empty(d, dtype=rdt))
+        plain = ops.weighted_sum(
+            U, coef, base=base0, alpha=alpha, rows=rows, out=None if out is None else torch.empty(d, dtype=rdt)
+        )
         if not torch.equal(res.isnan(), plain.isnan()) or not torch.equal(res.nan_to_num(), plain.nan_to_num()):
             raise Fail("weighted_sum_screened: the sum differs from weighted_sum's")
     acc = _acc_dtype(rdt)
-    S = abs(float(alpha)) * (c64.abs()[:, None] * U.to(torch.float64).abs()[r]).sum(0) if n else \
-        torch.zeros(d, dtype=torch.float64)
+    S = (
+        abs(float(alpha)) * (c64.abs()[:, None] * U.to(torch.float64).abs()[r]).sum(0)
+        if n
+        else torch.zeros(d, dtype=torch.float64)
+    )
     if base0 is not None:
         S = S + base0.to(torch.float64).abs()
     tol = (n + 6) * 2 * _eps(acc) * S + 2 * _eps(rdt) * ref.abs().nan_to_num(0, 0, 0) + (n + 2) * torch.finfo(rdt).tiny
@@ -740,20 +894,24 @@ def _run_weighted_sum_chunked(g, c):
     dt = DTYPES[c["dtype"]]
     odn = c["out_dtype"]
     odt = None if odn is None else dt if odn == "same" else DTYPES[odn]
-    rdt = odt if odt is not None else dt             # the result's dtype when base is None
+    rdt = odt if odt is not None else dt  # the result's dtype when base is None
     base = None
     bk = c["base"]
     if bk is not None:
         bdt = rdt if bk != "wrong_dtype" else (torch.float64 if rdt != torch.float64 else torch.float32)
-        base = _values(g, (d + (bk == "wrong_len"),), bdt, "normal") if bdt.is_floating_point else \
-            torch.zeros(d, dtype=bdt)
+        base = (
+            _values(g, (d + (bk == "wrong_len"),), bdt, "normal")
+            if bdt.is_floating_point
+            else torch.zeros(d, dtype=bdt)
+        )
         if bk == "noncontig":
             b2 = torch.zeros(2 * d, dtype=bdt)
             b2[::2] = base
             base = b2[::2]
     alpha = c["alpha"]
-    res = ops.weighted_sum_chunked(U, coef, base=base, alpha=alpha, rows=rows, out_dtype=odt,
-                                   chunk_cols=c["chunk_cols"])
+    res = ops.weighted_sum_chunked(
+        U, coef, base=base, alpha=alpha, rows=rows, out_dtype=odt, chunk_cols=c["chunk_cols"]
+    )
     if not isinstance(U, torch.Tensor) or U.dim() != 2 or not U.dtype.is_floating_point:
         raise Fail("weighted_sum_chunked accepted an invalid M")
     if isinstance(alpha, str) or (isinstance(alpha, float) and not math.isfinite(alpha)):
@@ -771,8 +929,11 @@ def _run_weighted_sum_chunked(g, c):
     Uc = U[r].to(rdt)
     ref = reference.weighted_sum(Uc, c64, base=base, alpha=float(alpha))
     acc = _acc_dtype(rdt)
-    S = abs(float(alpha)) * (c64.abs()[:, None] * Uc.to(torch.float64).abs()).sum(0) if n else \
-        torch.zeros(d, dtype=torch.float64)
+    S = (
+        abs(float(alpha)) * (c64.abs()[:, None] * Uc.to(torch.float64).abs()).sum(0)
+        if n
+        else torch.zeros(d, dtype=torch.float64)
+    )
     if base is not None:
         S = S + base.to(torch.float64).abs()
     tol = (n + 6) * 2 * _eps(acc) * S + 2 * _eps(rdt) * ref.abs().nan_to_num(0, 0, 0) + (n + 2) * torch.finfo(rdt).tiny
@@ -795,13 +956,16 @@ def _run_weighted_sum_noised(g, c):
         plain = ops.weighted_sum(U, coef, base=base, alpha=c["alpha"], rows=rows)
     except (ValueError, TypeError):
         plain = None
-    res = ops.weighted_sum_noised(U, coef, base, c["alpha"], rows, sigma=c["sigma"], seed=c["nseed"],
-                                  counter=c["counter"], offset=c["offset"])
+    res = ops.weighted_sum_noised(
+        U, coef, base, c["alpha"], rows, sigma=c["sigma"], seed=c["nseed"], counter=c["counter"], offset=c["offset"]
+    )
     if plain is None:
         raise Fail("weighted_sum_noised accepted arguments that weighted_sum refuses")
     if not _valid_noise_args(c):
-        raise Fail(f"weighted_sum_noised accepted sigma={c['sigma']!r} seed={c['nseed']!r} "
-                   f"counter={c['counter']!r} offset={c['offset']!r}")
+        raise Fail(
+            f"weighted_sum_noised accepted sigma={c['sigma']!r} seed={c['nseed']!r} "
+            f"counter={c['counter']!r} offset={c['offset']!r}"
+        )
     if res.dtype != plain.dtype or res.shape != plain.shape:
         raise Fail(f"weighted_sum_noised: result {res.dtype} {tuple(res.shape)} != weighted_sum's")
     if float(c["sigma"]) == 0.0:
@@ -810,8 +974,10 @@ def _run_weighted_sum_noised(g, c):
         return "ok"
     z = float(c["sigma"]) * ops.philox_normal(d, c["nseed"], c["counter"], c["offset"])
     want = plain.to(torch.float64) + z
-    tol = 2 * (_eps(_acc_dtype(res.dtype)) + _eps(res.dtype)) * (plain.to(torch.float64).abs() + z.abs()) \
+    tol = (
+        2 * (_eps(_acc_dtype(res.dtype)) + _eps(res.dtype)) * (plain.to(torch.float64).abs() + z.abs())
         + torch.finfo(res.dtype).tiny
+    )
     may = ~torch.isfinite(want) | (want.abs() * 1.001 >= torch.finfo(res.dtype).max)
     _check_close("weighted_sum_noised", res, want, tol, may)
     return "ok"
@@ -829,8 +995,10 @@ def _run_add_gaussian_noise_(g, c):
     x0 = x.clone()
     res = ops.add_gaussian_noise_(x, c["sigma"], c["nseed"], c["counter"], c["offset"])
     if not dt.is_floating_point or not x.is_contiguous() or not _valid_noise_args(c):
-        raise Fail(f"add_gaussian_noise_ accepted {dt} contiguous={x.is_contiguous()} sigma={c['sigma']!r} "
-                   f"seed={c['nseed']!r} counter={c['counter']!r} offset={c['offset']!r}")
+        raise Fail(
+            f"add_gaussian_noise_ accepted {dt} contiguous={x.is_contiguous()} sigma={c['sigma']!r} "
+            f"seed={c['nseed']!r} counter={c['counter']!r} offset={c['offset']!r}"
+        )
     if res is not x:
         raise Fail("add_gaussian_noise_ did not return x")
     flat = x0.reshape(-1)
@@ -849,8 +1017,7 @@ def _run_add_gaussian_noise_(g, c):
 def _run_philox_normal(g, c):
     res = ops.philox_normal(c["n"], c["nseed"], c["counter"], c["offset"])
     if c["n"] < 0 or not _valid_noise_args(c, sigma=False):
-        raise Fail(f"philox_normal accepted n={c['n']} seed={c['nseed']!r} counter={c['counter']!r} "
-                   f"j0={c['offset']!r}")
+        raise Fail(f"philox_normal accepted n={c['n']} seed={c['nseed']!r} counter={c['counter']!r} j0={c['offset']!r}")
     if not torch.equal(res, reference.philox_normal(c["n"], c["nseed"], c["counter"], c["offset"])):
         raise Fail("philox_normal: bits differ from the reference")
     return "ok"
@@ -884,8 +1051,11 @@ def _run_kstats(g, c):
     A = U.to(torch.float64).abs()
     m = pt.abs() @ A
     e = 4 * (c["d"] + c["K"] + 2) * _eps(torch.float64)
-    for name, got, ref, S in (("kstats dot", dot, want[0], A @ m), ("kstats nsq", nsq, want[1], (A * A).sum(1)),
-                              ("kstats nbar", nbar, want[2], m @ m)):
+    for name, got, ref, S in (
+        ("kstats dot", dot, want[0], A @ m),
+        ("kstats nsq", nsq, want[1], (A * A).sum(1)),
+        ("kstats nbar", nbar, want[2], m @ m),
+    ):
         if got.dtype != torch.float64:
             raise Fail(f"{name}: dtype {got.dtype}, expected float64")
         _check_close(name, got, ref, e * S + 1e-300, ~torch.isfinite(S) | (S > 1e300))
@@ -899,18 +1069,45 @@ def _select_args(g, c):
     k = c["K"] if rows is None else (len(rows) if isinstance(rows, list) else rows.numel())
     b = c["bounds"]
     if c["target"].startswith("op:order_mean"):
-        lo = {"median": (k - 1) // 2, "trim": int(c["beta"] * k), "min": 0, "max": k - 1, "all": 0,
-              "random": int(torch.randint(0, max(k, 1), (1,), generator=g)), "lo_eq_hi": 1, "hi_gt_k": 0,
-              "neg": -1, "float": 0.0, "bool": False}[b]
-        hi = {"median": k // 2 + 1, "trim": k - int(c["beta"] * k), "min": 1, "max": k, "all": k,
-              "lo_eq_hi": 1, "hi_gt_k": k + 1, "neg": 1, "float": 1, "bool": 1}.get(b)
+        lo = {
+            "median": (k - 1) // 2,
+            "trim": int(c["beta"] * k),
+            "min": 0,
+            "max": k - 1,
+            "all": 0,
+            "random": int(torch.randint(0, max(k, 1), (1,), generator=g)),
+            "lo_eq_hi": 1,
+            "hi_gt_k": 0,
+            "neg": -1,
+            "float": 0.0,
+            "bool": False,
+        }[b]
+        hi = {
+            "median": k // 2 + 1,
+            "trim": k - int(c["beta"] * k),
+            "min": 1,
+            "max": k,
+            "all": k,
+            "lo_eq_hi": 1,
+            "hi_gt_k": k + 1,
+            "neg": 1,
+            "float": 1,
+            "bool": 1,
+        }.get(b)
         if b == "random":
             hi = lo + 1 + int(torch.randint(0, max(k - lo, 1), (1,), generator=g))
         args = (lo, hi)
         valid = type(lo) is int and type(hi) is int and 0 <= lo < hi <= k
     else:
-        beta = {"one": 1, "half": max(1, k // 2), "all": k, "bulyan": max(1, k - 4 * (k // 4)), "zero": 0,
-                "gt_k": k + 1, "float": 1.0}[b]
+        beta = {
+            "one": 1,
+            "half": max(1, k // 2),
+            "all": k,
+            "bulyan": max(1, k - 4 * (k // 4)),
+            "zero": 0,
+            "gt_k": k + 1,
+            "float": 1.0,
+        }[b]
         args = (beta,)
         valid = type(beta) is int and 1 <= beta <= k
     return U, rows, k, args, valid
@@ -943,16 +1140,22 @@ def _run_select(g, c, name):
     A = X.abs().amax(0) if X.numel() else torch.zeros(U.size(1), dtype=torch.float64)
     A = torch.where(torch.isfinite(A), A, torch.zeros_like(A))
     fi = torch.finfo(want_dt)
-    tol = (fi.eps / 2 * want.abs().nan_to_num(posinf=0.0, neginf=0.0) + 2 * n * _eps(torch.float64) * A
-           + fi.tiny * fi.eps)                                       # + half a subnormal step of the result
+    tol = (
+        fi.eps / 2 * want.abs().nan_to_num(posinf=0.0, neginf=0.0) + 2 * n * _eps(torch.float64) * A + fi.tiny * fi.eps
+    )  # + half a subnormal step of the result
     inf = float("inf")
-    _check_close(name, out.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), want.nan_to_num(nan=0.0, posinf=inf, neginf=-inf), tol,
-                 torch.isinf(want) | (A * n > torch.finfo(torch.float64).max / 4))
+    _check_close(
+        name,
+        out.nan_to_num(nan=0.0, posinf=inf, neginf=-inf),
+        want.nan_to_num(nan=0.0, posinf=inf, neginf=-inf),
+        tol,
+        torch.isinf(want) | (A * n > torch.finfo(torch.float64).max / 4),
+    )
     return "ok"
 
 
 for _n in ("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened"):
-    globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_select(g, c, nm)))(_n)
+    globals()["_run_" + _n] = (lambda nm: lambda g, c: _run_select(g, c, nm))(_n)
 
 
 def _run_gram_screened(g, c):
@@ -1034,8 +1237,15 @@ def _run_min_norm(g, c):
         lam0 = torch.zeros(K)
     elif lk == "nan":
         lam0 = torch.full((K,), float("nan"))
-    kw = dict(max_iter=c["max_iter"], tol=c["tol"], method=c["method"], init=c["init"], tol_abs=c["tol_abs"],
-              polish=c["polish"], lam0=lam0)
+    kw = dict(
+        max_iter=c["max_iter"],
+        tol=c["tol"],
+        method=c["method"],
+        init=c["init"],
+        tol_abs=c["tol_abs"],
+        polish=c["polish"],
+        lam0=lam0,
+    )
     lam, iters, gap = ops.min_norm(G, **kw)
     # accepted: check the arguments were valid
     if c["gkind"] in ("1d", "nonsquare", "int", "nan", "inf") or K == 0:
@@ -1054,7 +1264,7 @@ def _run_min_norm(g, c):
         raise Fail(f"min_norm: iterations {iters!r} outside [0, max_iter={c['max_iter']}]")
     scale = float(G64.abs().max()) if K else 0.0
     slack = 64 * (K + 1) * _eps(torch.float64) * scale
-    if not math.isfinite(scale * (K + 1) ** 2):   # the quadratic form itself overflows fp64
+    if not math.isfinite(scale * (K + 1) ** 2):  # the quadratic form itself overflows fp64
         if not math.isfinite(gap) and not math.isnan(gap):
             return "ok"
         slack = float("inf")
@@ -1118,10 +1328,12 @@ def _gc_tol(x64, ref, dt, twice=False):
         M = x64.numel()
         scale = x64.abs().max().expand_as(x64) if x64.numel() else x64
     tol = 4 * (M + 2) * _eps(acc) * scale + 2 * _eps(dt) * ref.abs().nan_to_num(0, 0, 0) + 4 * torch.finfo(dt).tiny
-    if twice:   # projected twice in place: the second pass re-centres the rounded output
+    if twice:  # projected twice in place: the second pass re-centres the rounded output
         tol = tol + 4 * _eps(dt) * scale
     rowsum = scale * M
-    may = ~torch.isfinite(rowsum) | (rowsum * 1.001 >= torch.finfo(acc).max) | (ref.abs() * 1.001 >= torch.finfo(dt).max)
+    may = (
+        ~torch.isfinite(rowsum) | (rowsum * 1.001 >= torch.finfo(acc).max) | (ref.abs() * 1.001 >= torch.finfo(dt).max)
+    )
     return tol, may
 
 
@@ -1132,8 +1344,12 @@ def _run_gc(g, c, inplace: bool):
     res = fn(ts, c["vector_policy"], c["min_fanin"])
     if c["bad_list"] in ("tensor", "nontensor_item"):
         raise Fail(f"{name} accepted a bad tensors argument ({c['bad_list']})")
-    if c["vector_policy"] not in ("skip", "center") or not isinstance(c["min_fanin"], int) \
-            or isinstance(c["min_fanin"], bool) or c["min_fanin"] < 1:
+    if (
+        c["vector_policy"] not in ("skip", "center")
+        or not isinstance(c["min_fanin"], int)
+        or isinstance(c["min_fanin"], bool)
+        or c["min_fanin"] < 1
+    ):
         raise Fail(f"{name} accepted vector_policy={c['vector_policy']!r} min_fanin={c['min_fanin']!r}")
     if any(not t.dtype.is_floating_point for t in ts):
         raise Fail(f"{name} accepted an integer tensor")
@@ -1148,12 +1364,14 @@ def _run_gc(g, c, inplace: bool):
         if inplace and r_out is not t_in:
             raise Fail(f"{name}: result {i} is not the input tensor")
         if r_out.shape != x0.shape or r_out.dtype != x0.dtype:
-            raise Fail(f"{name}: result {i} is {r_out.dtype} {tuple(r_out.shape)}, expected {x0.dtype} {tuple(x0.shape)}")
+            raise Fail(
+                f"{name}: result {i} is {r_out.dtype} {tuple(r_out.shape)}, expected {x0.dtype} {tuple(x0.shape)}"
+            )
         if c["tensors"][i]["layout"] == "dup_prev" and not inplace:
-            continue   # out of place: the duplicate is projected once from the original values
+            continue  # out of place: the duplicate is projected once from the original values
         twice = inplace and any(t is t_in for j, t in enumerate(ts) if j != i)
         tol, may = _gc_tol(x0.to(torch.float64), ref, x0.dtype, twice)
-        if twice and bool(may.any()):   # an overflow in the first pass feeds Inf into the second
+        if twice and bool(may.any()):  # an overflow in the first pass feeds Inf into the second
             may = torch.ones_like(may)
         _check_close(f"{name}[{i}]", r_out, ref, tol, may)
     return "ok"
@@ -1175,8 +1393,18 @@ def synthetic_spec(d: int, dtype=torch.float32) -> FlatSpec:
     def add(name, module, shape, kind):
         nonlocal off, i
         n = math.prod(shape)
-        entries.append(ParamEntry(name=name, module=module, shape=tuple(shape), offset=off, numel=n, kind=kind,
-                                  index=i, layer_from_output=0))
+        entries.append(
+            ParamEntry(
+                name=name,
+                module=module,
+                shape=tuple(shape),
+                offset=off,
+                numel=n,
+                kind=kind,
+                index=i,
+                layer_from_output=0,
+            )
+        )
         off += n
         i += 1
 
@@ -1243,8 +1471,9 @@ def _run_gc_project_flat_(g, c):
         for e in spec.entries:
             piece0 = r0[e.slice].view(e.shape).to(torch.float64)
             tol, may = _gc_tol(piece0, ref[e.slice].view(e.shape), dt)
-            _check_close(f"gc_project_flat_[{k}].{e.name}", o[e.slice].view(e.shape), ref[e.slice].view(e.shape),
-                         tol, may)
+            _check_close(
+                f"gc_project_flat_[{k}].{e.name}", o[e.slice].view(e.shape), ref[e.slice].view(e.shape), tol, may
+            )
     return "ok"
 
 
@@ -1316,7 +1545,7 @@ def _run_lu(g, c, solve: bool):
         # P A = L U reconstruction (fp64 check)
         P, L, Uu = torch.lu_unpack(LU.to(torch.float64), piv.to(torch.int32) if piv.dtype != torch.int32 else piv)
         if not bool(torch.isfinite(LU.to(torch.float64)).all()):
-            return "ok"   # singular / overflowing input: non-finite factors are the IEEE answer
+            return "ok"  # singular / overflowing input: non-finite factors are the IEEE answer
         R = P @ L @ Uu - A.to(torch.float64)
         bound = 8 * (n + 1) ** 2 * _eps(A.dtype) * (L.abs() @ Uu.abs()).max().clamp_min(1e-300)
         if n and float(R.abs().max()) > float(bound):
@@ -1326,7 +1555,7 @@ def _run_lu(g, c, solve: bool):
     B = torch.randn((n,) if nrhs is None else (n, nrhs), generator=g, dtype=torch.float64).to(A.dtype)
     X = ops.lu_solve(LU, piv, B)
     if c["akind"] in ("singular", "zero", "near_singular"):
-        return "ok"   # no solution to check against; no crash and no hang is the requirement
+        return "ok"  # no solution to check against; no crash and no hang is the requirement
     _lu_check_solution("lu_solve", A, X, B)
     return "ok"
 
@@ -1340,7 +1569,7 @@ def _run_lu_factor_ex(g, c):
     if tuple(LU.shape) != (n, n) or LU.dtype != A.dtype or piv.dtype != torch.int32:
         raise Fail(f"lu_factor_ex: LU {LU.dtype} {tuple(LU.shape)}, pivots {piv.dtype}")
     if not bool(torch.isfinite(A.to(torch.float64)).all()) or int(info) != 0:
-        return "ok"    # NaN input or an exactly-zero pivot (reported in info): nothing to reconstruct
+        return "ok"  # NaN input or an exactly-zero pivot (reported in info): nothing to reconstruct
     P, L, Uu = torch.lu_unpack(LU.to(torch.float64), piv)
     if not bool(torch.isfinite(LU.to(torch.float64)).all()):
         if float(A.to(torch.float64).abs().max()) < 1e300:
@@ -1356,8 +1585,8 @@ def _run_lu_factor_ex(g, c):
 def _run_fedecado_be_step(g, c):
     K, d = c["K"], c["d"]
     dt_ = DTYPES[c["dtype"]]
-    f = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)   # noqa: E731
-    cast = lambda t: t.to(dt_) if dt_.is_floating_point else t.round().to(dt_)   # noqa: E731
+    f = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)  # noqa: E731
+    cast = lambda t: t.to(dt_) if dt_.is_floating_point else t.round().to(dt_)  # noqa: E731
     kind = c["kind"]
     U = f(K, d) * 0.1
     if kind == "nan" and K and d:
@@ -1383,14 +1612,16 @@ def _run_fedecado_be_step(g, c):
     out = None
     if c["use_out"] and dt_.is_floating_point:
         out = (torch.empty(d, dtype=dt_), torch.empty(K, d, dtype=dt_))
-    if c.get("window"):           # the window's first step is the single call; a second step from its result
+    if c.get("window"):  # the window's first step is the single call; a second step from its result
         win = ops.BEStepWindow(args[2], args[3], args[4], args[5], L, xc=args[0], Icur=args[1], out=out)
         xn, In, lte = win.step(thn, tho, ig, dt, src=None, dst=0)
         lte = lte.clone()
         x2, I2, l2 = win.step(thn, tho, ig, dt, src=0, dst=1)
         w2 = ops.fedecado_be_step(xn.clone(), In.clone(), *args[2:])
-        if not all(torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
-                   for a, b in zip((x2, I2, l2), w2)):
+        if not all(
+            torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+            for a, b in zip((x2, I2, l2), w2)
+        ):
             raise Fail("BEStepWindow: a second step differs from fedecado_be_step on the same state")
     else:
         xn, In, lte = ops.fedecado_be_step(*args, out=out)
@@ -1408,7 +1639,7 @@ def _run_fedecado_be_step(g, c):
             raise Fail("fedecado_be_step: NaN input did not force a rejection (LTE must be +inf)")
         return "ok"
     if not bool(torch.isfinite(rx).all() and torch.isfinite(rI).all()):
-        return "ok"   # overflowing input: no finite reference to compare with
+        return "ok"  # overflowing input: no finite reference to compare with
     check_fedecado_be_step(r, (xn, In, lte), (rx, rI, rl), dt_)
     return "ok"
 
@@ -1433,7 +1664,7 @@ def be_step_bounds(args, dtype):
     I' (|max a - max b| <= max |a - b|): their bounds are the propagated x'/I' bounds plus the
     float64 rounding of those sums on both sides. Returns (tol_x [d], tol_I [K, d], tol_lte [2])."""
     xc, Icur, xc0, U, Ik, S, thn, tho, ig, dt, L = args
-    f64 = lambda t: torch.as_tensor(t, dtype=torch.float64)   # noqa: E731
+    f64 = lambda t: torch.as_tensor(t, dtype=torch.float64)  # noqa: E731
     thn, tho, ig = f64(thn), f64(tho), f64(ig)
     K, d = U.shape
     S = torch.zeros(d, dtype=torch.float64) if S is None else S
@@ -1451,8 +1682,9 @@ def be_step_bounds(args, dtype):
     Ia = Y + Icur.abs()
     lc = 0.5 * dt * float((tol_I.sum(0) + 2 * (K + 1) * e64 * Ia.sum(0)).max())
     dth = (thn - tho).abs()
-    eI = ig[:, None] * tol_I + tol_x[None] + 8 * e64 * (dth[:, None] * U.abs() + ig[:, None] * Ia
-                                                        + (X + xc.abs())[None])
+    eI = (
+        ig[:, None] * tol_I + tol_x[None] + 8 * e64 * (dth[:, None] * U.abs() + ig[:, None] * Ia + (X + xc.abs())[None])
+    )
     lI = 0.5 * dt / L * float(eI.max())
     return tol_x, tol_I, torch.tensor([lc, lI], dtype=torch.float64)
 
@@ -1466,9 +1698,11 @@ def check_fedecado_be_step(args, got, ref, dtype) -> None:
         bad = err > tol
         if bool(bad.any()):
             i = int(torch.nonzero(bad.reshape(-1))[0])
-            raise Fail(f"fedecado_be_step: {name} off by {err.reshape(-1)[i].item():.3e} > bound "
-                       f"{tol.reshape(-1)[i].item():.3e} (got {o.reshape(-1)[i].item()!r}, ref "
-                       f"{r.reshape(-1)[i].item()!r}, flat index {i})")
+            raise Fail(
+                f"fedecado_be_step: {name} off by {err.reshape(-1)[i].item():.3e} > bound "
+                f"{tol.reshape(-1)[i].item():.3e} (got {o.reshape(-1)[i].item()!r}, ref "
+                f"{r.reshape(-1)[i].item()!r}, flat index {i})"
+            )
     lte, rl = got[2], ref[2]
     if bool(torch.isfinite(rl).all()) and bool(((lte - rl).abs() > tol_l).any()):
         raise Fail(f"fedecado_be_step: lte {lte.tolist()} vs reference {rl.tolist()} (bound {tol_l.tolist()})")
@@ -1477,7 +1711,7 @@ def check_fedecado_be_step(args, got, ref, dtype) -> None:
 def _run_arrowhead_solve(g, c):
     K, m = c["K"], c["m"]
     dt = DTYPES[c["dtype"]]
-    f = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)   # noqa: E731
+    f = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64)  # noqa: E731
     if c["akind"] in ("fedecado", "huge"):
         dtv = 0.1
         a = 1.0 + torch.rand(K, generator=g, dtype=torch.float64)
@@ -1513,7 +1747,7 @@ def _run_arrowhead_solve(g, c):
     if not bool(torch.isfinite(Z).all()):
         if c["akind"] in ("fedecado",) and bool(torch.isfinite(B).all()):
             raise Fail("arrowhead_solve: non-finite solution of the (well-conditioned) FedECADO system")
-        return "ok"   # singular (a_i = 0 or a zero Schur complement) or overflowing input
+        return "ok"  # singular (a_i = 0 or a zero Schur complement) or overflowing input
     if c["akind"] in ("fedecado",):
         res = (M @ Z - B).abs()
         scale = M.abs() @ Z.abs() + B.abs()
@@ -1537,6 +1771,7 @@ def _sgd_inputs(g, c):
                 v.copy_(x)
                 x = v
             return x
+
         ps.append(mk("normal"))
         gs.append(mk(c["values"]))
         bs.append(mk("normal"))
@@ -1580,34 +1815,70 @@ def _run_sgd(g, c, which: str):
     rb = None if bufs is None else [b.clone() for b in bufs]
     p0 = [p.clone() for p in ps]
     if which == "fused_sgd_step_":
-        ops.fused_sgd_step_(plist, gs, bufs, c_add=c_add, c_sub=c_sub, gc_mask=gc_mask,
-                            vector_policy=c["vector_policy"], min_fanin=c["min_fanin"], **kw)
-        ref_kw = dict(c_add=c_add, c_sub=c_sub, gc_mask=gc_mask, vector_policy=c["vector_policy"],
-                      min_fanin=c["min_fanin"])
+        ops.fused_sgd_step_(
+            plist,
+            gs,
+            bufs,
+            c_add=c_add,
+            c_sub=c_sub,
+            gc_mask=gc_mask,
+            vector_policy=c["vector_policy"],
+            min_fanin=c["min_fanin"],
+            **kw,
+        )
+        ref_kw = dict(
+            c_add=c_add, c_sub=c_sub, gc_mask=gc_mask, vector_policy=c["vector_policy"], min_fanin=c["min_fanin"]
+        )
     elif which == "corrected_sgd_step_":
         subset = [i % 2 == 0 for i in range(n)] if corr == "subset" else None
         ops.corrected_sgd_step_(plist, gs, ca, cs if corr == "c_ci" else None, bufs, subset=subset, **kw)
         keep = subset if subset is not None else [True] * n
-        ref_kw = dict(c_add=[ca[i] if keep[i] else None for i in range(n)],
-                      c_sub=[cs[i] if keep[i] else None for i in range(n)] if corr == "c_ci" else None)
+        ref_kw = dict(
+            c_add=[ca[i] if keep[i] else None for i in range(n)],
+            c_sub=[cs[i] if keep[i] else None for i in range(n)] if corr == "c_ci" else None,
+        )
     else:
-        ops.gc_sgd_step_(plist, gs, bufs, gc_mask=gc_mask, vector_policy=c["vector_policy"],
-                         min_fanin=c["min_fanin"], **kw)
+        ops.gc_sgd_step_(
+            plist, gs, bufs, gc_mask=gc_mask, vector_policy=c["vector_policy"], min_fanin=c["min_fanin"], **kw
+        )
         ref_kw = dict(gc_mask=gc_mask, vector_policy=c["vector_policy"], min_fanin=c["min_fanin"])
-    if bad is not None or corr == "wrong_shape" or gcm == "bad_len" or isinstance(c["lr"], str) \
-            or not math.isfinite(float(c["lr"])) or c["momentum"] < 0 or any(not p.dtype.is_floating_point for p in ps):
-        if not (bad == "no_bufs" and c["momentum"] == 0) and not (n == 0 and bad in ("tensor",)) \
-                and not (n == 0 and corr == "wrong_shape") and not (n == 0 and gcm == "bad_len" and False):
-            raise Fail(f"{which} accepted invalid input (bad={bad}, corr={corr}, gc={gcm}, lr={c['lr']!r}, "
-                       f"momentum={c['momentum']})")
+    if (
+        bad is not None
+        or corr == "wrong_shape"
+        or gcm == "bad_len"
+        or isinstance(c["lr"], str)
+        or not math.isfinite(float(c["lr"]))
+        or c["momentum"] < 0
+        or any(not p.dtype.is_floating_point for p in ps)
+    ):
+        if (
+            not (bad == "no_bufs" and c["momentum"] == 0)
+            and not (n == 0 and bad in ("tensor",))
+            and not (n == 0 and corr == "wrong_shape")
+            and not (n == 0 and gcm == "bad_len" and False)
+        ):
+            raise Fail(
+                f"{which} accepted invalid input (bad={bad}, corr={corr}, gc={gcm}, lr={c['lr']!r}, "
+                f"momentum={c['momentum']})"
+            )
         return "ok"
     ref_ps = [p.to(torch.float64) for p in p0]
     ref_out = [p.clone() for p in ref_ps]
     ref_bufs = None if rb is None else [b.to(torch.float64) for b in rb]
-    reference.fused_sgd_step_(ref_out, [x.to(torch.float64) for x in gs], ref_bufs,
-                              **{k: ([None if v is None else v.to(torch.float64) for v in val]
-                                     if isinstance(val, list) and k in ("c_add", "c_sub") else val)
-                                 for k, val in ref_kw.items()}, **kw)
+    reference.fused_sgd_step_(
+        ref_out,
+        [x.to(torch.float64) for x in gs],
+        ref_bufs,
+        **{
+            k: (
+                [None if v is None else v.to(torch.float64) for v in val]
+                if isinstance(val, list) and k in ("c_add", "c_sub")
+                else val
+            )
+            for k, val in ref_kw.items()
+        },
+        **kw,
+    )
     for i, (p, r, x0) in enumerate(zip(ps, ref_out, p0)):
         dt = p.dtype
         acc = _acc_dtype(dt)
@@ -1615,7 +1886,11 @@ def _run_sgd(g, c, which: str):
         M = max(1, gm.numel() // max(gm.size(0), 1)) if gm.dim() else 1
         rowmax = gm.max() if gm.numel() else torch.tensor(0.0, dtype=torch.float64)
         scale = x0.to(torch.float64).abs() + abs(float(c["lr"])) * (
-            4 * (M + 2) * rowmax + 3 + abs(c["weight_decay"]) * x0.to(torch.float64).abs() + (bs[i].to(torch.float64).abs() if bufs else 0))
+            4 * (M + 2) * rowmax
+            + 3
+            + abs(c["weight_decay"]) * x0.to(torch.float64).abs()
+            + (bs[i].to(torch.float64).abs() if bufs else 0)
+        )
         tol = 16 * _eps(acc) * scale + 2 * _eps(dt) * r.abs().nan_to_num(0, 0, 0) + 4 * torch.finfo(dt).tiny
         may = ~torch.isfinite(scale) | (scale * 4 >= torch.finfo(acc).max) | (r.abs() * 1.01 >= torch.finfo(dt).max)
         _check_close(f"{which}: params[{i}]", p, r, tol, may)
@@ -1647,7 +1922,7 @@ def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from
     tau = 0 meets a v' near the subnormals): nothing is asserted there but NaN/Inf propagation."""
     f64 = torch.float64
     gA = (g.to(sdt) - x.to(sdt)) if from_model else g.to(sdt)
-    g2A = gA * gA                                                     # rounded in the state's precision
+    g2A = gA * gA  # rounded in the state's precision
     g64, x64, m64, v64 = gA.to(f64), x.to(f64), m.to(f64), v.to(f64)
     b1, b2, e, fi = beta_1, beta_2, _eps(sdt), torch.finfo(sdt)
     sub = fi.tiny * e
@@ -1659,8 +1934,11 @@ def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from
     elif rule == "yogi":
         s = torch.sign(v.to(sdt) - g2A).to(f64).nan_to_num(0.0)
         v1 = v64 - (1 - b2) * gg * s
-        v1 = torch.where(torch.isnan(g2A) | torch.isnan(v) | (torch.isinf(g2A) & torch.isinf(v)),
-                         torch.full_like(v1, float("nan")), v1)
+        v1 = torch.where(
+            torch.isnan(g2A) | torch.isnan(v) | (torch.isinf(g2A) & torch.isinf(v)),
+            torch.full_like(v1, float("nan")),
+            v1,
+        )
         dv = 3 * e * (v64.abs() + (1 - b2) * gg)
     else:
         v1 = v64 + gg
@@ -1674,14 +1952,32 @@ def server_opt_expected(x, g, m, v, rule, lr, beta_1, beta_2, tau, sdt, dt, from
     want = x64 + step
     den_lo = (den - dden).clamp_min(0)
     with torch.no_grad():
-        tol = abs(lr) * (dm + (m1 / den).abs() * dden) / den_lo + 3 * e * step.abs() \
-            + e * want.abs() + _eps(dt) * want.abs() + torch.finfo(dt).tiny
+        tol = (
+            abs(lr) * (dm + (m1 / den).abs() * dden) / den_lo
+            + 3 * e * step.abs()
+            + e * want.abs()
+            + _eps(dt) * want.abs()
+            + torch.finfo(dt).tiny
+        )
     big = fi.max / 4
-    may = (gg >= big) | (m1.abs() >= big) | (v1 >= big) | (want.abs() * 1.01 >= torch.finfo(dt).max) \
-        | (den_lo == 0) | ((v1 < 2 ** 30 * fi.tiny) & (tau == 0))
+    may = (
+        (gg >= big)
+        | (m1.abs() >= big)
+        | (v1 >= big)
+        | (want.abs() * 1.01 >= torch.finfo(dt).max)
+        | (den_lo == 0)
+        | ((v1 < 2**30 * fi.tiny) & (tau == 0))
+    )
     inf = float("inf")
-    return (want, m1, v1, torch.where(may, torch.full_like(tol, inf), tol).nan_to_num(inf),
-            torch.where(may, torch.full_like(dm, inf), dm), torch.where(may, torch.full_like(dv, inf), dv), may)
+    return (
+        want,
+        m1,
+        v1,
+        torch.where(may, torch.full_like(tol, inf), tol).nan_to_num(inf),
+        torch.where(may, torch.full_like(dm, inf), dm),
+        torch.where(may, torch.full_like(dv, inf), dv),
+        may,
+    )
 
 
 def _run_server_opt_step_(g, c):
@@ -1697,29 +1993,43 @@ def _run_server_opt_step_(g, c):
     if c["values"] in ("nan", "inf") and d:
         v[0] = float("inf") if c["values"] == "inf" else v[0]
     if c["layout"] == "strided":
+
         def strided(t):
             big = torch.zeros(2 * d, dtype=t.dtype)
             big[::2] = t
             return big[::2]
+
         x, io, m, v = strided(x), strided(io), strided(m), strided(v)
     io0, m0, v0 = io.clone(), m.clone(), v.clone()
     bad = c["bad"]
-    args = dict(rule=c["rule"], lr=c["lr"], beta_1=c["beta_1"], beta_2=c["beta_2"], tau=c["tau"],
-                from_model=c["from_model"])
+    args = dict(
+        rule=c["rule"], lr=c["lr"], beta_1=c["beta_1"], beta_2=c["beta_2"], tau=c["tau"], from_model=c["from_model"]
+    )
     xa = x
     if bad == "len":
         xa = torch.zeros(d + 1, dtype=dt)
     elif bad == "io_dtype":
         io = io.to(torch.float64 if dt != torch.float64 else torch.float32)
     ops.server_opt_step_(io, m, x if bad == "alias" else v, xa, **args)
-    invalid = (bad is not None and not (bad == "alias" and d == 0)) or c["rule"] not in ops.SERVER_OPT_RULES or not math.isfinite(c["lr"]) \
-        or c["tau"] < 0 or not 0 <= c["beta_1"] <= 1 or not 0 <= c["beta_2"] <= 1 or not dt.is_floating_point \
-        or sdt not in (torch.float32, torch.float64) or (dt == torch.float64 and sdt != torch.float64)
+    invalid = (
+        (bad is not None and not (bad == "alias" and d == 0))
+        or c["rule"] not in ops.SERVER_OPT_RULES
+        or not math.isfinite(c["lr"])
+        or c["tau"] < 0
+        or not 0 <= c["beta_1"] <= 1
+        or not 0 <= c["beta_2"] <= 1
+        or not dt.is_floating_point
+        or sdt not in (torch.float32, torch.float64)
+        or (dt == torch.float64 and sdt != torch.float64)
+    )
     if invalid:
-        raise Fail(f"server_opt_step_ accepted invalid input (bad={bad}, rule={c['rule']}, dtype={c['dtype']}, "
-                   f"state={c['state']}, lr={c['lr']}, tau={c['tau']}, betas={c['beta_1']}, {c['beta_2']})")
+        raise Fail(
+            f"server_opt_step_ accepted invalid input (bad={bad}, rule={c['rule']}, dtype={c['dtype']}, "
+            f"state={c['state']}, lr={c['lr']}, tau={c['tau']}, betas={c['beta_1']}, {c['beta_2']})"
+        )
     want, m1, v1, tol, tol_m, tol_v, may = server_opt_expected(
-        x, io0, m0, v0, c["rule"], c["lr"], c["beta_1"], c["beta_2"], c["tau"], sdt, dt, c["from_model"])
+        x, io0, m0, v0, c["rule"], c["lr"], c["beta_1"], c["beta_2"], c["tau"], sdt, dt, c["from_model"]
+    )
     _check_close("server_opt_step_: io", io, want, tol, may)
     _check_close("server_opt_step_: m", m, m1, tol_m, may)
     _check_close("server_opt_step_: v", v, v1, tol_v, may)
@@ -1734,8 +2044,12 @@ def _run_dvec(g, c, name):
         x = x.tolist()
     fn = getattr(ops, name)
     if name == "dot":
-        y = _values(g, [c["shape"][-1] + 1] if c["mismatch"] else c["shape"], x.dtype if isinstance(x, torch.Tensor)
-                    else torch.float32, "normal")
+        y = _values(
+            g,
+            [c["shape"][-1] + 1] if c["mismatch"] else c["shape"],
+            x.dtype if isinstance(x, torch.Tensor) else torch.float32,
+            "normal",
+        )
         got = fn(x, y)
         if c["mismatch"] or c["nontensor"]:
             raise Fail("dot accepted mismatched/non-tensor inputs")
@@ -1767,11 +2081,16 @@ def _run_dvec(g, c, name):
         else:
             ref = x64.mean(dim=-1)
             sc = x64.abs().mean(dim=-1) if x64.size(-1) else ref
-            tol = (x64.size(-1) + 2) * 4 * _eps(_acc_dtype(x.dtype) if x.dtype.is_floating_point else torch.float64) * \
-                sc.nan_to_num(0, 0, 0) + 2 * _eps(x.dtype if x.dtype.is_floating_point else torch.float64) * ref.abs().nan_to_num(0, 0, 0)
-            if x.dtype.is_floating_point:   # rounding the result to x's dtype: half its smallest subnormal step
+            tol = (x64.size(-1) + 2) * 4 * _eps(
+                _acc_dtype(x.dtype) if x.dtype.is_floating_point else torch.float64
+            ) * sc.nan_to_num(0, 0, 0) + 2 * _eps(
+                x.dtype if x.dtype.is_floating_point else torch.float64
+            ) * ref.abs().nan_to_num(0, 0, 0)
+            if x.dtype.is_floating_point:  # rounding the result to x's dtype: half its smallest subnormal step
                 tol = tol + torch.finfo(x.dtype).smallest_normal * torch.finfo(x.dtype).eps
-            may = ~torch.isfinite(sc) | (sc * x64.size(-1) * 1.01 >= torch.finfo(x.dtype if x.dtype.is_floating_point else torch.float64).max)
+            may = ~torch.isfinite(sc) | (
+                sc * x64.size(-1) * 1.01 >= torch.finfo(x.dtype if x.dtype.is_floating_point else torch.float64).max
+            )
             _check_close("mean_d", got, ref, tol, may)
             return "ok"
     if not isinstance(got, float):
@@ -1779,13 +2098,18 @@ def _run_dvec(g, c, name):
     t64 = torch.tensor([got], dtype=torch.float64)
     r64 = torch.tensor([ref], dtype=torch.float64)
     n = max(1, (x.numel() if isinstance(x, torch.Tensor) else 1))
-    _check_close(name, t64, r64, torch.tensor([4 * (n + 2) * _eps(torch.float64) * sc + 1e-300], dtype=torch.float64),
-                 torch.tensor([not math.isfinite(sc) or sc > 1e300]))
+    _check_close(
+        name,
+        t64,
+        r64,
+        torch.tensor([4 * (n + 2) * _eps(torch.float64) * sc + 1e-300], dtype=torch.float64),
+        torch.tensor([not math.isfinite(sc) or sc > 1e300]),
+    )
     return "ok"
 
 
 for _n in ("dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d"):
-    globals()["_run_" + _n] = (lambda nm: (lambda g, c: _run_dvec(g, c, nm)))(_n)
+    globals()["_run_" + _n] = (lambda nm: lambda g, c: _run_dvec(g, c, nm))(_n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1799,8 +2123,14 @@ def _agg_options(name: str, c) -> Dict[str, Any]:
     elif name == "fedavgm":
         kw.update(beta=[0.9, 0.0, 0.5, 0.99][o], nesterov=bool(o & 1))
     elif name == "fedaware":
-        kw.update([{}, {"warmup": "startup_full"}, {"warmup": "mask", "normalize": False},
-                   {"variant": "na", "warmup": "startup_full"}][o])
+        kw.update(
+            [
+                {},
+                {"warmup": "startup_full"},
+                {"warmup": "mask", "normalize": False},
+                {"variant": "na", "warmup": "startup_full"},
+            ][o]
+        )
     elif name == "kuramoto":
         kw["mode"] = ["S", "P", "C", "S"][o]
     elif name == "fednova":
@@ -1832,8 +2162,13 @@ def _robust_bound(name: str, kw: Dict[str, Any], e: Exception, K_given: int, K_k
     """Whether ``e`` is a robust rule's one-line refusal of too few clients, and rightly so."""
     f, m = kw.get("f", 0), kw.get("m", 1)
     need = {"krum": max(2 * f + 3, m), "bulyan": 4 * f + 3}.get(name)
-    return need is not None and isinstance(e, ValueError) and "needs K >= " in str(e) \
-        and str(e).startswith(f"{name}: ") and min(K_given, K_kept) < need
+    return (
+        need is not None
+        and isinstance(e, ValueError)
+        and "needs K >= " in str(e)
+        and str(e).startswith(f"{name}: ")
+        and min(K_given, K_kept) < need
+    )
 
 
 def _payloads(name, agg, K, d, dt, g, kw, ids):
@@ -1854,7 +2189,7 @@ def _payloads(name, agg, K, d, dt, g, kw, ids):
     elif name == "fedecado":
         for p in pl:
             p["T"] = float(torch.rand(1, generator=g)) * 0.5 + 0.05
-    elif name == "fedprox":             # what the client rules send to show they ran
+    elif name == "fedprox":  # what the client rules send to show they ran
         for p in pl:
             p["prox_mu"] = agg.mu
     elif name in ("gcfed", "local_gc", "local_gc_only") and agg.local_layers != "none":
@@ -1866,8 +2201,21 @@ def _payloads(name, agg, K, d, dt, g, kw, ids):
     return pl
 
 
-AGG_ARG_NAMES = ["global_flat", "updates", "num_examples", "client_ids", "payload", "num_clients", "d=",
-                 "delta_c", "local_steps", "phase", "'T'", "FlatSpec", "momentum table"]
+AGG_ARG_NAMES = [
+    "global_flat",
+    "updates",
+    "num_examples",
+    "client_ids",
+    "payload",
+    "num_clients",
+    "d=",
+    "delta_c",
+    "local_steps",
+    "phase",
+    "'T'",
+    "FlatSpec",
+    "momentum table",
+]
 
 
 def _round_inputs(g, c, name, agg, kw, N, last):
@@ -1979,7 +2327,7 @@ def _round_inputs(g, c, name, agg, kw, N, last):
         args["num_examples"], args["client_ids"], args["payloads"] = [], [], []
         expect = "empty"
         natural_bad = []
-    if natural_bad and expect in ("valid", "bad_rows", "bad_rows_or_reject"):   # e.g. "scaled" values overflowing fp16
+    if natural_bad and expect in ("valid", "bad_rows", "bad_rows_or_reject"):  # e.g. "scaled" values overflowing fp16
         bad_rows = sorted(set(bad_rows) | set(natural_bad))
         expect = "bad_rows"
     return args, expect, bad_rows
@@ -2000,7 +2348,7 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
     uniform = torch.full((K,), 1.0 / K, dtype=torch.float64)
     samples = n64 / n64.sum()
     if name in ("fedavg", "fedprox", "scaffold"):
-        default = "uniform" if name == "scaffold" else "samples"     # SCAFFOLD: the paper's 1/|S|
+        default = "uniform" if name == "scaffold" else "samples"  # SCAFFOLD: the paper's 1/|S|
         p = uniform if kw.get("weighting", default) == "uniform" else samples
         return x64 + lr * _sum_rows64(U64, p), (p.abs()[:, None] * U64.abs()).sum(0)
     if name in ("fedpgvc", "fedpvr", "local_gc", "local_gc_only"):
@@ -2032,10 +2380,12 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
         delta = _sum_rows64(U64, uniform)
         out = delta.clone()
         for e in agg.global_entries(agg.spec):
-            out[e.slice] = reference.gc_project([delta[e.slice].view(e.shape)], agg.vector_policy,
-                                                agg.min_fanin)[0].reshape(-1)
-        return x64 + lr * out, 4 * (uniform[:, None] * U64.abs()).sum(0).max().expand(x.numel()) if x.numel() else \
-            torch.zeros(0, dtype=torch.float64)
+            out[e.slice] = reference.gc_project([delta[e.slice].view(e.shape)], agg.vector_policy, agg.min_fanin)[
+                0
+            ].reshape(-1)
+        return x64 + lr * out, 4 * (uniform[:, None] * U64.abs()).sum(0).max().expand(
+            x.numel()
+        ) if x.numel() else torch.zeros(0, dtype=torch.float64)
     if name == "fedaware":
         if info.get("phase") == "explore":
             return x64 + lr * _sum_rows64(U64, samples), (samples[:, None] * U64.abs()).sum(0)
@@ -2043,10 +2393,12 @@ def _agg_expected(name, agg, kw, x, U, n, pl, info, c, state):
             M64 = agg.M.to(torch.float64)
             coef = torch.tensor(info["coef"], dtype=torch.float64)
             rows = torch.tensor(info["support"], dtype=torch.long)
-            return (x64 + lr * _sum_rows64(M64, coef, rows),
-                    (coef.abs()[:, None] * M64[rows].abs()).sum(0) if rows.numel() else torch.zeros_like(x64))
+            return (
+                x64 + lr * _sum_rows64(M64, coef, rows),
+                (coef.abs()[:, None] * M64[rows].abs()).sum(0) if rows.numel() else torch.zeros_like(x64),
+            )
         return None, None
-    if name in ("median", "trimmed_mean"):       # per column, the mean of the sorted values lo..hi-1
+    if name in ("median", "trimmed_mean"):  # per column, the mean of the sorted values lo..hi-1
         lo = int(kw.get("beta", 0.2) * K) if name == "trimmed_mean" else (K - 1) // 2
         hi = K - lo if name == "trimmed_mean" else K // 2 + 1
         return x64 + lr * torch.sort(U64, dim=0).values[lo:hi].mean(0), U64.abs().amax(0) if K else x64.abs()
@@ -2059,15 +2411,19 @@ def _run_agg(g, c):
     dt = FLOATS[c["dtype"]]
     N = c["N"]
     spec = synthetic_spec(c["d"], dt)
-    agg = algorithms.build(name, on_bad_update=c["policy"], server_lr=1.0 if name == "fedecado" else c["server_lr"],
-                           **kw)
+    agg = algorithms.build(
+        name, on_bad_update=c["policy"], server_lr=1.0 if name == "fedecado" else c["server_lr"], **kw
+    )
     if name == "fedecado":
         c = dict(c, server_lr=1.0)
     use_N = name in ("fedaware", "fedecado", "fedpvr") or c["opts"] % 2 == 0
     try:
-        agg.setup(spec=spec, num_clients=N if use_N else None,
-                  global_flat=torch.zeros(c["d"], dtype=dt) if c["opts"] < 2 or name == "fedpvr" else None)
-    except ValueError as e:   # an option the synthetic model cannot satisfy (e.g. n_ctrl > layers)
+        agg.setup(
+            spec=spec,
+            num_clients=N if use_N else None,
+            global_flat=torch.zeros(c["d"], dtype=dt) if c["opts"] < 2 or name == "fedpvr" else None,
+        )
+    except ValueError as e:  # an option the synthetic model cannot satisfy (e.g. n_ctrl > layers)
         why = _clean_rejection(e, [name, "n_ctrl", "FlatSpec", "layer"])
         if why:
             raise Fail(f"setup: {why}")
@@ -2085,9 +2441,15 @@ def _run_agg(g, c):
             why = _clean_rejection(e, names)
             if why:
                 raise Fail(f"round {r}: {why}\n{traceback.format_exc(limit=4)}")
-            K_given = len(args["updates"]) if isinstance(args["updates"], (list, tuple)) else \
-                (args["updates"].size(0) if isinstance(args["updates"], torch.Tensor) and args["updates"].dim() == 2
-                 else 0)
+            K_given = (
+                len(args["updates"])
+                if isinstance(args["updates"], (list, tuple))
+                else (
+                    args["updates"].size(0)
+                    if isinstance(args["updates"], torch.Tensor) and args["updates"].dim() == 2
+                    else 0
+                )
+            )
             if _robust_bound(name, kw, e, K_given, K_given - len(set(bad_rows))):
                 return "rejected"
             if expect == "valid" and not (c["layout"] == "expanded" or c["d"] == 0):
@@ -2103,8 +2465,10 @@ def _run_agg(g, c):
             raise Fail(f"round {r}: bad rows {bad_rows} accepted with on_bad_update='raise'")
         new, info = res.params, res.info
         if not isinstance(new, torch.Tensor) or new.shape != gl.shape or new.dtype != gl.dtype:
-            raise Fail(f"round {r}: result {getattr(new, 'dtype', type(new))} {tuple(getattr(new, 'shape', ()))}, "
-                       f"expected {gl.dtype} {tuple(gl.shape)}")
+            raise Fail(
+                f"round {r}: result {getattr(new, 'dtype', type(new))} {tuple(getattr(new, 'shape', ()))}, "
+                f"expected {gl.dtype} {tuple(gl.shape)}"
+            )
         if not torch.equal(gl, g_before):
             raise Fail(f"round {r}: aggregate modified global_flat in place")
         U = args["updates"]
@@ -2133,11 +2497,16 @@ def _run_agg(g, c):
             raise Fail(f"round {r}: fedecado reported failure but changed the global")
         exp, scale = _agg_expected(name, agg, kw, gl, Uk, nk, plk, info, c, state)
         if exp is not None:
-            acc = _acc_dtype(dt) if name not in ("fedavgm", "fedaware", "gcfed") else dt   # state kept in dt
+            acc = _acc_dtype(dt) if name not in ("fedavgm", "fedaware", "gcfed") else dt  # state kept in dt
             Kk = Uk.size(0)
-            tol = (Kk + 8) * 4 * _eps(acc) * (scale * abs(c["server_lr"]) + gl.to(torch.float64).abs()) \
-                + 4 * _eps(dt) * exp.abs() + 8 * torch.finfo(dt).tiny
-            may = ~torch.isfinite(scale) | (scale * 4 >= torch.finfo(acc).max) | (exp.abs() * 1.01 >= torch.finfo(dt).max)
+            tol = (
+                (Kk + 8) * 4 * _eps(acc) * (scale * abs(c["server_lr"]) + gl.to(torch.float64).abs())
+                + 4 * _eps(dt) * exp.abs()
+                + 8 * torch.finfo(dt).tiny
+            )
+            may = (
+                ~torch.isfinite(scale) | (scale * 4 >= torch.finfo(acc).max) | (exp.abs() * 1.01 >= torch.finfo(dt).max)
+            )
             _check_close(f"{name} round {r}", new, exp, tol, may)
     return "ok"
 
@@ -2146,8 +2515,10 @@ def _run_agg(g, c):
 # execution and classification
 # ---------------------------------------------------------------------------------------------
 OP_ARG_NAMES = {
-    **{n: [n, "U", "rows", "lo", "hi", "beta"] for n in ("order_mean", "order_mean_screened", "closest_mean",
-                                                         "closest_mean_screened")},
+    **{
+        n: [n, "U", "rows", "lo", "hi", "beta"]
+        for n in ("order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened")
+    },
     "gram": ["gram", "U", "rows"],
     "weighted_sum": ["weighted_sum", "U", "coef", "base", "alpha", "rows", "out"],
     "weighted_sum_chunked": ["weighted_sum_chunked", "M", "coef", "base", "alpha", "rows", "out_dtype", "chunk_cols"],
@@ -2159,19 +2530,55 @@ OP_ARG_NAMES = {
     "lu_factor": ["lu_factor", "A"],
     "lu_factor_ex": ["lu_factor_ex", "A"],
     "arrowhead_solve": ["arrowhead_solve", "R", "r0", "a", "b", "c", "alpha"],
-    "fedecado_be_step": ["fedecado_be_step", "xc", "Icur", "xc0", "U", "Ik", "S_off", "theta_new", "theta_old",
-                         "inv_g", "dt", "L", "out"],
-    "fused_sgd_step_": ["fused_sgd_step_", "params", "grads", "momentum", "lr", "c_add", "c_sub", "gc_mask",
-                        "weight_decay"],
-    "corrected_sgd_step_": ["corrected_sgd_step_", "fused_sgd_step_", "params", "grads", "momentum", "lr", "c",
-                            "subset", "weight_decay"],
-    "gc_sgd_step_": ["gc_sgd_step_", "fused_sgd_step_", "params", "grads", "momentum", "lr", "gc_mask",
-                     "weight_decay"],
-    "dot": ["dot", "a", "b"], "sqnorm": ["sqnorm", "a"], "all_": ["all_", "mask"], "any_": ["any_", "mask"], "any_flag": ["any_flag", "mask"],
-    "amax_d": ["amax_d", "x"], "mean_d": ["mean_d", "x"],
+    "fedecado_be_step": [
+        "fedecado_be_step",
+        "xc",
+        "Icur",
+        "xc0",
+        "U",
+        "Ik",
+        "S_off",
+        "theta_new",
+        "theta_old",
+        "inv_g",
+        "dt",
+        "L",
+        "out",
+    ],
+    "fused_sgd_step_": [
+        "fused_sgd_step_",
+        "params",
+        "grads",
+        "momentum",
+        "lr",
+        "c_add",
+        "c_sub",
+        "gc_mask",
+        "weight_decay",
+    ],
+    "corrected_sgd_step_": [
+        "corrected_sgd_step_",
+        "fused_sgd_step_",
+        "params",
+        "grads",
+        "momentum",
+        "lr",
+        "c",
+        "subset",
+        "weight_decay",
+    ],
+    "gc_sgd_step_": ["gc_sgd_step_", "fused_sgd_step_", "params", "grads", "momentum", "lr", "gc_mask", "weight_decay"],
+    "dot": ["dot", "a", "b"],
+    "sqnorm": ["sqnorm", "a"],
+    "all_": ["all_", "mask"],
+    "any_": ["any_", "mask"],
+    "any_flag": ["any_flag", "mask"],
+    "amax_d": ["amax_d", "x"],
+    "mean_d": ["mean_d", "x"],
     "lu_solve": ["lu_solve", "lu_factor", "LU", "piv", "pivots", "B"],
     "server_opt_step_": ["server_opt_step_", "io", "m", "v", "x", "rule", "lr", "beta_1", "beta_2", "tau"],
-    "dequant_weighted_sum": ["dequant_weighted_sum"], "sparse_weighted_sum": ["sparse_weighted_sum"],
+    "dequant_weighted_sum": ["dequant_weighted_sum"],
+    "sparse_weighted_sum": ["sparse_weighted_sum"],
 }
 
 
@@ -2227,11 +2634,13 @@ def _dq_rows(g, c, K):
 
 
 def _compressed_coef(g, kind: str, n: int) -> torch.Tensor:
-    return {"f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
-            "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
-            "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
-            "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
-            "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64)}[kind]()
+    return {
+        "f64": lambda: torch.rand(n, generator=g, dtype=torch.float64),
+        "big": lambda: torch.full((n,), 1e30, dtype=torch.float64),
+        "neg": lambda: -torch.rand(n, generator=g, dtype=torch.float64),
+        "nan": lambda: torch.full((n,), float("nan"), dtype=torch.float64),
+        "wrong_len": lambda: torch.ones(n + 1, dtype=torch.float64),
+    }[kind]()
 
 
 def _run_dequant_weighted_sum(g, c):
@@ -2253,7 +2662,7 @@ def _run_dequant_weighted_sum(g, c):
             Q = Q.to(torch.float8_e4m3fn)
             if c["codes"] == "nan_code" and K and d:
                 Q.view(torch.uint8)[int(torch.randint(0, K, (1,), generator=g)), 0] = 0xFF
-    Q = Q[:, :d] if c["layout"] == "contig" else Q[:, 3:3 + d]
+    Q = Q[:, :d] if c["layout"] == "contig" else Q[:, 3 : 3 + d]
     if c["layout"] == "contig":
         Q = Q.contiguous()
     S = torch.rand(K, nb, generator=g) * 0.01
@@ -2278,15 +2687,25 @@ def _run_dequant_weighted_sum(g, c):
     if res == "f64":
         kw["out_dtype"] = torch.float64
     elif res.startswith("base"):
-        kw["base"] = torch.randn(d, generator=g).to({"base32": torch.float32, "base64": torch.float64,
-                                                     "base16": torch.float16}[res])
+        kw["base"] = torch.randn(d, generator=g).to(
+            {"base32": torch.float32, "base64": torch.float64, "base16": torch.float16}[res]
+        )
     elif res == "conflict":
         kw["base"], kw["out_dtype"] = torch.zeros(d), torch.float64
     out, ok = ops.dequant_weighted_sum(Q, S, coef, block, alpha=c["alpha"], rows=rows, **kw)
-    invalid = [why for why, bad in (("code dtype", c["code"] == "fp32"), ("block", bad_block),
-                                    ("scales", c["scales"] in ("wrong_shape", "f64")), ("rows", c["rows"] == "bad_range"),
-                                    ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0), ("alpha", c["alpha"] != c["alpha"]),
-                                    ("result", res in ("base16", "conflict"))) if bad]
+    invalid = [
+        why
+        for why, bad in (
+            ("code dtype", c["code"] == "fp32"),
+            ("block", bad_block),
+            ("scales", c["scales"] in ("wrong_shape", "f64")),
+            ("rows", c["rows"] == "bad_range"),
+            ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0),
+            ("alpha", c["alpha"] != c["alpha"]),
+            ("result", res in ("base16", "conflict")),
+        )
+        if bad
+    ]
     if invalid:
         raise Fail(f"dequant_weighted_sum accepted an invalid {invalid[0]}")
     want, wok = reference.dequant_weighted_sum(Q, S, coef, block, kw.get("base"), c["alpha"], rows)
@@ -2329,8 +2748,13 @@ def _run_sparse_weighted_sum(g, c):
     off = torch.tensor([0] + lens).cumsum(0)
     idx = torch.cat(idx_l) if K else torch.zeros(0, dtype=torch.int64)
     nnz = idx.numel()
-    vdt = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16,
-           "i64": torch.int64}[c["val"]]
+    vdt = {
+        "fp32": torch.float32,
+        "fp64": torch.float64,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "i64": torch.int64,
+    }[c["val"]]
     val = torch.randn(nnz, generator=g, dtype=torch.float64)
     if nnz:
         if c["values"] == "nan":
@@ -2345,7 +2769,7 @@ def _run_sparse_weighted_sum(g, c):
         for k, t in enumerate(idx_l):
             if lens[k] >= 2 and bool((t[1:] > t[:-1]).any()):
                 a = int(off[k])
-                idx[a:a + lens[k]] = idx[a:a + lens[k]].flip(0)
+                idx[a : a + lens[k]] = idx[a : a + lens[k]].flip(0)
                 broken = "order"
                 break
     elif nnz and c["order"] == "out_of_range":
@@ -2371,15 +2795,29 @@ def _run_sparse_weighted_sum(g, c):
     if c["result"] == "f64":
         kw["out_dtype"] = torch.float64
     elif c["result"].startswith("base"):
-        kw["base"] = torch.randn(d, generator=g).to({"base32": torch.float32, "base64": torch.float64,
-                                                     "base16": torch.float16}[c["result"]])
+        kw["base"] = torch.randn(d, generator=g).to(
+            {"base32": torch.float32, "base64": torch.float64, "base16": torch.float16}[c["result"]]
+        )
     out, ok = ops.sparse_weighted_sum(idx, val, offsets, coef, d, alpha=c["alpha"], rows=rows, **kw)
-    offsets_bad = c["offsets"] in ("not_zero", "float") or (c["offsets"] == "short" and (K == 0 or nnz != int(off[-2]))) \
+    offsets_bad = (
+        c["offsets"] in ("not_zero", "float")
+        or (c["offsets"] == "short" and (K == 0 or nnz != int(off[-2])))
         or (c["offsets"] == "decreasing" and K >= 2 and lens[0] > 0)
-    invalid = [why for why, bad in (("idx dtype", c["idx"] == "f32"), ("val dtype", c["val"] == "i64"),
-                                    ("index", broken is not None), ("offsets", offsets_bad),
-                                    ("rows", c["rows"] == "bad_range"), ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0),
-                                    ("alpha", c["alpha"] != c["alpha"]), ("base", c["result"] == "base16")) if bad]
+    )
+    invalid = [
+        why
+        for why, bad in (
+            ("idx dtype", c["idx"] == "f32"),
+            ("val dtype", c["val"] == "i64"),
+            ("index", broken is not None),
+            ("offsets", offsets_bad),
+            ("rows", c["rows"] == "bad_range"),
+            ("coef", c["coef"] == "wrong_len" or c["coef"] == "nan" and n > 0),
+            ("alpha", c["alpha"] != c["alpha"]),
+            ("base", c["result"] == "base16"),
+        )
+        if bad
+    ]
     if invalid:
         raise Fail(f"sparse_weighted_sum accepted an invalid {invalid[0]} ({c})")
     want, wok = reference.sparse_weighted_sum(idx, val, offsets, coef, d, kw.get("base"), c["alpha"], rows)
@@ -2388,7 +2826,7 @@ def _run_sparse_weighted_sum(g, c):
     o = offsets.tolist()
     dense = torch.zeros(K_seen, d, dtype=torch.float64)
     for k in range(K_seen):
-        dense[k].index_add_(0, idx[o[k]:o[k + 1]].long(), val[o[k]:o[k + 1]].double().abs())
+        dense[k].index_add_(0, idx[o[k] : o[k + 1]].long(), val[o[k] : o[k + 1]].double().abs())
     r = torch.arange(K_seen) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     mag = (coef.abs() * abs(c["alpha"])) @ dense[r] if n else torch.zeros(d, dtype=torch.float64)
     if "base" in kw:

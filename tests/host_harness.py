@@ -15,6 +15,7 @@ and modules share one build), and an op's tests compare its answers with the flo
 What only a GPU run can check (shuffles, shared-memory barriers, vector loads, launch configurations)
 is listed in each .cu/.cuh header.
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,8 +40,11 @@ def build() -> str:
     if shutil.which("g++") is None:
         pytest.skip("needs g++ to build the host harness")
     sources = sorted(glob.glob(os.path.join(HOST_SRC, "*.cpp")))
-    inputs = sources + sorted(glob.glob(os.path.join(HOST_SRC, "*.h")) + glob.glob(os.path.join(CUDA_SRC, "*.cuh"))
-                              + glob.glob(os.path.join(CUDA_SRC, "*.h")))
+    inputs = sources + sorted(
+        glob.glob(os.path.join(HOST_SRC, "*.h"))
+        + glob.glob(os.path.join(CUDA_SRC, "*.cuh"))
+        + glob.glob(os.path.join(CUDA_SRC, "*.h"))
+    )
     version = subprocess.run(["g++", "--version"], check=True, capture_output=True, text=True).stdout
     h = hashlib.sha256((" ".join(FLAGS) + version).encode())
     for path in inputs:
@@ -49,10 +53,15 @@ def build() -> str:
     exe = os.path.join(tempfile.gettempdir(), f"fedkernels-host-harness-{h.hexdigest()[:16]}")
     if not os.path.exists(exe):
         part = f"{exe}.{os.getpid()}"
-        unity = "".join(f'#include "{os.path.basename(src)}"\n' for src in sources)   # one translation unit
-        subprocess.run(["g++", *FLAGS, "-I", CUDA_SRC, "-I", HOST_SRC, "-x", "c++", "-", "-o", part], input=unity,
-                       check=True, capture_output=True, text=True)
-        os.replace(part, exe)   # atomic: a parallel build of the same sources writes the same program
+        unity = "".join(f'#include "{os.path.basename(src)}"\n' for src in sources)  # one translation unit
+        subprocess.run(
+            ["g++", *FLAGS, "-I", CUDA_SRC, "-I", HOST_SRC, "-x", "c++", "-", "-o", part],
+            input=unity,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(part, exe)  # atomic: a parallel build of the same sources writes the same program
     return exe
 
 

@@ -1,23 +1,36 @@
 """arrowhead_solve: spec fedecado.md section 9 (U2, U5d, U9), the dense LU path and the float64
 reference, general coefficients, non-contiguous inputs, opcheck, bad inputs."""
+
 import pytest
 import torch
 
-from devices import DEVICES, gen   # tests/devices.py: every case on cpu and cuda
+from devices import DEVICES, gen  # tests/devices.py: every case on cpu and cuda
 from fedkernels import ops, reference
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 
 def test_u2_arrowhead_closed_form():
     # U2: dt = 1, L = 1, g = [5/4, 7/4] -> a = 1 + dt/(L g) = [9/5, 11/7]; r = [1, 3/2]; rhs0 = 0
-    x, I = ops.arrowhead_solve(torch.tensor([9 / 5, 11 / 7], dtype=torch.float64), -1.0, 1.0, 1.0, torch.zeros(1, dtype=torch.float64),
-                               torch.tensor([[1.0], [1.5]], dtype=torch.float64))
+    x, I = ops.arrowhead_solve(
+        torch.tensor([9 / 5, 11 / 7], dtype=torch.float64),
+        -1.0,
+        1.0,
+        1.0,
+        torch.zeros(1, dtype=torch.float64),
+        torch.tensor([[1.0], [1.5]], dtype=torch.float64),
+    )
     assert float(x[0]) == pytest.approx(299 / 434, abs=1e-15)
     torch.testing.assert_close(I[:, 0], torch.tensor([75, 224], dtype=torch.float64) / 434, rtol=0, atol=1e-15)
     # U5d, ECADO limit inv_g = 0: a = 1, r = Gamma' = [1, 3/2]
-    x, I = ops.arrowhead_solve(torch.ones(2), -1.0, 1.0, 1.0, torch.zeros(1, dtype=torch.float64),
-                               torch.tensor([[1.0], [1.5]], dtype=torch.float64))
+    x, I = ops.arrowhead_solve(
+        torch.ones(2),
+        -1.0,
+        1.0,
+        1.0,
+        torch.zeros(1, dtype=torch.float64),
+        torch.tensor([[1.0], [1.5]], dtype=torch.float64),
+    )
     assert float(x[0]) == pytest.approx(5 / 6, abs=1e-15)
     torch.testing.assert_close(I[:, 0], torch.tensor([1 / 6, 2 / 3], dtype=torch.float64), rtol=0, atol=1e-15)
 
@@ -79,9 +92,11 @@ def test_arrowhead_bad_inputs():
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_arrowhead_opcheck(dev):
-    a = torch.tensor([1.5, 2.0, 3.0], dtype=torch.float64)   # a, b, c: host coefficients on every device
-    torch.library.opcheck(torch.ops.fedkernels.arrowhead_solve.default,
-                          (a, -a, a, 1.0, torch.randn(11).to(dev), torch.randn(3, 11).to(dev)))
+    a = torch.tensor([1.5, 2.0, 3.0], dtype=torch.float64)  # a, b, c: host coefficients on every device
+    torch.library.opcheck(
+        torch.ops.fedkernels.arrowhead_solve.default,
+        (a, -a, a, 1.0, torch.randn(11).to(dev), torch.randn(3, 11).to(dev)),
+    )
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/lu.cpp) ----------------
@@ -99,7 +114,7 @@ def test_arrowhead_column_matches_reference(harness, K, m):
     alpha = 1.0
     r0 = torch.randn(m, generator=g, dtype=torch.float64)
     R = torch.randn(K, m, generator=g, dtype=torch.float64)
-    coef = torch.cat([b / a, c, 1.0 / a])     # what csrc/cuda/lu_glue.cpp uploads
+    coef = torch.cat([b / a, c, 1.0 / a])  # what csrc/cuda/lu_glue.cpp uploads
     inv_den = 1.0 / (alpha - float((b * c / a).sum()))
     ans = harness("arrow", K, m, inv_den, coef, r0, R)
     vals = torch.tensor([hexf(s) for s in ans[1:]], dtype=torch.float64)
@@ -107,6 +122,6 @@ def test_arrowhead_column_matches_reference(harness, K, m):
     xr, Ir = reference.arrowhead_solve(a, b, c, alpha, r0, R)
     torch.testing.assert_close(x, xr, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(I, Ir, rtol=1e-12, atol=1e-12)
-    xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, alpha, r0, R)   # the CPU op: same order
+    xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, alpha, r0, R)  # the CPU op: same order
     torch.testing.assert_close(x, xc, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(I, Ic, rtol=1e-14, atol=1e-14)

@@ -1,6 +1,7 @@
 """Derivatives of the ops: gradcheck in float64 of weighted_sum (coef, U, base),
 gram (U) and gc_project; opcheck with its autograd checks; torch.func.grad; and a clear error on
 backward through every op without a derivative (never silent zeros / None)."""
+
 import pytest
 import torch
 from torch.autograd import gradcheck
@@ -12,7 +13,7 @@ D64 = torch.float64
 
 def _leaf(*shape, noncontig=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    if noncontig:   # every other column of a wider matrix: unit stride lost, copied by the wrapper
+    if noncontig:  # every other column of a wider matrix: unit stride lost, copied by the wrapper
         x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g, dtype=D64)[..., ::2]
     else:
         x = torch.randn(*shape, generator=g, dtype=D64)
@@ -40,7 +41,7 @@ def test_weighted_sum_coef_gradient_matches_the_formula():
     U = torch.randn(4, 9, dtype=D64)
     c = torch.rand(4, dtype=D64, requires_grad=True)
     out = ops.weighted_sum(U, c, alpha=0.5)
-    (out ** 2).sum().backward()
+    (out**2).sum().backward()
     want = 2 * 0.5 * (U @ out.detach())
     torch.testing.assert_close(c.grad, want, rtol=1e-13, atol=1e-13)
     fg = torch.func.grad(lambda c: (ops.weighted_sum(U, c, alpha=0.5) ** 2).sum())(c.detach())
@@ -66,13 +67,13 @@ def test_gram_gradcheck(K, d, noncontig):
 
 
 def test_gc_project_gradcheck():
-    W = _leaf(4, 3, 2, seed=1)      # conv-like: rows of 6
+    W = _leaf(4, 3, 2, seed=1)  # conv-like: rows of 6
     L = _leaf(5, 7, seed=2)
     b = _leaf(5, seed=3)
     for policy in ("skip", "center"):
         assert gradcheck(lambda W, L, b: tuple(ops.gc_project([W, L, b], policy)), (W, L, b))
-    assert gradcheck(lambda L: ops.gc_project([L], min_fanin=8)[0], (L,))   # rows too short: identity
-    Lt = _leaf(7, 5, seed=4).T                                                # non-contiguous
+    assert gradcheck(lambda L: ops.gc_project([L], min_fanin=8)[0], (L,))  # rows too short: identity
+    Lt = _leaf(7, 5, seed=4).T  # non-contiguous
     assert gradcheck(lambda Lt: ops.gc_project([Lt])[0], (Lt,))
 
 
@@ -81,8 +82,9 @@ def test_opcheck_with_autograd():
     c = _leaf(5, seed=6)
     b = _leaf(13, seed=7)
     torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c, b, 0.5, None))
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, (U, c[:2].detach().requires_grad_(), None, 1.0,
-                                                                      torch.tensor([4, 0])))
+    torch.library.opcheck(
+        torch.ops.fedkernels.weighted_sum.default, (U, c[:2].detach().requires_grad_(), None, 1.0, torch.tensor([4, 0]))
+    )
     torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, None))
     torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, torch.tensor([1, 3])))
     torch.library.opcheck(torch.ops.fedkernels.gc_project.default, ([U, b], "center", 2))
@@ -108,7 +110,7 @@ def test_backward_through_an_op_without_derivative_raises(name):
         R = torch.randn(4, 3, dtype=D64, requires_grad=True)
         out = ops.lu_solve(LU, piv, R)
     else:
-        a = (torch.rand(3, dtype=D64) + 1).requires_grad_()     # only a coefficient requires grad
+        a = (torch.rand(3, dtype=D64) + 1).requires_grad_()  # only a coefficient requires grad
         out = ops.arrowhead_solve(a, -0.1, 0.1, 1.0, torch.randn(5, dtype=D64), torch.randn(3, 5, dtype=D64))[1]
     assert out.requires_grad
     with pytest.raises(RuntimeError, match=f"fedkernels.{name} has no derivative"):
@@ -122,8 +124,13 @@ def test_backward_through_an_op_without_derivative_raises(name):
 def test_raw_op_without_derivative_raises_with_its_reason(name):
     # each op module registers its own rule (ops._autograd.no_derivative_op): the raw torch.ops op
     # raises on backward, naming the op and why (a missing registration would not give the reason)
-    reason = {"min_norm": "piecewise in G", "lu_factor": "torch.linalg.lu_factor", "lu_solve": "torch.linalg.lu_solve",
-              "arrowhead_solve": "torch.linalg.solve", "fedecado_be_step": "integrator step"}[name]
+    reason = {
+        "min_norm": "piecewise in G",
+        "lu_factor": "torch.linalg.lu_factor",
+        "lu_solve": "torch.linalg.lu_solve",
+        "arrowhead_solve": "torch.linalg.solve",
+        "fedecado_be_step": "integrator step",
+    }[name]
     K, d = 3, 5
     if name == "min_norm":
         out = torch.ops.fedkernels.min_norm(_spd(4).requires_grad_())[0]
@@ -140,8 +147,9 @@ def test_raw_op_without_derivative_raises_with_its_reason(name):
         U = torch.randn(K, d, dtype=D64, requires_grad=True)
         z = torch.zeros(d, dtype=D64)
         th = torch.ones(K, dtype=D64)
-        out = torch.ops.fedkernels.fedecado_be_step(z, torch.zeros(K, d, dtype=D64), z, U, torch.zeros(K, d, dtype=D64),
-                                                    None, th, th, th, 0.1, 1.0)[0]
+        out = torch.ops.fedkernels.fedecado_be_step(
+            z, torch.zeros(K, d, dtype=D64), z, U, torch.zeros(K, d, dtype=D64), None, th, th, th, 0.1, 1.0
+        )[0]
     assert out.requires_grad
     with pytest.raises(RuntimeError, match=f"fedkernels.{name} has no derivative .*{reason}"):
         out.sum().backward()
@@ -155,7 +163,7 @@ def test_inplace_and_out_variants_refuse_grad():
     with pytest.raises(RuntimeError, match="gc_project_ has no derivative"):
         ops.gc_project_([W])
     with torch.no_grad():
-        ops.gc_project_([W])                       # fine without grad mode
+        ops.gc_project_([W])  # fine without grad mode
     assert W.grad is None
     LU, piv = ops.lu_factor(_spd(3))
     with pytest.raises(RuntimeError, match="no derivative"):

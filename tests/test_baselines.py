@@ -1,6 +1,7 @@
 """Baselines: FedAvgM, FedProx, SCAFFOLD, FedNova (server arithmetic against float64
 re-computations, neutral-parameter reductions, state round trips, bad input, client rules on a
 tiny nn.Linear with a manual local loop)."""
+
 import copy
 import math
 
@@ -32,14 +33,21 @@ def local_train(rule, model, spec, global_flat, payload, steps=3, lr=0.1, moment
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(16, 3, generator=g), torch.randn(16, 2, generator=g)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    ctx = ClientContext(client_id=cid, round=0, global_flat=global_flat, spec=spec if ctx_spec else None, lr=lr, num_examples=16,
-                        payload=payload)
+    ctx = ClientContext(
+        client_id=cid,
+        round=0,
+        global_flat=global_flat,
+        spec=spec if ctx_spec else None,
+        lr=lr,
+        num_examples=16,
+        payload=payload,
+    )
     if rule is not None:
         rule.begin(ctx, model)
     grads = []
     for s in range(steps):
         opt.zero_grad()
-        xb, yb = x[4 * (s % 4): 4 * (s % 4) + 4], y[4 * (s % 4): 4 * (s % 4) + 4]
+        xb, yb = x[4 * (s % 4) : 4 * (s % 4) + 4], y[4 * (s % 4) : 4 * (s % 4) + 4]
         loss = ((model(xb) - yb) ** 2).mean()
         extra = rule.loss_term(ctx, model) if rule is not None else None
         if extra is not None:
@@ -132,9 +140,10 @@ def test_fedavgm_state_round_trip_and_bad_input():
 def test_fedprox_server_is_fedavg():
     U, n = rand_round(6, 50, 1)
     w = torch.randn(50)
-    pl = [{"prox_mu": 0.1}] * len(n)                       # what FedProxRule.end sends
-    assert torch.equal(build("fedprox", mu=0.1).aggregate(w, U, n, payloads=pl).params,
-                       build("fedavg").aggregate(w, U, n).params)
+    pl = [{"prox_mu": 0.1}] * len(n)  # what FedProxRule.end sends
+    assert torch.equal(
+        build("fedprox", mu=0.1).aggregate(w, U, n, payloads=pl).params, build("fedavg").aggregate(w, U, n).params
+    )
     with pytest.raises(ValueError, match="mu"):
         build("fedprox", mu=-1)
     with pytest.raises(ValueError, match="prox"):
@@ -150,7 +159,7 @@ def test_fedprox_rule_gradient_and_loss_forms(linear):
     for raw, new, flat in grads:
         expect = torch.cat([r.reshape(-1) for r in raw]) + mu * (flat - g0)
         close(torch.cat([q.reshape(-1) for q in new]), expect, rtol=1e-6, atol=1e-7)
-    assert any((flat - g0).abs().max() > 0 for _, _, flat in grads[1:])    # the term was active
+    assert any((flat - g0).abs().max() > 0 for _, _, flat in grads[1:])  # the term was active
     U_loss, _, _ = local_train(build("fedprox", mu=mu, prox="loss").client_rule(), model, spec, g0, {}, steps=4)
     close(U_grad, U_loss, rtol=1e-5, atol=1e-6)
     U_plain, _, _ = local_train(None, model, spec, g0, {}, steps=4)
@@ -172,8 +181,12 @@ def test_scaffold_rule_correction_and_option_two(linear):
     rule = build("scaffold", fused_step=False).client_rule()
     U, pl, grads = local_train(rule, model, spec, g0, {"c": c, "c_i": ci}, steps=5, lr=0.05)
     for raw, new, _ in grads:
-        close(torch.cat([q.reshape(-1) for q in new]), torch.cat([r.reshape(-1) for r in raw]) - ci + c,
-              rtol=1e-6, atol=1e-7)
+        close(
+            torch.cat([q.reshape(-1) for q in new]),
+            torch.cat([r.reshape(-1) for r in raw]) - ci + c,
+            rtol=1e-6,
+            atol=1e-7,
+        )
     y = g0 + U
     close(pl["delta_c"], -c + (g0 - y) / (5 * 0.05), rtol=1e-6, atol=1e-6)
     assert pl["local_steps"] == 5
@@ -199,8 +212,17 @@ def test_scaffold_first_round_is_fedavg_and_server_float64(linear):
     for r, ids in enumerate([[0, 2, 4], [1, 2, 5], [0, 3]]):
         rows, pls = [], []
         for cid in ids:
-            U, pl, _ = local_train(a.client_rule(), model, spec, w, a.client_payload(cid), steps=2 + cid % 2,
-                                   lr=0.05, cid=cid, seed=100 * r + cid)
+            U, pl, _ = local_train(
+                a.client_rule(),
+                model,
+                spec,
+                w,
+                a.client_payload(cid),
+                steps=2 + cid % 2,
+                lr=0.05,
+                cid=cid,
+                seed=100 * r + cid,
+            )
             rows.append(U)
             pls.append(pl)
         U = torch.stack(rows)
@@ -215,7 +237,7 @@ def test_scaffold_first_round_is_fedavg_and_server_float64(linear):
         ref_c += sum(pl["delta_c"].to(F64) for pl in pls) / N
         close(a.c, ref_c, rtol=1e-5, atol=1e-6)
         close(a.c_table, ref_ci, rtol=1e-5, atol=1e-6)
-        close(a.c, ref_ci.mean(0), rtol=1e-5, atol=1e-6)     # c stays the mean of the c_i
+        close(a.c, ref_ci.mean(0), rtol=1e-5, atol=1e-6)  # c stays the mean of the c_i
         w = res.params
 
 
@@ -228,7 +250,7 @@ def _scaffold_inputs(d, ids, seed):
 def test_scaffold_dict_mode_state_round_trip_and_bad_input():
     d = 12
     seq = [([0, 3], 1), ([3, 5, 1], 2), ([2], 3), ([0, 5], 4), ([1, 2, 3], 5)]
-    a = build("scaffold")                         # N unknown: dict of rows, N = clients seen so far
+    a = build("scaffold")  # N unknown: dict of rows, N = clients seen so far
     tbl = build("scaffold")
     tbl.setup(num_clients=6)
     w = wt = torch.zeros(d)
@@ -246,7 +268,10 @@ def test_scaffold_dict_mode_state_round_trip_and_bad_input():
     wb = w
     for ids, s in seq[3:]:
         U, n, pl = _scaffold_inputs(d, ids, s)
-        w, wb = a.aggregate(w, U, n, client_ids=ids, payloads=pl).params, b.aggregate(wb, U, n, client_ids=ids, payloads=pl).params
+        w, wb = (
+            a.aggregate(w, U, n, client_ids=ids, payloads=pl).params,
+            b.aggregate(wb, U, n, client_ids=ids, payloads=pl).params,
+        )
         assert torch.equal(w, wb) and torch.equal(a.c, b.c)
     # bad payloads
     U, n, pl = _scaffold_inputs(d, [0, 1, 2], 7)
@@ -259,7 +284,7 @@ def test_scaffold_dict_mode_state_round_trip_and_bad_input():
     pl[1] = {"delta_c": torch.full((d,), float("nan"))}
     r = e.aggregate(torch.zeros(d), U, n, payloads=pl)
     assert r.info["excluded"][0]["client_id"] == 1
-    assert torch.equal(e.c_table[1], torch.zeros(d))            # excluded client keeps its c_i
+    assert torch.equal(e.c_table[1], torch.zeros(d))  # excluded client keeps its c_i
     close(e.c, (pl[0]["delta_c"] + pl[2]["delta_c"]) / 3, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="client_ids"):
         e.aggregate(torch.zeros(d), U, n, client_ids=[0, 1, 7], payloads=pl)
@@ -274,7 +299,7 @@ def test_scaffold_degenerate_rounds():
     one = torch.randn(1, d)
     r = a.aggregate(w, one, [3], payloads=[{"delta_c": torch.ones(d)}])
     close(r.params, w + one[0], rtol=1e-6, atol=1e-7)
-    close(a.c, torch.ones(d) / 2)                                # two clients seen so far
+    close(a.c, torch.ones(d) / 2)  # two clients seen so far
 
 
 # ---- FedNova -------------------------------------------------------------------------------------
@@ -284,7 +309,7 @@ def test_momentum_steps_matches_simulated_sgd():
         opt = torch.optim.SGD([w], lr=0.1, momentum=rho)
         for _ in range(tau):
             opt.zero_grad()
-            w.sum().backward()                                   # constant gradient 1
+            w.sum().backward()  # constant gradient 1
             opt.step()
         close(-w.detach().double() / 0.1, [momentum_steps(tau, rho)], rtol=1e-5, atol=0)
     with pytest.raises(ValueError):
@@ -325,7 +350,7 @@ def test_fednova_rule_and_bad_payloads(linear):
     U, pl, _ = local_train(agg.client_rule(), model, spec, g0, {}, steps=4, momentum=0.9)
     assert pl == {"local_steps": 4, "momentum": 0.9}
     Up, _, _ = local_train(None, model, spec, g0, {}, steps=4, momentum=0.9)
-    assert torch.equal(U, Up)                                   # training unchanged
+    assert torch.equal(U, Up)  # training unchanged
     U2 = torch.stack([U, 0.5 * U])
     with pytest.raises(BadUpdateError, match="local_steps"):
         agg.aggregate(g0, U2, [1, 1], payloads=[pl, {}])
@@ -334,21 +359,29 @@ def test_fednova_rule_and_bad_payloads(linear):
     with pytest.raises(BadUpdateError, match="momentum"):
         agg.aggregate(g0, U2, [1, 1], payloads=[pl, {"local_steps": 2, "momentum": 1.5}])
     r = build("fednova", on_bad_update="exclude").aggregate(g0, U2, [1, 1], payloads=[pl, {}])
-    close(r.params, g0 + U, rtol=1e-6, atol=1e-7)               # K = 1 after exclusion: w + U
+    close(r.params, g0 + U, rtol=1e-6, atol=1e-7)  # K = 1 after exclusion: w + U
     # a_norm given by some clients: it replaces their local_steps (even a bad one); each row is
     # checked by what it sent, in any position of the round
     U3 = torch.stack([U, 0.5 * U, 0.25 * U])
-    for bad, key in (({"local_steps": math.inf}, "local_steps"), ({"local_steps": math.nan}, "local_steps"),
-                     ({"a_norm": math.nan}, "a_norm"), ({"a_norm": math.inf}, "a_norm"), ({"a_norm": 0.0}, "a_norm")):
+    for bad, key in (
+        ({"local_steps": math.inf}, "local_steps"),
+        ({"local_steps": math.nan}, "local_steps"),
+        ({"a_norm": math.nan}, "a_norm"),
+        ({"a_norm": math.inf}, "a_norm"),
+        ({"a_norm": 0.0}, "a_norm"),
+    ):
         for pos in range(3):
             pls = [{"a_norm": 2.0, "local_steps": -1}, {"local_steps": 3}, {"a_norm": 4.0}]
             pls[pos] = bad
             with pytest.raises(BadUpdateError, match=rf"\(row {pos}\).*{key}"):
                 build("fednova").aggregate(g0, U3, [1, 1, 1], payloads=pls)
-    r = build("fednova").aggregate(g0, U3, [1, 1, 1], payloads=[{"a_norm": 2.0, "local_steps": -1}, {"local_steps": 3},
-                                                                 {"a_norm": 4.0}])
+    r = build("fednova").aggregate(
+        g0, U3, [1, 1, 1], payloads=[{"a_norm": 2.0, "local_steps": -1}, {"local_steps": 3}, {"a_norm": 4.0}]
+    )
     assert r.info["a_norm"] == [2.0, 3.0, 4.0]
-    z = build("fednova").aggregate(g0, torch.zeros(2, spec.d), [1, 1], payloads=[{"local_steps": 1}, {"local_steps": 3}])
+    z = build("fednova").aggregate(
+        g0, torch.zeros(2, spec.d), [1, 1], payloads=[{"local_steps": 1}, {"local_steps": 3}]
+    )
     assert torch.equal(z.params, g0)
     st = agg.state_dict()
     b = build("fednova")

@@ -4,6 +4,7 @@ state by both, gives the same update to a bound derived from fp32 rounding (UPDA
 same logged metrics. Unequal client sizes (a client smaller
 than the batch, short tail batches), per-client epochs and learning rates, every client rule; a rule or
 model it cannot batch trains sequentially with one line saying why."""
+
 import copy
 import logging
 import math
@@ -24,16 +25,17 @@ from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import Simulation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SIZES = (13, 61, 97, 150)        # 13 < batch 32 (B = 13); 61, 97, 150 end with a short tail batch
+SIZES = (13, 61, 97, 150)  # 13 < batch 32 (B = 13); 61, 97, 150 end with a short tail batch
 
 
 def _data_and_parts():
     from fedkernels.sim.data import load_dataset
+
     tr, te = load_dataset("digits")
     perm = np.random.default_rng(0).permutation(len(tr.y))
     parts, s = [], 0
     for n in SIZES:
-        parts.append(perm[s:s + n])
+        parts.append(perm[s : s + n])
         s += n
     return tr, te, parts
 
@@ -43,6 +45,7 @@ DATA = None
 
 class _States(Callback):
     """The run's state after each round (``Simulation.state``), after the model it starts from."""
+
     def __init__(self):
         self.states = []
 
@@ -51,8 +54,11 @@ class _States(Callback):
 
     def on_round_end(self, sim, metrics):
         st = copy.deepcopy(sim.state(metrics["round"]))
-        st["tracked"] = [int(m.num_batches_tracked) for m in sim.global_model().modules()   # BatchNorm's step count
-                         if isinstance(m, nn.modules.batchnorm._BatchNorm)]           # (not in the flat state)
+        st["tracked"] = [
+            int(m.num_batches_tracked)
+            for m in sim.global_model().modules()  # BatchNorm's step count
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]  # (not in the flat state)
         self.states.append(st)
 
 
@@ -64,16 +70,33 @@ def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
     if DATA is None:
         DATA = _data_and_parts()
     tr, te, p = DATA
-    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                 "rounds=3", "num_clients=4", "client_loss=participants",
-                                                 *overrides])
+    cfg = apply_overrides(
+        presets.get("smoke"),
+        [
+            "threads=1",
+            "verbose=false",
+            "plots=false",
+            "progress=false",
+            "rounds=3",
+            "num_clients=4",
+            "client_loss=participants",
+            *overrides,
+        ],
+    )
     rec = _States()
-    s = Simulation(cfg, write_outputs=False, train=train or tr, test=te, client_indices=parts or p,
-                   model_fn=model_fn, callbacks=[rec])
+    s = Simulation(
+        cfg,
+        write_outputs=False,
+        train=train or tr,
+        test=te,
+        client_indices=parts or p,
+        model_fn=model_fn,
+        callbacks=[rec],
+    )
     if start is None:
         s.run()
     else:
-        with torch_settings(s.cfg):           # as run() sets up (threads: the data's normalisation)
+        with torch_settings(s.cfg):  # as run() sets up (threads: the data's normalisation)
             s.setup()
         if "round" in start:
             s.load_state(copy.deepcopy(start))
@@ -107,7 +130,7 @@ def perturbed(state, seed=0):
     st = copy.deepcopy(state)
     g = st["global"]
     sign = torch.randint(0, 2, g.shape, generator=torch.Generator().manual_seed(seed)).to(g.dtype) * 2 - 1
-    st["global"] = g * (1 + sign * 2.0 ** -24)
+    st["global"] = g * (1 + sign * 2.0**-24)
     return st
 
 
@@ -154,8 +177,8 @@ def close(a, b, path="", c=None):
         assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= max(UPDATE_REL * abs(a) + 1e-5, spread), (path, a, b)
     elif isinstance(a, torch.Tensor):
         assert_rel_close(a, b, path, c)
-    elif path.endswith(".iterations"):   # an iterative solve (FedAWARE's min-norm) on inputs equal to fp32
-        assert abs(a - b) <= 1, (path, a, b)   # rounding may cross its stop threshold one step apart
+    elif path.endswith(".iterations"):  # an iterative solve (FedAWARE's min-norm) on inputs equal to fp32
+        assert abs(a - b) <= 1, (path, a, b)  # rounding may cross its stop threshold one step apart
     else:
         assert a == b, (path, a, b)
 
@@ -187,8 +210,14 @@ def same_run(*overrides, sensitivity=False, **kw):
     s1, states = sim("clients_at_once=off", *overrides, **kw)
     assert s1.batched is None and len(states) == 4
     s1.round_states = states
-    s2 = each_round_from_the_same_state(s1, states, "clients_at_once=4", *overrides, **kw,
-                                        sensitivity=("clients_at_once=off", *overrides) if sensitivity else None)
+    s2 = each_round_from_the_same_state(
+        s1,
+        states,
+        "clients_at_once=4",
+        *overrides,
+        **kw,
+        sensitivity=("clients_at_once=off", *overrides) if sensitivity else None,
+    )
     assert s2.batched is not None, "the batched executor was not used"
     return s1, s2
 
@@ -198,41 +227,62 @@ HETERO = ["train.hetero.enabled=true", "train.hetero.lr_range=[0.02,0.2]", "trai
 METHODS = {
     "fedavg": [],
     "fedavg-momentum-wd": ["train.momentum=0.9", "train.weight_decay=0.01"],
-    "fedavg-nesterov-clip-steps": ["train.momentum=0.5", "train.nesterov=true", "train.grad_clip=0.5",
-                                   "train.steps=7"],
+    "fedavg-nesterov-clip-steps": ["train.momentum=0.5", "train.nesterov=true", "train.grad_clip=0.5", "train.steps=7"],
     "fedavg-drop-last": ["train.drop_last=true", "train.epochs=2"],
     "fedavg-hetero": HETERO,
     "fedprox": ["algorithm.name=fedprox", "algorithm.options.mu=0.5", *HETERO],
     "fedprox-loss": ["algorithm.name=fedprox", "algorithm.options.mu=0.5", "algorithm.options.prox=loss"],
     "scaffold": ["algorithm.name=scaffold", *HETERO],
-    "scaffold-momentum-clip": ["algorithm.name=scaffold", "algorithm.options.momentum_correction=true",
-                               "algorithm.options.weighting=samples", "train.momentum=0.9", "train.grad_clip=1.0"],
-    "scaffold-nesterov-clip": ["algorithm.name=scaffold", "train.momentum=0.9", "train.nesterov=true",
-                               "train.grad_clip=0.5"],
+    "scaffold-momentum-clip": [
+        "algorithm.name=scaffold",
+        "algorithm.options.momentum_correction=true",
+        "algorithm.options.weighting=samples",
+        "train.momentum=0.9",
+        "train.grad_clip=1.0",
+    ],
+    "scaffold-nesterov-clip": [
+        "algorithm.name=scaffold",
+        "train.momentum=0.9",
+        "train.nesterov=true",
+        "train.grad_clip=0.5",
+    ],
     "scaffold-unfused": ["algorithm.name=scaffold", "algorithm.options.fused_step=false", "train.grad_clip=1.0"],
     "fedpvr": ["algorithm.name=fedpvr", "algorithm.options.n_ctrl=1", *HETERO],
-    "fedpvr-two-ranges": ["algorithm.name=fedpvr", "model.options.hidden=[32,16]",       # fc1 and fc3: two
-                          "algorithm.options.ctrl_modules=[fc1,fc3]", "train.momentum=0.5"],   # flat ranges
+    "fedpvr-two-ranges": [
+        "algorithm.name=fedpvr",
+        "model.options.hidden=[32,16]",  # fc1 and fc3: two
+        "algorithm.options.ctrl_modules=[fc1,fc3]",
+        "train.momentum=0.5",
+    ],  # flat ranges
     "fednova": ["algorithm.name=fednova", "train.momentum=0.5", *HETERO],
     "fedavgm": ["algorithm.name=fedavgm"],
     "fedaware": ["algorithm.name=fedaware"],
     "kuramoto-S": ["algorithm.name=kuramoto", "algorithm.options.mode=S", "algorithm.options.kappa0=0.5"],
     "kuramoto-C": ["algorithm.name=kuramoto", "algorithm.options.mode=C", "algorithm.options.kappa0=0.2"],
     "local_gc": ["algorithm.name=local_gc", "train.momentum=0.9", "train.weight_decay=0.001", "train.grad_clip=1.0"],
-    "gcfed-skip-unfused": ["algorithm.name=gcfed", "algorithm.options.vector_policy=skip",
-                           "algorithm.options.fused_step=false"],
+    "gcfed-skip-unfused": [
+        "algorithm.name=gcfed",
+        "algorithm.options.vector_policy=skip",
+        "algorithm.options.fused_step=false",
+    ],
     "global_gc": ["algorithm.name=global_gc"],
     "local_gc_only": ["algorithm.name=local_gc_only", "algorithm.options.lam=0.5"],
     "fedpgvc-hadamard": ["algorithm.name=fedpgvc", *HETERO],
-    "fedpgvc-additive-clip": ["algorithm.name=fedpgvc", "algorithm.options.mode=additive",
-                              "algorithm.options.loss_clip=1.0"],
-    "fedpgvc-layer_scalar-norm": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_scalar",
-                                  "algorithm.options.stat=norm"],
+    "fedpgvc-additive-clip": [
+        "algorithm.name=fedpgvc",
+        "algorithm.options.mode=additive",
+        "algorithm.options.loss_clip=1.0",
+    ],
+    "fedpgvc-layer_scalar-norm": [
+        "algorithm.name=fedpgvc",
+        "algorithm.options.mode=layer_scalar",
+        "algorithm.options.stat=norm",
+    ],
     "fedpgvc-layer_scalar-mean": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_scalar"],
     "fedpgvc-layer_normalize": ["algorithm.name=fedpgvc", "algorithm.options.mode=layer_normalize"],
     "fedpgvc-lr_matched": ["algorithm.name=fedpgvc", "algorithm.options.mode=lr_matched"],
-    "fedecado": ["algorithm.name=fedecado", *HETERO],          # round 1 Hutchinson: sequential, then batched
-    "fedecado-partial": ["algorithm.name=fedecado", "clients_per_round=3", *HETERO],   # round 3: 0 | 1 new | 3
+    "fedecado": ["algorithm.name=fedecado", *HETERO],  # round 1 Hutchinson: sequential, then batched
+    "fedecado-partial": ["algorithm.name=fedecado", "clients_per_round=3", *HETERO],  # round 3: 0 | 1 new | 3
     "fedecado-identity": ["algorithm.name=fedecado", "algorithm.options.hessian=identity", *HETERO],
 }
 
@@ -241,7 +291,7 @@ METHODS = {
 def test_batched_equals_sequential_round_by_round(name):
     s1, s2 = same_run(*METHODS[name])
     assert [m["local_steps"] for m in s1.metrics] == [m["local_steps"] for m in s2.metrics]
-    if name.startswith(("scaffold", "fedpvr")):   # the server's control variates agree too (round 3's)
+    if name.startswith(("scaffold", "fedpvr")):  # the server's control variates agree too (round 3's)
         for k, v in s1.agg.state_dict().items():
             if isinstance(v, torch.Tensor):
                 assert_rel_close(v, s2.agg.state_dict()[k], k)
@@ -250,7 +300,7 @@ def test_batched_equals_sequential_round_by_round(name):
 def test_unequal_sizes_and_steps_are_what_the_clients_trained():
     s1, s2 = same_run(*HETERO)
     steps = s2.metrics[0]["local_steps"]
-    assert len(set(steps)) > 1                # the chunk really mixes clients of different step counts
+    assert len(set(steps)) > 1  # the chunk really mixes clients of different step counts
     assert steps == s1.metrics[0]["local_steps"]
 
 
@@ -264,7 +314,7 @@ def test_deterministic_for_a_seed():
 
 def test_chunks_of_clients_equal_one_chunk():
     s1, r1 = sim("clients_at_once=4", "algorithm.name=scaffold", *HETERO)
-    each_round_from_the_same_state(s1, r1, "clients_at_once=3", "algorithm.name=scaffold", *HETERO)   # 3 + 1
+    each_round_from_the_same_state(s1, r1, "clients_at_once=3", "algorithm.name=scaffold", *HETERO)  # 3 + 1
 
 
 def _bad_data():
@@ -289,7 +339,7 @@ def test_bad_clients_excluded_as_in_the_sequential_loop():
 
 
 def test_fedpgvc_skips_the_non_finite_steps_as_in_the_sequential_loop():
-    bad, parts = _bad_data()       # nan_policy "skip": client 2 drops its NaN batches and stays finite
+    bad, parts = _bad_data()  # nan_policy "skip": client 2 drops its NaN batches and stays finite
     s1, s2 = same_run("algorithm.name=fedpgvc", "train.momentum=0.5", parts=parts, train=bad)
     assert [e["client_id"] for e in s2.metrics[0]["excluded"]] == [1]
 
@@ -331,18 +381,23 @@ def _bn_parts():
 
 
 def _batchnorm_statistics(s):
-    return [(m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked))
-            for m in s.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [
+        (m.running_mean.clone(), m.running_var.clone(), int(m.num_batches_tracked))
+        for m in s.model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
 
 
 def _same_statistics(s1, s2):
     st1, st2 = _batchnorm_statistics(s1), _batchnorm_statistics(s2)
-    st3 = _batchnorm_statistics(s2.perturbed) if getattr(s2, "perturbed", None) is not None else [(None,) * 3] * len(st1)
+    st3 = (
+        _batchnorm_statistics(s2.perturbed) if getattr(s2, "perturbed", None) is not None else [(None,) * 3] * len(st1)
+    )
     assert st1 and len(st1) == len(st2)
-    before = s1.round_states[-2]["tracked"]         # the last round's steps (it ran from the same state)
+    before = s1.round_states[-2]["tracked"]  # the last round's steps (it ran from the same state)
     for (m1, v1, n1), (m2, v2, n2), (m3, v3, _), n0 in zip(st1, st2, st3, before):
-        assert n1 - n0 == n2 > 0              # every client step counted once, as in the sequential loop
-        assert_rel_close(m1, m2, "running_mean", m3)       # the last round's, from the same state
+        assert n1 - n0 == n2 > 0  # every client step counted once, as in the sequential loop
+        assert_rel_close(m1, m2, "running_mean", m3)  # the last round's, from the same state
         assert_rel_close(v1, v2, "running_var", v3)
 
 
@@ -351,12 +406,16 @@ def _same_statistics(s1, s2):
 def test_batchnorm_statistics_are_carried_per_client(name, net):
     """BatchNorm trains batched: batch statistics over each client's real samples (short tail batches,
     a client smaller than the batch), its running statistics carried per client in the buffer columns."""
-    over = {"fedavg": [], "scaffold": ["algorithm.name=scaffold", "train.grad_clip=1.0"],
-            "fedprox": METHODS["fedprox"] + ["train.grad_clip=0.5"], "fedavg-momentum-wd": METHODS[name]}[name]
+    over = {
+        "fedavg": [],
+        "scaffold": ["algorithm.name=scaffold", "train.grad_clip=1.0"],
+        "fedprox": METHODS["fedprox"] + ["train.grad_clip=0.5"],
+        "fedavg-momentum-wd": METHODS[name],
+    }[name]
     s1, s2 = same_run(*over, model_fn=lambda nc, c, s: net(nc), parts=_bn_parts())
-    assert s2.batched.dp < s2.spec.d      # the running statistics are trailing columns of the flat vector
+    assert s2.batched.dp < s2.spec.d  # the running statistics are trailing columns of the flat vector
     _same_statistics(s1, s2)
-    if name == "scaffold":                # buffers carry no control variate, in both executors
+    if name == "scaffold":  # buffers carry no control variate, in both executors
         for k, v in s1.agg.state_dict().items():
             if isinstance(v, torch.Tensor):
                 assert_rel_close(v, s2.agg.state_dict()[k], k)
@@ -383,8 +442,16 @@ def test_resnet18_batchnorm_trains_batched(method, steps):
     digits its layer4 BatchNorm sees 1x1 maps, which makes a round ill-conditioned (see SLACK): each
     round is also bounded by its own response to a rounding-level change of its start. The shallow
     BatchNorm models above compare every method and step count."""
-    s1, s2 = same_run("model.options={}", "model.name=resnet18_gn", "model.options.norm=bn", "model.options.width=4",
-                      f"train.steps={steps}", f"algorithm.name={method}", parts=_bn_parts(), sensitivity=True)
+    s1, s2 = same_run(
+        "model.options={}",
+        "model.name=resnet18_gn",
+        "model.options.norm=bn",
+        "model.options.width=4",
+        f"train.steps={steps}",
+        f"algorithm.name={method}",
+        parts=_bn_parts(),
+        sensitivity=True,
+    )
     _same_statistics(s1, s2)
 
 
@@ -392,12 +459,14 @@ def test_a_batch_of_one_sample_trains_sequentially_under_batchnorm(monkeypatch):
     """Client 2 (97 samples, batch 32) ends each epoch with a batch of one sample, which BatchNorm refuses
     where its maps are 1x1: it trains in the sequential loop, in its place; the others batched."""
     from fedkernels.sim.batched import BatchedExecutor
+
     chunks = []
     orig = BatchedExecutor._train_chunk
 
     def spy(self, r, items, factor):
         chunks.append([cid for _, cid, _, _, _ in items])
         return orig(self, r, items, factor)
+
     monkeypatch.setattr(BatchedExecutor, "_train_chunk", spy)
     s1, s2 = same_run(model_fn=lambda nc, c, s: BNNet(nc))
     assert chunks == [[0, 1], [3]] * 3, chunks
@@ -426,8 +495,14 @@ class BufferNet(GNNet):
         self.register_buffer("scale", torch.ones(1))
 
 
-@pytest.mark.parametrize("net,words", [(CumulativeBNNet, "momentum=None"), (MyBNNet, "has MyBN (norm)"),
-                                       (BufferNet, "buffers other than BatchNorm statistics (scale")])
+@pytest.mark.parametrize(
+    "net,words",
+    [
+        (CumulativeBNNet, "momentum=None"),
+        (MyBNNet, "has MyBN (norm)"),
+        (BufferNet, "buffers other than BatchNorm statistics (scale"),
+    ],
+)
 def test_batchnorm_it_cannot_carry_is_refused_with_one_line(caplog, net, words):
     with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
         s, _ = sim("clients_at_once=4", "rounds=1", model_fn=lambda nc, c, s: net(nc))
@@ -436,15 +511,18 @@ def test_batchnorm_it_cannot_carry_is_refused_with_one_line(caplog, net, words):
     assert len(lines) == 1 and words in lines[0] and "one at a time" in lines[0], lines
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["algorithm.name=fedpgvc", "algorithm.options.mode=code"], ["mode 'code'"]),
-    (["algorithm.name=gcfed", "algorithm.options.local_order=post_wd"], ["local_order='post_wd'"]),
-    (["train.optimizer=adam"], ["adam"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["algorithm.name=fedpgvc", "algorithm.options.mode=code"], ["mode 'code'"]),
+        (["algorithm.name=gcfed", "algorithm.options.local_order=post_wd"], ["local_order='post_wd'"]),
+        (["train.optimizer=adam"], ["adam"]),
+    ],
+)
 def test_rules_that_cannot_be_batched_fall_back_with_one_line(caplog, overrides, words):
     with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
         s, r = sim("clients_at_once=4", "rounds=1", *overrides)
-    assert s.batched is None and len(r) == 2      # the initial model and round 1
+    assert s.batched is None and len(r) == 2  # the initial model and round 1
     lines = [r.getMessage() for r in caplog.records if "clients_at_once" in r.getMessage()]
     assert len(lines) == 1, lines
     for w in words:
@@ -457,17 +535,20 @@ def test_a_users_own_rule_is_not_batched():
 
     class Mine(FedProxRule):
         pass
+
     assert rule_reason(FedProxRule(None, mu=0.1)) is None
     assert "Mine has no batched form" in rule_reason(Mine(None, mu=0.1))
 
-    class Declared(FedProxRule):             # a user's subclass becomes batchable by naming its form
+    class Declared(FedProxRule):  # a user's subclass becomes batchable by naming its form
         batched_form = FedProxRule.batched_form
+
     assert rule_reason(Declared(None, mu=0.1)) is None
 
 
 def test_fedecado_epoch_time_with_fixed_steps_is_not_batched():
     from fedkernels import algorithms
     from fedkernels.sim.batched import rule_reason
+
     rule = algorithms.build("fedecado", time_unit="epoch").client_rule()
     assert rule_reason(rule, fixed_steps=False) is None
     assert "time_unit='epoch' counts client time in epochs" in rule_reason(rule, fixed_steps=True)
@@ -481,13 +562,25 @@ def test_auto_is_sequential_on_the_cpu():
 
 def _fk(*args, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_fallback_line_and_bad_value(tmp_path):
-    p = _fk("run", "--preset", "smoke", "rounds=1", "plots=false", "threads=1", "--no-progress", "clients_at_once=2",
-            "algorithm.name=fedpgvc", "algorithm.options.mode=code", cwd=tmp_path)
+    p = _fk(
+        "run",
+        "--preset",
+        "smoke",
+        "rounds=1",
+        "plots=false",
+        "threads=1",
+        "--no-progress",
+        "clients_at_once=2",
+        "algorithm.name=fedpgvc",
+        "algorithm.options.mode=code",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [x for x in p.stderr.splitlines() if "clients_at_once" in x]
     assert len(lines) == 1 and "one at a time" in lines[0] and "mode 'code'" in lines[0], p.stderr
@@ -496,10 +589,13 @@ def test_cli_fallback_line_and_bad_value(tmp_path):
     assert q.returncode == 2 and len(err) == 1 and "clients_at_once" in err[0] and "auto, off" in err[0], q.stderr
 
 
-@pytest.mark.parametrize("value,ok", [("auto", True), ("off", True), (False, True), (3, True), (0, False),
-                                      ("many", False), (True, False), (-2, False)])
+@pytest.mark.parametrize(
+    "value,ok",
+    [("auto", True), ("off", True), (False, True), (3, True), (0, False), ("many", False), (True, False), (-2, False)],
+)
 def test_config_check(value, ok):
     from fedkernels.sim.config import set_dotted
+
     cfg = presets.get("smoke")
     set_dotted(cfg, "clients_at_once", value)
     if ok:
@@ -518,24 +614,29 @@ def test_config_excludes_workers():
 def test_chunk_size_from_free_memory():
     from fedkernels.errors import RunError
     from fedkernels.sim.batched import chunk_size, client_bytes
+
     per = client_bytes(10_000, 9_000, 300_000, momentum=True)
-    assert per == 4 * (3 * 10_000 + 9_000) + 300_000                   # G, its accumulation, momentum; activations
+    assert per == 4 * (3 * 10_000 + 9_000) + 300_000  # G, its accumulation, momentum; activations
     assert client_bytes(10_000, 9_000, 0, momentum=False, rho=True) == 4 * 4 * 10_000
-    assert chunk_size(8 * 2**20, per, 100) == (4 * 2**20) // per        # half the free memory
-    assert chunk_size(8 * 2**30, per, 100) == 100                      # never more than the round
-    assert chunk_size(None, per, 17) == 17                             # free memory unknown: the whole round
-    with pytest.raises(RunError, match=r"clients_at_once=auto: one client needs about 0.4 MiB .* on cuda:0 "
-                                       r"and 0.5 MiB are free"):
+    assert chunk_size(8 * 2**20, per, 100) == (4 * 2**20) // per  # half the free memory
+    assert chunk_size(8 * 2**30, per, 100) == 100  # never more than the round
+    assert chunk_size(None, per, 17) == 17  # free memory unknown: the whole round
+    with pytest.raises(
+        RunError,
+        match=r"clients_at_once=auto: one client needs about 0.4 MiB .* on cuda:0 "
+        r"and 0.5 MiB are free",
+    ):
         chunk_size(2**19, per, 100, "cuda:0")
 
 
 def test_free_memory_on_the_cpu_is_the_available_ram():
     from fedkernels.sim.batched import free_memory
+
     free = free_memory(torch.device("cpu"))
     if os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
             avail = [int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:")][0]
-        assert abs(free - avail) < max(avail // 4, 2**26)               # (the kernel's figure moves meanwhile)
+        assert abs(free - avail) < max(avail // 4, 2**26)  # (the kernel's figure moves meanwhile)
 
 
 def test_auto_sizes_chunks_each_round_and_stops_when_one_client_does_not_fit(monkeypatch):
@@ -543,29 +644,32 @@ def test_auto_sizes_chunks_each_round_and_stops_when_one_client_does_not_fit(mon
     round by round; a client that does not fit stops the run with one line, at set-up or in a later round."""
     import fedkernels.sim.batched as B
     from fedkernels.errors import RunError
+
     free = {"bytes": 2**40}
     monkeypatch.setattr(B, "AUTO_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(B, "free_memory", lambda dev: free["bytes"])
     spy, chunks = B.BatchedExecutor._train_chunk, []
 
-    def train_chunk(self, r, items, f):      # after round 1's chunk: room for 1.5 clients
+    def train_chunk(self, r, items, f):  # after round 1's chunk: room for 1.5 clients
         chunks.append(len(items))
         free["bytes"] = 3 * self.per_client // 2 * 2
         return spy(self, r, items, f)
+
     monkeypatch.setattr(B.BatchedExecutor, "_train_chunk", train_chunk)
     s, states = sim("rounds=2")
     assert s.batched is not None and chunks == [4, 1, 1, 1, 1], chunks
     each_round_from_the_same_state(s, states, "rounds=2", "clients_at_once=off")
-    free["bytes"] = 2**10                     # at set-up
+    free["bytes"] = 2**10  # at set-up
     with pytest.raises(RunError, match=r"^clients_at_once=auto: one client needs about .* MiB of working memory"):
         sim("rounds=1")
     chunks.clear()
     free["bytes"] = 2**40
 
-    def shrink(self, r, items, f):            # in round 2
+    def shrink(self, r, items, f):  # in round 2
         chunks.append(len(items))
         free["bytes"] = 2**10
         return spy(self, r, items, f)
+
     monkeypatch.setattr(B.BatchedExecutor, "_train_chunk", shrink)
     with pytest.raises(RunError, match="one client needs about"):
         sim("rounds=2")
@@ -576,12 +680,14 @@ def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
     """FedECADO, 3 of 4 clients per round (seed 0: [0, 2, 3], [0, 2, 3], [0, 1, 3]): client 1's first
     participation (its Hutchinson estimate) trains in the sequential loop between two batched chunks."""
     from fedkernels.sim.batched import BatchedExecutor
+
     chunks = []
     orig = BatchedExecutor._train_chunk
 
     def spy(self, r, items, factor):
         chunks.append((r, [cid for _, cid, _, _, _ in items]))
         return orig(self, r, items, factor)
+
     monkeypatch.setattr(BatchedExecutor, "_train_chunk", spy)
     s, _ = sim("clients_at_once=4", "algorithm.name=fedecado", "clients_per_round=3", *HETERO)
     assert chunks == [(1, [0, 2, 3]), (2, [0]), (2, [3])], chunks
@@ -591,9 +697,13 @@ def test_a_client_that_must_train_sequentially_keeps_its_place(monkeypatch):
 def test_the_chunk_trains_in_the_rows_of_the_update_buffer(monkeypatch):
     """No [C, d] copy: the stacked weights are the buffer's rows, turned into the updates in place."""
     from fedkernels.algorithms.base import BatchedRule
+
     seen = []
     orig = BatchedRule.begin
     monkeypatch.setattr(BatchedRule, "begin", lambda self, ch: (seen.append(ch.W), orig(self, ch))[-1])
     s, _ = sim("clients_at_once=4", "rounds=1")
     W = seen[0]
-    assert W.untyped_storage().data_ptr() == s.buf.data.untyped_storage().data_ptr() and W.data_ptr() == s.buf.data.data_ptr()
+    assert (
+        W.untyped_storage().data_ptr() == s.buf.data.untyped_storage().data_ptr()
+        and W.data_ptr() == s.buf.data.data_ptr()
+    )

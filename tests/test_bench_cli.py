@@ -1,6 +1,7 @@
 """Benchmarks as a user runs them: `fedkernels bench` from any directory of a source checkout, a clear
 one-line refusal from an installed package without bench/, and results that go to runs/bench/ (never
 over the published bench/results/ unless asked with --out). Subprocesses, other working directories."""
+
 import hashlib
 import os
 import subprocess
@@ -37,15 +38,18 @@ def test_bench_help_from_another_directory_lists_quick_out_and_the_suite_options
     r = _run(["-m", "fedkernels", "bench", "--suite", "cpu", "--help"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "--quick" in r.stdout and "--out" in r.stdout and "runs/bench/" in r.stdout
-    assert "options of the suite (bench.cpu)" in r.stdout and "--only" in r.stdout   # the checkout's suite ran
+    assert "options of the suite (bench.cpu)" in r.stdout and "--only" in r.stdout  # the checkout's suite ran
     assert not (tmp_path / "runs").exists()
 
 
 def test_bad_suite_option_is_one_error_before_anything_is_written(tmp_path, published_untouched):
     r = _run(["-m", "fedkernels", "bench", "--suite", "cpu", "--quick", "--only", "nosuch"], cwd=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].endswith(
-        "--only: nosuch is not a suite; expected some of core,linalg,gc,becado,round"), r.stderr
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--only: nosuch is not a suite; expected some of core,linalg,gc,becado,round")
+    ), r.stderr
     r = _run(["-m", "fedkernels", "bench", "--suite", "cpu", "--only", "core,gc", "--out", "x.json"], cwd=tmp_path)
     assert r.returncode == 2 and "--out: x.json is one file but 2 suites" in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "x.json").exists()
@@ -64,7 +68,7 @@ def test_out_is_a_directory_or_a_json_path(tmp_path, monkeypatch):
     from bench import common
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(common, "_COPY_BW", 1e10)   # no bandwidth measurement in a unit test
+    monkeypatch.setattr(common, "_COPY_BW", 1e10)  # no bandwidth measurement in a unit test
     assert common.write_json("cpu-x.json", [{"a": 1}]) == os.path.join("runs", "bench", "cpu-x.json")
     assert common.write_json("cpu-x.json", [], out=str(tmp_path / "pub")) == str(tmp_path / "pub" / "cpu-x.json")
     assert common.write_json("cpu-x.json", [], out="sub/mine.json") == "sub/mine.json"

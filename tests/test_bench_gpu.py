@@ -1,5 +1,6 @@
 """bench/gpu.py runs on the CPU (``--device cpu --quick``), so CI covers the GPU harness itself and
 only the numbers are new on the GPU. The real command runs in a subprocess."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OUT", None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_gpu_bench_harness_runs_on_cpu(tmp_path):
@@ -29,19 +36,44 @@ def test_gpu_bench_harness_runs_on_cpu(tmp_path):
     assert doc["copy_GBps"] > 0
     rows = doc["results"]
     ops = {r["op"] for r in rows}
-    assert ops == {"copy", "weighted_sum", "gram", "kstats", "order_mean", "closest_mean",
-                   "dequant_weighted_sum", "sparse_weighted_sum", "weighted_sum_noised", "server_opt_step_", "finite_rows", "min_norm", "gc_project_", "fused_sgd_step_",
-                   "lu_factor", "lu_solve", "fedecado_be_step", "aggregate"}
+    assert ops == {
+        "copy",
+        "weighted_sum",
+        "gram",
+        "kstats",
+        "order_mean",
+        "closest_mean",
+        "dequant_weighted_sum",
+        "sparse_weighted_sum",
+        "weighted_sum_noised",
+        "server_opt_step_",
+        "finite_rows",
+        "min_norm",
+        "gc_project_",
+        "fused_sgd_step_",
+        "lu_factor",
+        "lu_solve",
+        "fedecado_be_step",
+        "aggregate",
+    }
     for r in rows:
         assert r["ms"] > 0 and r["sizes"], r
         if "bytes_min" in r:
             assert r["GBps"] > 0 and r["pct_copy_bw"] > 0
     baselines = {(r["op"], k) for r in rows for k in r.get("baselines", {})}
-    for want in [("weighted_sum", "torch_coef_at_U"), ("gram", "torch_fp64_U_UT"), ("kstats", "gram_then_Gp"),
-                 ("order_mean", "torch_median_0"), ("order_mean", "torch_sort_trimmed"),
-                 ("dequant_weighted_sum", "torch_dequantise_then_sum"), ("sparse_weighted_sum", "torch_index_add"),
-                 ("weighted_sum_noised", "weighted_sum_plus_torch_randn"), ("server_opt_step_", "torch_elementwise"),
-                 ("lu_solve", "torch_linalg_lu_solve"), ("fused_sgd_step_", "torch_foreach_sgd")]:
+    for want in [
+        ("weighted_sum", "torch_coef_at_U"),
+        ("gram", "torch_fp64_U_UT"),
+        ("kstats", "gram_then_Gp"),
+        ("order_mean", "torch_median_0"),
+        ("order_mean", "torch_sort_trimmed"),
+        ("dequant_weighted_sum", "torch_dequantise_then_sum"),
+        ("sparse_weighted_sum", "torch_index_add"),
+        ("weighted_sum_noised", "weighted_sum_plus_torch_randn"),
+        ("server_opt_step_", "torch_elementwise"),
+        ("lu_solve", "torch_linalg_lu_solve"),
+        ("fused_sgd_step_", "torch_foreach_sgd"),
+    ]:
         assert want in baselines, want
     for r in rows:
         for b in r.get("baselines", {}).values():
@@ -62,6 +94,7 @@ def test_gpu_bench_whole_aggregate_table(tmp_path):
     """Every registered aggregator runs a whole round with its payloads, at two K, next to the
     one-read floor and plain torch glob + w @ U."""
     from bench.cpu_hostwork import methods
+
     r = _run("--device", "cpu", "--quick", "--only", "aggregate", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [x for x in json.loads(next(tmp_path.glob("gpu-*.json")).read_text())["results"] if x["op"] == "aggregate"]

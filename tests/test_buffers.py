@@ -2,6 +2,7 @@
 method's new model has them as the sample-weighted average of the round's clients' buffers
 (fedkernels/algorithms/buffers.py), so no server step can make a running variance negative; a
 non-finite evaluation stops a simulated run with one line naming the round and the method."""
+
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class BNNet(nn.Module):
     """A conv layer without bias, BatchNorm, a linear head: the model where FedECADO's and FedAvgM's
     server steps drove the running variance below 0 (to -0.48 after round 2, NaN test losses)."""
+
     def __init__(self, num_classes):
         super().__init__()
         self.conv = nn.Conv2d(1, 8, 3, padding=1, bias=False)
@@ -40,6 +42,7 @@ _DATA = {}
 def _data():
     if not _DATA:
         from fedkernels.sim.data import load_dataset
+
         tr, te = load_dataset("digits")
         perm = np.random.default_rng(0).permutation(len(tr.y))
         _DATA["v"] = tr, te, [perm[a:b] for a, b in ((0, 13), (13, 74), (74, 164), (164, 314))]
@@ -47,17 +50,33 @@ def _data():
 
 
 HETERO = ["train.hetero.enabled=true", "train.hetero.lr_range=[0.02,0.2]", "train.hetero.epochs_range=[1,3]"]
-OPTIONS = {"kuramoto": ["algorithm.options.mode=C", "algorithm.options.kappa0=0.2"], "local_gc_only": ["algorithm.options.lam=0.5"]}
+OPTIONS = {
+    "kuramoto": ["algorithm.options.mode=C", "algorithm.options.kappa0=0.2"],
+    "local_gc_only": ["algorithm.options.lam=0.5"],
+}
 
 
 def _run(name, *overrides):
     tr, te, parts = _data()
-    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                 "rounds=3", "num_clients=4", "client_loss=participants",
-                                                 f"algorithm.name={name}", *OPTIONS.get(name, []), *HETERO,
-                                                 *overrides])
-    s = Simulation(cfg, write_outputs=False, train=tr, test=te, client_indices=parts,
-                   model_fn=lambda nc, c, sz: BNNet(nc))
+    cfg = apply_overrides(
+        presets.get("smoke"),
+        [
+            "threads=1",
+            "verbose=false",
+            "plots=false",
+            "progress=false",
+            "rounds=3",
+            "num_clients=4",
+            "client_loss=participants",
+            f"algorithm.name={name}",
+            *OPTIONS.get(name, []),
+            *HETERO,
+            *overrides,
+        ],
+    )
+    s = Simulation(
+        cfg, write_outputs=False, train=tr, test=te, client_indices=parts, model_fn=lambda nc, c, sz: BNNet(nc)
+    )
     s.run()
     return s
 
@@ -78,8 +97,8 @@ def test_buffers_are_the_sample_weighted_average_whatever_the_method():
     are global + sum_k p_k U_k, computed here in float64 from the same rows."""
     model = BNNet(10)
     spec = FlatSpec.from_module(model)
-    (a, b), = buffer_ranges(spec)
-    assert (a, b) == (spec.d - 16, spec.d)          # running_mean and running_var, adjacent: one range
+    ((a, b),) = buffer_ranges(spec)
+    assert (a, b) == (spec.d - 16, spec.d)  # running_mean and running_var, adjacent: one range
     g = spec.flatten(model).clone()
     gen = torch.Generator().manual_seed(0)
     n = [13.0, 61.0, 90.0]
@@ -92,7 +111,7 @@ def test_buffers_are_the_sample_weighted_average_whatever_the_method():
             new, _ = agg.aggregate(x, U, n, [0, 1, 2])
             p = torch.tensor(n, dtype=torch.float64) / sum(n)
             want = x[a:b].double() + p @ U[:, a:b].double()
-            torch.testing.assert_close(new[a:b].double(), want, rtol=0, atol=4 * 2 ** -24 * float(want.abs().max()))
+            torch.testing.assert_close(new[a:b].double(), want, rtol=0, atol=4 * 2**-24 * float(want.abs().max()))
             x = new
         assert not torch.equal(new[:a], g[:a])
 
@@ -103,7 +122,7 @@ def test_no_spec_or_no_buffers_leaves_the_result_alone():
     g, U = torch.randn(50), torch.randn(4, 50)
     ref, _ = algorithms.build("fedavgm", server_lr=1.5).aggregate(g, U, [1, 2, 3, 4])
     agg = algorithms.build("fedavgm", server_lr=1.5)
-    agg.setup(FlatSpec.from_module(nn.Linear(7, 6)), 4)          # 7*6 + 6 = 48 parameters, no buffer
+    agg.setup(FlatSpec.from_module(nn.Linear(7, 6)), 4)  # 7*6 + 6 = 48 parameters, no buffer
     assert buffer_ranges(agg.spec) == [] and buffer_ranges(None) == []
 
 
@@ -126,10 +145,29 @@ def test_a_non_finite_evaluation_stops_the_run_with_one_line(tmp_path):
     sched = tmp_path / "lr.json"
     sched.write_text('{"server_lr": [1, 1e30, 1]}')
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "rounds=3", "plots=false",
-                        "threads=1", "--no-progress", f"out_dir={tmp_path}", "checkpoint_every=1",
-                        "algorithm.name=fedavg", f"algorithm.options.server_lr_schedule={sched}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedkernels",
+            "run",
+            "--preset",
+            "smoke",
+            "rounds=3",
+            "plots=false",
+            "threads=1",
+            "--no-progress",
+            f"out_dir={tmp_path}",
+            "checkpoint_every=1",
+            "algorithm.name=fedavg",
+            f"algorithm.options.server_lr_schedule={sched}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     err = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(err) == 1 and "round 2" in err[0] and "fedavg" in err[0] and "not finite" in err[0], p.stderr

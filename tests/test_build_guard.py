@@ -6,6 +6,7 @@ the process. Here the same compiler is simulated by a wrapper script (it answers
 ``-print-file-name=libstdc++.so`` with the bare name and links with ``-static-libstdc++``); tiny
 shared libraries built both ways check the ELF reader. No extension build (a few seconds in all).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ from fedkernels import _toolchain as tc
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GXX, GCC = tc.SYSTEM_CXX, tc.SYSTEM_CC
 
-pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and os.path.isfile(GXX)),
-                                reason=f"needs Linux and the system compiler {GXX}")
+pytestmark = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.path.isfile(GXX)), reason=f"needs Linux and the system compiler {GXX}"
+)
 
 WRAPPER = """#!/bin/sh
 # a C++ compiler whose search path has libstdc++.a but not libstdc++.so (the GPU image's $CXX)
@@ -78,7 +80,7 @@ def test_probe_tells_the_hidden_libstdcxx_compiler_from_the_system_one(bad_cxx):
 def test_guard_keeps_a_good_compiler_untouched():
     assert tc.choose_compiler({"CXX": GXX}) == (GXX, {}, None)
     if tc.probe_shared_libstdcxx("c++")[0]:
-        assert tc.choose_compiler({}) == ("c++", {}, None)   # CXX unset: torch uses c++
+        assert tc.choose_compiler({}) == ("c++", {}, None)  # CXX unset: torch uses c++
 
 
 def test_guard_falls_back_to_the_system_compiler(bad_cxx):
@@ -118,13 +120,14 @@ def test_a_static_build_is_deleted_with_one_line(tiny_libs, tmp_path):
 
 
 def test_no_check_off_linux(tiny_libs, monkeypatch):
-    monkeypatch.setattr(tc.sys, "platform", "darwin")   # a Mach-O build is not read as ELF (nor refused)
+    monkeypatch.setattr(tc.sys, "platform", "darwin")  # a Mach-O build is not read as ELF (nor refused)
     assert tc.check_extension(os.path.join(ROOT, "setup.py"), "clang++") == "unchecked"
     assert tc.choose_compiler({"CXX": "/nonexistent/clang++"}) == ("/nonexistent/clang++", {}, None)
 
 
 def test_the_built_extension_uses_the_shared_libstdcxx():
     from fedkernels import _native
+
     so = _native._C.__file__
     assert tc.libstdcxx_linkage(so) == "shared", f"{so} carries its own libstdc++: rebuild with CXX={GXX}"
     info = fedkernels.build_info()
@@ -135,20 +138,34 @@ def test_the_built_extension_uses_the_shared_libstdcxx():
 def test_a_cpp_error_message_formats_numbers_instead_of_crashing():
     # the crash the guard prevents: `ostream << long` in a TORCH_CHECK message (csrc/<op>_checks.h), run apart
     # so that a SIGSEGV fails this test instead of killing pytest
-    code = ("import torch, fedkernels\n"
-            "try:\n    torch.ops.fedkernels.gc_project_([torch.zeros(2, 3)], 'skip', -7)\n"
-            "except RuntimeError as e:\n    print(str(e).splitlines()[0])\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    code = (
+        "import torch, fedkernels\n"
+        "try:\n    torch.ops.fedkernels.gc_project_([torch.zeros(2, 3)], 'skip', -7)\n"
+        "except RuntimeError as e:\n    print(str(e).splitlines()[0])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
     assert "min_fanin" in r.stdout and "-7" in r.stdout
 
 
 def test_exports_line_for_shell_scripts(bad_cxx):
     script = os.path.join(ROOT, "fedkernels", "_toolchain.py")
+
     def run(cxx):
-        return subprocess.run([sys.executable, script, "--exports"], capture_output=True, text=True,
-                              env={**os.environ, "CXX": cxx}, timeout=60)
+        return subprocess.run(
+            [sys.executable, script, "--exports"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CXX": cxx},
+            timeout=60,
+        )
+
     bad = run(bad_cxx)
     want = f"export CXX={GXX}" + (f" CC={GCC}" if os.path.isfile(GCC) else "")
     assert bad.returncode == 0 and bad.stdout.strip() == want
@@ -160,10 +177,18 @@ def test_exports_line_for_shell_scripts(bad_cxx):
 def test_setup_py_switches_compiler_before_compiling(bad_cxx, tmp_path):
     # the real build command, stopped as soon as the guard has spoken (no extension is built here)
     env = {**os.environ, "CXX": bad_cxx, "MAX_JOBS": "1"}
-    cmd = [sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
-           "--build-temp", str(tmp_path / "tmp")]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    cmd = [
+        sys.executable,
+        "setup.py",
+        "build_ext",
+        "--build-lib",
+        str(tmp_path / "lib"),
+        "--build-temp",
+        str(tmp_path / "tmp"),
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     seen = ""
     try:
         deadline = time.monotonic() + 120

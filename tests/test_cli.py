@@ -1,4 +1,5 @@
 """The fedkernels command line, end to end into tmp_path (digits, a few seconds)."""
+
 import json
 import subprocess
 import sys
@@ -14,8 +15,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_run_smoke_end_to_end_and_resume(tmp_path, capsys):
-    rc = main(["run", "--preset", "smoke", "--out", str(tmp_path), "--name", "sm", "--no-progress",
-               "checkpoint_every=1", "rounds=2"])
+    rc = main(
+        [
+            "run",
+            "--preset",
+            "smoke",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "sm",
+            "--no-progress",
+            "checkpoint_every=1",
+            "rounds=2",
+        ]
+    )
     assert rc == 0
     d = tmp_path / "sm"
     for f in ("config.yaml", "metrics.jsonl", "summary.json", "summary.csv", "curves.png", "final_model.pt"):
@@ -37,10 +50,26 @@ def test_run_smoke_end_to_end_and_resume(tmp_path, capsys):
 
 def test_run_from_yaml_with_overrides(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("rounds: 1\nnum_clients: 3\nplots: false\ndata: {name: digits}\n"
-                   "model: {name: mlp, options: {hidden: [8]}}\ntrain: {steps: 2}\n")
-    assert main(["run", str(cfg), "--out", str(tmp_path), "--quiet", "--no-progress",
-                 "algorithm.name=fedavgm", "algorithm.options.beta=0.5", "name=y"]) == 0
+    cfg.write_text(
+        "rounds: 1\nnum_clients: 3\nplots: false\ndata: {name: digits}\n"
+        "model: {name: mlp, options: {hidden: [8]}}\ntrain: {steps: 2}\n"
+    )
+    assert (
+        main(
+            [
+                "run",
+                str(cfg),
+                "--out",
+                str(tmp_path),
+                "--quiet",
+                "--no-progress",
+                "algorithm.name=fedavgm",
+                "algorithm.options.beta=0.5",
+                "name=y",
+            ]
+        )
+        == 0
+    )
     r = RunConfig.from_yaml(str(tmp_path / "y" / "config.yaml"))
     assert r.algorithm.name == "fedavgm" and r.algorithm.options == {"beta": 0.5} and r.num_clients == 3
 
@@ -57,8 +86,23 @@ def test_bad_invocations(tmp_path, capsys):
 
 def test_compare_table_and_outputs(tmp_path, capsys):
     # an unknown method is an error before any run (tests/test_compare.py), not a skipped run
-    rc = main(["compare", "--preset", "smoke", "--methods", "fedavg,fedavgm:beta=0.5",
-               "--seeds", "0,1", "--rounds", "1", "--out", str(tmp_path), "--quiet", "--no-progress"])
+    rc = main(
+        [
+            "compare",
+            "--preset",
+            "smoke",
+            "--methods",
+            "fedavg,fedavgm:beta=0.5",
+            "--seeds",
+            "0,1",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     res = json.loads((tmp_path / "compare.json").read_text())
     assert set(res["methods"]) == {"fedavg", "fedavgm:beta=0.5"} and res["failed"] == []

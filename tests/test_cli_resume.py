@@ -3,6 +3,7 @@
 a checkpoint is one error line (exit 2, nothing touched), and a double Ctrl-C keeps every completed
 round (the second signal abandons local training; one that lands while a round aggregates lets that
 round finish) with a resume bit-identical to an uninterrupted run."""
+
 import hashlib
 import json
 import os
@@ -25,8 +26,9 @@ def _env():
 
 
 def fk(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def _tree(d):
@@ -88,7 +90,7 @@ def test_resume_without_a_checkpoint_is_an_error_that_says_how_to_get_one(tmp_pa
 
 
 # The injector: the real CLI with one spot patched to send this process two SIGINTs (a double Ctrl-C).
-_DOUBLE = r'''
+_DOUBLE = r"""
 import os, signal, sys
 where, rnd, argv = sys.argv[1], int(sys.argv[2]) - 1, sys.argv[3:]
 from fedkernels.sim import server
@@ -120,7 +122,7 @@ else:                           # inside the aggregation (the aggregator's call)
     base.Aggregator.aggregate = aggregate
 from fedkernels.sim.cli import main
 sys.exit(main(argv))
-'''
+"""
 
 
 @pytest.mark.parametrize("where,kept", [("train", 2), ("aggregate", 3)])
@@ -129,13 +131,20 @@ def test_double_ctrl_c_keeps_every_completed_round(tmp_path, ref5, where, kept):
     although checkpoint_every=0; during aggregation: round 3 finishes and is checkpointed. Either way
     the resumed run equals an uninterrupted one, bit for bit."""
     args = ["run", *SMALL, "rounds=5", "checkpoint_every=0", "--name", "cut"]
-    p = subprocess.run([sys.executable, "-c", _DOUBLE, where, "3", *args], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _DOUBLE, where, "3", *args],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stderr, p.stderr
     last = [x for x in p.stderr.splitlines() if x.strip()][-1]
-    assert last == (f"interrupted after round {kept}: checkpoint at round {kept}; "
-                    "continue with `fedkernels run --resume runs/cut`"), last
+    assert last == (
+        f"interrupted after round {kept}: checkpoint at round {kept}; continue with `fedkernels run --resume runs/cut`"
+    ), last
     d = tmp_path / "runs" / "cut"
     assert [int(f[11:17]) for f in sorted(os.listdir(d / "checkpoints"))] == [kept]
     assert [json.loads(x)["round"] for x in (d / "metrics.jsonl").read_text().splitlines()] == list(range(1, kept + 1))
@@ -148,6 +157,7 @@ def test_double_ctrl_c_keeps_every_completed_round(tmp_path, ref5, where, kept):
 
 def test_every_preset_checkpoints_and_ends_on_a_checkpoint():
     from fedkernels.sim import presets
+
     for name in presets.names():
         cfg = presets.get(name)
         assert cfg.checkpoint_every >= 1 and cfg.rounds % cfg.checkpoint_every == 0, (name, cfg.checkpoint_every)

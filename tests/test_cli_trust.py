@@ -5,6 +5,7 @@ user or the environment causes, options that do not apply refused, the failure c
 folder, stop messages that say what happens, and a compare that checks first, resumes and keeps its
 best tables. Faults that a test cannot cause for real (a full disk, a read-only file system, a signal
 at an exact point) are injected into the child before ``fedkernels.sim.cli.main`` runs."""
+
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import textwrap
 
 import torch
-from test_cli_resume import _final, _tree   # the run folder's files with their times; final_model.pt's vector
+from test_cli_resume import _final, _tree  # the run folder's files with their times; final_model.pt's vector
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["plots=false", "--no-progress"]
@@ -26,7 +27,10 @@ def _env():
 def fk(*args, cwd, inject: str = ""):
     """``fedkernels ARGS`` in a child; ``inject``: Python run in the child first (a patched fault)."""
     if inject:
-        code = textwrap.dedent(inject) + f"\nimport sys\nfrom fedkernels.sim.cli import main\nsys.exit(main({list(args)!r}))\n"
+        code = (
+            textwrap.dedent(inject)
+            + f"\nimport sys\nfrom fedkernels.sim.cli import main\nsys.exit(main({list(args)!r}))\n"
+        )
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, "-m", "fedkernels", *args]
@@ -58,19 +62,21 @@ def test_cosine_extension_is_refused_and_a_step_extension_equals_a_straight_run(
     r = fk("run", "--resume", "runs/cos", "rounds=5", "--no-progress", cwd=tmp_path)
     line = _one_error(r, 2)
     assert "lr_schedule=cosine" in line and "rounds already trained" in line and "rounds=5" in line
-    assert _tree(tmp_path / "runs" / "cos") == before          # nothing touched
+    assert _tree(tmp_path / "runs" / "cos") == before  # nothing touched
 
     step = ["train.lr_schedule=step", "train.lr_gamma=0.5", "checkpoint_every=1"]
     assert fk("run", *SMALL, "rounds=2", *step, "--name", "st", cwd=tmp_path).returncode == 0
     part = os.stat(tmp_path / "runs" / "st" / "partition.json").st_mtime_ns
     r = fk("run", "--resume", "runs/st", "rounds=4", "--no-progress", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert os.stat(tmp_path / "runs" / "st" / "partition.json").st_mtime_ns != part   # its report names the rounds
+    assert os.stat(tmp_path / "runs" / "st" / "partition.json").st_mtime_ns != part  # its report names the rounds
     with open(tmp_path / "runs" / "st" / "summary.json") as f:
-        s = json.load(f)                     # the wall time covers both sessions, as the other totals do
+        s = json.load(f)  # the wall time covers both sessions, as the other totals do
     assert s["wall_s"] > s["wall_s_session"] > 0
-    assert ("note: rounds=4 (was 2): rounds 3-4 will be trained; rounds 1-2 keep their values (the step lr "
-            "schedule does not depend on rounds); the metrics and model equal an uninterrupted 4-round run") in r.stderr
+    assert (
+        "note: rounds=4 (was 2): rounds 3-4 will be trained; rounds 1-2 keep their values (the step lr "
+        "schedule does not depend on rounds); the metrics and model equal an uninterrupted 4-round run"
+    ) in r.stderr
     assert fk("run", *SMALL, "rounds=4", *step, "--name", "st4", cwd=tmp_path).returncode == 0
     assert torch.equal(_final(tmp_path / "runs" / "st"), _final(tmp_path / "runs" / "st4"))
 
@@ -83,17 +89,17 @@ def test_threads_are_part_of_the_run_and_a_finished_run_is_never_replaced(tmp_pa
         p = fk("run", *base, f"threads={t}", cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-2000:]
         dirs.append(json.loads(p.stdout.strip().splitlines()[-1])["run_dir"])
-    assert dirs[0] != dirs[1] and dirs[0] == dirs[2]           # another thread count: another run folder
+    assert dirs[0] != dirs[1] and dirs[0] == dirs[2]  # another thread count: another run folder
     assert _prov(tmp_path / dirs[1])["threads"]["per_process"] == 2
 
     assert fk("run", *base, "threads=1", "--name", "x", cwd=tmp_path).returncode == 0
     before = _tree(tmp_path / "runs" / "x")
-    p = fk("run", *base, "threads=2", "--name", "x", cwd=tmp_path)   # other results into a finished run's folder
+    p = fk("run", *base, "threads=2", "--name", "x", cwd=tmp_path)  # other results into a finished run's folder
     line = _one_error(p, 2)
     assert "threads" in line and "--overwrite" in line
     assert _tree(tmp_path / "runs" / "x") == before
 
-    p = fk("run", *[a for a in base if a != "--quiet"], "--name", "auto", cwd=tmp_path)   # by default: for the load
+    p = fk("run", *[a for a in base if a != "--quiet"], "--name", "auto", cwd=tmp_path)  # by default: for the load
     assert p.returncode == 0, p.stderr[-2000:]
     with open(tmp_path / "runs" / "auto" / "config.yaml") as f:
         assert "threads: null" not in f.read()
@@ -103,7 +109,8 @@ def test_threads_are_part_of_the_run_and_a_finished_run_is_never_replaced(tmp_pa
 
 # ---- 5. numbers as people write them -------------------------------------------------------------------
 def test_numbers_in_float_and_yaml_1_2_forms(tmp_path):
-    (tmp_path / "c.yaml").write_text(textwrap.dedent("""\
+    (tmp_path / "c.yaml").write_text(
+        textwrap.dedent("""\
         rounds: 1e0
         num_clients: 4
         threads: 1
@@ -112,10 +119,14 @@ def test_numbers_in_float_and_yaml_1_2_forms(tmp_path):
         data: {name: digits, train_subset: 4.0e2}
         model: {name: mlp, options: {hidden: [8]}}
         train: {lr: 5e-2, weight_decay: 1.0e-6}
-        """))
-    p = fk("run", "c.yaml", "train.momentum=1e-1", "eval_batch_size=1.0e3", "--name", "n", "--no-progress", cwd=tmp_path)
+        """)
+    )
+    p = fk(
+        "run", "c.yaml", "train.momentum=1e-1", "eval_batch_size=1.0e3", "--name", "n", "--no-progress", cwd=tmp_path
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     import yaml
+
     with open(tmp_path / "runs" / "n" / "config.yaml") as f:
         c = yaml.safe_load(f)
     assert (c["rounds"], c["data"]["train_subset"], c["eval_batch_size"]) == (1, 400, 1000)
@@ -152,7 +163,7 @@ def test_one_line_errors_before_anything_runs(tmp_path):
     assert "partition.options.alpha=-1 does not apply to partition.scheme=iid" in line
     line = _one_error(fk("run", *SMALL, "train.lr_min=0.001", cwd=tmp_path), 2)
     assert "train.lr_min=0.001 does not apply to train.lr_schedule=constant" in line
-    assert sorted(os.listdir(tmp_path / "runs")) == ["X"]          # nothing written by any of them
+    assert sorted(os.listdir(tmp_path / "runs")) == ["X"]  # nothing written by any of them
 
 
 def test_a_full_disk_at_plotting_is_one_line_and_loses_nothing(tmp_path):
@@ -230,21 +241,43 @@ def test_the_second_ctrl_c_is_acknowledged(tmp_path):
     """
     p = fk("run", *SMALL, "rounds=3", "--name", "c", cwd=tmp_path, inject=_kill(patch))
     assert p.returncode == 130, p.stderr[-2000:]
-    assert "SIGINT: finishing round 2, then writing a checkpoint and stopping (again to abandon it and keep round 1)" \
+    assert (
+        "SIGINT: finishing round 2, then writing a checkpoint and stopping (again to abandon it and keep round 1)"
         in p.stderr
+    )
     assert "SIGINT again: abandoning round 2; keeping round 1" in p.stderr
     assert "interrupted after round 1: checkpoint at round 1" in p.stderr
     assert _prov(tmp_path / "runs" / "c")["status"] == "interrupted"
 
 
 # ---- 7. compare: checks first, resumes, keeps its best tables --------------------------------------------------
-CMP = ["compare", "--preset", "smoke", "--methods", "fedavg,fedavgm", "data.train_subset=400", "client_loss=none",
-       "threads=1", "--no-progress", "--out", "cmp"]
+CMP = [
+    "compare",
+    "--preset",
+    "smoke",
+    "--methods",
+    "fedavg,fedavgm",
+    "data.train_subset=400",
+    "client_loss=none",
+    "threads=1",
+    "--no-progress",
+    "--out",
+    "cmp",
+]
 
 
 def test_compare_checks_the_data_set_before_the_first_run(tmp_path):
-    p = fk("compare", "--preset", "smoke", "data.name=fmnist", f"data.root={tmp_path / 'none'}", "--out", "cmp",
-           "--no-progress", cwd=tmp_path)
+    p = fk(
+        "compare",
+        "--preset",
+        "smoke",
+        "data.name=fmnist",
+        f"data.root={tmp_path / 'none'}",
+        "--out",
+        "cmp",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     assert "Traceback" not in p.stderr and "[1/1]" not in p.stdout
     assert not os.path.exists(tmp_path / "cmp")
@@ -261,20 +294,21 @@ def test_compare_resumes_refuses_other_rounds_and_keeps_better_tables(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
     report.RunFiles.on_round_end = on_round_end
     """
-    p = fk(*CMP, cwd=tmp_path, inject=stop)                     # Ctrl-C in the second run
+    p = fk(*CMP, cwd=tmp_path, inject=stop)  # Ctrl-C in the second run
     assert p.returncode == 130, p.stderr[-2000:]
-    p = fk(*CMP, cwd=tmp_path)                                  # the same command continues
+    p = fk(*CMP, cwd=tmp_path)  # the same command continues
     assert p.returncode == 0, p.stderr[-2000:]
     assert "fedavg (seed 0): finished earlier, reused" in p.stdout
     assert "fedavgm (seed 0) ... (resumed from its checkpoint)" in p.stdout
     tables = _tree(tmp_path / "cmp")
 
-    p = fk(*CMP, "--rounds", "3", cwd=tmp_path)                # another config into the same folder
+    p = fk(*CMP, "--rounds", "3", cwd=tmp_path)  # another config into the same folder
     line = _one_error(p, 2)
     assert "holds a run with another config (rounds)" in line and "--out" in line
     assert _tree(tmp_path / "cmp") == tables
 
     import shutil
+
     shutil.rmtree(tmp_path / "cmp" / "fedavgm-s0")
     fail = """
     from fedkernels.errors import RunError
@@ -283,18 +317,20 @@ def test_compare_resumes_refuses_other_rounds_and_keeps_better_tables(tmp_path):
         raise RunError("injected")
     server.Simulation.run_round = run_round
     """
-    p = fk(*CMP, cwd=tmp_path, inject=fail)                     # a worse compare: its tables are not written
+    p = fk(*CMP, cwd=tmp_path, inject=fail)  # a worse compare: its tables are not written
     assert p.returncode == 1, p.stderr[-2000:]
     assert "earlier tables" in p.stdout
     after = _tree(tmp_path / "cmp")
-    assert {k: v for k, v in after.items() if k.startswith("compare.")} == \
-        {k: v for k, v in tables.items() if k.startswith("compare.")}
+    assert {k: v for k, v in after.items() if k.startswith("compare.")} == {
+        k: v for k, v in tables.items() if k.startswith("compare.")
+    }
 
 
 def test_run_method_takes_what_compare_takes(tmp_path):
     p = fk("run", *SMALL, "rounds=1", "--method", "kuramoto:kappa0=0.5", "--name", "m", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     import yaml
+
     with open(tmp_path / "runs" / "m" / "config.yaml") as f:
         algo = yaml.safe_load(f)["algorithm"]
     assert algo == {"name": "kuramoto", "options": {"kappa0": 0.5}}
@@ -329,9 +365,15 @@ def test_a_full_disk_mid_run_is_one_line_with_its_cause_in_the_run_folder(tmp_pa
 def test_an_extension_redraws_the_figures_with_the_new_round_count(tmp_path):
     """partition.png's title names the rounds: after `--resume DIR rounds=4` it is the figure of a straight
     4-round run (bytes equal: the Agg PNG holds no time), not the 2-round one; curves.png is redrawn too."""
-    args = [a for a in SMALL if a != "plots=false"] + ["plots=true", "train.lr_schedule=step", "checkpoint_every=1",
-                                                       "--name", "ext"]
-    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    args = [a for a in SMALL if a != "plots=false"] + [
+        "plots=true",
+        "train.lr_schedule=step",
+        "checkpoint_every=1",
+        "--name",
+        "ext",
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     assert fk("run", *args, "rounds=2", cwd=tmp_path / "a").returncode == 0
     run = tmp_path / "a" / "runs" / "ext"
     two = {f: (run / f).read_bytes() for f in ("partition.png", "curves.png")}

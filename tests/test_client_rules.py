@@ -1,5 +1,6 @@
 """Client rules and payloads: every method with a client side refuses a round without its payload
 (one message naming the key and how to provide it), and the README's snippet runs as written."""
+
 import os
 import re
 import subprocess
@@ -14,9 +15,16 @@ from fedkernels.algorithms import BadUpdateError, build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-NEEDS = [("scaffold", {}, "delta_c"), ("fedpvr", {"n_ctrl": "all"}, "delta_c"), ("fednova", {}, "local_steps"),
-         ("fedecado", {"hessian": "identity"}, "T"), ("fedprox", {"mu": 0.1}, "prox_mu"),
-         ("gcfed", {}, "local_gc"), ("local_gc", {}, "local_gc"), ("fedpgvc", {}, "pgvc_skipped_steps")]
+NEEDS = [
+    ("scaffold", {}, "delta_c"),
+    ("fedpvr", {"n_ctrl": "all"}, "delta_c"),
+    ("fednova", {}, "local_steps"),
+    ("fedecado", {"hessian": "identity"}, "T"),
+    ("fedprox", {"mu": 0.1}, "prox_mu"),
+    ("gcfed", {}, "local_gc"),
+    ("local_gc", {}, "local_gc"),
+    ("fedpgvc", {}, "pgvc_skipped_steps"),
+]
 
 
 @pytest.mark.parametrize("name,opts,key", NEEDS)

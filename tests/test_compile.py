@@ -5,6 +5,7 @@ skipped under tracing (documented in fedkernels/ops/_checks.py) while the eager 
 clear ValueErrors. vmap of weighted_sum and gram uses the registered rules (no fallback warning)
 and equals a Python loop bit for bit.
 """
+
 import warnings
 
 import pytest
@@ -48,7 +49,7 @@ def test_min_norm_compile_fullgraph():
     lam, it, gap = _compile(lambda G: ops.min_norm(G, tol=1e-13))(G)
     lam_e, it_e, gap_e = ops.min_norm(G, tol=1e-13)
     assert torch.equal(lam, lam_e)
-    assert int(it) == it_e and float(gap) == gap_e    # 0-d tensors under compile, Python numbers in eager
+    assert int(it) == it_e and float(gap) == gap_e  # 0-d tensors under compile, Python numbers in eager
 
 
 def test_lu_factor_ex_and_arrowhead_compile_fullgraph():
@@ -103,7 +104,7 @@ def test_vmap_weighted_sum_matches_a_loop_without_fallback_warning():
     c = torch.rand(4, 3, dtype=D64)
     b = torch.randn(4, 57)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")     # the per-sample fallback warns; a registered rule does not
+        warnings.simplefilter("error")  # the per-sample fallback warns; a registered rule does not
         got = torch.vmap(lambda U, c, b: ops.weighted_sum(U, c, base=b, alpha=-1.5))(U, c, b)
         only_c = torch.vmap(lambda c: ops.weighted_sum(U[0], c))(c)
         only_U = torch.vmap(lambda U: ops.weighted_sum(U, c[0], rows=[2, 0, 2]), in_dims=0)(U)

@@ -1,6 +1,7 @@
 """fedkernels.compress: the codecs' encodings (bounds from their definitions), error feedback, QSGD's seeded
 unbiased rounding, the server's round on compressed rows against the same method on the decoded rows, the
 refusal of methods that need more than weighted sums, and the simulator's compress section through the CLI."""
+
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ def _U(K=5, d=1003, seed=0):
     return torch.randn(K, d, generator=torch.Generator().manual_seed(seed)) * 0.01
 
 
-@pytest.mark.parametrize("kind,opts,bound", [("int8_block", {"block": 100}, 0.5 / 127), ("fp8", {"block": 64}, 2.0 ** -4)])
+@pytest.mark.parametrize(
+    "kind,opts,bound", [("int8_block", {"block": 100}, 0.5 / 127), ("fp8", {"block": 64}, 2.0**-4)]
+)
 def test_block_codecs_error_within_their_rounding(kind, opts, bound):
     """int8: |x - D(C(x))| <= scale / 2 = absmax / 254 per block; e4m3: 3 mantissa bits, half an ulp <= 2^-4 |x|
     above the subnormals (absmax / 448 * 2^-9 below them)."""
@@ -28,9 +31,9 @@ def test_block_codecs_error_within_their_rounding(kind, opts, bound):
     D = rows.dense()
     B = opts["block"]
     for b in range(0, U.size(1), B):
-        x, y = U[:, b:b + B], D[:, b:b + B]
+        x, y = U[:, b : b + B], D[:, b : b + B]
         amax = x.abs().amax(1, keepdim=True)
-        lim = amax * bound if kind == "int8_block" else torch.maximum(x.abs() * bound, amax / 448 * 2.0 ** -9)
+        lim = amax * bound if kind == "int8_block" else torch.maximum(x.abs() * bound, amax / 448 * 2.0**-9)
         assert torch.all((x - y).abs() <= lim * (1 + 1e-6) + 1e-12)
     assert rows.nbytes() == [U.size(1) + 4 * -(-U.size(1) // B)] * 5 == [c.row_bytes()] * 5
 
@@ -40,9 +43,9 @@ def test_topk_keeps_the_largest_entries_sorted():
     rows = compress.make_codec("topk", 500, k=20).encode_rows(U, [7, 8, 9], 0)
     o = rows.offsets.tolist()
     for r in range(3):
-        idx = rows.idx[o[r]:o[r + 1]].long()
+        idx = rows.idx[o[r] : o[r + 1]].long()
         assert torch.equal(idx, torch.sort(torch.topk(U[r].abs(), 20).indices).values)
-        assert torch.equal(rows.val[o[r]:o[r + 1]], U[r, idx])
+        assert torch.equal(rows.val[o[r] : o[r + 1]], U[r, idx])
     assert rows.nbytes() == [160] * 3
 
 
@@ -50,12 +53,12 @@ def test_qsgd_is_seeded_and_unbiased():
     U = _U(2, 300)
     c = compress.make_codec("qsgd", 300, levels=4, block=100, seed=3)
     a, b = c.encode_rows(U, [0, 1], 5), c.encode_rows(U, [0, 1], 5)
-    assert torch.equal(a.Q, b.Q) and torch.equal(a.scales, b.scales)       # same (seed, round, client): same bits
+    assert torch.equal(a.Q, b.Q) and torch.equal(a.scales, b.scales)  # same (seed, round, client): same bits
     assert not torch.equal(a.Q, c.encode_rows(U, [0, 1], 6).Q)
     # unbiased: the mean over many rounds approaches U (each entry's variance <= (norm / s)^2 / 4)
     mean = sum(c.encode_rows(U, [0, 1], r).dense() for r in range(400)) / 400
     norm = U.view(2, 3, 100).norm(dim=2).repeat_interleave(100, dim=1)
-    assert torch.all((mean - U).abs() <= 5 * norm / 4 / 2 / 20 + 1e-9)       # 5 sd of the 400-round mean
+    assert torch.all((mean - U).abs() <= 5 * norm / 4 / 2 / 20 + 1e-9)  # 5 sd of the 400-round mean
     lv = a.Q.abs().max()
     assert lv <= 4
 
@@ -65,7 +68,7 @@ def test_error_feedback_carries_what_was_dropped():
     c = compress.make_codec("topk", 200, k=10, error_feedback=True)
     r1 = c.encode_rows(U, [4, 9], 0)
     assert torch.allclose(c.residuals[4] + r1.dense()[0], U[0], atol=0, rtol=0)
-    r2 = c.encode_rows(U, [4, 9], 1)              # the second round compresses U + residual
+    r2 = c.encode_rows(U, [4, 9], 1)  # the second round compresses U + residual
     V = U[0] + (U[0] - r1.dense()[0])
     assert torch.equal(r2.idx[:10].long(), torch.sort(torch.topk(V.abs(), 10).indices).values)
     c.load_state_dict(c.state_dict())
@@ -73,20 +76,26 @@ def test_error_feedback_carries_what_was_dropped():
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedavgm", "fedprox", "fednova"])
-@pytest.mark.parametrize("kind,opts", [("int8_block", {"block": 77}), ("fp8", {}), ("qsgd", {"levels": 8}),
-                                       ("topk", {"ratio": 0.05})])
+@pytest.mark.parametrize(
+    "kind,opts", [("int8_block", {"block": 77}), ("fp8", {}), ("qsgd", {"levels": 8}), ("topk", {"ratio": 0.05})]
+)
 def test_server_round_equals_the_method_on_decoded_rows(method, kind, opts):
     """The compressed round and the method on the dense decoded rows differ only by the fp32 rounding of the two
     sums (the codes' weights rounded once, summation order): a bound from the arithmetic, far below the update."""
     K, d = 6, 2001
     U, g = _U(K, d), torch.randn(d)
     n, ids = [5, 10, 3, 8, 2, 7], [3, 1, 4, 0, 9, 2]
-    payloads = ([{"local_steps": 3 + k} for k in range(K)] if method == "fednova" else
-                [{"prox_mu": 0.01}] * K if method == "fedprox" else None)
+    payloads = (
+        [{"local_steps": 3 + k} for k in range(K)]
+        if method == "fednova"
+        else [{"prox_mu": 0.01}] * K
+        if method == "fedprox"
+        else None
+    )
     rows = compress.make_codec(kind, d, **opts).encode_rows(U, ids, 0)
     opts = {"mu": 0.01} if method == "fedprox" else {}
     a, b = algorithms.build(method, **opts), algorithms.build(method, **opts)
-    for r in range(2):                                    # twice: server state (momentum) advances alike
+    for r in range(2):  # twice: server state (momentum) advances alike
         got = compress.aggregate_compressed(a, g, rows, n, ids, payloads, kind=kind)
         want = b.aggregate(g, rows.dense(), n, ids, payloads)
         tol = 64 * torch.finfo(torch.float32).eps * (g.abs() + 4 * rows.dense().abs().sum(0))
@@ -101,8 +110,9 @@ def test_bad_compressed_rows_are_excluded_or_raise():
     g = torch.zeros(300)
     with pytest.raises(ValueError, match=r"fedavg.aggregate: client 2 \(row 2\): compressed update contains NaN/Inf"):
         compress.aggregate_compressed(algorithms.build("fedavg"), g, rows, [1] * 4, [0, 1, 2, 3])
-    res = compress.aggregate_compressed(algorithms.build("fedavg", on_bad_update="exclude"), g, rows, [1] * 4,
-                                        [0, 1, 2, 3])
+    res = compress.aggregate_compressed(
+        algorithms.build("fedavg", on_bad_update="exclude"), g, rows, [1] * 4, [0, 1, 2, 3]
+    )
     assert [e["client_id"] for e in res.info["excluded"]] == [2] and res.info["num_clients"] == 3
     want = rows.select([0, 1, 3]).dense().mean(0)
     assert torch.allclose(res.params, want, rtol=0, atol=1e-7)
@@ -116,19 +126,22 @@ def test_methods_that_need_more_than_weighted_sums_are_refused():
         assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    (dict(kind="zip"), "compress.kind: expected one of int8_block, fp8, topk, qsgd, got 'zip'"),
-    (dict(kind="int8_block", block=0), r"compress.block: expected an int in \[1, d = 100\]"),
-    (dict(kind="fp8", block=101), r"compress.block: expected an int in \[1, d = 100\]"),
-    (dict(kind="topk", k=0), r"compress.k: expected an int in \[1, d = 100\], got 0"),
-    (dict(kind="topk", k=101), r"compress.k: expected an int in \[1, d = 100\], got 101"),
-    (dict(kind="topk"), "topk needs exactly one of them"),
-    (dict(kind="topk", ratio=1.5), r"compress.ratio: expected a number in \(0, 1\]"),
-    (dict(kind="topk", k=5, block=4), "topk has no blocks"),
-    (dict(kind="qsgd", levels=0), r"compress.levels: expected an int in \[1, 127\]"),
-    (dict(kind="qsgd", levels=128), r"compress.levels: expected an int in \[1, 127\]"),
-    (dict(kind="int8_block", k=3), "only topk keeps k entries"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (dict(kind="zip"), "compress.kind: expected one of int8_block, fp8, topk, qsgd, got 'zip'"),
+        (dict(kind="int8_block", block=0), r"compress.block: expected an int in \[1, d = 100\]"),
+        (dict(kind="fp8", block=101), r"compress.block: expected an int in \[1, d = 100\]"),
+        (dict(kind="topk", k=0), r"compress.k: expected an int in \[1, d = 100\], got 0"),
+        (dict(kind="topk", k=101), r"compress.k: expected an int in \[1, d = 100\], got 101"),
+        (dict(kind="topk"), "topk needs exactly one of them"),
+        (dict(kind="topk", ratio=1.5), r"compress.ratio: expected a number in \(0, 1\]"),
+        (dict(kind="topk", k=5, block=4), "topk has no blocks"),
+        (dict(kind="qsgd", levels=0), r"compress.levels: expected an int in \[1, 127\]"),
+        (dict(kind="qsgd", levels=128), r"compress.levels: expected an int in \[1, 127\]"),
+        (dict(kind="int8_block", k=3), "only topk keeps k entries"),
+    ],
+)
 def test_codec_options_one_line_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg) as e:
         compress.make_codec(d=100, **kwargs)
@@ -137,9 +150,23 @@ def test_codec_options_one_line_errors(kwargs, msg):
 
 def _cli(tmp_path, *args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "fedkernels.sim.cli", "run", "--preset", "smoke",
-                           f"out_dir={tmp_path}", "rounds=2", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedkernels.sim.cli",
+            "run",
+            "--preset",
+            "smoke",
+            f"out_dir={tmp_path}",
+            "rounds=2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_cli_compressed_run_records_bytes_sent(tmp_path):
@@ -153,20 +180,32 @@ def test_cli_compressed_run_records_bytes_sent(tmp_path):
     assert ms[0]["agg"]["codec"] == f"topk(k={k}, error_feedback=on)"
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["compress.kind=int8_block", "compress.block=0"], "compress.block must be >= 1, got 0"),
-    (["compress.kind=int8_block", "compress.block=100000000"], r"compress.block: expected an int in \[1, d = "),
-    (["compress.kind=topk", "compress.k=0"], "compress.k must be >= 1, got 0"),
-    (["compress.kind=topk", "compress.k=100000000"], r"compress.k: expected an int in \[1, d = "),
-    (["compress.kind=qsgd", "compress.levels=0"], r"compress.levels must be in \[1, 127\]"),
-    (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),
-    (["compress.ratio=0.1"], "compress.ratio is set but compress.kind is none"),
-    (["compress.kind=fp8", "algorithm.name=kuramoto"], "method 'kuramoto' needs"),
-    (["compress.kind=topk", "compress.k=5", "compress.residual_file=r.f32"],
-     "compress.residual_file is set ('r.f32') but compress.error_feedback is false"),
-    (["compress.kind=topk", "compress.k=5", "compress.error_feedback=true", "compress.residual_file=/no/dir/r.f32"],
-     "compress: residual_file '/no/dir/r.f32': folder '/no/dir' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["compress.kind=int8_block", "compress.block=0"], "compress.block must be >= 1, got 0"),
+        (["compress.kind=int8_block", "compress.block=100000000"], r"compress.block: expected an int in \[1, d = "),
+        (["compress.kind=topk", "compress.k=0"], "compress.k must be >= 1, got 0"),
+        (["compress.kind=topk", "compress.k=100000000"], r"compress.k: expected an int in \[1, d = "),
+        (["compress.kind=qsgd", "compress.levels=0"], r"compress.levels must be in \[1, 127\]"),
+        (["compress.kind=gzip"], "compress.kind must be none|int8_block|fp8|topk|qsgd, got 'gzip'"),
+        (["compress.ratio=0.1"], "compress.ratio is set but compress.kind is none"),
+        (["compress.kind=fp8", "algorithm.name=kuramoto"], "method 'kuramoto' needs"),
+        (
+            ["compress.kind=topk", "compress.k=5", "compress.residual_file=r.f32"],
+            "compress.residual_file is set ('r.f32') but compress.error_feedback is false",
+        ),
+        (
+            [
+                "compress.kind=topk",
+                "compress.k=5",
+                "compress.error_feedback=true",
+                "compress.residual_file=/no/dir/r.f32",
+            ],
+            "compress: residual_file '/no/dir/r.f32': folder '/no/dir' does not exist",
+        ),
+    ],
+)
 def test_cli_bad_compress_options_exit_2_and_write_nothing(tmp_path, args, msg):
     p = _cli(tmp_path, *args)
     assert p.returncode == 2, (p.stdout, p.stderr)
@@ -180,12 +219,13 @@ def test_block_code_file_round_equals_in_memory_bit_for_bit(tmp_path, kind):
     """sources.BlockCodeFile: the codes read from disk in column blocks, each block summed by the same op: every
     output element is the same fma chain as in memory (rows in order), so the same bits; rows dropped by select."""
     from fedkernels.sources import BlockCodeFile
+
     K, d, B = 5, 70001, 128
     rows = compress.make_codec(kind, d, block=B).encode_rows(_U(K, d), list(range(K)), 0)
     rows.Q.view(torch.uint8).numpy().tofile(tmp_path / "q.bin")
     rows.scales.numpy().tofile(tmp_path / "s.bin")
     f = BlockCodeFile(tmp_path / "q.bin", tmp_path / "s.bin", K, d, B, dtype=rows.Q.dtype)
-    f.chunk_cols = lambda: 4 * B                     # many blocks
+    f.chunk_cols = lambda: 4 * B  # many blocks
     g, n = torch.randn(d), [1, 2, 3, 4, 5]
     for method in ("fedavg", "fedavgm"):
         a = compress.aggregate_compressed(algorithms.build(method), g, f, n, list(range(K)))
@@ -218,7 +258,7 @@ def test_a_nan_update_leaves_no_residual():
     c.encode_rows(U, [0, 1], 0)
     U[1, 3] = float("nan")
     c.encode_rows(U, [0, 1], 1)
-    assert set(c.residuals) == {0}               # client 1's NaN is not carried into its next round
+    assert set(c.residuals) == {0}  # client 1's NaN is not carried into its next round
 
 
 # ---- compressed rows as one of the round runner's input forms -------------------------------------------------
@@ -253,16 +293,23 @@ def test_runner_takes_compressed_rows_and_reruns_without_bad_rows(kind, opts, gd
         algorithms.build("fedavgm").aggregate(g, bad, n, ids)
     # the library entry point is the same round
     c = algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7)
-    assert torch.equal(compress.aggregate_compressed(c, g, bad, n, ids, kind=kind).params,
-                       algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7).aggregate(g, bad, n, ids).params)
+    assert torch.equal(
+        compress.aggregate_compressed(c, g, bad, n, ids, kind=kind).params,
+        algorithms.build("fedavgm", on_bad_update="exclude", server_lr=0.7).aggregate(g, bad, n, ids).params,
+    )
 
 
 def test_runner_refuses_other_reads_of_compressed_rows_in_one_line():
     rows = compress.make_codec("int8_block", 100).encode_rows(_U(3, 100), [0, 1, 2], 0)
-    for name, what in (("kuramoto", "per-row statistics"), ("fedaware", "the Gram matrix"), ("krum", "the Gram matrix")):
+    for name, what in (
+        ("kuramoto", "per-row statistics"),
+        ("fedaware", "the Gram matrix"),
+        ("krum", "the Gram matrix"),
+    ):
         with pytest.raises(ValueError, match=f"{name}: compressed rows: this method reads {what}") as e:
             algorithms.build(name, **({"num_clients": 3} if name == "fedaware" else {})).aggregate(
-                torch.zeros(100), rows, [1, 1, 1], [0, 1, 2])
+                torch.zeros(100), rows, [1, 1, 1], [0, 1, 2]
+            )
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"fedavg.aggregate: the compressed rows have d=100 columns, expected d=99"):
         algorithms.build("fedavg").aggregate(torch.zeros(99), rows, [1, 1, 1], [0, 1, 2])
@@ -286,8 +333,9 @@ def test_buffers_sent_beside_the_codes_average_as_dense_rows(kind, opts):
     buffers are the sample-weighted average of the decoded buffer columns."""
     from fedkernels.algorithms.buffers import buffer_ranges
     from fedkernels.flat import FlatSpec
+
     spec = FlatSpec.from_module(_BN())
-    (a, b), = buffer_ranges(spec)
+    ((a, b),) = buffer_ranges(spec)
     K, d = 4, spec.d
     U = _U(K, d, seed=3)
     ids, n = [0, 1, 2, 3], [3.0, 9.0, 1.0, 6.0]
@@ -298,22 +346,32 @@ def test_buffers_sent_beside_the_codes_average_as_dense_rows(kind, opts):
         m = algorithms.build("fedavgm", server_lr=1.5)
         m.setup(spec, K, g)
         return m
+
     dense, side, dec = agg(), agg(), agg()
-    for _ in range(2):                                     # the second round: momentum is non-zero
+    for _ in range(2):  # the second round: momentum is non-zero
         want = dense.aggregate(g, U, n, ids).params
         got = side.aggregate(g, rows.with_dense_columns([(a, b)], U[:, a:b]), n, ids).params
         assert torch.equal(got[a:b], want[a:b])
         got2 = dec.aggregate(g, rows, n, ids).params
         p = torch.tensor(n, dtype=torch.float64) / sum(n)
-        assert torch.equal(got2[a:b], __import__("fedkernels").ops.weighted_sum(rows.dense()[:, a:b].contiguous(), p,
-                                                                                 base=g[a:b]))
-        assert torch.equal(got[:a], got2[:a])             # the parameters: the codes' round either way
-    assert set(rows.with_dense_columns([(a, b)], U[:, a:b]).select([2, 0]).dense_columns([(a, b)]).tolist()[0]) == \
-        set(U[2, a:b].tolist())
+        assert torch.equal(
+            got2[a:b], __import__("fedkernels").ops.weighted_sum(rows.dense()[:, a:b].contiguous(), p, base=g[a:b])
+        )
+        assert torch.equal(got[:a], got2[:a])  # the parameters: the codes' round either way
+    assert set(rows.with_dense_columns([(a, b)], U[:, a:b]).select([2, 0]).dense_columns([(a, b)]).tolist()[0]) == set(
+        U[2, a:b].tolist()
+    )
 
 
-@pytest.mark.parametrize("kind,opts", [("int8_block", ["compress.block=64"]), ("fp8", []), ("qsgd", []),
-                                       ("topk", ["compress.ratio=0.05", "compress.error_feedback=true"])])
+@pytest.mark.parametrize(
+    "kind,opts",
+    [
+        ("int8_block", ["compress.block=64"]),
+        ("fp8", []),
+        ("qsgd", []),
+        ("topk", ["compress.ratio=0.05", "compress.error_feedback=true"]),
+    ],
+)
 def test_batchnorm_model_under_each_codec_keeps_running_var_valid(kind, opts):
     """A simulated BatchNorm model trained 3 rounds with FedAvgM (server momentum, which alone drives a running
     variance negative) under each codec: every running variance >= 0, finite losses, and the bytes sent count the
@@ -323,14 +381,30 @@ def test_batchnorm_model_under_each_codec_keeps_running_var_valid(kind, opts):
     from fedkernels.sim.config import apply_overrides
     from fedkernels.sim.data import load_dataset
     from fedkernels.sim.server import Simulation
+
     tr, te = load_dataset("digits")
     perm = np.random.default_rng(0).permutation(len(tr.y))
     parts = [perm[a:b] for a, b in ((0, 13), (13, 74), (74, 164), (164, 314))]
-    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                 "rounds=3", "num_clients=4", "algorithm.name=fedavgm",
-                                                 "train.hetero.enabled=true", "train.hetero.lr_range=[0.02,0.2]",
-                                                 "train.hetero.epochs_range=[1,3]", f"compress.kind={kind}", *opts])
-    s = Simulation(cfg, write_outputs=False, train=tr, test=te, client_indices=parts, model_fn=lambda nc, c, sz: _BN(nc))
+    cfg = apply_overrides(
+        presets.get("smoke"),
+        [
+            "threads=1",
+            "verbose=false",
+            "plots=false",
+            "progress=false",
+            "rounds=3",
+            "num_clients=4",
+            "algorithm.name=fedavgm",
+            "train.hetero.enabled=true",
+            "train.hetero.lr_range=[0.02,0.2]",
+            "train.hetero.epochs_range=[1,3]",
+            f"compress.kind={kind}",
+            *opts,
+        ],
+    )
+    s = Simulation(
+        cfg, write_outputs=False, train=tr, test=te, client_indices=parts, model_fn=lambda nc, c, sz: _BN(nc)
+    )
     s.run()
     assert len(s.metrics) == 3
     for m in s.metrics:
@@ -347,6 +421,7 @@ def test_residual_file_keeps_the_same_numbers_as_memory_and_checkpoints_by_refer
     client's residual dropped in both); state_dict references the file (no N x d copy) and load_state_dict reopens
     it at the state's version, refusing a table that moved on since."""
     from fedkernels.algorithms import tables
+
     d, N = 300, 6
     path = str(tmp_path / "res.f32")
     mem = compress.make_codec("topk", d, k=7, error_feedback=True)
@@ -354,9 +429,9 @@ def test_residual_file_keeps_the_same_numbers_as_memory_and_checkpoints_by_refer
     for r, ids in enumerate([[0, 3, 5], [3, 1, 0], [5, 3, 2]]):
         U = _U(3, d, seed=r)
         if r == 1:
-            U[1, 4] = float("nan")                         # client 1: no residual kept
+            U[1, 4] = float("nan")  # client 1: no residual kept
         a, b = mem.encode_rows(U, ids, r), fil.encode_rows(U, ids, r)
-        ok = [k for k in range(3) if not (r == 1 and k == 1)]             # (the NaN row's values are NaN in both)
+        ok = [k for k in range(3) if not (r == 1 and k == 1)]  # (the NaN row's values are NaN in both)
         assert torch.equal(a.select(ok).idx, b.select(ok).idx) and torch.equal(a.select(ok).val, b.select(ok).val)
     assert fil.has == set(mem.residuals) == {0, 2, 3, 5}
     for c, e in mem.residuals.items():
@@ -372,18 +447,27 @@ def test_residual_file_keeps_the_same_numbers_as_memory_and_checkpoints_by_refer
     with pytest.raises(ValueError, match=r"residual_file .* is at version 4 \(done\), the state expects version 3"):
         stale.load_state_dict(st)
     into_mem = compress.make_codec("topk", d, k=7, error_feedback=True)
-    into_mem.load_state_dict(again.state_dict())               # a file's rows into a codec without one
+    into_mem.load_state_dict(again.state_dict())  # a file's rows into a codec without one
     assert set(into_mem.residuals) == {0, 2, 3, 4, 5} and torch.equal(into_mem.residuals[4], again.table[4])
     fresh = compress.make_codec("topk", d, k=7, error_feedback=True, residual_file=path, num_clients=N)
     with pytest.raises(ValueError, match="compress.residual_file .* already exists"):
         fresh.encode_rows(U, [0, 1, 2], 0)
 
 
-@pytest.mark.parametrize("kwargs,msg", [
-    (dict(residual_file="x.f32", num_clients=4), "compress.residual_file: set .* but compress.error_feedback is off"),
-    (dict(residual_file="x.f32", error_feedback=True), r"compress.residual_file: needs num_clients .*, got None"),
-    (dict(residual_file="/no/such/dir/x.f32", error_feedback=True, num_clients=4), "folder '/no/such/dir' does not exist"),
-])
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        (
+            dict(residual_file="x.f32", num_clients=4),
+            "compress.residual_file: set .* but compress.error_feedback is off",
+        ),
+        (dict(residual_file="x.f32", error_feedback=True), r"compress.residual_file: needs num_clients .*, got None"),
+        (
+            dict(residual_file="/no/such/dir/x.f32", error_feedback=True, num_clients=4),
+            "folder '/no/such/dir' does not exist",
+        ),
+    ],
+)
 def test_residual_file_options_one_line_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg) as e:
         compress.make_codec("topk", 100, k=5, **kwargs)
@@ -395,21 +479,45 @@ def test_cli_error_feedback_from_a_file_resumes_bit_identical(tmp_path):
     checkpoint references the file) and resumed to 4, ends with the same model as an uninterrupted 4-round run,
     and as the same run with the residuals in memory; the file is a 30 x d float32 table."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    common = ["--preset", "smoke", "data.train_subset=400", "client_loss=none", "plots=false", "threads=1",
-              "--no-progress", "compress.kind=topk", "compress.ratio=0.05", "compress.error_feedback=true"]
+    common = [
+        "--preset",
+        "smoke",
+        "data.train_subset=400",
+        "client_loss=none",
+        "plots=false",
+        "threads=1",
+        "--no-progress",
+        "compress.kind=topk",
+        "compress.ratio=0.05",
+        "compress.error_feedback=true",
+    ]
 
     def fk(*args):
-        p = subprocess.run([sys.executable, "-m", "fedkernels", *args], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-m", "fedkernels", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         return p
 
     def final(name):
         return torch.load(tmp_path / "runs" / name / "final_model.pt", weights_only=True)["flat"]
+
     fk("run", *common, "rounds=4", "--name", "mem")
     fk("run", *common, "rounds=4", f"compress.residual_file={tmp_path / 'full.f32'}", "--name", "full")
-    fk("run", *common, "rounds=2", "checkpoint_every=1", f"compress.residual_file={tmp_path / 'cut.f32'}",
-       "--name", "cut")
+    fk(
+        "run",
+        *common,
+        "rounds=2",
+        "checkpoint_every=1",
+        f"compress.residual_file={tmp_path / 'cut.f32'}",
+        "--name",
+        "cut",
+    )
     r = fk("run", "--resume", "runs/cut", "rounds=4", "--no-progress")
     assert "resumed from runs/cut/checkpoints/ckpt_round_000002.pt (round 2)" in r.stdout
     assert torch.equal(final("cut"), final("full")) and torch.equal(final("full"), final("mem"))
@@ -423,6 +531,7 @@ def test_block_code_file_bad_row_is_excluded_by_the_runner(tmp_path):
     """A codes file with a NaN scale in row 1: under exclude the runner drops that row (BlockCodeFile.select) and
     the round equals the in-memory rows' round, bit for bit; under raise it names client and row."""
     from fedkernels.sources import BlockCodeFile
+
     K, d, B = 4, 5000, 64
     rows = compress.make_codec("int8_block", d, block=B).encode_rows(_U(K, d), list(range(K)), 0)
     rows.scales[1, 7] = float("nan")
@@ -433,6 +542,7 @@ def test_block_code_file_bad_row_is_excluded_by_the_runner(tmp_path):
     a = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, f, n, ids)
     b = algorithms.build("fedavgm", on_bad_update="exclude").aggregate(g, rows, n, ids)
     assert torch.equal(a.params, b.params) and a.info["excluded"] == b.info["excluded"] == [
-        {"client_id": 6, "reason": "compressed update contains NaN/Inf"}]
+        {"client_id": 6, "reason": "compressed update contains NaN/Inf"}
+    ]
     with pytest.raises(ValueError, match=r"client 6 \(row 1\): compressed update contains NaN/Inf"):
         algorithms.build("fedavg").aggregate(g, f, n, ids)

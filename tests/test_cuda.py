@@ -3,14 +3,15 @@
 Each op's CUDA cases live in its own tests/test_<op>.py, parametrised by device (tests/devices.py);
 run them on a GPU machine with ``python -m pytest -m cuda tests/``.
 """
+
 from __future__ import annotations
 
 import torch
 
-from devices import DEV, NEEDS_CUDA, cuda_only, gen, randn   # tests/devices.py
+from devices import DEV, NEEDS_CUDA, cuda_only, gen, randn  # tests/devices.py
 from fedkernels import ops
 
-__all__ = ["NEEDS_CUDA"]   # older op test files import it from here; tests/devices.py defines it
+__all__ = ["NEEDS_CUDA"]  # older op test files import it from here; tests/devices.py defines it
 
 
 @cuda_only

@@ -1,5 +1,6 @@
 """The decoded-dataset cache (fedkernels.sim.data.cache): hit, miss, stale source, corrupted or
 truncated entry (decoded again), disabled, unwritable; and through load_dataset on IDX files."""
+
 import gzip
 import json
 import os
@@ -64,7 +65,7 @@ def test_damaged_entry_is_decoded_again(cache, src, damage, caplog):
     dec = Counting()
     cached_decode(p, "idx", dec)
     npy = next(cache.glob("*.0.npy"))
-    if damage == "flip":                       # one byte of the pixel data changed
+    if damage == "flip":  # one byte of the pixel data changed
         raw = bytearray(npy.read_bytes())
         raw[-10] ^= 0xFF
         npy.write_bytes(bytes(raw))
@@ -77,7 +78,7 @@ def test_damaged_entry_is_decoded_again(cache, src, damage, caplog):
     (x,) = cached_decode(p, "idx", dec)
     assert dec.calls == 2 and np.array_equal(x, a)
     assert "damaged" in caplog.text
-    (x,) = cached_decode(p, "idx", dec)       # the entry was rewritten: a hit again
+    (x,) = cached_decode(p, "idx", dec)  # the entry was rewritten: a hit again
     assert dec.calls == 2 and np.array_equal(x, a)
 
 
@@ -88,7 +89,7 @@ def test_changed_source_is_a_miss(cache, src):
     b = a.copy()
     b[0, 0, 0] ^= 1
     write_idx(p, b)
-    os.utime(p, ns=(1, 1))                     # a different mtime whatever the clock resolution
+    os.utime(p, ns=(1, 1))  # a different mtime whatever the clock resolution
     (x,) = cached_decode(p, "idx", dec)
     assert dec.calls == 2 and np.array_equal(x, b)
 
@@ -103,7 +104,7 @@ def test_disabled_and_unwritable(tmp_path, src, monkeypatch):
     assert dec.calls == 2
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setenv("FEDKERNELS_CACHE", str(blocker))    # a file where the directory should be
+    monkeypatch.setenv("FEDKERNELS_CACHE", str(blocker))  # a file where the directory should be
     (x,) = cached_decode(p, "idx", dec)
     assert dec.calls == 3 and np.array_equal(x, a)
     monkeypatch.delenv("FEDKERNELS_CACHE")
@@ -122,12 +123,13 @@ def test_load_dataset_uses_the_cache(cache, tmp_path, monkeypatch):
         write_idx(root / f"{split}-labels-idx1-ubyte.gz", y)
         arrays[split] = (x, y)
     from fedkernels.sim.data import load_dataset
+
     tr1, te1 = load_dataset("fmnist", root=str(root))
     calls = []
     orig = files_mod.read_idx
     monkeypatch.setattr(files_mod, "read_idx", lambda p: calls.append(p) or orig(p))
     tr2, te2 = load_dataset("fmnist", root=str(root))
-    assert calls == []                          # every file came from the cache
+    assert calls == []  # every file came from the cache
     assert torch.equal(tr1.x, tr2.x) and torch.equal(te1.y, te2.y)
     assert torch.equal(tr2.y, torch.from_numpy(arrays["train"][1].astype(np.int64)))
     assert len(list(cache.glob("*.json"))) == 4

@@ -1,17 +1,28 @@
 """dequant_weighted_sum: int8 / float8 e4m3 blockwise rows summed into a float32/float64 result without a
 dequantised copy, against the float64 reference (a bound from the arithmetic: one rounding of each weight, one
 fma per code), the flags, thread counts, strides, bad inputs; CUDA cases skip without a GPU."""
+
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 CODES = [torch.int8, torch.float8_e4m3fn]
 # (K, d, block): one column, blocks that do not divide d (a short last block), a block wider than d, one
 # block per column, several 8192-column chunks, a block across a chunk boundary
-SHAPES = [(1, 1, 1), (1, 7, 3), (3, 100, 7), (2, 50, 64), (5, 301, 1), (4, 8193, 64), (6, 20000, 1000),
-          (16, 2 * 8192 + 5, 4096), (7, 300, 300), (9, 12345, 5000)]
+SHAPES = [
+    (1, 1, 1),
+    (1, 7, 3),
+    (3, 100, 7),
+    (2, 50, 64),
+    (5, 301, 1),
+    (4, 8193, 64),
+    (6, 20000, 1000),
+    (16, 2 * 8192 + 5, 4096),
+    (7, 300, 300),
+    (9, 12345, 5000),
+]
 
 
 def _codes(K, d, dtype, seed=0):
@@ -69,7 +80,7 @@ def test_every_e4m3_code_converts_exactly():
     want = codes.to(torch.float64)[0]
     nan = torch.isnan(want)
     assert nan.sum() == 2 and torch.equal(torch.isnan(out), nan) and torch.equal(out[~nan], want[~nan])
-    assert ok.tolist() == [False]                                                 # the NaN codes flag the row
+    assert ok.tolist() == [False]  # the NaN codes flag the row
     keep = codes[:, ~nan]
     assert ops.dequant_weighted_sum(keep, torch.ones(1, 1), [1.0], 256)[1].tolist() == [True]
 
@@ -80,14 +91,16 @@ def test_flags_are_exact_and_good_rows_sum_after_dropping(device, code):
     K, d, block = 7, 9000, 128
     Q, S = _codes(K, d, code), _scales(K, -(-d // block))
     S[1, 3] = float("nan")
-    S[3, -1] = float("inf")                 # the short last block
+    S[3, -1] = float("inf")  # the short last block
     S[5, 40] = float("-inf")
     if code == torch.float8_e4m3fn:
         Q.view(torch.uint8)[6, 8500] = 0x7F  # a NaN code
-    S[0].fill_(3e38)                        # finite, huge: its weights need float64 (|w| > 3e38)
+    S[0].fill_(3e38)  # finite, huge: its weights need float64 (|w| > 3e38)
     bad = [1, 3, 5] + ([6] if code == torch.float8_e4m3fn else [])
     out, ok = ops.dequant_weighted_sum(Q.to(device), S.to(device), [1.0] * K, block)
-    assert ok.tolist() == [k not in bad for k in range(K)] == ref.dequant_weighted_sum(Q, S, [1.0] * K, block)[1].tolist()
+    assert (
+        ok.tolist() == [k not in bad for k in range(K)] == ref.dequant_weighted_sum(Q, S, [1.0] * K, block)[1].tolist()
+    )
     keep = [k for k in range(1, K) if k not in bad]
     out, ok = ops.dequant_weighted_sum(Q.to(device), S.to(device), [0.5] * len(keep), block, rows=keep)
     assert ok.all() and torch.isfinite(out).all()
@@ -105,7 +118,7 @@ def test_huge_weights_accumulate_in_float64():
 def test_same_bits_with_1_and_2_threads_and_strided_rows(code):
     K, d, block = 16, 3 * 8192 + 77, 300
     big = _codes(K, d + 9, code, seed=4)
-    Q = big[:, 3:3 + d]                     # row stride d + 9, no copy
+    Q = big[:, 3 : 3 + d]  # row stride d + 9, no copy
     S = _scales(K, -(-d // block), seed=5)
     coef = torch.rand(K, dtype=torch.float64)
     n0 = torch.get_num_threads()
@@ -123,8 +136,9 @@ def test_same_bits_with_1_and_2_threads_and_strided_rows(code):
 def test_empty_shapes():
     out, ok = ops.dequant_weighted_sum(torch.zeros(3, 0, dtype=torch.int8), torch.zeros(3, 0), [1.0] * 3, 4)
     assert out.shape == (0,) and ok.tolist() == [True] * 3
-    out, ok = ops.dequant_weighted_sum(torch.zeros(0, 5, dtype=torch.int8), torch.zeros(0, 2), [], 3,
-                                       base=torch.ones(5, dtype=torch.float64))
+    out, ok = ops.dequant_weighted_sum(
+        torch.zeros(0, 5, dtype=torch.int8), torch.zeros(0, 2), [], 3, base=torch.ones(5, dtype=torch.float64)
+    )
     assert torch.equal(out, torch.ones(5, dtype=torch.float64)) and ok.numel() == 0
 
 
@@ -144,7 +158,10 @@ def test_bad_inputs_one_line_value_errors():
         (lambda: f(Q, S, [1.0] * 3, 3, rows=[0, 3]), r"rows must lie in \[0, 3\)"),
         (lambda: f(Q, S, [1.0] * 3, 3, base=torch.zeros(10, dtype=torch.float16)), "base must be float32 or float64"),
         (lambda: f(Q, S, [1.0] * 3, 3, base=torch.zeros(9)), "base must be a 1-D tensor of length 10"),
-        (lambda: f(Q, S, [1.0] * 3, 3, base=torch.zeros(10), out_dtype=torch.float64), "out_dtype torch.float64 differs"),
+        (
+            lambda: f(Q, S, [1.0] * 3, 3, base=torch.zeros(10), out_dtype=torch.float64),
+            "out_dtype torch.float64 differs",
+        ),
         (lambda: f(Q, S, [1.0] * 3, 3, out_dtype=torch.bfloat16), "out_dtype must be torch.float32 or torch.float64"),
     ]
     for call, msg in cases:
@@ -156,8 +173,16 @@ def test_bad_inputs_one_line_value_errors():
 def test_opcheck_and_no_derivative():
     Q, S = _codes(4, 77, torch.float8_e4m3fn), _scales(4, 3)
     fp8 = (Q, S, torch.ones(4, dtype=torch.float64), 30, None, 1.0, None, None)
-    i8 = (Q.view(torch.uint8).view(torch.int8), S, torch.ones(2, dtype=torch.float64), 30,
-          torch.zeros(77, dtype=torch.float64), 0.5, torch.tensor([3, 1]), None)
+    i8 = (
+        Q.view(torch.uint8).view(torch.int8),
+        S,
+        torch.ones(2, dtype=torch.float64),
+        30,
+        torch.zeros(77, dtype=torch.float64),
+        0.5,
+        torch.tensor([3, 1]),
+        None,
+    )
     op = torch.ops.fedkernels.dequant_weighted_sum.default
     torch.library.opcheck(op, i8, test_utils=("test_schema", "test_faketensor"))
     # the schema check's mutation probe multiplies the inputs, which torch does not do on float8
@@ -175,6 +200,7 @@ def test_cuda_per_thread_logic_on_the_host(tmp_path):
     import os
     import shutil
     import subprocess
+
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

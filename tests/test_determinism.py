@@ -1,6 +1,7 @@
 """Determinism: every registered aggregator gives the same bits for the same inputs across runs and
 across 1 vs 2 intra-op threads (torch.set_num_threads in separate processes), over a few rounds
 with state (momentum, control variates, momentum tables, flows)."""
+
 import hashlib
 import json
 import os
@@ -10,11 +11,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-K, N, D, ROUNDS = 6, 9, 40_000 + 7, 3   # d spans several 8192-column parallel chunks, odd tail
+K, N, D, ROUNDS = 6, 9, 40_000 + 7, 3  # d spans several 8192-column parallel chunks, odd tail
 
 
 def _fingerprints(threads: int) -> dict:
     import torch
+
     torch.set_num_threads(threads)
     sys.path.insert(0, ROOT)
     from bench.fuzz import _payloads, agg_names, synthetic_spec
@@ -31,8 +33,8 @@ def _fingerprints(threads: int) -> dict:
         for r in range(ROUNDS):
             ids = sorted(torch.randperm(N, generator=g)[:K].tolist())
             U = torch.randn(K, D, generator=g) * 0.01
-            U[1] = U[0]                                   # duplicate update
-            U[2] = 0                                      # zero-norm update
+            U[1] = U[0]  # duplicate update
+            U[2] = 0  # zero-norm update
             n = torch.randint(1, 50, (K,), generator=g).tolist()
             pl = _payloads(name, agg, K, D, torch.float32, g, kw, ids)
             x, info = agg.aggregate(x, U, n, ids, pl)
@@ -40,15 +42,19 @@ def _fingerprints(threads: int) -> dict:
             h.update(json.dumps(info, sort_keys=True, default=str).encode())
         for k, v in sorted(agg.state_dict().items()):
             if isinstance(v, torch.Tensor):
-                h.update(k.encode() + v.contiguous().view(torch.uint8).numpy().tobytes()
-                         if v.dtype != torch.bool else v.numpy().tobytes())
+                h.update(
+                    k.encode() + v.contiguous().view(torch.uint8).numpy().tobytes()
+                    if v.dtype != torch.bool
+                    else v.numpy().tobytes()
+                )
         out[name] = h.hexdigest()
     return out
 
 
 def _run(threads: int) -> dict:
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), str(threads)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -61,6 +67,7 @@ def runs():
 def test_every_aggregator_is_covered(runs):
     sys.path.insert(0, ROOT)
     from bench.fuzz import agg_names
+
     assert sorted(runs["1a"]) == sorted(agg_names()) and len(runs["1a"]) >= 10
 
 
@@ -76,5 +83,6 @@ def test_same_bits_across_thread_counts(runs):
 
 if __name__ == "__main__":
     import logging
+
     logging.disable(logging.WARNING)
     print(json.dumps(_fingerprints(int(sys.argv[1]))))

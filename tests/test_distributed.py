@@ -1,5 +1,6 @@
 """Sharded aggregation (fedkernels.distributed) on gloo/CPU: 2 and 4 processes on loopback give the
 single-process results for every aggregator, round after round (stateful ones included)."""
+
 import os
 import tempfile
 import traceback
@@ -19,8 +20,9 @@ N, K, ROUNDS = 7, 5, 3
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 9), nn.ReLU(),
-                         nn.Linear(9, 4))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 4)
+    )
 
 
 # name, options, payload builder (round, client id, d, generator) -> dict
@@ -40,7 +42,7 @@ def _pl_ecado(t, cid, d, g):
     return {"T": 1.0 + 0.25 * ((cid + t) % 3), "hbar": 0.5}
 
 
-def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+def _pl_rule(key, value):  # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
     return lambda t, cid, d, g: {key: value}
 
 
@@ -62,7 +64,9 @@ CASES = [
     ("fedecado", {"lte_norm": "inf"}, _pl_ecado),
     ("fedecado", {"lte_norm": "rms"}, _pl_ecado),
 ]
-def _pl_rule(key, value):          # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
+
+
+def _pl_rule(key, value):  # what a client rule sends to show it ran (FedProx mu, Local GC, FedPGVC)
     return lambda t, cid, d, g: {key: value}
 
 
@@ -124,10 +128,11 @@ def _check_cases(spec, group, align):
         ref = _run(name, opts, plf, spec)
         got = _run(name, opts, plf, spec, wrap=lambda a: ShardedAggregator(a, group=group, align=align))
         for t, ((p0, i0), (p1, i1)) in enumerate(zip(ref, got)):
-            torch.testing.assert_close(p1, p0, rtol=2e-6, atol=2e-7,
-                                       msg=lambda m: f"{name} {opts} round {t} (align={align}): {m}")
+            torch.testing.assert_close(
+                p1, p0, rtol=2e-6, atol=2e-7, msg=lambda m: f"{name} {opts} round {t} (align={align}): {m}"
+            )
             _close_info(i0, i1, f"{name}{opts} round {t} info")
-        if name == "fedavg":      # per-coordinate arithmetic: bitwise equal
+        if name == "fedavg":  # per-coordinate arithmetic: bitwise equal
             assert all(torch.equal(a[0], b[0]) for a, b in zip(ref, got))
 
 
@@ -136,10 +141,10 @@ def _worker(rank, world, init_file, errfile):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         spec = FlatSpec.from_module(_model())
-        pair = dist.new_group([0, 1])                     # every rank must create it
-        _check_cases(spec, None, "row")                   # all 4 ranks, row-aligned slices
+        pair = dist.new_group([0, 1])  # every rank must create it
+        _check_cases(spec, None, "row")  # all 4 ranks, row-aligned slices
         if rank < 2:
-            _check_cases(spec, pair, "tensor")            # a 2-rank subgroup, tensor-aligned slices
+            _check_cases(spec, pair, "tensor")  # a 2-rank subgroup, tensor-aligned slices
         dist.barrier()
         # the helpers reduce over ranks inside sharded() and are local outside it
         sa = ShardedAggregator(algorithms.build("fedavg"))
@@ -155,7 +160,7 @@ def _worker(rank, world, init_file, errfile):
             assert float(ops.amax_d(loc)) == float(v.max())
             torch.testing.assert_close(ops.mean_d(loc.reshape(1, -1)), v.mean().reshape(1))
             bad = torch.zeros(3, spec.d)
-            bad[1, -1] = float("nan")                     # only the last rank sees the NaN
+            bad[1, -1] = float("nan")  # only the last rank sees the NaN
             assert ops.finite_rows(sa.local(bad)).tolist() == [True, False, True]
         assert torch.equal(sa.gather(loc), v)
         dist.barrier()
@@ -189,7 +194,7 @@ def test_bounds_follow_tensor_and_row_boundaries():
         assert all(lo in offs and hi in offs for lo, hi in b)
         rb = shard_bounds(spec.d, world, spec, "row")
         for lo, hi in rb:
-            s = shard_spec(spec, lo, hi)              # raises if a row is cut
+            s = shard_spec(spec, lo, hi)  # raises if a row is cut
             assert s.d == hi - lo and sum(e.numel for e in s.entries) == hi - lo
             assert s.layer_modules() == spec.layer_modules()
             for e in s.entries:
@@ -227,6 +232,7 @@ def test_default_split_is_balanced_by_bytes():
     """The default split balances the columns (bytes) per rank, cutting inside
     tensors at output-row boundaries; align="tensor" keeps whole tensors per rank."""
     from fedkernels.distributed import DEFAULT_ALIGN
+
     assert DEFAULT_ALIGN == "bytes"
     torch.manual_seed(0)
     # small first layers, one dominating tensor: tensor-aligned cuts are badly unbalanced
@@ -242,7 +248,7 @@ def test_default_split_is_balanced_by_bytes():
             e = max((e for e in spec.entries if e.offset <= ideal), key=lambda e: e.offset)
             assert abs(cut - ideal) <= rows[e.offset] / 2 + 1, (world, i, cut, ideal)
         for lo, hi in b:
-            shard_spec(spec, lo, hi)                       # no row is cut
+            shard_spec(spec, lo, hi)  # no row is cut
         widths = [hi - lo for lo, hi in b]
         assert max(widths) <= spec.d / world + max(rows.values())
         t = shard_bounds(spec.d, world, spec, "tensor")

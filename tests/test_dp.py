@@ -1,6 +1,7 @@
 """The DP wrapper (algorithms.dp): Flower's DP-FedAvg semantics (clipped sums compared with Flower's own
 functions when flwr is installed, the noise by its std and by its exact bits), client-side and adaptive
 clipping (Andrew et al.), the per-round epsilon, the per-method verdicts, state and resume, bad options."""
+
 import math
 
 import pytest
@@ -15,7 +16,7 @@ pytest.importorskip("dp_accounting")
 def _round_inputs(K=10, d=4000, seed=0, scale=(0.01, 3.0)):
     g = torch.Generator().manual_seed(seed)
     U = torch.randn(K, d, generator=g)
-    U *= torch.linspace(scale[0], scale[1], K).unsqueeze(1)      # some rows under the clip norm, some over
+    U *= torch.linspace(scale[0], scale[1], K).unsqueeze(1)  # some rows under the clip norm, some over
     n = torch.randint(1, 100, (K,), generator=g).double()
     return torch.randn(d, generator=g), U, n
 
@@ -32,26 +33,27 @@ def test_central_is_flowers_clipped_average_plus_noise_of_std_zC_over_m():
     norms = U.double().norm(dim=1)
     s = torch.clamp(1.0 / norms, max=1.0)
     clipped_mean = gflat.double() + (U.double() * s[:, None]).mean(0)
-    sigma = 1.3 * 1.0 / K                                       # Flower's compute_stdv(z, C, m)
+    sigma = 1.3 * 1.0 / K  # Flower's compute_stdv(z, C, m)
     # the noise is exactly sigma * N(seed, 2 * round, j), in the sum's write (float32: v + float(sigma n))
     want = ops.weighted_sum_noised(U, (s / K).tolist(), gflat, 1.0, sigma=sigma, seed=7, counter=0)
     assert torch.equal(new, want)
     z = (new.double() - clipped_mean) / sigma
     assert torch.allclose(z, ops.philox_normal(d, 7, 0), atol=1e-4 / sigma)
     assert info["dp_clipped"] == int((norms > 1).sum()) and 0 < info["dp_clipped"] < K
-    assert info["weights"] == [1 / K] * K                       # fair weights: num_examples ignored
+    assert info["weights"] == [1 / K] * K  # fair weights: num_examples ignored
 
 
 def test_clipped_aggregate_matches_flower_functions():
     flwr_dp = pytest.importorskip("flwr.supercore.differential_privacy")
     from flwr.server.strategy.aggregate import aggregate
+
     gflat, U, n = _round_inputs(K=6, d=300)
     arrays = [[u[:100].double().numpy().copy(), u[100:].double().numpy().copy()] for u in U]
     for a in arrays:
         flwr_dp.clip_inputs_inplace(a, 1.0)
     g = [gflat[:100].double().numpy(), gflat[100:].double().numpy()]
     params = [[gi + ai for gi, ai in zip(g, a)] for a in arrays]
-    flower = aggregate([(p, 1) for p in params])                # Flower's FedAvg, equal weights
+    flower = aggregate([(p, 1) for p in params])  # Flower's FedAvg, equal weights
     agg = algorithms.build("fedavg", dp=_dp(noise_multiplier=0.0))
     new, _ = agg.aggregate(gflat.double(), U.double(), n, list(range(6)))
     assert torch.allclose(new, torch.from_numpy(__import__("numpy").concatenate(flower)), rtol=0, atol=1e-12)
@@ -61,7 +63,7 @@ def test_clipped_aggregate_matches_flower_functions():
 def test_client_kind_trusts_the_rows_and_adds_the_same_noise():
     gflat, U, n = _round_inputs()
     K = U.shape[0]
-    U = U * torch.clamp(1.0 / U.norm(dim=1, keepdim=True), max=1.0)    # clipped by the clients
+    U = U * torch.clamp(1.0 / U.norm(dim=1, keepdim=True), max=1.0)  # clipped by the clients
     new, info = algorithms.build("fedavg", dp=_dp(kind="client")).aggregate(gflat, U, n, list(range(K)))
     central, _ = algorithms.build("fedavg", dp=_dp()).aggregate(gflat, U, n, list(range(K)))
     assert torch.allclose(new, central, atol=1e-6)
@@ -90,6 +92,7 @@ def test_adaptive_clip_follows_the_paper_and_noise_budget_matches_flower():
 
 def test_epsilon_every_round_is_the_accountants():
     from fedkernels.privacy import PrivacyAccountant
+
     gflat, U, n = _round_inputs(K=10, d=100)
     agg = algorithms.build("fedavg", dp=_dp())
     acc = PrivacyAccountant(1.3, 10, 500, 1e-5)
@@ -104,6 +107,7 @@ def test_epsilon_every_round_is_the_accountants():
 def test_target_epsilon_calibrates_the_multiplier():
     o = check_dp_options(dict(clip=1.0, target_epsilon=4.0, rounds=20, num_sampled_clients=10, population=500))
     from fedkernels.privacy import epsilon_after
+
     assert epsilon_after(20, o["noise_multiplier"], 10, 500, 1e-5) <= 4.0
 
 
@@ -122,6 +126,7 @@ def test_resumed_round_draws_the_same_noise():
 @pytest.mark.parametrize("name", sorted(n for n, v in VERDICTS.items() if v == "private"))
 def test_every_accepted_method_runs_under_dp(name):
     from fedkernels.flat import FlatSpec
+
     spec = FlatSpec.from_module(torch.nn.Sequential(torch.nn.Linear(16, 15), torch.nn.Linear(15, 1)))
     gflat, U, n = _round_inputs(K=6, d=spec.d)
     try:
@@ -130,9 +135,11 @@ def test_every_accepted_method_runs_under_dp(name):
         pytest.skip(f"{name} needs options to build: {e}")
     agg = algorithms.build(name, dp=_dp())
     agg.setup(spec, 500, gflat)
-    import fuzz_oracle                                           # the payloads each method's clients send
-    payloads = fuzz_oracle._payloads(agg.inner.name, agg.inner, 6, spec.d, torch.float32, torch.Generator(), {},
-                                     list(range(6)))
+    import fuzz_oracle  # the payloads each method's clients send
+
+    payloads = fuzz_oracle._payloads(
+        agg.inner.name, agg.inner, 6, spec.d, torch.float32, torch.Generator(), {}, list(range(6))
+    )
     new, info = agg.aggregate(gflat, U, n, list(range(6)), payloads)
     assert torch.isfinite(new).all() and info["epsilon"] > 0
 
@@ -156,20 +163,25 @@ def test_noised_input_refuses_unnoised_reads():
         nz.weighted_sum(torch.ones(3) / 3)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(clip=0.0), r"dp.clip=0.0: expected a number > 0"),
-    (dict(clip=-1.0), r"dp.clip=-1.0"),
-    (dict(noise_multiplier=-0.5), r"dp.noise_multiplier=-0.5: expected a number >= 0"),
-    (dict(delta=1.0), r"dp.delta=1.0: expected a number in \(0, 1\)"),
-    (dict(delta=0), r"dp.delta=0"),
-    (dict(kind="local"), r"dp.kind='local'"),
-    (dict(target_epsilon=1.0), r"exactly one of noise_multiplier and target_epsilon"),
-    (dict(noise_multiplier=None, target_epsilon=1.0), r"target_epsilon needs rounds, num_sampled_clients"),
-    (dict(noise_multiplier=None, target_epsilon=1e-4, rounds=1000, num_sampled_clients=100, population=100),
-     r"cannot be reached"),
-    (dict(clip_norm_lr=0.0), r"dp.clip_norm_lr=0.0"),
-    (dict(bogus=1), r"unknown option 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(clip=0.0), r"dp.clip=0.0: expected a number > 0"),
+        (dict(clip=-1.0), r"dp.clip=-1.0"),
+        (dict(noise_multiplier=-0.5), r"dp.noise_multiplier=-0.5: expected a number >= 0"),
+        (dict(delta=1.0), r"dp.delta=1.0: expected a number in \(0, 1\)"),
+        (dict(delta=0), r"dp.delta=0"),
+        (dict(kind="local"), r"dp.kind='local'"),
+        (dict(target_epsilon=1.0), r"exactly one of noise_multiplier and target_epsilon"),
+        (dict(noise_multiplier=None, target_epsilon=1.0), r"target_epsilon needs rounds, num_sampled_clients"),
+        (
+            dict(noise_multiplier=None, target_epsilon=1e-4, rounds=1000, num_sampled_clients=100, population=100),
+            r"cannot be reached",
+        ),
+        (dict(clip_norm_lr=0.0), r"dp.clip_norm_lr=0.0"),
+        (dict(bogus=1), r"unknown option 'bogus'"),
+    ],
+)
 def test_bad_options_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         algorithms.build("fedavg", dp={k: v for k, v in _dp(**kw).items()})
@@ -193,6 +205,7 @@ def test_norms_measured_at_write_time_give_the_same_round():
     """The simulator hands the rows' norms (taken as each row was written) to the wrapper: the round
     skips its norms pass and gives the same bits as measuring them itself."""
     from fedkernels.flat import row_norms
+
     gflat, U, n = _round_inputs(K=7, d=5000)
     a = algorithms.build("fedavg", dp=_dp())
     b = algorithms.build("fedavg", dp=_dp())
@@ -208,6 +221,7 @@ def test_a_model_with_batchnorm_buffers_is_refused():
     # buffers are averaged without clipping or noise (algorithms/buffers.py): DP refuses them at setup
     from torch import nn
     from fedkernels import FlatSpec
+
     spec = FlatSpec.from_module(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
     agg = algorithms.build("fedavg", dp={"kind": "central", "clip": 1.0, "noise_multiplier": 1.0})
     with pytest.raises(ValueError, match="dp: the model has buffers .*running_mean"):

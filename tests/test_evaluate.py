@@ -1,6 +1,7 @@
 """The global model's evaluation (fedkernels.sim.evaluate.evaluate_global): on the data's device, one host
 transfer; on the CPU the same bits as the batch-by-batch functions (client.evaluate / client_losses, which
 the worker processes mirror), in memory-sized batches on CUDA: the same accuracy, the loss to fp rounding."""
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,7 @@ def _setup():
         torch.manual_seed(0)
         model = build_model("digit_cnn", 10, 1, 8)
         perm = torch.from_numpy(np.random.default_rng(0).permutation(len(tr.y)))
-        parts = [perm[:13], perm[13:200], perm[200:201], perm[201:640], perm[640:640]]   # one empty client
+        parts = [perm[:13], perm[13:200], perm[200:201], perm[201:640], perm[640:640]]  # one empty client
         DATA.update(model=model, tr=tr, te=te, parts=parts)
     return DATA["model"], DATA["tr"], DATA["te"], DATA["parts"]
 
@@ -30,7 +31,7 @@ def test_same_bits_as_the_batch_by_batch_functions_on_the_cpu(bs):
     model.train()
     who = [3, 0, 2, 4]
     acc, tl, cl = E.evaluate_global(model, te.x, te.y, bs, tr.x, tr.y, parts, who)
-    assert model.training                                   # its mode restored
+    assert model.training  # its mode restored
     assert (acc, tl) == evaluate(model, te.x, te.y, bs)
     assert cl == client_losses(model, tr.x, tr.y, parts, who, bs)
     assert cl[3] == 0.0 and len(cl) == 4
@@ -45,16 +46,16 @@ def test_large_batches_same_accuracy_loss_to_rounding(monkeypatch):
     ref = E.evaluate_global(model, te.x, te.y, 50, tr.x, tr.y, parts, who)
     monkeypatch.setattr(E, "GPU_DEVICES", ("cuda", "cpu"))
     per = E.row_bytes(model.eval(), te.x)
-    assert per > te.x[:1].numel() * 4                       # the input row and every module's output
+    assert per > te.x[:1].numel() * 4  # the input row and every module's output
     assert E.eval_rows(model, te.x, 50, free=4 * per * 120) == 120
-    assert E.eval_rows(model, te.x, 50, free=4 * per * 10) == 50         # never fewer than eval_batch_size
-    assert E.eval_rows(model, te.x, 50, free=2**40) == len(te.y)         # never more than the set
-    assert E.eval_rows(model, te.x, 5000, free=2**40) == 5000            # a set within one batch
+    assert E.eval_rows(model, te.x, 50, free=4 * per * 10) == 50  # never fewer than eval_batch_size
+    assert E.eval_rows(model, te.x, 50, free=2**40) == len(te.y)  # never more than the set
+    assert E.eval_rows(model, te.x, 5000, free=2**40) == 5000  # a set within one batch
     rows = []
     orig = E.eval_batch
     monkeypatch.setattr(E, "eval_batch", lambda m, xb, yb, c: (rows.append(len(yb)), orig(m, xb, yb, c))[1])
     acc, tl, cl = E.evaluate_global(model, te.x, te.y, 50, tr.x, tr.y, parts, who, free=2**40)
-    assert rows == [len(te.y)]                              # the whole test set in one forward
+    assert rows == [len(te.y)]  # the whole test set in one forward
     assert acc == ref[0]
     assert tl == pytest.approx(ref[1], rel=1e-6) and cl == pytest.approx(ref[2], rel=1e-6)
 

@@ -1,6 +1,7 @@
 """Fault injection in the simulator: a client that raises mid-training, returns NaN, or returns a
 wrong-size update is excluded (default policy) and logged; the run finishes with a finite model;
 with bad_client_policy="raise" the first bad client stops the run."""
+
 import dataclasses
 import math
 
@@ -27,11 +28,11 @@ def _sim(tmp_path, fault, **kw):
         res = real_train(cid, rnd, global_flat, *a, **k)
         if cid == victim and rnd == 0:
             if fault == "raise":
-                raise FloatingPointError("injected failure mid-training")   # a bad-client error (client.CLIENT_ERRORS)
+                raise FloatingPointError("injected failure mid-training")  # a bad-client error (client.CLIENT_ERRORS)
             if fault == "nan":
                 with torch.no_grad():
                     next(sim.model.parameters()).view(-1)[0] = float("nan")
-            if fault == "flatten_error":   # the update cannot be formed (e.g. a wrong-size model)
+            if fault == "flatten_error":  # the update cannot be formed (e.g. a wrong-size model)
                 raise ValueError("FlatSpec: out must be a 1-D tensor of length d (injected wrong-size update)")
         return res
 
@@ -60,15 +61,17 @@ def test_rows_screened_by_the_aggregator_not_twice(tmp_path, monkeypatch, policy
     read of U screens the rows, and the NaN client is still excluded and logged. Under "raise" each row
     is screened as it is written (the first bad client in schedule order stops the run)."""
     from fedkernels import ops
+
     sim, victim = _sim(tmp_path, "nan", bad_client_policy=policy, rounds=1)
     buf_ptr = sim.buf.data.untyped_storage().data_ptr()
     per_row = []
     real = ops.finite_rows
 
     def spy(U):
-        if U.size(0) == 1 and U.untyped_storage().data_ptr() == buf_ptr:    # one row of the update buffer
+        if U.size(0) == 1 and U.untyped_storage().data_ptr() == buf_ptr:  # one row of the update buffer
             per_row.append(U)
         return real(U)
+
     monkeypatch.setattr(ops, "finite_rows", spy)
     if policy == "raise":
         with pytest.raises(BadClientError, match=f"client {victim}.*NaN"):

@@ -1,4 +1,5 @@
 """FedAvg and the shared Aggregator validation (bad updates, degenerate rounds, state)."""
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -46,7 +47,9 @@ def test_nan_update_rejected_or_excluded():
     assert torch.equal(new, torch.ones(5))
     assert info["excluded"] == [{"client_id": 11, "reason": "update contains NaN/Inf"}]
     # every client bad: the global model is returned unchanged
-    new, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(g, torch.full((2, 5), float("inf")), [1, 1])
+    new, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
+        g, torch.full((2, 5), float("inf")), [1, 1]
+    )
     assert torch.equal(new, g) and info["skipped"]
 
 
@@ -88,6 +91,7 @@ def test_fedavg_reads_updates_once_when_clean(monkeypatch):
     """Stateless FedAvg never scans the K x d rows separately: its weighted_sum pass screens them
     (ops.weighted_sum_screened), also when a row is bad (then the round is computed without it)."""
     from fedkernels import ops
+
     shapes = []
     real = ops.finite_rows
     monkeypatch.setattr(ops, "finite_rows", lambda U: (shapes.append(tuple(U.shape)), real(U))[1])
@@ -111,7 +115,7 @@ def test_fedavg_reads_updates_once_when_clean(monkeypatch):
     assert torch.equal(m.momentum, v) and m.round == 1
     m2 = algorithms.build("fedavgm", beta=0.5, on_bad_update="exclude")
     m2.aggregate(g, torch.ones(3, 6), [1, 1, 1])
-    new, info = m2.aggregate(g, U, [1, 1, 1])                # = a round of rows 0 and 1 only
+    new, info = m2.aggregate(g, U, [1, 1, 1])  # = a round of rows 0 and 1 only
     assert torch.equal(new, g + 0.5 * v + torch.ones(6)) and info["excluded"][0]["client_id"] == 2
     assert (3, 6) not in shapes
 
@@ -121,9 +125,14 @@ def test_updates_checked_against_global_flat_with_the_op_wording():
     (ops._checks), naming updates and global_flat, before anything runs."""
     agg = algorithms.build("fedavgm")
     g = torch.zeros(4)
-    with pytest.raises(ValueError, match=r"^fedavgm\.aggregate: updates must have dtype torch\.float32 \(the dtype "
-                                         r"of global_flat\), got torch\.float64$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^fedavgm\.aggregate: updates must have dtype torch\.float32 \(the dtype "
+        r"of global_flat\), got torch\.float64$",
+    ):
         agg.aggregate(g, torch.zeros(2, 4, dtype=torch.float64), [1, 1])
-    with pytest.raises(ValueError, match=r"^fedavgm\.aggregate: updates must have a floating dtype .*got torch\.int64$"):
+    with pytest.raises(
+        ValueError, match=r"^fedavgm\.aggregate: updates must have a floating dtype .*got torch\.int64$"
+    ):
         agg.aggregate(g.long(), torch.zeros(2, 4, dtype=torch.long), [1, 1])
-    assert agg.momentum is None and agg.round == 0          # nothing ran
+    assert agg.momentum is None and agg.round == 0  # nothing ran

@@ -1,5 +1,6 @@
 """FedAWARE: spec §9 vectors A2-A12 through the aggregator, property tests, state round trip,
 bad input, degenerate rounds. The min-norm solve is fedkernels.ops.min_norm (the default)."""
+
 import copy
 import itertools
 import math
@@ -49,10 +50,14 @@ def kkt(a, r):
 def test_a2_two_vectors():
     a, r, d = one_shot([[2, 0], [0, 1]], normalize=False)
     lam, q = kkt(a, r)
-    close(lam, [0.2, 0.8], atol=1e-6); close(d, [0.4, 0.8]); close(q, 0.8, atol=1e-10)
+    close(lam, [0.2, 0.8], atol=1e-6)
+    close(d, [0.4, 0.8])
+    close(q, 0.8, atol=1e-10)
     a, r, d = one_shot([[2, 0], [0, 1]], normalize=True)
     lam, q = kkt(a, r)
-    close(lam, [0.5, 0.5], atol=1e-6); close(d, [0.5, 0.5]); close(q, 0.5, atol=1e-10)
+    close(lam, [0.5, 0.5], atol=1e-6)
+    close(d, [0.5, 0.5])
+    close(q, 0.5, atol=1e-10)
     close(r.info["coef"], [0.25, 0.5], atol=1e-6)
 
 
@@ -61,10 +66,12 @@ def test_a3_orthogonal():
     a, r, d = one_shot(m, normalize=False)
     lam, q = kkt(a, r)
     close(lam, [36 / 49, 9 / 49, 4 / 49], atol=1e-6)
-    close(d, [0.7346938776, 0.3673469388, 0.2448979592]); close(q, 36 / 49, atol=1e-10)
+    close(d, [0.7346938776, 0.3673469388, 0.2448979592])
+    close(q, 36 / 49, atol=1e-10)
     a, r, d = one_shot(m, normalize=True)
     lam, q = kkt(a, r)
-    close(lam, [1 / 3] * 3, atol=1e-6); close(q, 1 / 3, atol=1e-10)
+    close(lam, [1 / 3] * 3, atol=1e-6)
+    close(q, 1 / 3, atol=1e-10)
     close(d, [1 / 3, 1 / 3, 1 / 3])
 
 
@@ -73,17 +80,21 @@ def test_a4_dominated_vertex():
     a, r, d = one_shot(m, normalize=False)
     close(a.Gm, [[1, 2, 3], [2, 5, 5], [3, 5, 10]], atol=0)
     lam, q = kkt(a, r)
-    close(lam, [1, 0, 0], atol=1e-6); close(d, [1, 0]); close(q, 1, atol=1e-10)
+    close(lam, [1, 0, 0], atol=1e-6)
+    close(d, [1, 0])
+    close(q, 1, atol=1e-10)
     assert r.info["support"] == [0]
     a, r, d = one_shot(m, normalize=True)
     lam, q = kkt(a, r)
-    close(lam, [0, 0.5, 0.5], atol=1e-6); close(d, [0.9215552445, 0.0654929147]); close(q, 0.8535533906, atol=1e-10)
+    close(lam, [0, 0.5, 0.5], atol=1e-6)
+    close(d, [0.9215552445, 0.0654929147])
+    close(q, 0.8535533906, atol=1e-10)
 
 
 def test_a4_code_compat():
     _, r, _ = one_shot([[1, 0], [2, 1], [3, -1]], normalize=False, code_compat=True)
     close(r.info["lam"], [0.999999, 1e-6, 0], atol=1e-6)
-    assert r.info["lam"][1] > 0                   # the code's 0.999 nudge leaves the vertex
+    assert r.info["lam"][1] > 0  # the code's 0.999 nudge leaves the vertex
 
 
 def test_a5_origin_in_hull():
@@ -97,7 +108,7 @@ def test_a5_origin_in_hull():
     assert r.info["zero_direction"]
     s = 2 + math.sqrt(2)
     close(r.info["lam"], [math.sqrt(2) / s, 1 / s, 1 / s], atol=1e-6)
-    _, r, d = one_shot(m, normalize=True, zero_fallback="na")   # FedAWARE-NA fallback: sum p_i m_i
+    _, r, d = one_shot(m, normalize=True, zero_fallback="na")  # FedAWARE-NA fallback: sum p_i m_i
     close(d, torch.tensor(m, dtype=F64).mean(0), atol=1e-12)
     assert r.info["fallback"] == "na"
 
@@ -106,12 +117,14 @@ def test_a6_duplicate_rows():
     m = [[1, 1], [1, 1], [1, -1]]
     a, r, d = one_shot(m, normalize=False)
     lam, q = kkt(a, r)
-    close(d, [1, 0]); close(q, 1, atol=1e-10)
-    close(lam[0] + lam[1], 0.5, atol=1e-6); close(lam[2], 0.5, atol=1e-6)
+    close(d, [1, 0])
+    close(q, 1, atol=1e-10)
+    close(lam[0] + lam[1], 0.5, atol=1e-6)
+    close(lam[2], 0.5, atol=1e-6)
     a, r, d = one_shot(m, normalize=True)
     lam, q = kkt(a, r)
     close(q, 0.5, atol=1e-10)
-    close(d, [0.7071067812, 0])                 # the unit-vector combination sum lam_i m_i / ||m_i||
+    close(d, [0.7071067812, 0])  # the unit-vector combination sum lam_i m_i / ||m_i||
     close(torch.tensor(r.info["coef"], dtype=F64) @ torch.tensor(m, dtype=F64)[r.info["support"]], d, atol=1e-12)
 
 
@@ -121,19 +134,37 @@ def test_a7_generic():
     a, r, d = one_shot(m, normalize=False)
     lam, q = kkt(a, r)
     close(lam, [0.510511996043, 0.039079891170, 0.450408112788, 0], atol=1e-6)
-    close(d, [0.432154340836, 0.321345535493, 0.454316101905]); close(q, 0.496423447934702, atol=1e-10)
+    close(d, [0.432154340836, 0.321345535493, 0.454316101905])
+    close(q, 0.496423447934702, atol=1e-10)
     a, r, d = one_shot(m, normalize=True)
     lam, q = kkt(a, r)
     close(lam, [0.480867327294, 0.035552475857, 0.483580196849, 0], atol=1e-6)
-    close(d, [0.393409334695, 0.304782318879, 0.444836099197]); close(q, 0.445542321675432, atol=1e-10)
-    close(torch.tensor(r.info["coef"], dtype=F64), lam[r.info["support"]] / m.norm(dim=1)[r.info["support"]], atol=1e-12)
+    close(d, [0.393409334695, 0.304782318879, 0.444836099197])
+    close(q, 0.445542321675432, atol=1e-10)
+    close(
+        torch.tensor(r.info["coef"], dtype=F64), lam[r.info["support"]] / m.norm(dim=1)[r.info["support"]], atol=1e-12
+    )
 
 
 A9 = {
-    (True, "ema_from_zero"): ([0.5, 0.5, 0], [0.5, 0.5], [-0.5, -0.5],
-                              [0.5, 0, 0.5], [0.0654929147, 0.9215552445], [-0.5654929147, -1.4215552445], 0.8535533906),
-    (True, "first_update"): ([0.5, 0.5, 0], [0.5, 0.5], [-0.5, -0.5],
-                             None, [0.3535533906, 0.8535533906], [-0.8535533906, -1.3535533906], 0.8535533906),
+    (True, "ema_from_zero"): (
+        [0.5, 0.5, 0],
+        [0.5, 0.5],
+        [-0.5, -0.5],
+        [0.5, 0, 0.5],
+        [0.0654929147, 0.9215552445],
+        [-0.5654929147, -1.4215552445],
+        0.8535533906,
+    ),
+    (True, "first_update"): (
+        [0.5, 0.5, 0],
+        [0.5, 0.5],
+        [-0.5, -0.5],
+        None,
+        [0.3535533906, 0.8535533906],
+        [-0.8535533906, -1.3535533906],
+        0.8535533906,
+    ),
     (False, "ema_from_zero"): ([0.8, 0.2, 0], [0.4, 0.2], [-0.4, -0.2], [1, 0, 0], [0.25, 0.5], [-0.65, -0.7], 0.3125),
     (False, "first_update"): ([0.8, 0.2, 0], [0.8, 0.4], [-0.8, -0.4], [1, 0, 0], [0.5, 0.5], [-1.3, -0.9], 0.5),
 }
@@ -143,7 +174,7 @@ A9 = {
 def test_a9_end_to_end_rounds(normalize, init):
     lam0, d0, x1, lam1, d1, x2, q1 = A9[(normalize, init)]
     a = mk(num_clients=3, alpha=0.5, normalize=normalize, init=init, warmup="startup_full")
-    g0 = torch.tensor([[1, 0], [0, 2], [1, 1]], dtype=F64)          # pseudo-gradients; U = -g
+    g0 = torch.tensor([[1, 0], [0, 2], [1, 1]], dtype=F64)  # pseudo-gradients; U = -g
     r = a.aggregate(torch.zeros(2, dtype=F64), -g0, [1, 1, 1], client_ids=[0, 1, 2])
     close(r.info["lam"], lam0, atol=1e-6)
     close(r.params, x1, atol=1e-9)
@@ -171,7 +202,7 @@ def test_a10_projection_and_extension():
         a = mk(num_clients=4, extension=ext, warmup="startup_full", ext_beta=0.5)
         r = a.aggregate(torch.zeros(9, dtype=F64), U, n)
         p = n / n.sum()
-        Gt = (p[:, None] * U).sum(0)                       # first round: momentum buffer = FedAvg step
+        Gt = (p[:, None] * U).sum(0)  # first round: momentum buffer = FedAvg step
         unit = U / U.norm(dim=1, keepdim=True)
         d = torch.tensor(r.info["lam"], dtype=F64) @ (0.5 * unit)
         close(r.params, aware_project(Gt, d), atol=1e-9)
@@ -182,7 +213,7 @@ def test_a10_projection_and_extension():
         else:
             Gt2 = 0.5 * Gt
         lam2 = torch.tensor(r2.info["lam"], dtype=F64)
-        d2 = lam2 @ unit * 1.0                                   # momenta stay parallel to U, norms 0.5
+        d2 = lam2 @ unit * 1.0  # momenta stay parallel to U, norms 0.5
         close(r2.params - r.params, aware_project(Gt2, d2), atol=1e-9)
 
 
@@ -202,11 +233,12 @@ def test_a12_exploration_phases():
     gen = torch.Generator().manual_seed(0)
     U = {i: torch.randn(3, generator=gen, dtype=F64) for i in range(4)}
     n = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}
-    ids = [0, 2]                       # exploration: each client once (the authors' sampler order)
+    ids = [0, 2]  # exploration: each client once (the authors' sampler order)
     r = a.aggregate(x, torch.stack([U[i] for i in ids]), [n[i] for i in ids], client_ids=ids)
     assert r.info["phase"] == "explore"
-    close(r.params, (1 / 4) * U[0] + (3 / 4) * U[2], atol=1e-12)   # FedAvg with p_{0,2} / (p_0 + p_2)
-    close(a.M[0], 0.5 * U[0], atol=0); close(a.M[2], 0.5 * U[2], atol=0)
+    close(r.params, (1 / 4) * U[0] + (3 / 4) * U[2], atol=1e-12)  # FedAvg with p_{0,2} / (p_0 + p_2)
+    close(a.M[0], 0.5 * U[0], atol=0)
+    close(a.M[2], 0.5 * U[2], atol=0)
     assert not a.M[1].any() and not a.M[3].any()
     ids = [1, 3]
     r = a.aggregate(r.params, torch.stack([U[i] for i in ids]), [n[i] for i in ids], client_ids=ids)
@@ -245,7 +277,7 @@ def test_exact_optimum_against_active_set(seed):
         a, r, d = one_shot(m, normalize=normalize)
         G, _ = a.gram_matrix(torch.arange(N))
         assert abs(r.info["q"] - _active_set_q(G)) <= 1e-9
-        close(d @ d, r.info["q"], atol=1e-9)                  # ||step||^2 = q in both modes
+        close(d @ d, r.info["q"], atol=1e-9)  # ||step||^2 = q in both modes
 
 
 def test_permutation_and_scaling():
@@ -258,9 +290,10 @@ def test_permutation_and_scaling():
         close(dp, d, atol=1e-7)
         close(torch.tensor(rp.info["lam"]), torch.tensor(r.info["lam"])[perm], atol=1e-6)
     _, r, d = one_shot(m, True)
-    ms = m.clone(); ms[2] *= 7.0
+    ms = m.clone()
+    ms[2] *= 7.0
     _, rs, ds = one_shot(ms, True)
-    close(ds, d, atol=1e-7)                                   # normalised: per-row scaling is invisible
+    close(ds, d, atol=1e-7)  # normalised: per-row scaling is invisible
     _, r, d = one_shot(m, False)
     _, rs, ds = one_shot(3.0 * m, False)
     close(rs.info["lam"], r.info["lam"], atol=1e-6)
@@ -299,11 +332,13 @@ def test_gram_cache_rows_and_columns_in_any_client_order(monkeypatch):
     The Gram is made slightly asymmetric (<m_i, m_j> != <m_j, m_i> in the last bits is allowed), so that
     a write of Gr where Gr^T belongs shows."""
     from fedkernels.algorithms import fedaware
+
     gram = ops.gram
 
     def skewed(U, rows=None):
         G = gram(U, rows=rows)
         return G + 1e-9 * torch.arange(G.numel(), dtype=F64).reshape(G.shape) / G.numel()
+
     monkeypatch.setattr(fedaware.ops, "gram", skewed)
     N, d = 6, 9
     a = mk(num_clients=N, alpha=0.4, warmup="startup_full", elud=False)
@@ -336,7 +371,7 @@ def test_gram_cache_layout_does_not_change_a_bit():
     st["Gm"] = st["Gm"].contiguous()
     b.load_state_dict(st)
     assert b.Gm.is_contiguous() and torch.equal(a.Gm, b.Gm)
-    for k in (7, 5, N):                   # some clients (a view and a copy side by side), then every one
+    for k in (7, 5, N):  # some clients (a view and a copy side by side), then every one
         ids = torch.randperm(N, generator=g)[:k].tolist()
         U = torch.randn(k, d, generator=g) + 0.3
         ra, rb = a.aggregate(x, U, [2.0] * k, ids), b.aggregate(x, U, [2.0] * k, ids)
@@ -388,7 +423,7 @@ def test_degenerate_rounds():
     u = torch.tensor([[3.0, 4.0]])
     r = a.aggregate(torch.zeros(2), u, [5])
     assert r.info["phase"] == "aware" and r.info["lam"] == [1.0]
-    close(r.params, [0.6, 0.8], atol=1e-7)                    # alpha = 0.5: m = u/2, unit step
+    close(r.params, [0.6, 0.8], atol=1e-7)  # alpha = 0.5: m = u/2, unit step
     # all-zero updates: zero momenta -> origin in the hull, zero step, no NaN
     a = mk(num_clients=3, warmup="startup_full")
     r = a.aggregate(torch.ones(4), torch.zeros(3, 4), [1, 1, 1])
@@ -436,7 +471,7 @@ def test_default_solver_and_injection():
     a.aggregate(torch.zeros(4, dtype=F64), U[:2], [1, 1], client_ids=[0, 2])
     assert len(calls) == 2 and calls[0][1] == 77 and calls[0][2] == 1e-9
     assert calls[0][3]["method"] == "away" and calls[0][3]["lam0"] is None
-    close(calls[1][3]["lam0"], r1.info["lam"], atol=0)          # warm start from the previous lam
+    close(calls[1][3]["lam0"], r1.info["lam"], atol=0)  # warm start from the previous lam
     assert build("fedaware", code_compat=True).method == "code_compat"
 
 
@@ -448,9 +483,16 @@ def test_default_is_ops_min_norm():
 
 
 def test_bad_options_and_inputs():
-    for kw, msg in (({"alpha": 0}, "alpha"), ({"warmup": "x"}, "warmup"), ({"init": "x"}, "init"),
-                    ({"extension": "yogi"}, "extension"), ({"max_iter": -1}, "max_iter"),
-                    ({"num_clients": 0}, "num_clients"), ({"solver": 3}, "solver"), ({"variant": "y"}, "variant")):
+    for kw, msg in (
+        ({"alpha": 0}, "alpha"),
+        ({"warmup": "x"}, "warmup"),
+        ({"init": "x"}, "init"),
+        ({"extension": "yogi"}, "extension"),
+        ({"max_iter": -1}, "max_iter"),
+        ({"num_clients": 0}, "num_clients"),
+        ({"solver": 3}, "solver"),
+        ({"variant": "y"}, "variant"),
+    ):
         with pytest.raises(ValueError, match=msg):
             build("fedaware", **kw)
     with pytest.raises(ValueError, match="num_clients"):
@@ -478,8 +520,12 @@ class _Ops(TorchDispatchMode):
         a0 = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if a0 is not None and str(func.namespace) == "fedkernels" and a0.data_ptr() == self.ptr:
             self.on_U.append(str(func.overloadpacket))
-        if a0 is not None and self.mptr is not None and str(func.namespace) == "aten" \
-                and a0.untyped_storage().data_ptr() == self.mptr:
+        if (
+            a0 is not None
+            and self.mptr is not None
+            and str(func.namespace) == "aten"
+            and a0.untyped_storage().data_ptr() == self.mptr
+        ):
             self.on_M.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
 
@@ -491,6 +537,7 @@ def test_elud_above_gram_max_k_from_sums_matches_float64(monkeypatch, dtype):
     high diversity (rows nearly cancel), and equal to the Gram path's value to rounding."""
     from fedkernels.algorithms import fedaware
     from fedkernels.algorithms.fedaware import options
+
     K, d = options.ELUD_GRAM_MAX_K + 9, 301
     g = torch.Generator().manual_seed(5)
     U = (torch.randn(K, d, generator=g) + 0.02).to(dtype)
@@ -504,11 +551,11 @@ def test_elud_above_gram_max_k_from_sums_matches_float64(monkeypatch, dtype):
     # the screen, then the sums from ops.kstats (p = 1) on the momentum pass's block: no Gram of U
     assert "fedkernels.gram" not in o.on_U and o.on_U == ["fedkernels.finite_rows", "fedkernels.kstats"], o.on_U
     assert abs(r.info["elud"] / want - 1) < 1e-13 and abs(r.info["elud_sqrt"] ** 2 / want - 1) < 1e-13
-    monkeypatch.setattr(fedaware, "ELUD_GRAM_MAX_K", K)         # the Gram path on the same round
+    monkeypatch.setattr(fedaware, "ELUD_GRAM_MAX_K", K)  # the Gram path on the same round
     b = mk(num_clients=K, warmup="startup_full")
     with _Ops(U) as o:
         rb = b.aggregate(x, U, [1] * K)
-    assert o.on_U == ["fedkernels.gram"], o.on_U                 # (its screened form: one read of U)
+    assert o.on_U == ["fedkernels.gram"], o.on_U  # (its screened form: one read of U)
     assert abs(rb.info["elud"] / r.info["elud"] - 1) < 1e-11
     assert torch.equal(r.params, rb.params) and torch.equal(a.M, b.M)
 
@@ -518,6 +565,7 @@ def test_elud_sums_path_screens_before_any_state_change():
     the logged ELUD is that of the other rows; a chunked source gives the tensor's ELUD."""
     from fedkernels.algorithms.fedaware.options import ELUD_GRAM_MAX_K
     from fedkernels.sources import ChunkedUpdates, TensorSource
+
     K, d = ELUD_GRAM_MAX_K + 4, 50
     g = torch.Generator().manual_seed(6)
     U = torch.randn(K, d, generator=g)
@@ -552,6 +600,7 @@ def test_momentum_update_in_place_on_a_run_of_rows_gives_the_gather_bits(mdtype,
     those of the same rounds with the rows in another order (the gather path), bit for bit, on a tensor and
     on a chunked source, fp32 and bf16 tables."""
     from fedkernels.sources import ChunkedUpdates, TensorSource
+
     N, d = 12, 301
     g = torch.Generator().manual_seed(8)
     x = torch.randn(d, generator=g)
@@ -573,7 +622,7 @@ def test_momentum_update_in_place_on_a_run_of_rows_gives_the_gather_bits(mdtype,
         x = ra.params
     assert runs.M.dtype == (mdtype or torch.float32) and bool(runs.M.any())
     Ue = torch.randn(N, d, generator=g)
-    with _Ops(Ue, runs.M) as o:                                   # the counter sees the in-place path's ops
+    with _Ops(Ue, runs.M) as o:  # the counter sees the in-place path's ops
         runs.aggregate(x, Ue, [1.0] * N)
     assert "aten.mul_" in o.on_M and "aten.add_" in o.on_M and "aten.index_copy_" not in o.on_M
 
@@ -594,10 +643,16 @@ def test_momentum_update_interrupted_between_its_two_in_place_steps_is_named():
                 raise RuntimeError("simulated failure")
             return func(*args, **(kwargs or {}))
 
-    with Fail(), pytest.raises(RuntimeError, match=r"failed in columns 0\.\.39 of d=40 \(RuntimeError: simulated "
-                                                   r"failure\): .* clients \[0, 1, 2, 3, 4, 5\] hold the new momenta "
-                                                   r"before column 0, the old ones after column 39, \(1 - alpha\) "
-                                                   r"times the old ones in between"):
+    with (
+        Fail(),
+        pytest.raises(
+            RuntimeError,
+            match=r"failed in columns 0\.\.39 of d=40 \(RuntimeError: simulated "
+            r"failure\): .* clients \[0, 1, 2, 3, 4, 5\] hold the new momenta "
+            r"before column 0, the old ones after column 39, \(1 - alpha\) "
+            r"times the old ones in between",
+        ),
+    ):
         a.aggregate(x, torch.randn(N, d), [1.0] * N)
     with pytest.raises(RuntimeError, match="refuses further rounds"):
         a.aggregate(x, torch.randn(N, d), [1.0] * N)

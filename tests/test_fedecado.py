@@ -1,4 +1,5 @@
 """FedECADO: spec docs/specs/fedecado.md §9 vectors (U1-U12), solver paths, client rule, state, bad input."""
+
 import math
 
 import numpy as np
@@ -42,21 +43,40 @@ def np_be_step(xc, Icur, xc0, xend, Ik, T, tl, dt, L, g, S_off):
 
 
 def np_central_round(xc0, I_act, S_off, xend, T, w, hbar, L, delta, dt_init, beta=0.5, max_back=30, max_steps=10000):
-    T = np.asarray(T, float); Tmax = T.max(); tl = 0.0; truncated = False
-    xc = xc0.copy(); Ik = I_act.copy(); Icur = I_act.copy(); dt = min(dt_init, Tmax); ns = nr = 0
+    T = np.asarray(T, float)
+    Tmax = T.max()
+    tl = 0.0
+    truncated = False
+    xc = xc0.copy()
+    Ik = I_act.copy()
+    Icur = I_act.copy()
+    dt = min(dt_init, Tmax)
+    ns = nr = 0
     while Tmax - tl > 1e-12 * Tmax:
         if ns >= max_steps:
-            dtt = Tmax - tl; g = 1.0 / dtt + w * hbar
+            dtt = Tmax - tl
+            g = 1.0 / dtt + w * hbar
             xc, Icur, _, _ = np_be_step(xc, Icur, xc0, xend, Ik, T, tl, dtt, L, g, S_off)
-            tl = Tmax; ns += 1; truncated = True; break
-        dtt = min(dt, Tmax - tl); clipped = dtt < dt
+            tl = Tmax
+            ns += 1
+            truncated = True
+            break
+        dtt = min(dt, Tmax - tl)
+        clipped = dtt < dt
         for nb in range(max_back + 1):
             g = 1.0 / dtt + w * hbar
             xn, In, lc, li = np_be_step(xc, Icur, xc0, xend, Ik, T, tl, dtt, L, g, S_off)
-            if max(lc, li) <= delta or nb == max_back: break
-            dtt *= beta; clipped = False; nr += 1
-        tl += dtt; xc = xn; Icur = In; ns += 1
-        if not clipped: dt = dtt
+            if max(lc, li) <= delta or nb == max_back:
+                break
+            dtt *= beta
+            clipped = False
+            nr += 1
+        tl += dtt
+        xc = xn
+        Icur = In
+        ns += 1
+        if not clipped:
+            dt = dtt
     return xc, Icur, dt, ns, nr, truncated
 
 
@@ -68,8 +88,19 @@ def run_round(x0=0.0, I=(0.0, 0.0), S_off=None, L=1.0, delta=INF, dt_init=1.0, *
     """A central round on the U2 data (x_end = [1], [3]; T = [1, 2]; w = [.25, .75]; hbar = 1)."""
     xc0 = T_([x0])
     U = T_([[1.0], [3.0]]) - xc0
-    return central_round(xc0, T_([[I[0]], [I[1]]]), U, U2["T"], U2["w"], U2["hbar"], L, delta, dt_init,
-                         None if S_off is None else T_([S_off]), **kw)
+    return central_round(
+        xc0,
+        T_([[I[0]], [I[1]]]),
+        U,
+        U2["T"],
+        U2["w"],
+        U2["hbar"],
+        L,
+        delta,
+        dt_init,
+        None if S_off is None else T_([S_off]),
+        **kw,
+    )
 
 
 def ginv(dt, w, h):
@@ -90,8 +121,20 @@ def test_u1_interpolation():
 def test_u2_one_be_step(solver):
     z = T_([0.0])
     I0 = T_([[0.0], [0.0]])
-    xn, In, lc, li = be_step(z, I0, z, U2["U"], I0, theta(U2["T"], 1.0), theta(U2["T"], 0.0),
-                             ginv(1.0, U2["w"], U2["hbar"]), 1.0, 1.0, None, solver=solver)
+    xn, In, lc, li = be_step(
+        z,
+        I0,
+        z,
+        U2["U"],
+        I0,
+        theta(U2["T"], 1.0),
+        theta(U2["T"], 0.0),
+        ginv(1.0, U2["w"], U2["hbar"]),
+        1.0,
+        1.0,
+        None,
+        solver=solver,
+    )
     torch.testing.assert_close(xn, T_([299 / 434]), atol=1e-14, rtol=0)
     torch.testing.assert_close(In, T_([[75 / 434], [224 / 434]]), atol=1e-14, rtol=0)
     assert abs(lc - 299 / 868) < 1e-14 and abs(li - 224 / 868) < 1e-14
@@ -108,7 +151,7 @@ def test_u3_dense_system():
     for solver in ("closed_form", "lu"):
         x, I = fe._solve_be_system(torch.tensor(a), 1.0, 1.0, T_([0.0]), T_([[1.0], [1.5]]), solver)
         np.testing.assert_allclose([float(x), float(I[0]), float(I[1])], z, atol=1e-14)
-    LU, piv = torch.linalg.lu_factor(torch.tensor(M))          # the pivot convention of spec U3
+    LU, piv = torch.linalg.lu_factor(torch.tensor(M))  # the pivot convention of spec U3
     assert piv.tolist() == [1, 2, 3]
     torch.testing.assert_close(LU, T_([[1, -1, -1], [1, 2.8, 1], [1, 5 / 14, 31 / 14]]))
 
@@ -117,9 +160,14 @@ def test_u3_dense_system():
 def test_u4_lte_rejection():
     trace = []
     r = run_round(delta=0.3, dt_init=2.0, trace=trace)
-    exp = [(0.0, 2.0, 0.936416184971, 0.433526011561, "reject"), (0.0, 1.0, 0.344470046083, 0.258064516129, "reject"),
-           (0.0, 0.5, 199 / 2160, 517 / 4320, "accept"), (0.5, 0.5, 0.119471879287, 0.050718449931, "accept"),
-           (1.0, 0.5, 0.100666463446, 0.037936785551, "accept"), (1.5, 0.5, 0.060225790257, 0.055677011465, "accept")]
+    exp = [
+        (0.0, 2.0, 0.936416184971, 0.433526011561, "reject"),
+        (0.0, 1.0, 0.344470046083, 0.258064516129, "reject"),
+        (0.0, 0.5, 199 / 2160, 517 / 4320, "accept"),
+        (0.5, 0.5, 0.119471879287, 0.050718449931, "accept"),
+        (1.0, 0.5, 0.100666463446, 0.037936785551, "accept"),
+        (1.5, 0.5, 0.060225790257, 0.055677011465, "accept"),
+    ]
     assert len(trace) == len(exp)
     for (tl, dt, lc, li, st), (etl, edt, elc, eli, est) in zip(trace, exp):
         assert (tl, dt, st) == (etl, edt, est)
@@ -129,17 +177,21 @@ def test_u4_lte_rejection():
     torch.testing.assert_close(r["I"], T_([[0.277361797829], [1.212613252647]]), atol=1e-11, rtol=0)
     # the first accepted step, alone
     z, I0 = T_([0.0]), T_([[0.0], [0.0]])
-    xn, In, _, _ = be_step(z, I0, z, U2["U"], I0, theta(U2["T"], 0.5), theta(U2["T"], 0.0),
-                           ginv(0.5, U2["w"], U2["hbar"]), 0.5, 1.0)
+    xn, In, _, _ = be_step(
+        z, I0, z, U2["U"], I0, theta(U2["T"], 0.5), theta(U2["T"], 0.0), ginv(0.5, U2["w"], U2["hbar"]), 0.5, 1.0
+    )
     torch.testing.assert_close(xn, T_([199 / 1080]), atol=1e-14, rtol=0)
     torch.testing.assert_close(In, T_([[31 / 240], [517 / 2160]]), atol=1e-14, rtol=0)
 
 
-@pytest.mark.parametrize("case,kw,x,I", [
-    ("a", {}, 1.885833209454, [0.159432139141, 1.037460978148]),
-    ("b", {"S_off": 0.1}, 1.937416381745, [0.116693920024, 0.986160249740]),
-    ("c", {"x0": 0.5, "I": (0.2, -0.1)}, 1.896164709380, [-0.030972201576, 0.891883454735]),
-])
+@pytest.mark.parametrize(
+    "case,kw,x,I",
+    [
+        ("a", {}, 1.885833209454, [0.159432139141, 1.037460978148]),
+        ("b", {"S_off": 0.1}, 1.937416381745, [0.116693920024, 0.986160249740]),
+        ("c", {"x0": 0.5, "I": (0.2, -0.1)}, 1.896164709380, [-0.030972201576, 0.891883454735]),
+    ],
+)
 def test_u5_central_rounds(case, kw, x, I):
     r = run_round(**kw)
     assert r["steps"] == 2
@@ -149,8 +201,9 @@ def test_u5_central_rounds(case, kw, x, I):
 
 def test_u5d_ecado_limit():
     z, I0 = T_([0.0]), T_([[0.0], [0.0]])
-    xn, In, lc, li = be_step(z, I0, z, U2["U"], I0, theta(U2["T"], 1.0), theta(U2["T"], 0.0),
-                             torch.zeros(2, dtype=D64), 1.0, 1.0)
+    xn, In, lc, li = be_step(
+        z, I0, z, U2["U"], I0, theta(U2["T"], 1.0), theta(U2["T"], 0.0), torch.zeros(2, dtype=D64), 1.0, 1.0
+    )
     torch.testing.assert_close(xn, T_([5 / 6]), atol=1e-14, rtol=0)
     torch.testing.assert_close(In, T_([[1 / 6], [2 / 3]]), atol=1e-14, rtol=0)
     assert abs(lc - 5 / 12) < 1e-14 and abs(li - 1 / 3) < 1e-14
@@ -159,7 +212,7 @@ def test_u5d_ecado_limit():
 def test_u11_max_steps_truncation():
     r = run_round(delta=1e-12, dt_init=2.0, max_steps=3)
     assert (r["steps"], r["rejects"], r["truncated"]) == (4, 21, True)
-    assert r["dt"] == 2 * 2.0 ** -21 == 9.5367431640625e-07
+    assert r["dt"] == 2 * 2.0**-21 == 9.5367431640625e-07
     torch.testing.assert_close(r["xc"], T_([1.872831548730]), atol=1e-11, rtol=0)
     torch.testing.assert_close(r["I"].reshape(-1), T_([0.069364630833, 0.867052483088]), atol=1e-11, rtol=0)
 
@@ -187,8 +240,19 @@ def test_u9_arrowhead_vs_dense(K):
     M[1:, 1:] = np.diag(a)
     Z = np.linalg.solve(M, np.vstack([xc + dt * S, r]))
     U = torch.tensor(xend - xc0[None])
-    args = lambda perm: (torch.tensor(xc), torch.tensor(I[perm]), torch.tensor(xc0), U[perm], torch.tensor(Ik[perm]),
-                         theta(T[perm], tl + dt), theta(T[perm], tl), torch.tensor(1 / g[perm]), dt, L, torch.tensor(S))
+    args = lambda perm: (
+        torch.tensor(xc),
+        torch.tensor(I[perm]),
+        torch.tensor(xc0),
+        U[perm],
+        torch.tensor(Ik[perm]),
+        theta(T[perm], tl + dt),
+        theta(T[perm], tl),
+        torch.tensor(1 / g[perm]),
+        dt,
+        L,
+        torch.tensor(S),
+    )
     ident = np.arange(K)
     for solver in ("closed_form", "lu"):
         xn, In, lc, li = be_step(*args(ident), solver=solver)
@@ -201,10 +265,19 @@ def test_u9_arrowhead_vs_dense(K):
     np.testing.assert_allclose(xp.numpy(), Z[0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(Ip.numpy(), Z[1:][perm], rtol=1e-12, atol=1e-12)
     # fp32 path within 1e-5
-    x32, I32, _, _ = be_step(torch.tensor(xc, dtype=torch.float32), torch.tensor(I, dtype=torch.float32),
-                             torch.tensor(xc0, dtype=torch.float32), U.float(), torch.tensor(Ik, dtype=torch.float32),
-                             theta(T, tl + dt), theta(T, tl), torch.tensor(1 / g), dt, L,
-                             torch.tensor(S, dtype=torch.float32))
+    x32, I32, _, _ = be_step(
+        torch.tensor(xc, dtype=torch.float32),
+        torch.tensor(I, dtype=torch.float32),
+        torch.tensor(xc0, dtype=torch.float32),
+        U.float(),
+        torch.tensor(Ik, dtype=torch.float32),
+        theta(T, tl + dt),
+        theta(T, tl),
+        torch.tensor(1 / g),
+        dt,
+        L,
+        torch.tensor(S, dtype=torch.float32),
+    )
     np.testing.assert_allclose(x32.double().numpy(), Z[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(I32.double().numpy(), Z[1:], rtol=1e-5, atol=1e-5)
 
@@ -222,7 +295,7 @@ def fed_round(agg, xc, probs, etas, taus, active):
     for i in active:
         pl = agg.client_payload(i)
         a, b = probs[i]
-        I_i = pl["I"] if pl["I"] is not None else torch.zeros_like(xc)   # None: no flow yet
+        I_i = pl["I"] if pl["I"] is not None else torch.zeros_like(xc)  # None: no flow yet
         x, T = client_update(xc, I_i, a, b, pl["w"], etas[i], taus[i])
         rows.append(x - xc)
         pls.append({"T": T})
@@ -251,16 +324,18 @@ def test_u7_end_to_end():
     torch.testing.assert_close(xc, T_([0.090411886861]), atol=1e-11, rtol=0)
     torch.testing.assert_close(agg.I.reshape(-1), T_([0.045050404535, 0.456192533701]), atol=1e-11, rtol=0)
     assert (info["steps"], info["rejects"], info["dt"]) == (32, 5, 0.015625)
-    ends = [float(client_update(xc, agg.I[i], 1.0, U6P[i][1], [0.5, 1.5][i], [0.05, 0.01][i], [10, 30][i])[0])
-            for i in range(2)]
+    ends = [
+        float(client_update(xc, agg.I[i], 1.0, U6P[i][1], [0.5, 1.5][i], [0.05, 0.01][i], [10, 30][i])[0])
+        for i in range(2)
+    ]
     np.testing.assert_allclose(ends, [0.273706922865, 1.040211156113], atol=1e-11)
     total = info["steps"]
-    for _ in range(99):      # spec: 1.4e-7 after 100 rounds, < 1e-10 after 300 (kept short here)
+    for _ in range(99):  # spec: 1.4e-7 after 100 rounds, < 1e-10 after 300 (kept short here)
         xc, info = fed_round(agg, xc, U6P, [0.05, 0.01], [10, 30], [0, 1])
         total += info["steps"]
     assert abs(float(xc) - 2.5) < 2e-7
     torch.testing.assert_close(agg.I.reshape(-1), T_([-0.75, 0.75]), atol=1e-5, rtol=0)
-    assert total == 3200     # 32 BE steps every round (9600 in 300 rounds)
+    assert total == 3200  # 32 BE steps every round (9600 in 300 rounds)
     # fixed-step variant of round 1
     agg = FedECADO(L=1.0, delta=INF, dt0=0.25, weights=[0.5, 1.5], hbar=1.0)
     xc, info = fed_round(agg, T_([0.0]), U6P, [0.05, 0.01], [10, 30], [0, 1])
@@ -271,7 +346,10 @@ def test_u7_end_to_end():
     fa = build("fedavg")
     x = T_([0.0])
     for _ in range(80):
-        ys = [client_update(x, T_([0.0]), 1.0, b, 1.0, eta, tau)[0] for (_, b), eta, tau in zip(U6P, [0.05, 0.01], [10, 30])]
+        ys = [
+            client_update(x, T_([0.0]), 1.0, b, 1.0, eta, tau)[0]
+            for (_, b), eta, tau in zip(U6P, [0.05, 0.01], [10, 30])
+        ]
         x, _ = fa.aggregate(x, torch.stack(ys) - x, [1, 3])
     assert abs(float(x) - 2.321136898454) < 1e-10
 
@@ -317,19 +395,27 @@ def test_u12_unit_equivalence():
 # ---- against a plain float64 re-computation on random inputs ---------------------------------
 def _np_server(N, d, rounds, rng, L, delta, inactive):
     """§2.8 with the §9.1 reference central round (numpy): returns the inputs and the trajectory."""
-    I = np.zeros((N, d)); S_all = np.zeros(d); dt_prev = None
-    w = rng.dirichlet(np.ones(N)) * N; h = rng.uniform(0, 3, N)
-    xc = rng.normal(size=d); traj, inputs = [], []
+    I = np.zeros((N, d))
+    S_all = np.zeros(d)
+    dt_prev = None
+    w = rng.dirichlet(np.ones(N)) * N
+    h = rng.uniform(0, 3, N)
+    xc = rng.normal(size=d)
+    traj, inputs = [], []
     for k in range(rounds):
         K = int(rng.integers(1, N + 1))
         A = sorted(rng.choice(N, K, replace=False).tolist())
-        U = rng.normal(size=(K, d)) * 0.3; T = rng.uniform(0.2, 1.5, K)
+        U = rng.normal(size=(K, d)) * 0.3
+        T = rng.uniform(0.2, 1.5, K)
         inputs.append((A, U, T))
         Ik = I[A]
         S_off = S_all - Ik.sum(0) if inactive == "frozen" else np.zeros(d)
         dt0 = T.max() if dt_prev is None else dt_prev
         xn, In, dt, *_ = np_central_round(xc, Ik, S_off, xc[None] + U, T, w[A], h[A], L, delta, dt0, max_steps=1000)
-        S_all = S_all + (In - Ik).sum(0); I[A] = In; dt_prev = dt; xc = xn
+        S_all = S_all + (In - Ik).sum(0)
+        I[A] = In
+        dt_prev = dt
+        xc = xn
         traj.append((xc.copy(), I.copy()))
     return w, h, inputs, traj
 
@@ -340,7 +426,9 @@ def test_aggregator_vs_float64_reference_and_state_roundtrip(inactive, delta):
     w, h, inputs, traj = _np_server(N, d, 6, np.random.default_rng(7), L, delta, inactive)
     agg = FedECADO(L=L, delta=delta, weights=w.tolist(), hbar=h.tolist(), inactive=inactive)
     # the same x0 as _np_server drew (dirichlet, uniform, then normal)
-    r3 = np.random.default_rng(7); r3.dirichlet(np.ones(N)); r3.uniform(0, 3, N)
+    r3 = np.random.default_rng(7)
+    r3.dirichlet(np.ones(N))
+    r3.uniform(0, 3, N)
     xc = torch.tensor(r3.normal(size=d))
     snap = None
     for k, (A, U, T) in enumerate(inputs):
@@ -379,8 +467,9 @@ def test_u11_edge_cases():
     new, info = agg.aggregate(x, T_([[1.0], [3.0]]), [1, 1], [0, 1], [{"T": 0.0}, {"T": float("nan")}])
     assert info["skipped"] and torch.equal(new, x) and agg.dt_prev is None and agg.t == 0.0
     assert float(agg.I.abs().max()) == 0.0 and float(agg.S_all.abs().max()) == 0.0
-    new, info = agg.aggregate(x, T_([[1.0], [3.0], [float("nan")]]), [1, 1, 1], [0, 1, 2],
-                              [{"T": 1.0}, {"T": 2.0}, {"T": 1.0}])
+    new, info = agg.aggregate(
+        x, T_([[1.0], [3.0], [float("nan")]]), [1, 1, 1], [0, 1, 2], [{"T": 1.0}, {"T": 2.0}, {"T": 1.0}]
+    )
     assert [e["client_id"] for e in info["excluded"]] == [2]
     assert float(agg.I[2]) == 0.0
     r = run_round(delta=0.3, dt_init=2.0)
@@ -393,8 +482,16 @@ def test_u11_edge_cases():
         FedECADO(L=1.0, num_clients=2).aggregate(x, T_([[1.0]]), [1], [0], [{"T": -1.0}])
     with pytest.raises(ValueError, match="number of clients"):
         FedECADO(L=1.0).aggregate(x, T_([[1.0]]), [1], [0], [{"T": 1.0}])
-    for kw in ({"L": 0.0}, {"beta": 1.0}, {"inactive": "hold"}, {"grad_weight": "x"}, {"server_lr": 0.5},
-               {"hessian": "full"}, {"delta": 0.0}, {"max_extrap_ratio": 0.5}):
+    for kw in (
+        {"L": 0.0},
+        {"beta": 1.0},
+        {"inactive": "hold"},
+        {"grad_weight": "x"},
+        {"server_lr": 0.5},
+        {"hessian": "full"},
+        {"delta": 0.0},
+        {"max_extrap_ratio": 0.5},
+    ):
         with pytest.raises(ValueError):
             FedECADO(**kw)
 
@@ -402,12 +499,23 @@ def test_u11_edge_cases():
 def test_hbar_from_payload_clamped_and_need_flag():
     agg = FedECADO(L=1.0, delta=INF, dt0=1.0, weights=[0.25, 0.75])
     assert agg.client_payload(0)["need_hbar"] and agg.client_payload(1)["need_hbar"]
-    new, _ = agg.aggregate(T_([0.0]), T_([[1.0], [3.0]]), [1, 1], [0, 1],
-                           [{"T": 1.0, "hbar": -3.0}, {"T": 2.0, "hbar": 2.0}])
+    new, _ = agg.aggregate(
+        T_([0.0]), T_([[1.0], [3.0]]), [1, 1], [0, 1], [{"T": 1.0, "hbar": -3.0}, {"T": 2.0, "hbar": 2.0}]
+    )
     assert agg.hbar_tab.tolist() == [0.0, 2.0] and not agg.client_payload(0)["need_hbar"]
     # same as the reference with hbar = [0, 2]
-    xn, In, *_ = np_central_round(np.zeros(1), np.zeros((2, 1)), np.zeros(1), np.array([[1.0], [3.0]]),
-                                   [1.0, 2.0], np.array([0.25, 0.75]), np.array([0.0, 2.0]), 1.0, INF, 1.0)
+    xn, In, *_ = np_central_round(
+        np.zeros(1),
+        np.zeros((2, 1)),
+        np.zeros(1),
+        np.array([[1.0], [3.0]]),
+        [1.0, 2.0],
+        np.array([0.25, 0.75]),
+        np.array([0.0, 2.0]),
+        1.0,
+        INF,
+        1.0,
+    )
     np.testing.assert_allclose(new.numpy(), xn, atol=1e-14)
     # identity / none: no request; none = ECADO limit (U5d at dt = 1)
     agg = FedECADO(L=1.0, delta=INF, dt0=1.0, weights=[0.25, 0.75], hessian="none")
@@ -419,10 +527,10 @@ def test_hbar_from_payload_clamped_and_need_flag():
 def test_auto_L_from_first_round():
     agg = FedECADO(delta=INF, num_clients=2, hbar=1.0, c_L=2.0)
     agg.aggregate(T_([0.0]), T_([[1.0], [3.0]]), [1, 1], [0, 1], [{"T": 0.5}, {"T": 1.5}])
-    assert agg.L == 2.0 * 1.5 ** 2
+    assert agg.L == 2.0 * 1.5**2
     for T in (1.0, 2.0, 3.0, 4.0, 5.0):
         agg.aggregate(T_([0.0]), T_([[1.0]]), [1], [0], [{"T": T}])
-    assert agg.L == 2.0 * 2.0 ** 2 and agg.L_reset_done   # median of the first 5 T_max (1.5, 1, 2, 3, 4)
+    assert agg.L == 2.0 * 2.0**2 and agg.L_reset_done  # median of the first 5 T_max (1.5, 1, 2, 3, 4)
 
 
 def test_client_rule_step_time_and_hutchinson():
@@ -432,7 +540,7 @@ def test_client_rule_step_time_and_hutchinson():
     agg = FedECADO(L=1.0, weights=[2.0, 0.5], loss_fn=lambda o, y: 0.5 * ((o.reshape(-1) - y) ** 2).mean())
     agg.setup(spec, 2, spec.flatten(net))
     agg.I[1] = T_([0.1, -0.2, 0.3])
-    X = torch.diag(T_([1.0, 2.0, 3.0]))             # diagonal Hessian: Hutchinson is exact
+    X = torch.diag(T_([1.0, 2.0, 3.0]))  # diagonal Hessian: Hutchinson is exact
     y = T_([1.0, 0.0, -1.0])
     w0 = spec.flatten(net).clone()
     pl = agg.client_payload(1)
@@ -460,7 +568,7 @@ def test_client_rule_step_time_and_hutchinson():
     out = rule.end(ctx, net)
     torch.testing.assert_close(spec.flatten(net), x_ref, atol=1e-15, rtol=0)
     assert out["T"] == pytest.approx(0.15, abs=1e-15)
-    assert abs(out["hbar"] - 14 / 9) < 1e-12       # tr(mean x x^T)/d = (1 + 4 + 9)/3/3
+    assert abs(out["hbar"] - 14 / 9) < 1e-12  # tr(mean x x^T)/d = (1 + 4 + 9)/3/3
     assert "non_faithful" not in out
     new, _ = agg.aggregate(w0, (spec.flatten(net) - w0)[None], [3], [1], [out])
     assert agg.hbar_tab[1] == pytest.approx(14 / 9) and not agg.client_payload(1)["need_hbar"]
@@ -470,9 +578,10 @@ def test_native_switch_call_conventions(monkeypatch):
     """The solver switch calls ops.arrowhead_solve / ops.lu_factor / ops.lu_solve with the documented
     conventions (checked here with stand-ins, so it holds whatever the native ops compute)."""
     from fedkernels import ops
+
     calls = []
 
-    def arrow(a, b, c, alpha, r0, R):   # [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]
+    def arrow(a, b, c, alpha, r0, R):  # [[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]
         calls.append("arrowhead")
         a = torch.as_tensor(a, dtype=D64)
         b = torch.as_tensor(b, dtype=D64).expand(a.numel())
@@ -482,14 +591,29 @@ def test_native_switch_call_conventions(monkeypatch):
 
     def run(solver="auto"):
         z, I0 = T_([0.0]), T_([[0.0], [0.0]])
-        return be_step(z, I0, z, U2["U"], I0, theta(U2["T"], 1.0), theta(U2["T"], 0.0),
-                       ginv(1.0, U2["w"], U2["hbar"]), 1.0, 1.0, T_([0.1]), solver=solver)
+        return be_step(
+            z,
+            I0,
+            z,
+            U2["U"],
+            I0,
+            theta(U2["T"], 1.0),
+            theta(U2["T"], 0.0),
+            ginv(1.0, U2["w"], U2["hbar"]),
+            1.0,
+            1.0,
+            T_([0.1]),
+            solver=solver,
+        )
+
     ref = run("closed_form")
     monkeypatch.setattr(ops, "arrowhead_solve", arrow, raising=False)
-    monkeypatch.setattr(ops, "lu_factor", lambda A: (calls.append("lu_factor"), torch.linalg.lu_factor(A))[1],
-                        raising=False)
-    monkeypatch.setattr(ops, "lu_solve", lambda LU, p, R: (calls.append("lu_solve"), torch.linalg.lu_solve(LU, p, R))[1],
-                        raising=False)
+    monkeypatch.setattr(
+        ops, "lu_factor", lambda A: (calls.append("lu_factor"), torch.linalg.lu_factor(A))[1], raising=False
+    )
+    monkeypatch.setattr(
+        ops, "lu_solve", lambda LU, p, R: (calls.append("lu_solve"), torch.linalg.lu_solve(LU, p, R))[1], raising=False
+    )
     for solver, expect in (("auto", ["arrowhead"]), ("lu", ["lu_factor", "lu_solve"])):
         calls.clear()
         out = run(solver)
@@ -514,8 +638,8 @@ def test_sync_ablation_takes_every_T_as_T_max():
     x_multi, _ = c.aggregate(T_([0.0, 0.0]), U, [1, 1, 1], [0, 1, 2], [{"T": 0.5}, {"T": 0.2}, {"T": 0.05}])
     torch.testing.assert_close(x_sync, x_ref, atol=0, rtol=0)
     torch.testing.assert_close(a.I, b.I, atol=0, rtol=0)
-    assert (x_sync - x_multi).abs().max() > 1e-3          # multi-rate changes the result
-    assert info["max_extrap_ratio"] == 10.0               # still reports the clients' real spread
+    assert (x_sync - x_multi).abs().max() > 1e-3  # multi-rate changes the result
+    assert info["max_extrap_ratio"] == 10.0  # still reports the clients' real spread
     with pytest.raises(ValueError, match="sync"):
         FedECADO(sync="yes")
 
@@ -536,8 +660,10 @@ def _three_rounds(agg, dtype=D64):
 
 def test_solver_lu_is_a_tested_option():
     """solver="lu" (dense LU of the BE matrix via ops.lu_factor/lu_solve) gives the closed form's rounds."""
-    res = {s: _three_rounds(build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, solver=s))
-           for s in ("lu", "closed_form", "auto")}
+    res = {
+        s: _three_rounds(build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, solver=s))
+        for s in ("lu", "closed_form", "auto")
+    }
     for s in ("lu", "auto"):
         assert res[s][2] == res["closed_form"][2]
         torch.testing.assert_close(res[s][0], res["closed_form"][0], atol=1e-12, rtol=1e-12)
@@ -549,9 +675,13 @@ def test_solver_lu_is_a_tested_option():
 def test_grouped_options_and_flat_options_agree():
     import inspect
     from fedkernels.algorithms.fedecado.options import Ablations, Stepping
+
     flat = build("fedecado", num_clients=6, hessian="identity", delta=0.05, L=0.5, extrap="hold", growth=1.5)
-    grouped = FedECADO(stepping=Stepping(delta=0.05, L=0.5, growth=1.5),
-                       ablations=Ablations(hessian="identity", extrap="hold"), num_clients=6)
+    grouped = FedECADO(
+        stepping=Stepping(delta=0.05, L=0.5, growth=1.5),
+        ablations=Ablations(hessian="identity", extrap="hold"),
+        num_clients=6,
+    )
     assert flat.stepping == grouped.stepping and flat.ablations == grouped.ablations
     a, b = _three_rounds(flat), _three_rounds(grouped)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
@@ -559,7 +689,7 @@ def test_grouped_options_and_flat_options_agree():
     assert FedECADO(ablations=Ablations.PAPER_LITERAL, grad_weight="normalized").ablations.time_unit == "epoch"
     assert (Ablations.PAPER_LITERAL.grad_weight, Ablations.PAPER_LITERAL.time_unit) == ("paper", "epoch")
     lit = FedECADO(ablations=Ablations.PAPER_LITERAL, num_clients=4)
-    assert lit.client_payload(0)["w"] == 0.25          # w_i = p_i (the paper's units)
+    assert lit.client_payload(0)["w"] == 0.25  # w_i = p_i (the paper's units)
     # the signature lists every flat option (configs are checked against it)
     params = inspect.signature(FedECADO).parameters
     assert {"delta", "L", "extrap", "sync", "time_unit", "solver", "hbar"} <= set(params)
@@ -578,9 +708,9 @@ def test_validate_takes_the_base_screen_argument():
     x = torch.randn(7, generator=g, dtype=D64)
     agg = FedECADO(L=2.0, delta=1e-2, num_clients=3, hbar=0.5, on_bad_update="exclude")
     rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=False)
-    assert rin.K == 2 and not rin.excluded          # no NaN scan when screen=False
+    assert rin.K == 2 and not rin.excluded  # no NaN scan when screen=False
     rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=True)
-    assert rin.K == 1 and [e["client_id"] for e in rin.excluded] == [2]   # the NaN row (client id 2)
+    assert rin.K == 1 and [e["client_id"] for e in rin.excluded] == [2]  # the NaN row (client id 2)
 
 
 # ---- the round's finiteness: proved by the fused attempts' LTEs, else checked ---------------------
@@ -591,8 +721,7 @@ def test_round_with_non_finite_result_is_rolled_back(solver, caplog):
     (nothing committed), on the fused path as on the torch one."""
     agg = FedECADO(L=1.0, num_clients=4, max_backtracks=1, max_steps=2, solver=solver, hbar=1.0)
     x = torch.zeros(3)
-    new, info = agg.aggregate(x, torch.full((3, 3), 3e38), [1, 1, 1], [0, 1, 2],
-                              [{"T": 1.0}, {"T": 0.1}, {"T": 0.5}])
+    new, info = agg.aggregate(x, torch.full((3, 3), 3e38), [1, 1, 1], [0, 1, 2], [{"T": 1.0}, {"T": 0.1}, {"T": 0.5}])
     assert info.get("failed") is True and torch.equal(new, x)
     assert agg.t == 0.0 and agg.dt_prev is None and float(agg.I.abs().max()) == 0.0
     assert float(agg.S_all.abs().max()) == 0.0
@@ -609,8 +738,19 @@ def test_central_round_finite_flag():
     assert central_round(xc0, I, U, T, w, hb, 1.0, 0.1, 0.5)["finite"] is True
     assert central_round(xc0, I, U, T, w, hb, 1.0, 0.1, 0.5, solver="closed_form")["finite"] is False
     # updates near the float32 maximum, extrapolated 10x: the stored state overflows
-    r = central_round(torch.zeros(3), torch.zeros(3, 3), torch.full((3, 3), 3e38), [1.0, 0.1, 0.5], [1.0] * 3,
-                      [1.0] * 3, 1.0, 0.1, 1.0, max_backtracks=1, max_steps=2)
+    r = central_round(
+        torch.zeros(3),
+        torch.zeros(3, 3),
+        torch.full((3, 3), 3e38),
+        [1.0, 0.1, 0.5],
+        [1.0] * 3,
+        [1.0] * 3,
+        1.0,
+        0.1,
+        1.0,
+        max_backtracks=1,
+        max_steps=2,
+    )
     assert r["finite"] is False and not bool(torch.isfinite(r["xc"]).all())
 
 
@@ -618,6 +758,7 @@ def test_round_checks_the_result_only_when_unproved(monkeypatch):
     """A round of fused attempts with finite LTEs runs no finite_rows pass over its result (the screen
     of global_flat and of U is the round's only one); the torch path checks x_c and I."""
     from fedkernels import ops
+
     calls = []
     real = ops.finite_rows
     monkeypatch.setattr(ops, "finite_rows", lambda M: calls.append(tuple(M.shape)) or real(M))
@@ -626,7 +767,9 @@ def test_round_checks_the_result_only_when_unproved(monkeypatch):
     pl = [{"T": 0.1 * (k + 1)} for k in range(6)]
     for solver, extra in (("auto", []), ("closed_form", [(1, 7), (6, 7)])):
         calls.clear()
-        FedECADO(L=1.0, num_clients=6, solver=solver, hbar=1.0).aggregate(torch.zeros(7), U, [1] * 6, list(range(6)), pl)
+        FedECADO(L=1.0, num_clients=6, solver=solver, hbar=1.0).aggregate(
+            torch.zeros(7), U, [1] * 6, list(range(6)), pl
+        )
         assert calls == [(1, 7), (6, 7)] + extra, (solver, calls)
 
 
@@ -634,25 +777,26 @@ def test_flow_sums_make_no_K_x_d_float64_temporary(monkeypatch):
     """S_all's float64 sums of the round's flows (at its start and its end) go column chunk by chunk:
     the same bits as ``I.sum(0, dtype=float64)``, without converting all of I to float64 first."""
     from fedkernels.algorithms.fedecado import options as fo
+
     g = torch.Generator().manual_seed(8)
     K, d = 6, 50
     for shape in ((K, d), (1, 7), (13, 3), (5, 0)):
         X = torch.randn(*shape, generator=g) * torch.logspace(-4, 4, shape[1])
-        for chunk in (1, 7, 64, 10 ** 6):
+        for chunk in (1, 7, 64, 10**6):
             monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", chunk)
             assert torch.equal(fo.flow_sum(X), X.sum(0, dtype=torch.float64))
 
-    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 2 * K)       # 2 columns per chunk
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 2 * K)  # 2 columns per chunk
     U = torch.randn(K, d, generator=g) * 0.1
     pl = [{"T": 0.1 * (k + 1)} for k in range(K)]
     agg = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
-    agg.aggregate(torch.zeros(d), U, [1] * K, list(range(K)), pl)      # flows are now non-zero
+    agg.aggregate(torch.zeros(d), U, [1] * K, list(range(K)), pl)  # flows are now non-zero
     ref = FedECADO(L=1.0, num_clients=K + 2, hbar=1.0)
     ref.load_state_dict(agg.state_dict())
-    with torch.profiler.profile(record_shapes=True) as prof:     # (sees the copies inside torch's kernels)
+    with torch.profiler.profile(record_shapes=True) as prof:  # (sees the copies inside torch's kernels)
         new, _ = agg.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
     conv = [e.input_shapes for e in prof.events() if e.name == "aten::_to_copy"]
     assert conv and not any(s and s[0] == [K, d] for s in conv), conv
-    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 10 ** 6)      # one chunk: I.sum(0, dtype=float64) itself
+    monkeypatch.setitem(fo.FLOW_SUM_CHUNK, "cpu", 10**6)  # one chunk: I.sum(0, dtype=float64) itself
     want, _ = ref.aggregate(torch.zeros(d), U * 0.5, [1] * K, list(range(K)), pl)
     assert torch.equal(new, want) and torch.equal(agg.S_all, ref.S_all) and torch.equal(agg.I, ref.I)

@@ -2,6 +2,7 @@
 solve of spec fedecado.md §2.6 + the §2.7 LTE), against the torch composition in
 fedecado.be_step, spec §9 U2/U5d numbers, out buffers, NaN -> reject, opcheck, bad inputs, and the
 wiring into central_round / the FedECADO aggregator."""
+
 import math
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from fedkernels import ops, reference
 from fedkernels.algorithms import build
 from fedkernels.algorithms.fedecado import solver as fe
-from devices import DEV, DEVICES, cuda_only, gen, one_line, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEV, DEVICES, cuda_only, gen, one_line, settle  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 D64 = torch.float64
@@ -19,7 +20,7 @@ D64 = torch.float64
 
 def _inputs(K, d, seed, dtype=D64, S=True, hold=False):
     g = torch.Generator().manual_seed(seed)
-    rn = lambda *s: torch.randn(*s, generator=g, dtype=D64)   # noqa: E731
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=D64)  # noqa: E731
     T = torch.rand(K, generator=g, dtype=D64) * 1.9 + 0.1
     tl = float(torch.rand(1, generator=g, dtype=D64)) * float(T.max())
     dt = (0.02 + 0.98 * float(torch.rand(1, generator=g, dtype=D64))) * (float(T.max()) - tl)
@@ -28,14 +29,36 @@ def _inputs(K, d, seed, dtype=D64, S=True, hold=False):
     h = torch.rand(K, generator=g, dtype=D64) * 5
     thn, tho = fe.theta(T, tl + dt, "hold" if hold else "linear"), fe.theta(T, tl, "hold" if hold else "linear")
     ig = 1.0 / (1.0 / dt + w * h)
-    t = lambda x: x.to(dtype)   # noqa: E731
-    return dict(xc=t(rn(d)), Icur=t(rn(K, d)), xc0=t(rn(d)), U=t(rn(K, d)), Ik=t(rn(K, d)),
-                S_off=t(rn(d)) if S else None, theta_new=thn, theta_old=tho, inv_g=ig, dt=dt, L=L)
+    t = lambda x: x.to(dtype)  # noqa: E731
+    return dict(
+        xc=t(rn(d)),
+        Icur=t(rn(K, d)),
+        xc0=t(rn(d)),
+        U=t(rn(K, d)),
+        Ik=t(rn(K, d)),
+        S_off=t(rn(d)) if S else None,
+        theta_new=thn,
+        theta_old=tho,
+        inv_g=ig,
+        dt=dt,
+        L=L,
+    )
 
 
 def _args(a):
-    return (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["S_off"], a["theta_new"], a["theta_old"], a["inv_g"],
-            a["dt"], a["L"])
+    return (
+        a["xc"],
+        a["Icur"],
+        a["xc0"],
+        a["U"],
+        a["Ik"],
+        a["S_off"],
+        a["theta_new"],
+        a["theta_old"],
+        a["inv_g"],
+        a["dt"],
+        a["L"],
+    )
 
 
 def _close_lte(x, y, rtol):
@@ -44,8 +67,9 @@ def _close_lte(x, y, rtol):
 
 
 # ---- against the float64 reference (dense solve) --------------------------------------------------
-@pytest.mark.parametrize("K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65),
-                                 (200, 76), (300, 390)])   # (column chunks of the CPU kernel: 1 x 80, 208 + 182)
+@pytest.mark.parametrize(
+    "K,d", [(1, 1), (2, 7), (3, 1), (5, 1031), (10, 333), (33, 257), (70, 65), (200, 76), (300, 390)]
+)  # (column chunks of the CPU kernel: 1 x 80, 208 + 182)
 @pytest.mark.parametrize("S", [True, False])
 def test_matches_reference_f64(K, d, S):
     a = _inputs(K, d, seed=K * 100 + d, S=S)
@@ -70,7 +94,7 @@ def test_matches_reference_f32(K, d):
 
 def test_hold_theta_and_ecado_limit():
     a = _inputs(6, 301, seed=3, hold=True)
-    a["inv_g"] = torch.zeros(6, dtype=D64)   # ECADO limit: 1/g = 0, a_i = 1
+    a["inv_g"] = torch.zeros(6, dtype=D64)  # ECADO limit: 1/g = 0, a_i = 1
     xn, In, lte = ops.fedecado_be_step(*_args(a))
     rx, rI, rl = reference.fedecado_be_step(*_args(a))
     torch.testing.assert_close(xn, rx, rtol=1e-12, atol=1e-12)
@@ -82,14 +106,14 @@ def test_noncontiguous_inputs():
     K, d = 5, 211
     a = _inputs(K, d, seed=11)
     big = torch.randn(K, 2 * d + 3, dtype=D64)
-    big[:, 3:d + 3] = a["U"]
+    big[:, 3 : d + 3] = a["U"]
     Ibig = torch.randn(2 * K, d, dtype=D64)
     Ibig[::2] = a["Icur"]
     b = dict(a)
-    b["U"] = big[:, 3:d + 3]                      # row stride 2d + 3 (column chunk of a buffer)
-    b["Icur"] = Ibig[::2]                         # every other row
-    b["Ik"] = a["Ik"].t().contiguous().t()        # column-major: copied once by the wrapper
-    b["xc"] = torch.stack([a["xc"], a["xc"]], 1)[:, 0]   # stride 2
+    b["U"] = big[:, 3 : d + 3]  # row stride 2d + 3 (column chunk of a buffer)
+    b["Icur"] = Ibig[::2]  # every other row
+    b["Ik"] = a["Ik"].t().contiguous().t()  # column-major: copied once by the wrapper
+    b["xc"] = torch.stack([a["xc"], a["xc"]], 1)[:, 0]  # stride 2
     b["theta_new"] = torch.stack([a["theta_new"], a["theta_new"]], 1)[:, 1]
     assert not b["U"].is_contiguous() and not b["Icur"].is_contiguous() and not b["xc"].is_contiguous()
     x1, I1, l1 = ops.fedecado_be_step(*_args(a))
@@ -109,8 +133,14 @@ def test_bits_do_not_depend_on_the_column_position(K, dtype):
         a = _inputs(K, d, seed=K * 1000 + d, dtype=dtype, S=d % 2 == 0)
         dw = (d + 15) // 16 * 16 + 16
         idx = torch.arange(dw) % d
-        w = {k: (v[..., idx] if isinstance(v, torch.Tensor) and v.shape[-1] == d and k not in
-                 ("theta_new", "theta_old", "inv_g") else v) for k, v in a.items()}
+        w = {
+            k: (
+                v[..., idx]
+                if isinstance(v, torch.Tensor) and v.shape[-1] == d and k not in ("theta_new", "theta_old", "inv_g")
+                else v
+            )
+            for k, v in a.items()
+        }
         xn, In, lte = ops.fedecado_be_step(*_args(a))
         xw, Iw, ltew = ops.fedecado_be_step(*_args(w))
         assert torch.equal(xn, xw[:d]) and torch.equal(In, Iw[:, :d]), (K, d)
@@ -122,8 +152,19 @@ def test_bits_do_not_depend_on_the_column_position(K, dtype):
 @pytest.mark.parametrize("K,d", [(1, 9), (5, 777), (12, 2049)])
 def test_matches_torch_be_step(K, d, dtype):
     a = _inputs(K, d, seed=K + d, dtype=dtype)
-    args = (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"], a["L"],
-            a["S_off"])
+    args = (
+        a["xc"],
+        a["Icur"],
+        a["xc0"],
+        a["U"],
+        a["Ik"],
+        a["theta_new"],
+        a["theta_old"],
+        a["inv_g"],
+        a["dt"],
+        a["L"],
+        a["S_off"],
+    )
     xt, It, lct, lit = fe.be_step(*args, solver="closed_form")
     xf, If, lcf, lif = fe.be_step(*args, solver="fused")
     tol = 1e-12 if dtype == D64 else 2e-5
@@ -135,13 +176,13 @@ def test_matches_torch_be_step(K, d, dtype):
 def test_spec_u2_and_u5d():
     z, I0, U = torch.tensor([0.0], dtype=D64), torch.zeros(2, 1, dtype=D64), torch.tensor([[1.0], [3.0]], dtype=D64)
     thn, tho = fe.theta([1.0, 2.0], 1.0), fe.theta([1.0, 2.0], 0.0)
-    ig = 1.0 / (1.0 + torch.tensor([0.25, 0.75], dtype=D64))          # g = 1/dt + w hbar, dt = hbar = 1
+    ig = 1.0 / (1.0 + torch.tensor([0.25, 0.75], dtype=D64))  # g = 1/dt + w hbar, dt = hbar = 1
     xn, In, lte = ops.fedecado_be_step(z, I0, z, U, I0, None, thn, tho, ig, 1.0, 1.0)
     assert float(xn) == pytest.approx(299 / 434, abs=1e-14)
     torch.testing.assert_close(In[:, 0], torch.tensor([75 / 434, 224 / 434], dtype=D64), atol=1e-14, rtol=0)
     _close_lte(lte.tolist(), [299 / 868, 224 / 868], 1e-13)
     xn, In, lte = ops.fedecado_be_step(z, I0, z, U, I0, None, thn, tho, torch.zeros(2, dtype=D64), 1.0, 1.0)
-    assert float(xn) == pytest.approx(5 / 6, abs=1e-14)                 # U5d: ECADO limit
+    assert float(xn) == pytest.approx(5 / 6, abs=1e-14)  # U5d: ECADO limit
     torch.testing.assert_close(In[:, 0], torch.tensor([1 / 6, 2 / 3], dtype=D64), atol=1e-14, rtol=0)
     _close_lte(lte.tolist(), [5 / 12, 1 / 3], 1e-13)
 
@@ -163,9 +204,9 @@ def test_nan_forces_rejection():
     a = _inputs(4, 300, seed=9)
     a["U"][2, 123] = math.nan
     _, _, lte = ops.fedecado_be_step(*_args(a))
-    assert math.isinf(lte[1]) and lte[1] > 0                  # e_2 is NaN at column 123
+    assert math.isinf(lte[1]) and lte[1] > 0  # e_2 is NaN at column 123
     a = _inputs(4, 300, seed=9)
-    a["xc"][17] = math.nan                                   # x' NaN -> every I' NaN -> dsum NaN
+    a["xc"][17] = math.nan  # x' NaN -> every I' NaN -> dsum NaN
     _, _, lte = ops.fedecado_be_step(*_args(a))
     assert math.isinf(lte[0]) and math.isinf(lte[1])
     _, _, rl = reference.fedecado_be_step(*_args(a))
@@ -181,21 +222,31 @@ def test_empty_d():
 # ---- opcheck and bad inputs -----------------------------------------------------------------------
 @pytest.mark.parametrize("dev", DEVICES)
 def test_opcheck(dev):
-    def on(a):   # the [d] and [K, d] tensors on dev; theta_new, theta_old, inv_g stay host coefficients
-        return {k: v.contiguous().to(dev) if isinstance(v, torch.Tensor) and k not in ("theta_new", "theta_old", "inv_g")
-                else v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    def on(a):  # the [d] and [K, d] tensors on dev; theta_new, theta_old, inv_g stay host coefficients
+        return {
+            k: v.contiguous().to(dev)
+            if isinstance(v, torch.Tensor) and k not in ("theta_new", "theta_old", "inv_g")
+            else v.contiguous()
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in a.items()
+        }
+
     args = _args(on(_inputs(3, 70, seed=2)))
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, args)
     a32 = _inputs(3, 70, seed=2, dtype=torch.float32, S=False)
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step.default, _args(on(a32)))
-    outs = (torch.empty(70, dtype=D64, device=dev), torch.empty(3, 70, dtype=D64, device=dev),
-            torch.empty(2, dtype=D64, device=dev))
+    outs = (
+        torch.empty(70, dtype=D64, device=dev),
+        torch.empty(3, 70, dtype=D64, device=dev),
+        torch.empty(2, dtype=D64, device=dev),
+    )
     torch.library.opcheck(torch.ops.fedkernels.fedecado_be_step_out.default, args + outs)
 
 
 def test_bad_inputs():
     a = _inputs(3, 20, seed=4)
-    f = lambda **kw: ops.fedecado_be_step(*_args({**a, **kw}))   # noqa: E731
+    f = lambda **kw: ops.fedecado_be_step(*_args({**a, **kw}))  # noqa: E731
     with pytest.raises(ValueError, match="Icur must have shape"):
         f(Icur=torch.zeros(2, 20, dtype=D64))
     with pytest.raises(ValueError, match="Ik must have U's dtype"):
@@ -234,8 +285,21 @@ def test_bad_inputs():
     with pytest.raises(RuntimeError, match="dt must be finite"):
         torch.ops.fedkernels.fedecado_be_step(*_args({**a, "dt": -1.0}))
     with pytest.raises(ValueError, match="solver='fused' needs"):
-        fe.be_step(a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"],
-                   a["L"], a["S_off"], lte_norm="rms", solver="fused")
+        fe.be_step(
+            a["xc"],
+            a["Icur"],
+            a["xc0"],
+            a["U"],
+            a["Ik"],
+            a["theta_new"],
+            a["theta_old"],
+            a["inv_g"],
+            a["dt"],
+            a["L"],
+            a["S_off"],
+            lte_norm="rms",
+            solver="fused",
+        )
 
 
 # ---- wiring: central_round and the aggregator -----------------------------------------------------
@@ -261,13 +325,17 @@ def test_central_round_fused_vs_composition(dtype, monkeypatch):
     res = fe.central_round(xc0, I, U, T, w, [1.0] * 4, solver="auto", **kw)
     assert len(calls) == res["steps"] + res["rejects"] and res["rejects"] > 0 and res["steps"] > 2
     ids = {(id(o[0]), id(o[1])) for o in calls}
-    assert len(ids) == 2                                                 # two reused buffer pairs
-    assert (res["steps"], res["rejects"], res["dt"], res["truncated"]) == \
-        (ref["steps"], ref["rejects"], ref["dt"], ref["truncated"])
+    assert len(ids) == 2  # two reused buffer pairs
+    assert (res["steps"], res["rejects"], res["dt"], res["truncated"]) == (
+        ref["steps"],
+        ref["rejects"],
+        ref["dt"],
+        ref["truncated"],
+    )
     tol = 1e-12 if dtype == D64 else 1e-5
     torch.testing.assert_close(res["xc"], ref["xc"], rtol=tol, atol=tol)
     torch.testing.assert_close(res["I"], ref["I"], rtol=tol, atol=tol)
-    assert torch.equal(I, _round_inputs(4, 501, seed=1, dtype=dtype)[1])   # inputs untouched
+    assert torch.equal(I, _round_inputs(4, 501, seed=1, dtype=dtype)[1])  # inputs untouched
 
 
 def test_central_round_forced_step_fused():
@@ -308,39 +376,59 @@ def test_aggregator_unchanged(dtype):
 # Huge client updates of opposite signs: x' is 1e4 below its two terms (~4e295). The op and the dense
 # reference both round correctly relative to the terms, yet differ by 1e-13 of |x'|: the oracle's bound is
 # relative to the magnitude of the summed terms, not to |x'| + 1 (fuzz_oracle.be_step_bounds).
-FUZZ_CASE = {"target": "op:fedecado_be_step", "seed": 1410940040, "K": 2, "d": 64, "dtype": "fp64", "kind": "huge",
-             "layout": "contig", "use_out": False}
+FUZZ_CASE = {
+    "target": "op:fedecado_be_step",
+    "seed": 1410940040,
+    "K": 2,
+    "d": 64,
+    "dtype": "fp64",
+    "kind": "huge",
+    "layout": "contig",
+    "use_out": False,
+}
 
 
 def _cancelling_args():
-    t = lambda *v: torch.tensor(v, dtype=D64)   # noqa: E731
-    return (t(1.5999165775357946), t(0.01716414046526393, 0.011973304835373358).reshape(2, 1),
-            t(-0.4670004855852071), t(-9.704637310295126e+298, 8.613341695991379e+298).reshape(2, 1),
-            t(-0.010244733396060236, -0.016639666458889132).reshape(2, 1), t(0.0013878916732588831),
-            [0.5186634636307912, 0.582027459227225], [0.2593317318153956, 0.2910137296136125],
-            [0.46839750679329606, 0.3201046438960701], 0.05, 3.0)
+    t = lambda *v: torch.tensor(v, dtype=D64)  # noqa: E731
+    return (
+        t(1.5999165775357946),
+        t(0.01716414046526393, 0.011973304835373358).reshape(2, 1),
+        t(-0.4670004855852071),
+        t(-9.704637310295126e298, 8.613341695991379e298).reshape(2, 1),
+        t(-0.010244733396060236, -0.016639666458889132).reshape(2, 1),
+        t(0.0013878916732588831),
+        [0.5186634636307912, 0.582027459227225],
+        [0.2593317318153956, 0.2910137296136125],
+        [0.46839750679329606, 0.3201046438960701],
+        0.05,
+        3.0,
+    )
 
 
 def _exact_x(args):
     """x' of the header's formula in exact rational arithmetic (inputs taken as the exact doubles)."""
     from fractions import Fraction as F
+
     xc, Icur, xc0, U, Ik, S, thn, tho, ig, dt, L = args
     c = F(dt) / F(L)
     a = [1 + c * F(g) for g in ig]
-    r = [F(Icur[i, 0].item()) + c * (F(xc0[0].item()) + F(thn[i]) * F(U[i, 0].item()) + F(ig[i]) * F(Ik[i, 0].item()))
-         for i in range(len(a))]
+    r = [
+        F(Icur[i, 0].item()) + c * (F(xc0[0].item()) + F(thn[i]) * F(U[i, 0].item()) + F(ig[i]) * F(Ik[i, 0].item()))
+        for i in range(len(a))
+    ]
     den = 1 + F(dt) * c * sum(1 / ai for ai in a)
     return float((F(xc[0].item()) + F(dt) * F(S[0].item()) + F(dt) * sum(ri / ai for ri, ai in zip(r, a))) / den)
 
 
 def test_huge_cancelling_updates_within_error_bound():
-    import fuzz_oracle as fuzz   # tests/fuzz_oracle.py: the campaign's checker
+    import fuzz_oracle as fuzz  # tests/fuzz_oracle.py: the campaign's checker
+
     args = _cancelling_args()
     got, ref = ops.fedecado_be_step(*args), reference.fedecado_be_step(*args)
     tol_x, _, _ = fuzz.be_step_bounds(args, D64)
     ex = _exact_x(args)
     assert abs(got[0].item() - ex) <= tol_x.item() and abs(ref[0].item() - ex) <= tol_x.item()
-    old_bound = 64 * (2 + 2) * torch.finfo(D64).eps * (abs(ref[0].item()) + 1.0)   # relative to |x'|: rejected
+    old_bound = 64 * (2 + 2) * torch.finfo(D64).eps * (abs(ref[0].item()) + 1.0)  # relative to |x'|: rejected
     assert abs(got[0].item() - ref[0].item()) > old_bound
     fuzz.check_fedecado_be_step(args, got, ref, D64)
     assert fuzz.execute(FUZZ_CASE) == ("ok", "")
@@ -361,20 +449,39 @@ def test_torch_attempt_brings_both_lte_norms_in_one_host_copy(monkeypatch, norm)
     attempt's device values have U's dtype, float32 here; the per-client vectors are float64 host
     tensors on every device: their reads are not counted.)"""
     a = _inputs(6, 301, seed=3, dtype=torch.float32)
-    args = (a["xc"], a["Icur"], a["xc0"], a["U"], a["Ik"], a["theta_new"], a["theta_old"], a["inv_g"], a["dt"], a["L"],
-            a["S_off"])
+    args = (
+        a["xc"],
+        a["Icur"],
+        a["xc0"],
+        a["U"],
+        a["Ik"],
+        a["theta_new"],
+        a["theta_old"],
+        a["inv_g"],
+        a["dt"],
+        a["L"],
+        a["S_off"],
+    )
     reads = []
     for name in ("__float__", "item", "tolist", "cpu", "__bool__"):
         real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *x, _r=real, _n=name, **k:
-                            (self.dtype == torch.float32 and reads.append(_n)) or _r(self, *x, **k))
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda self, *x, _r=real, _n=name, **k: (
+                (self.dtype == torch.float32 and reads.append(_n)) or _r(self, *x, **k)
+            ),
+        )
     xn, In, lc, li = fe.be_step(*args, lte_norm=norm, solver="closed_form")
     assert reads == ["tolist"], reads
     monkeypatch.undo()
     D = In - a["Icur"]
     want_c = 0.5 * a["dt"] * float(fe._norm(D.sum(0), norm))
-    e = a["U"] * (a["theta_new"] - a["theta_old"]).float().unsqueeze(1) - D * a["inv_g"].float().unsqueeze(1) \
+    e = (
+        a["U"] * (a["theta_new"] - a["theta_old"]).float().unsqueeze(1)
+        - D * a["inv_g"].float().unsqueeze(1)
         - (xn - a["xc"]).unsqueeze(0)
+    )
     assert lc == want_c
     assert abs(li - 0.5 * a["dt"] / a["L"] * float(fe._norm(e, norm).max())) <= 1e-6 * max(li, 1e-30)
 
@@ -385,7 +492,9 @@ def test_central_round_checks_the_window_once(monkeypatch):
     xc0, I, U, T, w, S = _round_inputs(4, 301, seed=5, dtype=D64)
     windows, singles = [], []
     real_init = ops.BEStepWindow.__init__
-    monkeypatch.setattr(ops.BEStepWindow, "__init__", lambda self, *a, **k: windows.append(1) or real_init(self, *a, **k))
+    monkeypatch.setattr(
+        ops.BEStepWindow, "__init__", lambda self, *a, **k: windows.append(1) or real_init(self, *a, **k)
+    )
     monkeypatch.setattr(ops, "fedecado_be_step", lambda *a, **k: singles.append(1))
     res = fe.central_round(xc0, I, U, T, w, [1.0] * 4, L=0.5, delta=0.02, dt_init=max(T), S_off=S)
     assert windows == [1] and not singles and res["steps"] + res["rejects"] > 3
@@ -394,12 +503,13 @@ def test_central_round_checks_the_window_once(monkeypatch):
 @cuda_only
 def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
     import warnings
+
     if not fedkernels_cuda():
         pytest.skip("fedkernels built without CUDA")
     xc0, I, U, T, w, S = _round_inputs(5, 4099, seed=6, dtype=D64)
     kw = dict(L=0.5, delta=0.02, dt_init=max(T))
     ref = fe.central_round(xc0, I, U, T, w, [1.0] * 5, S_off=S, **kw)
-    c = lambda t: t.cuda()   # noqa: E731
+    c = lambda t: t.cuda()  # noqa: E731
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -411,11 +521,12 @@ def test_central_round_on_gpu_is_fused_with_one_sync_per_attempt():
     syncs = [str(m.message) for m in rec if "synchroniz" in str(m.message).lower()]
     assert res["finite"] is True and len(syncs) <= res["steps"] + res["rejects"], syncs
     assert (res["steps"], res["rejects"]) == (ref["steps"], ref["rejects"])
-    torch.testing.assert_close(res["xc"].cpu(), ref["xc"], rtol=1e-9, atol=1e-9)   # (GPU vs CPU rounding, ~16 steps)
+    torch.testing.assert_close(res["xc"].cpu(), ref["xc"], rtol=1e-9, atol=1e-9)  # (GPU vs CPU rounding, ~16 steps)
 
 
 def fedkernels_cuda():
     import fedkernels
+
     return bool(fedkernels.build_info().get("cuda"))
 
 
@@ -423,14 +534,25 @@ def fedkernels_cuda():
 @pytest.mark.parametrize("dev", DEVICES)
 def _be_inputs(dev, K, d, dtype, seed):
     g = gen(seed)
-    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)   # noqa: E731
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
     tl = 0.3 * float(T.max())
     dt = 0.5 * (float(T.max()) - tl)
     ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
-    on = lambda x: x.to(dtype).to(dev)   # noqa: E731
-    return [on(rn(d)), on(rn(K, d)), on(rn(d)), on(rn(K, d)), on(rn(K, d)), on(rn(d)),
-            (tl + dt) / T, tl / T, ig, dt, 1.7]
+    on = lambda x: x.to(dtype).to(dev)  # noqa: E731
+    return [
+        on(rn(d)),
+        on(rn(K, d)),
+        on(rn(d)),
+        on(rn(K, d)),
+        on(rn(K, d)),
+        on(rn(d)),
+        (tl + dt) / T,
+        tl / T,
+        ig,
+        dt,
+        1.7,
+    ]
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -460,12 +582,16 @@ def test_be_step_noncontiguous_out_nan_deterministic(dev):
     big = torch.zeros(K, d + 5, device=dev)
     big[:, 5:] = args[3]
     a2 = list(args)
-    a2[3] = big[:, 5:]                                  # row-strided column chunk
+    a2[3] = big[:, 5:]  # row-strided column chunk
     x1, I1, l1 = ops.fedecado_be_step(*args)
-    xo, Io, lo = torch.empty(d, device=dev), torch.empty(K, d, device=dev), torch.empty(2, dtype=torch.float64, device=dev)
+    xo, Io, lo = (
+        torch.empty(d, device=dev),
+        torch.empty(K, d, device=dev),
+        torch.empty(2, dtype=torch.float64, device=dev),
+    )
     ops.fedecado_be_step(*a2, out=(xo, Io), lte_out=lo)
     assert torch.equal(xo, x1) and torch.equal(Io, I1) and torch.equal(lo, l1)
-    for _ in range(3):                                  # atomicMax of a max: bitwise repeatable
+    for _ in range(3):  # atomicMax of a max: bitwise repeatable
         x2, I2, l2 = ops.fedecado_be_step(*args)
         assert torch.equal(x2, x1) and torch.equal(I2, I1) and torch.equal(l2, l1)
     a3 = list(args)
@@ -484,19 +610,39 @@ def test_bad_args_fedecado_be_step(dev):
         a = list(args)
         a[i] = v
         return a
-    one_line(ValueError, r"fedecado_be_step: Icur must have shape \[K, d\] = \[4, 333\] .*got \(3, 333\)",
-             ops.fedecado_be_step, *with_(1, args[1][:3]))
-    one_line(RuntimeError, r"fedecado_be_step: Icur must be \[K, d\] = \[4, 333\], got \[3, 333\]",
-             F.fedecado_be_step, *with_(1, args[1][:3]))
-    one_line(ValueError, r"fedecado_be_step: dt must be a finite number > 0, got nan", ops.fedecado_be_step,
-             *with_(9, float("nan")))
-    one_line(RuntimeError, r"fedecado_be_step: dt must be finite and > 0, got -1", F.fedecado_be_step,
-             *with_(9, -1.0))
-    one_line(ValueError, r"fedecado_be_step: xc must have dtype torch.float64 .*got torch.float32",
-             ops.fedecado_be_step, *with_(0, args[0].float()))
+
+    one_line(
+        ValueError,
+        r"fedecado_be_step: Icur must have shape \[K, d\] = \[4, 333\] .*got \(3, 333\)",
+        ops.fedecado_be_step,
+        *with_(1, args[1][:3]),
+    )
+    one_line(
+        RuntimeError,
+        r"fedecado_be_step: Icur must be \[K, d\] = \[4, 333\], got \[3, 333\]",
+        F.fedecado_be_step,
+        *with_(1, args[1][:3]),
+    )
+    one_line(
+        ValueError,
+        r"fedecado_be_step: dt must be a finite number > 0, got nan",
+        ops.fedecado_be_step,
+        *with_(9, float("nan")),
+    )
+    one_line(RuntimeError, r"fedecado_be_step: dt must be finite and > 0, got -1", F.fedecado_be_step, *with_(9, -1.0))
+    one_line(
+        ValueError,
+        r"fedecado_be_step: xc must have dtype torch.float64 .*got torch.float32",
+        ops.fedecado_be_step,
+        *with_(0, args[0].float()),
+    )
     if dev == DEV:
-        one_line(ValueError, r"fedecado_be_step: Ik must have U's dtype torch.float64 and device cuda.*on cpu",
-                 ops.fedecado_be_step, *with_(4, args[4].cpu()))
+        one_line(
+            ValueError,
+            r"fedecado_be_step: Ik must have U's dtype torch.float64 and device cuda.*on cpu",
+            ops.fedecado_be_step,
+            *with_(4, args[4].cpu()),
+        )
     xn, In, lte = ops.fedecado_be_step(*args)
     settle(dev)
     rx, rI, rl = reference.fedecado_be_step(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args])
@@ -513,12 +659,12 @@ def harness():
 
 def _be_case(K, d, dtype, seed, with_s=True):
     g = gen(seed)
-    rn = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64).to(dtype)   # noqa: E731
+    rn = lambda *sh: torch.randn(*sh, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
     T = torch.rand(K, generator=g, dtype=torch.float64) * 1.9 + 0.1
     tl = 0.3 * float(T.max())
     dt = 0.5 * (float(T.max()) - tl)
     ig = 1.0 / (1.0 / dt + torch.rand(K, generator=g, dtype=torch.float64) * 5)
-    ig[0] = 0.0                                                      # the ECADO limit for one client
+    ig[0] = 0.0  # the ECADO limit for one client
     return [rn(d), rn(K, d), rn(d), rn(K, d), rn(K, d), rn(d) if with_s else None, (tl + dt) / T, tl / T, ig, dt, 1.7]
 
 
@@ -527,13 +673,30 @@ def _be_emulate(harness, args, path, nt):
     K, d = U.shape
     c = dt / L
     ia = 1.0 / (1.0 + c * ig)
-    coef = torch.cat([thn, thn - tho, ig, ia])                        # what the glue uploads
+    coef = torch.cat([thn, thn - tho, ig, ia])  # what the glue uploads
     inv_den = 1.0 / (1.0 + dt * c * float(ia.sum()))
     A = 4 if U.dtype == torch.float32 else 8
-    ans = harness("bestep", A, path, nt, K, d, int(S is not None), c, dt, inv_den, coef, xc.double(),
-                  Icur.double(), xc0.double(), U.double(), Ik.double(), S.double() if S is not None else [])
+    ans = harness(
+        "bestep",
+        A,
+        path,
+        nt,
+        K,
+        d,
+        int(S is not None),
+        c,
+        dt,
+        inv_den,
+        coef,
+        xc.double(),
+        Icur.double(),
+        xc0.double(),
+        U.double(),
+        Ik.double(),
+        S.double() if S is not None else [],
+    )
     v = torch.tensor([hexf(x) for x in ans[1:]], dtype=torch.float64)
-    x, I, mc, me = v[:d], v[d:d + K * d].view(K, d), float(v[-2]), float(v[-1])
+    x, I, mc, me = v[:d], v[d : d + K * d].view(K, d), float(v[-2]), float(v[-1])
     return x.to(U.dtype), I.to(U.dtype), torch.tensor([0.5 * dt * mc, 0.5 * dt / L * me], dtype=torch.float64)
 
 
@@ -557,7 +720,7 @@ def test_be_step_paths_match_reference_and_cpu(harness, dtype, K, d, with_s):
     x, I, lte = outs[0]
     rx, rI, rl = reference.fedecado_be_step(*args)
     cx, cI, cl = torch.ops.fedkernels.fedecado_be_step(*args)
-    tol = 1e-12 if dtype == torch.float64 else 3e-6 * max(1, K ** 0.5)
+    tol = 1e-12 if dtype == torch.float64 else 3e-6 * max(1, K**0.5)
     torch.testing.assert_close(x.double(), rx, rtol=tol, atol=tol)
     torch.testing.assert_close(I.double(), rI, rtol=tol, atol=tol)
     torch.testing.assert_close(x.double(), cx.double(), rtol=tol, atol=tol)
@@ -582,6 +745,6 @@ def test_be_step_smem_plan(harness):
     assert harness("besmem", 33, 4, budget) == ["256", str(2 * 33 * 4 * 256)]
     assert harness("besmem", 100, 4, budget) == ["64", str(2 * 100 * 4 * 64)]
     assert harness("besmem", 100, 8, budget) == ["32", str(2 * 100 * 8 * 32)]
-    assert harness("besmem", 400, 8, budget)[0] == "32"             # 204800 bytes: beyond 96 KB, within the budget
-    assert harness("besmem", 460, 8, budget) == ["0", "0"]          # recomputing pass
+    assert harness("besmem", 400, 8, budget)[0] == "32"  # 204800 bytes: beyond 96 KB, within the budget
+    assert harness("besmem", 460, 8, budget) == ["0", "0"]  # recomputing pass
     assert harness("besmem", 900, 4, budget)[0] == "32" and harness("besmem", 910, 4, budget)[0] == "0"

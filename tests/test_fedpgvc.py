@@ -1,4 +1,5 @@
 """FedPGVC and FedPVR: spec docs/specs/fedpgvc.md §9 vectors, layer mask, client rules, server, state."""
+
 import math
 
 import pytest
@@ -37,8 +38,9 @@ def local_train(agg, model, batches, lr, loss_fn=None, client_id=0, payload=None
     g0 = spec.flatten(model).clone()
     rule = agg.client_rule()
     pl = payload if payload is not None else agg.client_payload(client_id)
-    ctx = ClientContext(client_id, agg.round, g0, spec, lr, sum(len(b[1]) for b in batches), pl,
-                        extras=dict(extras or {}))
+    ctx = ClientContext(
+        client_id, agg.round, g0, spec, lr, sum(len(b[1]) for b in batches), pl, extras=dict(extras or {})
+    )
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr)
     if rule is not None:
         rule.begin(ctx, model)
@@ -74,12 +76,15 @@ def logistic(w=0.5, b=-0.25):
 U1_X, U1_Y = T([[1.0], [-2.0]]), T([1.0, 0.0])
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("sgd", [0.544161188838, -0.239243831986]),
-    ("hadamard", [0.491954513797, -0.251054401178]),
-    ("paper_literal", [0.491954513797, -0.251054401178]),
-    ("additive", [0.562379643582, -0.229441073451]),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("sgd", [0.544161188838, -0.239243831986]),
+        ("hadamard", [0.491954513797, -0.251054401178]),
+        ("paper_literal", [0.491954513797, -0.251054401178]),
+        ("additive", [0.562379643582, -0.229441073451]),
+    ],
+)
 def test_u1_logistic_one_step(mode, expected):
     agg = FedPGVC(n_ctrl=0 if mode == "sgd" else 1, mode="hadamard" if mode == "sgd" else mode, loss_fn=bce)
     m = logistic()
@@ -87,8 +92,9 @@ def test_u1_logistic_one_step(mode, expected):
     got = torch.cat([m.weight.reshape(-1), m.bias]).detach()
     torch.testing.assert_close(got, T(expected), atol=1e-11, rtol=0)
     if mode == "hadamard":
-        torch.testing.assert_close(torch.cat([r.reshape(-1) for r in rule.last_rho]),
-                                   T([-0.182184547434, -0.098027585350]), atol=1e-11, rtol=0)
+        torch.testing.assert_close(
+            torch.cat([r.reshape(-1) for r in rule.last_rho]), T([-0.182184547434, -0.098027585350]), atol=1e-11, rtol=0
+        )
 
 
 def test_u1_loss_ordering_documents_non_descent():
@@ -96,6 +102,7 @@ def test_u1_loss_ordering_documents_non_descent():
         m = logistic()
         local_train(FedPGVC(n_ctrl=n_ctrl, mode=mode, loss_fn=bce), m, [(U1_X, U1_Y)], 0.1, loss_fn=bce)
         return float(bce(m(U1_X), U1_Y).mean().detach())
+
     init = float(bce(logistic()(U1_X), U1_Y).mean().detach())
     assert abs(init - 0.413934250612) < 1e-11
     sgd, add, had = loss_after("hadamard", 0), loss_after("additive", 1), loss_after("hadamard", 1)
@@ -107,10 +114,11 @@ def test_u1_loss_ordering_documents_non_descent():
 def test_u1b_single_sample_sign():
     m = logistic()
     local_train(FedPGVC(n_ctrl=1, loss_fn=bce), m, [(T([[1.0]]), T([1.0]))], 0.1, loss_fn=bce)
-    torch.testing.assert_close(torch.cat([m.weight.reshape(-1), m.bias]).detach(),
-                               T([0.488959850874, -0.261040149126]), atol=1e-11, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([m.weight.reshape(-1), m.bias]).detach(), T([0.488959850874, -0.261040149126]), atol=1e-11, rtol=0
+    )
     g = torch.Generator().manual_seed(0)
-    for trial in range(20):   # property: with B = 1, hadamard never increases a controlled parameter
+    for trial in range(20):  # property: with B = 1, hadamard never increases a controlled parameter
         net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
         before = [p.detach().clone() for p in net.parameters()]
         x = torch.randn(1, 4, generator=g, dtype=D64)
@@ -134,20 +142,37 @@ def u2_head():
     return m
 
 
-@pytest.mark.parametrize("mode,W,b", [
-    ("hadamard", [[1.005042938753e-4, -0.112641119199], [-0.006500985963, 0.035115036318],
-                  [-0.679603645708, -0.293949008301]], [0.068744565007, -0.131668315054, -0.133997686699]),
-    ("additive", [[-0.443125945303, -0.267975220219], [-0.121480757119, -0.446371652845],
-                  [0.364606702422, 1.014346873064]], [0.351495391007, -0.524208868005, 0.172713476998]),
-])
+@pytest.mark.parametrize(
+    "mode,W,b",
+    [
+        (
+            "hadamard",
+            [
+                [1.005042938753e-4, -0.112641119199],
+                [-0.006500985963, 0.035115036318],
+                [-0.679603645708, -0.293949008301],
+            ],
+            [0.068744565007, -0.131668315054, -0.133997686699],
+        ),
+        (
+            "additive",
+            [[-0.443125945303, -0.267975220219], [-0.121480757119, -0.446371652845], [0.364606702422, 1.014346873064]],
+            [0.351495391007, -0.524208868005, 0.172713476998],
+        ),
+    ],
+)
 def test_u2_softmax_head(mode, W, b):
     m = u2_head()
     _, _, rule = local_train(FedPGVC(n_ctrl=1, mode=mode), m, [(U2_H, U2_Y)], 0.5)
     torch.testing.assert_close(m.weight.detach(), T(W), atol=1e-11, rtol=0)
     torch.testing.assert_close(m.bias.detach(), T(b), atol=1e-11, rtol=0)
     rW, rb = rule.last_rho
-    torch.testing.assert_close(rW, T([[0.760650368762, 0.222136425973], [0.163380666722, 0.911600938410],
-                                      [-0.924031035484, -1.133737364383]]), atol=1e-11, rtol=0)
+    torch.testing.assert_close(
+        rW,
+        T([[0.760650368762, 0.222136425973], [0.163380666722, 0.911600938410], [-0.924031035484, -1.133737364383]]),
+        atol=1e-11,
+        rtol=0,
+    )
     torch.testing.assert_close(rb, T([-0.278681080479, 0.631252350694, -0.352571270216]), atol=1e-11, rtol=0)
     assert abs(float(rW.mean())) < 1e-14 and abs(float(rb.mean())) < 1e-14
 
@@ -171,7 +196,7 @@ def test_layer_scalar_norm_and_layer_normalize():
         ell = F.cross_entropy(m(x), y, reduction="none")
         ps = list(m[2].parameters())
         g = torch.autograd.grad(ell.mean(), ps, retain_graph=True)
-        rho = torch.autograd.grad(0.5 * (ell ** 2).mean(), ps)
+        rho = torch.autograd.grad(0.5 * (ell**2).mean(), ps)
         s = [r.norm() for r in rho] if mode == "layer_scalar" else [0.7 / gi.norm() for gi in g]
         exp = [p.detach() - 0.1 * si * gi for p, si, gi in zip(ps, s, g)]
         g_first = torch.autograd.grad(F.cross_entropy(m(x), y), list(m[0].parameters()))
@@ -197,25 +222,29 @@ def test_u3_two_layer_rho():
     # explicit per-sample sum (the definition), independent of the rule
     rho_ex = [torch.zeros_like(p) for p in params]
     for b in range(3):
-        lb = F.cross_entropy(net(X[b:b + 1]), Y[b:b + 1])
+        lb = F.cross_entropy(net(X[b : b + 1]), Y[b : b + 1])
         gb = torch.autograd.grad(lb, params)
         for acc, gi in zip(rho_ex, gb):
             acc.add_(float(lb.detach()) * gi / 3)
     agg = FedPGVC(n_ctrl=2, mode="hadamard")
     _, _, rule = local_train(agg, net, [(X, Y)], 0.0)
     rW1, rb1, rW2, rb2 = rule.last_rho
-    torch.testing.assert_close(rW1, T([[0.258408166716, 0.289133222794], [-0.097512515742, -0.109106876526], [0, 0]]),
-                               atol=1e-11, rtol=0)
+    torch.testing.assert_close(
+        rW1, T([[0.258408166716, 0.289133222794], [-0.097512515742, -0.109106876526], [0, 0]]), atol=1e-11, rtol=0
+    )
     torch.testing.assert_close(rb1, T([0.462895937939, -0.174677712430, 0]), atol=1e-11, rtol=0)
-    torch.testing.assert_close(rW2, T([[0.563934398142, 0.598156311339, 0], [-0.563934398142, -0.598156311339, 0]]),
-                               atol=1e-11, rtol=0)
+    torch.testing.assert_close(
+        rW2, T([[0.563934398142, 0.598156311339, 0], [-0.563934398142, -0.598156311339, 0]]), atol=1e-11, rtol=0
+    )
     torch.testing.assert_close(rb2, T([0.436694281075, -0.436694281075]), atol=1e-11, rtol=0)
     for r, e in zip(rule.last_rho, rho_ex):
         torch.testing.assert_close(r, e, atol=1e-15, rtol=0)
-    torch.testing.assert_close(g[0], T([[0.220649824713, 0.334702060747], [-0.083264084797, -0.126302664433], [0, 0]]),
-                               atol=1e-11, rtol=0)
-    torch.testing.assert_close(g[2], T([[0.432088890430, 0.490777130531, 0], [-0.432088890430, -0.490777130531, 0]]),
-                               atol=1e-11, rtol=0)
+    torch.testing.assert_close(
+        g[0], T([[0.220649824713, 0.334702060747], [-0.083264084797, -0.126302664433], [0, 0]]), atol=1e-11, rtol=0
+    )
+    torch.testing.assert_close(
+        g[2], T([[0.432088890430, 0.490777130531, 0], [-0.432088890430, -0.490777130531, 0]]), atol=1e-11, rtol=0
+    )
     assert float(rW1[2].abs().max()) == 0.0 and float(rb1[2]) == 0.0
 
 
@@ -225,11 +254,14 @@ U4_Y = T([[1.5, -1.0], [0.5, -3.5], [2.0, -2.0]])
 U4_n = [10, 30, 60]
 
 
-@pytest.mark.parametrize("opts,expected", [
-    ({}, [1.333333333333, -2.166666666667]),
-    ({"server_lr": 0.5}, [1.166666666667, -2.083333333333]),
-    ({"weighting": "samples"}, [1.5, -2.35]),
-])
+@pytest.mark.parametrize(
+    "opts,expected",
+    [
+        ({}, [1.333333333333, -2.166666666667]),
+        ({"server_lr": 0.5}, [1.166666666667, -2.083333333333]),
+        ({"weighting": "samples"}, [1.5, -2.35]),
+    ],
+)
 def test_u4_server(opts, expected):
     new, _ = build("fedpgvc", **opts).aggregate(U4_w, U4_Y - U4_w, U4_n, payloads=PL(3))
     torch.testing.assert_close(new, T(expected), atol=1e-11, rtol=0)
@@ -273,12 +305,24 @@ def test_degenerate_rounds():
 
 # ---- §9 U5: one full round ---------------------------------------------------------------------
 U5 = {
-    "sgd": ([0.586335203438, -0.228504151531], [0.540580140620, -0.278104406467],
-            [0.563457672029, -0.253304278999], [0.531728836015, -0.251652139499]),
-    "hadamard": ([0.483709990318, -0.252115732441], [0.500094249856, -0.254014396114],
-                 [0.491902120087, -0.253065064277], [0.495951060043, -0.251532532139]),
-    "additive": ([0.619769366454, -0.209896975775], [0.540293574168, -0.306612501576],
-                 [0.580031470311, -0.258254738675], [0.540015735156, -0.254127369338]),
+    "sgd": (
+        [0.586335203438, -0.228504151531],
+        [0.540580140620, -0.278104406467],
+        [0.563457672029, -0.253304278999],
+        [0.531728836015, -0.251652139499],
+    ),
+    "hadamard": (
+        [0.483709990318, -0.252115732441],
+        [0.500094249856, -0.254014396114],
+        [0.491902120087, -0.253065064277],
+        [0.495951060043, -0.251532532139],
+    ),
+    "additive": (
+        [0.619769366454, -0.209896975775],
+        [0.540293574168, -0.306612501576],
+        [0.580031470311, -0.258254738675],
+        [0.540015735156, -0.254127369338],
+    ),
 }
 
 
@@ -287,8 +331,9 @@ def test_u5_full_round(mode):
     y1e, y2e, s1, s05 = U5[mode]
     data = [(T([[1.0], [-2.0]]), T([1.0, 0.0])), (T([[0.5], [3.0]]), T([0.0, 1.0]))]
     for eta_g, expected in ((1.0, s1), (0.5, s05)):
-        agg = FedPGVC(n_ctrl=0 if mode == "sgd" else 1, mode="hadamard" if mode == "sgd" else mode,
-                      loss_fn=bce, server_lr=eta_g)
+        agg = FedPGVC(
+            n_ctrl=0 if mode == "sgd" else 1, mode="hadamard" if mode == "sgd" else mode, loss_fn=bce, server_lr=eta_g
+        )
         rows, pls = [], []
         for k, (x, y) in enumerate(data):
             m = logistic()
@@ -310,7 +355,8 @@ def test_u7_step_modes():
     def step(mode, lam=1.0, c=None):
         u = pgvc_direction_([g.clone()], [rho], mode, lam)[0]
         return p - 0.1 * (u + (c if c is not None else 0))
-    torch.testing.assert_close(step("code"), T([0.95, 2.1, 2.8]))          # code = plain step
+
+    torch.testing.assert_close(step("code"), T([0.95, 2.1, 2.8]))  # code = plain step
     torch.testing.assert_close(step("hadamard"), T([0.995, 2.02, 3.06]))
     torch.testing.assert_close(step("additive", 0.5), T([0.945, 2.09, 2.815]))
     torch.testing.assert_close(step("code", c=corr), T([0.952, 2.1, 2.798]))
@@ -334,9 +380,14 @@ def test_code_mode_runs_plain_steps_then_shrinks():
     m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     m.load_state_dict(ref.state_dict())
     local_train(FedPGVC(n_ctrl=0), ref, [(x, y)], 0.1)
-    local_train(FedPGVC(n_ctrl=1, mode="code", code_eta=0.01, code_layers=["0", "2"]), m, [(x, y)], 0.1,
-                extras={"local_data": [(x, y)]})
-    torch.testing.assert_close(m[0].weight, ref[0].weight, atol=0, rtol=0)     # S_sgd: plain
+    local_train(
+        FedPGVC(n_ctrl=1, mode="code", code_eta=0.01, code_layers=["0", "2"]),
+        m,
+        [(x, y)],
+        0.1,
+        extras={"local_data": [(x, y)]},
+    )
+    torch.testing.assert_close(m[0].weight, ref[0].weight, atol=0, rtol=0)  # S_sgd: plain
     # S_gvc: every tensor of Keras layer j (here [Dense(relu), Dense], so "2" is j = 1) scaled by
     # 1 - eta * r_j, r_j = l_j * mean(G_j) with G_j the gradient of Keras tensor j (= 0.bias), at the final model
     # (each tensor of layer j by layer j's r_j, as the script does; not tensor t by its own r_t)
@@ -344,8 +395,9 @@ def test_code_mode_runs_plain_steps_then_shrinks():
     G = torch.autograd.grad(ell.sum(), list(ref.parameters()))
     r = float(ell[1].detach()) * float(G[1].mean())
     for t in (2, 3):
-        torch.testing.assert_close(list(m.parameters())[t].detach(),
-                                   (1 - 0.01 * r) * list(ref.parameters())[t].detach(), atol=1e-14, rtol=0)
+        torch.testing.assert_close(
+            list(m.parameters())[t].detach(), (1 - 0.01 * r) * list(ref.parameters())[t].detach(), atol=1e-14, rtol=0
+        )
 
 
 class KerasMLP(nn.Module):
@@ -361,9 +413,11 @@ class KerasMLP(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
 
 
-HAND = {"fc1": ([[0.5, -0.3], [0.2, 0.8], [-0.6, 0.1]], [0.1, -0.2, 0.3]),
-        "fc2": ([[0.4, -0.5, 0.3], [-0.2, 0.6, 0.7]], [0.05, -0.1]),
-        "fc3": ([[0.3, -0.4], [0.5, 0.2], [-0.7, 0.6]], [0.0, 0.1, -0.1])}
+HAND = {
+    "fc1": ([[0.5, -0.3], [0.2, 0.8], [-0.6, 0.1]], [0.1, -0.2, 0.3]),
+    "fc2": ([[0.4, -0.5, 0.3], [-0.2, 0.6, 0.7]], [0.05, -0.1]),
+    "fc3": ([[0.3, -0.4], [0.5, 0.2], [-0.7, 0.6]], [0.0, 0.1, -0.1]),
+}
 HAND_X = [[1.0, 0.5], [-0.5, 1.5], [2.0, -1.0], [0.3, 0.3], [-1.2, -0.4]]
 HAND_Y = [0, 2, 1, 1, 0]
 
@@ -372,20 +426,30 @@ def hand_script_shrink(eta):
     """The script's mapping written out in numpy float64 with a hand-written backward pass: r_j =
     l_j * mean(G_j), G_j = d(sum_s l_s)/d(Keras tensor j), j = Keras layer index (Flatten is 0)."""
     import numpy as np
+
     (W1, b1), (W2, b2), (W3, b3) = [(np.array(w), np.array(b)) for w, b in HAND.values()]
     ell, GW2, Gb2 = [], np.zeros_like(W2), np.zeros_like(b2)
     for x, y in zip(np.array(HAND_X), HAND_Y):
-        a1 = W1 @ x + b1; h1 = np.maximum(a1, 0)
-        a2 = W2 @ h1 + b2; h2 = np.maximum(a2, 0)
-        z = W3 @ h2 + b3; p = np.exp(z - z.max()); p /= p.sum()
+        a1 = W1 @ x + b1
+        h1 = np.maximum(a1, 0)
+        a2 = W2 @ h1 + b2
+        h2 = np.maximum(a2, 0)
+        z = W3 @ h2 + b3
+        p = np.exp(z - z.max())
+        p /= p.sum()
         ell.append(-np.log(p[y]))
-        d3 = p.copy(); d3[y] -= 1
+        d3 = p.copy()
+        d3[y] -= 1
         d2 = (W3.T @ d3) * (a2 > 0)
-        GW2 += np.outer(d2, h1); Gb2 += d2
+        GW2 += np.outer(d2, h1)
+        Gb2 += d2
     # Keras tensors: 0 W1, 1 b1, 2 W2, 3 b2, 4 W3, 5 b3; fc2 is layer j = 2, fc3 is layer j = 3
     r2, r3 = ell[2] * GW2.mean(), ell[3] * Gb2.mean()
-    return {"fc1": (W1, b1), "fc2": ((1 - eta * r2) * W2, (1 - eta * r2) * b2),
-            "fc3": ((1 - eta * r3) * W3, (1 - eta * r3) * b3)}, (r2, r3)
+    return {
+        "fc1": (W1, b1),
+        "fc2": ((1 - eta * r2) * W2, (1 - eta * r2) * b2),
+        "fc3": ((1 - eta * r3) * W3, (1 - eta * r3) * b3),
+    }, (r2, r3)
 
 
 def test_code_mode_hand_computation_of_the_script_mapping():
@@ -396,10 +460,15 @@ def test_code_mode_hand_computation_of_the_script_mapping():
             getattr(m, name).bias.copy_(T(b))
     X, Y = T(HAND_X).reshape(5, 1, 1, 2), torch.tensor(HAND_Y)
     exp, (r2, r3) = hand_script_shrink(0.5)
-    assert abs(r2) > 1e-3 and abs(r3) > 1e-3    # the classifier (fc3) is shrunk too, by r_3 of tensor b2
+    assert abs(r2) > 1e-3 and abs(r3) > 1e-3  # the classifier (fc3) is shrunk too, by r_3 of tensor b2
     # lr 0: the plain steps leave the model as it is; r from the whole local set, given in two chunks
-    local_train(FedPGVC(n_ctrl=2, mode="code", code_eta=0.5), m, [(X[:2], Y[:2])], 0.0,
-                extras={"local_data": [(X[:3], Y[:3]), (X[3:], Y[3:])]})
+    local_train(
+        FedPGVC(n_ctrl=2, mode="code", code_eta=0.5),
+        m,
+        [(X[:2], Y[:2])],
+        0.0,
+        extras={"local_data": [(X[:3], Y[:3]), (X[3:], Y[3:])]},
+    )
     for name, (w, b) in exp.items():
         torch.testing.assert_close(getattr(m, name).weight.detach(), T(w), atol=1e-14, rtol=0)
         torch.testing.assert_close(getattr(m, name).bias.detach(), T(b), atol=1e-14, rtol=0)
@@ -411,29 +480,48 @@ def test_code_mode_mapping_errors():
     with pytest.raises(ValueError, match="Keras layer list of Sequential"):
         local_train(FedPGVC(n_ctrl=1, mode="code"), net, [(x, y)], 0.1, extras={"local_data": [(x, y)]})
     with pytest.raises(ValueError, match=r"\['2'\] are missing"):
-        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "relu"]), net, [(x, y)], 0.1,
-                    extras={"local_data": [(x, y)]})
+        local_train(
+            FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "relu"]),
+            net,
+            [(x, y)],
+            0.1,
+            extras={"local_data": [(x, y)]},
+        )
     with pytest.raises(ValueError, match="local_data"):
         local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "2"]), net, [(x, y)], 0.1)
     # Keras index 5 > the 3 tensors' last index 3: the script's rho_i[j] would raise IndexError
     with pytest.raises(ValueError, match="no tensor 5"):
-        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "a", "b", "c", "d", "2"]), net, [(x, y)],
-                    0.1, extras={"local_data": [(x, y)]})
-    with pytest.raises(ValueError, match="has 1 local samples"):   # j = 1 needs a second sample
-        local_train(FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "2"]), net, [(x, y)], 0.1,
-                    extras={"local_data": [(x[:1], y[:1])]})
+        local_train(
+            FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "a", "b", "c", "d", "2"]),
+            net,
+            [(x, y)],
+            0.1,
+            extras={"local_data": [(x, y)]},
+        )
+    with pytest.raises(ValueError, match="has 1 local samples"):  # j = 1 needs a second sample
+        local_train(
+            FedPGVC(n_ctrl=1, mode="code", code_layers=["0", "2"]),
+            net,
+            [(x, y)],
+            0.1,
+            extras={"local_data": [(x[:1], y[:1])]},
+        )
 
 
-@pytest.mark.parametrize("name,size,n_ctrl,js,sources", [
-    ("lenet5", 28, 2, [6, 7], ["fc2.weight", "fc2.bias"]),                 # the script's create_cnn_model
-    ("lenet5", 28, 3, [5, 6, 7], ["fc1.bias", "fc2.weight", "fc2.bias"]),  # its mask [0,0,0,0,1,1,1,1]
-    ("digit_cnn_pgvc", 8, 2, [6, 7], ["fc2.weight", "fc2.bias"]),
-    ("lenet_keras", 28, 2, [6, 7], ["fc1.weight", "fc1.bias"]),            # build_lenet
-    ("mlp_pgvc", 8, 2, [2, 3], ["fc2.weight", "fc2.bias"]),                # [Flatten, Dense x 3]
-])
+@pytest.mark.parametrize(
+    "name,size,n_ctrl,js,sources",
+    [
+        ("lenet5", 28, 2, [6, 7], ["fc2.weight", "fc2.bias"]),  # the script's create_cnn_model
+        ("lenet5", 28, 3, [5, 6, 7], ["fc1.bias", "fc2.weight", "fc2.bias"]),  # its mask [0,0,0,0,1,1,1,1]
+        ("digit_cnn_pgvc", 8, 2, [6, 7], ["fc2.weight", "fc2.bias"]),
+        ("lenet_keras", 28, 2, [6, 7], ["fc1.weight", "fc1.bias"]),  # build_lenet
+        ("mlp_pgvc", 8, 2, [2, 3], ["fc2.weight", "fc2.bias"]),  # [Flatten, Dense x 3]
+    ],
+)
 def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
     from fedkernels.algorithms.fedpgvc.modes import code_plan
     from fedkernels.sim.models import build_model
+
     model = build_model(name, 10, 1, size)
     spec = FlatSpec.from_module(model)
     plan = code_plan(model, spec, controlled_entries(spec, n_ctrl))
@@ -448,9 +536,10 @@ def test_simulator_client_code_mode_uses_the_whole_local_set():
     from fedkernels.sim.client import ClientTrainer
     from fedkernels.sim.config import TrainConfig
     from fedkernels.sim.models import MLP
+
     torch.manual_seed(3)
     x, y = torch.randn(80, 1, 2, 2, dtype=D64), torch.randint(0, 3, (80,))
-    parts = [torch.arange(0, 80, 2), torch.arange(1, 80, 2)]          # client 1: the odd samples
+    parts = [torch.arange(0, 80, 2), torch.arange(1, 80, 2)]  # client 1: the odd samples
     model = MLP(4, 3, (5, 4)).double()
     spec = FlatSpec.from_module(model)
     tr = ClientTrainer(model, spec, x, y, parts, TrainConfig(epochs=1, batch_size=8, lr=0.1))
@@ -526,7 +615,7 @@ def test_mask_cnn5_and_norms():
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     spec = FlatSpec.from_module(net, include_buffers=True)
     names = [x.name for x in controlled_entries(spec, 2)]
-    assert names == ["2.weight", "2.bias", "3.weight", "3.bias", "4.weight", "4.bias"]   # LN between joins
+    assert names == ["2.weight", "2.bias", "3.weight", "3.bias", "4.weight", "4.bias"]  # LN between joins
     assert [x.name for x in controlled_entries(spec, 3)][:4] == ["0.weight", "0.bias", "1.weight", "1.bias"]
 
 
@@ -561,8 +650,16 @@ def test_nan_policy_skip_and_raise():
 
 
 def test_bad_options():
-    for kw in ({"mode": "x"}, {"n_ctrl": -1}, {"n_ctrl": "some"}, {"stat": "max"}, {"weighting": "w"},
-               {"server_rule": "q"}, {"nan_policy": "ignore"}, {"loss_clip": 0.0}):
+    for kw in (
+        {"mode": "x"},
+        {"n_ctrl": -1},
+        {"n_ctrl": "some"},
+        {"stat": "max"},
+        {"weighting": "w"},
+        {"server_rule": "q"},
+        {"nan_policy": "ignore"},
+        {"loss_clip": 0.0},
+    ):
         with pytest.raises(ValueError):
             FedPGVC(**kw)
     with pytest.raises(ValueError):
@@ -677,10 +774,17 @@ def test_pvr_bad_payload():
     with pytest.raises(BadUpdateError, match="delta_c"):
         agg.aggregate(w, U, [1, 1], [0, 1], [{"delta_c": torch.zeros(4, dtype=D64)}, {}])
     with pytest.raises(BadUpdateError, match="length"):
-        agg.aggregate(w, U, [1, 1], [0, 1], [{"delta_c": torch.zeros(4, dtype=D64)}, {"delta_c": torch.zeros(3, dtype=D64)}])
+        agg.aggregate(
+            w, U, [1, 1], [0, 1], [{"delta_c": torch.zeros(4, dtype=D64)}, {"delta_c": torch.zeros(3, dtype=D64)}]
+        )
     agg = FedPVR(n_ctrl="all", num_clients=3, on_bad_update="exclude")
-    new, info = agg.aggregate(w, U, [1, 1], [0, 1],
-                              [{"delta_c": torch.ones(4, dtype=D64)}, {"delta_c": torch.full((4,), float("nan"), dtype=D64)}])
+    new, info = agg.aggregate(
+        w,
+        U,
+        [1, 1],
+        [0, 1],
+        [{"delta_c": torch.ones(4, dtype=D64)}, {"delta_c": torch.full((4,), float("nan"), dtype=D64)}],
+    )
     assert [e["client_id"] for e in info["excluded"]] == [1]
     torch.testing.assert_close(agg.c, torch.full((4,), 1 / 3, dtype=D64))
     assert float(agg.c_table[1].abs().max()) == 0.0
@@ -697,12 +801,24 @@ def test_simulator_code_mode_workers_bit_identical_and_shrinks():
     from fedkernels.sim.server import Simulation
 
     def run(*extra):
-        cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                     "algorithm.name=fedpgvc", "algorithm.options.mode=code",
-                                                     "algorithm.options.code_eta=0.05", "bad_client_policy=raise", *extra])
+        cfg = apply_overrides(
+            presets.get("smoke"),
+            [
+                "threads=1",
+                "verbose=false",
+                "plots=false",
+                "progress=false",
+                "algorithm.name=fedpgvc",
+                "algorithm.options.mode=code",
+                "algorithm.options.code_eta=0.05",
+                "bad_client_policy=raise",
+                *extra,
+            ],
+        )
         s = Simulation(cfg, write_outputs=False)
         s.run()
         return s.global_flat.clone()
+
     one, two, plain = run(), run("workers=2"), run("algorithm.options.n_ctrl=0")
     assert torch.equal(one, two)
     assert not torch.equal(one, plain) and bool(torch.isfinite(one).all())
@@ -715,9 +831,19 @@ def test_simulator_code_mode_bad_layer_list_stops_at_setup():
     from fedkernels.sim.config import apply_overrides
     from fedkernels.sim.server import Simulation
 
-    cfg = apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                 "algorithm.name=fedpgvc", "algorithm.options.mode=code",
-                                                 "algorithm.options.code_layers=[nope]", "bad_client_policy=exclude"])
+    cfg = apply_overrides(
+        presets.get("smoke"),
+        [
+            "threads=1",
+            "verbose=false",
+            "plots=false",
+            "progress=false",
+            "algorithm.name=fedpgvc",
+            "algorithm.options.mode=code",
+            "algorithm.options.code_layers=[nope]",
+            "bad_client_policy=exclude",
+        ],
+    )
     s = Simulation(cfg, write_outputs=False)
     with pytest.raises(ValueError, match="code_layers"):
         s.setup()

@@ -1,10 +1,11 @@
 """finite_rows: the native op against the float64 reference."""
+
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES, FLOATS, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEVICES, FLOATS, gen, one_line, randn, settle  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -29,8 +30,11 @@ def sample_inputs(dev):
     of one and an Inf at the start of another; a float16 column chunk of a wider buffer (unaligned rows)."""
     U = randn(dev, 5, 300, seed=1)
     U[1, 299], U[3, 0] = float("nan"), float("inf")
-    return [[randn(dev, 1, 1, dtype=torch.float64, seed=2)], [U],
-            [randn(dev, 4, 1003, dtype=torch.float16, seed=3)[:, 1:1000]]]
+    return [
+        [randn(dev, 1, 1, dtype=torch.float64, seed=2)],
+        [U],
+        [randn(dev, 4, 1003, dtype=torch.float16, seed=3)[:, 1:1000]],
+    ]
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -68,8 +72,12 @@ def test_bad_args_finite_rows(dev):
     U = randn(dev, 6, 1001, seed=54)
     one_line(ValueError, r"finite_rows: U must be a 2-D \[K, d\] tensor, got shape \(1001,\)", ops.finite_rows, U[0])
     one_line(RuntimeError, r"finite_rows: U must be 2-D \[K, d\], got 1-D", torch.ops.fedkernels.finite_rows, U[0])
-    one_line(ValueError, r"finite_rows: U must have a floating dtype .*got torch.int32", ops.finite_rows,
-             torch.zeros(6, 3, dtype=torch.int32, device=dev))
+    one_line(
+        ValueError,
+        r"finite_rows: U must have a floating dtype .*got torch.int32",
+        ops.finite_rows,
+        torch.zeros(6, 3, dtype=torch.int32, device=dev),
+    )
     U[4, 999] = float("nan")
     ok = ops.finite_rows(U)
     settle(dev)
@@ -89,7 +97,7 @@ FR_TYPES = [(4, 4), (2, 8), (8, 2)]
 
 def _finite_case(harness, size, V, K, d, ld, u_off, bad_at, seed=0):
     U = torch.randn(K, ld, generator=gen(seed + K * 31 + d), dtype=torch.float64)
-    for (r, j, v) in bad_at:
+    for r, j, v in bad_at:
         U[r, j] = v
     ans = harness("finite", V, size, u_off, K, d, ld, U)
     ok = torch.tensor([a == "1" for a in ans[1:]])
@@ -105,8 +113,8 @@ def test_finite_rows_grid_nan_inf_at_tails(harness, size, V, K, d):
     chunk = 256 * 4 * V
     nan, inf = float("nan"), float("inf")
     cols = sorted({0, d - 1, min(chunk, d - 1), min(chunk - 1, d - 1)})
-    ld = -(-d // V) * V                                       # padded rows: 16-byte aligned
-    for u_off, want_vec in ((0, True), (size, False)):      # aligned base / misaligned base
+    ld = -(-d // V) * V  # padded rows: 16-byte aligned
+    for u_off, want_vec in ((0, True), (size, False)):  # aligned base / misaligned base
         for r in range(K):
             bad = [(r, cols[r % len(cols)], (nan, inf, -inf)[r % 3])] if r % 2 == 0 else []
             if K > 2 and r >= 2:
@@ -121,7 +129,7 @@ def test_finite_rows_grid_nan_inf_at_tails(harness, size, V, K, d):
 @pytest.mark.parametrize("size,V", FR_TYPES)
 def test_finite_rows_misaligned_rows_take_the_scalar_path(harness, size, V):
     K, d = 5, 3 * 256 * 4 * V + 3
-    ld = d + 2                                             # row stride not a multiple of 16 bytes
+    ld = d + 2  # row stride not a multiple of 16 bytes
     assert (ld * size) % 16
     bad = [(1, d - 1, float("nan")), (3, 256 * 4 * V, float("-inf")), (4, 0, float("inf"))]
     vec, ok, U = _finite_case(harness, size, V, K, d, ld, 0, bad)

@@ -1,4 +1,5 @@
 """Flower adapter: FedKernelsStrategy against Flower's own FedAvg, with Flower's objects."""
+
 import json
 
 import numpy as np
@@ -45,8 +46,12 @@ def _results(glob, K=5, seed=1, metrics=None, extra=None):
         if extra is not None:
             arrs = arrs + extra(k)
         m = metrics(k) if metrics else {}
-        out.append((Proxy(str(1000 + k)),
-                    FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), int(rng.integers(5, 60)), m)))
+        out.append(
+            (
+                Proxy(str(1000 + k)),
+                FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), int(rng.integers(5, 60)), m),
+            )
+        )
     return out
 
 
@@ -78,16 +83,28 @@ def test_fedavg_matches_flower_fedavg():
 def test_rounds_follow_configure_fit_and_keep_dtypes():
     rng = np.random.default_rng(3)
     glob = _arrays(rng)
-    glob[-1] = glob[-1].astype(np.float64)             # a float64 tensor keeps its dtype
+    glob[-1] = glob[-1].astype(np.float64)  # a float64 tensor keeps its dtype
     st = FedKernelsStrategy(algorithms.build("fedavgm", beta=0.5), min_fit_clients=1, min_available_clients=1)
     ref = algorithms.build("fedavgm", beta=0.5)
     x = torch.cat([torch.from_numpy(g.astype(np.float32)).reshape(-1) for g in glob])
     params = ndarrays_to_parameters(glob)
     for t in range(3):
-        st.set_global(params)                          # what configure_fit does
+        st.set_global(params)  # what configure_fit does
         res = _results(parameters_to_ndarrays(params), seed=10 + t)
-        U = torch.stack([torch.cat([torch.from_numpy(a.astype(np.float32)).reshape(-1)
-                                    for a in parameters_to_ndarrays(r.parameters)]) for _, r in res]) - x
+        U = (
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            torch.from_numpy(a.astype(np.float32)).reshape(-1)
+                            for a in parameters_to_ndarrays(r.parameters)
+                        ]
+                    )
+                    for _, r in res
+                ]
+            )
+            - x
+        )
         x, _ = ref.aggregate(x, U, [r.num_examples for _, r in res])
         params, _ = st.aggregate_fit(t + 1, res, [])
         arrs = parameters_to_ndarrays(params)
@@ -164,7 +181,7 @@ def _quad_client(arrays, payload, b, lr=0.05, tau=4):
     dc = -c + (x - y) / (tau * lr)
     out, off = [], 0
     for a in arrays:
-        out.append(y[off:off + a.size].reshape(a.shape).astype(a.dtype))
+        out.append(y[off : off + a.size].reshape(a.shape).astype(a.dtype))
         off += a.size
     return out, dc.astype(np.float32)
 
@@ -172,6 +189,7 @@ def _quad_client(arrays, payload, b, lr=0.05, tau=4):
 def test_client_payloads_scaffold_matches_direct_loop():
     from flwr.server.client_manager import SimpleClientManager
     from fedkernels.integrations.flower import unpack_fit_ins
+
     rng = np.random.default_rng(5)
     glob = _arrays(rng)
     d = sum(a.size for a in glob)
@@ -181,8 +199,15 @@ def test_client_payloads_scaffold_matches_direct_loop():
     proxies = [Proxy(str(i)) for i in range(N)]
     for p in proxies:
         cm.register(p)
-    st = FedKernelsStrategy(algorithms.build("scaffold"), num_clients=N, vector_payloads=("delta_c",),
-                            client_payloads=True, fraction_fit=1.0, min_fit_clients=N, min_available_clients=N)
+    st = FedKernelsStrategy(
+        algorithms.build("scaffold"),
+        num_clients=N,
+        vector_payloads=("delta_c",),
+        client_payloads=True,
+        fraction_fit=1.0,
+        min_fit_clients=N,
+        min_available_clients=N,
+    )
     ref = algorithms.build("scaffold")
     xr = torch.from_numpy(np.concatenate([a.reshape(-1) for a in glob]).astype(np.float32))
     ref.setup(None, N, xr)
@@ -198,8 +223,9 @@ def test_client_payloads_scaffold_matches_direct_loop():
             torch.testing.assert_close(payload["c"], ref.client_payload(cid)["c"], rtol=0, atol=0)
             torch.testing.assert_close(payload["c_i"], ref.client_payload(cid)["c_i"], rtol=0, atol=0)
             new_arrays, dc = _quad_client(arrays, payload, targets[int(proxy.cid)])
-            results.append((proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new_arrays + [dc]), 10,
-                                          {"cid": cid})))
+            results.append(
+                (proxy, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(new_arrays + [dc]), 10, {"cid": cid}))
+            )
             rows.append(torch.from_numpy(np.concatenate([a.reshape(-1) for a in new_arrays])) - xr)
             pls.append({"delta_c": torch.from_numpy(dc)})
             ids.append(cid)
@@ -207,17 +233,18 @@ def test_client_payloads_scaffold_matches_direct_loop():
         xr, _ = ref.aggregate(xr, torch.stack(rows), [10] * N, ids, pls)
         got = np.concatenate([a.reshape(-1) for a in parameters_to_ndarrays(params)])
         np.testing.assert_allclose(got, xr.numpy(), rtol=1e-6, atol=1e-6)
-    assert float(ref.c.abs().sum()) > 0        # the control variates were exercised
+    assert float(ref.c.abs().sum()) > 0  # the control variates were exercised
 
 
 def test_client_payloads_off_sends_the_model_only_and_bad_payload_raises():
     from flwr.server.client_manager import SimpleClientManager
     from fedkernels.integrations.flower import unpack_fit_ins
+
     glob = _arrays(np.random.default_rng(6))
     cm = SimpleClientManager()
     cm.register(Proxy("7"))
     st = FedKernelsStrategy(algorithms.build("scaffold"), num_clients=1, min_fit_clients=1, min_available_clients=1)
-    (proxy, ins), = st.configure_fit(1, ndarrays_to_parameters(glob), cm)
+    ((proxy, ins),) = st.configure_fit(1, ndarrays_to_parameters(glob), cm)
     assert len(ins.parameters.tensors) == len(SHAPES) and "fedkernels_payload" not in ins.config
     arrays, payload = unpack_fit_ins(parameters_to_ndarrays(ins.parameters), ins.config)
     assert len(arrays) == len(SHAPES) and payload == {}
@@ -230,6 +257,7 @@ def test_client_payloads_off_sends_the_model_only_and_bad_payload_raises():
 
         def client_payload(self, cid):
             return {"table": {"a": 1}}
+
     st = FedKernelsStrategy(Odd(), num_clients=1, client_payloads=True, min_fit_clients=1, min_available_clients=1)
     with pytest.raises(TypeError, match="table"):
         st.configure_fit(1, ndarrays_to_parameters(glob), cm)
@@ -258,6 +286,7 @@ def _serverapp_identity():
 
 def _record(arrays):
     from flwr.app import Array, ArrayRecord
+
     return ArrayRecord({f"layer{i}": Array(np.ascontiguousarray(a)) for i, a in enumerate(arrays)})
 
 
@@ -267,11 +296,13 @@ def _flat(record):
 
 def _train_ins(node_id):
     from flwr.app import Message, MessageType, RecordDict
+
     return Message(RecordDict(), dst_node_id=node_id, message_type=MessageType.TRAIN)
 
 
 def _replies(glob, K=5, seed=1, metrics=None, payload=None):
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
     rng = np.random.default_rng(seed)
     out = []
     for k in range(K):
@@ -288,6 +319,7 @@ def _replies(glob, K=5, seed=1, metrics=None, payload=None):
 def test_message_fedavg_matches_flower_message_fedavg():
     strat = _message_api()
     from fedkernels.integrations.flower import FedKernelsMessageStrategy
+
     glob = _arrays(np.random.default_rng(0))
     replies = _replies(glob, K=6)
     st = FedKernelsMessageStrategy(algorithms.build("fedavg"))
@@ -298,7 +330,7 @@ def test_message_fedavg_matches_flower_message_fedavg():
     for k in got.keys():
         assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype
     np.testing.assert_allclose(_flat(got), _flat(want), rtol=2e-6, atol=2e-6)
-    assert metrics["train_loss"] == pytest.approx(want_metrics["train_loss"])   # clients' metrics averaged too
+    assert metrics["train_loss"] == pytest.approx(want_metrics["train_loss"])  # clients' metrics averaged too
     assert metrics["fedkernels_failures"] == 0 and "cid" not in metrics
     # node ids became dense client ids in order of appearance
     assert [st._ids[100 + k] for k in range(6)] == list(range(6))
@@ -308,6 +340,7 @@ def test_message_strategy_payloads_ids_and_errors():
     _message_api()
     from flwr.app import ArrayRecord, Error, Message
     from fedkernels.integrations.flower import FedKernelsMessageStrategy
+
     glob = _arrays(np.random.default_rng(2))
     d = sum(a.size for a in glob)
     seen = {}
@@ -320,13 +353,21 @@ def test_message_strategy_payloads_ids_and_errors():
 
         def aggregate(self, x, U, n, ids, payloads=None):
             seen.update(U=U.clone(), n=list(n), ids=list(ids), payloads=payloads)
-            return x + U.mean(0), {"norm": float(U.norm()), "flag": True, "weights": torch.ones(len(n)),
-                                   "note": "strings are left out"}
+            return x + U.mean(0), {
+                "norm": float(U.norm()),
+                "flag": True,
+                "weights": torch.ones(len(n)),
+                "note": "strings are left out",
+            }
 
     rng = np.random.default_rng(3)
     dcs = [rng.standard_normal(d).astype(np.float32) for _ in range(3)]
-    replies = _replies(glob, K=3, metrics=lambda k: {"cid": 7 - k, "local_steps": 10 + k},
-                       payload=lambda k: ArrayRecord({"delta_c": __import__("flwr").app.Array(dcs[k])}))
+    replies = _replies(
+        glob,
+        K=3,
+        metrics=lambda k: {"cid": 7 - k, "local_steps": 10 + k},
+        payload=lambda k: ArrayRecord({"delta_c": __import__("flwr").app.Array(dcs[k])}),
+    )
     replies.append(Message(Error(code=0, reason="client crashed"), reply_to=_train_ins(999)))
     st = FedKernelsMessageStrategy(Spy(), num_clients=8)
     st.set_global(_record(glob))
@@ -346,17 +387,20 @@ def test_message_strategy_rejects_bad_replies_and_arguments():
     _message_api()
     from flwr.app import Message, MetricRecord, RecordDict
     from fedkernels.integrations.flower import FedKernelsMessageStrategy
+
     glob = _arrays(np.random.default_rng(4))
     st = FedKernelsMessageStrategy(algorithms.build("fedavg"))
     with pytest.raises(RuntimeError, match="configure_train"):
         st.aggregate_train(1, _replies(glob, K=2))
     st.set_global(_record(glob))
-    no_n = Message(RecordDict({"arrays": _record(glob), "metrics": MetricRecord({"loss": 1.0})}),
-                   reply_to=_train_ins(5))
+    no_n = Message(
+        RecordDict({"arrays": _record(glob), "metrics": MetricRecord({"loss": 1.0})}), reply_to=_train_ins(5)
+    )
     with pytest.raises(ValueError, match="num-examples"):
         st.aggregate_train(1, [no_n])
-    wrong = Message(RecordDict({"arrays": _record(glob[:2]), "metrics": MetricRecord({"num-examples": 3})}),
-                    reply_to=_train_ins(5))
+    wrong = Message(
+        RecordDict({"arrays": _record(glob[:2]), "metrics": MetricRecord({"num-examples": 3})}), reply_to=_train_ins(5)
+    )
     with pytest.raises(ValueError, match="expected the global model"):
         st.aggregate_train(1, [wrong])
     with pytest.raises(TypeError, match="Aggregator"):
@@ -375,9 +419,12 @@ class LocalGrid:
         class _Grid(Grid):
             def __init__(self, app, node_ids):
                 from flwr.app import Context, RecordDict
+
                 self.app, self.nodes, self.sent = app, list(node_ids), []
-                self.ctx = {n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
-                            for n in self.nodes}
+                self.ctx = {
+                    n: Context(run_id=1, node_id=n, node_config={}, state=RecordDict(), run_config={})
+                    for n in self.nodes
+                }
 
             def set_run(self, run):
                 self._run = run
@@ -388,6 +435,7 @@ class LocalGrid:
 
             def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
                 from flwr.app import Message
+
                 return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
             def get_node_ids(self):
@@ -401,6 +449,7 @@ class LocalGrid:
 
             def send_and_receive(self, messages, *, timeout=None):
                 import uuid
+
                 replies = []
                 for m in messages:
                     m.metadata.__dict__["_message_id"] = str(uuid.uuid4())
@@ -416,6 +465,7 @@ def test_message_strategy_start_scaffold_with_client_app_matches_direct_loop():
     from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict  # noqa: F401
     from flwr.clientapp import ClientApp
     from fedkernels.integrations.flower import FedKernelsMessageStrategy, unpack_payload
+
     rng = np.random.default_rng(5)
     glob = _arrays(rng)
     d = sum(a.size for a in glob)
@@ -429,10 +479,16 @@ def test_message_strategy_start_scaffold_with_client_app_matches_direct_loop():
         payload = unpack_payload(msg.content)
         assert msg.content["config"]["cid"] == payload_cid(msg) and set(payload) == {"c", "c_i"}
         new, dc = _quad_client(arrays, payload, targets[context.node_id])
-        return Message(RecordDict({"arrays": _record(new),
-                                   "metrics": MetricRecord({"num-examples": 10, "loss": float(np.abs(dc).mean())}),
-                                   "fedkernels_payload": ArrayRecord({"delta_c": __import__("flwr").app.Array(dc)})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "arrays": _record(new),
+                    "metrics": MetricRecord({"num-examples": 10, "loss": float(np.abs(dc).mean())}),
+                    "fedkernels_payload": ArrayRecord({"delta_c": __import__("flwr").app.Array(dc)}),
+                }
+            ),
+            reply_to=msg,
+        )
 
     @app.evaluate()
     def evaluate(msg, context):
@@ -444,9 +500,14 @@ def test_message_strategy_start_scaffold_with_client_app_matches_direct_loop():
         return st._ids[msg.metadata.dst_node_id]
 
     grid = LocalGrid(app, nodes)
-    st = FedKernelsMessageStrategy(algorithms.build("scaffold"), num_clients=len(nodes), client_payloads=True,
-                                   min_available_nodes=len(nodes), min_train_nodes=len(nodes),
-                                   min_evaluate_nodes=len(nodes))
+    st = FedKernelsMessageStrategy(
+        algorithms.build("scaffold"),
+        num_clients=len(nodes),
+        client_payloads=True,
+        min_available_nodes=len(nodes),
+        min_train_nodes=len(nodes),
+        min_evaluate_nodes=len(nodes),
+    )
     result = st.start(grid=grid, initial_arrays=_record(glob), num_rounds=3)
     assert sorted(st._ids) == nodes and sorted(st._ids.values()) == [0, 1, 2, 3]
     assert sum(m.metadata.message_type == "train" for m in grid.sent) == 3 * len(nodes)
@@ -460,7 +521,7 @@ def test_message_strategy_start_scaffold_with_client_app_matches_direct_loop():
         arrays = [a.copy() for a in glob]
         off = 0
         for a in arrays:
-            a[...] = xr.numpy()[off:off + a.size].reshape(a.shape)
+            a[...] = xr.numpy()[off : off + a.size].reshape(a.shape)
             off += a.size
         rows, pls, ids = [], [], []
         for n in order:
@@ -485,18 +546,26 @@ def test_message_strategy_under_flower_simulation_runtime():
     import os
     import subprocess
     import sys
+
     if importlib.util.find_spec("ray") is None:
         pytest.skip("Flower's simulation runtime needs Ray: pip install 'flwr[simulation]'")
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, here, os.environ.get("PYTHONPATH", "")])
+    )
     seed, nodes, rounds = 5, 3, 2
-    r = subprocess.run([sys.executable, os.path.join(here, "flower_sim_app.py"), str(seed), str(nodes), str(rounds)],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    r = subprocess.run(
+        [sys.executable, os.path.join(here, "flower_sim_app.py"), str(seed), str(nodes), str(rounds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stdout[-2000:] + r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     assert out["rounds"] == list(range(1, rounds + 1))
     rng = np.random.default_rng(seed)
     glob = _arrays(rng)
@@ -508,7 +577,7 @@ def test_message_strategy_under_flower_simulation_runtime():
     for _ in range(rounds):
         arrays, off = [a.copy() for a in glob], 0
         for a in arrays:
-            a[...] = xr.numpy()[off:off + a.size].reshape(a.shape)
+            a[...] = xr.numpy()[off : off + a.size].reshape(a.shape)
             off += a.size
         rows, pls = [], []
         for cid in range(nodes):

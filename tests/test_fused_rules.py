@@ -1,5 +1,6 @@
 """Client rules that use the fused native SGD step give the same training as gradient edits +
 torch.optim.SGD (the unfused path), and fall back when the optimizer is not plain SGD."""
+
 import copy
 
 import pytest
@@ -60,7 +61,7 @@ def test_fused_falls_back_for_other_optimizers():
         m = copy.deepcopy(m0)
         opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True)
         res.append(_train(algorithms.build("scaffold", fused_step=fused).client_rule(), m, opt, payload)[0])
-    assert torch.equal(res[0], res[1])   # nesterov is not fused: both take the same torch path
+    assert torch.equal(res[0], res[1])  # nesterov is not fused: both take the same torch path
 
 
 @pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 5e-4)])

@@ -1,14 +1,27 @@
 """fused_sgd_step_ / corrected_sgd_step_ / gc_sgd_step_: the fused local steps against the float64
 reference, torch.optim.SGD, and the GC-Fed spec §9 T5/T6 vectors."""
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
-from devices import DEV, DEVICES, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
+from devices import DEV, DEVICES, gen, one_line, randn, settle  # tests/devices.py: every case on cpu and cuda
 
-SHAPES = [(64, 3, 3, 3), (32, 3, 5, 5), (16, 64, 3, 3), (6, 512, 3, 3), (2, 25088), (10, 512), (7, 13), (5, 1),
-          (100,), (7,), (1,), ()]
+SHAPES = [
+    (64, 3, 3, 3),
+    (32, 3, 5, 5),
+    (16, 64, 3, 3),
+    (6, 512, 3, 3),
+    (2, 25088),
+    (10, 512),
+    (7, 13),
+    (5, 1),
+    (100,),
+    (7,),
+    (1,),
+    (),
+]
 
 
 def _rand(shape, dtype=torch.float32, seed=0):
@@ -42,8 +55,9 @@ def test_t5_code_order_step():
 def test_t6_momentum_two_steps():
     w = torch.tensor([[1.0, 2, 3]], dtype=torch.float64)
     buf = torch.full_like(w, 123.0)  # ignored on the first step
-    ops.gc_sgd_step_([w], [torch.tensor([[0.3, 0.6, 0.9]], dtype=torch.float64)], [buf], lr=0.1, momentum=0.9,
-                     first_step=True)
+    ops.gc_sgd_step_(
+        [w], [torch.tensor([[0.3, 0.6, 0.9]], dtype=torch.float64)], [buf], lr=0.1, momentum=0.9, first_step=True
+    )
     assert_close(buf, torch.tensor([[-0.3, 0, 0.3]], dtype=torch.float64), rtol=0, atol=1e-12)
     assert_close(w, torch.tensor([[1.03, 2.0, 2.97]], dtype=torch.float64), rtol=0, atol=1e-12)
     ops.gc_sgd_step_([w], [torch.tensor([[1.0, -1, 0]], dtype=torch.float64)], [buf], lr=0.1, momentum=0.9)
@@ -62,14 +76,30 @@ def test_matches_reference(dtype, momentum, first, policy):
     mask = [i % 3 != 1 for i in range(n)]
     c_add = [c if i % 2 == 0 else None for i, c in enumerate(C)]
     c_sub = [c if i % 4 != 3 else None for i, c in enumerate(Ci)]
-    kw = dict(lr=0.05, momentum=momentum, weight_decay=1e-2, first_step=first, c_add=c_add, c_sub=c_sub,
-              gc_mask=mask, vector_policy=policy)
+    kw = dict(
+        lr=0.05,
+        momentum=momentum,
+        weight_decay=1e-2,
+        first_step=first,
+        c_add=c_add,
+        c_sub=c_sub,
+        gc_mask=mask,
+        vector_policy=policy,
+    )
     P2, B2, G0 = _clone(P), _clone(B), _clone(G)
     ops.fused_sgd_step_(P, G, B, **kw)
     P64 = [p.double() for p in P2]
     B64 = [b.double() for b in B2]
-    ref.fused_sgd_step_(P64, [g.double() for g in G], B64, **{**kw, "c_add": [None if c is None else c.double() for c in c_add],
-                                                                 "c_sub": [None if c is None else c.double() for c in c_sub]})
+    ref.fused_sgd_step_(
+        P64,
+        [g.double() for g in G],
+        B64,
+        **{
+            **kw,
+            "c_add": [None if c is None else c.double() for c in c_add],
+            "c_sub": [None if c is None else c.double() for c in c_sub],
+        },
+    )
     tol = _tol(dtype)
     for i in range(n):
         assert torch.equal(G[i], G0[i])
@@ -95,8 +125,9 @@ def test_gc_step_equals_gc_then_torch_sgd():
             p.grad = g.clone()
         ops.gc_project_([p.grad for p in P], "center")
         opt.step()
-        ops.gc_sgd_step_(Q, grads, bufs, lr=0.01, momentum=0.9, weight_decay=1e-5, first_step=step == 0,
-                         vector_policy="center")
+        ops.gc_sgd_step_(
+            Q, grads, bufs, lr=0.01, momentum=0.9, weight_decay=1e-5, first_step=step == 0, vector_policy="center"
+        )
         for p, q in zip(P, Q):
             assert_close(q, p.detach(), rtol=1e-6, atol=1e-6)
     for p, b in zip(P, bufs):
@@ -117,8 +148,9 @@ def test_corrected_step_equals_torch_sgd_on_corrected_grad():
         for i, (p, g) in enumerate(zip(P, grads)):
             p.grad = g - ci[i] + c[i] if i in subset else g.clone()
         opt.step()
-        ops.corrected_sgd_step_(Q, grads, c, ci, bufs, lr=0.02, momentum=0.9, weight_decay=1e-4,
-                                first_step=step == 0, subset=subset)
+        ops.corrected_sgd_step_(
+            Q, grads, c, ci, bufs, lr=0.02, momentum=0.9, weight_decay=1e-4, first_step=step == 0, subset=subset
+        )
         for p, q in zip(P, Q):
             assert_close(q, p.detach(), rtol=1e-6, atol=1e-6)
 
@@ -227,6 +259,7 @@ def test_opcheck(dev):
         C = [torch.randn_like(P[0]), None, torch.randn_like(P[2])]
         Ci = [None, torch.randn_like(P[1]), torch.randn_like(P[2])]
         return (P, G, B, C, Ci, [True, True, False], 0.1, 0.9, 1e-4, False, "center", 2)
+
     torch.library.opcheck(torch.ops.fedkernels.fused_sgd_step_.default, args())
 
 
@@ -246,7 +279,7 @@ def test_fused_sgd_step_every_device_matches_cpu(dev, momentum, first):
     for x, y in zip(pd + (bd if momentum else []), p + (buf if momentum else [])):
         torch.testing.assert_close(x.cpu(), y, rtol=1e-5, atol=1e-6)
     for x, y in zip(gd, g):
-        assert torch.equal(x.cpu(), y)                                                # grads untouched
+        assert torch.equal(x.cpu(), y)  # grads untouched
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -256,25 +289,81 @@ def test_bad_args_fused_sgd_step(dev):
     g = [randn(dev, *s, seed=70 + i) for i, s in enumerate(shapes)]
     buf = [randn(dev, *s, seed=80 + i) for i, s in enumerate(shapes)]
     F = torch.ops.fedkernels
-    one_line(ValueError, r"fused_sgd_step_: momentum must be >= 0, got -0.5", ops.fused_sgd_step_, p, g, buf,
-             lr=0.1, momentum=-0.5)
-    one_line(ValueError, r"fused_sgd_step_: gc_mask must have one entry per parameter \(3\), got 2",
-             ops.fused_sgd_step_, p, g, lr=0.1, gc_mask=[True, False])
-    one_line(ValueError, r"fused_sgd_step_: lr must be a finite number, got nan", ops.fused_sgd_step_, p, g,
-             lr=float("nan"))
-    one_line(RuntimeError, r"fused_sgd_step_: grads has 2 tensors, expected 3", F.fused_sgd_step_,
-             p, g[:2], [], [], [], [], 0.1, 0.0, 0.0, False, "skip", 2)
-    one_line(RuntimeError, r"fused_sgd_step_: grads\[2\] has shape \[9, 4\], expected the shape of params\[2\] "
-              r"\[4, 9\]", F.fused_sgd_step_, p, g[:2] + [g[2].T.contiguous()], [], [], [], [], 0.1, 0.0, 0.0,
-              False, "skip", 2)
+    one_line(
+        ValueError,
+        r"fused_sgd_step_: momentum must be >= 0, got -0.5",
+        ops.fused_sgd_step_,
+        p,
+        g,
+        buf,
+        lr=0.1,
+        momentum=-0.5,
+    )
+    one_line(
+        ValueError,
+        r"fused_sgd_step_: gc_mask must have one entry per parameter \(3\), got 2",
+        ops.fused_sgd_step_,
+        p,
+        g,
+        lr=0.1,
+        gc_mask=[True, False],
+    )
+    one_line(
+        ValueError, r"fused_sgd_step_: lr must be a finite number, got nan", ops.fused_sgd_step_, p, g, lr=float("nan")
+    )
+    one_line(
+        RuntimeError,
+        r"fused_sgd_step_: grads has 2 tensors, expected 3",
+        F.fused_sgd_step_,
+        p,
+        g[:2],
+        [],
+        [],
+        [],
+        [],
+        0.1,
+        0.0,
+        0.0,
+        False,
+        "skip",
+        2,
+    )
+    one_line(
+        RuntimeError,
+        r"fused_sgd_step_: grads\[2\] has shape \[9, 4\], expected the shape of params\[2\] "
+        r"\[4, 9\]",
+        F.fused_sgd_step_,
+        p,
+        g[:2] + [g[2].T.contiguous()],
+        [],
+        [],
+        [],
+        [],
+        0.1,
+        0.0,
+        0.0,
+        False,
+        "skip",
+        2,
+    )
     if dev == DEV:
-        one_line(ValueError, r"fused_sgd_step_: grads\[1\].*cpu", ops.fused_sgd_step_, p,
-                 [g[0], g[1].cpu(), g[2]], lr=0.1)
+        one_line(
+            ValueError, r"fused_sgd_step_: grads\[1\].*cpu", ops.fused_sgd_step_, p, [g[0], g[1].cpu(), g[2]], lr=0.1
+        )
     rp, rb = [t.cpu().clone() for t in p], [t.cpu().clone() for t in buf]
-    ref.fused_sgd_step_(rp, [t.cpu() for t in g], rb, lr=0.1, momentum=0.9, weight_decay=1e-3,
-                              gc_mask=[True, False, True], vector_policy="center")
-    ops.fused_sgd_step_(p, g, buf, lr=0.1, momentum=0.9, weight_decay=1e-3, gc_mask=[True, False, True],
-                        vector_policy="center")
+    ref.fused_sgd_step_(
+        rp,
+        [t.cpu() for t in g],
+        rb,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=1e-3,
+        gc_mask=[True, False, True],
+        vector_policy="center",
+    )
+    ops.fused_sgd_step_(
+        p, g, buf, lr=0.1, momentum=0.9, weight_decay=1e-3, gc_mask=[True, False, True], vector_policy="center"
+    )
     settle(dev)
     for x, y in zip(p + buf, rp + rb):
         torch.testing.assert_close(x.cpu().double(), y.double(), rtol=1e-5, atol=1e-6)

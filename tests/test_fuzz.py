@@ -7,15 +7,15 @@ matrices) and fuzz_oracle.execute checks that it ends in a correct result (again
 fedkernels.reference in float64, or a float64 recomputation / invariants for aggregators) or a clean
 ValueError/TypeError naming the argument. The long campaign is ``python -m bench.fuzz``.
 """
+
 import logging
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import fuzz_oracle as fuzz   # tests/fuzz_oracle.py (the campaign runner is bench/fuzz.py)
+import fuzz_oracle as fuzz  # tests/fuzz_oracle.py (the campaign runner is bench/fuzz.py)
 from fedkernels import ops
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,7 +38,9 @@ AGG_EXAMPLES = max(1, SETTINGS.max_examples * 5 // 12)
 def _check(target, rnd):
     case = fuzz.gen_case(rnd, target)
     outcome, detail = fuzz.execute(case)
-    assert outcome in ("ok", "rejected"), f"{detail}\nreplay: python -m bench.fuzz --replay '{__import__('json').dumps(case)}'"
+    assert outcome in ("ok", "rejected"), (
+        f"{detail}\nreplay: python -m bench.fuzz --replay '{__import__('json').dumps(case)}'"
+    )
 
 
 OP_TARGETS = [t for t in fuzz.targets() if t.startswith("op:")]
@@ -78,9 +80,22 @@ def test_checker_catches_a_wrong_result(monkeypatch):
         return real(U, c, *a, **k)
 
     monkeypatch.setattr(ops, "weighted_sum", broken)
-    case = {"target": "op:weighted_sum", "seed": 1, "K": 5, "d": 7, "dtype": "fp32", "values": "normal",
-            "layout": "contig", "bad_U": None, "rows": None, "nrows": 1, "coef": "f64", "base": None,
-            "alpha": 1.0, "out": None}
+    case = {
+        "target": "op:weighted_sum",
+        "seed": 1,
+        "K": 5,
+        "d": 7,
+        "dtype": "fp32",
+        "values": "normal",
+        "layout": "contig",
+        "bad_U": None,
+        "rows": None,
+        "nrows": 1,
+        "coef": "f64",
+        "base": None,
+        "alpha": 1.0,
+        "out": None,
+    }
     assert fuzz.execute(case)[0] == "fail"
 
 
@@ -88,8 +103,18 @@ def test_checker_requires_nan_propagation(monkeypatch):
     """A gram that hides NaN (nan_to_num) is reported as a wrong finite result."""
     real = ops.gram
     monkeypatch.setattr(ops, "gram", lambda U, rows=None: real(U, rows).nan_to_num(0.0))
-    case = {"target": "op:gram", "seed": 3, "K": 4, "d": 9, "dtype": "fp32", "values": "nan", "layout": "contig",
-            "bad_U": None, "rows": None, "nrows": 1}
+    case = {
+        "target": "op:gram",
+        "seed": 3,
+        "K": 4,
+        "d": 9,
+        "dtype": "fp32",
+        "values": "nan",
+        "layout": "contig",
+        "bad_U": None,
+        "rows": None,
+        "nrows": 1,
+    }
     out, detail = fuzz.execute(case)
     assert out == "fail" and "NaN/Inf must propagate" in detail
 

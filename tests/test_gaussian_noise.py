@@ -2,20 +2,27 @@
 Random123's known answers, the native normals bit for bit against the Python reference, their moments,
 the rounding rule of the noised write (exact), independence from thread count, chunking and device,
 odd shapes/strides/dtypes, opcheck, bad arguments."""
+
 import math
 
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 # Random123 kat_vectors, "philox4x32 10": counter[4], key[2] -> output[4]
-KAT = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-       ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-       ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
 
 
 @pytest.mark.parametrize("ctr,key,want", KAT)
@@ -25,8 +32,16 @@ def test_philox_known_answers_native_and_reference(ctr, key, want):
     assert tuple(int(w[0]) for w in ref.philox4x32_10([torch.tensor([c]) for c in ctr], key)) == want
 
 
-@pytest.mark.parametrize("n,seed,counter,j0", [(1, 0, 0, 0), (2, 1, 1, 1), (1001, 12345678901, 7, 3),
-                                                (517, (1 << 63) - 1, (1 << 40) + 3, (1 << 33) + 1), (64, 5, 0, 8190)])
+@pytest.mark.parametrize(
+    "n,seed,counter,j0",
+    [
+        (1, 0, 0, 0),
+        (2, 1, 1, 1),
+        (1001, 12345678901, 7, 3),
+        (517, (1 << 63) - 1, (1 << 40) + 3, (1 << 33) + 1),
+        (64, 5, 0, 8190),
+    ],
+)
 def test_native_normals_are_the_reference_bits(n, seed, counter, j0):
     got = ops.philox_normal(n, seed, counter, j0)
     assert got.dtype == torch.float64 and got.shape == (n,)
@@ -35,10 +50,10 @@ def test_native_normals_are_the_reference_bits(n, seed, counter, j0):
 
 def test_normals_are_a_pure_function_of_seed_counter_column():
     a = ops.philox_normal(1000, 3, 4)
-    assert torch.equal(a[301:700], ops.philox_normal(399, 3, 4, 301))   # any start, odd or even
+    assert torch.equal(a[301:700], ops.philox_normal(399, 3, 4, 301))  # any start, odd or even
     for other in (ops.philox_normal(1000, 4, 4), ops.philox_normal(1000, 3, 5)):
         assert not torch.equal(a, other)
-        assert abs(torch.corrcoef(torch.stack([a, other]))[0, 1].item()) < 0.15   # 4.7 sd at n = 1000
+        assert abs(torch.corrcoef(torch.stack([a, other]))[0, 1].item()) < 0.15  # 4.7 sd at n = 1000
 
 
 def test_normal_moments():
@@ -50,10 +65,10 @@ def test_normal_moments():
     z = (x - m) / math.sqrt(v)
     assert abs(m) < 6 / math.sqrt(n)
     assert abs(v - 1) < 6 * math.sqrt(2 / n)
-    assert abs((z ** 3).mean().item()) < 6 * math.sqrt(6 / n)
-    assert abs((z ** 4).mean().item() - 3) < 6 * math.sqrt(24 / n)
+    assert abs((z**3).mean().item()) < 6 * math.sqrt(6 / n)
+    assert abs((z**4).mean().item() - 3) < 6 * math.sqrt(24 / n)
     assert abs(torch.corrcoef(torch.stack([x[0::2], x[1::2]]))[0, 1].item()) < 6 / math.sqrt(n / 2)
-    assert x.abs().max().item() <= math.sqrt(-2 * math.log(2.0 ** -53))
+    assert x.abs().max().item() <= math.sqrt(-2 * math.log(2.0**-53))
     # the CDF at a few points (Kolmogorov bound 1.95 / sqrt(n): 0.1% level)
     for t in (-2.0, -1.0, 0.0, 0.5, 1.5):
         assert abs((x <= t).double().mean().item() - 0.5 * math.erfc(-t / math.sqrt(2))) < 1.95 / math.sqrt(n)
@@ -64,7 +79,7 @@ def test_normal_moments():
 @pytest.mark.parametrize("n", [1, 2, 7, 8193, 20001])
 def test_add_gaussian_noise_is_the_reference_rounding(device, dtype, n):
     if dtype == torch.float64 and n > 8193:
-        n = 3001   # the float64 reference rounds each fma exactly in Python: keep it small
+        n = 3001  # the float64 reference rounds each fma exactly in Python: keep it small
     x = (torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 3).to(dtype)
     want = ref._noise_like(x, 0.7, 99, 5)
     got = x.clone().to(device)
@@ -76,8 +91,12 @@ def test_add_gaussian_noise_is_the_reference_rounding(device, dtype, n):
 def test_add_gaussian_noise_blocks_with_offset_equal_the_whole(device):
     x = torch.randn(50_001, generator=torch.Generator().manual_seed(1)).to(device)
     whole = ops.add_gaussian_noise_(x.clone(), 2.0, 7, 1)
-    parts = torch.cat([ops.add_gaussian_noise_(x[a:b].clone(), 2.0, 7, 1, offset=a)
-                       for a, b in ((0, 8191), (8191, 30000), (30000, 50_001))])
+    parts = torch.cat(
+        [
+            ops.add_gaussian_noise_(x[a:b].clone(), 2.0, 7, 1, offset=a)
+            for a, b in ((0, 8191), (8191, 30000), (30000, 50_001))
+        ]
+    )
     assert torch.equal(whole, parts)
 
 
@@ -93,7 +112,7 @@ def test_add_gaussian_noise_sigma_zero_and_multidim():
 def _wsum_args(K, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     big = torch.randn(K, d + 3, generator=g, dtype=torch.float64).to(dtype)
-    U = big[:, 2:2 + d]                                    # rows with a stride: not contiguous
+    U = big[:, 2 : 2 + d]  # rows with a stride: not contiguous
     coef = torch.rand(K, generator=g, dtype=torch.float64)
     base = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
     return U, coef, base
@@ -108,12 +127,12 @@ def test_weighted_sum_noised_is_weighted_sum_plus_noise_exactly(device, dtype, K
     U, coef, base = _wsum_args(K, d, dtype, K + d)
     U, base = U.to(device), base.to(device)
     rows = list(range(K))[::-1]
-    sigma, seed, counter = 0.37, 2 ** 40 + 1, 3
+    sigma, seed, counter = 0.37, 2**40 + 1, 3
     plain = ops.weighted_sum(U, coef, base, 0.5, rows)
     assert torch.equal(ops.weighted_sum_noised(U, coef, base, 0.5, rows, sigma=0.0, seed=seed, counter=counter), plain)
     got = ops.weighted_sum_noised(U, coef, base, 0.5, rows, sigma=sigma, seed=seed, counter=counter).cpu()
     assert got.dtype == dtype
-    if dtype in (torch.float16, torch.bfloat16):   # the sum is rounded to the dtype after the float32 add
+    if dtype in (torch.float16, torch.bfloat16):  # the sum is rounded to the dtype after the float32 add
         ref32 = ops.weighted_sum(U.float().cpu(), coef, base.float().cpu(), 0.5, rows)
         want = (ref32 + (sigma * ops.philox_normal(d, seed, counter)).float()).to(dtype)
         assert torch.equal(got, want)
@@ -133,8 +152,12 @@ def test_weighted_sum_noised_column_blocks_with_offset_equal_the_whole(device):
     U, coef, base = _wsum_args(12, 40_000, torch.float32, 3)
     U, base = U.to(device), base.to(device)
     whole = ops.weighted_sum_noised(U, coef, base, sigma=1.0, seed=1, counter=9)
-    parts = torch.cat([ops.weighted_sum_noised(U[:, a:b], coef, base[a:b], sigma=1.0, seed=1, counter=9, offset=a)
-                       for a, b in ((0, 8193), (8193, 17000), (17000, 40_000))])
+    parts = torch.cat(
+        [
+            ops.weighted_sum_noised(U[:, a:b], coef, base[a:b], sigma=1.0, seed=1, counter=9, offset=a)
+            for a, b in ((0, 8193), (8193, 17000), (17000, 40_000))
+        ]
+    )
     assert torch.equal(whole, parts)
 
 
@@ -146,8 +169,12 @@ def test_same_bits_with_1_and_2_threads():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            res.append((ops.weighted_sum_noised(U, coef, base, sigma=0.5, seed=2, counter=3),
-                        ops.add_gaussian_noise_(x.clone(), 0.5, 2, 3)))
+            res.append(
+                (
+                    ops.weighted_sum_noised(U, coef, base, sigma=0.5, seed=2, counter=3),
+                    ops.add_gaussian_noise_(x.clone(), 0.5, 2, 3),
+                )
+            )
     finally:
         torch.set_num_threads(n0)
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
@@ -164,20 +191,22 @@ def test_wide_out_of_half_updates():
 def test_opcheck():
     U, coef, base = _wsum_args(4, 33, torch.float32, 1)
     U = U.contiguous()
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_noised.default,
-                          (U, coef, base, 1.0, None, 0.5, 3, 4, 0))
+    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_noised.default, (U, coef, base, 1.0, None, 0.5, 3, 4, 0))
     torch.library.opcheck(torch.ops.fedkernels.add_gaussian_noise_.default, (torch.randn(17), 0.5, 3, 4, 0))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(sigma=-1.0), "sigma must be a finite number >= 0"),
-    (dict(sigma=float("nan")), "sigma must be a finite number >= 0"),
-    (dict(seed=-1), "seed must be an int"),
-    (dict(seed=1.5), "seed must be an int"),
-    (dict(counter=True), "counter must be an int"),
-    (dict(counter=1 << 63), "counter must be an int"),
-    (dict(offset=-2), "offset must be an int"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(sigma=-1.0), "sigma must be a finite number >= 0"),
+        (dict(sigma=float("nan")), "sigma must be a finite number >= 0"),
+        (dict(seed=-1), "seed must be an int"),
+        (dict(seed=1.5), "seed must be an int"),
+        (dict(counter=True), "counter must be an int"),
+        (dict(counter=1 << 63), "counter must be an int"),
+        (dict(offset=-2), "offset must be an int"),
+    ],
+)
 def test_bad_arguments(kw, match):
     args = dict(sigma=1.0, seed=1, counter=1, offset=0) | kw
     with pytest.raises(ValueError, match=match):

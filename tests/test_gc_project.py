@@ -1,5 +1,6 @@
 """gc_project_ / gc_project / gc_project_flat_: native CPU gradient centralization against the float64
 reference and the GC-Fed spec §9 vectors."""
+
 import math
 
 import pytest
@@ -9,14 +10,28 @@ from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
 from fedkernels.flat import FlatSpec
-from devices import DEV, DEVICES, FLOATS, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEV, DEVICES, FLOATS, one_line, randn, settle  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # the paper models' row lengths: 27 (3x3x3 first conv), 75 (5x5x3), 576 (64x3x3), 4608 (512x3x3),
 # 25088 (VGG classifier.0), plus odd and tiny ones
-SHAPES = [(64, 3, 3, 3), (32, 3, 5, 5), (64, 64, 3, 3), (40, 512, 3, 3), (3, 25088), (10, 512), (7, 13),
-          (5, 1), (1, 4099), (33, 2, 1, 3), (100,), (7,), (1,), ()]
+SHAPES = [
+    (64, 3, 3, 3),
+    (32, 3, 5, 5),
+    (64, 64, 3, 3),
+    (40, 512, 3, 3),
+    (3, 25088),
+    (10, 512),
+    (7, 13),
+    (5, 1),
+    (1, 4099),
+    (33, 2, 1, 3),
+    (100,),
+    (7,),
+    (1,),
+    (),
+]
 
 
 def _gen(seed=0):
@@ -56,8 +71,9 @@ def test_t1_linear():
 def test_t2_conv(dtype):
     C = torch.tensor([0.5, -1, 2, 3.5, 0, 1.5, -2.5, 4, 1, 1, 1, 1, 2, 2, 2, 10], dtype=dtype).reshape(2, 2, 2, 2)
     out = ops.gc_project([C])[0]
-    exp = torch.tensor([[-0.5, -2, 1, 2.5, -1, 0.5, -3.5, 3], [-1.5, -1.5, -1.5, -1.5, -0.5, -0.5, -0.5, 7.5]],
-                       dtype=dtype)
+    exp = torch.tensor(
+        [[-0.5, -2, 1, 2.5, -1, 0.5, -3.5, 3], [-1.5, -1.5, -1.5, -1.5, -0.5, -0.5, -0.5, 7.5]], dtype=dtype
+    )
     assert_close(out.reshape(2, 8), exp, rtol=0, atol=1e-6)
 
 
@@ -103,14 +119,23 @@ def test_t4_global_gc_flat():
     spec = FlatSpec.from_module(model)
     w = torch.tensor([[0.5, -0.5, 1, 0], [0, 2, -1, 1]], dtype=torch.float64)
     b = torch.tensor([0.25, -0.25], dtype=torch.float64)
-    dW = torch.tensor([[[1, 0, -1, 0], [0.5, 0.5, 0.5, 0.5]], [[0, 2, 0, 0], [-1, 0, 1, 2]],
-                       [[1, -1, 3, 1], [0, 0, 0.5, 0.5]], [[2, 0, 2, 0], [0.5, -0.5, 0, 1]]], dtype=torch.float64)
+    dW = torch.tensor(
+        [
+            [[1, 0, -1, 0], [0.5, 0.5, 0.5, 0.5]],
+            [[0, 2, 0, 0], [-1, 0, 1, 2]],
+            [[1, -1, 3, 1], [0, 0, 0.5, 0.5]],
+            [[2, 0, 2, 0], [0.5, -0.5, 0, 1]],
+        ],
+        dtype=torch.float64,
+    )
     db = torch.tensor([[1, 0], [0.5, 0.5], [0.5, 0], [1, 0.5]], dtype=torch.float64)
     U = torch.cat([dW.reshape(4, 8), db], dim=1)  # [K, d] in the spec's order (weight, bias)
     assert spec.d == 10
     for policy, b_new in (("center", [0.5, -0.5]), ("skip", [1.0, 0.0])):
-        for eta, w_new in ((1.0, [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]]),
-                           (0.5, [[0.6875, -0.6875, 1.1875, -0.1875], [-0.1875, 1.8125, -0.9375, 1.3125]])):
+        for eta, w_new in (
+            (1.0, [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]]),
+            (0.5, [[0.6875, -0.6875, 1.1875, -0.1875], [-0.1875, 1.8125, -0.9375, 1.3125]]),
+        ):
             delta = U.mean(0)
             ptr = delta.data_ptr()
             out = ops.gc_project_flat_(delta, spec, policy)
@@ -129,8 +154,7 @@ def test_t4_global_gc_flat():
 
 
 def test_t9_mixed_list_all_dtypes():
-    shapes = [(32, 3, 5, 5), (64, 32, 5, 5), (512, 4096), (10, 512), (64, 3, 3, 3), (4, 1, 1, 1), (0, 8),
-              (100,), (7,)]
+    shapes = [(32, 3, 5, 5), (64, 32, 5, 5), (512, 4096), (10, 512), (64, 3, 3, 3), (4, 1, 1, 1), (0, 8), (100,), (7,)]
     for dtype in DTYPES:
         ts = [_rand(s, dtype, seed=i) for i, s in enumerate(shapes)]
         ts.append(_rand((64, 32, 3, 3), dtype, seed=50).to(memory_format=torch.channels_last))
@@ -259,19 +283,33 @@ def test_large_offset_rows_accuracy():
     assert (out.double() - e).abs().max() < 1e-3
 
 
-
 # ---- regression: fuzz case op:gc_project seed 2045883929 ------------------------------------------------
 # A finite fp64 row near the fp64 maximum with a finite exact mean: a plain torch mean overflows in a
 # partial sum (+Inf and -Inf in two vector lanes: NaN), the op (16 lanes here) does not.
-FUZZ_ROW = [-1.0610966488320719e+308, 1.3849307721008802e+308, -1.0085393767552198e+308, -6.514626792454308e+307,
-            5.341044000256762e+307, 1.356132276862947e+308, -9.778413698198433e+307, 5.81750342852853e+307]
-FUZZ_CASE = {"target": "op:gc_project", "seed": 2045883929, "tensors": [{"shape": [8, 1, 8, 1], "dtype": "fp64",
-             "values": "huge", "layout": "transposed"}], "vector_policy": "skip", "min_fanin": 3, "bad_list": None}
+FUZZ_ROW = [
+    -1.0610966488320719e308,
+    1.3849307721008802e308,
+    -1.0085393767552198e308,
+    -6.514626792454308e307,
+    5.341044000256762e307,
+    1.356132276862947e308,
+    -9.778413698198433e307,
+    5.81750342852853e307,
+]
+FUZZ_CASE = {
+    "target": "op:gc_project",
+    "seed": 2045883929,
+    "tensors": [{"shape": [8, 1, 8, 1], "dtype": "fp64", "values": "huge", "layout": "transposed"}],
+    "vector_policy": "skip",
+    "min_fanin": 3,
+    "bad_list": None,
+}
 
 
 def _exact_gc(row):
     """x - mean(x) with the mean in exact rational arithmetic, each output rounded once."""
     from fractions import Fraction
+
     m = sum(Fraction(v) for v in row) / len(row)
     return [float(Fraction(v) - m) for v in row]
 
@@ -287,7 +325,8 @@ def test_reference_mean_of_finite_huge_rows_is_finite(row):
 
 
 def test_fuzz_case_huge_fp64_rows():
-    import fuzz_oracle   # tests/fuzz_oracle.py: the campaign's checker
+    import fuzz_oracle  # tests/fuzz_oracle.py: the campaign's checker
+
     assert fuzz_oracle.execute(FUZZ_CASE) == ("ok", "")
     # the op itself is right: no partial sum of 8 elements in 16 lanes overflows
     x = torch.tensor([FUZZ_ROW], dtype=torch.float64)
@@ -325,8 +364,17 @@ def test_bad_inputs():
 @pytest.mark.parametrize("policy", ["skip", "center"])
 def test_opcheck(dev, policy):
     def make():
-        return [t.to(dev) for t in (torch.randn(6, 3, 3, 3), torch.randn(5, 7, dtype=torch.float64), torch.randn(9),
-                                    torch.randn(4, 6).T, torch.randn(3, 8, dtype=torch.bfloat16))]
+        return [
+            t.to(dev)
+            for t in (
+                torch.randn(6, 3, 3, 3),
+                torch.randn(5, 7, dtype=torch.float64),
+                torch.randn(9),
+                torch.randn(4, 6).T,
+                torch.randn(3, 8, dtype=torch.bfloat16),
+            )
+        ]
+
     torch.library.opcheck(torch.ops.fedkernels.gc_project_.default, (make(), policy, 2))
     torch.library.opcheck(torch.ops.fedkernels.gc_project.default, (make(), policy, 2))
 
@@ -339,8 +387,10 @@ GC_SHAPES = [(8, 3, 3, 3), (64, 64, 3, 3), (16, 2048), (4, 3000), (6, 25088), (1
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("policy", ["skip", "center"])
 def test_gc_project_matches_reference(dev, dtype, policy):
-    ts = [randn(dev, *s, dtype=dtype, seed=i) if len(s) else torch.tensor(1.5, dtype=dtype, device=dev)
-          for i, s in enumerate(GC_SHAPES)]
+    ts = [
+        randn(dev, *s, dtype=dtype, seed=i) if len(s) else torch.tensor(1.5, dtype=dtype, device=dev)
+        for i, s in enumerate(GC_SHAPES)
+    ]
     ts.append(randn(dev, 32, 40, dtype=dtype, seed=99).T)  # non-contiguous: goes through a copy
     want = ref.gc_project([t.cpu() for t in ts], vector_policy=policy)
     out = ops.gc_project(ts, vector_policy=policy)
@@ -368,13 +418,26 @@ def test_bad_args_gc_project(dev):
     F = torch.ops.fedkernels
     one_line(ValueError, r"gc_project_: min_fanin must be an int >= 1, got 0", ops.gc_project_, ts, min_fanin=0)
     one_line(RuntimeError, r"gc_project: min_fanin must be >= 1, got -7", F.gc_project_, ts, "skip", -7)
-    one_line(ValueError, r"gc_project_: tensors\[1\] must have a floating dtype .*got torch.int64", ops.gc_project_,
-             [ts[0], torch.zeros(4, 3, dtype=torch.long, device=dev)])
-    one_line(ValueError, r"gc_project_: vector_policy must be 'skip' or 'center', got 'mean'", ops.gc_project_, ts,
-             vector_policy="mean")
+    one_line(
+        ValueError,
+        r"gc_project_: tensors\[1\] must have a floating dtype .*got torch.int64",
+        ops.gc_project_,
+        [ts[0], torch.zeros(4, 3, dtype=torch.long, device=dev)],
+    )
+    one_line(
+        ValueError,
+        r"gc_project_: vector_policy must be 'skip' or 'center', got 'mean'",
+        ops.gc_project_,
+        ts,
+        vector_policy="mean",
+    )
     if dev == DEV:
-        one_line(ValueError, r"gc_project_: all tensors must be on one device; tensors\[0\] is on cuda",
-                 ops.gc_project_, [ts[0], torch.zeros(4, 3)])
+        one_line(
+            ValueError,
+            r"gc_project_: all tensors must be on one device; tensors\[0\] is on cuda",
+            ops.gc_project_,
+            [ts[0], torch.zeros(4, 3)],
+        )
     want = ref.gc_project([t.cpu() for t in ts], vector_policy="center")
     ops.gc_project_(ts, vector_policy="center")
     settle(dev)
@@ -390,8 +453,22 @@ def harness():
 
 def test_gc_plan_covers_every_row_once(harness):
     # rows, cols of a ResNet-like list plus edge cases: one row, exactly the path limits, empty tensors
-    shapes = [(64, 147), (0, 5), (64, 576), (128, 1152), (1, 10), (512, 4608), (3, 1024), (2, 1025), (5, 8192),
-              (4, 8193), (100, 512), (0, 0), (65, 3), (1, 100000)]
+    shapes = [
+        (64, 147),
+        (0, 5),
+        (64, 576),
+        (128, 1152),
+        (1, 10),
+        (512, 4608),
+        (3, 1024),
+        (2, 1025),
+        (5, 8192),
+        (4, 8193),
+        (100, 512),
+        (0, 0),
+        (65, 3),
+        (1, 100000),
+    ]
     ans = harness("gcplan", len(shapes), [r for r, _ in shapes], [c for _, c in shapes])
     items = int(ans[0])
     per = [tuple(int(x) for x in a.split(":")) for a in ans[1:]]
@@ -399,7 +476,7 @@ def test_gc_plan_covers_every_row_once(harness):
     for (rows, cols), (path, lo, hi) in zip(shapes, per):
         want_path = 0 if cols <= 1024 else (1 if cols <= 8192 else 2)
         assert path == want_path, (rows, cols)
-        assert lo == hi == 1, (rows, cols)            # every row exactly once
+        assert lo == hi == 1, (rows, cols)  # every row exactly once
         if rows and cols:
             want_items += -(-rows // 64) if path == 0 else rows
     assert items == want_items

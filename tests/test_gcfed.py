@@ -1,4 +1,5 @@
 """GC-Fed: spec docs/specs/gcfed.md §9 vectors (T1-T8), layer splits, client rule, server, bad input."""
+
 import pytest
 import torch
 from torch import nn
@@ -39,12 +40,18 @@ C = T([0.5, -1, 2, 3.5, 0, 1.5, -2.5, 4, 1, 1, 1, 1, 2, 2, 2, 10]).reshape(2, 2,
 
 
 def test_t2_conv_and_t2b_variants():
-    torch.testing.assert_close(gc(C).reshape(2, 8), T([[-0.5, -2, 1, 2.5, -1, 0.5, -3.5, 3],
-                                                       [-1.5, -1.5, -1.5, -1.5, -0.5, -0.5, -0.5, 7.5]]))
-    exp = {"cout_cin": [[-0.75, -2.25, 0.75, 2.25, -0.75, 0.75, -3.25, 3.25], [0, 0, 0, 0, -2, -2, -2, 6]],
-           "cout_taps": [[0.25, -1.25, 2.25, -0.25, -0.25, 1.25, -2.25, 0.25], [-0.5, -0.5, -0.5, -4.5, 0.5, 0.5, 0.5, 4.5]],
-           "cout_cin_kw": [[-0.75, -2.25, 0.75, 2.25, 1.25, -1.25, -1.25, 1.25], [0, 0, 0, 0, 0, -4, 0, 4]],
-           "cin_taps": [[-0.25, -1, 0.5, 1.25, -1, -0.25, -2.25, -3], [0.25, 1, -0.5, -1.25, 1, 0.25, 2.25, 3]]}
+    torch.testing.assert_close(
+        gc(C).reshape(2, 8), T([[-0.5, -2, 1, 2.5, -1, 0.5, -3.5, 3], [-1.5, -1.5, -1.5, -1.5, -0.5, -0.5, -0.5, 7.5]])
+    )
+    exp = {
+        "cout_cin": [[-0.75, -2.25, 0.75, 2.25, -0.75, 0.75, -3.25, 3.25], [0, 0, 0, 0, -2, -2, -2, 6]],
+        "cout_taps": [
+            [0.25, -1.25, 2.25, -0.25, -0.25, 1.25, -2.25, 0.25],
+            [-0.5, -0.5, -0.5, -4.5, 0.5, 0.5, 0.5, 4.5],
+        ],
+        "cout_cin_kw": [[-0.75, -2.25, 0.75, 2.25, 1.25, -1.25, -1.25, 1.25], [0, 0, 0, 0, 0, -4, 0, 4]],
+        "cin_taps": [[-0.25, -1, 0.5, 1.25, -1, -0.25, -2.25, -3], [0.25, 1, -0.5, -1.25, 1, 0.25, 2.25, 3]],
+    }
     for name, e in exp.items():
         y = C.clone()
         gc_mean_variant_(y, name)
@@ -63,8 +70,9 @@ def test_t3_edge_cases():
     lin1 = T([[2], [5]])
     torch.testing.assert_close(gc(lin1), lin1)
     torch.testing.assert_close(gc(lin1, min_fanin=1), T([[0], [0]]))
-    torch.testing.assert_close(gc(torch.arange(1, 10, dtype=D64).reshape(1, 1, 3, 3)).reshape(-1),
-                               torch.arange(-4, 5, dtype=D64))
+    torch.testing.assert_close(
+        gc(torch.arange(1, 10, dtype=D64).reshape(1, 1, 3, 3)).reshape(-1), torch.arange(-4, 5, dtype=D64)
+    )
     assert float(gc(T(7.0))) == 7.0
     assert bool(torch.isnan(gc(T([1, 2, 3, float("nan")]))).all())
     y = gc(T([1, float("inf"), 3]))
@@ -83,9 +91,9 @@ def test_projection_random_noncontiguous_and_dtypes():
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         ts = [torch.randn(s, generator=g).to(dtype) for s in shapes]
         ts.append(torch.randn(16, 8, 3, 3, generator=g).to(dtype).to(memory_format=torch.channels_last))
-        ts.append(torch.randn(9, 6, generator=g).to(dtype).T)          # transposed view
+        ts.append(torch.randn(9, 6, generator=g).to(dtype).T)  # transposed view
         ref = []
-        for t in ts:   # float64 recomputation from the §9 formula
+        for t in ts:  # float64 recomputation from the §9 formula
             x = t.double()
             if x.dim() == 1:
                 ref.append(x - x.mean())
@@ -101,10 +109,11 @@ def test_projection_random_noncontiguous_and_dtypes():
 
 def test_native_gc_matches_reference():
     from fedkernels import reference
+
     g = torch.Generator().manual_seed(1)
     ts = [torch.randn(6, 4, 3, 3, generator=g), torch.randn(5, generator=g), torch.randn(3, 1, generator=g)]
     a = [t.clone() for t in ts]
-    gc_project_(a, "center", 2)                      # the native op (the extension is required)
+    gc_project_(a, "center", 2)  # the native op (the extension is required)
     b = [t.clone() for t in ts]
     reference.gc_project_(b, "center", 2)
     assert not torch.equal(a[0], ts[0])
@@ -117,20 +126,42 @@ def t4_setup():
     m = nn.Linear(4, 2).double()
     spec = FlatSpec.from_module(m)
     w = torch.cat([T([[0.5, -0.5, 1, 0], [0, 2, -1, 1]]).reshape(-1), T([0.25, -0.25])])
-    dW = [[[1, 0, -1, 0], [0.5, 0.5, 0.5, 0.5]], [[0, 2, 0, 0], [-1, 0, 1, 2]],
-          [[1, -1, 3, 1], [0, 0, 0.5, 0.5]], [[2, 0, 2, 0], [0.5, -0.5, 0, 1]]]
+    dW = [
+        [[1, 0, -1, 0], [0.5, 0.5, 0.5, 0.5]],
+        [[0, 2, 0, 0], [-1, 0, 1, 2]],
+        [[1, -1, 3, 1], [0, 0, 0.5, 0.5]],
+        [[2, 0, 2, 0], [0.5, -0.5, 0, 1]],
+    ]
     db = [[1, 0], [0.5, 0.5], [0.5, 0], [1, 0.5]]
     U = torch.stack([torch.cat([T(a).reshape(-1), T(b)]) for a, b in zip(dW, db)])
     return spec, w, U
 
 
-@pytest.mark.parametrize("name,opts,W,b", [
-    ("global_gc", {}, [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]], [0.5, -0.5]),
-    ("global_gc", {"vector_policy": "skip"}, [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]], [1.0, 0.0]),
-    ("global_gc", {"server_lr": 0.5}, [[0.6875, -0.6875, 1.1875, -0.1875], [-0.1875, 1.8125, -0.9375, 1.3125]], None),
-    ("fedavg", {"weighting": "uniform"}, [[1.5, -0.25, 2, 0.25], [0, 2, -0.5, 2]], [1.0, 0.0]),
-    ("gcfed", {"local_layers": "none", "global_scope": "none"}, [[1.5, -0.25, 2, 0.25], [0, 2, -0.5, 2]], [1.0, 0.0]),
-])
+@pytest.mark.parametrize(
+    "name,opts,W,b",
+    [
+        ("global_gc", {}, [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]], [0.5, -0.5]),
+        (
+            "global_gc",
+            {"vector_policy": "skip"},
+            [[0.875, -0.875, 1.375, -0.375], [-0.375, 1.625, -0.875, 1.625]],
+            [1.0, 0.0],
+        ),
+        (
+            "global_gc",
+            {"server_lr": 0.5},
+            [[0.6875, -0.6875, 1.1875, -0.1875], [-0.1875, 1.8125, -0.9375, 1.3125]],
+            None,
+        ),
+        ("fedavg", {"weighting": "uniform"}, [[1.5, -0.25, 2, 0.25], [0, 2, -0.5, 2]], [1.0, 0.0]),
+        (
+            "gcfed",
+            {"local_layers": "none", "global_scope": "none"},
+            [[1.5, -0.25, 2, 0.25], [0, 2, -0.5, 2]],
+            [1.0, 0.0],
+        ),
+    ],
+)
 def test_t4_global_gc(name, opts, W, b):
     spec, w, U = t4_setup()
     agg = build(name, **opts)
@@ -140,8 +171,8 @@ def test_t4_global_gc(name, opts, W, b):
     if b is not None:
         torch.testing.assert_close(new[8:], T(b), atol=1e-12, rtol=0)
     if name == "global_gc":
-        torch.testing.assert_close(new[:8].reshape(2, 4).mean(1), T([0.25, 0.5]))   # row means kept
-        cent = U.clone()    # linearity: mean of centred updates == centred mean
+        torch.testing.assert_close(new[:8].reshape(2, 4).mean(1), T([0.25, 0.5]))  # row means kept
+        cent = U.clone()  # linearity: mean of centred updates == centred mean
         for k in range(4):
             gc_project_([cent[k, :8].view(2, 4), cent[k, 8:]], opts.get("vector_policy", "center"), 2)
         torch.testing.assert_close(new, w + opts.get("server_lr", 1.0) * cent.mean(0), atol=1e-12, rtol=0)
@@ -161,7 +192,7 @@ def test_neutral_is_fedavg_bitwise_and_random_vs_float64():
         for scope in ("all", "complement"):
             agg = build("gcfed", global_scope=scope, weighting="samples", server_lr=0.8)
             agg.setup(spec, 10, w)
-            new, _ = agg.aggregate(w, U, n, payloads=[{"local_gc": 2}] * K)   # as LocalGCRule.end sends
+            new, _ = agg.aggregate(w, U, n, payloads=[{"local_gc": 2}] * K)  # as LocalGCRule.end sends
             p = T(n) / sum(n)
             delta = (p[:, None] * U.double()).sum(0)
             ents = [e for e in spec.entries if scope == "all" or e.module == "2"]
@@ -189,7 +220,7 @@ def one_param_rule(agg, w0):
 
 def manual_step(m, rule, ctx, opt, g):
     opt.zero_grad()
-    m.weight.grad = T(g).clone()       # the gradient a backward pass would leave
+    m.weight.grad = T(g).clone()  # the gradient a backward pass would leave
     rule.before_step(ctx, m)
     if not rule.step(ctx, m, opt):
         opt.step()
@@ -225,14 +256,22 @@ def test_t6_momentum():
 
 # ---- T7: one full round end to end -------------------------------------------------------------
 T7 = {
-    "fedavg": ([[0.96935, 0.440818164062, 0.037004492188], [0.0464, -0.417820117188, 0.921739648438]],
-               [[0.86974296875, 0.0942328125], [0.561208203125, 0.87691171875]]),
-    "local_gc": ([[1.049262847222, 0.475294878472, -0.024557725694], [0.068771875, -0.422140364583, 0.853368489583]],
-                 [[0.91562109375, 0.08437890625], [0.638808376736, 0.861191623264]]),
-    "global_gc": ([[0.986959114583, 0.458427278646, 0.054613606771], [0.029626822917, -0.434593294271, 0.904966471354]],
-                  [[0.887755078125, 0.112244921875], [0.592148242188, 0.907851757812]]),
-    "gcfed": ([[1.030304253472, 0.470555230035, -0.000859483507], [0.056258072917, -0.425268815104, 0.869010742188]],
-              [[0.906969661458, 0.093030338542], [0.625831228299, 0.874168771701]]),
+    "fedavg": (
+        [[0.96935, 0.440818164062, 0.037004492188], [0.0464, -0.417820117188, 0.921739648438]],
+        [[0.86974296875, 0.0942328125], [0.561208203125, 0.87691171875]],
+    ),
+    "local_gc": (
+        [[1.049262847222, 0.475294878472, -0.024557725694], [0.068771875, -0.422140364583, 0.853368489583]],
+        [[0.91562109375, 0.08437890625], [0.638808376736, 0.861191623264]],
+    ),
+    "global_gc": (
+        [[0.986959114583, 0.458427278646, 0.054613606771], [0.029626822917, -0.434593294271, 0.904966471354]],
+        [[0.887755078125, 0.112244921875], [0.592148242188, 0.907851757812]],
+    ),
+    "gcfed": (
+        [[1.030304253472, 0.470555230035, -0.000859483507], [0.056258072917, -0.425268815104, 0.869010742188]],
+        [[0.906969661458, 0.093030338542], [0.625831228299, 0.874168771701]],
+    ),
 }
 
 
@@ -244,7 +283,7 @@ def t7_net():
     return net
 
 
-ROUND_PAYLOADS = []   # what the client rules of the last local_train calls sent
+ROUND_PAYLOADS = []  # what the client rules of the last local_train calls sent
 
 
 def local_train(agg, net, batches, lr, cid=0):
@@ -286,9 +325,12 @@ def test_t7_full_round(name, scope):
     ROUND_PAYLOADS.clear()
     rows = [local_train(agg, t7_net(), [(x, y), (x, y)], 0.1, k) for k, (x, y) in enumerate(data)]
     if name == "local_gc":
-        torch.testing.assert_close(rows[0][:6].view(2, 3), T([[-0.019744444444, -0.078977777778, 0.098722222222],
-                                                              [0.032355555556, 0.129422222222, -0.161777777778]]),
-                                   atol=1e-11, rtol=0)
+        torch.testing.assert_close(
+            rows[0][:6].view(2, 3),
+            T([[-0.019744444444, -0.078977777778, 0.098722222222], [0.032355555556, 0.129422222222, -0.161777777778]]),
+            atol=1e-11,
+            rtol=0,
+        )
     new, _ = agg.aggregate(w0, torch.stack(rows), [1, 1], [0, 1], payloads=ROUND_PAYLOADS)
     W1, W2 = T7[name]
     torch.testing.assert_close(new[:6].view(2, 3), T(W1), atol=1e-9, rtol=0)
@@ -298,8 +340,9 @@ def test_t7_full_round(name, scope):
 # ---- T8: layer splits ----------------------------------------------------------------------------
 CNN = ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 MLP = [f"fc{i}.{p}" for i in (1, 2, 3) for p in ("weight", "bias")]
-VGG = [f"features.{i}.{p}" for i in (0, 3, 6, 8, 11, 13, 16, 18) for p in ("weight", "bias")] + \
-      [f"classifier.{i}.{p}" for i in (0, 3, 6) for p in ("weight", "bias")]
+VGG = [f"features.{i}.{p}" for i in (0, 3, 6, 8, 11, 13, 16, 18) for p in ("weight", "bias")] + [
+    f"classifier.{i}.{p}" for i in (0, 3, 6) for p in ("weight", "bias")
+]
 
 
 def resnet18_gn_names():
@@ -307,7 +350,9 @@ def resnet18_gn_names():
     for layer in range(1, 5):
         for blk in range(2):
             pre = f"layer{layer}.{blk}."
-            names += [pre + s for s in ("conv1.weight", "bn1.weight", "bn1.bias", "conv2.weight", "bn2.weight", "bn2.bias")]
+            names += [
+                pre + s for s in ("conv1.weight", "bn1.weight", "bn1.bias", "conv2.weight", "bn2.weight", "bn2.bias")
+            ]
             if layer > 1 and blk == 0:
                 names += [pre + s for s in ("downsample.0.weight", "downsample.1.weight", "downsample.1.bias")]
     return names + ["fc.weight", "fc.bias"]
@@ -323,23 +368,36 @@ def test_t8_splits():
     assert glob_only(CNN, split_layers(CNN, "first_fraction", lam=0.9)) == ["fc2.bias"]
     assert sum(split_layers(CNN, "first_fraction", lam=0.85)) == 6
     with pytest.raises(ValueError, match="matches no parameter"):
-        split_layers(CNN, "all_except", ["fc"])         # prefix, not substring: "fc" is no module
+        split_layers(CNN, "all_except", ["fc"])  # prefix, not substring: "fc" is no module
     assert glob_only(CNN, split_layers(CNN, "all_except", ["fc1"])) == ["fc1.weight", "fc1.bias"]
     assert glob_only(MLP, split_layers(MLP, "all_except", ["fc3"])) == ["fc3.weight", "fc3.bias"]
     assert glob_only(MLP, split_layers(MLP, "first_fraction", lam=0.9)) == ["fc3.bias"]
     assert len(VGG) == 22
     assert sum(split_layers(VGG, "all_except", ["classifier.0", "classifier.3", "classifier.6"])) == 16
     assert glob_only(VGG, split_layers(VGG, "first_fraction", lam=0.9)) == [
-        "classifier.3.bias", "classifier.6.weight", "classifier.6.bias"]
+        "classifier.3.bias",
+        "classifier.6.weight",
+        "classifier.6.bias",
+    ]
     R = resnet18_gn_names()
     assert len(R) == 62
     assert sum(split_layers(R, "all_except", ["fc"])) == 60
     assert glob_only(R, split_layers(R, "first_fraction", lam=0.9)) == [
-        "layer4.1.bn1.weight", "layer4.1.bn1.bias", "layer4.1.conv2.weight", "layer4.1.bn2.weight",
-        "layer4.1.bn2.bias", "fc.weight", "fc.bias"]
+        "layer4.1.bn1.weight",
+        "layer4.1.bn1.bias",
+        "layer4.1.conv2.weight",
+        "layer4.1.bn2.weight",
+        "layer4.1.bn2.bias",
+        "fc.weight",
+        "fc.bias",
+    ]
     assert sum(split_layers(R, "first_fraction", lam=0.85)) == 52
     assert glob_only(R, split_layers(R, "first_fraction", lam=0.95)) == [
-        "layer4.1.bn2.weight", "layer4.1.bn2.bias", "fc.weight", "fc.bias"]
+        "layer4.1.bn2.weight",
+        "layer4.1.bn2.bias",
+        "fc.weight",
+        "fc.bias",
+    ]
     assert split_layers(CNN, "first_fraction", lam=0.0) == [False] * 8
     assert split_layers(CNN, "first_fraction", lam=1.0) == [True] * 8
 
@@ -360,10 +418,13 @@ def test_default_split_and_local_rule_on_cnn():
     torch.manual_seed(0)
     net = DigitCNN()
     spec = FlatSpec.from_module(net)
-    agg = build("gcfed")                      # default: classifier = last module (fc2)
+    agg = build("gcfed")  # default: classifier = last module (fc2)
     assert glob_only(spec.names, agg.local_mask(spec)) == ["fc2.weight", "fc2.bias"]
     assert [e.name for e in agg.global_entries(spec)] == spec.names
-    assert [e.name for e in build("gcfed", global_scope="complement").global_entries(spec)] == ["fc2.weight", "fc2.bias"]
+    assert [e.name for e in build("gcfed", global_scope="complement").global_entries(spec)] == [
+        "fc2.weight",
+        "fc2.bias",
+    ]
     # Local GC with wd = 0 keeps every local row mean fixed; fc2 (global-only) moves freely
     w0 = spec.flatten(net).clone()
     rule = agg.client_rule()
@@ -375,7 +436,7 @@ def test_default_split_and_local_rule_on_cnn():
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         rule.before_step(ctx, net)
-        if not rule.step(ctx, net, opt):   # the documented hook order (the rule may fuse the step)
+        if not rule.step(ctx, net, opt):  # the documented hook order (the rule may fuse the step)
             opt.step()
         ctx.step += 1
     w1 = spec.flatten(net)
@@ -383,19 +444,26 @@ def test_default_split_and_local_rule_on_cnn():
         a, b = w0[e.slice].view(e.shape), w1[e.slice].view(e.shape)
         ra = a.mean() if a.dim() == 1 else a.reshape(a.shape[0], -1).mean(1)
         rb = b.mean() if b.dim() == 1 else b.reshape(b.shape[0], -1).mean(1)
-        if e.name == "fc2.weight":       # (the CE bias gradient sums to 0 over classes by itself)
+        if e.name == "fc2.weight":  # (the CE bias gradient sums to 0 over classes by itself)
             assert float((ra - rb).abs().max()) > 1e-4
         else:
             torch.testing.assert_close(rb, ra, atol=1e-6, rtol=0)
 
 
 def test_bad_options_and_state():
-    for kw in ({"local_layers": "some"}, {"global_scope": "x"}, {"vector_policy": "zero"}, {"mu": "q"},
-               {"local_layers": "first_fraction", "lam": 1.5}, {"min_fanin": 0}, {"local_order": "late"}):
+    for kw in (
+        {"local_layers": "some"},
+        {"global_scope": "x"},
+        {"vector_policy": "zero"},
+        {"mu": "q"},
+        {"local_layers": "first_fraction", "lam": 1.5},
+        {"min_fanin": 0},
+        {"local_order": "late"},
+    ):
         with pytest.raises(ValueError):
             GCFed(**kw)
     with pytest.raises(ValueError):
-        build("local_gc_only")               # lam required
+        build("local_gc_only")  # lam required
     w = torch.zeros(10)
     with pytest.raises(ValueError, match="FlatSpec"):
         build("global_gc").aggregate(w, torch.ones(2, 10), [1, 1])
@@ -433,11 +501,11 @@ def _post_wd_step(agg, opt_wd):
     rule.begin(ctx, net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=opt_wd)
     for p in net.parameters():
-        p.grad = torch.zeros_like(p)            # zero gradients: only weight decay moves the weights
+        p.grad = torch.zeros_like(p)  # zero gradients: only weight decay moves the weights
     rule.before_step(ctx, net)
     if not rule.step(ctx, net, opt):
         opt.step()
-    assert opt.param_groups[0]["weight_decay"] == opt_wd     # the optimizer's setting is restored
+    assert opt.param_groups[0]["weight_decay"] == opt_wd  # the optimizer's setting is restored
     return net
 
 
@@ -446,7 +514,7 @@ def test_post_wd_decays_every_tensor_then_centres_the_local_ones():
     W0 = T([[1, 0.5, 0], [0, -0.5, 1]])
     d0 = 0.1 * W0
     exp0 = W0 - 0.1 * (d0 - d0.mean(dim=1, keepdim=True))
-    for agg_wd, opt_wd in ((0.1, 0.0), (0.0, 0.1)):   # wd from the rule, or from the optimizer (the simulator)
+    for agg_wd, opt_wd in ((0.1, 0.0), (0.0, 0.1)):  # wd from the rule, or from the optimizer (the simulator)
         net = _post_wd_step(build("gcfed", global_layers=["1"], local_order="post_wd", weight_decay=agg_wd), opt_wd)
         torch.testing.assert_close(net[1].weight.detach(), T([[0.99, 1.98]]), atol=1e-15, rtol=0)
         torch.testing.assert_close(net[0].weight.detach(), exp0, atol=1e-15, rtol=0)

@@ -1,4 +1,5 @@
 """gram: the native op against the float64 reference (shapes, rows, layouts, determinism, bad inputs)."""
+
 import math
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import torch
 from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES, FLOATS, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEVICES, FLOATS, gen, one_line, randn, settle  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (10, 70001)]
@@ -45,7 +46,7 @@ def test_gram_noncontiguous_and_column_chunks():
     # strided rows
     assert_close(ops.gram(U[::2]), ref.gram(U[::2]), rtol=1e-12, atol=1e-9)
     # column chunks are views (no copy) and their grams sum to the full gram
-    G = sum(ops.gram(U[:, a:a + 1000]) for a in range(0, 3001, 1000))
+    G = sum(ops.gram(U[:, a : a + 1000]) for a in range(0, 3001, 1000))
     assert_close(G, ref.gram(U), rtol=1e-12, atol=1e-9)
 
 
@@ -65,8 +66,10 @@ def test_gram_deterministic_across_calls_and_threads():
         "import torch, fedkernels.ops as o; torch.manual_seed(1); U = torch.randn(12, 300001); "
         "torch.set_num_threads({n}); G = o.gram(U); import sys; sys.stdout.write(G.numpy().tobytes().hex())"
     )
-    outs = [subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, check=True).stdout
-            for n in (1, 2)]
+    outs = [
+        subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, check=True).stdout
+        for n in (1, 2)
+    ]
     assert outs[0] == outs[1] and len(outs[0]) == 12 * 12 * 16
 
 
@@ -94,11 +97,15 @@ def test_gram_bad_inputs_name_the_argument():
 def sample_inputs(dev, *, requires_grad=False):
     """Arguments of torch.ops.fedkernels.gram (U, rows): one element, float32 and float64 column chunks of a
     wider buffer (row stride d + 3, unaligned start), a row subset with a repeat (rows on the device)."""
+
     def U(K, d, dtype, seed):
-        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1:1 + d].requires_grad_(requires_grad)
-    return [[U(1, 1, torch.float64, 1), None],
-            [U(5, 300, torch.float32, 2), None],
-            [U(6, 257, torch.float64, 3), torch.tensor([4, 0, 0, 2], device=dev)]]
+        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1 : 1 + d].requires_grad_(requires_grad)
+
+    return [
+        [U(1, 1, torch.float64, 1), None],
+        [U(5, 300, torch.float32, 2), None],
+        [U(6, 257, torch.float64, 3), torch.tensor([4, 0, 0, 2], device=dev)],
+    ]
 
 
 def _grad_tol(U):
@@ -127,7 +134,7 @@ def test_gram_samples_gradients_match_reference(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_gram_opcheck(dev):   # with requires_grad (the autograd checks, ~30x slower): tests/test_autograd.py
+def test_gram_opcheck(dev):  # with requires_grad (the autograd checks, ~30x slower): tests/test_autograd.py
     for U, rows in sample_inputs(dev):
         torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, rows))
 
@@ -137,12 +144,13 @@ def test_gram_opcheck(dev):   # with requires_grad (the autograd checks, ~30x sl
 @pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031), (40, 77)])  # (40, 77): the broadcast kernel
 def test_gram_screened_flags_are_exact(K, d, dtype):
     from fedkernels import reference
+
     g = torch.Generator().manual_seed(K + d)
     big = torch.randn(K, d + 3, generator=g).to(dtype)
-    U = big[:, 1:1 + d]
+    U = big[:, 1 : 1 + d]
     for k in range(1, K, 2):
         U[k, (k * 13) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
-    U[0].fill_(torch.finfo(dtype).max)                 # finite, the largest values: still finite
+    U[0].fill_(torch.finfo(dtype).max)  # finite, the largest values: still finite
     G, ok = ops.gram_screened(U)
     assert ok.tolist() == reference.gram_screened(U)[1].tolist() == [k % 2 == 0 for k in range(K)]
     assert torch.equal(G.nan_to_num(), ops.gram(U).nan_to_num())
@@ -159,11 +167,14 @@ def test_gram_screened_checks_its_arguments_once(monkeypatch):
     """One metadata check per call: gram_screened does not re-run gram's checks."""
     import importlib
     from fedkernels.ops import _checks
-    gram_mod = importlib.import_module("fedkernels.ops.gram")    # (ops.gram is the function)
+
+    gram_mod = importlib.import_module("fedkernels.ops.gram")  # (ops.gram is the function)
     calls = []
     for name in ("_matrix", "_needs_kernel"):
         real = getattr(_checks, name)
-        monkeypatch.setattr(gram_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(
+            gram_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     U = torch.randn(4, 10)
     G, ok = ops.gram_screened(U)
     assert calls == ["_matrix", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
@@ -186,7 +197,7 @@ def _odd_matrix(K, d, dtype, layout, seed):
     if layout == "rows":
         return torch.randn(2 * K, d, generator=g, dtype=torch.float64).to(dtype)[::2]
     if layout == "cols":
-        return torch.randn(K, d + 5, generator=g, dtype=torch.float64).to(dtype)[:, 3:3 + d]
+        return torch.randn(K, d + 5, generator=g, dtype=torch.float64).to(dtype)[:, 3 : 3 + d]
     return torch.randn(K, d, generator=g, dtype=torch.float64).to(dtype)
 
 
@@ -194,8 +205,9 @@ def _odd_matrix(K, d, dtype, layout, seed):
 @pytest.mark.parametrize("K,d", ODD_SHAPES)
 def test_gram_paths_odd_shapes_match_reference(monkeypatch, path, K, d):
     monkeypatch.setenv("FEDKERNELS_GRAM_PATH", path)
-    for i, (dtype, layout) in enumerate([(torch.float32, "plain"), (torch.float64, "rows"),
-                                         (torch.float16, "cols"), (torch.bfloat16, "rows")]):
+    for i, (dtype, layout) in enumerate(
+        [(torch.float32, "plain"), (torch.float64, "rows"), (torch.float16, "cols"), (torch.bfloat16, "rows")]
+    ):
         U = _odd_matrix(K, d, dtype, layout, seed=K * 7 + d + i)
         G = ops.gram(U)
         assert G.shape == (K, K)
@@ -210,8 +222,8 @@ def test_gram_paths_rows_repeats_out_of_order(monkeypatch, path, K, d):
     U = _odd_matrix(K, d, torch.float32, "cols", seed=K + d)
     perm = torch.randperm(K, generator=torch.Generator().manual_seed(K))
     cases = {
-        "permutation": perm,                                            # every row, out of order
-        "cover with repeats": torch.cat([perm, perm[:3], perm[-2:]]),   # every row, some twice
+        "permutation": perm,  # every row, out of order
+        "cover with repeats": torch.cat([perm, perm[:3], perm[-2:]]),  # every row, some twice
         "subset with repeats": torch.tensor([K - 1, 0, K // 2, 0, K - 1]),
         "one row": torch.tensor([K // 3]),
     }
@@ -285,7 +297,7 @@ def test_gram_matches_reference_on_every_device(dev, K, d, dtype):
 @pytest.mark.parametrize("K,d", [(5, 100), (12, 3333), (40, 777)])
 def test_gram_rows_and_noncontiguous(dev, K, d):
     base = randn(dev, K, d + 9, seed=3)
-    U = base[:, 4:4 + d]  # row stride d + 9, unaligned start
+    U = base[:, 4 : 4 + d]  # row stride d + 9, unaligned start
     rows = torch.tensor([K - 1, 0, 2, 2], device=dev)
     G = ops.gram(U, rows=rows)
     torch.testing.assert_close(G, ref.gram(U, rows=rows), rtol=1e-11, atol=1e-11 * d)
@@ -314,8 +326,13 @@ def test_bad_args_gram(dev):
     one_line(RuntimeError, r"gram: U must be 2-D \[K, d\], got 3-D", F.gram, U[..., None], None)
     one_line(ValueError, r"gram: rows must lie in \[0, 5\), got min -1 max 2", ops.gram, U, rows=[2, -1])
     one_line(RuntimeError, r"gram: rows( entry|\[1\] =) 5 out of range \[0, 5\)", F.gram, U, torch.tensor([1, 5]))
-    one_line(ValueError, r"gram: rows must hold integer row indices, got dtype torch.float32", ops.gram, U,
-             rows=torch.tensor([1.0]))
+    one_line(
+        ValueError,
+        r"gram: rows must hold integer row indices, got dtype torch.float32",
+        ops.gram,
+        U,
+        rows=torch.tensor([1.0]),
+    )
     G = ops.gram(U, rows=[4, 1])
     settle(dev)
     torch.testing.assert_close(G, ref.gram(U, rows=[4, 1]), rtol=1e-11, atol=1e-11 * 257)
@@ -347,18 +364,18 @@ def test_gram_emulation_matches_reference(harness, eb, dtype, K, d):
     torch.testing.assert_close(G, want, rtol=1e-12, atol=1e-12 * d)
     assert torch.equal(G, G.T)
     if K <= 16:
-        assert torch.equal(G, _gram_r_model(U))      # path R: the documented order, bit for bit
+        assert torch.equal(G, _gram_r_model(U))  # path R: the documented order, bit for bit
 
 
 @pytest.mark.parametrize("k,K,d", [(5, 20, 300), (20, 3, 257), (3, 140, 65), (17, 17, 64)])
 def test_gram_emulation_rows_duplicates_bad_rows(harness, k, K, d):
     U = torch.randn(K, d, generator=gen(k + K + d), dtype=torch.float64).float()
     rows = [(i * 7) % K for i in range(k)]
-    rows[-1] = rows[0]                                # a duplicate
+    rows[-1] = rows[0]  # a duplicate
     _, G = _gram_emulate(harness, U, rows=rows)
     torch.testing.assert_close(G, ref.gram(U, rows=rows), rtol=1e-12, atol=1e-12 * d)
     bad = list(rows)
-    bad[1] = K                                        # out of range: a NaN row, the others intact
+    bad[1] = K  # out of range: a NaN row, the others intact
     _, G = _gram_emulate(harness, U, rows=bad)
     assert torch.isnan(G[1]).all()
     keep = [i for i in range(k) if i != 1]
@@ -367,9 +384,10 @@ def test_gram_emulation_rows_duplicates_bad_rows(harness, k, K, d):
 
 def _fma(a: float, b: float, c: float) -> float:
     from fractions import Fraction
+
     if not all(math.isfinite(x) for x in (a, b, c)):
         return a * b + c
-    return float(Fraction(a) * Fraction(b) + Fraction(c))    # exact, then one correct rounding
+    return float(Fraction(a) * Fraction(b) + Fraction(c))  # exact, then one correct rounding
 
 
 def _butterfly(x):
@@ -395,7 +413,7 @@ def _gram_r_model(U):
                 part.append(acc)
             s = _butterfly(part[0:32])
             for w in range(1, 8):
-                s = s + _butterfly(part[32 * w:32 * w + 32])
+                s = s + _butterfly(part[32 * w : 32 * w + 32])
             G[i, j] = G[j, i] = s
     return G
 
@@ -404,7 +422,9 @@ def test_gram_final_reduction_is_the_documented_order(harness):
     """G[i][j] = part_0 + ... + part_7 (warp order), part_w = sum of parts w, w + 8, ... from 0.0."""
     g = gen(11)
     for n in (1, 7, 8, 9, 100, 1024):
-        vals = (torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-8, 9, (n,), generator=g)).tolist()
+        vals = (
+            torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-8, 9, (n,), generator=g)
+        ).tolist()
         got = hexf(harness("gramred", n, vals)[1])
         parts = []
         for w in range(8):
@@ -420,22 +440,31 @@ def test_gram_final_reduction_is_the_documented_order(harness):
             seq = 0.0
             for v in vals:
                 seq += v
-            assert seq != t   # the order matters for these values: the check above can fail
+            assert seq != t  # the order matters for these values: the check above can fail
 
 
 def test_gram_plan(harness):
     def plan(k, K, d, sym, eb):
         r = [int(x) for x in harness("gramplan", k, K, d, int(sym), eb)]
         return dict(zip(["path_r", "tile", "kp", "Kp", "pairs", "part_cols", "nparts", "ws"], r))
-    p = plan(100, 100, 11_220_132, True, 4)           # ResNet-18, K = 100: one diagonal block, 1024 parts
+
+    p = plan(100, 100, 11_220_132, True, 4)  # ResNet-18, K = 100: one diagonal block, 1024 parts
     assert p["path_r"] == 0 and p["tile"] == 128 and p["pairs"] == 1 and 1000 <= p["nparts"] <= 1024
-    for k, K, d, sym in [(16, 16, 10**6, True), (17, 17, 5, True), (100, 100, 11_220_132, True), (1000, 1000, 10**6, True),
-                         (5, 300, 12345, False), (300, 2, 999, False), (1, 1, 1, True), (129, 129, 4097, True)]:
+    for k, K, d, sym in [
+        (16, 16, 10**6, True),
+        (17, 17, 5, True),
+        (100, 100, 11_220_132, True),
+        (1000, 1000, 10**6, True),
+        (5, 300, 12345, False),
+        (300, 2, 999, False),
+        (1, 1, 1, True),
+        (129, 129, 4097, True),
+    ]:
         for eb in (2, 4, 8):
             p = plan(k, K, d, sym, eb)
             align = 256 if p["path_r"] else (32 if eb == 8 else 64)
             assert p["part_cols"] % align == 0
-            assert (p["nparts"] - 1) * p["part_cols"] < d <= p["nparts"] * p["part_cols"]   # every column in one part
+            assert (p["nparts"] - 1) * p["part_cols"] < d <= p["nparts"] * p["part_cols"]  # every column in one part
             assert p["ws"] == p["nparts"] * p["kp"] * p["Kp"] * 8 <= 256 << 20
             assert p["nparts"] <= 1024 and p["kp"] >= k and p["Kp"] >= K
             t = p["tile"]

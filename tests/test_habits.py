@@ -11,6 +11,7 @@
 
 Needs a git checkout (the tracked files come from ``git ls-files``); skipped elsewhere (an sdist).
 """
+
 from __future__ import annotations
 
 import ast
@@ -76,8 +77,12 @@ def python_comments(src: str):
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 yield body[0].lineno, body[0].value.value
 
 
@@ -101,7 +106,7 @@ def c_comments(src: str):
             line += src.count("\n", i, j)
             i = j
         elif c in "\"'":
-            if c == "'" and i > 0 and (src[i - 1].isalnum()):    # a digit separator (1'000), not a char
+            if c == "'" and i > 0 and (src[i - 1].isalnum()):  # a digit separator (1'000), not a char
                 i += 1
                 continue
             j = i + 1
@@ -134,7 +139,11 @@ def comments_of(path: str, src: str):
         return python_comments(src)
     if path.endswith(C_LIKE):
         return c_comments(src)
-    if path.endswith(HASH_COMMENTED) or os.path.basename(path) in ("Makefile", "run") or "." not in os.path.basename(path):
+    if (
+        path.endswith(HASH_COMMENTED)
+        or os.path.basename(path) in ("Makefile", "run")
+        or "." not in os.path.basename(path)
+    ):
         return hash_comments(src)
     return iter(())
 
@@ -153,9 +162,17 @@ def test_the_finders_see_what_they_should():
     assert history_in("(issue 15 item 6)") == ["issue 15"]
     assert history_in("measured 2026-11-25 at d1cfea2") == ["2026-11-25", "d1cfea2"]
     assert history_in("see 3e5c61f0123456789abcdef0123456789abcdef0") == ["3e5c61f0123456789abcdef0123456789abcdef0"]
-    for clean in ("0x9E3779B97F4A7C15 and 0xd2511f53", "colour #ff8800, #a0a0a0", "1.0e-12, 1e300, 6.93147180369123816490e-01",
-                  "12345678 columns", "decade deadbeef facade", "https://github.com/x/y/commit/d1cfea2abc",
-                  "K = 16, d = 11,220,132", "#1 and #9", "sha256 of the file"):
+    for clean in (
+        "0x9E3779B97F4A7C15 and 0xd2511f53",
+        "colour #ff8800, #a0a0a0",
+        "1.0e-12, 1e300, 6.93147180369123816490e-01",
+        "12345678 columns",
+        "decade deadbeef facade",
+        "https://github.com/x/y/commit/d1cfea2abc",
+        "K = 16, d = 11,220,132",
+        "#1 and #9",
+        "sha256 of the file",
+    ):
         assert history_in(clean) == [], clean
     py = '"""Doc (issue 18)."""\nx = "#28 2026-01-01"  # a date 2026-02-03\ndef f():\n    """d1cfea2"""\n'
     assert sorted(t for _, c in python_comments(py) for t in history_in(c)) == ["2026-02-03", "d1cfea2", "issue 18"]
@@ -179,8 +196,10 @@ def test_code_comments_carry_no_history():
                 if any(p == f and s in text for (p, s) in ALLOWED):
                     continue
                 bad.append(f"{f}:{line}: {hit!r} in {text.strip()[:100]!r}")
-    assert not bad, ("comments should say what the code does and why, not its history (issue numbers, dates and "
-                     "commit hashes belong in git):\n" + "\n".join(bad))
+    assert not bad, (
+        "comments should say what the code does and why, not its history (issue numbers, dates and "
+        "commit hashes belong in git):\n" + "\n".join(bad)
+    )
 
 
 def test_no_tracked_file_points_outside_the_repository():
@@ -191,7 +210,7 @@ def test_no_tracked_file_points_outside_the_repository():
             continue
         with open(os.path.join(ROOT, f), "rb") as fh:
             data = fh.read()
-        if b"\0" in data[:8192]:          # binary (archives, figures): not text a reader follows
+        if b"\0" in data[:8192]:  # binary (archives, figures): not text a reader follows
             continue
         for k, ln in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             for s in OUTSIDE:

@@ -2,6 +2,7 @@
 (and host copies) one aggregate runs must not grow with the number of clients K, for every
 registered aggregator with the payloads it needs (bench/cpu_hostwork.py builds the cases). On a
 GPU: at most one device-to-host sync per aggregate."""
+
 from __future__ import annotations
 
 import collections
@@ -41,16 +42,18 @@ def test_ops_per_aggregate_do_not_grow_with_clients(name):
     # a per-client op adds 190 calls; a branch the data take differently adds one or two
     grown = {op: (small.get(op, 0), n) for op, n in large.items() if n > small.get(op, 0) + 5}
     assert not grown, f"{name}: ops per aggregate grow with K (K=10 -> K=200): {grown}"
-    assert sum(large.values()) > 0   # the counter sees the aggregate at all
+    assert sum(large.values()) > 0  # the counter sees the aggregate at all
 
 
 def test_counter_sees_a_per_client_loop():
     """The counter catches what the test above forbids: a Python loop with one op per client."""
+
     def per_row(K):
         U = torch.randn(K, 4)
         with OpCounter() as c:
             [bool(torch.isfinite(U[k]).all()) for k in range(K)]
         return sum(c.ops.values())
+
     assert per_row(200) > per_row(10)
 
 
@@ -60,7 +63,7 @@ def test_screen_copies_to_host_once(monkeypatch, name):
     calls = []
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(self.shape) or real(self, *a, **k))
-    (_, run, _), = aggregator_cases(50, spec_of(TINY), only={name})
+    ((_, run, _),) = aggregator_cases(50, spec_of(TINY), only={name})
     calls.clear()
     run()
     assert len(calls) == 1, calls
@@ -75,10 +78,13 @@ def _host_copies(monkeypatch):
     calls = []
     cpu, to = torch.Tensor.cpu, torch.Tensor.to
     from fedkernels import ops
+
     for name in ("any_", "all_", "dot", "sqnorm"):
+
         def rec(*a, _f=getattr(ops, name), _n=name, **k):
             calls.append((_n, tuple(a[0].shape)))
             return _f(*a, **k)
+
         monkeypatch.setattr(ops, name, rec)
 
     def to_cpu(dev):
@@ -89,8 +95,9 @@ def _host_copies(monkeypatch):
             calls.append(("to", tuple(self.shape)))
         return to(self, *a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(("cpu", tuple(self.shape)))
-                        or cpu(self, *a, **k))
+    monkeypatch.setattr(
+        torch.Tensor, "cpu", lambda self, *a, **k: calls.append(("cpu", tuple(self.shape))) or cpu(self, *a, **k)
+    )
     monkeypatch.setattr(torch.Tensor, "to", rec_to)
     return calls
 
@@ -100,11 +107,12 @@ def test_kuramoto_brings_its_stats_to_the_host_with_the_flags(monkeypatch, mode)
     """Kuramoto (modes S and P): one device-to-host copy per aggregate, the kstats pass's statistics in
     the same copy as the NaN/Inf flags (RoundInput.kstats), not a second one for them."""
     from fedkernels import algorithms
+
     g = torch.Generator().manual_seed(1)
     K, d = 40, 23
     U, x = torch.randn(K, d, generator=g), torch.randn(d, generator=g)
     agg = algorithms.build("kuramoto", mode=mode, kappa0=0.5)
-    agg.aggregate(x, U, [1.0 + k for k in range(K)])             # first round outside the count
+    agg.aggregate(x, U, [1.0 + k for k in range(K)])  # first round outside the count
     calls = _host_copies(monkeypatch)
     agg.aggregate(x, U, [1.0 + k for k in range(K)])
     assert len(calls) == 1, calls
@@ -116,12 +124,13 @@ def test_kuramoto_mode_c_brings_the_clamp_flag_to_the_host_with_the_flags(monkey
     copy as the NaN/Inf flags (weighted_sum(hold=True) + RoundInput.release), not a second sync; the
     flag and the result as before (the clamp fires at clip=1e-4 only)."""
     from fedkernels import algorithms
+
     g = torch.Generator().manual_seed(2)
     K, d = 40, 23
     U, x = torch.randn(K, d, generator=g), torch.randn(d, generator=g)
     pl = [{"phase": 0.1 * k} for k in range(K)]
     agg = algorithms.build("kuramoto", mode="C", kappa0=0.5, clip=clip)
-    first = agg.aggregate(x, U, [1.0 + k for k in range(K)], payloads=pl)     # first round outside the count
+    first = agg.aggregate(x, U, [1.0 + k for k in range(K)], payloads=pl)  # first round outside the count
     calls = _host_copies(monkeypatch)
     res = agg.aggregate(x, U, [1.0 + k for k in range(K)], payloads=pl)
     assert len(calls) == 1, calls
@@ -139,6 +148,7 @@ def test_a_method_that_holds_the_flags_must_release_them():
 
         def _aggregate(self, rin):
             return AggResult(rin.weighted_sum([1.0] * rin.K, base=rin.global_flat, hold=True), {})
+
     U = torch.randn(3, 5)
     U[1, 2] = float("nan")
     with pytest.raises(RuntimeError, match=r"held the rows' NaN/Inf flags .* never released them"):
@@ -149,6 +159,7 @@ def test_host_copy_with_packs_flags_and_carry_exactly(monkeypatch):
     """The packed copy (used off the CPU) gives back the flags and the carried tensor bit for bit, in
     one copy."""
     from fedkernels.algorithms.base import host_copy_with
+
     G = torch.randn(7, 7, dtype=torch.float64)
     G[2, 3] = float("nan")
     flags = torch.tensor([True, False, True, True, False])
@@ -157,7 +168,7 @@ def test_host_copy_with_packs_flags_and_carry_exactly(monkeypatch):
     assert len(calls) == 1
     assert torch.equal(f, flags) and f.dtype == torch.bool
     assert c.shape == G.shape and c.dtype == G.dtype
-    assert torch.equal(c.view(torch.int64), G.view(torch.int64))     # same bits, NaN included
+    assert torch.equal(c.view(torch.int64), G.view(torch.int64))  # same bits, NaN included
 
 
 @pytest.mark.cuda
@@ -165,9 +176,10 @@ def test_host_copy_with_packs_flags_and_carry_exactly(monkeypatch):
 @pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedprox", "fednova", "scaffold", "global_gc", "kuramoto"])
 def test_one_sync_per_aggregate_on_gpu(name):
     from fedkernels import build_info
+
     if not build_info().get("cuda"):
         pytest.skip("fedkernels built without CUDA")
-    (_, run, _), = aggregator_cases(64, spec_of(TINY), device="cuda", only={name})
+    ((_, run, _),) = aggregator_cases(64, spec_of(TINY), device="cuda", only={name})
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -184,6 +196,7 @@ def test_one_sync_per_aggregate_on_gpu(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kuramoto_mode_c_one_sync_on_gpu():
     from fedkernels import algorithms, build_info
+
     if not build_info().get("cuda"):
         pytest.skip("fedkernels built without CUDA")
     g = torch.Generator().manual_seed(3)
@@ -204,20 +217,27 @@ def test_kuramoto_mode_c_one_sync_on_gpu():
     assert res.info["clipped"] is True
 
 
-SCREEN_IN_PASS = {"fedavg": ["weighted_sum_screened"], "fedprox": ["weighted_sum_screened"],
-                  "fednova": ["weighted_sum_screened"], "fedavgm": ["weighted_sum_screened"],
-                  "fedpgvc": ["weighted_sum_screened"], "scaffold": ["weighted_sum_screened"],
-                  "fedpvr": ["weighted_sum_screened"], "global_gc": ["weighted_sum_screened"],
-                  "local_gc": ["weighted_sum_screened"], "gcfed": ["weighted_sum_screened"],
-                  "kuramoto": ["kstats", "weighted_sum"],   # stats pass (screens) + weighting pass
-                  "fedaware": ["gram"]}                   # ELUD Gram pass (screens); the step reads M
+SCREEN_IN_PASS = {
+    "fedavg": ["weighted_sum_screened"],
+    "fedprox": ["weighted_sum_screened"],
+    "fednova": ["weighted_sum_screened"],
+    "fedavgm": ["weighted_sum_screened"],
+    "fedpgvc": ["weighted_sum_screened"],
+    "scaffold": ["weighted_sum_screened"],
+    "fedpvr": ["weighted_sum_screened"],
+    "global_gc": ["weighted_sum_screened"],
+    "local_gc": ["weighted_sum_screened"],
+    "gcfed": ["weighted_sum_screened"],
+    "kuramoto": ["kstats", "weighted_sum"],  # stats pass (screens) + weighting pass
+    "fedaware": ["gram"],
+}  # ELUD Gram pass (screens); the step reads M
 
 
 @pytest.mark.parametrize("name", sorted(SCREEN_IN_PASS))
 def test_methods_read_U_once_per_pass(name):
     """The NaN/Inf screen rides inside the method's first pass over U: no separate finite_rows
     read."""
-    (_, run, info), = aggregator_cases(30, spec_of(TINY), only={name})
+    ((_, run, info),) = aggregator_cases(30, spec_of(TINY), only={name})
     ptr = info["U"].data_ptr()
 
     class Reads(TorchDispatchMode):
@@ -226,8 +246,13 @@ def test_methods_read_U_once_per_pass(name):
             self.passes = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func.namespace) == "fedkernels" and args and isinstance(args[0], torch.Tensor) \
-                    and args[0].dim() == 2 and args[0].data_ptr() == ptr:
+            if (
+                str(func.namespace) == "fedkernels"
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and args[0].dim() == 2
+                and args[0].data_ptr() == ptr
+            ):
                 self.passes.append(str(func.overloadpacket))
             return func(*args, **(kwargs or {}))
 
@@ -236,11 +261,11 @@ def test_methods_read_U_once_per_pass(name):
     assert r.passes == ["fedkernels." + p for p in SCREEN_IN_PASS[name]], r.passes
 
 
-
 def _python_calls(K: int, name: str) -> collections.Counter:
     """Python-level function calls (per function) of one aggregate of K clients (sys.setprofile)."""
     import sys
-    (_, run, _), = aggregator_cases(K, spec_of(TINY), only={name})
+
+    ((_, run, _),) = aggregator_cases(K, spec_of(TINY), only={name})
     calls: collections.Counter = collections.Counter()
 
     def prof(frame, event, arg):
@@ -268,8 +293,9 @@ def test_python_calls_per_aggregate_do_not_grow_with_clients(name):
 def test_call_counter_sees_a_per_client_check():
     """The counter catches what the test above forbids: a payload check called once per client."""
     from fedkernels.algorithms.fedprox import FedProx
+
     orig = FedProx.suspect_payloads
-    FedProx.suspect_payloads = lambda self, payloads: None          # every row checked one by one
+    FedProx.suspect_payloads = lambda self, payloads: None  # every row checked one by one
     try:
         small, large = _python_calls(10, "fedprox"), _python_calls(200, "fedprox")
     finally:
@@ -281,6 +307,7 @@ def test_every_payload_check_has_its_whole_round_form():
     """A class that extends check_payload (the wording, one client) extends suspect_payloads (which
     rows to check, whole-round) too, or its new rule would never run."""
     from fedkernels.algorithms.base import _REGISTRY, Aggregator
+
     for cls in set(_REGISTRY.values()):
         for k in cls.__mro__:
             if k is Aggregator or not issubclass(k, Aggregator):
@@ -291,14 +318,46 @@ def test_every_payload_check_has_its_whole_round_form():
 
 def _payload_variants(d_c):
     nan = float("nan")
-    good = {"local_steps": 5, "momentum": 0.5, "prox_mu": 0.01, "pgvc_skipped_steps": 0, "local_gc": 1,
-            "T": 0.1, "phase": 0.5, "delta_c": torch.zeros(d_c)}
-    bad = [{}, {"local_steps": 0}, {"local_steps": nan}, {"local_steps": "x"}, {"local_steps": "3"},
-           {"local_steps": torch.tensor(4.0)}, {"local_steps": torch.ones(2)}, {"momentum": 1.0}, {"momentum": -0.1},
-           {"a_norm": 2.0}, {"a_norm": 0.0}, {"a_norm": nan, "local_steps": 3}, {"prox_mu": 0.02}, {"prox_mu": None},
-           {"T": 0.0}, {"T": -1.0}, {"T": float("inf")}, {"T": "a"}, {"T": "0.5"}, {"hbar": 1.0}, {"hbar": nan},
-           {"phase": nan}, {"phase": "x"}, {"phase": None}, {"delta_c": torch.zeros(d_c + 1)}, {"delta_c": 3.0},
-           {"delta_c": None}, {"delta_c": torch.zeros(d_c, dtype=torch.float64)}]
+    good = {
+        "local_steps": 5,
+        "momentum": 0.5,
+        "prox_mu": 0.01,
+        "pgvc_skipped_steps": 0,
+        "local_gc": 1,
+        "T": 0.1,
+        "phase": 0.5,
+        "delta_c": torch.zeros(d_c),
+    }
+    bad = [
+        {},
+        {"local_steps": 0},
+        {"local_steps": nan},
+        {"local_steps": "x"},
+        {"local_steps": "3"},
+        {"local_steps": torch.tensor(4.0)},
+        {"local_steps": torch.ones(2)},
+        {"momentum": 1.0},
+        {"momentum": -0.1},
+        {"a_norm": 2.0},
+        {"a_norm": 0.0},
+        {"a_norm": nan, "local_steps": 3},
+        {"prox_mu": 0.02},
+        {"prox_mu": None},
+        {"T": 0.0},
+        {"T": -1.0},
+        {"T": float("inf")},
+        {"T": "a"},
+        {"T": "0.5"},
+        {"hbar": 1.0},
+        {"hbar": nan},
+        {"phase": nan},
+        {"phase": "x"},
+        {"phase": None},
+        {"delta_c": torch.zeros(d_c + 1)},
+        {"delta_c": 3.0},
+        {"delta_c": None},
+        {"delta_c": torch.zeros(d_c, dtype=torch.float64)},
+    ]
     out = []
     for b in bad:
         p = dict(good)
@@ -307,7 +366,7 @@ def _payload_variants(d_c):
         if not b:
             p = {}
         out.append(p)
-    for key in good:            # each key missing alone
+    for key in good:  # each key missing alone
         out.append({k: v for k, v in good.items() if k != key})
     return [dict(good)] + out
 
@@ -318,6 +377,7 @@ def test_whole_round_payload_checks_equal_the_per_client_rule(name):
     rows that check_payload, called on every row, rejects, with the same reasons."""
     from fedkernels import algorithms
     from bench.cpu_hostwork import OPTIONS
+
     opts = dict(OPTIONS.get(name, {}), **({"mode": "C"} if name == "kuramoto_C" else {}))
     agg = algorithms.build("kuramoto" if name == "kuramoto_C" else name, **opts)
     x = torch.zeros(spec_of(TINY).d)
@@ -328,18 +388,26 @@ def test_whole_round_payload_checks_equal_the_per_client_rule(name):
     every = {k: r for k, r in ((k, agg.check_payload(p)) for k, p in enumerate(pl)) if r}
     agg._screen(x, torch.zeros(len(pl), x.numel()), torch.ones(len(pl), dtype=torch.float64), pl, False, False)
     assert agg.check_payloads(pl) == every
-    assert not agg.check_payloads([pl[0]] * 5)        # the all-good round: nothing checked one by one
+    assert not agg.check_payloads([pl[0]] * 5)  # the all-good round: nothing checked one by one
 
 
 def test_fednova_whole_round_a_norm_matches_the_formula():
     from fedkernels.algorithms.fednova import FedNova
     from fedkernels.algorithms.parts import momentum_steps
     from fedkernels.algorithms.base import RoundInput
-    pl = [{"local_steps": 5}, {"local_steps": 7, "momentum": 0.9}, {"a_norm": 2.5, "local_steps": 1},
-          {"local_steps": 3, "momentum": 0.0}, {"local_steps": 7, "momentum": 0.9}, {"local_steps": 2}]
+
+    pl = [
+        {"local_steps": 5},
+        {"local_steps": 7, "momentum": 0.9},
+        {"a_norm": 2.5, "local_steps": 1},
+        {"local_steps": 3, "momentum": 0.0},
+        {"local_steps": 7, "momentum": 0.9},
+        {"local_steps": 2},
+    ]
     agg = FedNova(local_momentum=0.5)
-    rin = RoundInput(torch.zeros(3), torch.zeros(len(pl), 3), torch.ones(len(pl), dtype=torch.float64),
-                     list(range(len(pl))), pl)
+    rin = RoundInput(
+        torch.zeros(3), torch.zeros(len(pl), 3), torch.ones(len(pl), dtype=torch.float64), list(range(len(pl))), pl
+    )
     want = [momentum_steps(5, 0.5), momentum_steps(7, 0.9), 2.5, 3.0, momentum_steps(7, 0.9), momentum_steps(2, 0.5)]
     assert agg.a_norms(rin).tolist() == want
 
@@ -350,6 +418,7 @@ def test_stacked_payloads_follow_the_clients_left_after_exclusion(bad):
     in the weighted-sum pass, a NaN delta, or deltas of mixed lengths) the round equals the round of
     the other clients alone."""
     from fedkernels import algorithms
+
     g = torch.Generator().manual_seed(3)
     K, d = 5, 6
     U, D = torch.randn(K, d, generator=g), torch.randn(K, d, generator=g)
@@ -374,6 +443,7 @@ def test_fedaware_solver_symmetrises_once_with_the_same_result():
     that N x N pass twice; a custom solver still gets the symmetrised G. Both give the same lambda and
     step, bit for bit, on a cached Gram that is not exactly symmetric."""
     from fedkernels import algorithms, ops
+
     g = torch.Generator().manual_seed(11)
     N, d = 9, 13
     M = torch.randn(N, d, generator=g, dtype=torch.float64) + 0.2
@@ -401,12 +471,30 @@ def test_bench_methods_option(tmp_path):
     import json
     import subprocess
     import sys
+
     out = tmp_path / "h.json"
-    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--clients", "20", "--quick", "--methods",
-                        "fedavg,kuramoto", "--out", str(out)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.cpu_hostwork",
+            "--clients",
+            "20",
+            "--quick",
+            "--methods",
+            "fedavg,kuramoto",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert [row["method"] for row in json.loads(out.read_text())["results"]] == ["fedavg", "kuramoto"]
-    r = subprocess.run([sys.executable, "-m", "bench.cpu_hostwork", "--methods", "fedavg,nope", "--out",
-                        str(tmp_path / "x.json")], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.cpu_hostwork", "--methods", "fedavg,nope", "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "nope is not a method" in r.stderr
     assert not (tmp_path / "x.json").exists()

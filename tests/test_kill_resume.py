@@ -15,6 +15,7 @@ Each resumed run must finish bit-identical to an uninterrupted run (``final_mode
 non-timing fields of every metrics line), with every round exactly once in metrics.jsonl, from the
 checkpoint we expect.
 """
+
 import json
 import os
 import shutil
@@ -32,12 +33,19 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs PO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROUNDS = 6
-RUN_ARGS = ["--preset", "smoke", f"rounds={ROUNDS}", "checkpoint_every=1", "keep_checkpoints=3",
-            "plots=false", "--no-progress"]
+RUN_ARGS = [
+    "--preset",
+    "smoke",
+    f"rounds={ROUNDS}",
+    "checkpoint_every=1",
+    "keep_checkpoints=3",
+    "plots=false",
+    "--no-progress",
+]
 MARK = "@@FAULT-READY"
 
 # argv: FAULT ROUND(1-based) CLIENT CLI-ARGS...; FAULT is train | ckpt-partial | ckpt-before-rename
-_INJECT = r'''
+_INJECT = r"""
 import os, sys, time
 fault, rnd, cid, argv = sys.argv[1], int(sys.argv[2]) - 1, int(sys.argv[3]), sys.argv[4:]
 
@@ -96,7 +104,7 @@ else:
 
 from fedkernels.sim.cli import main
 sys.exit(main(argv))
-'''
+"""
 
 
 def _env():
@@ -108,23 +116,41 @@ def _env():
 
 def _cli(*args):
     """Runs ``python -m fedkernels run ...`` to completion; returns (stdout, stderr)."""
-    p = subprocess.run([sys.executable, "-m", "fedkernels", "run", *args], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "fedkernels", "run", *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, f"fedkernels run {args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return p.stdout, p.stderr
 
 
 def _run_and_kill(fault, rnd, client, out, name):
     """Starts the faulted CLI run, waits for its marker, SIGKILLs it; returns the run dir and marker."""
-    cmd = [sys.executable, "-c", _INJECT, fault, str(rnd), str(client),
-           "run", *RUN_ARGS, "--out", str(out), "--name", name]
+    cmd = [
+        sys.executable,
+        "-c",
+        _INJECT,
+        fault,
+        str(rnd),
+        str(client),
+        "run",
+        *RUN_ARGS,
+        "--out",
+        str(out),
+        "--name",
+        name,
+    ]
     err_path = os.path.join(str(out), f"{name}.stderr")
     os.makedirs(str(out), exist_ok=True)
     with open(err_path, "w") as err:
         p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True)
         lines = []
         try:
-            for line in p.stdout:        # EOF (the child ended without reaching the fault) ends the loop
+            for line in p.stdout:  # EOF (the child ended without reaching the fault) ends the loop
                 lines.append(line)
                 if line.startswith(MARK):
                     p.send_signal(signal.SIGKILL)
@@ -135,7 +161,8 @@ def _run_and_kill(fault, rnd, client, out, name):
             p.wait(timeout=60)
             p.stdout.close()
     assert lines and lines[-1].startswith(MARK), (
-        f"the fault was never reached:\n{''.join(lines)}\n{open(err_path).read()}")
+        f"the fault was never reached:\n{''.join(lines)}\n{open(err_path).read()}"
+    )
     assert p.returncode == -signal.SIGKILL
     return os.path.join(str(out), name), lines[-1].split(" ", 1)[1].strip()
 
@@ -153,11 +180,11 @@ def _assert_identical(run_dir, ref_dir):
     a = torch.load(os.path.join(run_dir, "final_model.pt"), weights_only=True)
     b = torch.load(os.path.join(ref_dir, "final_model.pt"), weights_only=True)
     assert a["round"] == b["round"] == ROUNDS
-    assert a["flat"].dtype == b["flat"].dtype and torch.equal(a["flat"], b["flat"])   # bit for bit
+    assert a["flat"].dtype == b["flat"].dtype and torch.equal(a["flat"], b["flat"])  # bit for bit
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     ms = _metrics(run_dir)
-    assert [m["round"] for m in ms] == list(range(1, ROUNDS + 1))    # each round exactly once
+    assert [m["round"] for m in ms] == list(range(1, ROUNDS + 1))  # each round exactly once
     assert _strip(ms) == _strip(_metrics(ref_dir))
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
@@ -211,7 +238,7 @@ def test_corrupted_latest_checkpoints_after_kill_fall_back(killed_in_training, r
     run_dir = _copy(killed_in_training, work, "resume-corrupted")
     ck_dir = os.path.join(run_dir, "checkpoints")
     raw = bytearray(open(ckpt.path_for(ck_dir, 3), "rb").read())
-    raw[len(raw) // 2] ^= 0x5A              # inside the payload: the SHA-256 no longer matches
+    raw[len(raw) // 2] ^= 0x5A  # inside the payload: the SHA-256 no longer matches
     with open(ckpt.path_for(ck_dir, 3), "wb") as f:
         f.write(raw)
     open(ckpt.path_for(ck_dir, 2), "wb").close()
@@ -236,14 +263,13 @@ def test_sigkill_during_checkpoint_write_resumes_bit_identical(reference, work, 
     tmp = os.path.join(ck_dir, tmps[0])
     if fault == "ckpt-partial":
         with pytest.raises(ckpt.CheckpointError, match="truncated"):
-            ckpt.load(tmp)                          # the half-written temp is detectably bad
+            ckpt.load(tmp)  # the half-written temp is detectably bad
     else:
-        assert ckpt.load(tmp)["round"] == 3         # complete and fsync'ed, but never named a checkpoint
-    assert [m["round"] for m in _metrics(run_dir)] == [1, 2, 3]   # round 3 was logged before its save
+        assert ckpt.load(tmp)["round"] == 3  # complete and fsync'ed, but never named a checkpoint
+    assert [m["round"] for m in _metrics(run_dir)] == [1, 2, 3]  # round 3 was logged before its save
 
     out, err = _cli("--resume", run_dir, "--no-progress")
-    assert "ckpt_round_000002.pt (round 2)" in out, out + err      # the previous checkpoint was used
-    assert "skipping checkpoint" not in err, err                   # the temp file was never read
+    assert "ckpt_round_000002.pt (round 2)" in out, out + err  # the previous checkpoint was used
+    assert "skipping checkpoint" not in err, err  # the temp file was never read
     _assert_identical(run_dir, reference)
     assert [r for r, _ in ckpt.list_checkpoints(ck_dir)] == [ROUNDS - 2, ROUNDS - 1, ROUNDS]
-

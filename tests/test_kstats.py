@@ -1,6 +1,7 @@
 """kstats: Kuramoto's statistics in one pass, against the float64 reference (two passes: the mean, then
 the rows against it) and the Gram route (dot = G p, nsq = diag G, nbar = p'G p); shapes, strides, dtypes,
 thread counts, the flags, edge cases, bad inputs."""
+
 import subprocess
 import sys
 
@@ -8,14 +9,24 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES, FLOATS, gen, randn   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEVICES, FLOATS, gen, randn  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # (K, d): odd sizes, one chunk and several, one part and many (K = 16, d = 200k: 64 parts), K >> d
-SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (1000, 76), (300, 150),
-          (4, 70001)]
+SHAPES = [
+    (1, 1),
+    (2, 3),
+    (3, 17),
+    (5, 1000),
+    (7, 4099),
+    (16, 2048 * 3 + 5),
+    (33, 257),
+    (1000, 76),
+    (300, 150),
+    (4, 70001),
+]
 
 
 def _weights(K, seed=0):
@@ -35,7 +46,7 @@ def _close(got, want, U, p, tol=1e-12):
 def _odd(K, d, dtype, seed=0):
     """U as a strided view: rows of a wider buffer, from column 1."""
     big = torch.randn(K, d + 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.3
-    return big.to(dtype)[:, 1:1 + d]
+    return big.to(dtype)[:, 1 : 1 + d]
 
 
 @pytest.mark.parametrize("K,d", SHAPES)
@@ -47,7 +58,7 @@ def test_kstats_matches_reference_and_gram_route(K, d, dtype):
     got = ops.kstats(U, p)
     _close(got, ref.kstats(U, p), U, p)
     G = ref.gram(U)
-    _close(got, (G @ p, torch.diagonal(G), p @ G @ p), U, p)       # spec §9 item 4: 1e-12
+    _close(got, (G @ p, torch.diagonal(G), p @ G @ p), U, p)  # spec §9 item 4: 1e-12
     assert got[3].tolist() == [True] * K
     assert got[0].shape == (K,) and got[2].shape == () and got[3].dtype == torch.bool
 
@@ -74,7 +85,7 @@ def test_kstats_same_bits_with_1_and_2_threads(K, d):
         torch.set_num_threads(n0)
     for a, b in zip(*out):
         assert torch.equal(a, b)
-    for a, b in zip(out[0], ops.kstats(U, p)):       # and across calls
+    for a, b in zip(out[0], ops.kstats(U, p)):  # and across calls
         assert torch.equal(a, b)
 
 
@@ -84,7 +95,7 @@ def test_kstats_flags_are_exact(K, d, dtype):
     U = _odd(K, d, dtype, seed=K)
     for k in range(1, K, 2):
         U[k, (k * 13) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
-    U[0].fill_(torch.finfo(dtype).max)     # finite, the largest values (fp64: its squared norm overflows)
+    U[0].fill_(torch.finfo(dtype).max)  # finite, the largest values (fp64: its squared norm overflows)
     ok = ops.kstats(U, _weights(K))[3]
     assert ok.tolist() == ref.finite_rows(U).tolist() == [k % 2 == 0 for k in range(K)]
 
@@ -94,7 +105,7 @@ def test_kstats_good_rows_stats_after_dropping_bad_rows():
     U[2, 7] = float("nan")
     dot, nsq, nbar, ok = ops.kstats(U, _weights(6))
     assert ok.tolist() == [True, True, False, True, True, True]
-    assert torch.isnan(nbar) and torch.isnan(dot).all()            # the mean saw the NaN
+    assert torch.isnan(nbar) and torch.isnan(dot).all()  # the mean saw the NaN
     assert torch.isfinite(nsq[ok]).all()
     keep = ok.nonzero().reshape(-1)
     p = _weights(6)[keep]
@@ -108,7 +119,7 @@ def test_kstats_empty_and_zero_columns():
     dot, nsq, nbar, ok = ops.kstats(torch.zeros(3, 0), _weights(3))
     assert torch.equal(dot, torch.zeros(3, dtype=torch.float64)) and torch.equal(nsq, dot)
     assert float(nbar) == 0.0 and ok.tolist() == [True] * 3
-    z = ops.kstats(torch.zeros(4, 9), _weights(4))                  # zero rows: zeros, finite
+    z = ops.kstats(torch.zeros(4, 9), _weights(4))  # zero rows: zeros, finite
     assert float(z[0].abs().sum() + z[1].sum() + z[2]) == 0.0 and z[3].all()
 
 
@@ -137,8 +148,11 @@ def sample_inputs(dev):
     bfloat16 column chunk of a wider buffer (unaligned rows). p: host float64 weights on every device."""
     U = randn(dev, 5, 300, seed=1)
     U[2, 17] = float("nan")
-    return [[randn(dev, 1, 1, dtype=torch.float64, seed=2), _weights(1)], [U, _weights(5, seed=3)],
-            [randn(dev, 4, 1003, dtype=torch.bfloat16, seed=4)[:, 1:1000], _weights(4, seed=5)]]
+    return [
+        [randn(dev, 1, 1, dtype=torch.float64, seed=2), _weights(1)],
+        [U, _weights(5, seed=3)],
+        [randn(dev, 4, 1003, dtype=torch.bfloat16, seed=4)[:, 1:1000], _weights(4, seed=5)],
+    ]
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -148,7 +162,7 @@ def test_kstats_samples_match_reference(dev):
         assert all(t.device == U.device for t in got)
         want = ref.kstats(U.cpu(), p)
         assert torch.equal(got[3].cpu(), want[3])
-        good = want[3]                                   # a NaN row: NaN in its own dot and nsq and in nbar
+        good = want[3]  # a NaN row: NaN in its own dot and nsq and in nbar
         if good.all():
             _close([t.cpu() for t in got], want, U.cpu(), p)
         else:
@@ -158,13 +172,15 @@ def test_kstats_samples_match_reference(dev):
 @pytest.mark.parametrize("dev", DEVICES)
 def test_kstats_opcheck(dev):
     for args in sample_inputs(dev):
-        torch.library.opcheck(torch.ops.fedkernels.kstats.default, tuple(args),
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.fedkernels.kstats.default, tuple(args), test_utils=("test_schema", "test_faketensor")
+        )
 
 
 def test_kstats_sharded_sums_the_shards():
     """Column shards: each shard's mean is exact (column-local), so the ranks' sums add up to the whole."""
-    class TwoShards:                   # stands for 2 ranks holding U[:, :a] and U[:, a:]
+
+    class TwoShards:  # stands for 2 ranks holding U[:, :a] and U[:, a:]
         def __init__(self, other):
             self.other = other
 
@@ -193,7 +209,7 @@ def test_kstats_sharded_sums_the_shards():
 @pytest.mark.parametrize("K,d", [(1, 1), (3, 7), (10, 4099), (100, 300), (1000, 76), (2, 262177)])
 def test_kstats_matches_reference_and_cpu(dev, K, d, dtype):
     base = randn(dev, K, d + 3, dtype=dtype, seed=K + d)
-    U = base[:, 1:1 + d]                                   # row stride d + 3, unaligned start
+    U = base[:, 1 : 1 + d]  # row stride d + 3, unaligned start
     p = torch.rand(K, generator=gen(d), dtype=torch.float64) + 0.1
     p /= p.sum()
     got = ops.kstats(U, p)
@@ -205,7 +221,7 @@ def test_kstats_matches_reference_and_cpu(dev, K, d, dtype):
         assert g.dtype == torch.float64 and torch.all((g.cpu() - w).abs() <= 1e-12 * S + 1e-300)
     assert got[3].cpu().tolist() == [True] * K
     again = ops.kstats(U, p)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))     # bitwise: fixed order, no atomics
+    assert all(torch.equal(a, b) for a, b in zip(got, again))  # bitwise: fixed order, no atomics
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -213,7 +229,7 @@ def test_kstats_flags_exact(dev):
     for dtype in FLOATS:
         U = randn(dev, 6, 999, dtype=dtype, seed=2)
         U[1, 5], U[3, 998] = float("nan"), float("-inf")
-        U[0] = torch.finfo(dtype).max                       # finite (fp64: its squared norm overflows)
+        U[0] = torch.finfo(dtype).max  # finite (fp64: its squared norm overflows)
         ok = ops.kstats(U, torch.full((6,), 1 / 6, dtype=torch.float64))[3]
         assert ok.cpu().tolist() == [True, False, True, False, True, True], dtype
 
@@ -231,9 +247,17 @@ def harness():
 
 
 @pytest.mark.parametrize("eb,dtype", [(4, torch.float32), (8, torch.float64), (2, torch.float16)])
-@pytest.mark.parametrize("K,d,parts,tw", [(1, 1, 1, 256), (3, 5, 1, 256), (7, 700, 3, 256), (100, 300, 3, 128),
-                                          (1000, 70, 3, 32), (2, 256 * 1024 + 33, 513, 256)])
-
+@pytest.mark.parametrize(
+    "K,d,parts,tw",
+    [
+        (1, 1, 1, 256),
+        (3, 5, 1, 256),
+        (7, 700, 3, 256),
+        (100, 300, 3, 128),
+        (1000, 70, 3, 32),
+        (2, 256 * 1024 + 33, 513, 256),
+    ],
+)
 def test_kstats_emulation_matches_reference(harness, eb, dtype, K, d, parts, tw):
     """kstats_parts / kstats_final emulated around ks::: every element of U read exactly once per phase
     (ERR otherwise), the plan's parts and tile width (fp32 at K = 1000: 32 columns; 1025 tiles: 2 per

@@ -1,4 +1,5 @@
 """Kuramoto-FedAvg: spec §9 vectors K1-K11, property tests, state round trip, bad input, client rule."""
+
 import math
 
 import pytest
@@ -37,7 +38,7 @@ def ref_weights(U, p, mode="S", kappa=0.5, tau=0.05, clip_delta=True):
     mean = (p[:, None] * U).sum(0)
     nb = float(mean @ mean)
     norms = U.norm(dim=1)
-    valid = (norms ** 2 > 1e-30) & (nb > 1e-30)
+    valid = (norms**2 > 1e-30) & (nb > 1e-30)
     th = torch.zeros(len(p), dtype=F64)
     s = torch.zeros(len(p), dtype=F64)
     if valid.any():
@@ -62,7 +63,9 @@ def test_k1_three_clients_uniform():
     p = t([1 / 3] * 3)
     w = t([0.5, -0.5])
     dot, nsq, nbar = kuramoto_stats(U, p)
-    close(dot, [4 / 3, 5 / 3, 4 / 3]); close(nsq, [4, 2, 5]); close(nbar, 13 / 9)
+    close(dot, [4 / 3, 5 / 3, 4 / 3])
+    close(nsq, [4, 2, 5])
+    close(nbar, 13 / 9)
     rho, info = kuramoto_weights(dot, nsq, nbar, p, "P", kappa=0.1, tau=0.0)
     close(info["theta"], [0.9827937232, 0.1973955598, 1.0516502125], rtol=1e-9, atol=1e-10)
     close(info["theta_bar"], 0.7439464985, rtol=1e-9, atol=1e-10)
@@ -103,7 +106,7 @@ def test_k2_nonuniform_p():
     close(r.info["weights"], p)
     r = agg(U, torch.zeros(3, dtype=F64), n, mode="S", kappa0=0.5)
     close(r.info["weights"], [0.5114180361, 0.2599727120, 0.2286092519])
-    rp = agg(U, torch.zeros(3, dtype=F64), n, mode="S", kappa0=0.5, theta_bar="p")   # flag: p-weighted mean phase
+    rp = agg(U, torch.zeros(3, dtype=F64), n, mode="S", kappa0=0.5, theta_bar="p")  # flag: p-weighted mean phase
     close(rp.info["theta_bar"], float(p @ t(info["theta"])))
     close(rp.info["s"], torch.sin(rp.info["theta_bar"] - t(info["theta"])))
     close(r.params, [0.7400272880, 0.4885819639, 0.2286092519])
@@ -116,7 +119,7 @@ def test_k3_two_clients_degenerate():
     close(r.info["s"], [-0.4472135955, 0.4472135955], rtol=1e-9, atol=1e-10)
     assert abs(r.info["S"]) < 1e-15
     assert r.info["degenerate"]
-    close(r.params, [0.5 * 0.5, 0.5 * 1.5])      # kappa0 = 0.5 times the FedAvg step [0.5, 1.5]
+    close(r.params, [0.5 * 0.5, 0.5 * 1.5])  # kappa0 = 0.5 times the FedAvg step [0.5, 1.5]
     r = agg(U, w, [1, 1], mode="S", kappa0=1.0)
     close(r.info["weights"], [0.2763932023, 0.7236067977])
     close(r.info["weights"], [0.5 * (1 - 0.4472135955), 0.5 * (1 + 0.4472135955)])
@@ -128,7 +131,7 @@ def test_k4_identical_updates():
     r = agg(U, w, [1, 1, 1], mode="P", kappa0=1.0)
     assert r.info["degenerate"]
     assert r.info["theta"] == [0.0, 0.0, 0.0] and r.info["s"] == [0.0, 0.0, 0.0]
-    r = agg(U, w, [1, 1, 1], mode="P", kappa0=1.0, tau=0.0)    # S = 0 is degenerate for any tau
+    r = agg(U, w, [1, 1, 1], mode="P", kappa0=1.0, tau=0.0)  # S = 0 is degenerate for any tau
     assert r.info["degenerate"]
     r = agg(U, w, [1, 1, 1], mode="S", kappa0=1.0)
     close(r.info["weights"], [1 / 3] * 3)
@@ -172,12 +175,12 @@ def test_k7_single_client_every_mode():
 
 def test_k8_overflow_and_small_angles():
     U = (1e20 * t([[1, 0], [2, 0], [1, 1e-3]])).to(torch.float32)
-    assert not torch.isfinite((U * U).sum(1)).all()            # a naive fp32 norm overflows
+    assert not torch.isfinite((U * U).sum(1)).all()  # a naive fp32 norm overflows
     r = agg(U, torch.zeros(2), [1, 1, 1], mode="S", kappa0=1.0)
     close(r.info["theta"], [0.00025, 0.00025, 0.00075], atol=1e-6, rtol=0)
     close(r.info["weights"], [0.3333888889, 0.3333888889, 0.3332222223], rtol=1e-5, atol=0)
     r1 = agg(t([[1, 0], [2, 0], [1, 1e-3]]), torch.zeros(2, dtype=F64), [1, 1, 1], mode="S", kappa0=1.0)
-    close(r.info["weights"], r1.info["weights"], rtol=1e-5, atol=0)         # scale invariance
+    close(r.info["weights"], r1.info["weights"], rtol=1e-5, atol=0)  # scale invariance
     assert torch.isfinite(r.params).all()
 
 
@@ -195,7 +198,9 @@ def test_k9_code_mode():
     b, aa = code_weights(t(phase), t([1 / 3] * 3), 0.2)
     close(aa.sum(), 1.0)
     # the elementwise clamp: a tiny clip bounds the sync term coordinate by coordinate
-    r = build("kuramoto", mode="C", kappa0=0.2, clip=1e-3).aggregate(w, W, [1, 1, 1], payloads=[{"phase": f} for f in phase])
+    r = build("kuramoto", mode="C", kappa0=0.2, clip=1e-3).aggregate(
+        w, W, [1, 1, 1], payloads=[{"phase": f} for f in phase]
+    )
     sync = (b[:, None] * W).sum(0).clamp(-1e-3, 1e-3)
     close(r.params, W.mean(0) + 0.2 * sync)
     assert r.info["clipped"]
@@ -270,7 +275,7 @@ def test_against_float64_recomputation(K, d, mode):
     alpha = 0.7 if mode == "P" else 1.0
     expect = w.to(F64) + alpha * (a_ref[:, None] * U.to(F64)).sum(0)
     close(r.params, expect, rtol=1e-5, atol=1e-5)
-    dot, nsq, nbar = kuramoto_stats(U, p)                      # one kstats pass vs two passes, fp64
+    dot, nsq, nbar = kuramoto_stats(U, p)  # one kstats pass vs two passes, fp64
     U64 = U.to(F64)
     mean = (p[:, None] * U64).sum(0)
     close(dot, U64 @ mean, rtol=1e-12, atol=1e-12)
@@ -353,7 +358,8 @@ def test_bad_options_and_payloads():
     with pytest.raises(BadUpdateError, match="phase"):
         build("kuramoto", mode="C").aggregate(torch.zeros(4), U, [1, 1, 1])
     r = build("kuramoto", mode="C", on_bad_update="exclude").aggregate(
-        torch.zeros(4), U, [1, 1, 1], payloads=[{"phase": 1.0}, {}, {"phase": float("inf")}])
+        torch.zeros(4), U, [1, 1, 1], payloads=[{"phase": 1.0}, {}, {"phase": float("inf")}]
+    )
     assert [e["client_id"] for e in r.info["excluded"]] == [1, 2]
     with pytest.raises(ValueError, match="num_examples"):
         build("kuramoto").aggregate(torch.zeros(4), U, [1, 1])
@@ -370,8 +376,9 @@ def test_phase_rule_on_tiny_linear():
     rule = a.client_rule()
     assert build("kuramoto").client_rule() is None
     g0 = spec.flatten(model)
-    ctx = ClientContext(client_id=0, round=0, global_flat=g0, spec=spec, lr=0.1, num_examples=8,
-                        payload=a.client_payload(0))
+    ctx = ClientContext(
+        client_id=0, round=0, global_flat=g0, spec=spec, lr=0.1, num_examples=8, payload=a.client_payload(0)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(8, 3), torch.randn(8, 2)
     rule.begin(ctx, model)
@@ -387,13 +394,14 @@ def test_phase_rule_on_tiny_linear():
         ctx.step += 1
         rule.after_step(ctx, model)
     pl = rule.end(ctx, model)
-    close(pl["phase"], sum(norms) / 3, rtol=1e-6, atol=0)     # per-tensor norms in fp32
+    close(pl["phase"], sum(norms) / 3, rtol=1e-6, atol=0)  # per-tensor norms in fp32
 
 
 def test_kuramoto_stats_from_kstats_or_a_given_gram():
     """kuramoto_stats keeps its signature: from U (one kstats pass) or from a caller's Gram matrix G, the
     same statistics to 1e-12 (spec §9 item 4); neither U nor G is one clear error."""
     from fedkernels import ops
+
     U, n = _rand(9, 300, 4, dtype=F64)
     p = n / n.sum()
     a = kuramoto_stats(U, p)

@@ -1,5 +1,6 @@
 """The library as a user finds it: what fedkernels.sim exports, what help(algorithms.build) lists,
 and the one-line errors of algorithms.build for a bad option (method, option, value, expected type)."""
+
 import subprocess
 import sys
 
@@ -21,14 +22,16 @@ def _error(fn, *args, **kw) -> str:
 
 
 def test_sim_exports_simulation_lazily():
-    code = ("import sys, fedkernels.sim as s\n"
-            "assert 'fedkernels.sim.server' not in sys.modules, 'import fedkernels.sim loaded the round loop'\n"
-            "from fedkernels.sim import Simulation, RunConfig, run\n"
-            "from fedkernels.sim.server import Simulation as S, run as r\n"
-            "from fedkernels.sim.config import RunConfig as C\n"
-            "assert (Simulation, run, RunConfig) == (S, r, C)\n"
-            "assert {'Simulation', 'RunConfig', 'run'} <= set(dir(s))\n"
-            "try:\n    s.Nope\nexcept AttributeError as e:\n    print(e)\n")
+    code = (
+        "import sys, fedkernels.sim as s\n"
+        "assert 'fedkernels.sim.server' not in sys.modules, 'import fedkernels.sim loaded the round loop'\n"
+        "from fedkernels.sim import Simulation, RunConfig, run\n"
+        "from fedkernels.sim.server import Simulation as S, run as r\n"
+        "from fedkernels.sim.config import RunConfig as C\n"
+        "assert (Simulation, run, RunConfig) == (S, r, C)\n"
+        "assert {'Simulation', 'RunConfig', 'run'} <= set(dir(s))\n"
+        "try:\n    s.Nope\nexcept AttributeError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "has no attribute 'Nope'" in out.stdout
@@ -38,7 +41,7 @@ def test_build_docstring_lists_every_method_and_its_options():
     doc = algorithms.build.__doc__
     for name in algorithms.available():
         assert f"``{name}``" in doc or f" {name}``" in doc or f"``{name}," in doc, name
-    assert "kappa0=None" in doc and "KuramotoFedAvg" in doc        # options with defaults, the class
+    assert "kappa0=None" in doc and "KuramotoFedAvg" in doc  # options with defaults, the class
     assert "on_bad_update" in doc and "server_lr" in doc
 
 
@@ -50,16 +53,22 @@ def test_options_gives_types_and_defaults():
     assert "did you mean 'kuramoto'" in _error(algorithms.options, "kuramotto")
 
 
-@pytest.mark.parametrize("name,opts,expect", [
-    ("kuramoto", {"kappa0": "banana"}, "kuramoto: option kappa0='banana': expected a number or None, got str"),
-    ("kuramoto", {"guard": "false"}, "kuramoto: option guard='false': expected a bool"),   # bool('false') is True
-    ("fedaware", {"max_iter": 2.5}, "fedaware: option max_iter=2.5: expected an integer, got float"),
-    ("fedpgvc", {"n_ctrl": 1.5}, "fedpgvc: option n_ctrl=1.5: expected an integer or a string"),
-    ("fedavg", {"server_lr": [1.0]}, "fedavg: option server_lr=[1.0]: expected a number, got list"),
-    ("gcfed", {"global_layers": "fc"}, "gcfed: option global_layers='fc': expected a list"),
-    ("fedavg", {"server_lr": torch.ones(2, 2)},                     # a printed tensor, on one line
-     "fedavg: option server_lr=tensor([[1., 1.], [1., 1.]]): expected a number, got Tensor"),
-])
+@pytest.mark.parametrize(
+    "name,opts,expect",
+    [
+        ("kuramoto", {"kappa0": "banana"}, "kuramoto: option kappa0='banana': expected a number or None, got str"),
+        ("kuramoto", {"guard": "false"}, "kuramoto: option guard='false': expected a bool"),  # bool('false') is True
+        ("fedaware", {"max_iter": 2.5}, "fedaware: option max_iter=2.5: expected an integer, got float"),
+        ("fedpgvc", {"n_ctrl": 1.5}, "fedpgvc: option n_ctrl=1.5: expected an integer or a string"),
+        ("fedavg", {"server_lr": [1.0]}, "fedavg: option server_lr=[1.0]: expected a number, got list"),
+        ("gcfed", {"global_layers": "fc"}, "gcfed: option global_layers='fc': expected a list"),
+        (
+            "fedavg",
+            {"server_lr": torch.ones(2, 2)},  # a printed tensor, on one line
+            "fedavg: option server_lr=tensor([[1., 1.], [1., 1.]]): expected a number, got Tensor",
+        ),
+    ],
+)
 def test_build_names_method_option_value_and_type(name, opts, expect):
     assert _error(algorithms.build, name, **opts).startswith(expect)
     # the class itself, constructed directly, says the same
@@ -70,8 +79,10 @@ def test_build_names_method_option_value_and_type(name, opts, expect):
 def test_unknown_option_lists_the_valid_ones_with_a_suggestion():
     for make in (lambda: algorithms.build("fedavg", server_lrr=1), lambda: FedAvg(server_lrr=1)):
         msg = _error(make)
-        assert msg == ("fedavg: unknown option server_lrr=1; did you mean 'server_lr'? "
-                       "options: weighting, server_lr_schedule, on_bad_update, server_lr")
+        assert msg == (
+            "fedavg: unknown option server_lrr=1; did you mean 'server_lr'? "
+            "options: weighting, server_lr_schedule, on_bad_update, server_lr"
+        )
     assert "did you mean 'fedavg'" in _error(algorithms.build, "fedavgg")
 
 
@@ -101,8 +112,18 @@ def test_a_required_option_is_named():
 
 def test_aggregate_docstring_documents_arguments_and_result():
     doc = Aggregator.aggregate.__doc__
-    for word in ("global_flat", "updates", "num_examples", "client_ids", "payloads", "[K, d]",
-                 "AggResult(params, info)", "BadUpdateError", "device", "dtype"):
+    for word in (
+        "global_flat",
+        "updates",
+        "num_examples",
+        "client_ids",
+        "payloads",
+        "[K, d]",
+        "AggResult(params, info)",
+        "BadUpdateError",
+        "device",
+        "dtype",
+    ):
         assert word in doc, word
     # what it says about the result holds: a new tensor of global_flat's dtype, num_clients in info
     g = torch.zeros(5, dtype=torch.float64)
@@ -115,7 +136,8 @@ def test_fedecado_flat_stepping_options_are_typed():
     # L, T_bar, dt0 ... are Stepping fields that FedECADO also takes flat: their types come along
     assert algorithms.options("fedecado")["L"].type == "a number or None"
     assert _error(algorithms.build, "fedecado", T_bar="banana").startswith(
-        "fedecado: option T_bar='banana': expected a number or None")
+        "fedecado: option T_bar='banana': expected a number or None"
+    )
     assert algorithms.build("fedecado", L="2.5").stepping.L == 2.5
 
 

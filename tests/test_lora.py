@@ -9,6 +9,7 @@ square root of the singular values split between the factors ``||B*||_F^2 = ||A*
 kept singular values``, so the bound is ``u (2 + u) ||M_r||_*`` (nuclear norm). The float64 QR / SVD
 add a backward error of a few eps64 * ||M||, covered by a 1e-10 relative term, far below u.
 """
+
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from torch import nn
 
 from fedkernels.lora import LoraAggregator, LoraSpec
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 F64 = 1e-10
 
 
@@ -103,11 +104,13 @@ def test_spec_holds_only_the_adapters_and_round_trips():
     base_before = m2.fc1.base_layer.weight.clone()
     spec.load_(m2, v)
     assert torch.equal(spec.flatten(m2), v)
-    assert torch.equal(m2.fc1.base_layer.weight, base_before)          # the frozen base is not touched
+    assert torch.equal(m2.fc1.base_layer.weight, base_before)  # the frozen base is not touched
     # the conv delta is the convolution of the factors (what peft's get_delta_weight computes)
     B, A = m.conv.lora_B["default"].weight, m.conv.lora_A["default"].weight
     ref = torch.nn.functional.conv2d(A.transpose(0, 1), B).transpose(0, 1) * 2.0
-    torch.testing.assert_close(conv.delta(v), ref, rtol=0, atol=64 * U32 * float((B.abs().sum() * A.abs().max()).detach()))
+    torch.testing.assert_close(
+        conv.delta(v), ref, rtol=0, atol=64 * U32 * float((B.abs().sum() * A.abs().max()).detach())
+    )
 
 
 def test_naive_is_the_average_of_the_factors():
@@ -140,7 +143,7 @@ def test_naive_is_the_average_of_the_factors():
             Bg, Ag = l.factors(g.double())
             want = l.scaling * float(torch.linalg.matrix_norm(M - Bg @ Ag))
             assert rg.info["layers"][l.name]["true_norm"] == pytest.approx(want, rel=1e-9)
-            upd += want ** 2
+            upd += want**2
         assert rg.info["true_norm"] == pytest.approx(math.sqrt(upd), rel=1e-9)
         # the aggregate does not depend on the reporting basis: naive's and fold's factors are the same
         # weighted-sum pass; exact's products are both the rank-r truncation of M to the bound of
@@ -151,7 +154,7 @@ def test_naive_is_the_average_of_the_factors():
         for l in spec.layers:
             M, _ = prods[l.name]
             S = torch.linalg.svdvals(M)
-            tol = 2 * (U32 * (2 + U32) * float(S[:l.rank].sum()) + F64 * float(S[0]))
+            tol = 2 * (U32 * (2 + U32) * float(S[: l.rank].sum()) + F64 * float(S[0]))
             assert float(torch.linalg.matrix_norm(stored_product(l, rg.adapter) - stored_product(l, r0.adapter))) <= tol
 
 
@@ -175,7 +178,7 @@ def test_exact_with_enough_rank_reproduces_the_average_of_products():
 
 def test_truncated_exact_is_the_best_rank_r_approximation():
     spec = LoraSpec.from_model(Net(r=3, alpha=3.0))
-    X = clients(spec, 4)                              # sum of 4 rank-3 products: rank up to 12 > 3
+    X = clients(spec, 4)  # sum of 4 rank-3 products: rank up to 12 > 3
     res = LoraAggregator(spec, "exact").aggregate(X, num_examples=[1, 2, 3, 4])
     prods = products(spec, X, P)
     for l in spec.layers:
@@ -183,7 +186,7 @@ def test_truncated_exact_is_the_best_rank_r_approximation():
         Uf, S, Vh = torch.linalg.svd(M, full_matrices=False)
         r = l.rank
         Mr = (Uf[:, :r] * S[:r]) @ Vh[:r]
-        opt = float(S[r:].square().sum().sqrt())      # Eckart-Young: no rank-r matrix is closer to M
+        opt = float(S[r:].square().sum().sqrt())  # Eckart-Young: no rank-r matrix is closer to M
         got = stored_product(l, res.adapter)
         assert torch.linalg.matrix_rank(got) <= r
         slack = U32 * (2 + U32) * nuclear(Mr) + F64 * float(S[0])
@@ -207,7 +210,7 @@ def test_fold_keeps_base_plus_product_equal_to_base_plus_true_average():
     X = clients(spec, 4)
     res = LoraAggregator(spec, "fold").aggregate(X, num_examples=[1, 2, 3, 4])
     naive = LoraAggregator(spec, "naive").aggregate(X, num_examples=[1, 2, 3, 4])
-    assert torch.equal(res.adapter, naive.adapter)                 # fold keeps the averaged factors
+    assert torch.equal(res.adapter, naive.adapter)  # fold keeps the averaged factors
     prods = products(spec, X, P)
     W0 = {l.name: getattr(m, l.name).base_layer.weight.detach().double().clone() for l in spec.layers}
     spec.fold_(m, res.residuals)
@@ -227,13 +230,16 @@ def test_fold_keeps_base_plus_product_equal_to_base_plus_true_average():
         Bb, Ab = l.factors((P[:, None] * X64).sum(0))
         res64 = res.residuals[l.name].double()
         g = 6 * U32
-        bound = (U32 * (float(torch.linalg.vector_norm(W0[l.name])) + 2 * float(torch.linalg.vector_norm(res64)))
-                 + s * g * (1 + g) * (float(torch.linalg.matrix_norm(Bab)) * float(torch.linalg.matrix_norm(Ab))
-                                      + float(torch.linalg.matrix_norm(Bb)) * float(torch.linalg.matrix_norm(Aab))))
+        bound = U32 * (
+            float(torch.linalg.vector_norm(W0[l.name])) + 2 * float(torch.linalg.vector_norm(res64))
+        ) + s * g * (1 + g) * (
+            float(torch.linalg.matrix_norm(Bab)) * float(torch.linalg.matrix_norm(Ab))
+            + float(torch.linalg.matrix_norm(Bb)) * float(torch.linalg.matrix_norm(Aab))
+        )
         err = float(torch.linalg.vector_norm(eff - want))
         assert err <= bound, (l.name, err, bound)
         assert res.info["layers"][l.name]["error"] <= bound
-        assert float(torch.linalg.vector_norm(res64)) > 100 * bound   # the residual is not negligible
+        assert float(torch.linalg.vector_norm(res64)) > 100 * bound  # the residual is not negligible
 
 
 def test_heterogeneous_ranks_exact_redistributes_best_rank_rk():
@@ -344,7 +350,9 @@ def _peft_delta(mod):
         B = mod.lora_B["default"].weight.double().flatten(1)
         r, s = A.shape[0], mod.scaling["default"]
     g = r * U32 / (1 - r * U32)
-    return want, g * s * float(torch.linalg.matrix_norm(B.abs() @ A.abs())) + U32 * float(torch.linalg.vector_norm(want))
+    return want, g * s * float(torch.linalg.matrix_norm(B.abs() @ A.abs())) + U32 * float(
+        torch.linalg.vector_norm(want)
+    )
 
 
 def test_peft_heterogeneous_clients_flatten_aggregate_and_load():
@@ -375,8 +383,9 @@ def test_peft_heterogeneous_clients_flatten_aggregate_and_load():
         S = torch.linalg.svdvals(mat)
         bound = U32 * (2 + U32) * float(S.sum()) + F64 * float(S[0])
         assert float(torch.linalg.vector_norm(got - avg)) <= bound
-        assert float(torch.linalg.vector_norm(got - sum(p[k] * w for k, (w, _) in enumerate(peft_avg)))) \
-            <= bound + tol_avg
+        assert (
+            float(torch.linalg.vector_norm(got - sum(p[k] * w for k, (w, _) in enumerate(peft_avg)))) <= bound + tol_avg
+        )
     # redistributed to a rank-2 client: its delta is the best rank-2 approximation of the average
     avgs = {l.name: sum(p[k] * l.delta(X[k].double()) for k in range(3)) for l in spec.layers}
     spec.load_(cl[0], res.adapter)
@@ -400,13 +409,16 @@ def test_peft_bad_models():
         spec.flatten(_peft_net(4, 8, targets=("fc1", "fc2")))
     _one_line(e, "differ", "conv")
     peft = pytest.importorskip("peft")
-    ia3 = peft.get_peft_model(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)),
-                              peft.IA3Config(target_modules=["0", "2"], feedforward_modules=["2"]))
+    ia3 = peft.get_peft_model(
+        nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)),
+        peft.IA3Config(target_modules=["0", "2"], feedforward_modules=["2"]),
+    )
     with pytest.raises(ValueError) as e:
         LoraSpec.from_model(ia3)
     _one_line(e, "no LoRA layers")
-    dora = peft.get_peft_model(nn.Sequential(nn.Linear(3, 4)), peft.LoraConfig(r=2, target_modules=["0"],
-                                                                                use_dora=True))
+    dora = peft.get_peft_model(
+        nn.Sequential(nn.Linear(3, 4)), peft.LoraConfig(r=2, target_modules=["0"], use_dora=True)
+    )
     with pytest.raises(ValueError) as e:
         LoraSpec.from_model(dora)
     _one_line(e, "DoRA")
@@ -419,15 +431,24 @@ def test_example_lora_digits_runs_two_rounds():
     import os
     import subprocess
     import sys
+
     pytest.importorskip("peft")
     pytest.importorskip("sklearn")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root)
-    cmd = [sys.executable, os.path.join(root, "examples", "lora_digits.py"), "--rounds", "2", "--clients", "3",
-           "--local-steps", "5"]
+    cmd = [
+        sys.executable,
+        os.path.join(root, "examples", "lora_digits.py"),
+        "--rounds",
+        "2",
+        "--clients",
+        "3",
+        "--local-steps",
+        "5",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    final = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("final "))[len("final "):])
+    final = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("final "))[len("final ") :])
     assert set(final) == {"naive", "exact", "fold"}
     # fold is exact at any rank; exact is the best rank-r approximation, so never farther than naive's
     # factors (a rank-r matrix too) from the same round's true average

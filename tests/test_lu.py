@@ -1,19 +1,28 @@
 """lu_factor / lu_factor_ex / lu_solve: spec fedecado.md section 9 (U3, U10; U2, U5d, U9 in test_arrowhead_solve.py),
 torch.linalg agreement, float64 reference, odd and non-contiguous shapes, opcheck, bad inputs."""
+
 import math
 import numpy as np
 import pytest
 import torch
 
 from fedkernels import ops, reference
-from devices import DEV, DEVICES, cuda_only, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import (
+    DEV,
+    DEVICES,
+    cuda_only,
+    gen,
+    one_line,
+    randn,
+    settle,
+)  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 
 def well_conditioned(B, n, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    A = torch.randn(B, n, n, generator=g, dtype=torch.float64) + 2.0 * n ** 0.5 * torch.eye(n, dtype=torch.float64)
+    A = torch.randn(B, n, n, generator=g, dtype=torch.float64) + 2.0 * n**0.5 * torch.eye(n, dtype=torch.float64)
     return A.to(dtype)
 
 
@@ -68,8 +77,9 @@ def test_factor_matches_torch(n, dtype):
     same = (piv == piv_t).all(dim=1)
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     scale = A.abs().amax(dim=(1, 2), keepdim=True)
-    torch.testing.assert_close((LU[same] / scale[same]).double(), (LU_t[same] / scale[same]).double(),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        (LU[same] / scale[same]).double(), (LU_t[same] / scale[same]).double(), rtol=tol, atol=tol
+    )
     # where a near-tie flipped a pivot (fp32), the factorisation must still be valid
     if dtype == torch.float32:
         assert int(same.sum()) >= B - 2
@@ -147,8 +157,9 @@ def test_deterministic_and_out():
     assert ops.lu_solve(LU, piv, R, out=out) is out and torch.equal(out, X)
     with pytest.raises(ValueError, match="out must be"):
         ops.lu_solve(LU, piv, R, out=torch.empty(11, 5))
-    torch.library.opcheck(torch.ops.fedkernels.lu_solve_out.default, (LU, piv, R[:, :100].contiguous(),
-                                                                      torch.empty(11, 100)))
+    torch.library.opcheck(
+        torch.ops.fedkernels.lu_solve_out.default, (LU, piv, R[:, :100].contiguous(), torch.empty(11, 100))
+    )
 
 
 def test_bad_inputs():
@@ -185,8 +196,9 @@ def test_one_size_limit_for_python_and_native():
     wrapper and the native op's last-line check refuse the same n."""
     import importlib
     from fedkernels import build_info
+
     n = build_info()["lu_max_n"]
-    assert importlib.import_module("fedkernels.ops.lu").LU_MAX_N == ops.LU_MAX_N == n == 64   # 64: the docs' value
+    assert importlib.import_module("fedkernels.ops.lu").LU_MAX_N == ops.LU_MAX_N == n == 64  # 64: the docs' value
     LU, piv = ops.lu_factor(torch.eye(n, dtype=torch.float64))
     assert torch.equal(LU, torch.eye(n, dtype=torch.float64))
     with pytest.raises(ValueError, match=rf"lu_factor: n must be in \[1, {n}\]"):
@@ -242,8 +254,8 @@ def test_lu_factor_solve(dev, n, dtype):
 @pytest.mark.parametrize("n", [5, 32, 40])
 def test_lu_factor_nan_does_not_hang_and_pivots_match_the_cpu_rule(n):  # the CPU op refuses NaN
     A = torch.randn(8, n, n, generator=gen(n), dtype=torch.float64)
-    A[0, 2, 0] = float("nan")          # NaN below the diagonal: never the pivot
-    A[1, 0, 0] = float("nan")          # NaN on the diagonal: keeps row 0
+    A[0, 2, 0] = float("nan")  # NaN below the diagonal: never the pivot
+    A[1, 0, 0] = float("nan")  # NaN on the diagonal: keeps row 0
     A[2, :, 0] = float("nan")
     LU, piv, info = torch.ops.fedkernels.lu_factor(A.to(DEV))
     torch.cuda.synchronize()
@@ -262,11 +274,13 @@ def test_lu_solve_out_and_arrowhead_on_every_device(dev):
     out = torch.empty_like(R)
     torch.ops.fedkernels.lu_solve_out(LU, piv, R, out)
     assert torch.equal(out, X)
-    torch.ops.fedkernels.lu_solve_out(LU, piv.cpu(), R, R)                               # in place, host pivots
+    torch.ops.fedkernels.lu_solve_out(LU, piv.cpu(), R, R)  # in place, host pivots
     assert torch.equal(R, X)
     a = torch.rand(6, generator=gen(33), dtype=torch.float64) + 0.5
-    b, c = -0.1 * torch.rand(6, generator=gen(34), dtype=torch.float64), torch.rand(6, generator=gen(35),
-                                                                                      dtype=torch.float64)
+    b, c = (
+        -0.1 * torch.rand(6, generator=gen(34), dtype=torch.float64),
+        torch.rand(6, generator=gen(35), dtype=torch.float64),
+    )
     for dt in (torch.float32, torch.float64):
         r0, RR = randn(dev, 1001, dtype=dt, seed=36), randn(dev, 6, 1001, dtype=dt, seed=37)
         x, I = torch.ops.fedkernels.arrowhead_solve(a, b, c, 1.0, r0, RR)
@@ -281,23 +295,44 @@ def test_bad_args_lu(dev):
     A = (torch.randn(3, 6, 6, generator=gen(58), dtype=torch.float64) + 6 * torch.eye(6, dtype=torch.float64)).to(dev)
     R = torch.randn(3, 6, 40, generator=gen(59), dtype=torch.float64).to(dev)
     F = torch.ops.fedkernels
-    one_line(ValueError, r"lu_factor: A must be a square \[n, n\] or batched \[B, n, n\] matrix, got shape \(3, 6, 5\)",
-             ops.lu_factor, A[..., :5])
-    one_line(RuntimeError, r"lu_factor: n must be in \[1, 64\] \(small systems\), got 70", F.lu_factor,
-             torch.zeros(70, 70, dtype=torch.float64, device=dev))
+    one_line(
+        ValueError,
+        r"lu_factor: A must be a square \[n, n\] or batched \[B, n, n\] matrix, got shape \(3, 6, 5\)",
+        ops.lu_factor,
+        A[..., :5],
+    )
+    one_line(
+        RuntimeError,
+        r"lu_factor: n must be in \[1, 64\] \(small systems\), got 70",
+        F.lu_factor,
+        torch.zeros(70, 70, dtype=torch.float64, device=dev),
+    )
     bad = A.clone()
     bad[1, 2, 3] = float("nan")
     one_line(ValueError, r"lu_factor: A must be finite \(got NaN or Inf entries\)", ops.lu_factor, bad)
     one_line(ValueError, r"lu_factor: A must be float32 or float64, got torch.float16", ops.lu_factor, A.half())
     LU, piv = ops.lu_factor(A)
-    one_line(ValueError, r"lu_solve: pivots must be int32 or int64, got torch.float32", ops.lu_solve, LU,
-             piv.float(), R)
-    one_line(RuntimeError, r"lu_solve: pivots must be \[n\] \(or \[B, n\]\), got \[3, 5\]", F.lu_solve, LU,
-             piv[:, :5].contiguous(), R)
+    one_line(
+        ValueError, r"lu_solve: pivots must be int32 or int64, got torch.float32", ops.lu_solve, LU, piv.float(), R
+    )
+    one_line(
+        RuntimeError,
+        r"lu_solve: pivots must be \[n\] \(or \[B, n\]\), got \[3, 5\]",
+        F.lu_solve,
+        LU,
+        piv[:, :5].contiguous(),
+        R,
+    )
     one_line(ValueError, r"lu_solve: R must be .*got shape \(3, 5, 40\)", ops.lu_solve, LU, piv, R[:, :5])
     if dev == DEV:
-        one_line(ValueError, r"lu_solve: LU, pivots and R must be on one device, got cuda.*cpu", ops.lu_solve,
-                 LU, piv, R.cpu())
+        one_line(
+            ValueError,
+            r"lu_solve: LU, pivots and R must be on one device, got cuda.*cpu",
+            ops.lu_solve,
+            LU,
+            piv,
+            R.cpu(),
+        )
     X = ops.lu_solve(LU, piv, R)
     settle(dev)
     torch.testing.assert_close(X.cpu(), torch.linalg.solve(A.cpu(), R.cpu()), rtol=1e-10, atol=1e-10)
@@ -329,12 +364,12 @@ def _columns():
         base = torch.randn(n, generator=g, dtype=torch.float64).tolist()
         cols.append(base)
         cols.append([abs(x) if i % 3 else -abs(x) for i, x in enumerate(base)])
-        cols.append([1.0 if i % 2 else -1.0 for i in range(n)])                # ties: smallest index
-        cols.append([0.0] * n)                                                  # zero pivot
+        cols.append([1.0 if i % 2 else -1.0 for i in range(n)])  # ties: smallest index
+        cols.append([0.0] * n)  # zero pivot
         for pos in {0, n // 2, n - 1}:
             c = list(base)
             c[pos] = nan
-            cols.append(c)                                                       # NaN on/below the diagonal
+            cols.append(c)  # NaN on/below the diagonal
             c2 = list(base)
             c2[pos] = inf if pos % 2 else -inf
             cols.append(c2)
@@ -352,7 +387,7 @@ def test_lu_pivot_total_order_every_lane_agrees(harness):
             want = _scan_pivot(col, k)
             assert block_p == want, (col, k)
             if n <= 32:
-                assert warp_p == want, (col, k)   # -2 would mean two lanes chose differently
+                assert warp_p == want, (col, k)  # -2 would mean two lanes chose differently
             assert k <= block_p < n
             checked += 1
     assert checked > 100
@@ -385,6 +420,6 @@ def test_lu_solve_column_matches_reference(harness, n):
     torch.testing.assert_close(X, torch.linalg.solve(A, R), rtol=1e-9, atol=1e-9)
     if n > 1:
         bad = [int(p) for p in piv]
-        bad[n - 1] = n + 1                      # out of range: NaN columns, no assert
+        bad[n - 1] = n + 1  # out of range: NaN columns, no assert
         ans = harness("lusolve", n, m, LU, bad, R)
         assert ans[0] == "0" and all(math.isnan(hexf(s)) for s in ans[1:])

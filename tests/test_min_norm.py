@@ -1,16 +1,17 @@
 """min_norm: spec fedaware.md section 9 vectors, exact-QP optimality (scipy), KKT, reference
 agreement, properties and bad inputs."""
+
 import math
 
 import numpy as np
 import pytest
 import scipy.optimize
-import spec_vectors   # tests/spec_vectors.py (its MIN_NORM_CASES are the spec's matrices, not this file's)
+import spec_vectors  # tests/spec_vectors.py (its MIN_NORM_CASES are the spec's matrices, not this file's)
 import torch
 
 from fedkernels import ops, reference
-from devices import DEV, DEVICES, cuda_only, gen, one_line, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import DEV, DEVICES, cuda_only, gen, one_line, settle  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 METHODS = ["away", "pairwise", "fw", "code_compat"]
@@ -151,19 +152,25 @@ def test_a7_generic(method, init):
     m = torch.tensor(A7, dtype=torch.float64)
     G = gram_of(A7)
     lam, _, gap = solve(G, method=method, init=init)
-    torch.testing.assert_close(lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0],
-                                                 dtype=torch.float64), rtol=0, atol=1e-6)
-    torch.testing.assert_close(lam @ m, torch.tensor([0.432154340836, 0.321345535493, 0.454316101905],
-                                                     dtype=torch.float64), rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0], dtype=torch.float64), rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(
+        lam @ m, torch.tensor([0.432154340836, 0.321345535493, 0.454316101905], dtype=torch.float64), rtol=0, atol=1e-7
+    )
     assert float(lam @ G @ lam) == pytest.approx(0.496423447934702, abs=1e-10)
     assert 0 <= gap <= 1e-12 * 0.5 + 1e-14
     Gn = normalised_gram(A7)
     lam, _, _ = solve(Gn, method=method, init=init)
-    torch.testing.assert_close(lam, torch.tensor([0.480867327294, 0.035552475857, 0.483580196849, 0],
-                                                 dtype=torch.float64), rtol=0, atol=1e-6)
-    torch.testing.assert_close(lam @ (m / m.norm(dim=1, keepdim=True)),
-                               torch.tensor([0.393409334695, 0.304782318879, 0.444836099197], dtype=torch.float64),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        lam, torch.tensor([0.480867327294, 0.035552475857, 0.483580196849, 0], dtype=torch.float64), rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(
+        lam @ (m / m.norm(dim=1, keepdim=True)),
+        torch.tensor([0.393409334695, 0.304782318879, 0.444836099197], dtype=torch.float64),
+        rtol=0,
+        atol=1e-7,
+    )
     assert float(lam @ Gn @ lam) == pytest.approx(0.445542321675432, abs=1e-10)
 
 
@@ -171,8 +178,9 @@ def test_a7_code_compat_close():
     G = gram_of(A7)
     lam, it, _ = ops.min_norm(G, method="code_compat")
     assert it < 1000
-    torch.testing.assert_close(lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0],
-                                                 dtype=torch.float64), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        lam, torch.tensor([0.510511996043, 0.039079891170, 0.450408112788, 0], dtype=torch.float64), rtol=0, atol=1e-4
+    )
 
 
 def test_a8_one_fw_step():
@@ -186,8 +194,17 @@ def test_a8_one_fw_step():
 
 
 # ---- optimality against an exact QP solve ------------------------------------------------------
-CASES = [(3, 5, 0.0), (7, 3, 0.0), (10, 50, 0.3), (33, 20, 0.5), (100, 1000, 0.3), (100, 50, 0.3),
-         (300, 1000, 0.3), (300, 100, 0.3), (150, 400, 0.0)]
+CASES = [
+    (3, 5, 0.0),
+    (7, 3, 0.0),
+    (10, 50, 0.3),
+    (33, 20, 0.5),
+    (100, 1000, 0.3),
+    (100, 50, 0.3),
+    (300, 1000, 0.3),
+    (300, 100, 0.3),
+    (150, 400, 0.0),
+]
 
 
 @pytest.mark.parametrize("K,d,shift", CASES)
@@ -300,8 +317,9 @@ def test_scale_solves_on_the_scaled_symmetrised_gram(K, method):
     init and with min_diag, on an asymmetric G across the 32 x 32 tiles; and FedAWARE's normalisation
     (s = 1 / sqrt(diag G)) matches the solve on the unit vectors' Gram and the float64 reference."""
     g = torch.Generator().manual_seed(100 + K)
-    U = (torch.randn(K, max(2, K // 3), generator=g, dtype=torch.float64) + 0.2) \
-        * torch.rand(K, 1, generator=g, dtype=torch.float64).mul(5).add(0.1)
+    U = (torch.randn(K, max(2, K // 3), generator=g, dtype=torch.float64) + 0.2) * torch.rand(
+        K, 1, generator=g, dtype=torch.float64
+    ).mul(5).add(0.1)
     G = U @ U.T + 1e-3 * torch.rand(K, K, generator=g, dtype=torch.float64)
     s = torch.rand(K, generator=g, dtype=torch.float64) + 0.5
     for init in ("best_pair", "min_diag"):
@@ -340,14 +358,14 @@ def test_best_pair_ties_go_to_the_first_pair_in_row_major_order():
     double loop over i < j finds it."""
     G = 2.0 * torch.eye(70, dtype=torch.float64)
     for i, j in ((6, 10), (5, 40)):
-        G[i, j] = G[j, i] = -1.9            # both segments: gamma 0.5, value 0.05, the least
+        G[i, j] = G[j, i] = -1.9  # both segments: gamma 0.5, value 0.05, the least
     lam, it, _ = ops.min_norm(G, max_iter=0)
     assert it == 0 and torch.nonzero(lam).reshape(-1).tolist() == [5, 40] and lam[5] == lam[40] == 0.5
 
 
 def test_symmetrised_overflow_is_refused():
     G = torch.eye(3, dtype=torch.float64)
-    G[0, 2] = G[2, 0] = 1.5e308    # finite, but G + G^T is not
+    G[0, 2] = G[2, 0] = 1.5e308  # finite, but G + G^T is not
     with pytest.raises(ValueError, match=r"overflows at \[0, 2\]"):
         ops.min_norm(G)
 
@@ -399,7 +417,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"finite, got nan at \[0, 1\]"):
         torch.ops.fedkernels.min_norm(torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64))
     G = torch.eye(40, dtype=torch.float64)
-    G[33, 2] = float("-inf")      # beyond the first 32 x 32 tile, below the diagonal
+    G[33, 2] = float("-inf")  # beyond the first 32 x 32 tile, below the diagonal
     with pytest.raises(ValueError, match=r"finite, got -inf at \[33, 2\]"):
         ops.min_norm(G)
 
@@ -411,14 +429,19 @@ def test_opcheck(dev):
     G = U @ U.T
     if dev == DEV:  # the device solver has no polish (face solves) and no code_compat: the schema's defaults
         G = G.to(dev)
-        torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
-                              (G, 1000, 1e-12, 1e-15, "away", "best_pair", False, None))
+        torch.library.opcheck(
+            torch.ops.fedkernels.min_norm.default, (G, 1000, 1e-12, 1e-15, "away", "best_pair", False, None)
+        )
         return
     torch.library.opcheck(torch.ops.fedkernels.min_norm.default, (G,))
-    torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
-                          (G, 50, 1e-9, 1e-15, "pairwise", "min_diag", True, torch.ones(9, dtype=torch.float64)))
-    torch.library.opcheck(torch.ops.fedkernels.min_norm.default,
-                          (G, 50, 1e-9, 1e-15, "away", "best_pair", True, None, torch.rand(9, dtype=torch.float64) + 0.5))
+    torch.library.opcheck(
+        torch.ops.fedkernels.min_norm.default,
+        (G, 50, 1e-9, 1e-15, "pairwise", "min_diag", True, torch.ones(9, dtype=torch.float64)),
+    )
+    torch.library.opcheck(
+        torch.ops.fedkernels.min_norm.default,
+        (G, 50, 1e-9, 1e-15, "away", "best_pair", True, None, torch.rand(9, dtype=torch.float64) + 0.5),
+    )
 
 
 # ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
@@ -436,8 +459,7 @@ def _kkt(G, lam, tol=1e-9):
 # linearly (the CPU op reaches tol 1e-12 in 1910 / 992 iterations at K=100, 18993 / 9899 at K=1000).
 # Plain FW converges sublinearly when the optimum has many active vertices: it is tested where it
 # converges (K <= 10: 8735 iterations at K=10); a rank-deficient G at K=100/1000 converges for no method.
-MIN_NORM_CASES = [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 1000)
-                  if m != "fw" or K <= 10]
+MIN_NORM_CASES = [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 1000) if m != "fw" or K <= 10]
 
 
 def _min_norm_G(K: int) -> torch.Tensor:
@@ -470,7 +492,7 @@ def test_min_norm_matches_reference(dev, K, method):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
 def test_min_norm_spec_vectors(dev, method):
-    for m, q_exp in spec_vectors.MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7
+    for m, q_exp in spec_vectors.MIN_NORM_CASES:  # fedaware.md §9 A3, A4, A5, A7
         M = torch.tensor(m, dtype=torch.float64)
         G = (M @ M.T).to(dev)
         lam, _, _ = torch.ops.fedkernels.min_norm(G, 10000, 1e-14, 1e-15, method, "best_pair", False, None)
@@ -501,18 +523,46 @@ def test_min_norm_rejects_host_only_modes():
 def test_bad_args_min_norm(dev):
     G = _min_norm_G(7).to(dev)
     F = torch.ops.fedkernels
-    one_line(ValueError, r"min_norm: G must be a square \[K, K\] Gram matrix, got shape \(7, 6\)", ops.min_norm,
-             G[:, :6])
-    one_line(RuntimeError, r"min_norm: G must be a square \[K, K\] matrix, got shape \[7, 6\]", F.min_norm,
-             G[:, :6].contiguous(), 100, 1e-12, 1e-15, "away", "best_pair", False, None)
-    one_line(RuntimeError, r"min_norm: max_iter must be >= 0, got -5", F.min_norm,
-             G, -5, 1e-12, 1e-15, "away", "best_pair", False, None)
+    one_line(
+        ValueError, r"min_norm: G must be a square \[K, K\] Gram matrix, got shape \(7, 6\)", ops.min_norm, G[:, :6]
+    )
+    one_line(
+        RuntimeError,
+        r"min_norm: G must be a square \[K, K\] matrix, got shape \[7, 6\]",
+        F.min_norm,
+        G[:, :6].contiguous(),
+        100,
+        1e-12,
+        1e-15,
+        "away",
+        "best_pair",
+        False,
+        None,
+    )
+    one_line(
+        RuntimeError,
+        r"min_norm: max_iter must be >= 0, got -5",
+        F.min_norm,
+        G,
+        -5,
+        1e-12,
+        1e-15,
+        "away",
+        "best_pair",
+        False,
+        None,
+    )
     bad = G.clone()
     bad[2, 3] = float("nan")
     one_line(ValueError, r"min_norm: G must be finite, got nan at \[2, 3\]", ops.min_norm, bad)
     one_line(ValueError, r"min_norm: method must be one of .*got 'newton'", ops.min_norm, G, method="newton")
-    one_line(ValueError, r"min_norm: lam0 must be a 1-D tensor of length 7, got shape \(6,\)", ops.min_norm, G,
-             lam0=torch.ones(6, dtype=torch.float64, device=dev))
+    one_line(
+        ValueError,
+        r"min_norm: lam0 must be a 1-D tensor of length 7, got shape \(6,\)",
+        ops.min_norm,
+        G,
+        lam0=torch.ones(6, dtype=torch.float64, device=dev),
+    )
     lam, _, _ = F.min_norm(G, 5000, 1e-12, 1e-15, "away", "best_pair", False, None)
     settle(dev)
     lam_r, _, _ = reference.min_norm(G.cpu(), max_iter=5000, tol=1e-12, method="away", polish=False)
@@ -536,21 +586,41 @@ def harness():
     yield from host_harness.session()
 
 
-@pytest.mark.parametrize("a,b,c", [(1.0, 0.5, 2.0), (1.0, 1.0, 1.0), (2.0, 3.0, 1.0), (1.0, -2.0, 5.0),
-                                   (3.0, 0.0, 3.0), (1e-300, 0.0, 1e-300), (4.0, 4.5, 9.0), (1.0, 2.0, 3.0)])
-
+@pytest.mark.parametrize(
+    "a,b,c",
+    [
+        (1.0, 0.5, 2.0),
+        (1.0, 1.0, 1.0),
+        (2.0, 3.0, 1.0),
+        (1.0, -2.0, 5.0),
+        (3.0, 0.0, 3.0),
+        (1e-300, 0.0, 1e-300),
+        (4.0, 4.5, 9.0),
+        (1.0, 2.0, 3.0),
+    ],
+)
 def test_min_norm_segment_is_the_reference_line_search(harness, a, b, c):
     g, val = (hexf(x) for x in harness("segment", a, b, c)[1:])
     g_r, val_r = reference._segment(a, b, c)
-    assert g == g_r and val == val_r    # same formula and order; no fma on the host build
+    assert g == g_r and val == val_r  # same formula and order; no fma on the host build
 
 
 _MN_METHODS = {"fw": 0, "away": 1, "pairwise": 2}
 
 
 def _mn_emulate(harness, G, method, init="best_pair", max_iter=30000, tol=1e-12, tol_abs=1e-15, lam0=None):
-    ans = harness("minnorm", G.shape[0], _MN_METHODS[method], int(init == "min_diag"), max_iter, tol, tol_abs,
-                  int(lam0 is not None), G, lam0 if lam0 is not None else [])
+    ans = harness(
+        "minnorm",
+        G.shape[0],
+        _MN_METHODS[method],
+        int(init == "min_diag"),
+        max_iter,
+        tol,
+        tol_abs,
+        int(lam0 is not None),
+        G,
+        lam0 if lam0 is not None else [],
+    )
     return torch.tensor([hexf(x) for x in ans[2:]], dtype=torch.float64), int(ans[0]), hexf(ans[1])
 
 
@@ -559,28 +629,28 @@ def _mn_G(K, seed=None):
     return U, U @ U.T / U.shape[1] + torch.eye(K, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("K,method", [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 300)
-                                      if m != "fw" or K <= 10])
-
+@pytest.mark.parametrize(
+    "K,method", [(K, m) for m in ("fw", "away", "pairwise") for K in (1, 2, 3, 10, 100, 300) if m != "fw" or K <= 10]
+)
 def test_min_norm_block_emulation_matches_cpu_op_and_reference(harness, K, method):
     """The kernel's control flow around mn::plan / mn::update / scan_thread / row_partial, with the
     block's reduction orders (K=300 > 256 threads: two entries per thread), converges to the CPU
     op's and the reference's minimiser (G strongly convex: lam unique)."""
     U, G = _mn_G(K)
-    G = G + 1e-3 * torch.triu(torch.ones(K, K, dtype=torch.float64), 1)   # not symmetric: symmetrised
+    G = G + 1e-3 * torch.triu(torch.ones(K, K, dtype=torch.float64), 1)  # not symmetric: symmetrised
     lam, it, gap = _mn_emulate(harness, G, method)
     Gs = 0.5 * (G + G.T)
     assert it < 30000
     assert float(lam.min()) >= 0.0 and abs(float(lam.sum()) - 1.0) < 1e-12
     v = Gs @ lam
     q = float(lam @ v)
-    assert abs(gap - (q - float(v.min()))) <= 1e-12 * max(1.0, q)   # the exact gap at the returned lam
+    assert abs(gap - (q - float(v.min()))) <= 1e-12 * max(1.0, q)  # the exact gap at the returned lam
     assert gap <= 1e-12 * q + 1e-15 * float(Gs.diagonal().max()) + 1e-13
     lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 30000, 1e-12, 1e-15, method, "best_pair", False, None)
     q_c = float(lam_c @ (Gs @ lam_c))
     assert abs(q - q_c) <= 1e-11 * max(1.0, q_c)
     torch.testing.assert_close(U.T @ lam, U.T @ lam_c, rtol=0, atol=1e-6)
-    assert abs(it - int(it_c)) <= max(2, int(it_c) // 20)    # same steps; sums in another order
+    assert abs(it - int(it_c)) <= max(2, int(it_c) // 20)  # same steps; sums in another order
     if K <= 10:
         lam_r, _, _ = reference.min_norm(G, max_iter=30000, tol=1e-12, method=method, polish=False)
         assert abs(q - float(lam_r @ (Gs @ lam_r))) <= 1e-11
@@ -588,7 +658,7 @@ def test_min_norm_block_emulation_matches_cpu_op_and_reference(harness, K, metho
 
 @pytest.mark.parametrize("method", ["fw", "away", "pairwise"])
 def test_min_norm_block_emulation_spec_vectors(harness, method):
-    for m, q_exp in spec_vectors.MIN_NORM_CASES:   # fedaware.md §9 A3, A4, A5, A7 (tests/spec_vectors.py)
+    for m, q_exp in spec_vectors.MIN_NORM_CASES:  # fedaware.md §9 A3, A4, A5, A7 (tests/spec_vectors.py)
         M = torch.tensor(m, dtype=torch.float64)
         G = M @ M.T
         lam, _, _ = _mn_emulate(harness, G, method, max_iter=10000, tol=1e-14)
@@ -601,8 +671,9 @@ def test_min_norm_block_emulation_inits(harness):
     lam0 = torch.rand(30, generator=gen(4), dtype=torch.float64)
     for init, l0 in (("min_diag", None), ("best_pair", lam0), ("best_pair", torch.zeros(30, dtype=torch.float64))):
         lam, it, _ = _mn_emulate(harness, G, "away", init=init, max_iter=5000, lam0=l0)
-        lam_c, it_c, _ = torch.ops.fedkernels.min_norm(G, 5000, 1e-12, 1e-15, "away", init, False,
-                                                        l0 if l0 is not None and float(l0.sum()) > 0 else None)
+        lam_c, it_c, _ = torch.ops.fedkernels.min_norm(
+            G, 5000, 1e-12, 1e-15, "away", init, False, l0 if l0 is not None and float(l0.sum()) > 0 else None
+        )
         assert abs(float(lam @ G @ lam) - float(lam_c @ G @ lam_c)) <= 1e-9
     # zero iterations: the init itself (best pair on a 3-vertex hull; min_diag: the vertex of least norm)
     M = torch.tensor([[1.0, 0, 0], [0, 2.0, 0], [0, 0, 3.0]])
@@ -616,7 +687,7 @@ def test_min_norm_block_emulation_inits(harness):
 
 
 def test_min_norm_g_placement(harness):
-    budget = 232448 - 1024       # sm_90 opt-in limit minus the static scratch and margin (min_norm.cu)
+    budget = 232448 - 1024  # sm_90 opt-in limit minus the static scratch and margin (min_norm.cu)
     n_max = max(n for n in range(1, 400) if n * n * 8 + 24 * n <= budget)
     assert harness("gsmem", n_max, budget) == ["1", str(24 * n_max)]
     assert harness("gsmem", n_max + 1, budget)[0] == "0"

@@ -1,4 +1,5 @@
 """The specs' models: parameter counts against the numbers the specs state, shapes, layouts."""
+
 import pytest
 import torch
 from torch import nn
@@ -23,12 +24,12 @@ SPEC_COUNTS = [
 ]
 # counts the specs give only approximately (or not at all): the value is from the spec's layer list
 OUR_COUNTS = [
-    ("resnet34_gn", 100, 3, 32, 21_328_292),   # fedecado.md §6.2: "about 21.3M"
-    ("small_cnn", 10, 1, 28, 18_378),          # fedecado.md §8 E3: "about 21k" (layer list: 18,378)
-    ("digit_cnn", 10, 1, 8, 22_154),           # gcfed.md §8 DigitCNN
-    ("digit_cnn_pgvc", 10, 1, 8, 7_510),       # fedpgvc.md §8 8x8 CNN analogue
-    ("digit_mlp", 10, 1, 8, 17_226),           # gcfed.md §8 DigitMLP 64-128-64-10
-    ("mlp_digits", 10, 1, 8, 9_610),           # kuramoto.md §8 KR-2 MLP 64-128-10
+    ("resnet34_gn", 100, 3, 32, 21_328_292),  # fedecado.md §6.2: "about 21.3M"
+    ("small_cnn", 10, 1, 28, 18_378),  # fedecado.md §8 E3: "about 21k" (layer list: 18,378)
+    ("digit_cnn", 10, 1, 8, 22_154),  # gcfed.md §8 DigitCNN
+    ("digit_cnn_pgvc", 10, 1, 8, 7_510),  # fedpgvc.md §8 8x8 CNN analogue
+    ("digit_mlp", 10, 1, 8, 17_226),  # gcfed.md §8 DigitMLP 64-128-64-10
+    ("mlp_digits", 10, 1, 8, 9_610),  # kuramoto.md §8 KR-2 MLP 64-128-10
 ]
 # shape-checked on the meta device (no 0.5 GB allocation, no slow CPU forward)
 BIG = {"vgg11", "resnet34_gn"}
@@ -41,8 +42,7 @@ def _build(name, c, ic, s, **kw):
     return build_model(name, c, ic, s, **kw)
 
 
-@pytest.mark.parametrize("name,c,ic,s,expected,where", SPEC_COUNTS,
-                         ids=[f"{r[0]}-{r[1]}" for r in SPEC_COUNTS])
+@pytest.mark.parametrize("name,c,ic,s,expected,where", SPEC_COUNTS, ids=[f"{r[0]}-{r[1]}" for r in SPEC_COUNTS])
 def test_param_count_matches_spec(name, c, ic, s, expected, where):
     with torch.device("meta"):
         m = build_model(name, c, ic, s)
@@ -63,8 +63,12 @@ def test_logreg_fedecado():
 
 
 FORWARD = [(r[0], r[1], r[2], r[3]) for r in SPEC_COUNTS + OUR_COUNTS] + [
-    ("resnet18_gn", 200, 3, 64), ("fedavg_cnn", 10, 1, 8), ("lenet5", 10, 1, 32),
-    ("mlp_digits", 10, 1, 8), ("toy_cifar", 10, 3, 28)]
+    ("resnet18_gn", 200, 3, 64),
+    ("fedavg_cnn", 10, 1, 8),
+    ("lenet5", 10, 1, 32),
+    ("mlp_digits", 10, 1, 8),
+    ("toy_cifar", 10, 3, 28),
+]
 
 
 @pytest.mark.parametrize("name,c,ic,s", FORWARD, ids=[f"{r[0]}-{r[1]}-{r[3]}" for r in FORWARD])

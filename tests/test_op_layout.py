@@ -3,6 +3,7 @@
 The op list is read from the sources (each ``m.def`` in csrc/cpu/<stem>.cpp), never from a hand list, so a
 new op is held to the checklist of ARCHITECTURE.md ("Adding an op") as soon as its schema exists.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import re
 import pytest
 import torch
 
-import fuzz_oracle   # tests/fuzz_oracle.py
+import fuzz_oracle  # tests/fuzz_oracle.py
 from fedkernels import ops, reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +42,9 @@ def _hooks() -> set:
     """Device-independent test hooks (CompositeExplicitAutograd): no CUDA kernel, no public wrapper."""
     out = set()
     for name in os.listdir(os.path.join(CSRC, "cpu")):
-        for block in re.findall(r"TORCH_LIBRARY_IMPL\(fedkernels, CompositeExplicitAutograd, m\)\s*\{([^}]*)\}",
-                                _read("csrc", "cpu", name)):
+        for block in re.findall(
+            r"TORCH_LIBRARY_IMPL\(fedkernels, CompositeExplicitAutograd, m\)\s*\{([^}]*)\}", _read("csrc", "cpu", name)
+        ):
             out |= set(re.findall(r'm\.impl\("([a-z_0-9]+)"', block))
     return out
 
@@ -63,9 +65,10 @@ def test_one_library_block_and_every_schema_in_its_cpu_file():
             src = _read(os.path.relpath(os.path.join(folder, name), ROOT))
             if "TORCH_LIBRARY(fedkernels" in src:
                 blocks[name] = src.count("TORCH_LIBRARY(fedkernels")
-            if re.search(r'm\.def\("[a-z_0-9]+\(', src):   # a schema (pybind's m.def("build_info", ...) is not)
-                assert os.path.basename(folder) == "cpu" and "TORCH_LIBRARY_FRAGMENT(fedkernels, m)" in src, \
+            if re.search(r'm\.def\("[a-z_0-9]+\(', src):  # a schema (pybind's m.def("build_info", ...) is not)
+                assert os.path.basename(folder) == "cpu" and "TORCH_LIBRARY_FRAGMENT(fedkernels, m)" in src, (
                     f"{name}: a schema belongs in csrc/cpu/<op>.cpp, in a TORCH_LIBRARY_FRAGMENT"
+                )
     assert blocks == {"fedkernels.cpp": 1}, blocks
     assert len(SCHEMAS) >= 20
 
@@ -84,13 +87,17 @@ def test_every_op_has_its_files_reference_and_fuzz_target(op):
     test_file = TEST_FILE.get(stem, f"test_{stem}.py")
     tests = _read("tests", test_file)
     assert re.search(rf"\b{_base(op)}\b", tests), f"tests/{test_file} never names {op}"
-    assert any(m in tests for m in ("DEVICES", "NEEDS_CUDA", "mark.cuda")), \
+    assert any(m in tests for m in ("DEVICES", "NEEDS_CUDA", "mark.cuda")), (
         f"tests/{test_file}: no case on cuda (parametrise by device: tests/devices.py)"
+    )
     assert os.path.exists(os.path.join(ROOT, "fedkernels", "ops", f"{stem}.py")), f"no fedkernels/ops/{stem}.py"
     base = _base(op)
-    assert any(callable(getattr(reference, n, None)) for n in (base, base.rstrip("_"))), \
+    assert any(callable(getattr(reference, n, None)) for n in (base, base.rstrip("_"))), (
         f"fedkernels/reference.py has no float64 reference of {op}"
+    )
     if op in HOOKS:
         return
     assert base in ops.__all__, f"{base} is not exported by fedkernels/ops/__init__.py"
-    assert base in fuzz_oracle.OP_TARGETS or base in fuzz_oracle.FUZZED_VIA, f"tests/fuzz_oracle.py has no target for {base}"
+    assert base in fuzz_oracle.OP_TARGETS or base in fuzz_oracle.FUZZED_VIA, (
+        f"tests/fuzz_oracle.py has no target for {base}"
+    )

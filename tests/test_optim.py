@@ -1,5 +1,6 @@
 """fedkernels.optim.FusedSGD against the composed torch steps (correction added to the gradient,
 GC on the raw gradient, then torch.optim.SGD), with an LR scheduler and a state_dict round trip."""
+
 import copy
 
 import pytest
@@ -24,7 +25,7 @@ def _run(model, opt, batches, corr=None, gc=False, sched=None):
     for x, y in batches:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        if not isinstance(opt, FusedSGD):              # the composed torch steps
+        if not isinstance(opt, FusedSGD):  # the composed torch steps
             grads = [p.grad for p in model.parameters()]
             if gc:
                 reference.gc_project_(grads, "skip", 2)
@@ -36,8 +37,10 @@ def _run(model, opt, batches, corr=None, gc=False, sched=None):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("momentum,wd,gc,with_corr", [(0.0, 0.0, False, True), (0.9, 5e-4, False, True),
-                                                      (0.9, 5e-4, True, False), (0.5, 1e-3, True, True)])
+@pytest.mark.parametrize(
+    "momentum,wd,gc,with_corr",
+    [(0.0, 0.0, False, True), (0.9, 5e-4, False, True), (0.9, 5e-4, True, False), (0.5, 1e-3, True, True)],
+)
 def test_matches_composed_torch_sgd_with_scheduler(momentum, wd, gc, with_corr):
     m0 = _model()
     g = torch.Generator().manual_seed(1)
@@ -53,7 +56,7 @@ def test_matches_composed_torch_sgd_with_scheduler(momentum, wd, gc, with_corr):
             opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=momentum, weight_decay=wd)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         out.append(_run(m, opt, _batches(6), corr, gc, sched))
-        assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 3)
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**3)
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
     assert not torch.equal(out[0], torch.cat([p.detach().reshape(-1) for p in m0.parameters()]))
 
@@ -81,7 +84,9 @@ def test_param_groups_and_bad_input():
     convs, lin = list(m[0].parameters()), list(m[3].parameters())
     opt = FusedSGD([{"params": convs, "gc": True}, {"params": lin, "momentum": 0.9}], lr=0.1)
     _run(m, opt, _batches(2))
-    assert all("momentum_buffer" in opt.state[p] for p in lin) and all("momentum_buffer" not in opt.state[p] for p in convs)
+    assert all("momentum_buffer" in opt.state[p] for p in lin) and all(
+        "momentum_buffer" not in opt.state[p] for p in convs
+    )
     for kw in ({"lr": -1.0}, {"momentum": float("nan")}, {"vector_policy": "all"}, {"min_fanin": 0}):
         with pytest.raises(ValueError):
             FusedSGD(m.parameters(), **{"lr": 0.1, **kw})

@@ -1,12 +1,12 @@
 """sim.options: algorithm names and options checked against the registry and constructor signatures."""
+
 import math
 
 import pytest
 
 from fedkernels import algorithms
 from fedkernels.sim import presets
-from fedkernels.sim.options import (algorithm_class, check_algorithm, check_method, normalize_options,
-                                    signature_params)
+from fedkernels.sim.options import algorithm_class, check_algorithm, check_method, normalize_options, signature_params
 
 
 def _one_line_error(fn, *args, **kw) -> str:
@@ -19,7 +19,7 @@ def _one_line_error(fn, *args, **kw) -> str:
 
 @pytest.mark.parametrize("name", algorithms.available())
 def test_every_registered_algorithm_accepts_its_defaults(name):
-    required = {"local_gc_only": {"lam": 0.5}}     # its lam has no default
+    required = {"local_gc_only": {"lam": 0.5}}  # its lam has no default
     check_algorithm(name, required.get(name, {}))
     params = signature_params(algorithm_class(name))
     # the base class keywords are reached through **kw
@@ -32,8 +32,8 @@ def test_valid_options_pass():
     check_algorithm("fedpgvc", {"n_ctrl": "all", "mode": "code"})
     check_algorithm("fedpgvc", {"n_ctrl": 3})
     check_algorithm("gcfed", {"global_layers": ["fc.weight"]})
-    check_algorithm("FedAvg", {"server_lr": 1})           # int for a float, case-insensitive name
-    check_algorithm("kuramoto", {"kappa0": None})          # Optional[float]
+    check_algorithm("FedAvg", {"server_lr": 1})  # int for a float, case-insensitive name
+    check_algorithm("kuramoto", {"kappa0": None})  # Optional[float]
 
 
 def test_unknown_algorithm_suggests_close_name():
@@ -47,16 +47,19 @@ def test_unknown_option_names_key_value_and_suggestion():
     assert "did you mean 'kappa0'" in msg and "clip_delta" in msg
 
 
-@pytest.mark.parametrize("name,opts,expect", [
-    ("kuramoto", {"kappa0": "abc"}, "algorithm.options.kappa0='abc': kuramoto expects a number or null"),
-    ("fedaware", {"max_iter": 2.5}, "algorithm.options.max_iter=2.5: fedaware expects an integer"),
-    ("fedaware", {"normalize": "yes"}, "algorithm.options.normalize='yes': fedaware expects a bool"),
-    ("fedaware", {"max_iter": True}, "algorithm.options.max_iter=True: fedaware expects an integer"),
-    ("fedpgvc", {"n_ctrl": 1.5}, "algorithm.options.n_ctrl=1.5: fedpgvc expects an integer or a string"),
-    ("fedavg", {"server_lr": "x"}, "algorithm.options.server_lr='x': fedavg expects a number"),
-    ("fedprox", {"prox": 3}, "algorithm.options.prox=3: fedprox expects a string"),
-    ("gcfed", {"global_layers": "fc"}, "algorithm.options.global_layers='fc': gcfed expects a list"),
-])
+@pytest.mark.parametrize(
+    "name,opts,expect",
+    [
+        ("kuramoto", {"kappa0": "abc"}, "algorithm.options.kappa0='abc': kuramoto expects a number or null"),
+        ("fedaware", {"max_iter": 2.5}, "algorithm.options.max_iter=2.5: fedaware expects an integer"),
+        ("fedaware", {"normalize": "yes"}, "algorithm.options.normalize='yes': fedaware expects a bool"),
+        ("fedaware", {"max_iter": True}, "algorithm.options.max_iter=True: fedaware expects an integer"),
+        ("fedpgvc", {"n_ctrl": 1.5}, "algorithm.options.n_ctrl=1.5: fedpgvc expects an integer or a string"),
+        ("fedavg", {"server_lr": "x"}, "algorithm.options.server_lr='x': fedavg expects a number"),
+        ("fedprox", {"prox": 3}, "algorithm.options.prox=3: fedprox expects a string"),
+        ("gcfed", {"global_layers": "fc"}, "algorithm.options.global_layers='fc': gcfed expects a list"),
+    ],
+)
 def test_wrong_type_is_one_line(name, opts, expect):
     assert _one_line_error(check_algorithm, name, opts).startswith(expect)
 
@@ -67,7 +70,7 @@ def test_constructor_checks_run_too():
     assert msg.startswith("algorithm.options (kuramoto): mode must be one of") and "'Q'" in msg
     msg = _one_line_error(check_algorithm, "fedprox", {"mu": -1})
     assert "mu must be a finite number >= 0" in msg
-    check_algorithm("kuramoto", {"mode": "Q"}, construct=False)   # signature check alone passes
+    check_algorithm("kuramoto", {"mode": "Q"}, construct=False)  # signature check alone passes
 
 
 def test_number_text_is_accepted_for_floats_and_normalized():
@@ -94,8 +97,10 @@ def test_options_must_be_a_mapping():
 
 def test_check_method_accepts_preset_labels_names_and_inline_options():
     known = presets.variants("kuramoto-fmnist")
-    assert check_method("kuramoto-S0.5", known) == ("kuramoto-S0.5", {"name": "kuramoto",
-                                                                      "options": {"mode": "S", "kappa0": 0.5}})
+    assert check_method("kuramoto-S0.5", known) == (
+        "kuramoto-S0.5",
+        {"name": "kuramoto", "options": {"mode": "S", "kappa0": 0.5}},
+    )
     assert check_method("fedprox:mu=0.1", known) == ("fedprox:mu=0.1", {"name": "fedprox", "options": {"mu": 0.1}})
     label, var = check_method("fedavg", {})
     assert label == "fedavg" and var == {"name": "fedavg", "options": {}}
@@ -115,6 +120,7 @@ def test_check_method_errors_name_the_method():
 def _numeric_options(cls):
     import typing
     from fedkernels.algorithms.signature import is_real as _is_real
+
     for k, (ann, default) in signature_params(cls).items():
         args = typing.get_args(ann) if typing.get_origin(ann) is typing.Union else (ann,)
         if _is_real(default) or int in args or float in args:
@@ -133,12 +139,15 @@ def test_every_numeric_option_is_range_checked(name):
             _one_line_error(check_algorithm, name, {**required.get(name, {}), k: bad})
 
 
-@pytest.mark.parametrize("name,opts,expect", [
-    ("fedavg", {"server_lr": 0}, "algorithm.options.server_lr=0: fedavg expects a number > 0"),
-    ("gcfed", {"momentum": 1.0}, "algorithm.options.momentum=1.0: gcfed expects a number in [0, 1)"),
-    ("fedaware", {"max_iter": 0}, "algorithm.options.max_iter=0: fedaware expects a number >= 1"),
-    ("fedpgvc", {"tau": "-1e-3"}, "algorithm.options.tau='-1e-3': fedpgvc expects a number > 0"),
-])
+@pytest.mark.parametrize(
+    "name,opts,expect",
+    [
+        ("fedavg", {"server_lr": 0}, "algorithm.options.server_lr=0: fedavg expects a number > 0"),
+        ("gcfed", {"momentum": 1.0}, "algorithm.options.momentum=1.0: gcfed expects a number in [0, 1)"),
+        ("fedaware", {"max_iter": 0}, "algorithm.options.max_iter=0: fedaware expects a number >= 1"),
+        ("fedpgvc", {"tau": "-1e-3"}, "algorithm.options.tau='-1e-3': fedpgvc expects a number > 0"),
+    ],
+)
 def test_out_of_range_option_is_one_line(name, opts, expect):
     assert _one_line_error(check_algorithm, name, opts) == expect
     # the edge of each range is accepted (n_ctrl=0 is FedPGVC's neutral setting)

@@ -1,6 +1,7 @@
 """Packaging: metadata, the sdist's contents, the torch-version check at import, lazy subpackages,
 the CLI without the simulator extra. The full sdist -> wheel -> fresh venv smoke test is the CI step
 `.ci/wheel_check.sh` (it compiles the extension and installs torch: minutes, not a unit test)."""
+
 import glob
 import os
 import re
@@ -29,8 +30,7 @@ def _pyproject():
 def _run(code, env_extra=None, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
 def test_build_requirements_never_pull_a_torch():
@@ -48,7 +48,7 @@ def test_runtime_metadata():
     for sim_only in ("pyyaml", "tqdm", "matplotlib", "scikit-learn"):
         assert sim_only not in base, f"{sim_only} is a base dependency; it belongs in the sim extra"
         assert any(r.startswith(sim_only) for r in proj["optional-dependencies"]["sim"]), sim_only
-    assert proj["license"] == "MIT"                      # SPDX expression, not {text = ...}
+    assert proj["license"] == "MIT"  # SPDX expression, not {text = ...}
     assert proj["license-files"] == ["LICENSE"]
     with open(os.path.join(ROOT, "LICENSE")) as f:
         assert f.readline().strip() == "MIT License"
@@ -59,8 +59,7 @@ def test_version_written_once():
     proj = _pyproject()
     assert "version" not in proj["project"] and "version" in proj["project"]["dynamic"]
     assert proj["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fedkernels.__version__"}
-    r = subprocess.run([sys.executable, "setup.py", "--version"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "setup.py", "--version"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == fedkernels.__version__
 
@@ -71,8 +70,10 @@ def test_py_typed_is_packaged():
 
 
 def test_setup_without_torch_says_how_to_build():
-    code = ("import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
-            "exec(compile(open('setup.py').read(), 'setup.py', 'exec'))")
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
+        "exec(compile(open('setup.py').read(), 'setup.py', 'exec'))"
+    )
     r = _run(code)
     assert r.returncode != 0
     msg = r.stderr.strip().splitlines()[-1]
@@ -80,16 +81,22 @@ def test_setup_without_torch_says_how_to_build():
 
 
 def test_sdist_holds_every_source_file(tmp_path):
-    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (sdist,) = tmp_path.glob("fedkernels-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     wanted = ["LICENSE", "setup.py", "pyproject.toml", "README.md", "fedkernels/py.typed"]
-    wanted += [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]   # the README's links
+    wanted += [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))]  # the README's links
     for dirpath, _, files in os.walk(os.path.join(ROOT, "csrc")):
-        wanted += [os.path.relpath(os.path.join(dirpath, f), ROOT) for f in files
-                   if f.endswith((".h", ".cuh", ".cu", ".cpp"))]
+        wanted += [
+            os.path.relpath(os.path.join(dirpath, f), ROOT) for f in files if f.endswith((".h", ".cuh", ".cu", ".cpp"))
+        ]
     assert any(w.endswith(".h") for w in wanted) and any(w.endswith(".cu") for w in wanted)
     missing = [w for w in wanted if w not in names]
     assert not missing, f"sdist lacks {missing}"
@@ -112,10 +119,12 @@ def test_recorded_torch_version_is_the_building_torch():
 
 def test_import_refuses_an_extension_built_for_another_torch():
     # the recorded version is monkeypatched, then the loader module runs its import-time check again
-    code = ("import importlib, fedkernels._native as n\n"
-            "info = n._C.build_info()\n"
-            "n._C.build_info = lambda: dict(info, torch_version='2.10.1')\n"
-            "importlib.reload(n)\n")
+    code = (
+        "import importlib, fedkernels._native as n\n"
+        "info = n._C.build_info()\n"
+        "n._C.build_info = lambda: dict(info, torch_version='2.10.1')\n"
+        "importlib.reload(n)\n"
+    )
     r = _run(code)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
@@ -130,15 +139,17 @@ def test_build_info_reports_march_and_dispatch():
 
 
 def test_subpackages_load_lazily():
-    code = ("import sys, fedkernels\n"
-            "lazy = ['algorithms', 'distributed', 'streaming', 'integrations', 'sim']\n"
-            "assert not [m for m in lazy if 'fedkernels.' + m in sys.modules], sorted(sys.modules)\n"
-            "assert callable(fedkernels.distributed.ShardedAggregator)\n"
-            "assert callable(fedkernels.algorithms.build)\n"
-            "assert callable(fedkernels.streaming.ChunkedUpdates)\n"
-            "assert fedkernels.integrations.__name__ == 'fedkernels.integrations'\n"
-            "assert set(lazy) <= set(dir(fedkernels))\n"
-            "try:\n    fedkernels.no_such_thing\nexcept AttributeError as e:\n    print('AE', e)\n")
+    code = (
+        "import sys, fedkernels\n"
+        "lazy = ['algorithms', 'distributed', 'streaming', 'integrations', 'sim']\n"
+        "assert not [m for m in lazy if 'fedkernels.' + m in sys.modules], sorted(sys.modules)\n"
+        "assert callable(fedkernels.distributed.ShardedAggregator)\n"
+        "assert callable(fedkernels.algorithms.build)\n"
+        "assert callable(fedkernels.streaming.ChunkedUpdates)\n"
+        "assert fedkernels.integrations.__name__ == 'fedkernels.integrations'\n"
+        "assert set(lazy) <= set(dir(fedkernels))\n"
+        "try:\n    fedkernels.no_such_thing\nexcept AttributeError as e:\n    print('AE', e)\n"
+    )
     r = _run(code)
     assert r.returncode == 0, r.stderr
     assert "AE module 'fedkernels' has no attribute 'no_such_thing'" in r.stdout
@@ -149,16 +160,23 @@ def test_cli_without_sim_extra_says_what_to_install(tmp_path):
     (tmp_path / "yaml").mkdir()
     (tmp_path / "yaml" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'yaml'\")\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "fedkernels", "info"], capture_output=True, text=True, cwd=tmp_path,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "fedkernels", "info"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "pyyaml" in lines[0] and "[sim]" in lines[0], r.stderr
 
 
 def test_cli_module_entry_runs():
-    r = subprocess.run([sys.executable, "-m", "fedkernels", "--help"], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "fedkernels", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
     assert r.returncode == 0 and "run" in r.stdout, r.stderr
 
 
@@ -191,14 +209,14 @@ def test_make_installs_each_extra_where_it_is_needed():
     assert "build" in test and "flwr" not in demo and "flwr" in _req_name(mk["FLOWER"][0])
     with open(os.path.join(ROOT, "Makefile")) as f:
         text = f.read()
-    demo_stamp = text[text.index("$(VENV)/.stamp-deps:"):text.index("$(VENV)/.stamp-test-deps:")]
+    demo_stamp = text[text.index("$(VENV)/.stamp-deps:") : text.index("$(VENV)/.stamp-test-deps:")]
     assert "FLOWER" not in demo_stamp and "TEST_DEPS" not in demo_stamp, demo_stamp
 
 
 def test_make_demo_says_how_to_call_the_command():
     with open(os.path.join(ROOT, "Makefile")) as f:
         text = f.read()
-    recipe = text[text.index("\ndemo:"):].split("\n\n", 1)[0]
+    recipe = text[text.index("\ndemo:") :].split("\n\n", 1)[0]
     assert "source $(VENV)/bin/activate" in recipe and "$(VENV)/bin/fedkernels run" in recipe, recipe
 
 
@@ -207,16 +225,23 @@ def test_public_functions_are_annotated():
     # parameters and a return annotation (mypy checks these and more, ops included: tests/test_typing.py;
     # this AST check also covers __main__ and the Flower adapter, which mypy does not check yet)
     import ast
-    files = ["fedkernels/__init__.py", "fedkernels/_native.py", "fedkernels/__main__.py", "fedkernels/flat.py",
-             "fedkernels/integrations/flower.py"]
+
+    files = [
+        "fedkernels/__init__.py",
+        "fedkernels/_native.py",
+        "fedkernels/__main__.py",
+        "fedkernels/flat.py",
+        "fedkernels/integrations/flower.py",
+    ]
     missing = []
     for f in files:
         tree = ast.parse(open(os.path.join(ROOT, f)).read())
         nodes = list(tree.body)
         nodes += [n for c in tree.body if isinstance(c, ast.ClassDef) and not c.name.startswith("_") for n in c.body]
         for fn in nodes:
-            if not isinstance(fn, ast.FunctionDef) or (fn.name.startswith("_") and fn.name not in (
-                    "__init__", "__getattr__", "__dir__")):
+            if not isinstance(fn, ast.FunctionDef) or (
+                fn.name.startswith("_") and fn.name not in ("__init__", "__getattr__", "__dir__")
+            ):
                 continue
             a = fn.args
             params = [p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]

@@ -1,4 +1,5 @@
 """Client partitions: covers, disjointness, label structure, seeding, Dirichlet conventions."""
+
 import time
 import warnings
 
@@ -6,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedkernels.sim.partition import (check_partition, label_histograms, partition,
-                                      partition_report, partition_stats)
+from fedkernels.sim.partition import check_partition, label_histograms, partition, partition_report, partition_stats
 
 
 def balanced_labels(per_class=100, C=10, seed=0):

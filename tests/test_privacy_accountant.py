@@ -1,5 +1,6 @@
 """fedkernels.privacy: the accountant (dp-accounting's RDP/PLD) against published epsilons and against
 dp-accounting used directly; the noise calibration; the refusals."""
+
 import math
 import sys
 
@@ -7,8 +8,13 @@ import pytest
 
 dpa = pytest.importorskip("dp_accounting")
 
-from fedkernels.privacy import (MissingExtra, PrivacyAccountant, calibrate_noise_multiplier,  # noqa: E402
-                                epsilon_after, require_dp_accounting)
+from fedkernels.privacy import (  # noqa: E402
+    MissingExtra,
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    epsilon_after,
+    require_dp_accounting,
+)
 
 
 # TensorFlow Privacy's MNIST DP-SGD tutorial (tutorials/README.md, "Select Parameters"): N = 60000, batch 256
@@ -29,11 +35,17 @@ def test_reproduces_tensorflow_privacy_published_epsilons(z, epochs, eps):
     assert acc.epsilon_at(steps) < classic
 
 
-@pytest.mark.parametrize("sampling,rel,mk", [
-    ("fixed_size", "REPLACE_ONE",
-     lambda z: dpa.SampledWithoutReplacementDpEvent(3000, 100, dpa.GaussianDpEvent(z / 2))),
-    ("poisson", "ADD_OR_REMOVE_ONE", lambda z: dpa.PoissonSampledDpEvent(100 / 3000, dpa.GaussianDpEvent(z))),
-])
+@pytest.mark.parametrize(
+    "sampling,rel,mk",
+    [
+        (
+            "fixed_size",
+            "REPLACE_ONE",
+            lambda z: dpa.SampledWithoutReplacementDpEvent(3000, 100, dpa.GaussianDpEvent(z / 2)),
+        ),
+        ("poisson", "ADD_OR_REMOVE_ONE", lambda z: dpa.PoissonSampledDpEvent(100 / 3000, dpa.GaussianDpEvent(z))),
+    ],
+)
 def test_rounds_compose_as_dp_accounting_does(sampling, rel, mk):
     acc = PrivacyAccountant(1.3, 100, 3000, 1e-5, sampling=sampling)
     for rounds in (1, 7, 50):
@@ -56,7 +68,7 @@ def test_fixed_size_sampling_pays_the_replace_one_sensitivity():
     with half the multiplier (REPLACE_ONE), so it costs more than Poisson's add/remove at the same z."""
     assert epsilon_after(10, 2.0, 100, 3000, 1e-5) > epsilon_after(10, 2.0, 100, 3000, 1e-5, sampling="poisson")
     full = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
-    full.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.0), 5))   # every client, every round: q = 1
+    full.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.0), 5))  # every client, every round: q = 1
     assert epsilon_after(5, 2.0, 40, 40, 1e-5) == pytest.approx(full.get_epsilon(1e-5), rel=1e-12)
 
 
@@ -72,15 +84,18 @@ def test_zero_noise_is_infinite_epsilon():
     assert epsilon_after(0, 0.0, 10, 100, 1e-5) == 0.0
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(delta=1.0), "delta=1.0: expected a number in \\(0, 1\\)"),
-    (dict(delta=0.0), "delta"),
-    (dict(sample_size=0), "sample_size=0"),
-    (dict(sample_size=200), "sample_size=200"),
-    (dict(noise_multiplier=-1.0), "noise_multiplier=-1.0"),
-    (dict(accountant="gdp"), "accountant='gdp'"),
-    (dict(accountant="pld"), "does not support fixed-size sampling"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(delta=1.0), "delta=1.0: expected a number in \\(0, 1\\)"),
+        (dict(delta=0.0), "delta"),
+        (dict(sample_size=0), "sample_size=0"),
+        (dict(sample_size=200), "sample_size=200"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier=-1.0"),
+        (dict(accountant="gdp"), "accountant='gdp'"),
+        (dict(accountant="pld"), "does not support fixed-size sampling"),
+    ],
+)
 def test_bad_arguments(kw, match):
     args = dict(noise_multiplier=1.0, sample_size=10, population=100, delta=1e-5) | kw
     with pytest.raises(ValueError, match=match):

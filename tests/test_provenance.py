@@ -1,4 +1,5 @@
 """sim.provenance: provenance.json (versions, commit, hardware, command, times) and run.log."""
+
 import json
 import os
 import platform
@@ -21,8 +22,9 @@ def test_collect_records_versions_hardware_and_command():
     assert info["torch_threads"] == torch.get_num_threads()
     assert info["cpu_count"] == os.cpu_count()
     assert isinstance(info["cpu"], str) and info["cpu"]
-    assert info["gpus"] == ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                            if torch.cuda.is_available() else [])
+    assert info["gpus"] == (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    )
     assert info["argv"] == ["fedkernels", "run", "--preset", "smoke", "train.lr=0.1 0.2"]
     assert info["command"] == "fedkernels run --preset smoke 'train.lr=0.1 0.2'"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", info["start_time"])
@@ -43,8 +45,9 @@ def test_git_info_matches_the_checkout_and_sees_dirt(tmp_path):
     # a fresh repository: clean, then dirty once a tracked file changes
     repo = tmp_path / "repo"
     repo.mkdir()
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@t")
+    env = dict(
+        os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t"
+    )
     (repo / "a.txt").write_text("1\n")
     for cmd in (["init", "-q"], ["add", "a.txt"], ["commit", "-qm", "x"]):
         subprocess.run(["git", *cmd], cwd=repo, check=True, env=env)
@@ -60,7 +63,7 @@ def test_write_finish_and_resume_keep_every_session(tmp_path):
     d = str(tmp_path / "run")
     first = provenance.collect(["fedkernels", "run", "--preset", "smoke"])
     provenance.write(d, first)
-    assert os.listdir(d) == ["provenance.json"]          # no temporary file left behind
+    assert os.listdir(d) == ["provenance.json"]  # no temporary file left behind
     rec = provenance.finish(d, status="interrupted", last_round=3)
     assert rec["status"] == "interrupted" and rec["last_round"] == 3
     assert rec["duration_s"] >= 0 and rec["end_time"] is not None
@@ -82,7 +85,7 @@ def test_run_log_lines_are_timestamped(tmp_path):
     with provenance.RunLog(str(tmp_path)) as log:
         log("start")
         log("two\nlines")
-    with provenance.RunLog(str(tmp_path)) as log:   # appends
+    with provenance.RunLog(str(tmp_path)) as log:  # appends
         log("resumed")
     lines = (tmp_path / "run.log").read_text().splitlines()
     assert len(lines) == 4

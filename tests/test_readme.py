@@ -10,6 +10,7 @@ optional framework that is not installed (flwr) is skipped, saying so.
 Besides: every `fedkernels ...` command line in a shell block parses with the real CLI parser and
 names presets, methods and benchmark suites that exist; every relative link points to a file (and
 heading) that exists; the README stays a newcomer's page (at most ~200 lines)."""
+
 import glob
 import os
 import re
@@ -21,8 +22,11 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))) \
+DOCS = (
+    ["README.md"]
+    + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
     + ["bench/README.md"]
+)
 SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip:\s*(?P<why>\S.*?)\s*-->")
 OPTIONAL = ("flwr", "peft")
 README_MAX_LINES = 210
@@ -91,10 +95,15 @@ def test_doc_block_runs(doc, line, code, why, tmp_path):
         pytest.skip(f"{doc}:{line} opted out of this test: {why}")
     script = tmp_path / "block.py"
     script.write_text(PRELUDE + "\n# ---- %s line %d ----\n" % (doc, line) + code + "\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               FEDKERNELS_CACHE="off")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
-                       timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        FEDKERNELS_CACHE="off",
+    )
+    r = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
+    )
     if r.returncode != 0:
         missing = re.search(r"No module named '([\w.]+)'", r.stderr)
         if missing and missing.group(1).split(".")[0] in OPTIONAL:
@@ -143,6 +152,7 @@ def test_doc_command_line_is_valid(doc, line, argv):
         for m in [getattr(a, "method", None)] + (a.methods.split(",") if getattr(a, "methods", None) else []):
             if m is not None:
                 from fedkernels import algorithms
+
                 name = m.split(":", 1)[0]
                 assert name in labels or name in algorithms.available(), f"{where}: {preset} has no method {m!r}"
     if a.cmd == "bench":

@@ -1,4 +1,5 @@
 """dot / sqnorm / all_ / any_ / amax_d / mean_d and the explicit sharded mode (ops.reduce_across)."""
+
 import torch
 
 from fedkernels import ops
@@ -44,7 +45,7 @@ def test_reduce_across_routes_every_d_reduction_and_restores():
         assert abs(ops.sqnorm(U[0]) - 2 * float(U[0] @ U[0])) < 1e-9
         assert ops.finite_rows(U).all()
         ops.amax_d(U)
-        with ops.reduce_across(None):               # nested: local again
+        with ops.reduce_across(None):  # nested: local again
             assert ops.active_reducer() is None
             assert abs(ops.sqnorm(U[0]) - float(U[0] @ U[0])) < 1e-9
         assert ops.active_reducer() is r

@@ -1,4 +1,5 @@
 """sim.report: summaries (unambiguous names, round 1 timed apart), atomic figures, partition report."""
+
 import json
 import os
 
@@ -13,8 +14,13 @@ def _metrics(accs, t_local=None, t_agg=None, start=1):
     out = []
     for i, a in enumerate(accs):
         r = start + i
-        m = {"round": r, "t_local": (t_local or {}).get(r, 1.0), "t_agg": (t_agg or {}).get(r, 0.01),
-             "t_eval": 0.5, "excluded": []}
+        m = {
+            "round": r,
+            "t_local": (t_local or {}).get(r, 1.0),
+            "t_agg": (t_agg or {}).get(r, 0.01),
+            "t_eval": 0.5,
+            "excluded": [],
+        }
         if a is not None:
             m.update(accuracy=a, test_loss=1.0 - a, train_loss_mean=2.0 - a)
         out.append(m)
@@ -22,11 +28,11 @@ def _metrics(accs, t_local=None, t_agg=None, start=1):
 
 
 def test_summary_metric_names_and_windows():
-    accs = [0.1 * (i % 10) + 0.001 * i for i in range(1, 31)]   # 30 rounds
+    accs = [0.1 * (i % 10) + 0.001 * i for i in range(1, 31)]  # 30 rounds
     s = report.summarize(_metrics(accs), rounds=30)
     assert s["final_accuracy"] == accs[-1] and s["final_round"] == 30
-    assert s["mean_last_10pct_rounds"] == pytest.approx(np.mean(accs[-3:]))   # rounds 28-30
-    assert s["mean_last_10_rounds"] == pytest.approx(np.mean(accs[-10:]))     # rounds 21-30
+    assert s["mean_last_10pct_rounds"] == pytest.approx(np.mean(accs[-3:]))  # rounds 28-30
+    assert s["mean_last_10_rounds"] == pytest.approx(np.mean(accs[-10:]))  # rounds 21-30
     assert s["best_accuracy"] == max(accs) and "mean_last_10pct" not in s and "mean_last_10" not in s
 
 
@@ -50,7 +56,7 @@ def test_round_one_is_timed_apart():
     assert s["t_round1_s"] == pytest.approx(15.0)
     assert s["t_round_median_s"] == pytest.approx(1.6)
     assert s["t_local_median_s"] == pytest.approx(1.5) and s["t_agg_median_s"] == pytest.approx(0.1)
-    assert s["agg_share"] == pytest.approx(0.3 / 4.8)                 # rounds 2-4 only
+    assert s["agg_share"] == pytest.approx(0.3 / 4.8)  # rounds 2-4 only
     assert s["agg_share_incl_round1"] == pytest.approx(5.3 / 19.8)
     assert s["t_local_total"] == pytest.approx(14.5) and s["t_eval_total"] == pytest.approx(2.0)
     # a resumed tail without round 1, and a run of one round
@@ -65,8 +71,13 @@ def _seed_runs(n_seeds, rounds=6, explore=0, with_round0=False):
     for _ in range(n_seeds):
         ms = []
         for r in range(0 if with_round0 else 1, rounds + 1):
-            m = {"round": r, "accuracy": 0.1 * r + 0.01 * rng.random(), "test_loss": 2.0 / (r + 1),
-                 "global_loss": 1.0 / (r + 1), "client_loss_var": 0.1 / (r + 1)}
+            m = {
+                "round": r,
+                "accuracy": 0.1 * r + 0.01 * rng.random(),
+                "test_loss": 2.0 / (r + 1),
+                "global_loss": 1.0 / (r + 1),
+                "client_loss_var": 0.1 / (r + 1),
+            }
             if r >= 1:
                 m["agg"] = {"phase": "explore" if r <= explore else "aware"}
             ms.append(m)
@@ -77,11 +88,15 @@ def _seed_runs(n_seeds, rounds=6, explore=0, with_round0=False):
 def test_plot_curves_writes_png_pdf_svg_atomically(tmp_path):
     pytest.importorskip("matplotlib")
     p = str(tmp_path / "c.png")
-    got = report.plot_curves({"fedavg": _seed_runs(3), "fedaware": _seed_runs(3, explore=2, with_round0=True)},
-                             p, title="digits, iid, 4 clients, mlp, 6 rounds, seeds 0,1,2")
+    got = report.plot_curves(
+        {"fedavg": _seed_runs(3), "fedaware": _seed_runs(3, explore=2, with_round0=True)},
+        p,
+        title="digits, iid, 4 clients, mlp, 6 rounds, seeds 0,1,2",
+    )
     assert got == p
     assert sorted(os.listdir(tmp_path)) == ["c.pdf", "c.png", "c.svg"]
     from PIL import Image
+
     with Image.open(p) as im:
         dpi = im.info.get("dpi")
     assert dpi is not None and round(dpi[0]) == 200
@@ -98,12 +113,13 @@ def test_plot_curves_writes_png_pdf_svg_atomically(tmp_path):
 def test_plot_interrupted_leaves_no_file(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
+
     real = Figure.savefig
     calls = []
 
     def flaky(self, fname, *a, **k):
         calls.append(fname)
-        if len(calls) == 2:              # the PNG is rendered, the PDF is interrupted
+        if len(calls) == 2:  # the PNG is rendered, the PDF is interrupted
             raise KeyboardInterrupt
         return real(self, fname, *a, **k)
 
@@ -138,8 +154,7 @@ def _has_matplotlib():
 def test_partition_report_json_text_and_plot(tmp_path):
     labels = np.array([0, 0, 1, 1, 2, 2, 2, 0, 1, 2])
     parts = [np.array([0, 1, 2]), np.array([3, 4, 5, 6]), np.array([7, 8, 9])]
-    info = report.write_partition_report(str(tmp_path), labels, parts, num_classes=4,
-                                         plot=_has_matplotlib())
+    info = report.write_partition_report(str(tmp_path), labels, parts, num_classes=4, plot=_has_matplotlib())
     j = json.loads((tmp_path / "partition.json").read_text())
     assert j["sizes"] == [3, 4, 3] and j["num_classes"] == 4
     assert j["label_histogram"] == [[2, 1, 0, 0], [0, 1, 3, 0], [1, 1, 1, 0]]
@@ -152,16 +167,25 @@ def test_partition_report_json_text_and_plot(tmp_path):
 
 def test_run_writer_titles_name_the_setup(tmp_path):
     pytest.importorskip("matplotlib")
-    cfg = RunConfig.from_dict({"rounds": 3, "num_clients": 4, "data": {"name": "digits"},
-                               "partition": {"scheme": "dirichlet", "options": {"alpha": 0.1}},
-                               "model": {"name": "mlp"}, "algorithm": {"name": "fedaware"}})
+    cfg = RunConfig.from_dict(
+        {
+            "rounds": 3,
+            "num_clients": 4,
+            "data": {"name": "digits"},
+            "partition": {"scheme": "dirichlet", "options": {"alpha": 0.1}},
+            "model": {"name": "mlp"},
+            "algorithm": {"name": "fedaware"},
+        }
+    )
     w = report.RunWriter(str(tmp_path))
     w.write_config(cfg)
     w.plot(_seed_runs(1, rounds=3)[0])
     svg = (tmp_path / "curves.svg").read_text()
     assert "digits, dirichlet(alpha=0.1), 4 clients, mlp, 3 rounds" in svg
-    assert report.describe_setup(cfg, [0, 1], preset="p") == \
-        "p: digits, dirichlet(alpha=0.1), 4 clients, mlp, 3 rounds, seeds 0,1"
+    assert (
+        report.describe_setup(cfg, [0, 1], preset="p")
+        == "p: digits, dirichlet(alpha=0.1), 4 clients, mlp, 3 rounds, seeds 0,1"
+    )
 
 
 def test_atomic_files_get_the_usual_mode(tmp_path):
@@ -176,6 +200,7 @@ def test_atomic_files_get_the_usual_mode(tmp_path):
 def _drawn_figures(monkeypatch):
     """Every Figure saved from now on (the figure objects, to inspect what was drawn)."""
     from matplotlib.figure import Figure
+
     real, figs = Figure.savefig, []
 
     def keep(self, *a, **k):
@@ -192,7 +217,7 @@ def test_partition_legend_is_beside_the_bars(tmp_path, monkeypatch):
     figs = _drawn_figures(monkeypatch)
     H = np.zeros((10, 10), dtype=int)
     H[np.arange(10), np.arange(10)] = 500
-    H[9, 9] = 2000                      # the tallest bar is the last client's, at the top right
+    H[9, 9] = 2000  # the tallest bar is the last client's, at the top right
     report.plot_partition(H, str(tmp_path / "p.png"), formats=("png",), dpi=60)
     (fig,) = figs
     fig.canvas.draw()
@@ -207,8 +232,12 @@ def test_identical_curves_stay_visible_and_caption_counts_seeds(tmp_path, monkey
     pytest.importorskip("matplotlib")
     figs = _drawn_figures(monkeypatch)
     same = _seed_runs(1)[0]
-    report.plot_curves({"fedavg": same, "fedprox:mu=0": [dict(m) for m in same], "kuramoto": same},
-                       str(tmp_path / "c.png"), formats=("png",), dpi=60)
+    report.plot_curves(
+        {"fedavg": same, "fedprox:mu=0": [dict(m) for m in same], "kuramoto": same},
+        str(tmp_path / "c.png"),
+        formats=("png",),
+        dpi=60,
+    )
     fig = figs[-1]
     lines = fig.axes[0].get_lines()
     assert len(lines) == 3

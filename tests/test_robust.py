@@ -9,6 +9,7 @@ others 0, base 0). RFA and centred clipping take distances from an fp64 expansio
 well-conditioned inputs (distances of the order of the norms) the weights agree with the direct
 fp64 reference to 1e-10 relative, and the fp32 result to ``rtol = 2^-22`` plus that.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,18 @@ from fedkernels.errors import BadUpdateError
 from fedkernels.sources import ChunkedUpdates, TensorSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EPS32 = 2.0 ** -23
+EPS32 = 2.0**-23
 
-RULES = [("median", {}), ("trimmed_mean", {"beta": 0.2}), ("trimmed_mean", {"beta": 0.0}),
-         ("krum", {"f": 2}), ("krum", {"f": 1, "m": 3}), ("bulyan", {"f": 1}),
-         ("geometric_median", {"iterations": 4}), ("centered_clip", {"tau": 3.0, "iterations": 3})]
+RULES = [
+    ("median", {}),
+    ("trimmed_mean", {"beta": 0.2}),
+    ("trimmed_mean", {"beta": 0.0}),
+    ("krum", {"f": 2}),
+    ("krum", {"f": 1, "m": 3}),
+    ("bulyan", {"f": 1}),
+    ("geometric_median", {"iterations": 4}),
+    ("centered_clip", {"tau": 3.0, "iterations": 3}),
+]
 
 
 def _data(K=11, d=257, seed=0, dtype=torch.float32):
@@ -50,7 +58,7 @@ def ref_krum_scores(U, f, alive):
     nc = max(1, len(idx) - f - 2)
     s = np.full(len(U), np.inf)
     for i in idx:
-        s[i] = np.sort(D[i, idx])[1:nc + 1].sum()
+        s[i] = np.sort(D[i, idx])[1 : nc + 1].sum()
     return s
 
 
@@ -93,7 +101,7 @@ def ref_weiszfeld(U, alpha, iterations, nu, ftol):
 def ref_cclip(U, v, tau, iterations):
     for _ in range(iterations):
         X = U - v
-        nrm = np.sqrt((X ** 2).sum(1))
+        nrm = np.sqrt((X**2).sum(1))
         s = np.minimum(1.0, tau / np.maximum(nrm, 1e-300))
         v = v + (s[:, None] * X).mean(0)
     return v
@@ -141,7 +149,7 @@ def test_rule_matches_fp64_reference(name, opts, K):
     ref = reference(name, opts, U, n)
     got = res.params.double().numpy()
     if name == "krum" and opts.get("m", 1) == 1:
-        assert np.array_equal(got, U.double().numpy()[res.info["selected"][0]])       # the row itself, exactly
+        assert np.array_equal(got, U.double().numpy()[res.info["selected"][0]])  # the row itself, exactly
     check_close(name, opts, got, ref, U)
 
 
@@ -219,19 +227,20 @@ def test_matches_flower_aggregate_functions(seed):
     assert np.array_equal(med, flat(fa.aggregate_median(res())))
     tm = algorithms.build("trimmed_mean", beta=0.2).aggregate(x, U, n.tolist()).params.numpy()
     ft = flat(fa.aggregate_trimmed_avg(res(), 0.2))
-    np.testing.assert_allclose(tm, ft, rtol=2 * EPS32, atol=2 * EPS32 * np.abs(ft).max())   # numpy sums in fp32
+    np.testing.assert_allclose(tm, ft, rtol=2 * EPS32, atol=2 * EPS32 * np.abs(ft).max())  # numpy sums in fp32
     kr = algorithms.build("krum", f=f).aggregate(x, U, n.tolist())
     assert np.array_equal(kr.params.numpy(), flat(fa.aggregate_krum(res(), f, 0)))
     mk = algorithms.build("krum", f=f, m=4).aggregate(x, U, n.tolist()).params.numpy()
-    fm = flat(fa.aggregate_krum(res(), f, 4))          # both sum 4 fp32 terms in fp32
+    fm = flat(fa.aggregate_krum(res(), f, 4))  # both sum 4 fp32 terms in fp32
     assert (np.abs(mk - fm) <= 12 * EPS32 * np.abs(U.numpy()).max(0)).all()
     bu = algorithms.build("bulyan", f=f).aggregate(x, U, n.tolist()).params.numpy()
     fb = flat(fa.aggregate_bulyan(res(), f, fa.aggregate_krum, to_keep=0))
     np.testing.assert_allclose(bu, fb, rtol=2 * EPS32, atol=2 * EPS32 * np.abs(fb).max())
 
 
-@pytest.mark.parametrize("name,opts,flower", [("krum", {"f": 1}, "Krum"), ("median", {}, "FedMedian"),
-                                              ("bulyan", {"f": 1}, "Bulyan")])
+@pytest.mark.parametrize(
+    "name,opts,flower", [("krum", {"f": 1}, "Krum"), ("median", {}, "FedMedian"), ("bulyan", {"f": 1}, "Bulyan")]
+)
 def test_flower_adapter_runs_robust_rules(name, opts, flower):
     pytest.importorskip("flwr")
     import flwr.server.strategy as S
@@ -239,11 +248,21 @@ def test_flower_adapter_runs_robust_rules(name, opts, flower):
 
     from fedkernels.integrations.flower import FedKernelsStrategy
     from test_flower import Proxy
+
     rng = np.random.default_rng(3)
     glob = [rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(5).astype(np.float32)]
-    results = [(Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(
-        [g + rng.standard_normal(g.shape).astype(np.float32) for g in glob]), int(rng.integers(5, 50)), {}))
-        for k in range(7)]
+    results = [
+        (
+            Proxy(str(k)),
+            FitRes(
+                Status(Code.OK, ""),
+                ndarrays_to_parameters([g + rng.standard_normal(g.shape).astype(np.float32) for g in glob]),
+                int(rng.integers(5, 50)),
+                {},
+            ),
+        )
+        for k in range(7)
+    ]
     st = FedKernelsStrategy(algorithms.build(name, **opts))
     st.set_global(ndarrays_to_parameters(glob))
     got, _ = st.aggregate_fit(1, results, [])
@@ -254,33 +273,39 @@ def test_flower_adapter_runs_robust_rules(name, opts, flower):
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,opts,K,msg", [
-    ("krum", {"f": 2}, 6, "krum: f=2 needs K >= 2f + 3 = 7 clients per round, got K=6"),
-    ("bulyan", {"f": 1}, 6, "bulyan: f=1 needs K >= 4f + 3 = 7 clients per round, got K=6"),
-    ("krum", {"m": 5}, 4, "krum: m=5 needs K >= m clients per round, got K=4"),
-])
+@pytest.mark.parametrize(
+    "name,opts,K,msg",
+    [
+        ("krum", {"f": 2}, 6, "krum: f=2 needs K >= 2f + 3 = 7 clients per round, got K=6"),
+        ("bulyan", {"f": 1}, 6, "bulyan: f=1 needs K >= 4f + 3 = 7 clients per round, got K=6"),
+        ("krum", {"m": 5}, 4, "krum: m=5 needs K >= m clients per round, got K=4"),
+    ],
+)
 def test_too_few_clients_is_one_line_before_reading(name, opts, K, msg):
     U, n = _data(K=K)
-    U[0, 0] = float("nan")          # not read: the bound is checked first
+    U[0, 0] = float("nan")  # not read: the bound is checked first
     with pytest.raises(ValueError) as e:
         algorithms.build(name, **opts).aggregate(torch.zeros(U.size(1)), U, n)
     assert str(e.value) == msg and not isinstance(e.value, BadUpdateError)
 
 
-@pytest.mark.parametrize("name,opts,word", [
-    ("trimmed_mean", {"beta": 0.5}, "beta must lie in [0, 0.5), got 0.5"),
-    ("trimmed_mean", {"beta": -0.1}, "beta must lie in [0, 0.5)"),
-    ("krum", {"f": -1}, "f must be an integer >= 0, got -1"),
-    ("krum", {"m": 0}, "m must be an integer >= 1, got 0"),
-    ("krum", {"weighting": "x"}, "weighting must be one of"),
-    ("bulyan", {"f": -2}, "f must be an integer >= 0"),
-    ("geometric_median", {"iterations": 0}, "iterations must be an integer >= 1"),
-    ("geometric_median", {"nu": 0.0}, "nu must be a finite number > 0"),
-    ("geometric_median", {"ftol": -1.0}, "ftol must be a finite number >= 0"),
-    ("centered_clip", {"tau": 0.0}, "tau must be a finite number > 0"),
-    ("centered_clip", {"iterations": 0}, "iterations must be an integer >= 1"),
-    ("krum", {"f": "two"}, "f"),
-])
+@pytest.mark.parametrize(
+    "name,opts,word",
+    [
+        ("trimmed_mean", {"beta": 0.5}, "beta must lie in [0, 0.5), got 0.5"),
+        ("trimmed_mean", {"beta": -0.1}, "beta must lie in [0, 0.5)"),
+        ("krum", {"f": -1}, "f must be an integer >= 0, got -1"),
+        ("krum", {"m": 0}, "m must be an integer >= 1, got 0"),
+        ("krum", {"weighting": "x"}, "weighting must be one of"),
+        ("bulyan", {"f": -2}, "f must be an integer >= 0"),
+        ("geometric_median", {"iterations": 0}, "iterations must be an integer >= 1"),
+        ("geometric_median", {"nu": 0.0}, "nu must be a finite number > 0"),
+        ("geometric_median", {"ftol": -1.0}, "ftol must be a finite number >= 0"),
+        ("centered_clip", {"tau": 0.0}, "tau must be a finite number > 0"),
+        ("centered_clip", {"iterations": 0}, "iterations must be an integer >= 1"),
+        ("krum", {"f": "two"}, "f"),
+    ],
+)
 def test_bad_options_are_one_line(name, opts, word):
     with pytest.raises(ValueError) as e:
         algorithms.build(name, **opts)
@@ -310,8 +335,8 @@ def test_chunked_source_equals_in_memory(name, opts):
     mem = algorithms.build(name, **opts).aggregate(x, U, n)
     src = algorithms.build(name, **opts).aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=128), n)
     if name in ("median", "trimmed_mean", "bulyan") or (name == "krum" and opts.get("m", 1) == 1):
-        assert torch.equal(mem.params, src.params)       # column-local (the picks agree: checked below)
-    else:       # weights from fp64 sums over chunks in another order: a few fp64 ulps apart
+        assert torch.equal(mem.params, src.params)  # column-local (the picks agree: checked below)
+    else:  # weights from fp64 sums over chunks in another order: a few fp64 ulps apart
         torch.testing.assert_close(src.params, mem.params, rtol=1e-6, atol=1e-7)
     assert mem.info.get("selected") == src.info.get("selected")
 
@@ -343,7 +368,7 @@ def test_selection_ops_match_numpy():
 
 def test_krum_info_names_selected_clients():
     U, n = _data(K=9)
-    U[[2, 6]] += 50.0                             # two far-away rows are never picked
+    U[[2, 6]] += 50.0  # two far-away rows are never picked
     res = algorithms.build("krum", f=2, m=3).aggregate(torch.zeros(U.size(1)), U, n, list(range(100, 109)))
     assert len(res.info["selected"]) == 3 and not {102, 106} & set(res.info["selected"])
     b = algorithms.build("bulyan", f=1).aggregate(torch.zeros(U.size(1)), U[:7], n[:7], list(range(7)))
@@ -353,12 +378,14 @@ def test_krum_info_names_selected_clients():
 # ---- attacks ---------------------------------------------------------------------------------------
 def _cfg(**attack):
     from fedkernels.sim.config import RunConfig
+
     return RunConfig.from_dict({"num_clients": 10, "seed": 3, "attack": attack})
 
 
 def test_attack_corrupt_formulas():
     from fedkernels.sim.attacks import Attack, alie_z
     from statistics import NormalDist
+
     U, _ = _data(K=10, d=50)
     ids = list(range(10))
     att = Attack(_cfg(kind="alie", clients=[1, 4]))
@@ -379,14 +406,15 @@ def test_attack_corrupt_formulas():
     assert torch.equal(V[9], -U[9])
     V = U.clone()
     Attack(_cfg(kind="scale", clients=[9])).corrupt(0, V, ids)
-    assert torch.equal(V[9], U[9] * 10.0)                       # default: the round's K
+    assert torch.equal(V[9], U[9] * 10.0)  # default: the round's K
     V = U.clone()
     assert Attack(_cfg(kind="gaussian", clients=[9], std=0.5)).corrupt(0, V, [0, 1]) is None
-    assert torch.equal(V, U)                                    # no attacker sampled: nothing changes
+    assert torch.equal(V, U)  # no attacker sampled: nothing changes
 
 
 def test_attackers_fixed_by_seed_and_label_flip():
     from fedkernels.sim.attacks import Attack
+
     a, b = Attack(_cfg(kind="sign_flip", fraction=0.3)), Attack(_cfg(kind="sign_flip", fraction=0.3))
     assert a.attackers == b.attackers and len(a.attackers) == 3
     lf = Attack(_cfg(kind="label_flip", clients=[1]))
@@ -395,17 +423,20 @@ def test_attackers_fixed_by_seed_and_label_flip():
     assert lf.poison_labels(y, parts, 10).tolist() == [0, 1, 7, 6, 4, 5] and y.tolist() == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("attack,msg", [
-    ({"kind": "boom", "fraction": 0.2}, "attack.kind must be one of"),
-    ({"kind": "alie"}, "needs exactly one of attack.fraction or attack.clients"),
-    ({"kind": "alie", "fraction": 1.0}, "attack.fraction must be in (0, 1), got 1.0"),
-    ({"kind": "alie", "clients": [3, 12]}, "attack.clients must be distinct client ids in [0, num_clients=10)"),
-    ({"fraction": 0.2}, "attack.fraction=0.2 needs attack.kind"),
-    ({"kind": "ipm", "fraction": 0.2, "std": 1.0}, "attack.std=1.0 is an option of attack.kind=gaussian"),
-    ({"kind": "ipm", "fraction": 0.2, "epsilon": -1.0}, "attack.epsilon must be > 0, got -1.0"),
-    ({"kind": "scale", "fraction": 0.2, "factor": 0.0}, "attack.factor must be > 0, got 0.0"),
-    ({"kind": "alie", "fraction": 0.01}, "attack.fraction=0.01 of num_clients=10 is no attacker"),
-])
+@pytest.mark.parametrize(
+    "attack,msg",
+    [
+        ({"kind": "boom", "fraction": 0.2}, "attack.kind must be one of"),
+        ({"kind": "alie"}, "needs exactly one of attack.fraction or attack.clients"),
+        ({"kind": "alie", "fraction": 1.0}, "attack.fraction must be in (0, 1), got 1.0"),
+        ({"kind": "alie", "clients": [3, 12]}, "attack.clients must be distinct client ids in [0, num_clients=10)"),
+        ({"fraction": 0.2}, "attack.fraction=0.2 needs attack.kind"),
+        ({"kind": "ipm", "fraction": 0.2, "std": 1.0}, "attack.std=1.0 is an option of attack.kind=gaussian"),
+        ({"kind": "ipm", "fraction": 0.2, "epsilon": -1.0}, "attack.epsilon must be > 0, got -1.0"),
+        ({"kind": "scale", "fraction": 0.2, "factor": 0.0}, "attack.factor must be > 0, got 0.0"),
+        ({"kind": "alie", "fraction": 0.01}, "attack.fraction=0.01 of num_clients=10 is no attacker"),
+    ],
+)
 def test_bad_attack_config(attack, msg):
     with pytest.raises(ValueError) as e:
         _cfg(**attack).validate()
@@ -414,39 +445,60 @@ def test_bad_attack_config(attack, msg):
 
 def test_no_attack_keeps_config_hash():
     from fedkernels.sim.config import RunConfig
+
     cfg = RunConfig()
     d = cfg.to_dict()
-    for off in ("attack", "compress", "dp", "lora"):   # the optional sections, all off: none is in the hash
+    for off in ("attack", "compress", "dp", "lora"):  # the optional sections, all off: none is in the hash
         d.pop(off)
     import hashlib
     from fedkernels.sim.config import PRESENTATION_KEYS
-    h = hashlib.sha256(json.dumps({k: v for k, v in d.items() if k not in PRESENTATION_KEYS}, sort_keys=True,
-                                  default=str).encode()).hexdigest()[:8]
+
+    h = hashlib.sha256(
+        json.dumps({k: v for k, v in d.items() if k not in PRESENTATION_KEYS}, sort_keys=True, default=str).encode()
+    ).hexdigest()[:8]
     assert cfg.config_hash() == h
     assert _cfg(kind="alie", fraction=0.2).config_hash() != _cfg().config_hash()
 
 
 def _cli(*args, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "fedkernels.sim.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "fedkernels.sim.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_cli_krum_under_alie_records_attackers(tmp_path):
-    p = _cli("run", "--preset", "smoke", "num_clients=8", "algorithm.name=krum", "algorithm.options.f=1",
-             "attack.kind=alie", "attack.fraction=0.25", "rounds=1", f"out_dir={tmp_path}", "plots=false",
-             cwd=tmp_path)
+    p = _cli(
+        "run",
+        "--preset",
+        "smoke",
+        "num_clients=8",
+        "algorithm.name=krum",
+        "algorithm.options.f=1",
+        "attack.kind=alie",
+        "attack.fraction=0.25",
+        "rounds=1",
+        f"out_dir={tmp_path}",
+        "plots=false",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     (run,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["attack"]["kind"] == "alie" and len(prov["attack"]["attackers"]) == 2
     m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert m[0]["attack"]["attackers"] == prov["attack"]["attackers"]          # all 8 clients take part
+    assert m[0]["attack"]["attackers"] == prov["attack"]["attackers"]  # all 8 clients take part
     assert m[0]["attack"]["selected"] == int(m[0]["agg"]["selected"][0] in prov["attack"]["attackers"])
 
 
-@pytest.mark.parametrize("arg,msg", [("attack.kind=alie", "needs exactly one of attack.fraction"),
-                                     ("attack.epsilon=5", "needs attack.kind")])
+@pytest.mark.parametrize(
+    "arg,msg", [("attack.kind=alie", "needs exactly one of attack.fraction"), ("attack.epsilon=5", "needs attack.kind")]
+)
 def test_cli_bad_attack_exits_2_with_one_line(tmp_path, arg, msg):
     p = _cli("run", "--preset", "smoke", arg, f"out_dir={tmp_path}", cwd=tmp_path)
     assert p.returncode == 2 and msg in p.stderr
@@ -457,14 +509,25 @@ def test_cli_bad_attack_exits_2_with_one_line(tmp_path, arg, msg):
 def _tiny_run(tmp_path, **kw):
     from fedkernels.sim import Simulation
     from fedkernels.sim.config import RunConfig, apply_overrides
-    cfg = RunConfig.from_dict({
-        "rounds": 2, "num_clients": 6, "clients_per_round": 6, "seed": 1, "eval_every": 2,
-        "out_dir": str(tmp_path), "plots": False, "verbose": False, "progress": False, "client_loss": "none",
-        "data": {"name": "digits", "train_subset": 300, "test_subset": 100},
-        "model": {"name": "mlp", "options": {"hidden": [8]}},
-        "train": {"steps": 2, "batch_size": 16, "lr": 0.05},
-        "algorithm": {"name": "krum", "options": {"f": 1}},
-    })
+
+    cfg = RunConfig.from_dict(
+        {
+            "rounds": 2,
+            "num_clients": 6,
+            "clients_per_round": 6,
+            "seed": 1,
+            "eval_every": 2,
+            "out_dir": str(tmp_path),
+            "plots": False,
+            "verbose": False,
+            "progress": False,
+            "client_loss": "none",
+            "data": {"name": "digits", "train_subset": 300, "test_subset": 100},
+            "model": {"name": "mlp", "options": {"hidden": [8]}},
+            "train": {"steps": 2, "batch_size": 16, "lr": 0.05},
+            "algorithm": {"name": "krum", "options": {"f": 1}},
+        }
+    )
     s = Simulation(apply_overrides(cfg, [f"{k}={v}" for k, v in kw.items()]), write_outputs=False)
     s.run()
     return s

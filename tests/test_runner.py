@@ -1,5 +1,6 @@
 """The round runner (fedkernels.algorithms.runner): the protocol around a method's update, with its state
 in the call (nothing left on the method), the bad-row policy and the re-run without the bad rows."""
+
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ F64 = torch.float64
 
 class Counting(Aggregator):
     """FedAvg's sum, counting its updates and the rows each saw (screen_in_pass: its sum screens)."""
+
     name = "counting"
     screen_in_pass = True
 
@@ -45,7 +47,7 @@ def test_the_rows_first_pass_screens_and_a_bad_row_reruns_the_update_without_it(
     U[3, 4] = float("nan")
     agg = Counting(on_bad_update="exclude")
     res = agg.aggregate(x, U, n, client_ids=[10, 11, 12, 13, 14])
-    assert agg.seen == [[10, 11, 12, 13, 14], [10, 11, 12, 14]]        # the update again, without row 3
+    assert agg.seen == [[10, 11, 12, 13, 14], [10, 11, 12, 14]]  # the update again, without row 3
     assert res.info["excluded"] == [{"client_id": 13, "reason": "update contains NaN/Inf"}]
     keep = [0, 1, 2, 4]
     ref = Counting().aggregate(x, U[keep], [n[k] for k in keep]).params

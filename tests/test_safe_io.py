@@ -1,4 +1,5 @@
 """Safe loading: checksummed atomic checkpoints, weights_only unpickling, yaml.safe_load configs."""
+
 import hashlib
 import io
 import os
@@ -29,20 +30,25 @@ def _wrap(payload: bytes) -> bytes:
 
 
 def test_roundtrip(tmp_path):
-    st = {"round": 3, "params": torch.arange(10.0), "nested": {"ids": [1, 2], "m": torch.ones(2, 3).bfloat16()},
-          "none": None, "name": "fedavg"}
+    st = {
+        "round": 3,
+        "params": torch.arange(10.0),
+        "nested": {"ids": [1, 2], "m": torch.ones(2, 3).bfloat16()},
+        "none": None,
+        "name": "fedavg",
+    }
     p = save_checkpoint(st, tmp_path / "c.pt")
     out = load_checkpoint(p)
     assert out["round"] == 3 and out["name"] == "fedavg" and out["none"] is None
     assert torch.equal(out["params"], st["params"]) and out["nested"]["m"].dtype == torch.bfloat16
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]        # no temp file left
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]  # no temp file left
 
 
 @pytest.mark.parametrize("wrap", [True, False])
 def test_code_carrying_pickle_is_rejected_and_never_runs(tmp_path, wrap):
     marker = tmp_path / "PWNED"
     buf = io.BytesIO()
-    torch.save({"params": torch.zeros(2), "x": _Evil(str(marker))}, buf)     # a torch-format evil file
+    torch.save({"params": torch.zeros(2), "x": _Evil(str(marker))}, buf)  # a torch-format evil file
     assert not marker.exists()
     path = tmp_path / "evil.pt"
     path.write_bytes(_wrap(buf.getvalue()) if wrap else buf.getvalue())
@@ -121,9 +127,11 @@ def test_load_config_safe(tmp_path):
 
 def test_safe_io_sits_below_the_simulator():
     """fedkernels.safe_io imports nothing from fedkernels.sim (the simulator uses it, not the reverse)."""
-    code = ("import sys, fedkernels.safe_io\n"
-            "bad = sorted(m for m in sys.modules if m.startswith('fedkernels.sim'))\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, fedkernels.safe_io\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('fedkernels.sim'))\n"
+        "assert not bad, bad\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
 

@@ -2,6 +2,7 @@
 float64 reference (the median's middle value exactly, the means within a bound from the arithmetic),
 against NumPy / SciPy (np.median, scipy.stats.trim_mean) and Flower's aggregate functions, shapes,
 strides, dtypes, rows subsets, NaN/Inf rows, thread counts, opcheck and bad input."""
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_cuda import NEEDS_CUDA   # tests/test_cuda.py: the cuda cases skip without a GPU and the CUDA build
+from test_cuda import NEEDS_CUDA  # tests/test_cuda.py: the cuda cases skip without a GPU and the CUDA build
 
 from fedkernels import ops, reference as ref
 from fedkernels.ops.select import median_bounds, trim_bounds
@@ -23,14 +24,26 @@ def dev(request) -> str:
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # (K, d): K = 1, 2, odd and even, the network sizes (<= 256) and the per-column path (> 256); odd d
-SHAPES = [(1, 1), (2, 3), (3, 17), (4, 33), (5, 1000), (10, 4099), (16, 70), (17, 131), (33, 257), (100, 301),
-          (257, 40), (300, 37)]
+SHAPES = [
+    (1, 1),
+    (2, 3),
+    (3, 17),
+    (4, 33),
+    (5, 1000),
+    (10, 4099),
+    (16, 70),
+    (17, 131),
+    (33, 257),
+    (100, 301),
+    (257, 40),
+    (300, 37),
+]
 
 
 def _odd(K, d, dtype, seed=0, dev="cpu"):
     """U as a strided view (rows of a wider buffer, from column 1)."""
     big = torch.randn(K, d + 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return big.to(dtype).to(dev)[:, 1:1 + d]
+    return big.to(dtype).to(dev)[:, 1 : 1 + d]
 
 
 def _out_dtype(dtype):
@@ -39,9 +52,9 @@ def _out_dtype(dtype):
 
 def _bound(X64, n, want, out_dtype):
     """|got - want| <= rounding of the result to out_dtype + float64 summation of n values (any order)."""
-    u = 2.0 ** -24 if out_dtype == torch.float32 else 2.0 ** -53
+    u = 2.0**-24 if out_dtype == torch.float32 else 2.0**-53
     A = X64.abs().amax(0) if X64.numel() else torch.zeros(0, dtype=torch.float64)
-    return u * want.abs() + 2 * n * 2.0 ** -53 * A + 1e-300
+    return u * want.abs() + 2 * n * 2.0**-53 * A + 1e-300
 
 
 def _check(got, want, X64, n, dtype):
@@ -62,8 +75,10 @@ def test_order_mean_matches_reference(dev, K, d, dtype):
         want = ref.order_mean(U.cpu(), lo, hi)
         _check(got, want, X64, hi - lo, dtype)
     lo, hi = median_bounds(K)
-    if K % 2:   # the median of odd k is its middle value, exactly
-        assert torch.equal(ops.order_mean(U, lo, hi).cpu(), want_mid := ref.order_mean(U.cpu(), lo, hi).to(_out_dtype(dtype)))
+    if K % 2:  # the median of odd k is its middle value, exactly
+        assert torch.equal(
+            ops.order_mean(U, lo, hi).cpu(), want_mid := ref.order_mean(U.cpu(), lo, hi).to(_out_dtype(dtype))
+        )
         assert torch.equal(want_mid.double(), torch.sort(X64, 0).values[K // 2])
 
 
@@ -101,39 +116,44 @@ def test_vs_numpy_and_scipy(dev, K):
     U = _odd(K, 999, torch.float32, seed=K, dev=dev)
     X = U.cpu().numpy().astype(np.float64)
     med = ops.order_mean(U, *median_bounds(K)).cpu().numpy()
-    np.testing.assert_array_equal(med, np.median(X, axis=0).astype(np.float32))   # both round the fp64 median once
+    np.testing.assert_array_equal(med, np.median(X, axis=0).astype(np.float32))  # both round the fp64 median once
     for beta in (0.0, 0.1, 0.2, 0.3, 0.45):
         got = ops.order_mean(U, *trim_bounds(K, beta)).cpu().numpy().astype(np.float64)
         want = scipy_stats.trim_mean(X, beta, axis=0)
-        np.testing.assert_allclose(got, want, rtol=2 ** -23, atol=1e-12)
+        np.testing.assert_allclose(got, want, rtol=2**-23, atol=1e-12)
 
 
 @pytest.mark.parametrize("K,f", [(7, 1), (10, 1), (11, 2), (15, 3)])
 def test_vs_flower(K, f):
     agg = pytest.importorskip("flwr.server.strategy.aggregate")
     U = _odd(K, 513, torch.float32, seed=K + f)
-    layers = [U[:, :500].reshape(K, 20, 25), U[:, 500:]]            # two layers, as Flower's NDArrays
+    layers = [U[:, :500].reshape(K, 20, 25), U[:, 500:]]  # two layers, as Flower's NDArrays
     results = [([layers[0][i].numpy().copy(), layers[1][i].numpy().copy()], 10) for i in range(K)]
-    flat = lambda nds: np.concatenate([a.ravel() for a in nds])     # noqa: E731
+    flat = lambda nds: np.concatenate([a.ravel() for a in nds])  # noqa: E731
     # coordinate-wise median and trimmed mean: the same values to float32 rounding
-    np.testing.assert_allclose(ops.order_mean(U, *median_bounds(K)).numpy(), flat(agg.aggregate_median(results)),
-                               rtol=2 ** -23, atol=0)
+    np.testing.assert_allclose(
+        ops.order_mean(U, *median_bounds(K)).numpy(), flat(agg.aggregate_median(results)), rtol=2**-23, atol=0
+    )
     for beta in (0.1, 0.2, 0.3):
-        np.testing.assert_allclose(ops.order_mean(U, *trim_bounds(K, beta)).numpy(),
-                                   flat(agg.aggregate_trimmed_avg(results, beta)), rtol=2 ** -22, atol=1e-7)
+        np.testing.assert_allclose(
+            ops.order_mean(U, *trim_bounds(K, beta)).numpy(),
+            flat(agg.aggregate_trimmed_avg(results, beta)),
+            rtol=2**-22,
+            atol=1e-7,
+        )
     # Bulyan: its Krum selections, then the beta closest to their median per coordinate
     theta, beta = K - 2 * f, K - 4 * f
     if K >= 4 * f + 3:
         want = flat(agg.aggregate_bulyan(list(results), f, agg.aggregate_krum, to_keep=0))
-        D = torch.cdist(U.double(), U.double()) ** 2                     # Bulyan's Krum picks, as Flower makes them
+        D = torch.cdist(U.double(), U.double()) ** 2  # Bulyan's Krum picks, as Flower makes them
         left, picked = list(range(K)), []
         for _ in range(theta):
             n = len(left)
             Dl = D[left][:, left]
-            scores = torch.sort(Dl, 1).values[:, 1:max(1, n - f - 2) + 1].sum(1)
+            scores = torch.sort(Dl, 1).values[:, 1 : max(1, n - f - 2) + 1].sum(1)
             picked.append(left.pop(int(torch.argmin(scores))))
         got = ops.closest_mean(U, beta, rows=picked).numpy()
-        np.testing.assert_allclose(got, want, rtol=2 ** -21, atol=1e-7)
+        np.testing.assert_allclose(got, want, rtol=2**-21, atol=1e-7)
         # the median of the selected set, as Flower's reference point (not of all K rows)
         assert not np.allclose(got, ops.closest_mean(U, beta).numpy())
 
@@ -141,7 +161,7 @@ def test_vs_flower(K, f):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_subset_equals_the_selected_matrix(dev, dtype):
     U = _odd(12, 777, dtype, seed=1, dev=dev)
-    rows = [11, 0, 5, 5, 3, 8, 2]                                   # any order, repeats allowed
+    rows = [11, 0, 5, 5, 3, 8, 2]  # any order, repeats allowed
     sub = U[rows]
     for lo, hi in ((3, 4), (1, 6), (0, 7)):
         assert torch.equal(ops.order_mean(U, lo, hi, rows=rows), ops.order_mean(sub, lo, hi))
@@ -159,31 +179,29 @@ def test_flags_are_exact_and_nan_columns(dev, K, d, dtype):
     for k in range(1, K, 2):
         bad[k] = (k * 13) % d
         U[k, bad[k]] = (float("nan"), float("inf"), float("-inf"))[k % 3]
-    U[0].fill_(torch.finfo(dtype).max)                              # finite, the largest values
+    U[0].fill_(torch.finfo(dtype).max)  # finite, the largest values
     want_ok = [k not in bad for k in range(K)]
     lo, hi = median_bounds(K)
     out, ok = ops.order_mean_screened(U, lo, hi)
     assert ok.tolist() == ref.finite_rows(U.cpu()).tolist() == want_ok
-    _check(out, ref.order_mean(U.cpu(), lo, hi), U.cpu().double(), hi - lo, dtype)   # NaN columns as the reference
+    _check(out, ref.order_mean(U.cpu(), lo, hi), U.cpu().double(), hi - lo, dtype)  # NaN columns as the reference
     cm, ok2 = ops.closest_mean_screened(U, max(1, K // 2))
     assert ok2.tolist() == want_ok
     nonfinite_cols = sorted(set(bad.values()))
     assert torch.isnan(cm.cpu()[nonfinite_cols]).all() if nonfinite_cols else True
-    good = [k for k in range(K) if want_ok[k]]                      # dropping the flagged rows: all finite
+    good = [k for k in range(K) if want_ok[k]]  # dropping the flagged rows: all finite
     assert torch.isfinite(ops.order_mean(U, *median_bounds(len(good)), rows=good).cpu()[1:]).all()
 
 
 def test_nan_and_inf_rules():
     nan, inf = float("nan"), float("inf")
-    U = torch.tensor([[1.0, nan, inf, inf, 1.0],
-                      [2.0, 1.0, 2.0, -inf, 2.0],
-                      [3.0, 2.0, 3.0, 5.0, inf]])
+    U = torch.tensor([[1.0, nan, inf, inf, 1.0], [2.0, 1.0, 2.0, -inf, 2.0], [3.0, 2.0, 3.0, 5.0, inf]])
     assert ops.order_mean(U, 1, 2).tolist()[:1] == [2.0]
     med = ops.order_mean(U, 1, 2)
-    assert math.isnan(med[1]) and med[2] == 3.0 and med[3] == 5.0 and med[4] == 2.0   # NaN propagates; Inf is ordered
+    assert math.isnan(med[1]) and med[2] == 3.0 and med[3] == 5.0 and med[4] == 2.0  # NaN propagates; Inf is ordered
     assert ops.order_mean(U, 0, 3)[2] == inf and math.isnan(ops.order_mean(U, 0, 3)[3])
     cm = ops.closest_mean(U, 2)
-    assert cm[0] == 1.5 and all(math.isnan(v) for v in cm[1:].tolist())             # NaN/Inf columns: NaN
+    assert cm[0] == 1.5 and all(math.isnan(v) for v in cm[1:].tolist())  # NaN/Inf columns: NaN
 
 
 @pytest.mark.parametrize("K,d", [(10, 100_000), (100, 7000), (300, 500)])
@@ -194,8 +212,13 @@ def test_same_bits_with_1_and_2_threads(K, d):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            out.append((ops.order_mean_screened(U, *median_bounds(K)), ops.order_mean(U, *trim_bounds(K, 0.2)),
-                        ops.closest_mean_screened(U, K // 2)))
+            out.append(
+                (
+                    ops.order_mean_screened(U, *median_bounds(K)),
+                    ops.order_mean(U, *trim_bounds(K, 0.2)),
+                    ops.closest_mean_screened(U, K // 2),
+                )
+            )
     finally:
         torch.set_num_threads(n0)
     for a, b in zip(out[0], out[1]):
@@ -245,10 +268,13 @@ def test_opcheck():
     U = torch.randn(7, 300)
     rows = torch.tensor([0, 2, 3, 6])
     for args in ((U, 3, 4, None), (U, 1, 3, rows), (U.double(), 0, 7, None)):
-        torch.library.opcheck(torch.ops.fedkernels.order_mean.default, args, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.fedkernels.order_mean.default, args, test_utils=("test_schema", "test_faketensor")
+        )
     for args in ((U, 3, None), (U.half(), 2, rows)):
-        torch.library.opcheck(torch.ops.fedkernels.closest_mean.default, args,
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(
+            torch.ops.fedkernels.closest_mean.default, args, test_utils=("test_schema", "test_faketensor")
+        )
 
 
 def test_sharded_ands_the_flags():

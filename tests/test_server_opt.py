@@ -1,6 +1,7 @@
 """server_opt_step_ (the fused FedAdam / FedYogi / FedAdagrad step) against the float64 reference, and the
 methods fedadam / fedyogi / fedadagrad against the reference over rounds, against Flower's strategies,
 with bad options, the bad-row policy, a chunked source and a resume from state_dict."""
+
 import json
 import math
 
@@ -9,15 +10,18 @@ import pytest
 import torch
 
 from fedkernels import algorithms, ops, reference as ref
-from fuzz_oracle import server_opt_expected   # tests/fuzz_oracle.py: the recomputation and its bound
+from fuzz_oracle import server_opt_expected  # tests/fuzz_oracle.py: the recomputation and its bound
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
-from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 RULES = ["adam", "yogi", "adagrad"]
-OPTS = {"adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-3), "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
-        "adagrad": dict(beta_1=0.5, beta_2=0.0, tau=1e-3)}
+OPTS = {
+    "adam": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
+    "yogi": dict(beta_1=0.9, beta_2=0.99, tau=1e-3),
+    "adagrad": dict(beta_1=0.5, beta_2=0.0, tau=1e-3),
+}
 
 
 def _state_dtype(dt):
@@ -41,10 +45,11 @@ def _inputs(d, dt, sdt, device="cpu", seed=0):
 def _check(io, m, v, x, g, m0, v0, rule, lr, sdt, dt, **kw):
     """io, m, v against the float64 recomputation within the bound derived from the kernel's arithmetic
     (fuzz_oracle.server_opt_expected: the roundings of m', v', sqrt, + tau, the quotient, the add)."""
-    want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(x.cpu(), g.cpu(), m0.cpu(), v0.cpu(), rule, lr,
-                                                               kw["beta_1"], kw["beta_2"], kw["tau"], sdt, dt)
+    want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(
+        x.cpu(), g.cpu(), m0.cpu(), v0.cpu(), rule, lr, kw["beta_1"], kw["beta_2"], kw["tau"], sdt, dt
+    )
     assert m.dtype == sdt and v.dtype == sdt and io.dtype == dt
-    assert not bool(may.any())                         # these inputs stay in range: every coordinate is checked
+    assert not bool(may.any())  # these inputs stay in range: every coordinate is checked
     assert torch.all((m.cpu().double() - wm).abs() <= tol_m)
     assert torch.all((v.cpu().double() - wv).abs() <= tol_v)
     assert torch.all((io.cpu().double() - want).abs() <= tol), (io, want)
@@ -110,7 +115,7 @@ def test_op_yogi_sign_zero_and_nan_propagation():
     x = torch.zeros(4)
     io = torch.tensor([0.5, 0.0, float("nan"), 1.0])
     m = torch.zeros(4)
-    v = torch.tensor([0.25, 0.0, 1.0, float("inf")])      # v == g^2: sign 0, v unchanged; g = 0: nothing moves
+    v = torch.tensor([0.25, 0.0, 1.0, float("inf")])  # v == g^2: sign 0, v unchanged; g = 0: nothing moves
     ops.server_opt_step_(io, m, v, x, rule="yogi", lr=1.0, beta_1=0.9, beta_2=0.99, tau=1e-3)
     assert v[0] == 0.25 and v[1] == 0.0 and math.isnan(v[2]) and math.isnan(io[2])
     assert io[1] == 0.0 and m[1] == 0.0
@@ -156,22 +161,27 @@ def _bad_call(**over):
     ops.server_opt_step_(a.pop("io"), a.pop("m"), a.pop("v"), a.pop("x"), **a)
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(rule="sgd"), "rule must be one of"),
-    (dict(lr=float("nan")), "lr must be a finite number"),
-    (dict(tau=-1.0), "tau must be >= 0"),
-    (dict(beta_1=1.5), r"beta_1 must lie in \[0, 1\]"),
-    (dict(beta_2=-0.1), r"beta_2 must lie in \[0, 1\]"),
-    (dict(io=torch.zeros(9)), "io must be a 1-D tensor of length d=8"),
-    (dict(m=torch.zeros(8, dtype=torch.float16)), "m and v must both be float32 or both float64"),
-    (dict(v=torch.zeros(8, dtype=torch.float64)), "m and v must both be float32 or both float64"),
-    (dict(io=torch.zeros(8, dtype=torch.float64)), "io must have dtype torch.float32"),
-    (dict(x=torch.zeros(8, dtype=torch.float64), io=torch.zeros(8, dtype=torch.float64)),
-     "m and v must be float64 for a float64 model"),
-    (dict(x=torch.zeros(2, 4)), "x must be a 1-D"),
-    (dict(x=torch.zeros(8, dtype=torch.int64)), "x must have a floating dtype"),
-    (dict(from_model=1), "from_model must be a bool"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(rule="sgd"), "rule must be one of"),
+        (dict(lr=float("nan")), "lr must be a finite number"),
+        (dict(tau=-1.0), "tau must be >= 0"),
+        (dict(beta_1=1.5), r"beta_1 must lie in \[0, 1\]"),
+        (dict(beta_2=-0.1), r"beta_2 must lie in \[0, 1\]"),
+        (dict(io=torch.zeros(9)), "io must be a 1-D tensor of length d=8"),
+        (dict(m=torch.zeros(8, dtype=torch.float16)), "m and v must both be float32 or both float64"),
+        (dict(v=torch.zeros(8, dtype=torch.float64)), "m and v must both be float32 or both float64"),
+        (dict(io=torch.zeros(8, dtype=torch.float64)), "io must have dtype torch.float32"),
+        (
+            dict(x=torch.zeros(8, dtype=torch.float64), io=torch.zeros(8, dtype=torch.float64)),
+            "m and v must be float64 for a float64 model",
+        ),
+        (dict(x=torch.zeros(2, 4)), "x must be a 1-D"),
+        (dict(x=torch.zeros(8, dtype=torch.int64)), "x must have a floating dtype"),
+        (dict(from_model=1), "from_model must be a bool"),
+    ],
+)
 def test_op_bad_arguments_name_them(over, match):
     with pytest.raises(ValueError, match=match):
         _bad_call(**over)
@@ -194,8 +204,9 @@ def test_op_refuses_shared_memory_and_tensors_that_need_grad():
 @pytest.mark.parametrize("rule", RULES)
 def test_op_opcheck(rule):
     x, g, m, v = _inputs(37, torch.float32, torch.float32, seed=1)
-    torch.library.opcheck(torch.ops.fedkernels.server_opt_step_.default,
-                          (g, m, v, x, rule, 0.1, 0.9, 0.99, 1e-3, rule == "yogi"))
+    torch.library.opcheck(
+        torch.ops.fedkernels.server_opt_step_.default, (g, m, v, x, rule, 0.1, 0.9, 0.99, 1e-3, rule == "yogi")
+    )
 
 
 # ---- the methods ----------------------------------------------------------------------------------------
@@ -213,26 +224,47 @@ def _ref_rounds(rule, x, Us, ns, eta, beta_1, beta_2, tau, correction, initial_v
     m = torch.zeros_like(x)
     v = torch.full_like(x, initial_v)
     for r, (U, n) in enumerate(zip(Us, ns)):
-        p = torch.full((len(n),), 1.0 / len(n), dtype=torch.float64) if uniform else \
-            torch.tensor(n, dtype=torch.float64) / sum(n)
+        p = (
+            torch.full((len(n),), 1.0 / len(n), dtype=torch.float64)
+            if uniform
+            else torch.tensor(n, dtype=torch.float64) / sum(n)
+        )
         g = p @ U.to(torch.float64)
         e = {"flower": r + 2, "adam": r + 1}.get(correction)
-        lr = eta if e is None else eta * math.sqrt(1 - beta_2 ** e) / (1 - beta_1 ** e)
+        lr = eta if e is None else eta * math.sqrt(1 - beta_2**e) / (1 - beta_1**e)
         x, m, v = ref.server_opt_step(g, m, v, x, rule=rule, lr=lr, beta_1=beta_1, beta_2=beta_2, tau=tau)
     return x
 
 
-CASES = [("fedadam", "adam", {}, dict(eta=0.1, beta_1=0.9, beta_2=0.99, tau=1e-9, correction="flower")),
-         ("fedadam", "adam", dict(bias_correction="adam", eta=0.05, tau=1e-3),
-          dict(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="adam")),
-         ("fedadam", "adam", dict(bias_correction=False, beta_1=0.5, beta_2=0.9),
-          dict(eta=0.1, beta_1=0.5, beta_2=0.9, tau=1e-9, correction="none")),
-         ("fedyogi", "yogi", {}, dict(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="none")),
-         ("fedyogi", "yogi", dict(bias_correction=True, initial_v=1e-6),
-          dict(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="flower", initial_v=1e-6)),
-         ("fedadagrad", "adagrad", {}, dict(eta=0.1, beta_1=0.0, beta_2=0.0, tau=1e-9, correction="none")),
-         ("fedadagrad", "adagrad", dict(beta_1=0.9, tau=1e-3, weighting="uniform"),
-          dict(eta=0.1, beta_1=0.9, beta_2=0.0, tau=1e-3, correction="none", uniform=True))]
+CASES = [
+    ("fedadam", "adam", {}, dict(eta=0.1, beta_1=0.9, beta_2=0.99, tau=1e-9, correction="flower")),
+    (
+        "fedadam",
+        "adam",
+        dict(bias_correction="adam", eta=0.05, tau=1e-3),
+        dict(eta=0.05, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="adam"),
+    ),
+    (
+        "fedadam",
+        "adam",
+        dict(bias_correction=False, beta_1=0.5, beta_2=0.9),
+        dict(eta=0.1, beta_1=0.5, beta_2=0.9, tau=1e-9, correction="none"),
+    ),
+    ("fedyogi", "yogi", {}, dict(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="none")),
+    (
+        "fedyogi",
+        "yogi",
+        dict(bias_correction=True, initial_v=1e-6),
+        dict(eta=1e-2, beta_1=0.9, beta_2=0.99, tau=1e-3, correction="flower", initial_v=1e-6),
+    ),
+    ("fedadagrad", "adagrad", {}, dict(eta=0.1, beta_1=0.0, beta_2=0.0, tau=1e-9, correction="none")),
+    (
+        "fedadagrad",
+        "adagrad",
+        dict(beta_1=0.9, tau=1e-3, weighting="uniform"),
+        dict(eta=0.1, beta_1=0.9, beta_2=0.0, tau=1e-3, correction="none", uniform=True),
+    ),
+]
 
 
 @pytest.mark.parametrize("name,rule,opts,refopts", CASES)
@@ -266,8 +298,9 @@ def test_method_narrow_model_keeps_float32_state(dt):
         delta = ops.weighted_sum(U, p)
         new, info = agg.aggregate(g, U, n)
         assert new.dtype == dt and agg.m.dtype == torch.float32 and agg.v.dtype == torch.float32
-        want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(g, delta, m0, v0, "adam", info["eta_t"], 0.9,
-                                                                   0.99, 1e-3, torch.float32, dt)
+        want, wm, wv, tol, tol_m, tol_v, may = server_opt_expected(
+            g, delta, m0, v0, "adam", info["eta_t"], 0.9, 0.99, 1e-3, torch.float32, dt
+        )
         assert not bool(may.any())
         assert torch.all((new.double() - want).abs() <= tol)
         assert torch.all((agg.m.double() - wm).abs() <= tol_m) and torch.all((agg.v.double() - wv).abs() <= tol_v)
@@ -298,7 +331,7 @@ def test_resume_from_state_dict_is_bitwise():
     assert set(st) >= {"m", "v", "t", "round"} and st["t"] == 3 and st["m"].dtype == torch.float32
     resumed = algorithms.build("fedadam", tau=1e-3)
     resumed.load_state_dict(st)
-    st["m"].fill_(1.0)                                       # the loaded state is a copy
+    st["m"].fill_(1.0)  # the loaded state is a copy
     for U, n in zip(Us[3:], ns[3:]):
         h, _ = resumed.aggregate(h, U, n)
     assert torch.equal(g, h)
@@ -319,7 +352,7 @@ def test_bad_row_excluded_before_the_state_moves():
     c = algorithms.build("fedyogi")
     with pytest.raises(algorithms.BadUpdateError, match="row 2"):
         c.aggregate(x, U, ns[0])
-    assert c.m is None and c.t == 0                           # nothing moved
+    assert c.m is None and c.t == 0  # nothing moved
 
 
 def test_chunked_source_gives_the_same_bits():
@@ -335,31 +368,37 @@ def test_chunked_source_gives_the_same_bits():
 
 def test_options_and_defaults_are_flowers():
     o = {n: {k: v.default for k, v in algorithms.options(n).items()} for n in ("fedadam", "fedyogi", "fedadagrad")}
-    assert {k: o["fedadam"][k] for k in ("eta", "eta_l", "beta_1", "beta_2", "tau", "bias_correction")} == \
-        dict(eta=0.1, eta_l=0.1, beta_1=0.9, beta_2=0.99, tau=1e-9, bias_correction=True)
-    assert {k: o["fedyogi"][k] for k in ("eta", "eta_l", "beta_1", "beta_2", "tau", "bias_correction")} == \
-        dict(eta=1e-2, eta_l=0.0316, beta_1=0.9, beta_2=0.99, tau=1e-3, bias_correction=False)
-    assert {k: o["fedadagrad"][k] for k in ("eta", "eta_l", "tau", "beta_1")} == \
-        dict(eta=0.1, eta_l=0.1, tau=1e-9, beta_1=0.0)
+    assert {k: o["fedadam"][k] for k in ("eta", "eta_l", "beta_1", "beta_2", "tau", "bias_correction")} == dict(
+        eta=0.1, eta_l=0.1, beta_1=0.9, beta_2=0.99, tau=1e-9, bias_correction=True
+    )
+    assert {k: o["fedyogi"][k] for k in ("eta", "eta_l", "beta_1", "beta_2", "tau", "bias_correction")} == dict(
+        eta=1e-2, eta_l=0.0316, beta_1=0.9, beta_2=0.99, tau=1e-3, bias_correction=False
+    )
+    assert {k: o["fedadagrad"][k] for k in ("eta", "eta_l", "tau", "beta_1")} == dict(
+        eta=0.1, eta_l=0.1, tau=1e-9, beta_1=0.0
+    )
     assert "beta_2" not in o["fedadagrad"] and "bias_correction" not in o["fedadagrad"]
     assert o["fedadam"]["weighting"] == "samples"
 
 
-@pytest.mark.parametrize("name,opts,match", [
-    ("fedadam", dict(eta=0.0), "fedadam: eta must be > 0, got 0.0"),
-    ("fedadam", dict(eta=-1), "fedadam: eta must be > 0"),
-    ("fedadam", dict(eta_l=0), "fedadam: eta_l must be > 0"),
-    ("fedadam", dict(beta_1=1.0), r"fedadam: beta_1 must lie in \[0, 1\), got 1.0"),
-    ("fedyogi", dict(beta_2=-0.5), r"fedyogi: beta_2 must lie in \[0, 1\)"),
-    ("fedyogi", dict(tau=0.0), "fedyogi: tau must be > 0"),
-    ("fedadam", dict(tau=float("inf")), "fedadam: tau must be a finite number"),
-    ("fedadam", dict(bias_correction="kingma"), "fedadam: bias_correction must be True, False or one of"),
-    ("fedadagrad", dict(initial_v=-1.0), "fedadagrad: initial_v must be >= 0"),
-    ("fedadagrad", dict(beta_2=0.9), "beta_2"),
-    ("fedadam", dict(weighting="median"), "weighting must be one of"),
-    ("fedadam", dict(server_lr_schedule="x.json"), "server_lr_schedule='x.json' is not supported"),
-    ("fedyogi", dict(eta="fast"), "eta"),
-])
+@pytest.mark.parametrize(
+    "name,opts,match",
+    [
+        ("fedadam", dict(eta=0.0), "fedadam: eta must be > 0, got 0.0"),
+        ("fedadam", dict(eta=-1), "fedadam: eta must be > 0"),
+        ("fedadam", dict(eta_l=0), "fedadam: eta_l must be > 0"),
+        ("fedadam", dict(beta_1=1.0), r"fedadam: beta_1 must lie in \[0, 1\), got 1.0"),
+        ("fedyogi", dict(beta_2=-0.5), r"fedyogi: beta_2 must lie in \[0, 1\)"),
+        ("fedyogi", dict(tau=0.0), "fedyogi: tau must be > 0"),
+        ("fedadam", dict(tau=float("inf")), "fedadam: tau must be a finite number"),
+        ("fedadam", dict(bias_correction="kingma"), "fedadam: bias_correction must be True, False or one of"),
+        ("fedadagrad", dict(initial_v=-1.0), "fedadagrad: initial_v must be >= 0"),
+        ("fedadagrad", dict(beta_2=0.9), "beta_2"),
+        ("fedadam", dict(weighting="median"), "weighting must be one of"),
+        ("fedadam", dict(server_lr_schedule="x.json"), "server_lr_schedule='x.json' is not supported"),
+        ("fedyogi", dict(eta="fast"), "eta"),
+    ],
+)
 def test_bad_options_are_one_line_value_errors(name, opts, match):
     with pytest.raises(ValueError, match=match) as e:
         algorithms.build(name, **opts)
@@ -452,21 +491,24 @@ def test_server_opt_leaves_the_methods_own_result_alone_and_screens_first():
     agg = algorithms.build("fedavgm", server_opt="adagrad")
     with pytest.raises(algorithms.BadUpdateError, match="row 1"):
         agg.aggregate(x, U, ns[0])
-    assert agg.t == 0 and agg.m is None                       # the policy acted before the step
+    assert agg.t == 0 and agg.m is None  # the policy acted before the step
     keep = algorithms.build("fedavgm", server_opt="adagrad", on_bad_update="exclude")
     new, info = keep.aggregate(x, U, ns[0])
     assert [e["client_id"] for e in info["excluded"]] == [1] and keep.t == 1
-    assert not torch.equal(keep.momentum, new)                # the inner method's state is not the result
+    assert not torch.equal(keep.momentum, new)  # the inner method's state is not the result
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("sgd", "server_opt rule 'sgd': expected one of"),
-    ({"eta": 0.1}, "server_opt rule None: expected one of"),
-    ({"rule": "adam", "momentum": 0.9}, "server_opt option 'momentum' is not one of"),
-    ({"rule": "adagrad", "beta_2": 0.9}, "server_opt option 'beta_2' is not one of"),
-    ({"rule": "adam", "eta": -1.0}, r"fedavg \(server_opt\): eta must be > 0"),
-    (3, "option server_opt=3: expected a string or a mapping"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("sgd", "server_opt rule 'sgd': expected one of"),
+        ({"eta": 0.1}, "server_opt rule None: expected one of"),
+        ({"rule": "adam", "momentum": 0.9}, "server_opt option 'momentum' is not one of"),
+        ({"rule": "adagrad", "beta_2": 0.9}, "server_opt option 'beta_2' is not one of"),
+        ({"rule": "adam", "eta": -1.0}, r"fedavg \(server_opt\): eta must be > 0"),
+        (3, "option server_opt=3: expected a string or a mapping"),
+    ],
+)
 def test_server_opt_bad_values_are_one_line(spec, match):
     with pytest.raises(ValueError, match=match) as e:
         algorithms.build("fedavg", server_opt=spec)
@@ -478,28 +520,52 @@ def test_cli_reaches_server_opt(tmp_path):
     import os
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
-    base = [sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "rounds=2", "plots=false", "threads=1",
-            "--no-progress", "--quiet"]
-    p = subprocess.run(base + ["algorithm.options.server_opt=yogi"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    base = [
+        sys.executable,
+        "-m",
+        "fedkernels",
+        "run",
+        "--preset",
+        "smoke",
+        "rounds=2",
+        "plots=false",
+        "threads=1",
+        "--no-progress",
+        "--quiet",
+    ]
+    p = subprocess.run(
+        base + ["algorithm.options.server_opt=yogi"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     run_dir = json.loads(p.stdout.strip().splitlines()[-1])["run_dir"]
     with open(tmp_path / run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["agg"]["server_opt"]["t"] for r in rows] == [1, 2]
-    p = subprocess.run(base + ["algorithm.name=fedadam", "algorithm.options.beta_1=1.5"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        base + ["algorithm.name=fedadam", "algorithm.options.beta_1=1.5"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "algorithm.options.beta_1=1.5" in lines[0], p.stderr
 
 
 # ---- against Flower's strategies --------------------------------------------------------------------------
 SHAPES = [(6, 3, 3, 3), (6,), (10, 54), (10,), (1,)]
-FLOWER = [("fedadam", "FedAdam", {}), ("fedadam", "FedAdam", dict(eta=0.03, beta_1=0.8, beta_2=0.95, tau=1e-4)),
-          ("fedyogi", "FedYogi", {}), ("fedyogi", "FedYogi", dict(eta=0.05, beta_1=0.5, beta_2=0.9, tau=1e-6)),
-          ("fedadagrad", "FedAdagrad", {}), ("fedadagrad", "FedAdagrad", dict(eta=0.2, tau=1e-5))]
+FLOWER = [
+    ("fedadam", "FedAdam", {}),
+    ("fedadam", "FedAdam", dict(eta=0.03, beta_1=0.8, beta_2=0.95, tau=1e-4)),
+    ("fedyogi", "FedYogi", {}),
+    ("fedyogi", "FedYogi", dict(eta=0.05, beta_1=0.5, beta_2=0.9, tau=1e-6)),
+    ("fedadagrad", "FedAdagrad", {}),
+    ("fedadagrad", "FedAdagrad", dict(eta=0.2, tau=1e-5)),
+]
 
 
 @pytest.mark.parametrize("name,cls,opts", FLOWER)
@@ -509,7 +575,7 @@ def test_models_match_flower_over_5_rounds(name, cls, opts):
     pytest.importorskip("flwr")
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server import strategy
-    from test_flower import Proxy          # tests/test_flower.py: a ClientProxy that is never called
+    from test_flower import Proxy  # tests/test_flower.py: a ClientProxy that is never called
 
     rng = np.random.default_rng(11)
     glob = [rng.standard_normal(s) for s in SHAPES]
@@ -518,8 +584,9 @@ def test_models_match_flower_over_5_rounds(name, cls, opts):
     x = torch.cat([torch.from_numpy(a).reshape(-1) for a in glob])
     for rnd in range(1, 6):
         res, U, n = [], [], []
-        cur = [y.reshape(s) for y, s in zip(np.split(x.numpy(), np.cumsum([int(np.prod(s)) for s in SHAPES])[:-1]),
-                                             SHAPES)]
+        cur = [
+            y.reshape(s) for y, s in zip(np.split(x.numpy(), np.cumsum([int(np.prod(s)) for s in SHAPES])[:-1]), SHAPES)
+        ]
         for k in range(4 + rnd):
             w = [a + 0.05 * rng.standard_normal(a.shape) + 0.01 * rnd for a in cur]
             nk = int(rng.integers(5, 60))
@@ -530,7 +597,7 @@ def test_models_match_flower_over_5_rounds(name, cls, opts):
         want = np.concatenate([a.reshape(-1) for a in parameters_to_ndarrays(params)])
         x, _ = agg.aggregate(x, torch.stack(U), n)
         np.testing.assert_allclose(x.numpy(), want, rtol=0, atol=1e-6)
-    if name == "fedadam":          # and the option matters: without Flower's correction the models differ
+    if name == "fedadam":  # and the option matters: without Flower's correction the models differ
         other = algorithms.build(name, bias_correction=False, **opts)
         assert other.opt.step_size(1, 0) != agg.opt.step_size(1, 0)
 
@@ -551,9 +618,20 @@ def test_flower_adapter_runs_fedadam_and_server_opt():
         for r in (1, 2):
             st.set_global(params)
             cur = parameters_to_ndarrays(params)
-            res = [(Proxy(str(k)), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(
-                [a + 0.05 * rng.standard_normal(a.shape).astype(np.float32) for a in cur]), 10 + k, {}))
-                for k in range(4)]
+            res = [
+                (
+                    Proxy(str(k)),
+                    FitRes(
+                        Status(Code.OK, ""),
+                        ndarrays_to_parameters(
+                            [a + 0.05 * rng.standard_normal(a.shape).astype(np.float32) for a in cur]
+                        ),
+                        10 + k,
+                        {},
+                    ),
+                )
+                for k in range(4)
+            ]
             params, metrics = st.aggregate_fit(r, res, [])
             t = metrics["t"] if "t" in metrics else json.loads(metrics["server_opt"])["t"]
             assert t == r

@@ -1,4 +1,5 @@
 """The simulator loop, checkpoints, config and CLI, on digits with a tiny MLP (fast)."""
+
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def digits():
     from fedkernels.sim.data import load_dataset
+
     return load_dataset("digits")
 
 
@@ -38,14 +40,23 @@ def method_overrides(method):
 
 
 def tiny_cfg(tmp_path, **kw):
-    cfg = RunConfig.from_dict({
-        "rounds": 3, "num_clients": 6, "clients_per_round": 3, "seed": 1, "eval_every": 1,
-        "out_dir": str(tmp_path), "plots": False, "verbose": False, "progress": False,
-        "data": {"name": "digits", "train_subset": 600},
-        "partition": {"scheme": "dirichlet", "options": {"alpha": 0.5, "min_size": 10}},
-        "model": {"name": "mlp", "options": {"hidden": [16]}},
-        "train": {"steps": 4, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
-    })
+    cfg = RunConfig.from_dict(
+        {
+            "rounds": 3,
+            "num_clients": 6,
+            "clients_per_round": 3,
+            "seed": 1,
+            "eval_every": 1,
+            "out_dir": str(tmp_path),
+            "plots": False,
+            "verbose": False,
+            "progress": False,
+            "data": {"name": "digits", "train_subset": 600},
+            "partition": {"scheme": "dirichlet", "options": {"alpha": 0.5, "min_size": 10}},
+            "model": {"name": "mlp", "options": {"hidden": [16]}},
+            "train": {"steps": 4, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4},
+        }
+    )
     return apply_overrides(cfg, [f"{k}={v}" for k, v in kw.items()])
 
 
@@ -75,9 +86,16 @@ def test_two_rounds_every_method(method, digits, tmp_path):
 
 # ---- determinism ---------------------------------------------------------------------------------
 def test_same_seed_same_bits(digits, tmp_path):
-    cfg = tiny_cfg(tmp_path, **{"train.hetero.enabled": True, "train.hetero.lr_range": "[0.01, 0.1]",
-                                "train.hetero.epochs_range": "[1, 2]", "train.steps": "null",
-                                "train.lr_schedule": "cosine"})
+    cfg = tiny_cfg(
+        tmp_path,
+        **{
+            "train.hetero.enabled": True,
+            "train.hetero.lr_range": "[0.01, 0.1]",
+            "train.hetero.epochs_range": "[1, 2]",
+            "train.steps": "null",
+            "train.lr_schedule": "cosine",
+        },
+    )
     a, b = sim(cfg, digits, write_outputs=False), sim(cfg, digits, write_outputs=False)
     a.run(), b.run()
     assert torch.equal(a.global_flat, b.global_flat)
@@ -96,7 +114,7 @@ def test_client_stream_shared_by_methods(digits, tmp_path):
     assert runs[0] == runs[1]
     sched = sample_schedule(1, 6, 3, 3)
     assert runs[0] == sched
-    assert sample_schedule(1, 6, 3, 10)[:3] == sched       # a longer run extends a shorter one
+    assert sample_schedule(1, 6, 3, 10)[:3] == sched  # a longer run extends a shorter one
     assert all(len(set(r)) == 3 and all(0 <= c < 6 for c in r) for r in sched)
 
 
@@ -113,7 +131,7 @@ def test_lr_schedules_and_hetero_draws():
     t = h1.table()
     assert t == h2.table()
     assert all(0.005 <= r["lr"] <= 0.05 and 1 <= r["epochs"] <= 5 for r in t)
-    assert len({r["epochs"] for r in t}) > 1 and h1.get(4, 0) == h1.get(4, 7)   # fixed per run
+    assert len({r["epochs"] for r in t}) > 1 and h1.get(4, 0) == h1.get(4, 7)  # fixed per run
     cfg.train.hetero.redraw = "round"
     h3 = HeteroCompute(cfg.train, 20, 3)
     assert [h3.get(4, r) for r in range(6)] != [h3.get(4, 0)] * 6
@@ -166,12 +184,12 @@ def test_checkpoint_roundtrip_and_corruption(tmp_path, caplog):
     assert not [f for f in os.listdir(d) if f.startswith(".tmp")]
     p2 = ckpt.path_for(d, 2)
     raw = open(p2, "rb").read()
-    open(p2, "wb").write(raw[:-7])                                    # truncated
+    open(p2, "wb").write(raw[:-7])  # truncated
     with pytest.raises(ckpt.CheckpointError, match="truncated"):
         ckpt.load(p2)
     flipped = bytearray(raw)
     flipped[-3] ^= 0xFF
-    open(p2, "wb").write(bytes(flipped))                               # one corrupted byte
+    open(p2, "wb").write(bytes(flipped))  # one corrupted byte
     with pytest.raises(ckpt.CheckpointError, match="checksum"):
         ckpt.load(p2)
     with caplog.at_level(logging.WARNING, logger="fedkernels.sim"):
@@ -195,7 +213,7 @@ def test_resume_skips_corrupted_latest(digits, tmp_path):
     open(latest, "wb").write(raw[: len(raw) // 2])
     b = sim(cfg, digits, resume=True)
     b.setup()
-    assert b.start_round == 1                       # fell back to the previous checkpoint
+    assert b.start_round == 1  # fell back to the previous checkpoint
     b.run()
     assert torch.equal(b.global_flat, full.global_flat)
 
@@ -206,11 +224,12 @@ def _faulty(monkeypatch, nan_client, error_client):
 
     def train(self, cid, rnd, *a, **kw):
         if cid == error_client:
-            raise ValueError("simulated crash")      # a bad-client error (client.CLIENT_ERRORS)
+            raise ValueError("simulated crash")  # a bad-client error (client.CLIENT_ERRORS)
         res = orig(self, cid, rnd, *a, **kw)
         if cid == nan_client:
             self.work[3] = float("nan")
         return res
+
     monkeypatch.setattr(ClientTrainer, "train", train)
 
 
@@ -261,12 +280,22 @@ def test_config_yaml_roundtrip_and_overrides(tmp_path):
     p = str(tmp_path / "c.yaml")
     cfg.to_yaml(p)
     assert RunConfig.from_yaml(p) == cfg
-    o = apply_overrides(cfg, ["train.lr=0.5", "train.hetero.epochs_range=[2, 3]", "rounds=7",
-                              "algorithm.name=kuramoto", "algorithm.options.kappa0=1",
-                              "partition.options.alpha=0.3", "data.root=null", "name=x"])
+    o = apply_overrides(
+        cfg,
+        [
+            "train.lr=0.5",
+            "train.hetero.epochs_range=[2, 3]",
+            "rounds=7",
+            "algorithm.name=kuramoto",
+            "algorithm.options.kappa0=1",
+            "partition.options.alpha=0.3",
+            "data.root=null",
+            "name=x",
+        ],
+    )
     assert o.train.lr == 0.5 and o.train.hetero.epochs_range == [2, 3] and o.rounds == 7
     assert o.algorithm.options == {"kappa0": 1} and o.partition.options["alpha"] == 0.3 and o.name == "x"
-    assert cfg.rounds == 50                                  # the original is untouched
+    assert cfg.rounds == 50  # the original is untouched
     with pytest.raises(ValueError, match="unknown config key 'train.learning_rate'"):
         apply_overrides(cfg, ["train.learning_rate=1"])
     with pytest.raises(ValueError, match="key=value"):
@@ -287,8 +316,7 @@ def test_preset_variants_build():
 
 
 def test_json_safe():
-    v = json_safe({"t": torch.tensor([1.0, float("nan")]), "x": float("inf"), "n": (1, 2),
-                   "big": torch.ones(5000)})
+    v = json_safe({"t": torch.tensor([1.0, float("nan")]), "x": float("inf"), "n": (1, 2), "big": torch.ones(5000)})
     assert v["t"] == [1.0, None] and v["x"] == "inf" and v["n"] == [1, 2]
     assert v["big"]["shape"] == [5000]
     json.dumps(v)

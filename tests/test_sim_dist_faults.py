@@ -8,6 +8,7 @@ the run restored the default handler but before the CLI printed would kill rank 
 a window hit under heavy load). The survivor ignores SIGTERM once it has detected the loss;
 ``FK_SLOW_REPORT`` holds rank 0 in exactly that window, so that ordering is forced.
 """
+
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--preset", "smoke", "rounds=4", "checkpoint_every=1", "plots=false", "threads=1", "--no-progress"]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, sys
 from fedkernels.sim.distributed_sim import DistributedSimulation, Ranks
 fault, rank = os.environ.get("FK_FAULT", "none"), int(os.environ["RANK"])
@@ -49,7 +50,7 @@ def run(self, *a, **kw):
 DistributedSimulation.run = run
 from fedkernels.sim.cli import main
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 def _port():
@@ -62,10 +63,28 @@ def _torchrun(tmp_path, fault, *args, slow_report=0.0):
     script = tmp_path / "fk_fault.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", FK_FAULT=fault, FK_SLOW_REPORT=str(slow_report))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(_port()), str(script), "run",
-                           "--distributed", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_port()),
+            str(script),
+            "run",
+            "--distributed",
+            *args,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _assert_one_line(p, what="rank 1 of 2 stopped during round 3"):
@@ -81,15 +100,21 @@ def _final(d):
 
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_lost_rank_stops_the_other_with_one_line_and_resume_is_bit_identical(tmp_path, fault):
-    p = _torchrun(tmp_path, fault, *ARGS, "--name", "cut")          # bounded: subprocess timeout
+    p = _torchrun(tmp_path, fault, *ARGS, "--name", "cut")  # bounded: subprocess timeout
     _assert_one_line(p)
     ck = sorted(os.listdir(tmp_path / "runs" / "cut" / "checkpoints"))
     assert ck[-1] == "ckpt_round_000002.pt", ck
     r = _torchrun(tmp_path, "none", "--resume", "runs/cut", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    ref = subprocess.run([sys.executable, "-m", "fedkernels", "run", *ARGS, "--name", "ref"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=240)
+    ref = subprocess.run(
+        [sys.executable, "-m", "fedkernels", "run", *ARGS, "--name", "ref"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert torch.equal(_final(tmp_path / "runs" / "cut"), _final(tmp_path / "runs" / "ref"))
 

@@ -3,6 +3,7 @@ disjoint parts of each round's clients, exchange column slices and aggregate the
 the single-process run of the same config (model, metrics, checkpoints): bit for bit where the
 arithmetic is the same (per-coordinate methods), each round from the same state to a bound derived
 from the arithmetic where it is not (Gram-based methods, see ONE_ROUND)."""
+
 import copy
 import datetime
 import json
@@ -36,8 +37,16 @@ METHODS = [
 
 
 def _cfg(out_dir, algo, opts, **kw):
-    ov = [f"out_dir={out_dir}", f"algorithm.name={algo}", "rounds=3", "clients_per_round=3", "plots=false",
-          "verbose=false", "progress=false", "threads=1"]
+    ov = [
+        f"out_dir={out_dir}",
+        f"algorithm.name={algo}",
+        "rounds=3",
+        "clients_per_round=3",
+        "plots=false",
+        "verbose=false",
+        "progress=false",
+        "threads=1",
+    ]
     ov += [f"algorithm.options.{k}={v}" for k, v in opts.items()]
     ov += [f"{k}={v}" for k, v in kw.items()]
     return apply_overrides(presets.get("smoke"), ov)
@@ -54,8 +63,13 @@ def _rank(rank, port, tmp, body, *args):
     goes to tmp/err.<rank> (the parent shows it)."""
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=120),
+        )
         body(rank, tmp, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -75,13 +89,13 @@ def _spawn(tmp_path, body, *args):
 
 def _worker(rank, tmp, data):
     from fedkernels.sim.distributed_sim import DistributedSimulation
+
     tr, te = data
     for name, opts, _ in METHODS:
         cp = 1 if name == "scaffold" else 0
-        sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp),
-                                    train=tr, test=te)
+        sim = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, checkpoint_every=cp), train=tr, test=te)
         sim.run()
-        assert os.path.exists(os.path.join(sim.run_dir, "metrics.jsonl"))   # rank 0 wrote it
+        assert os.path.exists(os.path.join(sim.run_dir, "metrics.jsonl"))  # rank 0 wrote it
         assert sim.summary["run_dir"] is None if rank else sim.summary["run_dir"] == sim.run_dir
     # an interrupted distributed run resumed from its (merged, full) checkpoint
     cfg = _cfg(os.path.join(tmp, "resumed"), "scaffold", {}, checkpoint_every=1)
@@ -102,6 +116,7 @@ def _metrics(run_dir):
 
 def test_two_ranks_match_one_process(tmp_path):
     from fedkernels.sim.data import load_dataset
+
     torch.set_num_threads(1)
     data = load_dataset("digits")
     _spawn(tmp_path, _worker, data)
@@ -129,7 +144,7 @@ def test_two_ranks_match_one_process(tmp_path):
             for rnd in (1, 2, 3):
                 pa, pb = (ckpt.path_for(os.path.join(r, "checkpoints"), rnd) for r in (d_dir, s.run_dir))
                 if not (os.path.exists(pa) and os.path.exists(pb)):
-                    continue            # pruned (keep_checkpoints)
+                    continue  # pruned (keep_checkpoints)
                 a, b = ckpt.load(pa), ckpt.load(pb)
                 compared += 1
                 assert a["round"] == b["round"] == rnd and torch.equal(a["global"], b["global"])
@@ -145,6 +160,7 @@ def test_two_ranks_match_one_process(tmp_path):
 # ---- one round loop: same metric keys and values in both modes -----------------------------------
 class _States(Callback):
     """The run's state after each round (``Simulation.state``), after the model it starts from."""
+
     def __init__(self):
         self.states = []
 
@@ -159,14 +175,20 @@ def _metrics_worker(rank, tmp, data, name, opts, states):
     """The whole run (``states`` None), or each round once from the single-process run's state before
     it: rank 0 saves the new global model and the round's metrics to tmp/round<r>.pt."""
     from fedkernels.sim.distributed_sim import DistributedSimulation
+
     if states is None:
-        DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
-                              train=data[0], test=data[1]).run()
+        DistributedSimulation(
+            _cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"), train=data[0], test=data[1]
+        ).run()
         return
     for r, st in enumerate(states[:-1]):
-        s = DistributedSimulation(_cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
-                                  train=data[0], test=data[1], write_outputs=False)
-        with torch_settings(s.cfg):           # as run() sets up
+        s = DistributedSimulation(
+            _cfg(os.path.join(tmp, "dist"), name, opts, client_loss="all", name="allloss"),
+            train=data[0],
+            test=data[1],
+            write_outputs=False,
+        )
+        with torch_settings(s.cfg):  # as run() sets up
             s.setup()
         if "round" in st:
             s.load_state(copy.deepcopy(st))
@@ -174,8 +196,10 @@ def _metrics_worker(rank, tmp, data, name, opts, states):
             s.global_flat.copy_(st["global"])
         s.run(stop_after=s.start_round + 1)
         if rank == 0:
-            torch.save({"global": s.global_flat.detach().cpu().clone(), "metrics": json.loads(json.dumps(s.metrics[-1]))},
-                       os.path.join(tmp, f"round{r}.pt"))
+            torch.save(
+                {"global": s.global_flat.detach().cpu().clone(), "metrics": json.loads(json.dumps(s.metrics[-1]))},
+                os.path.join(tmp, f"round{r}.pt"),
+            )
 
 
 # A Gram-based method's G is, in distributed runs, the sum of the ranks' fp64 partials over their
@@ -197,7 +221,7 @@ AGG_ABS = 1e-12
 # 2^-22 of the weights moves the smoke MLP's logits by about that times its condition, <= 100), the
 # accuracy to one test sample (one at a near-tie of its two best logits may change its class).
 ONE_ROUND_ABS = 1e-10
-LOSS_REL = 2.0 ** -22 * 100
+LOSS_REL = 2.0**-22 * 100
 EVAL_KEYS = ("accuracy", "test_loss", "client_loss_mean", "client_loss_var", "global_loss")
 
 
@@ -223,9 +247,11 @@ def _assert_same(a, b, path="", in_agg=False, n_test=None):
 def _assert_one_round(start, a, b, what):
     """The new global models ``a`` (distributed) and ``b`` (one process) of one round from ``start``."""
     a, b, start = a.double(), b.double(), start.double()
-    bound = 2.0 ** -23 * (b.abs() + (b - start).abs()) + ONE_ROUND_ABS
+    bound = 2.0**-23 * (b.abs() + (b - start).abs()) + ONE_ROUND_ABS
     err = (a - b).abs()
-    assert bool((err <= bound).all()), f"{what}: apart by {float(err.max()):.3g} (bound {float(bound[err.argmax()]):.3g})"
+    assert bool((err <= bound).all()), (
+        f"{what}: apart by {float(err.max()):.3g} (bound {float(bound[err.argmax()]):.3g})"
+    )
 
 
 @pytest.mark.parametrize("name,opts,bitwise", METHODS, ids=[m[0] for m in METHODS])
@@ -235,6 +261,7 @@ def test_same_metrics_as_one_process(tmp_path, name, opts, bitwise):
     (SCAFFOLD) bit for bit over the whole run; the Gram-based Kuramoto and FedAWARE each round from the
     same state, the model to ONE_ROUND and the statistics to AGG_ABS."""
     from fedkernels.sim.data import load_dataset
+
     torch.set_num_threads(1)
     data = load_dataset("digits")
     cfg = _cfg(str(tmp_path / "single"), name, opts, client_loss="all", name="allloss")
@@ -273,11 +300,16 @@ def test_assign_positions_contiguous_and_balanced():
 
 def test_merge_and_slice_state_round_trip():
     d, bounds = 10, [(0, 4), (4, 10)]
-    full = {"c": torch.arange(d, dtype=torch.float32), "table": torch.randn(3, d), "round": 5,
-            "stats": torch.tensor([1.0, 2.0]), "nested": {"m": [torch.randn(d)]}}
+    full = {
+        "c": torch.arange(d, dtype=torch.float32),
+        "table": torch.randn(3, d),
+        "round": 5,
+        "stats": torch.tensor([1.0, 2.0]),
+        "nested": {"m": [torch.randn(d)]},
+    }
     parts = [slice_state(full, d, lo, hi) for lo, hi in bounds]
     assert parts[0]["table"].shape == (3, 4) and parts[1]["c"].shape == (6,)
-    assert torch.equal(parts[0]["stats"], full["stats"])        # not d-sized: kept whole
+    assert torch.equal(parts[0]["stats"], full["stats"])  # not d-sized: kept whole
     merged = merge_sliced_state(parts, [hi - lo for lo, hi in bounds])
     assert merged["round"] == 5 and torch.equal(merged["stats"], full["stats"])
     for k in ("c", "table"):
@@ -289,6 +321,7 @@ def test_needs_a_process_group(monkeypatch):
     if dist.is_initialized():
         pytest.skip("a process group is active")
     from fedkernels.sim.distributed_sim import DistributedSimulation
+
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
@@ -300,16 +333,38 @@ def test_torchrun_cli(tmp_path):
     writes the run directory and prints; the final model is the single-process one."""
     import subprocess
     import sys
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     args = ["--preset", "smoke", f"out_dir={tmp_path}", "plots=false", "threads=1", "--quiet", "--no-progress"]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-                        "-m", "fedkernels", "run", "--distributed", "--name", "dist"] + args,
-                       capture_output=True, text=True, timeout=240, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "fedkernels",
+            "run",
+            "--distributed",
+            "--name",
+            "dist",
+        ]
+        + args,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 1 and lines[0]["run_dir"].endswith("dist")          # rank 0 only
+    assert len(lines) == 1 and lines[0]["run_dir"].endswith("dist")  # rank 0 only
     from fedkernels.sim.cli import main
+
     assert main(["run", "--name", "single"] + args) == 0
     assert torch.equal(_final(str(tmp_path / "dist")), _final(str(tmp_path / "single")))
     assert _metrics(str(tmp_path / "dist")) == _metrics(str(tmp_path / "single"))

@@ -1,5 +1,6 @@
 """Generated datasets (FedProx Synthetic(alpha, beta), Gaussian mixture), the "natural" partition and
 the three presets built on them (fedecado-synthetic, fedaware-synthetic, kuramoto-synthetic)."""
+
 import math
 
 import numpy as np
@@ -35,8 +36,8 @@ def test_synthetic_registered_and_shapes(synth):
     n_te = np.bincount(o_te, minlength=30)
     assert len(n_tr) == 30 and len(n_te) == 30
     sizes = n_tr + n_te
-    assert sizes.min() >= 50                                   # lognormal(4, 2) + 50
-    np.testing.assert_array_equal(n_tr, (0.9 * sizes).astype(np.int64))   # FedProx's 90/10 per user
+    assert sizes.min() >= 50  # lognormal(4, 2) + 50
+    np.testing.assert_array_equal(n_tr, (0.9 * sizes).astype(np.int64))  # FedProx's 90/10 per user
     assert len(np.unique(tr.labels)) >= 5
 
 
@@ -55,14 +56,13 @@ def test_synthetic_generator_statistics():
     x = np.concatenate([xtr, xte])
     o = np.concatenate([otr, ote])
     centred = x - np.stack([x[o == k].mean(0) for k in range(30)])[o]
-    var = (centred ** 2).sum(0) / (len(x) - 30)
+    var = (centred**2).sum(0) / (len(x) - 30)
     np.testing.assert_allclose(var, np.arange(1, 61) ** -1.2, rtol=0.12)
     # iid: every user's features are centred at 0 and share one model
     xi, yi, oi, *_ = generate_synthetic(seed=0, iid=True, num_users=5, dim=8, num_classes=3)
     assert abs(float(xi.mean())) < 0.1 and set(np.unique(yi)) <= {0, 1, 2} and xi.shape[1] == 8
     # options change the data: dim, users, classes
-    x2, y2, o2, *_ = generate_synthetic(num_users=4, dim=7, num_classes=3, seed=1,
-                                        max_user_samples=60)
+    x2, y2, o2, *_ = generate_synthetic(num_users=4, dim=7, num_classes=3, seed=1, max_user_samples=60)
     assert x2.shape[1] == 7 and set(np.unique(o2)) == {0, 1, 2, 3} and y2.max() < 3
     assert np.bincount(o2).max() <= int(0.9 * 60)
 
@@ -84,14 +84,13 @@ def test_gmm_shapes_determinism_and_noise():
     tr, te = load_dataset("gmm", seed=1)
     assert tr.x.shape == (6000, 64) and te.x.shape == (2000, 64) and tr.input_shape == (64,)
     assert tr.num_classes == 10 and "client_ids" not in tr.meta
-    np.testing.assert_array_equal(np.bincount(tr.labels), np.full(10, 600))   # balanced
+    np.testing.assert_array_equal(np.bincount(tr.labels), np.full(10, 600))  # balanced
     tr2, te2 = load_dataset("gmm", seed=1)
     assert torch.equal(tr.x, tr2.x) and torch.equal(te.y, te2.y)
     tr3, _ = load_dataset("gmm", seed=2)
     assert not torch.equal(tr.x, tr3.x)
     # x = mean_y + N(0, I): unit within-class variance; class means spread by class_sep
-    xtr, ytr, xte, yte = generate_gmm(num_classes=4, dim=16, n_train=4000, n_test=10, class_sep=2.0,
-                                      seed=0)
+    xtr, ytr, xte, yte = generate_gmm(num_classes=4, dim=16, n_train=4000, n_test=10, class_sep=2.0, seed=0)
     means = np.stack([xtr[ytr == c].mean(0) for c in range(4)])
     resid = xtr - means[ytr]
     assert abs(float(resid.var()) - 1.0) < 0.05
@@ -106,24 +105,27 @@ def test_gmm_standardize():
     assert tr.meta["options"]["standardize"] is True
 
 
-@pytest.mark.parametrize("name,opts,word", [
-    ("synthetic", {"num_users": 0}, "num_users"),
-    ("synthetic", {"alpha": -1.0}, "alpha"),
-    ("synthetic", {"beta": float("nan")}, "beta"),
-    ("synthetic", {"dim": "60"}, "dim"),
-    ("synthetic", {"num_classes": 1}, "num_classes"),
-    ("synthetic", {"train_fraction": 1.0}, "train_fraction"),
-    ("synthetic", {"seed": -1}, "seed"),
-    ("synthetic", {"iid": "yes"}, "iid"),
-    ("synthetic", {"max_user_samples": 1}, "max_user_samples"),
-    ("synthetic", {"n_train": 10}, "n_train"),          # a gmm option: unknown here
-    ("gmm", {"class_sep": 0.0}, "class_sep"),
-    ("gmm", {"n_train": 5}, "n_train"),                 # fewer than the classes
-    ("gmm", {"n_test": 0}, "n_test"),
-    ("gmm", {"dim": 2.5}, "dim"),
-    ("gmm", {"standardize": 1}, "standardize"),
-    ("gmm", {"alpha": 1.0}, "alpha"),
-])
+@pytest.mark.parametrize(
+    "name,opts,word",
+    [
+        ("synthetic", {"num_users": 0}, "num_users"),
+        ("synthetic", {"alpha": -1.0}, "alpha"),
+        ("synthetic", {"beta": float("nan")}, "beta"),
+        ("synthetic", {"dim": "60"}, "dim"),
+        ("synthetic", {"num_classes": 1}, "num_classes"),
+        ("synthetic", {"train_fraction": 1.0}, "train_fraction"),
+        ("synthetic", {"seed": -1}, "seed"),
+        ("synthetic", {"iid": "yes"}, "iid"),
+        ("synthetic", {"max_user_samples": 1}, "max_user_samples"),
+        ("synthetic", {"n_train": 10}, "n_train"),  # a gmm option: unknown here
+        ("gmm", {"class_sep": 0.0}, "class_sep"),
+        ("gmm", {"n_train": 5}, "n_train"),  # fewer than the classes
+        ("gmm", {"n_test": 0}, "n_test"),
+        ("gmm", {"dim": 2.5}, "dim"),
+        ("gmm", {"standardize": 1}, "standardize"),
+        ("gmm", {"alpha": 1.0}, "alpha"),
+    ],
+)
 def test_bad_generator_options(name, opts, word):
     with pytest.raises(ValueError, match=word):
         load_dataset(name, **opts)
@@ -140,7 +142,7 @@ def test_natural_partition_matches_owners(synth):
     owners = tr.meta["client_ids"]
     parts = partition(tr.labels, 30, "natural", seed=0, owners=owners)
     assert len(parts) == 30
-    check_partition(parts, len(tr))                               # disjoint, every sample once
+    check_partition(parts, len(tr))  # disjoint, every sample once
     for k, p in enumerate(parts):
         assert len(p) > 0 and np.all(owners[p] == k) and np.all(np.diff(p) > 0)
     # the seed plays no part
@@ -163,8 +165,12 @@ def test_natural_partition_errors():
 
 # ---- presets: two rounds of every variant on a shrunken setup ---------------------------------------
 SHRINK = {
-    "fedecado-synthetic": {"num_clients": 6, "data.options.num_users": 6,
-                           "data.options.max_user_samples": 80, "train.hetero.epochs_range": [1, 2]},
+    "fedecado-synthetic": {
+        "num_clients": 6,
+        "data.options.num_users": 6,
+        "data.options.max_user_samples": 80,
+        "train.hetero.epochs_range": [1, 2],
+    },
     "fedaware-synthetic": {"num_clients": 10, "data.options.n_train": 600, "data.options.n_test": 200},
     "kuramoto-synthetic": {"data.options.n_train": 600, "data.options.n_test": 200, "train.epochs": 1},
 }
@@ -174,8 +180,7 @@ SHRINK = {
 def test_preset_two_rounds(preset, tmp_path):
     base = presets.get(preset)
     assert base.data.name in ("synthetic", "gmm")
-    ov = {"rounds": 2, "plots": False, "verbose": False, "progress": False, "out_dir": str(tmp_path),
-          **SHRINK[preset]}
+    ov = {"rounds": 2, "plots": False, "verbose": False, "progress": False, "out_dir": str(tmp_path), **SHRINK[preset]}
     base = apply_overrides(base, [f"{k}={v}" for k, v in ov.items()])
     for label, var in presets.variants(preset).items():
         cfg = base.copy()
@@ -204,8 +209,17 @@ def test_fedecado_synthetic_model_has_610_params():
 
 def _small(seed, extra=()):
     cfg = presets.get("kuramoto-synthetic")
-    ov = ["rounds=1", "verbose=false", "progress=false", "plots=false", "data.options.n_train=400",
-          "data.options.n_test=100", "train.epochs=1", f"seed={seed}", *extra]
+    ov = [
+        "rounds=1",
+        "verbose=false",
+        "progress=false",
+        "plots=false",
+        "data.options.n_train=400",
+        "data.options.n_test=100",
+        "train.epochs=1",
+        f"seed={seed}",
+        *extra,
+    ]
     return Simulation(apply_overrides(cfg, ov), write_outputs=False)
 
 
@@ -222,8 +236,9 @@ def test_global_loss_is_the_sample_weighted_client_loss():
     s.run()
     m = s.metrics[-1]
     from fedkernels.sim.client import client_losses
+
     s.spec.load_(s.model, s.global_flat)
     cl = np.array(client_losses(s.model, s.x, s.y, s.parts, range(len(s.parts))))
     n = np.array([p.numel() for p in s.parts], dtype=float)
     assert m["global_loss"] == pytest.approx(float(n @ cl / n.sum()), rel=1e-9)
-    assert m["global_loss"] != pytest.approx(m["client_loss_mean"], rel=1e-6)   # unequal shards differ
+    assert m["global_loss"] != pytest.approx(m["client_loss_mean"], rel=1e-6)  # unequal shards differ

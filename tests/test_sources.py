@@ -1,5 +1,6 @@
 """Matrix sources (fedkernels.sources): every kind on small files, bf16/fp16, odd sizes; errors name the
 client row; streamed results equal the in-memory ops bit for bit and are published only after success."""
+
 import os
 import re
 
@@ -9,12 +10,17 @@ import torch
 
 from fedkernels import algorithms, ops
 from fedkernels.errors import BadUpdateError
-from fedkernels.sources import (ClientFilesSource, MatrixSource, MemmapSource, RawFileSource, TensorSource,
-                                as_source)
-from fedkernels.streaming import (ChunkedUpdates, momentum_file, streamed_fedavg, streamed_fedaware,
-                                  streamed_kuramoto, streamed_weighted_sum)
+from fedkernels.sources import ClientFilesSource, MatrixSource, MemmapSource, RawFileSource, TensorSource, as_source
+from fedkernels.streaming import (
+    ChunkedUpdates,
+    momentum_file,
+    streamed_fedavg,
+    streamed_fedaware,
+    streamed_kuramoto,
+    streamed_weighted_sum,
+)
 
-K, D = 5, 1001          # odd d: chunk widths that do not divide it
+K, D = 5, 1001  # odd d: chunk widths that do not divide it
 
 
 def _U(dtype=torch.float32, K=K, D=D, seed=0):
@@ -23,7 +29,7 @@ def _U(dtype=torch.float32, K=K, D=D, seed=0):
 
 
 def _raw(U, path):
-    U.contiguous().view(torch.uint8).numpy().tofile(path)   # raw little-endian bytes, any dtype
+    U.contiguous().view(torch.uint8).numpy().tofile(path)  # raw little-endian bytes, any dtype
     return str(path)
 
 
@@ -36,11 +42,14 @@ def _client_files(U, folder):
 
 def _all_sources(U, tmp_path):
     """Every source kind holding U."""
-    out = {"tensor": TensorSource(U), "raw": RawFileSource(_raw(U, tmp_path / "U.bin"), K, D, U.dtype),
-           "raw_no_prefetch": RawFileSource(tmp_path / "U.bin", K, D, U.dtype, prefetch=False),
-           "clients": ClientFilesSource(_client_files(U, tmp_path), D, U.dtype)}
-    out["raw_direct"] = RawFileSource(tmp_path / "U.bin", K, D, U.dtype, direct=True)      # (O_DIRECT where the
-    out["clients_direct"] = ClientFilesSource(out["clients"].paths, D, U.dtype, direct=True)   # file system has it)
+    out = {
+        "tensor": TensorSource(U),
+        "raw": RawFileSource(_raw(U, tmp_path / "U.bin"), K, D, U.dtype),
+        "raw_no_prefetch": RawFileSource(tmp_path / "U.bin", K, D, U.dtype, prefetch=False),
+        "clients": ClientFilesSource(_client_files(U, tmp_path), D, U.dtype),
+    }
+    out["raw_direct"] = RawFileSource(tmp_path / "U.bin", K, D, U.dtype, direct=True)  # (O_DIRECT where the
+    out["clients_direct"] = ClientFilesSource(out["clients"].paths, D, U.dtype, direct=True)  # file system has it)
     np_dt = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}[U.dtype]
     mm = np.memmap(tmp_path / "U.mm", dtype=np_dt, mode="w+", shape=(K, D))
     mm[:] = U.view(torch.int16).numpy().view(np.uint16) if U.dtype == torch.bfloat16 else U.numpy()
@@ -61,7 +70,7 @@ def test_every_source_yields_the_matrix_in_order(tmp_path, dtype, chunk):
         blocks = list((a, b, blk.clone()) for a, b, blk in s.chunks(chunk))
         assert [a for a, _, _ in blocks] == list(range(0, D, chunk)), name
         for _, _, blk in blocks:
-            assert blk.stride(1) == 1, name                 # rows contiguous
+            assert blk.stride(1) == 1, name  # rows contiguous
         assert torch.equal(torch.cat([blk for _, _, blk in blocks], 1), U), name
 
 
@@ -72,7 +81,7 @@ def test_streamed_fedavg_and_sum_are_bitwise_the_in_memory_ops(tmp_path, dtype):
     n = [3, 7, 1, 9, 4]
     p = torch.tensor(n, dtype=torch.float64)
     p = p / p.sum()
-    ref = ops.weighted_sum(U.float(), p, base=x, alpha=0.5)    # bf16/fp16 summed in the model's fp32
+    ref = ops.weighted_sum(U.float(), p, base=x, alpha=0.5)  # bf16/fp16 summed in the model's fp32
     ref_rows = ops.weighted_sum(U.float(), [0.25, -1.5], base=x, rows=[4, 1])
     for name, s in _all_sources(U, tmp_path).items():
         for chunk in (77, 4096):
@@ -104,21 +113,21 @@ def test_bf16_file_kuramoto_and_fedaware_match_the_aggregators(tmp_path):
         assert torch.equal(xs, xr)
         assert is_["support"] == ir["support"]
     assert torch.equal(M, ref.M)
-    assert torch.equal(momentum_file(tmp_path / "M.bf16", N, D, torch.bfloat16), ref.M)   # it is on disk
+    assert torch.equal(momentum_file(tmp_path / "M.bf16", N, D, torch.bfloat16), ref.M)  # it is on disk
 
 
 def test_short_and_wrong_files_name_the_row(tmp_path):
     U = _U()
     path = _raw(U, tmp_path / "U.bin")
     with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) - 4 * (D + 1))        # the last row and one element of row 3 missing
+        f.truncate(os.path.getsize(path) - 4 * (D + 1))  # the last row and one element of row 3 missing
     with pytest.raises(ValueError, match=r"client row 3 is short"):
         RawFileSource(path, K, D, torch.float32)
     full = _raw(U, tmp_path / "V.bin")
     with pytest.raises(ValueError, match=r"wrong dtype or shape"):
-        RawFileSource(full, K, D, torch.bfloat16)               # fp32 bytes read as bf16: twice the size
+        RawFileSource(full, K, D, torch.bfloat16)  # fp32 bytes read as bf16: twice the size
     with pytest.raises(ValueError, match=r"client row 2 is short"):
-        RawFileSource(full, K, 2 * D, torch.float32)            # wrong d
+        RawFileSource(full, K, 2 * D, torch.float32)  # wrong d
     with pytest.raises(ValueError, match=r"dtype must be one of"):
         RawFileSource(full, K, D, torch.int32)
     paths = _client_files(U, tmp_path)
@@ -155,19 +164,21 @@ def test_nan_in_a_chunk_names_the_row_and_nothing_is_written(tmp_path, kind):
     out = torch.full((D,), 7.0)
     outfile = tmp_path / "new.bin"
     n = [1, 2, 3, 4, 5]
-    for call in (lambda o: streamed_fedavg(x, ChunkedUpdates(s, chunk_cols=100), n, out=o),
-                 lambda o: streamed_kuramoto(x, ChunkedUpdates(s, chunk_cols=100), n, out=o)):
+    for call in (
+        lambda o: streamed_fedavg(x, ChunkedUpdates(s, chunk_cols=100), n, out=o),
+        lambda o: streamed_kuramoto(x, ChunkedUpdates(s, chunk_cols=100), n, out=o),
+    ):
         for o in (out, x, outfile):
             with pytest.raises(BadUpdateError, match="client row 3"):
                 call(o)
-    assert torch.equal(x, x0) and bool((out == 7.0).all())        # untouched, not half-written
+    assert torch.equal(x, x0) and bool((out == 7.0).all())  # untouched, not half-written
     assert sorted(os.listdir(tmp_path)).count("new.bin") == 0
     assert not [f for f in os.listdir(tmp_path) if f.startswith("new.bin.tmp")]
     agg = algorithms.build("fedaware", num_clients=6, warmup="startup_full")
     M = momentum_file(tmp_path / "M.bin", 6, D, torch.float32)
     with pytest.raises(BadUpdateError, match="client row 3"):
         streamed_fedaware(x, ChunkedUpdates(s, chunk_cols=100), n, [0, 1, 2, 3, 4], agg, M, out=out)
-    assert agg.Gm is None or not bool(agg.seen.any())              # the aggregator's state unchanged
+    assert agg.Gm is None or not bool(agg.seen.any())  # the aggregator's state unchanged
     assert not bool(M.any()) and bool((out == 7.0).all())
 
 
@@ -177,14 +188,15 @@ def test_out_file_is_written_whole_and_renamed(tmp_path):
     n = [1, 2, 3, 4, 5]
     dst = tmp_path / "model.f32"
     dst.write_bytes(b"old")
-    new = streamed_fedavg(x, ChunkedUpdates(RawFileSource(_raw(U, tmp_path / "U.f16"), K, D, torch.float16),
-                                            chunk_cols=300), n, out=dst)
+    new = streamed_fedavg(
+        x, ChunkedUpdates(RawFileSource(_raw(U, tmp_path / "U.f16"), K, D, torch.float16), chunk_cols=300), n, out=dst
+    )
     p = torch.tensor(n, dtype=torch.float64)
     ref = ops.weighted_sum(U.float(), p / p.sum(), base=x)
     assert torch.equal(new, ref)
     assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     assert sorted(os.listdir(tmp_path)) == ["U.f16", "model.f32"]
-    new.zero_()                                  # the returned tensor maps the file privately (copy-on-write)
+    new.zero_()  # the returned tensor maps the file privately (copy-on-write)
     assert torch.equal(torch.from_file(str(dst), size=D, dtype=torch.float32), ref)
     with pytest.raises(ValueError, match="is a folder"):
         streamed_fedavg(x, U, n, out=tmp_path)
@@ -208,11 +220,25 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     import json
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     work = tmp_path / "work"
     work.mkdir()
-    cmd = [sys.executable, "-m", "bench.large_model", "--d", "5000", "--K", "3", "--dir", str(work),
-           "--methods", "fedavg,fedaware", "--out", str(tmp_path / "r.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.large_model",
+        "--d",
+        "5000",
+        "--K",
+        "3",
+        "--dir",
+        str(work),
+        "--methods",
+        "fedavg,fedaware",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())["runs"][0]
@@ -223,16 +249,18 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     assert res["complete"] and res["read_path"]["read_GBps"] > 0 and "load average" in res["uptime_before"]
     assert aware["floor_with_table_s"] > aware["floor_s"] and aware["info"]["table_dtype"] == "bf16"
     assert all(len(m["loadavg_before"]) == 3 and m["top_calls_own_s"] for m in (row, aware))
-    assert row["read_mode"] == res["read_path"]["read_mode"] == "buffered"      # (a small file: cached reads)
+    assert row["read_mode"] == res["read_path"]["read_mode"] == "buffered"  # (a small file: cached reads)
     assert os.listdir(work) == []
-    r = subprocess.run(cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True,
-                       text=True, cwd=root)
+    r = subprocess.run(
+        cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True, text=True, cwd=root
+    )
     assert r.returncode == 2 and "GB free" in r.stderr and "lower --d" in r.stderr
     assert os.listdir(work) == [] and not (tmp_path / "s.json").exists()
 
 
 def test_a_bad_chunk_stops_the_pass_there():
     """On the host a NaN is reported from the chunk that holds it (row and columns), without reading on."""
+
     class Counting(TensorSource):
         read = 0
 
@@ -240,12 +268,16 @@ def test_a_bad_chunk_stops_the_pass_there():
             for blk in super()._blocks(chunk_cols):
                 self.read += 1
                 yield blk
+
     U = _U()
     U[2, 705] = float("inf")
     x = torch.zeros(D)
     for fn in (lambda s: streamed_fedavg(x, s, [1] * K), lambda s: streamed_kuramoto(x, s, [1] * K)):
         s = Counting(U)
-        with pytest.raises(BadUpdateError, match=r"client 2 \(row 2\): update contains NaN/Inf.*\(source: client row 2, columns 700\.\.799 of d=1001\)"):
+        with pytest.raises(
+            BadUpdateError,
+            match=r"client 2 \(row 2\): update contains NaN/Inf.*\(source: client row 2, columns 700\.\.799 of d=1001\)",
+        ):
             fn(ChunkedUpdates(s, chunk_cols=100))
         assert s.read == 8
 
@@ -256,7 +288,7 @@ def _resident_kb(path) -> int:
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
-            if len(head) >= 5 and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):   # a mapping's header line
+            if len(head) >= 5 and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):  # a mapping's header line
                 inside = len(head) >= 6 and head[5] == path
             elif inside and line.startswith("Rss:"):
                 rss += int(head[1])
@@ -269,7 +301,8 @@ def test_a_new_table_file_is_paged_in_when_it_fits(tmp_path, monkeypatch):
     round); one that does not fit (here: a zero share of the memory allowed) is left to fault in. Both
     read as zeros and write through to the file."""
     from fedkernels.algorithms import tables
-    N, d = 4, 1 << 16                                     # 1 MiB of fp32
+
+    N, d = 4, 1 << 16  # 1 MiB of fp32
     M = momentum_file(tmp_path / "M.bin", N, d)
     assert _resident_kb(tmp_path / "M.bin") == N * d * 4 // 1024
     monkeypatch.setattr(tables, "PAGE_IN_FRACTION", 0.0)
@@ -297,6 +330,7 @@ def test_direct_reads_give_the_same_blocks(tmp_path, dtype, monkeypatch):
     buffered reads; a header that is not a multiple of the itemsize, pin_memory or direct=False read
     buffered; by default a source reads direct only when it is larger than the available memory."""
     from fedkernels import sources
+
     if not _has_o_direct(tmp_path):
         pytest.skip("the test folder's file system refuses O_DIRECT")
     Kd, Dd, es = 6, 3001, torch.empty(0, dtype=dtype).element_size()
@@ -318,13 +352,15 @@ def test_direct_reads_give_the_same_blocks(tmp_path, dtype, monkeypatch):
     with open(tmp_path / "odd.bin", "wb") as f:
         f.write(b"h")
         f.write(U.view(torch.uint8).numpy().tobytes())
-    for s in (RawFileSource(tmp_path / "odd.bin", Kd, Dd, dtype, offset=1, direct=True),
-              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=False),
-              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=True, pin_memory=True),
-              RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype)):           # small: fits in memory
+    for s in (
+        RawFileSource(tmp_path / "odd.bin", Kd, Dd, dtype, offset=1, direct=True),
+        RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=False),
+        RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype, direct=True, pin_memory=True),
+        RawFileSource(tmp_path / "U0.bin", Kd, Dd, dtype),
+    ):  # small: fits in memory
         got = torch.cat([b.clone() for _, _, b in s.chunks(1000)], 1)
         assert s.read_mode == "buffered" and torch.equal(got.view(torch.uint8), U.view(torch.uint8))
-    monkeypatch.setattr(sources, "available_bytes", lambda device: s.nbytes - 1)   # larger than the memory
+    monkeypatch.setattr(sources, "available_bytes", lambda device: s.nbytes - 1)  # larger than the memory
     list(s.chunks(1000))
     assert s.read_mode == "direct"
     with pytest.raises(ValueError, match=r"^RawFileSource: direct must be None, True or False, got 'yes'$"):
@@ -336,7 +372,7 @@ def test_a_file_that_shrinks_after_validation_names_the_row(tmp_path, direct):
     U = _U(torch.float32, 4, 5000)
     path = _raw(U, tmp_path / "U.bin")
     s = RawFileSource(path, 4, 5000, torch.float32, direct=direct)
-    os.truncate(path, 4 * (2 * 5000 + 100))                   # row 2 ends after 100 elements
+    os.truncate(path, 4 * (2 * 5000 + 100))  # row 2 ends after 100 elements
     with pytest.raises(OSError, match=r"short read of client row 2 from .*U\.bin at byte"):
         list(s.chunks(1000))
 
@@ -345,9 +381,10 @@ def test_file_sources_read_large_blocks_and_hand_out_chunks(tmp_path, monkeypatc
     """The disk sees reads of READ_BYTES (a whole number of chunks) whatever width the caller asks for;
     the chunks handed out are the matrix's columns in order."""
     from fedkernels import sources
+
     U = _U()
     path = _raw(U, tmp_path / "U.bin")
-    monkeypatch.setattr(sources, "READ_BYTES", K * 4 * 300)              # 3 chunks of 100 columns per read
+    monkeypatch.setattr(sources, "READ_BYTES", K * 4 * 300)  # 3 chunks of 100 columns per read
     for prefetch in (True, False):
         s = RawFileSource(path, K, D, torch.float32, prefetch=prefetch)
         reads = []

@@ -5,6 +5,7 @@ No GPU here: the copy schedule is driven with a fake CUDA whose streams run queu
 waits on an event, in an adversarial order (compute first, copy first, random): a missing event between
 a buffer's reuse and the work still reading it shows up as wrong chunk data. The real CudaCalls are only
 run on a GPU (GPU speed not measured here)."""
+
 import collections
 import random
 
@@ -25,7 +26,7 @@ def _U(dtype=torch.float32, seed=0):
 
 class _Event:
     def __init__(self, stream):
-        self.stream, self.after, self.done = stream, stream.runs, False   # after the stream's first `runs` kernels
+        self.stream, self.after, self.done = stream, stream.runs, False  # after the stream's first `runs` kernels
 
 
 class _Stream:
@@ -41,14 +42,14 @@ class FakeCuda:
         self.compute, self.copy = _Stream("compute"), _Stream("copy")
         self.policy, self.rng = policy, random.Random(seed)
         self.h2d_issued = 0
-        self.copy_waits = []        # per h2d copy: the events the copy stream was told to wait on before it
+        self.copy_waits = []  # per h2d copy: the events the copy stream was told to wait on before it
         self._waits = []
 
     def buffers(self, numel, dtype):
         return [torch.empty(numel, dtype=dtype) for _ in range(2)], [torch.empty(numel, dtype=dtype) for _ in range(2)]
 
     def fill(self, dst, src):
-        dst.copy_(src)                                      # host work: now
+        dst.copy_(src)  # host work: now
 
     def launch(self, stream, fn):
         stream.queue.append(("run", fn))
@@ -116,8 +117,9 @@ def test_overlapped_delivers_every_chunk_intact_in_any_stream_order(policy, widt
     assert issued == [min(i + 2, n) for i in range(n)]
     # device buffer reuse: the copy of chunk j waits on the compute of chunk j-2 only (never of chunk j-1,
     # which would serialize copy and compute)
-    assert [[(e.stream.name, e.after) for e in w] for w in fake.copy_waits] == \
-        [[] if j < 2 else [("compute", j - 1)] for j in range(n)]
+    assert [[(e.stream.name, e.after) for e in w] for w in fake.copy_waits] == [
+        [] if j < 2 else [("compute", j - 1)] for j in range(n)
+    ]
 
 
 def test_overlapped_from_a_prefetching_file_source_and_selected_rows(tmp_path):
@@ -177,8 +179,15 @@ def test_half_sources_from_as_source_paths_and_arrays(tmp_path, dtype):
         torch.testing.assert_close(G, ref, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("src_dtype, model_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                                                    (torch.float16, torch.float64), (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize(
+    "src_dtype, model_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float16, torch.float64),
+        (torch.bfloat16, torch.float64),
+    ],
+)
 def test_half_sources_under_a_model_of_their_dtype_or_wider(tmp_path, src_dtype, model_dtype):
     """A bf16/fp16 model aggregates a source of its dtype (ops.weighted_sum accumulates it in fp32 and
     rounds once to the model's dtype), a float64 model a bf16/fp16 source (converted exactly): from a file,
@@ -191,11 +200,14 @@ def test_half_sources_under_a_model_of_their_dtype_or_wider(tmp_path, src_dtype,
     mm[:] = U.view(torch.int16).numpy().view(np.uint16) if src_dtype == torch.bfloat16 else U.numpy()
     x = (torch.randn(D, generator=torch.Generator().manual_seed(1)) * 0.1).to(model_dtype)
     n = [3, 7, 1, 9, 4]
-    Uin = U.to(model_dtype)          # the in-memory round: a tensor of the model's dtype (exact widening)
+    Uin = U.to(model_dtype)  # the in-memory round: a tensor of the model's dtype (exact widening)
     for name in ("fedavg", "kuramoto"):
         ref, _ = algorithms.build(name).aggregate(x, Uin, n)
-        for s in (RawFileSource(raw, K, D, src_dtype), sources.ClientFilesSource(files, D, src_dtype),
-                  sources.MemmapSource(mm, dtype=src_dtype if src_dtype == torch.bfloat16 else None)):
+        for s in (
+            RawFileSource(raw, K, D, src_dtype),
+            sources.ClientFilesSource(files, D, src_dtype),
+            sources.MemmapSource(mm, dtype=src_dtype if src_dtype == torch.bfloat16 else None),
+        ):
             got, _ = algorithms.build(name).aggregate(x, ChunkedUpdates(s, chunk_cols=300), n)
             assert got.dtype == model_dtype, (name, s)
             if name == "fedavg":
@@ -210,14 +222,20 @@ def test_gpu_bench_case_refuses_without_cuda():
     import os
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", "from bench.large_model import gpu_overlap; gpu_overlap()"],
-                       capture_output=True, text=True, cwd=root)
+    r = subprocess.run(
+        [sys.executable, "-c", "from bench.large_model import gpu_overlap; gpu_overlap()"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     assert r.returncode != 0 and "gpu_overlap: needs a CUDA device" in r.stderr
 
 
 def test_aggregators_take_an_auto_source_and_say_where_they_ran(monkeypatch):
     from fedkernels.streaming import streamed_kuramoto
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     U = _U()
     x = torch.randn(D)
@@ -232,9 +250,11 @@ def test_aggregators_take_an_auto_source_and_say_where_they_ran(monkeypatch):
     assert agg.aggregate(x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n, [0, 1, 2, 3, 5])[1]["device"]
     U[2, 5] = float("nan")
     got, info = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
-        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n)
+        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n
+    )
     assert info["excluded"][0]["client_id"] == 2 and info["device"] == "cpu: no CUDA device"
-    out = torch.empty_like(x)                           # aggregate(out=) holds for a placed round too
+    out = torch.empty_like(x)  # aggregate(out=) holds for a placed round too
     got, _ = algorithms.build("fedavg", on_bad_update="exclude").aggregate(
-        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n, out=out)
+        x, ChunkedUpdates(U, chunk_cols=100, device="auto"), n, out=out
+    )
     assert got is out and torch.equal(out, algorithms.build("fedavg", on_bad_update="exclude").aggregate(x, U, n)[0])

@@ -1,11 +1,12 @@
 """sparse_weighted_sum: K index/value lists (CSR-like) summed into a dense float32/float64 result, against the
 float64 reference (the lists densified by index_add_) with a bound from the arithmetic, duplicates, empty lists,
 the flags, thread counts, bad inputs; CUDA cases skip without a GPU."""
+
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES   # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 VALS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -29,7 +30,7 @@ def _bound(idx, val, off, coef, d, alpha, rows, base, odt):
     K = len(o) - 1
     A = torch.zeros(K, d, dtype=torch.float64)
     for k in range(K):
-        A[k].index_add_(0, idx[o[k]:o[k + 1]].long(), val[o[k]:o[k + 1]].double().abs())
+        A[k].index_add_(0, idx[o[k] : o[k + 1]].long(), val[o[k] : o[k + 1]].double().abs())
     r = torch.arange(K) if rows is None else torch.as_tensor(rows)
     mag = (torch.as_tensor(coef, dtype=torch.float64).abs() * abs(alpha)) @ A[r]
     if base is not None:
@@ -41,8 +42,9 @@ def _bound(idx, val, off, coef, d, alpha, rows, base, odt):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vdt", VALS)
 @pytest.mark.parametrize("idt", [torch.int32, torch.int64])
-@pytest.mark.parametrize("K,d,nnz", [(1, 1, 3), (1, 17, 5), (3, 16384 + 3, 4000), (5, 50001, 9000), (16, 1000, 700),
-                                     (4, 7, 0)])
+@pytest.mark.parametrize(
+    "K,d,nnz", [(1, 1, 3), (1, 17, 5), (3, 16384 + 3, 4000), (5, 50001, 9000), (16, 1000, 700), (4, 7, 0)]
+)
 def test_matches_reference(device, vdt, idt, K, d, nnz):
     idx, val, off = _lists(K, d, nnz, seed=K + d, idx_dtype=idt, val_dtype=vdt)
     coef = (torch.rand(K, dtype=torch.float64) - 0.3).tolist()
@@ -107,7 +109,7 @@ def test_flags_are_exact(device):
     o = off.tolist()
     val[o[2] + 3] = float("nan")
     val[o[4]] = float("inf")
-    val[o[5] + 1] = 0.0 * val[o[5] + 1]                 # a zero is fine
+    val[o[5] + 1] = 0.0 * val[o[5] + 1]  # a zero is fine
     out, ok = ops.sparse_weighted_sum(idx.to(device), val.to(device), off, [1.0] * 6, 30000)
     assert ok.tolist() == [True, True, False, True, False, True]
     assert ok.tolist() == ref.sparse_weighted_sum(idx, val, off, [1.0] * 6, 30000)[1].tolist()
@@ -127,8 +129,10 @@ def test_bad_inputs_one_line_value_errors():
     f = ops.sparse_weighted_sum
     cases = [
         (lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], 4), r"idx must lie in \[0, d = 4\), got min 0 max 4"),
-        (lambda: f(torch.tensor([1, 4, 3, 0]), val, [0, 2, 4], [1.0, 1.0], 5),
-         r"idx must be non-decreasing within each list, list 1 has idx\[3\] = 0 < idx\[2\] = 3"),
+        (
+            lambda: f(torch.tensor([1, 4, 3, 0]), val, [0, 2, 4], [1.0, 1.0], 5),
+            r"idx must be non-decreasing within each list, list 1 has idx\[3\] = 0 < idx\[2\] = 3",
+        ),
         (lambda: f(torch.tensor([-1, 4, 0, 3]), val, [0, 2, 4], [1.0, 1.0], 5), "idx must lie in"),
         (lambda: f(idx.float(), val, [0, 2, 4], [1.0, 1.0], 5), "idx must be a 1-D int32/int64"),
         (lambda: f(idx, val[:3], [0, 2, 4], [1.0, 1.0], 5), "val must be a 1-D tensor of idx's length 4"),
@@ -140,8 +144,10 @@ def test_bad_inputs_one_line_value_errors():
         (lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], -1), "d must be an int >= 0"),
         (lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], 5, rows=[2]), r"rows must lie in \[0, 2\)"),
         (lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], 5, alpha=float("nan")), "alpha must be a finite number"),
-        (lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], 5, base=torch.zeros(5, dtype=torch.bfloat16)),
-         "base must be float32 or float64"),
+        (
+            lambda: f(idx, val, [0, 2, 4], [1.0, 1.0], 5, base=torch.zeros(5, dtype=torch.bfloat16)),
+            "base must be float32 or float64",
+        ),
     ]
     for call, msg in cases:
         with pytest.raises(ValueError, match=msg) as e:
@@ -154,11 +160,24 @@ def test_bad_inputs_one_line_value_errors():
 def test_opcheck_and_no_derivative():
     idx, val, off = _lists(4, 500, 60, seed=9)
     op = torch.ops.fedkernels.sparse_weighted_sum.default
-    torch.library.opcheck(op, (idx, val, off, torch.ones(4, dtype=torch.float64), 500),
-                          test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(op, (idx.int(), val.double(), off, torch.ones(2, dtype=torch.float64), 500,
-                               torch.zeros(500, dtype=torch.float64), 0.5, torch.tensor([3, 0]), None),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        op, (idx, val, off, torch.ones(4, dtype=torch.float64), 500), test_utils=("test_schema", "test_faketensor")
+    )
+    torch.library.opcheck(
+        op,
+        (
+            idx.int(),
+            val.double(),
+            off,
+            torch.ones(2, dtype=torch.float64),
+            500,
+            torch.zeros(500, dtype=torch.float64),
+            0.5,
+            torch.tensor([3, 0]),
+            None,
+        ),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     vg = val.clone().requires_grad_()
     out, _ = torch.ops.fedkernels.sparse_weighted_sum(idx, vg, off, torch.ones(4, dtype=torch.float64), 500)
     with pytest.raises(RuntimeError, match="fedkernels.sparse_weighted_sum has no derivative"):

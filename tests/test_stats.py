@@ -1,4 +1,5 @@
 """sim.stats: sample std, Student-t CIs and paired tests, against hand values and scipy.stats."""
+
 import math
 
 import pytest
@@ -36,9 +37,9 @@ def test_betainc_matches_scipy():
 def test_describe_by_hand():
     d = stats.describe([0.81, 0.83, 0.82])
     assert d["n"] == 3 and d["mean"] == pytest.approx(0.82)
-    assert d["std"] == pytest.approx(0.01)                  # sum of squares 2e-4 / (3 - 1)
+    assert d["std"] == pytest.approx(0.01)  # sum of squares 2e-4 / (3 - 1)
     assert d["sem"] == pytest.approx(0.01 / math.sqrt(3))
-    half = 4.302652729911275 * 0.01 / math.sqrt(3)          # t_{0.975, 2}
+    half = 4.302652729911275 * 0.01 / math.sqrt(3)  # t_{0.975, 2}
     assert d["ci_low"] == pytest.approx(0.82 - half) and d["ci_high"] == pytest.approx(0.82 + half)
     # against scipy's interval
     lo, hi = scipy_stats.t.interval(0.95, 2, loc=0.82, scale=scipy_stats.sem([0.81, 0.83, 0.82]))
@@ -74,7 +75,7 @@ def test_paired_small_example_by_hand():
     r = stats.paired({0: 0.85, 1: 0.87, 2: 0.86}, {0: 0.83, 1: 0.83, 2: 0.83})
     assert r["mean_diff"] == pytest.approx(0.03) and r["std_diff"] == pytest.approx(0.01)
     assert r["t"] == pytest.approx(3 * math.sqrt(3))
-    assert r["p"] == pytest.approx(2 * scipy_stats.t.sf(3 * math.sqrt(3), 2))   # 0.0351
+    assert r["p"] == pytest.approx(2 * scipy_stats.t.sf(3 * math.sqrt(3), 2))  # 0.0351
     assert r["significant"] is True
 
 

@@ -1,12 +1,20 @@
 """Streamed (column-chunked) aggregation from tensors, memmaps and raw files vs in-memory results."""
+
 import numpy as np
 import pytest
 import torch
 
 from fedkernels import algorithms, ops
 from fedkernels.algorithms.base import BadUpdateError
-from fedkernels.streaming import (ChunkedUpdates, streamed_fedavg, streamed_finite_rows, streamed_gram,
-                                  streamed_kuramoto, streamed_weighted_sum, weighted_sum_chunked)
+from fedkernels.streaming import (
+    ChunkedUpdates,
+    streamed_fedavg,
+    streamed_finite_rows,
+    streamed_gram,
+    streamed_kuramoto,
+    streamed_weighted_sum,
+    weighted_sum_chunked,
+)
 
 K, D = 6, 1003
 
@@ -43,7 +51,7 @@ def test_gram_and_sums_match_in_memory(data, tmp_path, chunk):
         torch.testing.assert_close(G, G_ref, rtol=1e-13, atol=1e-13, msg=name)
         assert bool(fin.all())
         got = streamed_weighted_sum(src, p, base=x, alpha=0.7)
-        assert torch.equal(got, ref), name                # per-coordinate: bitwise
+        assert torch.equal(got, ref), name  # per-coordinate: bitwise
         torch.testing.assert_close(streamed_gram(src, rows=[1, 4]), G_ref[[1, 4]], rtol=1e-13, atol=1e-13)
 
 
@@ -55,7 +63,7 @@ def test_fedavg_and_kuramoto_match_aggregators(data, tmp_path):
     for mode in ("S", "P"):
         a_ref = algorithms.build("kuramoto", mode=mode, guard=False)
         a_str = algorithms.build("kuramoto", mode=mode, guard=False)
-        for _ in range(2):                                # the round counter advances in both
+        for _ in range(2):  # the round counter advances in both
             r, info_r = a_ref.aggregate(x, U, n)
             s, info_s = streamed_kuramoto(x, src, n, aggregator=a_str)
             torch.testing.assert_close(s, r, rtol=1e-6, atol=1e-7)
@@ -112,8 +120,11 @@ def test_layering_algorithms_do_not_import_streaming():
     BadUpdateError / weighted_sum_chunked live below them (fedkernels.errors / fedkernels.ops)."""
     import subprocess
     import sys
-    code = ("import sys, fedkernels.algorithms as a, fedkernels.errors as e, fedkernels.ops as o; "
-            "bad = [m for m in ('fedkernels.streaming', 'fedkernels.distributed') if m in sys.modules]; "
-            "assert not bad, bad; assert a.BadUpdateError is e.BadUpdateError; "
-            "import fedkernels.streaming as s; assert s.weighted_sum_chunked is o.weighted_sum_chunked")
+
+    code = (
+        "import sys, fedkernels.algorithms as a, fedkernels.errors as e, fedkernels.ops as o; "
+        "bad = [m for m in ('fedkernels.streaming', 'fedkernels.distributed') if m in sys.modules]; "
+        "assert not bad, bad; assert a.BadUpdateError is e.BadUpdateError; "
+        "import fedkernels.streaming as s; assert s.weighted_sum_chunked is o.weighted_sum_chunked"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

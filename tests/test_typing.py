@@ -5,6 +5,7 @@ reference, optim, errors, the package root, the Aggregator/ClientRule base) with
 ``--disallow-untyped-defs --disallow-incomplete-defs``, plus ``tests/typing_usage.py``: user code
 that pins the exact types of the public results (``assert_type``) and is then run for real.
 """
+
 import importlib.util
 import math
 import os
@@ -23,8 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USAGE = os.path.join("tests", "typing_usage.py")
 
 # the modules that must be fully annotated: the config may grow, never drop one of these
-REQUIRED = {"fedkernels/__init__.py", "fedkernels/_native.py", "fedkernels/errors.py", "fedkernels/flat.py",
-            "fedkernels/optim.py", "fedkernels/reference.py", "fedkernels/ops", "fedkernels/algorithms/base.py"}
+REQUIRED = {
+    "fedkernels/__init__.py",
+    "fedkernels/_native.py",
+    "fedkernels/errors.py",
+    "fedkernels/flat.py",
+    "fedkernels/optim.py",
+    "fedkernels/reference.py",
+    "fedkernels/ops",
+    "fedkernels/algorithms/base.py",
+}
 
 
 def _mypy_config():
@@ -45,11 +54,28 @@ def test_public_api_type_checks():
         pytest.skip("mypy is not installed (it is in the `test` extra: pip install -e '.[test]' / make)")
     files = list(_mypy_config()["files"]) + [USAGE]
     cache = os.path.join(tempfile.gettempdir(), f"fedkernels-mypy-cache-{os.getuid()}")
-    cmd = [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", "--cache-dir", cache,
-           "--disallow-untyped-defs", "--disallow-incomplete-defs", "--no-color-output", "--no-error-summary",
-           *files]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=ROOT, MYPY_FORCE_COLOR="0"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        "pyproject.toml",
+        "--cache-dir",
+        cache,
+        "--disallow-untyped-defs",
+        "--disallow-incomplete-defs",
+        "--no-color-output",
+        "--no-error-summary",
+        *files,
+    ]
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=ROOT, MYPY_FORCE_COLOR="0"),
+    )
     assert r.returncode == 0 and not r.stdout.strip(), f"mypy found errors:\n{r.stdout}{r.stderr}"
 
 
@@ -59,6 +85,7 @@ def test_typing_usage_runs():
     try:
         import typing_usage
         from fedkernels.algorithms import base
+
         try:
             params, total = typing_usage.run()
         finally:

@@ -1,12 +1,22 @@
 """weighted_sum: the native op against the float64 reference (shapes, rows, out=, layouts, bad inputs)."""
+
 import math
 import pytest
 import torch
 from torch.testing import assert_close
 
 from fedkernels import ops, reference as ref
-from devices import DEV, DEVICES, FLOATS, cuda_only, gen, one_line, randn, settle   # tests/devices.py: every case on cpu and cuda
-import host_harness   # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
+from devices import (
+    DEV,
+    DEVICES,
+    FLOATS,
+    cuda_only,
+    gen,
+    one_line,
+    randn,
+    settle,
+)  # tests/devices.py: every case on cpu and cuda
+import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
 SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (10, 70001)]
@@ -14,8 +24,12 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def _tol(dtype):
-    return {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5),
-            torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}[dtype]
+    return {
+        torch.float64: (1e-12, 1e-12),
+        torch.float32: (1e-5, 1e-5),
+        torch.bfloat16: (2e-2, 2e-2),
+        torch.float16: (2e-3, 2e-3),
+    }[dtype]
 
 
 # ---- weighted_sum --------------------------------------------------------------------------------
@@ -51,10 +65,10 @@ def test_weighted_sum_rows_out_and_inplace():
 
 def test_weighted_sum_noncontiguous():
     big = torch.randn(8, 2 * 4001, dtype=torch.float64)
-    U = big[:, ::2]                      # column stride 2 -> copied once
-    Uc = big[:, 1000:5001]               # column chunk view -> no copy
+    U = big[:, ::2]  # column stride 2 -> copied once
+    Uc = big[:, 1000:5001]  # column chunk view -> no copy
     Ut = torch.randn(4001, 8, dtype=torch.float64).T
-    base = torch.randn(2 * 4001, dtype=torch.float64)[::2]   # non-contiguous base
+    base = torch.randn(2 * 4001, dtype=torch.float64)[::2]  # non-contiguous base
     c = torch.rand(8, dtype=torch.float64)
     for M in (U, Uc, Ut):
         assert_close(ops.weighted_sum(M, c, base), ref.weighted_sum(M, c, base), rtol=1e-13, atol=1e-13)
@@ -76,7 +90,6 @@ def test_weighted_sum_empty_rows_gives_base():
     b = torch.randn(11)
     assert torch.equal(ops.weighted_sum(U, [], base=b, rows=[]), b)
     assert torch.equal(ops.weighted_sum(torch.zeros(0, 11), [], base=b), b)
-
 
 
 def test_weighted_sum_bad_inputs_name_the_argument():
@@ -102,16 +115,30 @@ def sample_inputs(dev, *, requires_grad=False):
     """Arguments of torch.ops.fedkernels.weighted_sum (U, coef, base, alpha, rows): one element; float32 with a
     base; a float64 column chunk of a wider buffer (row stride d + 3, unaligned) with a row subset that repeats
     a row (rows on the device). coef is float64 on the device (host coefficients: the cuda-only cases)."""
+
     def t(*shape, dtype, seed):
         return randn(dev, *shape, dtype=dtype, seed=seed).requires_grad_(requires_grad)
 
     def U(K, d, dtype, seed):
-        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1:1 + d].requires_grad_(requires_grad)
-    return [[U(1, 1, torch.float64, 1), t(1, dtype=torch.float64, seed=2), None, 1.0, None],
-            [U(5, 300, torch.float32, 3), t(5, dtype=torch.float64, seed=4), t(300, dtype=torch.float32, seed=5), 0.5,
-             None],
-            [U(6, 257, torch.float64, 6), t(4, dtype=torch.float64, seed=7), None, -1.3,
-             torch.tensor([5, 0, 0, 2], device=dev)]]
+        return randn(dev, K, d + 3, dtype=dtype, seed=seed)[:, 1 : 1 + d].requires_grad_(requires_grad)
+
+    return [
+        [U(1, 1, torch.float64, 1), t(1, dtype=torch.float64, seed=2), None, 1.0, None],
+        [
+            U(5, 300, torch.float32, 3),
+            t(5, dtype=torch.float64, seed=4),
+            t(300, dtype=torch.float32, seed=5),
+            0.5,
+            None,
+        ],
+        [
+            U(6, 257, torch.float64, 6),
+            t(4, dtype=torch.float64, seed=7),
+            None,
+            -1.3,
+            torch.tensor([5, 0, 0, 2], device=dev),
+        ],
+    ]
 
 
 def _sample_tol(U):
@@ -133,8 +160,9 @@ def test_weighted_sum_samples_gradients_match_reference(dev):
     for U, coef, base, alpha, rows in sample_inputs(dev, requires_grad=True):
         w = randn(dev, U.shape[1], dtype=torch.float64, seed=8)
         inputs = [x for x in (U, coef, base) if x is not None]
-        got = torch.autograd.grad((ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows).double() * w).sum(),
-                                  inputs)
+        got = torch.autograd.grad(
+            (ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows).double() * w).sum(), inputs
+        )
         want = torch.autograd.grad((ref.weighted_sum(U, coef, base, alpha, rows) * w).sum(), inputs)
         rtol, atol = _sample_tol(U)
         for g, r, x in zip(got, want, inputs):
@@ -143,12 +171,13 @@ def test_weighted_sum_samples_gradients_match_reference(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_weighted_sum_opcheck(dev):   # with requires_grad (the autograd checks): tests/test_autograd.py
+def test_weighted_sum_opcheck(dev):  # with requires_grad (the autograd checks): tests/test_autograd.py
     for args in sample_inputs(dev):
         torch.library.opcheck(torch.ops.fedkernels.weighted_sum.default, tuple(args))
     U, coef, base, alpha, rows = sample_inputs(dev)[1]
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_out.default,
-                          (U, coef, base, alpha, rows, torch.empty(U.shape[1], device=dev)))
+    torch.library.opcheck(
+        torch.ops.fedkernels.weighted_sum_out.default, (U, coef, base, alpha, rows, torch.empty(U.shape[1], device=dev))
+    )
 
 
 def test_weighted_sum_coefficients_beyond_float_range():
@@ -162,6 +191,7 @@ def test_weighted_sum_coefficients_beyond_float_range():
 def test_rows_and_coef_are_checked_and_passed_on_the_host(monkeypatch):
     """The native op gets host (CPU) int64 rows and host coefficients, whatever their type."""
     from fedkernels.ops import _checks
+
     r = _checks._rows(torch.tensor([2, 0], dtype=torch.int32), 3, "weighted_sum")
     assert r.device.type == "cpu" and r.dtype == torch.int64 and r.is_contiguous()
     c = _checks._coef([0.5, 1.5], 2, "weighted_sum")
@@ -194,7 +224,8 @@ def test_bad_rows_rejected_on_the_host_for_every_index_type():
 
 def test_a_device_without_a_kernel_gives_one_clear_error():
     from fedkernels.ops._checks import _needs_kernel
-    _needs_kernel("weighted_sum", torch.device("cpu"), "weighted_sum")      # CPU: always there
+
+    _needs_kernel("weighted_sum", torch.device("cpu"), "weighted_sum")  # CPU: always there
     for native in ("weighted_sum", "gram", "arrowhead_solve", "fused_sgd_step_"):
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"fedkernels::{native}", "CUDA"):
             _needs_kernel(native, torch.device("cuda"), native)
@@ -208,11 +239,12 @@ def test_a_device_without_a_kernel_gives_one_clear_error():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_weighted_sum_screened_matches_reference(K, d, dtype):
     from fedkernels import reference
+
     g = torch.Generator().manual_seed(K * 31 + d)
     big = torch.randn(K, d + 5, generator=g).to(dtype)
-    U = big[:, 2:2 + d]                                     # unit column stride, row stride d + 5
+    U = big[:, 2 : 2 + d]  # unit column stride, row stride d + 5
     bad = {k for k in range(K) if k % 3 == 1}
-    for k in bad:                                           # NaN / +Inf / -Inf at odd places
+    for k in bad:  # NaN / +Inf / -Inf at odd places
         U[k, (k * 7919) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
     coef = torch.rand(K, generator=g, dtype=torch.float64)
     base = torch.randn(d, generator=g).to(dtype)
@@ -221,10 +253,11 @@ def test_weighted_sum_screened_matches_reference(K, d, dtype):
     assert ok.dtype == torch.bool and ok.tolist() == ref_ok.tolist() == [k not in bad for k in range(K)]
     plain = ops.weighted_sum(U, coef, base=base, alpha=0.5)
     assert torch.equal(out.isnan(), plain.isnan())
-    torch.testing.assert_close(out, plain, equal_nan=True, rtol=0, atol=0)   # the same bits as weighted_sum
+    torch.testing.assert_close(out, plain, equal_nan=True, rtol=0, atol=0)  # the same bits as weighted_sum
     fin = torch.isfinite(ref_out)
-    torch.testing.assert_close(out[fin].double(), ref_out[fin].double(),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out[fin].double(), ref_out[fin].double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5
+    )
 
 
 def test_weighted_sum_screened_rows_and_overflow():
@@ -235,7 +268,7 @@ def test_weighted_sum_screened_rows_and_overflow():
     assert ok.tolist() == [True, False, True]
     assert not torch.isfinite(out).all()
     _, ok = ops.weighted_sum_screened(U, [1.0, 1.0], rows=[0, 1])
-    assert ok.tolist() == [True, True]                     # overflowed sum, finite rows
+    assert ok.tolist() == [True, True]  # overflowed sum, finite rows
     _, ok = ops.weighted_sum_screened(U[:, :0], [1.0] * 4)  # d = 0: every row is finite
     assert ok.tolist() == [True] * 4
 
@@ -248,13 +281,14 @@ def test_weighted_sum_screened_bad_args():
         ops.weighted_sum_screened(U, [1.0], rows=[3])
 
 
-@pytest.mark.parametrize("K,d,dtype", [(1, 1, torch.float32), (3, 7, torch.float64), (9, 8193, torch.float32),
-                                       (5, 4099, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "K,d,dtype", [(1, 1, torch.float32), (3, 7, torch.float64), (9, 8193, torch.float32), (5, 4099, torch.bfloat16)]
+)
 def test_weighted_sum_screened_out_writes_the_same_bits_into_out(K, d, dtype):
     """``out=``: the sum written into the caller's tensor (returned as it is), the flags as without out;
     U with a row stride > d, rows selected, out aliasing base (in-place apply)."""
     g = torch.Generator().manual_seed(K + d)
-    U = torch.randn(K, d + 3, generator=g).to(dtype)[:, 1:1 + d]
+    U = torch.randn(K, d + 3, generator=g).to(dtype)[:, 1 : 1 + d]
     if K > 1:
         U[1, d // 2] = float("inf")
     coef = torch.rand(K, generator=g, dtype=torch.float64)
@@ -268,20 +302,30 @@ def test_weighted_sum_screened_out_writes_the_same_bits_into_out(K, d, dtype):
     b2 = base.clone()
     got, ok = ops.weighted_sum_screened(U, [0.5, -1.0, 2.0], base=b2, alpha=0.7, rows=rows, out=b2)
     assert got is b2 and ok.tolist() == [K - 1 != 1, True, K - 1 != 1]
-    torch.testing.assert_close(b2, ops.weighted_sum(U, [0.5, -1.0, 2.0], base=base, alpha=0.7, rows=rows),
-                               equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(
+        b2, ops.weighted_sum(U, [0.5, -1.0, 2.0], base=base, alpha=0.7, rows=rows), equal_nan=True, rtol=0, atol=0
+    )
     fin = torch.isfinite(b2)
-    torch.testing.assert_close(b2[fin].double(), ref.weighted_sum(U, [0.5, -1.0, 2.0], base, 0.7, rows)[fin],
-                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        b2[fin].double(),
+        ref.weighted_sum(U, [0.5, -1.0, 2.0], base, 0.7, rows)[fin],
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=1e-5,
+    )
 
 
 def test_weighted_sum_screened_out_bad_out_names_the_argument():
     U = torch.randn(4, 10)
     c = [1.0] * 4
-    with pytest.raises(ValueError, match=r"weighted_sum_screened: out must be a 1-D tensor of length 10, got shape \(11,\)"):
+    with pytest.raises(
+        ValueError, match=r"weighted_sum_screened: out must be a 1-D tensor of length 10, got shape \(11,\)"
+    ):
         ops.weighted_sum_screened(U, c, out=torch.zeros(11))
-    with pytest.raises(ValueError, match=r"weighted_sum_screened: out must have dtype torch.float32 \(the dtype of U\), "
-                                         r"got torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"weighted_sum_screened: out must have dtype torch.float32 \(the dtype of U\), "
+        r"got torch.float64",
+    ):
         ops.weighted_sum_screened(U, c, out=torch.zeros(10, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"weighted_sum_screened: out is on meta but U is on cpu"):
         ops.weighted_sum_screened(U, c, out=torch.zeros(10, device="meta"))
@@ -298,22 +342,27 @@ def test_weighted_sum_screened_out_opcheck(dev):
     U = U.to(dev)
     c = torch.rand(5, dtype=torch.float64).to(dev)
     b = torch.randn(300).to(dev)
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_screened_out.default,
-                          (U, c, b, 0.5, None, torch.empty(300, device=dev)))
-    torch.library.opcheck(torch.ops.fedkernels.weighted_sum_screened_out.default,
-                          (U, c[:2], None, 1.0, torch.tensor([4, 3], device=dev), torch.empty(300, device=dev)))
+    torch.library.opcheck(
+        torch.ops.fedkernels.weighted_sum_screened_out.default, (U, c, b, 0.5, None, torch.empty(300, device=dev))
+    )
+    torch.library.opcheck(
+        torch.ops.fedkernels.weighted_sum_screened_out.default,
+        (U, c[:2], None, 1.0, torch.tensor([4, 3], device=dev), torch.empty(300, device=dev)),
+    )
 
 
 def test_a_screened_source_block_is_summed_straight_into_its_output_slice(monkeypatch):
     """sources.weighted_sum_block's screened path hands its destination slice to the op as ``out``
     (no block-sized temporary and copy), with the bits and flags of the plain op."""
     from fedkernels import sources
+
     seen = []
     real = ops.weighted_sum_screened
 
     def spy(*a, **kw):
         seen.append(kw.get("out"))
         return real(*a, **kw)
+
     monkeypatch.setattr(sources.ops, "weighted_sum_screened", spy)
     U = torch.randn(6, 1000)
     U[4, 999] = float("nan")
@@ -341,8 +390,12 @@ def test_alpha_scales_the_coefficients_like_the_oracle():
 
 # ---- on every device (cpu, and cuda where there is one: tests/devices.py) --------------------
 def _wsum_tol(dtype):
-    return {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2),
-            torch.bfloat16: (2e-2, 2e-2)}[dtype]
+    return {
+        torch.float64: (1e-12, 1e-12),
+        torch.float32: (1e-5, 1e-5),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (2e-2, 2e-2),
+    }[dtype]
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -356,8 +409,12 @@ def test_weighted_sum_matches_reference_on_every_device(dev, K, d, dtype):
     want = ref.weighted_sum(U, coef, base=base, alpha=0.7)
     rtol, atol = _wsum_tol(dtype)
     torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol * max(1.0, float(K) ** 0.5))
-    torch.testing.assert_close(out.cpu().double(), ops.weighted_sum(U.cpu(), coef.cpu(), base=base.cpu(), alpha=0.7).double(),
-                               rtol=rtol, atol=atol * max(1.0, float(K) ** 0.5))
+    torch.testing.assert_close(
+        out.cpu().double(),
+        ops.weighted_sum(U.cpu(), coef.cpu(), base=base.cpu(), alpha=0.7).double(),
+        rtol=rtol,
+        atol=atol * max(1.0, float(K) ** 0.5),
+    )
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -365,7 +422,7 @@ def test_weighted_sum_matches_reference_on_every_device(dev, K, d, dtype):
 def test_weighted_sum_rows_inplace_unaligned(dev, dtype):
     K, d = 9, 5001
     big = randn(dev, K, d + 3, dtype=dtype, seed=2)
-    U = big[:, 1:1 + d]  # unaligned rows: scalar path
+    U = big[:, 1 : 1 + d]  # unaligned rows: scalar path
     rows = torch.tensor([8, 1, 1, 4], device=dev)
     coef = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64, device=dev)
     w = randn(dev, d, dtype=dtype, seed=4)
@@ -383,12 +440,12 @@ def test_weighted_sum_screened_flags_and_bits(dev, K, d, off, dtype):
     """The flags equal the reference's on aligned (vector) and unaligned (scalar) rows, with NaN,
     +-Inf and an fp32-overflowing finite row; the sum is weighted_sum's, bit for bit."""
     big = randn(dev, K, d + 2, dtype=dtype, seed=K + d)
-    U = big[:, off:off + d]
+    U = big[:, off : off + d]
     bad = [k for k in range(K) if k % 4 == 1]
     for k in bad:
         U[k, (k * 7919) % d] = (float("nan"), float("inf"), float("-inf"))[k % 3]
     if K > 2 and dtype != torch.float64:
-        U[K - 1].fill_(torch.finfo(dtype).max)              # finite, its sum overflows: still finite
+        U[K - 1].fill_(torch.finfo(dtype).max)  # finite, its sum overflows: still finite
     rows = torch.arange(K - 1, -1, -1, device=dev)
     coef = torch.rand(K, generator=gen(3), dtype=torch.float64).to(dev)
     base = randn(dev, d, dtype=dtype, seed=6)
@@ -397,7 +454,7 @@ def test_weighted_sum_screened_flags_and_bits(dev, K, d, off, dtype):
     assert ok.device == U.device and ok.cpu().tolist() == want.cpu().tolist()
     plain = ops.weighted_sum(U, coef, base=base, alpha=0.5, rows=rows)
     assert torch.equal(out.isnan(), plain.isnan()) and torch.equal(out.nan_to_num(), plain.nan_to_num())
-    into = base.clone()                                  # out= (here base itself: in place), same bits and flags
+    into = base.clone()  # out= (here base itself: in place), same bits and flags
     got, ok = ops.weighted_sum_screened(U, coef, base=into, alpha=0.5, rows=rows, out=into)
     assert got is into and ok.cpu().tolist() == want.cpu().tolist()
     assert torch.equal(into.isnan(), plain.isnan()) and torch.equal(into.nan_to_num(), plain.nan_to_num())
@@ -429,12 +486,12 @@ def test_host_coef_and_rows_match_device_ones():
     U = randn(DEV, K, d, seed=21)
     coef = torch.randn(5, generator=gen(22), dtype=torch.float64)
     rows = torch.tensor([11, 0, 3, 3, 7])
-    a = torch.ops.fedkernels.weighted_sum(U, coef, None, 0.5, rows)               # host coef and rows
+    a = torch.ops.fedkernels.weighted_sum(U, coef, None, 0.5, rows)  # host coef and rows
     b = torch.ops.fedkernels.weighted_sum(U, coef.to(DEV), None, 0.5, rows.to(DEV))
     assert torch.equal(a, b)
     assert torch.equal(torch.ops.fedkernels.gram(U, rows), torch.ops.fedkernels.gram(U, rows.to(DEV)))
     with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.fedkernels.gram(U, torch.tensor([0, K]))                           # host rows: checked
+        torch.ops.fedkernels.gram(U, torch.tensor([0, K]))  # host rows: checked
 
 
 @cuda_only
@@ -443,7 +500,7 @@ def test_device_rows_out_of_range_give_nan_not_a_device_assert():
     bad = torch.tensor([0, 6, 2], device=DEV)
     out = torch.ops.fedkernels.weighted_sum(U, torch.ones(3, dtype=torch.float64, device=DEV), None, 1.0, bad)
     G = torch.ops.fedkernels.gram(U, bad)
-    torch.cuda.synchronize()                                                          # the context survives
+    torch.cuda.synchronize()  # the context survives
     assert torch.isnan(out).all() and torch.isnan(G[1]).all() and torch.isfinite(G[0]).all()
     assert torch.isfinite(ops.gram(U)).all()
 
@@ -452,29 +509,82 @@ def test_device_rows_out_of_range_give_nan_not_a_device_assert():
 def test_bad_args_weighted_sum(dev):
     U, coef, base = randn(dev, 4, 301, seed=51), torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64), None
     F = torch.ops.fedkernels
-    one_line(ValueError, r"weighted_sum: coef must be a 1-D tensor of length 4 .*got shape \(3,\)",
-             ops.weighted_sum, U, coef[:3])
-    one_line(RuntimeError, r"weighted_sum: coef must be 1-D of length 4 .*got shape \[3\]", F.weighted_sum,
-             U, coef[:3], None, 1.0, None)
-    one_line(ValueError, r"weighted_sum: rows must lie in \[0, 4\), got min 0 max 4", ops.weighted_sum,
-             U, coef[:2], rows=[0, 4])
+    one_line(
+        ValueError,
+        r"weighted_sum: coef must be a 1-D tensor of length 4 .*got shape \(3,\)",
+        ops.weighted_sum,
+        U,
+        coef[:3],
+    )
+    one_line(
+        RuntimeError,
+        r"weighted_sum: coef must be 1-D of length 4 .*got shape \[3\]",
+        F.weighted_sum,
+        U,
+        coef[:3],
+        None,
+        1.0,
+        None,
+    )
+    one_line(
+        ValueError,
+        r"weighted_sum: rows must lie in \[0, 4\), got min 0 max 4",
+        ops.weighted_sum,
+        U,
+        coef[:2],
+        rows=[0, 4],
+    )
     # host rows are range-checked by the native op (csrc/cpu: "rows entry 4", the CUDA glue: "rows[1] = 4")
-    one_line(RuntimeError, r"weighted_sum: rows( entry|\[1\] =) 4 out of range \[0, 4\)", F.weighted_sum,
-             U, coef[:2], None, 1.0, torch.tensor([0, 4]))
-    one_line(ValueError, r"weighted_sum: base must have dtype torch.float32 .*got torch.float64",
-             ops.weighted_sum, U, coef, base=torch.zeros(301, dtype=torch.float64, device=dev))
-    one_line(ValueError, r"weighted_sum: U must have a floating dtype .*got torch.int64", ops.weighted_sum,
-             torch.zeros(4, 301, dtype=torch.long, device=dev), coef)
+    one_line(
+        RuntimeError,
+        r"weighted_sum: rows( entry|\[1\] =) 4 out of range \[0, 4\)",
+        F.weighted_sum,
+        U,
+        coef[:2],
+        None,
+        1.0,
+        torch.tensor([0, 4]),
+    )
+    one_line(
+        ValueError,
+        r"weighted_sum: base must have dtype torch.float32 .*got torch.float64",
+        ops.weighted_sum,
+        U,
+        coef,
+        base=torch.zeros(301, dtype=torch.float64, device=dev),
+    )
+    one_line(
+        ValueError,
+        r"weighted_sum: U must have a floating dtype .*got torch.int64",
+        ops.weighted_sum,
+        torch.zeros(4, 301, dtype=torch.long, device=dev),
+        coef,
+    )
     if dev == DEV:
-        one_line(ValueError, r"weighted_sum: base is on cpu but U is on cuda", ops.weighted_sum, U, coef,
-                 base=torch.zeros(301))
-        one_line(RuntimeError, r"weighted_sum: .*base.* must be on cuda.*got cpu", F.weighted_sum,
-                 U, coef, torch.zeros(301), 1.0, None)
+        one_line(
+            ValueError,
+            r"weighted_sum: base is on cpu but U is on cuda",
+            ops.weighted_sum,
+            U,
+            coef,
+            base=torch.zeros(301),
+        )
+        one_line(
+            RuntimeError,
+            r"weighted_sum: .*base.* must be on cuda.*got cpu",
+            F.weighted_sum,
+            U,
+            coef,
+            torch.zeros(301),
+            1.0,
+            None,
+        )
     base = randn(dev, 301, seed=52)
     out = ops.weighted_sum(U, coef, base=base, alpha=0.5, rows=[3, 0, 0, 2])
     settle(dev)
-    torch.testing.assert_close(out.double(), ref.weighted_sum(U, coef, base=base, alpha=0.5, rows=[3, 0, 0, 2]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), ref.weighted_sum(U, coef, base=base, alpha=0.5, rows=[3, 0, 0, 2]), rtol=1e-5, atol=1e-5
+    )
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/weighted_sum.cpp) ------
@@ -483,27 +593,46 @@ def harness():
     yield from host_harness.session()
 
 
-@pytest.mark.parametrize("alpha,c", [(1.0, 3.0e38), (1.0, 3.1e38), (1.0, float("nan")), (1e200, 1e-200),
-                                     (-1.0, -3.0e38), (2.0, float("inf")), (1e-300, 1e300), (0.5, -7.0e38)])
-
+@pytest.mark.parametrize(
+    "alpha,c",
+    [
+        (1.0, 3.0e38),
+        (1.0, 3.1e38),
+        (1.0, float("nan")),
+        (1e200, 1e-200),
+        (-1.0, -3.0e38),
+        (2.0, float("inf")),
+        (1e-300, 1e300),
+        (0.5, -7.0e38),
+    ],
+)
 def test_wsum_fits_float_is_the_cpu_rule(harness, alpha, c):
     # csrc/cpu/weighted_sum.cpp: fits_float = |alpha * c| <= 3e38 for every coefficient
     assert harness("fits", alpha, c) == [str(int(abs(alpha * c) <= 3.0e38))]
 
 
-@pytest.mark.parametrize("x", [0.0, -0.0, 1.0, -3.0e38, 3.4028234663852886e38, 1e-45, 1e300, float("inf"),
-                               float("-inf"), float("nan")])
-
+@pytest.mark.parametrize(
+    "x", [0.0, -0.0, 1.0, -3.0e38, 3.4028234663852886e38, 1e-45, 1e300, float("inf"), float("-inf"), float("nan")]
+)
 def test_wsum_screen_finite_test(harness, x):
     # weighted_sum_screened's test on the accumulators and on a bad block's values: x * 0 == 0
     f32 = torch.tensor(x, dtype=torch.float64).float().item()
     assert harness("wfin", x) == [str(int(math.isfinite(f32))), str(int(math.isfinite(x)))]
 
 
-@pytest.mark.parametrize("u,ld,K,out,base,want", [
-    (0, 16, 5, 0, 0, 1), (0, 12, 5, 0, 0, 0), (0, 12, 1, 0, 0, 1), (4, 16, 5, 0, 0, 0),
-    (0, 16, 5, 8, 0, 0), (0, 16, 5, 0, 32, 1), (0, 16, 5, 0, 40, 0), (256, 4096, 100, 512, 1024, 1)])
-
+@pytest.mark.parametrize(
+    "u,ld,K,out,base,want",
+    [
+        (0, 16, 5, 0, 0, 1),
+        (0, 12, 5, 0, 0, 0),
+        (0, 12, 1, 0, 0, 1),
+        (4, 16, 5, 0, 0, 0),
+        (0, 16, 5, 8, 0, 0),
+        (0, 16, 5, 0, 32, 1),
+        (0, 16, 5, 0, 40, 0),
+        (256, 4096, 100, 512, 1024, 1),
+    ],
+)
 def test_wsum_vector_path_needs_every_row_aligned(harness, u, ld, K, out, base, want):
     assert harness("vecok", u, ld, K, out, base) == [str(want)]
 
@@ -516,8 +645,23 @@ def _wsum_case(harness, dtype, A, V, vec, K, d, rows, alpha, base, coef):
     U = torch.randn(K, d, generator=gen(K * 7 + d), dtype=torch.float64).to(dtype)
     n = len(rows) if rows is not None else K
     b = torch.randn(d, generator=gen(d), dtype=torch.float64).to(dtype) if base else None
-    ans = harness("wsum", A, V, vec, K, d, n, alpha, -1, U.double(), coef, int(rows is not None),
-                  list(rows) if rows is not None else [], int(base), b.double() if base else [])
+    ans = harness(
+        "wsum",
+        A,
+        V,
+        vec,
+        K,
+        d,
+        n,
+        alpha,
+        -1,
+        U.double(),
+        coef,
+        int(rows is not None),
+        list(rows) if rows is not None else [],
+        int(base),
+        b.double() if base else [],
+    )
     wide = ans[0] == "1"
     out = torch.tensor([hexf(s) for s in ans[1:]], dtype=torch.float64).to(dtype)  # the kernel's final cast
     return U, b, wide, out
@@ -534,15 +678,16 @@ def test_wsum_grid_matches_reference(harness, dtype, A, V, vec, K, d):
     assert wide == (A == 8)  # double accumulation only for fp64 data here
     want = ref.weighted_sum(U, coef, base=b, alpha=0.7)
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * max(1.0, K ** 0.5))
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * max(1.0, K**0.5))
 
 
 def test_wsum_rows_duplicates_and_bad_rows_give_nan(harness):
     K, d = 6, 300
     coef = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64)
     U, _, _, out = _wsum_case(harness, torch.float32, 4, 4, True, K, d, [5, 1, 1, 3], -2.0, False, coef)
-    torch.testing.assert_close(out.double(), ref.weighted_sum(U, coef, alpha=-2.0, rows=[5, 1, 1, 3]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), ref.weighted_sum(U, coef, alpha=-2.0, rows=[5, 1, 1, 3]), rtol=1e-5, atol=1e-5
+    )
     for bad in ([5, 1, 6, 3], [5, -1, 1, 3]):
         _, _, _, out = _wsum_case(harness, torch.float32, 4, 4, True, K, d, bad, -2.0, False, coef)
         assert torch.isnan(out).all()  # never a plausible number, never a read outside U

@@ -5,6 +5,7 @@ main process (where autograd may have run); bad clients follow the policy as in 
 failure of a worker (cannot start, dies, a client error that is not a bad client) and a round whose
 clients were all excluded are run errors (one line, exit 1 on the CLI), in every mode; the workers
 never outlive the run (normal end, error, KeyboardInterrupt, a dead worker, the main process killed)."""
+
 import os
 import re
 import signal
@@ -27,14 +28,17 @@ from fedkernels.sim.client import BadClientError
 from fedkernels.sim.server import Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def smoke(*overrides):
-    return apply_overrides(presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false",
-                                                  *overrides])
+    return apply_overrides(
+        presets.get("smoke"), ["threads=1", "verbose=false", "plots=false", "progress=false", *overrides]
+    )
 
 
 def strip(metrics):
@@ -52,7 +56,7 @@ def alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:   # a zombie is not running: read its state
+    try:  # a zombie is not running: read its state
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
@@ -71,9 +75,11 @@ class PidRecorder:
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"],
-                                   ["algorithm.name=fedecado"]],
-                         ids=["fedavg-smoke", "scaffold", "fedecado"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["algorithm.name=scaffold", "rounds=3", "clients_per_round=3"], ["algorithm.name=fedecado"]],
+    ids=["fedavg-smoke", "scaffold", "fedecado"],
+)
 def test_bit_identical_to_one_process(extra):
     s1, _ = run(smoke(*extra))
     s2, _ = run(smoke("workers=2", *extra))
@@ -82,7 +88,7 @@ def test_bit_identical_to_one_process(extra):
     assert torch.equal(s1.global_flat, s3.global_flat)
     assert strip(s1.metrics) == strip(s2.metrics) == strip(s3.metrics)
     assert s1.metrics[-1]["accuracy"] > 0.5
-    if "algorithm.name=scaffold" in extra:   # the server's control variates came back identical too
+    if "algorithm.name=scaffold" in extra:  # the server's control variates came back identical too
         st1, st2 = s1.agg.state_dict(), s2.agg.state_dict()
         for k, v in st1.items():
             if isinstance(v, torch.Tensor):
@@ -93,11 +99,12 @@ def test_workers_get_the_aggregator_configuration_not_its_state():
     """What a worker receives is small: SCAFFOLD's per-client control-variate table (K x d, the
     server's state) stays in the main process (a rule gets its c / c_i as payloads)."""
     from fedkernels.sim.workers import _worker_state
+
     s = Simulation(smoke("algorithm.name=scaffold", "num_clients=40", "workers=2"), write_outputs=False).setup()
     table = s.agg.c_table
     _, blob = _worker_state(s.local)
     assert table.numel() >= 40 * s.spec.d and len(blob) < table.numel() * table.element_size() // 10
-    assert s.agg.c_table is table                      # the main process's aggregator is untouched
+    assert s.agg.c_table is table  # the main process's aggregator is untouched
 
 
 def test_client_side_dp_clips_in_the_workers_as_in_one_process():
@@ -111,10 +118,12 @@ def test_client_side_dp_clips_in_the_workers_as_in_one_process():
 
 def _parts_with_empty_client(cfg):
     from fedkernels.sim.data import load_dataset
+
     tr, te = load_dataset("digits")
     from fedkernels.sim.partition import partition
+
     parts = partition(tr.y.numpy(), cfg.num_clients, "iid", 0)
-    parts[1] = np.zeros(0, dtype=np.int64)          # client 1 raises "has no training examples"
+    parts[1] = np.zeros(0, dtype=np.int64)  # client 1 raises "has no training examples"
     return tr, te, parts
 
 
@@ -136,14 +145,16 @@ def test_bad_client_raise_stops_and_workers_end():
     with pytest.raises(BadClientError) as e1:
         run(cfg, train=tr, test=te, client_indices=parts)
     ref = []
-    s = Simulation(smoke("bad_client_policy=raise", "workers=2"), write_outputs=False, train=tr, test=te,
-                   client_indices=parts)
+    s = Simulation(
+        smoke("bad_client_policy=raise", "workers=2"), write_outputs=False, train=tr, test=te, client_indices=parts
+    )
     orig = s.train_local
 
     def spy(*a, **k):
         out = orig(*a, **k)
         ref[:] = s.pool.pids
         return out
+
     s.train_local = spy
     with pytest.raises(BadClientError) as e2:
         s.run()
@@ -226,12 +237,33 @@ def test_workers_die_with_the_main_process(tmp_path):
 
 def test_cli_run_with_workers(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "workers=2", "threads=1",
-                        f"out_dir={tmp_path}", "plots=false"], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedkernels",
+            "run",
+            "--preset",
+            "smoke",
+            "workers=2",
+            "threads=1",
+            f"out_dir={tmp_path}",
+            "plots=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "round    2/2" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "workers=0",
-                          f"out_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=600)
+    bad = subprocess.run(
+        [sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "workers=0", f"out_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "workers must be >= 1, got 0" in bad.stderr
 
 
@@ -245,6 +277,7 @@ def test_config_checks():
     s = Simulation(smoke("workers=2"), write_outputs=False)
     s.setup()
     import dataclasses
+
     with pytest.raises(ValueError, match="CPU only"):
         WorkerPool(dataclasses.replace(s.local, device=torch.device("cuda")), 2)
 
@@ -266,12 +299,13 @@ def test_evaluation_in_the_workers_bit_identical(monkeypatch):
 
     def not_here(*a, **k):
         raise AssertionError("workers>1 evaluates in the worker processes, not in the main one")
+
     monkeypatch.setattr("fedkernels.sim.evaluate.evaluate_global", not_here)
     for w in ("workers=2", "workers=3"):
         s, _ = run(smoke(w, *extra))
         assert strip(s.metrics) == ref
         assert torch.equal(s.global_flat, s1.global_flat)
-    s, _ = run(smoke("workers=2", "client_loss=participants", "eval_batch_size=5000"))   # one batch, one worker idle
+    s, _ = run(smoke("workers=2", "client_loss=participants", "eval_batch_size=5000"))  # one batch, one worker idle
     monkeypatch.undo()
     assert strip(s.metrics) == strip(run(smoke("client_loss=participants", "eval_batch_size=5000"))[0].metrics)
 
@@ -282,15 +316,19 @@ def test_evaluation_in_the_workers_bit_identical(monkeypatch):
 # which backward in any process forked from this one raises the message below. Emulated here with
 # os.register_at_fork: a forked child of the process that registered the handler gets a backward
 # that raises it.
-AUTOGRAD_FORK = ("Unable to handle autograd's threading in combination with fork-based multiprocessing. "
-                 "See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+AUTOGRAD_FORK = (
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing. "
+    "See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork"
+)
 _BAD_FORK = {"on": False, "registered": False}
 
 
 def _poison_backward_in_child():
     if _BAD_FORK["on"]:
+
         def backward(*a, **k):
             raise RuntimeError(AUTOGRAD_FORK)
+
         torch.autograd.backward = backward
 
 
@@ -298,7 +336,7 @@ def test_workers_are_not_forks_of_the_main_process():
     """With autograd "bad to fork" in this process (as after any backward under a CUDA torch with a
     GPU), workers=2 still trains every client, bit for bit as one process (a plain fork of this
     process would fail every client's backward)."""
-    ref, _ = run(smoke())                     # autograd has run here
+    ref, _ = run(smoke())  # autograd has run here
     if not _BAD_FORK["registered"]:
         os.register_at_fork(after_in_child=_poison_backward_in_child)
         _BAD_FORK["registered"] = True
@@ -331,15 +369,31 @@ def _cli(tmp_path, *args, sitecustomize=None):
         (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
         path.insert(0, str(tmp_path / "site"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    return subprocess.run([sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "threads=1", "plots=false",
-                           f"out_dir={tmp_path / 'runs'}", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedkernels",
+            "run",
+            "--preset",
+            "smoke",
+            "threads=1",
+            "plots=false",
+            f"out_dir={tmp_path / 'runs'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def _nothing_logged(tmp_path, r):
     """The run stopped before any round was logged: no round line, an empty metrics.jsonl, and
     provenance.json says it failed."""
     import json
+
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert "round    1/2" not in r.stdout
     assert (run_dir / "metrics.jsonl").read_text() == ""
@@ -353,8 +407,11 @@ def test_worker_failure_is_a_run_error_on_the_cli(tmp_path):
     assert r.returncode == 1, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("fedkernels run: error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert re.search(r"round 1, client \d+: RuntimeError: Unable to handle autograd's threading .* \(in worker \d, "
-                     r"pid \d+\) \(a failure of the run, not a bad client update; the run stops\)", errors[0]), errors
+    assert re.search(
+        r"round 1, client \d+: RuntimeError: Unable to handle autograd's threading .* \(in worker \d, "
+        r"pid \d+\) \(a failure of the run, not a bad client update; the run stops\)",
+        errors[0],
+    ), errors
     assert "excluded client" not in r.stderr
     _nothing_logged(tmp_path, r)
 
@@ -379,17 +436,23 @@ class _UnpicklesOnlyIn(nn.Module):
 def test_worker_that_cannot_start_stops_the_run():
     parent = os.getpid()
     s = Simulation(smoke("workers=2"), write_outputs=False, model_fn=lambda *a: _UnpicklesOnlyIn(parent))
-    with pytest.raises(RunError, match=r"workers=2: worker \d \(pid \d+\) could not start: ImportError: injected: "
-                                       r"no module named 'only_in_the_parent' while starting; the run stops"):
+    with pytest.raises(
+        RunError,
+        match=r"workers=2: worker \d \(pid \d+\) could not start: ImportError: injected: "
+        r"no module named 'only_in_the_parent' while starting; the run stops",
+    ):
         s.run()
     assert s.pool is None and s.metrics == []
 
 
 def test_what_cannot_be_sent_to_the_workers_is_refused_before_they_start():
     s = Simulation(smoke("workers=2"), write_outputs=False, transform=lambda x, g: x)
-    with pytest.raises(ValueError, match="workers=2: the set-up simulation cannot be sent to the worker processes "
-                                         r"\(.*lambda.*\); with workers > 1 the model, transform and aggregator must "
-                                         "be picklable"):
+    with pytest.raises(
+        ValueError,
+        match="workers=2: the set-up simulation cannot be sent to the worker processes "
+        r"\(.*lambda.*\); with workers > 1 the model, transform and aggregator must "
+        "be picklable",
+    ):
         s.run()
     assert s.pool is None and s.metrics == []
 
@@ -405,10 +468,14 @@ def test_client_runtime_error_is_a_run_error_in_one_process(monkeypatch):
         if cid == 2:
             raise RuntimeError("injected: out of memory")
         return orig(self, cid, rnd, *a, **k)
+
     monkeypatch.setattr(ClientTrainer, "train", train)
     s = Simulation(smoke("bad_client_policy=exclude"), write_outputs=False)
-    with pytest.raises(RunError, match=r"^round 1, client 2: RuntimeError: injected: out of memory \(a failure of the "
-                                       r"run, not a bad client update; the run stops\)$"):
+    with pytest.raises(
+        RunError,
+        match=r"^round 1, client 2: RuntimeError: injected: out of memory \(a failure of the "
+        r"run, not a bad client update; the run stops\)$",
+    ):
         s.run()
     assert s.metrics == []
 
@@ -421,6 +488,8 @@ def test_every_client_excluded_is_a_run_error_on_the_cli(tmp_path, workers):
     r = _cli(tmp_path, workers, "train.lr=1.0e+30")
     assert r.returncode == 1, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("fedkernels run: error:")]
-    assert errors == ["fedkernels run: error: round 1: every client was excluded (4 of 4: update contains NaN/Inf "
-                      "(4 clients)); nothing was trained, the run stops"], r.stderr
+    assert errors == [
+        "fedkernels run: error: round 1: every client was excluded (4 of 4: update contains NaN/Inf "
+        "(4 clients)); nothing was trained, the run stops"
+    ], r.stderr
     _nothing_logged(tmp_path, r)

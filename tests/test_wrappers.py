@@ -1,6 +1,7 @@
 """The wrapper seam (fedkernels.algorithms.wrappers) and its first wrapper, norm bounding: a row-scaled
 RoundInput against the explicitly scaled matrix, NormBound around every kind of method against that
 method on the explicitly clipped matrix (fp64 reference bounds), state, options, the CLI."""
+
 import json
 import os
 import subprocess
@@ -55,8 +56,10 @@ def _rin(U, x=None, src=None):
     rin = RoundInput(x, U, torch.ones(K, dtype=F64), list(range(K)), [{} for _ in range(K)])
     if src is not None:
         from fedkernels.algorithms.base import UpdatesShape
-        rin = RoundInput(x, UpdatesShape.of(U), torch.ones(K, dtype=F64), list(range(K)), [{} for _ in range(K)],
-                         src=src)
+
+        rin = RoundInput(
+            x, UpdatesShape.of(U), torch.ones(K, dtype=F64), list(range(K)), [{} for _ in range(K)], src=src
+        )
     return rin
 
 
@@ -66,7 +69,7 @@ def _rin(U, x=None, src=None):
 def test_row_scale_passes_equal_the_explicitly_scaled_matrix(dtype, chunked):
     x, U, _ = _data(K=6, d=53, dtype=dtype)
     s = torch.tensor([0.5, 1.0, 0.125, 2.0, 0.3, 1e-3], dtype=F64)
-    S = U.to(F64) * s[:, None]                                     # the scaled rows, exact in fp64
+    S = U.to(F64) * s[:, None]  # the scaled rows, exact in fp64
     src = ChunkedUpdates(TensorSource(U), chunk_cols=16) if chunked else None
     r = _rin(U, x, src).with_row_scale(s)
     assert isinstance(r, RowScaled) and (r.K, r.d, r.dtype) == (6, 53, dtype)
@@ -79,14 +82,14 @@ def test_row_scale_passes_equal_the_explicitly_scaled_matrix(dtype, chunked):
     # gram: s_i s_j G_ij with G the fp64 Gram of U as stored (within fp64 summation error)
     G = r.gram()
     Gref = S @ S.T
-    bound = 4 * 53 * 2.0 ** -53 * (S.abs() @ S.abs().T)
+    bound = 4 * 53 * 2.0**-53 * (S.abs() @ S.abs().T)
     assert ((G - Gref).abs() <= bound).all()
     # kstats: the scaled rows' (dot, nsq, nbar) from one pass
     dot, nsq, nbar = r.kstats(p)
     m = (p[:, None] * S).sum(0)
-    assert ((dot - S @ m).abs() <= 8 * 53 * 2.0 ** -53 * (S.abs() @ m.abs() + S.abs() @ scale)).all()
-    assert ((nsq - (S * S).sum(1)).abs() <= 4 * 53 * 2.0 ** -53 * (S * S).sum(1)).all()
-    assert abs(float(nbar) - float(m @ m)) <= 8 * 53 * 2.0 ** -53 * float(scale @ scale)
+    assert ((dot - S @ m).abs() <= 8 * 53 * 2.0**-53 * (S.abs() @ m.abs() + S.abs() @ scale)).all()
+    assert ((nsq - (S * S).sum(1)).abs() <= 4 * 53 * 2.0**-53 * (S * S).sum(1)).all()
+    assert abs(float(nbar) - float(m @ m)) <= 8 * 53 * 2.0**-53 * float(scale @ scale)
     # blocks and U: each element s_k u rounded once to U's dtype: bitwise the explicitly scaled matrix
     want = S.to(dtype)
     seen = torch.full_like(want, float("nan"))
@@ -106,7 +109,7 @@ def test_row_scale_shares_the_base_inputs_screen_and_fields():
     rin.on_flags = lambda ok, carry=None: seen.append(ok.clone()) or (None if carry is None else carry.cpu())
     r = rin.with_row_scale(torch.tensor([1.0, 0.5, 2.0], dtype=F64))
     r.kstats(torch.ones(3, dtype=F64))
-    assert rin.screen_rows is False and r.screen_rows is False          # screened once, on the base input
+    assert rin.screen_rows is False and r.screen_rows is False  # screened once, on the base input
     assert len(seen) == 1 and seen[0].tolist() == [True, False, True]
     assert r.payloads is rin.payloads and r.global_flat is rin.global_flat
     with pytest.raises(ValueError, match="s has 2 entries, expected K=3"):
@@ -117,8 +120,12 @@ def test_row_scale_shares_the_base_inputs_screen_and_fields():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_norm_bound_with_a_huge_bound_is_bitwise_the_method(dtype):
     x, U, n = _data(dtype=dtype)
-    for name, opts in [("fedavg", {}), ("fedavgm", {"beta": 0.9}), ("kuramoto", {"mode": "S"}),
-                       ("kuramoto", {"mode": "C"})]:
+    for name, opts in [
+        ("fedavg", {}),
+        ("fedavgm", {"beta": 0.9}),
+        ("kuramoto", {"mode": "S"}),
+        ("kuramoto", {"mode": "C"}),
+    ]:
         a, b = algorithms.build(name, **opts), algorithms.build(name, norm_bound=1e30, **opts)
         assert isinstance(b, NormBound) and b.name == name
         for _ in range(2):
@@ -130,13 +137,18 @@ def test_norm_bound_with_a_huge_bound_is_bitwise_the_method(dtype):
 
 def test_a_row_scale_of_ones_is_bitwise_the_method():
     """The scaled path itself (every pass through RowScaled) with s = 1 gives the method's bits."""
+
     class Ones(MethodWrapper):
         def before(self, rin):
             return rin.with_row_scale(torch.ones(rin.K, dtype=F64))
 
     x, U, n = _data()
-    for name, opts in [("fedavg", {}), ("kuramoto", {"mode": "P"}), ("kuramoto", {"mode": "C"}),
-                       ("fedaware", {"num_clients": 5})]:
+    for name, opts in [
+        ("fedavg", {}),
+        ("kuramoto", {"mode": "P"}),
+        ("kuramoto", {"mode": "C"}),
+        ("fedaware", {"num_clients": 5}),
+    ]:
         a, b = algorithms.build(name, **opts), Ones(algorithms.build(name, **opts))
         for _ in range(2):
             pl = _pl(opts, 5)
@@ -151,7 +163,7 @@ def test_norm_bound_fedavg_equals_fedavg_on_the_clipped_matrix(dtype, chunked):
     x, U, n = _data(dtype=dtype)
     M = 1.5
     s = clip_scales(U, M)
-    assert 0 < int((s < 1).sum()) < U.size(0)                # some rows clipped, some not
+    assert 0 < int((s < 1).sum()) < U.size(0)  # some rows clipped, some not
     agg = algorithms.build("fedavg", norm_bound=M, server_lr=0.7)
     upd = ChunkedUpdates(TensorSource(U), chunk_cols=10) if chunked else U
     res = agg.aggregate(x, upd, n)
@@ -185,6 +197,7 @@ def test_norm_bound_kuramoto_equals_kuramoto_on_the_clipped_matrix(opts):
 def test_norm_bound_fedaware_and_a_median_equal_them_on_the_clipped_matrix():
     """FedAWARE (Gram, blocks into its momentum table) and a coordinate median read through blocks
     (selection: exact, so bitwise the median of the explicitly clipped rows)."""
+
     class BlockMedian(Aggregator):
         name = "block_median"
         screen_in_pass = False
@@ -210,6 +223,7 @@ def test_norm_bound_fedaware_and_a_median_equal_them_on_the_clipped_matrix():
 
 def test_norm_bound_fedecado_reads_the_scaled_tensor():
     from fedkernels.algorithms.fedecado import FedECADO
+
     x = torch.zeros(3, dtype=F64)
     U = torch.tensor([[3.0, 0.0, 4.0], [0.1, 0.2, 0.0]], dtype=F64)
     pl = [{"T": 0.5}, {"T": 1.0}]
@@ -233,7 +247,8 @@ def test_norm_bound_screens_in_its_norm_pass_and_applies_the_policy():
     res = agg.aggregate(x.double(), U.double(), n, payloads=pl)
     assert res.info["excluded"] == [{"client_id": 2, "reason": "update contains NaN/Inf"}]
     ref = algorithms.build("fedecado", L=1.0, num_clients=5, hbar=1.0).aggregate(
-        x.double(), clipped(U.double()[keep], 1.0), [n[k] for k in keep], keep, [pl[k] for k in keep])
+        x.double(), clipped(U.double()[keep], 1.0), [n[k] for k in keep], keep, [pl[k] for k in keep]
+    )
     torch.testing.assert_close(res.params, ref.params, rtol=0, atol=1e-12)
 
 
@@ -242,7 +257,7 @@ def test_norm_bound_passes_replace_the_screening_read():
     assert algorithms.build("kuramoto", norm_bound=1.0).passes() == ("sum", "sum", "sum")
     inner = algorithms.build("fedaware", elud=False)
     assert inner.passes(4)[0] == "sum" and not inner.screen_in_pass
-    assert wrap(inner, norm_bound=1.0).passes(4) == inner.passes(4)     # the norms' pass is the screen's
+    assert wrap(inner, norm_bound=1.0).passes(4) == inner.passes(4)  # the norms' pass is the screen's
 
 
 def test_wrapper_delegates_the_client_side_payloads_and_options():
@@ -273,7 +288,8 @@ def test_state_dict_round_trips_the_inner_state():
     assert torch.equal(a.aggregate(x, U, n).params, b.aggregate(x, U, n).params)
     with pytest.raises(ValueError, match="no 'inner' entry"):
         b.load_state_dict(algorithms.build("fedavgm").state_dict())
-    import pickle                       # (the simulator's worker processes get the aggregator pickled)
+    import pickle  # (the simulator's worker processes get the aggregator pickled)
+
     c = pickle.loads(pickle.dumps(b))
     assert repr(c) == repr(b) and c.inner is not b.inner and torch.equal(c.momentum, b.momentum)
 
@@ -291,28 +307,45 @@ def test_wrap_options():
     assert wrap(agg) is agg and wrap(agg, norm_bound=None) is agg
     with pytest.raises(ValueError, match="unknown option 'norm_bund'; did you mean 'norm_bound'"):
         wrap(agg, norm_bund=1.0)
-    assert algorithms.build("fedavg", norm_bound="2.5").norm_bound == 2.5       # number text (configs)
+    assert algorithms.build("fedavg", norm_bound="2.5").norm_bound == 2.5  # number text (configs)
     assert algorithms.options("fedavg")["norm_bound"].default is None
     assert "norm_bound" in wrappers.wrapper_options()
     nested = wrap(wrap(agg, norm_bound=2.0), norm_bound=1.0)
     x, U, n = _data()
-    torch.testing.assert_close(nested.aggregate(x, U, n).params,
-                               algorithms.build("fedavg", norm_bound=1.0).aggregate(x, U, n).params, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        nested.aggregate(x, U, n).params,
+        algorithms.build("fedavg", norm_bound=1.0).aggregate(x, U, n).params,
+        rtol=0,
+        atol=1e-6,
+    )
 
 
 def test_cli_reaches_norm_bound(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    base = [sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "rounds=1", "plots=false", "threads=1",
-            "--no-progress", "--quiet"]
-    p = subprocess.run(base + ["algorithm.options.norm_bound=0.01"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    base = [
+        sys.executable,
+        "-m",
+        "fedkernels",
+        "run",
+        "--preset",
+        "smoke",
+        "rounds=1",
+        "plots=false",
+        "threads=1",
+        "--no-progress",
+        "--quiet",
+    ]
+    p = subprocess.run(
+        base + ["algorithm.options.norm_bound=0.01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     run_dir = json.loads(p.stdout.strip().splitlines()[-1])["run_dir"]
     with open(tmp_path / run_dir / "metrics.jsonl") as f:
         row = json.loads(f.readline())
     assert row["agg"]["norm_clipped"] == row["num_updates"] > 0
-    p = subprocess.run(base + ["algorithm.options.norm_bound=-1"], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        base + ["algorithm.options.norm_bound=-1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "algorithm.options.norm_bound=-1" in lines[0], p.stderr
 
@@ -329,11 +362,13 @@ def test_every_method_declares_its_passes_and_ranges_beside_itself():
 
         def _aggregate(self, rin):
             return super()._aggregate(rin)
+
     assert FedAvg().passes() == ("sum",)
     with pytest.raises(ValueError, match="mine: device='auto' cannot cost this method"):
         Mine().passes()
     from fedkernels.algorithms.fedecado import FedECADO
     from fedkernels.algorithms.gcfed import LocalGC
+
     assert option_range(LocalGC, "lam") == "[0, 1]" and option_range(LocalGC, "server_lr") == "> 0"
     assert option_range(FedECADO, "T_bar") == "> 0" and option_range(FedAvg, "weighting") is None
     assert option_range(NormBound, "norm_bound") == "> 0"
@@ -345,6 +380,7 @@ def _sharded_worker(rank, world, init_file, errfile, M):
     import torch.distributed as dist
 
     from fedkernels.distributed import ShardedAggregator
+
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -372,6 +408,7 @@ def test_norm_bound_under_sharded_aggregation_clips_by_the_whole_rows_norm(tmp_p
     """Two ranks each holding half the columns: the norms come from kstats summed across the ranks, so a
     row is clipped by its whole norm (a per-shard norm would clip by less)."""
     import torch.multiprocessing as mp
+
     init_file, errfile = str(tmp_path / "init"), str(tmp_path / "err")
     try:
         mp.spawn(_sharded_worker, args=(2, init_file, errfile, 1.5), nprocs=2, join=True)
@@ -386,6 +423,7 @@ def test_norm_bound_writes_the_callers_out_on_a_source():
     agg = algorithms.build("fedavg", norm_bound=1.5)
     want = agg.aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n).params
     out = torch.empty_like(x)
-    res = algorithms.build("fedavg", norm_bound=1.5).aggregate(x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n,
-                                                               out=out)
+    res = algorithms.build("fedavg", norm_bound=1.5).aggregate(
+        x, ChunkedUpdates(TensorSource(U), chunk_cols=8), n, out=out
+    )
     assert res.params is out and torch.equal(out, want)

@@ -1,23 +1,32 @@
 """User code written against fedkernels' annotations: tests/test_typing.py type-checks this file
 with mypy (strict about untyped calls and Any results, so a public function that loses its types
 fails) and also runs it, so what mypy accepts here really works."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from typing_extensions import assert_type   # a no-op at run time; mypy checks the exact type
+from typing_extensions import assert_type  # a no-op at run time; mypy checks the exact type
 
 import fedkernels
 from fedkernels import FlatSpec, UpdateBuffer, ops, reference
-from fedkernels.algorithms.base import (AggResult, Aggregator, ClientContext, ClientRule, RoundInput, available,
-                                        build, register)
+from fedkernels.algorithms.base import (
+    AggResult,
+    Aggregator,
+    ClientContext,
+    ClientRule,
+    RoundInput,
+    available,
+    build,
+    register,
+)
 from fedkernels.errors import BadUpdateError
 from fedkernels.optim import FusedSGD
 
 
-NAME = "typing_usage_mean"   # registered by run(); the test removes it again
+NAME = "typing_usage_mean"  # registered by run(); the test removes it again
 
 
 class MeanAggregator(Aggregator):
@@ -68,8 +77,9 @@ def run() -> Tuple[torch.Tensor, float]:
     assert_type(f, Tuple[torch.Tensor, torch.Tensor])
     X = ops.lu_solve(*f, torch.ones(3, 2, dtype=torch.float64))
     assert_type(X, torch.Tensor)
-    x, I = ops.arrowhead_solve([2.0, 2.0, 2.0], -0.1, 0.1, 1.0, torch.zeros(4, dtype=torch.float64),
-                               torch.ones(3, 4, dtype=torch.float64))
+    x, I = ops.arrowhead_solve(
+        [2.0, 2.0, 2.0], -0.1, 0.1, 1.0, torch.zeros(4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64)
+    )
     assert X.shape == (3, 2) and x.shape == (4,) and I.shape == (3, 4)
 
     cls = register(NAME)(MeanAggregator)

@@ -12,11 +12,23 @@ one with their expected types and defaults, and ``help(algorithms.build)`` every
 options (built from the registry at import). Every module and folder in this package is imported
 here, and a method registers its classes on import (see base.register).
 """
+
 import importlib
 import pkgutil
 
-from .base import (AggResult, Aggregator, BadUpdateError, ClientContext, ClientRule, Option, RoundInput,
-                   available, build, options, register)
+from .base import (
+    AggResult,
+    Aggregator,
+    BadUpdateError,
+    ClientContext,
+    ClientRule,
+    Option,
+    RoundInput,
+    available,
+    build,
+    options,
+    register,
+)
 from .base import _REGISTRY
 from .signature import method_table
 
@@ -24,9 +36,23 @@ for _m in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _m != "base" and not _m.startswith("_"):
         importlib.import_module(f"{__name__}.{_m}")
 
-if build.__doc__:       # (python -OO strips docstrings)
-    build.__doc__ += ("\n    Methods (name(s), class, what it does, its own options with their defaults):\n\n"
-                      + method_table(_REGISTRY, ("on_bad_update", "server_lr")) + "\n")
+if build.__doc__:  # (python -OO strips docstrings)
+    build.__doc__ += (
+        "\n    Methods (name(s), class, what it does, its own options with their defaults):\n\n"
+        + method_table(_REGISTRY, ("on_bad_update", "server_lr"))
+        + "\n"
+    )
 
-__all__ = ["AggResult", "Aggregator", "BadUpdateError", "ClientContext", "ClientRule", "Option", "RoundInput",
-           "available", "build", "options", "register"]
+__all__ = [
+    "AggResult",
+    "Aggregator",
+    "BadUpdateError",
+    "ClientContext",
+    "ClientRule",
+    "Option",
+    "RoundInput",
+    "available",
+    "build",
+    "options",
+    "register",
+]

@@ -9,6 +9,7 @@ optimizer's own momentum buffers (so a later ``optimizer.step()`` continues iden
 function returns True. Otherwise it returns False and the rule falls back to editing ``p.grad``
 and letting the optimizer step.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -27,12 +28,22 @@ def plain_sgd(optimizer, params: Sequence[torch.Tensor]) -> Optional[dict]:
         return None
     if {id(p) for p in g["params"] if p.grad is not None} != {id(p) for p in params if p.grad is not None}:
         return None
-    return {"lr": float(g["lr"]), "momentum": float(g.get("momentum", 0.0)),
-            "weight_decay": float(g.get("weight_decay", 0.0))}
+    return {
+        "lr": float(g["lr"]),
+        "momentum": float(g.get("momentum", 0.0)),
+        "weight_decay": float(g.get("weight_decay", 0.0)),
+    }
 
 
-def fused_sgd_step(optimizer, params: Sequence[torch.Tensor], *, c_add: Optional[List] = None,
-                   gc_mask=None, vector_policy: str = "skip", min_fanin: int = 2) -> bool:
+def fused_sgd_step(
+    optimizer,
+    params: Sequence[torch.Tensor],
+    *,
+    c_add: Optional[List] = None,
+    gc_mask=None,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> bool:
     """Does the optimizer's step natively with the correction / GC fused in; False if not eligible.
 
     ``c_add``: one tensor-or-None per parameter, added to the gradient (SCAFFOLD's ``c - c_i``).
@@ -40,6 +51,15 @@ def fused_sgd_step(optimizer, params: Sequence[torch.Tensor], *, c_add: Optional
     hp = plain_sgd(optimizer, params)
     if hp is None:
         return False
-    sgd_step_(params, optimizer.state, lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"],
-              c_add=c_add, gc_mask=gc_mask, vector_policy=vector_policy, min_fanin=min_fanin)
+    sgd_step_(
+        params,
+        optimizer.state,
+        lr=hp["lr"],
+        momentum=hp["momentum"],
+        weight_decay=hp["weight_decay"],
+        c_add=c_add,
+        gc_mask=gc_mask,
+        vector_policy=vector_policy,
+        min_fanin=min_fanin,
+    )
     return True

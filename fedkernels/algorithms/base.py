@@ -18,6 +18,7 @@ the bad-row policy) around the method's update, ``_aggregate(rin)``; what a meth
 A ``ClientRule`` is the client side of a method that changes local training. The training loop
 (fedkernels.sim, or the user's own) calls its hooks; see ``ClientRule`` below.
 """
+
 from __future__ import annotations
 
 import abc
@@ -25,8 +26,21 @@ import array
 import math
 import struct
 from dataclasses import dataclass, field, fields, replace
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type,
-                    TypeVar, Union)
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+)
 
 import torch
 
@@ -82,7 +96,7 @@ def host_float64(values: Any) -> torch.Tensor:
         try:
             return _f64(_numbers("d", values))
         except (TypeError, ValueError, OverflowError, RuntimeError):
-            pass                       # nested sequences, text, ...: torch's conversion below
+            pass  # nested sequences, text, ...: torch's conversion below
     t = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
     return t if t.device.type == "cpu" else t.cpu()
 
@@ -120,8 +134,8 @@ def rows_where(mask: torch.Tensor) -> List[int]:
 
 
 class AggResult(NamedTuple):
-    params: torch.Tensor   # the new global flat vector
-    info: Dict[str, Any]   # what the method wants logged (weights, guards, iterations, excluded...)
+    params: torch.Tensor  # the new global flat vector
+    info: Dict[str, Any]  # what the method wants logged (weights, guards, iterations, excluded...)
 
 
 from ..errors import BadUpdateError  # noqa: E402,F401  (defined below the algorithms; re-exported here)
@@ -169,7 +183,7 @@ class RoundInput:
     global_flat: torch.Tensor
     # the accepted clients' [K, d] updates: the tensor, or, when ``src`` is set, their UpdatesShape (no data)
     updates: Union[torch.Tensor, UpdatesShape]
-    num_examples: torch.Tensor      # [K] float64 (cpu)
+    num_examples: torch.Tensor  # [K] float64 (cpu)
     client_ids: List[int]
     payloads: List[Dict[str, Any]]
     excluded: List[Dict[str, Any]] = field(default_factory=list)  # [{client_id, reason}]
@@ -180,11 +194,11 @@ class RoundInput:
     # on_flags(ok, carry): ``carry`` (None, or a tensor on ok's device) comes back on the host, brought
     # there in the same device-to-host copy as the flags (RoundInput.gram(host=True), RoundInput.kstats)
     on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
-    src: Optional[ChunkedUpdates] = None   # the rows of U, read in column chunks (None: U is the tensor)
+    src: Optional[ChunkedUpdates] = None  # the rows of U, read in column chunks (None: U is the tensor)
     # the rows of U in a packed (compressed) form (``sources.PackedRows``): read only through ``weighted_sum``
     # (one pass over the packed rows, screened in it); every other read refuses them (``PackedRowsRefused``)
     packed: Optional[PackedRows] = None
-    stop_at_bad: bool = False              # a source's screening pass ends at the first bad chunk (policy raise)
+    stop_at_bad: bool = False  # a source's screening pass ends at the first bad chunk (policy raise)
     # ``aggregate(..., out=)``: the caller's [d] tensor for the new model. The method's result pass (on a
     # source: the first ``weighted_sum`` with ``base=global_flat``; FedAWARE's table sum) writes into it
     # as it goes (``take_out``); whatever the method returns is copied into it at the end otherwise.
@@ -199,8 +213,9 @@ class RoundInput:
         out, self.out = self.out, None
         return out
 
-    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                     hold: bool = False) -> torch.Tensor:
+    def weighted_sum(
+        self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0, hold: bool = False
+    ) -> torch.Tensor:
         """``ops.weighted_sum(U, coef, base, alpha)``; while the rows are unscreened it is
         ``ops.weighted_sum_screened`` and the flags go to ``on_flags`` (with ``hold``: they stay on the
         device until :meth:`release`, which brings a value computed after this pass to the host in the
@@ -216,12 +231,13 @@ class RoundInput:
             self._hold = False
 
     def _weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor], alpha: float) -> torch.Tensor:
-        if self.packed is not None:          # in the model's precision (fp64 for an fp64 model, else fp32)
+        if self.packed is not None:  # in the model's precision (fp64 for an fp64 model, else fp32)
             g = self.global_flat
             out_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
             b = None if base is None else base.to(out_dtype)
-            out, ok = self.packed.weighted_sum(coef, base=b, alpha=alpha,
-                                               out_dtype=None if b is not None else out_dtype)
+            out, ok = self.packed.weighted_sum(
+                coef, base=b, alpha=alpha, out_dtype=None if b is not None else out_dtype
+            )
             if self.screen_rows:
                 self._flags(ok)
             return out.to(g.dtype)
@@ -229,16 +245,19 @@ class RoundInput:
             g = self.global_flat
             given = self.take_out() if base is g else None
             out = given if given is not None else torch.empty(self.d, dtype=g.dtype, device=g.device)
-            c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()   # host coefficients, one copy
-            self._stream(lambda a, b, c, screen: weighted_sum_block(c, c64, None if base is None else base[a:b],
-                                                                    alpha, out[a:b], screen=screen))
+            c64 = torch.as_tensor(coef, dtype=torch.float64).reshape(-1).cpu()  # host coefficients, one copy
+            self._stream(
+                lambda a, b, c, screen: weighted_sum_block(
+                    c, c64, None if base is None else base[a:b], alpha, out[a:b], screen=screen
+                )
+            )
             return out
         if self.screen_rows:
             if has_kernel("weighted_sum_screened", self.U.device):
                 out, ok = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
                 self._flags(ok)
                 return out
-            self._flags(ops.finite_rows(self.U))     # no such kernel for this device: a separate scan
+            self._flags(ops.finite_rows(self.U))  # no such kernel for this device: a separate scan
         return ops.weighted_sum(self.U, coef, base=base, alpha=alpha)
 
     def release(self, carry: torch.Tensor) -> torch.Tensor:
@@ -263,12 +282,13 @@ class RoundInput:
             G = torch.zeros(self.K, self.K, dtype=torch.float64, device=self.src.device)
 
             def add(a: int, b: int, c: torch.Tensor, screen: bool) -> Optional[torch.Tensor]:
-                if screen and c.dtype != torch.float64:   # diagonal flags: exact below fp64 (no overflow)
+                if screen and c.dtype != torch.float64:  # diagonal flags: exact below fp64 (no overflow)
                     Gc, ok = ops.gram_screened(c)
                     G.add_(Gc)
                     return ok
                 G.add_(ops.gram(c))
                 return None
+
             self._stream(add)
             return G.cpu() if host else G
         if self.screen_rows:
@@ -293,6 +313,7 @@ class RoundInput:
                 dot, nsq, nbar, ok = ops.kstats(c, p)
                 acc.add_(torch.cat([dot, nsq, nbar.reshape(1)]))
                 return ok if screen else None
+
             self._stream(add)
             host = acc.cpu()
         else:
@@ -300,7 +321,7 @@ class RoundInput:
             stats = torch.cat([dot, nsq, nbar.reshape(1)])
             carried = self._flags(ok, carry=stats) if self.screen_rows else None
             host = carried if carried is not None else stats.cpu()
-        return host[:K], host[K:2 * K], host[2 * K]
+        return host[:K], host[K : 2 * K], host[2 * K]
 
     def blocks(self, device: Optional[torch.device] = None) -> Iterator[Tuple[slice, torch.Tensor]]:
         """``(cols, U[:, cols])`` for a method's column-local work on U with per-client tables (FedAWARE's
@@ -314,7 +335,7 @@ class RoundInput:
         if self.src is None:
             yield slice(None), self.U if device is None else self.U.to(device)
             return
-        src = self.src if device is None else self.src.on(device)    # (host chunks go to a host table directly)
+        src = self.src if device is None else self.src.on(device)  # (host chunks go to a host table directly)
         for a, b, c in src.chunks():
             yield slice(a, b), c
 
@@ -346,11 +367,12 @@ class RoundInput:
                 ok = ops.finite_rows(c)
             fin &= ok
             if stop and not bool(ok.all()):
-                self._flags(fin, (a, b))                   # raises (policy raise)
+                self._flags(fin, (a, b))  # raises (policy raise)
         self._flags(fin)
 
-    def _flags(self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None,
-               carry: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def _flags(
+        self, ok: torch.Tensor, cols: Optional[Tuple[int, int]] = None, carry: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """Hands the rows' flags to ``on_flags``; returns ``carry`` (None, or a tensor on ok's device) on
         the host, brought there in the flags' copy. While a ``weighted_sum(..., hold=True)`` runs, the
         flags of its pass are kept in ``held`` instead (``release`` hands them over)."""
@@ -364,7 +386,7 @@ class RoundInput:
             return self.on_flags(ok, carry)
         try:
             return self.on_flags(ok, carry)
-        except BadUpdateError as e:                        # say where the source holds the bad row
+        except BadUpdateError as e:  # say where the source holds the bad row
             bad = (~ok.cpu()).nonzero().reshape(-1)
             k = int(bad[0]) if bad.numel() else -1
             if k < 0 or f"(row {k}): update contains NaN/Inf" not in str(e):
@@ -373,8 +395,10 @@ class RoundInput:
             raise BadUpdateError(f"{e} (source: {self.src.row_name(k)}{where})") from None
 
     def _refuse_packed(self, what: str) -> None:
-        raise PackedRowsRefused(f"compressed rows: this method reads {what} of the updates, which compressed rows "
-                                "do not give without decompressing them")
+        raise PackedRowsRefused(
+            f"compressed rows: this method reads {what} of the updates, which compressed rows "
+            "do not give without decompressing them"
+        )
 
     @property
     def U(self) -> torch.Tensor:
@@ -384,9 +408,11 @@ class RoundInput:
             return self.updates
         if self.packed is not None:
             self._refuse_packed("the dense [K, d] tensor")
-        raise RuntimeError("the updates come from a chunked source: RoundInput.U holds no data; read the rows "
-                           "through RoundInput.weighted_sum / gram / blocks (their shape: rin.K, rin.d, rin.dtype, "
-                           "rin.device)")
+        raise RuntimeError(
+            "the updates come from a chunked source: RoundInput.U holds no data; read the rows "
+            "through RoundInput.weighted_sum / gram / blocks (their shape: rin.K, rin.d, rin.dtype, "
+            "rin.device)"
+        )
 
     @property
     def K(self) -> int:
@@ -407,6 +433,7 @@ class RoundInput:
     def sample_weights(self) -> torch.Tensor:
         """p_k = n_k / sum n (float64, cpu)."""
         return self.num_examples / self.num_examples.sum()
+
     def with_row_scale(self, s: torch.Tensor) -> "RoundInput":
         """This round's input with its rows scaled: every pass of a method on the returned RoundInput
         sees ``diag(s) U`` (``s``: [K] finite scales, on the host or U's device), with no K x d copy
@@ -436,10 +463,10 @@ class RowScaled(RoundInput):
     Every field (the rows, counts, ids, payloads, the screen's state) is the base input's: reading or
     setting one here reads or sets it there."""
 
-    base: RoundInput             # the input whose passes and fields these are
-    s: torch.Tensor              # [K] float64 row scales
+    base: RoundInput  # the input whose passes and fields these are
+    s: torch.Tensor  # [K] float64 row scales
 
-    def __init__(self, base: RoundInput, s: Any) -> None:   # (not the dataclass' __init__: no fields of its own)
+    def __init__(self, base: RoundInput, s: Any) -> None:  # (not the dataclass' __init__: no fields of its own)
         st = torch.as_tensor(s, dtype=torch.float64).reshape(-1)
         if st.numel() != base.K:
             raise ValueError(f"RoundInput.with_row_scale: s has {st.numel()} entries, expected K={base.K}")
@@ -458,8 +485,9 @@ class RowScaled(RoundInput):
     def take_out(self) -> Optional[torch.Tensor]:
         return self.base.take_out()
 
-    def weighted_sum(self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                     hold: bool = False) -> torch.Tensor:
+    def weighted_sum(
+        self, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0, hold: bool = False
+    ) -> torch.Tensor:
         c = torch.as_tensor(coef, dtype=torch.float64).reshape(-1)
         return self.base.weighted_sum(c * self._s(c.device), base=base, alpha=alpha, hold=hold)
 
@@ -508,11 +536,13 @@ class RowScaled(RoundInput):
 
 def _delegate(name: str) -> property:
     """A RowScaled field: the base input's (K, d, dtype, device follow from its ``updates``)."""
+
     def get(self: RowScaled) -> Any:
         return getattr(self.base, name)
 
     def put(self: RowScaled, value: Any) -> None:
         setattr(self.base, name, value)
+
     return property(get, put)
 
 
@@ -566,8 +596,12 @@ class Aggregator(abc.ABC):
         self.spec: Optional[FlatSpec] = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def setup(self, spec: Optional[FlatSpec] = None, num_clients: Optional[int] = None,
-              global_flat: Optional[torch.Tensor] = None) -> None:
+    def setup(
+        self,
+        spec: Optional[FlatSpec] = None,
+        num_clients: Optional[int] = None,
+        global_flat: Optional[torch.Tensor] = None,
+    ) -> None:
         """Called once before the first round by a simulator that knows the whole federation.
 
         ``spec``: the FlatSpec of the model (layer-aware methods need it); ``num_clients``: N,
@@ -589,10 +623,15 @@ class Aggregator(abc.ABC):
         return {}
 
     # ---- aggregation ------------------------------------------------------------------------------
-    def aggregate(self, global_flat: torch.Tensor, updates: Updates, num_examples: CoefLike,
-                  client_ids: Optional[Sequence[int]] = None,
-                  payloads: Optional[Sequence[Dict[str, Any]]] = None,
-                  out: Optional[torch.Tensor] = None) -> AggResult:
+    def aggregate(
+        self,
+        global_flat: torch.Tensor,
+        updates: Updates,
+        num_examples: CoefLike,
+        client_ids: Optional[Sequence[int]] = None,
+        payloads: Optional[Sequence[Dict[str, Any]]] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> AggResult:
         """One round of the method: the new global model from the clients' updates.
 
         Arguments (K clients, d parameters):
@@ -675,18 +714,26 @@ class Aggregator(abc.ABC):
         declared = next(k for k in mro if "update_passes" in vars(k))
         own = self.update_passes(K) if declared is not Aggregator and issubclass(declared, update) else None
         if own is None:
-            raise ValueError(f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
-                             "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
-                             "ChunkedUpdates(..., device='cpu') or device='cuda'")
+            raise ValueError(
+                f"{self.name}: device='auto' cannot cost this method: declare what a round does with "
+                "U by overriding Aggregator.passes() (pass names: fedkernels.sources.PASSES), or pass "
+                "ChunkedUpdates(..., device='cpu') or device='cuda'"
+            )
         return (() if self.screen_in_pass else ("sum",)) + tuple(own)
 
     def prepare_round(self, global_flat: Any) -> None:
         """Called by the round runner first, with the caller's ``global_flat`` (not yet checked): a
         method sizes what it keeps per model here (SCAFFOLD's c, FedECADO's flows)."""
 
-    def validate(self, global_flat: torch.Tensor, updates: Union[Updates, UpdatesShape], num_examples: CoefLike,
-                 client_ids: Optional[Sequence[int]] = None, payloads: Optional[Sequence[Dict[str, Any]]] = None,
-                 screen: bool = True) -> RoundInput:
+    def validate(
+        self,
+        global_flat: torch.Tensor,
+        updates: Union[Updates, UpdatesShape],
+        num_examples: CoefLike,
+        client_ids: Optional[Sequence[int]] = None,
+        payloads: Optional[Sequence[Dict[str, Any]]] = None,
+        screen: bool = True,
+    ) -> RoundInput:
         """Checks every argument; applies the on_bad_update policy to bad clients (the round runner's
         validation, :func:`fedkernels.algorithms.runner.validate`). ``screen=False`` skips the NaN/Inf
         scan of the update rows (see ``screen_in_pass``). ``updates`` may be an :class:`UpdatesShape`
@@ -696,9 +743,11 @@ class Aggregator(abc.ABC):
 
     def missing_payload(self, key: str, what: str) -> str:
         """The one message for a payload entry the method's client side should have sent."""
-        return (f"{self.name} needs payload {key!r} ({what}) from its client side: train the client with "
-                f"rule = agg.client_rule() (hooks: fedkernels.algorithms.ClientRule) and pass what "
-                f"rule.end(ctx, model) returns as its entry of payloads")
+        return (
+            f"{self.name} needs payload {key!r} ({what}) from its client side: train the client with "
+            f"rule = agg.client_rule() (hooks: fedkernels.algorithms.ClientRule) and pass what "
+            f"rule.end(ctx, model) returns as its entry of payloads"
+        )
 
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         """The reason one client's payload is unusable, or None (subclasses extend): the wording of
@@ -735,8 +784,15 @@ class Aggregator(abc.ABC):
         S = getattr(rin.payloads, "stacks", {}).pop(key, None)
         return S if S is not None else torch.stack([p[key] for p in rin.payloads])
 
-    def _screen(self, global_flat: torch.Tensor, U: Union[torch.Tensor, UpdatesShape], n: torch.Tensor,
-                payloads: List[Dict[str, Any]], rows: bool, traced: bool) -> Dict[int, str]:
+    def _screen(
+        self,
+        global_flat: torch.Tensor,
+        U: Union[torch.Tensor, UpdatesShape],
+        n: torch.Tensor,
+        payloads: List[Dict[str, Any]],
+        rows: bool,
+        traced: bool,
+    ) -> Dict[int, str]:
         """The round runner's value screen of one round for this method, alone (``runner.screen_values``)."""
         return _runner.screen_values(self, global_flat, U, n, payloads, rows, traced)
 
@@ -783,13 +839,13 @@ class ClientContext:
 
     client_id: int
     round: int
-    global_flat: torch.Tensor            # [d] the global model the client started from (read-only)
-    spec: Any                            # FlatSpec of the model
-    lr: float                            # the client's learning rate this round
+    global_flat: torch.Tensor  # [d] the global model the client started from (read-only)
+    spec: Any  # FlatSpec of the model
+    lr: float  # the client's learning rate this round
     num_examples: int
-    payload: Dict[str, Any]              # Aggregator.client_payload(client_id)
-    step: int = 0                        # local steps taken so far (the loop increments it)
-    batch: Any = None                    # the current (inputs, targets)
+    payload: Dict[str, Any]  # Aggregator.client_payload(client_id)
+    step: int = 0  # local steps taken so far (the loop increments it)
+    batch: Any = None  # the current (inputs, targets)
     loss: Optional[torch.Tensor] = None  # the current loss (after loss_term)
     extras: Dict[str, Any] = field(default_factory=dict)  # scratch space for the rule
 
@@ -848,10 +904,10 @@ class ClientRule:
 class Chunk:
     """What a batched rule sees: C clients trained together from the global model ``x``."""
 
-    W: torch.Tensor            # [C, d] stacked weights (rows of the update buffer)
-    x: torch.Tensor            # [d] the global model
-    lr: torch.Tensor           # [C] learning rates this round (float64, host)
-    steps: List[int]           # local steps per client
+    W: torch.Tensor  # [C, d] stacked weights (rows of the update buffer)
+    x: torch.Tensor  # [d] the global model
+    lr: torch.Tensor  # [C] learning rates this round (float64, host)
+    steps: List[int]  # local steps per client
     epochs: List[Optional[int]]
     payloads: List[Dict[str, Any]]
     client_ids: List[int]
@@ -895,8 +951,15 @@ class BatchedRule:
         """The rule's gradient edit, made where the sequential rule makes it (the defaults of
         ``before_step`` / ``in_step``): before grad_clip, or after it when the rule is :meth:`fused`."""
 
-    def before_step(self, ch: Chunk, G: torch.Tensor, rho: Optional[torch.Tensor], ce: torch.Tensor,
-                    m: torch.Tensor, active: torch.Tensor) -> None:
+    def before_step(
+        self,
+        ch: Chunk,
+        G: torch.Tensor,
+        rho: Optional[torch.Tensor],
+        ce: torch.Tensor,
+        m: torch.Tensor,
+        active: torch.Tensor,
+    ) -> None:
         if not self.fused():
             self.edit(G)
 
@@ -954,7 +1017,8 @@ def build(name: str, **options: Any) -> Aggregator:
     inside that wrapper, e.g. ``build("fedavg", norm_bound=5.0)``; None adds none.
     """
     cls = _lookup(name)
-    from . import wrappers            # (wrappers builds on this module: imported when called)
+    from . import wrappers  # (wrappers builds on this module: imported when called)
+
     wrapping = wrappers.split_options(name.lower(), options)
     return wrappers.wrap(cls(**check_options(name.lower(), cls, options)), **wrapping)
 
@@ -964,13 +1028,16 @@ def options(name: str) -> Dict[str, Option]:
     ``build(name, **options)`` accepts (the common ``on_bad_update`` and ``server_lr`` and the
     wrappers' options included)."""
     from . import wrappers
+
     return {**signature.options(_lookup(name)), **wrappers.options()}
 
 
 def _lookup(name: str) -> Callable[..., Aggregator]:
     cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown aggregator {name!r}; {suggest(name, _REGISTRY)}known: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(
+            f"unknown aggregator {name!r}; {suggest(name, _REGISTRY)}known: {', '.join(sorted(_REGISTRY))}"
+        )
     return cls
 
 

@@ -18,6 +18,7 @@ columns sent uncompressed alongside them (``with_dense_columns``; the simulator 
 bits as dense rows), else from the codes decoded on those columns only (a variance stays >= 0 up to the
 codec's error on the clients' buffer updates). FedBN's "keep the buffers local" is not offered: it needs
 per-client buffer storage between rounds, which the simulator's clients do not keep."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -60,7 +61,7 @@ def average_buffers(spec: Optional[FlatSpec], rin, params: torch.Tensor) -> torc
         V = V.to(device=g.device, dtype=g.dtype)
         at = 0
         for a, b in ranges:
-            ops.weighted_sum(V[:, at:at + b - a], p, base=g[a:b], out=params[a:b])
+            ops.weighted_sum(V[:, at : at + b - a], p, base=g[a:b], out=params[a:b])
             at += b - a
         return params
     U = rin.U

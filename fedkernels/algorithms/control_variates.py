@@ -9,6 +9,7 @@ SCAFFOLD (scaffold.py) is the all-parameters case, FedPVR (fedpvr.py) its last-l
 * :class:`ControlVariateServer` - server: x <- x + server_lr sum_k p_k U_k; c_i += delta_c_i;
   c += (1/N) sum_{i in S} delta_c_i. Subclasses choose the range (``control_layout``).
 """
+
 from __future__ import annotations
 
 import abc
@@ -21,8 +22,7 @@ from .. import ops
 from . import tables
 from ..flat import FlatSpec
 from ._fused import fused_sgd_step
-from .base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor,
-                   table_passes)
+from .base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor, table_passes
 from .parts import WEIGHTINGS, check_choice, client_weights, momentum_steps, optimizer_lr_momentum
 
 
@@ -54,8 +54,9 @@ def control_delta(x: torch.Tensor, y: torch.Tensor, c: Optional[torch.Tensor], l
     return dc if c is None else dc.sub_(c.to(device=dc.device, dtype=dc.dtype))
 
 
-def pvr_control_update(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor,
-                       num_steps: int, lr: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def pvr_control_update(
+    x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, c_i: torch.Tensor, num_steps: int, lr: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(c_i^+, delta_c) for num_steps steps at a constant lr (FedPVR spec §2.6, U6)."""
     if num_steps <= 0 or not lr > 0:
         raise ValueError(f"pvr_control_update: need num_steps > 0 and lr > 0, got {num_steps}, {lr}")
@@ -81,14 +82,18 @@ class ControlVariateRule(ClientRule):
         named = dict(model.named_parameters())
         missing = [e.name for e in entries if e.name not in named]
         if missing:
-            raise ValueError(f"{agg.name} client rule: the model has no parameter {missing[0]!r} recorded in the FlatSpec")
+            raise ValueError(
+                f"{agg.name} client rule: the model has no parameter {missing[0]!r} recorded in the FlatSpec"
+            )
         self.params = [p for p in model.parameters() if p.requires_grad]
         x = ctx.global_flat
         c, ci = ctx.payload.get("c"), ctx.payload.get("c_i")
         for key, v in (("c", c), ("c_i", ci)):
             if v is not None and v.numel() != self.d_c:
-                raise ValueError(f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
-                                 f"expected d_c={self.d_c} (the controlled range)")
+                raise ValueError(
+                    f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
+                    f"expected d_c={self.d_c} (the controlled range)"
+                )
         self.corr: Dict[int, torch.Tensor] = {}
         if c is not None or ci is not None:
             corr = torch.zeros(self.d_c, dtype=x.dtype, device=x.device)
@@ -106,7 +111,7 @@ class ControlVariateRule(ClientRule):
                     continue
                 a, _, pos = next(r for r in starts if r[0] <= e.offset < r[1])
                 o = pos + e.offset - a
-                self.corr[id(p)] = corr[o:o + e.numel].view(e.shape).to(p.dtype)
+                self.corr[id(p)] = corr[o : o + e.numel].view(e.shape).to(p.dtype)
         self.lr_sum, self._lr, self.momentum = 0.0, None, 0.0
 
     def _correct_grads(self) -> None:
@@ -116,7 +121,7 @@ class ControlVariateRule(ClientRule):
                 torch._foreach_add_([g for g, _ in sel], [v for _, v in sel])
 
     def before_step(self, ctx: ClientContext, model) -> None:
-        if not self.aggregator.fused_step:   # fused: the correction is applied inside the native step
+        if not self.aggregator.fused_step:  # fused: the correction is applied inside the native step
             self._correct_grads()
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
@@ -124,8 +129,8 @@ class ControlVariateRule(ClientRule):
         if not self.aggregator.fused_step or not self.corr:
             return False
         if fused_sgd_step(optimizer, self.params, c_add=[self.corr.get(id(p)) for p in self.params]):
-            return True           # p -= lr * (g - c_i + c) (+ momentum, wd) in one native pass
-        self._correct_grads()      # optimizer not plain SGD: edit the gradients, let it step
+            return True  # p -= lr * (g - c_i + c) (+ momentum, wd) in one native pass
+        self._correct_grads()  # optimizer not plain SGD: edit the gradients, let it step
         return False
 
     def after_step(self, ctx: ClientContext, model) -> None:
@@ -169,9 +174,11 @@ class ControlVariateBatched(BatchedRule):
         for key, vs in (("c", c), ("c_i", ci)):
             for v in vs:
                 if v is not None and v.numel() != self.d_c:
-                    raise ValueError(f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
-                                     f"expected d_c={self.d_c} (the controlled range)")
-        self.c = c[0] if c and c[0] is not None else None        # c is the server's one vector
+                    raise ValueError(
+                        f"{agg.name} client rule: payload {key!r} has {v.numel()} elements, "
+                        f"expected d_c={self.d_c} (the controlled range)"
+                    )
+        self.c = c[0] if c and c[0] is not None else None  # c is the server's one vector
         self.corr = None
         if self.c is not None or any(v is not None for v in ci):
             W = ch.W
@@ -179,8 +186,11 @@ class ControlVariateBatched(BatchedRule):
             if self.c is not None:
                 corr.add_(self.c.to(device=W.device, dtype=W.dtype))
             if any(v is not None for v in ci):
-                corr.sub_(torch.stack([v if v is not None else torch.zeros(self.d_c, dtype=W.dtype, device=W.device)
-                                       for v in ci]).to(device=W.device, dtype=W.dtype))
+                corr.sub_(
+                    torch.stack(
+                        [v if v is not None else torch.zeros(self.d_c, dtype=W.dtype, device=W.device) for v in ci]
+                    ).to(device=W.device, dtype=W.dtype)
+                )
             self.corr = corr
 
     def edit(self, G):
@@ -188,17 +198,17 @@ class ControlVariateBatched(BatchedRule):
             return
         pos = 0
         for a, b in self.ranges:
-            G[:, a:b].add_(self.corr[:, pos:pos + b - a])
+            G[:, a:b].add_(self.corr[:, pos : pos + b - a])
             pos += b - a
 
     def end(self, ch):
         agg, x = self.agg, ch.x
         K = torch.tensor(ch.steps, dtype=torch.float64)
-        div = K * ch.lr.cpu()                                  # sum of the steps' learning rates
+        div = K * ch.lr.cpu()  # sum of the steps' learning rates
         if agg.momentum_correction and ch.momentum:
             div = div * torch.tensor([momentum_steps(k, ch.momentum) / k for k in ch.steps], dtype=torch.float64)
         xs = gather_ranges(x, self.ranges)
-        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1)      # the local models' controlled part
+        Y = torch.cat([ch.W[:, a:b] for a, b in self.ranges], 1)  # the local models' controlled part
         dc = (xs.unsqueeze(0) - Y).div_(div.to(device=Y.device, dtype=Y.dtype).unsqueeze(1))
         if self.c is not None:
             dc.sub_(self.c.to(device=dc.device, dtype=dc.dtype))
@@ -228,33 +238,40 @@ class ControlVariateServer(Aggregator):
     client_rule_cls = ControlVariateRule
     steps_key = "local_steps"
     require_num_clients = False
-    state_attrs = ("c", "c_table", "c_rows", "seen")   # the layout (ranges, d_c) is derived from the spec
-    screen_in_pass = True                               # _aggregate reads U first, through rin.weighted_sum
-    screened_payload_keys = ("delta_c",)               # stacked once per round, scanned for NaN/Inf
+    state_attrs = ("c", "c_table", "c_rows", "seen")  # the layout (ranges, d_c) is derived from the spec
+    screen_in_pass = True  # _aggregate reads U first, through rin.weighted_sum
+    screened_payload_keys = ("delta_c",)  # stacked once per round, scanned for NaN/Inf
 
     option_ranges = {"num_clients": ">= 1"}
 
-    def __init__(self, weighting: str = "uniform", momentum_correction: bool = False, fused_step: bool = True,
-                 num_clients: Optional[int] = None, control_device=None,
-                 control_file: Optional[Union[str, os.PathLike]] = None, **kw):
+    def __init__(
+        self,
+        weighting: str = "uniform",
+        momentum_correction: bool = False,
+        fused_step: bool = True,
+        num_clients: Optional[int] = None,
+        control_device=None,
+        control_file: Optional[Union[str, os.PathLike]] = None,
+        **kw,
+    ):
         super().__init__(**kw)
         check_choice(self.name, "weighting", weighting, WEIGHTINGS)
         if control_device is not None:
             try:
                 torch.device(control_device)
             except (RuntimeError, TypeError):
-                raise ValueError(f"{self.name}: control_device must be a device (e.g. 'cpu') or None, "
-                                 f"got {control_device!r}") from None
+                raise ValueError(
+                    f"{self.name}: control_device must be a device (e.g. 'cpu') or None, got {control_device!r}"
+                ) from None
         self.control_device = control_device
-        self.control_file = tables.check_path(self.name, "control_file", control_file, control_device,
-                                              "control_device")
-        self.table_version = 0                                 # completed updates of a control_file table
+        self.control_file = tables.check_path(self.name, "control_file", control_file, control_device, "control_device")
+        self.table_version = 0  # completed updates of a control_file table
         self.weighting = weighting
         self.momentum_correction, self.fused_step = bool(momentum_correction), bool(fused_step)
         self.num_clients = num_clients
         self.c: Optional[torch.Tensor] = None
-        self.c_table: Optional[torch.Tensor] = None            # [N, d_c] when N is known
-        self.c_rows: Dict[int, torch.Tensor] = {}              # otherwise client id -> [d_c]
+        self.c_table: Optional[torch.Tensor] = None  # [N, d_c] when N is known
+        self.c_rows: Dict[int, torch.Tensor] = {}  # otherwise client id -> [d_c]
         self.seen: set = set()
         self.ranges: Optional[List[Tuple[int, int]]] = None
         self.d_c: Optional[int] = None
@@ -281,13 +298,22 @@ class ControlVariateServer(Aggregator):
             raise ValueError(f"{self.name}: needs the number of clients N{why} (num_clients= or setup(num_clients=N))")
         if self.num_clients is not None and self.c_table is None:
             if self.control_file is not None:
-                self.c_table = tables.table_file(self.control_file, self.num_clients, self.d_c, like.dtype,
-                                                 exist_ok=False, what=f"{self.name}: control_file")
+                self.c_table = tables.table_file(
+                    self.control_file,
+                    self.num_clients,
+                    self.d_c,
+                    like.dtype,
+                    exist_ok=False,
+                    what=f"{self.name}: control_file",
+                )
                 self.table_version = 0
                 tables.updated(self.control_file, 0)
             else:
-                self.c_table = torch.zeros((self.num_clients, self.d_c), dtype=like.dtype,
-                                           device=like.device if self.control_device is None else self.control_device)
+                self.c_table = torch.zeros(
+                    (self.num_clients, self.d_c),
+                    dtype=like.dtype,
+                    device=like.device if self.control_device is None else self.control_device,
+                )
             for cid, row in self.c_rows.items():
                 self.c_table[cid].copy_(row)
             self.c_rows = {}
@@ -315,10 +341,10 @@ class ControlVariateServer(Aggregator):
 
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         if self.c is None:
-            return {}                      # before the first round: c = c_i = 0
+            return {}  # before the first round: c = c_i = 0
         ci = self._ci(int(client_id))
         if self.control_file is not None and ci is not None:
-            ci = ci.clone()            # a view of the file mapping cannot go to worker processes (fd-shared storages)
+            ci = ci.clone()  # a view of the file mapping cannot go to worker processes (fd-shared storages)
         return {"c": self.c, "c_i": ci}
 
     def prepare_round(self, global_flat) -> None:
@@ -338,7 +364,7 @@ class ControlVariateServer(Aggregator):
 
     def suspect_payloads(self, payloads):
         rows = super().suspect_payloads(payloads)
-        S = getattr(payloads, "stacks", {}).get("delta_c")    # the screen stacked them: all tensors, one shape
+        S = getattr(payloads, "stacks", {}).get("delta_c")  # the screen stacked them: all tensors, one shape
         if rows is None or S is None or (self.d_c is not None and S[0].numel() != self.d_c):
             return None
         return rows
@@ -348,7 +374,7 @@ class ControlVariateServer(Aggregator):
         c = self.c
         try:
             D = self.payload_stack(rin, "delta_c")
-        except RuntimeError:              # shapes or devices differ (same numel: checked)
+        except RuntimeError:  # shapes or devices differ (same numel: checked)
             D = torch.stack([pl["delta_c"].reshape(-1).to(device=c.device, dtype=c.dtype) for pl in rin.payloads])
         return D.reshape(rin.K, -1).to(device=c.device, dtype=c.dtype)
 
@@ -359,18 +385,18 @@ class ControlVariateServer(Aggregator):
     def _aggregate(self, rin: RoundInput) -> AggResult:
         g = rin.global_flat
         p = client_weights(rin, self.weighting)
-        new = rin.weighted_sum(p, base=g, alpha=self.server_lr)         # first read of U: screens its rows
+        new = rin.weighted_sum(p, base=g, alpha=self.server_lr)  # first read of U: screens its rows
         self.seen.update(rin.client_ids)
         N = self.num_clients if self.num_clients is not None else len(self.seen)
         c = self.c
-        D = self._deltas(rin)                 # [K, d_c]
-        if self.c_table is not None:          # c_i += delta_c_i for the round's rows (distinct): one indexed op
+        D = self._deltas(rin)  # [K, d_c]
+        if self.c_table is not None:  # c_i += delta_c_i for the round's rows (distinct): one indexed op
             T = self.c_table
             tables.updating(self.control_file, self.table_version + 1)
             T.index_add_(0, id_tensor(rin.client_ids, T.device), D.to(T.device))
             tables.updated(self.control_file, self.table_version + 1)
             self.table_version += 1
-        else:                                 # N unknown: a dict of the clients seen so far
+        else:  # N unknown: a dict of the clients seen so far
             for cid, dc in zip(rin.client_ids, D):
                 self._ci(cid, create=True).add_(dc)
         # sum_i delta_c_i: one fixed-order pass

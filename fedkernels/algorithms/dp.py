@@ -36,6 +36,7 @@ updates. Methods whose state or payloads carry un-noised client data are refused
 :class:`Noised` enforces the protocol at run time (a second read of U, or a read through
 gram/kstats/blocks, is an error naming the method).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,28 +55,46 @@ DP_KINDS = ("central", "client", "adaptive")
 _CONTROL = "its control variates (c and each c_i) are un-noised functions of the clients' updates, sent back to clients"
 VERDICTS: Dict[str, str] = {
     "fedavg": "private",
-    "fedavgm": "private",       # server momentum on the noised aggregate: post-processing
-    "fedprox": "private",       # FedAvg's server update (the proximal term is client-side)
-    "fednova": "private",       # coefficients from the clients' step counts (treated as public metadata)
-    "fedpgvc": "private",       # FedAvg-style sum; the skipped-step counts are metadata
-    "gcfed": "private", "gc-fed": "private", "global_gc": "private", "local_gc": "private",
-    "local_gc_only": "private",   # the gradient-centralisation projection of the noised sum: post-processing
-    "fedadam": "private", "fedyogi": "private", "fedadagrad": "private",   # server Adam/Yogi/Adagrad of the noised sum
-    "scaffold": _CONTROL, "scaffold_partial": _CONTROL, "fedpvr": _CONTROL,
+    "fedavgm": "private",  # server momentum on the noised aggregate: post-processing
+    "fedprox": "private",  # FedAvg's server update (the proximal term is client-side)
+    "fednova": "private",  # coefficients from the clients' step counts (treated as public metadata)
+    "fedpgvc": "private",  # FedAvg-style sum; the skipped-step counts are metadata
+    "gcfed": "private",
+    "gc-fed": "private",
+    "global_gc": "private",
+    "local_gc": "private",
+    "local_gc_only": "private",  # the gradient-centralisation projection of the noised sum: post-processing
+    "fedadam": "private",
+    "fedyogi": "private",
+    "fedadagrad": "private",  # server Adam/Yogi/Adagrad of the noised sum
+    "scaffold": _CONTROL,
+    "scaffold_partial": _CONTROL,
+    "fedpvr": _CONTROL,
     "fedaware": "its per-client momentum table and min-norm weights are computed from the un-noised updates",
     "fedecado": "its per-client tables and the central ODE solve read the un-noised updates directly",
     "kuramoto": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
     "kuramoto_fedavg": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
-    **{m: "it selects or weights the updates by their un-noised values (order statistics, distances, "
-          "iterated clipping): its output is not one noised weighted sum"
-       for m in ("median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "rfa",
-                 "centered_clip")},
+    **{
+        m: "it selects or weights the updates by their un-noised values (order statistics, distances, "
+        "iterated clipping): its output is not one noised weighted sum"
+        for m in ("median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "rfa", "centered_clip")
+    },
 }
 
 _DEFAULTS: Dict[str, Any] = {
-    "kind": "central", "clip": None, "noise_multiplier": None, "delta": 1e-5, "target_epsilon": None,
-    "rounds": None, "seed": 0, "num_sampled_clients": None, "population": None, "accountant": "rdp",
-    "target_clipped_quantile": 0.5, "clip_norm_lr": 0.2, "clipped_count_stddev": None,
+    "kind": "central",
+    "clip": None,
+    "noise_multiplier": None,
+    "delta": 1e-5,
+    "target_epsilon": None,
+    "rounds": None,
+    "seed": 0,
+    "num_sampled_clients": None,
+    "population": None,
+    "accountant": "rdp",
+    "target_clipped_quantile": 0.5,
+    "clip_norm_lr": 0.2,
+    "clipped_count_stddev": None,
 }
 
 
@@ -86,12 +105,16 @@ def method_verdict(agg: Aggregator) -> Tuple[str, str]:
         core = core.inner
     names = [n for n, c in _registry_items() if c is type(core)]
     name = next((n for n in names if n in VERDICTS), names[0] if names else type(core).name)
-    return name, VERDICTS.get(name, "it has no differential-privacy verdict yet (its update is not known to be "
-                                    "one weighted sum with data-independent weights)")
+    return name, VERDICTS.get(
+        name,
+        "it has no differential-privacy verdict yet (its update is not known to be "
+        "one weighted sum with data-independent weights)",
+    )
 
 
 def _registry_items():
     from .base import _REGISTRY
+
     return _REGISTRY.items()
 
 
@@ -124,27 +147,38 @@ def check_dp_options(opts: Mapping[str, Any], where: str = "dp") -> Dict[str, An
     num("clip_norm_lr", lambda v: v > 0, "a number > 0", allow_none=False)
     num("clipped_count_stddev", lambda v: v >= 0, "a number >= 0")
     if (o["noise_multiplier"] is None) == (o["target_epsilon"] is None):
-        raise ValueError(f"{where}: give exactly one of noise_multiplier and target_epsilon "
-                         f"(got noise_multiplier={o['noise_multiplier']!r}, target_epsilon={o['target_epsilon']!r})")
+        raise ValueError(
+            f"{where}: give exactly one of noise_multiplier and target_epsilon "
+            f"(got noise_multiplier={o['noise_multiplier']!r}, target_epsilon={o['target_epsilon']!r})"
+        )
     for key in ("rounds", "num_sampled_clients", "population"):
         v = o[key]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{where}.{key}={v!r}: expected an integer >= 1")
-    if isinstance(o["seed"], bool) or not isinstance(o["seed"], int) or not 0 <= o["seed"] < 2 ** 62:
+    if isinstance(o["seed"], bool) or not isinstance(o["seed"], int) or not 0 <= o["seed"] < 2**62:
         raise ValueError(f"{where}.seed={o['seed']!r}: expected an integer in [0, 2^62)")
     if o["accountant"] not in ("rdp",):
-        raise ValueError(f"{where}.accountant={o['accountant']!r}: expected 'rdp' (the sampling is fixed-size "
-                         "without replacement, which dp-accounting's PLD accountant does not support)")
+        raise ValueError(
+            f"{where}.accountant={o['accountant']!r}: expected 'rdp' (the sampling is fixed-size "
+            "without replacement, which dp-accounting's PLD accountant does not support)"
+        )
     if o["target_epsilon"] is not None:
         missing = [k for k in ("rounds", "num_sampled_clients", "population") if o[k] is None]
         if missing:
-            raise ValueError(f"{where}.target_epsilon needs {', '.join(missing)} (the planned rounds, clients per "
-                             "round and clients in all) to calibrate the noise")
+            raise ValueError(
+                f"{where}.target_epsilon needs {', '.join(missing)} (the planned rounds, clients per "
+                "round and clients in all) to calibrate the noise"
+            )
         from ..privacy import calibrate_noise_multiplier
-        o["noise_multiplier"] = calibrate_noise_multiplier(o["target_epsilon"], o["delta"], o["rounds"],
-                                                           o["num_sampled_clients"], o["population"])
-    if o["num_sampled_clients"] is not None and o["population"] is not None \
-            and o["num_sampled_clients"] > o["population"]:
+
+        o["noise_multiplier"] = calibrate_noise_multiplier(
+            o["target_epsilon"], o["delta"], o["rounds"], o["num_sampled_clients"], o["population"]
+        )
+    if (
+        o["num_sampled_clients"] is not None
+        and o["population"] is not None
+        and o["num_sampled_clients"] > o["population"]
+    ):
         raise ValueError(f"{where}.num_sampled_clients={o['num_sampled_clients']} exceeds population={o['population']}")
     return o
 
@@ -155,9 +189,11 @@ def adaptive_noise(z: float, count_std: float) -> float:
     if z == 0:
         return 0.0
     if z >= 2 * count_std:
-        raise ValueError(f"dp.clipped_count_stddev={count_std:g} is too small for noise_multiplier={z:g}: the count "
-                         f"noise alone exceeds the budget (need clipped_count_stddev > noise_multiplier / 2)")
-    return (z ** -2 - (2 * count_std) ** -2) ** -0.5
+        raise ValueError(
+            f"dp.clipped_count_stddev={count_std:g} is too small for noise_multiplier={z:g}: the count "
+            f"noise alone exceeds the budget (need clipped_count_stddev > noise_multiplier / 2)"
+        )
+    return (z**-2 - (2 * count_std) ** -2) ** -0.5
 
 
 class Noised(RowScaled):
@@ -170,16 +206,25 @@ class Noised(RowScaled):
 
     def __init__(self, base: RoundInput, s: Any, unit: float, seed: int, counter: int, method: str) -> None:
         super().__init__(base, s)
-        for k, v in (("unit", unit), ("seed", seed), ("counter", counter), ("method", method), ("sums", 0),
-                     ("sigma", 0.0)):
+        for k, v in (
+            ("unit", unit),
+            ("seed", seed),
+            ("counter", counter),
+            ("method", method),
+            ("sums", 0),
+            ("sigma", 0.0),
+        ):
             object.__setattr__(self, k, v)
 
     def _refuse(self, what: str) -> None:
-        raise ValueError(f"dp: {self.method} reads the updates through {what}, whose result is not noised: "
-                         "this method cannot run under differential privacy")
+        raise ValueError(
+            f"dp: {self.method} reads the updates through {what}, whose result is not noised: "
+            "this method cannot run under differential privacy"
+        )
 
-    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                     hold: bool = False) -> torch.Tensor:
+    def weighted_sum(
+        self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0, hold: bool = False
+    ) -> torch.Tensor:
         if self.sums:
             self._refuse("a second weighted sum in one round")
         object.__setattr__(self, "sums", 1)
@@ -188,10 +233,16 @@ class Noised(RowScaled):
         object.__setattr__(self, "sigma", sigma)
         cs = c * self._s("cpu")
         b = self.base
-        if b.src is None and not b.screen_rows and not hold and isinstance(b.updates, torch.Tensor) \
-                and has_kernel("weighted_sum_noised", b.updates.device):
-            return ops.weighted_sum_noised(b.updates, cs, base, alpha, sigma=sigma, seed=self.seed,
-                                           counter=self.counter)
+        if (
+            b.src is None
+            and not b.screen_rows
+            and not hold
+            and isinstance(b.updates, torch.Tensor)
+            and has_kernel("weighted_sum_noised", b.updates.device)
+        ):
+            return ops.weighted_sum_noised(
+                b.updates, cs, base, alpha, sigma=sigma, seed=self.seed, counter=self.counter
+            )
         out = b.weighted_sum(cs, base=base, alpha=alpha, hold=hold)
         return ops.add_gaussian_noise_(out, sigma, self.seed, self.counter)
 
@@ -230,7 +281,7 @@ class DifferentialPrivacy(MethodWrapper):
             raise ValueError(f"dp: method {name!r} is refused: {verdict}")
         o = check_dp_options(dp)
         self.options = o
-        self.dp = {k: v for k, v in o.items() if v is not None}   # the options as given, filled (repr, logs)
+        self.dp = {k: v for k, v in o.items() if v is not None}  # the options as given, filled (repr, logs)
         self.kind = o["kind"]
         self.clip = o["clip"]
         self.noise_multiplier = o["noise_multiplier"]
@@ -251,16 +302,19 @@ class DifferentialPrivacy(MethodWrapper):
             if std is not None:
                 self._z_model = adaptive_noise(self.noise_multiplier, std)
 
-    def setup(self, spec: Any = None, num_clients: Optional[int] = None,
-              global_flat: Optional[torch.Tensor] = None) -> None:
+    def setup(
+        self, spec: Any = None, num_clients: Optional[int] = None, global_flat: Optional[torch.Tensor] = None
+    ) -> None:
         # Buffers (BatchNorm running statistics) are the participants' plain average in every round
         # (algorithms/buffers.py): neither clipped nor noised, they would release client data outside the
         # guarantee. Refused, as Opacus refuses BatchNorm: GroupNorm / LayerNorm have no buffers.
         bufs = [e.name for e in getattr(spec, "entries", ()) if e.is_buffer and e.numel > 0]
         if bufs:
-            raise ValueError(f"dp: the model has buffers ({', '.join(bufs[:3])}{', ...' if len(bufs) > 3 else ''}), "
-                             "which every method averages without clipping or noise; use a model without "
-                             "running statistics (GroupNorm or LayerNorm instead of BatchNorm)")
+            raise ValueError(
+                f"dp: the model has buffers ({', '.join(bufs[:3])}{', ...' if len(bufs) > 3 else ''}), "
+                "which every method averages without clipping or noise; use a model without "
+                "running statistics (GroupNorm or LayerNorm instead of BatchNorm)"
+            )
         super().setup(spec, num_clients, global_flat)
 
     # ---- the round ----------------------------------------------------------------------------------
@@ -270,10 +324,10 @@ class DifferentialPrivacy(MethodWrapper):
     def before(self, rin: RoundInput) -> RoundInput:
         K = rin.K
         m = self._sample_size(K)
-        if self.kind == "adaptive" and self.count_std is None:     # Flower's default: m / 20
+        if self.kind == "adaptive" and self.count_std is None:  # Flower's default: m / 20
             self.count_std = m / 20 if self.noise_multiplier > 0 else 0.0
             self._z_model = adaptive_noise(self.noise_multiplier, self.count_std)
-        rin.num_examples = torch.ones(K, dtype=torch.float64)      # fair weights: a bounded contribution each
+        rin.num_examples = torch.ones(K, dtype=torch.float64)  # fair weights: a bounded contribution each
         C = self.clip
         if self.kind == "client":
             s = torch.ones(K, dtype=torch.float64)
@@ -282,9 +336,9 @@ class DifferentialPrivacy(MethodWrapper):
             known = self.known_norms
             if known is not None and all(c in known for c in rin.client_ids):
                 norms = torch.tensor([known[c] for c in rin.client_ids], dtype=torch.float64)
-                s = torch.where(norms > C, C / norms, torch.ones_like(norms))   # (the sum screens the rows)
+                s = torch.where(norms > C, C / norms, torch.ones_like(norms))  # (the sum screens the rows)
             else:
-                s, norms = clip_scales(rin, C)                     # the screening pass (kstats' nsq)
+                s, norms = clip_scales(rin, C)  # the screening pass (kstats' nsq)
             self._within = int((norms <= C).sum())
         self._clipped = int((s < 1).sum())
         self._round_clip = C
@@ -298,7 +352,7 @@ class DifferentialPrivacy(MethodWrapper):
         info["dp_noise_multiplier"] = self.noise_multiplier
         if self.kind == "adaptive":
             m = self._sample_size(rin.K)
-            z_b = float(ops.philox_normal(1, self.seed, 2 * self.round + 1)[0])   # the count's noise
+            z_b = float(ops.philox_normal(1, self.seed, 2 * self.round + 1)[0])  # the count's noise
             frac = (self._within + self.count_std * z_b) / m
             self.clip = self.clip * math.exp(-self.clip_lr * (frac - self.target_quantile))
             info["dp_next_clip"] = self.clip
@@ -312,8 +366,10 @@ class DifferentialPrivacy(MethodWrapper):
             return None
         if self._accountant is None:
             from ..privacy import PrivacyAccountant
-            self._accountant = PrivacyAccountant(self.noise_multiplier, min(self._sample_size(K), N), int(N),
-                                                 self.delta)
+
+            self._accountant = PrivacyAccountant(
+                self.noise_multiplier, min(self._sample_size(K), N), int(N), self.delta
+            )
         return self._accountant.epsilon_at(self._acc_rounds)
 
     def epsilon(self) -> Optional[float]:

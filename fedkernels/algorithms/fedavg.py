@@ -1,4 +1,5 @@
 """FedAvg (McMahan et al., 2017): global <- global + eta_g * sum_k p_k U_k, p_k = n_k / sum n."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -19,8 +20,8 @@ class FedAvg(Aggregator):
     One native ``weighted_sum`` pass over the K x d updates; no per-layer loop.
     """
 
-    screen_in_pass = True      # its weighted_sum pass over U also screens the rows (RoundInput.weighted_sum)
-    applies_round_lr = True    # this class's _aggregate steps with round_lr() (server_lr_schedule is honoured)
+    screen_in_pass = True  # its weighted_sum pass over U also screens the rows (RoundInput.weighted_sum)
+    applies_round_lr = True  # this class's _aggregate steps with round_lr() (server_lr_schedule is honoured)
 
     def __init__(self, weighting: str = "samples", server_lr_schedule: Optional[str] = None, **kw):
         super().__init__(**kw)
@@ -30,8 +31,10 @@ class FedAvg(Aggregator):
         if server_lr_schedule is not None:
             owner = next(k for k in type(self).__mro__ if "_aggregate" in vars(k))
             if not vars(owner).get("applies_round_lr", False):
-                raise ValueError(f"{self.name}: server_lr_schedule={server_lr_schedule!r} is not supported "
-                                 "(only fedavg and fedavgm apply a per-round server learning rate)")
+                raise ValueError(
+                    f"{self.name}: server_lr_schedule={server_lr_schedule!r} is not supported "
+                    "(only fedavg and fedavgm apply a per-round server learning rate)"
+                )
             self.lr_schedule = ServerLRSchedule.load(server_lr_schedule, f"{self.name}: server_lr_schedule")
 
     def weights(self, rin: RoundInput):
@@ -46,12 +49,12 @@ class FedAvg(Aggregator):
         return self.server_lr * self.lr_schedule.value(self.round, ids)
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+        return ("sum",)  # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
         lr = self.round_lr(rin)
-        new = rin.weighted_sum(p, base=rin.global_flat, alpha=lr)   # (screens the rows in the same pass)
+        new = rin.weighted_sum(p, base=rin.global_flat, alpha=lr)  # (screens the rows in the same pass)
         info = {"weights": info_values(p)}
         if self.lr_schedule is not None:
             info["server_lr"] = lr

@@ -8,6 +8,7 @@ In the update convention of fedkernels (U_k = local - global):
 ``beta = 0`` is FedAvg with server learning rate ``server_lr``. The momentum vector v
 (``parts.ServerMomentum``; length d, dtype and device of the global model) is the only state.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -27,7 +28,7 @@ class FedAvgM(FedAvg):
     accumulates straight into the momentum buffer, then one axpy over d.
     """
 
-    applies_round_lr = True     # _aggregate steps with round_lr()
+    applies_round_lr = True  # _aggregate steps with round_lr()
     state_attrs = ("momentum",)
 
     def __init__(self, beta: float = 0.9, nesterov: bool = False, **kw):
@@ -42,13 +43,13 @@ class FedAvgM(FedAvg):
     momentum = momentum_attr("_mom")
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum", "sum") if self.nesterov else ("sum",)     # Nesterov: the mean update again
+        return ("sum", "sum") if self.nesterov else ("sum",)  # Nesterov: the mean update again
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
         g = rin.global_flat
         lr = self.round_lr(rin)
-        v = self._mom.step(rin, p, g)                                    # v = beta v + sum p U (screens U)
+        v = self._mom.step(rin, p, g)  # v = beta v + sum p U (screens U)
         if self.nesterov:
             step = rin.weighted_sum(p).add_(v, alpha=self.beta)
             new = g.add(step, alpha=lr)

@@ -14,6 +14,7 @@ Then, with p_i = n_i / sum n over the round's clients (or 1/K with ``weighting="
 
 i.e. one ``weighted_sum`` with coefficients p_i tau_eff / a_i. Equal a_i gives FedAvg.
 """
+
 from __future__ import annotations
 
 import math
@@ -99,7 +100,7 @@ class FedNova(FedAvg):
             return f"payload 'momentum' must lie in [0, 1), got {payload.get('momentum')!r}"
         return None
 
-    _cols = None     # (payloads, their columns): read once per round by suspect_payloads and a_norms
+    _cols = None  # (payloads, their columns): read once per round by suspect_payloads and a_norms
 
     def _columns(self, payloads):
         """(sent, a_norm, tau, rho) over the round: sent [K] bool (a_norm given; None when no client sent
@@ -108,8 +109,11 @@ class FedNova(FedAvg):
         if self._cols is not None and self._cols[0] is payloads:
             return self._cols[1]
         sent = [k for k, p in enumerate(payloads) if "a_norm" in p]
-        cols = (payload_numbers(payloads, "a_norm", 0.0) if sent else None,
-                payload_numbers(payloads, "local_steps"), payload_numbers(payloads, "momentum", self.local_momentum))
+        cols = (
+            payload_numbers(payloads, "a_norm", 0.0) if sent else None,
+            payload_numbers(payloads, "local_steps"),
+            payload_numbers(payloads, "momentum", self.local_momentum),
+        )
         if any(c is None for c in cols[1:]) or (sent and cols[0] is None):
             out = None
         else:
@@ -126,7 +130,7 @@ class FedNova(FedAvg):
         if rows is None or cols is None:
             return None
         sent, a, tau, rho = cols
-        inf = math.inf        # (x > 0) & (x < inf): isfinite(x) & (x > 0) in two ops (NaN fails both)
+        inf = math.inf  # (x > 0) & (x < inf): isfinite(x) & (x > 0) in two ops (NaN fails both)
         ok = (tau > 0) & (tau < inf) & (rho >= 0) & (rho < 1)
         if sent is not None:
             ok = torch.where(sent, (a > 0) & (a < inf), ok)
@@ -135,11 +139,11 @@ class FedNova(FedAvg):
     def a_norms(self, rin: RoundInput) -> torch.Tensor:
         cols = self._columns(rin.payloads)
         self._cols = None
-        if cols is not None:                  # whole-round: a = a_norm if sent, else ||a(tau, rho)||_1
+        if cols is not None:  # whole-round: a = a_norm if sent, else ||a(tau, rho)||_1
             sent, a, tau, rho = cols
             out = tau.clone() if sent is None else torch.where(sent, a, tau)
             mom = (rho != 0) if sent is None else ~sent & (rho != 0)
-            if bool(mom.any()):               # the closed form, once per distinct (tau, rho)
+            if bool(mom.any()):  # the closed form, once per distinct (tau, rho)
                 pairs = torch.stack([tau[mom], rho[mom]], 1).tolist()
                 memo = {tr: momentum_steps(*tr) for tr in set(map(tuple, pairs))}
                 out[mom] = torch.tensor([memo[tuple(tr)] for tr in pairs], dtype=torch.float64)
@@ -153,7 +157,7 @@ class FedNova(FedAvg):
         return torch.tensor(out, dtype=torch.float64)
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+        return ("sum",)  # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
@@ -161,5 +165,4 @@ class FedNova(FedAvg):
         tau_eff = float((p * a).sum())
         coef = p * (tau_eff / a)
         new = rin.weighted_sum(coef, base=rin.global_flat, alpha=self.server_lr)
-        return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff,
-                               "coef": coef.tolist()})
+        return AggResult(new, {"weights": p.tolist(), "a_norm": a.tolist(), "tau_eff": tau_eff, "coef": coef.tolist()})

@@ -11,6 +11,7 @@ by ``FedProxRule``:
 
 The global model is read through views of ``ctx.global_flat`` (FlatSpec), never copied.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -85,7 +86,7 @@ class FedProxRule(ClientRule):
             torch._foreach_add_(grads, [g for _, g in sel], alpha=-self.mu)
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
-        return {"prox_mu": self.mu}          # the server checks the clients trained with its mu
+        return {"prox_mu": self.mu}  # the server checks the clients trained with its mu
 
 
 class FedProxBatched(BatchedRule):
@@ -141,11 +142,11 @@ class FedProx(FedAvg):
         rows = super().suspect_payloads(payloads)
         if rows is None or self.mu == 0.0:
             return rows
-        mu = payload_numbers(payloads, "prox_mu")        # NaN where missing
+        mu = payload_numbers(payloads, "prox_mu")  # NaN where missing
         return None if mu is None else rows + rows_where(mu != self.mu)
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+        return ("sum",)  # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin):
         res = super()._aggregate(rin)

@@ -10,6 +10,7 @@ c and the c_i are [d_c] vectors over the controlled range (d_c = its length); cl
 ``{"delta_c": [d_c], "num_steps": K}``. The [PVR] code uses momentum 0.9 off the controlled range and 0
 on it; a loop wanting that builds two parameter groups.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union

@@ -15,6 +15,7 @@ The control variates over a masked range (SCAFFOLD, FedPVR) are ``control_variat
 
 Declared state (``Aggregator.state_attrs``) lives in ``base.py``.
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,7 @@ def controlled_entries(spec, n_ctrl: Union[int, str] = 2, modules: Optional[Sequ
         known = set(order)
         unknown = [m for m in modules if m not in known]
         if unknown:
-            raise ValueError(f"controlled modules {unknown} are not parameterised modules of the model; "
-                             f"known: {order}")
+            raise ValueError(f"controlled modules {unknown} are not parameterised modules of the model; known: {order}")
         sel = set(modules)
         return [e for e in params if e.module in sel]
     if not isinstance(n_ctrl, int) or isinstance(n_ctrl, bool) or n_ctrl < 0:
@@ -121,8 +121,12 @@ def _prefix_match(name: str, prefixes: Sequence[str]) -> bool:
     return False
 
 
-def split_layers(names: Sequence[str], local_layers: str = "all_except",
-                 global_layers: Optional[Sequence[str]] = None, lam: Optional[float] = None) -> List[bool]:
+def split_layers(
+    names: Sequence[str],
+    local_layers: str = "all_except",
+    global_layers: Optional[Sequence[str]] = None,
+    lam: Optional[float] = None,
+) -> List[bool]:
     """Per parameter tensor (``names`` in named_parameters order): True = in the local (Local GC) set.
 
     local_layers: "all_except" (every tensor except those under the module prefixes
@@ -150,8 +154,9 @@ def split_layers(names: Sequence[str], local_layers: str = "all_except",
 
 
 def check_n_ctrl(method: str, n_ctrl) -> None:
-    if not (isinstance(n_ctrl, str) and n_ctrl == "all") and \
-            not (isinstance(n_ctrl, int) and not isinstance(n_ctrl, bool) and n_ctrl >= 0):
+    if not (isinstance(n_ctrl, str) and n_ctrl == "all") and not (
+        isinstance(n_ctrl, int) and not isinstance(n_ctrl, bool) and n_ctrl >= 0
+    ):
         raise ValueError(f"{method}: n_ctrl must be a non-negative int or 'all', got {n_ctrl!r}")
 
 
@@ -163,7 +168,7 @@ def momentum_steps(tau: float, rho: float = 0.0) -> float:
         raise ValueError(f"momentum must lie in [0, 1), got {rho}")
     if rho == 0.0:
         return tau
-    return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+    return (tau - rho * (1.0 - rho**tau) / (1.0 - rho)) / (1.0 - rho)
 
 
 def optimizer_lr_momentum(optimizer) -> Tuple[Optional[float], float]:

@@ -20,6 +20,7 @@ Server round (S = accepted clients, N = number of clients):
 When N is unknown, N is the number of distinct clients seen so far and the c_i live in a dict. The
 first round (c = c_i = 0) is FedAvg with ``server_lr``.
 """
+
 from __future__ import annotations
 
 from .base import register

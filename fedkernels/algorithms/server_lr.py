@@ -13,6 +13,7 @@ match it too, so a schedule is never applied to a different sampling stream. Bad
 past the end of the schedule and a client set that matches no (or more than one) recorded run raise
 ValueError naming the file, the round and what was expected.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,11 @@ def _clients(rounds: Any, n: int, where: str) -> List[frozenset]:
         raise ValueError(f"{where}: 'clients' must be a list of {n} client-id lists (one per value), got {got}")
     out = []
     for t, ids in enumerate(rounds):
-        if not isinstance(ids, list) or not ids or \
-                any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)
+        ):
             raise ValueError(f"{where}: clients[{t}] = {ids!r}; expected a non-empty list of client ids (ints >= 0)")
         out.append(frozenset(ids))
     return out
@@ -89,16 +93,21 @@ class ServerLRSchedule:
         if self._chosen is None:
             hits = [j for j, (cl, vals) in enumerate(self.runs) if r < len(vals) and cl[r] == ids]
             if len(hits) != 1:
-                raise ValueError(f"server_lr_schedule={self.source}: round {r + 1} sampled clients {sorted(ids)}, "
-                                 f"which {'no' if not hits else 'more than one'} recorded run has at that round; "
-                                 "expected the sampling stream (seed, partition, clients per round) of exactly one run")
+                raise ValueError(
+                    f"server_lr_schedule={self.source}: round {r + 1} sampled clients {sorted(ids)}, "
+                    f"which {'no' if not hits else 'more than one'} recorded run has at that round; "
+                    "expected the sampling stream (seed, partition, clients per round) of exactly one run"
+                )
             self._chosen = hits[0]
         cl, vals = self.runs[self._chosen]
         if r >= len(vals):
-            raise ValueError(f"server_lr_schedule={self.source}: round {r + 1} has no value; "
-                             f"the schedule has {len(vals)} rounds")
+            raise ValueError(
+                f"server_lr_schedule={self.source}: round {r + 1} has no value; the schedule has {len(vals)} rounds"
+            )
         if cl is not None and cl[r] != ids:
-            raise ValueError(f"server_lr_schedule={self.source}: round {r + 1} sampled clients {sorted(ids)}, "
-                             f"but the recorded run (runs[{self._chosen}]) had {sorted(cl[r])}; "
-                             "expected the same sampling stream")
+            raise ValueError(
+                f"server_lr_schedule={self.source}: round {r + 1} sampled clients {sorted(ids)}, "
+                f"but the recorded run (runs[{self._chosen}]) had {sorted(cl[r])}; "
+                "expected the same sampling stream"
+            )
         return vals[r]

@@ -33,6 +33,7 @@ model's dtype, the only temporary), then ``ops.server_opt_step_`` updates m, v a
 fused pass over d, in place in that vector (which becomes the new model). State: m and v ([d],
 float32; float64 for a float64 model) and the step count t.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,17 @@ class ServerOptimizer:
     with it (e.g. a trimmed mean followed by an Adam step: ``opt.step_(x, new, r, from_model=True)``).
     """
 
-    def __init__(self, rule: str, eta: float, beta_1: float, beta_2: float, tau: float,
-                 bias_correction: Union[bool, str] = False, initial_v: float = 0.0, owner: str = "server_opt"):
+    def __init__(
+        self,
+        rule: str,
+        eta: float,
+        beta_1: float,
+        beta_2: float,
+        tau: float,
+        bias_correction: Union[bool, str] = False,
+        initial_v: float = 0.0,
+        owner: str = "server_opt",
+    ):
         if rule not in ops.SERVER_OPT_RULES:
             raise ValueError(f"{owner}: rule must be one of {ops.SERVER_OPT_RULES}, got {rule!r}")
         self.rule, self.owner = rule, owner
@@ -88,8 +98,9 @@ class ServerOptimizer:
         if isinstance(bias_correction, bool):
             bias_correction = "flower" if bias_correction else "none"
         if bias_correction not in BIAS_CORRECTIONS:
-            raise ValueError(f"{owner}: bias_correction must be True, False or one of {BIAS_CORRECTIONS}, "
-                             f"got {bias_correction!r}")
+            raise ValueError(
+                f"{owner}: bias_correction must be True, False or one of {BIAS_CORRECTIONS}, got {bias_correction!r}"
+            )
         self.bias_correction = bias_correction
         self.initial_v = _number(owner, "initial_v", initial_v)
         if self.initial_v < 0:
@@ -103,8 +114,8 @@ class ServerOptimizer:
         """eta_t of step ``t`` (1-based) in round ``round_index`` (0-based), in float64 as Flower."""
         if self.bias_correction == "none":
             return self.eta
-        e = float(round_index + 2) if self.bias_correction == "flower" else float(t)   # Flower: server_round + 1
-        return self.eta * math.sqrt(1.0 - self.beta_2 ** e) / (1.0 - self.beta_1 ** e)
+        e = float(round_index + 2) if self.bias_correction == "flower" else float(t)  # Flower: server_round + 1
+        return self.eta * math.sqrt(1.0 - self.beta_2**e) / (1.0 - self.beta_1**e)
 
     def _state(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """m and v for the model x (allocated at the first step; a loaded state is moved to x's device once)."""
@@ -115,23 +126,35 @@ class ServerOptimizer:
         for name in ("m", "v"):
             s = getattr(self, name)
             if s.dim() != 1 or s.numel() != x.numel():
-                raise ValueError(f"{self.owner}: optimiser state {name} has shape {tuple(s.shape)}, expected "
-                                 f"[{x.numel()}] (the model's d): a state_dict of another model?")
+                raise ValueError(
+                    f"{self.owner}: optimiser state {name} has shape {tuple(s.shape)}, expected "
+                    f"[{x.numel()}] (the model's d): a state_dict of another model?"
+                )
             if s.device != x.device or s.dtype != dt:
                 setattr(self, name, s.to(device=x.device, dtype=dt))
         assert self.m is not None and self.v is not None
         return self.m, self.v
 
-    def step_(self, x: torch.Tensor, io: torch.Tensor, round_index: int, from_model: bool = False,
-              scale: float = 1.0) -> torch.Tensor:
+    def step_(
+        self, x: torch.Tensor, io: torch.Tensor, round_index: int, from_model: bool = False, scale: float = 1.0
+    ) -> torch.Tensor:
         """One step (see the class docstring) with step size ``scale * eta_t``; returns ``io``, now the
         new model."""
         m, v = self._state(x)
         t = self.t + 1
         lr = scale * self.step_size(t, round_index)
-        ops.server_opt_step_(io, m, v, x, rule=self.rule, lr=lr, beta_1=self.beta_1,
-                             beta_2=self.beta_2 if self.rule != "adagrad" else 0.0, tau=self.tau,
-                             from_model=from_model)
+        ops.server_opt_step_(
+            io,
+            m,
+            v,
+            x,
+            rule=self.rule,
+            lr=lr,
+            beta_1=self.beta_1,
+            beta_2=self.beta_2 if self.rule != "adagrad" else 0.0,
+            tau=self.tau,
+            from_model=from_model,
+        )
         self.t = t
         self.last_step_size = lr
         return io
@@ -162,23 +185,37 @@ class _FedOpt(FedAvg):
     v = opt_attr("v")
     t = opt_attr("t")
 
-    def _setup_opt(self, eta: float, eta_l: float, beta_1: float, beta_2: float, tau: float,
-                   bias_correction: Union[bool, str], initial_v: float) -> None:
+    def _setup_opt(
+        self,
+        eta: float,
+        eta_l: float,
+        beta_1: float,
+        beta_2: float,
+        tau: float,
+        bias_correction: Union[bool, str],
+        initial_v: float,
+    ) -> None:
         self.eta_l = _number(self.name, "eta_l", eta_l)
         if self.eta_l <= 0:
             raise ValueError(f"{self.name}: eta_l must be > 0, got {eta_l}")
         self.opt = ServerOptimizer(self.rule, eta, beta_1, beta_2, tau, bias_correction, initial_v, owner=self.name)
 
     # (the simulator's range checks before a run; the constructor checks them too)
-    option_ranges = {"eta": "> 0", "eta_l": "> 0", "beta_1": "[0, 1)", "beta_2": "[0, 1)", "tau": "> 0",
-                     "initial_v": ">= 0"}
+    option_ranges = {
+        "eta": "> 0",
+        "eta_l": "> 0",
+        "beta_1": "[0, 1)",
+        "beta_2": "[0, 1)",
+        "tau": "> 0",
+        "initial_v": ">= 0",
+    }
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)          # the screened weighted_sum over U; the step is a pass over d only
+        return ("sum",)  # the screened weighted_sum over U; the step is a pass over d only
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = self.weights(rin)
-        delta = rin.weighted_sum(p)                    # (screens the rows in the same pass) [d], fresh
+        delta = rin.weighted_sum(p)  # (screens the rows in the same pass) [d], fresh
         new = self.opt.step_(rin.global_flat, delta, self.round, scale=self.server_lr)
         return AggResult(new, {"weights": info_values(p), **self.opt.info()})
 
@@ -197,8 +234,17 @@ class FedAdam(_FedOpt):
 
     rule = "adam"
 
-    def __init__(self, eta: float = 1e-1, eta_l: float = 1e-1, beta_1: float = 0.9, beta_2: float = 0.99,
-                 tau: float = 1e-9, bias_correction: Union[bool, str] = True, initial_v: float = 0.0, **kw: Any):
+    def __init__(
+        self,
+        eta: float = 1e-1,
+        eta_l: float = 1e-1,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-9,
+        bias_correction: Union[bool, str] = True,
+        initial_v: float = 0.0,
+        **kw: Any,
+    ):
         super().__init__(**kw)
         self._setup_opt(eta, eta_l, beta_1, beta_2, tau, bias_correction, initial_v)
 
@@ -214,8 +260,17 @@ class FedYogi(_FedOpt):
 
     rule = "yogi"
 
-    def __init__(self, eta: float = 1e-2, eta_l: float = 0.0316, beta_1: float = 0.9, beta_2: float = 0.99,
-                 tau: float = 1e-3, bias_correction: Union[bool, str] = False, initial_v: float = 0.0, **kw: Any):
+    def __init__(
+        self,
+        eta: float = 1e-2,
+        eta_l: float = 0.0316,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        tau: float = 1e-3,
+        bias_correction: Union[bool, str] = False,
+        initial_v: float = 0.0,
+        **kw: Any,
+    ):
         super().__init__(**kw)
         self._setup_opt(eta, eta_l, beta_1, beta_2, tau, bias_correction, initial_v)
 
@@ -231,8 +286,15 @@ class FedAdagrad(_FedOpt):
 
     rule = "adagrad"
 
-    def __init__(self, eta: float = 1e-1, eta_l: float = 1e-1, tau: float = 1e-9, beta_1: float = 0.0,
-                 initial_v: float = 0.0, **kw: Any):
+    def __init__(
+        self,
+        eta: float = 1e-1,
+        eta_l: float = 1e-1,
+        tau: float = 1e-9,
+        beta_1: float = 0.0,
+        initial_v: float = 0.0,
+        **kw: Any,
+    ):
         super().__init__(**kw)
         self._setup_opt(eta, eta_l, beta_1, 0.0, tau, False, initial_v)
 
@@ -254,8 +316,10 @@ def server_opt_options(spec: Any, owner: str) -> Dict[str, Any]:
         given = dict(spec.items())
         rule = given.pop("rule", None)
     else:
-        raise ValueError(f"{owner}: server_opt={spec!r}: expected a rule name ('adam', 'yogi', 'adagrad') or a "
-                         "mapping {'rule': ..., 'eta': ..., ...}")
+        raise ValueError(
+            f"{owner}: server_opt={spec!r}: expected a rule name ('adam', 'yogi', 'adagrad') or a "
+            "mapping {'rule': ..., 'eta': ..., ...}"
+        )
     rule = rule[3:] if isinstance(rule, str) and rule.startswith("fed") else rule
     if rule not in _RULE_METHOD:
         raise ValueError(f"{owner}: server_opt rule {rule!r}: expected one of {tuple(_RULE_METHOD)}")
@@ -300,4 +364,3 @@ class ServerOpt(MethodWrapper):
         new = self.opt.step_(rin.global_flat, res.params.clone(), self.round, from_model=True)
         res.info["server_opt"] = {"rule": self.opt.rule, **self.opt.info()}
         return AggResult(new, res.info)
-

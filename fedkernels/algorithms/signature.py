@@ -14,6 +14,7 @@ the same functions for configs and the command line (with YAML's words: null, tr
 Options are followed up the class hierarchy while an ``__init__`` forwards ``**kw``
 (``on_bad_update`` and ``server_lr`` live on :class:`~fedkernels.algorithms.Aggregator`).
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -138,13 +139,14 @@ def matches(v: Any, ann: Any) -> bool:
     """Whether ``v`` is a value of type ``ann`` (number text counts as a float)."""
     if ann is None or ann is Any:
         return True
-    if isinstance(ann, str):          # an annotation that did not resolve: do not guess
+    if isinstance(ann, str):  # an annotation that did not resolve: do not guess
         return True
     origin = typing.get_origin(ann)
     args = typing.get_args(ann)
     if origin is typing.Literal:
         return any(v == a and type(v) is type(a) for a in args) or (
-            isinstance(v, str) and v in [a for a in args if isinstance(a, str)])
+            isinstance(v, str) and v in [a for a in args if isinstance(a, str)]
+        )
     if origin is typing.Union:
         return any(matches(v, a) for a in args)
     if ann is type(None):
@@ -171,7 +173,7 @@ def matches(v: Any, ann: Any) -> bool:
         return callable(v)
     if isinstance(ann, type):
         return isinstance(v, ann)
-    return True                        # TypeVar, Protocol ...: not checkable here
+    return True  # TypeVar, Protocol ...: not checkable here
 
 
 def expected(ann: Any, default: Any) -> Any:
@@ -228,8 +230,7 @@ def suggest(word: Any, choices: Iterable[Any], fmt: str = "did you mean {!r}? ")
 def unknown_option(method: str, params: Iterable[str], key: str, value: Any) -> str:
     """The one line for an option the method does not have."""
     params = list(params)
-    return (f"{method}: unknown option {key}={fmt_value(value)}; {suggest(key, params)}"
-            f"options: {', '.join(params)}")
+    return f"{method}: unknown option {key}={fmt_value(value)}; {suggest(key, params)}options: {', '.join(params)}"
 
 
 # ---- the library's entry point ------------------------------------------------------------------------
@@ -262,21 +263,23 @@ def check_options(method: str, cls: Any, opts: Mapping[str, Any], required: bool
         if default is None and val is None:
             continue
         if not matches(val, exp):
-            raise ValueError(f"{method}: option {key}={fmt_value(val)}: expected {describe(exp)}, "
-                             f"got {type(val).__name__}")
+            raise ValueError(
+                f"{method}: option {key}={fmt_value(val)}: expected {describe(exp)}, got {type(val).__name__}"
+            )
         out[key] = normalize_value(val, exp)
     missing = [k for k, (_, default) in params.items() if required and default is NO_DEFAULT and k not in out]
     if missing:
         k = missing[0]
-        raise ValueError(f"{method}: option {k} is required ({describe(expected(*params[k]))}); "
-                         f"options: {', '.join(params)}")
+        raise ValueError(
+            f"{method}: option {k} is required ({describe(expected(*params[k]))}); options: {', '.join(params)}"
+        )
     return out
 
 
 def _first_sentence(doc: Optional[str]) -> str:
     para = " ".join((doc or "").strip().split("\n\n", 1)[0].split())
-    end = re.search(r"\.\s(?=[A-Z`(])", para)      # not at "Fig. 9"
-    return para if end is None else para[:end.start() + 1]
+    end = re.search(r"\.\s(?=[A-Z`(])", para)  # not at "Fig. 9"
+    return para if end is None else para[: end.start() + 1]
 
 
 def method_table(registry: Mapping[str, Any], base_options: Iterable[str] = ()) -> str:
@@ -290,13 +293,24 @@ def method_table(registry: Mapping[str, Any], base_options: Iterable[str] = ()) 
     lines = []
     for cls, keys in names.items():
         where = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
-        lines += textwrap.wrap(f"``{', '.join(keys)}`` ({where}): {_first_sentence(cls.__doc__)}", 96,
-                               initial_indent="    ", subsequent_indent="        ",
-                               break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"``{', '.join(keys)}`` ({where}): {_first_sentence(cls.__doc__)}",
+            96,
+            initial_indent="    ",
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+        )
         if isinstance(cls, type):
-            own = [f"{k}={default!r}" if default is not NO_DEFAULT else f"{k} (required)"
-                   for k, (_, default) in signature_params(cls).items() if k not in base]
-            lines += textwrap.wrap("options: " + (", ".join(own) if own else "(only the common ones)"), 96,
-                                   initial_indent="        ", subsequent_indent="            ",
-                                   break_on_hyphens=False)
+            own = [
+                f"{k}={default!r}" if default is not NO_DEFAULT else f"{k} (required)"
+                for k, (_, default) in signature_params(cls).items()
+                if k not in base
+            ]
+            lines += textwrap.wrap(
+                "options: " + (", ".join(own) if own else "(only the common ones)"),
+                96,
+                initial_indent="        ",
+                subsequent_indent="            ",
+                break_on_hyphens=False,
+            )
     return "\n".join(lines)

@@ -15,6 +15,7 @@ file), for tables larger than the device or the RAM. Used by ``fedaware/`` (``mo
   :func:`reopen` checks the file's size and marker against it (another version: the table changed after
   that state was saved; "updating": an update never finished) and maps it again.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,8 @@ import torch
 
 from .._memory import available_bytes
 
-MADV_POPULATE_WRITE = 23     # Linux >= 5.14: fault a range in, writable, in one call
-PAGE_IN_FRACTION = 0.5       # a new table is paged in when it takes at most this share of the available memory
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in, writable, in one call
+PAGE_IN_FRACTION = 0.5  # a new table is paged in when it takes at most this share of the available memory
 
 
 def check_path(name: str, option: str, path: Any, device: Any = None, device_option: str = "") -> Optional[str]:
@@ -43,13 +44,16 @@ def check_path(name: str, option: str, path: Any, device: Any = None, device_opt
     if os.path.isdir(path):
         raise ValueError(f"{name}: {option} {path!r} is a folder, expected a file path")
     if device is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"{name}: {option} keeps the table in a host mapping of the file, so {device_option} "
-                         f"must be None or 'cpu', got {device!r}")
+        raise ValueError(
+            f"{name}: {option} keeps the table in a host mapping of the file, so {device_option} "
+            f"must be None or 'cpu', got {device!r}"
+        )
     return path
 
 
-def table_file(path: str, N: int, d: int, dtype: torch.dtype, exist_ok: bool = True,
-               what: str = "table file") -> torch.Tensor:
+def table_file(
+    path: str, N: int, d: int, dtype: torch.dtype, exist_ok: bool = True, what: str = "table file"
+) -> torch.Tensor:
     """An [N, d] table of ``dtype`` mapped from the raw file ``path``. A missing file is created as zeros
     with its blocks reserved; an existing one (only with ``exist_ok``) must have exactly N * d * itemsize
     bytes."""
@@ -58,11 +62,14 @@ def table_file(path: str, N: int, d: int, dtype: torch.dtype, exist_ok: bool = T
     created = not os.path.exists(path)
     if not created:
         if not exist_ok:
-            raise ValueError(f"{what} {path!r} already exists: remove it, or load the aggregator's state_dict to "
-                             "continue from the table it holds")
+            raise ValueError(
+                f"{what} {path!r} already exists: remove it, or load the aggregator's state_dict to "
+                "continue from the table it holds"
+            )
         if os.path.getsize(path) != need:
-            raise ValueError(f"{what} {path!r} has {os.path.getsize(path)} bytes, expected {need} for N={N} x d={d} "
-                             f"{dtype}")
+            raise ValueError(
+                f"{what} {path!r} has {os.path.getsize(path)} bytes, expected {need} for N={N} x d={d} {dtype}"
+            )
     else:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -133,8 +140,12 @@ def read_marker(path: str) -> Optional[Tuple[int, str]]:
 
 def reference(path: str, table: torch.Tensor, version: int) -> Dict[str, Any]:
     """What ``state_dict`` holds for a file table (plain values: ``torch.load(weights_only=True)`` opens it)."""
-    return {"file": os.path.abspath(path), "shape": list(table.shape), "dtype": str(table.dtype).replace("torch.", ""),
-            "version": int(version)}
+    return {
+        "file": os.path.abspath(path),
+        "shape": list(table.shape),
+        "dtype": str(table.dtype).replace("torch.", ""),
+        "version": int(version),
+    }
 
 
 def is_reference(v: Any) -> bool:
@@ -147,8 +158,12 @@ def reopen(what: str, option: str, ref: Dict[str, Any], own: Optional[str]) -> T
     path, v = ref.get("file"), ref.get("version")
     dtype = getattr(torch, str(ref.get("dtype")), None)
     shape = ref.get("shape")
-    if not isinstance(path, str) or not isinstance(dtype, torch.dtype) or not isinstance(v, int) \
-            or not (isinstance(shape, (list, tuple)) and len(shape) == 2):
+    if (
+        not isinstance(path, str)
+        or not isinstance(dtype, torch.dtype)
+        or not isinstance(v, int)
+        or not (isinstance(shape, (list, tuple)) and len(shape) == 2)
+    ):
         raise ValueError(f"{what}: a table reference must hold file, shape, dtype and version, got {ref!r:.200}")
     if own is not None and os.path.abspath(own) != path:
         raise ValueError(f"{what}: the state's table is {path!r}, this aggregator's {option} is {own!r}")
@@ -157,8 +172,10 @@ def reopen(what: str, option: str, ref: Dict[str, Any], own: Optional[str]) -> T
     mark = read_marker(path)
     if mark != (v, "done"):
         now = "has no marker" if mark is None else f"is at version {mark[0]} ({mark[1]})"
-        raise ValueError(f"{what}: {option} {path!r} {now}, the state expects version {v} (done): the table changed "
-                         "after this state was saved, or an update never finished")
+        raise ValueError(
+            f"{what}: {option} {path!r} {now}, the state expects version {v} (done): the table changed "
+            "after this state was saved, or an update never finished"
+        )
     return table_file(path, *shape, dtype, exist_ok=True, what=f"{what}: {option}"), path, v
 
 

@@ -19,6 +19,7 @@ by :func:`wrap` around an aggregator already built.
 Learning?": every update is clipped to norm at most M, ``U_k * min(1, M / ||U_k||)``, before the method
 sees it (the rule of Flower's fixed clipping, ``clip_inputs_inplace``).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,18 +54,18 @@ class MethodWrapper(Aggregator):
     overrides the hooks; its state beyond the inner method's goes in ``state_attrs``."""
 
     name = "wrapper"
-    option = ""                      # the build / wrap keyword (registered wrappers)
+    option = ""  # the build / wrap keyword (registered wrappers)
     annotation: Any = Optional[float]
     default: Any = None
 
     def __new__(cls, *args: Any, **options: Any) -> "MethodWrapper":
-        return object.__new__(cls)   # (no method options to check: the inner method's were)
+        return object.__new__(cls)  # (no method options to check: the inner method's were)
 
     def __init__(self, inner: Aggregator) -> None:
         if not isinstance(inner, Aggregator):
             raise TypeError(f"{type(self).__name__}: inner must be a fedkernels Aggregator, got {type(inner).__name__}")
         self.inner = inner
-        self.name = inner.name       # errors and logs name the method
+        self.name = inner.name  # errors and logs name the method
 
     # the inner method's options and round state, read and written through the wrapper
     on_bad_update = _delegated("on_bad_update", "the inner method's bad-row policy")
@@ -98,8 +99,9 @@ class MethodWrapper(Aggregator):
         return self.after(rin, self.inner._aggregate(self.before(rin)))
 
     # ---- the inner method's lifecycle, client side and checks --------------------------------------
-    def setup(self, spec: Any = None, num_clients: Optional[int] = None,
-              global_flat: Optional[torch.Tensor] = None) -> None:
+    def setup(
+        self, spec: Any = None, num_clients: Optional[int] = None, global_flat: Optional[torch.Tensor] = None
+    ) -> None:
         self.inner.setup(spec, num_clients, global_flat)
 
     def client_rule(self) -> Optional[ClientRule]:
@@ -140,8 +142,10 @@ class MethodWrapper(Aggregator):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if "inner" not in state:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: no 'inner' entry (the wrapped method's "
-                             "state): the state is not a wrapper's")
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: no 'inner' entry (the wrapped method's "
+                "state): the state is not a wrapper's"
+            )
         self.inner.load_state_dict(state["inner"])
         for k in self.state_attrs:
             if k in state:
@@ -171,14 +175,16 @@ class NormBound(MethodWrapper):
 
     option = "norm_bound"
     option_ranges = {"norm_bound": "> 0"}
-    screen_in_pass = True            # the norms' kstats pass screens the rows, before any state changes
+    screen_in_pass = True  # the norms' kstats pass screens the rows, before any state changes
 
     def __init__(self, inner: Aggregator, norm_bound: float) -> None:
         super().__init__(inner)
         ok = isinstance(norm_bound, (int, float)) and not isinstance(norm_bound, bool)
         if not ok or not (0 < float(norm_bound) < math.inf):
-            raise ValueError(f"{self.name}: norm_bound={norm_bound!r}: expected a finite number > 0 "
-                             "(the largest norm an update keeps)")
+            raise ValueError(
+                f"{self.name}: norm_bound={norm_bound!r}: expected a finite number > 0 "
+                "(the largest norm an update keeps)"
+            )
         self.norm_bound = float(norm_bound)
 
     def scales(self, rin: RoundInput) -> torch.Tensor:
@@ -222,8 +228,9 @@ def split_options(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
         val = options.pop(key)
         exp = expected(WRAPPERS[key].annotation, WRAPPERS[key].default)
         if val is not None and not matches(val, exp):
-            raise ValueError(f"{method}: option {key}={fmt_value(val)}: expected {describe(exp)}, "
-                             f"got {type(val).__name__}")
+            raise ValueError(
+                f"{method}: option {key}={fmt_value(val)}: expected {describe(exp)}, got {type(val).__name__}"
+            )
         out[key] = normalize_value(val, exp)
     return out
 

@@ -30,6 +30,7 @@ The server sums what it received without a dense copy: ``BlockRows.weighted_sum`
 over the lists, both with the rows' NaN/Inf flags. Both are ``fedkernels.sources.PackedRows``: the round runner takes
 them as the updates (``agg.aggregate(g, rows, ...)``). This module imports only ``fedkernels.ops`` and ``sources``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,6 +63,7 @@ def _seed(*keys: int) -> int:
 @dataclass
 class BlockRows(PackedRows):
     """K rows of block codes: ``Q`` [K, d] int8 / float8_e4m3fn, ``scales`` [K, ceil(d / block)] float32."""
+
     Q: torch.Tensor
     scales: torch.Tensor
     block: int
@@ -74,10 +76,17 @@ class BlockRows(PackedRows):
     def d(self) -> int:
         return self.Q.size(1)
 
-    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                     rows: Any = None, out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        return ops.dequant_weighted_sum(self.Q, self.scales, coef, self.block, base=base, alpha=alpha, rows=rows,
-                                        out_dtype=out_dtype)
+    def weighted_sum(
+        self,
+        coef: Any,
+        base: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
+        rows: Any = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        return ops.dequant_weighted_sum(
+            self.Q, self.scales, coef, self.block, base=base, alpha=alpha, rows=rows, out_dtype=out_dtype
+        )
 
     def select(self, keep: Sequence[int]) -> "BlockRows":
         k = torch.as_tensor(list(keep), dtype=torch.long)
@@ -90,7 +99,7 @@ class BlockRows(PackedRows):
 
     def dense(self) -> torch.Tensor:
         """float32 [K, d] (tests and the residuals; the server never calls it)."""
-        s = self.scales.repeat_interleave(self.block, dim=1)[:, :self.d]
+        s = self.scales.repeat_interleave(self.block, dim=1)[:, : self.d]
         return s * self.Q.to(torch.float32)
 
     def nbytes(self) -> List[int]:
@@ -101,6 +110,7 @@ class BlockRows(PackedRows):
 @dataclass
 class SparseRows(PackedRows):
     """K index/value lists (CSR-like): ``idx`` int32, ``val`` float32, ``offsets`` [K + 1]."""
+
     idx: torch.Tensor
     val: torch.Tensor
     offsets: torch.Tensor
@@ -110,15 +120,27 @@ class SparseRows(PackedRows):
     def K(self) -> int:
         return self.offsets.numel() - 1
 
-    def weighted_sum(self, coef: Any, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                     rows: Any = None, out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        return ops.sparse_weighted_sum(self.idx, self.val, self.offsets, coef, self.d, base=base, alpha=alpha,
-                                       rows=rows, out_dtype=out_dtype)
+    def weighted_sum(
+        self,
+        coef: Any,
+        base: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
+        rows: Any = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        return ops.sparse_weighted_sum(
+            self.idx, self.val, self.offsets, coef, self.d, base=base, alpha=alpha, rows=rows, out_dtype=out_dtype
+        )
 
     def select(self, keep: Sequence[int]) -> "SparseRows":
         o = self.offsets.tolist()
-        return self._carry(SparseRows(*ops.stack_lists([self.idx[o[k]:o[k + 1]] for k in keep],
-                                                       [self.val[o[k]:o[k + 1]] for k in keep]), d=self.d), keep)
+        return self._carry(
+            SparseRows(
+                *ops.stack_lists([self.idx[o[k] : o[k + 1]] for k in keep], [self.val[o[k] : o[k + 1]] for k in keep]),
+                d=self.d,
+            ),
+            keep,
+        )
 
     def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
         """[K, n] float32: the columns of ``dense()`` in ``ranges`` (each kept entry placed, the others 0)."""
@@ -137,7 +159,7 @@ class SparseRows(PackedRows):
         out = torch.zeros(self.K, self.d)
         o = self.offsets.tolist()
         for k in range(self.K):
-            out[k].index_add_(0, self.idx[o[k]:o[k + 1]].long(), self.val[o[k]:o[k + 1]])
+            out[k].index_add_(0, self.idx[o[k] : o[k + 1]].long(), self.val[o[k] : o[k + 1]])
         return out
 
     def nbytes(self) -> List[int]:
@@ -155,8 +177,18 @@ class Codec:
     row of ``U`` [K, d] (row k = client ``client_ids[k]``'s update, in round ``rnd``) and returns the rows as the
     server receives them (:class:`BlockRows` or :class:`SparseRows`), whose ``weighted_sum`` the server runs."""
 
-    def __init__(self, kind: str, d: int, block: int, k: int, error_feedback: bool, levels: int, seed: int,
-                 residual_file: Optional[str] = None, num_clients: Optional[int] = None):
+    def __init__(
+        self,
+        kind: str,
+        d: int,
+        block: int,
+        k: int,
+        error_feedback: bool,
+        levels: int,
+        seed: int,
+        residual_file: Optional[str] = None,
+        num_clients: Optional[int] = None,
+    ):
         self.kind, self.d, self.block, self.k = kind, d, block, k
         self.error_feedback, self.levels, self.seed = error_feedback, levels, seed
         self.residuals: Dict[int, torch.Tensor] = {}
@@ -174,14 +206,24 @@ class Codec:
 
     def _table(self) -> torch.Tensor:
         if self.table is None:
-            self.table = tables.table_file(self.residual_file, self.num_clients, self.d, torch.float32,
-                                           exist_ok=False, what="compress.residual_file")
+            self.table = tables.table_file(
+                self.residual_file,
+                self.num_clients,
+                self.d,
+                torch.float32,
+                exist_ok=False,
+                what="compress.residual_file",
+            )
             tables.updated(self.residual_file, self.table_version)
         return self.table
 
     def describe(self) -> str:
-        opts = {"int8_block": f"block={self.block}", "fp8": f"block={self.block}",
-                "qsgd": f"levels={self.levels}, block={self.block}", "topk": f"k={self.k}"}[self.kind]
+        opts = {
+            "int8_block": f"block={self.block}",
+            "fp8": f"block={self.block}",
+            "qsgd": f"levels={self.levels}, block={self.block}",
+            "topk": f"k={self.k}",
+        }[self.kind]
         return f"{self.kind}({opts}, error_feedback={'on' if self.error_feedback else 'off'})"
 
     def row_bytes(self) -> int:
@@ -199,10 +241,12 @@ class Codec:
         V = U.detach().to(torch.float32)
         if self.error_feedback:
             if self.residual_file is not None and not all(0 <= int(c) < self.num_clients for c in client_ids):
-                raise ValueError(f"compress.residual_file: client ids must lie in [0, {self.num_clients}), got "
-                                 f"{list(client_ids)!r:.100}")
+                raise ValueError(
+                    f"compress.residual_file: client ids must lie in [0, {self.num_clients}), got "
+                    f"{list(client_ids)!r:.100}"
+                )
             V = V.clone()
-            for k, cid in enumerate(client_ids):        # each client adds its own residual (client-side work)
+            for k, cid in enumerate(client_ids):  # each client adds its own residual (client-side work)
                 e = self._residual(int(cid))
                 if e is not None:
                     V[k].add_(e)
@@ -223,7 +267,7 @@ class Codec:
                 self.table_version += 1
                 tables.updated(self.residual_file, self.table_version)
                 return rows
-            for k, cid in enumerate(client_ids):   # a NaN/Inf update (excluded by the server) leaves no residual
+            for k, cid in enumerate(client_ids):  # a NaN/Inf update (excluded by the server) leaves no residual
                 if fin[k]:
                     self.residuals[int(cid)] = E[k]
                 else:
@@ -234,8 +278,11 @@ class Codec:
         K, d = V.shape
         if self.kind == "topk":
             k = min(self.k, d)
-            idx = torch.topk(V.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values if K else \
-                torch.zeros(0, k, dtype=torch.long)
+            idx = (
+                torch.topk(V.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+                if K
+                else torch.zeros(0, k, dtype=torch.long)
+            )
             val = torch.gather(V, 1, idx)
             offsets = torch.arange(K + 1, dtype=torch.int64) * k
             return SparseRows(idx.reshape(-1).to(torch.int32), val.reshape(-1).contiguous(), offsets, d)
@@ -246,9 +293,9 @@ class Codec:
         P = P.view(K, nb, B)
         if self.kind == "qsgd":
             s = float(self.levels)
-            norm = P.pow(2).sum(2).sqrt()                                  # [K, nb]
+            norm = P.pow(2).sum(2).sqrt()  # [K, nb]
             u = torch.empty_like(P)
-            for k, cid in enumerate(client_ids):                           # one seeded stream per client and round
+            for k, cid in enumerate(client_ids):  # one seeded stream per client and round
                 u[k].uniform_(generator=torch.Generator().manual_seed(_seed(self.seed, rnd, int(cid))))
             safe = torch.where(norm > 0, norm, torch.ones_like(norm))[:, :, None]
             lvl = torch.floor(P.abs() / safe * s + u).clamp_(0, s)
@@ -256,12 +303,15 @@ class Codec:
             scales = norm / s
         else:
             qmax = _QMAX[self.kind]
-            amax = P.abs().amax(2)                                          # [K, nb]
+            amax = P.abs().amax(2)  # [K, nb]
             scales = amax / qmax
             # divide (not multiply by 1 / scale: a subnormal scale's inverse overflows and 0 * inf is NaN)
             X = torch.where(scales[:, :, None] > 0, P / torch.where(scales > 0, scales, 1.0)[:, :, None], 0.0)
-            Q = torch.round(X).clamp_(-127, 127).to(torch.int8) if self.kind == "int8_block" else \
-                X.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+            Q = (
+                torch.round(X).clamp_(-127, 127).to(torch.int8)
+                if self.kind == "int8_block"
+                else X.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+            )
         return BlockRows(Q.reshape(K, nb * B)[:, :d].contiguous(), scales.to(torch.float32).contiguous(), B)
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -269,8 +319,10 @@ class Codec:
         """The residuals: copies (in memory), or a reference to the file table (``tables.reference``: path, shape,
         dtype, version) and the clients that hold one."""
         if self.residual_file is not None and self.table is not None:
-            return {"residuals": tables.reference(self.residual_file, self.table, self.table_version),
-                    "has": sorted(self.has)}
+            return {
+                "residuals": tables.reference(self.residual_file, self.table, self.table_version),
+                "has": sorted(self.has),
+            }
         return {"residuals": {int(c): e.clone() for c, e in self.residuals.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -300,9 +352,18 @@ class Codec:
             tables.updated(self.residual_file, self.table_version)
 
 
-def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] = None, ratio: Optional[float] = None,
-               error_feedback: bool = False, levels: int = 16, seed: int = 0, residual_file: Optional[Any] = None,
-               num_clients: Optional[int] = None) -> Codec:
+def make_codec(
+    kind: str,
+    d: int,
+    block: Optional[int] = None,
+    k: Optional[int] = None,
+    ratio: Optional[float] = None,
+    error_feedback: bool = False,
+    levels: int = 16,
+    seed: int = 0,
+    residual_file: Optional[Any] = None,
+    num_clients: Optional[int] = None,
+) -> Codec:
     """A :class:`Codec` for rows of ``d`` parameters, its options checked (one-line ValueError naming the option,
     the value and what was expected). ``block``: columns per scale (int8_block, fp8, qsgd; 1..d; default
     min(256, d)); ``k`` (1..d) or ``ratio`` (0 < ratio <= 1, k = max(1, round(ratio d))): top-k's kept entries;
@@ -318,9 +379,13 @@ def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] 
     kk = 0
     if kind == "topk":
         if block is not None:
-            raise ValueError(f"compress.block: topk has no blocks (got block={block!r}); set compress.k or compress.ratio")
+            raise ValueError(
+                f"compress.block: topk has no blocks (got block={block!r}); set compress.k or compress.ratio"
+            )
         if (k is None) == (ratio is None):
-            raise ValueError(f"compress.k / compress.ratio: topk needs exactly one of them, got k={k!r}, ratio={ratio!r}")
+            raise ValueError(
+                f"compress.k / compress.ratio: topk needs exactly one of them, got k={k!r}, ratio={ratio!r}"
+            )
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
                 raise ValueError(f"compress.k: expected an int in [1, d = {d}], got {k!r}")
@@ -331,8 +396,10 @@ def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] 
             kk = max(1, min(d, int(round(ratio * d))))
     else:
         if k is not None or ratio is not None:
-            raise ValueError(f"compress.k / compress.ratio: only topk keeps k entries, got kind={kind!r} with "
-                             f"k={k!r}, ratio={ratio!r}")
+            raise ValueError(
+                f"compress.k / compress.ratio: only topk keeps k entries, got kind={kind!r} with "
+                f"k={k!r}, ratio={ratio!r}"
+            )
         bl = min(DEFAULT_BLOCK, d) if block is None else block
         if isinstance(bl, bool) or not isinstance(bl, int) or not 1 <= bl <= d:
             raise ValueError(f"compress.block: expected an int in [1, d = {d}] (columns per scale), got {block!r}")
@@ -343,10 +410,13 @@ def make_codec(kind: str, d: int, block: Optional[int] = None, k: Optional[int] 
         raise ValueError(f"compress.seed: expected an int, got {seed!r}")
     if residual_file is not None:
         if not error_feedback:
-            raise ValueError(f"compress.residual_file: set (got {residual_file!r}) but compress.error_feedback is off: "
-                             "there are no residuals to keep")
+            raise ValueError(
+                f"compress.residual_file: set (got {residual_file!r}) but compress.error_feedback is off: "
+                "there are no residuals to keep"
+            )
         if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-            raise ValueError(f"compress.residual_file: needs num_clients (the table's rows), an int >= 1, got "
-                             f"{num_clients!r}")
+            raise ValueError(
+                f"compress.residual_file: needs num_clients (the table's rows), an int >= 1, got {num_clients!r}"
+            )
         residual_file = tables.check_path("compress", "residual_file", residual_file)
     return Codec(kind, d, bl, kk, error_feedback, int(levels), seed, residual_file, num_clients)

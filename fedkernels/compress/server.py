@@ -6,6 +6,7 @@ pass). The round itself is the round runner's (compressed rows are one of its in
 other way (the Gram matrix, per-row statistics, per-client tables of U's rows, order statistics) is refused before
 anything is computed, with one line naming what the codec drops.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Union
@@ -28,8 +29,10 @@ NEEDS = {
     "fedaware": "the updates' Gram matrix and per-client momentum tables of their rows",
     "fedecado": "each update row in its backward-Euler solve (ops.fedecado_be_step)",
     "fedpgvc": "per-row projections of the updates",
-    "gcfed": "per-channel projections of the dense updates", "gc-fed": "per-channel projections of the dense updates",
-    "global_gc": "per-channel projections of the dense updates", "local_gc": "per-channel projections of the dense updates",
+    "gcfed": "per-channel projections of the dense updates",
+    "gc-fed": "per-channel projections of the dense updates",
+    "global_gc": "per-channel projections of the dense updates",
+    "local_gc": "per-channel projections of the dense updates",
     "local_gc_only": "per-channel projections of the dense updates",
 }
 
@@ -40,13 +43,21 @@ def check_method(method: Union[str, Aggregator], kind: str) -> None:
     if name in WEIGHTED_SUM_METHODS:
         return
     what = NEEDS.get(name, "more of the updates than a weighted sum")
-    raise ValueError(f"compress.kind={kind}: method {name!r} needs {what}, which compressed rows do not give "
-                     f"without decompressing them; compression composes with {', '.join(WEIGHTED_SUM_METHODS)}")
+    raise ValueError(
+        f"compress.kind={kind}: method {name!r} needs {what}, which compressed rows do not give "
+        f"without decompressing them; compression composes with {', '.join(WEIGHTED_SUM_METHODS)}"
+    )
 
 
-def aggregate_compressed(agg: Aggregator, global_flat: torch.Tensor, rows: PackedRows, num_examples: Sequence[float],
-                         client_ids: Sequence[int], payloads: Optional[Sequence[Dict[str, Any]]] = None,
-                         kind: str = "compressed") -> AggResult:
+def aggregate_compressed(
+    agg: Aggregator,
+    global_flat: torch.Tensor,
+    rows: PackedRows,
+    num_examples: Sequence[float],
+    client_ids: Sequence[int],
+    payloads: Optional[Sequence[Dict[str, Any]]] = None,
+    kind: str = "compressed",
+) -> AggResult:
     """``agg``'s round on compressed rows (row k: client ``client_ids[k]``), after :func:`check_method`:
     ``agg.aggregate(global_flat, rows, ...)``, the round runner's round on packed rows (the method's own
     ``_aggregate``, its weighted sums computed from ``rows``; validation, the NaN/Inf screen in that pass, the

@@ -43,6 +43,7 @@ splits the received arrays into the model and a ``{name: tensor}`` payload dict.
 
 The global model the updates are measured against is the one ``configure_fit`` sent this round.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,22 +54,37 @@ import numpy as np
 import torch
 
 try:
-    from flwr.common import (FitIns, FitRes, Parameters, Scalar, ndarray_to_bytes, ndarrays_to_parameters,
-                             parameters_to_ndarrays)
+    from flwr.common import (
+        FitIns,
+        FitRes,
+        Parameters,
+        Scalar,
+        ndarray_to_bytes,
+        ndarrays_to_parameters,
+        parameters_to_ndarrays,
+    )
     from flwr.server.strategy import FedAvg
 except ImportError as err:  # pragma: no cover - exercised only without flwr
     raise ImportError("fedkernels.integrations.flower needs Flower: pip install 'fedkernels[flower]'") from err
 
 from ..algorithms.base import Aggregator
 
-__all__ = ["FedKernelsStrategy", "FedKernelsMessageStrategy", "json_safe_metrics", "metric_record", "decode_into",
-           "unpack_fit_ins", "unpack_payload"]
+__all__ = [
+    "FedKernelsStrategy",
+    "FedKernelsMessageStrategy",
+    "json_safe_metrics",
+    "metric_record",
+    "decode_into",
+    "unpack_fit_ins",
+    "unpack_payload",
+]
 
 PAYLOAD_KEY = "fedkernels_payload"
 
 
-def unpack_fit_ins(arrays: Sequence[np.ndarray], config: Dict[str, Any]
-                   ) -> Tuple[List[np.ndarray], Dict[str, torch.Tensor]]:
+def unpack_fit_ins(
+    arrays: Sequence[np.ndarray], config: Dict[str, Any]
+) -> Tuple[List[np.ndarray], Dict[str, torch.Tensor]]:
     """Client side of ``client_payloads=True``: (model arrays, {name: float32 tensor}) from the
     arrays and config a client's ``fit`` received. Without payloads: (arrays, {})."""
     names = json.loads(config.get(PAYLOAD_KEY, "[]")) if config is not None else []
@@ -108,8 +124,9 @@ def _npy_header(b: bytes) -> Tuple[Tuple[int, ...], bool, np.dtype, int]:
     return tuple(shape), bool(fortran), dtype, f.tell()
 
 
-def decode_into(tensors: Sequence[bytes], out: np.ndarray, shapes: Sequence[Tuple[int, ...]],
-                minus: Optional[np.ndarray] = None) -> None:
+def decode_into(
+    tensors: Sequence[bytes], out: np.ndarray, shapes: Sequence[Tuple[int, ...]], minus: Optional[np.ndarray] = None
+) -> None:
     """Decodes Flower's serialized arrays (``np.save`` bytes) straight into the flat ``out`` row;
     with ``minus`` (a flat array like ``out``) writes ``decoded - minus`` in the same pass."""
     if len(tensors) < len(shapes):
@@ -124,9 +141,9 @@ def decode_into(tensors: Sequence[bytes], out: np.ndarray, shapes: Sequence[Tupl
         if fortran and len(shp) > 1:
             src = src.reshape(shp[::-1]).T.reshape(-1)
         if minus is None:
-            np.copyto(out[off:off + n], src, casting="same_kind")
+            np.copyto(out[off : off + n], src, casting="same_kind")
         else:
-            np.subtract(src, minus[off:off + n], out=out[off:off + n], casting="same_kind")
+            np.subtract(src, minus[off : off + n], out=out[off : off + n], casting="same_kind")
         off += n
     if off != out.size:
         raise ValueError(f"flower: decoded {off} values, expected d={out.size}")
@@ -142,12 +159,23 @@ class FedKernelsStrategy(FedAvg):
     ``aggregator.setup``). All other keyword arguments go to ``flwr.server.strategy.FedAvg``.
     """
 
-    def __init__(self, aggregator: Aggregator, *, num_clients: Optional[int] = None, cid_key: str = "cid",
-                 vector_payloads: Sequence[str] = (), client_payloads: bool = False, metrics_prefix: str = "",
-                 spec: Any = None, **fedavg_kw: Any) -> None:
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        num_clients: Optional[int] = None,
+        cid_key: str = "cid",
+        vector_payloads: Sequence[str] = (),
+        client_payloads: bool = False,
+        metrics_prefix: str = "",
+        spec: Any = None,
+        **fedavg_kw: Any,
+    ) -> None:
         super().__init__(**fedavg_kw)
         if not isinstance(aggregator, Aggregator):
-            raise TypeError(f"FedKernelsStrategy: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}")
+            raise TypeError(
+                f"FedKernelsStrategy: aggregator must be a fedkernels Aggregator, got {type(aggregator).__name__}"
+            )
         self.aggregator = aggregator
         self.num_clients = num_clients
         self.cid_key = cid_key
@@ -185,8 +213,7 @@ class FedKernelsStrategy(FedAvg):
             self.set_global(params)
         return params
 
-    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any
-                      ) -> List[Tuple[Any, FitIns]]:
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any) -> List[Tuple[Any, FitIns]]:
         self.set_global(parameters)
         pairs = super().configure_fit(server_round, parameters, client_manager)
         if not self.client_payloads:
@@ -208,11 +235,14 @@ class FedKernelsStrategy(FedAvg):
             elif isinstance(val, (bool, int, float, str, np.generic)):
                 config[key] = val.item() if isinstance(val, np.generic) else val
             else:
-                raise TypeError(f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
-                                f"(tensors, numbers, strings and booleans can)")
+                raise TypeError(
+                    f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
+                    f"(tensors, numbers, strings and booleans can)"
+                )
         config[PAYLOAD_KEY] = json.dumps(names)
-        return FitIns(Parameters(tensors=list(ins.parameters.tensors) + extra,
-                                 tensor_type=ins.parameters.tensor_type), config)
+        return FitIns(
+            Parameters(tensors=list(ins.parameters.tensors) + extra, tensor_type=ins.parameters.tensor_type), config
+        )
 
     def _setup(self) -> None:
         if not self._ready:
@@ -225,7 +255,7 @@ class FedKernelsStrategy(FedAvg):
         v = flat.detach().cpu().numpy()
         for shp, dt in zip(self._shapes, self._dtypes):
             n = int(np.prod(shp, dtype=np.int64))
-            arrs.append(v[off:off + n].reshape(shp).astype(dt, copy=False))
+            arrs.append(v[off : off + n].reshape(shp).astype(dt, copy=False))
             off += n
         return ndarrays_to_parameters(arrs)
 
@@ -242,14 +272,15 @@ class FedKernelsStrategy(FedAvg):
             return int(res.metrics[self.cid_key])
         return self._proxy_id(proxy)
 
-    def aggregate_fit(self, server_round: int, results: List[Tuple[Any, FitRes]], failures: List[Any]
-                      ) -> Tuple[Optional[Parameters], Dict[str, Scalar]]:
+    def aggregate_fit(
+        self, server_round: int, results: List[Tuple[Any, FitRes]], failures: List[Any]
+    ) -> Tuple[Optional[Parameters], Dict[str, Scalar]]:
         if not results:
             return None, {}
         if not self.accept_failures and failures:
             return None, {}
         if self._global is None:
-            self.set_global(results[0][1].parameters)   # no configure_fit seen: measure against client 0
+            self.set_global(results[0][1].parameters)  # no configure_fit seen: measure against client 0
         K, d = len(results), self._global.numel()
         nmodel = len(self._shapes)
         if self._buf is None or self._buf.size(0) < K or self._buf.size(1) != d:
@@ -260,9 +291,11 @@ class FedKernelsStrategy(FedAvg):
         for k, (proxy, res) in enumerate(results):
             tens = res.parameters.tensors
             if len(tens) != nmodel + len(self.vector_payloads):
-                raise ValueError(f"flower: client result {k} has {len(tens)} tensors, expected {nmodel} model "
-                                 f"tensors + {len(self.vector_payloads)} vector payloads")
-            decode_into(tens[:nmodel], Unp[k], self._shapes, minus=gnp)   # row = local - global
+                raise ValueError(
+                    f"flower: client result {k} has {len(tens)} tensors, expected {nmodel} model "
+                    f"tensors + {len(self.vector_payloads)} vector payloads"
+                )
+            decode_into(tens[:nmodel], Unp[k], self._shapes, minus=gnp)  # row = local - global
             pl: Dict[str, Any] = {}
             for key, val in res.metrics.items():
                 if key != self.cid_key and isinstance(val, (int, float)) and not isinstance(val, bool):
@@ -326,8 +359,11 @@ def metric_record(info: Dict[str, Any], prefix: str = "") -> "MetricRecord":
             v = int(v)
         if isinstance(v, (int, float)):
             rec[f"{prefix}{k}"] = v
-        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                         for x in v):
+        elif (
+            isinstance(v, (list, tuple))
+            and v
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        ):
             rec[f"{prefix}{k}"] = [float(x) for x in v]
     return rec
 
@@ -357,16 +393,30 @@ class FedKernelsMessageStrategy(_MessageBase):
     FedAvg does the same) and counted in the metric ``fedkernels_failures``.
     """
 
-    def __init__(self, aggregator: Aggregator, *, num_clients: Optional[int] = None, cid_key: str = "cid",
-                 client_payloads: bool = False, metrics_prefix: str = "", spec: Any = None, **fedavg_kw: Any) -> None:
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        num_clients: Optional[int] = None,
+        cid_key: str = "cid",
+        client_payloads: bool = False,
+        metrics_prefix: str = "",
+        spec: Any = None,
+        **fedavg_kw: Any,
+    ) -> None:
         if _MessageFedAvg is None:
-            raise ImportError("FedKernelsMessageStrategy needs Flower's Message API (flwr>=1.21): "
-                              "pip install --no-build-isolation '.[flower]'")
+            raise ImportError(
+                "FedKernelsMessageStrategy needs Flower's Message API (flwr>=1.21): "
+                "pip install --no-build-isolation '.[flower]'"
+            )
         if not isinstance(aggregator, Aggregator):
-            raise TypeError(f"FedKernelsMessageStrategy: aggregator must be a fedkernels Aggregator, got "
-                            f"{type(aggregator).__name__}")
-        if num_clients is not None and (isinstance(num_clients, bool) or not isinstance(num_clients, int)
-                                        or num_clients < 1):
+            raise TypeError(
+                f"FedKernelsMessageStrategy: aggregator must be a fedkernels Aggregator, got "
+                f"{type(aggregator).__name__}"
+            )
+        if num_clients is not None and (
+            isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1
+        ):
             raise ValueError(f"FedKernelsMessageStrategy: num_clients must be a positive int, got {num_clients!r}")
         super().__init__(**fedavg_kw)
         self.aggregator = aggregator
@@ -391,6 +441,7 @@ class FedKernelsMessageStrategy(_MessageBase):
         super().summary()
         from flwr.supercore import log
         from logging import INFO
+
         log(INFO, "\t└──> fedkernels aggregator: %r (client payloads: %s)", self.aggregator, self.client_payloads)
 
     # ---- the global model -------------------------------------------------------------------------
@@ -401,8 +452,9 @@ class FedKernelsMessageStrategy(_MessageBase):
             raise ValueError("FedKernelsMessageStrategy: the global ArrayRecord is empty")
         for k in keys:
             if arrays[k].stype != "numpy.ndarray":
-                raise ValueError(f"FedKernelsMessageStrategy: array {k!r} has stype {arrays[k].stype!r}, "
-                                 "expected 'numpy.ndarray'")
+                raise ValueError(
+                    f"FedKernelsMessageStrategy: array {k!r} has stype {arrays[k].stype!r}, expected 'numpy.ndarray'"
+                )
         shapes = [tuple(int(s) for s in arrays[k].shape) for k in keys]
         d = int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
         if self._global is None or self._global.numel() != d:
@@ -416,7 +468,7 @@ class FedKernelsMessageStrategy(_MessageBase):
         out, off = {}, 0
         for key, shp, dt in zip(self._keys, self._shapes, self._dtypes):
             n = int(np.prod(shp, dtype=np.int64))
-            out[key] = Array(np.ascontiguousarray(v[off:off + n].reshape(shp).astype(dt, copy=False)))
+            out[key] = Array(np.ascontiguousarray(v[off : off + n].reshape(shp).astype(dt, copy=False)))
             off += n
         return ArrayRecord(out)
 
@@ -432,8 +484,9 @@ class FedKernelsMessageStrategy(_MessageBase):
         return self._ids[node_id]
 
     # ---- training round -----------------------------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: "ArrayRecord", config: "ConfigRecord",
-                        grid: Any) -> List["Message"]:
+    def configure_train(
+        self, server_round: int, arrays: "ArrayRecord", config: "ConfigRecord", grid: Any
+    ) -> List["Message"]:
         self.set_global(arrays)
         msgs = list(super().configure_train(server_round, arrays, config, grid))
         for m in msgs:
@@ -457,41 +510,61 @@ class FedKernelsMessageStrategy(_MessageBase):
             elif isinstance(val, (bool, int, float, str, np.generic)):
                 scalars[key] = val.item() if isinstance(val, np.generic) else val
             else:
-                raise TypeError(f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
-                                f"(tensors, numbers, strings and booleans can)")
-        content = RecordDict({self.arrayrecord_key: msg.content.array_records[self.arrayrecord_key],
-                              self.configrecord_key: cfg, PAYLOAD_KEY: ArrayRecord(tensors),
-                              PAYLOAD_CONFIG_KEY: scalars})
-        return Message(content=content, dst_node_id=msg.metadata.dst_node_id, message_type=msg.metadata.message_type,
-                       group_id=msg.metadata.group_id or None)
+                raise TypeError(
+                    f"flower: client_payload[{key!r}] of type {type(val).__name__} cannot be sent "
+                    f"(tensors, numbers, strings and booleans can)"
+                )
+        content = RecordDict(
+            {
+                self.arrayrecord_key: msg.content.array_records[self.arrayrecord_key],
+                self.configrecord_key: cfg,
+                PAYLOAD_KEY: ArrayRecord(tensors),
+                PAYLOAD_CONFIG_KEY: scalars,
+            }
+        )
+        return Message(
+            content=content,
+            dst_node_id=msg.metadata.dst_node_id,
+            message_type=msg.metadata.message_type,
+            group_id=msg.metadata.group_id or None,
+        )
 
     def _reply_parts(self, k: int, msg: "Message") -> Tuple["ArrayRecord", "MetricRecord", Optional["ArrayRecord"]]:
         c = msg.content
         models = [name for name in c.array_records if name != PAYLOAD_KEY]
         if len(models) != 1 or len(c.metric_records) != 1:
-            raise ValueError(f"flower: reply {k} (node {msg.metadata.src_node_id}) holds ArrayRecords {models} and "
-                             f"{len(c.metric_records)} MetricRecords; expected one model ArrayRecord (plus an "
-                             f"optional {PAYLOAD_KEY!r}) and one MetricRecord")
+            raise ValueError(
+                f"flower: reply {k} (node {msg.metadata.src_node_id}) holds ArrayRecords {models} and "
+                f"{len(c.metric_records)} MetricRecords; expected one model ArrayRecord (plus an "
+                f"optional {PAYLOAD_KEY!r}) and one MetricRecord"
+            )
         arrays = c.array_records[models[0]]
         metrics = next(iter(c.metric_records.values()))
         if list(arrays.keys()) != self._keys:
-            raise ValueError(f"flower: reply {k} has arrays {list(arrays.keys())}, expected the global model's "
-                             f"{self._keys}")
+            raise ValueError(
+                f"flower: reply {k} has arrays {list(arrays.keys())}, expected the global model's {self._keys}"
+            )
         w = metrics.get(self.weighted_by_key)
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
-            raise ValueError(f"flower: reply {k} metrics[{self.weighted_by_key!r}] = {w!r}; expected the client's "
-                             "number of examples (a number >= 0)")
+            raise ValueError(
+                f"flower: reply {k} metrics[{self.weighted_by_key!r}] = {w!r}; expected the client's "
+                "number of examples (a number >= 0)"
+            )
         return arrays, metrics, c.array_records.get(PAYLOAD_KEY)
 
-    def aggregate_train(self, server_round: int, replies: Any) -> Tuple[Optional["ArrayRecord"], Optional["MetricRecord"]]:
+    def aggregate_train(
+        self, server_round: int, replies: Any
+    ) -> Tuple[Optional["ArrayRecord"], Optional["MetricRecord"]]:
         replies = list(replies)
         valid = [m for m in replies if not m.has_error()]
         failures = len(replies) - len(valid)
         if not valid:
             return None, (MetricRecord({"fedkernels_failures": failures}) if failures else None)
         if self._global is None:
-            raise RuntimeError("FedKernelsMessageStrategy.aggregate_train: no global model; configure_train "
-                               "(or set_global) must run first in the round")
+            raise RuntimeError(
+                "FedKernelsMessageStrategy.aggregate_train: no global model; configure_train "
+                "(or set_global) must run first in the round"
+            )
         parts = [self._reply_parts(k, m) for k, m in enumerate(valid)]
         K, d = len(valid), self._global.numel()
         if self._buf is None or self._buf.size(0) < K or self._buf.size(1) != d:

@@ -41,6 +41,7 @@ extra read); the aggregators use them to reject or exclude bad clients (see ``Ag
 torch.compile: the wrappers trace with ``fullgraph=True``; checks that need tensor values are
 skipped while tracing (the kernels keep their own last-line checks), the others still raise.
 """
+
 from __future__ import annotations
 
 from .. import _native
@@ -62,16 +63,59 @@ from .server_opt_step import SERVER_OPT_RULES, server_opt_step_  # noqa: E402
 from .min_norm import MIN_NORM_INITS, MIN_NORM_METHODS, min_norm  # noqa: E402
 from .dequant_weighted_sum import dequant_weighted_sum  # noqa: E402
 from .sparse_weighted_sum import sparse_weighted_sum, stack_lists  # noqa: E402
-from .reductions import (Reducer, active_reducer, all_, amax_d, any_, any_flag, dot, mean_d,  # noqa: E402
-                         reduce_across, sqnorm)
+from .reductions import (  # noqa: E402
+    Reducer,
+    active_reducer,
+    all_,
+    amax_d,
+    any_,
+    any_flag,
+    dot,
+    mean_d,
+    reduce_across,
+    sqnorm,
+)
 
-__all__ = ["gram", "gram_screened", "kstats", "order_mean", "order_mean_screened", "closest_mean",
-           "closest_mean_screened", "weighted_sum", "weighted_sum_screened", "finite_rows", "weighted_sum_chunked",
-           "min_norm",
-           "gc_project_", "gc_project", "gc_project_flat_",
-           "lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "fedecado_be_step", "BEStepWindow",
-           "fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_", "server_opt_step_",
-           "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d", "mean_d",
-           "reduce_across", "active_reducer", "Reducer",
-           "dequant_weighted_sum", "sparse_weighted_sum", "stack_lists",
-           "add_gaussian_noise_", "weighted_sum_noised", "philox_normal"]
+__all__ = [
+    "gram",
+    "gram_screened",
+    "kstats",
+    "order_mean",
+    "order_mean_screened",
+    "closest_mean",
+    "closest_mean_screened",
+    "weighted_sum",
+    "weighted_sum_screened",
+    "finite_rows",
+    "weighted_sum_chunked",
+    "min_norm",
+    "gc_project_",
+    "gc_project",
+    "gc_project_flat_",
+    "lu_factor",
+    "lu_factor_ex",
+    "lu_solve",
+    "arrowhead_solve",
+    "fedecado_be_step",
+    "BEStepWindow",
+    "fused_sgd_step_",
+    "corrected_sgd_step_",
+    "gc_sgd_step_",
+    "server_opt_step_",
+    "dot",
+    "sqnorm",
+    "all_",
+    "any_",
+    "any_flag",
+    "amax_d",
+    "mean_d",
+    "reduce_across",
+    "active_reducer",
+    "Reducer",
+    "dequant_weighted_sum",
+    "sparse_weighted_sum",
+    "stack_lists",
+    "add_gaussian_noise_",
+    "weighted_sum_noised",
+    "philox_normal",
+]

@@ -14,6 +14,7 @@ its wrapper, at import of fedkernels.ops).
   vmapped dimension (one kernel per batch element, no K x d temporaries), instead of torch's
   per-sample fallback with a performance warning.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -25,7 +26,7 @@ Outputs = Any
 
 
 # ---- ops without a derivative -------------------------------------------------------------------
-_NO_DERIVATIVE: Dict[str, str] = {}   # op name -> why there is no derivative (filled by no_derivative_op)
+_NO_DERIVATIVE: Dict[str, str] = {}  # op name -> why there is no derivative (filled by no_derivative_op)
 
 
 def no_derivative_op(name: str, hint: str) -> None:
@@ -37,8 +38,10 @@ def no_derivative_op(name: str, hint: str) -> None:
         pass
 
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(f"fedkernels.{name} has no derivative ({hint}); "
-                           f"detach its inputs or compute it under torch.no_grad()")
+        raise RuntimeError(
+            f"fedkernels.{name} has no derivative ({hint}); detach its inputs or compute it under torch.no_grad()"
+        )
+
     torch.library.register_autograd(f"fedkernels::{name}", backward, setup_context=setup)
 
 
@@ -73,8 +76,10 @@ class _NoDerivative(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        raise RuntimeError(f"fedkernels.{ctx.op} has no derivative ({_NO_DERIVATIVE.get(ctx.op, '')}); "
-                           "detach its inputs or compute it under torch.no_grad()")
+        raise RuntimeError(
+            f"fedkernels.{ctx.op} has no derivative ({_NO_DERIVATIVE.get(ctx.op, '')}); "
+            "detach its inputs or compute it under torch.no_grad()"
+        )
 
 
 def no_derivative(name: str, outputs: Outputs, *inputs: Any) -> Outputs:
@@ -86,12 +91,14 @@ def no_derivative(name: str, outputs: Outputs, *inputs: Any) -> Outputs:
 
     def tie(o: Any) -> Any:
         return _NoDerivative.apply(name, o, *grad_in) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+
     return tuple(tie(o) for o in outputs) if isinstance(outputs, tuple) else tie(outputs)
 
 
 # ---- vmap rules ---------------------------------------------------------------------------------
-def vmap_loop(op: Callable[..., torch.Tensor], info: Any, in_dims: Sequence[Optional[int]],
-              args: Sequence[Any]) -> Tuple[torch.Tensor, int]:
+def vmap_loop(
+    op: Callable[..., torch.Tensor], info: Any, in_dims: Sequence[Optional[int]], args: Sequence[Any]
+) -> Tuple[torch.Tensor, int]:
     """One native call per batch element (arguments with a vmapped dim are sliced), outputs stacked
     on dim 0. Each call is the op's own kernel: results equal a Python loop bit for bit."""
     B = info.batch_size

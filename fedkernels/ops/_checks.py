@@ -14,6 +14,7 @@ finiteness) are skipped: shapes, dtypes and devices are still checked, and the C
 their own range checks, so a bad index still raises (a RuntimeError from the kernel) instead of
 reading out of bounds.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,7 +58,9 @@ def _tensor(x: object, op: str, name: str) -> torch.Tensor:
 
 def _float_dtype(x: Typed, op: str, name: str) -> None:
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}")
+        raise ValueError(
+            f"{op}: {name} must have a floating dtype (float16, bfloat16, float32, float64), got {x.dtype}"
+        )
 
 
 def _finite_number(x: object, op: str, name: str) -> float:
@@ -136,8 +139,9 @@ def _coef(coef: CoefLike, n: int, op: str, name: str = "coef") -> torch.Tensor:
     copy is differentiable, so autograd still reaches a device ``coef``); finite in eager mode."""
     c = coef if isinstance(coef, torch.Tensor) else torch.as_tensor(coef, dtype=torch.float64)
     if c.dim() != 1 or c.size(0) != n:
-        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {n} (one per selected row), "
-                         f"got shape {tuple(c.shape)}")
+        raise ValueError(
+            f"{op}: {name} must be a 1-D tensor of length {n} (one per selected row), got shape {tuple(c.shape)}"
+        )
     if not c.dtype.is_floating_point:
         c = c.to(torch.float64)
     if c.device.type != "cpu":
@@ -168,8 +172,9 @@ def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) ->
     """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K."""
     t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
     if t.dim() != 1 or t.size(0) != K:
-        raise ValueError(f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), "
-                         f"got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), got shape {tuple(t.shape)}"
+        )
     if not t.dtype.is_floating_point:
         raise ValueError(f"{op}: {name} must be a float tensor, got {t.dtype}")
     t = t.detach().to(device=HOST, dtype=torch.float64).contiguous()
@@ -178,23 +183,28 @@ def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) ->
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError(f"{op}: {name} must be finite, got {t.tolist() if K <= 16 else 'non-finite entries'}")
         if nonneg and lo < 0:
-            raise ValueError(f"{op}: {name} must be >= 0 (1/g_i; 0 = ECADO limit), "
-                             f"got {t.tolist() if K <= 16 else 'negative entries'}")
+            raise ValueError(
+                f"{op}: {name} must be >= 0 (1/g_i; 0 = ECADO limit), "
+                f"got {t.tolist() if K <= 16 else 'negative entries'}"
+            )
     return t
 
 
 @overload
-def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
-                 optional_entries: Literal[False] = ...) -> List[torch.Tensor]: ...
+def _tensor_list(
+    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: Literal[False] = ...
+) -> List[torch.Tensor]: ...
 
 
 @overload
-def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
-                 optional_entries: Literal[True]) -> List[Optional[torch.Tensor]]: ...
+def _tensor_list(
+    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: Literal[True]
+) -> List[Optional[torch.Tensor]]: ...
 
 
-def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor],
-                 optional_entries: bool = False) -> List[Any]:
+def _tensor_list(
+    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: bool = False
+) -> List[Any]:
     """``n`` tensors, each matching ``params[i]`` in shape, dtype and device (None allowed with
     ``optional_entries``)."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
@@ -210,8 +220,10 @@ def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
         if x.shape != p.shape or x.dtype != p.dtype or x.device != p.device:
-            raise ValueError(f"{op}: {name}[{i}] must match params[{i}] (shape {tuple(p.shape)}, {p.dtype}, "
-                             f"{p.device}), got shape {tuple(x.shape)}, {x.dtype}, {x.device}")
+            raise ValueError(
+                f"{op}: {name}[{i}] must match params[{i}] (shape {tuple(p.shape)}, {p.dtype}, "
+                f"{p.device}), got shape {tuple(x.shape)}, {x.dtype}, {x.device}"
+            )
         out.append(x)
     return out
 
@@ -219,8 +231,10 @@ def _tensor_list(xs: object, n: int, op: str, name: str, params: Sequence[torch.
 def _no_grad_through(op: str, *tensors: Any) -> None:
     """Mutating / out= variants have no derivative: refuse inputs that would need one."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-        raise RuntimeError(f"fedkernels.{op} has no derivative (it writes its result in place / into out=); "
-                           "call it under torch.no_grad(), or use the out-of-place op where one exists")
+        raise RuntimeError(
+            f"fedkernels.{op} has no derivative (it writes its result in place / into out=); "
+            "call it under torch.no_grad(), or use the out-of-place op where one exists"
+        )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -244,5 +258,7 @@ def _needs_kernel(native: str, device: torch.device, op: str) -> None:
     if tracing():
         return
     if not has_kernel(native, device):
-        raise ValueError(f"{op}: this build of fedkernels has no {device.type} kernel for fedkernels::{native}; "
-                         f"pass CPU tensors (got {device})")
+        raise ValueError(
+            f"{op}: this build of fedkernels has no {device.type} kernel for fedkernels::{native}; "
+            f"pass CPU tensors (got {device})"
+        )

@@ -8,6 +8,7 @@ the codes, with the rows' NaN/Inf flags from the same pass (``csrc/cpu/dequant_w
 No dequantised copy of ``Q`` is made: an int8 row is read as a quarter of an fp32 row's bytes.
 ``coef`` and ``rows`` are small host vectors, checked on the host (see ``_checks``).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,14 @@ CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 RESULT_DTYPES = (torch.float32, torch.float64)
 
 
-def _result_dtype(op: str, base: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], default: torch.dtype,
-                  d: int, device: torch.device) -> Tuple[Optional[torch.Tensor], torch.dtype]:
+def _result_dtype(
+    op: str,
+    base: Optional[torch.Tensor],
+    out_dtype: Optional[torch.dtype],
+    default: torch.dtype,
+    d: int,
+    device: torch.device,
+) -> Tuple[Optional[torch.Tensor], torch.dtype]:
     """(base, the result's dtype): base's (1-D [d], float32/float64, on ``device``), else out_dtype, else default."""
     if out_dtype is not None and out_dtype not in RESULT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be torch.float32 or torch.float64, got {out_dtype!r}")
@@ -56,9 +63,16 @@ def _block(block: object, op: str) -> int:
     return block
 
 
-def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, block: int,
-                         base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
-                         out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def dequant_weighted_sum(
+    Q: torch.Tensor,
+    scales: torch.Tensor,
+    coef: CoefLike,
+    block: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, ok)``: ``out = base + alpha * sum_i coef[i] * scales[rows[i], j // block] * Q[rows[i], j]`` and
     ``ok[i]`` = row ``rows[i]`` dequantises to finite numbers (all its scales finite, no NaN code), from one
     pass over the codes.
@@ -84,8 +98,10 @@ def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, 
     nb = -(-d // block)
     scales = _tensor(scales, op, "scales")
     if scales.dim() != 2 or tuple(scales.shape) != (K, nb):
-        raise ValueError(f"{op}: scales must be [K, ceil(d / block)] = [{K}, {nb}] (one per row and block of "
-                         f"{block}), got shape {tuple(scales.shape)}")
+        raise ValueError(
+            f"{op}: scales must be [K, ceil(d / block)] = [{K}, {nb}] (one per row and block of "
+            f"{block}), got shape {tuple(scales.shape)}"
+        )
     if scales.dtype != torch.float32:
         raise ValueError(f"{op}: scales must be float32, got {scales.dtype}")
     if scales.device != Q.device:
@@ -96,18 +112,27 @@ def dequant_weighted_sum(Q: torch.Tensor, scales: torch.Tensor, coef: CoefLike, 
     c = _coef(coef, K if r is None else r.numel(), op)
     a = _alpha(alpha, op)
     base, odt = _result_dtype(op, base, out_dtype, torch.float32, d, Q.device)
-    return _ag.call(torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r,
-                    None if base is not None else odt)
+    return _ag.call(
+        torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r, None if base is not None else odt
+    )
 
 
 @torch.library.register_fake("fedkernels::dequant_weighted_sum")
-def _dequant_fake(Q: torch.Tensor, scales: torch.Tensor, coef: torch.Tensor, block: int,
-                  base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Optional[torch.Tensor] = None,
-                  out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _dequant_fake(
+    Q: torch.Tensor,
+    scales: torch.Tensor,
+    coef: torch.Tensor,
+    block: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     odt = base.dtype if base is not None else (out_dtype or torch.float32)
     n = Q.size(0) if rows is None else rows.size(0)
     return Q.new_empty((Q.size(1),), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
 
 
-_ag.no_derivative_op("dequant_weighted_sum", "quantised codes have no gradient; differentiate "
-                     "reference.dequant_weighted_sum instead")
+_ag.no_derivative_op(
+    "dequant_weighted_sum", "quantised codes have no gradient; differentiate reference.dequant_weighted_sum instead"
+)

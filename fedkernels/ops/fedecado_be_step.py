@@ -4,6 +4,7 @@ One pass over d (``csrc/cpu/fedecado_be_step.cpp``; CUDA: ``csrc/cuda/fedecado_b
 float64 oracle in :mod:`fedkernels.reference`. The per-client scalars (the thetas and 1/g_i) are
 host (CPU) float64 vectors for every device. No derivative: a backward through it raises.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,21 @@ from ._checks import _host_coef, _matrix, _needs_kernel, _no_grad_through, _same
 __all__ = ["fedecado_be_step", "BEStepWindow"]
 
 
-def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
-                     S_off: Optional[torch.Tensor], theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike,
-                     dt: float, L: float, out: Optional[Sequence[torch.Tensor]] = None,
-                     lte_out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fedecado_be_step(
+    xc: torch.Tensor,
+    Icur: torch.Tensor,
+    xc0: torch.Tensor,
+    U: torch.Tensor,
+    Ik: torch.Tensor,
+    S_off: Optional[torch.Tensor],
+    theta_new: CoefLike,
+    theta_old: CoefLike,
+    inv_g: CoefLike,
+    dt: float,
+    L: float,
+    out: Optional[Sequence[torch.Tensor]] = None,
+    lte_out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One fused FedECADO backward-Euler attempt (spec fedecado.md §2.6, §2.7, §5.3(a)) in one pass
     over d, with no K x d temporaries.
 
@@ -39,8 +51,9 @@ def fedecado_be_step(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U:
     Arithmetic is float64 inside for both dtypes on the CPU. The attempts of one integration window
     (the same xc0, U, Ik, S_off, L): :class:`BEStepWindow` checks those once.
     """
-    win = BEStepWindow(xc0, U, Ik, S_off, L, xc=xc, Icur=Icur, theta=(theta_new, theta_old, inv_g, dt),
-                       out=out, lte_out=lte_out)
+    win = BEStepWindow(
+        xc0, U, Ik, S_off, L, xc=xc, Icur=Icur, theta=(theta_new, theta_old, inv_g, dt), out=out, lte_out=lte_out
+    )
     return win.step(theta_new, theta_old, inv_g, dt, src=None, dst=0)
 
 
@@ -52,10 +65,19 @@ class BEStepWindow:
     once), so :meth:`step` checks only its own arguments (the host vectors, dt, which state it reads and
     which pair it writes). Same op, same results as calling :func:`fedecado_be_step` per attempt."""
 
-    def __init__(self, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor, S_off: Optional[torch.Tensor],
-                 L: float, xc: Optional[torch.Tensor] = None, Icur: Optional[torch.Tensor] = None,
-                 theta: Optional[Tuple[CoefLike, CoefLike, CoefLike, float]] = None,
-                 out: Optional[Sequence[torch.Tensor]] = None, lte_out: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self,
+        xc0: torch.Tensor,
+        U: torch.Tensor,
+        Ik: torch.Tensor,
+        S_off: Optional[torch.Tensor],
+        L: float,
+        xc: Optional[torch.Tensor] = None,
+        Icur: Optional[torch.Tensor] = None,
+        theta: Optional[Tuple[CoefLike, CoefLike, CoefLike, float]] = None,
+        out: Optional[Sequence[torch.Tensor]] = None,
+        lte_out: Optional[torch.Tensor] = None,
+    ) -> None:
         op = "fedecado_be_step"
         U = _matrix(U, op, "U")
         if U.dtype not in (torch.float32, torch.float64):
@@ -65,9 +87,13 @@ class BEStepWindow:
         for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik)):
             M = _matrix(M, op, name)
             if tuple(M.shape) != (K, d):
-                raise ValueError(f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}")
+                raise ValueError(
+                    f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}"
+                )
             if M.dtype != U.dtype or M.device != U.device:
-                raise ValueError(f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}")
+                raise ValueError(
+                    f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}"
+                )
             mats[name] = M
         vecs: Dict[str, Optional[torch.Tensor]] = {}
         for name, v in (("xc", xc0 if xc is None else xc), ("xc0", xc0), ("S_off", S_off)):
@@ -76,17 +102,28 @@ class BEStepWindow:
                 continue
             vecs[name] = _vector(v, op, name, d, U).contiguous()
         self._pre: Optional[Tuple[Any, ...]] = None
-        if theta is not None:          # (a single call: its vectors and dt checked in fedecado_be_step's order)
+        if theta is not None:  # (a single call: its vectors and dt checked in fedecado_be_step's order)
             self._pre = theta[:3] + (self._coefs(K, *theta[:3]),)
             _positive(theta[3], op, "dt")
         _positive(L, op, "L")
         _needs_kernel("fedecado_be_step_out", U.device, op)
-        _no_grad_through(op, U, mats["Icur"], mats["Ik"], *[v for v in vecs.values() if v is not None],
-                         *(() if theta is None else theta[:3]))
+        _no_grad_through(
+            op,
+            U,
+            mats["Icur"],
+            mats["Ik"],
+            *[v for v in vecs.values() if v is not None],
+            *(() if theta is None else theta[:3]),
+        )
         if lte_out is None:
             lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
-        elif (not isinstance(lte_out, torch.Tensor) or lte_out.shape != (2,) or lte_out.dtype != torch.float64
-              or lte_out.device != U.device or not lte_out.is_contiguous()):
+        elif (
+            not isinstance(lte_out, torch.Tensor)
+            or lte_out.shape != (2,)
+            or lte_out.dtype != torch.float64
+            or lte_out.device != U.device
+            or not lte_out.is_contiguous()
+        ):
             raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
         self.pairs: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None, None]
         if out is not None:
@@ -96,8 +133,10 @@ class BEStepWindow:
             for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
                 t = _tensor(t, op, name)
                 if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
-                    raise ValueError(f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
-                                     f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+                    raise ValueError(
+                        f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
+                        f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
+                    )
             ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
             for name, t in (("xc_out", xo), ("I_out", Io)):
                 if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
@@ -107,41 +146,51 @@ class BEStepWindow:
         self.start = (vecs["xc"], mats["Icur"])
         self.L, self.lte = float(L), lte_out
 
-    def _coefs(self, K: int, theta_new: CoefLike, theta_old: CoefLike,
-               inv_g: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _coefs(
+        self, K: int, theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         op = "fedecado_be_step"
-        return (_host_coef(theta_new, K, op, "theta_new"), _host_coef(theta_old, K, op, "theta_old"),
-                _host_coef(inv_g, K, op, "inv_g", nonneg=True))
+        return (
+            _host_coef(theta_new, K, op, "theta_new"),
+            _host_coef(theta_old, K, op, "theta_old"),
+            _host_coef(inv_g, K, op, "inv_g", nonneg=True),
+        )
 
     def pair(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Output pair ``i`` (0 or 1): (x_c' [d], I' [K, d]) buffers of U's dtype and device."""
         p = self.pairs[i]
         if p is None:
             U = self.U
-            p = self.pairs[i] = (torch.empty(U.size(1), dtype=U.dtype, device=U.device),
-                                 torch.empty(U.shape, dtype=U.dtype, device=U.device))
+            p = self.pairs[i] = (
+                torch.empty(U.size(1), dtype=U.dtype, device=U.device),
+                torch.empty(U.shape, dtype=U.dtype, device=U.device),
+            )
         return p
 
-    def step(self, theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike, dt: float, src: Optional[int],
-             dst: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step(
+        self, theta_new: CoefLike, theta_old: CoefLike, inv_g: CoefLike, dt: float, src: Optional[int], dst: int
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One attempt from state ``src`` (None: the start state; i: output pair i, written by an earlier
         attempt) into output pair ``dst`` (not ``src``). Returns (x_c', I', lte) as fedecado_be_step
         (``lte`` is the window's [2] buffer: read it before the next step)."""
         op = "fedecado_be_step"
         if src is not None and (src == dst or self.pairs[src] is None):
-            raise ValueError(f"{op}: an attempt reads state {src} and writes pair {dst}: it must read the start "
-                             "state or a pair written before, and write the other pair")
+            raise ValueError(
+                f"{op}: an attempt reads state {src} and writes pair {dst}: it must read the start "
+                "state or a pair written before, and write the other pair"
+            )
         xc, Icur = self.start if src is None else self.pair(src)
         pre, self._pre = self._pre, None
         if pre is not None and pre[0] is theta_new and pre[1] is theta_old and pre[2] is inv_g:
-            thn, tho, ig = pre[3]                      # (checked by the constructor of a single call)
+            thn, tho, ig = pre[3]  # (checked by the constructor of a single call)
         else:
             thn, tho, ig = self._coefs(self.U.size(0), theta_new, theta_old, inv_g)
         _positive(dt, op, "dt")
         _no_grad_through(op, theta_new, theta_old, inv_g)
         xo, Io = self.pair(dst)
-        torch.ops.fedkernels.fedecado_be_step_out(xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig,
-                                                  float(dt), self.L, xo, Io, self.lte)
+        torch.ops.fedkernels.fedecado_be_step_out(
+            xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig, float(dt), self.L, xo, Io, self.lte
+        )
         return xo, Io, self.lte
 
 
@@ -151,17 +200,39 @@ def _positive(x: object, op: str, name: str) -> None:
 
 
 @torch.library.register_fake("fedkernels::fedecado_be_step")
-def _be_step_fake(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
-                  S_off: Optional[torch.Tensor], theta_new: torch.Tensor, theta_old: torch.Tensor,
-                  inv_g: torch.Tensor, dt: float, L: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _be_step_fake(
+    xc: torch.Tensor,
+    Icur: torch.Tensor,
+    xc0: torch.Tensor,
+    U: torch.Tensor,
+    Ik: torch.Tensor,
+    S_off: Optional[torch.Tensor],
+    theta_new: torch.Tensor,
+    theta_old: torch.Tensor,
+    inv_g: torch.Tensor,
+    dt: float,
+    L: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return U.new_empty((U.size(1),)), U.new_empty((U.size(0), U.size(1))), U.new_empty((2,), dtype=torch.float64)
 
 
 @torch.library.register_fake("fedkernels::fedecado_be_step_out")
-def _be_step_out_fake(xc: torch.Tensor, Icur: torch.Tensor, xc0: torch.Tensor, U: torch.Tensor, Ik: torch.Tensor,
-                      S_off: Optional[torch.Tensor], theta_new: torch.Tensor, theta_old: torch.Tensor,
-                      inv_g: torch.Tensor, dt: float, L: float, xc_out: torch.Tensor, I_out: torch.Tensor,
-                      lte: torch.Tensor) -> None:
+def _be_step_out_fake(
+    xc: torch.Tensor,
+    Icur: torch.Tensor,
+    xc0: torch.Tensor,
+    U: torch.Tensor,
+    Ik: torch.Tensor,
+    S_off: Optional[torch.Tensor],
+    theta_new: torch.Tensor,
+    theta_old: torch.Tensor,
+    inv_g: torch.Tensor,
+    dt: float,
+    L: float,
+    xc_out: torch.Tensor,
+    I_out: torch.Tensor,
+    lte: torch.Tensor,
+) -> None:
     return None
 
 

@@ -4,6 +4,7 @@ One read of the K x d update matrix ``U`` (``csrc/cpu/finite_rows.cpp``, ``csrc/
 float64 oracle: ``fedkernels.reference.finite_rows``. In sharded mode (:func:`fedkernels.ops.reduce_across`)
 the flags of the column shards are combined across ranks.
 """
+
 from __future__ import annotations
 
 import torch

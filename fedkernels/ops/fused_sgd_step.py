@@ -4,6 +4,7 @@
 One native pass per local step (``csrc/cpu/fused_sgd_step.cpp``); float64 oracle:
 ``fedkernels.reference``. In place, no derivative (optimizer steps run under ``torch.no_grad``).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, cast
@@ -24,11 +25,21 @@ __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 #     torch._fused_sgd_). Current numbers: bench/results/cpu-gc.json.
 
 
-def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
-                    weight_decay: float = 0.0, first_step: bool = False, c_add: Optional[TensorsOrNone] = None,
-                    c_sub: Optional[TensorsOrNone] = None, gc_mask: GcMask = None,
-                    vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
+def fused_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    c_add: Optional[TensorsOrNone] = None,
+    c_sub: Optional[TensorsOrNone] = None,
+    gc_mask: GcMask = None,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> List[torch.Tensor]:
     """One SGD step over a list of parameters in one native pass (torch.optim.SGD semantics,
     dampening 0, no Nesterov), with the SCAFFOLD/FedPVR correction and Local GC fused in::
 
@@ -104,17 +115,27 @@ def fused_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     ca = [c if c is None or c.is_contiguous() else c.contiguous() for c in ca]
     cs = [c if c is None or c.is_contiguous() else c.contiguous() for c in cs]
-    torch.ops.fedkernels.fused_sgd_step_(work_p, grads, work_b, ca, cs, mask, lr, momentum, weight_decay,
-                                         bool(first_step), vector_policy, min_fanin)
+    torch.ops.fedkernels.fused_sgd_step_(
+        work_p, grads, work_b, ca, cs, mask, lr, momentum, weight_decay, bool(first_step), vector_policy, min_fanin
+    )
     for dst, src in write_back:
         dst.copy_(src)
     return params
 
 
-def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], c: TensorsOrNone,
-                        c_i: Optional[TensorsOrNone] = None, momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
-                        *, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, first_step: bool = False,
-                        subset: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+def corrected_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    c: TensorsOrNone,
+    c_i: Optional[TensorsOrNone] = None,
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    subset: Optional[Sequence[int]] = None,
+) -> List[torch.Tensor]:
     """SCAFFOLD / FedPVR local step ``p -= lr * (g - c_i + c)`` (with torch-SGD momentum and weight
     decay on the corrected gradient), one native pass.
 
@@ -133,7 +154,7 @@ def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
         if subset and all(isinstance(s, bool) for s in subset):
             if len(subset) != n:
                 raise ValueError(f"corrected_sgd_step_: a bool subset must have {n} entries, got {len(subset)}")
-            keep = cast(List[bool], subset)   # all entries are bools (checked above)
+            keep = cast(List[bool], subset)  # all entries are bools (checked above)
         else:
             keep = [False] * n
             for s in subset:
@@ -151,25 +172,62 @@ def corrected_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
     for name, lst in (("c", ca), ("c_i", cs)):
         if lst is not None and any(x is None for x, k in zip(lst, keep) if k):
             raise ValueError(f"corrected_sgd_step_: {name} has None for a parameter in the corrected subset")
-    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           first_step=first_step, c_add=ca, c_sub=cs)
+    return fused_sgd_step_(
+        params,
+        grads,
+        momentum_bufs,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        first_step=first_step,
+        c_add=ca,
+        c_sub=cs,
+    )
 
 
-def gc_sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                 momentum_bufs: Optional[Sequence[torch.Tensor]] = None, *, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, first_step: bool = False, gc_mask: GcMask = True,
-                 vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
+def gc_sgd_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_bufs: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    first_step: bool = False,
+    gc_mask: GcMask = True,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> List[torch.Tensor]:
     """Local GC + SGD step (GC-Fed §2.2, [CODE] order) in one native pass: per output-channel row
     g~ = g - mean(g) (where ``gc_mask``), d = g~ + wd*p, buf = momentum*buf + d (d on the first
     step), p -= lr*buf. ``grads`` is not modified."""
-    return fused_sgd_step_(params, grads, momentum_bufs, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           first_step=first_step, gc_mask=gc_mask, vector_policy=vector_policy,
-                           min_fanin=min_fanin)
+    return fused_sgd_step_(
+        params,
+        grads,
+        momentum_bufs,
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        first_step=first_step,
+        gc_mask=gc_mask,
+        vector_policy=vector_policy,
+        min_fanin=min_fanin,
+    )
 
 
 @torch.library.register_fake("fedkernels::fused_sgd_step_")
-def _fused_sgd_step_fake(params: List[torch.Tensor], grads: List[torch.Tensor], momentum_bufs: List[torch.Tensor],
-                         c_add: List[Optional[torch.Tensor]], c_sub: List[Optional[torch.Tensor]], gc_mask: List[bool],
-                         lr: float, momentum: float, weight_decay: float, first_step: bool,
-                         vector_policy: str = "skip", min_fanin: int = 2) -> None:
+def _fused_sgd_step_fake(
+    params: List[torch.Tensor],
+    grads: List[torch.Tensor],
+    momentum_bufs: List[torch.Tensor],
+    c_add: List[Optional[torch.Tensor]],
+    c_sub: List[Optional[torch.Tensor]],
+    gc_mask: List[bool],
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    first_step: bool,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+) -> None:
     return None

@@ -13,6 +13,7 @@ arguments) plus ``sigma * N`` per column; ``add_gaussian_noise_`` noises a vecto
 method whose new model is not a weighted sum). Rounding: a float64 result gets ``fma(sigma, n, v)``,
 any other dtype ``v + float(sigma * n)`` in float32, then one rounding to the dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ from .weighted_sum import _result_vector
 
 __all__ = ["add_gaussian_noise_", "weighted_sum_noised", "philox_normal", "MAX_COUNTER"]
 
-MAX_COUNTER = (1 << 63) - 1   # seed, counter and offset are non-negative int64 (read as uint64 by the kernels)
+MAX_COUNTER = (1 << 63) - 1  # seed, counter and offset are non-negative int64 (read as uint64 by the kernels)
 
 
 def _noise_args(op: str, sigma: object, seed: object, counter: object, offset: object) -> float:
@@ -38,8 +39,10 @@ def _noise_args(op: str, sigma: object, seed: object, counter: object, offset: o
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNTER:
             raise ValueError(f"{op}: {name} must be an int in [0, 2^63 - 1], got {v!r}")
     if active_reducer() is not None:
-        raise ValueError(f"{op}: not available in sharded mode (a column shard's index is not its global column); "
-                         "noise the gathered result, or pass offset= with the shard's first column")
+        raise ValueError(
+            f"{op}: not available in sharded mode (a column shard's index is not its global column); "
+            "noise the gathered result, or pass offset= with the shard's first column"
+        )
     return float(sigma)
 
 
@@ -60,9 +63,18 @@ def add_gaussian_noise_(x: torch.Tensor, sigma: float, seed: int, counter: int, 
     return x
 
 
-def weighted_sum_noised(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                        rows: RowsLike = None, *, sigma: float, seed: int, counter: int,
-                        offset: int = 0) -> torch.Tensor:
+def weighted_sum_noised(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    *,
+    sigma: float,
+    seed: int,
+    counter: int,
+    offset: int = 0,
+) -> torch.Tensor:
     """``base + alpha * sum_i coef[i] U[rows[i]] + sigma * N(seed, counter, offset + j)`` per column j, in
     one pass over the selected rows (the noise drawn and added in the output write). Arguments and
     result dtype as :func:`fedkernels.ops.weighted_sum`; ``sigma = 0`` gives weighted_sum's bits. The
@@ -102,8 +114,17 @@ def _noise_fake(x: torch.Tensor, sigma: float, seed: int, counter: int, offset: 
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_noised")
-def _wsn_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
-              rows: Optional[torch.Tensor], sigma: float, seed: int, counter: int, offset: int = 0) -> torch.Tensor:
+def _wsn_fake(
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor],
+    alpha: float,
+    rows: Optional[torch.Tensor],
+    sigma: float,
+    seed: int,
+    counter: int,
+    offset: int = 0,
+) -> torch.Tensor:
     return U.new_empty((U.size(1),), dtype=base.dtype if base is not None else U.dtype)
 
 

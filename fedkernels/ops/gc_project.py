@@ -5,6 +5,7 @@ Per output-channel row mean subtraction of many tensors in one native call
 ``fedkernels.reference.gc_project``. The out-of-place ``gc_project`` is differentiable (GC is a
 linear projection, its own adjoint); the in-place ``gc_project_`` is not.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
@@ -55,20 +56,21 @@ def _gc_args(tensors: object, vector_policy: object, min_fanin: object, op: str)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{op}: tensors[{i}] must have a floating dtype (float16, bfloat16, float32, "
-                             f"float64), got {t.dtype}")
+            raise ValueError(
+                f"{op}: tensors[{i}] must have a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}"
+            )
     if tensors:
         dev = tensors[0].device
         for i, t in enumerate(tensors):
             if t.device != dev:
-                raise ValueError(f"{op}: all tensors must be on one device; tensors[0] is on {dev}, "
-                                 f"tensors[{i}] on {t.device}")
+                raise ValueError(
+                    f"{op}: all tensors must be on one device; tensors[0] is on {dev}, tensors[{i}] on {t.device}"
+                )
         _needs_kernel(op.rstrip("_") if op == "gc_project" else "gc_project_", dev, op)
     return tensors
 
 
-def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
-                ) -> List[torch.Tensor]:
+def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """Gradient centralization of many tensors in one call, in place (GC-Fed spec §2.1).
 
     Every output-channel row ``X[i]`` (dim 0; row length M = numel / size(0)) becomes
@@ -82,19 +84,20 @@ def gc_project_(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", mi
     NaN/Inf propagate to the whole row. An empty list is a no-op. Returns the list.
     """
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project_")
-    if not tracing():   # under torch.compile, functionalization rejects in-place writes to overlapping memory
+    if not tracing():  # under torch.compile, functionalization rejects in-place writes to overlapping memory
         for i, t in enumerate(tensors):
             if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:  # 1 = MemOverlap::Yes
-                raise ValueError(f"gc_project_: tensors[{i}] has internally overlapping memory (e.g. from expand()) "
-                                 "and cannot be written in place; clone() it or use gc_project")
+                raise ValueError(
+                    f"gc_project_: tensors[{i}] has internally overlapping memory (e.g. from expand()) "
+                    "and cannot be written in place; clone() it or use gc_project"
+                )
     _no_grad_through("gc_project_", *tensors)
     if tensors:
         torch.ops.fedkernels.gc_project_(tensors, vector_policy, min_fanin)
     return tensors
 
 
-def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
-               ) -> List[torch.Tensor]:
+def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2) -> List[torch.Tensor]:
     """Out-of-place :func:`gc_project_`: new tensors (same shapes, dtypes and, for dense inputs, layouts)."""
     tensors = _gc_args(tensors, vector_policy, min_fanin, "gc_project")
     if not tensors:
@@ -104,8 +107,13 @@ def gc_project(tensors: Sequence[torch.Tensor], vector_policy: str = "skip", min
     return list(_ag.call(torch.ops.fedkernels.gc_project, tensors, vector_policy, min_fanin))
 
 
-def gc_project_flat_(vec: torch.Tensor, spec: FlatLayout, vector_policy: str = "skip", min_fanin: int = 2,
-                     select: Optional[Callable[[Any], bool]] = None) -> torch.Tensor:
+def gc_project_flat_(
+    vec: torch.Tensor,
+    spec: FlatLayout,
+    vector_policy: str = "skip",
+    min_fanin: int = 2,
+    select: Optional[Callable[[Any], bool]] = None,
+) -> torch.Tensor:
     """Global GC on a flat vector laid out by a :class:`fedkernels.flat.FlatSpec`, in place.
 
     ``vec`` is ``[d]`` or ``[K, d]`` (each row centred independently, one call for all K). The spec's
@@ -119,7 +127,7 @@ def gc_project_flat_(vec: torch.Tensor, spec: FlatLayout, vector_policy: str = "
         raise ValueError("gc_project_flat_: vec must have unit stride along d (views are taken in place)")
     entries = [e for e in spec.entries if select is None or select(e)]
     rows = [vec] if vec.dim() == 1 else list(vec.unbind(0))
-    views = [r[e.offset:e.offset + e.numel].view(e.shape) for r in rows for e in entries]
+    views = [r[e.offset : e.offset + e.numel].view(e.shape) for r in rows for e in entries]
     gc_project_(views, vector_policy, min_fanin)
     return vec
 
@@ -130,8 +138,9 @@ def _gc_project_inplace_fake(tensors: List[torch.Tensor], vector_policy: str = "
 
 
 @torch.library.register_fake("fedkernels::gc_project")
-def _gc_project_fake(tensors: List[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
-                     ) -> List[torch.Tensor]:
+def _gc_project_fake(
+    tensors: List[torch.Tensor], vector_policy: str = "skip", min_fanin: int = 2
+) -> List[torch.Tensor]:
     return [torch.empty_like(t) for t in tensors]
 
 
@@ -145,7 +154,7 @@ def _gc_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
 
 def _gc_backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
     gl: Sequence[Any] = grads
-    if len(grads) == 1 and isinstance(grads[0], (list, tuple)):   # the Tensor[] output's grads, as one list
+    if len(grads) == 1 and isinstance(grads[0], (list, tuple)):  # the Tensor[] output's grads, as one list
         gl = grads[0]
     gs = [torch.zeros(s, dtype=dt, device=dev) if g is None else g for g, (s, dt, dev) in zip(gl, ctx.like)]
     res = (list(torch.ops.fedkernels.gc_project(gs, ctx.policy, ctx.min_fanin)), None, None)
@@ -154,7 +163,7 @@ def _gc_backward(ctx: Any, *grads: Any) -> Tuple[Any, ...]:
     # it appends the None itself): return one entry per passed argument, minus that one
     spec = getattr(getattr(ctx, "_pt_metadata", None), "input_spec", None)
     n = getattr(spec, "num_children", None) if spec is not None else None
-    return res if n is None else res[:n - 1]
+    return res if n is None else res[: n - 1]
 
 
 class _GcProject(torch.autograd.Function):

@@ -6,6 +6,7 @@ in float64 (``csrc/cpu/gram.cpp``, ``csrc/cuda/gram.cu``); float64 oracle: ``fed
 every device of ``U`` (see ``_checks``). In sharded mode (:func:`fedkernels.ops.reduce_across`) the
 partial Gram matrices of the column shards are summed across ranks.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple
@@ -95,8 +96,9 @@ class _Gram(torch.autograd.Function):
         return _gram_backward(ctx, gG)
 
 
-def _gram_vmap(info: Any, in_dims: Sequence[Optional[int]], U: torch.Tensor,
-               rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+def _gram_vmap(
+    info: Any, in_dims: Sequence[Optional[int]], U: torch.Tensor, rows: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, int]:
     dims = (tuple(in_dims) + (None,) * 2)[:2]
     return _ag.vmap_loop(torch.ops.fedkernels.gram, info, dims, (U, rows))
 

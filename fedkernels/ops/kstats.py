@@ -8,6 +8,7 @@ vector, checked on the host and handed to the native op as a CPU tensor for ever
 sharded mode (:func:`fedkernels.ops.reduce_across`) the column shards' sums are added across ranks and
 their flags and-ed (each shard's mean is exact: it is column-local).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -40,8 +41,8 @@ def kstats(U: torch.Tensor, p: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, to
     if active_reducer() is None:
         return dot, nsq, nbar, ok
     K = U.size(0)
-    s = shard_sum(torch.cat([dot, nsq, nbar.reshape(1)]))     # the column shards' sums: one all-reduce
-    return s[:K], s[K:2 * K], s[2 * K], shard_and(ok)
+    s = shard_sum(torch.cat([dot, nsq, nbar.reshape(1)]))  # the column shards' sums: one all-reduce
+    return s[:K], s[K : 2 * K], s[2 * K], shard_and(ok)
 
 
 # ---- fake (meta) kernel, so the op works under torch.compile / opcheck -----------------------------

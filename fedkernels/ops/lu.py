@@ -6,6 +6,7 @@ Small systems (n <= LU_MAX_N = 64, many right-hand sides streamed over d): ``csr
 (``a, b, c`` of the arrowhead system) are host (CPU) float64 vectors for every device. None of
 these ops has a derivative: a backward through them raises.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ from ._checks import HOST, _needs_kernel, _no_grad_through, _tensor, _vector, tr
 
 __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "LU_MAX_N"]
 
-LU_MAX_N: int = int(_native._C.build_info()["lu_max_n"])   # defined once: csrc/lu_limits.h (ops/__init__ requires _C)
+LU_MAX_N: int = int(_native._C.build_info()["lu_max_n"])  # defined once: csrc/lu_limits.h (ops/__init__ requires _C)
 
 
 def _lu_input(A: object, op: str) -> torch.Tensor:
@@ -65,8 +66,9 @@ def lu_factor(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return LU, piv
 
 
-def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def lu_solve(
+    LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Solves ``A X = R`` from ``(LU, pivots) = lu_factor(A)``; R [n, m] or [B, n, m] (m may be huge:
     the columns are streamed once, in parallel chunks). float32 R gives float32 X (float64 inside).
     Also accepts torch.linalg.lu_factor's output (any strides). out: optional contiguous tensor of
@@ -95,8 +97,12 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
     if R.size(-1) > 1 and R.stride(-1) != 1:
         R = R.contiguous()
     if out is None:
-        return _ag.no_derivative("lu_solve", _ag.call(torch.ops.fedkernels.lu_solve, LU.detach().contiguous(),
-                                                                     pivots.contiguous(), R.detach()), LU, R)
+        return _ag.no_derivative(
+            "lu_solve",
+            _ag.call(torch.ops.fedkernels.lu_solve, LU.detach().contiguous(), pivots.contiguous(), R.detach()),
+            LU,
+            R,
+        )
     out = _tensor(out, op, "out")
     if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
         raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on {R.device}")
@@ -105,8 +111,9 @@ def lu_solve(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor,
     return out
 
 
-def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor,
-                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def arrowhead_solve(
+    a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: float, r0: torch.Tensor, R: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Solves the (K+1) x (K+1) arrowhead system ``[[alpha, b^T], [c, diag(a)]] [x; I] = [r0; R]``
     for every column (r0 [m], R [K, m]) in closed form (Schur complement on x, no fill-in).
     a, b, c: length-K coefficients (read as float64). Returns ``(x [m], I [K, m])`` in R's dtype.
@@ -121,8 +128,11 @@ def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: fl
     K, m = R.shape
     coefs = []
     for name, v in (("a", a), ("b", b), ("c", c)):
-        v = v.to(device=HOST, dtype=torch.float64) if isinstance(v, torch.Tensor) else \
-            torch.as_tensor(v, dtype=torch.float64)   # not detached: a backward through the op raises
+        v = (
+            v.to(device=HOST, dtype=torch.float64)
+            if isinstance(v, torch.Tensor)
+            else torch.as_tensor(v, dtype=torch.float64)
+        )  # not detached: a backward through the op raises
         if v.dim() == 0:
             v = v.expand(K)
         if v.dim() != 1 or v.size(0) != K:
@@ -142,15 +152,23 @@ def arrowhead_solve(a: ScalarOrCoef, b: ScalarOrCoef, c: ScalarOrCoef, alpha: fl
     _needs_kernel("arrowhead_solve", R.device, op)
     if m > 1 and R.stride(1) != 1:
         R = R.contiguous()
-    res = _ag.call(torch.ops.fedkernels.arrowhead_solve, *(v.detach() for v in coefs), float(alpha),
-                   r0.detach().contiguous(), R.detach())
+    res = _ag.call(
+        torch.ops.fedkernels.arrowhead_solve,
+        *(v.detach() for v in coefs),
+        float(alpha),
+        r0.detach().contiguous(),
+        R.detach(),
+    )
     return _ag.no_derivative("arrowhead_solve", res, *coefs, r0, R)
 
 
 @torch.library.register_fake("fedkernels::lu_factor")
 def _lu_factor_fake(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(A, memory_format=torch.contiguous_format), A.new_empty(A.shape[:-1], dtype=torch.int32),
-            A.new_empty(A.shape[:-2], dtype=torch.int32))
+    return (
+        torch.empty_like(A, memory_format=torch.contiguous_format),
+        A.new_empty(A.shape[:-1], dtype=torch.int32),
+        A.new_empty(A.shape[:-2], dtype=torch.int32),
+    )
 
 
 @torch.library.register_fake("fedkernels::lu_solve")
@@ -164,8 +182,9 @@ def _lu_solve_out_fake(LU: torch.Tensor, pivots: torch.Tensor, R: torch.Tensor, 
 
 
 @torch.library.register_fake("fedkernels::arrowhead_solve")
-def _arrowhead_fake(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, r0: torch.Tensor,
-                    R: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _arrowhead_fake(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, alpha: float, r0: torch.Tensor, R: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     return R.new_empty((R.size(1),)), R.new_empty((R.size(0), R.size(1)))
 
 

@@ -4,6 +4,7 @@ Frank-Wolfe variants on the K x K Gram matrix of the client updates, solved on t
 float64 (``csrc/cpu/min_norm.cpp``; ``csrc/cuda/min_norm.cu``); float64 oracle:
 ``fedkernels.reference.min_norm``. The result has no derivative: a backward through it raises.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -19,10 +20,17 @@ MIN_NORM_METHODS = ("away", "pairwise", "fw", "code_compat")
 MIN_NORM_INITS = ("best_pair", "min_diag")
 
 
-def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: str = "away",
-             init: str = "best_pair", tol_abs: float = 1e-15, polish: bool = True,
-             lam0: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
-             ) -> Tuple[torch.Tensor, Union[int, torch.Tensor], Union[float, torch.Tensor]]:
+def min_norm(
+    G: torch.Tensor,
+    max_iter: int = 1000,
+    tol: float = 1e-12,
+    method: str = "away",
+    init: str = "best_pair",
+    tol_abs: float = 1e-15,
+    polish: bool = True,
+    lam0: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Union[int, torch.Tensor], Union[float, torch.Tensor]]:
     """Minimum-norm point of the convex hull of K vectors, given their K x K Gram matrix ``G``.
 
     ``G`` must be positive semi-definite, as every Gram matrix is: for an indefinite ``G`` the
@@ -66,7 +74,7 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
     for name, t in (("tol", tol), ("tol_abs", tol_abs)):
         if not isinstance(t, (int, float)) or not (0.0 <= float(t) < float("inf")):
             raise ValueError(f"{op}: {name} must be a finite number >= 0, got {t!r}")
-    G64 = G.to(device=HOST, dtype=torch.float64).contiguous()   # not detached: backward raises (no derivative)
+    G64 = G.to(device=HOST, dtype=torch.float64).contiguous()  # not detached: backward raises (no derivative)
     # G's finiteness: checked by the native solve in its symmetrising pass (the one read of G; a ValueError
     # naming the first bad entry), not by a scan of its own (0.3 ms at K = 1000)
     l0 = None
@@ -82,21 +90,41 @@ def min_norm(G: torch.Tensor, max_iter: int = 1000, tol: float = 1e-12, method: 
         if s64.dim() != 1 or s64.size(0) != G.size(0):
             raise ValueError(f"{op}: scale must be a 1-D tensor of length {G.size(0)}, got shape {tuple(s64.shape)}")
         # finite and > 0: checked by the native solve before its symmetrising pass (a ValueError naming the entry)
-    lam, iters, gap = _ag.call(torch.ops.fedkernels.min_norm, G64.detach(), max_iter, float(tol), float(tol_abs), method, init,
-                                                    bool(polish), l0, s64)
+    lam, iters, gap = _ag.call(
+        torch.ops.fedkernels.min_norm,
+        G64.detach(),
+        max_iter,
+        float(tol),
+        float(tol_abs),
+        method,
+        init,
+        bool(polish),
+        l0,
+        s64,
+    )
     lam = _ag.no_derivative("min_norm", lam, G64)
-    if tracing():   # torch.compile: no host sync; iterations and gap stay 0-d tensors
+    if tracing():  # torch.compile: no host sync; iterations and gap stay 0-d tensors
         return lam.to(G.device), iters, gap
     return lam.to(G.device), int(iters), float(gap)
 
 
 @torch.library.register_fake("fedkernels::min_norm")
-def _min_norm_fake(G: torch.Tensor, max_iter: int = 1000, tol_rel: float = 1e-12, tol_abs: float = 1e-15,
-                   method: str = "away", init: str = "best_pair", polish: bool = True,
-                   lam0: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (G.new_empty((G.size(0),), dtype=torch.float64), G.new_empty((), dtype=torch.long),
-            G.new_empty((), dtype=torch.float64))
+def _min_norm_fake(
+    G: torch.Tensor,
+    max_iter: int = 1000,
+    tol_rel: float = 1e-12,
+    tol_abs: float = 1e-15,
+    method: str = "away",
+    init: str = "best_pair",
+    polish: bool = True,
+    lam0: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        G.new_empty((G.size(0),), dtype=torch.float64),
+        G.new_empty((), dtype=torch.long),
+        G.new_empty((), dtype=torch.float64),
+    )
 
 
 _ag.no_derivative_op("min_norm", "the Frank-Wolfe solution is piecewise in G; differentiate a smooth surrogate instead")

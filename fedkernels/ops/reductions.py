@@ -16,6 +16,7 @@ overhead. The active reducer is process-wide state owned by this module and chan
 :func:`reduce_across` (nested blocks restore the outer one); :func:`active_reducer` reads it.
 This module never imports :mod:`fedkernels.distributed` (ops sit below it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,18 @@ import torch
 
 from ._checks import _tensor
 
-__all__ = ["Reducer", "reduce_across", "active_reducer", "dot", "sqnorm", "all_", "any_", "any_flag", "amax_d",
-           "mean_d"]
+__all__ = [
+    "Reducer",
+    "reduce_across",
+    "active_reducer",
+    "dot",
+    "sqnorm",
+    "all_",
+    "any_",
+    "any_flag",
+    "amax_d",
+    "mean_d",
+]
 
 
 class Reducer(Protocol):

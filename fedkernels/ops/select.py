@@ -27,6 +27,7 @@ window that holds one is +-Inf, or NaN for both); ``closest_mean`` gives NaN for
 or Inf. In sharded mode (:func:`fedkernels.ops.reduce_across`) the result is column-local and the flags
 are and-ed across the column shards. Not differentiable.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -38,8 +39,7 @@ from . import _autograd as _ag
 from ._checks import _matrix, _needs_kernel, _rows
 from .reductions import shard_and
 
-__all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds",
-           "trim_bounds"]
+__all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds", "trim_bounds"]
 
 
 def median_bounds(k: int) -> Tuple[int, int]:
@@ -67,8 +67,9 @@ def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Op
     return U, r, U.size(0) if r is None else r.numel()
 
 
-def _order_args(U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
+def _order_args(
+    U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
     U, r, k = _prepare(U, rows, op)
     lo, hi = _int(lo, op, "lo"), _int(hi, op, "hi")
     if not 0 <= lo < k:
@@ -78,8 +79,9 @@ def _order_args(U: torch.Tensor, lo: int, hi: int, rows: RowsLike, op: str
     return U, r, lo, hi
 
 
-def _closest_args(U: torch.Tensor, beta: int, rows: RowsLike, op: str
-                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int]:
+def _closest_args(
+    U: torch.Tensor, beta: int, rows: RowsLike, op: str
+) -> Tuple[torch.Tensor, Optional[torch.Tensor], int]:
     U, r, k = _prepare(U, rows, op)
     beta = _int(beta, op, "beta")
     if not 1 <= beta <= k:
@@ -135,14 +137,16 @@ def _fake(U: torch.Tensor, rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, 
 
 
 @torch.library.register_fake("fedkernels::order_mean")
-def _order_mean_fake(U: torch.Tensor, lo: int, hi: int, rows: Optional[torch.Tensor] = None
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _order_mean_fake(
+    U: torch.Tensor, lo: int, hi: int, rows: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     return _fake(U, rows)
 
 
 @torch.library.register_fake("fedkernels::closest_mean")
-def _closest_mean_fake(U: torch.Tensor, beta: int, rows: Optional[torch.Tensor] = None
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _closest_mean_fake(
+    U: torch.Tensor, beta: int, rows: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     return _fake(U, rows)
 
 

@@ -5,6 +5,7 @@ per-coordinate maths shared in ``csrc/cuda/server_opt_step.cuh``); float64 oracl
 ``fedkernels.reference.server_opt_step_``. In place, no derivative (a server step runs under
 ``torch.no_grad``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,19 @@ SERVER_OPT_RULES = ("adam", "yogi", "adagrad")
 _STATE_DTYPES = (torch.float32, torch.float64)
 
 
-def server_opt_step_(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, *, rule: str, lr: float,
-                     beta_1: float = 0.0, beta_2: float = 0.0, tau: float = 1e-9,
-                     from_model: bool = False) -> torch.Tensor:
+def server_opt_step_(
+    io: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    rule: str,
+    lr: float,
+    beta_1: float = 0.0,
+    beta_2: float = 0.0,
+    tau: float = 1e-9,
+    from_model: bool = False,
+) -> torch.Tensor:
     """One adaptive server-optimiser step (Reddi et al. 2021, Algorithm 2, as Flower writes it), in
     place, one pass over the d coordinates::
 
@@ -69,20 +80,24 @@ def server_opt_step_(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torc
         raise ValueError(f"{op}: m and v must be float64 for a float64 model, got {m.dtype}")
     named = (("io", io), ("m", m), ("v", v), ("x", x))
     for i, (na, ta) in enumerate(named):
-        for nb, tb in named[i + 1:]:
+        for nb, tb in named[i + 1 :]:
             if _same_storage(ta, tb):
-                raise ValueError(f"{op}: {na} and {nb} share memory; pass separate tensors "
-                                 "(io, m and v are written while x is read)")
+                raise ValueError(
+                    f"{op}: {na} and {nb} share memory; pass separate tensors (io, m and v are written while x is read)"
+                )
     if not tracing():
         for name, t in named[:3]:
-            if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:    # 1 = MemOverlap::Yes
-                raise ValueError(f"{op}: {name} has internally overlapping memory (e.g. from expand()) and "
-                                 "cannot be written in place; clone() it first")
+            if t.numel() > 1 and torch._debug_has_internal_overlap(t) == 1:  # 1 = MemOverlap::Yes
+                raise ValueError(
+                    f"{op}: {name} has internally overlapping memory (e.g. from expand()) and "
+                    "cannot be written in place; clone() it first"
+                )
     _needs_kernel(op, x.device, op)
     _no_grad_through(op, io, m, v, x)
     work = [t if t.is_contiguous() else t.contiguous() for t in (io, m, v)]
-    torch.ops.fedkernels.server_opt_step_(work[0], work[1], work[2], x.contiguous(), rule, lr, float(beta_1),
-                                          float(beta_2), tau, from_model)
+    torch.ops.fedkernels.server_opt_step_(
+        work[0], work[1], work[2], x.contiguous(), rule, lr, float(beta_1), float(beta_2), tau, from_model
+    )
     for dst, src in zip((io, m, v), work):
         if dst is not src:
             dst.copy_(src)
@@ -90,6 +105,16 @@ def server_opt_step_(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torc
 
 
 @torch.library.register_fake("fedkernels::server_opt_step_")
-def _server_opt_step_fake(io: torch.Tensor, m: torch.Tensor, v: torch.Tensor, x: torch.Tensor, rule: str, lr: float,
-                          beta_1: float, beta_2: float, tau: float, from_model: bool = False) -> None:
+def _server_opt_step_fake(
+    io: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    rule: str,
+    lr: float,
+    beta_1: float,
+    beta_2: float,
+    tau: float,
+    from_model: bool = False,
+) -> None:
     return None

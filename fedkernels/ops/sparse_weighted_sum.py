@@ -7,6 +7,7 @@ at index j), with each list's NaN/Inf flag from the same pass (``csrc/cpu/sparse
 codec's rows (``fedkernels.compress``) are summed this way, without a K x d dense copy. Deterministic: every
 output element adds its entries in list order, then position order, with any thread count.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -32,12 +33,15 @@ def _offsets(offsets: object, nnz: int, op: str) -> torch.Tensor:
     o = o.detach().to(HOST, torch.int64).contiguous()
     if not tracing() and not _batched(o):
         if int(o[0]) != 0 or int(o[-1]) != nnz:
-            raise ValueError(f"{op}: offsets must run from 0 to nnz = {nnz} (the length of idx), "
-                             f"got {int(o[0])} .. {int(o[-1])}")
+            raise ValueError(
+                f"{op}: offsets must run from 0 to nnz = {nnz} (the length of idx), got {int(o[0])} .. {int(o[-1])}"
+            )
         if o.numel() > 1 and bool((o[1:] < o[:-1]).any()):
             k = int((o[1:] < o[:-1]).nonzero()[0])
-            raise ValueError(f"{op}: offsets must be non-decreasing, got offsets[{k}] = {int(o[k])} > "
-                             f"offsets[{k + 1}] = {int(o[k + 1])}")
+            raise ValueError(
+                f"{op}: offsets must be non-decreasing, got offsets[{k}] = {int(o[k])} > "
+                f"offsets[{k + 1}] = {int(o[k + 1])}"
+            )
     return o
 
 
@@ -51,19 +55,29 @@ def _check_indices(idx: torch.Tensor, o: torch.Tensor, d: int, op: str) -> None:
     if idx.numel() > 1:
         down = idx[1:] < idx[:-1]
         inner = o[1:-1]
-        inner = inner[(inner > 0) & (inner < idx.numel())] - 1   # a list's first entry may be below the last one's
+        inner = inner[(inner > 0) & (inner < idx.numel())] - 1  # a list's first entry may be below the last one's
         if inner.numel():
             down[inner.to(idx.device)] = False
         if bool(down.any()):
             p = int(down.nonzero()[0]) + 1
             k = int(torch.searchsorted(o, torch.tensor([p]), right=True)[0]) - 1
-            raise ValueError(f"{op}: idx must be non-decreasing within each list, list {k} has idx[{p}] = "
-                             f"{int(idx[p])} < idx[{p - 1}] = {int(idx[p - 1])}")
+            raise ValueError(
+                f"{op}: idx must be non-decreasing within each list, list {k} has idx[{p}] = "
+                f"{int(idx[p])} < idx[{p - 1}] = {int(idx[p - 1])}"
+            )
 
 
-def sparse_weighted_sum(idx: torch.Tensor, val: torch.Tensor, offsets: object, coef: CoefLike, d: int,
-                        base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: RowsLike = None,
-                        out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def sparse_weighted_sum(
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    offsets: object,
+    coef: CoefLike,
+    d: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(out, ok)``: ``out = base + alpha * sum_i coef[i] * scatter(list rows[i])`` ([d]) and ``ok[i]`` = all
     values of list ``rows[i]`` finite, from one pass over the selected lists.
 
@@ -95,28 +109,41 @@ def sparse_weighted_sum(idx: torch.Tensor, val: torch.Tensor, offsets: object, c
     a = _alpha(alpha, op)
     dflt = torch.float64 if val.dtype == torch.float64 else torch.float32
     base, odt = _result_dtype(op, base, out_dtype, dflt, d, idx.device)
-    return _ag.call(torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r,
-                    None if base is not None else odt)
+    return _ag.call(
+        torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r, None if base is not None else odt
+    )
 
 
-def stack_lists(idx: Sequence[torch.Tensor], val: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def stack_lists(
+    idx: Sequence[torch.Tensor], val: Sequence[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """K index/value lists as the (idx, val, offsets) of :func:`sparse_weighted_sum` (one concatenation)."""
     if len(idx) != len(val):
         raise ValueError(f"stack_lists: idx and val must have one list each per row, got {len(idx)} and {len(val)}")
     lens = torch.tensor([0] + [int(t.numel()) for t in idx], dtype=torch.int64)
     for k, (i, v) in enumerate(zip(idx, val)):
         if i.dim() != 1 or v.dim() != 1 or i.numel() != v.numel():
-            raise ValueError(f"stack_lists: list {k} must be two 1-D tensors of one length, got shapes "
-                             f"{tuple(i.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"stack_lists: list {k} must be two 1-D tensors of one length, got shapes "
+                f"{tuple(i.shape)} and {tuple(v.shape)}"
+            )
     if not idx:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0), lens
     return torch.cat(list(idx)), torch.cat(list(val)), torch.cumsum(lens, 0)
 
 
 @torch.library.register_fake("fedkernels::sparse_weighted_sum")
-def _sparse_fake(idx: torch.Tensor, val: torch.Tensor, offsets: torch.Tensor, coef: torch.Tensor, d: int,
-                 base: Optional[torch.Tensor] = None, alpha: float = 1.0, rows: Optional[torch.Tensor] = None,
-                 out_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _sparse_fake(
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    offsets: torch.Tensor,
+    coef: torch.Tensor,
+    d: int,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     dflt = torch.float64 if val.dtype == torch.float64 else torch.float32
     odt = base.dtype if base is not None else (out_dtype or dflt)
     n = offsets.size(0) - 1 if rows is None else rows.size(0)

@@ -12,6 +12,7 @@ The result (``out``, ``base``) has ``U``'s dtype, or for a bf16/fp16 ``U`` a wid
 the result's dtype, the same bits as converting ``U`` to it first. The functional forms take ``base``'s
 dtype (``U``'s without ``base``); ``out=`` names it.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,17 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import (FLOAT_DTYPES, _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor,
-                      has_kernel)
+from ._checks import (
+    FLOAT_DTYPES,
+    _coef,
+    _float_dtype,
+    _matrix,
+    _needs_kernel,
+    _no_grad_through,
+    _rows,
+    _tensor,
+    has_kernel,
+)
 from .reductions import shard_and
 
 __all__ = ["weighted_sum", "weighted_sum_screened", "weighted_sum_chunked", "out_dtypes"]
@@ -37,8 +47,9 @@ def out_dtypes(dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
     return (dtype,) + _WIDER.get(dtype, ())
 
 
-def _result_vector(v: object, op: str, name: str, d: int, U: torch.Tensor,
-                   dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def _result_vector(
+    v: object, op: str, name: str, d: int, U: torch.Tensor, dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
     """``out`` / ``base``: 1-D of length d on U's device, of one of ``out_dtypes(U.dtype)`` (or exactly
     ``dtype``: base must have out's)."""
     v = _tensor(v, op, name)
@@ -56,8 +67,14 @@ def _result_vector(v: object, op: str, name: str, d: int, U: torch.Tensor,
     return v
 
 
-def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                 rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def weighted_sum(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """``base + alpha * sum_i coef[i] * U[rows[i]]`` in one pass over the selected rows.
 
     U: [K, d]; coef: [len(rows)] (read as float64, applied in the accumulation dtype, the result's:
@@ -94,8 +111,14 @@ def weighted_sum(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] =
     return out
 
 
-def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                          rows: RowsLike = None, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def weighted_sum_screened(
+    U: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(weighted_sum(U, coef, base, alpha, rows, out), ok)``, ok[i] = all(isfinite(U[rows[i]]))
     ([len(rows)] bool on U's device), from the same pass over U: the NaN/Inf screen of the rows costs
     no extra read. Arguments as :func:`weighted_sum` (``out``: optional [d] contiguous on U's device, may
@@ -126,10 +149,16 @@ def weighted_sum_screened(U: torch.Tensor, coef: CoefLike, base: Optional[torch.
     return out, shard_and(ok)
 
 
-def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                         rows: RowsLike = None, out_dtype: Optional[torch.dtype] = None,
-                         device: Optional[Union[str, torch.device]] = None,
-                         chunk_cols: int = 1 << 18) -> torch.Tensor:
+def weighted_sum_chunked(
+    M: torch.Tensor,
+    coef: CoefLike,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: RowsLike = None,
+    out_dtype: Optional[torch.dtype] = None,
+    device: Optional[Union[str, torch.device]] = None,
+    chunk_cols: int = 1 << 18,
+) -> torch.Tensor:
     """``base + alpha * sum_i coef_i M[rows_i]`` for a table ``M`` stored in another dtype (bf16) or on
     another device (the host) than the result: column chunks of the selected rows are converted to
     ``out_dtype`` (default: base's dtype, else M's) on ``device`` (default: base's device, else M's)
@@ -158,13 +187,19 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
         if base.dim() != 1 or base.size(0) != d:
             raise ValueError(f"{op}: base must be a 1-D tensor of length {d}, got shape {tuple(base.shape)}")
         if base.dtype != odt or base.device != dev:
-            raise ValueError(f"{op}: base must have the result's dtype {odt} and device {dev}, "
-                             f"got {base.dtype} on {base.device}")
+            raise ValueError(
+                f"{op}: base must have the result's dtype {odt} and device {dev}, got {base.dtype} on {base.device}"
+            )
     r = torch.arange(K) if rows is None else _rows(rows, K, op)
     c64 = _coef(coef, r.numel(), op).to(torch.float64)
     out = torch.empty(d, dtype=odt, device=dev)
-    if (M.device == dev and odt in out_dtypes(M.dtype) and has_kernel("weighted_sum_out", dev)
-            and (d <= 1 or M.stride(1) == 1) and (K <= 1 or M.stride(0) >= d)):   # read in place: one pass
+    if (
+        M.device == dev
+        and odt in out_dtypes(M.dtype)
+        and has_kernel("weighted_sum_out", dev)
+        and (d <= 1 or M.stride(1) == 1)
+        and (K <= 1 or M.stride(0) >= d)
+    ):  # read in place: one pass
         return weighted_sum(M, c64, base=base, alpha=alpha, rows=None if rows is None else r, out=out)
     ridx = r.to(M.device)
     for a in range(0, d, chunk_cols):
@@ -177,27 +212,49 @@ def weighted_sum_chunked(M: torch.Tensor, coef: CoefLike, base: Optional[torch.T
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
 @torch.library.register_fake("fedkernels::weighted_sum")
-def _wsum_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-               rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _wsum_fake(
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
-def _wsum_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
-                   rows: Optional[torch.Tensor], out: torch.Tensor) -> None:
+def _wsum_out_fake(
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor],
+    alpha: float,
+    rows: Optional[torch.Tensor],
+    out: torch.Tensor,
+) -> None:
     return None
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_screened")
-def _wsum_screened_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-                        rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _wsum_screened_fake(
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     n = U.size(0) if rows is None else rows.size(0)
     return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_screened_out")
-def _wsum_screened_out_fake(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
-                            rows: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+def _wsum_screened_out_fake(
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor],
+    alpha: float,
+    rows: Optional[torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
     return U.new_empty((U.size(0) if rows is None else rows.size(0),), dtype=torch.bool)
 
 
@@ -238,8 +295,9 @@ class _WeightedSum(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float,
-                rows: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        U: torch.Tensor, coef: torch.Tensor, base: Optional[torch.Tensor], alpha: float, rows: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         return torch.ops.fedkernels.weighted_sum(U, coef, base, alpha, rows)
 
     @staticmethod
@@ -251,9 +309,15 @@ class _WeightedSum(torch.autograd.Function):
         return _wsum_backward(ctx, g)
 
 
-def _wsum_vmap(info: Any, in_dims: Sequence[Optional[int]], U: torch.Tensor, coef: torch.Tensor,
-               base: Optional[torch.Tensor] = None, alpha: float = 1.0,
-               rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+def _wsum_vmap(
+    info: Any,
+    in_dims: Sequence[Optional[int]],
+    U: torch.Tensor,
+    coef: torch.Tensor,
+    base: Optional[torch.Tensor] = None,
+    alpha: float = 1.0,
+    rows: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, int]:
     dims = (tuple(in_dims) + (None,) * 5)[:5]
     return _ag.vmap_loop(torch.ops.fedkernels.weighted_sum, info, dims, (U, coef, base, alpha, rows))
 

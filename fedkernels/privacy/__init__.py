@@ -6,8 +6,23 @@ The mechanism accounted is the one the wrapper runs: every round, a fixed number
 sampled (uniformly, without replacement: the simulator's sampling) and the clipped updates' sum gets
 Gaussian noise. See :mod:`fedkernels.privacy.accountant` and docs/privacy.md.
 """
-from .accountant import (ACCOUNTANTS, SAMPLINGS, MissingExtra, PrivacyAccountant, calibrate_noise_multiplier,
-                         epsilon_after, require_dp_accounting)
 
-__all__ = ["PrivacyAccountant", "calibrate_noise_multiplier", "epsilon_after", "require_dp_accounting",
-           "MissingExtra", "ACCOUNTANTS", "SAMPLINGS"]
+from .accountant import (
+    ACCOUNTANTS,
+    SAMPLINGS,
+    MissingExtra,
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    epsilon_after,
+    require_dp_accounting,
+)
+
+__all__ = [
+    "PrivacyAccountant",
+    "calibrate_noise_multiplier",
+    "epsilon_after",
+    "require_dp_accounting",
+    "MissingExtra",
+    "ACCOUNTANTS",
+    "SAMPLINGS",
+]

@@ -16,6 +16,7 @@ One round = one subsampled Gaussian mechanism on the clients' clipped updates, w
 
 Rounds compose (``SelfComposedDpEvent``); epsilon is reported at the run's delta.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,20 +36,22 @@ def require_dp_accounting() -> Any:
     """The ``dp_accounting`` module, or :class:`MissingExtra` with one line naming the extra."""
     try:
         import dp_accounting
-    except ImportError as e:   # pragma: no cover - the test environment has it
+    except ImportError as e:  # pragma: no cover - the test environment has it
         raise MissingExtra(_EXTRA) from e
     return dp_accounting
 
 
-def _check(noise_multiplier: float, sample_size: int, population: int, delta: float, accountant: str,
-           sampling: str) -> None:
+def _check(
+    noise_multiplier: float, sample_size: int, population: int, delta: float, accountant: str, sampling: str
+) -> None:
     if not (isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ValueError(f"privacy: noise_multiplier={noise_multiplier!r}: expected a finite number >= 0")
     if not (isinstance(population, int) and population >= 1):
         raise ValueError(f"privacy: population={population!r}: expected an integer >= 1 (the number of clients N)")
     if not (isinstance(sample_size, int) and 1 <= sample_size <= population):
-        raise ValueError(f"privacy: sample_size={sample_size!r}: expected an integer in [1, {population}] "
-                         "(clients per round)")
+        raise ValueError(
+            f"privacy: sample_size={sample_size!r}: expected an integer in [1, {population}] (clients per round)"
+        )
     if not (isinstance(delta, float) and 0 < delta < 1):
         raise ValueError(f"privacy: delta={delta!r}: expected a number in (0, 1)")
     if accountant not in ACCOUNTANTS:
@@ -56,8 +59,10 @@ def _check(noise_multiplier: float, sample_size: int, population: int, delta: fl
     if sampling not in SAMPLINGS:
         raise ValueError(f"privacy: sampling={sampling!r}: expected one of {', '.join(SAMPLINGS)}")
     if accountant == "pld" and sampling == "fixed_size":
-        raise ValueError("privacy: accountant='pld' does not support fixed-size sampling without replacement "
-                         "(dp-accounting's PLD accountant has no such event); use accountant='rdp'")
+        raise ValueError(
+            "privacy: accountant='pld' does not support fixed-size sampling without replacement "
+            "(dp-accounting's PLD accountant has no such event); use accountant='rdp'"
+        )
 
 
 class PrivacyAccountant:
@@ -65,20 +70,27 @@ class PrivacyAccountant:
     (m) clients per round out of ``population`` (N), at ``delta``. ``step(rounds=1)`` records rounds;
     ``epsilon`` is the epsilon so far (0 before any round; inf for z = 0 after one)."""
 
-    def __init__(self, noise_multiplier: float, sample_size: int, population: int, delta: float,
-                 accountant: str = "rdp", sampling: str = "fixed_size") -> None:
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sample_size: int,
+        population: int,
+        delta: float,
+        accountant: str = "rdp",
+        sampling: str = "fixed_size",
+    ) -> None:
         _check(noise_multiplier, sample_size, population, delta, accountant, sampling)
         self.noise_multiplier, self.sample_size, self.population = float(noise_multiplier), sample_size, population
         self.delta, self.accountant, self.sampling = delta, accountant, sampling
         self.rounds = 0
-        self._rdp1: Optional[Any] = None   # RDP curve of one round (rounds compose by adding RDP)
+        self._rdp1: Optional[Any] = None  # RDP curve of one round (rounds compose by adding RDP)
 
     def event(self, rounds: int = 1) -> Any:
         """The dp-accounting event of ``rounds`` rounds."""
         dpa = require_dp_accounting()
         z, m, N = self.noise_multiplier, self.sample_size, self.population
         if self.sampling == "fixed_size":
-            one = dpa.SampledWithoutReplacementDpEvent(N, m, dpa.GaussianDpEvent(z / 2))   # sensitivity 2C
+            one = dpa.SampledWithoutReplacementDpEvent(N, m, dpa.GaussianDpEvent(z / 2))  # sensitivity 2C
         else:
             one = dpa.PoissonSampledDpEvent(m / N, dpa.GaussianDpEvent(z))
         return dpa.SelfComposedDpEvent(one, rounds)
@@ -86,8 +98,11 @@ class PrivacyAccountant:
     def _accountant(self) -> Any:
         dpa = require_dp_accounting()
         if self.accountant == "rdp":
-            rel = (dpa.NeighboringRelation.REPLACE_ONE if self.sampling == "fixed_size"
-                   else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+            rel = (
+                dpa.NeighboringRelation.REPLACE_ONE
+                if self.sampling == "fixed_size"
+                else dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+            )
             return dpa.rdp.RdpAccountant(neighboring_relation=rel)
         return dpa.pld.PLDAccountant()
 
@@ -101,6 +116,7 @@ class PrivacyAccountant:
             return math.inf
         if self.accountant == "rdp":
             from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
             if self._rdp1 is None:
                 acc = self._accountant()
                 acc.compose(self.event(1))
@@ -134,16 +150,31 @@ class PrivacyAccountant:
         self.rounds = int(st["rounds"])
 
 
-def epsilon_after(rounds: int, noise_multiplier: float, sample_size: int, population: int, delta: float,
-                  accountant: str = "rdp", sampling: str = "fixed_size") -> float:
+def epsilon_after(
+    rounds: int,
+    noise_multiplier: float,
+    sample_size: int,
+    population: int,
+    delta: float,
+    accountant: str = "rdp",
+    sampling: str = "fixed_size",
+) -> float:
     """Epsilon after ``rounds`` rounds (see :class:`PrivacyAccountant`)."""
     return PrivacyAccountant(noise_multiplier, sample_size, population, delta, accountant, sampling).epsilon_at(rounds)
 
 
-@functools.lru_cache(maxsize=64)      # the run's checks and its set-up ask the same question
-def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int, sample_size: int, population: int,
-                               accountant: str = "rdp", sampling: str = "fixed_size", tol: float = 1e-3,
-                               z_max: float = 1e3) -> float:
+@functools.lru_cache(maxsize=64)  # the run's checks and its set-up ask the same question
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    rounds: int,
+    sample_size: int,
+    population: int,
+    accountant: str = "rdp",
+    sampling: str = "fixed_size",
+    tol: float = 1e-3,
+    z_max: float = 1e3,
+) -> float:
     """The smallest noise multiplier z (to a relative ``tol``, rounded up) whose epsilon after ``rounds``
     rounds is at most ``target_epsilon``: bisection on z over the accountant (epsilon falls as z grows).
     ValueError (one line) when even ``z_max`` does not reach the target."""
@@ -157,10 +188,12 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, rounds: int,
         return epsilon_after(rounds, z, sample_size, population, delta, accountant, sampling)
 
     if eps(z_max) > target_epsilon:
-        raise ValueError(f"privacy: target_epsilon={target_epsilon} cannot be reached in {rounds} rounds of "
-                         f"{sample_size} "
-                         f"of {population} clients at delta={delta} (epsilon {eps(z_max):.3g} even at noise "
-                         f"multiplier {z_max:g})")
+        raise ValueError(
+            f"privacy: target_epsilon={target_epsilon} cannot be reached in {rounds} rounds of "
+            f"{sample_size} "
+            f"of {population} clients at delta={delta} (epsilon {eps(z_max):.3g} even at noise "
+            f"multiplier {z_max:g})"
+        )
     lo, hi = 0.0, 1.0
     while eps(hi) > target_epsilon:
         lo, hi = hi, hi * 2

@@ -7,6 +7,7 @@
 ``Simulation`` and ``run`` (``sim/server.py``) and ``RunConfig`` (``sim/config.py``) are loaded on
 first use, so ``import fedkernels.sim`` (and the CLI's start-up) does not pay for the round loop.
 """
+
 from __future__ import annotations
 
 import importlib

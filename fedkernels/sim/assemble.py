@@ -1,6 +1,7 @@
 """What a simulation is built from (``Simulation.setup``): its device, its data (the dataset
 registry, or data a caller injected, with seeded subsets), the client partition, the model (seeded
 initialisation), the training transform (augmentation) and the pre-drawn client schedule."""
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,16 @@ from .config import RunConfig
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["load_data", "partition_clients", "build_model", "train_transform", "sample_schedule", "resolve_device",
-           "deterministic", "torch_settings"]
+__all__ = [
+    "load_data",
+    "partition_clients",
+    "build_model",
+    "train_transform",
+    "sample_schedule",
+    "resolve_device",
+    "deterministic",
+    "torch_settings",
+]
 
 
 def _subset(data, n: Optional[int], seed: int, which: int):
@@ -34,9 +43,10 @@ def load_data(cfg: RunConfig, train=None, test=None) -> Tuple[object, object, Tu
     or the injected one (a seeded random subset when ``data.train_subset``/``test_subset`` ask)."""
     if train is None or test is None:
         from .data import GENERATED, dataset_key, load_dataset
+
         kw = dict(cfg.data.options)
         if dataset_key(cfg.data.name) in GENERATED:
-            kw.setdefault("seed", cfg.seed)   # generated data: a new draw per run seed unless pinned
+            kw.setdefault("seed", cfg.seed)  # generated data: a new draw per run seed unless pinned
         kw.setdefault("max_train", cfg.data.train_subset)
         kw.setdefault("max_test", cfg.data.test_subset)
         train, test = load_dataset(cfg.data.name, root=cfg.data.root, **kw)
@@ -47,13 +57,15 @@ def load_data(cfg: RunConfig, train=None, test=None) -> Tuple[object, object, Tu
     return train, test, (x, y, xt, yt), int(getattr(train, "num_classes", int(y.max()) + 1))
 
 
-def partition_clients(cfg: RunConfig, y: torch.Tensor, train, client_indices: Optional[Sequence] = None
-                      ) -> List[torch.Tensor]:
+def partition_clients(
+    cfg: RunConfig, y: torch.Tensor, train, client_indices: Optional[Sequence] = None
+) -> List[torch.Tensor]:
     """The clients' index tensors: ``client_indices`` or the config's seeded partition of ``y``."""
     if client_indices is not None:
         parts = client_indices
     else:
         from .partition import partition
+
         pseed = cfg.partition.seed if cfg.partition.seed is not None else cfg.seed
         popts = dict(cfg.partition.options)
         if cfg.partition.scheme.lower() == "natural":  # per-sample owners of the data (synthetic)
@@ -64,16 +76,19 @@ def partition_clients(cfg: RunConfig, y: torch.Tensor, train, client_indices: Op
     return [torch.as_tensor(np.asarray(p), dtype=torch.long) for p in parts]
 
 
-def build_model(cfg: RunConfig, x: torch.Tensor, num_classes: int,
-                model_fn: Optional[Callable[..., nn.Module]] = None) -> nn.Module:
+def build_model(
+    cfg: RunConfig, x: torch.Tensor, num_classes: int, model_fn: Optional[Callable[..., nn.Module]] = None
+) -> nn.Module:
     """The run's model for inputs like ``x``, initialised from the run seed's init stream."""
     in_ch = int(x.shape[1]) if x.dim() >= 2 else 1
     size = int(x.shape[-1]) if x.dim() >= 3 else int(x.shape[-1])
     torch.manual_seed(derive_seed(cfg.seed, STREAM_INIT))
-    from .lora import wrap          # lora.*: the model wrapped by peft, its LoRA init from the same stream
+    from .lora import wrap  # lora.*: the model wrapped by peft, its LoRA init from the same stream
+
     if model_fn is not None:
         return wrap(cfg, model_fn(num_classes, in_ch, size))
     from .models import build_model as build
+
     mopts = dict(cfg.model.options)
     if x.dim() == 2:  # flat [N, F] rows (synthetic, gmm): MLP / logreg take in_features=F
         mopts.setdefault("in_features", int(x.shape[1]))
@@ -85,11 +100,11 @@ def train_transform(cfg: RunConfig, train, transform: Optional[Callable] = None)
     if transform is not None or not cfg.data.augment:
         return transform
     from .data import Augment
+
     recipe = cfg.data.augment if isinstance(cfg.data.augment, str) else "auto"
     tr = Augment.for_data(train, recipe) if hasattr(train, "augment") else None
     if tr is None:
-        log.warning("data.augment is set but dataset %r has no train transform; training without one",
-                    cfg.data.name)
+        log.warning("data.augment is set but dataset %r has no train transform; training without one", cfg.data.name)
     return tr
 
 

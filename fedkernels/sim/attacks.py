@@ -23,6 +23,7 @@ vector. metrics.jsonl records per round ``attack``: the round's attackers and, f
 clients (``info["selected"]``: krum, bulyan), how many of them were selected; provenance.json records
 the kind, options and attacker set.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ import torch
 KINDS = ("sign_flip", "scale", "gaussian", "alie", "ipm", "label_flip")
 # the kind-specific options of AttackConfig: the kinds that read each
 OPTION_KINDS = {"factor": ("scale",), "std": ("gaussian",), "z": ("alie",), "epsilon": ("ipm",)}
-_SEED_SALT = 0x5A77AC                      # the attackers' draw: its own stream of the run seed
+_SEED_SALT = 0x5A77AC  # the attackers' draw: its own stream of the run seed
 
 
 def attack_errors(cfg: Any) -> List[str]:
@@ -41,17 +42,22 @@ def attack_errors(cfg: Any) -> List[str]:
     a = cfg.attack
     given = [k for k in ("fraction", "clients", *OPTION_KINDS) if getattr(a, k) is not None]
     if a.kind is None:
-        return [f"attack.{given[0]}={getattr(a, given[0])!r} needs attack.kind (one of {', '.join(KINDS)})"] \
-            if given else []
+        return (
+            [f"attack.{given[0]}={getattr(a, given[0])!r} needs attack.kind (one of {', '.join(KINDS)})"]
+            if given
+            else []
+        )
     if a.kind not in KINDS:
         return [f"attack.kind must be one of {', '.join(KINDS)}, got {a.kind!r}"]
     if (a.fraction is None) == (a.clients is None):
-        return [f"attack.kind={a.kind} needs exactly one of attack.fraction or attack.clients, got "
-                f"{'both' if a.fraction is not None else 'neither'}"]
+        return [
+            f"attack.kind={a.kind} needs exactly one of attack.fraction or attack.clients, got "
+            f"{'both' if a.fraction is not None else 'neither'}"
+        ]
     for key, kinds in OPTION_KINDS.items():
         if getattr(a, key) is not None and a.kind not in kinds:
             return [f"attack.{key}={getattr(a, key)!r} is an option of attack.kind={kinds[0]}, not {a.kind}"]
-    n = cfg.num_clients          # (the numbers' ranges: config.RANGES, checked before this)
+    n = cfg.num_clients  # (the numbers' ranges: config.RANGES, checked before this)
     if a.fraction is not None:
         if round(a.fraction * n) < 1:
             return [f"attack.fraction={a.fraction} of num_clients={n} is no attacker (round(fraction * n) = 0)"]
@@ -60,8 +66,10 @@ def attack_errors(cfg: Any) -> List[str]:
         if not c or len(set(c)) != len(c) or min(c) < 0 or max(c) >= n:
             return [f"attack.clients must be distinct client ids in [0, num_clients={n}), got {c}"]
     if cfg.distributed:
-        return ["attack.kind is not supported with distributed=true (the ranks hold column slices of the "
-                "round's updates); run in one process (workers=N or clients_at_once also work)"]
+        return [
+            "attack.kind is not supported with distributed=true (the ranks hold column slices of the "
+            "round's updates); run in one process (workers=N or clients_at_once also work)"
+        ]
     return []
 
 
@@ -71,6 +79,7 @@ def alie_z(n: int, f: int) -> float:
     s = math.floor(n / 2 + 1) - f
     p = (n - s) / n
     from statistics import NormalDist
+
     return NormalDist().inv_cdf(min(max(p, 1e-12), 1 - 1e-12))
 
 
@@ -115,7 +124,7 @@ class Attack:
             return None
         who = [int(client_ids[k]) for k in rows]
         if self.kind == "label_flip":
-            return who                                    # (poisoned at the data level)
+            return who  # (poisoned at the data level)
         idx = torch.tensor(rows, dtype=torch.long, device=U.device)
         K = U.size(0)
         if self.kind == "sign_flip":
@@ -136,7 +145,7 @@ class Attack:
             if self.kind == "alie":
                 z = alie_z(K, len(rows)) if self.cfg.z is None else float(self.cfg.z)
                 mal = mu - z * H.std(0, correction=0)
-            else:                                          # ipm
+            else:  # ipm
                 eps = 0.1 if self.cfg.epsilon is None else float(self.cfg.epsilon)
                 mal = -eps * mu
             U.index_copy_(0, idx, mal.to(U.dtype).unsqueeze(0).expand(len(rows), -1))

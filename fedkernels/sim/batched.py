@@ -69,6 +69,7 @@ whose vmapped convolutions gain nothing on the CPU; bench/results/sim-executors-
 is not measured yet. A chunk runs as many steps as its longest client (the others are masked): with very
 unequal step counts, part of the work is padding.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -113,32 +114,44 @@ def batch_reason(cfg, model: nn.Module, rule: Optional[ClientRule], transform, c
         return f"train.optimizer={t.optimizer!r} (batched: sgd)"
     if transform is not None:
         return "a train-time transform (data.augment) draws from each client's generator between batches"
-    if type(criterion) is not nn.CrossEntropyLoss or criterion.weight is not None or criterion.label_smoothing \
-            or criterion.reduction != "mean":
+    if (
+        type(criterion) is not nn.CrossEntropyLoss
+        or criterion.weight is not None
+        or criterion.label_smoothing
+        or criterion.reduction != "mean"
+    ):
         return "a criterion other than the default cross-entropy"
     bn_buffers = set()
     for name, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm):
             if type(mod) not in BATCH_NORMS:
-                return (f"model {type(model).__name__} has {type(mod).__name__} ({name}): batched, BatchNorm "
-                        "is nn.BatchNorm1d/2d/3d (a subclass may change its forward)")
+                return (
+                    f"model {type(model).__name__} has {type(mod).__name__} ({name}): batched, BatchNorm "
+                    "is nn.BatchNorm1d/2d/3d (a subclass may change its forward)"
+                )
             if mod.track_running_stats and mod.momentum is None:
-                return (f"model {type(model).__name__} has BatchNorm ({name}) with momentum=None: its cumulative "
-                        "average counts the batches of every client the shared model trained")
+                return (
+                    f"model {type(model).__name__} has BatchNorm ({name}) with momentum=None: its cumulative "
+                    "average counts the batches of every client the shared model trained"
+                )
             bn_buffers.update(f"{name}.{b}" if name else b for b, _ in mod.named_buffers(recurse=False))
         if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
-            return (f"model {type(model).__name__} has dropout ({name}): its masks come from the sequential "
-                    "loop's per-client seed")
+            return (
+                f"model {type(model).__name__} has dropout ({name}): its masks come from the sequential "
+                "loop's per-client seed"
+            )
     other = [n for n, _ in model.named_buffers() if n not in bn_buffers]
     if other:
-        return (f"model {type(model).__name__} has buffers other than BatchNorm statistics ({other[0]}; "
-                "batched: parameters and BatchNorm running statistics)")
+        return (
+            f"model {type(model).__name__} has buffers other than BatchNorm statistics ({other[0]}; "
+            "batched: parameters and BatchNorm running statistics)"
+        )
     if any(not p.requires_grad for p in model.parameters()):
         return f"model {type(model).__name__} has frozen parameters"
     return rule_reason(rule, t.steps is not None)
 
 
-AUTO_DEVICES = ("cuda",)          # where clients_at_once=auto trains batched (elsewhere: sequential)
+AUTO_DEVICES = ("cuda",)  # where clients_at_once=auto trains batched (elsewhere: sequential)
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
@@ -207,9 +220,11 @@ def chunk_size(free: Optional[int], per_client: int, K: int, device: Any = "", f
         return K
     n = int(fraction * free) // max(int(per_client), 1)
     if n < 1:
-        raise RunError(f"clients_at_once=auto: one client needs about {per_client / 2**20:.1f} MiB of working "
-                       f"memory on {device or 'the device'} and {free / 2**20:.1f} MiB are free (the chunk may use "
-                       f"{fraction:.0%}); free memory, or train with clients_at_once=off")
+        raise RunError(
+            f"clients_at_once=auto: one client needs about {per_client / 2**20:.1f} MiB of working "
+            f"memory on {device or 'the device'} and {free / 2**20:.1f} MiB are free (the chunk may use "
+            f"{fraction:.0%}); free memory, or train with clients_at_once=off"
+        )
     return min(K, n)
 
 
@@ -224,17 +239,18 @@ class BatchedExecutor:
         self.model, self.spec = local.model, local.spec
         tr = local.trainer
         self.x, self.y, self.parts = tr.x, tr.y, tr.client_indices
-        self.parts_host = [p.cpu() for p in self.parts]    # drawing batches reads them: no per-client sync
+        self.parts_host = [p.cpu() for p in self.parts]  # drawing batches reads them: no per-client sync
         self.train = local.cfg.train
         self.chunk = chunk
         rule = local.rules.fresh()
-        self.form: BatchedRule = type(rule).__dict__["batched_form"](rule, self.spec) if rule is not None \
-            else BatchedRule(None, self.spec)
-        self.sequential = SequentialExecutor(local)   # the clients that cannot be batched, in their place
+        self.form: BatchedRule = (
+            type(rule).__dict__["batched_form"](rule, self.spec) if rule is not None else BatchedRule(None, self.spec)
+        )
+        self.sequential = SequentialExecutor(local)  # the clients that cannot be batched, in their place
         # BatchNorm: its running statistics are the flat vector's trailing buffer columns [dp, d)
         self.bns = {n: m for n, m in self.model.named_modules() if isinstance(m, BATCH_NORMS)}
         self.buffer_entries = [e for e in self.spec.entries if e.is_buffer]
-        self.dp = min((e.offset for e in self.buffer_entries), default=self.spec.d)   # (FlatSpec: buffers last)
+        self.dp = min((e.offset for e in self.buffer_entries), default=self.spec.d)  # (FlatSpec: buffers last)
         self._bn_box: Dict[str, Any] = {}
         self._buffer_names = {e.name for e in self.buffer_entries}
         self._fn = self._grad_fn()
@@ -242,21 +258,22 @@ class BatchedExecutor:
     # ---- the per-client loss, vmapped -------------------------------------------------------------
     def _grad_fn(self):
         from torch.func import functional_call, grad, jacrev, vmap
+
         model, entries, bufs, box = self.model, self.spec.entries, self.buffer_entries, self._bn_box
         rho, clip = self.form.needs_rho, self.form.loss_clip
 
-        def loss(p, b, x, y, m):                # p: the parameters, b: the buffers, by name (one client)
+        def loss(p, b, x, y, m):  # p: the parameters, b: the buffers, by name (one client)
             params = {**p, **b}
-            box.update(m=m, out={})                 # read by the BatchNorms' masked forward (_bn_patch)
+            box.update(m=m, out={})  # read by the BatchNorms' masked forward (_bn_patch)
             ce = F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
             cnt = m.sum().clamp_min(1)
-            ce_m = torch.where(m > 0, ce, 0.0)      # masked samples add nothing, even a non-finite loss
+            ce_m = torch.where(m > 0, ce, 0.0)  # masked samples add nothing, even a non-finite loss
             data = ce_m.sum() / cnt
             aux = ce.detach()
-            if self.bns:                            # the running statistics after this step, flat
+            if self.bns:  # the running statistics after this step, flat
                 new = box["out"]
                 aux = (aux, torch.cat([new.get(e.name, params[e.name]).detach().reshape(-1) for e in bufs]))
-            if rho:   # FedPGVC's rho: the gradient of mean(stopgrad(l) l) over the batch
+            if rho:  # FedPGVC's rho: the gradient of mean(stopgrad(l) l) over the batch
                 wt = ce_m.detach() if clip is None else ce_m.detach().clamp(max=clip)
                 return torch.stack([data, (wt * ce_m).sum() / cnt]), aux
             return data, aux
@@ -269,9 +286,11 @@ class BatchedExecutor:
         The gradient is taken per parameter tensor (a gradient through slices of one [C, d] tensor
         would add a zero-filled [C, d] temporary per parameter tensor, every step)."""
         C = W.size(0)
-        views = {e.name: W[:, e.offset:e.offset + e.numel].view(C, *e.shape) for e in self.spec.entries}
-        return ({k: v for k, v in views.items() if k not in self._buffer_names},
-                {e.name: views[e.name] for e in self.buffer_entries})
+        views = {e.name: W[:, e.offset : e.offset + e.numel].view(C, *e.shape) for e in self.spec.entries}
+        return (
+            {k: v for k, v in views.items() if k not in self._buffer_names},
+            {e.name: views[e.name] for e in self.buffer_entries},
+        )
 
     @contextlib.contextmanager
     def _bn_patch(self):
@@ -285,8 +304,9 @@ class BatchedExecutor:
                 pre = f"{name}." if name else ""
                 box["out"][pre + "running_mean"], box["out"][pre + "running_var"] = st
             return y
+
         for name, mod in self.bns.items():
-            mod.forward = (lambda inp, _n=name, _m=mod: forward(_n, _m, inp))
+            mod.forward = lambda inp, _n=name, _m=mod: forward(_n, _m, inp)
         try:
             yield
         finally:
@@ -301,9 +321,9 @@ class BatchedExecutor:
         with self._bn_patch():
             g, aux = self._fn(p, b, xb, yb, m)
         ce, stats = aux if self.bns else (aux, None)
-        lead = W.shape[:1] + ((2,) if self.form.needs_rho else ())        # [C] or [C, 2] before d
+        lead = W.shape[:1] + ((2,) if self.form.needs_rho else ())  # [C] or [C, 2] before d
         parts = [g[e.name].reshape(*lead, -1) for e in self.spec.entries if not e.is_buffer]
-        if self.dp < self.spec.d:                                         # buffers: no gradient
+        if self.dp < self.spec.d:  # buffers: no gradient
             parts.append(W.new_zeros(*lead, self.spec.d - self.dp))
         return torch.cat(parts, dim=-1), ce, stats
 
@@ -320,16 +340,23 @@ class BatchedExecutor:
         own, saved = w.untyped_storage().data_ptr(), [0]
 
         def pack(t):
-            if t.untyped_storage().data_ptr() != own:       # the weights are the buffer's row: not counted
+            if t.untyped_storage().data_ptr() != own:  # the weights are the buffer's row: not counted
                 saved[0] += t.numel() * t.element_size()
             return t
+
         p, b = self.split(w.unsqueeze(0))
         with self._bn_patch(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            self._loss({k: v[0] for k, v in p.items()}, {k: v[0] for k, v in b.items()}, self.x[:B], self.y[:B],
-                       torch.ones(B, dtype=w.dtype, device=w.device))
+            self._loss(
+                {k: v[0] for k, v in p.items()},
+                {k: v[0] for k, v in b.items()},
+                self.x[:B],
+                self.y[:B],
+                torch.ones(B, dtype=w.dtype, device=w.device),
+            )
         self.activation_bytes = saved[0]
-        self.per_client = client_bytes(self.spec.d, self.dp, saved[0], self.train.momentum > 0, self.form.needs_rho,
-                                       w.element_size())
+        self.per_client = client_bytes(
+            self.spec.d, self.dp, saved[0], self.train.momentum > 0, self.form.needs_rho, w.element_size()
+        )
 
     def single_sample_batch(self, cid: int) -> Optional[str]:
         """Why client ``cid`` trains sequentially under BatchNorm: a batch of one sample, which torch's
@@ -353,20 +380,20 @@ class BatchedExecutor:
         for i, (c, k, sd, b) in enumerate(zip(cids, steps, seeds, Bs)):
             own = self.parts_host[c]
             n = own.numel()
-            idx[i] = own[0]                         # masked places hold one of the client's own samples
+            idx[i] = own[0]  # masked places hold one of the client's own samples
             gen = torch.Generator().manual_seed(sd)
             stop = n - (n % b) if t.drop_last else n
-            nb = -(-stop // b)                      # batches per epoch (the last one may be short)
+            nb = -(-stop // b)  # batches per epoch (the last one may be short)
             done = 0
-            while done < k:                         # a fresh permutation per epoch, as ClientTrainer._batches
+            while done < k:  # a fresh permutation per epoch, as ClientTrainer._batches
                 perm = own[torch.randperm(n, generator=gen)][:stop]
                 take = min(nb, k - done)
                 rows = torch.full((nb * b,), -1, dtype=torch.long)
                 rows[:stop] = perm
                 rows = rows.view(nb, b)[:take]
                 ok = rows >= 0
-                idx[i, done:done + take, :b] = torch.where(ok, rows, rows[:, :1])
-                msk[i, done:done + take, :b] = ok
+                idx[i, done : done + take, :b] = torch.where(ok, rows, rows[:, :1])
+                msk[i, done : done + take, :b] = ok
                 done += take
         return idx.to(self.x.device), msk
 
@@ -385,11 +412,20 @@ class BatchedExecutor:
         s0 = buf.count
         for c, n in zip(cids, ns):
             buf.add(c, n)
-        W = buf.data[s0:s0 + C]
+        W = buf.data[s0 : s0 + C]
         W.copy_(x0.to(W.dtype).unsqueeze(0).expand(C, -1))
         lr = torch.tensor([b * factor for _, _, _, b, _ in items], dtype=torch.float64)
-        ch = Chunk(W=W, x=x0, lr=lr, steps=steps, epochs=epochs, payloads=[p for _, _, p, _, _ in items],
-                   client_ids=cids, momentum=float(t.momentum), weight_decay=float(t.weight_decay))
+        ch = Chunk(
+            W=W,
+            x=x0,
+            lr=lr,
+            steps=steps,
+            epochs=epochs,
+            payloads=[p for _, _, p, _, _ in items],
+            client_ids=cids,
+            momentum=float(t.momentum),
+            weight_decay=float(t.weight_decay),
+        )
         form = self.form
         form.begin(ch)
         idx, msk = self._indices(cids, steps, seeds)
@@ -399,7 +435,7 @@ class BatchedExecutor:
         mom, wd = float(t.momentum), float(t.weight_decay)
         nesterov = bool(t.nesterov) and mom > 0
         dp = self.dp
-        Wp, Wb = W[:, :dp], W[:, dp:]           # the optimizer steps the parameters; BatchNorm sets Wb
+        Wp, Wb = W[:, :dp], W[:, dp:]  # the optimizer steps the parameters; BatchNorm sets Wb
         buf_m = torch.zeros_like(Wp) if mom > 0 else None
         loss_sum = torch.zeros(C, dtype=torch.float64, device=dev)
         self.model.train()
@@ -413,15 +449,15 @@ class BatchedExecutor:
             active = steps_d > s
             loss_sum += torch.where(m > 0, ce, 0.0).sum(1).double()
             form.before_step(ch, G, rho, ce, m, active)
-            Gp = G[:, :dp]                      # (a rule may have written into the buffer columns)
+            Gp = G[:, :dp]  # (a rule may have written into the buffer columns)
             if t.grad_clip is not None:
                 norm = torch.linalg.vector_norm(Gp, dim=1)
                 Gp.mul_((float(t.grad_clip) / (norm + 1e-6)).clamp(max=1.0).unsqueeze(1))
             form.in_step(ch, G)
             skip = form.skip()
             act = active if skip is None else active & ~skip
-            a = act.unsqueeze(1)                # a client past its last step (or skipping it) stays put:
-            if wd:                              # its d is 0 (even a NaN one), its buffer kept, its lr 0
+            a = act.unsqueeze(1)  # a client past its last step (or skipping it) stays put:
+            if wd:  # its d is 0 (even a NaN one), its buffer kept, its lr 0
                 Gp.add_(Wp, alpha=wd)
             Gp.masked_fill_(~a, 0.0)
             if buf_m is not None:
@@ -429,42 +465,51 @@ class BatchedExecutor:
                 step = Gp.add_(buf_m, alpha=mom) if nesterov else buf_m
             else:
                 step = Gp
-            Wp.addcmul_(step, lr_d.unsqueeze(1) * a, value=-1.0)    # no [C, d] temporary
-            if stats is not None:               # the forward ran (even for a skipped step): new statistics
+            Wp.addcmul_(step, lr_d.unsqueeze(1) * a, value=-1.0)  # no [C, d] temporary
+            if stats is not None:  # the forward ran (even for a skipped step): new statistics
                 Wb.copy_(torch.where(active.unsqueeze(1), stats, Wb))
         payloads = form.end(ch)
-        W.sub_(x0.to(W.dtype))                 # the rows become the updates local - global
-        if self.local.client_clip is not None:   # client-side DP clipping, each row as written
+        W.sub_(x0.to(W.dtype))  # the rows become the updates local - global
+        if self.local.client_clip is not None:  # client-side DP clipping, each row as written
             clip_rows_(W, self.local.client_clip)
-        if self.local.dp_norms is not None:      # server-side DP: the rows' norms while hot
-            self.local.dp_norms.update(zip(buf.client_ids[s0:s0 + C], row_norms(W).tolist()))
-        for mod in self.bns.values():          # one more batch per client step, as the shared model counts
+        if self.local.dp_norms is not None:  # server-side DP: the rows' norms while hot
+            self.local.dp_norms.update(zip(buf.client_ids[s0 : s0 + C], row_norms(W).tolist()))
+        for mod in self.bns.values():  # one more batch per client step, as the shared model counts
             if mod.num_batches_tracked is not None:
                 mod.num_batches_tracked.add_(sum(steps))
-        torch.manual_seed(seeds[-1])           # the global torch RNG as the sequential loop leaves it
+        torch.manual_seed(seeds[-1])  # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
         # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_clients)
-        finite = ops.finite_rows(W).tolist() if local.screen_clients else [True] * C   # one host sync per chunk
+        finite = ops.finite_rows(W).tolist() if local.screen_clients else [True] * C  # one host sync per chunk
         accepted, bad = [], []
         for i, (pos, cid, _, _, _) in enumerate(items):
             if finite[i]:
-                accepted.append({"pos": pos, "cid": int(cid), "n": float(ns[i]), "payload": payloads[i],
-                                 "loss": losses[i], "steps": steps[i]})
+                accepted.append(
+                    {
+                        "pos": pos,
+                        "cid": int(cid),
+                        "n": float(ns[i]),
+                        "payload": payloads[i],
+                        "loss": losses[i],
+                        "steps": steps[i],
+                    }
+                )
             else:
                 bad.append((pos, int(cid)))
-        if bad:                                # release the rows of non-finite updates, keep the order
+        if bad:  # release the rows of non-finite updates, keep the order
             keep = [i for i in range(C) if finite[i]]
             if keep:
-                W[:len(keep)].copy_(W[torch.tensor(keep, device=W.device)])
-            del buf.client_ids[s0 + len(keep):], buf.num_examples[s0 + len(keep):]
+                W[: len(keep)].copy_(W[torch.tensor(keep, device=W.device)])
+            del buf.client_ids[s0 + len(keep) :], buf.num_examples[s0 + len(keep) :]
             for j, i in enumerate(keep):
                 buf.client_ids[s0 + j], buf.num_examples[s0 + j] = cids[i], float(ns[i])
         return accepted, bad
 
     # ---- a round ----------------------------------------------------------------------------------
-    def train_local(self, r: int, ids: Sequence[int], mine, payload_of: Callable[[int], Any],
-                    factor: float) -> Dict[str, Any]:
+    def train_local(
+        self, r: int, ids: Sequence[int], mine, payload_of: Callable[[int], Any], factor: float
+    ) -> Dict[str, Any]:
         """Phase 2 of the round, batched (module docstring); ``Simulation.train_local``'s return value."""
         local, cfg = self.local, self.local.cfg
         local.sync()
@@ -484,8 +529,9 @@ class BatchedExecutor:
             accepted.extend(acc)
             for pos, cid in bad:
                 reason = "update contains NaN/Inf"
-                error = error or client_failed(cfg.bad_client_policy, r, pos, cid, reason, True,
-                                               BadClientError(reason), excluded)
+                error = error or client_failed(
+                    cfg.bad_client_policy, r, pos, cid, reason, True, BadClientError(reason), excluded
+                )
             pending.clear()
 
         for pos in mine:
@@ -507,8 +553,9 @@ class BatchedExecutor:
             flush()
             if error is not None:
                 break
-            one = self.sequential.train_local(r, ids, [pos], (lambda p, v=payload: v) if payload is not None
-                                              else payload_of, factor)
+            one = self.sequential.train_local(
+                r, ids, [pos], (lambda p, v=payload: v) if payload is not None else payload_of, factor
+            )
             accepted.extend(one["accepted"])
             excluded.extend(one["excluded"])
             error = one["error"]
@@ -548,12 +595,23 @@ def for_run(local: LocalTraining) -> Optional[BatchedExecutor]:
     dev = local.global_flat.device
     free, mib = free_memory(dev), ex.per_client / 2**20
     if chunk is None:
-        fits = chunk_size(free, ex.per_client, local.per_round, dev)      # RunError when not even one client fits
-        log.info("clients_at_once=auto: batched executor, chunks of up to %d clients (%.1f MiB each, %s MiB free)",
-                 fits, mib, "?" if free is None else f"{free / 2**20:.0f}")
+        fits = chunk_size(free, ex.per_client, local.per_round, dev)  # RunError when not even one client fits
+        log.info(
+            "clients_at_once=auto: batched executor, chunks of up to %d clients (%.1f MiB each, %s MiB free)",
+            fits,
+            mib,
+            "?" if free is None else f"{free / 2**20:.0f}",
+        )
     elif free is not None and chunk * ex.per_client > free:
-        log.warning("clients_at_once=%d: %d clients need about %.0f MiB of working memory on %s, %.0f MiB are "
-                    "free: a smaller N (or auto) avoids running out", chunk, chunk, chunk * mib, dev, free / 2**20)
+        log.warning(
+            "clients_at_once=%d: %d clients need about %.0f MiB of working memory on %s, %.0f MiB are "
+            "free: a smaller N (or auto) avoids running out",
+            chunk,
+            chunk,
+            chunk * mib,
+            dev,
+            free / 2**20,
+        )
     else:
         log.info("clients_at_once=%d: batched executor (%.1f MiB per client)", chunk, mib)
     return ex

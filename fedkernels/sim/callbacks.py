@@ -46,6 +46,7 @@ optional ``bind(run_dir)`` is called at the start and ``close()`` at the end::
 
 :class:`TensorBoardCallback` ships here (``pip install tensorboard``; ``fedkernels run --tensorboard``).
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,12 @@ class PerRound(Callback):
         if not run.is_main:
             return None
         out = self.fn(metrics["round"], metrics, run.global_model())
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], bool) \
-                and (out[1] is None or isinstance(out[1], dict)):
+        if (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], bool)
+            and (out[1] is None or isinstance(out[1], dict))
+        ):
             return out
         return None
 
@@ -132,7 +137,9 @@ class TensorBoardCallback:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401 - needs the tensorboard package
         except ImportError:
-            raise ValueError("--tensorboard: the tensorboard package is not installed (pip install tensorboard)") from None
+            raise ValueError(
+                "--tensorboard: the tensorboard package is not installed (pip install tensorboard)"
+            ) from None
         self.log_dir = log_dir
         self._writer = None
 
@@ -143,6 +150,7 @@ class TensorBoardCallback:
     def __call__(self, rnd: int, metrics: Dict[str, Any], model) -> None:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
+
             self._writer = SummaryWriter(log_dir=self.log_dir or "tensorboard")
         for tag, v in scalars(metrics):
             self._writer.add_scalar(tag, v, rnd)
@@ -165,10 +173,16 @@ class Progress(Callback):
 
     def on_start(self, run) -> None:
         from tqdm.auto import tqdm
+
         self.t_start, self.first = time.perf_counter(), run.rounds_done
         run.say(start_line(run))
-        self.bar = tqdm(total=run.cfg.rounds, initial=run.rounds_done, desc=f"{run.cfg.algorithm.name}",
-                        disable=not run.progress, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=run.cfg.rounds,
+            initial=run.rounds_done,
+            desc=f"{run.cfg.algorithm.name}",
+            disable=not run.progress,
+            dynamic_ncols=True,
+        )
 
     def on_message(self, run, msg: str, console: bool) -> None:
         if not console or not run.cfg.verbose:
@@ -212,11 +226,13 @@ def start_line(run) -> str:
     cfg = run.cfg
     what = f"preset {cfg.preset}, method {cfg.method or cfg.algorithm.name}" if cfg.preset else cfg.algorithm.name
     opts = ", ".join(f"{k}={v}" for k, v in cfg.algorithm.options.items())
-    return (f"fedkernels run: {what} ({cfg.algorithm.name}{'(' + opts + ')' if opts else ''}); "
-            f"{cfg.data.name}, {cfg.partition.scheme} partition, {cfg.num_clients} clients "
-            f"({run.per_round} per round), model {cfg.model.name} (d={run.d}), "
-            f"{cfg.rounds} rounds, seed {cfg.seed}, {run.device}; outputs: "
-            f"{run.run_dir if run.write_outputs else '(not written)'}")
+    return (
+        f"fedkernels run: {what} ({cfg.algorithm.name}{'(' + opts + ')' if opts else ''}); "
+        f"{cfg.data.name}, {cfg.partition.scheme} partition, {cfg.num_clients} clients "
+        f"({run.per_round} per round), model {cfg.model.name} (d={run.d}), "
+        f"{cfg.rounds} rounds, seed {cfg.seed}, {run.device}; outputs: "
+        f"{run.run_dir if run.write_outputs else '(not written)'}"
+    )
 
 
 def round_line(m: Dict[str, Any], rounds: int) -> str:
@@ -243,17 +259,22 @@ def _hms(seconds: float) -> str:
 def format_summary(s: Dict[str, Any]) -> str:
     def pct(v):
         return f"{100 * v:.2f}%" if isinstance(v, (int, float)) else "n/a"
-    lines = [f"== {s.get('name')} ({s.get('algorithm')}, seed {s.get('seed')}): "
-             f"{s.get('rounds_completed')}/{s.get('rounds')} rounds on {s.get('device')}",
-             f"   final accuracy {pct(s.get('final_accuracy'))}, best {pct(s.get('best_accuracy'))} "
-             f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct_rounds'))}"]
+
+    lines = [
+        f"== {s.get('name')} ({s.get('algorithm')}, seed {s.get('seed')}): "
+        f"{s.get('rounds_completed')}/{s.get('rounds')} rounds on {s.get('device')}",
+        f"   final accuracy {pct(s.get('final_accuracy'))}, best {pct(s.get('best_accuracy'))} "
+        f"(round {s.get('best_round')}), mean last 10% {pct(s.get('mean_last_10pct_rounds'))}",
+    ]
     if s.get("target_accuracy") is not None:
         lines.append(f"   rounds to {pct(s['target_accuracy'])}: {s.get('rounds_to_target') or 'not reached'}")
     share = s.get("agg_share")
-    lines.append(f"   local training {s.get('t_local_total', 0):.2f}s, aggregation {s.get('t_agg_total', 0):.3f}s"
-                 f" ({'n/a' if share is None else f'{100 * share:.2f}%'} of the two), eval "
-                 f"{s.get('t_eval_total', 0):.2f}s, wall {s.get('wall_s', 0):.1f}s")
-    if s.get("epsilon") is not None:       # a DP run (docs/privacy.md)
+    lines.append(
+        f"   local training {s.get('t_local_total', 0):.2f}s, aggregation {s.get('t_agg_total', 0):.3f}s"
+        f" ({'n/a' if share is None else f'{100 * share:.2f}%'} of the two), eval "
+        f"{s.get('t_eval_total', 0):.2f}s, wall {s.get('wall_s', 0):.1f}s"
+    )
+    if s.get("epsilon") is not None:  # a DP run (docs/privacy.md)
         lines.append(f"   differential privacy: epsilon {s['epsilon']:.4g} after the last round (dp-accounting, RDP)")
     if s.get("excluded_total"):
         lines.append(f"   excluded client updates: {s['excluded_total']}")

@@ -14,6 +14,7 @@ A simulation writes them through its :class:`Checkpoints` callback: every ``chec
 rounds, after the last round (``--resume rounds=N`` extends a run), when a run is stopped by a
 signal or a callback (the last completed round); it reads one at set-up (:func:`resume_state`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -31,9 +32,25 @@ from .evaluate import non_finite_evaluation
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["MAGIC", "CheckpointError", "Checkpoints", "save", "load", "path_for", "list_checkpoints", "load_latest",
-           "prune", "completed_rounds", "read_summary", "config_diff", "check_resume", "already_complete_line",
-           "interrupted_line", "check_extension", "resume_note"]
+__all__ = [
+    "MAGIC",
+    "CheckpointError",
+    "Checkpoints",
+    "save",
+    "load",
+    "path_for",
+    "list_checkpoints",
+    "load_latest",
+    "prune",
+    "completed_rounds",
+    "read_summary",
+    "config_diff",
+    "check_resume",
+    "already_complete_line",
+    "interrupted_line",
+    "check_extension",
+    "resume_note",
+]
 
 _NAME = "ckpt_round_{:06d}.pt"
 _RE = re.compile(r"ckpt_round_(\d+)\.pt$")
@@ -126,14 +143,31 @@ def read_summary(run_dir: str) -> Optional[Dict[str, Any]]:
 
 # config keys that may change on resume without changing the computation (``rounds``: checked by
 # check_extension; ``threads`` is not free: another thread count rounds differently)
-RESUME_FREE = {"name", "preset", "method", "rounds", "eval_every", "eval_batch_size", "out_dir", "checkpoint_every",
-               "keep_checkpoints", "plots", "progress", "verbose", "target_accuracy", "client_loss",
-               "distributed", "workers", "clients_at_once"}
+RESUME_FREE = {
+    "name",
+    "preset",
+    "method",
+    "rounds",
+    "eval_every",
+    "eval_batch_size",
+    "out_dir",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "plots",
+    "progress",
+    "verbose",
+    "target_accuracy",
+    "client_loss",
+    "distributed",
+    "workers",
+    "clients_at_once",
+}
 
 
 def _lr_factors(train: Dict[str, Any], rounds: int, upto: int) -> List[float]:
     from .client import schedule_factor
     from .config import TrainConfig, _from_dict
+
     t = _from_dict(TrainConfig, train, "train.")
     return [schedule_factor(t, r, rounds) for r in range(upto)]
 
@@ -158,7 +192,8 @@ def check_extension(run_dir: str, old: Dict[str, Any], new, done: int) -> None:
             f"--resume {run_dir} rounds={r1}: train.lr_schedule={new.train.lr_schedule} is defined over the "
             f"planned rounds ({r0}), so rounds={r1} would change the learning rate of rounds already trained "
             f"(round {r + 1}: {lr * before[r]:.4g} -> {lr * after[r]:.4g}) and the run would equal no "
-            f"uninterrupted one; nothing was changed. Start a new run with rounds={r1} instead")
+            f"uninterrupted one; nothing was changed. Start a new run with rounds={r1} instead"
+        )
 
 
 def resume_note(old: Dict[str, Any], new, done: int) -> Optional[str]:
@@ -167,20 +202,28 @@ def resume_note(old: Dict[str, Any], new, done: int) -> Optional[str]:
     parts = []
     diff = config_diff(old, new.to_dict())
     if diff:
-        parts.append(f"{', '.join(diff)} differ from the run's config: rounds {done + 1}- are computed with the "
-                     f"new values, so the run will not equal an uninterrupted one")
+        parts.append(
+            f"{', '.join(diff)} differ from the run's config: rounds {done + 1}- are computed with the "
+            f"new values, so the run will not equal an uninterrupted one"
+        )
     r0, r1 = int(old.get("rounds") or 0), int(new.rounds)
     if r1 != r0 and r1 > done:
         sched = new.train.lr_schedule
-        why = ("the lr is constant" if sched == "constant" else
-               "the step lr schedule does not depend on rounds" if sched == "step" else
-               f"the {sched} lr schedule gives them the same values")
+        why = (
+            "the lr is constant"
+            if sched == "constant"
+            else "the step lr schedule does not depend on rounds"
+            if sched == "step"
+            else f"the {sched} lr schedule gives them the same values"
+        )
         extra = ""
         ev = int(old.get("eval_every") or 1)
         if r1 > r0 and r0 <= done and r0 % ev:
             extra = f" (except round {r0}, evaluated as the last round of the {r0})"
-        parts.append(f"rounds={r1} (was {r0}): rounds {done + 1}-{r1} will be trained; rounds 1-{done} keep their "
-                     f"values ({why}); the metrics and model equal an uninterrupted {r1}-round run{extra}")
+        parts.append(
+            f"rounds={r1} (was {r0}): rounds {done + 1}-{r1} will be trained; rounds 1-{done} keep their "
+            f"values ({why}); the metrics and model equal an uninterrupted {r1}-round run{extra}"
+        )
     free = [k for k in sorted(RESUME_FREE - {"rounds"}) if old.get(k) != new.to_dict().get(k)]
     if free:
         parts.append(f"{', '.join(free)} changed (outputs and how the rounds run, not their results)")
@@ -203,12 +246,17 @@ def config_diff(old: Dict[str, Any], new: Dict[str, Any], prefix: str = "", free
 
 def no_checkpoint_message(run_dir: str, checkpoint_every: int) -> str:
     n = checkpoint_every
-    why = "checkpoints were off: checkpoint_every=0" if n <= 0 else \
-        f"no round reached a checkpoint yet: checkpoint_every={n}"
-    return (f"--resume {run_dir}: no checkpoint to continue from in "
-            f"{os.path.join(run_dir, 'checkpoints')} ({why}); nothing was "
-            f"changed. To get one, start the run again with checkpoint_every=1 (a checkpoint after every round, "
-            f"and always at Ctrl-C)")
+    why = (
+        "checkpoints were off: checkpoint_every=0"
+        if n <= 0
+        else f"no round reached a checkpoint yet: checkpoint_every={n}"
+    )
+    return (
+        f"--resume {run_dir}: no checkpoint to continue from in "
+        f"{os.path.join(run_dir, 'checkpoints')} ({why}); nothing was "
+        f"changed. To get one, start the run again with checkpoint_every=1 (a checkpoint after every round, "
+        f"and always at Ctrl-C)"
+    )
 
 
 def check_resume(run_dir: str, rounds: int, checkpoint_every: int) -> Optional[Dict[str, Any]]:
@@ -227,8 +275,10 @@ def check_resume(run_dir: str, rounds: int, checkpoint_every: int) -> Optional[D
 
 def already_complete_line(run_dir: str, done: int, rounds: int) -> str:
     """What ``--resume`` of a run that already has ``rounds`` rounds says (it changes nothing)."""
-    return (f"{run_dir}: already complete ({done} rounds done, rounds={rounds}); nothing to do, "
-            f"nothing written. To train more rounds: fedkernels run --resume {run_dir} rounds=N (N > {done})")
+    return (
+        f"{run_dir}: already complete ({done} rounds done, rounds={rounds}); nothing to do, "
+        f"nothing written. To train more rounds: fedkernels run --resume {run_dir} rounds=N (N > {done})"
+    )
 
 
 def interrupted_line(run_dir: str, done: int, written: bool = True) -> str:
@@ -240,12 +290,16 @@ def interrupted_line(run_dir: str, done: int, written: bool = True) -> str:
     if last:
         c = last[-1][0]
         lost = "" if c >= done else f" (rounds {c + 1}-{done} will be trained again)"
-        return (f"interrupted after round {done}: checkpoint at round {c}{lost}; continue with "
-                f"`fedkernels run --resume {run_dir}`")
+        return (
+            f"interrupted after round {done}: checkpoint at round {c}{lost}; continue with "
+            f"`fedkernels run --resume {run_dir}`"
+        )
     if done == 0:
         return "interrupted before the first round ended: nothing to resume; start the run again"
-    return (f"interrupted after round {done}: no checkpoint could be written (rounds 1-{done} will be trained "
-            f"again); start the run again with checkpoint_every=1")
+    return (
+        f"interrupted after round {done}: no checkpoint could be written (rounds 1-{done} will be trained "
+        f"again); start the run again with checkpoint_every=1"
+    )
 
 
 class Checkpoints(Callback):
@@ -285,8 +339,9 @@ class Checkpoints(Callback):
         return p
 
 
-def resume_state(find: Callable[[str, Any], Optional[Tuple[str, Dict[str, Any]]]], run_dir: str, ckpt_dir: str,
-                 cfg, device, d: int) -> Tuple[str, Dict[str, Any]]:
+def resume_state(
+    find: Callable[[str, Any], Optional[Tuple[str, Dict[str, Any]]]], run_dir: str, ckpt_dir: str, cfg, device, d: int
+) -> Tuple[str, Dict[str, Any]]:
     """``(path, state)`` of the checkpoint a resumed run continues from: the newest usable one
     (``find(ckpt_dir, device)``: the run's processes' ``find_checkpoint``), checked against the
     config (``cfg``: more rounds only; a differing config is logged) and the model's size ``d``.
@@ -301,9 +356,10 @@ def resume_state(find: Callable[[str, Any], Optional[Tuple[str, Dict[str, Any]]]
         raise CheckpointError(str(e)) from None
     diff = config_diff(st.get("config", {}), cfg.to_dict())
     if diff:
-        log.warning("resume: the config differs from the checkpoint's in %s; the run will not repeat "
-                    "an uninterrupted one", ", ".join(diff))
+        log.warning(
+            "resume: the config differs from the checkpoint's in %s; the run will not repeat an uninterrupted one",
+            ", ".join(diff),
+        )
     if st["global"].numel() != d:
-        raise CheckpointError(f"{path}: global model has {st['global'].numel()} values, this "
-                              f"config's model has {d}")
+        raise CheckpointError(f"{path}: global model has {st['global'].numel()} values, this config's model has {d}")
     return path, st

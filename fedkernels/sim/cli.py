@@ -14,6 +14,7 @@
 Overrides are dotted keys parsed as YAML values: ``train.lr=0.05 rounds=20
 algorithm.name=kuramoto algorithm.options.kappa0=1.0 partition.options.alpha=0.1``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def _split_args(items: Sequence[str]):
     paths, ovs = [], []
     for it in items:
         if "=" not in it and not os.path.exists(it) and not it.lower().endswith((".yaml", ".yml")):
-            raise ValueError(f"{it!r} is neither key=value nor a config file: an override needs its value "
-                             f"(e.g. {it}=VALUE)")
+            raise ValueError(
+                f"{it!r} is neither key=value nor a config file: an override needs its value (e.g. {it}=VALUE)"
+            )
         (ovs if "=" in it else paths).append(it)
     return paths, ovs
 
@@ -47,12 +49,14 @@ def _choose_threads(cfg: RunConfig) -> Optional[str]:
     if cfg.threads is not None or cfg.distributed:
         return None
     from .provenance import auto_threads
+
     cfg.threads, why = auto_threads(cfg.workers)
     return why
 
 
 def _base_config(config: Optional[str], preset: Optional[str]) -> RunConfig:
     from . import presets
+
     if config and preset:
         raise ValueError("give a CONFIG file or --preset, not both")
     if preset:
@@ -68,9 +72,12 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
     """The config of one run. A preset runs the method its name says, ``--method LABEL`` (or
     ``algorithm.name=LABEL``) one of its methods; a preset whose name says none asks for one."""
     from . import presets
+
     if method and not preset:
-        raise ValueError("--method LABEL picks one of a preset's methods; give --preset too "
-                         "(or set algorithm.name= and algorithm.options.*)")
+        raise ValueError(
+            "--method LABEL picks one of a preset's methods; give --preset too "
+            "(or set algorithm.name= and algorithm.options.*)"
+        )
     cfg = _base_config(config, preset)
     if not preset:
         return apply_overrides(cfg, ovs)
@@ -87,8 +94,10 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
     if method is None and not algo_set:
         method = presets.default_method(preset)
         if method is None:
-            raise ValueError(f"preset {preset} compares {len(labels)} methods; choose one with --method LABEL "
-                             f"({', '.join(labels)}) or run them all with `fedkernels compare --preset {preset}`")
+            raise ValueError(
+                f"preset {preset} compares {len(labels)} methods; choose one with --method LABEL "
+                f"({', '.join(labels)}) or run them all with `fedkernels compare --preset {preset}`"
+            )
     if method is not None:
         cfg = presets.with_method(cfg, preset, method)
     return apply_overrides(cfg, rest)
@@ -99,6 +108,7 @@ def cmd_run(a) -> int:
     from .checks import check_run
     from .client import BadClientError
     from .server import Simulation
+
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:
         raise ValueError(f"one CONFIG file expected, got {paths}")
@@ -125,33 +135,33 @@ def cmd_run(a) -> int:
     if a.distributed:
         cfg.distributed = True
     why_threads = None if a.resume else _choose_threads(cfg)
-    check_run(cfg)            # every key, value and option, before anything is written
+    check_run(cfg)  # every key, value and option, before anything is written
     if cfg.distributed:
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
-    sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite,
-                     callbacks=_callbacks(a, cfg))
-    sim.threads_choice = why_threads       # provenance.json says how the thread count was chosen
+    sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite, callbacks=_callbacks(a, cfg))
+    sim.threads_choice = why_threads  # provenance.json says how the thread count was chosen
     if why_threads and cfg.verbose and getattr(sim, "rank", 0) == 0:
-        print(f"threads: {why_threads}", flush=True)   # information: stdout (stderr is for errors)
-    if a.resume and sim.check_resume() is None:   # no checkpoint: CheckpointError, exit 2
+        print(f"threads: {why_threads}", flush=True)  # information: stdout (stderr is for errors)
+    if a.resume and sim.check_resume() is None:  # no checkpoint: CheckpointError, exit 2
         from .checkpoint import check_extension, completed_rounds, resume_note
+
         done = completed_rounds(run_dir)
-        check_extension(run_dir, old.to_dict(), cfg, done)     # the rounds already trained keep their values
+        check_extension(run_dir, old.to_dict(), cfg, done)  # the rounds already trained keep their values
         note = resume_note(old.to_dict(), cfg, done)
         if note:
             print(f"note: {note}", file=sys.stderr)
     try:
         s = sim.run()
     except KeyboardInterrupt:
-        return 130           # the run printed its one line (checkpoint written)
-    except RuntimeError as e:   # a run error (RunError, LostRankError, BadClientError): one line, exit 1
+        return 130  # the run printed its one line (checkpoint written)
+    except RuntimeError as e:  # a run error (RunError, LostRankError, BadClientError): one line, exit 1
         if not isinstance(e, (RunError, BadClientError)) and type(e).__name__ != "LostRankError":
             raise
         print(f"fedkernels run: error: {e}", file=sys.stderr, flush=True)
         return 1
     if a.quiet and getattr(sim, "rank", 0) == 0:
         print(json.dumps({k: s.get(k) for k in ("final_accuracy", "best_accuracy", "run_dir")}))
-    if getattr(sim, "output_errors", None):   # e.g. a full disk at plotting: said, the rest written
+    if getattr(sim, "output_errors", None):  # e.g. a full disk at plotting: said, the rest written
         return 1
     return 0 if not s.get("diverged") else 3
 
@@ -160,12 +170,14 @@ def _callbacks(a, cfg: RunConfig) -> list:
     if not getattr(a, "tensorboard", False):
         return []
     from .callbacks import TensorBoardCallback
+
     return [TensorBoardCallback()]
 
 
 def cmd_compare(a) -> int:
     from . import presets
     from .compare import compare, resolve_methods
+
     paths, ovs = _split_args(a.args)
     base = apply_overrides(_base_config(paths[0] if paths else None, a.preset), ovs)
     if a.no_progress:
@@ -173,7 +185,7 @@ def cmd_compare(a) -> int:
     base.verbose = not a.quiet
     known = presets.variants(a.preset) if a.preset else {}
     labels = [m for m in (a.methods.split(",") if a.methods else list(known) or [base.algorithm.name]) if m]
-    methods = resolve_methods(labels, known)            # every method and option checked before any run
+    methods = resolve_methods(labels, known)  # every method and option checked before any run
     seeds = []
     for s in a.seeds.split(","):
         if s.strip():
@@ -183,20 +195,43 @@ def cmd_compare(a) -> int:
                 raise ValueError(f"--seeds: {s.strip()!r} is not an integer (e.g. --seeds 0,1,2)") from None
     out = a.out or os.path.join(base.out_dir, f"compare-{a.preset or base.data.name}")
     try:
-        res = compare(base, methods, seeds=seeds, out_dir=out, rounds=a.rounds, verbose=True, baseline=a.baseline,
-                      preset=a.preset, band=a.band)
-    except KeyboardInterrupt:   # the interrupted run printed its line (checkpoint); no later run starts
-        print(f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written); "
-              "the same command continues: finished runs are reused, the interrupted one resumes from its "
-              "checkpoint", file=sys.stderr, flush=True)
+        res = compare(
+            base,
+            methods,
+            seeds=seeds,
+            out_dir=out,
+            rounds=a.rounds,
+            verbose=True,
+            baseline=a.baseline,
+            preset=a.preset,
+            band=a.band,
+        )
+    except KeyboardInterrupt:  # the interrupted run printed its line (checkpoint); no later run starts
+        print(
+            f"fedkernels compare: interrupted; the finished runs are in {out} (no compare tables written); "
+            "the same command continues: finished runs are reused, the interrupted one resumes from its "
+            "checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     if not res.get("kept"):
-        print(f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
-              + (f" and {res['plot']}" if res.get("plot") else
-                 " (no figure: matplotlib is not installed)" if base.plots else ""))
+        print(
+            f"wrote {os.path.join(out, 'compare.json')}, tables compare.csv/.md/.tex"
+            + (
+                f" and {res['plot']}"
+                if res.get("plot")
+                else " (no figure: matplotlib is not installed)"
+                if base.plots
+                else ""
+            )
+        )
     if res.get("failed"):
-        print(f"fedkernels compare: {len(res['failed'])} run(s) failed: "
-              + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]), file=sys.stderr)
+        print(
+            f"fedkernels compare: {len(res['failed'])} run(s) failed: "
+            + "; ".join(f"{f['method']} seed {f['seed']}" for f in res["failed"]),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -206,6 +241,7 @@ def _bench_suite(suite: str):
     beside the fedkernels/ package), from any working directory; None when there is none (an
     installed wheel does not ship bench/). Never a ``bench`` package of the current directory."""
     import fedkernels
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(fedkernels.__file__)))
     bench_dir = os.path.join(root, "bench")
     if not os.path.isfile(os.path.join(bench_dir, f"{suite}.py")):
@@ -227,17 +263,21 @@ def cmd_bench(a, rest: List[str]) -> int:
         return 2
     if m is None:
         import fedkernels
-        print(f"fedkernels bench: the benchmark suites are not installed with the package (this fedkernels is "
-              f"{os.path.dirname(os.path.abspath(fedkernels.__file__))}); they live in bench/ of a source checkout: "
-              f"install that with `pip install --no-build-isolation -e .` and run `fedkernels bench` (or "
-              f"`python -m {mod}` in it)", file=sys.stderr)
+
+        print(
+            f"fedkernels bench: the benchmark suites are not installed with the package (this fedkernels is "
+            f"{os.path.dirname(os.path.abspath(fedkernels.__file__))}); they live in bench/ of a source checkout: "
+            f"install that with `pip install --no-build-isolation -e .` and run `fedkernels bench` (or "
+            f"`python -m {mod}` in it)",
+            file=sys.stderr,
+        )
         return 2
     fn = getattr(m, "main", None)
     if fn is None:
         print(f"fedkernels bench: {mod} has no main()", file=sys.stderr)
         return 2
     argv = (["--quick"] if a.quick else []) + ([] if a.out is None else ["--out", a.out]) + list(rest)
-    if a.help:                  # this command's options, then the suite's own
+    if a.help:  # this command's options, then the suite's own
         a._parser.print_help()
         print(f"\noptions of the suite ({mod}):")
         argv = ["--help"]
@@ -245,7 +285,7 @@ def cmd_bench(a, rest: List[str]) -> int:
     sys.argv = [mod] + argv
     try:
         r = fn()
-    except SystemExit as e:     # the suite's argparse: --help (0) or a bad option (2, its message printed)
+    except SystemExit as e:  # the suite's argparse: --help (0) or a bad option (2, its message printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
         sys.argv = old
@@ -262,7 +302,7 @@ def _datasets_found():
         try:
             tr, te = data.load_dataset(name, download_hint=True, max_train=10, max_test=10)
             out[name] = f"ok ({tr.meta.get('source', '')})"
-        except data.DatasetNotFoundError as e:   # where it was looked for and how to get it
+        except data.DatasetNotFoundError as e:  # where it was looked for and how to get it
             out[name] = "not found: " + " ".join(str(e).split())
         except Exception as e:  # noqa: BLE001 - report, do not fail
             out[name] = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
@@ -274,11 +314,18 @@ def cmd_info(a) -> int:
     import fedkernels
     from .. import algorithms
     from . import presets
-    info = {"fedkernels": fedkernels.__version__, "torch": torch.__version__,
-            "cuda_available": torch.cuda.is_available(), "build_info": fedkernels.build_info(),
-            "algorithms": algorithms.available(), "presets": presets.names()}
+
+    info = {
+        "fedkernels": fedkernels.__version__,
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "build_info": fedkernels.build_info(),
+        "algorithms": algorithms.available(),
+        "presets": presets.names(),
+    }
     try:
         from .models import MODELS
+
         info["models"] = sorted(MODELS)
     except ImportError:
         pass
@@ -306,14 +353,17 @@ def _duration(sec: float) -> str:
 
 def cmd_presets(a) -> int:
     from . import presets
+
     for name, doc in presets.describe().items():
         est = presets.estimate(name)
         if est is None:
             t = "not measured on CPU"
         else:
-            t = (f"~{_duration(est['s_per_run'])} (quiet) to ~{_duration(est['s_per_run_busy'])} (busy) per method "
-                 f"and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU, up to "
-                 f"{presets.BUSY_FACTOR:g}x that when the machine is busy; estimate from {est['source']})")
+            t = (
+                f"~{_duration(est['s_per_run'])} (quiet) to ~{_duration(est['s_per_run_busy'])} (busy) per method "
+                f"and seed ({est['s_per_round']:g} s/round x {est['rounds']} rounds on a 2-core CPU, up to "
+                f"{presets.BUSY_FACTOR:g}x that when the machine is busy; estimate from {est['source']})"
+            )
         default = presets.default_method(name)
         methods = ", ".join(m + (" (default)" if m == default else "") for m in presets.variants(name))
         print(f"{name}\n    {doc}\n    methods: {methods}\n    time: {t}")
@@ -321,27 +371,38 @@ def cmd_presets(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fedkernels", description="fedkernels federated-learning simulator",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="fedkernels",
+        description="fedkernels federated-learning simulator",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     r = sub.add_parser("run", help="one run from a config or preset")
     r.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
     r.add_argument("--preset", help="start from a named preset (see `fedkernels presets`)")
-    r.add_argument("--method", metavar="LABEL",
-                   help="which of the preset's methods to run (default: the one its name says)")
+    r.add_argument(
+        "--method", metavar="LABEL", help="which of the preset's methods to run (default: the one its name says)"
+    )
     r.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint")
     r.add_argument("--out", help="output root directory (default: config out_dir, 'runs')")
     r.add_argument("--name", help="run directory name (default: preset-method-seed-confighash)")
-    r.add_argument("--overwrite", action="store_true",
-                   help="replace a run directory that holds a run with a different config")
-    r.add_argument("--tensorboard", action="store_true",
-                   help="log every round's metrics to RUN_DIR/tensorboard (needs the tensorboard package)")
+    r.add_argument(
+        "--overwrite", action="store_true", help="replace a run directory that holds a run with a different config"
+    )
+    r.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="log every round's metrics to RUN_DIR/tensorboard (needs the tensorboard package)",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bars (one line per round instead)")
     r.add_argument("--quiet", action="store_true", help="no per-round lines; print a JSON summary at the end")
-    r.add_argument("--distributed", action="store_true",
-                   help="split each round's clients over torch.distributed ranks (launch with torchrun); "
-                        "same as distributed=true")
+    r.add_argument(
+        "--distributed",
+        action="store_true",
+        help="split each round's clients over torch.distributed ranks (launch with torchrun); same as distributed=true",
+    )
     c = sub.add_parser("compare", help="several methods x seeds on one setup, with a table")
     c.add_argument("args", nargs="*", help="CONFIG.yaml and/or key=value overrides")
     c.add_argument("--preset", help="start from a named preset (see `fedkernels presets`)")
@@ -349,21 +410,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     c.add_argument("--rounds", type=int, help="override the number of rounds")
     c.add_argument("--out", help="output directory (default: OUT_DIR/compare-PRESET)")
-    c.add_argument("--baseline", help="method label the paired differences are taken against "
-                                      "(default: fedavg when compared, else the first method)")
-    c.add_argument("--band", choices=("std", "ci", "none"), default="std",
-                   help="band around the mean curve: sample std (default), 95%% CI, or none")
+    c.add_argument(
+        "--baseline",
+        help="method label the paired differences are taken against "
+        "(default: fedavg when compared, else the first method)",
+    )
+    c.add_argument(
+        "--band",
+        choices=("std", "ci", "none"),
+        default="std",
+        help="band around the mean curve: sample std (default), 95%% CI, or none",
+    )
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.add_argument("--quiet", action="store_true", help="no per-round lines")
-    b = sub.add_parser("bench", help="benchmarks (bench/cpu.py, bench/gpu.py)", add_help=False,
-                       description="Run a benchmark suite of the source checkout (bench/README.md). Other "
-                                   "options go to the suite: `fedkernels bench --suite cpu --help` lists them.")
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks (bench/cpu.py, bench/gpu.py)",
+        add_help=False,
+        description="Run a benchmark suite of the source checkout (bench/README.md). Other "
+        "options go to the suite: `fedkernels bench --suite cpu --help` lists them.",
+    )
     b.add_argument("-h", "--help", action="store_true", help="show this help and the suite's options, then exit")
     b.add_argument("--suite", choices=("cpu", "gpu"), default="cpu", help="which benchmark suite (default: cpu)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (seconds to minutes)")
-    b.add_argument("--out", metavar="DIR|FILE.json",
-                   help="where the JSON results go (default: runs/bench/ under the current directory; "
-                        "`--out bench/results` updates the published results of the checkout)")
+    b.add_argument(
+        "--out",
+        metavar="DIR|FILE.json",
+        help="where the JSON results go (default: runs/bench/ under the current directory; "
+        "`--out bench/results` updates the published results of the checkout)",
+    )
     b.set_defaults(_parser=b)
     i = sub.add_parser("info", help="build facts, algorithms, models, datasets, presets")
     i.add_argument("--json", action="store_true", help="machine-readable JSON output")
@@ -381,7 +456,7 @@ def _one_line(e: BaseException) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser()
     a, rest = ap.parse_known_args(argv)
-    if a.cmd in ("run", "compare"):   # positionals after options (CONFIG, key=value) land in rest
+    if a.cmd in ("run", "compare"):  # positionals after options (CONFIG, key=value) land in rest
         bad = [x for x in rest if x.startswith("-")]
         if bad:
             ap.error(f"unrecognized arguments: {' '.join(bad)}")
@@ -389,9 +464,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rest = []
     if rest and a.cmd != "bench":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     from .checkpoint import CheckpointError
+
     try:
         if a.cmd == "run":
             return cmd_run(a)
@@ -403,15 +480,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_info(a)
         if a.cmd == "presets":
             return cmd_presets(a)
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-            CheckpointError) as e:
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        NotADirectoryError,
+        IsADirectoryError,
+        CheckpointError,
+    ) as e:
         print(f"fedkernels {a.cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:       # `fedkernels presets | head`: the reader left; not an error
+    except BrokenPipeError:  # `fedkernels presets | head`: the reader left; not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except OSError as e:          # the environment (read-only file system, full disk, permissions): exit 1
+    except OSError as e:  # the environment (read-only file system, full disk, permissions): exit 1
         print(f"fedkernels {a.cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     return 1

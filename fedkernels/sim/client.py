@@ -28,6 +28,7 @@ Hook order (see ``fedkernels.algorithms.base.ClientRule``)::
 ``local_data`` (the client's whole local set in stored order, untransformed, as (x, y) chunks of at
 most 1024 samples; a generator: nothing is gathered unless a rule reads it, as FedPGVC's ``code`` mode).
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,8 +90,11 @@ class HeteroCompute:
         lr = float(self.train.lr)
         if self.h.lr_range is not None:
             lo, hi = float(self.h.lr_range[0]), float(self.h.lr_range[1])
-            lr = float(math.exp(rng.uniform(math.log(lo), math.log(hi)))) if self.h.lr_dist == "loguniform" \
+            lr = (
+                float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+                if self.h.lr_dist == "loguniform"
                 else float(rng.uniform(lo, hi))
+            )
         ep = int(self.train.epochs)
         if self.h.epochs_range is not None:
             ep = int(rng.integers(int(self.h.epochs_range[0]), int(self.h.epochs_range[1]) + 1))
@@ -112,7 +116,7 @@ class HeteroCompute:
 class ClientResult:
     client_id: int
     num_examples: int
-    train_loss: float           # mean criterion loss over the local steps' samples (without loss_term)
+    train_loss: float  # mean criterion loss over the local steps' samples (without loss_term)
     steps: int
     lr: float
     epochs: Optional[int]
@@ -123,9 +127,17 @@ class ClientResult:
 class ClientTrainer:
     """Trains clients one at a time on a shared model whose tensors are views of ``self.work``."""
 
-    def __init__(self, model: nn.Module, spec, x: torch.Tensor, y: torch.Tensor,
-                 client_indices: Sequence[torch.Tensor], train: TrainConfig,
-                 transform: Optional[Callable] = None, criterion: Optional[nn.Module] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        client_indices: Sequence[torch.Tensor],
+        train: TrainConfig,
+        transform: Optional[Callable] = None,
+        criterion: Optional[nn.Module] = None,
+    ):
         self.model, self.spec = model, spec
         self.x, self.y = x, y
         self.client_indices = list(client_indices)
@@ -153,8 +165,13 @@ class ClientTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if t.optimizer == "adam":
             return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay,
-                               nesterov=bool(t.nesterov) and t.momentum > 0)
+        return torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+            nesterov=bool(t.nesterov) and t.momentum > 0,
+        )
 
     def _batches(self, idx: torch.Tensor, steps: int, gen: torch.Generator):
         """Yields index tensors of ``steps`` mini-batches: a fresh permutation per epoch."""
@@ -164,14 +181,23 @@ class ClientTrainer:
             perm = idx[torch.randperm(n, generator=gen).to(idx.device)]
             stop = n - (n % B) if self.train_cfg.drop_last else n
             for s in range(0, stop, B):
-                yield perm[s:s + B]
+                yield perm[s : s + B]
                 done += 1
                 if done >= steps:
                     return
 
-    def train(self, cid: int, rnd: int, global_flat: torch.Tensor, lr: float, epochs: int,
-              seed: int, rule: Optional[ClientRule] = None, payload: Optional[Dict[str, Any]] = None,
-              base_lr: Optional[float] = None) -> ClientResult:
+    def train(
+        self,
+        cid: int,
+        rnd: int,
+        global_flat: torch.Tensor,
+        lr: float,
+        epochs: int,
+        seed: int,
+        rule: Optional[ClientRule] = None,
+        payload: Optional[Dict[str, Any]] = None,
+        base_lr: Optional[float] = None,
+    ) -> ClientResult:
         """Local training of client ``cid`` from ``global_flat``; the local model is left in
         ``self.work`` (and the model). Raises on unusable input; the server applies its policy."""
         t0 = time.perf_counter()
@@ -184,16 +210,28 @@ class ClientTrainer:
         model = self.model
         model.train()
         gen = torch.Generator().manual_seed(seed)
-        torch.manual_seed(seed)            # dropout and other in-model randomness
+        torch.manual_seed(seed)  # dropout and other in-model randomness
         opt = self._optimizer(lr)
         steps = self.planned_steps(n, epochs)
-        ctx = ClientContext(client_id=int(cid), round=int(rnd), global_flat=global_flat, spec=self.spec,
-                            lr=float(lr), num_examples=n, payload=dict(payload or {}))
-        ctx.extras.update(epochs=None if t.steps is not None else int(epochs), planned_steps=steps,
-                          batch_size=int(t.batch_size), momentum=float(t.momentum),
-                          weight_decay=float(t.weight_decay), optimizer=t.optimizer,
-                          base_lr=float(base_lr if base_lr is not None else lr),
-                          local_data=((self.x[c], self.y[c]) for c in idx.split(1024)))
+        ctx = ClientContext(
+            client_id=int(cid),
+            round=int(rnd),
+            global_flat=global_flat,
+            spec=self.spec,
+            lr=float(lr),
+            num_examples=n,
+            payload=dict(payload or {}),
+        )
+        ctx.extras.update(
+            epochs=None if t.steps is not None else int(epochs),
+            planned_steps=steps,
+            batch_size=int(t.batch_size),
+            momentum=float(t.momentum),
+            weight_decay=float(t.weight_decay),
+            optimizer=t.optimizer,
+            base_lr=float(base_lr if base_lr is not None else lr),
+            local_data=((self.x[c], self.y[c]) for c in idx.split(1024)),
+        )
         if rule is not None:
             rule.begin(ctx, model)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -227,9 +265,16 @@ class ClientTrainer:
             seen += yb.numel()
         out_payload = rule.end(ctx, model) if rule is not None else {}
         ctx.batch = ctx.loss = None
-        return ClientResult(client_id=int(cid), num_examples=n, train_loss=float(loss_sum) / max(seen, 1),
-                            steps=ctx.step, lr=float(lr), epochs=None if t.steps is not None else int(epochs),
-                            payload=dict(out_payload or {}), seconds=time.perf_counter() - t0)
+        return ClientResult(
+            client_id=int(cid),
+            num_examples=n,
+            train_loss=float(loss_sum) / max(seen, 1),
+            steps=ctx.step,
+            lr=float(lr),
+            epochs=None if t.steps is not None else int(epochs),
+            payload=dict(out_payload or {}),
+            seconds=time.perf_counter() - t0,
+        )
 
 
 # ---- one client of a round, as every executor trains it -------------------------------------------
@@ -255,14 +300,22 @@ def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, ep
     ``buf``. With ``local.screen_clients`` (bad_client_policy="raise", or an aggregator that does not
     screen the rows itself) the row is checked here: BadClientError (row released) when it is not
     finite; otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
-    lora = local.lora      # LoRA with ranks below the server's: the client starts from its rank's share (sim/lora.py)
+    lora = local.lora  # LoRA with ranks below the server's: the client starts from its rank's share (sim/lora.py)
     start = local.global_flat if lora is None else lora.client_start(cid, local.global_flat)
-    res = local.trainer.train(cid, r, start, base_lr * factor, epochs,
-                              client_seed(local.cfg.seed, r, cid), rule=local.rules.get(cid),
-                              payload=payload, base_lr=base_lr)
+    res = local.trainer.train(
+        cid,
+        r,
+        start,
+        base_lr * factor,
+        epochs,
+        client_seed(local.cfg.seed, r, cid),
+        rule=local.rules.get(cid),
+        payload=payload,
+        base_lr=base_lr,
+    )
     slot = buf.add(cid, res.num_examples)
     row = buf.write_delta(slot, local.model, local.global_flat, local.client_clip)
-    if local.dp_norms is not None:   # server-side DP: the row's norm while it is hot
+    if local.dp_norms is not None:  # server-side DP: the row's norm while it is hot
         local.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
     if local.screen_clients:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
@@ -289,8 +342,9 @@ def batch_losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024,
-             criterion: Optional[nn.Module] = None):
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024, criterion: Optional[nn.Module] = None
+):
     """(accuracy, mean loss) of ``model`` on (x, y), in eval mode, in batches."""
     crit = criterion or nn.CrossEntropyLoss(reduction="sum")
     was = model.training
@@ -299,7 +353,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     loss = torch.zeros((), dtype=torch.float64, device=x.device)
     n = y.numel()
     for s in range(0, n, batch_size):
-        c, l = eval_batch(model, x[s:s + batch_size], y[s:s + batch_size], crit)
+        c, l = eval_batch(model, x[s : s + batch_size], y[s : s + batch_size], crit)
         loss += l
         correct += c
     model.train(was)
@@ -309,8 +363,14 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 
 @torch.no_grad()
-def client_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, client_indices: Sequence[torch.Tensor],
-                  clients: Sequence[int], batch_size: int = 1024) -> List[float]:
+def client_losses(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    client_indices: Sequence[torch.Tensor],
+    clients: Sequence[int],
+    batch_size: int = 1024,
+) -> List[float]:
     """Loss of the (global) model on each listed client's training data (Kuramoto §2.8: Var_k of these)."""
     was = model.training
     model.eval()
@@ -320,9 +380,9 @@ def client_losses(model: nn.Module, x: torch.Tensor, y: torch.Tensor, client_ind
     idx = torch.cat([client_indices[c] for c in cl])
     owner, sizes = sample_owners(client_indices, cl, idx.device)
     sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
-    for s in range(0, idx.numel(), batch_size):      # on the device, no host sync until the end
-        b = idx[s:s + batch_size]
-        sums.index_add_(0, owner[s:s + batch_size], batch_losses(model, x[b], y[b]))
+    for s in range(0, idx.numel(), batch_size):  # on the device, no host sync until the end
+        b = idx[s : s + batch_size]
+        sums.index_add_(0, owner[s : s + batch_size], batch_losses(model, x[b], y[b]))
     model.train(was)
     counts = sizes.clamp_min(1).to(device=x.device, dtype=torch.float64)
     return (sums / counts).tolist()
@@ -332,6 +392,7 @@ def sample_owners(client_indices: Sequence[torch.Tensor], clients: Sequence[int]
     """``(owner, sizes)``: for the listed clients' samples concatenated in order, the position in
     ``clients`` of each sample's client ([sum n_c] int64 on ``device``), and the [C] sizes (host)."""
     sizes = torch.tensor([client_indices[c].numel() for c in clients], dtype=torch.long)
-    owner = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes.to(device),
-                                    output_size=int(sizes.sum()))
+    owner = torch.repeat_interleave(
+        torch.arange(len(sizes), device=device), sizes.to(device), output_size=int(sizes.sum())
+    )
     return owner, sizes

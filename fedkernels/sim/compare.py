@@ -15,6 +15,7 @@ difference to the baseline method with its 95% CI and paired-t p value; ``compar
 :func:`method_stats` and :func:`write_tables` are also used by ``results/analyze.py`` on committed
 run logs.
 """
+
 from __future__ import annotations
 
 import csv
@@ -45,8 +46,9 @@ HEADLINE = ("final_accuracy", "mean_last_10pct_rounds")
 Method = Union[str, Tuple[str, Dict[str, Any]]]
 
 
-def resolve_methods(methods: Sequence[Method], known: Optional[Mapping[str, Dict[str, Any]]] = None
-                    ) -> List[Tuple[str, Dict[str, Any]]]:
+def resolve_methods(
+    methods: Sequence[Method], known: Optional[Mapping[str, Dict[str, Any]]] = None
+) -> List[Tuple[str, Dict[str, Any]]]:
     """``[(label, {"name", "options"})]`` from labels/specs or pairs, every one validated (algorithm
     registered, options valid for its constructor); ValueError naming the first bad one."""
     out: List[Tuple[str, Dict[str, Any]]] = []
@@ -61,8 +63,10 @@ def resolve_methods(methods: Sequence[Method], known: Optional[Mapping[str, Dict
     labels = [dir_label(lab) for lab, _ in out]
     dup = sorted({lab for lab in labels if labels.count(lab) > 1})
     if dup:
-        raise ValueError(f"methods: label {dup[0]!r} given twice (each label names one run directory per seed; "
-                         f"'/' in a label counts as '_')")
+        raise ValueError(
+            f"methods: label {dup[0]!r} given twice (each label names one run directory per seed; "
+            f"'/' in a label counts as '_')"
+        )
     if not out:
         raise ValueError("methods: none given")
     return out
@@ -81,8 +85,12 @@ def _check_seeds(seeds: Sequence[Any]) -> List[int]:
     return out
 
 
-def method_stats(runs: Mapping[str, Mapping[int, Optional[Mapping[str, Any]]]], baseline: Optional[str],
-                 conf: float = 0.95, metrics: Sequence[Tuple[str, str]] = METRICS) -> Dict[str, Dict[str, Any]]:
+def method_stats(
+    runs: Mapping[str, Mapping[int, Optional[Mapping[str, Any]]]],
+    baseline: Optional[str],
+    conf: float = 0.95,
+    metrics: Sequence[Tuple[str, str]] = METRICS,
+) -> Dict[str, Dict[str, Any]]:
     """Per method label: ``{"n_seeds", "stats": {metric: stats.describe}, "paired": {metric:
     stats.paired vs baseline}}`` from ``runs[label][seed] = summary`` (None: a failed run)."""
     if baseline is not None and baseline not in runs:
@@ -97,16 +105,29 @@ def method_stats(runs: Mapping[str, Mapping[int, Optional[Mapping[str, Any]]]], 
             for k, _ in metrics:
                 bv = {s: (r.get(k) if r else None) for s, r in base.items()}
                 pr[k] = stats.paired(vals[k], bv, conf)
-        out[label] = {"n_seeds": sum(1 for r in by_seed.values() if r), "seeds": list(by_seed), "stats": st,
-                      "paired": pr}
+        out[label] = {
+            "n_seeds": sum(1 for r in by_seed.values() if r),
+            "seeds": list(by_seed),
+            "stats": st,
+            "paired": pr,
+        }
     return out
 
 
-def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (0,),
-            out_dir: str = "runs/compare", rounds: Optional[int] = None, verbose: bool = True,
-            run_kwargs: Optional[Dict[str, Any]] = None, baseline: Optional[str] = None,
-            known: Optional[Mapping[str, Dict[str, Any]]] = None, title: Optional[str] = None,
-            band: str = "std", preset: Optional[str] = None) -> Dict[str, Any]:
+def compare(
+    base: RunConfig,
+    methods: Sequence[Method],
+    seeds: Sequence[int] = (0,),
+    out_dir: str = "runs/compare",
+    rounds: Optional[int] = None,
+    verbose: bool = True,
+    run_kwargs: Optional[Dict[str, Any]] = None,
+    baseline: Optional[str] = None,
+    known: Optional[Mapping[str, Dict[str, Any]]] = None,
+    title: Optional[str] = None,
+    band: str = "std",
+    preset: Optional[str] = None,
+) -> Dict[str, Any]:
     """Runs every method for every seed (``out_dir/<label>-s<seed>``) and writes ``compare.json``,
     ``compare.csv``, ``compare.md``, ``compare.tex`` and the figure. ``methods`` are labels/specs
     (resolved with ``known``, a preset's variants) or ``(label, {"name", "options"})`` pairs; all
@@ -115,6 +136,7 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
     first method) is the reference of the paired differences. A run that fails is recorded
     (``failed``) and the others go on. Returns the compare.json content."""
     from .server import Simulation
+
     meths = resolve_methods(methods, known)
     seeds = _check_seeds(list(seeds))
     labels = [lab for lab, _ in meths]
@@ -131,7 +153,7 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
         base.rounds = int(rounds)
     base.validate()
     why_threads = None
-    if base.threads is None and not base.distributed:   # chosen once for every run (part of each one's config)
+    if base.threads is None and not base.distributed:  # chosen once for every run (part of each one's config)
         base.threads = _existing_threads(out_dir)
         why_threads = f"{base.threads} thread(s) per process, as the runs already in {out_dir}"
         if not base.threads:
@@ -139,7 +161,7 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
         if verbose:
             print(f"threads: {why_threads}", flush=True)
     title = title or describe_setup(base, seeds, preset)
-    plan = _plan(base, meths, seeds, out_dir, run_kwargs)   # every check before the first run
+    plan = _plan(base, meths, seeds, out_dir, run_kwargs)  # every check before the first run
     os.makedirs(out_dir, exist_ok=True)
 
     total = len(meths) * len(seeds)
@@ -151,14 +173,17 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
     for label, seed, cfg, state in plan:
         k += 1
         tr = time.perf_counter()
-        if state == "done":       # a finished run of this very config (an earlier compare): reused
+        if state == "done":  # a finished run of this very config (an earlier compare): reused
             s, metrics = _finished(os.path.join(out_dir, cfg.name))
             if verbose:
                 print(f"[{k}/{total}] {label} (seed {seed}): finished earlier, reused", flush=True)
         else:
             if verbose:
-                print(f"[{k}/{total}] {label} (seed {seed}) ..." + (" (resumed from its checkpoint)"
-                                                                    if state == "resume" else ""), flush=True)
+                print(
+                    f"[{k}/{total}] {label} (seed {seed}) ..."
+                    + (" (resumed from its checkpoint)" if state == "resume" else ""),
+                    flush=True,
+                )
             where = {"run_dir": os.path.join(out_dir, cfg.name), "resume": True} if state == "resume" else {}
             sim = Simulation(cfg, **{**(run_kwargs or {}), **where})
             sim.threads_choice = why_threads
@@ -177,38 +202,58 @@ def compare(base: RunConfig, methods: Sequence[Method], seeds: Sequence[int] = (
         el = time.perf_counter() - t0
         eta = el / k * (total - k)
         acc = s.get("final_accuracy") if s else None
-        print(f"[{k}/{total}] done {label} (seed {seed}) in {time.perf_counter() - tr:.0f}s"
-              + (f", final acc {100 * acc:.2f}%" if isinstance(acc, (int, float)) else "")
-              + f"; elapsed {_hms(el)}, ETA {_hms(eta)}", flush=True)
+        print(
+            f"[{k}/{total}] done {label} (seed {seed}) in {time.perf_counter() - tr:.0f}s"
+            + (f", final acc {100 * acc:.2f}%" if isinstance(acc, (int, float)) else "")
+            + f"; elapsed {_hms(el)}, ETA {_hms(eta)}",
+            flush=True,
+        )
 
     st = method_stats(runs, baseline)
     methods_out: Dict[str, Any] = {}
     for label, var in meths:
-        methods_out[label] = {"algorithm": var["name"], "options": var.get("options", {}), **st[label],
-                              "rounds_to_target": [(runs[label][s] or {}).get("rounds_to_target") for s in seeds],
-                              "timing": _timing(runs[label].values()),
-                              "epsilon": _epsilon(runs[label].values()),
-                              "runs": [runs[label][s] or {"error": _err(failed, label, s), "seed": s}
-                                       for s in seeds]}
+        methods_out[label] = {
+            "algorithm": var["name"],
+            "options": var.get("options", {}),
+            **st[label],
+            "rounds_to_target": [(runs[label][s] or {}).get("rounds_to_target") for s in seeds],
+            "timing": _timing(runs[label].values()),
+            "epsilon": _epsilon(runs[label].values()),
+            "runs": [runs[label][s] or {"error": _err(failed, label, s), "seed": s} for s in seeds],
+        }
     out: Dict[str, Any] = {
-        "preset": preset, "title": title, "setup": base.to_dict(), "seeds": seeds, "rounds": base.rounds,
+        "preset": preset,
+        "title": title,
+        "setup": base.to_dict(),
+        "seeds": seeds,
+        "rounds": base.rounds,
         "target_accuracy": base.target_accuracy,
-        "baseline": baseline, "conf": 0.95,
-        "notes": {"std": "sample standard deviation over seeds (n - 1)",
-                  "ci": "95% Student-t interval of the mean over seeds",
-                  "paired": "method - baseline per seed (same partition and sampling stream), mean, 95% CI "
-                            "and two-sided paired t-test p value"},
-        "methods": methods_out, "failed": failed, "wall_s": time.perf_counter() - t0}
+        "baseline": baseline,
+        "conf": 0.95,
+        "notes": {
+            "std": "sample standard deviation over seeds (n - 1)",
+            "ci": "95% Student-t interval of the mean over seeds",
+            "paired": "method - baseline per seed (same partition and sampling stream), mean, 95% CI "
+            "and two-sided paired t-test p value",
+        },
+        "methods": methods_out,
+        "failed": failed,
+        "wall_s": time.perf_counter() - t0,
+    }
     keep = _better_tables(out_dir, out)
-    if keep:         # never replace an earlier compare's tables with worse ones
+    if keep:  # never replace an earlier compare's tables with worse ones
         out["kept"] = keep
         print(f"compare: {keep}", flush=True)
         return out
     write_json_atomic(os.path.join(out_dir, "compare.json"), out)
     out["tables"] = write_tables(out, os.path.join(out_dir, "compare"))
     if base.plots:
-        out["plot"] = plot_curves({lab: c for lab, c in curves.items() if any(c)}, os.path.join(out_dir, "compare.png"),
-                                  title=title, band=band)
+        out["plot"] = plot_curves(
+            {lab: c for lab, c in curves.items() if any(c)},
+            os.path.join(out_dir, "compare.png"),
+            title=title,
+            band=band,
+        )
     if verbose:
         print(format_table(out), flush=True)
     return out
@@ -236,6 +281,7 @@ def _plan(base: RunConfig, meths, seeds, out_dir: str, run_kwargs) -> List[Tuple
     from .checks import check_run
     from .config import PRESENTATION_KEYS
     from .report import check_writable_dir
+
     check_writable_dir(out_dir, "compare folder")
     plan, clash = [], []
     for label, var in meths:
@@ -247,8 +293,12 @@ def _plan(base: RunConfig, meths, seeds, out_dir: str, run_kwargs) -> List[Tuple
             cfg.name = f"{dir_label(label)}-s{seed}"
             cfg.out_dir = out_dir
             kw = run_kwargs or {}
-            check_run(cfg, data_set=kw.get("train") is None or kw.get("test") is None,
-                      partition=kw.get("client_indices") is None, model=kw.get("model_fn") is None)
+            check_run(
+                cfg,
+                data_set=kw.get("train") is None or kw.get("test") is None,
+                partition=kw.get("client_indices") is None,
+                model=kw.get("model_fn") is None,
+            )
             run_dir = os.path.join(out_dir, cfg.name)
             state = "new"
             if os.path.exists(os.path.join(run_dir, "config.yaml")):
@@ -259,17 +309,22 @@ def _plan(base: RunConfig, meths, seeds, out_dir: str, run_kwargs) -> List[Tuple
                     diff = ["<unreadable config.yaml>"]
                 if diff:
                     clash.append((run_dir, diff))
-                elif completed_rounds(run_dir) >= cfg.rounds and read_summary(run_dir) is not None \
-                        and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                elif (
+                    completed_rounds(run_dir) >= cfg.rounds
+                    and read_summary(run_dir) is not None
+                    and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+                ):
                     state = "done"
                 elif list_checkpoints(os.path.join(run_dir, "checkpoints")):
                     state = "resume"
             plan.append((label, int(seed), cfg, state))
     if clash:
         run_dir, diff = clash[0]
-        raise ValueError(f"{run_dir} holds a run with another config ({', '.join(diff[:4])}"
-                         f"{', ...' if len(diff) > 4 else ''}){f' (and {len(clash) - 1} more run folders)' if len(clash) > 1 else ''}; "
-                         f"nothing was run. Give this compare its own folder with --out DIR")
+        raise ValueError(
+            f"{run_dir} holds a run with another config ({', '.join(diff[:4])}"
+            f"{', ...' if len(diff) > 4 else ''}){f' (and {len(clash) - 1} more run folders)' if len(clash) > 1 else ''}; "
+            f"nothing was run. Give this compare its own folder with --out DIR"
+        )
     kw = run_kwargs or {}
     if (kw.get("train") is None or kw.get("test") is None) and any(st != "done" for *_, st in plan):
         _probe_data(base)
@@ -280,6 +335,7 @@ def _probe_data(cfg: RunConfig) -> None:
     """Loads a few examples of the config's data set: a missing or unreadable one stops the compare
     before its first run (DatasetNotFoundError: where it was looked for, how to get it)."""
     from .data import load_dataset
+
     kw = dict(cfg.data.options)
     kw.update(max_train=50, max_test=50)
     load_dataset(cfg.data.name, root=cfg.data.root, **kw)
@@ -288,6 +344,7 @@ def _probe_data(cfg: RunConfig) -> None:
 def _finished(run_dir: str) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """(summary, metrics) of a finished run folder."""
     from .checkpoint import read_summary
+
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     return read_summary(run_dir) or {}, metrics
@@ -303,16 +360,19 @@ def _better_tables(out_dir: str, out: Mapping[str, Any]) -> Optional[str]:
     if n_failed == 0:
         return None
     if n_failed >= n_runs:
-        return ("every run failed: no tables written"
-                + (f"; the earlier tables in {out_dir} are kept" if os.path.exists(old_path) else ""))
+        return "every run failed: no tables written" + (
+            f"; the earlier tables in {out_dir} are kept" if os.path.exists(old_path) else ""
+        )
     try:
         with open(old_path) as f:
             old = json.load(f)
     except (OSError, ValueError):
         return None
     if len(old.get("failed") or []) < n_failed:
-        return (f"{n_failed} run(s) failed: the earlier tables in {out_dir} (with {len(old.get('failed') or [])} "
-                "failed) are kept; this compare's runs are in their folders")
+        return (
+            f"{n_failed} run(s) failed: the earlier tables in {out_dir} (with {len(old.get('failed') or [])} "
+            "failed) are kept; this compare's runs are in their folders"
+        )
     return None
 
 
@@ -343,8 +403,12 @@ def _timing(summaries) -> Dict[str, Any]:
     def med(key):
         v = stats.finite([s.get(key) for s in ok])
         return float(statistics.median(v)) if v else None
-    return {"t_round1_s": med("t_round1_s"), "t_round_median_s": med("t_round_median_s"),
-            "agg_share": stats.describe([s.get("agg_share") for s in ok])["mean"]}
+
+    return {
+        "t_round1_s": med("t_round1_s"),
+        "t_round_median_s": med("t_round_median_s"),
+        "agg_share": stats.describe([s.get("agg_share") for s in ok])["mean"],
+    }
 
 
 # ---- tables --------------------------------------------------------------------------------------------
@@ -367,13 +431,29 @@ def table_rows(out: Mapping[str, Any]) -> List[Dict[str, Any]]:
             d = r["stats"][key]
             p = (r.get("paired") or {}).get(key) or {}
             vals = [x.get(key) if "error" not in x else None for x in r.get("runs", [])]
-            rows.append({"method": label, "algorithm": r.get("algorithm"), "options": json.dumps(r.get("options") or {}),
-                         "metric": key, "n": d["n"], "mean": d["mean"], "std": d["std"], "ci_low": d["ci_low"],
-                         "ci_high": d["ci_high"], "baseline": None if label == out.get("baseline") else out.get("baseline"),
-                         "diff_mean": p.get("mean_diff"), "diff_std": p.get("std_diff"),
-                         "diff_ci_low": p.get("ci_low"), "diff_ci_high": p.get("ci_high"), "diff_n": p.get("n"),
-                         "t": p.get("t"), "p": p.get("p"), "significant": p.get("significant"),
-                         "values": json.dumps(json_safe(vals))})
+            rows.append(
+                {
+                    "method": label,
+                    "algorithm": r.get("algorithm"),
+                    "options": json.dumps(r.get("options") or {}),
+                    "metric": key,
+                    "n": d["n"],
+                    "mean": d["mean"],
+                    "std": d["std"],
+                    "ci_low": d["ci_low"],
+                    "ci_high": d["ci_high"],
+                    "baseline": None if label == out.get("baseline") else out.get("baseline"),
+                    "diff_mean": p.get("mean_diff"),
+                    "diff_std": p.get("std_diff"),
+                    "diff_ci_low": p.get("ci_low"),
+                    "diff_ci_high": p.get("ci_high"),
+                    "diff_n": p.get("n"),
+                    "t": p.get("t"),
+                    "p": p.get("p"),
+                    "significant": p.get("significant"),
+                    "values": json.dumps(json_safe(vals)),
+                }
+            )
     return rows
 
 
@@ -416,9 +496,11 @@ def markdown_table(out: Mapping[str, Any]) -> str:
             d, p = r["stats"][key], (r.get("paired") or {}).get(key)
             row += [_mean_sd(d), _ci(d), _diff(p) if label != base else "(baseline)", _p((p or {}).get("p")), _sig(p)]
         t = r.get("timing") or {}
-        row += ["" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
-                "" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
-                _pct(t.get("agg_share"), 3)] + ([_eps_cell(r)] if dp else [])
+        row += [
+            "" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
+            "" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
+            _pct(t.get("agg_share"), 3),
+        ] + ([_eps_cell(r)] if dp else [])
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     lines.append(legend(out))
@@ -427,17 +509,29 @@ def markdown_table(out: Mapping[str, Any]) -> str:
 
 def legend(out: Mapping[str, Any]) -> str:
     n = len(out.get("seeds", []))
-    return (f"{n} seed(s) ({', '.join(map(str, out.get('seeds', [])))}), {out.get('rounds')} rounds. "
-            "mean ± sd: sample standard deviation over seeds (n - 1); 95% CI: Student-t interval of the mean; "
-            f"Δ: paired difference to {out.get('baseline')} over the same seeds (same partition and client "
-            "sampling), in percentage points, with its 95% t interval; p: two-sided paired t-test; sig.: p < 0.05 "
-            "(n/a with fewer than 2 paired seeds). Round 1 (warm-up) is timed apart from the median of the later "
-            "rounds; the aggregation share leaves round 1 out.")
+    return (
+        f"{n} seed(s) ({', '.join(map(str, out.get('seeds', [])))}), {out.get('rounds')} rounds. "
+        "mean ± sd: sample standard deviation over seeds (n - 1); 95% CI: Student-t interval of the mean; "
+        f"Δ: paired difference to {out.get('baseline')} over the same seeds (same partition and client "
+        "sampling), in percentage points, with its 95% t interval; p: two-sided paired t-test; sig.: p < 0.05 "
+        "(n/a with fewer than 2 paired seeds). Round 1 (warm-up) is timed apart from the median of the later "
+        "rounds; the aggregation share leaves round 1 out."
+    )
 
 
 def _tex(s: str) -> str:
-    rep = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
-           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+    rep = {
+        "\\": r"\textbackslash{}",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde{}",
+        "^": r"\textasciicircum{}",
+    }
     return "".join(rep.get(c, c) for c in str(s))
 
 
@@ -445,10 +539,16 @@ def latex_table(out: Mapping[str, Any]) -> str:
     """A booktabs ``tabular`` of the headline metrics (mean ± sd, paired Δ with 95% CI; † p < 0.05)."""
     base = out.get("baseline")
     cols = "l" + "rr" * len(HEADLINE)
-    head = ["Method"] + [h for key in HEADLINE for h in (f"{_tex(dict(METRICS)[key])} (\\%)",
-                                                           f"$\\Delta$ vs {_tex(base)} (pp)")]
-    lines = [f"% {_tex(legend(out))}", f"\\begin{{tabular}}{{{cols}}}", "\\toprule", " & ".join(head) + " \\\\",
-             "\\midrule"]
+    head = ["Method"] + [
+        h for key in HEADLINE for h in (f"{_tex(dict(METRICS)[key])} (\\%)", f"$\\Delta$ vs {_tex(base)} (pp)")
+    ]
+    lines = [
+        f"% {_tex(legend(out))}",
+        f"\\begin{{tabular}}{{{cols}}}",
+        "\\toprule",
+        " & ".join(head) + " \\\\",
+        "\\midrule",
+    ]
     for label, r in out["methods"].items():
         cells = [_tex(label)]
         for key in HEADLINE:
@@ -499,21 +599,29 @@ def format_table(out: Mapping[str, Any]) -> str:
         row = [label]
         for key in HEADLINE:
             p = (r.get("paired") or {}).get(key)
-            row += [_mean_sd(r["stats"][key]), "(baseline)" if label == base else (_diff(p) or "n/a"),
-                    _p((p or {}).get("p"))]
+            row += [
+                _mean_sd(r["stats"][key]),
+                "(baseline)" if label == base else (_diff(p) or "n/a"),
+                _p((p or {}).get("p")),
+            ]
         if tgt is not None:
             row.append(",".join("-" if v is None else str(v) for v in r.get("rounds_to_target", [])))
         t = r.get("timing") or {}
-        row += ["n/a" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
-                "n/a" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
-                "n/a" if t.get("agg_share") is None else f"{100 * t['agg_share']:.3f}"] + ([_eps_cell(r)] if dp else [])
+        row += [
+            "n/a" if t.get("t_round1_s") is None else f"{t['t_round1_s']:.2f}",
+            "n/a" if t.get("t_round_median_s") is None else f"{t['t_round_median_s']:.2f}",
+            "n/a" if t.get("agg_share") is None else f"{100 * t['agg_share']:.3f}",
+        ] + ([_eps_cell(r)] if dp else [])
         rows.append(row)
     w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(k) for c, k in zip(cells, w))  # noqa: E731
     n = len(out.get("seeds", []))
-    txt = [f"== {n} seed(s), {out.get('rounds')} rounds"
-           + (" (mean ± sample std over seeds; Δ: paired difference, pp)" if n > 1 else ""),
-           line(head), line(["-" * k for k in w])]
+    txt = [
+        f"== {n} seed(s), {out.get('rounds')} rounds"
+        + (" (mean ± sample std over seeds; Δ: paired difference, pp)" if n > 1 else ""),
+        line(head),
+        line(["-" * k for k in w]),
+    ]
     txt += [line(r) for r in rows]
     for f in out.get("failed", []):
         txt.append(f"FAILED: {f['method']} seed {f['seed']}: {f['error']}")

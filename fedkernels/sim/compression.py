@@ -5,6 +5,7 @@ checkpoints reference), and the server's round runs on the compressed rows (``ag
 round runner's round, the method's weighted sums straight from the codes). The model's buffers (BatchNorm statistics)
 are sent uncompressed beside the codes and averaged as for dense rows. Bytes sent per round (codes, scales or lists,
 and those buffers) go to the round's metrics."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,10 +23,18 @@ class RoundCompression:
     def __init__(self, codec: compress.Codec):
         self.codec = codec
 
-    def aggregate(self, agg: Any, global_flat: torch.Tensor, U: torch.Tensor, n: Sequence[float], ids: Sequence[int],
-                  payloads: Any, r: int) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    def aggregate(
+        self,
+        agg: Any,
+        global_flat: torch.Tensor,
+        U: torch.Tensor,
+        n: Sequence[float],
+        ids: Sequence[int],
+        payloads: Any,
+        r: int,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         K = len(ids)
-        rows = self.codec.encode_rows(U[:K], ids, r)              # client-side: each row as its client sends it
+        rows = self.codec.encode_rows(U[:K], ids, r)  # client-side: each row as its client sends it
         sent = sum(rows.nbytes())
         ranges = buffer_ranges(getattr(agg, "spec", None))
         if ranges and getattr(agg.spec, "d", None) == self.codec.d:
@@ -36,8 +45,9 @@ class RoundCompression:
             sent += V.numel() * V.element_size()
         res = compress.aggregate_compressed(agg, global_flat, rows, n, ids, payloads, kind=self.codec.kind)
         info = dict(res.info)
-        info.update(codec=self.codec.describe(), bytes_sent=int(sent),
-                    bytes_dense=int(K * compress.dense_bytes(self.codec.d)))
+        info.update(
+            codec=self.codec.describe(), bytes_sent=int(sent), bytes_dense=int(K * compress.dense_bytes(self.codec.d))
+        )
         return res.params, info
 
 
@@ -48,9 +58,18 @@ def build(cfg: Any, agg: Any, d: int) -> Optional[RoundCompression]:
     if c.kind == "none":
         return None
     compress.check_method(agg, c.kind)
-    codec = compress.make_codec(c.kind, d, block=c.block, k=c.k, ratio=c.ratio, error_feedback=c.error_feedback,
-                                levels=c.levels, seed=cfg.seed if c.seed is None else c.seed,
-                                residual_file=c.residual_file, num_clients=cfg.num_clients)
+    codec = compress.make_codec(
+        c.kind,
+        d,
+        block=c.block,
+        k=c.k,
+        ratio=c.ratio,
+        error_feedback=c.error_feedback,
+        levels=c.levels,
+        seed=cfg.seed if c.seed is None else c.seed,
+        residual_file=c.residual_file,
+        num_clients=cfg.num_clients,
+    )
     return RoundCompression(codec)
 
 
@@ -61,8 +80,9 @@ def config_errors(c: CompressConfig, checkpoint_every: int, distributed: bool) -
     if c.kind not in kinds:
         return [f"compress.kind must be {'|'.join(kinds)}, got {c.kind!r}"]
     if c.kind == "none":
-        set_ = [k for k in ("block", "k", "ratio", "residual_file") if getattr(c, k) is not None] + \
-            (["error_feedback"] if c.error_feedback else [])
+        set_ = [k for k in ("block", "k", "ratio", "residual_file") if getattr(c, k) is not None] + (
+            ["error_feedback"] if c.error_feedback else []
+        )
         if set_:
             errs.append(f"compress.{set_[0]} is set but compress.kind is none: set compress.kind too")
         return errs
@@ -72,7 +92,9 @@ def config_errors(c: CompressConfig, checkpoint_every: int, distributed: bool) -
         if c.block is not None:
             errs.append(f"compress.block is not used by topk (got {c.block}); set compress.k or compress.ratio")
         if (c.k is None) == (c.ratio is None):
-            errs.append(f"compress.kind=topk needs exactly one of compress.k and compress.ratio, got k={c.k}, ratio={c.ratio}")
+            errs.append(
+                f"compress.kind=topk needs exactly one of compress.k and compress.ratio, got k={c.k}, ratio={c.ratio}"
+            )
         elif c.k is not None and c.k < 1:
             errs.append(f"compress.k must be an integer >= 1 (at most d), got {c.k}")
         elif c.ratio is not None and not 0 < c.ratio <= 1:
@@ -82,8 +104,10 @@ def config_errors(c: CompressConfig, checkpoint_every: int, distributed: bool) -
     if c.kind == "qsgd" and not 1 <= c.levels <= 127:
         errs.append(f"compress.levels must be in [1, 127] (qsgd's s, stored as int8), got {c.levels}")
     if c.residual_file is not None and not c.error_feedback:
-        errs.append(f"compress.residual_file is set ({c.residual_file!r}) but compress.error_feedback is false: "
-                    "there are no residuals to keep")
+        errs.append(
+            f"compress.residual_file is set ({c.residual_file!r}) but compress.error_feedback is false: "
+            "there are no residuals to keep"
+        )
     if distributed:
         errs.append("compress.kind with distributed=true is not supported (ranks exchange dense column slices)")
     return errs

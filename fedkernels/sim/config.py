@@ -11,6 +11,7 @@ Override values are parsed with ``yaml.safe_load`` (so ``0.1`` is a float, ``[1,
 None, ``true`` a bool). Keys under the free-form ``options`` dicts may be new; any other unknown key
 is an error naming the valid keys.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,18 +29,18 @@ import yaml
 
 @dataclass
 class DataConfig:
-    name: str = "digits"                 # fmnist | mnist5k | digits | mnist | cifar10 | cifar100
-    root: Optional[str] = None           # user directory for datasets that are not bundled
-    train_subset: Optional[int] = None   # keep this many training examples (seeded, stratified-free)
+    name: str = "digits"  # fmnist | mnist5k | digits | mnist | cifar10 | cifar100
+    root: Optional[str] = None  # user directory for datasets that are not bundled
+    train_subset: Optional[int] = None  # keep this many training examples (seeded, stratified-free)
     test_subset: Optional[int] = None
-    augment: Any = False                 # True: the dataset's suggested train augmentation; or a recipe ("crop_flip")
+    augment: Any = False  # True: the dataset's suggested train augmentation; or a recipe ("crop_flip")
     options: Dict[str, Any] = field(default_factory=dict)  # extra load_dataset keyword arguments
 
 
 @dataclass
 class PartitionConfig:
-    scheme: str = "iid"                  # iid | shards | dirichlet
-    seed: Optional[int] = None           # None: the run seed (the partition is shared by all methods)
+    scheme: str = "iid"  # iid | shards | dirichlet
+    seed: Optional[int] = None  # None: the run seed (the partition is shared by all methods)
     options: Dict[str, Any] = field(default_factory=dict)  # e.g. shards_per_client, alpha, convention, min_size
 
 
@@ -54,28 +55,28 @@ class HeteroConfig:
     """Per-client heterogeneous compute (FedECADO §6): lr_i ~ U[lr_range], E_i ~ U{epochs_range}."""
 
     enabled: bool = False
-    lr_range: Optional[List[float]] = None      # [low, high]; None: every client uses train.lr
-    lr_dist: str = "uniform"                    # uniform | loguniform
-    epochs_range: Optional[List[int]] = None    # [low, high] inclusive; None: train.epochs
-    redraw: str = "run"                         # run: drawn once per client; round: redrawn every round
+    lr_range: Optional[List[float]] = None  # [low, high]; None: every client uses train.lr
+    lr_dist: str = "uniform"  # uniform | loguniform
+    epochs_range: Optional[List[int]] = None  # [low, high] inclusive; None: train.epochs
+    redraw: str = "run"  # run: drawn once per client; round: redrawn every round
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 1                      # local epochs (ignored when steps is set)
-    steps: Optional[int] = None          # local steps (mini-batches) instead of epochs
+    epochs: int = 1  # local epochs (ignored when steps is set)
+    steps: Optional[int] = None  # local steps (mini-batches) instead of epochs
     batch_size: int = 32
-    optimizer: str = "sgd"               # sgd | adam
+    optimizer: str = "sgd"  # sgd | adam
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
-    lr_schedule: str = "constant"        # constant | cosine | step  (over rounds)
-    lr_min: float = 0.0                  # cosine floor
-    lr_step: int = 1                     # step schedule: multiply by lr_gamma every lr_step rounds
+    lr_schedule: str = "constant"  # constant | cosine | step  (over rounds)
+    lr_min: float = 0.0  # cosine floor
+    lr_step: int = 1  # step schedule: multiply by lr_gamma every lr_step rounds
     lr_gamma: float = 0.99
     drop_last: bool = False
-    grad_clip: Optional[float] = None    # max global grad norm (None: no clipping)
+    grad_clip: Optional[float] = None  # max global grad norm (None: no clipping)
     hetero: HeteroConfig = field(default_factory=HeteroConfig)
 
 
@@ -88,13 +89,14 @@ class AlgorithmConfig:
 @dataclass
 class CompressConfig:
     """Compressed client updates (fedkernels.compress; sim/compression.py). kind: none | int8_block | fp8 | topk | qsgd."""
+
     kind: str = "none"
-    block: Optional[int] = None          # int8_block / fp8 / qsgd: columns per scale (1..d; default min(256, d))
-    k: Optional[int] = None              # topk: entries kept (1..d), or
-    ratio: Optional[float] = None        # topk: their fraction of d, in (0, 1]
-    error_feedback: bool = False         # per-client residuals added to the next update (Stich 2018, Karimireddy 2019)
-    levels: int = 16                     # qsgd: s, in [1, 127]
-    seed: Optional[int] = None           # qsgd's stochastic rounding stream (default: the run's seed)
+    block: Optional[int] = None  # int8_block / fp8 / qsgd: columns per scale (1..d; default min(256, d))
+    k: Optional[int] = None  # topk: entries kept (1..d), or
+    ratio: Optional[float] = None  # topk: their fraction of d, in (0, 1]
+    error_feedback: bool = False  # per-client residuals added to the next update (Stich 2018, Karimireddy 2019)
+    levels: int = 16  # qsgd: s, in [1, 127]
+    seed: Optional[int] = None  # qsgd's stochastic rounding stream (default: the run's seed)
     residual_file: Optional[str] = None  # error feedback's residuals in this file (N x d float32 table), not in memory
 
 
@@ -106,44 +108,44 @@ def dir_label(label: str) -> str:
 
 @dataclass
 class RunConfig:
-    name: Optional[str] = None           # run directory name under out_dir (default: derived, see run_name)
-    preset: Optional[str] = None         # the preset this config came from (a label; set by presets.get)
-    method: Optional[str] = None         # the preset's method label that was run (a label)
+    name: Optional[str] = None  # run directory name under out_dir (default: derived, see run_name)
+    preset: Optional[str] = None  # the preset this config came from (a label; set by presets.get)
+    method: Optional[str] = None  # the preset's method label that was run (a label)
     seed: int = 0
     rounds: int = 10
     num_clients: int = 10
-    participation: float = 1.0           # fraction of clients per round (used when clients_per_round is None)
+    participation: float = 1.0  # fraction of clients per round (used when clients_per_round is None)
     clients_per_round: Optional[int] = None
-    eval_every: int = 1                  # evaluate every N rounds (and always after the last)
+    eval_every: int = 1  # evaluate every N rounds (and always after the last)
     eval_batch_size: int = 1024
-    client_loss: str = "participants"    # global model's loss on clients' train data: participants | all | none
+    client_loss: str = "participants"  # global model's loss on clients' train data: participants | all | none
     target_accuracy: Optional[float] = None  # for rounds-to-target in the summary (fraction, e.g. 0.85)
-    bad_client_policy: str = "exclude"   # exclude | raise
-    device: str = "cpu"                  # cpu | cuda | auto
-    threads: Optional[int] = None        # torch.set_num_threads for the run, per process (None: torch's default;
-                                          # the CLI chooses for the load); in the config hash: it changes the bits
-    workers: int = 1                     # train a round's clients in N worker processes (sim.workers; CPU)
+    bad_client_policy: str = "exclude"  # exclude | raise
+    device: str = "cpu"  # cpu | cuda | auto
+    threads: Optional[int] = None  # torch.set_num_threads for the run, per process (None: torch's default;
+    # the CLI chooses for the load); in the config hash: it changes the bits
+    workers: int = 1  # train a round's clients in N worker processes (sim.workers; CPU)
     clients_at_once: Union[str, int, bool] = "auto"  # batched local training (sim.batched): auto (CUDA: on,
-                                          # CPU: off) | off | N clients per vmapped chunk; equal to off up to
-                                          # fp32 rounding, so not in the config hash (like workers)
+    # CPU: off) | off | N clients per vmapped chunk; equal to off up to
+    # fp32 rounding, so not in the config hash (like workers)
     deterministic: Optional[bool] = None  # torch.use_deterministic_algorithms; None: on CUDA only (CPU kernels
-                                          # are deterministic at a fixed thread count, and the flag slows them)
+    # are deterministic at a fixed thread count, and the flag slows them)
     out_dir: str = "runs"
-    checkpoint_every: int = 0            # 0: no checkpoints
+    checkpoint_every: int = 0  # 0: no checkpoints
     keep_checkpoints: int = 2
     plots: bool = True
-    progress: Optional[bool] = None      # None: only when stderr is a tty
-    verbose: bool = True                 # one printed line per evaluated round
-    distributed: bool = False            # ranks of torch.distributed split each round's clients (sim.distributed_sim)
+    progress: Optional[bool] = None  # None: only when stderr is a tty
+    verbose: bool = True  # one printed line per evaluated round
+    distributed: bool = False  # ranks of torch.distributed split each round's clients (sim.distributed_sim)
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    dp: "DPConfig" = field(default_factory=lambda: DPConfig())   # differential privacy (off: dp.kind null)
-    attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())   # Byzantine attackers (sim/attacks.py)
+    dp: "DPConfig" = field(default_factory=lambda: DPConfig())  # differential privacy (off: dp.kind null)
+    attack: "AttackConfig" = field(default_factory=lambda: AttackConfig())  # Byzantine attackers (sim/attacks.py)
     compress: CompressConfig = field(default_factory=CompressConfig)
-    lora: "LoraConfig" = field(default_factory=lambda: LoraConfig())   # LoRA fine-tuning (sim/lora.py; off: mode null)
+    lora: "LoraConfig" = field(default_factory=lambda: LoraConfig())  # LoRA fine-tuning (sim/lora.py; off: mode null)
 
     # ---- derived ---------------------------------------------------------------------------------
     def per_round(self) -> int:
@@ -165,26 +167,30 @@ class RunConfig:
         """A short hash of everything that changes the computation (not output/progress settings)."""
         d = {k: v for k, v in self.to_dict().items() if k not in PRESENTATION_KEYS}
         if d.get("dp", {}).get("kind") is None:
-            d.pop("dp", None)          # DP off: the hash (and the run directory) of a config without the section
-        if self.attack.kind is None:      # no attack: the hash of a config without the section
+            d.pop("dp", None)  # DP off: the hash (and the run directory) of a config without the section
+        if self.attack.kind is None:  # no attack: the hash of a config without the section
             d.pop("attack", None)
-        if d.get("compress", {}).get("kind", "none") == "none":   # uncompressed runs keep their hashes
+        if d.get("compress", {}).get("kind", "none") == "none":  # uncompressed runs keep their hashes
             d.pop("compress", None)
-        if d.get("compress", {}).get("residual_file") is None:   # where residuals live does not change the numbers
+        if d.get("compress", {}).get("residual_file") is None:  # where residuals live does not change the numbers
             d.get("compress", {}).pop("residual_file", None)
-        if d.get("lora", {}).get("mode") is None:     # no LoRA: the hash of a config without the section
+        if d.get("lora", {}).get("mode") is None:  # no LoRA: the hash of a config without the section
             d.pop("lora", None)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
     def validate(self) -> "RunConfig":
         errs = range_errors(self)
-        if errs:       # the first out-of-range number, alone (the checks below may assume sane numbers)
+        if errs:  # the first out-of-range number, alone (the checks below may assume sane numbers)
             raise ValueError("invalid config: " + errs[0])
         if self.clients_per_round is not None and not 1 <= self.clients_per_round <= self.num_clients:
-            errs.append(f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}")
+            errs.append(
+                f"clients_per_round must be in [1, num_clients={self.num_clients}], got {self.clients_per_round}"
+            )
         if self.workers > 1 and self.distributed:
-            errs.append(f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
-                        "split the clients): use one of them")
+            errs.append(
+                f"workers={self.workers} and distributed=true exclude each other (torchrun ranks already "
+                "split the clients): use one of them"
+            )
         c = self.clients_at_once
         if not (c in ("auto", "off") or c is False or (isinstance(c, int) and not isinstance(c, bool) and c >= 1)):
             errs.append(f"clients_at_once must be auto, off or an integer >= 1, got {c!r}")
@@ -193,7 +199,8 @@ class RunConfig:
             errs.append(f"clients_at_once={c} and {other} exclude each other: use one of them")
         if self.client_loss not in ("participants", "all", "none"):
             errs.append(f"client_loss must be participants|all|none, got {self.client_loss!r}")
-        from .compression import config_errors as _compress_errors   # the compress section's checks
+        from .compression import config_errors as _compress_errors  # the compress section's checks
+
         errs += _compress_errors(self.compress, self.checkpoint_every, self.distributed)
         if self.bad_client_policy not in ("exclude", "raise"):
             errs.append(f"bad_client_policy must be exclude|raise, got {self.bad_client_policy!r}")
@@ -266,16 +273,41 @@ class RunConfig:
 # The range of every numeric config key (checked by validate() when the value is not null; one line
 # naming the key, the value and the range). Ranges: "> a", ">= a", "[a, b)", "(a, b]", "[a, b]", "(a, b)".
 RANGES: Dict[str, str] = {
-    "seed": ">= 0", "rounds": ">= 1", "num_clients": ">= 1", "participation": "(0, 1]",
-    "clients_per_round": ">= 1", "eval_every": ">= 1", "eval_batch_size": ">= 1", "target_accuracy": "(0, 1]",
-    "threads": ">= 1", "workers": ">= 1", "checkpoint_every": ">= 0", "keep_checkpoints": ">= 0",
-    "data.train_subset": ">= 1", "data.test_subset": ">= 1", "partition.seed": ">= 0",
-    "train.epochs": ">= 1", "train.steps": ">= 1", "train.batch_size": ">= 1", "train.lr": "> 0",
-    "train.momentum": "[0, 1)", "train.weight_decay": ">= 0", "train.lr_min": ">= 0", "train.lr_step": ">= 1",
-    "train.lr_gamma": "(0, 1]", "train.grad_clip": "> 0",
+    "seed": ">= 0",
+    "rounds": ">= 1",
+    "num_clients": ">= 1",
+    "participation": "(0, 1]",
+    "clients_per_round": ">= 1",
+    "eval_every": ">= 1",
+    "eval_batch_size": ">= 1",
+    "target_accuracy": "(0, 1]",
+    "threads": ">= 1",
+    "workers": ">= 1",
+    "checkpoint_every": ">= 0",
+    "keep_checkpoints": ">= 0",
+    "data.train_subset": ">= 1",
+    "data.test_subset": ">= 1",
+    "partition.seed": ">= 0",
+    "train.epochs": ">= 1",
+    "train.steps": ">= 1",
+    "train.batch_size": ">= 1",
+    "train.lr": "> 0",
+    "train.momentum": "[0, 1)",
+    "train.weight_decay": ">= 0",
+    "train.lr_min": ">= 0",
+    "train.lr_step": ">= 1",
+    "train.lr_gamma": "(0, 1]",
+    "train.grad_clip": "> 0",
 }
-RANGES.update({"compress.block": ">= 1", "compress.k": ">= 1", "compress.ratio": "(0, 1]", "compress.levels": "[1, 127]",
-               "compress.seed": ">= 0"})   # block <= d and k <= d are checked when the model is built
+RANGES.update(
+    {
+        "compress.block": ">= 1",
+        "compress.k": ">= 1",
+        "compress.ratio": "(0, 1]",
+        "compress.levels": "[1, 127]",
+        "compress.seed": ">= 0",
+    }
+)  # block <= d and k <= d are checked when the model is built
 
 
 def in_range(value: Any, spec: str) -> bool:
@@ -311,9 +343,22 @@ def range_errors(cfg: "RunConfig") -> List[str]:
 # keys that do not change what is computed (left out of config_hash; free to change on resume).
 # ``threads`` is not one: CPU kernels round differently at another thread count (workers=N gives the
 # bits of workers=1 at the same threads per process)
-PRESENTATION_KEYS = ("name", "preset", "method", "eval_batch_size", "out_dir", "checkpoint_every",
-                     "keep_checkpoints", "plots", "progress", "verbose", "target_accuracy",
-                     "distributed", "workers", "clients_at_once")
+PRESENTATION_KEYS = (
+    "name",
+    "preset",
+    "method",
+    "eval_batch_size",
+    "out_dir",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "plots",
+    "progress",
+    "verbose",
+    "target_accuracy",
+    "distributed",
+    "workers",
+    "clients_at_once",
+)
 
 
 def _suggest(word: Any, choices: Iterable[Any], fmt: str = " (did you mean {!r}?)") -> str:
@@ -375,7 +420,7 @@ def check_field(cls, key: str, name: str, value: Any) -> Any:
         num = value
         if isinstance(value, str) and (float in args or int in args):
             t = value.strip()
-            try:     # float() forms, and YAML 1.2's .inf / .nan (the range checks refuse those)
+            try:  # float() forms, and YAML 1.2's .inf / .nan (the range checks refuse those)
                 num = float({".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}.get(t.lower(), t))
             except ValueError:
                 num = value
@@ -396,21 +441,29 @@ def _from_dict(cls, d: Dict[str, Any], prefix: str):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
     if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(prefix + k for k in unknown)}"
-                         f"{_suggest(unknown[0], list(known))}; "
-                         f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {', '.join(known)}")
+        raise ValueError(
+            f"unknown config key(s) {', '.join(prefix + k for k in unknown)}"
+            f"{_suggest(unknown[0], list(known))}; "
+            f"valid keys{' under ' + prefix[:-1] if prefix else ''}: {', '.join(known)}"
+        )
     kw = {}
     for k, v in d.items():
         sub = _dataclass_type(cls, k)
-        kw[k] = (_from_dict(sub, v if v is not None else {}, prefix + k + ".") if sub is not None
-                 else check_field(cls, prefix + k, k, v))
+        kw[k] = (
+            _from_dict(sub, v if v is not None else {}, prefix + k + ".")
+            if sub is not None
+            else check_field(cls, prefix + k, k, v)
+        )
     return cls(**kw)
 
 
 _SECTIONS = {
-    (RunConfig, "data"): DataConfig, (RunConfig, "partition"): PartitionConfig,
-    (RunConfig, "model"): ModelConfig, (RunConfig, "train"): TrainConfig,
-    (RunConfig, "algorithm"): AlgorithmConfig, (TrainConfig, "hetero"): HeteroConfig,
+    (RunConfig, "data"): DataConfig,
+    (RunConfig, "partition"): PartitionConfig,
+    (RunConfig, "model"): ModelConfig,
+    (RunConfig, "train"): TrainConfig,
+    (RunConfig, "algorithm"): AlgorithmConfig,
+    (TrainConfig, "hetero"): HeteroConfig,
     (RunConfig, "compress"): CompressConfig,
 }
 
@@ -425,8 +478,10 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def parse_value(text: str) -> Any:
@@ -449,8 +504,10 @@ def set_dotted(cfg: RunConfig, key: str, value: Any) -> None:
         if dataclasses.is_dataclass(obj):
             names = [f.name for f in fields(obj)]
             if p not in names:
-                raise ValueError(f"unknown config key {'.'.join(path)!r}{_suggest(p, names)}; valid keys"
-                                 f"{' under ' + '.'.join(path[:-1]) if len(path) > 1 else ''}: {', '.join(names)}")
+                raise ValueError(
+                    f"unknown config key {'.'.join(path)!r}{_suggest(p, names)}; valid keys"
+                    f"{' under ' + '.'.join(path[:-1]) if len(path) > 1 else ''}: {', '.join(names)}"
+                )
             if last:
                 sub = _dataclass_type(type(obj), p)
                 if sub is not None:
@@ -494,27 +551,45 @@ class DPConfig:
     rounds (the multiplier calibrated before round 1); epsilon from dp-accounting's RDP accountant for the
     simulator's sampling (m of num_clients, uniformly without replacement)."""
 
-    kind: Optional[str] = None               # null | central | client | adaptive
-    clip: Optional[float] = None             # the clip norm C (adaptive: the initial C)
+    kind: Optional[str] = None  # null | central | client | adaptive
+    clip: Optional[float] = None  # the clip norm C (adaptive: the initial C)
     noise_multiplier: Optional[float] = None  # z (exactly one of noise_multiplier and target_epsilon)
     delta: float = 1e-5
     target_epsilon: Optional[float] = None
-    target_clipped_quantile: float = 0.5     # adaptive: the quantile of update norms C tracks
-    clip_norm_lr: float = 0.2                # adaptive: the geometric step of C
-    clipped_count_stddev: Optional[float] = None   # adaptive: the count noise's std (null: m / 20)
+    target_clipped_quantile: float = 0.5  # adaptive: the quantile of update norms C tracks
+    clip_norm_lr: float = 0.2  # adaptive: the geometric step of C
+    clipped_count_stddev: Optional[float] = None  # adaptive: the count noise's std (null: m / 20)
 
     def options(self, cfg: "RunConfig") -> Dict[str, Any]:
         """The DP wrapper's options for run ``cfg`` (``algorithms.build(name, dp=...)``)."""
-        return {"kind": self.kind, "clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta,
-                "target_epsilon": self.target_epsilon, "rounds": cfg.rounds, "seed": cfg.seed,
-                "num_sampled_clients": cfg.per_round(), "population": cfg.num_clients,
-                "target_clipped_quantile": self.target_clipped_quantile, "clip_norm_lr": self.clip_norm_lr,
-                "clipped_count_stddev": self.clipped_count_stddev}
+        return {
+            "kind": self.kind,
+            "clip": self.clip,
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
+            "rounds": cfg.rounds,
+            "seed": cfg.seed,
+            "num_sampled_clients": cfg.per_round(),
+            "population": cfg.num_clients,
+            "target_clipped_quantile": self.target_clipped_quantile,
+            "clip_norm_lr": self.clip_norm_lr,
+            "clipped_count_stddev": self.clipped_count_stddev,
+        }
 
 
 _SECTIONS[(RunConfig, "dp")] = DPConfig
-RANGES.update({"dp.clip": "> 0", "dp.noise_multiplier": ">= 0", "dp.delta": "(0, 1)", "dp.target_epsilon": "> 0",
-               "dp.target_clipped_quantile": "[0, 1]", "dp.clip_norm_lr": "> 0", "dp.clipped_count_stddev": ">= 0"})
+RANGES.update(
+    {
+        "dp.clip": "> 0",
+        "dp.noise_multiplier": ">= 0",
+        "dp.delta": "(0, 1)",
+        "dp.target_epsilon": "> 0",
+        "dp.target_clipped_quantile": "[0, 1]",
+        "dp.clip_norm_lr": "> 0",
+        "dp.clipped_count_stddev": ">= 0",
+    }
+)
 
 
 def dp_errors(cfg: "RunConfig") -> List[str]:
@@ -531,27 +606,37 @@ def dp_errors(cfg: "RunConfig") -> List[str]:
     if (d.noise_multiplier is None) == (d.target_epsilon is None):
         return ["dp: give exactly one of dp.noise_multiplier and dp.target_epsilon"]
     return []
+
+
 @dataclass
 class AttackConfig:
     """Byzantine attackers (``fedkernels.sim.attacks``): which clients attack and how."""
 
-    kind: Optional[str] = None           # sign_flip | scale | gaussian | alie | ipm | label_flip (null: no attack)
-    fraction: Optional[float] = None     # round(fraction * num_clients) attackers drawn from the seed, or
+    kind: Optional[str] = None  # sign_flip | scale | gaussian | alie | ipm | label_flip (null: no attack)
+    fraction: Optional[float] = None  # round(fraction * num_clients) attackers drawn from the seed, or
     clients: Optional[List[int]] = None  # the attackers' client ids
-    factor: Optional[float] = None       # scale: the multiplier, > 0 (null: the round's K; sign_flip negates)
-    std: Optional[float] = None          # gaussian: the noise's standard deviation (null: 1.0)
-    z: Optional[float] = None            # alie: z (null: Baruch et al.'s z_max from n and f)
-    epsilon: Optional[float] = None      # ipm: epsilon (null: 0.1)
+    factor: Optional[float] = None  # scale: the multiplier, > 0 (null: the round's K; sign_flip negates)
+    std: Optional[float] = None  # gaussian: the noise's standard deviation (null: 1.0)
+    z: Optional[float] = None  # alie: z (null: Baruch et al.'s z_max from n and f)
+    epsilon: Optional[float] = None  # ipm: epsilon (null: 0.1)
 
 
 _SECTIONS[(RunConfig, "attack")] = AttackConfig
-RANGES.update({"attack.fraction": "(0, 1)", "attack.factor": "> 0", "attack.std": "> 0", "attack.z": "> 0",
-               "attack.epsilon": "> 0"})
+RANGES.update(
+    {
+        "attack.fraction": "(0, 1)",
+        "attack.factor": "> 0",
+        "attack.std": "> 0",
+        "attack.z": "> 0",
+        "attack.epsilon": "> 0",
+    }
+)
 
 
 def attack_config_errors(cfg: RunConfig) -> List[str]:
     """The ``attack.*`` checks (one line each; fedkernels.sim.attacks)."""
     from .attacks import attack_errors
+
     return attack_errors(cfg)
 
 
@@ -562,14 +647,14 @@ class LoraConfig:
     aggregated (``mode``: naive = A and B averaged separately, exact = FlexLoRA's re-factorised average of the
     products B_k A_k, fold = FedEx-LoRA's residual folded into the frozen base)."""
 
-    mode: Optional[str] = None                   # null (off) | naive | exact | fold
-    r: int = 8                                   # the server's rank (every client's, without ranks)
-    alpha: float = 8.0                           # lora_alpha: scaling alpha / r (rslora: alpha / sqrt(r)), peft's
-    target_modules: Optional[List[str]] = None   # layer names (peft's suffix match); null: every Linear and Conv
-    ranks: Optional[List[int]] = None            # heterogeneous ranks: client c trains at rank ranks[c % len(ranks)]
-    dropout: float = 0.0                         # lora_dropout
-    rslora: bool = False                         # use_rslora: scaling alpha / sqrt(r)
-    base: Optional[str] = None                   # a state_dict file (torch.save) of the base model's pretrained weights
+    mode: Optional[str] = None  # null (off) | naive | exact | fold
+    r: int = 8  # the server's rank (every client's, without ranks)
+    alpha: float = 8.0  # lora_alpha: scaling alpha / r (rslora: alpha / sqrt(r)), peft's
+    target_modules: Optional[List[str]] = None  # layer names (peft's suffix match); null: every Linear and Conv
+    ranks: Optional[List[int]] = None  # heterogeneous ranks: client c trains at rank ranks[c % len(ranks)]
+    dropout: float = 0.0  # lora_dropout
+    rslora: bool = False  # use_rslora: scaling alpha / sqrt(r)
+    base: Optional[str] = None  # a state_dict file (torch.save) of the base model's pretrained weights
 
 
 _SECTIONS[(RunConfig, "lora")] = LoraConfig
@@ -579,4 +664,5 @@ RANGES.update({"lora.r": ">= 1", "lora.alpha": "> 0", "lora.dropout": "[0, 1)"})
 def lora_config_errors(cfg: RunConfig) -> List[str]:
     """The ``lora.*`` checks (one line each; fedkernels.sim.lora)."""
     from .lora import config_errors
+
     return config_errors(cfg)

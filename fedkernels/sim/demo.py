@@ -15,6 +15,7 @@ follows the machine's load: another folder).
 Options: ``--rounds N``, ``--methods a,b,c`` (default: all demo methods), ``--fedavg-only``,
 ``--out DIR`` (instead of ``runs/demo-<hash>``), ``--seed S``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,11 @@ FMNIST_DIR = "/usr/share/datasets/fashion-mnist"
 def demo_config(rounds=None, seed=0):
     cfg = presets.get("demo")
     if not os.path.isdir(FMNIST_DIR):
-        print(f"{FMNIST_DIR} not found: using scikit-learn's digits instead "
-              "(install the Debian package dataset-fashion-mnist for the real demo)", flush=True)
+        print(
+            f"{FMNIST_DIR} not found: using scikit-learn's digits instead "
+            "(install the Debian package dataset-fashion-mnist for the real demo)",
+            flush=True,
+        )
         cfg.data.name, cfg.data.train_subset, cfg.data.test_subset = "digits", None, None
         cfg.model.name = "digit_cnn"
         cfg.train.lr = 0.05
@@ -82,18 +86,20 @@ def next_steps(cfg, out: str, runs_dir: str, cmp_dir: str, labels) -> str:
     if cfg.data.name == "fmnist":
         one = f"{fk} run --preset demo --method {other}"
         where = f"runs/demo-{other}-s0-<hash>/"
-    else:                      # the demo preset needs Fashion-MNIST; this preset runs on digits anywhere
+    else:  # the demo preset needs Fashion-MNIST; this preset runs on digits anywhere
         one = f"{fk} run --preset kuramoto-digits"
         where = "runs/kuramoto-digits-kuramoto-S0.5-s0-<hash>/"
-    return "\n".join([
-        f"outputs in {out}/:",
-        f"  {runs_dir}/<method>-s{cfg.seed}/   one run per method: metrics.jsonl, summary.json, curves.png, "
-        "config.yaml, provenance.json, run.log",
-        f"  {cmp_dir}/   compare.png/.pdf/.svg (curves), compare.md/.csv/.tex (table), compare.json",
-        "next:",
-        f"  {one}    one run; outputs in {where}",
-        f"  {fk} presets    every preset, its methods and its time on 2 CPU cores",
-    ])
+    return "\n".join(
+        [
+            f"outputs in {out}/:",
+            f"  {runs_dir}/<method>-s{cfg.seed}/   one run per method: metrics.jsonl, summary.json, curves.png, "
+            "config.yaml, provenance.json, run.log",
+            f"  {cmp_dir}/   compare.png/.pdf/.svg (curves), compare.md/.csv/.tex (table), compare.json",
+            "next:",
+            f"  {one}    one run; outputs in {where}",
+            f"  {fk} presets    every preset, its methods and its time on 2 CPU cores",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -109,22 +115,27 @@ def main(argv=None) -> int:
     known = presets.variants("demo")
     labels = ["fedavg"] if a.fedavg_only else (a.methods.split(",") if a.methods else list(known))
     try:
-        methods = resolve_methods(labels, known)     # every method checked before the first run
+        methods = resolve_methods(labels, known)  # every method checked before the first run
         cfg.validate()
     except ValueError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
     out = a.out or os.path.join(cfg.out_dir, f"demo-{cfg.config_hash()}")
     runs_dir, cmp_dir = os.path.join(out, "runs"), os.path.join(out, "compare")
-    print(f"fedkernels demo: {cfg.data.name}, {cfg.num_clients} clients x "
-          f"{cfg.partition.options.get('shards_per_client')} label shards, model {cfg.model.name}, "
-          f"{cfg.rounds} rounds, {cfg.train.epochs} local epoch(s); methods: {', '.join(m for m, _ in methods)}",
-          flush=True)
+    print(
+        f"fedkernels demo: {cfg.data.name}, {cfg.num_clients} clients x "
+        f"{cfg.partition.options.get('shards_per_client')} label shards, model {cfg.model.name}, "
+        f"{cfg.rounds} rounds, {cfg.train.epochs} local epoch(s); methods: {', '.join(m for m, _ in methods)}",
+        flush=True,
+    )
     try:
         res = compare(cfg, methods, seeds=[cfg.seed], out_dir=runs_dir, verbose=True, preset="demo")
     except KeyboardInterrupt:
-        print(f"demo: interrupted; the finished runs are in {runs_dir}/ (no comparison written)",
-              file=sys.stderr, flush=True)
+        print(
+            f"demo: interrupted; the finished runs are in {runs_dir}/ (no comparison written)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     move_compare_outputs(runs_dir, cmp_dir)
     fed = res["methods"].get("fedavg")

@@ -41,6 +41,7 @@ gathered and merged into the full state (tensors whose last dimension is the ran
 every rank are concatenated), so rank 0 writes one ordinary checkpoint, readable by a
 single-process run and by a distributed run of any world size (``--resume`` re-slices it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +65,15 @@ from .server import Simulation
 
 log = logging.getLogger("fedkernels.sim")
 
-__all__ = ["DistributedSimulation", "LostRankError", "Ranks", "assign_positions", "init_from_env", "merge_sliced_state",
-           "slice_state"]
+__all__ = [
+    "DistributedSimulation",
+    "LostRankError",
+    "Ranks",
+    "assign_positions",
+    "init_from_env",
+    "merge_sliced_state",
+    "slice_state",
+]
 
 
 class LostRankError(RuntimeError):
@@ -85,8 +93,9 @@ def _is_peer_loss(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     msg = str(e).lower()
-    return isinstance(e, RuntimeError) and any(w in msg for w in ("connection closed", "connection reset",
-                                                                 "broken pipe", "gloo", "nccl"))
+    return isinstance(e, RuntimeError) and any(
+        w in msg for w in ("connection closed", "connection reset", "broken pipe", "gloo", "nccl")
+    )
 
 
 def init_from_env(device: str = "cpu") -> bool:
@@ -96,9 +105,11 @@ def init_from_env(device: str = "cpu") -> bool:
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError("distributed=true needs an initialised torch.distributed process group or torchrun's "
-                           "environment (launch with `python -m torch.distributed.run --nproc_per_node N "
-                           "-m fedkernels run ... distributed=true`)")
+        raise RuntimeError(
+            "distributed=true needs an initialised torch.distributed process group or torchrun's "
+            "environment (launch with `python -m torch.distributed.run --nproc_per_node N "
+            "-m fedkernels run ... distributed=true`)"
+        )
     cuda = resolve_device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -130,8 +141,10 @@ def merge_sliced_state(states: Sequence[Any], widths: Sequence[int]):
         vals = [merge_sliced_state([s[i] for s in states], widths) for i in range(len(first))]
         return type(first)(vals) if isinstance(first, tuple) else vals
     if isinstance(first, torch.Tensor):
-        if all(isinstance(s, torch.Tensor) and s.dim() >= 1 and s.size(-1) == w and s.shape[:-1] == first.shape[:-1]
-               for s, w in zip(states, widths)):
+        if all(
+            isinstance(s, torch.Tensor) and s.dim() >= 1 and s.size(-1) == w and s.shape[:-1] == first.shape[:-1]
+            for s, w in zip(states, widths)
+        ):
             return torch.cat([s.cpu() for s in states], dim=-1)
         return first
     return first
@@ -158,9 +171,9 @@ class Ranks:
     the default one, initialised from torchrun's environment when needed). ``align``: slice
     boundaries on tensor ("tensor") or output-row ("row") boundaries."""
 
-    saves_alone = False        # gathering the state is a collective: a signal may reach one rank only
-    screens_rows = True        # each rank screens its own clients' rows (the exchange carries no NaN row)
-    aggregate_kwargs = {"gather": True}   # every rank gets the full new model
+    saves_alone = False  # gathering the state is a collective: a signal may reach one rank only
+    screens_rows = True  # each rank screens its own clients' rows (the exchange carries no NaN row)
+    aggregate_kwargs = {"gather": True}  # every rank gets the full new model
 
     def __init__(self, device: str = "cpu", group=None, align: str = "bytes"):
         init_from_env(device)
@@ -171,7 +184,7 @@ class Ranks:
         self.tag = f" (rank {self.rank})"
         self.state_extra = {"world": self.world}
         self._peer_lost = False
-        self.run_dir = ""          # named in the lost-peer line (DistributedSimulation sets it)
+        self.run_dir = ""  # named in the lost-peer line (DistributedSimulation sets it)
 
     def aggregator(self, agg) -> ShardedAggregator:
         return ShardedAggregator(agg, group=self.group, align=self.align)
@@ -182,11 +195,13 @@ class Ranks:
         self.agg, self.local, self.rounds_done = agg, local, rounds_done
         stateful = agg.client_rule()
         if stateful is not None and hasattr(stateful, "state_dict") and hasattr(stateful, "load_state_dict"):
-            raise ValueError(f"distributed=true: {local.cfg.algorithm.name}'s client rule keeps state across rounds; "
-                             "the distributed simulator does not move client-rule state between ranks")
+            raise ValueError(
+                f"distributed=true: {local.cfg.algorithm.name}'s client rule keeps state across rounds; "
+                "the distributed simulator does not move client-rule state between ranks"
+            )
 
     def buffer_rows(self, K: int) -> int:
-        return max(1, -(-K // self.world))      # this rank's clients: at most ceil(K / world)
+        return max(1, -(-K // self.world))  # this rank's clients: at most ceil(K / world)
 
     def positions(self, K: int) -> range:
         start, stop = assign_positions(K, self.world)[self.rank]
@@ -213,9 +228,11 @@ class Ranks:
                 raise
             self._ignore_sigterm()
             who = f"rank {1 - self.rank}" if self.world == 2 else f"a rank other than {self.rank}"
-            raise LostRankError(f"{who} of {self.world} stopped {when} (killed, or failed with its own error); "
-                                f"rank {self.rank} stops too; continue with `fedkernels run --resume "
-                                f"{self.run_dir}` on {self.world} ranks") from None
+            raise LostRankError(
+                f"{who} of {self.world} stopped {when} (killed, or failed with its own error); "
+                f"rank {self.rank} stops too; continue with `fedkernels run --resume "
+                f"{self.run_dir}` on {self.world} ranks"
+            ) from None
 
     def guard_signals(self, install: Callable[[], Callable[[], None]]) -> Callable[[], None]:
         """Installs the run's signal handlers; the restore leaves SIGTERM ignored once a peer is lost."""
@@ -227,7 +244,8 @@ class Ranks:
             if not self._peer_lost:
                 restore()
             elif threading.current_thread() is threading.main_thread() and outer[signal.SIGINT] is not None:
-                signal.signal(signal.SIGINT, outer[signal.SIGINT])   # SIGTERM stays ignored: on its way out
+                signal.signal(signal.SIGINT, outer[signal.SIGINT])  # SIGTERM stays ignored: on its way out
+
         return restore_unless_lost
 
     def stop_agreed(self, sig: Optional[int]) -> bool:
@@ -244,8 +262,9 @@ class Ranks:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _exchange_columns(self, rows: List[torch.Tensor], src: Optional[torch.Tensor], counts: List[int],
-                          dtype: torch.dtype) -> torch.Tensor:
+    def _exchange_columns(
+        self, rows: List[torch.Tensor], src: Optional[torch.Tensor], counts: List[int], dtype: torch.dtype
+    ) -> torch.Tensor:
         """All-to-all of column slices. This rank sends, for every rank s, columns ``bounds[s]`` of its
         ``counts[rank]`` rows (``src`` [m, d] or the list ``rows`` of [d] tensors); returns the
         ``[sum(counts), hi - lo]`` matrix of every rank's rows (rank order), this rank's columns."""
@@ -259,7 +278,7 @@ class Ranks:
         in_splits, off = [], 0
         for a, b in bounds:
             n = m * (b - a)
-            blk = send[off:off + n].view(m, b - a)
+            blk = send[off : off + n].view(m, b - a)
             if src is not None:
                 blk.copy_(src[:m, a:b])
             else:
@@ -292,13 +311,14 @@ class Ranks:
             if isinstance(sent[pos], Exception):
                 raise sent[pos]
             return sent[pos]
+
         return payload_of
 
     def exchange(self, local: Dict[str, Any]) -> Dict[str, Any]:
         """The small facts as objects (all-gather), then the column slices of the update rows and of
         the d-sized payload tensors (all-to-all)."""
         d = self.local.spec.d
-        mine, big = [], []            # big: d-sized payload tensors, in (position, key) order
+        mine, big = [], []  # big: d-sized payload tensors, in (position, key) order
         for a in local["accepted"]:
             small, keys = {}, []
             for k in sorted(a["payload"]):
@@ -311,12 +331,18 @@ class Ranks:
             mine.append(dict(a, payload=small, big=keys))
         t1 = time.perf_counter()
         err = local["error"]
-        facts = self._all_gather_object({"accepted": mine, "excluded": local["excluded"],
-                                         "error": None if err is None else err[:2], "t_local": local["t_local"]})
+        facts = self._all_gather_object(
+            {
+                "accepted": mine,
+                "excluded": local["excluded"],
+                "error": None if err is None else err[:2],
+                "t_local": local["t_local"],
+            }
+        )
         errs = sorted(f["error"] for f in facts if f["error"] is not None)
         if errs:
             raise BadClientError(errs[0][1])
-        acc = [a for f in facts for a in f["accepted"]]                  # rank order = schedule order
+        acc = [a for f in facts for a in f["accepted"]]  # rank order = schedule order
         excluded = [e for _, e in sorted((x for f in facts for x in f["excluded"]), key=lambda x: x[0])]
         buf = self.local.buf.data
         U = self._exchange_columns([], buf, [len(f["accepted"]) for f in facts], buf.dtype)
@@ -324,17 +350,26 @@ class Ranks:
         my_keys = [k for a in mine for k in a["big"]]
         for g in sorted({k[1] for a in acc for k in a["big"]}):
             dt = getattr(torch, g)
-            got = self._exchange_columns([t for t, k in zip(big, my_keys) if k[1] == g], None,
-                                         [sum(1 for a in f["accepted"] for k in a["big"] if k[1] == g)
-                                          for f in facts], dt)
+            got = self._exchange_columns(
+                [t for t, k in zip(big, my_keys) if k[1] == g],
+                None,
+                [sum(1 for a in f["accepted"] for k in a["big"] if k[1] == g) for f in facts],
+                dt,
+            )
             i = 0
             for a, p in zip(acc, payloads):
                 for k, kdt, _shape in a["big"]:
                     if kdt == g:
                         p[k] = got[i]
                         i += 1
-        return {"U": U, "accepted": acc, "payloads": payloads, "excluded": excluded,
-                "t_local": max(f["t_local"] for f in facts), "t_exchange": time.perf_counter() - t1}
+        return {
+            "U": U,
+            "accepted": acc,
+            "payloads": payloads,
+            "excluded": excluded,
+            "t_local": max(f["t_local"] for f in facts),
+            "t_exchange": time.perf_counter() - t1,
+        }
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def aggregator_state(self) -> Optional[Dict[str, Any]]:
@@ -358,8 +393,9 @@ class Ranks:
             found = ckpt.load_latest(ckpt_dir, map_location="cpu")
         rounds = self._all_gather_object(None if found is None else int(found[1]["round"]))
         if len(set(rounds)) != 1:
-            raise ckpt.CheckpointError(f"resume: the ranks found different checkpoints (rounds {rounds}); "
-                                       f"they must all read {ckpt_dir}")
+            raise ckpt.CheckpointError(
+                f"resume: the ranks found different checkpoints (rounds {rounds}); they must all read {ckpt_dir}"
+            )
         return found
 
     def load_aggregator_state(self, state: Dict[str, Any]) -> None:

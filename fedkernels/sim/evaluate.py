@@ -16,6 +16,7 @@ of the free memory holds by the measured output bytes of one row's forward (at l
 ``eval_batch_size``, at most the whole set): large batches, few launches. Accuracy is then the same
 count; the loss sums the same float64 per-batch sums in other batches (equal to fp rounding).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -26,7 +27,7 @@ from torch import nn
 
 from .client import batch_losses, eval_batch, sample_owners
 
-GPU_DEVICES = ("cuda",)     # where the evaluation takes memory-sized batches (elsewhere: eval_batch_size)
+GPU_DEVICES = ("cuda",)  # where the evaluation takes memory-sized batches (elsewhere: eval_batch_size)
 
 
 def row_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -37,6 +38,7 @@ def row_bytes(model: nn.Module, x: torch.Tensor) -> int:
     def hook(mod, inp, out):
         if isinstance(out, torch.Tensor):
             total[0] += out.numel() * out.element_size()
+
     hs = [m.register_forward_hook(hook) for m in model.modules()]
     try:
         model(x[:1])
@@ -46,8 +48,9 @@ def row_bytes(model: nn.Module, x: torch.Tensor) -> int:
     return total[0] + x[:1].numel() * x.element_size()
 
 
-def eval_rows(model: nn.Module, x: torch.Tensor, batch_size: int, free: Optional[int] = None,
-              fraction: float = 0.25) -> int:
+def eval_rows(
+    model: nn.Module, x: torch.Tensor, batch_size: int, free: Optional[int] = None, fraction: float = 0.25
+) -> int:
     """Rows per evaluation forward (module docstring); ``free``: the device's free bytes (None: asked
     of the device). Call in eval mode under no_grad."""
     n, bs = int(x.size(0)), max(1, int(batch_size))
@@ -55,6 +58,7 @@ def eval_rows(model: nn.Module, x: torch.Tensor, batch_size: int, free: Optional
         return bs
     if free is None:
         from .batched import free_memory
+
         free = free_memory(x.device)
     if free is None:
         return bs
@@ -63,10 +67,17 @@ def eval_rows(model: nn.Module, x: torch.Tensor, batch_size: int, free: Optional
 
 
 @torch.no_grad()
-def evaluate_global(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, batch_size: int = 1024,
-                    x: Optional[torch.Tensor] = None, y: Optional[torch.Tensor] = None,
-                    parts: Optional[Sequence[torch.Tensor]] = None, clients: Optional[Sequence[int]] = None,
-                    free: Optional[int] = None) -> Tuple[float, float, Optional[List[float]]]:
+def evaluate_global(
+    model: nn.Module,
+    x_test: torch.Tensor,
+    y_test: torch.Tensor,
+    batch_size: int = 1024,
+    x: Optional[torch.Tensor] = None,
+    y: Optional[torch.Tensor] = None,
+    parts: Optional[Sequence[torch.Tensor]] = None,
+    clients: Optional[Sequence[int]] = None,
+    free: Optional[int] = None,
+) -> Tuple[float, float, Optional[List[float]]]:
     """``(accuracy, mean test loss, clients' losses or None)`` of ``model`` in eval mode: the test set,
     and (``clients``, with the training data ``x``, ``y`` and the clients' index tensors ``parts``) the
     mean loss on each listed client's training data, in that order ([] for no client). NaN accuracy
@@ -81,7 +92,7 @@ def evaluate_global(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor
         loss = torch.zeros((), dtype=torch.float64, device=dev)
         crit = nn.CrossEntropyLoss(reduction="sum")
         for s in range(0, n, rows):
-            c, l = eval_batch(model, x_test[s:s + rows], y_test[s:s + rows], crit)
+            c, l = eval_batch(model, x_test[s : s + rows], y_test[s : s + rows], crit)
             loss += l
             correct += c
         out = [correct.unsqueeze(0), loss.unsqueeze(0)]
@@ -93,11 +104,11 @@ def evaluate_global(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor
             owner, sizes = sample_owners(parts, cl, idx.device)
             sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
             rc = eval_rows(model, x, batch_size, free) if idx.numel() else 1
-            for s in range(0, idx.numel(), rc):       # one gather per batch, on the device
-                b = idx[s:s + rc]
-                sums.index_add_(0, owner[s:s + rc], batch_losses(model, x[b], y[b]))
+            for s in range(0, idx.numel(), rc):  # one gather per batch, on the device
+                b = idx[s : s + rc]
+                sums.index_add_(0, owner[s : s + rc], batch_losses(model, x[b], y[b]))
             out.append(sums / sizes.clamp_min(1).to(device=sums.device, dtype=torch.float64))
-        host = torch.cat([t.to(dev) for t in out]).tolist()            # the one host transfer
+        host = torch.cat([t.to(dev) for t in out]).tolist()  # the one host transfer
     finally:
         model.train(was)
     acc, tl = (host[0] / n, host[1] / n) if n else (float("nan"), float("nan"))
@@ -108,6 +119,9 @@ def non_finite_evaluation(metrics: dict) -> Optional[str]:
     """What of a round's evaluation is not finite (``"test loss nan"``, ``"accuracy inf"``, ...), or None:
     a model whose test loss is NaN/Inf has gone wrong although its parameters are finite (e.g. a
     BatchNorm variance below 0); the run stops there (``Simulation._rounds``), its checkpoints kept."""
-    bad = [f"{what} {metrics[key]}" for key, what in (("test_loss", "test loss"), ("accuracy", "accuracy"))
-           if isinstance(metrics.get(key), float) and not np.isfinite(metrics[key])]
+    bad = [
+        f"{what} {metrics[key]}"
+        for key, what in (("test_loss", "test loss"), ("accuracy", "accuracy"))
+        if isinstance(metrics.get(key), float) and not np.isfinite(metrics[key])
+    ]
     return ", ".join(bad) or None

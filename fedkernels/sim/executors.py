@@ -50,6 +50,7 @@ the trained rows into the round's U (phase 3), and own what spans processes: the
     procs.guard_signals(install) -> restore
     procs.aggregator_state(), procs.load_aggregator_state(state), procs.find_checkpoint(dir, device)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,22 +71,23 @@ __all__ = ["ClientExecutor", "OneProcess", "SequentialExecutor", "client_failed"
 class ClientExecutor(Protocol):
     """What the round loop asks of an executor (module docstring)."""
 
-    def train_local(self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any],
-                    factor: float) -> Dict[str, Any]: ...
+    def train_local(
+        self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any], factor: float
+    ) -> Dict[str, Any]: ...
 
     def close(self) -> None: ...
 
 
-def client_failed(policy: str, r: int, pos: int, cid: int, reason: str, bad_client: bool, exc: BaseException,
-                  excluded: List[Any]) -> Optional[Tuple[int, str, BaseException]]:
+def client_failed(
+    policy: str, r: int, pos: int, cid: int, reason: str, bad_client: bool, exc: BaseException, excluded: List[Any]
+) -> Optional[Tuple[int, str, BaseException]]:
     """The bad-client policy (``"exclude"`` | ``"raise"``) for client ``cid`` (position ``pos``) whose
     training failed with ``reason`` (:func:`~fedkernels.sim.client.client_error`): None when it is
     excluded (logged, ``(pos, record)`` appended to ``excluded``), else the round's ``error`` entry
     ``(pos, message, exception)``: the client's exception under "raise", a RunError for a failure
     that is not a bad client (under either policy)."""
     if not bad_client:
-        msg = (f"round {r + 1}, client {cid}: {reason} (a failure of the run, not a bad client update; "
-               "the run stops)")
+        msg = f"round {r + 1}, client {cid}: {reason} (a failure of the run, not a bad client update; the run stops)"
         err = RunError(msg)
         err.__cause__ = exc
         return pos, msg, err
@@ -103,8 +105,10 @@ def nothing_trained(r: int, ids: Sequence[int], excluded: List[Dict[str, Any]]) 
         why[str(e.get("reason"))] = why.get(str(e.get("reason")), 0) + 1
     top = "; ".join(f"{k} ({v} client{'s' if v > 1 else ''})" for k, v in list(why.items())[:2])
     more = f"; {len(why) - 2} other reason(s)" if len(why) > 2 else ""
-    return RunError(f"round {r + 1}: every client was excluded ({len(excluded)} of {len(ids)}: {top}{more}); "
-                    "nothing was trained, the run stops")
+    return RunError(
+        f"round {r + 1}: every client was excluded ({len(excluded)} of {len(ids)}: {top}{more}); "
+        "nothing was trained, the run stops"
+    )
 
 
 class SequentialExecutor:
@@ -113,17 +117,24 @@ class SequentialExecutor:
     def __init__(self, local: LocalTraining) -> None:
         self.local = local
 
-    def train_local(self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any],
-                    factor: float) -> Dict[str, Any]:
+    def train_local(
+        self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any], factor: float
+    ) -> Dict[str, Any]:
         from tqdm.auto import tqdm
+
         local = self.local
         local.sync()
         t0 = time.perf_counter()
         accepted: List[Dict[str, Any]] = []
         excluded: List[Any] = []
         error = None
-        for pos in tqdm(positions, desc=f"round {r + 1} clients{local.tag}", leave=False,
-                        disable=not local.progress, dynamic_ncols=True):
+        for pos in tqdm(
+            positions,
+            desc=f"round {r + 1} clients{local.tag}",
+            leave=False,
+            disable=not local.progress,
+            dynamic_ncols=True,
+        ):
             cid = ids[pos]
             base_lr, epochs = local.hetero.get(cid, r)
             try:
@@ -133,8 +144,16 @@ class SequentialExecutor:
                 if error is not None:
                     break
                 continue
-            accepted.append({"pos": pos, "cid": int(cid), "n": float(res.num_examples), "payload": res.payload,
-                             "loss": res.train_loss, "steps": res.steps})
+            accepted.append(
+                {
+                    "pos": pos,
+                    "cid": int(cid),
+                    "n": float(res.num_examples),
+                    "payload": res.payload,
+                    "loss": res.train_loss,
+                    "steps": res.steps,
+                }
+            )
         local.sync()
         return {"accepted": accepted, "excluded": excluded, "error": error, "t_local": time.perf_counter() - t0}
 
@@ -147,10 +166,10 @@ class OneProcess:
     of the round into its rows of ``local.buf`` in schedule order, so the exchange moves nothing."""
 
     rank, world, is_main, tag = 0, 1, True, ""
-    saves_alone = True         # a checkpoint needs no other process (a signal may reach one rank only)
-    screens_rows = False       # True: each trained row is screened as it is written, whatever the policy
+    saves_alone = True  # a checkpoint needs no other process (a signal may reach one rank only)
+    screens_rows = False  # True: each trained row is screened as it is written, whatever the policy
     aggregate_kwargs: Dict[str, Any] = {}
-    state_extra: Dict[str, Any] = {}   # added to a checkpoint's state
+    state_extra: Dict[str, Any] = {}  # added to a checkpoint's state
 
     def attach(self, agg, local: LocalTraining, rounds_done: Callable[[], int]) -> None:
         self.agg, self.buf = agg, local.buf
@@ -177,8 +196,14 @@ class OneProcess:
                 raise exc
             raise BadClientError(msg) from exc
         acc = local["accepted"]
-        return {"U": self.buf.matrix(), "accepted": acc, "payloads": [a["payload"] for a in acc],
-                "excluded": [e for _, e in local["excluded"]], "t_local": local["t_local"], "t_exchange": 0.0}
+        return {
+            "U": self.buf.matrix(),
+            "accepted": acc,
+            "payloads": [a["payload"] for a in acc],
+            "excluded": [e for _, e in local["excluded"]],
+            "t_local": local["t_local"],
+            "t_exchange": 0.0,
+        }
 
     def stop_agreed(self, signal: Optional[int]) -> bool:
         return signal is not None

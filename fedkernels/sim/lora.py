@@ -21,6 +21,7 @@ flat vector the clients train, send and the server aggregates holds only the tra
   what the clients sent (each client's adapters at its rank, or the codec's bytes);
 - its checkpoint state (fold: the base weights it changed) and its provenance (``describe``).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,9 @@ def config_errors(cfg: Any) -> List[str]:
     """The section's checks that need no model, as RunConfig.validate's lines."""
     c = cfg.lora
     if c.mode is None:
-        changed = [k for k, v in (("ranks", c.ranks), ("target_modules", c.target_modules), ("base", c.base))
-                   if v is not None]
+        changed = [
+            k for k, v in (("ranks", c.ranks), ("target_modules", c.target_modules), ("base", c.base)) if v is not None
+        ]
         return [f"lora.{changed[0]} is set but lora.mode is null: set lora.mode=naive|exact|fold"] if changed else []
     if c.mode not in MODES:
         return [f"lora.mode must be {'|'.join(MODES)} (or null: off), got {c.mode!r}"]
@@ -73,28 +75,38 @@ def config_errors(cfg: Any) -> List[str]:
             if bad:
                 errs.append(f"lora.ranks must hold integers in [1, lora.r={c.r}] (the server's rank), got {bad[0]!r}")
     if c.target_modules is not None and (len(c.target_modules) == 0 or any(not t for t in c.target_modules)):
-        errs.append(f"lora.target_modules must be a non-empty list of layer names (or null: every Linear and "
-                    f"Conv layer), got {c.target_modules!r}")
+        errs.append(
+            f"lora.target_modules must be a non-empty list of layer names (or null: every Linear and "
+            f"Conv layer), got {c.target_modules!r}"
+        )
     hetero = bool(c.ranks) and any(x != c.r for x in c.ranks)
     if not _own_path(cfg) and (c.mode != "naive" or hetero):
         what = "dp.kind" if cfg.dp.kind is not None else "algorithm"
-        errs.append(f"lora.mode={c.mode}{' with lora.ranks' if hetero else ''} aggregates the adapters itself (a "
-                    f"weighted average of the clients' factors): it needs algorithm.name=fedavg with no option but "
-                    f"weighting and no dp, got {what} {cfg.dp.kind if what == 'dp.kind' else cfg.algorithm.name!r}"
-                    f"{'' if what == 'dp.kind' or cfg.algorithm.name != 'fedavg' else ' with options'}; "
-                    "lora.mode=naive with equal ranks runs any method")
+        errs.append(
+            f"lora.mode={c.mode}{' with lora.ranks' if hetero else ''} aggregates the adapters itself (a "
+            f"weighted average of the clients' factors): it needs algorithm.name=fedavg with no option but "
+            f"weighting and no dp, got {what} {cfg.dp.kind if what == 'dp.kind' else cfg.algorithm.name!r}"
+            f"{'' if what == 'dp.kind' or cfg.algorithm.name != 'fedavg' else ' with options'}; "
+            "lora.mode=naive with equal ranks runs any method"
+        )
     if cfg.distributed:
         errs.append("lora.mode with distributed=true is not supported (ranks exchange dense column slices)")
     if cfg.workers > 1 and (c.mode == "fold" or hetero):
-        errs.append(f"lora.{'mode=fold' if c.mode == 'fold' else 'ranks'} with workers={cfg.workers} is not supported "
-                    "(the workers' models would not see the server's base weights / per-client ranks): use workers=1")
+        errs.append(
+            f"lora.{'mode=fold' if c.mode == 'fold' else 'ranks'} with workers={cfg.workers} is not supported "
+            "(the workers' models would not see the server's base weights / per-client ranks): use workers=1"
+        )
     ca = cfg.clients_at_once
     if isinstance(ca, int) and not isinstance(ca, bool):
-        errs.append(f"lora.mode with clients_at_once={ca} is not supported (the batched executor trains every "
-                    "parameter): use clients_at_once=off")
+        errs.append(
+            f"lora.mode with clients_at_once={ca} is not supported (the batched executor trains every "
+            "parameter): use clients_at_once=off"
+        )
     if hetero and cfg.compress.kind not in (None, "none"):
-        errs.append(f"lora.ranks with compress.kind={cfg.compress.kind} is not supported (a client's row would be "
-                    "compressed at the server's rank, not at its own)")
+        errs.append(
+            f"lora.ranks with compress.kind={cfg.compress.kind} is not supported (a client's row would be "
+            "compressed at the server's rank, not at its own)"
+        )
     if not errs:
         missing = _peft_missing()
         if missing:
@@ -139,18 +151,26 @@ def wrap(cfg: Any, model: nn.Module) -> nn.Module:
     if c.mode is None or _is_peft(model):
         return model
     import peft
+
     if c.base is not None:
         _load_base(model, c.base)
     layers = _layer_names(model)
     targets = list(c.target_modules) if c.target_modules is not None else layers
     for t in targets:
         if not any(n == t or n.endswith("." + t) for n in layers):
-            raise ValueError(f"lora.target_modules: the model {cfg.model.name!r} has no Linear or Conv layer named "
-                             f"{t!r} (its layers: {', '.join(layers) or 'none'})")
+            raise ValueError(
+                f"lora.target_modules: the model {cfg.model.name!r} has no Linear or Conv layer named "
+                f"{t!r} (its layers: {', '.join(layers) or 'none'})"
+            )
     if not targets:
         raise ValueError(f"lora.mode={c.mode}: the model {cfg.model.name!r} has no Linear or Conv layer to adapt")
-    conf = peft.LoraConfig(r=int(c.r), lora_alpha=float(c.alpha), target_modules=targets,
-                           lora_dropout=float(c.dropout), use_rslora=bool(c.rslora))
+    conf = peft.LoraConfig(
+        r=int(c.r),
+        lora_alpha=float(c.alpha),
+        target_modules=targets,
+        lora_dropout=float(c.dropout),
+        use_rslora=bool(c.rslora),
+    )
     return peft.get_peft_model(model, conf)
 
 
@@ -164,14 +184,16 @@ class LoraRun:
     def __init__(self, cfg: Any, model: nn.Module):
         c = cfg.lora
         self.cfg, self.mode = cfg, c.mode
-        if cfg.clients_at_once == "auto":        # the batched executor trains every parameter: one at a time
+        if cfg.clients_at_once == "auto":  # the batched executor trains every parameter: one at a time
             cfg.clients_at_once = "off"
-        adapters = LoraSpec.from_model(model)     # "the model has no LoRA layers": one line
+        adapters = LoraSpec.from_model(model)  # "the model has no LoRA layers": one line
         bad = [l for l in adapters.layers if l.rank != c.r]
         if bad:
-            raise ValueError(f"lora.r={c.r} but the model's LoRA layer {bad[0].name!r} has rank {bad[0].rank} "
-                             f"(the server's rank and the model's must match)")
-        flat = FlatSpec.from_module(model, trainable_only=True)   # adapters (+ other trainable tensors, buffers)
+            raise ValueError(
+                f"lora.r={c.r} but the model's LoRA layer {bad[0].name!r} has rank {bad[0].rank} "
+                f"(the server's rank and the model's must match)"
+            )
+        flat = FlatSpec.from_module(model, trainable_only=True)  # adapters (+ other trainable tensors, buffers)
         pos = {e.name: e for e in flat.entries}
         layers = []
         for l, (ea, eb) in zip(adapters.layers, zip(adapters.flat.entries[0::2], adapters.flat.entries[1::2])):
@@ -183,8 +205,9 @@ class LoraRun:
         self.flat: FlatSpec = flat
         self.num_clients = int(cfg.num_clients)
         R = int(c.r)
-        self.client_ranks = ([int(c.ranks[i % len(c.ranks)]) for i in range(self.num_clients)]
-                             if c.ranks is not None else None)
+        self.client_ranks = (
+            [int(c.ranks[i % len(c.ranks)]) for i in range(self.num_clients)] if c.ranks is not None else None
+        )
         self.hetero = self.client_ranks is not None and any(r != R for r in self.client_ranks)
         self.own = _own_path(cfg)
         weighting = cfg.algorithm.options.get("weighting", "samples")
@@ -231,15 +254,25 @@ class LoraRun:
         return (self.flat.d - self.lora_numel + self.lora_numel * r // R) * self.elt
 
     # ---- the server ---------------------------------------------------------------------------------------
-    def aggregate(self, agg: Any, global_flat: torch.Tensor, model: nn.Module, codec: Any, U: torch.Tensor,
-                  n: Sequence[float], ids: Sequence[int], payloads: Any, r: int,
-                  **kw: Any) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    def aggregate(
+        self,
+        agg: Any,
+        global_flat: torch.Tensor,
+        model: nn.Module,
+        codec: Any,
+        U: torch.Tensor,
+        n: Sequence[float],
+        ids: Sequence[int],
+        payloads: Any,
+        r: int,
+        **kw: Any,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """The round's new global adapters and its info (``bytes_sent``, the mode's distances, exclusions):
         ``agg`` the run's method, ``model`` the peft model (fold writes its base weights), ``codec`` the
         run's compression (sim/compression.py) or None."""
         K = len(ids)
         dense = K * self.flat.d * self.elt
-        if not self.own:           # the method's own round on the adapter rows (naive, equal ranks)
+        if not self.own:  # the method's own round on the adapter rows (naive, equal ranks)
             if codec is not None:
                 new, info = codec.aggregate(agg, global_flat, U, n, ids, payloads, r)
             else:
@@ -249,7 +282,7 @@ class LoraRun:
         G = global_flat
         rows = U[:K]
         info: Dict[str, Any] = {}
-        if codec is not None:      # each row as its client sent it, decoded: the factors are needed
+        if codec is not None:  # each row as its client sent it, decoded: the factors are needed
             enc = codec.codec.encode_rows(rows, ids, r)
             info.update(codec=codec.codec.describe(), bytes_sent=int(sum(enc.nbytes())))
             rows = enc.dense().to(G.dtype)
@@ -258,24 +291,31 @@ class LoraRun:
         info["bytes_dense"] = dense
         ok = ops.finite_rows(rows).cpu()
         keep = [i for i in range(K) if bool(ok[i])]
-        excluded = [{"client_id": int(ids[i]), "reason": "update contains NaN/Inf"} for i in range(K) if not bool(ok[i])]
+        excluded = [
+            {"client_id": int(ids[i]), "reason": "update contains NaN/Inf"} for i in range(K) if not bool(ok[i])
+        ]
         if not keep:
             info["excluded"] = excluded
             return G, info
         if excluded:
             rows = rows[keep]
-        X = rows + G                               # the clients' adapters (a lower rank: its padded factors)
+        X = rows + G  # the clients' adapters (a lower rank: its padded factors)
         nk = [float(n[i]) for i in keep]
         ranks = [self.rank_of(int(ids[i])) for i in keep] if self.client_ranks is not None else None
         res = self.agg.aggregate(X, num_examples=nk, client_ranks=ranks, global_adapter=G)
-        if res.residuals:                          # fold: the residual into the frozen base weights
+        if res.residuals:  # fold: the residual into the frozen base weights
             self.spec.fold_(model, res.residuals)
         li = res.info
-        info.update(lora_mode=self.mode, weights=li["weights"], client_ranks=ranks,
-                    error_to_true_average=li["error_to_true_average"],
-                    naive_error_to_true_average=li["naive_error_to_true_average"],
-                    relative_error=li["relative_error"], naive_relative_error=li["naive_relative_error"],
-                    true_update_norm=li["true_norm"])
+        info.update(
+            lora_mode=self.mode,
+            weights=li["weights"],
+            client_ranks=ranks,
+            error_to_true_average=li["error_to_true_average"],
+            naive_error_to_true_average=li["naive_error_to_true_average"],
+            relative_error=li["relative_error"],
+            naive_relative_error=li["naive_relative_error"],
+            true_update_norm=li["true_norm"],
+        )
         if excluded:
             info["excluded"] = excluded
         return res.adapter.to(G.dtype), info
@@ -283,6 +323,7 @@ class LoraRun:
     # ---- state and provenance --------------------------------------------------------------------------------
     def _bases(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         from ..lora import _lora_layers
+
         _, found = _lora_layers(model, self.spec.adapter, "lora")
         return {f.name: f.base for f in found}
 
@@ -305,12 +346,17 @@ class LoraRun:
     def describe(self) -> Dict[str, Any]:
         c = self.cfg.lora
         out: Dict[str, Any] = {
-            "mode": c.mode, "r": int(c.r), "alpha": float(c.alpha), "rslora": bool(c.rslora),
-            "scaling": self.scaling, "layers": {l.name: {"rank": l.rank, "fan_in": l.fan_in, "fan_out": l.fan_out}
-                                                      for l in self.spec.layers},
-            "d_trainable": self.flat.d, "d_adapters": self.lora_numel,
+            "mode": c.mode,
+            "r": int(c.r),
+            "alpha": float(c.alpha),
+            "rslora": bool(c.rslora),
+            "scaling": self.scaling,
+            "layers": {l.name: {"rank": l.rank, "fan_in": l.fan_in, "fan_out": l.fan_out} for l in self.spec.layers},
+            "d_trainable": self.flat.d,
+            "d_adapters": self.lora_numel,
             "aggregation": "fedkernels.lora.LoraAggregator" if self.own else f"the method ({self.cfg.algorithm.name})",
-            "base": c.base}
+            "base": c.base,
+        }
         if self.client_ranks is not None:
             out["client_ranks"] = self.client_ranks
         return out

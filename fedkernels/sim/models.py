@@ -46,6 +46,7 @@ default: as the class builds it), "torch" (PyTorch's layer defaults), "kaiming" 
 fan_in weights and zero biases, as in the GC-Fed code). The registry entries for GC-Fed's models
 (mlp_gcfed, digit_mlp, digit_cnn) default to "kaiming"; use ``init="kaiming"`` for GC-Fed's CNN.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence
@@ -54,9 +55,24 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-__all__ = ["MODELS", "build_model", "count_params", "register_model", "MLP", "LogReg",
-           "FedAvgCNN", "ToyCifarNet", "LeNet5", "LeNetKeras", "SmallCNN", "DigitCNN",
-           "DigitCNNPGVC", "VGG11Cifar", "VGG11", "ResNetGN"]
+__all__ = [
+    "MODELS",
+    "build_model",
+    "count_params",
+    "register_model",
+    "MLP",
+    "LogReg",
+    "FedAvgCNN",
+    "ToyCifarNet",
+    "LeNet5",
+    "LeNetKeras",
+    "SmallCNN",
+    "DigitCNN",
+    "DigitCNNPGVC",
+    "VGG11Cifar",
+    "VGG11",
+    "ResNetGN",
+]
 
 
 def count_params(model: nn.Module, trainable_only: bool = False) -> int:
@@ -160,8 +176,14 @@ class FedAvgCNN(nn.Module):
 
     keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2")
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28,
-                 widths: tuple = (32, 64, 512), name: str = "fedavg_cnn"):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        input_size: int = 28,
+        widths: tuple = (32, 64, 512),
+        name: str = "fedavg_cnn",
+    ):
         super().__init__()
         _check_size(name, input_size, 4)
         c1, c2, hidden = widths
@@ -214,7 +236,7 @@ class LeNet5(nn.Module):
     (flatten 400): 69,656 params, the FedPGVC code's "5-layer CNN (Duan et al. 2023)".
     """
 
-    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2", "fc3")   # create_cnn_model
+    keras_layers = ("conv1", "pool", "conv2", "pool", "flatten", "fc1", "fc2", "fc3")  # create_cnn_model
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
         super().__init__()
@@ -241,7 +263,7 @@ class LeNetKeras(nn.Module):
     164,116 params on 28x28 (the last two layers hold 162,214).
     """
 
-    keras_layers = ("conv1", "pool", "conv2", "pool", "dense1", "flatten", "fc1", "fc2")   # build_lenet
+    keras_layers = ("conv1", "pool", "conv2", "pool", "dense1", "flatten", "fc1", "fc2")  # build_lenet
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, input_size: int = 28):
         super().__init__()
@@ -342,16 +364,20 @@ class VGG11Cifar(nn.Module):
     default.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, input_size: int = 32,
-                 dropout: float = 0.0):
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, input_size: int = 32, dropout: float = 0.0):
         super().__init__()
         _check_size("vgg11_cifar", input_size, 32)
         self.features = _vgg_features(in_channels)
         side = input_size // 32
         self.classifier = nn.Sequential(
-            nn.Dropout(dropout), nn.Linear(512 * side * side, 512), nn.ReLU(inplace=True),
-            nn.Dropout(dropout), nn.Linear(512, 512), nn.ReLU(inplace=True),
-            nn.Linear(512, num_classes))
+            nn.Dropout(dropout),
+            nn.Linear(512 * side * side, 512),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(512, 512),
+            nn.ReLU(inplace=True),
+            nn.Linear(512, num_classes),
+        )
         self.reset_spec_init()
 
     def reset_spec_init(self):
@@ -370,16 +396,20 @@ class VGG11(nn.Module):
     25088-4096-4096-C with dropout 0.5. 129,176,036 params for CIFAR-100. torchvision's init:
     Kaiming-normal(fan_out) convs, N(0, 0.01) linears, zero biases."""
 
-    def __init__(self, num_classes: int = 1000, in_channels: int = 3, input_size: int = 32,
-                 dropout: float = 0.5):
+    def __init__(self, num_classes: int = 1000, in_channels: int = 3, input_size: int = 32, dropout: float = 0.5):
         super().__init__()
         _check_size("vgg11", input_size, 32)
         self.features = _vgg_features(in_channels)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
-            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(dropout),
-            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(dropout),
-            nn.Linear(4096, num_classes))
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, num_classes),
+        )
         self.reset_spec_init()
 
     def reset_spec_init(self):
@@ -411,8 +441,9 @@ class BasicBlock(nn.Module):
         self.bn2 = _norm(norm, cout, groups)
         self.downsample = None
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
-                                            _norm(norm, cout, groups))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), _norm(norm, cout, groups)
+            )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -432,9 +463,16 @@ class ResNetGN(nn.Module):
     width (64, the papers'; the stages are width x 1/2/4/8), smaller for CPU stand-ins and tests.
     """
 
-    def __init__(self, blocks: Sequence[int] = (2, 2, 2, 2), num_classes: int = 100,
-                 in_channels: int = 3, input_size: int = 32, norm: str = "gn", groups: int = 32,
-                 width: int = 64):
+    def __init__(
+        self,
+        blocks: Sequence[int] = (2, 2, 2, 2),
+        num_classes: int = 100,
+        in_channels: int = 3,
+        input_size: int = 32,
+        norm: str = "gn",
+        groups: int = 32,
+        width: int = 64,
+    ):
         super().__init__()
         _check_size("resnet", input_size, 8)
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -481,6 +519,7 @@ def register_model(name: str):
             raise ValueError(f"model {name!r} already registered")
         MODELS[name] = fn
         return fn
+
     return deco
 
 
@@ -491,31 +530,35 @@ def _features(in_channels: int, input_size: int, flat_features: Optional[int]) -
 
 
 def _mlp_builder(default_hidden, default_init):
-    def build(num_classes, in_channels=1, input_size=28, *, hidden=None, in_features=None,
-              init=None):
-        m = MLP(_features(in_channels, input_size, in_features), num_classes,
-                default_hidden if hidden is None else hidden)
+    def build(num_classes, in_channels=1, input_size=28, *, hidden=None, in_features=None, init=None):
+        m = MLP(
+            _features(in_channels, input_size, in_features), num_classes, default_hidden if hidden is None else hidden
+        )
         return _apply_init(m, init, default_init)
+
     return build
 
 
-register_model("mlp")(_mlp_builder((200, 200), "model"))          # fedaware MLP(784, 200, 200, 10)
+register_model("mlp")(_mlp_builder((200, 200), "model"))  # fedaware MLP(784, 200, 200, 10)
 register_model("mlp_gcfed")(_mlp_builder((512, 256), "kaiming"))  # gcfed EMNIST MLP
-register_model("digit_mlp")(_mlp_builder((128, 64), "kaiming"))   # gcfed DigitMLP
-register_model("mlp_pgvc")(_mlp_builder((64, 32), "model"))       # fedpgvc digits MLP
-register_model("mlp_digits")(_mlp_builder((128,), "model"))       # kuramoto KR-2 / fedaware FR-2
+register_model("digit_mlp")(_mlp_builder((128, 64), "kaiming"))  # gcfed DigitMLP
+register_model("mlp_pgvc")(_mlp_builder((64, 32), "model"))  # fedpgvc digits MLP
+register_model("mlp_digits")(_mlp_builder((128,), "model"))  # kuramoto KR-2 / fedaware FR-2
 
 
 @register_model("logreg")
 def _logreg(num_classes, in_channels=1, input_size=28, *, in_features=None, init=None):
-    return _apply_init(LogReg(_features(in_channels, input_size, in_features), num_classes),
-                       init, "model")
+    return _apply_init(LogReg(_features(in_channels, input_size, in_features), num_classes), init, "model")
 
 
 def _simple(cls, default_init, **fixed):
     def build(num_classes, in_channels=1, input_size=28, *, init=None, **kw):
-        return _apply_init(cls(num_classes=num_classes, in_channels=in_channels,
-                               input_size=input_size, **fixed, **kw), init, default_init)
+        return _apply_init(
+            cls(num_classes=num_classes, in_channels=in_channels, input_size=input_size, **fixed, **kw),
+            init,
+            default_init,
+        )
+
     return build
 
 
@@ -533,14 +576,20 @@ register_model("resnet18_gn")(_simple(ResNetGN, "model", blocks=(2, 2, 2, 2)))
 register_model("resnet34_gn")(_simple(ResNetGN, "model", blocks=(3, 4, 6, 3)))
 
 _MODEL_ALIASES = {
-    "cnn_mnist": "fedavg_cnn", "cnn_cifar": "fedavg_cnn", "fedavgnetmnist": "fedavg_cnn",
-    "cnn5_cifar": "lenet5", "lenet": "lenet5", "resnet18": "resnet18_gn", "resnet34": "resnet34_gn",
-    "vgg11_tv": "vgg11", "mlp_emnist": "mlp_gcfed", "logistic": "logreg",
+    "cnn_mnist": "fedavg_cnn",
+    "cnn_cifar": "fedavg_cnn",
+    "fedavgnetmnist": "fedavg_cnn",
+    "cnn5_cifar": "lenet5",
+    "lenet": "lenet5",
+    "resnet18": "resnet18_gn",
+    "resnet34": "resnet34_gn",
+    "vgg11_tv": "vgg11",
+    "mlp_emnist": "mlp_gcfed",
+    "logistic": "logreg",
 }
 
 
-def build_model(name: str, num_classes: int, in_channels: int = 1, input_size: int = 28,
-                **kw) -> nn.Module:
+def build_model(name: str, num_classes: int, in_channels: int = 1, input_size: int = 28, **kw) -> nn.Module:
     """Builds the registered model ``name`` for ``num_classes`` outputs and inputs of shape
     [in_channels, input_size, input_size] (MLP / logreg: ``in_features=F`` for [N, F] rows).
 

@@ -15,11 +15,13 @@ Numbers written as ``1e-3`` on the command line reach us as text (YAML 1.1 reads
 a float parameter accepts such text when ``float()`` parses it, and :func:`normalize_options`
 returns the options with that text converted.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import algorithms
+
 # the signature reading and the type checks live with the algorithms (fedkernels.algorithms.signature);
 # this module adds the config's vocabulary and keys. _hints is re-exported for sim.checks.
 from ..algorithms.signature import _hints  # noqa: F401
@@ -38,6 +40,7 @@ def _describe(ann) -> str:
 def _registry() -> Dict[str, type]:
     # the registry has no public class lookup (algorithms.build constructs); read it here only
     from ..algorithms import base
+
     return base._REGISTRY
 
 
@@ -52,8 +55,9 @@ def algorithm_class(name: Any, where: str = "algorithm.name") -> type:
         raise ValueError(f"{where}={name!r}: expected an algorithm name (known: {', '.join(sorted(reg))})")
     key = name.lower()
     if key not in reg:
-        raise ValueError(f"{where}={name!r}: unknown algorithm; {_suggest(key, reg, _INLINE)}"
-                         f"known: {', '.join(sorted(reg))}")
+        raise ValueError(
+            f"{where}={name!r}: unknown algorithm; {_suggest(key, reg, _INLINE)}known: {', '.join(sorted(reg))}"
+        )
     return reg[key]
 
 
@@ -79,11 +83,13 @@ def _check_options(name: str, cls: type, options: Mapping[str, Any], where: str)
         return
     if not isinstance(options, Mapping):
         raise ValueError(f"{_key(where)}={options!r}: expected a mapping of option names to values")
-    params = {**signature_params(cls), **wrapper_options()}     # a method's options, and the wrappers' (norm_bound)
+    params = {**signature_params(cls), **wrapper_options()}  # a method's options, and the wrappers' (norm_bound)
     for key, val in options.items():
         if key not in params:
-            raise ValueError(f"{_key(where, key)}={_fmt_value(val)}: unknown option of {name}; "
-                             f"{_suggest(key, params, _INLINE)}options: {', '.join(params)}")
+            raise ValueError(
+                f"{_key(where, key)}={_fmt_value(val)}: unknown option of {name}; "
+                f"{_suggest(key, params, _INLINE)}options: {', '.join(params)}"
+            )
         ann, default = params[key]
         exp = _expected(ann, default)
         if default is None and exp is not None and val is None:
@@ -101,10 +107,9 @@ def normalize_options(name: str, options: Optional[Mapping[str, Any]]) -> Dict[s
     return {k: normalize_value(v, _expected(*params[k])) if k in params else v for k, v in (options or {}).items()}
 
 
-
-
-def check_algorithm(name: str, options: Optional[Mapping[str, Any]] = None, where: str = "algorithm",
-                    construct: bool = True) -> None:
+def check_algorithm(
+    name: str, options: Optional[Mapping[str, Any]] = None, where: str = "algorithm", construct: bool = True
+) -> None:
     """Validates an algorithm name against the registry and ``options`` against its constructor.
 
     ``where`` prefixes the key in the message (``algorithm.options.kappa0=...``; ``compare`` passes
@@ -118,9 +123,9 @@ def check_algorithm(name: str, options: Optional[Mapping[str, Any]] = None, wher
     try:
         algorithms.build(name, **normalize_options(name, opts))
     except (ValueError, TypeError) as e:
-        msg = " ".join(str(e).split())      # one line
+        msg = " ".join(str(e).split())  # one line
         if msg.lower().startswith(name.lower() + ":"):
-            msg = msg[len(name) + 1:].lstrip()
+            msg = msg[len(name) + 1 :].lstrip()
         raise ValueError(f"{_key(where)} ({name}): {msg}") from None
 
 
@@ -128,6 +133,7 @@ def check_method(spec: str, known: Optional[Mapping[str, Dict[str, Any]]] = None
     """A ``compare``/``run`` method: a preset variant label, an algorithm name or
     ``algo:key=value:...`` -> ``(label, {"name", "options"})``, validated (ValueError naming it)."""
     from . import presets
+
     known = dict(known or {})
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method {spec!r}: expected a preset method label, an algorithm name or algo:key=value")
@@ -140,7 +146,9 @@ def check_method(spec: str, known: Optional[Mapping[str, Dict[str, Any]]] = None
         pool: List[str] = sorted(set(known) | set(_registry()))
         hint = _suggest(base, pool, _INLINE)
         lab = f"preset methods: {', '.join(known)}; " if known else ""
-        raise ValueError(f"method {spec!r}: not a preset method or registered algorithm; {hint}"
-                         f"{lab}algorithms: {', '.join(sorted(_registry()))}")
+        raise ValueError(
+            f"method {spec!r}: not a preset method or registered algorithm; {hint}"
+            f"{lab}algorithms: {', '.join(sorted(_registry()))}"
+        )
     check_algorithm(var["name"], var.get("options") or {}, where=f"method {label!r}")
     return label, var

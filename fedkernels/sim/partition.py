@@ -39,6 +39,7 @@ largest minimum, and tops up every client below ``min_size`` with samples moved 
 clients (as far as N allows; GC-Fed's "move one sample from the largest client into each empty one"
 is ``min_size=1``). It always terminates after at most ``max_retries`` draws.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -46,8 +47,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["partition", "SCHEMES", "label_histograms", "partition_stats", "partition_report",
-           "check_partition"]
+__all__ = ["partition", "SCHEMES", "label_histograms", "partition_stats", "partition_report", "check_partition"]
 
 SCHEMES = ("iid", "shards", "label_shards", "dirichlet", "natural")
 
@@ -89,7 +89,7 @@ def _shards(y, K, rng, shards_per_client):
     order = perm[np.argsort(y[perm], kind="stable")]
     shards = np.array_split(order, n_shards)
     deal = rng.permutation(n_shards)
-    return [np.concatenate([shards[j] for j in deal[k * s:(k + 1) * s]]) for k in range(K)]
+    return [np.concatenate([shards[j] for j in deal[k * s : (k + 1) * s]]) for k in range(K)]
 
 
 def _label_shards(y, K, rng, shards_per_client, num_classes):
@@ -98,8 +98,10 @@ def _label_shards(y, K, rng, shards_per_client, num_classes):
         raise ValueError(f"shards_per_client must be >= 1, got {shards_per_client}")
     C = num_classes
     if (s * K) % C != 0:
-        raise ValueError(f"label_shards needs shards_per_client * num_clients ({s}*{K}) divisible "
-                         f"by the number of classes ({C}); use scheme='shards' otherwise")
+        raise ValueError(
+            f"label_shards needs shards_per_client * num_clients ({s}*{K}) divisible "
+            f"by the number of classes ({C}); use scheme='shards' otherwise"
+        )
     per_class = s * K // C
     pools = []
     for c in range(C):
@@ -155,8 +157,12 @@ def _top_up(parts: List[np.ndarray], min_size: int, rng) -> List[np.ndarray]:
 def _dirichlet_per_class(y, K, rng, alpha, num_classes, min_size, max_retries, balance):
     n = len(y)
     if min_size * K > n:
-        warnings.warn(f"dirichlet: min_size={min_size} x {K} clients > {n} samples is unreachable; "
-                      f"topping clients up to {n // K} samples instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"dirichlet: min_size={min_size} x {K} clients > {n} samples is unreachable; "
+            f"topping clients up to {n // K} samples instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         parts = _dirichlet_per_class_once(y, K, rng, alpha, num_classes, balance)
         return _top_up(parts, min_size, rng)
     best, best_min = None, -1
@@ -167,9 +173,13 @@ def _dirichlet_per_class(y, K, rng, alpha, num_classes, min_size, max_retries, b
             return parts
         if m > best_min:
             best, best_min = parts, m
-    warnings.warn(f"dirichlet: alpha={alpha} gave no draw with every client >= min_size={min_size} in "
-                  f"{max_retries} draws (best minimum {best_min}); moving samples from the largest "
-                  f"clients into the small ones", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"dirichlet: alpha={alpha} gave no draw with every client >= min_size={min_size} in "
+        f"{max_retries} draws (best minimum {best_min}); moving samples from the largest "
+        f"clients into the small ones",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     return _top_up(best, min_size, rng)
 
 
@@ -185,8 +195,12 @@ def _dirichlet_per_client(y, K, rng, alpha, num_classes, sizes, prior, min_size)
         if sizes.sum() > n:
             raise ValueError(f"sizes: sum {int(sizes.sum())} exceeds the {n} samples")
     if sizes.min() < min_size:
-        warnings.warn(f"dirichlet(per_client): client sizes are fixed and the smallest is "
-                      f"{int(sizes.min())} < min_size={min_size}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"dirichlet(per_client): client sizes are fixed and the smallest is "
+            f"{int(sizes.min())} < min_size={min_size}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     counts = np.bincount(y, minlength=num_classes).astype(np.int64)
     if prior == "empirical":
         base = counts / counts.sum()
@@ -216,7 +230,7 @@ def _dirichlet_per_client(y, K, rng, alpha, num_classes, sizes, prior, min_size)
             need -= int(draw.sum())
         idx = []
         for c in np.flatnonzero(take):
-            idx.append(np.asarray(pools[c][ptr[c]:ptr[c] + take[c]], dtype=np.int64))
+            idx.append(np.asarray(pools[c][ptr[c] : ptr[c] + take[c]], dtype=np.int64))
             ptr[c] += take[c]
         remaining -= take
         parts.append(np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64))
@@ -225,31 +239,46 @@ def _dirichlet_per_client(y, K, rng, alpha, num_classes, sizes, prior, min_size)
 
 def _natural(n, K, owners):
     if owners is None:
-        raise ValueError("scheme 'natural' needs owners (one owner id per sample, e.g. the "
-                         "dataset's meta['client_ids']); this dataset has none")
+        raise ValueError(
+            "scheme 'natural' needs owners (one owner id per sample, e.g. the "
+            "dataset's meta['client_ids']); this dataset has none"
+        )
     if hasattr(owners, "detach"):
         owners = owners.detach().cpu().numpy()
     o = np.asarray(owners)
     if o.ndim != 1 or len(o) != n:
-        raise ValueError(f"owners: expected a 1-D array of {n} owner ids (one per sample), "
-                         f"got shape {o.shape}")
+        raise ValueError(f"owners: expected a 1-D array of {n} owner ids (one per sample), got shape {o.shape}")
     if o.size and (not np.issubdtype(o.dtype, np.integer) or o.min() < 0):
         raise ValueError("owners: expected non-negative integer owner ids")
     users = int(o.max()) + 1 if o.size else 0
     if users != K:
-        raise ValueError(f"num_clients={K} but the data has {users} owners (ids 0..{users - 1}); "
-                         f"scheme 'natural' needs num_clients == the number of users")
+        raise ValueError(
+            f"num_clients={K} but the data has {users} owners (ids 0..{users - 1}); "
+            f"scheme 'natural' needs num_clients == the number of users"
+        )
     o = o.astype(np.int64, copy=False)
     order = np.argsort(o, kind="stable")
     return np.split(order, np.cumsum(np.bincount(o, minlength=K))[:-1])
 
 
 # ------------------------------------------------------------------------------------------------
-def partition(labels, num_clients: int, scheme: str = "iid", seed: int = 0, *,
-              num_classes: Optional[int] = None, shards_per_client: int = 2,
-              alpha: float = 0.5, convention: str = "per_class", min_size: int = 0,
-              max_retries: int = 1000, balance: bool = True, sizes=None,
-              prior: str = "empirical", owners=None) -> List[np.ndarray]:
+def partition(
+    labels,
+    num_clients: int,
+    scheme: str = "iid",
+    seed: int = 0,
+    *,
+    num_classes: Optional[int] = None,
+    shards_per_client: int = 2,
+    alpha: float = 0.5,
+    convention: str = "per_class",
+    min_size: int = 0,
+    max_retries: int = 1000,
+    balance: bool = True,
+    sizes=None,
+    prior: str = "empirical",
+    owners=None,
+) -> List[np.ndarray]:
     """Splits the sample indices of ``labels`` among ``num_clients`` clients.
 
     scheme: "iid" | "shards" | "label_shards" | "dirichlet" | "natural" (see the module docstring).
@@ -285,8 +314,7 @@ def partition(labels, num_clients: int, scheme: str = "iid", seed: int = 0, *,
         if not alpha > 0 or not np.isfinite(alpha):
             raise ValueError(f"alpha must be a positive finite number, got {alpha}")
         if convention == "per_class":
-            parts = _dirichlet_per_class(y, K, rng, float(alpha), C, int(min_size),
-                                         int(max_retries), bool(balance))
+            parts = _dirichlet_per_class(y, K, rng, float(alpha), C, int(min_size), int(max_retries), bool(balance))
         elif convention == "per_client":
             parts = _dirichlet_per_client(y, K, rng, float(alpha), C, sizes, prior, int(min_size))
         else:
@@ -307,8 +335,7 @@ def check_partition(parts: Sequence[np.ndarray], n: int, allow_drop: bool = Fals
         raise ValueError(f"partition: covers {allidx.size} of {n} samples")
 
 
-def label_histograms(labels, parts: Sequence[np.ndarray], num_classes: Optional[int] = None
-                     ) -> np.ndarray:
+def label_histograms(labels, parts: Sequence[np.ndarray], num_classes: Optional[int] = None) -> np.ndarray:
     """[K, C] int64 matrix: row k counts client k's samples per class."""
     y = _labels_np(labels)
     C = int(num_classes) if num_classes is not None else int(y.max()) + 1
@@ -329,36 +356,40 @@ def partition_stats(labels, parts: Sequence[np.ndarray], num_classes: Optional[i
     tv = 0.5 * np.abs(local - glob[None, :]).sum(1)  # total variation to the global label mix
     ncls = (H > 0).sum(1)
     return {
-        "num_clients": int(len(parts)), "num_samples": int(sizes.sum()),
-        "size_min": int(sizes.min()), "size_median": float(np.median(sizes)),
-        "size_max": int(sizes.max()), "size_mean": float(sizes.mean()),
+        "num_clients": int(len(parts)),
+        "num_samples": int(sizes.sum()),
+        "size_min": int(sizes.min()),
+        "size_median": float(np.median(sizes)),
+        "size_max": int(sizes.max()),
+        "size_mean": float(sizes.mean()),
         "empty_clients": int((sizes == 0).sum()),
-        "classes_per_client_mean": float(ncls.mean()), "classes_per_client_min": int(ncls.min()),
+        "classes_per_client_mean": float(ncls.mean()),
+        "classes_per_client_min": int(ncls.min()),
         "classes_per_client_max": int(ncls.max()),
         "label_tv_mean": float(tv[sizes > 0].mean()) if (sizes > 0).any() else 0.0,
     }
 
 
-def partition_report(labels, parts: Sequence[np.ndarray], num_classes: Optional[int] = None,
-                     max_rows: int = 20) -> str:
+def partition_report(labels, parts: Sequence[np.ndarray], num_classes: Optional[int] = None, max_rows: int = 20) -> str:
     """A text table: per-client size, distinct classes and label histogram, then a summary."""
     H = label_histograms(labels, parts, num_classes)
     st = partition_stats(labels, parts, num_classes)
     K, C = H.shape
     w = max(4, len(str(int(H.max()) if H.size else 0)) + 1)
     lines = [f"client {'size':>7} {'#cls':>4} | " + "".join(f"{c:>{w}}" for c in range(C))]
-    rows = range(K) if K <= max_rows else list(range(max_rows // 2)) + [-1] + list(
-        range(K - max_rows // 2, K))
+    rows = range(K) if K <= max_rows else list(range(max_rows // 2)) + [-1] + list(range(K - max_rows // 2, K))
     for k in rows:
         if k == -1:
             lines.append(f"{'...':>6}")
             continue
-        lines.append(f"{k:>6} {int(H[k].sum()):>7} {int((H[k] > 0).sum()):>4} | "
-                     + "".join(f"{int(v):>{w}}" for v in H[k]))
+        lines.append(
+            f"{k:>6} {int(H[k].sum()):>7} {int((H[k] > 0).sum()):>4} | " + "".join(f"{int(v):>{w}}" for v in H[k])
+        )
     lines.append(
         f"{st['num_clients']} clients, {st['num_samples']} samples; size min/median/max "
         f"{st['size_min']}/{st['size_median']:g}/{st['size_max']}, empty {st['empty_clients']}; "
         f"classes per client mean {st['classes_per_client_mean']:.2f} "
         f"(min {st['classes_per_client_min']}, max {st['classes_per_client_max']}); "
-        f"mean TV distance to the global label mix {st['label_tv_mean']:.3f}")
+        f"mean TV distance to the global label mix {st['label_tv_mean']:.3f}"
+    )
     return "\n".join(lines)

@@ -9,6 +9,7 @@
 Two runs on different machines, commits or thread counts can then be told apart from their
 directories alone. A simulation writes both through its :class:`Provenance` callback.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -70,6 +71,7 @@ def cpu_model() -> str:
 def gpu_names() -> List[str]:
     """Names of the visible CUDA devices (empty without CUDA)."""
     import torch
+
     try:
         if not torch.cuda.is_available():
             return []
@@ -88,6 +90,7 @@ def auto_threads(workers: int = 1) -> Tuple[int, str]:
     import torch
 
     from .workers import usable_cores
+
     cores = usable_cores()
     try:
         load = os.getloadavg()[0]
@@ -95,9 +98,11 @@ def auto_threads(workers: int = 1) -> Tuple[int, str]:
         load = None
     idle = cores if load is None else max(1, cores - int(load))
     n = max(1, min(idle, torch.get_num_threads()) // max(1, int(workers)))
-    why = (f"{n} thread(s) per process chosen for the load: {cores} usable core(s), 1-minute load "
-           f"{'unknown' if load is None else f'{load:.2f}'}, {workers} process(es), torch default "
-           f"{torch.get_num_threads()}; set threads=N to choose")
+    why = (
+        f"{n} thread(s) per process chosen for the load: {cores} usable core(s), 1-minute load "
+        f"{'unknown' if load is None else f'{load:.2f}'}, {workers} process(es), torch default "
+        f"{torch.get_num_threads()}; set threads=N to choose"
+    )
     return n, why
 
 
@@ -108,6 +113,7 @@ def collect(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     import torch
 
     import fedkernels
+
     argv = list(sys.argv if argv is None else argv)
     try:
         build = fedkernels.build_info()
@@ -130,8 +136,9 @@ def collect(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "argv": argv,
         "command": shlex.join(argv),
         "cwd": os.getcwd(),
-        "start_time": _dt.datetime.fromtimestamp(start, _dt.timezone.utc).isoformat(timespec="seconds")
-                      .replace("+00:00", "Z"),
+        "start_time": _dt.datetime.fromtimestamp(start, _dt.timezone.utc)
+        .isoformat(timespec="seconds")
+        .replace("+00:00", "Z"),
         "start_unix": start,
         "end_time": None,
         "duration_s": None,
@@ -169,8 +176,9 @@ def finish(run_dir: str, status: str = "completed", **extra: Any) -> Optional[Di
     if info is None:
         return None
     end = time.time()
-    info["end_time"] = _dt.datetime.fromtimestamp(end, _dt.timezone.utc).isoformat(timespec="seconds") \
-        .replace("+00:00", "Z")
+    info["end_time"] = (
+        _dt.datetime.fromtimestamp(end, _dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    )
     start = info.get("start_unix")
     info["duration_s"] = round(end - start, 3) if isinstance(start, (int, float)) else None
     info["status"] = str(status)
@@ -182,7 +190,7 @@ def finish(run_dir: str, status: str = "completed", **extra: Any) -> Optional[Di
 class RunLog:
     """Appends UTC-timestamped lines to ``RUN_DIR/run.log`` (line-buffered; each call one line)::
 
-        log = RunLog(run_dir); log("start: ..."); log.close()
+    log = RunLog(run_dir); log("start: ..."); log.close()
     """
 
     def __init__(self, run_dir: str, name: str = LOGNAME):
@@ -219,12 +227,13 @@ class Provenance(Callback):
     def on_start(self, run) -> None:
         if run.write_outputs and run.is_main:
             info = collect(sys.argv)
-            if run.attack is not None:      # the run's attackers (sim/attacks.py)
+            if run.attack is not None:  # the run's attackers (sim/attacks.py)
                 info["attack"] = run.attack
-            if run.lora is not None:        # the run's LoRA mode and ranks (sim/lora.py)
+            if run.lora is not None:  # the run's LoRA mode and ranks (sim/lora.py)
                 info["lora"] = run.lora
             how = run.threads_choice or (
-                "threads=N in the config" if run.cfg.threads else "torch's default (threads=null)")
+                "threads=N in the config" if run.cfg.threads else "torch's default (threads=null)"
+            )
             info["threads"] = {"per_process": info["torch_threads"], "workers": run.cfg.workers, "how": how}
             write(run.run_dir, info)
             self.log = RunLog(run.run_dir)

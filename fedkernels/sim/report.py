@@ -1,6 +1,7 @@
 """Run outputs: JSON-safe conversion, atomic writes, metrics.jsonl, summary.json/csv (round 1 timed
 apart), the figures (PNG at 200 dpi + PDF/SVG, Agg backend) and the partition report; written for a
 simulation by its :class:`RunFiles` callback."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,22 @@ import torch
 from .callbacks import Callback
 
 # Keys that vary from run to run (wall-clock), left out when runs are compared for determinism.
-TIMING_KEYS = ("t_local", "t_agg", "t_eval", "agg_share", "wall_s", "wall_s_session", "t_local_total", "t_agg_total",
-               "t_eval_total", "t_round1_s", "t_round_median_s", "t_local_median_s", "t_agg_median_s",
-               "agg_share_incl_round1")
+TIMING_KEYS = (
+    "t_local",
+    "t_agg",
+    "t_eval",
+    "agg_share",
+    "wall_s",
+    "wall_s_session",
+    "t_local_total",
+    "t_agg_total",
+    "t_eval_total",
+    "t_round1_s",
+    "t_round_median_s",
+    "t_local_median_s",
+    "t_agg_median_s",
+    "agg_share_incl_round1",
+)
 
 
 def _umask() -> int:
@@ -40,7 +54,7 @@ def atomic_path(path: str) -> Iterator[str]:
     base, ext = os.path.splitext(os.path.basename(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{base}-", suffix=f".tmp{ext}", dir=d)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())          # mkstemp makes 0600; give the file the usual mode
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
     try:
         yield tmp
         os.replace(tmp, path)
@@ -94,6 +108,7 @@ def json_safe(obj: Any, max_list: int = 4096) -> Any:
         return [json_safe(v, max_list) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):
         import dataclasses
+
         return json_safe(dataclasses.asdict(obj), max_list)
     return str(obj)
 
@@ -114,6 +129,7 @@ def timing_summary(metrics: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     (local + aggregation) summed over the later rounds (all rounds when there is only round 1),
     ``agg_share_incl_round1`` over every round, and the totals ``t_local_total``, ``t_agg_total``,
     ``t_eval_total`` over every round."""
+
     def tot(key):
         return sum(_num(m.get(key)) or 0.0 for m in metrics)
 
@@ -130,13 +146,17 @@ def timing_summary(metrics: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         return ta / (tl + ta) if tl + ta > 0 else None
 
     tl, ta = tot("t_local"), tot("t_agg")
-    return {"t_local_total": tl, "t_agg_total": ta, "t_eval_total": tot("t_eval"),
-            "t_round1_s": _round_time(first[0]) if first else None,
-            "t_round_median_s": med(later, _round_time),
-            "t_local_median_s": med(later, lambda m: _num(m.get("t_local"))),
-            "t_agg_median_s": med(later, lambda m: _num(m.get("t_agg"))),
-            "agg_share": share(later) if later else share(metrics),
-            "agg_share_incl_round1": (ta / (tl + ta)) if tl + ta > 0 else None}
+    return {
+        "t_local_total": tl,
+        "t_agg_total": ta,
+        "t_eval_total": tot("t_eval"),
+        "t_round1_s": _round_time(first[0]) if first else None,
+        "t_round_median_s": med(later, _round_time),
+        "t_local_median_s": med(later, lambda m: _num(m.get("t_local"))),
+        "t_agg_median_s": med(later, lambda m: _num(m.get("t_agg"))),
+        "agg_share": share(later) if later else share(metrics),
+        "agg_share_incl_round1": (ta / (tl + ta)) if tl + ta > 0 else None,
+    }
 
 
 def summarize(metrics: Sequence[Dict[str, Any]], rounds: int, target: Optional[float] = None) -> Dict[str, Any]:
@@ -153,13 +173,26 @@ def summarize(metrics: Sequence[Dict[str, Any]], rounds: int, target: Optional[f
 
         def tail(window):
             return float(np.mean([m["accuracy"] for m in ev if m["round"] > last - window] or acc[-1:]))
-        s.update(final_accuracy=acc[-1], final_round=ev[-1]["round"], final_test_loss=ev[-1].get("test_loss"),
-                 best_accuracy=acc[b], best_round=ev[b]["round"],
-                 mean_last_10pct_rounds=tail(max(1, int(math.ceil(0.1 * rounds)))),
-                 mean_last_10_rounds=tail(10))
+
+        s.update(
+            final_accuracy=acc[-1],
+            final_round=ev[-1]["round"],
+            final_test_loss=ev[-1].get("test_loss"),
+            best_accuracy=acc[b],
+            best_round=ev[b]["round"],
+            mean_last_10pct_rounds=tail(max(1, int(math.ceil(0.1 * rounds)))),
+            mean_last_10_rounds=tail(10),
+        )
     else:
-        s.update(final_accuracy=None, final_round=None, final_test_loss=None, best_accuracy=None,
-                 best_round=None, mean_last_10pct_rounds=None, mean_last_10_rounds=None)
+        s.update(
+            final_accuracy=None,
+            final_round=None,
+            final_test_loss=None,
+            best_accuracy=None,
+            best_round=None,
+            mean_last_10pct_rounds=None,
+            mean_last_10_rounds=None,
+        )
     s["target_accuracy"] = target
     s["rounds_to_target"] = None
     if target is not None:
@@ -168,10 +201,12 @@ def summarize(metrics: Sequence[Dict[str, Any]], rounds: int, target: Optional[f
                 s["rounds_to_target"] = m["round"]
                 break
     s.update(timing_summary(metrics))
-    s.update(excluded_total=sum(len(m.get("excluded", []) or []) for m in metrics),
-             diverged=any(m.get("diverged") for m in metrics))
+    s.update(
+        excluded_total=sum(len(m.get("excluded", []) or []) for m in metrics),
+        diverged=any(m.get("diverged") for m in metrics),
+    )
     eps = [m["epsilon"] for m in metrics if "epsilon" in m]
-    if eps:                            # a DP run: the epsilon of the released models after the last round
+    if eps:  # a DP run: the epsilon of the released models after the last round
         s["epsilon"] = eps[-1]
     return s
 
@@ -218,10 +253,17 @@ class RunWriter:
             label = label or cfg.algorithm.name
         return plot_curves({label or title or "run": metrics}, os.path.join(self.run_dir, "curves.png"), title=title)
 
-    def write_partition_report(self, labels, parts, num_classes: Optional[int] = None,
-                               plot: bool = True) -> Dict[str, Any]:
-        return write_partition_report(self.run_dir, labels, parts, num_classes, plot=plot,
-                                      title=describe_setup(self.cfg) if self.cfg is not None else "")
+    def write_partition_report(
+        self, labels, parts, num_classes: Optional[int] = None, plot: bool = True
+    ) -> Dict[str, Any]:
+        return write_partition_report(
+            self.run_dir,
+            labels,
+            parts,
+            num_classes,
+            plot=plot,
+            title=describe_setup(self.cfg) if self.cfg is not None else "",
+        )
 
 
 def check_writable_dir(path: str, what: str = "run directory") -> None:
@@ -229,6 +271,7 @@ def check_writable_dir(path: str, what: str = "run directory") -> None:
     in. ValueError (a user error: a file where a directory goes) or PermissionError / OSError(EROFS)
     (the environment), one line naming the path; nothing is created."""
     import errno
+
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.path.isdir(p):
         raise ValueError(f"{what} {path} is a file, not a directory: choose another --name/--out (or remove it)")
@@ -253,6 +296,7 @@ def check_run_dir(run_dir: str, cfg, overwrite: bool = False, remove: bool = Tru
     checkpoints are removed when ``remove``: on the main process)."""
     from .checkpoint import config_diff
     from .config import PRESENTATION_KEYS, RunConfig
+
     check_writable_dir(run_dir)
     old_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(old_path):
@@ -265,11 +309,14 @@ def check_run_dir(run_dir: str, cfg, overwrite: bool = False, remove: bool = Tru
     if not diff:
         return
     if not overwrite:
-        raise ValueError(f"run directory {run_dir} holds a run with a different config "
-                         f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); give another --name, "
-                         "--overwrite to replace it, or --resume to continue it")
+        raise ValueError(
+            f"run directory {run_dir} holds a run with a different config "
+            f"({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''}); give another --name, "
+            "--overwrite to replace it, or --resume to continue it"
+        )
     if remove:
         import shutil
+
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
 
 
@@ -287,15 +334,16 @@ class RunFiles(Callback):
             return
         self.writer = w = RunWriter(run.run_dir)
         old_rounds = None
-        if run.rounds_done > 0:     # a resume: its figure titles name the rounds, which may have changed
+        if run.rounds_done > 0:  # a resume: its figure titles name the rounds, which may have changed
             try:
                 from .config import RunConfig
+
                 old_rounds = RunConfig.from_yaml(os.path.join(run.run_dir, "config.yaml")).rounds
             except (OSError, ValueError):
                 pass
         w.write_config(run.cfg)
         w.reset_metrics(run.metrics)
-        if run.rounds_done == 0 or old_rounds != run.cfg.rounds:   # partition.json/.txt (+ .png)
+        if run.rounds_done == 0 or old_rounds != run.cfg.rounds:  # partition.json/.txt (+ .png)
             w.write_partition_report(run.labels, run.parts, plot=bool(run.cfg.plots))
 
     def on_round_end(self, run, metrics: Dict[str, Any]) -> None:
@@ -309,6 +357,7 @@ class RunFiles(Callback):
         if run.first_round > 0 and isinstance(summary.get("wall_s"), (int, float)):
             # a resumed run: its totals (local training, aggregation) cover every session, so does its wall time
             from .provenance import read as read_provenance
+
             prev = (read_provenance(run.run_dir) or {}).get("previous") or []
             before = sum(p.get("duration_s") or 0.0 for p in prev if isinstance(p, dict))
             summary["wall_s_session"] = summary["wall_s"]
@@ -320,16 +369,22 @@ class RunFiles(Callback):
             try:
                 with run.figures():
                     if self.writer.plot(run.metrics, title=f"{cfg.run_name()} ({cfg.algorithm.name})") is None:
-                        run.say("plots=true but matplotlib is not installed: curves.png not written "
-                                "(pip install matplotlib; metrics.jsonl has every round)")
+                        run.say(
+                            "plots=true but matplotlib is not installed: curves.png not written "
+                            "(pip install matplotlib; metrics.jsonl has every round)"
+                        )
             except KeyboardInterrupt:
-                if run.rounds_done < cfg.rounds:    # a complete run stays complete
+                if run.rounds_done < cfg.rounds:  # a complete run stays complete
                     run.figures_abandoned()
-                print("interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
-                      file=sys.stderr)
-            except OSError as e:    # e.g. a full disk: the metrics, summary and model are already written
-                msg = (f"curves.png not written ({e.strerror or e}); metrics.jsonl, summary.json and the "
-                       "checkpoints are complete: free space and plot them from metrics.jsonl")
+                print(
+                    "interrupted while plotting: curves.png not written (metrics.jsonl has every round)",
+                    file=sys.stderr,
+                )
+            except OSError as e:  # e.g. a full disk: the metrics, summary and model are already written
+                msg = (
+                    f"curves.png not written ({e.strerror or e}); metrics.jsonl, summary.json and the "
+                    "checkpoints are complete: free space and plot them from metrics.jsonl"
+                )
                 run.note_output_error(msg)
                 print(f"fedkernels run: error: {msg}", file=sys.stderr, flush=True)
 
@@ -338,25 +393,37 @@ class RunFiles(Callback):
         """final_model.pt: the global model as a flat vector and as the model's state_dict."""
         model = run.global_model()
         path = os.path.join(run.run_dir, "final_model.pt")
-        torch.save({"flat": run.global_flat.detach().cpu().clone(),
-                    "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-                    "names": run.names, "round": run.rounds_done}, path)
+        torch.save(
+            {
+                "flat": run.global_flat.detach().cpu().clone(),
+                "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                "names": run.names,
+                "round": run.rounds_done,
+            },
+            path,
+        )
         return path
 
 
-def write_partition_report(run_dir: str, labels, parts: Sequence[Any], num_classes: Optional[int] = None,
-                           plot: bool = True, title: str = "") -> Dict[str, Any]:
+def write_partition_report(
+    run_dir: str, labels, parts: Sequence[Any], num_classes: Optional[int] = None, plot: bool = True, title: str = ""
+) -> Dict[str, Any]:
     """The partition of a run: ``partition.json`` (summary statistics, client sizes, the K x C label
     histogram), ``partition.txt`` (the table of :func:`.partition.partition_report`) and, with
     ``plot``, ``partition.png`` (+ .pdf): client sizes and per-client label mix. Returns the JSON
     content. ``labels`` are the training labels and ``parts[k]`` client k's indices into them."""
     from .partition import label_histograms, partition_report, partition_stats
+
     parts = [np.asarray(p.detach().cpu()) if isinstance(p, torch.Tensor) else np.asarray(p) for p in parts]
     if isinstance(labels, torch.Tensor):
         labels = labels.detach().cpu()
     H = label_histograms(labels, parts, num_classes)
-    info = {"stats": partition_stats(labels, parts, num_classes), "num_classes": int(H.shape[1]),
-            "sizes": [int(v) for v in H.sum(1)], "label_histogram": H.tolist()}
+    info = {
+        "stats": partition_stats(labels, parts, num_classes),
+        "num_classes": int(H.shape[1]),
+        "sizes": [int(v) for v in H.sum(1)],
+        "label_histogram": H.tolist(),
+    }
     write_json_atomic(os.path.join(run_dir, "partition.json"), info)
     write_text_atomic(os.path.join(run_dir, "partition.txt"), partition_report(labels, parts, num_classes) + "\n")
     if plot:
@@ -366,12 +433,14 @@ def write_partition_report(run_dir: str, labels, parts: Sequence[Any], num_class
     return info
 
 
-def plot_partition(H: np.ndarray, path: str, title: str = "", formats: Sequence[str] = ("png", "pdf"),
-                   dpi: int = 200) -> Optional[str]:
+def plot_partition(
+    H: np.ndarray, path: str, title: str = "", formats: Sequence[str] = ("png", "pdf"), dpi: int = 200
+) -> Optional[str]:
     """Two panels from the K x C label histogram ``H``: client sizes (bars) and the label mix per
     client (stacked bars up to 60 clients, a heat map beyond). Atomic like :func:`plot_curves`."""
     try:
         import matplotlib
+
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
@@ -396,9 +465,16 @@ def plot_partition(H: np.ndarray, path: str, title: str = "", formats: Sequence[
             a2.bar(x, H[:, c], bottom=bottom, width=0.8, color=cmap(c % cmap.N), label=str(c))
             bottom += H[:, c]
         a2.set_ylabel("examples per class")
-        if C <= 20:     # beside the panel: inside it would cover the last clients' bars
-            a2.legend(title="class", fontsize=6, title_fontsize=7, ncol=1 if C <= 10 else 2,
-                      loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        if C <= 20:  # beside the panel: inside it would cover the last clients' bars
+            a2.legend(
+                title="class",
+                fontsize=6,
+                title_fontsize=7,
+                ncol=1 if C <= 10 else 2,
+                loc="upper left",
+                bbox_to_anchor=(1.01, 1.0),
+                borderaxespad=0.0,
+            )
         a2.xaxis.set_major_locator(MaxNLocator(integer=True))
     else:
         frac = H / np.maximum(sizes[:, None], 1)
@@ -430,8 +506,11 @@ PLOT_METRICS = (
     ("global_loss", "global objective  Σ n_i f_i / Σ n_i", 1.0, True),
     ("client_loss_var", "variance of client losses (global model)", 1.0, True),
 )
-BANDS = {"std": "mean ± sample std over seeds (n-1)", "ci": "mean and 95% Student-t CI over seeds",
-         "none": "mean over seeds"}
+BANDS = {
+    "std": "mean ± sample std over seeds (n-1)",
+    "ci": "mean and 95% Student-t CI over seeds",
+    "none": "mean over seeds",
+}
 
 
 def describe_setup(cfg, seeds: Sequence[int] = (), preset: Optional[str] = None) -> str:
@@ -441,9 +520,11 @@ def describe_setup(cfg, seeds: Sequence[int] = (), preset: Optional[str] = None)
     part = p.scheme + (f"({popts})" if popts else "")
     per = cfg.per_round()
     sd = ",".join(str(s) for s in seeds) if seeds else str(cfg.seed)
-    return (f"{preset + ': ' if preset else ''}{cfg.data.name}, {part}, {cfg.num_clients} clients"
-            f"{f' ({per}/round)' if per != cfg.num_clients else ''}, {cfg.model.name}, "
-            f"{cfg.rounds} rounds, seed{'s' if len(seeds) > 1 else ''} {sd}")
+    return (
+        f"{preset + ': ' if preset else ''}{cfg.data.name}, {part}, {cfg.num_clients} clients"
+        f"{f' ({per}/round)' if per != cfg.num_clients else ''}, {cfg.model.name}, "
+        f"{cfg.rounds} rounds, seed{'s' if len(seeds) > 1 else ''} {sd}"
+    )
 
 
 def explore_rounds(metrics: Sequence[Dict[str, Any]]) -> List[int]:
@@ -466,8 +547,10 @@ def explore_notes(per_label: Dict[str, Sequence[Sequence[int]]]):
     for (lo, hmin, hmax), labels in groups.items():
         spans.append((lo, hmax))
         across = f"rounds {lo}-{hmax}" if hmin == hmax else f"rounds {lo}-{hmin} to {lo}-{hmax} across seeds"
-        lines.append(f"{', '.join(labels)}: {across} (shaded) are the explore warm-up, FedAvg steps by design "
-                     "(the base method's steps with an AWARE extension) until every client has been sampled once")
+        lines.append(
+            f"{', '.join(labels)}: {across} (shaded) are the explore warm-up, FedAvg steps by design "
+            "(the base method's steps with an AWARE extension) until every client has been sampled once"
+        )
     return spans, lines
 
 
@@ -480,13 +563,20 @@ def _band(Y: np.ndarray, band: str):
     if band == "std":
         return mu - sd, mu + sd
     from .stats import t_ppf
+
     h = t_ppf(0.975, n - 1) * sd / math.sqrt(n)
     return mu - h, mu + h
 
 
-def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "std",
-                formats: Sequence[str] = ("png", "pdf", "svg"), dpi: int = 200,
-                notes: Sequence[str] = ()) -> Optional[str]:
+def plot_curves(
+    runs: Dict[str, Any],
+    path: str,
+    title: str = "",
+    band: Any = "std",
+    formats: Sequence[str] = ("png", "pdf", "svg"),
+    dpi: int = 200,
+    notes: Sequence[str] = (),
+) -> Optional[str]:
     """Per-round curves of every logged metric of :data:`PLOT_METRICS` (accuracy, test loss, client
     train loss, and the global objective and client-loss variance when logged). ``runs`` maps a
     label to one metrics list or a list of them (seeds): the line is the mean over seeds at the
@@ -500,6 +590,7 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
     ``path``, or None when matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
@@ -513,8 +604,11 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         raise ValueError(f"plot_curves: band={band!r}, expected one of {', '.join(BANDS)}")
     norm = {lab: (ms if ms and isinstance(ms[0], list) else [ms]) for lab, ms in runs.items()}
     norm = {lab: [mm for mm in seeds if mm] for lab, seeds in norm.items()}
-    panels = [p for p in PLOT_METRICS
-              if any(_num(m.get(p[0])) is not None for seeds in norm.values() for mm in seeds for m in mm)]
+    panels = [
+        p
+        for p in PLOT_METRICS
+        if any(_num(m.get(p[0])) is not None for seeds in norm.values() for mm in seeds for m in mm)
+    ]
     if not panels:
         panels = list(PLOT_METRICS[:1])
     ncol = 2 if len(panels) in (2, 4) else min(3, len(panels))
@@ -546,15 +640,24 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
             Y = scale * np.array([[c[r] for r in rounds] for c in curves], dtype=float)
             every = max(1, len(rounds) // 12)
             layer = i % len(dashes)
-            line, = ax.plot(rounds, Y.mean(0), marker=markers[i % len(markers)], markersize=6.0 - 1.0 * layer,
-                            markevery=every, linewidth=2.2 - 0.35 * layer, linestyle=dashes[layer], color=color,
-                            markerfacecolor="none" if layer % 2 else None, markeredgewidth=1.2,
-                            label=f"{label} (n={len(curves)})" if len(nseeds) > 1 or n > 1 else label)
+            (line,) = ax.plot(
+                rounds,
+                Y.mean(0),
+                marker=markers[i % len(markers)],
+                markersize=6.0 - 1.0 * layer,
+                markevery=every,
+                linewidth=2.2 - 0.35 * layer,
+                linestyle=dashes[layer],
+                color=color,
+                markerfacecolor="none" if layer % 2 else None,
+                markeredgewidth=1.2,
+                label=f"{label} (n={len(curves)})" if len(nseeds) > 1 or n > 1 else label,
+            )
             color = line.get_color()
             bd = _band(Y, band)
             if bd is not None:
                 lo = bd[0]
-                if (Y >= 0).all():   # a loss, variance or accuracy is never negative (nor on a log
+                if (Y >= 0).all():  # a loss, variance or accuracy is never negative (nor on a log
                     clipped = lo < 0  # axis): clip mean - sd < 0 at the lowest seed
                     lo = np.where(clipped, Y.min(0), lo)
                     any_clipped = any_clipped or bool(clipped.any())
@@ -562,7 +665,7 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         explore[label] = [explore_rounds(mm) for mm in seeds]
     spans, caption = explore_notes(explore)
     for lo, hi in spans:
-        for ax in flat_axes[:len(panels)]:
+        for ax in flat_axes[: len(panels)]:
             ax.axvspan(lo - 0.5, hi + 0.5, color="0.5", alpha=0.08, linewidth=0)
     for ax, (key, yl, _, logy) in zip(flat_axes, panels):
         ax.set_xlabel("round")
@@ -571,10 +674,10 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         ys = [np.asarray(ln.get_ydata(), dtype=float) for ln in ax.lines]
         if ys and all(np.nanmin(y) > 0 for y in ys):
             lo_, hi_ = min(np.nanmin(y) for y in ys), max(np.nanmax(y) for y in ys)
-            if logy or hi_ / lo_ > 1e3:   # a diverged run spans orders of magnitude: log axis
+            if logy or hi_ / lo_ > 1e3:  # a diverged run spans orders of magnitude: log axis
                 ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    for ax in flat_axes[len(panels):]:
+    for ax in flat_axes[len(panels) :]:
         ax.set_visible(False)
     if flat_axes[0].lines:
         flat_axes[0].legend(fontsize=7)
@@ -583,8 +686,11 @@ def plot_curves(runs: Dict[str, Any], path: str, title: str = "", band: Any = "s
         k = f"{nseeds[0]}" if len(nseeds) == 1 else f"{min(nseeds)}-{max(nseeds)}"
         first = f"Lines: mean over {k} seeds (n per method in the legend)"
         if band != "none":
-            first += "; shaded band: " + ("± 1 sample standard deviation (n-1)" if band == "std"
-                                          else "95% Student-t confidence interval of the mean")
+            first += "; shaded band: " + (
+                "± 1 sample standard deviation (n-1)"
+                if band == "std"
+                else "95% Student-t confidence interval of the mean"
+            )
     elif len([s for s in norm.values() if s]) > 1:
         first = "Lines: one run (a single seed) per method; no band (a spread needs 2 or more seeds)"
     else:

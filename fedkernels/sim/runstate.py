@@ -14,6 +14,7 @@ Two objects, built once at set-up by the loop (``Simulation.setup``):
   run: what it reports back is its return value (:meth:`~fedkernels.sim.callbacks.Callback.after_round`:
   stop, extra metrics) or a named outcome (:meth:`RunView.note_output_error`, :meth:`RunView.figures`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,27 +73,27 @@ class LocalTraining:
     the run's own: a client writes its row into ``buf`` (and, for server-side DP, its norm into
     ``dp_norms``); nothing else changes through it."""
 
-    cfg: Any                          # the RunConfig (train, seed, bad_client_policy, clients_at_once, ...)
+    cfg: Any  # the RunConfig (train, seed, bad_client_policy, clients_at_once, ...)
     device: torch.device
-    spec: Any                         # the FlatSpec of the model
-    model: nn.Module                  # its tensors are views of trainer.work
-    trainer: Any                      # client.ClientTrainer
-    global_flat: torch.Tensor         # the global model (read only by the clients)
-    buf: Any                          # the round's UpdateBuffer
-    hetero: Any                       # client.HeteroCompute: (base lr, epochs) per client and round
+    spec: Any  # the FlatSpec of the model
+    model: nn.Module  # its tensors are views of trainer.work
+    trainer: Any  # client.ClientTrainer
+    global_flat: torch.Tensor  # the global model (read only by the clients)
+    buf: Any  # the round's UpdateBuffer
+    hetero: Any  # client.HeteroCompute: (base lr, epochs) per client and round
     rules: ClientRules
-    screen_clients: bool              # each row screened as it is written (policy "raise", ranks)
-    client_clip: Optional[float]      # client-side DP: each row clipped to this norm as it is written
-    dp_norms: Optional[Dict[int, float]]   # server-side DP in one process: each row's norm, by client id
+    screen_clients: bool  # each row screened as it is written (policy "raise", ranks)
+    client_clip: Optional[float]  # client-side DP: each row clipped to this norm as it is written
+    dp_norms: Optional[Dict[int, float]]  # server-side DP in one process: each row's norm, by client id
     x: torch.Tensor
     y: torch.Tensor
     xt: torch.Tensor
     yt: torch.Tensor
-    parts: Sequence[torch.Tensor]     # each client's sample indices
-    per_round: int                    # clients per round
-    progress: bool = False            # progress bars (the main process, where `progress` says)
-    tag: str = ""                     # the process's tag in progress bars (" (rank q)")
-    lora: Any = None                  # sim/lora.LoraRun when clients train at ranks below the server's
+    parts: Sequence[torch.Tensor]  # each client's sample indices
+    per_round: int  # clients per round
+    progress: bool = False  # progress bars (the main process, where `progress` says)
+    tag: str = ""  # the process's tag in progress bars (" (rank q)")
+    lora: Any = None  # sim/lora.LoraRun when clients train at ranks below the server's
 
     def sync(self) -> None:
         sync(self.device)
@@ -113,8 +114,7 @@ class RunView:
         object.__setattr__(self, "_sim", sim)
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"RunView is read-only (cannot set {name!r}): a callback reports back by its "
-                             "return value")
+        raise AttributeError(f"RunView is read-only (cannot set {name!r}): a callback reports back by its return value")
 
     # ---- what the run is -----------------------------------------------------------------------------
     cfg = _through("cfg", "The run's RunConfig.")
@@ -169,16 +169,18 @@ class RunView:
         """Every completed round's metrics (a tuple; its dicts are the ones metrics.jsonl holds)."""
         return tuple(self._sim.metrics)
 
-    cut_short = _through("cut_short", "Whether this session stopped before its rounds were done (a signal, "
-                         "or ``stop_after``).")
+    cut_short = _through(
+        "cut_short", "Whether this session stopped before its rounds were done (a signal, or ``stop_after``)."
+    )
 
     @property
     def failure(self) -> Optional[str]:
         """A failed run's cause, one line (None otherwise)."""
         return getattr(self._sim, "failure", None)
 
-    global_flat = _through("global_flat", "The global model as a flat vector (the run's own tensor: read it, "
-                           "do not write it).")
+    global_flat = _through(
+        "global_flat", "The global model as a flat vector (the run's own tensor: read it, do not write it)."
+    )
 
     def global_model(self) -> nn.Module:
         """The model module holding the current global model."""

@@ -13,6 +13,7 @@ The Student-t distribution is computed here (regularised incomplete beta functio
 continued fraction, quantiles by bisection on it), so that scipy is not a run-time dependency; the
 tests compare it with ``scipy.stats``.
 """
+
 from __future__ import annotations
 
 import math
@@ -89,7 +90,7 @@ def t_ppf(q: float, df: float) -> float:
         return 0.0
     if q < 0.5:
         return -t_ppf(1.0 - q, df)
-    target = 1.0 - q                      # upper tail, found by bisection on t_sf (decreasing)
+    target = 1.0 - q  # upper tail, found by bisection on t_sf (decreasing)
     lo, hi = 0.0, 1.0
     while t_sf(hi, df) > target:
         hi *= 2.0
@@ -109,8 +110,7 @@ def t_ppf(q: float, df: float) -> float:
 # ---- summaries ---------------------------------------------------------------------------------------
 def finite(values: Sequence[Any]) -> list:
     """The finite real numbers of ``values`` (None, NaN, text and bools dropped)."""
-    return [float(v) for v in values
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
 def describe(values: Sequence[Any], conf: float = 0.95) -> Dict[str, Any]:
@@ -121,8 +121,16 @@ def describe(values: Sequence[Any], conf: float = 0.95) -> Dict[str, Any]:
         raise ValueError(f"describe: conf must lie in (0, 1), got {conf}")
     v = finite(values)
     n = len(v)
-    out: Dict[str, Any] = {"n": n, "mean": None, "std": None, "sem": None, "ci_low": None, "ci_high": None,
-                           "ci_half": None, "conf": conf}
+    out: Dict[str, Any] = {
+        "n": n,
+        "mean": None,
+        "std": None,
+        "sem": None,
+        "ci_low": None,
+        "ci_high": None,
+        "ci_half": None,
+        "conf": conf,
+    }
     if n == 0:
         return out
     mean = math.fsum(v) / n
@@ -151,8 +159,12 @@ def _align(x, y):
     return good
 
 
-def paired(x: Union[Sequence[Any], Mapping[Any, Any]], baseline: Union[Sequence[Any], Mapping[Any, Any]],
-           conf: float = 0.95, alpha: Optional[float] = None) -> Dict[str, Any]:
+def paired(
+    x: Union[Sequence[Any], Mapping[Any, Any]],
+    baseline: Union[Sequence[Any], Mapping[Any, Any]],
+    conf: float = 0.95,
+    alpha: Optional[float] = None,
+) -> Dict[str, Any]:
     """Paired comparison of ``x`` with ``baseline`` (same seeds): the per-seed differences
     ``x - baseline``, their mean, sample std, ``conf`` CI, the paired t statistic, the two-sided p
     value and ``significant`` (p < alpha, alpha = 1 - conf by default; the CI then excludes 0).
@@ -164,10 +176,21 @@ def paired(x: Union[Sequence[Any], Mapping[Any, Any]], baseline: Union[Sequence[
     pairs = _align(x, baseline)
     diffs = [a - b for _, a, b in pairs]
     d = describe(diffs, conf)
-    out: Dict[str, Any] = {"n": d["n"], "keys": [k for k, _, _ in pairs], "diffs": diffs, "mean_diff": d["mean"],
-                           "std_diff": d["std"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-                           "ci_half": d["ci_half"], "conf": conf, "t": None, "df": None, "p": None,
-                           "significant": None}
+    out: Dict[str, Any] = {
+        "n": d["n"],
+        "keys": [k for k, _, _ in pairs],
+        "diffs": diffs,
+        "mean_diff": d["mean"],
+        "std_diff": d["std"],
+        "ci_low": d["ci_low"],
+        "ci_high": d["ci_high"],
+        "ci_half": d["ci_half"],
+        "conf": conf,
+        "t": None,
+        "df": None,
+        "p": None,
+        "significant": None,
+    }
     if d["n"] < 2:
         return out
     df = d["n"] - 1

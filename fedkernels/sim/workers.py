@@ -60,6 +60,7 @@ exchange and the aggregation stay in the main process, unchanged.
 CPU only: with ``device=cuda`` ``workers > 1`` is refused (one process already keeps a GPU busy on
 these models).
 """
+
 from __future__ import annotations
 
 import copy
@@ -126,12 +127,14 @@ def _die_with_parent() -> None:
     closes when it exits) and kills this process then."""
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)       # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the parent still stops the workers on every exit path
         pass
     import multiprocessing
     import threading
+
     main = multiprocessing.parent_process()
     if main is None:
         return
@@ -139,6 +142,7 @@ def _die_with_parent() -> None:
     def watch() -> None:
         mp_wait([main.sentinel])
         os.kill(os.getpid(), signal.SIGKILL)
+
     threading.Thread(target=watch, name="fedkernels-watch-main", daemon=True).start()
 
 
@@ -186,8 +190,15 @@ class _StatePickler(pickle.Pickler):
         if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, nn.Parameter):
             name = self.keys.get(_storage_key(obj))
             if name is not None:
-                return (name, obj.dtype, obj.storage_offset(), tuple(obj.shape), obj.stride(),
-                        isinstance(obj, nn.Parameter), obj.requires_grad)
+                return (
+                    name,
+                    obj.dtype,
+                    obj.storage_offset(),
+                    tuple(obj.shape),
+                    obj.stride(),
+                    isinstance(obj, nn.Parameter),
+                    obj.requires_grad,
+                )
         return None
 
 
@@ -211,14 +222,19 @@ def _worker_state(local: LocalTraining):
     references. ValueError when something cannot be pickled."""
     keys: Dict[int, str] = {}
     storages: Dict[str, Any] = {}
-    for name, t, in_place in (("global", local.global_flat, True), ("buf", local.buf.data, True),
-                              ("x", local.x, False), ("y", local.y, False), ("xt", local.xt, False),
-                              ("yt", local.yt, False)):
+    for name, t, in_place in (
+        ("global", local.global_flat, True),
+        ("buf", local.buf.data, True),
+        ("x", local.x, False),
+        ("y", local.y, False),
+        ("xt", local.xt, False),
+        ("yt", local.yt, False),
+    ):
         k = _storage_key(t)
-        if k is None or k in keys:          # empty, or the same storage as an earlier name
+        if k is None or k in keys:  # empty, or the same storage as an earlier name
             continue
         storages[name] = _shared(t, in_place)
-        keys[_storage_key(t)] = name         # (moved in place: the key after the move)
+        keys[_storage_key(t)] = name  # (moved in place: the key after the move)
     keys[_storage_key(local.trainer.work)] = "work"
     # the aggregator's configuration, which its client rule reads; not its declared state (state_attrs:
     # per-client tables, momentum, ...: the server's, K x d for SCAFFOLD), which a rule gets as payloads
@@ -232,10 +248,12 @@ def _worker_state(local: LocalTraining):
     try:
         _StatePickler(f, keys).dump(lite)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise ValueError(f"workers={local.cfg.workers}: the set-up simulation cannot be sent to the worker "
-                         f"processes ({type(e).__name__}: {e}); with workers > 1 the model, transform and "
-                         "aggregator must be picklable (module-level classes and functions, no lambdas), "
-                         "or use workers=1") from None
+        raise ValueError(
+            f"workers={local.cfg.workers}: the set-up simulation cannot be sent to the worker "
+            f"processes ({type(e).__name__}: {e}); with workers > 1 the model, transform and "
+            "aggregator must be picklable (module-level classes and functions, no lambdas), "
+            "or use workers=1"
+        ) from None
     return storages, f.getvalue()
 
 
@@ -258,8 +276,9 @@ def _eval_batch(local: LocalTraining, job: Dict[str, Any], s: int, e: int, cache
     ``client.eval_batch`` / ``client.batch_losses``, the per-batch steps of ``client.evaluate`` and
     ``client.client_losses``."""
     from .client import batch_losses, eval_batch
+
     model = local.model
-    local.trainer.work.copy_(local.global_flat)      # the model's tensors are views of work
+    local.trainer.work.copy_(local.global_flat)  # the model's tensors are views of work
     was = model.training
     model.eval()
     try:
@@ -267,7 +286,7 @@ def _eval_batch(local: LocalTraining, job: Dict[str, Any], s: int, e: int, cache
             if job["what"] == "test":
                 correct, loss = eval_batch(model, local.xt[s:e], local.yt[s:e])
                 return int(correct), float(loss)
-            if cache.get("job") != job["id"]:         # the clients' rows, once per evaluation
+            if cache.get("job") != job["id"]:  # the clients' rows, once per evaluation
                 cache["job"] = job["id"]
                 cache["idx"] = torch.cat([local.parts[c] for c in job["clients"]])
             b = cache["idx"][s:e]
@@ -276,19 +295,27 @@ def _eval_batch(local: LocalTraining, job: Dict[str, Any], s: int, e: int, cache
         model.train(was)
 
 
-def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict[str, Any], work_nbytes: int,
-                 blob: bytes, tasks, conn) -> None:
+def _worker_main(
+    index: int,
+    threads: int,
+    flags: Dict[str, Any],
+    storages: Dict[str, Any],
+    work_nbytes: int,
+    blob: bytes,
+    tasks,
+    conn,
+) -> None:
     """One worker: rebuilds the run's local training (:func:`_load_state`), says ("ready", index), then takes
     ("train", round, factor, pos, cid, base_lr, epochs, payload) and ("eval", job, batch, start, stop)
     tasks until None. A failure outside a task's own work is sent as ("fatal", index, message)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the main process decides when to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
     try:
         torch.set_num_threads(int(threads))
         torch.set_default_dtype(flags["default_dtype"])
         torch.set_float32_matmul_precision(flags["matmul_precision"])
-        if flags["deterministic"]:      # (only then: the call imports torch._inductor, 1.4 s of CPU)
+        if flags["deterministic"]:  # (only then: the call imports torch._inductor, 1.4 s of CPU)
             torch.use_deterministic_algorithms(True, warn_only=flags["warn_only"])
         t_loaded = time.time() - flags["t_launch"]
         local = _load_state(blob, storages, work_nbytes)
@@ -317,8 +344,18 @@ def _worker_main(index: int, threads: int, flags: Dict[str, Any], storages: Dict
                 if isinstance(payload, BaseException):
                     raise payload
                 res = train_client(local, _RowAt(local.buf, pos), cid, r, base_lr, factor, epochs, payload)
-                msg = ("ok", pos, {"pos": pos, "cid": int(cid), "n": float(res.num_examples),
-                                   "payload": res.payload, "loss": res.train_loss, "steps": res.steps})
+                msg = (
+                    "ok",
+                    pos,
+                    {
+                        "pos": pos,
+                        "cid": int(cid),
+                        "n": float(res.num_examples),
+                        "payload": res.payload,
+                        "loss": res.train_loss,
+                        "steps": res.steps,
+                    },
+                )
             except Exception as e:  # noqa: BLE001 - reported to the main process, which applies the policy
                 reason, bad = client_error(e)
                 if not bad:
@@ -346,7 +383,8 @@ def prestart() -> None:
     torch._dynamo: seconds) overlap the main process's set-up. Idempotent; ``WorkerPool.start``
     calls it too."""
     from multiprocessing import forkserver
-    forkserver.set_forkserver_preload(_PRELOAD)     # (read when the fork server starts: once per main process)
+
+    forkserver.set_forkserver_preload(_PRELOAD)  # (read when the fork server starts: once per main process)
     forkserver.ensure_running()
 
 
@@ -357,44 +395,56 @@ class WorkerPool:
 
     def __init__(self, local: LocalTraining, workers: int, threads: Optional[int] = None):
         if int(workers) < 2:
-            raise ValueError(f"WorkerPool: workers must be >= 2, got {workers!r} (workers=1 trains in the main process)")
+            raise ValueError(
+                f"WorkerPool: workers must be >= 2, got {workers!r} (workers=1 trains in the main process)"
+            )
         if local.device.type != "cpu":
-            raise ValueError(f"workers={workers}: parallel worker processes run on the CPU only, got device "
-                             f"{local.device} (use workers=1 on a GPU)")
+            raise ValueError(
+                f"workers={workers}: parallel worker processes run on the CPU only, got device "
+                f"{local.device} (use workers=1 on a GPU)"
+            )
         self.local, self.n = local, int(workers)
         self.threads = default_threads(self.n, threads)
         self.procs: List[Any] = []
         self.conns: List[Any] = []
         self.tasks = None
         self.t_start = 0.0
-        self.t_ready: List[Any] = []      # per worker: (seconds to ready, seconds before its state loaded)
+        self.t_ready: List[Any] = []  # per worker: (seconds to ready, seconds before its state loaded)
         self._jobs = 0
 
     def start(self) -> "WorkerPool":
         """Starts the N workers from the fork server (module docstring) and waits until each has
         rebuilt the run's local training; RunError naming the worker when one cannot start."""
         import torch.multiprocessing as tmp
+
         t0 = time.perf_counter()
         local = self.local
         storages, blob = _worker_state(local)
         prestart()
         ctx = tmp.get_context("forkserver")
-        flags = {"default_dtype": torch.get_default_dtype(), "matmul_precision": torch.get_float32_matmul_precision(),
-                 "deterministic": torch.are_deterministic_algorithms_enabled(),
-                 "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(), "t_launch": time.time()}
+        flags = {
+            "default_dtype": torch.get_default_dtype(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "t_launch": time.time(),
+        }
         work_nbytes = local.trainer.work.untyped_storage().nbytes()
         self.tasks = ctx.SimpleQueue()
         try:
             for i in range(self.n):
                 recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_worker_main,
-                                args=(i, self.threads, flags, storages, work_nbytes, blob, self.tasks, send),
-                                name=f"fedkernels-worker-{i}", daemon=True)
+                p = ctx.Process(
+                    target=_worker_main,
+                    args=(i, self.threads, flags, storages, work_nbytes, blob, self.tasks, send),
+                    name=f"fedkernels-worker-{i}",
+                    daemon=True,
+                )
                 p.start()
                 send.close()
                 self.procs.append(p)
                 self.conns.append(recv)
-            ready = self._collect(self.n, "while starting")          # every worker: ("ready", index)
+            ready = self._collect(self.n, "while starting")  # every worker: ("ready", index)
         except BaseException:
             self.close()
             raise
@@ -407,8 +457,9 @@ class WorkerPool:
         return [p.pid for p in self.procs]
 
     # ---- one round --------------------------------------------------------------------------------
-    def train_local(self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any],
-                    factor: float) -> Dict[str, Any]:
+    def train_local(
+        self, r: int, ids: Sequence[int], mine: range, payload_of: Callable[[int], Any], factor: float
+    ) -> Dict[str, Any]:
         """``Simulation.train_local`` run by the workers: the same return value."""
         local = self.local
         t0 = time.perf_counter()
@@ -418,7 +469,7 @@ class WorkerPool:
             base_lr, epochs = local.hetero.get(cid, r)
             steps = local.trainer.planned_steps(max(1, local.trainer.num_examples(cid)), epochs)
             order.append((-steps, pos, cid, base_lr, epochs))
-        order.sort()                          # longest client first (the order does not change any result)
+        order.sort()  # longest client first (the order does not change any result)
         for _, pos, cid, base_lr, epochs in order:
             try:
                 payload = payload_of(pos)
@@ -433,7 +484,7 @@ class WorkerPool:
         error = None
         for pos in mine:
             kind, val = results[pos]
-            if kind == "err":                 # the policy of one process (a bad client, or a run error)
+            if kind == "err":  # the policy of one process (a bad client, or a run error)
                 error = client_failed(local.cfg.bad_client_policy, r, pos, *val, excluded)
                 if error is not None:
                     break
@@ -451,14 +502,15 @@ class WorkerPool:
         live = {c: i for i, c in enumerate(self.conns)}
         sentinels = {p.sentinel: i for i, p in enumerate(self.procs)}
 
-        def take(conn) -> int:      # the replies waiting in conn: how many
+        def take(conn) -> int:  # the replies waiting in conn: how many
             got = 0
             try:
                 while conn in live and conn.poll():
                     kind, key, val = conn.recv()
                     if kind == "fatal":
-                        raise RunError(f"workers={self.n}: worker {key} (pid {self.procs[key].pid}) {val} {when}; "
-                                       "the run stops")
+                        raise RunError(
+                            f"workers={self.n}: worker {key} (pid {self.procs[key].pid}) {val} {when}; the run stops"
+                        )
                     results[key] = (kind, val)
                     got += 1
             except EOFError:
@@ -467,18 +519,23 @@ class WorkerPool:
 
         while pending:
             ready = mp_wait(list(live) + list(sentinels))
-            for obj in sorted(ready, key=lambda o: o not in live):     # replies before deaths
+            for obj in sorted(ready, key=lambda o: o not in live):  # replies before deaths
                 if obj in live:
                     pending -= take(obj)
                 elif obj in sentinels:
                     i = sentinels[obj]
-                    pending -= take(self.conns[i])                      # its last words (a "fatal" line)
+                    pending -= take(self.conns[i])  # its last words (a "fatal" line)
                     p = self.procs[i]
                     p.join(0.1)
-                    hint = (" (its error is above; a script that sets workers > 1 needs `if __name__ == \"__main__\":`)"
-                            if when == "while starting" else "")
-                    raise RunError(f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
-                                   f"{when}{hint}; the run stops")
+                    hint = (
+                        ' (its error is above; a script that sets workers > 1 needs `if __name__ == "__main__":`)'
+                        if when == "while starting"
+                        else ""
+                    )
+                    raise RunError(
+                        f"workers={self.n}: worker {i} (pid {p.pid}) exited with code {p.exitcode} "
+                        f"{when}{hint}; the run stops"
+                    )
         return results
 
     def _run_batches(self, r: int, jobs: Sequence[Any], batch_size: int) -> List[List[Any]]:
@@ -517,7 +574,7 @@ class WorkerPool:
         *per, test = self._run_batches(r, jobs, bs)
         loss = torch.zeros((), dtype=torch.float64)
         correct = 0
-        for c, l in test:             # in batch order, as client.evaluate accumulates
+        for c, l in test:  # in batch order, as client.evaluate accumulates
             correct += c
             loss += l
         acc, tl = (correct / n, float(loss) / n) if n else (float("nan"), float("nan"))
@@ -526,8 +583,8 @@ class WorkerPool:
         if not who:
             return acc, tl, []
         sums = torch.zeros(len(who), dtype=torch.float64)
-        for k, l in enumerate(per[0]):     # as client.client_losses: index_add_ batch by batch
-            sums.index_add_(0, owner[k * bs:(k + 1) * bs], torch.from_numpy(l))
+        for k, l in enumerate(per[0]):  # as client.client_losses: index_add_ batch by batch
+            sums.index_add_(0, owner[k * bs : (k + 1) * bs], torch.from_numpy(l))
         counts = torch.tensor([max(local.parts[c].numel(), 1) for c in who], dtype=torch.float64)
         return acc, tl, (sums / counts).tolist()
 
@@ -581,12 +638,18 @@ class WorkerExecutor:
             cfg = self.local.cfg
             pool = WorkerPool(self.local, cfg.workers, cfg.threads).start()
             self.pool = pool
-            log.info("workers=%d: started (pids %s, %d thread(s) each) in %.3fs", pool.n, pool.pids, pool.threads,
-                     pool.t_start)
+            log.info(
+                "workers=%d: started (pids %s, %d thread(s) each) in %.3fs",
+                pool.n,
+                pool.pids,
+                pool.threads,
+                pool.t_start,
+            )
         return self.pool
 
-    def train_local(self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any],
-                    factor: float) -> Dict[str, Any]:
+    def train_local(
+        self, r: int, ids: Sequence[int], positions: Sequence[int], payload_of: Callable[[int], Any], factor: float
+    ) -> Dict[str, Any]:
         return self._started().train_local(r, ids, positions, payload_of, factor)
 
     def evaluate(self, r: int, batch_size: int, clients: Optional[Sequence[int]] = None):

@@ -8,6 +8,7 @@ JSON line per finished run (a run stopped by a RunError, e.g. every update NaN a
 is recorded as diverged with its error) to --log (default results/robust/grid.jsonl; a rerun skips the
 runs already there).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,25 +26,38 @@ RULES = {
     "centered_clip": {"tau": 1.0},
 }
 # label -> the attack section (kind and options; defaults of fedkernels.sim.attacks otherwise)
-ATTACKS = {"none": None, "sign_flip": {"kind": "sign_flip"}, "scale": {"kind": "scale"},
-           "gaussian": {"kind": "gaussian"}, "alie": {"kind": "alie"},
-           "alie_z1.5": {"kind": "alie", "z": 1.5}, "ipm": {"kind": "ipm", "epsilon": 0.1},
-           "ipm100": {"kind": "ipm", "epsilon": 100.0}, "label_flip": {"kind": "label_flip"}}
+ATTACKS = {
+    "none": None,
+    "sign_flip": {"kind": "sign_flip"},
+    "scale": {"kind": "scale"},
+    "gaussian": {"kind": "gaussian"},
+    "alie": {"kind": "alie"},
+    "alie_z1.5": {"kind": "alie", "z": 1.5},
+    "ipm": {"kind": "ipm", "epsilon": 0.1},
+    "ipm100": {"kind": "ipm", "epsilon": 100.0},
+    "label_flip": {"kind": "label_flip"},
+}
 BASE = {
-    "rounds": 20, "num_clients": 15, "participation": 1.0, "eval_every": 5, "client_loss": "none",
+    "rounds": 20,
+    "num_clients": 15,
+    "participation": 1.0,
+    "eval_every": 5,
+    "client_loss": "none",
     "data": {"name": "fmnist", "train_subset": 6000, "test_subset": 2000},
     "partition": {"scheme": "iid"},
     "model": {"name": "mlp", "options": {"hidden": [64]}},
     "train": {"steps": 10, "batch_size": 32, "lr": 0.05},
-    "plots": False, "verbose": False, "threads": 1,
+    "plots": False,
+    "verbose": False,
+    "threads": 1,
 }
 
 
 def config(rule: str, attack: str, seed: int, out: str):
     from fedkernels.sim.config import RunConfig
+
     d = json.loads(json.dumps(BASE))
-    d.update(seed=seed, out_dir=out, name=f"{rule}-{attack}-s{seed}",
-             algorithm={"name": rule, "options": RULES[rule]})
+    d.update(seed=seed, out_dir=out, name=f"{rule}-{attack}-s{seed}", algorithm={"name": rule, "options": RULES[rule]})
     if ATTACKS[attack] is not None:
         d["attack"] = {"fraction": 0.2, **ATTACKS[attack]}
     return RunConfig.from_dict(d)
@@ -58,6 +72,7 @@ def main() -> None:
     a = ap.parse_args()
     from fedkernels.errors import RunError
     from fedkernels.sim import Simulation
+
     os.makedirs(a.out, exist_ok=True)
     log = a.log
     done = set()
@@ -74,17 +89,23 @@ def main() -> None:
                 try:
                     sim.run()
                     error = None
-                except RunError as e:        # e.g. every client's update NaN from a blown-up model
+                except RunError as e:  # e.g. every client's update NaN from a blown-up model
                     error = str(e)
                 last = sim.metrics[-1] if sim.metrics and error is None else {"diverged": True}
                 sel = [m["attack"].get("selected") for m in sim.metrics if "attack" in m]
-                rec = {"rule": rule, "attack": attack, "seed": seed, "accuracy": last.get("accuracy"),
-                       "diverged": bool(last.get("diverged", False)),
-                       "attackers": sim.attack.attackers if sim.attack else [],
-                       "selected_per_round": sel if any(s is not None for s in sel) else None,
-                       "curve": [[m["round"], m["accuracy"]] for m in sim.metrics if "accuracy" in m],
-                       "error": error, "rounds_done": len(sim.metrics),
-                       "wall_s": round(time.time() - t0, 2)}
+                rec = {
+                    "rule": rule,
+                    "attack": attack,
+                    "seed": seed,
+                    "accuracy": last.get("accuracy"),
+                    "diverged": bool(last.get("diverged", False)),
+                    "attackers": sim.attack.attackers if sim.attack else [],
+                    "selected_per_round": sel if any(s is not None for s in sel) else None,
+                    "curve": [[m["round"], m["accuracy"]] for m in sim.metrics if "accuracy" in m],
+                    "error": error,
+                    "rounds_done": len(sim.metrics),
+                    "wall_s": round(time.time() - t0, 2),
+                }
                 with open(log, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(json.dumps(rec), flush=True)

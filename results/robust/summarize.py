@@ -6,6 +6,7 @@ Final test accuracy per (attack, rule): mean ± sample std over the seeds presen
 run (a non-finite global model) counts as accuracy 0.1 (chance on 10 classes) and is marked. For Krum and
 Bulyan also the mean share of rounds' selections that were attackers.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ def load(path=os.path.join(HERE, "grid.jsonl")):
 def paired(key_a, key_b):
     """(mean difference a - b in pp over the seeds both have, two-sided paired t-test p) or None."""
     from scipy.stats import ttest_rel
+
     bs = load.by_seed
     seeds = sorted(s for (*k, s) in bs if tuple(k) == key_a and key_b + (s,) in bs)
     if len(seeds) < 2:
@@ -52,9 +54,13 @@ def paired(key_a, key_b):
 
 
 def paired_table() -> str:
-    lines = ["Paired differences over the seeds (same seed: same partition, attackers, sampling), in pp, "
-             "two-sided paired t-test p: the rule under the attack minus the same rule without attack.", "",
-             "| attack | " + " | ".join(RULES) + " |", "|---" * (len(RULES) + 1) + "|"]
+    lines = [
+        "Paired differences over the seeds (same seed: same partition, attackers, sampling), in pp, "
+        "two-sided paired t-test p: the rule under the attack minus the same rule without attack.",
+        "",
+        "| attack | " + " | ".join(RULES) + " |",
+        "|---" * (len(RULES) + 1) + "|",
+    ]
     for a in ATTACKS[1:]:
         row = []
         for r in RULES:
@@ -74,13 +80,22 @@ def cell(v, d):
 
 def table(acc, div, sel) -> str:
     seeds = sorted({len(v) for v in acc.values()})
-    lines = [f"Final test accuracy (%), mean ± std over seeds (n = {'/'.join(map(str, seeds))}); "
-             "Fashion-MNIST, 15 clients, 3 attackers (20%).", "",
-             "| attack | " + " | ".join(RULES) + " |", "|---" * (len(RULES) + 1) + "|"]
+    lines = [
+        f"Final test accuracy (%), mean ± std over seeds (n = {'/'.join(map(str, seeds))}); "
+        "Fashion-MNIST, 15 clients, 3 attackers (20%).",
+        "",
+        "| attack | " + " | ".join(RULES) + " |",
+        "|---" * (len(RULES) + 1) + "|",
+    ]
     for a in ATTACKS:
         lines.append(f"| {a} | " + " | ".join(cell(acc.get((a, r), []), div.get((a, r), 0)) for r in RULES) + " |")
-    lines += ["", "Attackers among the selected clients (mean per round; Krum picks 1, Bulyan 9 of 15):", "",
-              "| attack | krum | bulyan |", "|---|---|---|"]
+    lines += [
+        "",
+        "Attackers among the selected clients (mean per round; Krum picks 1, Bulyan 9 of 15):",
+        "",
+        "| attack | krum | bulyan |",
+        "|---|---|---|",
+    ]
     for a in ATTACKS[1:]:
         row = []
         for r in ("krum", "bulyan"):
@@ -92,9 +107,11 @@ def table(acc, div, sel) -> str:
 
 def figure(acc, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
     fig, ax = plt.subplots(figsize=(12, 4.8))
     w = 0.8 / len(RULES)
     x = np.arange(len(ATTACKS))

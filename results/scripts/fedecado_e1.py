@@ -18,6 +18,7 @@ FedECADO clients run x <- x - eta (w_i a_i (x - b_i) + I_i), w_i = N p_i, and re
 Writes results/fedecado/e1-quadratics/summary.json (and prints a table):
   python results/scripts/fedecado_e1.py
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,7 @@ def gd(x, a, b, eta, tau, w=1.0, I=None):
 
 def run(method, seed, part, L=None, rounds=ROUNDS):
     a, b, n, p, xstar = problem(seed)
-    rng = np.random.default_rng(1000 + seed)          # schedule stream: the same for every method
+    rng = np.random.default_rng(1000 + seed)  # schedule stream: the same for every method
     b_t = torch.tensor(b)
     x = torch.zeros(D, dtype=torch.float64)
     k = max(1, int(round(part * N)))
@@ -96,8 +97,13 @@ def run(method, seed, part, L=None, rounds=ROUNDS):
         x, info = agg.aggregate(x, torch.stack(rows), [float(n[i]) for i in active], active, pls)
         steps += int(info.get("steps", 0))
         err.append(float(torch.linalg.vector_norm(x - torch.tensor(xstar))))
-    return {"err": err, "final": err[-1], "at60": err[59] if len(err) >= 60 else None,
-            "central_steps_per_round": steps / rounds, "finite": bool(all(math.isfinite(e) for e in err))}
+    return {
+        "err": err,
+        "final": err[-1],
+        "at60": err[59] if len(err) >= 60 else None,
+        "central_steps_per_round": steps / rounds,
+        "finite": bool(all(math.isfinite(e) for e in err)),
+    }
 
 
 def main():
@@ -114,16 +120,30 @@ def main():
             fin = np.array([r["final"] for r in runs])
             a60 = np.array([r["at60"] for r in runs])
             res[f"p{part:g}/{label}"] = {
-                "participation": part, "method": m, "L": L,
+                "participation": part,
+                "method": m,
+                "L": L,
                 "final_err_geomean": float(np.exp(np.mean(np.log(np.maximum(fin, 1e-300))))),
-                "final_err": fin.tolist(), "err_at_60": a60.tolist(),
+                "final_err": fin.tolist(),
+                "err_at_60": a60.tolist(),
                 "central_steps_per_round": float(np.mean([r["central_steps_per_round"] for r in runs])),
                 "all_finite": all(r["finite"] for r in runs),
-                "curves_every_10": [r["err"][9::10] for r in runs]}
-            print(f"p={part:<4g} {label:24s} ||x-x*|| final {' '.join(f'{v:9.2e}' for v in fin)}   "
-                  f"@60 {' '.join(f'{v:9.2e}' for v in a60)}", flush=True)
-    res["_meta"] = {"N": N, "d": D, "rounds": ROUNDS, "seeds": [0, 1, 2], "delta": 1e-2,
-                    "wall_s": time.time() - t0, "torch": torch.__version__}
+                "curves_every_10": [r["err"][9::10] for r in runs],
+            }
+            print(
+                f"p={part:<4g} {label:24s} ||x-x*|| final {' '.join(f'{v:9.2e}' for v in fin)}   "
+                f"@60 {' '.join(f'{v:9.2e}' for v in a60)}",
+                flush=True,
+            )
+    res["_meta"] = {
+        "N": N,
+        "d": D,
+        "rounds": ROUNDS,
+        "seeds": [0, 1, 2],
+        "delta": 1e-2,
+        "wall_s": time.time() - t0,
+        "torch": torch.__version__,
+    }
     with open(os.path.join(OUT, "summary.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {os.path.relpath(os.path.join(OUT, 'summary.json'))} in {time.time() - t0:.1f} s")

@@ -8,6 +8,7 @@ premise: non-IID data raises the norms and their variance mostly in the last lay
 
     python results/scripts/fedpgvc_expc.py      # about a minute; writes results/fedpgvc/expc-gradnorms.json
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ def layer_norms(sim):
         row = []
         for L in layers:
             sq = sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters() if n.rsplit(".", 1)[0] == L)
-            row.append(sq ** 0.5)
+            row.append(sq**0.5)
         out.append(row)
     model.zero_grad()
     return layers, np.array(out)
@@ -50,9 +51,18 @@ def main():
     for alpha in (0.5, 100.0):
         per_seed = []
         for seed in (0, 1, 2):
-            cfg = apply_overrides(presets.get("fedpgvc-digits"),
-                                  ["algorithm.name=fedavg", "train.lr=0.1", f"partition.options.alpha={alpha}",
-                                   f"seed={seed}", "rounds=40", "verbose=false", "progress=false"])
+            cfg = apply_overrides(
+                presets.get("fedpgvc-digits"),
+                [
+                    "algorithm.name=fedavg",
+                    "train.lr=0.1",
+                    f"partition.options.alpha={alpha}",
+                    f"seed={seed}",
+                    "rounds=40",
+                    "verbose=false",
+                    "progress=false",
+                ],
+            )
             sim = Simulation(cfg, write_outputs=False)
             snaps = {}
             for r in CHECK:
@@ -62,16 +72,27 @@ def main():
             per_seed.append(snaps)
         res[f"alpha={alpha:g}"] = {
             "layers": layers,
-            **{f"round {r}": {k: np.mean([s[r][k] for s in per_seed], 0).round(5).tolist() for k in ("mean", "var")}
-               for r in CHECK}}
+            **{
+                f"round {r}": {k: np.mean([s[r][k] for s in per_seed], 0).round(5).tolist() for k in ("mean", "var")}
+                for r in CHECK
+            },
+        }
         for r in CHECK:
             m = res[f"alpha={alpha:g}"][f"round {r}"]
-            print(f"alpha={alpha:<5g} round {r:2d}  " + "  ".join(
-                f"{L}: mean {mu:.3f} var {v:.4f}" for L, mu, v in zip(layers, m["mean"], m["var"])), flush=True)
-    res["_meta"] = {"preset": "fedpgvc-digits", "method": "fedavg", "lr": 0.1, "seeds": [0, 1, 2],
-                    "stat": "per layer: mean over clients of ||grad f_i|| (full batch, at the global model) "
-                            "and its variance over clients; then averaged over seeds",
-                    "wall_s": time.time() - t0}
+            print(
+                f"alpha={alpha:<5g} round {r:2d}  "
+                + "  ".join(f"{L}: mean {mu:.3f} var {v:.4f}" for L, mu, v in zip(layers, m["mean"], m["var"])),
+                flush=True,
+            )
+    res["_meta"] = {
+        "preset": "fedpgvc-digits",
+        "method": "fedavg",
+        "lr": 0.1,
+        "seeds": [0, 1, 2],
+        "stat": "per layer: mean over clients of ||grad f_i|| (full batch, at the global model) "
+        "and its variance over clients; then averaged over seeds",
+        "wall_s": time.time() - t0,
+    }
     with open(OUT, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {os.path.relpath(OUT)} in {time.time() - t0:.1f} s")

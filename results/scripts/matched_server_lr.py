@@ -26,6 +26,7 @@ Steps (each skipped when its output exists, so an interrupted job can be re-run)
    apart: the schedule is then the per-round mean of r_t over the seeds, replayed by every seed).
 3. ``--out``: ``compare`` of the controls, labelled ``<method>-lrmatched``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,7 +66,7 @@ def log_step_norms(agg):
 
 def _metrics(run_dir):
     files, run = runstore.open_setup(os.path.dirname(run_dir), cached=False), os.path.basename(run_dir)
-    if not files.exists(f"{run}/metrics.jsonl"):     # (a gzipped one on disk reads under this name)
+    if not files.exists(f"{run}/metrics.jsonl"):  # (a gzipped one on disk reads under this name)
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl(.gz), on disk or in {files.archive}")
     return files.metrics(run)
 
@@ -85,15 +86,20 @@ def schedule(log_dir, label, seeds, rounds):
             raise ValueError(f"{log_dir}/{label}-s{s}: a round excluded a client; r_t is defined on full rounds")
         r = [g["agg"]["step_norm"] / g["agg"]["fedavg_step_norm"] for g in m]
         runs.append({"seed": s, "clients": [g["clients"] for g in m], "server_lr": r})
-    out = {"definition": "server_lr[t] = ||x_{t+1} - x_t|| / ||sum_k p_k U_k|| in round t of the recorded run "
-                         "(p_k = n_k / sum n over the round's participants); FedAvg/FedAvgM replay it as their "
-                         "round-t server learning rate on the same sampling stream",
-           "source": os.path.relpath(log_dir, REPO), "method": label}
+    out = {
+        "definition": "server_lr[t] = ||x_{t+1} - x_t|| / ||sum_k p_k U_k|| in round t of the recorded run "
+        "(p_k = n_k / sum n over the round's participants); FedAvg/FedAvgM replay it as their "
+        "round-t server learning rate on the same sampling stream",
+        "source": os.path.relpath(log_dir, REPO),
+        "method": label,
+    }
     if len(runs) > 1 and all(r["clients"] == runs[0]["clients"] for r in runs):
         # every seed samples the same clients (e.g. full participation): the sampling stream cannot tell
         # the seeds' schedules apart, so every seed replays the per-round mean over the seeds
-        out["definition"] += ("; here every seed sampled the same clients in every round, so the schedule is "
-                              "the per-round mean of r_t over the seeds " + str(seeds) + " (per seed: 'per_seed')")
+        out["definition"] += (
+            "; here every seed sampled the same clients in every round, so the schedule is "
+            "the per-round mean of r_t over the seeds " + str(seeds) + " (per seed: 'per_seed')"
+        )
         out["per_seed"] = {str(r["seed"]): r["server_lr"] for r in runs}
         out["server_lr"] = [sum(v) / len(v) for v in zip(*(r["server_lr"] for r in runs))]
         return out
@@ -126,8 +132,9 @@ def main(argv=None):
         build = Simulation._build_aggregator
         Simulation._build_aggregator = lambda self: log_step_norms(build(self))
         try:
-            compare(base, [(a.method, known[a.method])], seeds=seeds, out_dir=a.log_out, rounds=a.rounds,
-                    preset=a.preset)
+            compare(
+                base, [(a.method, known[a.method])], seeds=seeds, out_dir=a.log_out, rounds=a.rounds, preset=a.preset
+            )
         finally:
             Simulation._build_aggregator = build
     if a.log_only:
@@ -145,8 +152,7 @@ def main(argv=None):
         v.setdefault("options", {})["server_lr_schedule"] = rel
         ctrls.append((f"{lab}-lrmatched", v))
     if not _done(a.out):
-        compare(base, ctrls, seeds=seeds, out_dir=a.out, rounds=a.rounds, preset=a.preset,
-                baseline=ctrls[0][0])
+        compare(base, ctrls, seeds=seeds, out_dir=a.out, rounds=a.rounds, preset=a.preset, baseline=ctrls[0][0])
     return 0
 
 

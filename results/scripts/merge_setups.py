@@ -14,6 +14,7 @@ command that produced it.
 Archived setups (results/runs/<paper>/<setup>.tar.xz, results/scripts/runstore.py) are unpacked
 first; when SRC or DST was archived, SRC's archive is deleted and DST is packed again afterwards.
 """
+
 from __future__ import annotations
 
 import glob
@@ -46,7 +47,7 @@ def merge(src: str, dst: str) -> None:
         a["runs"] = a["runs"] + b["runs"]
         merged = a
     archived = [d for d in (src, dst) if os.path.exists(runstore.archive_path(d))]
-    for d in archived:   # the archived runs not on disk (never overwrites a file on disk)
+    for d in archived:  # the archived runs not on disk (never overwrites a file on disk)
         runstore.unpack(d)
     runs = sorted(glob.glob(os.path.join(src, "*-s[0-9]*")))
     os.makedirs(dst, exist_ok=True)
@@ -72,7 +73,7 @@ def merge(src: str, dst: str) -> None:
     shutil.rmtree(src)
     if archived:
         for d in archived:
-            os.remove(runstore.archive_path(d))   # everything it held is on disk (unpacked above)
+            os.remove(runstore.archive_path(d))  # everything it held is on disk (unpacked above)
         print(f"packed {dst} -> {runstore.pack(dst)}")
 
 

@@ -13,6 +13,7 @@ Figures, schedule.json and other files stay in the setup directory. The same fil
 bytes (format: results/scripts/runstore.py).
 Bad input: one line, exit 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,15 @@ import runstore  # noqa: E402
 
 
 def main(argv=None) -> int:
-    a, results = runstore.setups_from_cli(__doc__, "every setup under results/ with run directories on disk", argv,
-                                          extra=[("--keep", "keep the packed files on disk")])
+    a, results = runstore.setups_from_cli(
+        __doc__,
+        "every setup under results/ with run directories on disk",
+        argv,
+        extra=[("--keep", "keep the packed files on disk")],
+    )
     try:
         dirs = runstore.setup_dirs(results) if a.all else a.setups
-    except ValueError as e:      # an archive in the old format
+    except ValueError as e:  # an archive in the old format
         print(f"pack_runs: {e}", file=sys.stderr)
         return 2
     for d in a.setups:
@@ -43,8 +48,10 @@ def main(argv=None) -> int:
             return 2
         if arc is None:
             if not a.all:
-                print(f"pack_runs: SETUP_DIR={d!r} holds no run directory (<label>-s<seed>); nothing packed",
-                      file=sys.stderr)
+                print(
+                    f"pack_runs: SETUP_DIR={d!r} holds no run directory (<label>-s<seed>); nothing packed",
+                    file=sys.stderr,
+                )
                 return 2
             continue
         n += 1

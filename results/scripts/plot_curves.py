@@ -13,6 +13,7 @@ figures' resolution) and re-encoded as a palette PNG (shrink_png). Rounds FedAWA
 (FedAvg steps by design, from the logged phase) are shaded. The file is written through a
 temporary file and a rename (no partial figure on an interrupt).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ import os
 import sys
 
 import matplotlib
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
@@ -30,23 +32,28 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from fedkernels.sim.report import BANDS, atomic_path, explore_notes, explore_rounds  # noqa: E402
 from fedkernels.sim.stats import t_ppf  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (archived or on-disk run directories)
 
-FIGURE_DPI = 90      # the committed figures (results/<paper>/<setup>/*.png; replot.py, this script): small and readable
+FIGURE_DPI = 90  # the committed figures (results/<paper>/<setup>/*.png; replot.py, this script): small and readable
 
 
 def shrink_png(path):
     """Re-encodes a figure as a 256-colour palette PNG (same pixels size and dpi, colours within a few
     levels: about a third of the bytes), atomically. The committed figures are stored this way."""
     from PIL import Image
+
     with Image.open(path) as im:
         im.load()
         dpi = im.info.get("dpi")
         rgb = im.convert("RGBA")
     white = Image.new("RGBA", rgb.size, (255, 255, 255, 255))
-    q = Image.alpha_composite(white, rgb).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT,
-                                                                   dither=Image.Dither.NONE)
+    q = (
+        Image.alpha_composite(white, rgb)
+        .convert("RGB")
+        .quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    )
     with atomic_path(path) as tmp:
         q.save(tmp, format="PNG", optimize=True, **({"dpi": dpi} if dpi else {}))
     return path
@@ -64,8 +71,9 @@ def curves(setup_dir, metric="global_loss"):
     for run in files.runs():
         label = run.rsplit("-s", 1)[0]
         ms = files.metrics(run)
-        pts = [(m["round"], m[metric]) for m in ms if isinstance(m.get(metric), (int, float))
-               and math.isfinite(m[metric])]
+        pts = [
+            (m["round"], m[metric]) for m in ms if isinstance(m.get(metric), (int, float)) and math.isfinite(m[metric])
+        ]
         if pts:
             out.setdefault(label, []).append((dict(pts), explore_rounds(ms)))
     return out
@@ -80,8 +88,10 @@ def main(argv):
             band, argv = argv[1], argv[2:]
         elif argv[0] == "--dpi":
             if len(argv) < 2 or not argv[1].isdigit() or int(argv[1]) < 1:
-                print(f"plot_curves: --dpi={argv[1] if len(argv) > 1 else ''!r}; expected a positive integer",
-                      file=sys.stderr)
+                print(
+                    f"plot_curves: --dpi={argv[1] if len(argv) > 1 else ''!r}; expected a positive integer",
+                    file=sys.stderr,
+                )
                 sys.exit(2)
             dpi, argv = int(argv[1]), argv[2:]
         else:
@@ -90,8 +100,11 @@ def main(argv):
         sys.exit(__doc__)
     for d in argv[1:]:
         if not runstore.open_setup(d).runs():
-            print(f"plot_curves: DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
-                  "expected a setup results/<paper>/<setup>", file=sys.stderr)
+            print(
+                f"plot_curves: DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
+                "expected a setup results/<paper>/<setup>",
+                file=sys.stderr,
+            )
             sys.exit(2)
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     scale = 100.0 if metric == "accuracy" else 1.0
@@ -102,14 +115,21 @@ def main(argv):
             Y = scale * np.array([[c[r] for r in rounds] for c, _ in runs], dtype=float)
             n = len(runs)
             nseeds.add(n)
-            line, = ax.plot(rounds, Y.mean(0), marker=markers[i % len(markers)], markersize=3,
-                            markevery=max(1, len(rounds) // 12), lw=1.2, label=f"{label} (n={n})")
+            (line,) = ax.plot(
+                rounds,
+                Y.mean(0),
+                marker=markers[i % len(markers)],
+                markersize=3,
+                markevery=max(1, len(rounds) // 12),
+                lw=1.2,
+                label=f"{label} (n={n})",
+            )
             i += 1
             if n > 1 and band != "none":
                 sd = Y.std(0, ddof=1)
                 h = sd if band == "std" else t_ppf(0.975, n - 1) * sd / math.sqrt(n)
                 lo = Y.mean(0) - h
-                if metric == "global_loss" and (lo <= 0).any():   # log axis: clip at the lowest seed
+                if metric == "global_loss" and (lo <= 0).any():  # log axis: clip at the lowest seed
                     lo, clipped = np.where(lo <= 0, Y.min(0), lo), True
                 ax.fill_between(rounds, lo, Y.mean(0) + h, alpha=0.15, color=line.get_color(), lw=0)
             explore[label] = [ex for _, ex in runs]
@@ -127,11 +147,16 @@ def main(argv):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     k = ",".join(str(x) for x in sorted(nseeds))
-    cap = [f"Lines: mean over seeds (n = {k}); band: "
-           + {"std": "± 1 sample standard deviation (n-1)", "ci": "95% Student-t confidence interval of the mean",
-              "none": "none"}[band]
-           + (" (log axis: the lower edge is clipped at the lowest seed where mean - sd <= 0)" if clipped else "")
-           + "."] + notes
+    cap = [
+        f"Lines: mean over seeds (n = {k}); band: "
+        + {
+            "std": "± 1 sample standard deviation (n-1)",
+            "ci": "95% Student-t confidence interval of the mean",
+            "none": "none",
+        }[band]
+        + (" (log axis: the lower edge is clipped at the lowest seed where mean - sd <= 0)" if clipped else "")
+        + "."
+    ] + notes
     fig.text(0.01, 0.01, "\n".join(cap), fontsize=7, va="bottom", ha="left", wrap=True)
     fig.tight_layout(rect=(0, 0.03 + 0.03 * len(cap), 1, 1))
     try:

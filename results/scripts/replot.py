@@ -10,6 +10,7 @@ FedAWARE explore warm-up shaded and named, and a title naming the setup. PNG onl
 results keep no PDF/SVG copies), at plot_curves.FIGURE_DPI (90; a run's own figures have 200) and
 re-encoded as 256-colour palette PNGs (plot_curves.shrink_png) to keep the repository small.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,6 +21,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from fedkernels.sim.config import RunConfig  # noqa: E402
 from fedkernels.sim.report import describe_setup, plot_curves  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (one reader of the archived or on-disk per-round logs)
 from plot_curves import FIGURE_DPI, shrink_png  # noqa: E402  (the committed figures: their dpi, palette PNGs)
@@ -29,7 +31,7 @@ def replot(setup_dir, dpi=FIGURE_DPI):
     runs = {}
     files = runstore.open_setup(setup_dir)
     for run in files.runs():
-        if files.exists(f"{run}/metrics.jsonl"):     # (a gzipped one on disk reads under this name)
+        if files.exists(f"{run}/metrics.jsonl"):  # (a gzipped one on disk reads under this name)
             runs.setdefault(run.rsplit("-s", 1)[0], []).append(files.metrics(run))
     if not runs:
         return None
@@ -44,8 +46,7 @@ def replot(setup_dir, dpi=FIGURE_DPI):
         except (KeyError, TypeError, ValueError):
             pass
     os.makedirs(setup_dir, exist_ok=True)
-    out = plot_curves(runs, os.path.join(setup_dir, "compare.png"), title=title, band="std", formats=("png",),
-                      dpi=dpi)
+    out = plot_curves(runs, os.path.join(setup_dir, "compare.png"), title=title, band="std", formats=("png",), dpi=dpi)
     return shrink_png(out) if out else out
 
 
@@ -56,8 +57,11 @@ def main(argv):
     dirs = argv or runstore.setup_dirs(os.path.join(REPO, "results"))
     for d in argv:
         if not runstore.open_setup(d).runs():
-            print(f"replot: SETUP_DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
-                  "expected results/<paper>/<setup>", file=sys.stderr)
+            print(
+                f"replot: SETUP_DIR={d!r} has no run directories, on disk or in {runstore.archive_path(d)}; "
+                "expected results/<paper>/<setup>",
+                file=sys.stderr,
+            )
             return 2
     for d in dirs:
         p = replot(d, dpi)

@@ -26,6 +26,7 @@ run directories on disk) and an unpacked or extended one read alike; nothing is 
 :func:`pack` writes exactly that view (so re-running or adding some runs on disk and packing keeps
 the other archived runs); :func:`unpack` writes the archived runs that are not on disk.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -37,13 +38,13 @@ import os
 import tarfile
 from typing import Dict, List, Optional, Union
 
-RUN_PATTERN = "*-s[0-9]*"            # a run directory: <label>-s<seed>
-RAW_TOP = ("compare.json", "compare.csv", "compare.md", "compare.tex")   # a setup's raw top-level files
-ARCHIVES = "runs"                    # results/runs/<paper>/<setup>.tar.xz
+RUN_PATTERN = "*-s[0-9]*"  # a run directory: <label>-s<seed>
+RAW_TOP = ("compare.json", "compare.csv", "compare.md", "compare.tex")  # a setup's raw top-level files
+ARCHIVES = "runs"  # results/runs/<paper>/<setup>.tar.xz
 SUFFIX = ".tar.xz"
 XZ = dict(format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=9 | lzma.PRESET_EXTREME)
-OLD_SUFFIX = ".tar.gz"               # the older format (gzipped members, gzip): refused, never read
-NOT_PACKED = (".pt",)                # model files and checkpoints are never committed (REPORT.md)
+OLD_SUFFIX = ".tar.gz"  # the older format (gzipped members, gzip): refused, never read
+NOT_PACKED = (".pt",)  # model files and checkpoints are never committed (REPORT.md)
 
 
 def is_run(name: str) -> bool:
@@ -68,15 +69,20 @@ def refuse_old_archive(path: str):
     reader reads (a stale one would otherwise be skipped silently), saying how to convert it."""
     if path.endswith(OLD_SUFFIX):
         root = os.path.dirname(os.path.dirname(os.path.dirname(path)))
-        setup_dir = os.path.join(root, os.path.basename(os.path.dirname(path)), os.path.basename(path)[:-len(OLD_SUFFIX)])
-        raise ValueError(f"{path}: an archive in the old format ({OLD_SUFFIX}); expected {SUFFIX}: convert it with "
-                         f"`tar xzf {path} -C {root}`, delete it, then `python results/scripts/pack_runs.py {setup_dir}`")
+        setup_dir = os.path.join(
+            root, os.path.basename(os.path.dirname(path)), os.path.basename(path)[: -len(OLD_SUFFIX)]
+        )
+        raise ValueError(
+            f"{path}: an archive in the old format ({OLD_SUFFIX}); expected {SUFFIX}: convert it with "
+            f"`tar xzf {path} -C {root}`, delete it, then `python results/scripts/pack_runs.py {setup_dir}`"
+        )
 
 
 def setups_from_cli(doc: str, all_help: str, argv=None, extra=()):
     """The command line shared by pack_runs.py and unpack.py: ``SETUP_DIR ...`` or ``--all`` (plus
     ``extra`` flags: (name, help) store_true pairs) -> (parsed arguments, the results directory)."""
     import argparse
+
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("setups", nargs="*", metavar="SETUP_DIR")
     ap.add_argument("--all", action="store_true", help=all_help)
@@ -96,16 +102,22 @@ def setup_dirs(root: str) -> List[str]:
         pd = os.path.join(root, paper)
         if paper == ARCHIVES or paper.startswith(".") or not os.path.isdir(pd):
             continue
-        out.update(os.path.join(root, paper, s) for s in os.listdir(pd)
-                   if not s.startswith(".") and os.path.isdir(os.path.join(pd, s)))
+        out.update(
+            os.path.join(root, paper, s)
+            for s in os.listdir(pd)
+            if not s.startswith(".") and os.path.isdir(os.path.join(pd, s))
+        )
     ad = os.path.join(root, ARCHIVES)
     if os.path.isdir(ad):
         for paper in os.listdir(ad):
             if os.path.isdir(os.path.join(ad, paper)):
                 for a in os.listdir(os.path.join(ad, paper)):
                     refuse_old_archive(os.path.join(ad, paper, a))
-                out.update(os.path.join(root, paper, a[:-len(SUFFIX)]) for a in os.listdir(os.path.join(ad, paper))
-                           if a.endswith(SUFFIX))
+                out.update(
+                    os.path.join(root, paper, a[: -len(SUFFIX)])
+                    for a in os.listdir(os.path.join(ad, paper))
+                    if a.endswith(SUFFIX)
+                )
     return sorted(out)
 
 
@@ -142,9 +154,11 @@ def read_archive(path: str, prefix: str) -> Dict[str, bytes]:
             if not m.isfile() or not m.name.startswith(prefix) or ".." in m.name.split("/"):
                 raise ValueError(f"{path}: member {m.name!r} is not a regular file under {prefix!r}")
             if stored_name(m.name) != m.name:
-                raise ValueError(f"{path}: member {m.name!r} is gzipped; expected uncompressed members "
-                                 "(pack_runs.py stores X.gz as X)")
-            out[m.name[len(prefix):]] = tf.extractfile(m).read()
+                raise ValueError(
+                    f"{path}: member {m.name!r} is gzipped; expected uncompressed members "
+                    "(pack_runs.py stores X.gz as X)"
+                )
+            out[m.name[len(prefix) :]] = tf.extractfile(m).read()
     return out
 
 
@@ -157,9 +171,9 @@ class Setup:
         root, paper, setup = _split(self.dir)
         self.archive = archive_path(self.dir)
         self.prefix = f"{paper}/{setup}/"
-        if os.path.exists(self.archive[:-len(SUFFIX)] + OLD_SUFFIX):
-            refuse_old_archive(self.archive[:-len(SUFFIX)] + OLD_SUFFIX)
-        self._files: Dict[str, Union[bytes, str]] = {}   # the bytes, or (str) the file on disk to read
+        if os.path.exists(self.archive[: -len(SUFFIX)] + OLD_SUFFIX):
+            refuse_old_archive(self.archive[: -len(SUFFIX)] + OLD_SUFFIX)
+        self._files: Dict[str, Union[bytes, str]] = {}  # the bytes, or (str) the file on disk to read
         if os.path.exists(self.archive):
             self._files.update(read_archive(self.archive, self.prefix))
         disk = _disk_raw_files(self.dir)
@@ -174,8 +188,9 @@ class Setup:
             name = stored_name(f)
             if name in on_disk:
                 base = os.path.basename(name)
-                raise ValueError(f"{os.path.join(self.dir, name)}: both {base} and {base}.gz on disk; "
-                                 "expected one of them")
+                raise ValueError(
+                    f"{os.path.join(self.dir, name)}: both {base} and {base}.gz on disk; expected one of them"
+                )
             on_disk[name] = f
         self._files.update(on_disk)
 
@@ -184,8 +199,9 @@ class Setup:
 
     def runs(self, pattern: str = RUN_PATTERN) -> List[str]:
         """Names of the run directories matching ``pattern`` (a glob pattern), sorted."""
-        return sorted({f.split("/", 1)[0] for f in self._files if "/" in f
-                       and fnmatch.fnmatchcase(f.split("/", 1)[0], pattern)})
+        return sorted(
+            {f.split("/", 1)[0] for f in self._files if "/" in f and fnmatch.fnmatchcase(f.split("/", 1)[0], pattern)}
+        )
 
     def exists(self, rel: str) -> bool:
         return rel in self._files
@@ -266,8 +282,10 @@ def pack(setup_dir: str, remove: bool = True) -> Optional[str]:
         if os.path.islink(p) or not os.path.isfile(p):
             raise ValueError(f"{p}: a link or not a plain file; expected plain files only in a run directory")
         if rel.endswith(NOT_PACKED):
-            raise ValueError(f"{p}: model/checkpoint files are not committed; run results/analyze.py once "
-                             "(it caches head_stats.json), then delete the .pt files and pack again")
+            raise ValueError(
+                f"{p}: model/checkpoint files are not committed; run results/analyze.py once "
+                "(it caches head_stats.json), then delete the .pt files and pack again"
+            )
     view = Setup(setup_dir)
     files = {rel: view.read(rel) for rel in view.files()}
     arc = view.archive
@@ -287,7 +305,7 @@ def pack(setup_dir: str, remove: bool = True) -> Optional[str]:
             os.remove(os.path.join(setup_dir, rel))
         for run in sorted({r.split("/", 1)[0] for r in rels if "/" in r}):
             for dirpath, _, _ in sorted(os.walk(os.path.join(setup_dir, run)), key=lambda t: -len(t[0])):
-                os.rmdir(dirpath)     # empty after the removal above; a stray file would raise here
+                os.rmdir(dirpath)  # empty after the removal above; a stray file would raise here
     _CACHE.pop(os.path.normpath(os.path.abspath(setup_dir)), None)
     return arc
 
@@ -311,7 +329,7 @@ def unpack(setup_dir: str):
             continue
         p = os.path.join(setup_dir, rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
-        with open(p, "xb") as f:      # never overwrites
+        with open(p, "xb") as f:  # never overwrites
             f.write(b)
         written.append(p)
     _CACHE.pop(os.path.normpath(os.path.abspath(setup_dir)), None)

@@ -10,6 +10,7 @@ reading). results/analyze.py and the plotting scripts read the archives directly
 needed to look at the files (pack_runs.py packs new or re-run runs together with the archived ones).
 Bad input: one line, exit 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,15 +23,20 @@ import runstore  # noqa: E402
 def main(argv=None) -> int:
     a, results = runstore.setups_from_cli(__doc__, "every archived setup under results/", argv)
     try:
-        dirs = [d for d in runstore.setup_dirs(results) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
+        dirs = (
+            [d for d in runstore.setup_dirs(results) if os.path.exists(runstore.archive_path(d))] if a.all else a.setups
+        )
         for d in dirs:
             if not os.path.exists(runstore.archive_path(d)):
                 print(f"unpack: SETUP_DIR={d!r} has no archive {runstore.archive_path(d)}", file=sys.stderr)
                 return 2
         for d in dirs:
             wrote, kept = runstore.unpack(d)
-            print(f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written"
-                  + (f"; kept on disk instead of the archive's: {', '.join(kept)}" if kept else "") + ")")
+            print(
+                f"unpacked {runstore.archive_path(d)} -> {d} ({len(wrote)} files written"
+                + (f"; kept on disk instead of the archive's: {', '.join(kept)}" if kept else "")
+                + ")"
+            )
     except ValueError as e:
         print(f"unpack: {e}", file=sys.stderr)
         return 2

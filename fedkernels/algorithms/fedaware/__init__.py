@@ -24,6 +24,7 @@ in its one symmetrising pass, not by the caller), and one ``ops.weighted_sum`` o
 ELUD (logged): up to ELUD_GRAM_MAX_K participants from their k x k Gram (the pass that screens U), above it
 from two O(kd) sums in the momentum pass (``options.EludSums``). No K x d temporaries.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,7 +38,7 @@ from ..base import AggResult, Aggregator, RoundInput, id_tensor, register, table
 from ..parts import ServerMomentum, momentum_attr
 from .options import ELUD_GRAM_MAX_K, EludSums, check_num_clients, check_options, elud, new_table, table_weighted_sum
 
-ZERO_REL = 1e-12   # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
+ZERO_REL = 1e-12  # q <= ZERO_REL * max_i G_ii: the origin is in the hull (zero_direction)
 
 
 def aware_scale(G_tilde: torch.Tensor, d: torch.Tensor) -> float:
@@ -63,22 +64,54 @@ class FedAWARE(Aggregator):
 
     option_ranges = {"max_iter": ">= 1"}
 
-    def __init__(self, alpha: float = 0.5, normalize: bool = True, warmup: str = "explore",
-                 init: str = "ema_from_zero", method: str = "away", solver_init: str = "best_pair",
-                 max_iter: int = 1000, tol: float = 1e-6, tol_abs: float = 1e-12, warm_start: bool = False,
-                 code_compat: bool = False, zero_fallback: str = "zero", variant: str = "aware",
-                 extension: Optional[str] = None, ext_beta: float = 0.7, elud: bool = True,
-                 num_clients: Optional[int] = None, solver: Optional[Callable] = None,
-                 momentum_dtype: Optional[torch.dtype] = None, momentum_device=None,
-                 momentum_file: Optional[Union[str, os.PathLike]] = None, **kw):
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        normalize: bool = True,
+        warmup: str = "explore",
+        init: str = "ema_from_zero",
+        method: str = "away",
+        solver_init: str = "best_pair",
+        max_iter: int = 1000,
+        tol: float = 1e-6,
+        tol_abs: float = 1e-12,
+        warm_start: bool = False,
+        code_compat: bool = False,
+        zero_fallback: str = "zero",
+        variant: str = "aware",
+        extension: Optional[str] = None,
+        ext_beta: float = 0.7,
+        elud: bool = True,
+        num_clients: Optional[int] = None,
+        solver: Optional[Callable] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
+        momentum_device=None,
+        momentum_file: Optional[Union[str, os.PathLike]] = None,
+        **kw,
+    ):
         super().__init__(**kw)
-        check_options(self.name, alpha, warmup, init, method, solver_init, max_iter, tol, tol_abs, zero_fallback,
-                      variant, extension, ext_beta, solver)
+        check_options(
+            self.name,
+            alpha,
+            warmup,
+            init,
+            method,
+            solver_init,
+            max_iter,
+            tol,
+            tol_abs,
+            zero_fallback,
+            variant,
+            extension,
+            ext_beta,
+            solver,
+        )
         self.momentum_dtype, self.momentum_device = momentum_dtype, momentum_device
-        self.momentum_file = tables.check_path(self.name, "momentum_file", momentum_file, momentum_device,
-                                               "momentum_device")
-        self.table_version = 0                       # completed momentum updates (a file table's marker)
-        self._torn: Optional[str] = None             # why the table is half-updated (a failed momentum pass)
+        self.momentum_file = tables.check_path(
+            self.name, "momentum_file", momentum_file, momentum_device, "momentum_device"
+        )
+        self.table_version = 0  # completed momentum updates (a file table's marker)
+        self._torn: Optional[str] = None  # why the table is half-updated (a failed momentum pass)
         self.alpha = float(alpha)
         self.normalize, self.warmup, self.init = bool(normalize), warmup, init
         self.method = "code_compat" if code_compat else method
@@ -89,12 +122,12 @@ class FedAWARE(Aggregator):
         self.solver = solver if solver is not None else _default_solver
         if num_clients is not None:
             self.num_clients = check_num_clients(num_clients)
-        self.M: Optional[torch.Tensor] = None        # [N, d] momenta of the updates
-        self.Gm: Optional[torch.Tensor] = None       # [N, N] fp64 cache of M M^T (CPU)
-        self.seen: Optional[torch.Tensor] = None     # [N] bool
+        self.M: Optional[torch.Tensor] = None  # [N, d] momenta of the updates
+        self.Gm: Optional[torch.Tensor] = None  # [N, N] fp64 cache of M M^T (CPU)
+        self.seen: Optional[torch.Tensor] = None  # [N] bool
         self.n_examples: Optional[torch.Tensor] = None  # [N] fp64: last reported sample count
-        self.lam_prev: Optional[torch.Tensor] = None    # [N] fp64
-        self._ext = ServerMomentum(self.ext_beta)      # the fedavgm extension's own momentum
+        self.lam_prev: Optional[torch.Tensor] = None  # [N] fp64
+        self._ext = ServerMomentum(self.ext_beta)  # the fedavgm extension's own momentum
 
     ext_momentum = momentum_attr("_ext")
 
@@ -122,16 +155,24 @@ class FedAWARE(Aggregator):
     # ---- state tables -------------------------------------------------------------------------------
     def _alloc(self, like: torch.Tensor) -> None:
         if self.num_clients is None:
-            raise ValueError("fedaware needs the number of clients N: pass num_clients=N to the constructor "
-                             "or call setup(num_clients=N) before the first round")
+            raise ValueError(
+                "fedaware needs the number of clients N: pass num_clients=N to the constructor "
+                "or call setup(num_clients=N) before the first round"
+            )
         if self._torn is not None:
             raise RuntimeError(self._torn)
         N, d = self.num_clients, like.numel()
         self._like = (like.dtype, like.device)
         if self.M is None:
             if self.momentum_file is not None:
-                self.M = tables.table_file(self.momentum_file, N, d, self.momentum_dtype or like.dtype,
-                                           exist_ok=False, what="fedaware: momentum_file")
+                self.M = tables.table_file(
+                    self.momentum_file,
+                    N,
+                    d,
+                    self.momentum_dtype or like.dtype,
+                    exist_ok=False,
+                    what="fedaware: momentum_file",
+                )
                 self.table_version = 0
                 tables.updated(self.momentum_file, 0)
             else:
@@ -159,39 +200,38 @@ class FedAWARE(Aggregator):
         idx = id_tensor(rin.client_ids)
         first = ~self.seen.index_select(0, idx) if self.init == "first_update" else None
         new_j = old_j = None
-        if first is not None and bool(first.any()):          # m_i := U_i at first participation
+        if first is not None and bool(first.any()):  # m_i := U_i at first participation
             new_j, old_j = first.nonzero().reshape(-1), (~first).nonzero().reshape(-1)
         span = self._row_span(idx) if new_j is None else None
         Gr = None
         path = self.momentum_file
         tables.updating(path, self.table_version + 1)
-        done, at = 0, None       # columns [0, done) of the rows updated; ``at``: the block being written
-        half = False             # the in-place update of block ``at`` has made (1 - a) m_i, not yet + a U_i
+        done, at = 0, None  # columns [0, done) of the rows updated; ``at``: the block being written
+        half = False  # the in-place update of block ``at`` has made (1 - a) m_i, not yet + a U_i
         try:
             for cols, Ub in rin.blocks(M.device):  # all of U (a tensor), or its column chunks (a source)
                 if sums is not None:
                     sums.add(Ub)
                 Mb, old, Uo = M[:, cols], idx, Ub
                 at = cols
-                if span is not None:                         # m_i <- (1 - a) m_i + a U_i on a run of rows, in
-                    Ms = Mb[span]                            # place: the gather path's arithmetic, no k x d copy
+                if span is not None:  # m_i <- (1 - a) m_i + a U_i on a run of rows, in
+                    Ms = Mb[span]  # place: the gather path's arithmetic, no k x d copy
                     half = True
                     Ms.mul_(1.0 - a)
                     Ms.add_(Ub, alpha=a)
                     half = False
                 else:
                     if new_j is not None:
-                        Mb.index_copy_(0, idx[new_j].to(M.device),
-                                       Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
+                        Mb.index_copy_(0, idx[new_j].to(M.device), Ub.index_select(0, new_j.to(M.device)).to(M.dtype))
                         old, Uo = idx[old_j], Ub.index_select(0, old_j.to(M.device))
-                    if old.numel():                          # m_i <- (1 - a) m_i + a U_i on the k rows:
-                        i = old.to(M.device)                 # gather, two in-place ops, scatter back
+                    if old.numel():  # m_i <- (1 - a) m_i + a U_i on the k rows:
+                        i = old.to(M.device)  # gather, two in-place ops, scatter back
                         Mb.index_copy_(0, i, Mb.index_select(0, i).mul_(1.0 - a).add_(Uo, alpha=a))
-                g = ops.gram(Mb, rows=idx)                   # [k, N] fp64 (summed over the chunks)
+                g = ops.gram(Mb, rows=idx)  # [k, N] fp64 (summed over the chunks)
                 Gr = g if Gr is None else Gr.add_(g)
                 done, at = M.size(1) if cols.stop is None else cols.stop, None
         except BaseException as e:
-            if at is None and done == 0:                     # failed before the first write: M is as it was
+            if at is None and done == 0:  # failed before the first write: M is as it was
                 tables.updated(path, self.table_version)
                 raise
             self._torn = self._torn_message(rin, done, at, e, half)
@@ -214,28 +254,36 @@ class FedAWARE(Aggregator):
         if idx.numel() < Gm.size(0):
             Gm.index_copy_(0, idx, Gr)
             Gm.T.index_copy_(0, idx, Gr)
-        elif in_order or bool((idx[1:] > idx[:-1]).all()):   # (distinct ids in [0, N): sorted means 0..N-1)
+        elif in_order or bool((idx[1:] > idx[:-1]).all()):  # (distinct ids in [0, N): sorted means 0..N-1)
             self.Gm = Gr.T
         else:
             self.Gm = Gr.index_select(0, torch.argsort(idx)).T
 
-    def _torn_message(self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException,
-                      half: bool = False) -> str:
+    def _torn_message(
+        self, rin: RoundInput, done: int, at: Optional[slice], e: BaseException, half: bool = False
+    ) -> str:
         d = self.M.size(1)
-        where = f"momentum_file {self.momentum_file!r} (its marker says 'updating')" if self.momentum_file else \
-            "the momentum table"
-        if at is None:                                       # between two blocks: the split is exact
+        where = (
+            f"momentum_file {self.momentum_file!r} (its marker says 'updating')"
+            if self.momentum_file
+            else "the momentum table"
+        )
+        if at is None:  # between two blocks: the split is exact
             cols, split = f"at column {done}", f"in columns 0..{done - 1}, the old ones from column {done} on"
         else:
             a, b = at.start or 0, at.stop if at.stop is not None else d
-            cols, split = f"in columns {a}..{b - 1}", \
-                f"before column {a}, the old ones after column {b - 1}, " + \
-                (f"(1 - alpha) times the old ones in between" if half else "either in between")
-        return (f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
-                f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
-                f"{split}; this aggregator refuses "
-                "further rounds and state_dict (load a state_dict saved before this round"
-                f"{' with a copy of the table file' if self.momentum_file else ''} to continue)")
+            cols, split = (
+                f"in columns {a}..{b - 1}",
+                f"before column {a}, the old ones after column {b - 1}, "
+                + (f"(1 - alpha) times the old ones in between" if half else "either in between"),
+            )
+        return (
+            f"fedaware: the momentum update of round {self.round} failed {cols} of d={d} "
+            f"({type(e).__name__}: {e}): in {where} the rows of clients {rin.client_ids} hold the new momenta "
+            f"{split}; this aggregator refuses "
+            "further rounds and state_dict (load a state_dict saved before this round"
+            f"{' with a copy of the table file' if self.momentum_file else ''} to continue)"
+        )
 
     # ---- state: a file table is referenced, not copied ---------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -291,13 +339,15 @@ class FedAWARE(Aggregator):
             if float(l.sum()) > 0:
                 lam0 = l
         kw = {} if scale is None else {"scale": scale}
-        lam, iters, gap = self.solver(G, self.max_iter, self.tol, method=self.method, init=self.solver_init,
-                                      tol_abs=self.tol_abs, lam0=lam0, **kw)
+        lam, iters, gap = self.solver(
+            G, self.max_iter, self.tol, method=self.method, init=self.solver_init, tol_abs=self.tol_abs, lam0=lam0, **kw
+        )
         return torch.as_tensor(lam, dtype=torch.float64).cpu(), int(iters), float(gap)
 
     def _wsum_M(self, coef, base=None, alpha=1.0, rows=None, out=None):
-        return table_weighted_sum(self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha,
-                                  rows, out)
+        return table_weighted_sum(
+            self.M, coef, getattr(self, "_like", (self.M.dtype, self.M.device)), base, alpha, rows, out
+        )
 
     def _na_coef(self):
         act = torch.nonzero(self.seen).reshape(-1)
@@ -314,8 +364,8 @@ class FedAWARE(Aggregator):
         act = torch.arange(self.num_clients) if active is None else active
         Graw = self._active_gram(act)
         nz, s = self._scale(Graw)
-        if self.solver is _default_solver:   # ops.min_norm makes s_i s_j (G + G^T) / 2 in its one pass over G
-            G = Graw.T if not Graw.is_contiguous() and Graw.T.is_contiguous() else Graw   # (same (G + G^T) / 2)
+        if self.solver is _default_solver:  # ops.min_norm makes s_i s_j (G + G^T) / 2 in its one pass over G
+            G = Graw.T if not Graw.is_contiguous() and Graw.T.is_contiguous() else Graw  # (same (G + G^T) / 2)
             lam, iters, gap = self._solve(G, act, scale=s)
         else:
             lam, iters, gap = self._solve(self._scaled_sym(Graw, s), act)
@@ -325,26 +375,38 @@ class FedAWARE(Aggregator):
         w = lam.index_select(0, on)
         if s is not None:
             w.mul_(s.index_select(0, on))
-        Gc = Graw.T if not Graw.is_contiguous() else Graw    # (the same q from G^T)
+        Gc = Graw.T if not Graw.is_contiguous() else Graw  # (the same q from G^T)
         m = on.numel()
         G_SS = Gc.reshape(-1).index_select(0, (on[:, None] * Gc.size(1) + on).reshape(-1)).view(m, m)
         q = float(w @ (G_SS @ w))
         dg = torch.diagonal(Graw)
         zero_dir = not (q > ZERO_REL * float((dg if s is None else dg * s * s).max()))
-        self.lam_prev = lam if active is None else \
-            torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
+        self.lam_prev = (
+            lam if active is None else torch.zeros(self.num_clients, dtype=torch.float64).index_copy_(0, active, lam)
+        )
         coef = lam / nz
         sup = torch.nonzero(coef).reshape(-1)
         rows, c = act.index_select(0, sup), coef.index_select(0, sup)
-        info.update(lam=self.lam_prev.tolist(), support=rows.tolist(), coef=c.tolist(), q=q, gap=gap,
-                    iterations=iters, zero_direction=zero_dir, num_active=int(act.numel()))
+        info.update(
+            lam=self.lam_prev.tolist(),
+            support=rows.tolist(),
+            coef=c.tolist(),
+            q=q,
+            gap=gap,
+            iterations=iters,
+            zero_direction=zero_dir,
+            num_active=int(act.numel()),
+        )
         return rows, c, zero_dir
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         """ELUD's screening pass (:meth:`elud_passes`), the extension's base step, then the momenta: U into
         the K rows of M (read, written), their Gram against M, the step's sum over M."""
-        return self.elud_passes(K) + (("sum",) if self.extension is not None else ()) \
+        return (
+            self.elud_passes(K)
+            + (("sum",) if self.extension is not None else ())
             + table_passes(self.momentum_device, self.momentum_file, "sum", "table", "table_gram", "table_sum")
+        )
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         x = rin.global_flat
@@ -353,9 +415,9 @@ class FedAWARE(Aggregator):
         info: Dict[str, Any] = {}
         sums = None
         if self.log_elud:
-            if rin.K <= ELUD_GRAM_MAX_K:   # the participants' Gram pass also screens U's rows (screen_in_pass)
-                info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))   # G rides in the flags' host copy
-            else:                          # O(kd) sums in the momentum pass (its blocks screen the rows first)
+            if rin.K <= ELUD_GRAM_MAX_K:  # the participants' Gram pass also screens U's rows (screen_in_pass)
+                info["elud"], info["elud_sqrt"] = elud(rin.gram(host=True))  # G rides in the flags' host copy
+            else:  # O(kd) sums in the momentum pass (its blocks screen the rows first)
                 sums = EludSums(rin.K)
         # the base method's step G~ (AWARE extension) or the FedAvg step used while exploring
         p = rin.sample_weights()
@@ -402,5 +464,5 @@ class FedAWARE(Aggregator):
             new = x.add(d, alpha=step) if o is None else torch.add(x, d, alpha=step, out=o)
             info["projection_scale"] = scale
             return AggResult(new, info)
-        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows, out=rin.take_out())   # (into out, if given)
+        new = self._wsum_M(c, base=x, alpha=self.server_lr, rows=rows, out=rin.take_out())  # (into out, if given)
         return AggResult(new, info)

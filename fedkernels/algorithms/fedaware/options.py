@@ -36,6 +36,7 @@ steps): the aggregator raises a RuntimeError naming the columns and the clients,
 further rounds and ``state_dict`` (no checkpoint of a torn table); a process that dies there leaves the file's marker at "updating",
 which ``load_state_dict`` refuses. Undoing the rows would need a copy of them (k x d), so it is not done.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,16 +53,33 @@ WARMUPS = ("explore", "startup_full", "mask")
 INITS = ("ema_from_zero", "first_update")
 
 
-def check_options(name: str, alpha: float, warmup, init, method, solver_init, max_iter, tol, tol_abs,
-                  zero_fallback, variant, extension, ext_beta, solver) -> None:
+def check_options(
+    name: str,
+    alpha: float,
+    warmup,
+    init,
+    method,
+    solver_init,
+    max_iter,
+    tol,
+    tol_abs,
+    zero_fallback,
+    variant,
+    extension,
+    ext_beta,
+    solver,
+) -> None:
     """One-line ValueError for the first option outside its range (see the module docstring)."""
     if not (0.0 < float(alpha) <= 1.0):
         raise ValueError(f"fedaware: alpha must lie in (0, 1], got {alpha}")
-    for opt, v, allowed in (("warmup", warmup, WARMUPS), ("init", init, INITS),
-                            ("zero_fallback", zero_fallback, ("zero", "na")),
-                            ("variant", variant, ("aware", "na")),
-                            ("extension", extension, (None, "fedavg", "fedavgm")),
-                            ("solver_init", solver_init, ("best_pair", "min_diag"))):
+    for opt, v, allowed in (
+        ("warmup", warmup, WARMUPS),
+        ("init", init, INITS),
+        ("zero_fallback", zero_fallback, ("zero", "na")),
+        ("variant", variant, ("aware", "na")),
+        ("extension", extension, (None, "fedavg", "fedavgm")),
+        ("solver_init", solver_init, ("best_pair", "min_diag")),
+    ):
         check_choice(name, opt, v, allowed)
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
         raise ValueError(f"fedaware: max_iter must be an int >= 0, got {max_iter!r}")
@@ -84,18 +102,22 @@ def new_table(N: int, like: torch.Tensor, dtype=None, device=None) -> torch.Tens
     """A zero [N, d] table (dtype / device of ``like`` unless given), refused before it is made when
     it cannot fit in memory."""
     from ..._memory import check_alloc
+
     d = like.numel()
-    check_alloc(N * d * like.element_size(), f"fedaware momentum table N={N} x d={d} {like.dtype}",
-                like.device, hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "
-                "aggregate in column chunks (fedkernels.streaming).")
+    check_alloc(
+        N * d * like.element_size(),
+        f"fedaware momentum table N={N} x d={d} {like.dtype}",
+        like.device,
+        hint="Keep the table in bfloat16 (pass a bfloat16 global model), or "
+        "aggregate in column chunks (fedkernels.streaming).",
+    )
     return torch.zeros((N, d), dtype=dtype or like.dtype, device=like.device if device is None else device)
 
 
-TABLE_COLS = 1 << 18   # columns per block when a converted table sum is written into ``out``
+TABLE_COLS = 1 << 18  # columns per block when a converted table sum is written into ``out``
 
 
-def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.0, rows=None,
-                       out=None) -> torch.Tensor:
+def table_weighted_sum(M: torch.Tensor, coef, like, base=None, alpha: float = 1.0, rows=None, out=None) -> torch.Tensor:
     """base + alpha * sum_i coef_i M[rows_i] in ``like = (dtype, device)`` (the global model's): one
     ``weighted_sum`` pass, or converted chunk by chunk for a bf16 / host table. ``out``: a [d] tensor of
     that dtype and device the result is written into (block by block for a converted table on the same
@@ -152,7 +174,7 @@ class EludSums:
     def __init__(self, k: int) -> None:
         self.k = k
         self.ones = torch.ones(k, dtype=torch.float64)
-        self.acc: Optional[torch.Tensor] = None     # [sum_i ||g_i||^2, ||sum_i g_i||^2] on the blocks' device
+        self.acc: Optional[torch.Tensor] = None  # [sum_i ||g_i||^2, ||sum_i g_i||^2] on the blocks' device
 
     def add(self, Ub: torch.Tensor) -> None:
         _, nsq, nbar, _ = ops.kstats(Ub, self.ones)
@@ -162,5 +184,5 @@ class EludSums:
     def result(self):
         if self.acc is None:
             return None, None
-        sq_rows, sq_sum = self.acc.tolist()                  # (one device-to-host copy)
+        sq_rows, sq_sum = self.acc.tolist()  # (one device-to-host copy)
         return elud_ratio(sq_rows, sq_sum, self.k)

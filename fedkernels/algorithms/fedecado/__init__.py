@@ -13,6 +13,7 @@ their stored ("frozen") flows (§2.10). Units (§2.11): ``grad_weight="normalize
 The integrator (the arrowhead BE system, its solvers, the LTE control) is ``solver.py``;
 the options, the federation's tables, payload checks and the Hutchinson estimate ``options.py`` (both beside this file).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,17 @@ import torch.nn.functional as F
 from ... import ops
 from ..base import AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, id_tensor, register
 from ..parts import check_choice
-from .options import (SOLVERS, Ablations, FederationTables, Stepping, flat_signature, flow_sum, hutchinson_hbar,
-                      integrator_options, split_flat)
+from .options import (
+    SOLVERS,
+    Ablations,
+    FederationTables,
+    Stepping,
+    flat_signature,
+    flow_sum,
+    hutchinson_hbar,
+    integrator_options,
+    split_flat,
+)
 from .solver import central_round
 
 log = logging.getLogger("fedkernels")
@@ -104,7 +114,7 @@ class FedECADOBatched(BatchedRule):
 
     @classmethod
     def reason(cls, rule, fixed_steps):
-        return rule.aggregator.local_training_conflict(1 if fixed_steps else None)   # (refused up front too)
+        return rule.aggregator.local_training_conflict(1 if fixed_steps else None)  # (refused up front too)
 
     def client_reason(self, payload):
         if payload.get("need_hbar"):
@@ -118,8 +128,9 @@ class FedECADOBatched(BatchedRule):
         flows = [p.get("I") for p in ch.payloads]
         self.flows = None
         if any(f is not None for f in flows):
-            self.flows = torch.stack([f if f is not None else torch.zeros(W.size(1), dtype=W.dtype, device=W.device)
-                                      for f in flows]).to(device=W.device, dtype=W.dtype)
+            self.flows = torch.stack(
+                [f if f is not None else torch.zeros(W.size(1), dtype=W.dtype, device=W.device) for f in flows]
+            ).to(device=W.device, dtype=W.dtype)
 
     def before_step(self, ch, G, rho, ce, m, active):
         if self.w is not None:
@@ -168,37 +179,50 @@ class FedECADO(FederationTables, Aggregator):
 
     client_rule_cls = FedECADORule
     state_attrs = ("I", "S_all", "t", "dt_prev", "hbar_tab", "hbar_known", "w", "L", "Tmax_hist", "L_reset_done")
-    no_chunked_source = ("its backward-Euler integration reads U and the K x d flow table once per attempted step and "
-                         "accepts or rejects each step on a norm over all d coordinates")
+    no_chunked_source = (
+        "its backward-Euler integration reads U and the K x d flow table once per attempted step and "
+        "accepts or rejects each step on a norm over all d coordinates"
+    )
 
-    option_ranges = {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1",
-                     "T_bar": "> 0"}
+    option_ranges = {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1", "T_bar": "> 0"}
 
-    def __init__(self, stepping: Optional[Stepping] = None, ablations: Optional[Ablations] = None,
-                 solver: str = "auto", hbar=None, weights: Optional[Sequence[float]] = None,
-                 data_sizes: Optional[Sequence[float]] = None, num_clients: Optional[int] = None, loss_fn=None,
-                 hutchinson_probes: int = 4, hutchinson_batches: int = 2, **options):
+    def __init__(
+        self,
+        stepping: Optional[Stepping] = None,
+        ablations: Optional[Ablations] = None,
+        solver: str = "auto",
+        hbar=None,
+        weights: Optional[Sequence[float]] = None,
+        data_sizes: Optional[Sequence[float]] = None,
+        num_clients: Optional[int] = None,
+        loss_fn=None,
+        hutchinson_probes: int = 4,
+        hutchinson_batches: int = 2,
+        **options,
+    ):
         flat_step, flat_abl = split_flat(options)
         super().__init__(**options)
         n = self.name
         if self.server_lr != 1.0:
-            raise ValueError(f"{n}: server_lr is not used by FedECADO (the BE integration sets the step); got {self.server_lr}")
+            raise ValueError(
+                f"{n}: server_lr is not used by FedECADO (the BE integration sets the step); got {self.server_lr}"
+            )
         self.stepping = replace(stepping or Stepping(), **flat_step)
         self.ablations = replace(ablations or Ablations(), **flat_abl)
         check_choice(n, "solver", solver, SOLVERS)
         self.solver = solver
-        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy   # (a function: picklable, for workers=N)
+        self.loss_fn = loss_fn if loss_fn is not None else F.cross_entropy  # (a function: picklable, for workers=N)
         self.hutchinson_probes, self.hutchinson_batches = int(hutchinson_probes), int(hutchinson_batches)
         self._hbar_opt, self._weights_opt, self._sizes_opt = hbar, weights, data_sizes
         self.num_clients = num_clients
         # state (allocated by FederationTables, options.py)
-        self.I: Optional[torch.Tensor] = None          # [N, d]
-        self.S_all: Optional[torch.Tensor] = None      # [d] float64
+        self.I: Optional[torch.Tensor] = None  # [N, d]
+        self.S_all: Optional[torch.Tensor] = None  # [d] float64
         self.t = 0.0
         self.dt_prev: Optional[float] = None
-        self.hbar_tab: Optional[torch.Tensor] = None   # [N] float64
+        self.hbar_tab: Optional[torch.Tensor] = None  # [N] float64
         self.hbar_known: Optional[torch.Tensor] = None  # [N] bool
-        self.w: Optional[torch.Tensor] = None          # [N] float64
+        self.w: Optional[torch.Tensor] = None  # [N] float64
         self.Tmax_hist: List[float] = []
         self.L = self.stepping.L
         self.L_reset_done = self.stepping.L is not None or self.stepping.T_bar is not None
@@ -211,8 +235,11 @@ class FedECADO(FederationTables, Aggregator):
     def client_payload(self, client_id: int) -> Dict[str, Any]:
         self._tables()
         cid = int(client_id)
-        return {"I": None if self.I is None else self.I[cid], "w": float(self.w[cid]),
-                "need_hbar": bool(self.ablations.hessian in ("hutchinson", "global") and not self.hbar_known[cid])}
+        return {
+            "I": None if self.I is None else self.I[cid],
+            "w": float(self.w[cid]),
+            "need_hbar": bool(self.ablations.hessian in ("hutchinson", "global") and not self.hbar_known[cid]),
+        }
 
     # ---- the round ------------------------------------------------------------------------------------
     def _hbar_for(self, rin: RoundInput, ids: torch.Tensor, sent: List[int]) -> torch.Tensor:
@@ -220,13 +247,14 @@ class FedECADO(FederationTables, Aggregator):
         ``sent`` are stored first (one indexed write)."""
         if self._hbar_opt is None and sent:
             at = id_tensor([rin.client_ids[k] for k in sent])
-            self.hbar_tab[at] = torch.tensor([float(rin.payloads[k]["hbar"]) for k in sent],
-                                             dtype=torch.float64).clamp_min(0.0)
+            self.hbar_tab[at] = torch.tensor(
+                [float(rin.payloads[k]["hbar"]) for k in sent], dtype=torch.float64
+            ).clamp_min(0.0)
             self.hbar_known[at] = True
         if self.ablations.hessian == "global":
             known = self.hbar_tab[self.hbar_known]
             return torch.full((rin.K,), float(known.mean()) if known.numel() else 1.0, dtype=torch.float64)
-        return self.hbar_tab.index_select(0, ids)   # (a copy: the table is not aliased)
+        return self.hbar_tab.index_select(0, ids)  # (a copy: the table is not aliased)
 
     def _L_for(self, Tmax: float) -> float:
         if self.L is None:
@@ -241,30 +269,51 @@ class FedECADO(FederationTables, Aggregator):
         dev = rin.device
         hids = id_tensor(rin.client_ids)
         ids = hids.to(dev)
-        T, sent = self.payload_columns(rin.payloads)     # T: [K] float64 (host), read once with the checks
+        T, sent = self.payload_columns(rin.payloads)  # T: [K] float64 (host), read once with the checks
         self._cols = None
-        if T is None:                 # numbers as text, ...: one by one
+        if T is None:  # numbers as text, ...: one by one
             T = torch.tensor([float(p["T"]) for p in rin.payloads], dtype=torch.float64)
         Tmin, Tmax = torch.aminmax(T)
         Tmax = float(Tmax)
         ratio = Tmax / float(Tmin)
-        if self.ablations.sync:       # no multi-rate: every client is taken to end at T_max
+        if self.ablations.sync:  # no multi-rate: every client is taken to end at T_max
             T = torch.full_like(T, Tmax)
         hbar = self._hbar_for(rin, hids, sent)
         w = self.w.index_select(0, hids)
         L = self._L_for(Tmax)
-        Ik = self.I.index_select(0, ids)                           # K x d gather
+        Ik = self.I.index_select(0, ids)  # K x d gather
         S_off = None
-        Ik_sum = flow_sum(Ik)                                      # sum of the round's flows at its start
+        Ik_sum = flow_sum(Ik)  # sum of the round's flows at its start
         if self.ablations.inactive == "frozen":
             S_off = (self.S_all - Ik_sum).to(rin.dtype)
         # dt: the carried step; in the first round dt0 (default T_max)
-        dt_init = self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
-        res = central_round(rin.global_flat, Ik, rin.U, T, w, hbar, L, self.stepping.delta, dt_init, S_off,
-                            **integrator_options(self.stepping, self.ablations, self.solver, self.dt_prev is not None))
-        info = {"steps": res["steps"], "rejects": res["rejects"], "dt": res["dt"], "truncated": res["truncated"],
-                "L": L, "T_max": Tmax, "max_extrap_ratio": ratio, "lte_c": res["lte_c"],
-                "lte_I": res["lte_I"]}
+        dt_init = (
+            self.dt_prev if self.dt_prev is not None else (self.stepping.dt0 if self.stepping.dt0 is not None else Tmax)
+        )
+        res = central_round(
+            rin.global_flat,
+            Ik,
+            rin.U,
+            T,
+            w,
+            hbar,
+            L,
+            self.stepping.delta,
+            dt_init,
+            S_off,
+            **integrator_options(self.stepping, self.ablations, self.solver, self.dt_prev is not None),
+        )
+        info = {
+            "steps": res["steps"],
+            "rejects": res["rejects"],
+            "dt": res["dt"],
+            "truncated": res["truncated"],
+            "L": L,
+            "T_max": Tmax,
+            "max_extrap_ratio": ratio,
+            "lte_c": res["lte_c"],
+            "lte_I": res["lte_I"],
+        }
         xc, Inew = res["xc"], res["I"]
         # finite by the LTE test of every accepted step (central_round's ``finite``), else checked: one
         # native pass over each, one host sync, no K x d temporary
@@ -273,7 +322,7 @@ class FedECADO(FederationTables, Aggregator):
             info.update(failed=True)
             return AggResult(rin.global_flat.clone(), info)
         # commit (spec §2.8 step 7)
-        self.S_all += flow_sum(Inew) - Ik_sum                      # no K x d float64 temporary
+        self.S_all += flow_sum(Inew) - Ik_sum  # no K x d float64 temporary
         self.I.index_copy_(0, ids, Inew)
         self.t += Tmax
         self.dt_prev = res["dt"]

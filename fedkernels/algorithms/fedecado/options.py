@@ -12,6 +12,7 @@
   round, and the payload check; :func:`check_payload` - what a client must send (T, optionally hbar); :func:`hutchinson_hbar` -
   the client's Hessian scalar estimate (spec §2.5).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,6 +38,7 @@ class Stepping:
     tolerances ``delta`` / ``delta_I`` (None = delta; math.inf = fixed steps) measured in ``lte_norm``
     (inf | rms), first step ``dt0`` (None: T_max), backtracking factor ``beta``, step ``growth`` per
     round, and the caps ``max_backtracks`` / ``max_steps``."""
+
     L: Optional[float] = None
     c_L: float = 2.0
     T_bar: Optional[float] = None
@@ -56,7 +58,9 @@ class Stepping:
         if not self.c_L > 0:
             raise ValueError(f"{n}: c_L must be > 0, got {self.c_L!r}")
         if not self.delta > 0 or (self.delta_I is not None and not self.delta_I > 0):
-            raise ValueError(f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {self.delta!r}, {self.delta_I!r}")
+            raise ValueError(
+                f"{n}: delta and delta_I must be > 0 (math.inf = fixed step), got {self.delta!r}, {self.delta_I!r}"
+            )
         if not 0 < self.beta < 1:
             raise ValueError(f"{n}: beta must lie in (0, 1), got {self.beta!r}")
         if not self.growth >= 1.0:
@@ -79,6 +83,7 @@ class Ablations:
     non-participants), ``grad_weight`` normalized | paper, ``hessian`` hutchinson | identity | global |
     none (none = ECADO limit, 1/g = 0), ``time_unit`` lr_sum | epoch, ``sync`` (True: "no multi-rate",
     every active client's T_i is taken as the round's T_max)."""
+
     extrap: str = "linear"
     max_extrap_ratio: float = math.inf
     inactive: str = "frozen"
@@ -89,9 +94,13 @@ class Ablations:
 
     def __post_init__(self):
         n = "fedecado"
-        for opt, allowed in (("extrap", ("linear", "hold")), ("inactive", INACTIVE),
-                             ("grad_weight", ("normalized", "paper")), ("hessian", HESSIANS),
-                             ("time_unit", ("lr_sum", "epoch"))):
+        for opt, allowed in (
+            ("extrap", ("linear", "hold")),
+            ("inactive", INACTIVE),
+            ("grad_weight", ("normalized", "paper")),
+            ("hessian", HESSIANS),
+            ("time_unit", ("lr_sum", "epoch")),
+        ):
             check_choice(n, opt, getattr(self, opt), allowed)
         if not self.max_extrap_ratio >= 1.0:
             raise ValueError(f"{n}: max_extrap_ratio must be >= 1, got {self.max_extrap_ratio!r}")
@@ -106,10 +115,18 @@ _GROUPS = (Stepping, Ablations)
 def integrator_options(stepping: Stepping, ablations: Ablations, solver: str, carried: bool) -> Dict[str, Any]:
     """The keyword options of ``solver.central_round`` from the groups (``carried``: dt
     comes from the previous round, so the step may grow)."""
-    return dict(delta_I=stepping.delta_I, beta=stepping.beta, growth=stepping.growth if carried else 1.0,
-                max_backtracks=stepping.max_backtracks, max_steps=stepping.max_steps, extrap=ablations.extrap,
-                max_extrap_ratio=ablations.max_extrap_ratio, lte_norm=stepping.lte_norm,
-                sensitivity=ablations.hessian != "none", solver=solver)
+    return dict(
+        delta_I=stepping.delta_I,
+        beta=stepping.beta,
+        growth=stepping.growth if carried else 1.0,
+        max_backtracks=stepping.max_backtracks,
+        max_steps=stepping.max_steps,
+        extrap=ablations.extrap,
+        max_extrap_ratio=ablations.max_extrap_ratio,
+        lte_norm=stepping.lte_norm,
+        sensitivity=ablations.hessian != "none",
+        solver=solver,
+    )
 
 
 def split_flat(options: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -122,9 +139,13 @@ def flat_signature(init) -> inspect.Signature:
     so tools that read constructor signatures (config checks, help) see every option."""
     sig = inspect.signature(init)
     ps = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    ps += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                             annotation=typing.get_type_hints(cls)[f.name])     # checked by build
-           for cls in _GROUPS for f in fields(cls)]
+    ps += [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=typing.get_type_hints(cls)[f.name]
+        )  # checked by build
+        for cls in _GROUPS
+        for f in fields(cls)
+    ]
     ps += [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
     return sig.replace(parameters=ps)
 
@@ -146,7 +167,7 @@ def flow_sum(I: torch.Tensor) -> torch.Tensor:
         return I.sum(0, dtype=torch.float64)
     out = torch.empty(d, dtype=torch.float64, device=I.device)
     for a in range(0, d, B):
-        torch.sum(I[:, a:a + B], 0, dtype=torch.float64, out=out[a:a + B])
+        torch.sum(I[:, a : a + B], 0, dtype=torch.float64, out=out[a : a + B])
     return out
 
 
@@ -162,8 +183,9 @@ def federation_size(weights, data_sizes, hbar) -> Optional[int]:
     return N
 
 
-def gradient_weights(name: str, N: int, weights: Optional[Sequence[float]], data_sizes: Optional[Sequence[float]],
-                     grad_weight: str) -> torch.Tensor:
+def gradient_weights(
+    name: str, N: int, weights: Optional[Sequence[float]], data_sizes: Optional[Sequence[float]], grad_weight: str
+) -> torch.Tensor:
     """[N] float64 w_i (spec §2.11): the explicit ``weights``, else N p_i ("normalized") or p_i
     ("paper") with p_i = n_i / sum n from ``data_sizes`` (uniform p_i = 1/N without them)."""
     if weights is not None:
@@ -185,8 +207,11 @@ def hbar_table(name: str, N: int, hbar, hessian: str) -> Tuple[torch.Tensor, tor
     >= 0), else ones, known up front only when the Hessian model needs no estimate."""
     if hbar is None:
         return torch.ones(N, dtype=torch.float64), torch.full((N,), hessian in ("identity", "none"), dtype=torch.bool)
-    tab = torch.as_tensor(hbar, dtype=torch.float64).expand(N).clone() if not isinstance(hbar, (list, tuple)) \
+    tab = (
+        torch.as_tensor(hbar, dtype=torch.float64).expand(N).clone()
+        if not isinstance(hbar, (list, tuple))
         else torch.as_tensor(hbar, dtype=torch.float64)
+    )
     if tab.numel() != N or not bool(torch.isfinite(tab).all()):
         raise ValueError(f"{name}: hbar must be a finite float or N={N} finite floats")
     return tab.clamp(min=0.0), torch.ones(N, dtype=torch.bool)
@@ -210,15 +235,18 @@ def check_payload(payload: Dict[str, Any], missing) -> Optional[str]:
     return None
 
 
-def hutchinson_hbar(loss: torch.Tensor, params: List[torch.Tensor], n_probes: int = 4,
-                    generator: Optional[torch.Generator] = None) -> float:
+def hutchinson_hbar(
+    loss: torch.Tensor, params: List[torch.Tensor], n_probes: int = 4, generator: Optional[torch.Generator] = None
+) -> float:
     """Scalar Hessian model tr(H)/d by Hutchinson with Rademacher probes (spec §2.5), clamped >= 0."""
     grads = torch.autograd.grad(loss, params, create_graph=True)
     d = sum(p.numel() for p in params)
     tot = 0.0
     for _ in range(n_probes):
-        vs = [(torch.randint(0, 2, p.shape, generator=generator, dtype=torch.int64) * 2 - 1).to(p.dtype).to(p.device)
-              for p in params]
+        vs = [
+            (torch.randint(0, 2, p.shape, generator=generator, dtype=torch.int64) * 2 - 1).to(p.dtype).to(p.device)
+            for p in params
+        ]
         hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
         tot += float(sum((h * v).sum() for h, v in zip(hv, vs)))
     return max(tot / (n_probes * d), 0.0)
@@ -249,17 +277,18 @@ class FederationTables:
 
     def _flows(self, global_flat: torch.Tensor) -> None:
         if self.num_clients is None:
-            raise ValueError(f"{self.name}: needs the number of clients N (num_clients=, weights=, data_sizes= "
-                             f"or setup(num_clients=N))")
+            raise ValueError(
+                f"{self.name}: needs the number of clients N (num_clients=, weights=, data_sizes= "
+                f"or setup(num_clients=N))"
+            )
         if self.I is None:
             self.I = global_flat.new_zeros((self.num_clients, global_flat.numel()))
             self.S_all = torch.zeros(global_flat.numel(), dtype=torch.float64, device=global_flat.device)
 
-
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         return check_payload(payload, self.missing_payload) or super().check_payload(payload)
 
-    _cols = None     # (payloads, their columns): read once per round by suspect_payloads and the round
+    _cols = None  # (payloads, their columns): read once per round by suspect_payloads and the round
 
     def payload_columns(self, payloads: List[Dict[str, Any]]) -> Tuple[Optional[torch.Tensor], List[int]]:
         """(T, sent) over the round: T [K] float64 host (NaN where missing; None when some entry is not
@@ -273,12 +302,12 @@ class FederationTables:
         return out
 
     def suspect_payloads(self, payloads):
-        rows, (T, sent) = super().suspect_payloads(payloads), self.payload_columns(payloads)   # T: NaN where missing
+        rows, (T, sent) = super().suspect_payloads(payloads), self.payload_columns(payloads)  # T: NaN where missing
         if rows is None or T is None:
             return None
-        if T.numel():                 # one whole-round test; the rows only when some T is bad
+        if T.numel():  # one whole-round test; the rows only when some T is bad
             lo, hi = torch.aminmax(T)
-            if not (float(lo) > 0 and float(hi) < math.inf):      # (a NaN fails both)
+            if not (float(lo) > 0 and float(hi) < math.inf):  # (a NaN fails both)
                 rows = rows + rows_where(~(torch.isfinite(T) & (T > 0)))
         if sent:
             h = payload_numbers([payloads[k] for k in sent], "hbar")

@@ -3,6 +3,7 @@ attempt on the arrowhead system, and one round's LTE-controlled integration. The
 (fedecado/__init__.py) calls :func:`central_round` once per round; the hot path is the native fused attempt
 ``ops.fedecado_be_step``; the arrowhead system is solved by ``ops.arrowhead_solve`` (or LU).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,7 @@ def _native_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
-def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: torch.Tensor,
-                     solver: str = "auto"):
+def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: torch.Tensor, solver: str = "auto"):
     """Solves, for every coordinate j, the arrowhead system (spec §2.6)
 
         x_j - dt * sum_i I_ij = b0_j ;    c * x_j + a_i * I_ij = r_ij   (i = 1..K)
@@ -51,7 +51,7 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
         solver = "closed_form"
     if solver != "lu":
         inv_a = (1.0 / a).to(torch.float64)
-        acc = ops.weighted_sum(r, inv_a)                   # sum_i r_i / a_i
+        acc = ops.weighted_sum(r, inv_a)  # sum_i r_i / a_i
         den = 1.0 + dt * c * float(inv_a.sum())
         x = (b0 + dt * acc) / den
         # I_i = (r_i - c x) / a_i, written into r
@@ -75,8 +75,9 @@ def _solve_be_system(a: torch.Tensor, dt: float, c: float, b0: torch.Tensor, r: 
 # ---------------------------------------------------------------------------------------------
 # interpolation, one BE attempt, one central round (torch versions of spec §9.1)
 # ---------------------------------------------------------------------------------------------
-def theta(T: Union[Sequence[float], torch.Tensor], tau: float, extrap: str = "linear",
-          max_ratio: float = math.inf) -> torch.Tensor:
+def theta(
+    T: Union[Sequence[float], torch.Tensor], tau: float, extrap: str = "linear", max_ratio: float = math.inf
+) -> torch.Tensor:
     """[K] float64 interpolation factors tau / T_i (hold: min(., 1); capped at max_ratio); T: K floats
     or a float64 tensor."""
     th = tau / torch.as_tensor(T, dtype=torch.float64)
@@ -111,8 +112,22 @@ def _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm: str) -> bool:
     return all(t.dtype == dt_ and t.device == dev for t in (xc, Icur, xc0, Ik) + (() if S_off is None else (S_off,)))
 
 
-def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_off=None,
-            lte_norm: str = "inf", solver: str = "auto", out=None):
+def be_step(
+    xc,
+    Icur,
+    xc0,
+    U,
+    Ik,
+    th_new,
+    th_old,
+    inv_g,
+    dt: float,
+    L: float,
+    S_off=None,
+    lte_norm: str = "inf",
+    solver: str = "auto",
+    out=None,
+):
     """One Backward-Euler attempt (spec §2.6/§2.7, reference ``be_step``).
 
     U = x_end - x_c0 [K, d] (the client updates); th_new/th_old [K] interpolation factors at
@@ -126,17 +141,20 @@ def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_
     central_round with solver="auto" picks "fused" whenever it applies."""
     if solver == "fused":
         if not _fused_ok(xc, Icur, xc0, U, Ik, S_off, lte_norm):
-            raise ValueError("be_step: solver='fused' needs lte_norm='inf', the native op and float32/float64 "
-                             "tensors of one dtype on a device with its kernel (CPU, CUDA)")
-        xn, In, lte = ops.fedecado_be_step(xc, Icur, xc0, U, Ik, S_off, th_new, th_old, inv_g, float(dt), float(L),
-                                           out=out)
-        lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()   # max across ranks in sharded mode
+            raise ValueError(
+                "be_step: solver='fused' needs lte_norm='inf', the native op and float32/float64 "
+                "tensors of one dtype on a device with its kernel (CPU, CUDA)"
+            )
+        xn, In, lte = ops.fedecado_be_step(
+            xc, Icur, xc0, U, Ik, S_off, th_new, th_old, inv_g, float(dt), float(L), out=out
+        )
+        lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()  # max across ranks in sharded mode
         return xn, In, lc, li
     c = dt / L
     dev, dt_ = U.device, U.dtype
     thn = th_new.to(dt_).to(dev).unsqueeze(1)
     ig = inv_g.to(torch.float64)
-    a = 1.0 + c * ig                                          # a_i = 1 + dt / (L g_i)
+    a = 1.0 + c * ig  # a_i = 1 + dt / (L g_i)
     # r_i = I_i + c (Gamma_i(tau+dt) + Ik_i / g_i),  Gamma = x_c0 + th U
     r = torch.addcmul(xc0.unsqueeze(0), thn, U)
     r.add_(Ik * ig.to(dt_).to(dev).unsqueeze(1)).mul_(c).add_(Icur)
@@ -147,15 +165,34 @@ def be_step(xc, Icur, xc0, U, Ik, th_new, th_old, inv_g, dt: float, L: float, S_
     # (x~_i' - x_c') - (x~_i - x_c) = (th'_i - th_i) U_i - (I_i' - I_i)/g_i - (x_c' - x_c)
     e = torch.mul(U, (th_new - th_old).to(dt_).to(dev).unsqueeze(1))
     e.sub_(D.mul_(ig.to(dt_).to(dev).unsqueeze(1))).sub_((xn - xc).unsqueeze(0))
-    nc, ni = torch.stack([nc, _norm(e, lte_norm).max()]).tolist()     # both norms: one device-to-host copy
+    nc, ni = torch.stack([nc, _norm(e, lte_norm).max()]).tolist()  # both norms: one device-to-host copy
     return xn, In, 0.5 * dt * nc, 0.5 * dt / L * ni
 
 
-def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: float, S_off=None,
-                  delta_I: Optional[float] = None, beta: float = 0.5, growth: float = 1.0,
-                  max_backtracks: int = 30, max_steps: int = 1000, extrap: str = "linear",
-                  max_extrap_ratio: float = math.inf, lte_norm: str = "inf", sensitivity: bool = True,
-                  dt_min_frac: float = 1e-9, solver: str = "auto", trace: Optional[list] = None) -> Dict[str, Any]:
+def central_round(
+    xc0,
+    I_act,
+    U,
+    T,
+    w,
+    hbar,
+    L: float,
+    delta: float,
+    dt_init: float,
+    S_off=None,
+    delta_I: Optional[float] = None,
+    beta: float = 0.5,
+    growth: float = 1.0,
+    max_backtracks: int = 30,
+    max_steps: int = 1000,
+    extrap: str = "linear",
+    max_extrap_ratio: float = math.inf,
+    lte_norm: str = "inf",
+    sensitivity: bool = True,
+    dt_min_frac: float = 1e-9,
+    solver: str = "auto",
+    trace: Optional[list] = None,
+) -> Dict[str, Any]:
     """The server's integration over one round window [0, T_max] (spec §2.8 step 5-6, §9.1).
 
     xc0 [d]; I_act [K, d] the flows of the active clients at the round start (= I^k); U [K, d];
@@ -167,11 +204,11 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     sum_i (I'_i - Icur_i) non-finite at j and a non-finite x'_j makes every e_ij non-finite, so a
     finite LTE_c and LTE_I mean finite outputs; by induction over the steps from the finite round
     start). False: unknown (the caller checks the values)."""
-    Tv = torch.as_tensor(T, dtype=torch.float64)    # theta's divisor, made once for every attempt
+    Tv = torch.as_tensor(T, dtype=torch.float64)  # theta's divisor, made once for every attempt
     Tmax = float(Tv.max())
     wv = torch.as_tensor(w, dtype=torch.float64)
     hv = torch.as_tensor(hbar, dtype=torch.float64).clamp(min=0.0)
-    wh = wv * hv                                    # w_i hbar_i, made once for every attempt
+    wh = wv * hv  # w_i hbar_i, made once for every attempt
     dI = delta if delta_I is None else delta_I
     tl, steps, rejects, truncated = 0.0, 0, 0, False
     xc, Ik, Icur = xc0, I_act, I_act
@@ -190,11 +227,11 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
     # per attempt; each attempt makes one device-to-host copy (its two LTE maxima).
     fused = solver in ("auto", "fused") and _fused_ok(xc0, I_act, xc0, U, I_act, S_off, lte_norm)
     win = ops.BEStepWindow(xc0, U, I_act, S_off, L) if fused else None
-    cur: Optional[int] = None      # the fused state: None = the round start, else the pair it is in
+    cur: Optional[int] = None  # the fused state: None = the round start, else the pair it is in
     nxt = 0
-    finite = fused                 # (see ``finite`` above: proved only for fused attempts)
+    finite = fused  # (see ``finite`` above: proved only for fused attempts)
 
-    th_at = [math.nan, None]       # (tl, theta at tl): the same for every attempt of one step
+    th_at = [math.nan, None]  # (tl, theta at tl): the same for every attempt of one step
 
     def attempt(dtt):
         th_n = theta(Tv, tl + dtt, extrap, max_extrap_ratio)
@@ -203,12 +240,12 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         th_o = th_at[1]
         if win is not None:
             xn, In, lte = win.step(th_n, th_o, inv_g(dtt), dtt, src=cur, dst=nxt)
-            lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()   # max across ranks in sharded mode
+            lc, li = ops.amax_d(lte.unsqueeze(1)).tolist()  # max across ranks in sharded mode
             return xn, In, lc, li
         return be_step(xc, Icur, xc0, U, Ik, th_n, th_o, inv_g(dtt), dtt, L, S_off, lte_norm, solver)
 
     while Tmax - tl > 1e-12 * Tmax:
-        if steps >= max_steps:        # safety: finish the window in one forced step
+        if steps >= max_steps:  # safety: finish the window in one forced step
             dtt = Tmax - tl
             xc, Icur, lc, li = attempt(dtt)
             finite = finite and math.isfinite(lc) and math.isfinite(li)
@@ -239,5 +276,15 @@ def central_round(xc0, I_act, U, T, w, hbar, L: float, delta: float, dt_init: fl
         steps += 1
         if not clipped:
             dt = dtt
-    return {"xc": xc, "I": Icur, "dt": dt, "steps": steps, "rejects": rejects, "truncated": truncated,
-            "lte_c": lte_max[0], "lte_I": lte_max[1], "T_max": Tmax, "finite": finite}
+    return {
+        "xc": xc,
+        "I": Icur,
+        "dt": dt,
+        "steps": steps,
+        "rejects": rejects,
+        "truncated": truncated,
+        "lte_c": lte_max[0],
+        "lte_I": lte_max[1],
+        "T_max": Tmax,
+        "finite": finite,
+    }

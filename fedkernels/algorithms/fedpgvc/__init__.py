@@ -19,6 +19,7 @@ only the head (no double backprop). Update modes (spec §2.4, ``mode=``):
 The server is a plain average (uniform by default, spec §2.3): w <- w + server_lr * sum_k a_k U_k,
 one ``ops.weighted_sum`` pass.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -56,13 +57,13 @@ class FedPGVCRule(ClientRule):
         self.skipped = 0
         self._skip_step = False
         self.loss_history: List[float] = []
-        self.plan = None   # code mode: modes.CodePlan
+        self.plan = None  # code mode: modes.CodePlan
 
     def check_model(self, model, spec) -> None:
         agg = self.aggregator
         entries = agg.ctrl_entries(spec)
         if entries and agg.mode == "code":
-            code_plan(model, spec, entries, agg.code_layers)   # raises for a model without a Keras layer list
+            code_plan(model, spec, entries, agg.code_layers)  # raises for a model without a Keras layer list
 
     def begin(self, ctx: ClientContext, model) -> None:
         agg = self.aggregator
@@ -74,8 +75,10 @@ class FedPGVCRule(ClientRule):
         # code mode, checked before training: the Keras layer mapping and the local set
         self.plan = code_plan(model, ctx.spec, entries, agg.code_layers) if self.ctrl and agg.mode == "code" else None
         if self.plan is not None and ctx.extras.get("local_data") is None:
-            raise ValueError("FedPGVC mode 'code' needs ctx.extras['local_data']: the client's whole local "
-                             "set as (x, y) batches (the script computes r from every local sample)")
+            raise ValueError(
+                "FedPGVC mode 'code' needs ctx.extras['local_data']: the client's whole local "
+                "set as (x, y) batches (the script computes r from every local sample)"
+            )
         if self.ctrl and self.plan is None:
             self._hook = model.register_forward_hook(self._capture)
 
@@ -86,8 +89,10 @@ class FedPGVCRule(ClientRule):
         ell = ctx.extras.get("per_sample_loss")
         if ell is None:
             if self._out is None or ctx.batch is None:
-                raise ValueError("FedPGVC client rule: no per-sample losses (set ctx.extras['per_sample_loss'] "
-                                 "or ctx.batch = (inputs, targets) before the forward pass)")
+                raise ValueError(
+                    "FedPGVC client rule: no per-sample losses (set ctx.extras['per_sample_loss'] "
+                    "or ctx.batch = (inputs, targets) before the forward pass)"
+                )
             ell = self.aggregator.loss_fn(self._out, ctx.batch[1])
         if ell.dim() != 1:
             raise ValueError(f"FedPGVC client rule: per-sample loss must be 1-D [B], got shape {tuple(ell.shape)}")
@@ -102,7 +107,9 @@ class FedPGVCRule(ClientRule):
         self._out = None
         if not bool(torch.isfinite(ell).all()):
             if agg.nan_policy == "raise":
-                raise FloatingPointError(f"FedPGVC: non-finite per-sample loss at client {ctx.client_id} step {ctx.step}")
+                raise FloatingPointError(
+                    f"FedPGVC: non-finite per-sample loss at client {ctx.client_id} step {ctx.step}"
+                )
             if agg.nan_policy == "skip":
                 self._skip_step = True
                 self.skipped += 1
@@ -115,8 +122,9 @@ class FedPGVCRule(ClientRule):
         if agg.mode == "lr_matched":
             return None
         # rho = (1/B) sum_b l_b grad l_b = grad of mean(stopgrad(l) * l): a first-order gradient
-        self.last_rho = list(torch.autograd.grad((w * ell).mean(), self.ctrl, retain_graph=True,
-                                                 materialize_grads=True))
+        self.last_rho = list(
+            torch.autograd.grad((w * ell).mean(), self.ctrl, retain_graph=True, materialize_grads=True)
+        )
         return None
 
     def before_step(self, ctx: ClientContext, model) -> None:
@@ -133,7 +141,7 @@ class FedPGVCRule(ClientRule):
         pgvc_direction_(grads, self.last_rho, agg.mode, agg.lam, agg.stat, agg.tau)
 
     def step(self, ctx: ClientContext, model, optimizer) -> bool:
-        return self._skip_step   # True = the step is dropped (nan_policy "skip")
+        return self._skip_step  # True = the step is dropped (nan_policy "skip")
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
         if self._hook is not None:
@@ -201,16 +209,16 @@ class FedPGVCBatched(BatchedRule):
             lbar = self.hist_sum / self.hist_n.clamp_min(1)
             f = (1.0 + agg.lam * lbar).to(G.dtype).unsqueeze(1)
             for e in self.ctrl:
-                G[:, e.offset:e.offset + e.numel].mul_(f)
+                G[:, e.offset : e.offset + e.numel].mul_(f)
             return
         for e in self.ctrl:
-            g = G[:, e.offset:e.offset + e.numel]
+            g = G[:, e.offset : e.offset + e.numel]
             if mode == "hadamard":
-                g.mul_(rho[:, e.offset:e.offset + e.numel])
+                g.mul_(rho[:, e.offset : e.offset + e.numel])
             elif mode == "additive":
-                g.add_(rho[:, e.offset:e.offset + e.numel], alpha=agg.lam)
+                g.add_(rho[:, e.offset : e.offset + e.numel], alpha=agg.lam)
             elif mode == "layer_scalar":
-                r = rho[:, e.offset:e.offset + e.numel]
+                r = rho[:, e.offset : e.offset + e.numel]
                 s = r.mean(1) if agg.stat == "mean" else torch.linalg.vector_norm(r, dim=1)
                 g.mul_(s.unsqueeze(1))
             elif mode == "layer_normalize":
@@ -247,15 +255,26 @@ class FedPGVC(Aggregator):
     ``nan_policy`` (skip|raise|propagate), ``weighting`` (uniform|samples)."""
 
     client_rule_cls = FedPGVCRule
-    screen_in_pass = True     # stateless: its weighted_sum pass screens the rows
+    screen_in_pass = True  # stateless: its weighted_sum pass screens the rows
 
     option_ranges = {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"}
 
-    def __init__(self, n_ctrl: Union[int, str] = 2, ctrl_modules: Optional[Sequence[str]] = None,
-                 mode: str = "hadamard", lam: float = 1.0, stat: str = "mean", tau: float = 1.0,
-                 code_eta: Optional[float] = 0.001, code_layers: Optional[Sequence[str]] = None,
-                 loss_clip: Optional[float] = None, loss_fn=None, nan_policy: str = "skip",
-                 weighting: str = "uniform", **kw):
+    def __init__(
+        self,
+        n_ctrl: Union[int, str] = 2,
+        ctrl_modules: Optional[Sequence[str]] = None,
+        mode: str = "hadamard",
+        lam: float = 1.0,
+        stat: str = "mean",
+        tau: float = 1.0,
+        code_eta: Optional[float] = 0.001,
+        code_layers: Optional[Sequence[str]] = None,
+        loss_clip: Optional[float] = None,
+        loss_fn=None,
+        nan_policy: str = "skip",
+        weighting: str = "uniform",
+        **kw,
+    ):
         super().__init__(**kw)
         mode = _MODE_ALIASES.get(mode, mode)
         if mode not in PGVC_MODES:
@@ -289,9 +308,9 @@ class FedPGVC(Aggregator):
         return None if rows is None else rows + [k for k, p in enumerate(payloads) if "pgvc_skipped_steps" not in p]
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+        return ("sum",)  # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
-        new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
+        new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)  # (screens U's rows)
         return AggResult(new, {"weights": a.tolist()})

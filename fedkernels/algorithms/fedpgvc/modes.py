@@ -21,6 +21,7 @@ Keras clips softmax probabilities to [1e-7, 1 - 1e-7]); the pass runs in eval mo
 ``model(x)`` default) in chunks whose gradients are summed (the same G up to rounding); a client with
 j >= min(n, T) gets a ValueError where the script raises IndexError.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,14 @@ import torch
 PGVC_MODES = ("hadamard", "additive", "layer_scalar", "layer_normalize", "code", "lr_matched")
 
 
-def pgvc_direction_(grads: List[torch.Tensor], rhos: Optional[List[torch.Tensor]], mode: str,
-                    lam: float = 1.0, stat: str = "mean", tau: float = 1.0) -> List[torch.Tensor]:
+def pgvc_direction_(
+    grads: List[torch.Tensor],
+    rhos: Optional[List[torch.Tensor]],
+    mode: str,
+    lam: float = 1.0,
+    stat: str = "mean",
+    tau: float = 1.0,
+) -> List[torch.Tensor]:
     """Overwrites each g in ``grads`` with the FedPGVC direction u (spec §2.4); returns grads."""
     if not grads:
         return grads
@@ -57,38 +64,47 @@ def pgvc_direction_(grads: List[torch.Tensor], rhos: Optional[List[torch.Tensor]
 class CodePlan:
     """Where the script's r comes from for each controlled tensor (built once per client)."""
 
-    tensors: List[torch.Tensor]   # the controlled tensors, shrunk in place
-    sources: List[torch.Tensor]   # Keras tensor j (whose gradient mean enters r_j), one per distinct j
-    js: torch.Tensor              # [len(sources)] the distinct Keras layer indices j
-    owner: torch.Tensor           # [len(tensors)] position in ``js`` of each controlled tensor's layer
+    tensors: List[torch.Tensor]  # the controlled tensors, shrunk in place
+    sources: List[torch.Tensor]  # Keras tensor j (whose gradient mean enters r_j), one per distinct j
+    js: torch.Tensor  # [len(sources)] the distinct Keras layer indices j
+    owner: torch.Tensor  # [len(tensors)] position in ``js`` of each controlled tensor's layer
 
 
 def code_plan(model, spec, ctrl_entries, code_layers: Optional[Sequence[str]] = None) -> CodePlan:
     """Maps the controlled tensors to the script's Keras layer index j and tensor j (module doc)."""
     layers = list(code_layers) if code_layers is not None else getattr(model, "keras_layers", None)
     if layers is None:
-        raise ValueError(f"FedPGVC mode 'code': the Keras layer list of {type(model).__name__} is unknown (the "
-                         "script indexes r by Keras model.layers, pooling and Flatten included); pass "
-                         "code_layers=[...] (module names in Keras order, other names = parameter-free layers) "
-                         "or give the model a keras_layers attribute")
+        raise ValueError(
+            f"FedPGVC mode 'code': the Keras layer list of {type(model).__name__} is unknown (the "
+            "script indexes r by Keras model.layers, pooling and Flatten included); pass "
+            "code_layers=[...] (module names in Keras order, other names = parameter-free layers) "
+            "or give the model a keras_layers attribute"
+        )
     layers = list(layers)
     mods = spec.layer_modules()
     bad = [m for m in mods if layers.count(m) != 1]
     if bad:
-        raise ValueError(f"FedPGVC mode 'code': code_layers must list every parameterised module exactly once; "
-                         f"{bad} are missing or repeated in {layers} (modules: {mods})")
+        raise ValueError(
+            f"FedPGVC mode 'code': code_layers must list every parameterised module exactly once; "
+            f"{bad} are missing or repeated in {layers} (modules: {mods})"
+        )
     params = dict(model.named_parameters())
     by_mod = {m: [params[e.name] for e in spec.entries if not e.is_buffer and e.module == m] for m in mods}
     keras_tensors = [p for name in layers for p in by_mod.get(name, [])]
     j_of = {name: j for j, name in enumerate(layers)}
     js = [j_of[e.module] for e in ctrl_entries]
     if js and max(js) >= len(keras_tensors):
-        raise ValueError(f"FedPGVC mode 'code': Keras layer index {max(js)} has no tensor {max(js)} "
-                         f"(the model has {len(keras_tensors)}; the script raises IndexError here)")
+        raise ValueError(
+            f"FedPGVC mode 'code': Keras layer index {max(js)} has no tensor {max(js)} "
+            f"(the model has {len(keras_tensors)}; the script raises IndexError here)"
+        )
     uniq = sorted(set(js))
-    return CodePlan(tensors=[params[e.name] for e in ctrl_entries], sources=[keras_tensors[j] for j in uniq],
-                    js=torch.tensor(uniq, dtype=torch.long), owner=torch.tensor([uniq.index(j) for j in js],
-                                                                                 dtype=torch.long))
+    return CodePlan(
+        tensors=[params[e.name] for e in ctrl_entries],
+        sources=[keras_tensors[j] for j in uniq],
+        js=torch.tensor(uniq, dtype=torch.long),
+        owner=torch.tensor([uniq.index(j) for j in js], dtype=torch.long),
+    )
 
 
 def code_r(model, loss_fn, local_data: Iterable[Tuple[torch.Tensor, torch.Tensor]], plan: CodePlan) -> torch.Tensor:
@@ -110,9 +126,11 @@ def code_r(model, loss_fn, local_data: Iterable[Tuple[torch.Tensor, torch.Tensor
         model.train(was)
     n = sum(int(l.numel()) for l in losses)
     if n <= int(plan.js.max()):
-        raise ValueError(f"FedPGVC mode 'code': the client has {n} local samples but Keras layer "
-                         f"{int(plan.js.max())} needs sample {int(plan.js.max())} (the script's rho_i[j] "
-                         "raises IndexError when j >= min(n, number of tensors))")
+        raise ValueError(
+            f"FedPGVC mode 'code': the client has {n} local samples but Keras layer "
+            f"{int(plan.js.max())} needs sample {int(plan.js.max())} (the script's rho_i[j] "
+            "raises IndexError when j >= min(n, number of tensors))"
+        )
     ell = torch.cat(losses)
     means = torch.stack([g.mean() for g in G])
     return ell[plan.js.to(ell.device)] * means.to(ell.dtype)

@@ -12,6 +12,7 @@ GC(X)[i, :] = X[i, :] - mean_j X[i, j] per output row (axis 0 = row, the fan-in 
 Registered: ``gcfed`` (hybrid), ``local_gc``, ``global_gc``, ``local_gc_only`` (Local GC on the
 first floor(lam L) tensors, no Global GC: the paper's Fig. 9 comparison curve).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -64,7 +65,7 @@ class LocalGCRule(ClientRule):
         self.bufs: Dict[int, torch.Tensor] = {}
 
     def end(self, ctx: ClientContext, model) -> Dict[str, Any]:
-        return {"local_gc": len(self.local)}   # tensors centred (the server checks the rule ran)
+        return {"local_gc": len(self.local)}  # tensors centred (the server checks the rule ran)
 
     def _fusable(self) -> bool:
         agg = self.aggregator
@@ -89,15 +90,27 @@ class LocalGCRule(ClientRule):
             return post_wd_step(agg.name, self.all, agg.weight_decay, optimizer, self._gc_local_grads)
         if self._fusable():
             local_ids = {id(p) for p in self.local}
-            if fused_sgd_step(optimizer, self.all, gc_mask=[id(p) in local_ids for p in self.all],
-                              vector_policy=agg.vector_policy, min_fanin=agg.min_fanin):
-                return True          # GC(g) + wd p, momentum, p -= lr buf: one native pass
-            self._gc_local_grads()   # optimizer not plain SGD: centre the gradients, let it step
+            if fused_sgd_step(
+                optimizer,
+                self.all,
+                gc_mask=[id(p) in local_ids for p in self.all],
+                vector_policy=agg.vector_policy,
+                min_fanin=agg.min_fanin,
+            ):
+                return True  # GC(g) + wd p, momentum, p -= lr buf: one native pass
+            self._gc_local_grads()  # optimizer not plain SGD: centre the gradients, let it step
             return False
         if agg.local_order != "post_momentum":
             return False
-        return post_momentum_step(self.all, self.local, self.bufs, ctx.lr, agg.weight_decay, agg.momentum,
-                                  lambda ts: apply_gc_(ts, agg.vector_policy, agg.min_fanin, agg.mu))
+        return post_momentum_step(
+            self.all,
+            self.local,
+            self.bufs,
+            ctx.lr,
+            agg.weight_decay,
+            agg.momentum,
+            lambda ts: apply_gc_(ts, agg.vector_policy, agg.min_fanin, agg.mu),
+        )
 
 
 class LocalGCBatched(BatchedRule):
@@ -115,7 +128,7 @@ class LocalGCBatched(BatchedRule):
         entries = [e for e in self.spec.entries if not e.is_buffer]
         mask = agg.local_mask(self.spec)
         self.local = [e for e, k in zip(entries, mask) if k]
-        self.rows = []          # (entry, fan-in) of the tensors GC changes
+        self.rows = []  # (entry, fan-in) of the tensors GC changes
         for e in self.local:
             if e.numel == 0 or len(e.shape) == 0:
                 continue
@@ -129,7 +142,7 @@ class LocalGCBatched(BatchedRule):
     def edit(self, G):
         C = G.size(0)
         for e, fan in self.rows:
-            v = G[:, e.offset:e.offset + e.numel].view(C, -1, fan)
+            v = G[:, e.offset : e.offset + e.numel].view(C, -1, fan)
             v.sub_(v.mean(-1, keepdim=True))
 
     def fused(self):
@@ -158,15 +171,27 @@ class GCFed(Aggregator):
     weight decay + momentum + update in one native pass, ``ops.fused_sgd_step_``)."""
 
     client_rule_cls = LocalGCRule
-    screen_in_pass = True     # the first read of U is rin.weighted_sum; the workspace holds no state
+    screen_in_pass = True  # the first read of U is rin.weighted_sum; the workspace holds no state
     _defaults = dict(local_layers="all_except", global_scope="all")
 
     option_ranges = {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"}
 
-    def __init__(self, local_layers: Optional[str] = None, global_layers: Optional[Sequence[str]] = None,
-                 lam: Optional[float] = None, global_scope: Optional[str] = None, vector_policy: str = "center",
-                 min_fanin: int = 2, mu: str = "cout", weighting: str = "uniform", local_order: str = "pre_wd",
-                 weight_decay: float = 0.0, momentum: float = 0.0, fused_step: bool = True, **kw):
+    def __init__(
+        self,
+        local_layers: Optional[str] = None,
+        global_layers: Optional[Sequence[str]] = None,
+        lam: Optional[float] = None,
+        global_scope: Optional[str] = None,
+        vector_policy: str = "center",
+        min_fanin: int = 2,
+        mu: str = "cout",
+        weighting: str = "uniform",
+        local_order: str = "pre_wd",
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        fused_step: bool = True,
+        **kw,
+    ):
         super().__init__(**kw)
         local_layers = local_layers or self._defaults["local_layers"]
         global_scope = global_scope or self._defaults["global_scope"]
@@ -203,7 +228,7 @@ class GCFed(Aggregator):
         names = [e.name for e in entries]
         gl = self.global_layers
         if self.local_layers == "all_except" and not gl:
-            gl = [spec.layer_modules()[-1]]      # default: the output (classifier) module
+            gl = [spec.layer_modules()[-1]]  # default: the output (classifier) module
         return split_layers(names, self.local_layers, gl, self.lam)
 
     def global_entries(self, spec):
@@ -212,35 +237,39 @@ class GCFed(Aggregator):
             return []
         if self.global_scope == "all":
             return entries
-        full = getattr(spec, "full", spec)     # a distributed ShardSpec: the sets are the whole model's
+        full = getattr(spec, "full", spec)  # a distributed ShardSpec: the sets are the whole model's
         names = {e.name for e, m in zip(self._param_entries(full), self.local_mask(full)) if not m}
         return [e for e in entries if e.name in names]
 
     # ---- aggregation ------------------------------------------------------------------------------
     def _workspace(self, like: torch.Tensor) -> torch.Tensor:
-        if self._buf is None or self._buf.dtype != like.dtype or self._buf.device != like.device \
-                or self._buf.numel() != like.numel():
+        if (
+            self._buf is None
+            or self._buf.dtype != like.dtype
+            or self._buf.device != like.device
+            or self._buf.numel() != like.numel()
+        ):
             self._buf = torch.empty_like(like)
             ents = self.global_entries(self.spec) if self.global_scope != "none" else []
             self._views = [self._buf[e.slice].view(e.shape) for e in ents]
         return self._buf
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum",)                    # one weighted sum over U (Aggregator.passes)
+        return ("sum",)  # one weighted sum over U (Aggregator.passes)
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         a = client_weights(rin, self.weighting)
         dev = rin.device
         if self.global_scope == "none":
-            new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)   # (screens U's rows)
+            new = rin.weighted_sum(a, base=rin.global_flat, alpha=self.server_lr)  # (screens U's rows)
             return AggResult(new, {"weights": a.tolist()})
         if self.spec is None:
             raise ValueError(f"{self.name}: Global GC needs the model's FlatSpec (call setup(spec=...))")
         if self.spec.d != rin.d:
             raise ValueError(f"{self.name}: FlatSpec has d={self.spec.d} but the updates have d={rin.d}")
         delta = self._workspace(rin.global_flat)
-        delta.copy_(rin.weighted_sum(a))               # Delta = sum_k a_k U_k (the pass screens U's rows)
-        apply_gc_(self._views, self.vector_policy, self.min_fanin, self.mu)   # P Delta on the global set
+        delta.copy_(rin.weighted_sum(a))  # Delta = sum_k a_k U_k (the pass screens U's rows)
+        apply_gc_(self._views, self.vector_policy, self.min_fanin, self.mu)  # P Delta on the global set
         new = torch.add(rin.global_flat, delta, alpha=self.server_lr)
         return AggResult(new, {"weights": a.tolist()})
 
@@ -248,16 +277,19 @@ class GCFed(Aggregator):
 @register("local_gc")
 class LocalGC(GCFed):
     """Local GC on every parameter tensor, plain (uniform) averaging on the server."""
+
     _defaults = dict(local_layers="all", global_scope="none")
 
 
 @register("global_gc")
 class GlobalGC(GCFed):
     """Global GC on every parameter tensor of the aggregated update; clients train like FedAvg."""
+
     _defaults = dict(local_layers="none", global_scope="all")
 
 
 @register("local_gc_only")
 class LocalGCOnly(GCFed):
     """Local-GC-only(lam) (paper Fig. 9): Local GC on the first floor(lam L) tensors, no Global GC."""
+
     _defaults = dict(local_layers="first_fraction", global_scope="none")

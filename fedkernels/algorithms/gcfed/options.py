@@ -8,6 +8,7 @@
   "post_momentum" (GC on the momentum direction). The default "pre_wd" (the official code) is the
   method's own ``LocalGCRule``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence
@@ -24,12 +25,26 @@ LOCAL_LAYERS = ("all_except", "first_fraction", "all", "none")
 GLOBAL_SCOPES = ("all", "complement", "none")
 
 
-def check_options(name: str, local_layers: str, global_scope: str, vector_policy: str, mu: str, weighting: str,
-                  local_order: str, lam: Optional[float], min_fanin) -> None:
+def check_options(
+    name: str,
+    local_layers: str,
+    global_scope: str,
+    vector_policy: str,
+    mu: str,
+    weighting: str,
+    local_order: str,
+    lam: Optional[float],
+    min_fanin,
+) -> None:
     """One-line ValueError for the first option outside its allowed values."""
-    for opt, val, allowed in (("local_layers", local_layers, LOCAL_LAYERS), ("global_scope", global_scope, GLOBAL_SCOPES),
-                              ("vector_policy", vector_policy, VECTOR_POLICIES), ("mu", mu, tuple(MU_VARIANTS)),
-                              ("weighting", weighting, WEIGHTINGS), ("local_order", local_order, LOCAL_ORDERS)):
+    for opt, val, allowed in (
+        ("local_layers", local_layers, LOCAL_LAYERS),
+        ("global_scope", global_scope, GLOBAL_SCOPES),
+        ("vector_policy", vector_policy, VECTOR_POLICIES),
+        ("mu", mu, tuple(MU_VARIANTS)),
+        ("weighting", weighting, WEIGHTINGS),
+        ("local_order", local_order, LOCAL_ORDERS),
+    ):
         check_choice(name, opt, val, allowed)
     if local_layers == "first_fraction" and (lam is None or not 0.0 <= lam <= 1.0):
         raise ValueError(f"{name}: lam must lie in [0, 1] with local_layers='first_fraction', got {lam!r}")
@@ -46,8 +61,9 @@ def gc_mean_variant_(t: torch.Tensor, variant: str) -> torch.Tensor:
     return t
 
 
-def post_wd_step(name: str, params: Sequence[torch.Tensor], weight_decay: float, optimizer,
-                 center_local: Callable[[], None]) -> bool:
+def post_wd_step(
+    name: str, params: Sequence[torch.Tensor], weight_decay: float, optimizer, center_local: Callable[[], None]
+) -> bool:
     """GC2020 order: g += wd p on every tensor of ``params``, ``center_local()`` (GC on the local
     ones), then the optimizer's step with its own weight decay suspended when that is where wd came
     from (wd is ``weight_decay`` or, when that is 0, the optimizer's; both set raises). Returns
@@ -56,11 +72,14 @@ def post_wd_step(name: str, params: Sequence[torch.Tensor], weight_decay: float,
     opt_wd = {float(g.get("weight_decay", 0.0) or 0.0) for g in groups}
     opt_wd.discard(0.0)
     if weight_decay and opt_wd:
-        raise ValueError(f"{name}: local_order='post_wd' got weight decay twice (weight_decay="
-                         f"{weight_decay} and the optimizer's weight_decay={sorted(opt_wd)}); set one of them")
+        raise ValueError(
+            f"{name}: local_order='post_wd' got weight decay twice (weight_decay="
+            f"{weight_decay} and the optimizer's weight_decay={sorted(opt_wd)}); set one of them"
+        )
     if len(opt_wd) > 1:
-        raise ValueError(f"{name}: local_order='post_wd' needs one weight_decay for all parameter groups, "
-                         f"got {sorted(opt_wd)}")
+        raise ValueError(
+            f"{name}: local_order='post_wd' needs one weight_decay for all parameter groups, got {sorted(opt_wd)}"
+        )
     wd = weight_decay or (opt_wd.pop() if opt_wd else 0.0)
     withg = [p for p in params if p.grad is not None]
     with torch.no_grad():
@@ -82,9 +101,15 @@ def post_wd_step(name: str, params: Sequence[torch.Tensor], weight_decay: float,
     return True
 
 
-def post_momentum_step(params: Sequence[torch.Tensor], local: Sequence[torch.Tensor], bufs: Dict[int, torch.Tensor],
-                       lr: float, weight_decay: float, momentum: float,
-                       center: Callable[[List[torch.Tensor]], object]) -> bool:
+def post_momentum_step(
+    params: Sequence[torch.Tensor],
+    local: Sequence[torch.Tensor],
+    bufs: Dict[int, torch.Tensor],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    center: Callable[[List[torch.Tensor]], object],
+) -> bool:
     """The SGD step with GC on the momentum direction: d = g + wd p, buf = mu buf + d (un-centred,
     kept in ``bufs``), p -= lr * center(buf) on the ``local`` tensors, p -= lr * buf elsewhere."""
     local_ids = {id(p) for p in local}

@@ -27,6 +27,7 @@ aggregate: the 2K + 1 statistics ride in the NaN/Inf flags' copy (``RoundInput.k
 first pass's flags wait on the device (``hold``) for the clamp's flag (``RoundInput.release``).
 Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,16 +36,30 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ... import ops
-from ..base import (AggResult, Aggregator, BatchedRule, ClientContext, ClientRule, RoundInput, host_float64,
-                    info_values, payload_numbers, register, rows_where, tracing)
+from ..base import (
+    AggResult,
+    Aggregator,
+    BatchedRule,
+    ClientContext,
+    ClientRule,
+    RoundInput,
+    host_float64,
+    info_values,
+    payload_numbers,
+    register,
+    rows_where,
+    tracing,
+)
 from ..parts import client_weights
 from .options import check_options, check_phase
 
-EPS2 = 1e-30          # absolute floor on squared norms (fp64)
-REL_NBAR = 1e-13      # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
+EPS2 = 1e-30  # absolute floor on squared norms (fp64)
+REL_NBAR = 1e-13  # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
 
-def kuramoto_stats(U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kuramoto_stats(
+    U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
     nbar = ||mean||^2 with mean = sum_k p_k U_k; from one ``ops.kstats`` pass over U (no Gram), or, when
     the caller has U's Gram matrix ``G`` already, from it: dot = G p, nsq = diag G, nbar = p^T G p."""
@@ -72,7 +87,7 @@ def code_weights(phase: torch.Tensor, p: torch.Tensor, kappa: float) -> Tuple[to
     phase = phase.to(torch.float64)
     K = phase.numel()
     c, s = torch.cos(phase), torch.sin(phase)
-    cp = c * (c.sum() - c) + s * (s.sum() - s)             # c'_k
+    cp = c * (c.sum() - c) + s * (s.sum() - s)  # c'_k
     b = (cp - p * cp.sum()) / max(1, K - 1)
     return b, p + kappa * b
 
@@ -88,9 +103,18 @@ def _info(**kv) -> Dict[str, Any]:
     return {k: info_values(v) for k, v in kv.items()}
 
 
-def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau: float = 0.05,
-                     clip_delta: bool = True, theta_bar: str = "uniform",
-                     guard: bool = True) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def kuramoto_weights(
+    dot,
+    nsq,
+    nbar,
+    p,
+    mode: str = "S",
+    kappa: float = 0.5,
+    tau: float = 0.05,
+    clip_delta: bool = True,
+    theta_bar: str = "uniform",
+    guard: bool = True,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
     """Weights from the phase statistics (modes "P" and "S"), all in fp64.
 
     Mode S returns the coefficients a (sum 1, >= 0). Mode P returns rho (sum 1 unless degenerate,
@@ -107,16 +131,16 @@ def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau
     # place where the tensor is fresh: each costs a few us on the host whatever K is. For x >= 0 (or
     # NaN), "x < inf" is isfinite(x) in one op.
     inf = math.inf
-    mean_zero = ~((nbar < inf) & (nbar > (REL_NBAR * (p * nsq).sum()).clamp_min_(EPS2)))   # (NaN stays NaN)
+    mean_zero = ~((nbar < inf) & (nbar > (REL_NBAR * (p * nsq).sum()).clamp_min_(EPS2)))  # (NaN stays NaN)
     invalid = ~((nsq > EPS2) & (nsq < inf) & (dot.abs() < inf)) | mean_zero
-    den = (nsq * nbar).sqrt_()                              # one rounding: identical rows give c = 1
-    den = torch.where(den < inf, den, nsq.sqrt() * nbar.sqrt())   # product overflowed fp64
+    den = (nsq * nbar).sqrt_()  # one rounding: identical rows give c = 1
+    den = torch.where(den < inf, den, nsq.sqrt() * nbar.sqrt())  # product overflowed fp64
     c = (dot / den).masked_fill_(invalid, 1.0).clamp_(-1.0, 1.0)
-    th0 = torch.arccos(c)                                   # theta, 0 (= arccos 1) where invalid
+    th0 = torch.arccos(c)  # theta, 0 (= arccos 1) where invalid
     valid = ~invalid
     nvalid = valid.sum()
     if theta_bar == "uniform":
-        tbar = th0.sum() / nvalid                           # (= the mean weighted by valid's 0/1)
+        tbar = th0.sum() / nvalid  # (= the mean weighted by valid's 0/1)
     else:
         wt = p.masked_fill(invalid, 0.0)
         tbar = (th0 * wt).sum() / wt.sum()
@@ -127,12 +151,20 @@ def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau
     theta = th0.masked_fill(invalid, math.nan)
     S, abs_sum = s.sum(), s.abs().sum()
     if mode == "S":
-        num = (s * kappa).add_(1.0).mul_(p)                 # p (1 + kappa s)
+        num = (s * kappa).add_(1.0).mul_(p)  # p (1 + kappa s)
         nden = num.sum()
         ok = nden > 1e-12
         a = p if kappa == 0.0 else torch.where(ok, num / nden, p)
-        info = _info(theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero,
-                     degenerate=~ok if kappa != 0.0 else torch.zeros((), dtype=torch.bool))
+        info = _info(
+            theta=theta,
+            theta_bar=tbar,
+            s=s,
+            S=S,
+            valid=valid,
+            num_valid=nvalid,
+            mean_zero=mean_zero,
+            degenerate=~ok if kappa != 0.0 else torch.zeros((), dtype=torch.bool),
+        )
         if tracing():
             info["ratio"] = torch.where(abs_sum > 0, S.abs() / abs_sum, torch.full_like(S, float("nan")))
         else:
@@ -141,11 +173,13 @@ def kuramoto_weights(dot, nsq, nbar, p, mode: str = "S", kappa: float = 0.5, tau
             info["reason"] = "coupling denominator <= 1e-12"
         return a, info
     if tracing():
-        raise RuntimeError("kuramoto mode P under torch.compile: its guard is host logic; use mode S, "
-                                  "or call the aggregator eagerly")
+        raise RuntimeError(
+            "kuramoto mode P under torch.compile: its guard is host logic; use mode S, or call the aggregator eagerly"
+        )
     nvalid, S, abs_sum = int(nvalid), float(S), float(abs_sum)
-    info = _info(theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero,
-                 degenerate=False)
+    info = _info(
+        theta=theta, theta_bar=tbar, s=s, S=S, valid=valid, num_valid=nvalid, mean_zero=mean_zero, degenerate=False
+    )
     info["ratio"] = (abs(S) / abs_sum) if abs_sum > 0 else None
     # mode P (paper-literal, with the guard)
     reason = None
@@ -201,20 +235,35 @@ KuramotoPhaseRule.batched_form = KuramotoPhaseBatched
 class KuramotoFedAvg(Aggregator):
     """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto/options.py``)."""
 
-    screen_in_pass = True     # the first read of U (kstats, or mode C's weighted_sum) screens its rows
+    screen_in_pass = True  # the first read of U (kstats, or mode C's weighted_sum) screens its rows
 
-    def __init__(self, mode: str = "S", kappa0: Optional[float] = None, beta: float = 1.0, tau: float = 0.05,
-                 guard: bool = True, clip_delta: bool = True, theta_bar: str = "uniform", clip: float = 10.0,
-                 weighting: str = "samples", **kw):
+    def __init__(
+        self,
+        mode: str = "S",
+        kappa0: Optional[float] = None,
+        beta: float = 1.0,
+        tau: float = 0.05,
+        guard: bool = True,
+        clip_delta: bool = True,
+        theta_bar: str = "uniform",
+        clip: float = 10.0,
+        weighting: str = "samples",
+        **kw,
+    ):
         super().__init__(**kw)
         self.mode, self.kappa0 = check_options(self.name, mode, kappa0, beta, tau, theta_bar, clip, weighting)
         self.beta, self.tau, self.clip = float(beta), float(tau), float(clip)
-        self.guard, self.clip_delta, self.theta_bar, self.weighting = bool(guard), bool(clip_delta), theta_bar, weighting
+        self.guard, self.clip_delta, self.theta_bar, self.weighting = (
+            bool(guard),
+            bool(clip_delta),
+            theta_bar,
+            weighting,
+        )
 
     def kappa(self, t: Optional[int] = None) -> float:
         """kappa_t = kappa0 * beta^t (t defaults to the current round)."""
         t = self.round if t is None else int(t)
-        return self.kappa0 * self.beta ** t
+        return self.kappa0 * self.beta**t
 
     def client_rule(self) -> Optional[ClientRule]:
         return KuramotoPhaseRule(self) if self.mode == "C" else None
@@ -227,18 +276,18 @@ class KuramotoFedAvg(Aggregator):
         rows = super().suspect_payloads(payloads)
         if rows is None or self.mode != "C":
             return rows
-        phase = payload_numbers(payloads, "phase")       # NaN where missing
+        phase = payload_numbers(payloads, "phase")  # NaN where missing
         return None if phase is None else rows + rows_where(~torch.isfinite(phase))
 
     def update_passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum", "sum")      # modes P/S: the kstats pass (column-local, like a sum), the sum; mode C: the sum
+        return ("sum", "sum")  # modes P/S: the kstats pass (column-local, like a sum), the sum; mode C: the sum
 
     def _aggregate(self, rin: RoundInput) -> AggResult:
         p = client_weights(rin, self.weighting)
         kt = self.kappa()
         if self.mode == "C":
             phase = payload_numbers(rin.payloads, "phase")
-            if phase is None:     # numbers as text, ...: one by one
+            if phase is None:  # numbers as text, ...: one by one
                 phase = torch.tensor([float(pl["phase"]) for pl in rin.payloads], dtype=torch.float64)
             b, a = code_weights(phase, p, kt)
             # the first pass screens U's rows; its flags wait on the device for the clamp's flag
@@ -247,25 +296,38 @@ class KuramotoFedAvg(Aggregator):
             over = ops.any_flag(sync.abs() > self.clip)
             sync.clamp_(-self.clip, self.clip)
             new.add_(sync, alpha=self.server_lr * kt)
-            clipped = bool(rin.release(over))        # flags and clamp flag: one device-to-host copy
-            info = {"mode": "C", "kappa": kt, "phase": phase.tolist(), "weights": a.tolist(),
-                    "sync_coef": b.tolist(), "clipped": clipped}
+            clipped = bool(rin.release(over))  # flags and clamp flag: one device-to-host copy
+            info = {
+                "mode": "C",
+                "kappa": kt,
+                "phase": phase.tolist(),
+                "weights": a.tolist(),
+                "sync_coef": b.tolist(),
+                "clipped": clipped,
+            }
             return AggResult(new, info)
-        dot, nsq, nbar = rin.kstats(p)     # one pass over U that screens its rows (spec §5.1 KSTATS); the
+        dot, nsq, nbar = rin.kstats(p)  # one pass over U that screens its rows (spec §5.1 KSTATS); the
         # statistics come to the host with the flags (one device-to-host copy), so the rest is host arithmetic
         if self.mode == "S":
             kap = min(max(kt, 0.0), 1.0)
-            a, info = kuramoto_weights(dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta,
-                                       theta_bar=self.theta_bar)
+            a, info = kuramoto_weights(
+                dot, nsq, nbar, p, "S", kap, clip_delta=self.clip_delta, theta_bar=self.theta_bar
+            )
             alpha = self.server_lr
         else:
             kap = kt
-            a, info = kuramoto_weights(dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar,
-                                       guard=self.guard)
+            a, info = kuramoto_weights(
+                dot, nsq, nbar, p, "P", kap, tau=self.tau, theta_bar=self.theta_bar, guard=self.guard
+            )
             alpha = self.server_lr * kt
         new = rin.weighted_sum(a, base=rin.global_flat, alpha=alpha)
-        info.update(mode=self.mode, kappa=kap, weights=info_values(a), p=info_values(p),
-                    guard_fired=self.mode == "P" and info["degenerate"])
+        info.update(
+            mode=self.mode,
+            kappa=kap,
+            weights=info_values(a),
+            p=info_values(p),
+            guard_fired=self.mode == "P" and info["degenerate"],
+        )
         if self.mode == "P" and not info["degenerate"]:
             info["max_abs_rho"] = float(a.abs().max())
         return AggResult(new, info)

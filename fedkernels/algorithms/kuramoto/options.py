@@ -6,6 +6,7 @@ S 0.5, P 0.5, C 0.2 = the code's K_t); ``beta`` (kappa decay, default 1.0); ``ta
 paper, or "p"); ``clip`` (mode C elementwise clamp, 10.0); ``weighting`` ("samples" p = n/sum n, or
 "uniform"); ``server_lr`` (eta_g, 1.0).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,9 @@ def check_options(name: str, mode, kappa0, beta, tau, theta_bar, clip, weighting
     mode upper-cased and kappa0 defaulted by mode."""
     mode = str(mode).upper()
     if mode not in MODES:
-        raise ValueError(f"kuramoto: mode must be one of {MODES} (P = paper-literal, S = coupled, C = authors' code), got {mode!r}")
+        raise ValueError(
+            f"kuramoto: mode must be one of {MODES} (P = paper-literal, S = coupled, C = authors' code), got {mode!r}"
+        )
     k0 = float(DEFAULT_KAPPA0[mode] if kappa0 is None else kappa0)
     if not math.isfinite(k0) or k0 < 0:
         raise ValueError(f"kuramoto: kappa0 must be a finite number >= 0, got {kappa0}")

@@ -12,4 +12,5 @@ statistic that a minority of arbitrary (Byzantine) updates cannot drag far.
 What they share (the selection pass over U with its screen, the bound checks, the row distances) is
 ``common.py``.
 """
+
 from . import centered_clip, coordinate, geomed, krum  # noqa: F401  (each registers its methods)

@@ -15,6 +15,7 @@ one weighted sum with base a v_0: iterations + 1 reads of U in all. (All iterati
 instead would need U v_0 besides, and the Gram costs K^2 d / 2 multiply-adds: at K = 100 it takes
 about 15 reads' time on the CPU, more than a kstats pass per iteration for any usual iteration count.)
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -33,7 +34,7 @@ class CenteredClip(Aggregator):
     clip factors min(1, tau/||U_k - v||) of the last iteration."""
 
     state_attrs = ("center",)
-    screen_in_pass = True      # row_dots' pass screens the rows (on a tensor; a source is screened first)
+    screen_in_pass = True  # row_dots' pass screens the rows (on a tensor; a source is screened first)
 
     def __init__(self, tau: float = 10.0, iterations: int = 1, **kw):
         super().__init__(**kw)
@@ -48,13 +49,13 @@ class CenteredClip(Aggregator):
         if v0 is None or v0.shape != g.shape:
             v0 = torch.zeros_like(g)
         v0 = v0.to(device=g.device, dtype=g.dtype)
-        dots0, nsq, vv0 = row_dots(rin, v0)                 # U v0, ||U_k||^2, ||v0||^2 (one read of U, screened)
+        dots0, nsq, vv0 = row_dots(rin, v0)  # U v0, ||U_k||^2, ||v0||^2 (one read of U, screened)
         a, c = 1.0, torch.zeros(K, dtype=torch.float64)
         s = torch.ones(K, dtype=torch.float64)
         for it in range(self.iterations):
             if it == 0:
                 uv, vv = dots0, vv0
-            else:                                            # v = a v0 + U^T c
+            else:  # v = a v0 + U^T c
                 dotc, _, nbar = rin.kstats(c)
                 uv = a * dots0 + dotc
                 vv = a * a * vv0 + 2.0 * a * float(c @ dots0) + float(nbar)

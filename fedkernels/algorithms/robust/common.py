@@ -1,6 +1,7 @@
 """Pieces the robust rules share: the per-column selection pass over U (screening the rows in the same
 pass, chunk by chunk on a source), the one-line bound checks, the Krum scores on a distance matrix,
 and the rows' distances to a point for the iterative rules."""
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
@@ -35,8 +36,13 @@ def check_clients(method: str, option: str, value: int, K: int, bound: int, form
         raise ValueError(f"{method}: {option}={value} needs K >= {formula} = {bound} clients per round, got K={K}")
 
 
-def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
-                screened: Callable[..., Tuple[torch.Tensor, torch.Tensor]], *args, **kw) -> torch.Tensor:
+def select_pass(
+    rin: RoundInput,
+    plain: Callable[..., torch.Tensor],
+    screened: Callable[..., Tuple[torch.Tensor, torch.Tensor]],
+    *args,
+    **kw,
+) -> torch.Tensor:
     """``plain(U, *args, **kw)`` (a per-column op of ``fedkernels.ops.select``): on a tensor one call,
     the ``screened`` form while the rows are unscreened (its flags go to the policy: raise, or the
     round again without the bad rows); on a source the column chunks in order (screened first by
@@ -45,18 +51,18 @@ def select_pass(rin: RoundInput, plain: Callable[..., torch.Tensor],
     if rin.src is None and not isinstance(rin, RowScaled):
         if rin.screen_rows:
             out, ok = screened(rin.U, *args, **kw)
-            rin._flags(ok)          # the policy on this pass's flags (may restart the round without bad rows)
+            rin._flags(ok)  # the policy on this pass's flags (may restart the round without bad rows)
             return out
         return plain(rin.U, *args, **kw)
-    res = torch.empty(rin.d, dtype=torch.float64 if rin.dtype == torch.float64 else torch.float32,
-                      device=rin.device)
+    res = torch.empty(rin.d, dtype=torch.float64 if rin.dtype == torch.float64 else torch.float32, device=rin.device)
     for cols, B in rin.blocks():
         res[cols] = plain(B, *args, **kw)
     return res
 
 
-def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, base: Optional[torch.Tensor] = None,
-             alpha: float = 1.0) -> torch.Tensor:
+def rows_sum(
+    rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, base: Optional[torch.Tensor] = None, alpha: float = 1.0
+) -> torch.Tensor:
     """``base + alpha * sum_i w[i] U[rows[i]]``: on a tensor whose rows are already screened (after the
     method's Gram pass) one ``ops.weighted_sum`` over the selected rows only (m rows read, not K; taken in
     ascending row order, the order of the full sum, whose zero terms add nothing); otherwise (a source, a
@@ -94,7 +100,7 @@ def krum_scores(D: torch.Tensor, f: int, alive: Optional[torch.Tensor] = None) -
     n = int(alive.sum())
     nc = max(1, n - f - 2)
     Dm = D.masked_fill(~alive.unsqueeze(0), float("inf"))
-    s = torch.sort(Dm, dim=1).values[:, 1:nc + 1].sum(1)
+    s = torch.sort(Dm, dim=1).values[:, 1 : nc + 1].sum(1)
     return s.masked_fill(~alive, float("inf"))
 
 
@@ -107,7 +113,7 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     flags screen them (no separate pass; the policy gets them once, after the pass); on a source or a
     row-scaled input the rows are screened first (``rin.blocks``)."""
     K = rin.K
-    acc = torch.zeros(2 * K + 2, dtype=torch.float64, device=rin.device)   # on U's device: no copy per chunk
+    acc = torch.zeros(2 * K + 2, dtype=torch.float64, device=rin.device)  # on U's device: no copy per chunk
     p = torch.zeros(K + 1, dtype=torch.float64)
     p[K] = 1.0
     screen = rin.src is None and not isinstance(rin, RowScaled) and rin.screen_rows
@@ -121,24 +127,22 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
         for a in range(0, B.size(1), width):
             w = min(width, B.size(1) - a)
             S = buf[:, :w]
-            S[:K].copy_(B[:, a:a + w])
-            S[K].copy_(xb[a:a + w])
+            S[:K].copy_(B[:, a : a + w])
+            S[K].copy_(xb[a : a + w])
             dot, nsq, _, ok = ops.kstats(S, p)
-            acc[:K + 1].add_(dot.to(acc.device))
-            acc[K + 1:].add_(nsq.to(acc.device))
+            acc[: K + 1].add_(dot.to(acc.device))
+            acc[K + 1 :].add_(nsq.to(acc.device))
             if screen:
                 ok_all = ok[:K] if ok_all is None else ok_all & ok[:K]
-    if screen:   # the flags and the sums to the host in one copy
+    if screen:  # the flags and the sums to the host in one copy
         ok = ok_all if ok_all is not None else torch.ones(K, dtype=torch.bool, device=acc.device)
         host = rin._flags(ok, carry=acc)
         acc = host if host is not None else acc.cpu()
     else:
         acc = acc.cpu()
-    return acc[:K].clone(), acc[K + 1:2 * K + 1].clone(), float(acc[2 * K + 1])
+    return acc[:K].clone(), acc[K + 1 : 2 * K + 1].clone(), float(acc[2 * K + 1])
 
 
 def selected_ids(rin: RoundInput, rows: Sequence[int]) -> list:
     """The client ids of the round's rows ``rows``."""
     return [rin.client_ids[k] for k in rows]
-
-

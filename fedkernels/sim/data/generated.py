@@ -3,6 +3,7 @@ and a Gaussian-mixture classification task. Flat float32 ``[N, F]`` rows, not no
 default (FedProx trains on the raw features); ``standardize=True`` standardises every feature with
 the training set's mean and std.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -13,6 +14,7 @@ import torch
 from .base import TensorData, subsample
 
 __all__ = ["generate_synthetic", "generate_gmm", "load_generated", "GENERATED"]
+
 
 # ================================================================================================
 def _int_opt(ds: str, name: str, value, low: int) -> int:
@@ -25,14 +27,21 @@ def _float_opt(ds: str, name: str, value, low: float, strict: bool) -> float:
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     v = float(value) if ok else float("nan")
     if not (np.isfinite(v) and (v > low if strict else v >= low)):
-        raise ValueError(f"{ds}: {name} must be a finite number {'>' if strict else '>='} {low}, "
-                         f"got {value!r}")
+        raise ValueError(f"{ds}: {name} must be a finite number {'>' if strict else '>='} {low}, got {value!r}")
     return v
 
 
-def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 30, dim: int = 60,
-                       num_classes: int = 10, seed: int = 0, iid: bool = False,
-                       train_fraction: float = 0.9, max_user_samples: Optional[int] = None):
+def generate_synthetic(
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    num_users: int = 30,
+    dim: int = 60,
+    num_classes: int = 10,
+    seed: int = 0,
+    iid: bool = False,
+    train_fraction: float = 0.9,
+    max_user_samples: Optional[int] = None,
+):
     """FedProx's Synthetic(alpha, beta) generator (Li et al. 2020, §5.1; the authors'
     ``data/synthetic_*/generate_synthetic.py`` and ``synthetic_iid/generate_iid.py``), in numpy.
 
@@ -65,15 +74,15 @@ def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 3
     sizes = rng.lognormal(4.0, 2.0, U).astype(np.int64) + 50
     if cap is not None:
         sizes = np.minimum(sizes, cap)
-    sd = np.arange(1, D + 1, dtype=np.float64) ** -0.6          # sqrt of diag(j^-1.2)
+    sd = np.arange(1, D + 1, dtype=np.float64) ** -0.6  # sqrt of diag(j^-1.2)
     if iid:
         mean_x = np.zeros((U, D))
         W_glob = rng.normal(0.0, 1.0, (D, C))
         b_glob = rng.normal(0.0, 1.0, C)
     else:
-        mean_W = rng.normal(0.0, alpha, U)                        # u_k (mean_b = mean_W)
+        mean_W = rng.normal(0.0, alpha, U)  # u_k (mean_b = mean_W)
         B = rng.normal(0.0, beta, U)
-        mean_x = rng.normal(B[:, None], 1.0, (U, D))              # v_k
+        mean_x = rng.normal(B[:, None], 1.0, (U, D))  # v_k
     out = ([], [], [], [], [], [])
     for k in range(U):
         if iid:
@@ -87,14 +96,21 @@ def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_users: int = 3
         perm = rng.permutation(n)
         ntr = int(tf * n)
         tr, te = perm[:ntr], perm[ntr:]
-        for j, a in enumerate((x[tr], y[tr], np.full(len(tr), k, np.int64),
-                               x[te], y[te], np.full(len(te), k, np.int64))):
+        for j, a in enumerate(
+            (x[tr], y[tr], np.full(len(tr), k, np.int64), x[te], y[te], np.full(len(te), k, np.int64))
+        ):
             out[j].append(a)
     return tuple(np.concatenate(a) for a in out)
 
 
-def generate_gmm(num_classes: int = 10, dim: int = 64, n_train: int = 6000, n_test: int = 2000,
-                 class_sep: float = 0.375, seed: int = 0):
+def generate_gmm(
+    num_classes: int = 10,
+    dim: int = 64,
+    n_train: int = 6000,
+    n_test: int = 2000,
+    class_sep: float = 0.375,
+    seed: int = 0,
+):
     """Gaussian-mixture classification: class means mu_c ~ N(0, class_sep^2 I) [dim], labels
     balanced (n // C per class, the remainder to the first classes, then shuffled), and
     x = mu_y + N(0, I). Train and test come from the same means. The Bayes rule is linear (shared
@@ -126,30 +142,44 @@ def generate_gmm(num_classes: int = 10, dim: int = 64, n_train: int = 6000, n_te
 GENERATED = ("synthetic", "gmm")
 
 _GEN_DEFAULTS = {
-    "synthetic": dict(alpha=1.0, beta=1.0, num_users=30, dim=60, num_classes=10, seed=0, iid=False,
-                      train_fraction=0.9, max_user_samples=None, standardize=False),
-    "gmm": dict(num_classes=10, dim=64, n_train=6000, n_test=2000, class_sep=0.375, seed=0,
-                standardize=False),
+    "synthetic": dict(
+        alpha=1.0,
+        beta=1.0,
+        num_users=30,
+        dim=60,
+        num_classes=10,
+        seed=0,
+        iid=False,
+        train_fraction=0.9,
+        max_user_samples=None,
+        standardize=False,
+    ),
+    "gmm": dict(num_classes=10, dim=64, n_train=6000, n_test=2000, class_sep=0.375, seed=0, standardize=False),
 }
 
 
-def load_generated(key: str, options: dict, max_train, max_test, subsample_seed, normalize,
-                   dtype) -> Tuple[TensorData, TensorData]:
+def load_generated(
+    key: str, options: dict, max_train, max_test, subsample_seed, normalize, dtype
+) -> Tuple[TensorData, TensorData]:
     unknown = sorted(set(options) - set(_GEN_DEFAULTS[key]))
     if unknown:
-        raise ValueError(f"{key}: unknown option(s) {', '.join(unknown)}; valid options: "
-                         f"{', '.join(_GEN_DEFAULTS[key])}")
+        raise ValueError(
+            f"{key}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(_GEN_DEFAULTS[key])}"
+        )
     opts = dict(_GEN_DEFAULTS[key], **options)
     standardize = opts.pop("standardize")
     if not isinstance(standardize, (bool, np.bool_)):
         raise ValueError(f"{key}: standardize must be true or false, got {standardize!r}")
     if normalize not in (True, False, None):
-        raise ValueError(f"{key}: normalize takes no (mean, std) pair for generated flat data; use "
-                         f"the option standardize=True")
+        raise ValueError(
+            f"{key}: normalize takes no (mean, std) pair for generated flat data; use the option standardize=True"
+        )
     if key == "synthetic":
         xtr, ytr, otr, xte, yte, ote = generate_synthetic(**opts)
-        src = (f"generated: FedProx Synthetic(alpha={opts['alpha']:g}, beta={opts['beta']:g}"
-               f"{', iid' if opts['iid'] else ''}), {opts['num_users']} users, seed {opts['seed']}")
+        src = (
+            f"generated: FedProx Synthetic(alpha={opts['alpha']:g}, beta={opts['beta']:g}"
+            f"{', iid' if opts['iid'] else ''}), {opts['num_users']} users, seed {opts['seed']}"
+        )
     else:
         xtr, ytr, xte, yte = generate_gmm(**opts)
         otr = ote = None
@@ -174,9 +204,13 @@ def load_generated(key: str, options: dict, max_train, max_test, subsample_seed,
         m = dict(meta, split=split)
         if owners is not None:
             m["client_ids"] = np.asarray(owners, dtype=np.int64)
-        return TensorData(x=xt, y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
-                          num_classes=num_classes, name=key, input_shape=tuple(xt.shape[1:]),
-                          meta=m)
+        return TensorData(
+            x=xt,
+            y=torch.from_numpy(np.asarray(y, dtype=np.int64)),
+            num_classes=num_classes,
+            name=key,
+            input_shape=tuple(xt.shape[1:]),
+            meta=m,
+        )
 
     return make(xtr, ytr, otr, "train"), make(xte, yte, ote, "test")
-

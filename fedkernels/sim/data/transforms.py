@@ -3,6 +3,7 @@
 :class:`Augment` (crop + flip, the CIFAR recipe of the GC-Fed / FedAWARE code). Random-crop padding
 uses the value a black pixel takes after normalisation, as torchvision's pad-then-normalise does.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence, Union
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from .base import TensorData
 
 __all__ = ["normalize", "random_crop", "random_hflip", "Augment"]
+
 
 # ================================================================================================
 def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
@@ -25,13 +27,10 @@ def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> t
     if m.numel() == 1:
         m, s = m.expand(c), s.expand(c)
     if m.numel() != c or s.numel() != c:
-        raise ValueError(f"mean/std: expected {c} values (one per channel), got {m.numel()}, "
-                         f"{s.numel()}")
+        raise ValueError(f"mean/std: expected {c} values (one per channel), got {m.numel()}, {s.numel()}")
     if bool((s <= 0).any()):
         raise ValueError("std: every value must be > 0")
     return (x - m.view(-1, 1, 1)) / s.view(-1, 1, 1)
-
-
 
 
 def _rand(shape, generator: Optional[torch.Generator], high: Optional[int] = None) -> torch.Tensor:
@@ -41,9 +40,13 @@ def _rand(shape, generator: Optional[torch.Generator], high: Optional[int] = Non
     return torch.randint(0, high, shape, generator=generator, device=dev)
 
 
-def random_crop(x: torch.Tensor, size: Optional[int] = None, padding: int = 4,
-                generator: Optional[torch.Generator] = None,
-                fill: Union[float, torch.Tensor] = 0.0) -> torch.Tensor:
+def random_crop(
+    x: torch.Tensor,
+    size: Optional[int] = None,
+    padding: int = 4,
+    generator: Optional[torch.Generator] = None,
+    fill: Union[float, torch.Tensor] = 0.0,
+) -> torch.Tensor:
     """Batched RandomCrop(size, padding): each image of [N, C, H, W] gets its own offset.
 
     ``fill`` is the padding value: a float or a per-channel tensor broadcastable to [C, 1, 1]
@@ -63,19 +66,18 @@ def random_crop(x: torch.Tensor, size: Optional[int] = None, padding: int = 4,
         padded.copy_(fill.to(x.dtype).to(x.device).reshape(-1, 1, 1).expand(c, hp, wp))
     else:
         padded.fill_(float(fill))
-    padded[:, :, padding:padding + h, padding:padding + w] = x
+    padded[:, :, padding : padding + h, padding : padding + w] = x
     i = _rand((n,), generator, hp - size + 1).to(x.device)
     j = _rand((n,), generator, wp - size + 1).to(x.device)
     ar = torch.arange(size, device=x.device)
-    rows = (i[:, None] + ar)[:, :, None]                       # [N, size, 1]
-    cols = (j[:, None] + ar)[:, None, :]                       # [N, 1, size]
+    rows = (i[:, None] + ar)[:, :, None]  # [N, size, 1]
+    cols = (j[:, None] + ar)[:, None, :]  # [N, 1, size]
     b = torch.arange(n, device=x.device)[:, None, None]
-    out = padded.permute(0, 2, 3, 1)[b, rows, cols]            # [N, size, size, C]
+    out = padded.permute(0, 2, 3, 1)[b, rows, cols]  # [N, size, size, C]
     return out.permute(0, 3, 1, 2).contiguous()
 
 
-def random_hflip(x: torch.Tensor, p: float = 0.5,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def random_hflip(x: torch.Tensor, p: float = 0.5, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Batched RandomHorizontalFlip(p) of [N, C, H, W]: each image flipped with probability p."""
     if x.dim() != 4:
         raise ValueError(f"x: expected [N, C, H, W], got shape {tuple(x.shape)}")
@@ -90,8 +92,13 @@ class Augment:
     "crop_flip" = RandomCrop(side, pad side//8) + HFlip (CIFAR: pad 4), or None (identity).
     """
 
-    def __init__(self, crop_padding: int = 4, flip: bool = True,
-                 fill: Union[float, torch.Tensor] = 0.0, size: Optional[int] = None):
+    def __init__(
+        self,
+        crop_padding: int = 4,
+        flip: bool = True,
+        fill: Union[float, torch.Tensor] = 0.0,
+        size: Optional[int] = None,
+    ):
         self.crop_padding = int(crop_padding)
         self.flip = bool(flip)
         self.fill = fill
@@ -107,8 +114,7 @@ class Augment:
         if len(data.input_shape) != 3:
             raise ValueError("crop_flip needs image data [N, C, H, W]")
         fill = data.fill_value()
-        return cls(crop_padding=max(1, data.input_shape[1] // 8), flip=True,
-                   fill=0.0 if fill is None else fill)
+        return cls(crop_padding=max(1, data.input_shape[1] // 8), flip=True, fill=0.0 if fill is None else fill)
 
     def __call__(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if self.crop_padding > 0:
