@@ -20,9 +20,9 @@ from torch import nn
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.assemble import torch_settings
-from fedkernels.sim.callbacks import Callback
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import Simulation
+from round_states import RoundStates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (13, 61, 97, 150)  # 13 < batch 32 (B = 13); 61, 97, 150 end with a short tail batch
@@ -41,25 +41,6 @@ def _data_and_parts():
 
 
 DATA = None
-
-
-class _States(Callback):
-    """The run's state after each round (``Simulation.state``), after the model it starts from."""
-
-    def __init__(self):
-        self.states = []
-
-    def on_start(self, sim):
-        self.states.append({"global": sim.global_flat.detach().cpu().clone()})
-
-    def on_round_end(self, sim, metrics):
-        st = copy.deepcopy(sim.state(metrics["round"]))
-        st["tracked"] = [
-            int(m.num_batches_tracked)
-            for m in sim.global_model().modules()  # BatchNorm's step count
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        ]  # (not in the flat state)
-        self.states.append(st)
 
 
 def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
@@ -83,7 +64,7 @@ def sim(*overrides, model_fn=None, parts=None, train=None, start=None):
             *overrides,
         ],
     )
-    rec = _States()
+    rec = RoundStates(bn_steps=True)
     s = Simulation(
         cfg,
         write_outputs=False,

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from fedkernels.sim import checkpoint as ckpt
 from fedkernels.sim import presets
 from fedkernels.sim.assemble import torch_settings
-from fedkernels.sim.callbacks import Callback
+from round_states import RoundStates
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.distributed_sim import assign_positions, merge_sliced_state, slice_state
 from fedkernels.sim.report import TIMING_KEYS
@@ -158,19 +158,6 @@ def test_two_ranks_match_one_process(tmp_path):
 
 
 # ---- one round loop: same metric keys and values in both modes -----------------------------------
-class _States(Callback):
-    """The run's state after each round (``Simulation.state``), after the model it starts from."""
-
-    def __init__(self):
-        self.states = []
-
-    def on_start(self, sim):
-        self.states.append({"global": sim.global_flat.detach().cpu().clone()})
-
-    def on_round_end(self, sim, metrics):
-        self.states.append(copy.deepcopy(sim.state(metrics["round"])))
-
-
 def _metrics_worker(rank, tmp, data, name, opts, states):
     """The whole run (``states`` None), or each round once from the single-process run's state before
     it: rank 0 saves the new global model and the round's metrics to tmp/round<r>.pt."""
@@ -265,7 +252,7 @@ def test_same_metrics_as_one_process(tmp_path, name, opts, bitwise):
     torch.set_num_threads(1)
     data = load_dataset("digits")
     cfg = _cfg(str(tmp_path / "single"), name, opts, client_loss="all", name="allloss")
-    rec = _States()
+    rec = RoundStates()
     s = Simulation(cfg, train=data[0], test=data[1], callbacks=[] if bitwise else [rec])
     s.run()
     ms = _metrics(s.run_dir)
