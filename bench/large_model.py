@@ -269,13 +269,14 @@ def write_int8_updates(path: str, scales_path: str, K: int, d: int, block: int =
 
 def child_int8(path: str, scales_path: str, K: int, d: int, threads: int) -> dict:
     """FedAvg over the int8 file in this (fresh) process: sources.BlockCodeFile (column blocks of READ_BYTES,
-    O_DIRECT when the file exceeds the available memory) summed block by block by ops.dequant_weighted_sum
+    O_DIRECT always: the file is read once, cold, as the bf16 file is; the source's default would read a
+    file that fits in memory through the page cache, at a cost in system time) summed block by block by ops.dequant_weighted_sum
     into the fp32 model (compress.aggregate_compressed: FedAvg's own round)."""
     from fedkernels import algorithms, compress
     from fedkernels.sources import BlockCodeFile
 
     torch.set_num_threads(threads)
-    src = BlockCodeFile(path, scales_path, K, d, INT8_BLOCK)
+    src = BlockCodeFile(path, scales_path, K, d, INT8_BLOCK, direct=True)
     x = torch.zeros(d)
     n = list(range(10, 10 + K))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
