@@ -989,7 +989,7 @@ class _CodeRows(RawFileSource):
     _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-class PackedRows:
+class PackedRows(abc.ABC):
     """K update rows in a packed (compressed) form, one of the round runner's input forms: ``agg.aggregate(g,
     rows, ...)`` runs a method whose server reads U only through ``RoundInput.weighted_sum`` on them, each weighted
     sum one pass over the packed rows (``weighted_sum``: ``(base + alpha * sum_k coef_k row_k, ok)``, ``ok`` the
@@ -1007,6 +1007,7 @@ class PackedRows:
     K: int
     d: int
 
+    @abc.abstractmethod
     def weighted_sum(
         self,
         coef: Any,
@@ -1015,10 +1016,12 @@ class PackedRows:
         rows: Any = None,
         out_dtype: Optional[torch.dtype] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """``(base + alpha * sum_i coef[i] row_{rows[i]}, ok)`` from one pass over the packed rows (``rows``
+        None: all K), ``ok`` each selected row's finite flag from the same pass."""
 
+    @abc.abstractmethod
     def select(self, keep: Sequence[int]) -> "PackedRows":
-        raise NotImplementedError
+        """The rows ``keep`` (in that order) in the same packed form, dense columns carried along."""
 
     def decoded_columns(self, ranges: Sequence[Tuple[int, int]]) -> Optional[torch.Tensor]:
         """The rows' values in the column ``ranges``, decoded ([K, n] float32), or None where the form cannot."""
