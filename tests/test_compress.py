@@ -377,35 +377,9 @@ def test_batchnorm_model_under_each_codec_keeps_running_var_valid(kind, opts):
     variance negative) under each codec: every running variance >= 0, finite losses, and the bytes sent count the
     buffers sent beside the codes."""
     import numpy as np
-    from fedkernels.sim import presets
-    from fedkernels.sim.config import apply_overrides
-    from fedkernels.sim.data import load_dataset
-    from fedkernels.sim.server import Simulation
+    from test_buffers import _run  # its BatchNorm model, data and hetero settings
 
-    tr, te = load_dataset("digits")
-    perm = np.random.default_rng(0).permutation(len(tr.y))
-    parts = [perm[a:b] for a, b in ((0, 13), (13, 74), (74, 164), (164, 314))]
-    cfg = apply_overrides(
-        presets.get("smoke"),
-        [
-            "threads=1",
-            "verbose=false",
-            "plots=false",
-            "progress=false",
-            "rounds=3",
-            "num_clients=4",
-            "algorithm.name=fedavgm",
-            "train.hetero.enabled=true",
-            "train.hetero.lr_range=[0.02,0.2]",
-            "train.hetero.epochs_range=[1,3]",
-            f"compress.kind={kind}",
-            *opts,
-        ],
-    )
-    s = Simulation(
-        cfg, write_outputs=False, train=tr, test=te, client_indices=parts, model_fn=lambda nc, c, sz: _BN(nc)
-    )
-    s.run()
+    s = _run("fedavgm", f"compress.kind={kind}", *opts)
     assert len(s.metrics) == 3
     for m in s.metrics:
         assert np.isfinite(m["test_loss"]) and np.isfinite(m["accuracy"]), (kind, m["round"], m["test_loss"])
