@@ -12,7 +12,7 @@ local epoch, FedAvg weighted by sample counts, test accuracy on 2,000 test image
 
 * ``demo``: 12,000 training images, 10 clients x 2 label shards, all clients every round, 5 rounds.
 * ``cross-device``: 60,000 training images, 1,000 clients by Dirichlet(0.3) over labels, 50 clients
-  drawn per round (``fedkernels.sim.server.sample_schedule``), 20 rounds (``--cd-rounds``).
+  drawn per round (``fedkernels.sim.simulation.sample_schedule``), 20 rounds (``--cd-rounds``).
 
 Every runner is a fresh process (``--run RUNNER --task TASK``): the parent records its launch time
 and samples the proportional set size (PSS: shared pages counted once) of the process tree every
@@ -106,7 +106,7 @@ def common_setup(task: str):
     from fedkernels.sim.data import load_dataset
     from fedkernels.sim.models import build_model
     from fedkernels.sim.partition import partition
-    from fedkernels.sim.server import sample_schedule
+    from fedkernels.sim.simulation import sample_schedule
 
     t = TASKS[task]
     tr, te = load_dataset("fmnist", max_train=t["train"], max_test=t["test"])
@@ -161,7 +161,7 @@ def fk_config(task: str, workers: int, threads: Optional[int] = None):
 # runners (each in its own process; print one RESULT line)
 # ================================================================================================
 def run_fedkernels(task: str, workers: int, threads: Optional[int] = None) -> Dict[str, Any]:
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     sim = Simulation(fk_config(task, workers, threads), write_outputs=False)
     rounds: List[Dict[str, Any]] = []
@@ -709,7 +709,7 @@ def executors(
     from fedkernels.sim import presets as P
     from fedkernels.sim.config import apply_overrides
     from fedkernels.sim.data import DatasetNotFoundError
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     rows = []
     for name in presets_.split(","):

@@ -10,7 +10,7 @@ import torch
 
 from fedkernels.sim import presets
 from fedkernels.sim.client import BadClientError
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 
 def _cfg(**kw):

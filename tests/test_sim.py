@@ -17,7 +17,7 @@ from fedkernels.sim.report import TIMING_KEYS, json_safe
 from fedkernels.sim import assemble
 from fedkernels.sim.assemble import sample_schedule
 from fedkernels.sim.client import BadClientError
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

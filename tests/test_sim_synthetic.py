@@ -11,7 +11,7 @@ from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.data import DATASETS, generate_gmm, generate_synthetic, load_dataset
 from fedkernels.sim.partition import check_partition, partition
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

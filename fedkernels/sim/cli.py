@@ -107,7 +107,7 @@ def cmd_run(a) -> int:
     from ..errors import RunError
     from .checks import check_run
     from .client import BadClientError
-    from .server import Simulation
+    from .simulation import Simulation
 
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:

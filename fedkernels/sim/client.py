@@ -283,7 +283,7 @@ class BadClientError(RuntimeError):
 
 
 # what one client's training may raise and still be a bad client (excluded, or BadClientError under
-# "raise"); BadUpdateError is a ValueError. Anything else stops the run (fedkernels.sim.server).
+# "raise"); BadUpdateError is a ValueError. Anything else stops the run (fedkernels.sim.simulation).
 CLIENT_ERRORS = (BadClientError, ValueError, ArithmeticError)
 
 

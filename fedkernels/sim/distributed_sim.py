@@ -61,7 +61,7 @@ from .config import RunConfig
 from .client import BadClientError
 from .assemble import resolve_device
 from .runstate import LocalTraining
-from .server import Simulation
+from .simulation import Simulation
 
 log = logging.getLogger("fedkernels.sim")
 

@@ -1,4 +1,4 @@
-"""Client executors: who trains a round's clients (phase 2 of the round loop in ``sim/server.py``).
+"""Client executors: who trains a round's clients (phase 2 of the round loop in ``sim/simulation.py``).
 
 The round loop (``Simulation.run_round``) draws the round's clients, prepares their payloads, hands
 phase 2 to the run's executor, exchanges and aggregates; the executor only trains. Protocol::

@@ -1,4 +1,4 @@
-"""What the round loop hands to its hooks, instead of the whole :class:`~fedkernels.sim.server.Simulation`.
+"""What the round loop hands to its hooks, instead of the whole :class:`~fedkernels.sim.simulation.Simulation`.
 
 Two objects, built once at set-up by the loop (``Simulation.setup``):
 

@@ -148,7 +148,7 @@ def _die_with_parent() -> None:
 
 # imported once by the fork server, so that its workers start with them: the simulator, and
 # torch._dynamo, which the first torch.optim optimizer of a process imports (seconds of CPU)
-_PRELOAD = ["__main__", __name__, "fedkernels.sim.server", "torch._dynamo"]
+_PRELOAD = ["__main__", __name__, "fedkernels.sim.simulation", "torch._dynamo"]
 
 # ---- what a worker receives --------------------------------------------------------------------------
 # the run's runstate.LocalTraining (what client.train_client and _eval_batch read); everything else

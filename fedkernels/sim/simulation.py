@@ -1,7 +1,7 @@
 """The federated round loop.
 
     from fedkernels.sim import presets
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
     summary = Simulation(presets.get("smoke")).run()
 
 Per round ``r``: the clients of the pre-drawn sampling stream (:func:`sample_schedule`; it depends
