@@ -102,7 +102,7 @@ def common_setup(task: str):
     simulator builds them for the task's config."""
     import numpy as np
     import torch
-    from fedkernels.sim.client import STREAM_INIT, derive_seed
+    from fedkernels.sim.seeds import derive_seed, STREAM_INIT
     from fedkernels.sim.data import load_dataset
     from fedkernels.sim.models import build_model
     from fedkernels.sim.partition import partition
@@ -204,7 +204,7 @@ def run_fedkernels(task: str, workers: int, threads: Optional[int] = None) -> Di
 
 
 def _fk_eval(model, x, y):
-    from fedkernels.sim.client import evaluate
+    from fedkernels.sim.evaluate import evaluate
 
     return evaluate(model, x, y, HP["eval_batch"])[0]
 
@@ -212,7 +212,7 @@ def _fk_eval(model, x, y):
 def run_plain(task: str) -> Dict[str, Any]:
     """The sequential floor: one model, the round's clients one after another, FedAvg of state dicts."""
     import torch
-    from fedkernels.sim.client import client_seed
+    from fedkernels.sim.seeds import client_seed
 
     x, y, xt, yt, parts, sched, model = common_setup(task)
     B, lr = HP["batch"], HP["lr"]
@@ -291,7 +291,7 @@ def run_flower(task: str) -> Dict[str, Any]:
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
-    from fedkernels.sim.client import client_seed
+    from fedkernels.sim.seeds import client_seed
 
     t = TASKS[task]
     rounds_env = os.environ.get("BENCH_CD_ROUNDS")

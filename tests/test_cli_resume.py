@@ -94,7 +94,7 @@ _DOUBLE = r"""
 import os, signal, sys
 where, rnd, argv = sys.argv[1], int(sys.argv[2]) - 1, sys.argv[3:]
 from fedkernels.sim import simulation
-from fedkernels.sim.client import ClientTrainer
+from fedkernels.sim.trainer import ClientTrainer
 def twice():
     os.kill(os.getpid(), signal.SIGINT)
     os.kill(os.getpid(), signal.SIGINT)

@@ -533,7 +533,7 @@ def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
 def test_simulator_client_code_mode_uses_the_whole_local_set():
     """40 local samples at batch 8; r comes from all 40 (stored order), not the
     last minibatch."""
-    from fedkernels.sim.client import ClientTrainer
+    from fedkernels.sim.trainer import ClientTrainer
     from fedkernels.sim.config import TrainConfig
     from fedkernels.sim.models import MLP
 

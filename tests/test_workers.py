@@ -21,10 +21,10 @@ from torch import nn
 
 from fedkernels.errors import RunError
 from fedkernels.sim import presets
-from fedkernels.sim.client import ClientTrainer
+from fedkernels.sim.trainer import ClientTrainer
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS
-from fedkernels.sim.client import BadClientError
+from fedkernels.sim.client_errors import BadClientError
 from fedkernels.sim.simulation import Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 

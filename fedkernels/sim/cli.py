@@ -106,7 +106,7 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
 def cmd_run(a) -> int:
     from ..errors import RunError
     from .checks import check_run
-    from .client import BadClientError
+    from .client_errors import BadClientError
     from .simulation import Simulation
 
     paths, ovs = _split_args(a.args)

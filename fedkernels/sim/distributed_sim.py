@@ -58,7 +58,7 @@ import torch.distributed as dist
 from ..distributed import ShardedAggregator
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .client import BadClientError
+from .client_errors import BadClientError
 from .assemble import resolve_device
 from .runstate import LocalTraining
 from .simulation import Simulation

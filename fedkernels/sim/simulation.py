@@ -45,7 +45,8 @@ from . import checkpoint as ckpt
 from . import compression
 from . import lora as sim_lora
 from .batched import BatchedExecutor, for_run
-from .client import ClientTrainer, HeteroCompute, schedule_factor
+from .hetero import HeteroCompute
+from .trainer import ClientTrainer, schedule_factor
 from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
