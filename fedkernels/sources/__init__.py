@@ -59,11 +59,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 import torch
 
-from . import ops
-from ._memory import available_bytes
-from .errors import BadUpdateError
-from .ops._checks import has_kernel
-from .ops.weighted_sum import out_dtypes
+from .. import ops
+from .._memory import available_bytes
+from ..errors import BadUpdateError
+from ..ops._checks import has_kernel
+from ..ops.weighted_sum import out_dtypes
 
 __all__ = [
     "MatrixSource",
