@@ -33,7 +33,8 @@ from . import ops
 from .algorithms.tables import check_path
 from .errors import BadUpdateError  # noqa: F401  (raised through the aggregators; re-exported)
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
-from .sources import DEFAULT_CHUNK_BYTES, ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
+from .sources import ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
+from .sources.chunked import DEFAULT_CHUNK_BYTES  # noqa: F401
 
 __all__ = [
     "ChunkedUpdates",

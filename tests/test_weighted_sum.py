@@ -363,7 +363,7 @@ def test_a_screened_source_block_is_summed_straight_into_its_output_slice(monkey
         seen.append(kw.get("out"))
         return real(*a, **kw)
 
-    monkeypatch.setattr(sources.ops, "weighted_sum_screened", spy)
+    monkeypatch.setattr(ops, "weighted_sum_screened", spy)
     U = torch.randn(6, 1000)
     U[4, 999] = float("nan")
     coef = torch.rand(6, dtype=torch.float64)
