@@ -211,7 +211,7 @@ def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dt
 # ---- op-level passes -------------------------------------------------------------------------------------
 def streamed_gram(src, rows=None, with_finite: bool = False):
     """``ops.gram`` of the whole matrix, summed over column chunks in order (fp64 [K, K] on the CPU);
-    with ``with_finite`` also the [K] finite-row flags from the same pass. Both accumulate on the
+    with ``with_finite`` also the [K] finite flags from the same pass. Both accumulate on the
     chunks' device and come to the host once, at the end."""
     src = _as_chunked(src)
     G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)

@@ -481,8 +481,8 @@ class BatchedExecutor:
         torch.manual_seed(seeds[-1])  # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
-        # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_clients)
-        finite = ops.finite_rows(W).tolist() if local.screen_clients else [True] * C  # one host sync per chunk
+        # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_at_write)
+        finite = ops.finite_rows(W).tolist() if local.screen_at_write else [True] * C  # one host sync per chunk
         accepted, bad = [], []
         for i, (pos, cid, _, _, _) in enumerate(items):
             if finite[i]:

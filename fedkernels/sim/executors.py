@@ -168,7 +168,7 @@ class OneProcess:
 
     rank, world, is_main, tag = 0, 1, True, ""
     saves_alone = True  # a checkpoint needs no other process (a signal may reach one rank only)
-    screens_rows = False  # True: each trained row is screened as it is written, whatever the policy
+    screen_at_write = False  # True: each trained row is screened as it is written, whatever the policy
     aggregate_kwargs: Dict[str, Any] = {}
     state_extra: Dict[str, Any] = {}  # added to a checkpoint's state
 

@@ -82,7 +82,7 @@ class LocalTraining:
     buf: Any  # the round's UpdateBuffer
     hetero: Any  # hetero.HeteroCompute: (base lr, epochs) per client and round
     rules: ClientRules
-    screen_clients: bool  # each row screened as it is written (policy "raise", ranks)
+    screen_at_write: bool  # each row screened as it is written (policy "raise", ranks)
     client_clip: Optional[float]  # client-side DP: each row clipped to this norm as it is written
     dp_norms: Optional[Dict[int, float]]  # server-side DP in one process: each row's norm, by client id
     x: torch.Tensor

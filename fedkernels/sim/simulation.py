@@ -200,7 +200,7 @@ class Simulation:
         self.client_rules = ClientRules(self.agg)
         self.buf = UpdateBuffer(self.procs.buffer_rows(self.per_round), self.spec, device=dev, dtype=self.spec.dtype)
         # "exclude": the aggregator's first read of U screens the rows; "raise": each row as it is written
-        self.screen_clients = cfg.bad_client_policy == "raise" or self.procs.screens_rows
+        self.screen_at_write = cfg.bad_client_policy == "raise" or self.procs.screen_at_write
         self.local = LocalTraining(
             cfg=cfg,
             device=dev,
@@ -211,7 +211,7 @@ class Simulation:
             buf=self.buf,
             hetero=self.hetero,
             rules=self.client_rules,
-            screen_clients=self.screen_clients,
+            screen_at_write=self.screen_at_write,
             client_clip=self.client_clip,
             dp_norms=self.dp_norms,
             x=self.x,

@@ -232,7 +232,7 @@ class ClientTrainer:
 def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload) -> ClientResult:
     """Trains client ``cid`` in round ``r`` (``local``: the run's ``runstate.LocalTraining``: its
     trainer, the client's rule ``local.rules.get(cid)``) and writes its update into the next row of
-    ``buf``. With ``local.screen_clients`` (bad_client_policy="raise", or an aggregator that does not
+    ``buf``. With ``local.screen_at_write`` (bad_client_policy="raise", or an aggregator that does not
     screen the rows itself) the row is checked here: BadClientError (row released) when it is not
     finite; otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
     lora = local.lora  # LoRA with ranks below the server's: the client starts from its rank's share (sim/lora.py)
@@ -252,7 +252,7 @@ def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, ep
     row = buf.write_delta(slot, local.model, local.global_flat, local.client_clip)
     if local.dp_norms is not None:  # server-side DP: the row's norm while it is hot
         local.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
-    if local.screen_clients:
+    if local.screen_at_write:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
             buf.client_ids.pop()
             buf.num_examples.pop()

@@ -158,7 +158,7 @@ def weighted_sum_block(
     kernel (``out_dtypes`` in fedkernels/ops/weighted_sum.py); where that cannot be used (a non-contiguous
     ``dst``, a device without the kernel) it is converted CONVERT_COLS columns at a time (a cache-sized
     scratch, not a copy of the block). Both give the bits of converting the block whole. With ``screen``
-    returns the [K] finite-row flags of ``c`` (from the same pass where a kernel does both)."""
+    returns the [K] finite flags of ``c`` (from the same pass where a kernel does both)."""
     odt = dst.dtype
     bb = None if base is None else base.to(device=dst.device, dtype=odt)
     if odt in out_dtypes(c.dtype) and dst.is_contiguous() and dst.device == c.device:  # into dst, no temporary

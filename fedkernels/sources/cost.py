@@ -24,7 +24,7 @@ _BANDWIDTH: Dict[str, float] = {}  # GB/s measured once per process: "cpu", "h2d
 # where the table lives with the model; prefixed HOST they run on the host wherever the round runs (a table kept
 # in host memory or in a file): the same CPU time on both sides, nothing over the link.
 PASSES: Dict[str, Tuple[int, int, bool]] = {
-    "sum": (1, 0, True),  # a column-local read of U: weighted_sum, the NaN screen, an EMA of U into a table
+    "sum": (1, 0, True),  # a column-local read of U: weighted_sum, the NaN/Inf screen, an EMA of U into a table
     "gram": (0, 1, True),  # U's K x K Gram matrix (fp64 accumulation)
     "table": (2, 0, False),  # a table's K round rows read and written (FedAWARE's momenta, SCAFFOLD's c_i)
     "table_gram": (0, 1, False),  # those rows' Gram against the table (FedAWARE)

@@ -26,7 +26,7 @@ class PackedRows(abc.ABC):
     """K update rows in a packed (compressed) form, one of the round runner's input forms: ``agg.aggregate(g,
     rows, ...)`` runs a method whose server reads U only through ``RoundInput.weighted_sum`` on them, each weighted
     sum one pass over the packed rows (``weighted_sum``: ``(base + alpha * sum_k coef_k row_k, ok)``, ``ok`` the
-    rows' NaN/Inf flags of that pass); the runner's validation, screen, bad-row policy and re-run apply as to dense
+    rows' finite flags of that pass); the runner's validation, screen, bad-row policy and re-run apply as to dense
     rows (``select(keep)``: the rows kept). Implemented by ``fedkernels.compress``' ``BlockRows`` / ``SparseRows``
     and by :class:`BlockCodeFile`.
 
