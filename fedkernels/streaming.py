@@ -242,7 +242,7 @@ def streamed_weighted_sum(
     check_finite: bool = False,
 ):
     """``base + alpha * sum_i coef_i U[rows_i]`` one chunk at a time ([d], base's dtype, else float32
-    for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite-row
+    for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite
     flags (the caller decides)."""
     src = _as_chunked(src)
     what = "streamed_weighted_sum"
