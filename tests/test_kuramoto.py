@@ -8,7 +8,7 @@ from torch import nn
 
 from fedkernels import algorithms
 from fedkernels.algorithms import BadUpdateError, ClientContext, build
-from fedkernels.algorithms.kuramoto import code_weights, kstats, kuramoto_weights
+from fedkernels.algorithms.kuramoto import code_weights, kuramoto_stats, kuramoto_weights
 from fedkernels.flat import FlatSpec
 
 F64 = torch.float64
@@ -62,7 +62,7 @@ def test_k1_three_clients_uniform():
     U = t([[2, 0], [1, 1], [-1, 2]])
     p = t([1 / 3] * 3)
     w = t([0.5, -0.5])
-    dot, nsq, nbar = kstats(U, p)
+    dot, nsq, nbar = kuramoto_stats(U, p)
     close(dot, [4 / 3, 5 / 3, 4 / 3])
     close(nsq, [4, 2, 5])
     close(nbar, 13 / 9)
@@ -93,7 +93,7 @@ def test_k2_nonuniform_p():
     U = t([[1, 0, 0], [0, 1, 0], [1, 1, 1]])
     n = [5, 3, 2]
     p = t([0.5, 0.3, 0.2])
-    dot, nsq, nbar = kstats(U, p)
+    dot, nsq, nbar = kuramoto_stats(U, p)
     close(dot / (nsq.sqrt() * math.sqrt(nbar)), [0.7925939239, 0.5661385171, 0.9152086306], rtol=1e-9, atol=1e-10)
     rho, info = kuramoto_weights(dot, nsq, nbar, p, "P", guard=False)
     close(info["theta"], [0.6557449353, 0.9689825516, 0.4147709909], rtol=1e-9, atol=1e-10)
@@ -275,7 +275,7 @@ def test_against_float64_recomputation(K, d, mode):
     alpha = 0.7 if mode == "P" else 1.0
     expect = w.to(F64) + alpha * (a_ref[:, None] * U.to(F64)).sum(0)
     close(r.params, expect, rtol=1e-5, atol=1e-5)
-    dot, nsq, nbar = kstats(U, p)  # one kstats pass vs two passes, fp64
+    dot, nsq, nbar = kuramoto_stats(U, p)  # one kstats pass vs two passes, fp64
     U64 = U.to(F64)
     mean = (p[:, None] * U64).sum(0)
     close(dot, U64 @ mean, rtol=1e-12, atol=1e-12)
@@ -397,17 +397,17 @@ def test_phase_rule_on_tiny_linear():
     close(pl["phase"], sum(norms) / 3, rtol=1e-6, atol=0)  # per-tensor norms in fp32
 
 
-def test_kstats_from_U_or_a_given_gram():
-    """kuramoto.kstats, the row statistics on the host: from U (one ops.kstats pass) or from a caller's Gram
-    matrix G, the same statistics to 1e-12 (spec §9 item 4); neither U nor G is one clear error."""
+def test_kuramoto_stats_from_kstats_or_a_given_gram():
+    """kuramoto_stats keeps its signature: from U (one kstats pass) or from a caller's Gram matrix G, the
+    same statistics to 1e-12 (spec §9 item 4); neither U nor G is one clear error."""
     from fedkernels import ops
 
     U, n = _rand(9, 300, 4, dtype=F64)
     p = n / n.sum()
-    a = kstats(U, p)
-    b = kstats(None, p, G=ops.gram(U))
+    a = kuramoto_stats(U, p)
+    b = kuramoto_stats(None, p, G=ops.gram(U))
     for x, y in zip(a, b):
         assert x.device.type == "cpu" and x.dtype == F64
         close(x, y, rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match="kstats: pass U"):
-        kstats(None, p)
+    with pytest.raises(ValueError, match="kuramoto_stats: pass U"):
+        kuramoto_stats(None, p)

@@ -57,22 +57,22 @@ EPS2 = 1e-30  # absolute floor on squared norms (fp64)
 REL_NBAR = 1e-13  # ||mean||^2 below this fraction of sum_k p_k ||U_k||^2 is rounding noise
 
 
-def kstats(
+def kuramoto_stats(
     U: Optional[torch.Tensor], p, G: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The row statistics of ``ops.kstats`` (dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>,
-    nsq_k = ||U_k||^2, nbar = ||mean||^2 with mean = sum_k p_k U_k; from one ``ops.kstats`` pass over U (no
-    Gram), or, when the caller has U's Gram matrix ``G`` already, from it: dot = G p, nsq = diag G, nbar = p^T G p."""
+    """(dot [K], nsq [K], nbar []) in fp64 on the CPU: dot_k = <U_k, mean>, nsq_k = ||U_k||^2,
+    nbar = ||mean||^2 with mean = sum_k p_k U_k; from one ``ops.kstats`` pass over U (no Gram), or, when
+    the caller has U's Gram matrix ``G`` already, from it: dot = G p, nsq = diag G, nbar = p^T G p."""
     if G is None:
         if U is None:
-            raise ValueError("kstats: pass U (the [K, d] updates) or G (their Gram matrix), got neither")
+            raise ValueError("kuramoto_stats: pass U (the [K, d] updates) or G (their Gram matrix), got neither")
         dot, nsq, nbar, _ = ops.kstats(U, host_float64(p))
         return dot.cpu(), nsq.cpu(), nbar.cpu()
     if G.device.type != "cpu":
         G = G.cpu()
     p64 = host_float64(p)
     if p64.numel() != G.size(0):
-        raise ValueError(f"kstats: p must have K={G.size(0)} entries, got {p64.numel()}")
+        raise ValueError(f"kuramoto_stats: p must have K={G.size(0)} entries, got {p64.numel()}")
     dot = G @ p64
     nsq = torch.diagonal(G).clone()
     return dot, nsq, p64 @ dot
