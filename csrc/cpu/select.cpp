@@ -76,14 +76,16 @@ Need needed(Mode mode, int64_t k, int64_t lo, int64_t hi, int64_t beta) {
 // comparators, against 898 pruned from Batcher's), without the comparators that touch a position >= k
 // (a +inf pad never moves), pruned backwards to those that reach a position in [plo, phi). Each comparator
 // is stored as its two row offsets in the tile (row * stride).
-std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride) {
+// prefix: leave out the first half's levels a = 1, 2, 4, 8 (every comparator within an aligned block of 16
+// rows; run by prefix16 in registers instead). They come first, so the pruning of the rest is unchanged.
+std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride, bool prefix) {
   int64_t n = 1;
   while (n < k) n <<= 1;
   std::vector<std::pair<int32_t, int32_t>> all;
   auto add = [&](int64_t a, int64_t b) {
     if (b < k) all.emplace_back((int32_t)a, (int32_t)b);
   };
-  for (int64_t a = 1; a < n; a *= 2)   // first half: sort the pairs, then pairs of pairs, ...
+  for (int64_t a = prefix ? 16 : 1; a < n; a *= 2)   // first half: sort the pairs, then pairs of pairs, ...
     for (int64_t b = a, c = 0; b < n;) {
       add(b - a, b);
       ++b;
@@ -277,6 +279,30 @@ __attribute__((always_inline)) inline void keep_max16(V* t, const V* s) {
   bitonic16(t);
 }
 
+// The pairwise network's first levels (a = 1, 2, 4, 8: (b - a, b) for the b with b & a set) on each aligned
+// block of 16 rows of one vector of W columns, in registers: 16 loads and stores per block instead of two
+// of each per comparator. All 32 comparators of a block are run (one the pruning dropped changes only values
+// no needed position depends on); rows >= k are +inf (never moved, not stored), as the network's padding.
+template <typename S, int W>
+FEDKERNELS_SIMD_CLONES void prefix16(S* x, int64_t stride, int64_t k) {
+  typedef S V __attribute__((vector_size(W * sizeof(S))));
+  const V pinf = V{} + std::numeric_limits<S>::infinity();
+  for (int64_t p = 0; p < k; p += 16) {
+    V v[16];
+    const int64_t rem = k - p;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) v[i] = i < rem ? *reinterpret_cast<const V*>(x + (p + i) * stride) : pinf;
+#pragma GCC unroll 4
+    for (int a = 1; a < 16; a *= 2)
+#pragma GCC unroll 16
+      for (int b = 0; b < 16; ++b)
+        if (b & a) cswap(v[b - a], v[b]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+      if (i < rem) *reinterpret_cast<V*>(x + (p + i) * stride) = v[i];
+  }
+}
+
 // order_mean of one group of W columns whose window has at most 15 positions below it and at most 15
 // above it (lo <= 15, k - hi <= 15), without sorting the column: the rows are taken in blocks of 16, each
 // sorted in registers and merged into the running 16 smallest (r) and 16 largest (t) of the rows so far
@@ -338,7 +364,7 @@ FEDKERNELS_SIMD_CLONES void extremes_out(const S* x, int64_t stride, int64_t k, 
       keep_max16(t, s);
     }
   }
-  V av = r[0], bv = t[15];
+  V av = r[0], bv = t[0];
 #pragma GCC unroll 16
   for (int i = 1; i < 16; ++i) {
     if (i == lo) av = r[i];
@@ -498,9 +524,11 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
   C = std::min<int64_t>(C, (d + 2 * W - 1) / (2 * W) * (2 * W));
   const int64_t stride = C + W, ntiles = (d + C - 1) / C;
   const Need nd = needed(mode, k, lo, hi, beta);
-  std::vector<int32_t> off = k <= kNetMax ? network(k, nd.plo, nd.phi, stride) : std::vector<int32_t>();
+  std::vector<int32_t> off = k <= kNetMax ? network(k, nd.plo, nd.phi, stride, false) : std::vector<int32_t>();
   const bool ext = mode == Mode::Order && use_extremes(k, lo, hi, (int64_t)off.size() / 2);
+  const bool prefix = !ext && k > 16 && k <= kNetMax;   // the first levels in registers (k > 16: not all of it)
   if (ext) off.clear();
+  if (prefix) off = network(k, nd.plo, nd.phi, stride, true);
   const bool net = !ext && k <= kNetMax;
   const int64_t ncomp = (int64_t)off.size() / 2;
   std::vector<char> good(k, 1);
@@ -542,6 +570,10 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
       for (int64_t j = 0; j < lg; j += W) {
         S* x = tile + j;
         if (net && j % (2 * W) == 0) {
+          if (prefix) {
+            prefix16<S, W>(x, stride, k);
+            prefix16<S, W>(x + W, stride, k);
+          }
           const int64_t g = j / (2 * W), a = g * npf / ngroups, b = (g + 1) * npf / ngroups;
           sort_group<S, W>(x, off.data(), ncomp, pf.data() + a, b - a);
         }
