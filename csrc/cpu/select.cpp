@@ -17,6 +17,19 @@
 // overflow to +-Inf, as np.mean's) and divided by their count once: the
 // median of odd k is its middle element exactly (of even k, the two middle values' float64 mean), then
 // rounded once to the result's dtype (float64 for a float64 U, else float32).
+// order_mean with lo <= 15 and k - hi <= 15 (the trimmed mean with beta = 0.1 up to k = 159, the median
+// up to k = 32) where that is cheaper (use_extremes) takes the window's ends a = x_lo, b = x_{hi-1} from
+// the 16 smallest and 16 largest values (extremes_out: no sort of the column) and sums the window as
+//   (the x with a < x < b, float64, in row order) + (#{x <= a} - lo) a + (hi - #{x < b}) b   (a < b),
+//   (hi - lo) a                                                                                (a == b):
+// the same values as the ascending sum (the window's multiset: its ties at both ends counted), added in
+// another order. Rounding against the float64 reference (which adds in ascending order): both are
+// recursive float64 sums of the n = hi - lo window values (the two products are exact for float32 values:
+// a count below 2^29 times 24 bits; one rounding each for float64), so each is within (n + 1) u sum|x|
+// <= (n + 1) n u max|x| of the exact sum (u = 2^-53), the means within (n + 1) u max|x| of each other's
+// exact value, before the final rounding to the result's dtype: the tests' bound 2 n u max|x| + u_out |x|.
+// The median of odd k (a == b, n = 1) is still its middle element exactly, of even k (a + b) / 2 as before
+// (a single float64 addition: the same bits as the ascending sum).
 // NaN/Inf: ok[i] = all(isfinite(U[rows[i], :])) comes from the same pass (exact, every dtype). A column
 // with a NaN among its selected values gives NaN (order_mean: +-Inf are ordered values, so a window that
 // holds one is +-Inf, or NaN for both); closest_mean gives NaN for a column with any NaN or Inf.
@@ -32,6 +45,13 @@
 // vectors per row pair); meanwhile the next tile's rows are prefetched, one cache line per comparator,
 // so its load does not stall on memory. k > kNetMax
 // (256) selected rows: per column std::nth_element + partial_sort of the needed positions instead.
+// extremes_out (see use_extremes) instead keeps everything in registers: per group of W columns the rows in
+// blocks of 16, each sorted by a 60-comparator network and merged into the running 16 smallest / largest
+// by a bitonic keep-min / keep-max (16 min or max + 32 comparators each; the last rows inserted one by
+// one when there are few), then one more read of the group's rows for the counts and the sum (with the
+// next tile's prefetches). At k = 100, beta = 0.1: 1000 comparators in registers (~0.5 ns per 16 columns
+// each) against the 1053 of the network through L1 (1.2-2 ns each). The tile load carries no column flags
+// on that path (the NaN test is in the sum's read).
 // Bytes moved: U's selected rows read once (k d elements), the result written once (d elements of 4 or
 // 8 bytes); the tile's re-reads hit L1/L2. Determinism: every column is computed on its own in a fixed
 // order (no cross-column sums); the flags are and-ed: the same bits for any thread count.
@@ -76,16 +96,14 @@ Need needed(Mode mode, int64_t k, int64_t lo, int64_t hi, int64_t beta) {
 // comparators, against 898 pruned from Batcher's), without the comparators that touch a position >= k
 // (a +inf pad never moves), pruned backwards to those that reach a position in [plo, phi). Each comparator
 // is stored as its two row offsets in the tile (row * stride).
-// prefix: leave out the first half's levels a = 1, 2, 4, 8 (every comparator within an aligned block of 16
-// rows; run by prefix16 in registers instead). They come first, so the pruning of the rest is unchanged.
-std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride, bool prefix) {
+std::vector<int32_t> network(int64_t k, int64_t plo, int64_t phi, int64_t stride) {
   int64_t n = 1;
   while (n < k) n <<= 1;
   std::vector<std::pair<int32_t, int32_t>> all;
   auto add = [&](int64_t a, int64_t b) {
     if (b < k) all.emplace_back((int32_t)a, (int32_t)b);
   };
-  for (int64_t a = prefix ? 16 : 1; a < n; a *= 2)   // first half: sort the pairs, then pairs of pairs, ...
+  for (int64_t a = 1; a < n; a *= 2)   // first half: sort the pairs, then pairs of pairs, ...
     for (int64_t b = a, c = 0; b < n;) {
       add(b - a, b);
       ++b;
@@ -277,30 +295,6 @@ __attribute__((always_inline)) inline void keep_max16(V* t, const V* s) {
     cswap(lo, t[i]);
   }
   bitonic16(t);
-}
-
-// The pairwise network's first levels (a = 1, 2, 4, 8: (b - a, b) for the b with b & a set) on each aligned
-// block of 16 rows of one vector of W columns, in registers: 16 loads and stores per block instead of two
-// of each per comparator. All 32 comparators of a block are run (one the pruning dropped changes only values
-// no needed position depends on); rows >= k are +inf (never moved, not stored), as the network's padding.
-template <typename S, int W>
-FEDKERNELS_SIMD_CLONES void prefix16(S* x, int64_t stride, int64_t k) {
-  typedef S V __attribute__((vector_size(W * sizeof(S))));
-  const V pinf = V{} + std::numeric_limits<S>::infinity();
-  for (int64_t p = 0; p < k; p += 16) {
-    V v[16];
-    const int64_t rem = k - p;
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) v[i] = i < rem ? *reinterpret_cast<const V*>(x + (p + i) * stride) : pinf;
-#pragma GCC unroll 4
-    for (int a = 1; a < 16; a *= 2)
-#pragma GCC unroll 16
-      for (int b = 0; b < 16; ++b)
-        if (b & a) cswap(v[b - a], v[b]);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i)
-      if (i < rem) *reinterpret_cast<V*>(x + (p + i) * stride) = v[i];
-  }
 }
 
 // order_mean of one group of W columns whose window has at most 15 positions below it and at most 15
@@ -524,11 +518,9 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
   C = std::min<int64_t>(C, (d + 2 * W - 1) / (2 * W) * (2 * W));
   const int64_t stride = C + W, ntiles = (d + C - 1) / C;
   const Need nd = needed(mode, k, lo, hi, beta);
-  std::vector<int32_t> off = k <= kNetMax ? network(k, nd.plo, nd.phi, stride, false) : std::vector<int32_t>();
+  std::vector<int32_t> off = k <= kNetMax ? network(k, nd.plo, nd.phi, stride) : std::vector<int32_t>();
   const bool ext = mode == Mode::Order && use_extremes(k, lo, hi, (int64_t)off.size() / 2);
-  const bool prefix = !ext && k > 16 && k <= kNetMax;   // the first levels in registers (k > 16: not all of it)
   if (ext) off.clear();
-  if (prefix) off = network(k, nd.plo, nd.phi, stride, true);
   const bool net = !ext && k <= kNetMax;
   const int64_t ncomp = (int64_t)off.size() / 2;
   std::vector<char> good(k, 1);
@@ -570,10 +562,6 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
       for (int64_t j = 0; j < lg; j += W) {
         S* x = tile + j;
         if (net && j % (2 * W) == 0) {
-          if (prefix) {
-            prefix16<S, W>(x, stride, k);
-            prefix16<S, W>(x + W, stride, k);
-          }
           const int64_t g = j / (2 * W), a = g * npf / ngroups, b = (g + 1) * npf / ngroups;
           sort_group<S, W>(x, off.data(), ncomp, pf.data() + a, b - a);
         }
