@@ -338,25 +338,18 @@ FEDKERNELS_SIMD_CLONES void extremes_out(const S* x, int64_t stride, int64_t k, 
       for (int i = 15; i >= 0; --i) cswap(z, t[i]);
     }
   }
+  auto padded = [&](const V pad) {   // s: the last rows and pad up to 16, sorted
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) s[i] = i < rem ? row(p + i) : pad;
+    sort16(s);
+  };
   if (p < k) {   // the last rows (all of them for k < 16), padded to 16
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) s[i] = i < rem ? row(p + i) : pinf;
-    sort16(s);
-    if (p == 0) {
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) r[i] = s[i];
-    } else {
-      keep_min16(r, s);
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) s[i] = i < rem ? row(p + i) : ninf;
-    sort16(s);
-    if (p == 0) {
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) t[i] = s[i];
-    } else {
-      keep_max16(t, s);
-    }
+    padded(pinf);
+    if (p == 0) std::copy(s, s + 16, r);
+    else keep_min16(r, s);
+    padded(ninf);
+    if (p == 0) std::copy(s, s + 16, t);
+    else keep_max16(t, s);
   }
   V av = r[0], bv = t[0];
 #pragma GCC unroll 16
@@ -448,40 +441,30 @@ FEDKERNELS_SIMD_CLONES void extremes_out(const S* x, int64_t stride, int64_t k, 
 // NaN when the column's value is NaN (Order) or NaN/Inf (Closest).
 template <typename T, typename S, Mode mode, bool flags>
 FEDKERNELS_SIMD_CLONES bool load_row(const T* src, int64_t len, S* dst, S* flag) {
+  S zs = 0;
+  int64_t j0 = 0;
   if constexpr (std::is_same_v<T, S>) {   // fp32/fp64: the row's test in a vector register (the reduction
     constexpr int W = 64 / sizeof(S);     // below keeps its accumulator on the stack: a store-to-load chain)
     typedef S V __attribute__((vector_size(64)));
     V z = V{};
-    int64_t j = 0;
-    for (; j + W <= len; j += W) {
+    for (; j0 + W <= len; j0 += W) {
       V v, f;
-      std::memcpy(&v, src + j, sizeof(V));
-      std::memcpy(dst + j, &v, sizeof(V));
+      std::memcpy(&v, src + j0, sizeof(V));
+      std::memcpy(dst + j0, &v, sizeof(V));
       const V t = v * S(0);
       z += t;
       if constexpr (flags) {
-        std::memcpy(&f, flag + j, sizeof(V));
+        std::memcpy(&f, flag + j0, sizeof(V));
         if constexpr (mode == Mode::Order) f = v != v ? v : f;
         else f += t;
-        std::memcpy(flag + j, &f, sizeof(V));
+        std::memcpy(flag + j0, &f, sizeof(V));
       }
     }
-    S zs = 0;
     for (int l = 0; l < W; ++l) zs += z[l];
-    for (; j < len; ++j) {
-      const S v = src[j];
-      dst[j] = v;
-      const S t = v * S(0);
-      zs += t;
-      if constexpr (!flags) continue;
-      else if constexpr (mode == Mode::Order) flag[j] = v != v ? v : flag[j];
-      else flag[j] += t;
-    }
-    return zs == S(0);
   }
-  S z = 0;
+  S z = 0;   // the rest (every column for fp16/bf16)
 #pragma omp simd reduction(+ : z)
-  for (int64_t j = 0; j < len; ++j) {
+  for (int64_t j = j0; j < len; ++j) {
     const S v = S(src[j]);
     dst[j] = v;
     const S t = v * S(0);
@@ -490,7 +473,7 @@ FEDKERNELS_SIMD_CLONES bool load_row(const T* src, int64_t len, S* dst, S* flag)
     else if constexpr (mode == Mode::Order) flag[j] = v != v ? v : flag[j];
     else flag[j] += t;
   }
-  return z == S(0);
+  return zs + z == S(0);
 }
 
 // Whether order_mean(lo, hi) takes extremes_out (the window's ends among the 16 smallest and 16 largest)
