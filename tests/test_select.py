@@ -82,6 +82,71 @@ def test_order_mean_matches_reference(dev, K, d, dtype):
         assert torch.equal(want_mid.double(), torch.sort(X64, 0).values[K // 2])
 
 
+@pytest.mark.parametrize("K", [16, 17])
+def test_every_position_of_every_0_1_column(K):
+    """All 2^K columns of K zeros and ones, every sorted position and some wide windows, exactly: by the 0-1
+    principle the comparator networks that run for them (the pruned network, or the 16-row register sort
+    with its keep-min/keep-max merge and one inserted row at K = 17, whichever is cheaper for the window)
+    select correctly on every input."""
+    cols = torch.arange(1 << K)
+    U = ((cols[None, :] >> torch.arange(K)[:, None]) & 1).float()
+    want = torch.sort(U, 0).values
+    for p in range(K):
+        assert torch.equal(ops.order_mean(U, p, p + 1), want[p]), p
+    for lo, hi in ((0, K), (3, K - 4), (7, 9), (K - 1, K), (1, K - 1), (2, 13)):
+        assert torch.equal(ops.order_mean(U, lo, hi).double(), want[lo:hi].double().mean(0).float().double())
+
+
+# windows with at most 15 positions below and above them (the window's ends from the 16 smallest and 16
+# largest): K around multiples of 16 (the last rows inserted one by one or sorted as a padded block)
+EXTREME_KS = [2, 15, 16, 17, 22, 23, 31, 32, 33, 38, 47, 100, 101, 263, 300]
+
+
+def _extreme_windows(K):
+    w = {(0, K), (min(15, K - 1), K), (0, max(1, K - 15)), (K // 2, K // 2 + 1)}
+    w |= {trim_bounds(K, 0.1), trim_bounds(K, 0.05)}
+    if K > 31:
+        w.add((15, K - 15))
+    return sorted((lo, hi) for lo, hi in w if 0 <= lo < hi <= K)
+
+
+@pytest.mark.parametrize("K", EXTREME_KS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_window_ends_with_ties_are_exact(dev, K, dtype):
+    """Small integers, so every window has ties at its ends and every sum is exact in float64: the op equals
+    the reference bit for bit (each tie count must be right)."""
+    g = torch.Generator().manual_seed(K)
+    U = torch.randint(-3, 4, (K, 777), generator=g).to(dtype).to(dev)
+    for lo, hi in _extreme_windows(K):
+        want = ref.order_mean(U.cpu(), lo, hi).to(_out_dtype(dtype))
+        assert torch.equal(ops.order_mean(U, lo, hi).cpu(), want), (lo, hi)
+
+
+@pytest.mark.parametrize("K", [5, 17, 40, 100])
+def test_window_ends_at_infinities(dev, K):
+    """+-Inf are ordered values: a window that reaches one is +-Inf (NaN if it holds both), as the reference."""
+    g = torch.Generator().manual_seed(K)
+    U = torch.randn(K, 600, generator=g)
+    inf = float("inf")
+    for j in range(600):  # per column up to 3 + inf and up to 3 - inf
+        n_pos, n_neg = j % 4, (j // 4) % 4
+        rows = torch.randperm(K, generator=g)[: n_pos + n_neg]
+        U[rows[:n_pos], j] = inf
+        U[rows[n_pos:], j] = -inf
+    U = U.to(dev)
+    X64 = U.cpu().double()
+    for lo, hi in _extreme_windows(K) + [(0, 1), (K - 1, K), (2, K - 2)]:
+        if not 0 <= lo < hi <= K:
+            continue
+        got, want = ops.order_mean(U, lo, hi).cpu().double(), ref.order_mean(U.cpu(), lo, hi)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (lo, hi)
+        inf_cols = want.isinf()
+        assert torch.equal(got[inf_cols], want[inf_cols])
+        fin = torch.isfinite(want)
+        Xf = torch.where(torch.isfinite(X64), X64, torch.zeros_like(X64))
+        assert torch.all((got[fin] - want[fin]).abs() <= _bound(Xf, hi - lo, want, torch.float32)[fin])
+
+
 @pytest.mark.parametrize("K,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_closest_mean_matches_reference(dev, K, d, dtype):
@@ -216,6 +281,7 @@ def test_same_bits_with_1_and_2_threads(K, d):
                 (
                     ops.order_mean_screened(U, *median_bounds(K)),
                     ops.order_mean(U, *trim_bounds(K, 0.2)),
+                    ops.order_mean(U, *trim_bounds(K, 0.1)),
                     ops.closest_mean_screened(U, K // 2),
                 )
             )
