@@ -692,6 +692,12 @@ class Aggregator(abc.ABC):
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
 
+    # What this method's update reads of U that weighted sums of its rows do not give, in words, or None: it
+    # reads U only through RoundInput.weighted_sum, so it runs on packed (compressed) rows as on dense ones
+    # (``sources.PackedRows``). A codec refuses a method that says what it needs, before anything is computed,
+    # with these words (``fedkernels.compress.check_method``); a method that does not declare it is refused.
+    reads_beyond_weighted_sum: Optional[str] = "more of the updates than a weighted sum"
+
     def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
         """What this method's update (``_aggregate``) does with U from a source besides the NaN/Inf screen, in
         order, for a round of ``K`` clients (None: not known), as ``device="auto"`` weighs it (the pass names

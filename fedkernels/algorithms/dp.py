@@ -273,6 +273,7 @@ class DifferentialPrivacy(MethodWrapper):
     annotation = Optional[Mapping[str, Any]]
     screen_in_pass = True
     state_attrs = ("clip", "_acc_rounds")
+    reads_beyond_weighted_sum = "each update's norm (ops.kstats) to clip it, and its noised sum of the dense rows"
 
     def __init__(self, inner: Aggregator, dp: Mapping[str, Any]) -> None:
         super().__init__(inner)

@@ -236,6 +236,7 @@ class KuramotoFedAvg(Aggregator):
     """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto/options.py``)."""
 
     screen_in_pass = True  # the first read of U (kstats, or mode C's weighted_sum) screens its rows
+    reads_beyond_weighted_sum = "each update's dot product with the weighted mean and its norm (ops.kstats)"
 
     def __init__(
         self,
