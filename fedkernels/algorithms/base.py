@@ -698,6 +698,14 @@ class Aggregator(abc.ABC):
     # with these words (``fedkernels.compress.check_method``); a method that does not declare it is refused.
     reads_beyond_weighted_sum: Optional[str] = "more of the updates than a weighted sum"
 
+    # The differential-privacy wrapper's verdict on this method (``fedkernels.algorithms.dp``): "private" when its
+    # update reads U through exactly one weighted sum with coefficients that do not depend on the updates and
+    # keeps or sends back no un-noised function of them (the wrapper accepts it), else why not, in words.
+    dp_verdict: str = (
+        "it has no differential-privacy verdict yet (its update is not known to be one weighted sum with "
+        "data-independent weights)"
+    )
+
     def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
         """What this method's update (``_aggregate``) does with U from a source besides the NaN/Inf screen, in
         order, for a round of ``K`` clients (None: not known), as ``device="auto"`` weighs it (the pass names

@@ -237,6 +237,7 @@ class KuramotoFedAvg(Aggregator):
 
     screen_in_pass = True  # the first read of U (kstats, or mode C's weighted_sum) screens its rows
     reads_beyond_weighted_sum = "each update's dot product with the weighted mean and its norm (ops.kstats)"
+    dp_verdict = "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity"
 
     def __init__(
         self,
