@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import array
+import contextvars
 import math
 import struct
 from dataclasses import dataclass, field, fields, replace
@@ -573,8 +574,9 @@ class Aggregator(abc.ABC):
     def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
         # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
         # the same one-line error as ``build("kuramoto", kappa0="x")`` (which also converts number
-        # text first): see fedkernels.algorithms.signature.
-        check_options(cls.name, cls, options, required=False)
+        # text first, having checked them: not again here): see fedkernels.algorithms.signature.
+        if _CHECKED_BY_BUILD.get() is not cls:
+            check_options(cls.name, cls, options, required=False)
         return super().__new__(cls)
 
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
@@ -986,6 +988,8 @@ _REGISTRY: Dict[str, Callable[..., Aggregator]] = {}
 
 
 _AggT = TypeVar("_AggT", bound=Type[Aggregator])
+# the class whose options ``build`` has just checked (signature.check_options), while it constructs it
+_CHECKED_BY_BUILD: "contextvars.ContextVar[Optional[type]]" = contextvars.ContextVar("_checked_by_build", default=None)
 
 
 def register(name: str, *aliases: str) -> Callable[[_AggT], _AggT]:
@@ -1022,7 +1026,13 @@ def build(name: str, **options: Any) -> Aggregator:
     from . import wrappers  # (wrappers builds on this module: imported when called)
 
     wrapping = wrappers.split_options(name.lower(), options)
-    return wrappers.wrap(cls(**check_options(name.lower(), cls, options)), **wrapping)
+    checked = check_options(name.lower(), cls, options)
+    token = _CHECKED_BY_BUILD.set(cls)  # (Aggregator.__new__ does not check them a second time)
+    try:
+        agg = cls(**checked)
+    finally:
+        _CHECKED_BY_BUILD.reset(token)
+    return wrappers.wrap(agg, **wrapping)
 
 
 def options(name: str) -> Dict[str, Option]:
