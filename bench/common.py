@@ -130,3 +130,9 @@ def write_json(
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+def passes_over_u(agg, K=None) -> int:
+    """How many times one round of ``agg`` reads the K x d updates from a source (its declared ``passes(K)``:
+    the NaN screen and the update's column-local reads and Gram passes; a per-client table's passes are not U)."""
+    return sum(1 for p in agg.passes(K) if p.split(":")[-1] in ("sum", "gram"))

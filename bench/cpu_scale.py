@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from bench.common import add_out_argument, print_table, write_json
+from bench.common import add_out_argument, passes_over_u, print_table, write_json
 
 
 # ---- 1. ranks ------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _disk_child(path, K, d, chunk_cols, method):
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     agg.aggregate(x, src, n)
-    passes = 1 if method == "fedavg" else 2  # kuramoto: a Gram pass and a sum pass
+    passes = passes_over_u(agg, K)  # the method's own declaration (fedavg: 1; kuramoto: 2)
     t = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(

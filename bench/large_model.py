@@ -49,7 +49,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import add_out_argument, output_path  # noqa: E402
+from bench.common import add_out_argument, output_path, passes_over_u  # noqa: E402
 from fedkernels.sources.chunked import CPU_CHUNK_BYTES  # noqa: E402
 from fedkernels.sources.files import READ_BYTES  # noqa: E402
 
@@ -150,17 +150,16 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
     prof.enable()
     if method == "fedavg":
         new = streamed_fedavg(x, src, n, out=out)
-        passes, info = 1, {}
+        info = {}
     elif method == "kuramoto":
         new, info = streamed_kuramoto(x, src, n, out=out)
-        passes, info = 2, {"weights": info["weights"]}
+        info = {"weights": info["weights"]}
     else:
         mpath = os.path.join(workdir, "fedkernels_large_momenta.bin")  # N = K clients, all participate
         agg = algorithms.build(
             "fedaware", num_clients=K, warmup="startup_full", elud=False, momentum_file=mpath, momentum_dtype=dtype
         )
         new, info = streamed_fedaware(x, src, n, list(range(K)), agg, out=out)
-        passes = 2  # a screening pass (elud=False), the momentum pass
         extra_read, extra_write = 2 * K * d * es, K * d * es  # the table: read by both table passes, written once
         info = {
             "lam": info["lam"],
@@ -169,6 +168,8 @@ def child(method: str, path: str, K: int, d: int, dtype_name: str, chunk_mb: int
         }
     prof.disable()
     t = time.perf_counter() - t0
+    # the reads of U its method declares (fedavg 1; kuramoto 2; fedaware with elud=False 2: a screening pass, the momentum pass)
+    passes = passes_over_u(agg if method == "fedaware" else algorithms.build(method), K)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     ok = bool(torch.isfinite(new[: 1 << 20]).all()) and new.numel() == d
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -47,9 +47,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .algorithms.base import AggResult, Aggregator, RoundInput
 from .flat import FlatSpec, ParamEntry
 
-__all__ = ["LoraLayer", "LoraSpec", "LoraAggregator", "LoraResult", "MODES"]
+__all__ = ["LoraLayer", "LoraSpec", "LoraAggregator", "LoraResult", "LoraRound", "MODES"]
 
 MODES = ("naive", "exact", "fold")
 
@@ -531,3 +532,35 @@ class LoraAggregator:
             "naive_relative_error": math.sqrt(tot_naive) / tn if tn > 0 else 0.0,
         }
         return LoraResult(adapter=new, residuals=residuals, info=info)
+
+
+class LoraRound(Aggregator):
+    """:class:`LoraAggregator`'s step as a method of the round runner (``fedkernels.algorithms.runner``): a
+    round of clients' adapter *updates* (row k: client k's ``local - global``) goes through
+    ``aggregate(global_adapter, updates, num_examples, client_ids)``, whose validation, NaN/Inf screen and
+    ``on_bad_update`` policy (raise, or drop the bad rows and log them) are the runner's, as for every method;
+    the update aggregates the accepted clients' adapters ``global + row`` with ``lora`` (its weights, ranks
+    and modes as :meth:`LoraAggregator.aggregate`'s). ``client_ranks``: the rank of each client id (a
+    sequence indexed by client id; None: every client at the server's rank). The result's ``info``: the
+    aggregator's (``LoraResult.info``, ``client_ranks`` those of the accepted clients) and ``residuals``
+    (fold: per layer, what :meth:`LoraSpec.fold_` adds to the base weights; else empty)."""
+
+    name = "lora"
+
+    def __new__(cls, *args: object, **kw: object) -> "LoraRound":
+        return object.__new__(cls)  # (its options are LoraAggregator's, checked there)
+
+    def __init__(
+        self, lora: LoraAggregator, client_ranks: Optional[Sequence[int]] = None, on_bad_update: str = "raise"
+    ) -> None:
+        super().__init__(on_bad_update=on_bad_update)
+        if not isinstance(lora, LoraAggregator):
+            raise ValueError(f"LoraRound: lora must be a LoraAggregator, got {type(lora).__name__}")
+        self.lora, self.client_ranks = lora, client_ranks
+
+    def _aggregate(self, rin: RoundInput) -> AggResult:
+        G = rin.global_flat
+        X = rin.U + G  # the clients' adapters (a lower rank: its padded factors)
+        ranks = None if self.client_ranks is None else [int(self.client_ranks[c]) for c in rin.client_ids]
+        res = self.lora.aggregate(X, num_examples=rin.num_examples, client_ranks=ranks, global_adapter=G)
+        return AggResult(res.adapter.to(G.dtype), {**res.info, "residuals": res.residuals})

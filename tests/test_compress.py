@@ -126,6 +126,50 @@ def test_methods_that_need_more_than_weighted_sums_are_refused():
         assert "\n" not in str(e.value)
 
 
+def test_each_method_declares_whether_it_composes_with_a_codec():
+    """Composability is the method's declaration (reads_beyond_weighted_sum), not a list in compress: a method
+    defined here runs on packed rows when it declares None and is refused otherwise; a wrapper answers for
+    itself (norm bounding reads the norms) or for the method inside it (a server optimiser's step)."""
+    from fedkernels.algorithms.base import _REGISTRY
+    from fedkernels.algorithms.fedavg import FedAvg
+
+    assert compress.weighted_sum_methods() == sorted(
+        n for n, c in _REGISTRY.items() if c.reads_beyond_weighted_sum is None
+    )
+    assert {"fedavg", "fedprox", "fedavgm", "fednova", "scaffold", "fedpvr"} <= set(compress.weighted_sum_methods())
+    assert not {"kuramoto", "fedaware", "fedecado", "median", "krum"} & set(compress.weighted_sum_methods())
+
+    class Halved(FedAvg):  # a weighted-sum method of a user's own, unregistered: nothing in compress names it
+        name = "halved"
+
+        def _aggregate(self, rin):
+            return algorithms.AggResult(rin.weighted_sum(self.weights(rin), base=rin.global_flat, alpha=0.5), {})
+
+    class Undeclared(Halved):
+        reads_beyond_weighted_sum = "more of the updates than a weighted sum"
+
+    K, d = 3, 500
+    U, g, n, ids = _U(K, d), torch.randn(d), [2, 3, 5], [0, 1, 2]
+    rows = compress.make_codec("int8_block", d, block=50).encode_rows(U, ids, 0)
+    got = compress.aggregate_compressed(Halved(), g, rows, n, ids, kind="int8_block")
+    want = Halved().aggregate(g, rows.dense(), n, ids).params  # the same method on the decoded rows
+    assert torch.all(
+        (got.params - want).abs() <= 64 * torch.finfo(torch.float32).eps * (g.abs() + rows.dense().abs().sum(0))
+    )
+    with pytest.raises(ValueError, match=r"^compress.kind=int8_block: method 'halved' needs more of the updates"):
+        compress.aggregate_compressed(Undeclared(), g, rows, n, ids, kind="int8_block")
+    with pytest.raises(
+        ValueError, match=r"^compress.kind=fp8: method 'fedavg' with norm_bound needs each update's norm"
+    ):
+        compress.check_method(algorithms.build("fedavg", norm_bound=1.0), "fp8")
+    # a server optimiser after fedavg: its step on fedavg's compressed round, bit for bit
+    wrapped = algorithms.build("fedavg", server_opt="adam")
+    got = compress.aggregate_compressed(wrapped, g, rows, n, ids, kind="int8_block")
+    plain = compress.aggregate_compressed(algorithms.build("fedavg"), g, rows, n, ids, kind="int8_block")
+    step = algorithms.build("fedavg", server_opt="adam").opt.step_(g, plain.params.clone(), 0, from_model=True)
+    assert torch.equal(got.params, step)
+
+
 @pytest.mark.parametrize(
     "kwargs,msg",
     [

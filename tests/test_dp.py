@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedkernels import algorithms, ops
-from fedkernels.algorithms.dp import VERDICTS, Noised, adaptive_noise, check_dp_options
+from fedkernels.algorithms.dp import Noised, adaptive_noise, check_dp_options, verdicts
 
 pytest.importorskip("dp_accounting")
 
@@ -123,7 +123,7 @@ def test_resumed_round_draws_the_same_noise():
     assert torch.equal(g2, h2) and i2["epsilon"] == j2["epsilon"] and a.clip == b.clip
 
 
-@pytest.mark.parametrize("name", sorted(n for n, v in VERDICTS.items() if v == "private"))
+@pytest.mark.parametrize("name", sorted(n for n, v in verdicts().items() if v == "private"))
 def test_every_accepted_method_runs_under_dp(name):
     from fedkernels.flat import FlatSpec
 
@@ -144,7 +144,7 @@ def test_every_accepted_method_runs_under_dp(name):
     assert torch.isfinite(new).all() and info["epsilon"] > 0
 
 
-@pytest.mark.parametrize("name", sorted(n for n, v in VERDICTS.items() if v != "private"))
+@pytest.mark.parametrize("name", sorted(n for n, v in verdicts().items() if v != "private"))
 def test_refused_methods_say_why(name):
     with pytest.raises(ValueError, match=r"dp: method '[a-z_-]+' is refused: ") as e:
         algorithms.build(name, dp=_dp())

@@ -313,6 +313,40 @@ def test_bad_input():
     _one_line(e, "rows [1]", "NaN")
 
 
+@pytest.mark.parametrize("mode", ["exact", "fold"])
+def test_lora_round_is_the_round_runners_screen_and_policy(mode):
+    """LoraRound: the round runner's validation, NaN/Inf screen and on_bad_update policy around the
+    aggregator's step on the adapters ``global + row``: with exclude, the result is the aggregator's on the
+    other clients' adapters bit for bit (ranks and residuals included); with raise, one line naming the client."""
+    from fedkernels.errors import BadUpdateError
+    from fedkernels.lora import LoraRound
+
+    spec = LoraSpec.from_model(Net())
+    agg = LoraAggregator(spec, mode=mode)
+    G = clients(spec, 1, seed=7)[0]
+    ranks_of = [4, 2, 3, 1, 4]  # client id -> rank
+    ids = [3, 0, 4, 1]
+    X = torch.stack([spec.truncate(x, ranks_of[c]) for x, c in zip(clients(spec, 4, seed=2), ids)])
+    U = X - G
+    U[2, 5] = float("nan")  # client 4
+    n = [3.0, 1.0, 2.0, 5.0]
+    res = LoraRound(agg, ranks_of, on_bad_update="exclude").aggregate(G, U, n, ids)
+    keep = [0, 1, 3]
+    want = agg.aggregate(U[keep] + G, num_examples=[n[k] for k in keep], client_ranks=[1, 4, 2], global_adapter=G)
+    assert torch.equal(res.params, want.adapter)
+    assert res.info["excluded"] == [{"client_id": 4, "reason": "update contains NaN/Inf"}]
+    assert res.info["client_ranks"] == [1, 4, 2] and res.info["num_clients"] == 3
+    assert res.info["error_to_true_average"] == want.info["error_to_true_average"]
+    assert res.info["residuals"].keys() == want.residuals.keys()
+    assert all(torch.equal(res.info["residuals"][k], v) for k, v in want.residuals.items())
+    with pytest.raises(BadUpdateError) as e:
+        LoraRound(agg, ranks_of).aggregate(G, U, n, ids)
+    _one_line(e, "lora.aggregate: client 4 (row 2)", "NaN/Inf", "on_bad_update='exclude'")
+    with pytest.raises(ValueError) as e:
+        LoraRound(agg).aggregate(G, U[:, :-1], n, ids)
+    _one_line(e, "lora.aggregate", f"expected d={spec.d}")
+
+
 # ---- with real peft models ----------------------------------------------------------------------------
 def _peft_net(r, alpha, seed=0, targets=("fc1", "fc2", "conv")):
     peft = pytest.importorskip("peft")

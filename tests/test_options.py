@@ -154,3 +154,61 @@ def test_out_of_range_option_is_one_line(name, opts, expect):
     check_algorithm("fedavg", {"server_lr": 1e-9})
     check_algorithm("gcfed", {"momentum": 0.0})
     check_algorithm("fedpgvc", {"n_ctrl": 0, "lam": 0.0})
+
+
+_COUNT_RUN = r"""
+import collections, json, os, sys
+import fedkernels.algorithms.base as base
+import fedkernels.sim.checks as checks
+import fedkernels.sim.config as config
+from fedkernels.sim.cli import main
+
+n = collections.Counter()
+
+
+def counted(label, f):
+    def g(*a, **k):
+        n[label] += 1
+        return f(*a, **k)
+
+    return g
+
+
+config.RunConfig.validate = counted("config", config.RunConfig.validate)
+import fedkernels.sim.options as options
+
+options.check_algorithm = checks.check_algorithm = counted("options", options.check_algorithm)
+base.check_options = counted("signature", base.check_options)
+base.build = counted("build", base.build)
+import fedkernels.algorithms as algorithms
+
+algorithms.build = base.build
+os.chdir(sys.argv[1])
+rc = main(["run", "--preset", "smoke", "rounds=1", "plots=false", "threads=1", "--no-progress", "--quiet", "--name", "c"])
+print(json.dumps(dict(n, rc=rc)))
+"""
+
+
+def test_a_cli_run_validates_its_config_and_options_once(tmp_path):
+    """``fedkernels run --preset smoke``: the config (the preset with its method and overrides) is validated
+    once, the algorithm options once (checks.check_algorithm, which constructs the method to run its own
+    checks), and each construction checks the options against the signature once (build, not again in
+    Aggregator.__new__); the run's own aggregator is the second build. (Before: 3, 3, 4 and 8.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        [sys.executable, "-c", _COUNT_RUN, str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    n = json.loads(p.stdout.strip().splitlines()[-1])
+    assert n == {"config": 1, "options": 1, "build": 2, "signature": 2, "rc": 0}, n

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import array
+import contextvars
 import math
 import struct
 from dataclasses import dataclass, field, fields, replace
@@ -573,8 +574,9 @@ class Aggregator(abc.ABC):
     def __new__(cls, *args: Any, **options: Any) -> "Aggregator":
         # The options' types are checked here, so that a direct ``KuramotoFedAvg(kappa0="x")`` gets
         # the same one-line error as ``build("kuramoto", kappa0="x")`` (which also converts number
-        # text first): see fedkernels.algorithms.signature.
-        check_options(cls.name, cls, options, required=False)
+        # text first, having checked them: not again here): see fedkernels.algorithms.signature.
+        if _CHECKED_BY_BUILD.get() is not cls:
+            check_options(cls.name, cls, options, required=False)
         return super().__new__(cls)
 
     def __init__(self, on_bad_update: str = "raise", server_lr: float = 1.0, **unknown: Any) -> None:
@@ -691,6 +693,20 @@ class Aggregator(abc.ABC):
     # Why this method cannot aggregate updates read in column chunks (None: it can); such a method
     # refuses a source at once, before anything is read.
     no_chunked_source: Optional[str] = None
+
+    # What this method's update reads of U that weighted sums of its rows do not give, in words, or None: it
+    # reads U only through RoundInput.weighted_sum, so it runs on packed (compressed) rows as on dense ones
+    # (``sources.PackedRows``). A codec refuses a method that says what it needs, before anything is computed,
+    # with these words (``fedkernels.compress.check_method``); a method that does not declare it is refused.
+    reads_beyond_weighted_sum: Optional[str] = "more of the updates than a weighted sum"
+
+    # The differential-privacy wrapper's verdict on this method (``fedkernels.algorithms.dp``): "private" when its
+    # update reads U through exactly one weighted sum with coefficients that do not depend on the updates and
+    # keeps or sends back no un-noised function of them (the wrapper accepts it), else why not, in words.
+    dp_verdict: str = (
+        "it has no differential-privacy verdict yet (its update is not known to be one weighted sum with "
+        "data-independent weights)"
+    )
 
     def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
         """What this method's update (``_aggregate``) does with U from a source besides the NaN/Inf screen, in
@@ -972,6 +988,8 @@ _REGISTRY: Dict[str, Callable[..., Aggregator]] = {}
 
 
 _AggT = TypeVar("_AggT", bound=Type[Aggregator])
+# the class whose options ``build`` has just checked (signature.check_options), while it constructs it
+_CHECKED_BY_BUILD: "contextvars.ContextVar[Optional[type]]" = contextvars.ContextVar("_checked_by_build", default=None)
 
 
 def register(name: str, *aliases: str) -> Callable[[_AggT], _AggT]:
@@ -1008,7 +1026,13 @@ def build(name: str, **options: Any) -> Aggregator:
     from . import wrappers  # (wrappers builds on this module: imported when called)
 
     wrapping = wrappers.split_options(name.lower(), options)
-    return wrappers.wrap(cls(**check_options(name.lower(), cls, options)), **wrapping)
+    checked = check_options(name.lower(), cls, options)
+    token = _CHECKED_BY_BUILD.set(cls)  # (Aggregator.__new__ does not check them a second time)
+    try:
+        agg = cls(**checked)
+    finally:
+        _CHECKED_BY_BUILD.reset(token)
+    return wrappers.wrap(agg, **wrapping)
 
 
 def options(name: str) -> Dict[str, Option]:

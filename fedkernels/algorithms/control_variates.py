@@ -240,6 +240,10 @@ class ControlVariateServer(Aggregator):
     require_num_clients = False
     state_attrs = ("c", "c_table", "c_rows", "seen")  # the layout (ranges, d_c) is derived from the spec
     screen_in_pass = True  # _aggregate reads U first, through rin.weighted_sum
+    reads_beyond_weighted_sum = None  # x's step is one weighted sum; the control-variate deltas are payloads
+    dp_verdict = (
+        "its control variates (c and each c_i) are un-noised functions of the clients' updates, sent back to clients"
+    )
     screened_payload_keys = ("delta_c",)  # stacked once per round, scanned for NaN/Inf
 
     option_ranges = {"num_clients": ">= 1"}

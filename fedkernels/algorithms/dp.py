@@ -30,7 +30,8 @@ The privacy accounting (``fedkernels.privacy``, dp-accounting's RDP): each round
 Gaussian mechanism of multiplier z on m of N clients; ``info["epsilon"]`` after every round (N from
 ``setup(num_clients=)`` or ``population=``, m from ``num_sampled_clients=`` or the first round's K).
 
-Methods: the wrapper accepts a method only when its verdict is ``private`` (:data:`VERDICTS`): its
+Methods: the wrapper accepts a method only when its verdict is ``private`` (the method's own
+``Aggregator.dp_verdict``; :func:`verdicts` lists them): its
 server update reads U through exactly one weighted sum with coefficients that do not depend on the
 updates. Methods whose state or payloads carry un-noised client data are refused with the reason;
 :class:`Noised` enforces the protocol at run time (a second read of U, or a read through
@@ -51,36 +52,6 @@ from .wrappers import MethodWrapper, clip_scales, register_wrapper
 
 DP_KINDS = ("central", "client", "adaptive")
 
-# The verdict per registered method: "private" (accepted) or the reason it is refused.
-_CONTROL = "its control variates (c and each c_i) are un-noised functions of the clients' updates, sent back to clients"
-VERDICTS: Dict[str, str] = {
-    "fedavg": "private",
-    "fedavgm": "private",  # server momentum on the noised aggregate: post-processing
-    "fedprox": "private",  # FedAvg's server update (the proximal term is client-side)
-    "fednova": "private",  # coefficients from the clients' step counts (treated as public metadata)
-    "fedpgvc": "private",  # FedAvg-style sum; the skipped-step counts are metadata
-    "gcfed": "private",
-    "gc-fed": "private",
-    "global_gc": "private",
-    "local_gc": "private",
-    "local_gc_only": "private",  # the gradient-centralisation projection of the noised sum: post-processing
-    "fedadam": "private",
-    "fedyogi": "private",
-    "fedadagrad": "private",  # server Adam/Yogi/Adagrad of the noised sum
-    "scaffold": _CONTROL,
-    "scaffold_partial": _CONTROL,
-    "fedpvr": _CONTROL,
-    "fedaware": "its per-client momentum table and min-norm weights are computed from the un-noised updates",
-    "fedecado": "its per-client tables and the central ODE solve read the un-noised updates directly",
-    "kuramoto": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
-    "kuramoto_fedavg": "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity",
-    **{
-        m: "it selects or weights the updates by their un-noised values (order statistics, distances, "
-        "iterated clipping): its output is not one noised weighted sum"
-        for m in ("median", "trimmed_mean", "krum", "multi_krum", "bulyan", "geometric_median", "rfa", "centered_clip")
-    },
-}
-
 _DEFAULTS: Dict[str, Any] = {
     "kind": "central",
     "clip": None,
@@ -99,23 +70,19 @@ _DEFAULTS: Dict[str, Any] = {
 
 
 def method_verdict(agg: Aggregator) -> Tuple[str, str]:
-    """``(name, verdict)`` of the method at the core of ``agg`` (inside any wrappers)."""
+    """``(name, verdict)`` of the method at the core of ``agg`` (inside any wrappers): its own declaration,
+    ``Aggregator.dp_verdict``."""
     core = agg
     while isinstance(core, MethodWrapper):
         core = core.inner
-    names = [n for n, c in _registry_items() if c is type(core)]
-    name = next((n for n in names if n in VERDICTS), names[0] if names else type(core).name)
-    return name, VERDICTS.get(
-        name,
-        "it has no differential-privacy verdict yet (its update is not known to be "
-        "one weighted sum with data-independent weights)",
-    )
+    return core.name, core.dp_verdict
 
 
-def _registry_items():
+def verdicts() -> Dict[str, str]:
+    """``{name: verdict}`` of every registered method (aliases included): "private" or why it is refused."""
     from .base import _REGISTRY
 
-    return _REGISTRY.items()
+    return {n: cls.dp_verdict for n, cls in _REGISTRY.items()}
 
 
 def check_dp_options(opts: Mapping[str, Any], where: str = "dp") -> Dict[str, Any]:
@@ -273,6 +240,7 @@ class DifferentialPrivacy(MethodWrapper):
     annotation = Optional[Mapping[str, Any]]
     screen_in_pass = True
     state_attrs = ("clip", "_acc_rounds")
+    reads_beyond_weighted_sum = "each update's norm (ops.kstats) to clip it, and its noised sum of the dense rows"
 
     def __init__(self, inner: Aggregator, dp: Mapping[str, Any]) -> None:
         super().__init__(inner)

@@ -21,6 +21,10 @@ class FedAvg(Aggregator):
     """
 
     screen_in_pass = True  # its weighted_sum pass over U also screens the rows (RoundInput.weighted_sum)
+    reads_beyond_weighted_sum = None  # (its subclasses' updates too: FedAvgM, FedProx, FedNova, FedAdam, ...)
+    # (FedAvgM: momentum on the noised aggregate, FedAdam/FedYogi/FedAdagrad: a server step on it, both
+    # post-processing; FedProx: the proximal term is client-side; FedNova: step counts as public metadata)
+    dp_verdict = "private"
     applies_round_lr = True  # this class's _aggregate steps with round_lr() (server_lr_schedule is honoured)
 
     def __init__(self, weighting: str = "samples", server_lr_schedule: Optional[str] = None, **kw):

@@ -77,6 +77,9 @@ class MethodWrapper(Aggregator):
     no_chunked_source = _delegated("no_chunked_source", "why the inner method refuses a chunked source")
     client_rule_cls = _delegated("client_rule_cls", "the inner method's client rule class")
     screened_payload_keys = _delegated("screened_payload_keys", "the payload tensors the inner method reads")
+    reads_beyond_weighted_sum = _delegated(
+        "reads_beyond_weighted_sum", "what the update reads of U beyond weighted sums (None: packed rows do)"
+    )
 
     def __getattr__(self, key: str) -> Any:
         # a method's own options and state (agg.mode, agg.momentum, ...): the inner method's
@@ -176,6 +179,7 @@ class NormBound(MethodWrapper):
     option = "norm_bound"
     option_ranges = {"norm_bound": "> 0"}
     screen_in_pass = True  # the norms' kstats pass screens the rows, before any state changes
+    reads_beyond_weighted_sum = "each update's norm (ops.kstats) to clip it"
 
     def __init__(self, inner: Aggregator, norm_bound: float) -> None:
         super().__init__(inner)

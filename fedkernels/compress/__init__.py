@@ -3,7 +3,7 @@ server's round on the compressed rows without a dense copy (``aggregate_compress
 server needs only weighted sums of the updates. See docs/compression.md."""
 
 from .codecs import KINDS, BlockRows, Codec, SparseRows, dense_bytes, make_codec
-from .server import WEIGHTED_SUM_METHODS, aggregate_compressed, check_method
+from .server import aggregate_compressed, check_method, weighted_sum_methods
 
 __all__ = [
     "KINDS",
@@ -14,5 +14,5 @@ __all__ = [
     "dense_bytes",
     "aggregate_compressed",
     "check_method",
-    "WEIGHTED_SUM_METHODS",
+    "weighted_sum_methods",
 ]

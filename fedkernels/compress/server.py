@@ -2,50 +2,47 @@
 updates runs unchanged, its ``RoundInput.weighted_sum`` served straight from the compressed rows
 (``ops.dequant_weighted_sum`` / ``ops.sparse_weighted_sum``: no dense K x d copy, the NaN/Inf screen in the same
 pass). The round itself is the round runner's (compressed rows are one of its input forms,
-``sources.PackedRows``); this module says which methods compose with a codec: a method that reads the updates any
-other way (the Gram matrix, per-row statistics, per-client tables of U's rows, order statistics) is refused before
-anything is computed, with one line naming what the codec drops.
+``sources.PackedRows``). Which methods compose with a codec is each method's own declaration
+(``Aggregator.reads_beyond_weighted_sum``: None for a method that reads U only through weighted sums, else
+what else it reads, e.g. the Gram matrix, per-row statistics, per-client tables of U's rows, order
+statistics; a wrapper answers for itself and the method inside it): a method that needs more is refused
+before anything is computed, with one line naming the method, the codec and what the codec drops.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from ..algorithms.base import AggResult, Aggregator
+from ..algorithms.base import _REGISTRY, AggResult, Aggregator, _lookup
+from ..algorithms.wrappers import MethodWrapper
 from ..sources import PackedRows
 
-__all__ = ["WEIGHTED_SUM_METHODS", "check_method", "aggregate_compressed"]
+__all__ = ["weighted_sum_methods", "check_method", "aggregate_compressed"]
 
-# methods whose server reads U only through RoundInput.weighted_sum (their _aggregate: the weighted mean of the
-# updates, with the method's own coefficients, momentum or control-variate payloads, which are not compressed)
-WEIGHTED_SUM_METHODS = ("fedavg", "fedprox", "fedavgm", "fednova", "scaffold", "scaffold_partial", "fedpvr")
 
-# what the refused methods read of the rows, that a compressed row does not give without decompressing it
-NEEDS = {
-    "kuramoto": "each update's dot product with the weighted mean and its norm (ops.kstats)",
-    "kuramoto_fedavg": "each update's dot product with the weighted mean and its norm (ops.kstats)",
-    "fedaware": "the updates' Gram matrix and per-client momentum tables of their rows",
-    "fedecado": "each update row in its backward-Euler solve (ops.fedecado_be_step)",
-    "fedpgvc": "per-row projections of the updates",
-    "gcfed": "per-channel projections of the dense updates",
-    "gc-fed": "per-channel projections of the dense updates",
-    "global_gc": "per-channel projections of the dense updates",
-    "local_gc": "per-channel projections of the dense updates",
-    "local_gc_only": "per-channel projections of the dense updates",
-}
+def weighted_sum_methods() -> List[str]:
+    """The registered method names (aliases included) whose server reads the updates only through weighted
+    sums (``reads_beyond_weighted_sum`` is None): those that compose with a codec."""
+    return sorted(n for n, cls in _REGISTRY.items() if cls.reads_beyond_weighted_sum is None)
 
 
 def check_method(method: Union[str, Aggregator], kind: str) -> None:
-    """One-line ValueError unless ``method``'s server needs only weighted sums of the updates."""
-    name = method if isinstance(method, str) else method.name
-    if name in WEIGHTED_SUM_METHODS:
+    """One-line ValueError unless ``method`` (a built aggregator, wrappers included, or a registered name) reads
+    the updates only through weighted sums."""
+    agg = _lookup(method) if isinstance(method, str) else method
+    what = agg.reads_beyond_weighted_sum
+    if what is None:
         return
-    what = NEEDS.get(name, "more of the updates than a weighted sum")
+    name, why = (method, "") if isinstance(method, str) else (method.name, "")
+    w = agg
+    while isinstance(w, MethodWrapper) and not why:  # the wrapper whose own declaration refuses, if any
+        why = f" with {w.option}" if "reads_beyond_weighted_sum" in vars(type(w)) else ""
+        w = w.inner
     raise ValueError(
-        f"compress.kind={kind}: method {name!r} needs {what}, which compressed rows do not give "
-        f"without decompressing them; compression composes with {', '.join(WEIGHTED_SUM_METHODS)}"
+        f"compress.kind={kind}: method {name!r}{why} needs {what}, which compressed rows do not give "
+        f"without decompressing them; compression composes with {', '.join(weighted_sum_methods())}"
     )
 
 

@@ -59,8 +59,8 @@ def _base_config(config: Optional[str], preset: Optional[str]) -> RunConfig:
 
     if config and preset:
         raise ValueError("give a CONFIG file or --preset, not both")
-    if preset:
-        return presets.get(preset)
+    if preset:  # (its keys are checked with the run's overrides and method, once: checks.check_run)
+        return presets.get(preset, check=False)
     if config:
         if not os.path.exists(config):
             raise ValueError(f"config file not found: {config}")
@@ -135,9 +135,10 @@ def cmd_run(a) -> int:
     if a.distributed:
         cfg.distributed = True
     why_threads = None if a.resume else _choose_threads(cfg)
-    check_run(cfg)  # every key, value and option, before anything is written
     if cfg.distributed:
+        check_run(cfg)  # (the ranks connect before the simulation checks its config: checked here first)
         from .distributed_sim import DistributedSimulation as Simulation  # noqa: F811
+    # Simulation checks every key, value and option first (checks.check_run), before anything is written
     sim = Simulation(cfg, run_dir=run_dir, resume=bool(a.resume), overwrite=a.overwrite, callbacks=_callbacks(a, cfg))
     sim.threads_choice = why_threads  # provenance.json says how the thread count was chosen
     if why_threads and cfg.verbose and getattr(sim, "rank", 0) == 0:

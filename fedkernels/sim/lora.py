@@ -15,7 +15,8 @@ flat vector the clients train, send and the server aggregates holds only the tra
   alpha for every rank, a rank-1 client's update would be scaled r times more than a rank-r one's);
 - the server's step (``aggregate``): with plain FedAvg the adapters ``global + row`` go to ``LoraAggregator``
   (naive / exact / fold, client ranks; its distances to the true average update in the round's ``agg``
-  metrics), fold's residuals are added to the frozen base weights; a codec (``compress.*``) encodes each row
+  metrics) through the round runner (``fedkernels.lora.LoraRound``: its validation, NaN/Inf screen and the
+  run's ``on_bad_update`` policy, as for every method), fold's residuals are added to the frozen base weights; a codec (``compress.*``) encodes each row
   as its client sends it and the server decodes the rows first (the factors are needed, not only their sum).
   Any other method (``naive`` with equal ranks only) runs its own round on the adapter rows. ``bytes_sent``:
   what the clients sent (each client's adapters at its rank, or the codec's bytes);
@@ -31,9 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .. import ops
 from ..flat import FlatSpec
-from ..lora import MODES, LoraAggregator, LoraSpec
+from ..lora import MODES, LoraAggregator, LoraRound, LoraSpec
 
 PEFT_HINT = "pip install fedkernels[lora]"
 _LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -212,6 +212,7 @@ class LoraRun:
         self.own = _own_path(cfg)
         weighting = cfg.algorithm.options.get("weighting", "samples")
         self.agg = LoraAggregator(self.spec, mode=self.mode, weighting=weighting) if self.own else None
+        self.lora_round: Optional[LoraRound] = None  # the aggregator's round (the run's on_bad_update: first round)
         self.elt = torch.empty((), dtype=flat.dtype).element_size()
         self.lora_numel = sum(l.a.stop - l.a.start + l.b.stop - l.b.start for l in layers)
         self.scaling = _scaling(float(c.alpha), R, bool(c.rslora))
@@ -289,36 +290,28 @@ class LoraRun:
         else:
             info["bytes_sent"] = sum(self.client_bytes(c) for c in ids)
         info["bytes_dense"] = dense
-        ok = ops.finite_rows(rows).cpu()
-        keep = [i for i in range(K) if bool(ok[i])]
-        excluded = [
-            {"client_id": int(ids[i]), "reason": "update contains NaN/Inf"} for i in range(K) if not bool(ok[i])
-        ]
-        if not keep:
-            info["excluded"] = excluded
-            return G, info
-        if excluded:
-            rows = rows[keep]
-        X = rows + G  # the clients' adapters (a lower rank: its padded factors)
-        nk = [float(n[i]) for i in keep]
-        ranks = [self.rank_of(int(ids[i])) for i in keep] if self.client_ranks is not None else None
-        res = self.agg.aggregate(X, num_examples=nk, client_ranks=ranks, global_adapter=G)
-        if res.residuals:  # fold: the residual into the frozen base weights
-            self.spec.fold_(model, res.residuals)
+        if self.lora_round is None:  # the round runner's: validation, the NaN/Inf screen, the run's on_bad_update
+            self.lora_round = LoraRound(self.agg, self.client_ranks, on_bad_update=agg.on_bad_update)
+        res = self.lora_round.aggregate(G, rows, n, ids)
         li = res.info
+        if li.get("skipped"):  # every row excluded: the global adapters as they were
+            info.update(skipped=True, reason=li["reason"], excluded=li.get("excluded", []))
+            return res.params, info
+        if li["residuals"]:  # fold: the residual into the frozen base weights
+            self.spec.fold_(model, li["residuals"])
         info.update(
             lora_mode=self.mode,
             weights=li["weights"],
-            client_ranks=ranks,
+            client_ranks=li["client_ranks"],
             error_to_true_average=li["error_to_true_average"],
             naive_error_to_true_average=li["naive_error_to_true_average"],
             relative_error=li["relative_error"],
             naive_relative_error=li["naive_relative_error"],
             true_update_norm=li["true_norm"],
         )
-        if excluded:
-            info["excluded"] = excluded
-        return res.adapter.to(G.dtype), info
+        if "excluded" in li:
+            info["excluded"] = li["excluded"]
+        return res.params, info
 
     # ---- state and provenance --------------------------------------------------------------------------------
     def _bases(self, model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -406,15 +406,16 @@ def _check(name: str):
         raise ValueError(f"unknown preset {name!r}{_suggest(name, _P)}; known: {', '.join(_P)}")
 
 
-def get(name: str) -> RunConfig:
-    """A fresh RunConfig for preset ``name``."""
+def get(name: str, check: bool = True) -> RunConfig:
+    """A fresh RunConfig for preset ``name``, validated (``RunConfig.validate``) unless ``check=False``: for a
+    caller that validates the config it makes of it (the CLI's run: the preset with its overrides, once)."""
     _check(name)
     d = copy.deepcopy(_P[name][1])
     d.setdefault("checkpoint_every", _CHECKPOINT_EVERY[name])
     d.setdefault("name", None)
     d["preset"] = name
     cfg = RunConfig.from_dict(d)
-    return cfg.validate()
+    return cfg.validate() if check else cfg
 
 
 def default_method(name: str) -> Optional[str]:
@@ -438,8 +439,8 @@ def with_method(cfg: RunConfig, name: str, label: str) -> RunConfig:
     from .options import check_method
 
     vs = variants(name)
-    try:
-        label, var = check_method(label, vs)
+    try:  # (one of the preset's own methods: its options are checked with the run's config, once)
+        label, var = parse_method(label, vs) if label in vs else check_method(label, vs)
     except ValueError as e:
         raise ValueError(f"--{e} (the preset's methods: {', '.join(vs)})") from None
     cfg = cfg.copy()

@@ -130,6 +130,8 @@ class FedAWARE(Aggregator):
         self._ext = ServerMomentum(self.ext_beta)  # the fedavgm extension's own momentum
 
     ext_momentum = momentum_attr("_ext")
+    reads_beyond_weighted_sum = "the updates' Gram matrix and per-client momentum tables of their rows"
+    dp_verdict = "its per-client momentum table and min-norm weights are computed from the un-noised updates"
 
     @property
     def screen_in_pass(self) -> bool:  # type: ignore[override]

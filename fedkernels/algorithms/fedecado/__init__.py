@@ -183,6 +183,8 @@ class FedECADO(FederationTables, Aggregator):
         "its backward-Euler integration reads U and the K x d flow table once per attempted step and "
         "accepts or rejects each step on a norm over all d coordinates"
     )
+    reads_beyond_weighted_sum = "each update row in its backward-Euler solve (ops.fedecado_be_step)"
+    dp_verdict = "its per-client tables and the central ODE solve read the un-noised updates directly"
 
     option_ranges = {"hutchinson_probes": ">= 1", "hutchinson_batches": ">= 1", "num_clients": ">= 1", "T_bar": "> 0"}
 

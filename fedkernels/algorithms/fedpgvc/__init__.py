@@ -256,6 +256,8 @@ class FedPGVC(Aggregator):
 
     client_rule_cls = FedPGVCRule
     screen_in_pass = True  # stateless: its weighted_sum pass screens the rows
+    reads_beyond_weighted_sum = "per-row projections of the updates"
+    dp_verdict = "private"  # a FedAvg-style sum; the skipped-step counts are metadata
 
     option_ranges = {"lam": ">= 0", "tau": "> 0", "code_eta": "> 0"}
 

@@ -172,6 +172,8 @@ class GCFed(Aggregator):
 
     client_rule_cls = LocalGCRule
     screen_in_pass = True  # the first read of U is rin.weighted_sum; the workspace holds no state
+    reads_beyond_weighted_sum = "per-channel projections of the dense updates"
+    dp_verdict = "private"  # the gradient-centralisation projection of the noised sum: post-processing
     _defaults = dict(local_layers="all_except", global_scope="all")
 
     option_ranges = {"lam": "[0, 1]", "weight_decay": ">= 0", "momentum": "[0, 1)"}

@@ -236,6 +236,8 @@ class KuramotoFedAvg(Aggregator):
     """Kuramoto-FedAvg aggregator (see module docstring; options: ``kuramoto/options.py``)."""
 
     screen_in_pass = True  # the first read of U (kstats, or mode C's weighted_sum) screens its rows
+    reads_beyond_weighted_sum = "each update's dot product with the weighted mean and its norm (ops.kstats)"
+    dp_verdict = "its weights are functions of the un-noised updates' phases (kstats): no bounded sensitivity"
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ class CenteredClip(Aggregator):
 
     state_attrs = ("center",)
     screen_in_pass = True  # row_dots' pass screens the rows (on a tensor; a source is screened first)
+    dp_verdict = "its iterated clipping reads the un-noised updates: its output is not one noised weighted sum"
 
     def __init__(self, tau: float = 10.0, iterations: int = 1, **kw):
         super().__init__(**kw)

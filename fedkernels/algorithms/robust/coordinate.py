@@ -19,6 +19,7 @@ class Median(Aggregator):
     (an even K: the mean of the two middle values, like ``np.median``)."""
 
     screen_in_pass = True
+    dp_verdict = "it takes order statistics of the un-noised updates: its output is not one noised weighted sum"
 
     def order_range(self, K: int) -> Tuple[int, int]:
         return (K - 1) // 2, K // 2 + 1

@@ -31,6 +31,9 @@ class GeometricMedian(Aggregator):
     the objective sum_k alpha_k ||v_t - U_k|| at the last point measured."""
 
     screen_in_pass = True
+    dp_verdict = (
+        "its Weiszfeld weights are functions of the un-noised updates: its output is not one noised weighted sum"
+    )
 
     def __init__(self, iterations: int = 3, nu: float = 1e-6, ftol: float = 1e-6, weighting: str = "samples", **kw):
         super().__init__(**kw)

@@ -33,6 +33,7 @@ class Krum(Aggregator):
     to the earlier row. ``info["selected"]``: the chosen clients' ids."""
 
     screen_in_pass = True
+    dp_verdict = "it selects updates by their un-noised pairwise distances: its output is not one noised weighted sum"
 
     def __init__(self, f: int = 0, m: int = 1, weighting: str = "samples", **kw):
         super().__init__(**kw)
@@ -68,6 +69,7 @@ class Bulyan(Aggregator):
     (K >= 4f + 3). Unweighted. ``info["selected"]``: the picked clients' ids in pick order."""
 
     screen_in_pass = True
+    dp_verdict = "it selects updates by their un-noised pairwise distances: its output is not one noised weighted sum"
 
     def __init__(self, f: int = 0, **kw):
         super().__init__(**kw)
