@@ -53,7 +53,7 @@ class Krum(Aggregator):
         order = torch.sort(scores, stable=True).indices
         rows = order[: self.m]
         w = rin.num_examples[rows] if self.weighting == "samples" else torch.ones(len(rows), dtype=torch.float64)
-        new = rows_sum(rin, rows, w / w.sum(), base=rin.global_flat, alpha=self.server_lr)  # reads the m rows
+        new = rows_sum(rin, rows, w / w.sum(), alpha=self.server_lr)  # reads the m rows
         return AggResult(new, {"selected": selected_ids(rin, rows.tolist()), "scores": info_values(scores)})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
