@@ -566,7 +566,14 @@ def test_norm_bound_wrapper_clips_before_the_rule(name, opts):
 
 
 @pytest.mark.parametrize(
-    "name,opts", [("krum", {"f": 1}), ("krum", {"f": 1, "m": 3}), ("bulyan", {"f": 1}), ("median", {})]
+    "name,opts",
+    [
+        ("krum", {"f": 1}),
+        ("krum", {"f": 1, "m": 3}),
+        ("bulyan", {"f": 1}),
+        ("median", {}),
+        ("centered_clip", {"tau": 3.0, "iterations": 2}),
+    ],
 )
 def test_result_vector_on_huge_pages_and_into_out_is_the_same_model(monkeypatch, name, opts):
     """The new model written into a huge-page mapping (common.result_vector; the size threshold lowered

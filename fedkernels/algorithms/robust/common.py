@@ -64,24 +64,28 @@ def select_pass(
     return res
 
 
+def new_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(n, dtype=dtype, device=device)``, except that on the CPU from HUGE_PAGE_MIN_BYTES up
+    it is a private anonymous mapping advised MADV_HUGEPAGE (as NumPy does for its large arrays; torch's
+    allocator does only with THP_MEM_ALLOC_ENABLE=1): the pass that first writes it takes one page fault
+    per 2 MB instead of one per 4 KB (n = 11.2M fp32: 22 faults instead of 11k, measured 26 -> 8 ms of
+    CPU time to allocate and write it). The tensor owns the mapping (unmapped with its storage)."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or not _HUGE_PAGES or n * esize < max(HUGE_PAGE_MIN_BYTES, 1):
+        return torch.empty(n, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, n * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype, count=n)
+
+
 def result_vector(rin: RoundInput) -> torch.Tensor:
     """The [d] tensor (the global model's dtype and device) that a method's result pass writes the new
-    model into: the caller's ``out`` when it gave one (``rin.take_out``), else a new one. A new one on the
-    CPU of HUGE_PAGE_MIN_BYTES or more is a private anonymous mapping advised MADV_HUGEPAGE (as NumPy
-    does for its large arrays; torch's allocator does only with THP_MEM_ALLOC_ENABLE=1): the pass that
-    first writes it takes one page fault per 2 MB instead of one per 4 KB (d = 11.2M fp32: 22 faults
-    instead of 11k, measured 26 ms -> 8 ms of CPU time to allocate and write it). The tensor owns the
-    mapping (freed with its storage)."""
+    model into: the caller's ``out`` when it gave one (``rin.take_out``), else ``new_vector``."""
     out = rin.take_out()
     if out is not None:
         return out
     g = rin.global_flat
-    nbytes = rin.d * g.element_size()
-    if g.device.type != "cpu" or not _HUGE_PAGES or nbytes < HUGE_PAGE_MIN_BYTES:
-        return torch.empty(rin.d, dtype=g.dtype, device=g.device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=g.dtype, count=rin.d)
+    return new_vector(rin.d, g.dtype, g.device)
 
 
 def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
