@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from ... import ops
+from ...ops._checks import tracing
 from ..base import RoundInput, RowScaled
 
 # bytes of the reused [K + 1, w] stack buffer of ``row_dots`` (a column chunk of U and of the vector): few
@@ -69,9 +70,11 @@ def new_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     it is a private anonymous mapping advised MADV_HUGEPAGE (as NumPy does for its large arrays; torch's
     allocator does only with THP_MEM_ALLOC_ENABLE=1): the pass that first writes it takes one page fault
     per 2 MB instead of one per 4 KB (n = 11.2M fp32: 22 faults instead of 11k, measured 26 -> 8 ms of
-    CPU time to allocate and write it). The tensor owns the mapping (unmapped with its storage)."""
+    CPU time to allocate and write it). The tensor owns the mapping (unmapped with its storage). Under
+    torch.compile tracing: ``torch.empty``."""
     esize = torch.empty(0, dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or not _HUGE_PAGES or n * esize < max(HUGE_PAGE_MIN_BYTES, 1):
+    small = n * esize < max(HUGE_PAGE_MIN_BYTES, 1)
+    if torch.device(device).type != "cpu" or not _HUGE_PAGES or small or tracing():
         return torch.empty(n, dtype=dtype, device=device)
     buf = mmap.mmap(-1, n * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.madvise(mmap.MADV_HUGEPAGE)
