@@ -50,7 +50,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import add_out_argument, output_path  # noqa: E402
-from fedkernels.sources import CPU_CHUNK_BYTES, READ_BYTES  # noqa: E402
+from fedkernels.sources.chunked import CPU_CHUNK_BYTES  # noqa: E402
+from fedkernels.sources.files import READ_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -468,7 +469,7 @@ def main(argv=None):
         type=int,
         default=CPU_CHUNK_BYTES >> 20,
         help="columns per chunk the aggregators work on, all K rows (MB; default: ChunkedUpdates' CPU "
-        "default); the file is read in blocks of at least sources.READ_BYTES",
+        "default); the file is read in blocks of at least sources.files.READ_BYTES",
     )
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     ap.add_argument("--margin-gb", type=float, default=8.0, help="free disk to leave (GB)")

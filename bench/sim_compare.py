@@ -12,7 +12,7 @@ local epoch, FedAvg weighted by sample counts, test accuracy on 2,000 test image
 
 * ``demo``: 12,000 training images, 10 clients x 2 label shards, all clients every round, 5 rounds.
 * ``cross-device``: 60,000 training images, 1,000 clients by Dirichlet(0.3) over labels, 50 clients
-  drawn per round (``fedkernels.sim.server.sample_schedule``), 20 rounds (``--cd-rounds``).
+  drawn per round (``fedkernels.sim.simulation.sample_schedule``), 20 rounds (``--cd-rounds``).
 
 Every runner is a fresh process (``--run RUNNER --task TASK``): the parent records its launch time
 and samples the proportional set size (PSS: shared pages counted once) of the process tree every
@@ -102,11 +102,11 @@ def common_setup(task: str):
     simulator builds them for the task's config."""
     import numpy as np
     import torch
-    from fedkernels.sim.client import STREAM_INIT, derive_seed
+    from fedkernels.sim.seeds import derive_seed, STREAM_INIT
     from fedkernels.sim.data import load_dataset
     from fedkernels.sim.models import build_model
     from fedkernels.sim.partition import partition
-    from fedkernels.sim.server import sample_schedule
+    from fedkernels.sim.simulation import sample_schedule
 
     t = TASKS[task]
     tr, te = load_dataset("fmnist", max_train=t["train"], max_test=t["test"])
@@ -161,7 +161,7 @@ def fk_config(task: str, workers: int, threads: Optional[int] = None):
 # runners (each in its own process; print one RESULT line)
 # ================================================================================================
 def run_fedkernels(task: str, workers: int, threads: Optional[int] = None) -> Dict[str, Any]:
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     sim = Simulation(fk_config(task, workers, threads), write_outputs=False)
     rounds: List[Dict[str, Any]] = []
@@ -204,7 +204,7 @@ def run_fedkernels(task: str, workers: int, threads: Optional[int] = None) -> Di
 
 
 def _fk_eval(model, x, y):
-    from fedkernels.sim.client import evaluate
+    from fedkernels.sim.evaluate import evaluate
 
     return evaluate(model, x, y, HP["eval_batch"])[0]
 
@@ -212,7 +212,7 @@ def _fk_eval(model, x, y):
 def run_plain(task: str) -> Dict[str, Any]:
     """The sequential floor: one model, the round's clients one after another, FedAvg of state dicts."""
     import torch
-    from fedkernels.sim.client import client_seed
+    from fedkernels.sim.seeds import client_seed
 
     x, y, xt, yt, parts, sched, model = common_setup(task)
     B, lr = HP["batch"], HP["lr"]
@@ -291,7 +291,7 @@ def run_flower(task: str) -> Dict[str, Any]:
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
-    from fedkernels.sim.client import client_seed
+    from fedkernels.sim.seeds import client_seed
 
     t = TASKS[task]
     rounds_env = os.environ.get("BENCH_CD_ROUNDS")
@@ -709,7 +709,7 @@ def executors(
     from fedkernels.sim import presets as P
     from fedkernels.sim.config import apply_overrides
     from fedkernels.sim.data import DatasetNotFoundError
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     rows = []
     for name in presets_.split(","):

@@ -128,7 +128,7 @@ def pretrain(x, y, seed, epochs=2):
 
 def one_run(a, seed, method, codec, data, base_path):
     from fedkernels.sim.config import RunConfig, apply_overrides
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     train, test = data
     cfg = RunConfig(

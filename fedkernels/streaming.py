@@ -33,7 +33,8 @@ from . import ops
 from .algorithms.tables import check_path
 from .errors import BadUpdateError  # noqa: F401  (raised through the aggregators; re-exported)
 from .ops import weighted_sum_chunked  # noqa: F401  (moved to fedkernels.ops; re-exported)
-from .sources import DEFAULT_CHUNK_BYTES, ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
+from .sources import ChunkedUpdates, itemsize, weighted_sum_block  # noqa: F401
+from .sources.chunked import DEFAULT_CHUNK_BYTES  # noqa: F401
 
 __all__ = [
     "ChunkedUpdates",
@@ -210,7 +211,7 @@ def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dt
 # ---- op-level passes -------------------------------------------------------------------------------------
 def streamed_gram(src, rows=None, with_finite: bool = False):
     """``ops.gram`` of the whole matrix, summed over column chunks in order (fp64 [K, K] on the CPU);
-    with ``with_finite`` also the [K] finite-row flags from the same pass. Both accumulate on the
+    with ``with_finite`` also the [K] finite flags from the same pass. Both accumulate on the
     chunks' device and come to the host once, at the end."""
     src = _as_chunked(src)
     G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)
@@ -241,7 +242,7 @@ def streamed_weighted_sum(
     check_finite: bool = False,
 ):
     """``base + alpha * sum_i coef_i U[rows_i]`` one chunk at a time ([d], base's dtype, else float32
-    for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite-row
+    for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite
     flags (the caller decides)."""
     src = _as_chunked(src)
     what = "streamed_weighted_sum"

@@ -837,7 +837,7 @@ def _run_weighted_sum(g, c):
         out = torch.zeros(d + 1, dtype=dt)
     alpha = c["alpha"]
     base0 = None if base is None else base.clone()
-    if c.get("screened"):  # weighted_sum_screened: the same sum, and the rows' NaN/Inf flags
+    if c.get("screened"):  # weighted_sum_screened: the same sum, and the rows' finite flags
         res, okf = ops.weighted_sum_screened(U, coef, base=base, alpha=alpha, rows=rows, out=out)
     else:
         res = ops.weighted_sum(U, coef, base=base, alpha=alpha, rows=rows, out=out)

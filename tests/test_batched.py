@@ -21,7 +21,7 @@ from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.assemble import torch_settings
 from fedkernels.sim.report import TIMING_KEYS
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 from round_states import RoundStates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from fedkernels.algorithms.buffers import buffer_ranges
 from fedkernels.flat import FlatSpec
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -93,8 +93,8 @@ def test_resume_without_a_checkpoint_is_an_error_that_says_how_to_get_one(tmp_pa
 _DOUBLE = r"""
 import os, signal, sys
 where, rnd, argv = sys.argv[1], int(sys.argv[2]) - 1, sys.argv[3:]
-from fedkernels.sim import server
-from fedkernels.sim.client import ClientTrainer
+from fedkernels.sim import simulation
+from fedkernels.sim.trainer import ClientTrainer
 def twice():
     os.kill(os.getpid(), signal.SIGINT)
     os.kill(os.getpid(), signal.SIGINT)
@@ -108,11 +108,11 @@ if where == "train":            # inside a client's local training
 else:                           # inside the aggregation (the aggregator's call): the model is changing
     from fedkernels.algorithms import base
     hit = {"r": None}
-    orig = server.Simulation.apply_aggregate
+    orig = simulation.Simulation.apply_aggregate
     def apply_aggregate(self, r, *a, **k):
         hit["r"] = r
         return orig(self, r, *a, **k)
-    server.Simulation.apply_aggregate = apply_aggregate
+    simulation.Simulation.apply_aggregate = apply_aggregate
     orig_agg = base.Aggregator.aggregate
     def aggregate(self, *a, **k):
         if hit["r"] == rnd:

@@ -196,7 +196,7 @@ def test_the_failure_cause_is_in_run_log_and_provenance(tmp_path):
 
 # ---- 10. stop messages that say what will happen and what did --------------------------------------------
 def _kill(patch: str) -> str:
-    return "import os, signal\nfrom fedkernels.sim import report, server\n" + textwrap.dedent(patch)
+    return "import os, signal\nfrom fedkernels.sim import report, simulation\n" + textwrap.dedent(patch)
 
 
 def test_a_signal_after_the_last_round_leaves_a_complete_run(tmp_path):
@@ -231,13 +231,13 @@ def test_a_signal_between_rounds_says_which_round_is_kept(tmp_path):
 
 def test_the_second_ctrl_c_is_acknowledged(tmp_path):
     patch = """
-    real = server.Simulation.train_local
+    real = simulation.Simulation.train_local
     def train_local(self, r, *a, **k):
         if r == 1:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, r, *a, **k)
-    server.Simulation.train_local = train_local
+    simulation.Simulation.train_local = train_local
     """
     p = fk("run", *SMALL, "rounds=3", "--name", "c", cwd=tmp_path, inject=_kill(patch))
     assert p.returncode == 130, p.stderr[-2000:]
@@ -312,10 +312,10 @@ def test_compare_resumes_refuses_other_rounds_and_keeps_better_tables(tmp_path):
     shutil.rmtree(tmp_path / "cmp" / "fedavgm-s0")
     fail = """
     from fedkernels.errors import RunError
-    from fedkernels.sim import server
+    from fedkernels.sim import simulation
     def run_round(self, r):
         raise RunError("injected")
-    server.Simulation.run_round = run_round
+    simulation.Simulation.run_round = run_round
     """
     p = fk(*CMP, cwd=tmp_path, inject=fail)  # a worse compare: its tables are not written
     assert p.returncode == 1, p.stderr[-2000:]

@@ -92,16 +92,16 @@ def test_method_stats_sample_std_ci_and_paired_vs_baseline():
 
 
 def test_compare_end_to_end_tables_progress_and_failures(tmp_path, capsys, monkeypatch):
-    from fedkernels.sim import server
+    from fedkernels.sim import simulation
 
-    real_run = server.Simulation.run
+    real_run = simulation.Simulation.run
 
     def run(self, *a, **k):  # one run fails: recorded, the others go on
         if self.cfg.algorithm.name == "fedavgm" and self.cfg.seed == 1:
             raise RuntimeError("injected\nfailure")
         return real_run(self, *a, **k)
 
-    monkeypatch.setattr(server.Simulation, "run", run)
+    monkeypatch.setattr(simulation.Simulation, "run", run)
     base = get("smoke")
     base.progress = False
     base.verbose = False

@@ -1,5 +1,5 @@
 """The global model's evaluation (fedkernels.sim.evaluate.evaluate_global): on the data's device, one host
-transfer; on the CPU the same bits as the batch-by-batch functions (client.evaluate / client_losses, which
+transfer; on the CPU the same bits as the batch-by-batch functions (evaluate.evaluate / client_losses, which
 the worker processes mirror), in memory-sized batches on CUDA: the same accuracy, the loss to fp rounding."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedkernels.sim import evaluate as E
-from fedkernels.sim.client import client_losses, evaluate
+from fedkernels.sim.evaluate import client_losses, evaluate
 from fedkernels.sim.data import load_dataset
 from fedkernels.sim.models import build_model
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedkernels.sim import presets
-from fedkernels.sim.client import BadClientError
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.client_errors import BadClientError
+from fedkernels.sim.simulation import Simulation
 
 
 def _cfg(**kw):
@@ -28,7 +28,9 @@ def _sim(tmp_path, fault, **kw):
         res = real_train(cid, rnd, global_flat, *a, **k)
         if cid == victim and rnd == 0:
             if fault == "raise":
-                raise FloatingPointError("injected failure mid-training")  # a bad-client error (client.CLIENT_ERRORS)
+                raise FloatingPointError(
+                    "injected failure mid-training"
+                )  # a bad-client error (client_errors.CLIENT_ERRORS)
             if fault == "nan":
                 with torch.no_grad():
                     next(sim.model.parameters()).view(-1)[0] = float("nan")

@@ -708,7 +708,7 @@ def test_validate_takes_the_base_screen_argument():
     x = torch.randn(7, generator=g, dtype=D64)
     agg = FedECADO(L=2.0, delta=1e-2, num_clients=3, hbar=0.5, on_bad_update="exclude")
     rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=False)
-    assert rin.K == 2 and not rin.excluded  # no NaN scan when screen=False
+    assert rin.K == 2 and not rin.excluded  # no NaN/Inf screen when screen=False
     rin = agg.validate(x, U, [1, 1], [0, 2], [{"T": 0.5}, {"T": 1.0}], screen=True)
     assert rin.K == 1 and [e["client_id"] for e in rin.excluded] == [2]  # the NaN row (client id 2)
 

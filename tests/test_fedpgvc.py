@@ -533,7 +533,7 @@ def test_code_mapping_of_the_papers_models(name, size, n_ctrl, js, sources):
 def test_simulator_client_code_mode_uses_the_whole_local_set():
     """40 local samples at batch 8; r comes from all 40 (stored order), not the
     last minibatch."""
-    from fedkernels.sim.client import ClientTrainer
+    from fedkernels.sim.trainer import ClientTrainer
     from fedkernels.sim.config import TrainConfig
     from fedkernels.sim.models import MLP
 
@@ -798,7 +798,7 @@ def test_simulator_code_mode_workers_bit_identical_and_shrinks():
     global model (against plain FedAvg-style training, n_ctrl=0)."""
     from fedkernels.sim import presets
     from fedkernels.sim.config import apply_overrides
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     def run(*extra):
         cfg = apply_overrides(
@@ -829,7 +829,7 @@ def test_simulator_code_mode_bad_layer_list_stops_at_setup():
     the exclude policy (which would otherwise drop every client of every round with a warning)."""
     from fedkernels.sim import presets
     from fedkernels.sim.config import apply_overrides
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     cfg = apply_overrides(
         presets.get("smoke"),

@@ -63,7 +63,7 @@ def test_default_spec_is_the_simulators():
     running statistics) are in the flat vector by default, after the parameters."""
     from fedkernels.sim import presets
     from fedkernels.sim.config import apply_overrides
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     m = Net()
     s = FlatSpec.from_module(m)

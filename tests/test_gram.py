@@ -139,7 +139,7 @@ def test_gram_opcheck(dev):  # with requires_grad (the autograd checks, ~30x slo
         torch.library.opcheck(torch.ops.fedkernels.gram.default, (U, rows))
 
 
-# ---- gram_screened: the rows' NaN/Inf flags from the Gram pass (its diagonal) -----------------------
+# ---- gram_screened: the rows' finite flags from the Gram pass (its diagonal) -----------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K,d", [(1, 1), (5, 3), (12, 1031), (40, 77)])  # (40, 77): the broadcast kernel
 def test_gram_screened_flags_are_exact(K, d, dtype):

@@ -59,7 +59,7 @@ def test_counter_sees_a_per_client_loop():
 
 @pytest.mark.parametrize("name", ["scaffold", "fedavg", "fednova", "fedavgm"])
 def test_screen_copies_to_host_once(monkeypatch, name):
-    """One host copy of all NaN/Inf flags per round (global model, rows, payload tensors)."""
+    """One host copy of all finite flags per round (global model, rows, payload tensors)."""
     calls = []
     real = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: calls.append(self.shape) or real(self, *a, **k))
@@ -105,7 +105,7 @@ def _host_copies(monkeypatch):
 @pytest.mark.parametrize("mode", ["S", "P"])
 def test_kuramoto_brings_its_stats_to_the_host_with_the_flags(monkeypatch, mode):
     """Kuramoto (modes S and P): one device-to-host copy per aggregate, the kstats pass's statistics in
-    the same copy as the NaN/Inf flags (RoundInput.kstats), not a second one for them."""
+    the same copy as the finite flags (RoundInput.kstats), not a second one for them."""
     from fedkernels import algorithms
 
     g = torch.Generator().manual_seed(1)
@@ -121,7 +121,7 @@ def test_kuramoto_brings_its_stats_to_the_host_with_the_flags(monkeypatch, mode)
 @pytest.mark.parametrize("clip", [10.0, 1e-4])
 def test_kuramoto_mode_c_brings_the_clamp_flag_to_the_host_with_the_flags(monkeypatch, clip):
     """Kuramoto mode C: one device-to-host copy per aggregate, the clamp's "clipped" flag in the same
-    copy as the NaN/Inf flags (weighted_sum(hold=True) + RoundInput.release), not a second sync; the
+    copy as the finite flags (weighted_sum(hold=True) + RoundInput.release), not a second sync; the
     flag and the result as before (the clamp fires at clip=1e-4 only)."""
     from fedkernels import algorithms
 
@@ -151,7 +151,7 @@ def test_a_method_that_holds_the_flags_must_release_them():
 
     U = torch.randn(3, 5)
     U[1, 2] = float("nan")
-    with pytest.raises(RuntimeError, match=r"held the rows' NaN/Inf flags .* never released them"):
+    with pytest.raises(RuntimeError, match=r"held the rows' finite flags .* never released them"):
         Forgets().aggregate(torch.zeros(5), U, [1, 1, 1])
 
 
@@ -376,6 +376,7 @@ def test_whole_round_payload_checks_equal_the_per_client_rule(name):
     """check_payloads (column checks picking the rows, check_payload wording them) rejects exactly the
     rows that check_payload, called on every row, rejects, with the same reasons."""
     from fedkernels import algorithms
+    from fedkernels.algorithms import runner
     from bench.cpu_hostwork import OPTIONS
 
     opts = dict(OPTIONS.get(name, {}), **({"mode": "C"} if name == "kuramoto_C" else {}))
@@ -386,7 +387,7 @@ def test_whole_round_payload_checks_equal_the_per_client_rule(name):
         agg._alloc(x)
     pl = _payload_variants(getattr(agg, "d_c", None) or 4)
     every = {k: r for k, r in ((k, agg.check_payload(p)) for k, p in enumerate(pl)) if r}
-    agg._screen(x, torch.zeros(len(pl), x.numel()), torch.ones(len(pl), dtype=torch.float64), pl, False, False)
+    runner.screen(agg, x, torch.zeros(len(pl), x.numel()), torch.ones(len(pl), dtype=torch.float64), pl, False, False)
     assert agg.check_payloads(pl) == every
     assert not agg.check_payloads([pl[0]] * 5)  # the all-good round: nothing checked one by one
 

@@ -55,7 +55,7 @@ def ready_and_wait(where):
     sys.exit("fault injector: not killed")
 
 if fault == "train":
-    from fedkernels.sim.client import ClientTrainer
+    from fedkernels.sim.trainer import ClientTrainer
     orig_train = ClientTrainer.train
     def train(self, c, r, *a, **k):
         if (r, c) != (rnd, cid):

@@ -259,7 +259,7 @@ def harness():
     ],
 )
 def test_kstats_emulation_matches_reference(harness, eb, dtype, K, d, parts, tw):
-    """kstats_parts / kstats_final emulated around ks::: every element of U read exactly once per phase
+    """kstats_parts / kstats_final emulated around kstats_hd::: every element of U read exactly once per phase
     (ERR otherwise), the plan's parts and tile width (fp32 at K = 1000: 32 columns; 1025 tiles: 2 per
     part: 513 parts), dot / nsq / nbar against the float64 reference."""
     U = torch.randn(K, d, generator=gen(K * 3 + d), dtype=torch.float64).to(dtype)

@@ -24,9 +24,9 @@ def _error(fn, *args, **kw) -> str:
 def test_sim_exports_simulation_lazily():
     code = (
         "import sys, fedkernels.sim as s\n"
-        "assert 'fedkernels.sim.server' not in sys.modules, 'import fedkernels.sim loaded the round loop'\n"
+        "assert 'fedkernels.sim.simulation' not in sys.modules, 'import fedkernels.sim loaded the round loop'\n"
         "from fedkernels.sim import Simulation, RunConfig, run\n"
-        "from fedkernels.sim.server import Simulation as S, run as r\n"
+        "from fedkernels.sim.simulation import Simulation as S, run as r\n"
         "from fedkernels.sim.config import RunConfig as C\n"
         "assert (Simulation, run, RunConfig) == (S, r, C)\n"
         "assert {'Simulation', 'RunConfig', 'run'} <= set(dir(s))\n"

@@ -211,7 +211,7 @@ def test_without_peft_lora_says_how_to_install_it(tmp_path):
 def _sim(tmp_path, model_fn, **lora):
     from fedkernels.sim import presets
     from fedkernels.sim.config import apply_overrides
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
 
     cfg = apply_overrides(
         presets.get("smoke"),

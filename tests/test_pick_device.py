@@ -7,7 +7,8 @@ device, no CUDA); the runs themselves stay on the CPU. The real GPU path: GPU sp
 import pytest
 import torch
 
-from fedkernels import algorithms, sources
+from fedkernels import algorithms
+from fedkernels.sources import chunked, cost
 from fedkernels.algorithms.base import _REGISTRY, Aggregator, AggResult
 from fedkernels.sources import PASSES, ChunkedUpdates, TensorSource, pick_device, round_passes
 
@@ -34,10 +35,10 @@ def rates(monkeypatch):
     r = R()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(sources, "cpu_read_gbps", lambda: r.read)
-    monkeypatch.setattr(sources, "cpu_gram_gbps", lambda k: r.gram_k.append(k) or r.gram)
-    monkeypatch.setattr(sources, "h2d_gbps", lambda: r.h2d)
-    monkeypatch.setattr(sources, "staging_gbps", lambda: r.stage)
+    monkeypatch.setattr(cost, "cpu_read_gbps", lambda: r.read)
+    monkeypatch.setattr(cost, "cpu_gram_gbps", lambda k: r.gram_k.append(k) or r.gram)
+    monkeypatch.setattr(cost, "h2d_gbps", lambda: r.h2d)
+    monkeypatch.setattr(cost, "staging_gbps", lambda: r.stage)
     return r
 
 
@@ -49,7 +50,7 @@ def _no_probe(*a):
 def test_no_cuda_is_the_cpu_without_probing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("cpu_read_gbps", "cpu_gram_gbps", "h2d_gbps", "staging_gbps"):
-        monkeypatch.setattr(sources, name, _no_probe)
+        monkeypatch.setattr(cost, name, _no_probe)
     for method in (None, algorithms.build("kuramoto"), algorithms.build("fedaware")):
         assert pick_device(method, _U()) == (torch.device("cpu"), "cpu: no CUDA device")
     cu = ChunkedUpdates(_U(), device="auto", method=algorithms.build("kuramoto"))
@@ -172,9 +173,9 @@ def test_bad_arguments_name_what_was_expected():
 def test_probes_measure_once_per_process_and_k(monkeypatch):
     from fedkernels import ops
 
-    monkeypatch.setattr(sources, "_BANDWIDTH", {})
-    monkeypatch.setattr(sources, "PROBE_BYTES", 4 << 20)
-    monkeypatch.setattr(sources, "CPU_CHUNK_BYTES", 4 << 20)
+    monkeypatch.setattr(cost, "_BANDWIDTH", {})
+    monkeypatch.setattr(cost, "PROBE_BYTES", 4 << 20)
+    monkeypatch.setattr(chunked, "CPU_CHUNK_BYTES", 4 << 20)
     calls = {"weighted_sum": 0, "gram": 0}
 
     def counted(op, real):
@@ -186,12 +187,12 @@ def test_probes_measure_once_per_process_and_k(monkeypatch):
 
     for op in calls:
         monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
-    r = sources.cpu_read_gbps()
-    g16 = sources.cpu_gram_gbps(16)
+    r = cost.cpu_read_gbps()
+    g16 = cost.cpu_gram_gbps(16)
     assert r > 0 and g16 > 0 and calls == {"weighted_sum": 4, "gram": 4}  # one warm-up, three timed each
-    assert sources.cpu_read_gbps() == r and sources.cpu_gram_gbps(16) == g16 and calls["gram"] == 4
-    sources.cpu_gram_gbps(200)
-    assert calls["gram"] == 8 and set(sources._BANDWIDTH) == {"cpu", "gram:16", "gram:200"}  # no CUDA: no link probe
+    assert cost.cpu_read_gbps() == r and cost.cpu_gram_gbps(16) == g16 and calls["gram"] == 4
+    cost.cpu_gram_gbps(200)
+    assert calls["gram"] == 8 and set(cost._BANDWIDTH) == {"cpu", "gram:16", "gram:200"}  # no CUDA: no link probe
 
 
 # ---- every method declares its passes, and they are what it does --------------------------------------------
@@ -257,7 +258,7 @@ def test_declared_reads_of_u_are_the_rounds_reads(monkeypatch, name, opts, paylo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     agg = algorithms.build(name, **opts)
     passes, _ = round_passes(agg)
-    declared = sum(PASSES[sources._kind(p)][2] for p in passes)
+    declared = sum(PASSES[cost._kind(p)][2] for p in passes)
     n = _u_reads(monkeypatch)
     payloads = [{"phase": 0.1 * k} for k in range(K)] if payload else None
     cu = ChunkedUpdates(_U(), chunk_cols=300, device="auto")
@@ -315,7 +316,7 @@ def test_fedaware_passes_follow_its_elud_path_by_k(monkeypatch):
     assert round_passes(agg, None)[0][0] == "gram"
     passes, _ = round_passes(agg, big)
     assert passes[0] == "sum" and "gram" not in passes
-    declared = sum(PASSES[sources._kind(p)][2] for p in passes)
+    declared = sum(PASSES[cost._kind(p)][2] for p in passes)
     n = _u_reads(monkeypatch)
     U = torch.randn(big, 40, generator=torch.Generator().manual_seed(1)) * 0.1
     new, info = agg.aggregate(

@@ -11,13 +11,14 @@ from fedkernels import algorithms
 from fedkernels.errors import RunError
 from fedkernels.sim import checkpoint as ckpt
 from fedkernels.sim import presets
-from fedkernels.sim.client import ClientTrainer, HeteroCompute, schedule_factor
+from fedkernels.sim.hetero import HeteroCompute
+from fedkernels.sim.trainer import ClientTrainer, schedule_factor
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS, json_safe
 from fedkernels.sim import assemble
 from fedkernels.sim.assemble import sample_schedule
-from fedkernels.sim.client import BadClientError
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.client_errors import BadClientError
+from fedkernels.sim.simulation import Simulation
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,7 +225,7 @@ def _faulty(monkeypatch, nan_client, error_client):
 
     def train(self, cid, rnd, *a, **kw):
         if cid == error_client:
-            raise ValueError("simulated crash")  # a bad-client error (client.CLIENT_ERRORS)
+            raise ValueError("simulated crash")  # a bad-client error (client_errors.CLIENT_ERRORS)
         res = orig(self, cid, rnd, *a, **kw)
         if cid == nan_client:
             self.work[3] = float("nan")

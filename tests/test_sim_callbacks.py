@@ -10,7 +10,7 @@ import torch
 from fedkernels.sim import presets
 from fedkernels.sim.callbacks import TensorBoardCallback, scalars
 from fedkernels.sim.config import apply_overrides
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 
 def _cfg(tmp_path, **kw):

@@ -23,7 +23,7 @@ from round_states import RoundStates
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.distributed_sim import assign_positions, merge_sliced_state, slice_state
 from fedkernels.sim.report import TIMING_KEYS
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 WORLD = 2
 # (algorithm, options, bitwise): per-coordinate methods give identical bits; Gram-based ones sum

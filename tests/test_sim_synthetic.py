@@ -11,7 +11,7 @@ from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.data import DATASETS, generate_gmm, generate_synthetic, load_dataset
 from fedkernels.sim.partition import check_partition, partition
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,7 +235,7 @@ def test_global_loss_is_the_sample_weighted_client_loss():
     s = _small(0)
     s.run()
     m = s.metrics[-1]
-    from fedkernels.sim.client import client_losses
+    from fedkernels.sim.evaluate import client_losses
 
     s.spec.load_(s.model, s.global_flat)
     cl = np.array(client_losses(s.model, s.x, s.y, s.parts, range(len(s.parts))))

@@ -329,7 +329,7 @@ def test_direct_reads_give_the_same_blocks(tmp_path, dtype, monkeypatch):
     not either; a header; odd widths; one block and prefetched blocks; a row selection) give the bytes of
     buffered reads; a header that is not a multiple of the itemsize, pin_memory or direct=False read
     buffered; by default a source reads direct only when it is larger than the available memory."""
-    from fedkernels import sources
+    from fedkernels.sources import files
 
     if not _has_o_direct(tmp_path):
         pytest.skip("the test folder's file system refuses O_DIRECT")
@@ -360,7 +360,7 @@ def test_direct_reads_give_the_same_blocks(tmp_path, dtype, monkeypatch):
     ):  # small: fits in memory
         got = torch.cat([b.clone() for _, _, b in s.chunks(1000)], 1)
         assert s.read_mode == "buffered" and torch.equal(got.view(torch.uint8), U.view(torch.uint8))
-    monkeypatch.setattr(sources, "available_bytes", lambda device: s.nbytes - 1)  # larger than the memory
+    monkeypatch.setattr(files, "available_bytes", lambda device: s.nbytes - 1)  # larger than the memory
     list(s.chunks(1000))
     assert s.read_mode == "direct"
     with pytest.raises(ValueError, match=r"^RawFileSource: direct must be None, True or False, got 'yes'$"):
@@ -380,11 +380,11 @@ def test_a_file_that_shrinks_after_validation_names_the_row(tmp_path, direct):
 def test_file_sources_read_large_blocks_and_hand_out_chunks(tmp_path, monkeypatch):
     """The disk sees reads of READ_BYTES (a whole number of chunks) whatever width the caller asks for;
     the chunks handed out are the matrix's columns in order."""
-    from fedkernels import sources
+    from fedkernels.sources import files
 
     U = _U()
     path = _raw(U, tmp_path / "U.bin")
-    monkeypatch.setattr(sources, "READ_BYTES", K * 4 * 300)  # 3 chunks of 100 columns per read
+    monkeypatch.setattr(files, "READ_BYTES", K * 4 * 300)  # 3 chunks of 100 columns per read
     for prefetch in (True, False):
         s = RawFileSource(path, K, D, torch.float32, prefetch=prefetch)
         reads = []

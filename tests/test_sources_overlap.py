@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fedkernels import algorithms, ops, sources
+from fedkernels.sources import chunked
 from fedkernels.sources import ChunkedUpdates, RawFileSource, TensorSource, overlapped
 
 K, D = 5, 1001
@@ -140,7 +141,7 @@ def test_chunked_updates_to_cuda_use_the_overlapped_schedule(monkeypatch):
     U = _U(torch.bfloat16)
     fake = FakeCuda("random", seed=3)
     made = []
-    monkeypatch.setattr(sources, "CudaCalls", lambda dev: made.append(dev) or fake)
+    monkeypatch.setattr(chunked, "CudaCalls", lambda dev: made.append(dev) or fake)
     cu = ChunkedUpdates(U, chunk_cols=128, device="cuda")
     seen, issued = _consume(cu.chunks(), fake)
     assert made == [torch.device("cuda")] and fake.h2d_issued == len(seen) == 8

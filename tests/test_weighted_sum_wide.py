@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from fedkernels import ops, reference as ref, sources
+from fedkernels import ops, reference as ref
+from fedkernels.sources import chunked
 from fedkernels.ops.weighted_sum import out_dtypes
 from devices import cuda_only  # tests/devices.py
 
@@ -190,7 +191,7 @@ def _old_block(c, coef, base, alpha, odt, rows=None):
     """weighted_sum_block's conversion path (CONVERT_COLS columns at a time), forced by a non-contiguous dst."""
     full = torch.empty(2 * c.size(1), dtype=odt)
     dst = full[::2]
-    ok = sources.weighted_sum_block(c, coef, base, alpha, dst, rows=rows, screen=True)
+    ok = chunked.weighted_sum_block(c, coef, base, alpha, dst, rows=rows, screen=True)
     return dst.clone(), ok
 
 
@@ -202,15 +203,15 @@ def test_block_sums_a_half_block_into_a_wide_dst_in_one_pass(monkeypatch, udt, o
     U[4, 100] = float("nan")
     rows = torch.tensor([8, 4, 0]) if with_rows else None
     cf = coef[:3] if with_rows else coef
-    monkeypatch.setattr(sources, "CONVERT_COLS", 4096)  # the fallback in several blocks
+    monkeypatch.setattr(chunked, "CONVERT_COLS", 4096)  # the fallback in several blocks
     want, want_ok = _old_block(U, cf, base, 0.5, odt, rows)
     calls = []
     for name in ("finite_rows", "weighted_sum", "weighted_sum_screened"):
-        real = getattr(sources.ops, name)
-        monkeypatch.setattr(sources.ops, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
     full = torch.zeros(3 * d, dtype=odt)
     dst = full[d : 2 * d]
-    ok = sources.weighted_sum_block(U, cf, base, 0.5, dst, rows=rows, screen=True)
+    ok = chunked.weighted_sum_block(U, cf, base, 0.5, dst, rows=rows, screen=True)
     # no rows: one screened pass; rows: the [K] flags from finite_rows, then one pass; never a converted copy
     assert calls == (["finite_rows", "weighted_sum"] if with_rows else ["weighted_sum_screened"])
     assert ok.tolist() == want_ok.tolist() == [k != 4 for k in range(K)]
@@ -218,7 +219,7 @@ def test_block_sums_a_half_block_into_a_wide_dst_in_one_pass(monkeypatch, udt, o
     assert not full[:d].any() and not full[2 * d :].any()
     calls.clear()
     dst = torch.empty(d, dtype=odt)
-    assert sources.weighted_sum_block(U, cf, None, 0.5, dst, rows=rows) is None and calls == ["weighted_sum"]
+    assert chunked.weighted_sum_block(U, cf, None, 0.5, dst, rows=rows) is None and calls == ["weighted_sum"]
     _eq(dst, _converted(U, cf, None, 0.5, rows, odt))
 
 
@@ -227,13 +228,13 @@ def test_block_keeps_the_conversion_path_where_there_is_no_kernel(monkeypatch):
     U, coef, base = _data(5, 3000, torch.bfloat16, torch.float32, seed=3)
     want = _converted(U, coef, base, 0.25)
     monkeypatch.setattr(
-        sources, "has_kernel", lambda native, dev: native not in ("weighted_sum_out", "weighted_sum_screened_out")
+        chunked, "has_kernel", lambda native, dev: native not in ("weighted_sum_out", "weighted_sum_screened_out")
     )
     seen = []
-    real = sources.ops.weighted_sum
-    monkeypatch.setattr(sources.ops, "weighted_sum", lambda U, *a, **kw: seen.append(U.dtype) or real(U, *a, **kw))
+    real = ops.weighted_sum
+    monkeypatch.setattr(ops, "weighted_sum", lambda U, *a, **kw: seen.append(U.dtype) or real(U, *a, **kw))
     dst = torch.empty(3000)
-    ok = sources.weighted_sum_block(U, coef, base, 0.25, dst, screen=True)
+    ok = chunked.weighted_sum_block(U, coef, base, 0.25, dst, screen=True)
     assert ok.tolist() == [True] * 5 and seen == [torch.float32]  # summed from the converted scratch
     _eq(dst, want)
 

@@ -21,11 +21,11 @@ from torch import nn
 
 from fedkernels.errors import RunError
 from fedkernels.sim import presets
-from fedkernels.sim.client import ClientTrainer
+from fedkernels.sim.trainer import ClientTrainer
 from fedkernels.sim.config import RunConfig, apply_overrides
 from fedkernels.sim.report import TIMING_KEYS
-from fedkernels.sim.client import BadClientError
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.client_errors import BadClientError
+from fedkernels.sim.simulation import Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
 pytestmark = pytest.mark.skipif(
@@ -207,7 +207,7 @@ def test_workers_die_with_the_main_process(tmp_path):
         import sys, time
         from fedkernels.sim import presets
         from fedkernels.sim.config import apply_overrides
-        from fedkernels.sim.server import Simulation
+        from fedkernels.sim.simulation import Simulation
         cfg = apply_overrides(presets.get("smoke"), ["workers=2", "threads=1", "rounds=50", "verbose=false",
                                                      "plots=false", "progress=false"])
         box = []

@@ -105,11 +105,11 @@ def test_row_scale_shares_the_base_inputs_screen_and_fields():
     U[1, 2] = float("nan")
     rin = _rin(U)
     seen = []
-    rin.screen_rows = True
+    rin.unscreened = True
     rin.on_flags = lambda ok, carry=None: seen.append(ok.clone()) or (None if carry is None else carry.cpu())
     r = rin.with_row_scale(torch.tensor([1.0, 0.5, 2.0], dtype=F64))
     r.kstats(torch.ones(3, dtype=F64))
-    assert rin.screen_rows is False and r.screen_rows is False  # screened once, on the base input
+    assert rin.unscreened is False and r.unscreened is False  # screened once, on the base input
     assert len(seen) == 1 and seen[0].tolist() == [True, False, True]
     assert r.payloads is rin.payloads and r.global_flat is rin.global_flat
     with pytest.raises(ValueError, match="s has 2 entries, expected K=3"):

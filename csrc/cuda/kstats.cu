@@ -1,7 +1,7 @@
 // kstats: Kuramoto's phase statistics in one pass over U, no K x K Gram (csrc/cpu/kstats.cpp has the
 // maths; docs/specs/kuramoto_fedavg.md §5.1 KSTATS).
 //
-// A block per column part (kstats.cuh ks::plan: tiles of TW columns, a part = tpp consecutive tiles,
+// A block per column part (kstats.cuh kstats_hd::plan: tiles of TW columns, a part = tpp consecutive tiles,
 // at most kMaxParts parts; all functions of K, d and the element size). Per tile: phase 1, the tile's
 // p-weighted mean in fp64 (thread t sums column t % TW over a fixed subset of rows, the groups added in
 // order through shared memory); phase 2, warp w takes rows w, w + 8, ...: each lane its columns' U_kj
@@ -26,8 +26,8 @@ namespace cuda {
 namespace {
 
 using namespace detail;
-using ks::kThreads;
-using ks::kWarps;
+using kstats_hd::kThreads;
+using kstats_hd::kWarps;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads)
   double* dot = part + blockIdx.x * stride;
   double* nsq = dot + K;
   double* nbar = dot + 2 * K;
-  const int64_t G = ks::mean_groups(TW), c = ks::mean_col(t, TW), g = ks::mean_group(t, TW);
+  const int64_t G = kstats_hd::mean_groups(TW), c = kstats_hd::mean_col(t, TW), g = kstats_hd::mean_group(t, TW);
   for (int64_t ti = 0; ti < tpp; ++ti) {
     const int64_t j0 = (blockIdx.x * tpp + ti) * TW;
     if (j0 >= d) break;
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     // phase 2
-    for (int64_t k = ks::row_first(warp); k < K; k += kWarps) {
+    for (int64_t k = kstats_hd::row_first(warp); k < K; k += kWarps) {
       const T* x = U + k * ld + j0;
       double sd = 0.0, sn = 0.0;
       for (int64_t j = lane; j < TW; j += 32)
@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(kThreads)
                  bool* __restrict__ ok) {
   const int64_t stride = 2 * K + 1;
   const int64_t i = blockIdx.x * (int64_t)kThreads + threadIdx.x;
-  if (i == 0) *nbar = ks::parts_sum(part, nparts, stride, 2 * K);
+  if (i == 0) *nbar = kstats_hd::parts_sum(part, nparts, stride, 2 * K);
   if (i >= K) return;
-  dot[i] = ks::parts_sum(part, nparts, stride, i);
-  const double n = ks::parts_sum(part, nparts, stride, K + i);
+  dot[i] = kstats_hd::parts_sum(part, nparts, stride, i);
+  const double n = kstats_hd::parts_sum(part, nparts, stride, K + i);
   nsq[i] = n;
   bool good = isfinite(n);
   if (!good && sizeof(T) == 8) {   // a float64 row: its squared norm may overflow; check its values
@@ -110,14 +110,14 @@ size_t esize(DType dt) { return dt == DType::Float64 ? 8 : dt == DType::Float32 
 }  // namespace
 
 size_t kstats_workspace_bytes(int64_t K, int64_t d, DType dt) {
-  const ks::Plan pl = ks::plan(K, d, (int64_t)esize(dt));
+  const kstats_hd::Plan pl = kstats_hd::plan(K, d, (int64_t)esize(dt));
   return size_t(pl.nparts > 0 ? pl.nparts : 1) * size_t(2 * K + 1) * sizeof(double);
 }
 
 cudaError_t kstats(const void* U, DType dt, int64_t K, int64_t d, int64_t ld, const double* p, double* dot,
                    double* nsq, double* nbar, bool* ok, void* workspace, cudaStream_t stream) {
   if (K <= 0 || d <= 0) return cudaSuccess;   // the glue returns zeros and all-true flags
-  const ks::Plan pl = ks::plan(K, d, (int64_t)esize(dt));
+  const kstats_hd::Plan pl = kstats_hd::plan(K, d, (int64_t)esize(dt));
   double* part = static_cast<double*>(workspace);
   return dispatch(dt, [&](auto tag) {
     using T = typename decltype(tag)::type;

@@ -8,7 +8,7 @@
 
 namespace fedkernels {
 namespace cuda {
-namespace ks {
+namespace kstats_hd {  // the __host__ __device__ (FK_HD) logic, shared with the host tests
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int64_t kMaxParts = 1024;   // blocks of the main kernel (column parts), at most
@@ -43,7 +43,7 @@ FK_HD double parts_sum(const double* part, int64_t nparts, int64_t stride, int64
   return t;
 }
 
-}  // namespace ks
+}  // namespace kstats_hd
 }  // namespace cuda
 }  // namespace fedkernels
 

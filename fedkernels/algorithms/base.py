@@ -190,7 +190,7 @@ class RoundInput:
     # Rows not yet screened (methods with ``Aggregator.screen_in_pass``, and every method on a source):
     # the first read of U through ``weighted_sum``, ``gram``, ``kstats`` or ``screen`` below also screens its rows
     # and hands the flags to ``on_flags`` (the round runner's policy) before the method goes on.
-    screen_rows: bool = False
+    unscreened: bool = False
     # on_flags(ok, carry): ``carry`` (None, or a tensor on ok's device) comes back on the host, brought
     # there in the same device-to-host copy as the flags (RoundInput.gram(host=True), RoundInput.kstats)
     on_flags: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[torch.Tensor]]] = None
@@ -224,7 +224,7 @@ class RoundInput:
         dtype): the caller's ``out`` for the result pass ``base=global_flat`` (each chunk written as it
         is summed: a path ``out`` of ``fedkernels.streaming`` is a mapped temporary file, so the write
         overlaps the pass), else a fresh one."""
-        self._hold = hold and self.screen_rows
+        self._hold = hold and self.unscreened
         try:
             return self._weighted_sum(coef, base, alpha)
         finally:
@@ -238,7 +238,7 @@ class RoundInput:
             out, ok = self.packed.weighted_sum(
                 coef, base=b, alpha=alpha, out_dtype=None if b is not None else out_dtype
             )
-            if self.screen_rows:
+            if self.unscreened:
                 self._flags(ok)
             return out.to(g.dtype)
         if self.src is not None:
@@ -252,7 +252,7 @@ class RoundInput:
                 )
             )
             return out
-        if self.screen_rows:
+        if self.unscreened:
             if has_kernel("weighted_sum_screened", self.U.device):
                 out, ok = ops.weighted_sum_screened(self.U, coef, base=base, alpha=alpha)
                 self._flags(ok)
@@ -291,7 +291,7 @@ class RoundInput:
 
             self._stream(add)
             return G.cpu() if host else G
-        if self.screen_rows:
+        if self.unscreened:
             G, ok = ops.gram_screened(self.U)
             carried = self._flags(ok, carry=G if host else None)
             return G if carried is None else carried
@@ -319,7 +319,7 @@ class RoundInput:
         else:
             dot, nsq, nbar, ok = ops.kstats(self.U, p)
             stats = torch.cat([dot, nsq, nbar.reshape(1)])
-            carried = self._flags(ok, carry=stats) if self.screen_rows else None
+            carried = self._flags(ok, carry=stats) if self.unscreened else None
             host = carried if carried is not None else stats.cpu()
         return host[:K], host[K : 2 * K], host[2 * K]
 
@@ -330,7 +330,7 @@ class RoundInput:
         screened first (``screen``), so the caller may write its tables block by block."""
         if self.packed is not None:
             self._refuse_packed("column blocks")
-        if self.screen_rows:
+        if self.unscreened:
             self.screen()
         if self.src is None:
             yield slice(None), self.U if device is None else self.U.to(device)
@@ -345,7 +345,7 @@ class RoundInput:
             self._refuse_packed("a screening pass of their own")
         if self.src is not None:
             self._stream(lambda a, b, c, screen: None)
-        elif self.screen_rows:
+        elif self.unscreened:
             self._flags(ops.finite_rows(self.U))
 
     def _stream(self, each: Callable[[int, int, torch.Tensor, bool], Optional[torch.Tensor]]) -> None:
@@ -355,7 +355,7 @@ class RoundInput:
         chunk with a bad row ends the pass there: the rest of U is not read."""
         src = self.src
         assert src is not None
-        if not self.screen_rows:
+        if not self.unscreened:
             for a, b, c in src.chunks():
                 each(a, b, c, False)
             return
@@ -376,7 +376,7 @@ class RoundInput:
         """Hands the rows' flags to ``on_flags``; returns ``carry`` (None, or a tensor on ok's device) on
         the host, brought there in the flags' copy. While a ``weighted_sum(..., hold=True)`` runs, the
         flags of its pass are kept in ``held`` instead (``release`` hands them over)."""
-        self.screen_rows = False
+        self.unscreened = False
         if self._hold and cols is None and carry is None:
             self.held = ok
             return None
@@ -693,7 +693,7 @@ class Aggregator(abc.ABC):
     no_chunked_source: Optional[str] = None
 
     def update_passes(self, K: Optional[int] = None) -> Optional[Tuple[str, ...]]:
-        """What this method's update (``_aggregate``) does with U from a source besides the NaN screen, in
+        """What this method's update (``_aggregate``) does with U from a source besides the NaN/Inf screen, in
         order, for a round of ``K`` clients (None: not known), as ``device="auto"`` weighs it (the pass names
         and their costs: ``fedkernels.sources.PASSES``; a per-client table's: :func:`table_passes`). Each
         method declares it beside its ``_aggregate``; None: not declared."""
@@ -702,7 +702,7 @@ class Aggregator(abc.ABC):
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
         """What one round of ``K`` clients (None: not known) does with U from a source, in order, as
         ``device="auto"`` weighs it (:func:`fedkernels.sources.pick_device`; the names: ``sources.PASSES``):
-        the NaN screen's own read of U for a method without ``screen_in_pass``, then :meth:`update_passes`
+        the NaN/Inf screen's own read of U for a method without ``screen_in_pass``, then :meth:`update_passes`
         (a declaration counts for the ``_aggregate`` of its own class or a base: a subclass with its own
         update declares its own); none for a method that refuses a source. A method defined outside this
         package declares ``update_passes`` or overrides this (with or without ``K``); without either
@@ -752,7 +752,7 @@ class Aggregator(abc.ABC):
     def check_payload(self, payload: Dict[str, Any]) -> Optional[str]:
         """The reason one client's payload is unusable, or None (subclasses extend): the wording of
         each rule, in plain Python on the payload's structure and scalars. A round calls it only on
-        the rows :meth:`suspect_payloads` names; the NaN/Inf scan of the payload tensors the method
+        the rows :meth:`suspect_payloads` names; the NaN/Inf screen of the payload tensors the method
         reads (``screened_payload_keys``) is batched over the round by the round runner (``runner._Round.screen``)."""
         return None
 
@@ -780,21 +780,9 @@ class Aggregator(abc.ABC):
 
     def payload_stack(self, rin: RoundInput, key: str) -> torch.Tensor:
         """The round's ``payload[key]`` tensors stacked, [K, ...]: the stack the screen made for the
-        NaN/Inf scan (``rin.payloads.stacks``, handed over once: it is not kept), else a new one."""
+        NaN/Inf screen (``rin.payloads.stacks``, handed over once: it is not kept), else a new one."""
         S = getattr(rin.payloads, "stacks", {}).pop(key, None)
         return S if S is not None else torch.stack([p[key] for p in rin.payloads])
-
-    def _screen(
-        self,
-        global_flat: torch.Tensor,
-        U: Union[torch.Tensor, UpdatesShape],
-        n: torch.Tensor,
-        payloads: List[Dict[str, Any]],
-        rows: bool,
-        traced: bool,
-    ) -> Dict[int, str]:
-        """The round runner's value screen of one round for this method, alone (``runner.screen_values``)."""
-        return _runner.screen_values(self, global_flat, U, n, payloads, rows, traced)
 
     # ---- state ------------------------------------------------------------------------------------
     # Declared state: the attribute names a method carries across rounds. ``state_dict`` copies them

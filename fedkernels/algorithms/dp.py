@@ -235,7 +235,7 @@ class Noised(RowScaled):
         b = self.base
         if (
             b.src is None
-            and not b.screen_rows
+            and not b.unscreened
             and not hold
             and isinstance(b.updates, torch.Tensor)
             and has_kernel("weighted_sum_noised", b.updates.device)

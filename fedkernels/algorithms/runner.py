@@ -10,7 +10,7 @@ checks in a payload, its passes and state. The runner owns what every method sha
    (compressed) rows (``sources.PackedRows``: ``fedkernels.compress``' codes, ``sources.BlockCodeFile``),
    which a method reads only through ``RoundInput.weighted_sum`` (one pass over the codes, screened in it);
 2. validation (:func:`validate`): shapes, dtypes, devices, counts, ids, payloads, and the value screen:
-   the NaN/Inf flags of ``global_flat``, of the rows (unless the method's first pass screens them) and of
+   the finite flags of ``global_flat``, of the rows (unless the method's first pass screens them) and of
    the payload tensors the method reads, computed on the device and copied to the host once;
 3. the ``on_bad_update`` policy: raise for the first bad client, or drop the bad rows (one
    ``index_select``) and log them;
@@ -142,7 +142,7 @@ def run_round(
         res: Optional[AggResult] = None
         if rin.K > 0:
             _attach(method, rin, src, rows_of, out, packed)
-            rin.screen_rows = True
+            rin.unscreened = True
             rin.on_flags = functools.partial(rnd.apply_flags, rin)  # the screening pass's flags, here
             try:
                 try:
@@ -154,14 +154,14 @@ def run_round(
                     res = method._aggregate(rin) if rin.K > 0 else None
             except PackedRowsRefused as e:
                 raise ValueError(f"{method.name}: {e}") from None
-            if rin.screen_rows:  # the method did not read U through rin: screen its rows now
+            if rin.unscreened:  # the method did not read U through rin: screen its rows now
                 raise RuntimeError(
                     f"{method.name}: screen_in_pass is set but _aggregate never read U "
                     "through RoundInput.weighted_sum / gram"
                 )
             if rin.held is not None:
                 raise RuntimeError(
-                    f"{method.name}: _aggregate held the rows' NaN/Inf flags "
+                    f"{method.name}: _aggregate held the rows' finite flags "
                     "(RoundInput.weighted_sum(hold=True)) and never released them (rin.release)"
                 )
         elif rnd.g_ok is not None and not bool(rnd.g_ok.cpu()[0]):
@@ -198,7 +198,7 @@ def validate(
     return _Round(method, defer=False).validate(global_flat, updates, num_examples, client_ids, payloads, screen)
 
 
-def screen_values(
+def screen(
     method: "Aggregator",
     global_flat: torch.Tensor,
     U: Union[torch.Tensor, UpdatesShape],
@@ -319,7 +319,7 @@ class _Round:
     ) -> Dict[int, str]:
         """The value checks of one round, {row: reason} for the bad clients (eager only; raises
         ValueError for a non-finite global_flat). No per-client tensor op and one device-to-host
-        copy for the whole round: the NaN/Inf flags of global_flat, of the rows of U (when
+        copy for the whole round: the finite flags of global_flat, of the rows of U (when
         ``rows``) and of the payload tensors under ``screened_payload_keys`` are computed on the
         device (one native ``finite_rows`` pass each: a key's tensors are stacked once, kept in
         ``payloads.stacks`` for the method, or, when they differ in shape, dtype or device, one

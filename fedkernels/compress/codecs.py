@@ -27,7 +27,7 @@ without it loses most of its accuracy (FedLab's table); the quantisers need it l
 
 The server sums what it received without a dense copy: ``BlockRows.weighted_sum`` is one
 ``ops.dequant_weighted_sum`` pass over the codes, ``SparseRows.weighted_sum`` one ``ops.sparse_weighted_sum`` pass
-over the lists, both with the rows' NaN/Inf flags. Both are ``fedkernels.sources.PackedRows``: the round runner takes
+over the lists, both with the rows' finite flags. Both are ``fedkernels.sources.PackedRows``: the round runner takes
 them as the updates (``agg.aggregate(g, rows, ...)``). This module imports only ``fedkernels.ops`` and ``sources``.
 """
 

@@ -3,7 +3,7 @@
 ``base + alpha * sum_i coef_i * dequant(Q[rows_i])`` with ``dequant(Q)[k, j] = scales[k, j // block] * Q[k, j]``
 for int8 or float8 e4m3 (``torch.float8_e4m3fn``) codes ``Q`` [K, d] and float32 scales [K, ceil(d / block)]
 (the last block of a row may be short), accumulated straight into a float32/float64 result in one pass over
-the codes, with the rows' NaN/Inf flags from the same pass (``csrc/cpu/dequant_weighted_sum.cpp``,
+the codes, with the rows' finite flags from the same pass (``csrc/cpu/dequant_weighted_sum.cpp``,
 ``csrc/cuda/dequant_weighted_sum.cu``); float64 oracle: ``fedkernels.reference.dequant_weighted_sum``.
 No dequantised copy of ``Q`` is made: an int8 row is read as a quarter of an fp32 row's bytes.
 ``coef`` and ``rows`` are small host vectors, checked on the host (see ``_checks``).

@@ -1,7 +1,7 @@
 """Kuramoto's phase statistics in one pass over the update rows: ``kstats``.
 
 ``dot_k = <U_k, mean>``, ``nsq_k = ||U_k||^2``, ``nbar = ||mean||^2`` with ``mean = sum_k p_k U_k``, and the
-rows' NaN/Inf flags, from one read of the K x d update matrix ``U`` (``csrc/cpu/kstats.cpp``,
+rows' finite flags, from one read of the K x d update matrix ``U`` (``csrc/cpu/kstats.cpp``,
 ``csrc/cuda/kstats.cu``): everything is column-local (docs/specs/kuramoto_fedavg.md §5.1 KSTATS), so no
 K x K Gram matrix is formed. float64 oracle: ``fedkernels.reference.kstats``. ``p`` is a small host
 vector, checked on the host and handed to the native op as a CPU tensor for every device of ``U``. In

@@ -4,7 +4,7 @@
     cfg = presets.get("demo")                      # or RunConfig(...) with dotted overrides
     summary = Simulation(cfg).run()                # callbacks=[cb]: see fedkernels.sim.callbacks
 
-``Simulation`` and ``run`` (``sim/server.py``) and ``RunConfig`` (``sim/config.py``) are loaded on
+``Simulation`` and ``run`` (``sim/simulation.py``) and ``RunConfig`` (``sim/config.py``) are loaded on
 first use, so ``import fedkernels.sim`` (and the CLI's start-up) does not pay for the round loop.
 """
 
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, List
 
 if TYPE_CHECKING:
     from .config import RunConfig
-    from .server import Simulation, run
+    from .simulation import Simulation, run
 
 # public name -> the submodule that defines it
-_LAZY = {"Simulation": "server", "run": "server", "RunConfig": "config"}
+_LAZY = {"Simulation": "simulation", "run": "simulation", "RunConfig": "config"}
 
 __all__ = ["RunConfig", "Simulation", "run"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .client import STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET, derive_seed
+from .seeds import derive_seed, STREAM_INIT, STREAM_SAMPLING, STREAM_SUBSET
 from .config import RunConfig
 
 log = logging.getLogger("fedkernels.sim")

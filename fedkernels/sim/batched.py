@@ -1,6 +1,6 @@
 """The batched executor: a round's clients trained together, as one vmapped computation per local step.
 
-Sequential local training (``sim/client.py``) runs each client's mini-batches of 32 one after another,
+Sequential local training (``sim/trainer.py``) runs each client's mini-batches of 32 one after another,
 which on a GPU is a few tiny kernel launches per step. Here the C clients of a chunk keep their weights
 stacked as rows of the round's update buffer, ``W = U[s0:s0+C]`` ([C, d], the flat layout of
 ``FlatSpec``), and every local step is
@@ -86,7 +86,8 @@ from .. import ops
 from ..flat import clip_rows_, row_norms
 from ..errors import RunError
 from ..algorithms.base import BatchedRule, Chunk, ClientRule
-from .client import BadClientError, client_seed
+from .client_errors import BadClientError
+from .seeds import client_seed
 from .executors import SequentialExecutor, client_failed
 from .runstate import LocalTraining
 
@@ -480,8 +481,8 @@ class BatchedExecutor:
         torch.manual_seed(seeds[-1])  # the global torch RNG as the sequential loop leaves it
         seen = msk.sum((1, 2)).tolist()
         losses = (loss_sum.cpu() / torch.tensor([max(v, 1) for v in seen], dtype=torch.float64)).tolist()
-        # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_clients)
-        finite = ops.finite_rows(W).tolist() if local.screen_clients else [True] * C  # one host sync per chunk
+        # the rows are screened here only when the aggregator does not screen them (LocalTraining.screen_at_write)
+        finite = ops.finite_rows(W).tolist() if local.screen_at_write else [True] * C  # one host sync per chunk
         accepted, bad = [], []
         for i, (pos, cid, _, _, _) in enumerate(items):
             if finite[i]:

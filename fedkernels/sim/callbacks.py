@@ -1,6 +1,6 @@
 """Callbacks of the round loop: everything a run writes or shows, and your own logging.
 
-The loop (``sim/server.py``) calls the hooks of its callbacks in a fixed order, on every process
+The loop (``sim/simulation.py``) calls the hooks of its callbacks in a fixed order, on every process
 (``run.is_main``: the one that evaluates and writes). A hook receives ``run``, a read-only view of
 the run (``runstate.RunView``: ``cfg``, ``run_dir``, ``rounds_done``, ``metrics``, ``global_model()``,
 ``say(msg)``, ...), never the simulation itself; what a callback reports back is its return value.

@@ -165,7 +165,7 @@ RESUME_FREE = {
 
 
 def _lr_factors(train: Dict[str, Any], rounds: int, upto: int) -> List[float]:
-    from .client import schedule_factor
+    from .trainer import schedule_factor
     from .config import TrainConfig, _from_dict
 
     t = _from_dict(TrainConfig, train, "train.")

@@ -106,8 +106,8 @@ def _run_config(config: Optional[str], preset: Optional[str], method: Optional[s
 def cmd_run(a) -> int:
     from ..errors import RunError
     from .checks import check_run
-    from .client import BadClientError
-    from .server import Simulation
+    from .client_errors import BadClientError
+    from .simulation import Simulation
 
     paths, ovs = _split_args(a.args)
     if len(paths) > 1:

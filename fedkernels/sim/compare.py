@@ -135,7 +135,7 @@ def compare(
     heads the figure; ``band`` is its band: sample std, 95% CI or none. ``baseline`` (default: ``fedavg`` when compared, else the
     first method) is the reference of the paired differences. A run that fails is recorded
     (``failed``) and the others go on. Returns the compare.json content."""
-    from .server import Simulation
+    from .simulation import Simulation
 
     meths = resolve_methods(methods, known)
     seeds = _check_seeds(list(seeds))

@@ -58,10 +58,10 @@ import torch.distributed as dist
 from ..distributed import ShardedAggregator
 from . import checkpoint as ckpt
 from .config import RunConfig
-from .client import BadClientError
+from .client_errors import BadClientError
 from .assemble import resolve_device
 from .runstate import LocalTraining
-from .server import Simulation
+from .simulation import Simulation
 
 log = logging.getLogger("fedkernels.sim")
 
@@ -172,7 +172,7 @@ class Ranks:
     boundaries on tensor ("tensor") or output-row ("row") boundaries."""
 
     saves_alone = False  # gathering the state is a collective: a signal may reach one rank only
-    screens_rows = True  # each rank screens its own clients' rows (the exchange carries no NaN row)
+    screen_at_write = True  # each rank screens its own clients' rows (the exchange carries no NaN row)
     aggregate_kwargs = {"gather": True}  # every rank gets the full new model
 
     def __init__(self, device: str = "cpu", group=None, align: str = "bytes"):

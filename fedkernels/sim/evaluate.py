@@ -7,7 +7,7 @@ data (``Simulation.evaluate_round``), on the device where the data already is, w
 The test set and the training data are resident on the run's device (``Simulation.setup`` moved them
 there once): a batch is a slice (test) or one index gather (clients' samples), never a DataLoader.
 The counts and sums stay on the device until the end, where one transfer brings accuracy, test loss
-and every client's loss to the host (the per-batch helpers ``client.eval_batch`` / ``client.batch_losses``
+and every client's loss to the host (the per-batch helpers :func:`eval_batch` / :func:`batch_losses`
 are the ones the worker processes run).
 
 Rows per forward (:func:`eval_rows`): on the CPU ``eval_batch_size``, the batches ``workers=N`` splits the
@@ -24,8 +24,6 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch import nn
-
-from .client import batch_losses, eval_batch, sample_owners
 
 GPU_DEVICES = ("cuda",)  # where the evaluation takes memory-sized batches (elsewhere: eval_batch_size)
 
@@ -125,3 +123,75 @@ def non_finite_evaluation(metrics: dict) -> Optional[str]:
         if isinstance(metrics.get(key), float) and not np.isfinite(metrics[key])
     ]
     return ", ".join(bad) or None
+
+
+# ---- batch by batch: the per-batch steps the worker processes run too ----------------------------
+def eval_batch(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, criterion: Optional[nn.Module] = None):
+    """One evaluation batch (the caller puts the model in eval mode, under no_grad): the number of
+    correct predictions and the float64 summed loss. ``evaluate`` and the workers both sum these in
+    batch order, so an evaluation split over worker processes gives the same bits."""
+    out = model(xb)
+    loss = (criterion or nn.CrossEntropyLoss(reduction="sum"))(out, yb).double()
+    return (out.argmax(1) == yb).sum(), loss
+
+
+def batch_losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """Per-sample float64 cross-entropy of one batch (``client_losses`` and the workers)."""
+    return nn.CrossEntropyLoss(reduction="none")(model(xb), yb).double()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024, criterion: Optional[nn.Module] = None
+):
+    """(accuracy, mean loss) of ``model`` on (x, y), in eval mode, in batches."""
+    crit = criterion or nn.CrossEntropyLoss(reduction="sum")
+    was = model.training
+    model.eval()
+    correct = torch.zeros((), dtype=torch.int64, device=x.device)
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
+    n = y.numel()
+    for s in range(0, n, batch_size):
+        c, l = eval_batch(model, x[s : s + batch_size], y[s : s + batch_size], crit)
+        loss += l
+        correct += c
+    model.train(was)
+    if n == 0:
+        return float("nan"), float("nan")
+    return int(correct) / n, float(loss) / n
+
+
+@torch.no_grad()
+def client_losses(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    client_indices: Sequence[torch.Tensor],
+    clients: Sequence[int],
+    batch_size: int = 1024,
+) -> List[float]:
+    """Loss of the (global) model on each listed client's training data (Kuramoto §2.8: Var_k of these)."""
+    was = model.training
+    model.eval()
+    cl = list(clients)
+    if not cl:
+        return []
+    idx = torch.cat([client_indices[c] for c in cl])
+    owner, sizes = sample_owners(client_indices, cl, idx.device)
+    sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
+    for s in range(0, idx.numel(), batch_size):  # on the device, no host sync until the end
+        b = idx[s : s + batch_size]
+        sums.index_add_(0, owner[s : s + batch_size], batch_losses(model, x[b], y[b]))
+    model.train(was)
+    counts = sizes.clamp_min(1).to(device=x.device, dtype=torch.float64)
+    return (sums / counts).tolist()
+
+
+def sample_owners(client_indices: Sequence[torch.Tensor], clients: Sequence[int], device="cpu"):
+    """``(owner, sizes)``: for the listed clients' samples concatenated in order, the position in
+    ``clients`` of each sample's client ([sum n_c] int64 on ``device``), and the [C] sizes (host)."""
+    sizes = torch.tensor([client_indices[c].numel() for c in clients], dtype=torch.long)
+    owner = torch.repeat_interleave(
+        torch.arange(len(sizes), device=device), sizes.to(device), output_size=int(sizes.sum())
+    )
+    return owner, sizes

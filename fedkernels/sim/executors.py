@@ -1,4 +1,4 @@
-"""Client executors: who trains a round's clients (phase 2 of the round loop in ``sim/server.py``).
+"""Client executors: who trains a round's clients (phase 2 of the round loop in ``sim/simulation.py``).
 
 The round loop (``Simulation.run_round``) draws the round's clients, prepares their payloads, hands
 phase 2 to the run's executor, exchanges and aggregates; the executor only trains. Protocol::
@@ -19,7 +19,7 @@ payload, loss, steps``, its update written into the next row of the run's buffer
 (the bad-client policy): excluded (``excluded``), or the round's ``error``.
 
 Bad clients (``bad_client_policy="exclude"``, the default): a client whose update contains NaN/Inf,
-or whose training raises a bad-client error (``client.CLIENT_ERRORS``: a ValueError of its own input,
+or whose training raises a bad-client error (``client_errors.CLIENT_ERRORS``: a ValueError of its own input,
 e.g. no training examples or an invalid learning rate; an ArithmeticError such as a rule's
 FloatingPointError; ``BadUpdateError``), is left out of the round and logged (``excluded`` in
 metrics.jsonl, in schedule order); the aggregator is built with ``on_bad_update="exclude"`` too: its
@@ -60,7 +60,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from ..errors import RunError
 from . import checkpoint as ckpt
-from .client import BadClientError, client_error, train_client
+from .client_errors import BadClientError, client_error
+from .trainer import train_client
 from .runstate import LocalTraining
 
 log = logging.getLogger("fedkernels.sim")
@@ -82,7 +83,7 @@ def client_failed(
     policy: str, r: int, pos: int, cid: int, reason: str, bad_client: bool, exc: BaseException, excluded: List[Any]
 ) -> Optional[Tuple[int, str, BaseException]]:
     """The bad-client policy (``"exclude"`` | ``"raise"``) for client ``cid`` (position ``pos``) whose
-    training failed with ``reason`` (:func:`~fedkernels.sim.client.client_error`): None when it is
+    training failed with ``reason`` (:func:`~fedkernels.sim.client_errors.client_error`): None when it is
     excluded (logged, ``(pos, record)`` appended to ``excluded``), else the round's ``error`` entry
     ``(pos, message, exception)``: the client's exception under "raise", a RunError for a failure
     that is not a bad client (under either policy)."""
@@ -112,7 +113,7 @@ def nothing_trained(r: int, ids: Sequence[int], excluded: List[Dict[str, Any]]) 
 
 
 class SequentialExecutor:
-    """One client after another in this process (``client.train_client``), with a progress bar."""
+    """One client after another in this process (``trainer.train_client``), with a progress bar."""
 
     def __init__(self, local: LocalTraining) -> None:
         self.local = local
@@ -167,7 +168,7 @@ class OneProcess:
 
     rank, world, is_main, tag = 0, 1, True, ""
     saves_alone = True  # a checkpoint needs no other process (a signal may reach one rank only)
-    screens_rows = False  # True: each trained row is screened as it is written, whatever the policy
+    screen_at_write = False  # True: each trained row is screened as it is written, whatever the policy
     aggregate_kwargs: Dict[str, Any] = {}
     state_extra: Dict[str, Any] = {}  # added to a checkpoint's state
 

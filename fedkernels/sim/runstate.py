@@ -1,4 +1,4 @@
-"""What the round loop hands to its hooks, instead of the whole :class:`~fedkernels.sim.server.Simulation`.
+"""What the round loop hands to its hooks, instead of the whole :class:`~fedkernels.sim.simulation.Simulation`.
 
 Two objects, built once at set-up by the loop (``Simulation.setup``):
 
@@ -7,7 +7,7 @@ Two objects, built once at set-up by the loop (``Simulation.setup``):
   learning rates and epochs, the method's client rules (:class:`ClientRules`), the data (for the
   workers' evaluation) and how rows are screened, clipped and measured as they are written. The
   executors (``sim/executors.py``, ``sim/batched.py``, ``sim/workers.py``) and
-  ``client.train_client`` take it; ``workers=N`` sends it, pickled once, to the worker processes.
+  ``trainer.train_client`` take it; ``workers=N`` sends it, pickled once, to the worker processes.
 * :class:`RunView`: a read-only view of the run for the callbacks (``sim/callbacks.py``): its
   config and directory, the rounds done, the metrics so far, the global model; ``say(msg)`` for a
   progress line and ``state(rnd, rng)`` for a checkpoint's state. A callback never writes into the
@@ -77,12 +77,12 @@ class LocalTraining:
     device: torch.device
     spec: Any  # the FlatSpec of the model
     model: nn.Module  # its tensors are views of trainer.work
-    trainer: Any  # client.ClientTrainer
+    trainer: Any  # trainer.ClientTrainer
     global_flat: torch.Tensor  # the global model (read only by the clients)
     buf: Any  # the round's UpdateBuffer
-    hetero: Any  # client.HeteroCompute: (base lr, epochs) per client and round
+    hetero: Any  # hetero.HeteroCompute: (base lr, epochs) per client and round
     rules: ClientRules
-    screen_clients: bool  # each row screened as it is written (policy "raise", ranks)
+    screen_at_write: bool  # each row screened as it is written (policy "raise", ranks)
     client_clip: Optional[float]  # client-side DP: each row clipped to this norm as it is written
     dp_norms: Optional[Dict[int, float]]  # server-side DP in one process: each row's norm, by client id
     x: torch.Tensor

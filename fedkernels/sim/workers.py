@@ -29,13 +29,13 @@ exchange and the aggregation stay in the main process, unchanged.
   script's main module, as with the ``spawn`` start method).
 * *A round.* The main process puts one task per client (position, id, lr, epochs, payload) on a
   shared queue, largest client first; idle workers take the next one (dynamic balance). A worker
-  trains with the same code as one process (``client.train_client``: same hooks, same
+  trains with the same code as one process (``trainer.train_client``: same hooks, same
   finite-update check) and writes row ``pos`` of the buffer; the main process then packs the rows of
   the accepted clients in schedule order (a copy only when a client was excluded), so the aggregator
   sees exactly the matrix of one process.
 * *Evaluation.* The forward passes are split by evaluation batch: one task per batch of
-  ``eval_batch_size`` rows (the batches of :func:`fedkernels.sim.client.evaluate` and
-  :func:`~fedkernels.sim.client.client_losses`, the same boundaries), from the same queue. A test
+  ``eval_batch_size`` rows (the batches of :func:`fedkernels.sim.evaluate.evaluate` and
+  :func:`~fedkernels.sim.evaluate.client_losses`, the same boundaries), from the same queue. A test
   batch returns its number of correct predictions and its float64 summed loss, a client-loss batch
   its float64 per-sample losses; the main process adds them up in batch order exactly as the
   one-process functions do, so accuracy, test loss and client losses are the same bit for bit. With
@@ -51,7 +51,7 @@ exchange and the aggregation stay in the main process, unchanged.
   left out; ``raise``: the first failing client in schedule order stops the run). Everything else is
   a failure of the run, never a bad client, under either policy: a worker that cannot start, dies,
   cannot send its result, or fails a client with an error that is not a bad-client error
-  (``client.CLIENT_ERRORS``; e.g. a RuntimeError from autograd, an ImportError, a broken pipe) stops
+  (``client_errors.CLIENT_ERRORS``; e.g. a RuntimeError from autograd, an ImportError, a broken pipe) stops
   the run with one line naming the worker and the cause (``RunError``; exit 1 on the CLI). Workers
   ignore SIGINT (the main process finishes the round, as in one process), die with the fork server,
   which ends with the main process (``PR_SET_PDEATHSIG``), and are stopped and joined when the run
@@ -78,7 +78,9 @@ import torch
 from torch import nn
 
 from ..errors import RunError
-from .client import client_error, sample_owners, train_client
+from .client_errors import client_error
+from .evaluate import sample_owners
+from .trainer import train_client
 from .executors import client_failed
 from .runstate import ClientRules, LocalTraining
 
@@ -103,7 +105,7 @@ def default_threads(workers: int, threads: Optional[int] = None) -> int:
 
 
 class _RowAt:
-    """The part of ``UpdateBuffer`` that ``client.train_client`` uses, writing row ``pos`` of the
+    """The part of ``UpdateBuffer`` that ``trainer.train_client`` uses, writing row ``pos`` of the
     shared buffer (the slot is the client's position in the round, not the next free row)."""
 
     def __init__(self, buf, pos: int):
@@ -148,10 +150,10 @@ def _die_with_parent() -> None:
 
 # imported once by the fork server, so that its workers start with them: the simulator, and
 # torch._dynamo, which the first torch.optim optimizer of a process imports (seconds of CPU)
-_PRELOAD = ["__main__", __name__, "fedkernels.sim.server", "torch._dynamo"]
+_PRELOAD = ["__main__", __name__, "fedkernels.sim.simulation", "torch._dynamo"]
 
 # ---- what a worker receives --------------------------------------------------------------------------
-# the run's runstate.LocalTraining (what client.train_client and _eval_batch read); everything else
+# the run's runstate.LocalTraining (what trainer.train_client and _eval_batch read); everything else
 # (callbacks, metrics, the executor and its pool) stays in the main process
 
 
@@ -273,9 +275,9 @@ def _send(conn, msg) -> None:
 def _eval_batch(local: LocalTraining, job: Dict[str, Any], s: int, e: int, cache: Dict[str, Any]):
     """One evaluation batch of the global model (rows ``s:e``): ``(correct, float64 loss sum)`` of the
     test set, or the float64 per-sample losses of the listed clients' training data (as numpy).
-    ``client.eval_batch`` / ``client.batch_losses``, the per-batch steps of ``client.evaluate`` and
-    ``client.client_losses``."""
-    from .client import batch_losses, eval_batch
+    ``evaluate.eval_batch`` / ``evaluate.batch_losses``, the per-batch steps of ``evaluate.evaluate`` and
+    ``evaluate.client_losses``."""
+    from .evaluate import batch_losses, eval_batch
 
     model = local.model
     local.trainer.work.copy_(local.global_flat)  # the model's tensors are views of work
@@ -557,7 +559,7 @@ class WorkerPool:
 
     def evaluate(self, r: int, batch_size: int, clients: Optional[Sequence[int]] = None):
         """``Simulation.evaluate_round``'s forward passes in the workers: ``(accuracy, test loss,
-        client losses or None)``, equal bit for bit to ``client.evaluate`` and ``client.client_losses``
+        client losses or None)``, equal bit for bit to ``evaluate.evaluate`` and ``evaluate.client_losses``
         (``clients``: whose training-data loss, None for none) at the same threads per process."""
         local = self.local
         bs = int(batch_size)
@@ -574,7 +576,7 @@ class WorkerPool:
         *per, test = self._run_batches(r, jobs, bs)
         loss = torch.zeros((), dtype=torch.float64)
         correct = 0
-        for c, l in test:  # in batch order, as client.evaluate accumulates
+        for c, l in test:  # in batch order, as evaluate.evaluate accumulates
             correct += c
             loss += l
         acc, tl = (correct / n, float(loss) / n) if n else (float("nan"), float("nan"))
@@ -583,7 +585,7 @@ class WorkerPool:
         if not who:
             return acc, tl, []
         sums = torch.zeros(len(who), dtype=torch.float64)
-        for k, l in enumerate(per[0]):  # as client.client_losses: index_add_ batch by batch
+        for k, l in enumerate(per[0]):  # as evaluate.client_losses: index_add_ batch by batch
             sums.index_add_(0, owner[k * bs : (k + 1) * bs], torch.from_numpy(l))
         counts = torch.tensor([max(local.parts[c].numel(), 1) for c in who], dtype=torch.float64)
         return acc, tl, (sums / counts).tolist()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
-from fedkernels.sim.server import Simulation
+from fedkernels.sim.simulation import Simulation
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "fedpgvc", "expc-gradnorms.json")
 CHECK = (5, 20, 40)

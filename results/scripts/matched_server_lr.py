@@ -43,7 +43,7 @@ from fedkernels import ops  # noqa: E402
 from fedkernels.sim import presets  # noqa: E402
 from fedkernels.sim.compare import compare  # noqa: E402
 from fedkernels.sim.config import apply_overrides  # noqa: E402
-from fedkernels.sim.server import Simulation  # noqa: E402
+from fedkernels.sim.simulation import Simulation  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runstore  # noqa: E402  (archived or on-disk run directories)

@@ -1,7 +1,7 @@
 // Host harness commands of kstats (csrc/cuda/kstats.cuh), driven by tests/test_kstats.py.
 // Protocol: see harness.h; one line in, one line out:
-//   kstats eb K d U[K*d] p[K]               -> nparts TW dot[K] nsq[K] nbar: kstats_parts emulated (ks::plan; per
-//                                           tile, phase 1's threads over (column, row group), phase 2's warps
+//   kstats eb K d U[K*d] p[K]               -> nparts TW dot[K] nsq[K] nbar: kstats_parts emulated (kstats_hd::plan;
+//                                           per tile, phase 1's threads over (column, row group), phase 2's warps
 //                                           over rows and lanes over columns, the butterfly warp sum), then
 //                                           kstats_final's part sums. ERR on an element of U read other than
 //                                           once per phase
@@ -14,8 +14,8 @@ static void kstats_cmd(std::istream& in) {
   std::vector<double> U(K * d), p(K);
   for (auto& x : U) x = rd(in);
   for (auto& x : p) x = rd(in);
-  const ks::Plan pl = ks::plan(K, d, eb);
-  const int64_t stride = 2 * K + 1, TW = pl.TW, G = ks::mean_groups(TW);
+  const kstats_hd::Plan pl = kstats_hd::plan(K, d, eb);
+  const int64_t stride = 2 * K + 1, TW = pl.TW, G = kstats_hd::mean_groups(TW);
   std::vector<double> part(pl.nparts * stride, 0.0);
   std::vector<int> c1(K * d, 0), c2(K * d, 0);
   for (int64_t b = 0; b < pl.nparts; ++b) {
@@ -24,9 +24,9 @@ static void kstats_cmd(std::istream& in) {
       const int64_t j0 = (b * pl.tpp + ti) * TW;
       if (j0 >= d) break;
       const bool first = ti == 0;
-      double smean[ks::kThreads], mean[256];
-      for (int t = 0; t < ks::kThreads; ++t) {
-        const int64_t c = ks::mean_col(t, TW), g = ks::mean_group(t, TW);
+      double smean[kstats_hd::kThreads], mean[256];
+      for (int t = 0; t < kstats_hd::kThreads; ++t) {
+        const int64_t c = kstats_hd::mean_col(t, TW), g = kstats_hd::mean_group(t, TW);
         double s = 0.0;
         if (j0 + c < d)
           for (int64_t k = g; k < K; k += G) {
@@ -40,8 +40,8 @@ static void kstats_cmd(std::istream& in) {
         for (int64_t q = 1; q < G; ++q) m += smean[q * TW + t];
         mean[t] = m;
       }
-      for (int w = 0; w < ks::kWarps; ++w)
-        for (int64_t k = ks::row_first(w); k < K; k += ks::kWarps) {
+      for (int w = 0; w < kstats_hd::kWarps; ++w)
+        for (int64_t k = kstats_hd::row_first(w); k < K; k += kstats_hd::kWarps) {
           double sd[32], sn[32];
           for (int l = 0; l < 32; ++l) {
             sd[l] = sn[l] = 0.0;
@@ -72,7 +72,7 @@ static void kstats_cmd(std::istream& in) {
       return;
     }
   std::printf("%lld %lld", (long long)pl.nparts, (long long)TW);
-  for (int64_t i = 0; i < 2 * K + 1; ++i) put(ks::parts_sum(part.data(), pl.nparts, stride, i));
+  for (int64_t i = 0; i < 2 * K + 1; ++i) put(kstats_hd::parts_sum(part.data(), pl.nparts, stride, i));
   std::printf("\n");
 }
 

@@ -22,7 +22,7 @@ kappa_t = kappa0 * beta^t with t the aggregator's round counter (default beta = 
 Hot path (modes P and S): one ``ops.kstats`` pass over U (spec §5.1 KSTATS: the p-weighted mean, then
 dot = <U_k, mean>, nsq = ||U_k||^2, nbar = ||mean||^2, fp64, column-local: no K x K Gram) that also screens
 the rows, and one ``ops.weighted_sum`` pass. No K x d temporary. On a GPU one device-to-host copy per
-aggregate: the 2K + 1 statistics ride in the NaN/Inf flags' copy (``RoundInput.kstats``). Mode C: two
+aggregate: the 2K + 1 statistics ride in the finite flags' copy (``RoundInput.kstats``). Mode C: two
 ``weighted_sum`` passes (the elementwise clamp needs the sync vector), one device-to-host copy: the
 first pass's flags wait on the device (``hold``) for the clamp's flag (``RoundInput.release``).
 Buffers: a flat vector holds whatever the FlatSpec holds; every entry is treated alike.

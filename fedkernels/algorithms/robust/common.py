@@ -54,7 +54,7 @@ def select_pass(
     ``rin.blocks``; a row-scaled input (``RoundInput.with_row_scale``: a wrapper such as ``norm_bound``)
     too, its scaled rows in bounded blocks). Returns the [d] result (float64 for a float64 U, else float32)."""
     if rin.src is None and not isinstance(rin, RowScaled):
-        if rin.screen_rows:
+        if rin.unscreened:
             out, ok = screened(rin.U, *args, **kw)
             rin._flags(ok)  # the policy on this pass's flags (may restart the round without bad rows)
             return out
@@ -100,7 +100,7 @@ def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, alpha: float 
     idx, order = torch.sort(torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu())
     wv = torch.as_tensor(w, dtype=torch.float64).reshape(-1).cpu()[order]
     g = rin.global_flat
-    if rin.src is None and not isinstance(rin, RowScaled) and not rin.screen_rows:
+    if rin.src is None and not isinstance(rin, RowScaled) and not rin.unscreened:
         return ops.weighted_sum(rin.U, wv, base=g, alpha=alpha, rows=idx, out=result_vector(rin))
     coef = torch.zeros(rin.K, dtype=torch.float64)
     coef[idx] = wv
@@ -151,7 +151,7 @@ def row_dots(rin: RoundInput, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tens
     acc = torch.zeros(2 * K + 2, dtype=torch.float64, device=rin.device)  # on U's device: no copy per chunk
     p = torch.zeros(K + 1, dtype=torch.float64)
     p[K] = 1.0
-    screen = rin.src is None and not isinstance(rin, RowScaled) and rin.screen_rows
+    screen = rin.src is None and not isinstance(rin, RowScaled) and rin.unscreened
     blocks = [(slice(None), rin.U)] if screen else rin.blocks()
     ok_all: Optional[torch.Tensor] = None
     for cols, B in blocks:

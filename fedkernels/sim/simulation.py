@@ -1,7 +1,7 @@
 """The federated round loop.
 
     from fedkernels.sim import presets
-    from fedkernels.sim.server import Simulation
+    from fedkernels.sim.simulation import Simulation
     summary = Simulation(presets.get("smoke")).run()
 
 Per round ``r``: the clients of the pre-drawn sampling stream (:func:`sample_schedule`; it depends
@@ -45,7 +45,8 @@ from . import checkpoint as ckpt
 from . import compression
 from . import lora as sim_lora
 from .batched import BatchedExecutor, for_run
-from .client import ClientTrainer, HeteroCompute, schedule_factor
+from .hetero import HeteroCompute
+from .trainer import ClientTrainer, schedule_factor
 from .evaluate import evaluate_global, non_finite_evaluation
 from .callbacks import Callback, Progress, as_callback
 from .config import RunConfig
@@ -199,7 +200,7 @@ class Simulation:
         self.client_rules = ClientRules(self.agg)
         self.buf = UpdateBuffer(self.procs.buffer_rows(self.per_round), self.spec, device=dev, dtype=self.spec.dtype)
         # "exclude": the aggregator's first read of U screens the rows; "raise": each row as it is written
-        self.screen_clients = cfg.bad_client_policy == "raise" or self.procs.screens_rows
+        self.screen_at_write = cfg.bad_client_policy == "raise" or self.procs.screen_at_write
         self.local = LocalTraining(
             cfg=cfg,
             device=dev,
@@ -210,7 +211,7 @@ class Simulation:
             buf=self.buf,
             hetero=self.hetero,
             rules=self.client_rules,
-            screen_clients=self.screen_clients,
+            screen_at_write=self.screen_at_write,
             client_clip=self.client_clip,
             dp_norms=self.dp_norms,
             x=self.x,

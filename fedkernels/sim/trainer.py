@@ -6,7 +6,7 @@ One model object is reused for every client: its tensors are *bound* to a workin
 the server's ``UpdateBuffer`` (``write_delta``).
 
 Determinism: everything random in a client's round (mini-batch order, augmentation, dropout) comes
-from a generator seeded by ``(seed, round, client_id)`` (:func:`client_seed`), so a run is a pure
+from a generator seeded by ``(seed, round, client_id)`` (:func:`~fedkernels.sim.seeds.client_seed`), so a run is a pure
 function of its config, and a resumed run repeats an uninterrupted one bit for bit.
 
 Hook order (see ``fedkernels.algorithms.base.ClientRule``)::
@@ -35,32 +35,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import ops
 from ..flat import row_norms
 from ..algorithms.base import ClientContext, ClientRule
+from .client_errors import BadClientError
 from .config import TrainConfig
+from .seeds import client_seed
 
 log = logging.getLogger("fedkernels.sim")
-
-# stream tags for derived seeds (distinct streams never share a generator)
-STREAM_CLIENT, STREAM_SAMPLING, STREAM_HETERO, STREAM_INIT, STREAM_SUBSET = 1, 2, 3, 4, 5
-
-
-def derive_seed(seed: int, stream: int, *keys: int) -> int:
-    """A 63-bit seed from (seed, stream, keys...) via numpy's SeedSequence (stable across versions)."""
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(stream)] + [int(k) for k in keys])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def client_seed(seed: int, rnd: int, client_id: int) -> int:
-    """The seed of client ``client_id``'s local training in round ``rnd``."""
-    return derive_seed(seed, STREAM_CLIENT, rnd, client_id)
 
 
 def schedule_factor(train: TrainConfig, rnd: int, rounds: int) -> float:
@@ -74,42 +61,6 @@ def schedule_factor(train: TrainConfig, rnd: int, rounds: int) -> float:
         c = 0.5 * (1.0 + math.cos(math.pi * rnd / max(1, rounds)))
         return lo + (1.0 - lo) * c
     raise ValueError(f"unknown lr_schedule {train.lr_schedule!r}")
-
-
-class HeteroCompute:
-    """Per-client learning rates and epochs (FedECADO §6, eqs. 43-44): lr_i ~ U[lr_range] (or
-    log-uniform), E_i ~ U{epochs_range}; drawn once per client per run (``redraw="run"``) or per
-    (client, round) (``redraw="round"``), from the run seed, so every method sees the same draws."""
-
-    def __init__(self, train: TrainConfig, num_clients: int, seed: int):
-        self.train, self.h, self.seed, self.n = train, train.hetero, int(seed), int(num_clients)
-        self._fixed = [self._draw(c, -1) for c in range(self.n)] if self.h.enabled and self.h.redraw == "run" else None
-
-    def _draw(self, cid: int, rnd: int):
-        rng = np.random.default_rng(derive_seed(self.seed, STREAM_HETERO, rnd + 1, cid))
-        lr = float(self.train.lr)
-        if self.h.lr_range is not None:
-            lo, hi = float(self.h.lr_range[0]), float(self.h.lr_range[1])
-            lr = (
-                float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-                if self.h.lr_dist == "loguniform"
-                else float(rng.uniform(lo, hi))
-            )
-        ep = int(self.train.epochs)
-        if self.h.epochs_range is not None:
-            ep = int(rng.integers(int(self.h.epochs_range[0]), int(self.h.epochs_range[1]) + 1))
-        return lr, ep
-
-    def get(self, cid: int, rnd: int):
-        """(base lr, epochs) of client ``cid`` in round ``rnd``."""
-        if not self.h.enabled:
-            return float(self.train.lr), int(self.train.epochs)
-        if self._fixed is not None:
-            return self._fixed[cid]
-        return self._draw(cid, rnd)
-
-    def table(self) -> List[Dict[str, Any]]:
-        return [{"client_id": c, "lr": self.get(c, 0)[0], "epochs": self.get(c, 0)[1]} for c in range(self.n)]
 
 
 @dataclass
@@ -278,26 +229,10 @@ class ClientTrainer:
 
 
 # ---- one client of a round, as every executor trains it -------------------------------------------
-class BadClientError(RuntimeError):
-    """A client failed and bad_client_policy is "raise"."""
-
-
-# what one client's training may raise and still be a bad client (excluded, or BadClientError under
-# "raise"); BadUpdateError is a ValueError. Anything else stops the run (fedkernels.sim.server).
-CLIENT_ERRORS = (BadClientError, ValueError, ArithmeticError)
-
-
-def client_error(e: BaseException):
-    """``(reason, bad_client)`` of an exception raised while training one client: the line that names
-    it and whether it is that client's bad update (:data:`CLIENT_ERRORS`) or a failure of the run."""
-    reason = str(e) if isinstance(e, BadClientError) else f"{type(e).__name__}: {e}"
-    return reason, isinstance(e, CLIENT_ERRORS)
-
-
 def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, epochs, payload) -> ClientResult:
     """Trains client ``cid`` in round ``r`` (``local``: the run's ``runstate.LocalTraining``: its
     trainer, the client's rule ``local.rules.get(cid)``) and writes its update into the next row of
-    ``buf``. With ``local.screen_clients`` (bad_client_policy="raise", or an aggregator that does not
+    ``buf``. With ``local.screen_at_write`` (bad_client_policy="raise", or an aggregator that does not
     screen the rows itself) the row is checked here: BadClientError (row released) when it is not
     finite; otherwise the aggregator's first read of U screens it (``Aggregator.screen_in_pass``)."""
     lora = local.lora  # LoRA with ranks below the server's: the client starts from its rank's share (sim/lora.py)
@@ -317,7 +252,7 @@ def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, ep
     row = buf.write_delta(slot, local.model, local.global_flat, local.client_clip)
     if local.dp_norms is not None:  # server-side DP: the row's norm while it is hot
         local.dp_norms[cid] = float(row_norms(row.unsqueeze(0))[0])
-    if local.screen_clients:
+    if local.screen_at_write:
         if not bool(ops.finite_rows(row.unsqueeze(0))[0]):
             buf.client_ids.pop()
             buf.num_examples.pop()
@@ -325,74 +260,3 @@ def train_client(local, buf, cid: int, r: int, base_lr: float, factor: float, ep
         if not math.isfinite(res.train_loss):
             log.warning("client %d: non-finite train loss with a finite update", cid)
     return res
-
-
-def eval_batch(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor, criterion: Optional[nn.Module] = None):
-    """One evaluation batch (the caller puts the model in eval mode, under no_grad): the number of
-    correct predictions and the float64 summed loss. ``evaluate`` and the workers both sum these in
-    batch order, so an evaluation split over worker processes gives the same bits."""
-    out = model(xb)
-    loss = (criterion or nn.CrossEntropyLoss(reduction="sum"))(out, yb).double()
-    return (out.argmax(1) == yb).sum(), loss
-
-
-def batch_losses(model: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-    """Per-sample float64 cross-entropy of one batch (``client_losses`` and the workers)."""
-    return nn.CrossEntropyLoss(reduction="none")(model(xb), yb).double()
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024, criterion: Optional[nn.Module] = None
-):
-    """(accuracy, mean loss) of ``model`` on (x, y), in eval mode, in batches."""
-    crit = criterion or nn.CrossEntropyLoss(reduction="sum")
-    was = model.training
-    model.eval()
-    correct = torch.zeros((), dtype=torch.int64, device=x.device)
-    loss = torch.zeros((), dtype=torch.float64, device=x.device)
-    n = y.numel()
-    for s in range(0, n, batch_size):
-        c, l = eval_batch(model, x[s : s + batch_size], y[s : s + batch_size], crit)
-        loss += l
-        correct += c
-    model.train(was)
-    if n == 0:
-        return float("nan"), float("nan")
-    return int(correct) / n, float(loss) / n
-
-
-@torch.no_grad()
-def client_losses(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    client_indices: Sequence[torch.Tensor],
-    clients: Sequence[int],
-    batch_size: int = 1024,
-) -> List[float]:
-    """Loss of the (global) model on each listed client's training data (Kuramoto §2.8: Var_k of these)."""
-    was = model.training
-    model.eval()
-    cl = list(clients)
-    if not cl:
-        return []
-    idx = torch.cat([client_indices[c] for c in cl])
-    owner, sizes = sample_owners(client_indices, cl, idx.device)
-    sums = torch.zeros(len(cl), dtype=torch.float64, device=x.device)
-    for s in range(0, idx.numel(), batch_size):  # on the device, no host sync until the end
-        b = idx[s : s + batch_size]
-        sums.index_add_(0, owner[s : s + batch_size], batch_losses(model, x[b], y[b]))
-    model.train(was)
-    counts = sizes.clamp_min(1).to(device=x.device, dtype=torch.float64)
-    return (sums / counts).tolist()
-
-
-def sample_owners(client_indices: Sequence[torch.Tensor], clients: Sequence[int], device="cpu"):
-    """``(owner, sizes)``: for the listed clients' samples concatenated in order, the position in
-    ``clients`` of each sample's client ([sum n_c] int64 on ``device``), and the [C] sizes (host)."""
-    sizes = torch.tensor([client_indices[c].numel() for c in clients], dtype=torch.long)
-    owner = torch.repeat_interleave(
-        torch.arange(len(sizes), device=device), sizes.to(device), output_size=int(sizes.sum())
-    )
-    return owner, sizes
