@@ -202,6 +202,49 @@ def _cpu_timed(fn: Callable[[], Any], into: List[float]) -> Callable[[], Any]:
     return run
 
 
+def krum_parts(K: int, d: int, repeats: int) -> List[Dict[str, Any]]:
+    """Where a Krum / Multi-Krum round's time goes: its parts timed alone, interleaved with the whole
+    rounds, the Gram and the floor (wall and CPU time per call; ``--threads 1`` for load-independent CPU
+    times): the screened Gram pass, the runner's screen of the global model, the host scoring on the
+    K x K distances and the final sum over the m picked rows into a new model (``result_vector``)."""
+    from fedkernels.algorithms.robust.common import krum_scores, new_vector, sq_distances
+
+    g = torch.Generator().manual_seed(K)
+    U = torch.randn(K, d, generator=g) * 1e-3
+    x0 = torch.randn(d, generator=g) * 0.1
+    G = ops.gram(U)
+
+    def final_sum(m: int) -> Callable[[], Any]:
+        rows, w = torch.arange(m), torch.full((m,), 1.0 / m, dtype=torch.float64)
+        return lambda: ops.weighted_sum(U, w, base=x0, rows=rows, out=new_vector(d, x0.dtype, x0.device))
+
+    fns: Dict[str, Callable[[], Any]] = {
+        "floor:weighted_sum": lambda: ops.weighted_sum(U, torch.full((K,), 1.0 / K, dtype=torch.float64)),
+        "op:gram": lambda: ops.gram(U),
+        "part:gram_screened": lambda: ops.gram_screened(U),
+        "part:screen_global": lambda: ops.finite_rows(x0.unsqueeze(0)),
+        "part:host_scores": lambda: torch.sort(krum_scores(sq_distances(G), KRUM_F), stable=True),
+        "part:final_sum_m1": final_sum(1),
+        f"part:final_sum_m{K // 2}": final_sum(K // 2),
+    }
+    for label, name, opts in METHODS[2:4]:
+        run = _method_round(label, name, opts, U, x0)
+        if run is not None:
+            fns["method:" + label] = run
+    cpu: Dict[str, List[float]] = {k: [] for k in fns}
+    load0 = os.getloadavg()
+    res = compare({k: _cpu_timed(f, cpu[k]) for k, f in fns.items()}, repeats=repeats, min_time=0.0, warmup=1)
+    gram_ms, gram_cpu = res["op:gram"]["median_s"] * 1e3, statistics.median(cpu["op:gram"]) * 1e3
+    rows = []
+    for k, v in res.items():
+        ms, cms = v["median_s"] * 1e3, statistics.median(cpu[k]) * 1e3
+        rows.append(
+            {"K": K, "d": d, "case": k, "ms": ms, "cpu_ms": cms, "x_gram": ms / gram_ms, "cpu_x_gram": cms / gram_cpu}
+        )
+    rows.append({"K": K, "d": d, "case": "load", "loadavg_start": load0, "loadavg_end": os.getloadavg()})
+    return rows
+
+
 def target_verdicts(table: List[Dict[str, Any]]) -> List[str]:
     """One line per target and K: the measured ratio, the target and whether it is met."""
     out: List[str] = []
@@ -245,6 +288,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-flower", action="store_true", help="leave out Flower's functions")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--krum-parts",
+        action="store_true",
+        help="only the breakdown of a Krum / Multi-Krum round into its parts (writes robust-krum-parts.json)",
+    )
     add_out_argument(ap)
     args = ap.parse_args(argv)
     try:
@@ -262,6 +310,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: List[Dict[str, Any]] = []
+    if args.krum_parts:
+        for K in ks:
+            rows += krum_parts(K, args.d, args.repeats)
+        print_table([r for r in rows if "ms" in r], ["K", "d", "case", "ms", "cpu_ms", "x_gram", "cpu_x_gram"])
+        for r in rows:
+            if r["case"] == "load":
+                print(f"K={r['K']}: load average at start {r['loadavg_start']}, at end {r['loadavg_end']}")
+        print(f"wrote {write_json('robust-krum-parts.json', rows, out=args.out)}")
+        return 0
     for K in ks:
         rows += bench(K, args.d, args.baseline_elems, args.repeats, not args.no_flower)
     table = [r for r in rows if "ms" in r]
