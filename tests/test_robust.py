@@ -597,3 +597,23 @@ def test_result_vector_on_huge_pages_and_into_out_is_the_same_model(monkeypatch,
     mapped.add_(1.0)  # writable, and its own memory
     assert torch.equal(mapped, plain + 1.0) and not torch.equal(plain, mapped)
     assert torch.equal(mapped.clone().share_memory_(), mapped)
+
+
+def test_bench_robust_runs_and_names_its_baselines(tmp_path):
+    """bench/robust.py end to end on a tiny d: every case of the full run (Flower's functions when flwr is
+    installed) and of the Krum breakdown is in its JSON, with the CPU time beside the wall time."""
+    from bench import robust
+
+    out = tmp_path / "r.json"
+    assert robust.main(["--d", "3000", "--ks", "10", "--repeats", "1", "--out", str(out)]) == 0
+    cases = {r["case"]: r for r in json.loads(out.read_text())["results"] if "case" in r}
+    for c in ("floor:weighted_sum", "op:gram", "method:krum", "method:multi-krum", "method:bulyan"):
+        assert c in cases and cases[c]["cpu_ms"] > 0
+    if robust._flower() is not None:
+        assert {"flower:aggregate_krum", "flower:aggregate_multi_krum", "flower:aggregate_bulyan"} <= set(cases)
+        assert "cpu_flower_over_method" in cases["method:multi-krum"]
+    assert cases["load"]["loadavg_start"]
+    parts = tmp_path / "p.json"
+    assert robust.main(["--krum-parts", "--d", "3000", "--ks", "10", "--repeats", "1", "--out", str(parts)]) == 0
+    got = {r["case"] for r in json.loads(parts.read_text())["results"]}
+    assert {"part:gram_screened", "part:screen_global", "part:final_sum_m1", "method:krum"} <= got
