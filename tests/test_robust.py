@@ -563,3 +563,57 @@ def test_norm_bound_wrapper_clips_before_the_rule(name, opts):
     ref = algorithms.build(name, **opts).aggregate(x, clipped.float(), n)
     assert got.info["norm_clipped"] == int((U.double().norm(dim=1) > M).sum())
     torch.testing.assert_close(got.params, ref.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("krum", {"f": 1}),
+        ("krum", {"f": 1, "m": 3}),
+        ("bulyan", {"f": 1}),
+        ("median", {}),
+        ("centered_clip", {"tau": 3.0, "iterations": 2}),
+    ],
+)
+def test_result_vector_on_huge_pages_and_into_out_is_the_same_model(monkeypatch, name, opts):
+    """The new model written into a huge-page mapping (common.result_vector; the size threshold lowered
+    so a small d takes that path) and into the caller's ``out`` is bitwise the model of a plain
+    allocation; the mapped tensor owns its memory and shares like any."""
+    from fedkernels.algorithms.robust import common
+
+    U, n = _data(K=11, d=1001)
+    x = torch.randn(U.size(1))
+    monkeypatch.setattr(common, "HUGE_PAGE_MIN_BYTES", 1 << 62)
+    plain = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n).params
+    monkeypatch.setattr(common, "HUGE_PAGE_MIN_BYTES", 0)
+    mapped = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n).params
+    out = torch.full_like(x, float("nan"))
+    into = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n, out=out)
+    assert into.params is out
+    for got in (mapped, out):
+        assert got.dtype == x.dtype and got.shape == x.shape and torch.equal(got, plain)
+    if common._HUGE_PAGES:
+        assert mapped.untyped_storage().nbytes() == x.numel() * 4
+    mapped.add_(1.0)  # writable, and its own memory
+    assert torch.equal(mapped, plain + 1.0) and not torch.equal(plain, mapped)
+    assert torch.equal(mapped.clone().share_memory_(), mapped)
+
+
+def test_bench_robust_runs_and_names_its_baselines(tmp_path):
+    """bench/robust.py end to end on a tiny d: every case of the full run (Flower's functions when flwr is
+    installed) and of the Krum breakdown is in its JSON, with the CPU time beside the wall time."""
+    from bench import robust
+
+    out = tmp_path / "r.json"
+    assert robust.main(["--d", "3000", "--ks", "10", "--repeats", "1", "--out", str(out)]) == 0
+    cases = {r["case"]: r for r in json.loads(out.read_text())["results"] if "case" in r}
+    for c in ("floor:weighted_sum", "op:gram", "method:krum", "method:multi-krum", "method:bulyan"):
+        assert c in cases and cases[c]["cpu_ms"] > 0
+    if robust._flower() is not None:
+        assert {"flower:aggregate_krum", "flower:aggregate_multi_krum", "flower:aggregate_bulyan"} <= set(cases)
+        assert "cpu_flower_over_method" in cases["method:multi-krum"]
+    assert cases["load"]["loadavg_start"]
+    parts = tmp_path / "p.json"
+    assert robust.main(["--krum-parts", "--d", "3000", "--ks", "10", "--repeats", "1", "--out", str(parts)]) == 0
+    got = {r["case"] for r in json.loads(parts.read_text())["results"]}
+    assert {"part:gram_screened", "part:screen_global", "part:final_sum_m1", "method:krum"} <= got

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..base import AggResult, Aggregator, RoundInput, register
-from .common import check_int, check_positive, row_dots
+from .common import check_int, check_positive, new_vector, result_vector, row_dots
 
 
 @register("centered_clip")
@@ -64,9 +64,14 @@ class CenteredClip(Aggregator):
             s = torch.where(dist > self.tau, self.tau / dist, torch.ones_like(dist))
             keep = 1.0 - float(s.sum()) / K
             a, c = a * keep, c * keep + s / K
-        v = rin.weighted_sum(c, base=v0 * a if a != 0.0 else None)
+        base = torch.mul(v0, a, out=new_vector(v0.numel(), v0.dtype, v0.device)) if a != 0.0 else None
+        v = rin.weighted_sum(c, base=base)
         self.center = v
-        new = g.add(v, alpha=self.server_lr)
+        new = (
+            torch.add(g, v, alpha=self.server_lr, out=result_vector(rin))
+            if v.dtype == g.dtype
+            else g.add(v, alpha=self.server_lr)
+        )
         return AggResult(new, {"clip_factors": s.tolist(), "center_weight": a})
 
     def passes(self, K: Optional[int] = None) -> Tuple[str, ...]:
