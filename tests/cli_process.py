@@ -77,6 +77,8 @@ PRELOAD = (
 # read by torch when it starts (its intra-op thread count), applied in each child the same way
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _HEADER = struct.Struct("!Q")
+# the zygote's environment: this process's at collection time, before a test changes os.environ
+_START_ENV = dict(os.environ)
 
 
 def _send(fd: int, obj) -> None:
@@ -290,7 +292,7 @@ class _Zygote:
         import fedkernels
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(fedkernels.__file__)))
-        env = {k: v for k, v in os.environ.items() if k not in _THREAD_ENV}
+        env = {k: v for k, v in _START_ENV.items() if k not in _THREAD_ENV}
         env["PYTHONPATH"] = os.pathsep.join([here, root] + _pythonpath(env))
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()

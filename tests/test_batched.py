@@ -22,6 +22,7 @@ from fedkernels.sim.assemble import torch_settings
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.server import Simulation
 from round_states import RoundStates
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

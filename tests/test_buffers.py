@@ -17,6 +17,7 @@ from fedkernels.flat import FlatSpec
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.server import Simulation
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,7 @@ import os
 import sys
 
 from fedkernels.sim import presets
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

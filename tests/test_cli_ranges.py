@@ -9,6 +9,7 @@ import pytest
 
 from fedkernels.sim.cli import main
 from fedkernels.sim.config import RANGES, RunConfig
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs POSIX signals")

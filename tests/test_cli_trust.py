@@ -13,6 +13,7 @@ import textwrap
 
 import torch
 from test_cli_resume import _final, _tree  # the run folder's files with their times; final_model.pt's vector
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,6 +10,7 @@ import pytest
 from fedkernels.sim import stats
 from fedkernels.sim.compare import METRICS, compare, method_stats, resolve_methods
 from fedkernels.sim.presets import get, variants
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

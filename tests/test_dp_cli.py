@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytest.importorskip("dp_accounting")

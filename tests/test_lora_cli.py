@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytest.importorskip("peft")

@@ -23,6 +23,7 @@ import torch
 from fedkernels import algorithms, ops
 from fedkernels.errors import BadUpdateError
 from fedkernels.sources import ChunkedUpdates, TensorSource
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

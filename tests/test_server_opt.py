@@ -14,6 +14,7 @@ from fuzz_oracle import server_opt_expected  # tests/fuzz_oracle.py: the recompu
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
 from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

@@ -14,6 +14,7 @@ from fedkernels.algorithms import wrappers
 from fedkernels.algorithms.base import AggResult, Aggregator, BadUpdateError, RoundInput, RowScaled
 from fedkernels.algorithms.wrappers import MethodWrapper, NormBound, wrap
 from fedkernels.sources import ChunkedUpdates, TensorSource
+
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 F64 = torch.float64
