@@ -23,7 +23,8 @@ starts (else the default the zygote found), runs the module / code / script as `
 ``runpy``, and exits as the interpreter would: the ``SystemExit`` code, 1 with the traceback on
 stderr for an uncaught exception, killed by SIGINT for an uncaught ``KeyboardInterrupt``; non-daemon
 threads are joined and atexit handlers run first. The zygote reaps its children and reports each
-exit status; ``timeout`` kills the child (SIGKILL) and raises ``subprocess.TimeoutExpired`` as
+exit status (``CLI_PROCESS_CPU_LOG=FILE``: each zygote appends how many commands it ran and their CPU
+seconds when it exits); ``timeout`` kills the child (SIGKILL) and raises ``subprocess.TimeoutExpired`` as
 ``subprocess.run`` does. The zygote exits when the process that started it closes the pipe (at
 its exit, or when it dies), so no session fixture is needed. A zygote of our own rather than
 multiprocessing's forkserver: the simulator's ``workers=N`` uses that (one per process, its preload
@@ -130,6 +131,7 @@ def _zygote(req_fd: int, resp_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the tests; the zygote ends at EOF
+    children, cpu = 0, 0.0  # the commands run and their CPU seconds (user + system)
     try:
         while True:
             try:
@@ -140,11 +142,12 @@ def _zygote(req_fd: int, resp_fd: int) -> None:
                 os.read(wake_r, 4096)
                 while True:
                     try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
+                        pid, status, ru = os.wait4(-1, os.WNOHANG)
                     except ChildProcessError:
                         break
                     if pid == 0:
                         break
+                    children, cpu = children + 1, cpu + ru.ru_utime + ru.ru_stime
                     _send(resp_fd, ("exit", pid, os.waitstatus_to_exitcode(status)))
             if req_fd in ready:
                 req = _recv(req_fd)
@@ -164,6 +167,10 @@ def _zygote(req_fd: int, resp_fd: int) -> None:
                 _send(resp_fd, ("started", req["id"], pid))
     except KeyboardInterrupt:  # pragma: no cover
         pass
+    log = os.environ.get("CLI_PROCESS_CPU_LOG")  # a file: one line per zygote with its children's CPU
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} commands {children} cpu_s {cpu:.2f}\n")
 
 
 def _child(req: dict, default_threads: int, zygote_path: list) -> int:
