@@ -20,6 +20,7 @@ SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.c
 # the suite in one pytest-xdist worker per core; --dist worksteal: an idle worker takes tests from the
 # other's queue, so one long test file does not bound the suite (every test is safe to run beside any
 # other: temporary directories, free ports; a module's fixtures run once per worker that needs them);
+# the CLI tests fork their commands from one pre-imported interpreter per worker (tests/cli_process.py);
 # `make test PYTEST_ARGS=-q` runs it in one process, `PYTEST_ARGS='-q -n auto --hypothesis-profile
 # thorough'` with ten times the fuzz examples
 PYTEST_ARGS ?= -q -n auto --dist worksteal

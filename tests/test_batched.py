@@ -9,7 +9,6 @@ import copy
 import logging
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +22,8 @@ from fedkernels.sim.assemble import torch_settings
 from fedkernels.sim.report import TIMING_KEYS
 from fedkernels.sim.simulation import Simulation
 from round_states import RoundStates
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (13, 61, 97, 150)  # 13 < batch 32 (B = 13); 61, 97, 150 end with a short tail batch
@@ -543,7 +544,7 @@ def test_auto_is_sequential_on_the_cpu():
 
 def _fk(*args, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
 

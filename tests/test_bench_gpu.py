@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args, cwd=ROOT):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("OUT", None)
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, os.path.join(ROOT, "bench", "gpu.py"), *args],
         cwd=cwd,
         env=env,

@@ -4,7 +4,6 @@ method's new model has them as the sample-weighted average of the round's client
 non-finite evaluation stops a simulated run with one line naming the round and the method."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +17,8 @@ from fedkernels.flat import FlatSpec
 from fedkernels.sim import presets
 from fedkernels.sim.config import apply_overrides
 from fedkernels.sim.simulation import Simulation
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,7 +146,7 @@ def test_a_non_finite_evaluation_stops_the_run_with_one_line(tmp_path):
     sched = tmp_path / "lr.json"
     sched.write_text('{"server_lr": [1, 1e30, 1]}')
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run(
+    p = cli_process.run(
         [
             sys.executable,
             "-m",

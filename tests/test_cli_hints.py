@@ -4,16 +4,17 @@ method of its own without --method."""
 
 import json
 import os
-import subprocess
 import sys
 
 from fedkernels.sim import presets
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fk(*args, cwd, **env):
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args],
         cwd=cwd,
         env=dict(os.environ, PYTHONPATH=ROOT, **env),

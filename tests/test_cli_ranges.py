@@ -2,7 +2,6 @@
 
 import dataclasses
 import os
-import subprocess
 import sys
 import typing
 
@@ -10,6 +9,8 @@ import pytest
 
 from fedkernels.sim.cli import main
 from fedkernels.sim.config import RANGES, RunConfig
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +75,7 @@ def test_out_of_range_is_one_line_before_anything_runs(tmp_path, capsys, overrid
     ],
 )
 def test_range_errors_through_the_real_command(tmp_path, args, expect):
-    p = subprocess.run(
+    p = cli_process.run(
         [sys.executable, "-m", "fedkernels", "run", "--preset", "kuramoto-digits", *args],
         cwd=tmp_path,
         env=dict(os.environ, PYTHONPATH=ROOT),

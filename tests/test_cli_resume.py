@@ -8,11 +8,12 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs POSIX signals")
 
@@ -26,7 +27,7 @@ def _env():
 
 
 def fk(*args, cwd):
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
     )
 
@@ -131,7 +132,7 @@ def test_double_ctrl_c_keeps_every_completed_round(tmp_path, ref5, where, kept):
     although checkpoint_every=0; during aggregation: round 3 finishes and is checkpointed. Either way
     the resumed run equals an uninterrupted one, bit for bit."""
     args = ["run", *SMALL, "rounds=5", "checkpoint_every=0", "--name", "cut"]
-    p = subprocess.run(
+    p = cli_process.run(
         [sys.executable, "-c", _DOUBLE, where, "3", *args],
         cwd=tmp_path,
         env=_env(),

@@ -14,6 +14,8 @@ import pytest
 import torch
 import yaml
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["plots=false", "threads=1", "--no-progress"]
 
@@ -23,7 +25,7 @@ def _env():
 
 
 def fk(*args, cwd, timeout=300):
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args],
         cwd=cwd,
         env=_env(),
@@ -83,7 +85,7 @@ def test_demo_preset_runs_its_default_method_where_run_puts_runs(tmp_path):
 
 
 def test_make_demo_separates_runs_from_the_comparison_and_says_what_next(tmp_path):
-    p = subprocess.run(
+    p = cli_process.run(
         [sys.executable, "-m", "fedkernels.sim.demo", "--fedavg-only", "--rounds", "2"],
         cwd=tmp_path,
         env=_env(),
@@ -205,7 +207,7 @@ def test_every_cli_option_has_help():
 
     walk(build_parser(), "fedkernels")
     assert not missing, missing
-    out = subprocess.run(
+    out = cli_process.run(
         [sys.executable, "-m", "fedkernels", "run", "--help"], env=_env(), capture_output=True, text=True, timeout=60
     ).stdout
     assert "--method" in out and "--overwrite" in out

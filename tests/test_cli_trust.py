@@ -8,12 +8,13 @@ at an exact point) are injected into the child before ``fedkernels.sim.cli.main`
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import torch
 from test_cli_resume import _final, _tree  # the run folder's files with their times; final_model.pt's vector
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["plots=false", "--no-progress"]
@@ -34,7 +35,7 @@ def fk(*args, cwd, inject: str = ""):
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, "-m", "fedkernels", *args]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    return cli_process.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
 
 
 def _prov(run_dir):

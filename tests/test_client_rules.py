@@ -3,7 +3,6 @@
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,8 @@ from torch import nn
 
 from fedkernels import FlatSpec
 from fedkernels.algorithms import BadUpdateError, build
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +68,7 @@ def test_library_doc_round_snippet_runs_as_written(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(block)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    out = cli_process.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for name, key in (("scaffold", "delta_c"), ("fedprox", "prox_mu"), ("gcfed", "local_gc"), ("fedecado", "T")):
         line = next(l for l in out.stdout.splitlines() if l.startswith(name + " "))

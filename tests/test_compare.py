@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,12 +11,14 @@ from fedkernels.sim import stats
 from fedkernels.sim.compare import METRICS, compare, method_stats, resolve_methods
 from fedkernels.sim.presets import get, variants
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cli(*args, cwd=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", "compare", *args],
         capture_output=True,
         text=True,
@@ -149,7 +150,7 @@ def test_presets_show_a_time_estimate():
     assert e["rounds"] == presets.get("kuramoto-digits").rounds
     assert e["s_per_run"] == pytest.approx(e["s_per_round"] * e["rounds"]) and e["source"].startswith("results/")
     assert presets.estimate("kuramoto-cifar10") is None
-    r = subprocess.run([sys.executable, "-m", "fedkernels", "presets"], capture_output=True, text=True, timeout=120)
+    r = cli_process.run([sys.executable, "-m", "fedkernels", "presets"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     times = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("time:")]
     assert len(times) == len(presets.names())

@@ -4,13 +4,14 @@ refusal of methods that need more than weighted sums, and the simulator's compre
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from fedkernels import algorithms, compress
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,7 +195,7 @@ def test_codec_options_one_line_errors(kwargs, msg):
 
 def _cli(tmp_path, *args):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(
+    return cli_process.run(
         [
             sys.executable,
             "-m",
@@ -511,7 +512,7 @@ def test_cli_error_feedback_from_a_file_resumes_bit_identical(tmp_path):
     ]
 
     def fk(*args):
-        p = subprocess.run(
+        p = cli_process.run(
             [sys.executable, "-m", "fedkernels", *args],
             cwd=tmp_path,
             env=env,

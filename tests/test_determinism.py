@@ -5,10 +5,11 @@ with state (momentum, control variates, momentum tables, flows)."""
 import hashlib
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K, N, D, ROUNDS = 6, 9, 40_000 + 7, 3  # d spans several 8192-column parallel chunks, odd tail
@@ -52,7 +53,7 @@ def _fingerprints(threads: int) -> dict:
 
 
 def _run(threads: int) -> dict:
-    r = subprocess.run(
+    r = cli_process.run(
         [sys.executable, os.path.abspath(__file__), str(threads)], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,10 +4,11 @@ input is one line with exit 2 and nothing written; compare's tables show epsilon
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytest.importorskip("dp_accounting")
 
@@ -17,7 +18,7 @@ QUICK = ["plots=false", "threads=1", "--no-progress", "rounds=2"]
 
 def fk(*args, cwd, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 

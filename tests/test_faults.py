@@ -15,7 +15,8 @@ from fedkernels.sim.simulation import Simulation
 
 def _cfg(**kw):
     cfg = presets.get("smoke")
-    return dataclasses.replace(cfg, **kw) if kw else cfg
+    kw = {"plots": False, "progress": False, "verbose": False, **kw}  # the run's files without its figures
+    return dataclasses.replace(cfg, **kw)
 
 
 def _sim(tmp_path, fault, **kw):

@@ -1,7 +1,6 @@
 """gram: the native op against the float64 reference (shapes, rows, layouts, determinism, bad inputs)."""
 
 import math
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,8 @@ from fedkernels import ops, reference as ref
 from devices import DEVICES, FLOATS, gen, one_line, randn, settle  # tests/devices.py: every case on cpu and cuda
 import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 SHAPES = [(1, 1), (2, 3), (3, 17), (5, 1000), (7, 4099), (16, 2048 * 3 + 5), (33, 257), (10, 70001)]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -67,7 +68,7 @@ def test_gram_deterministic_across_calls_and_threads():
         "torch.set_num_threads({n}); G = o.gram(U); import sys; sys.stdout.write(G.numpy().tobytes().hex())"
     )
     outs = [
-        subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, check=True).stdout
+        cli_process.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, check=True).stdout
         for n in (1, 2)
     ]
     assert outs[0] == outs[1] and len(outs[0]) == 12 * 12 * 16

@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.cpu_hostwork import TINY, aggregator_cases, methods, spec_of
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 
 class OpCounter(TorchDispatchMode):
     """Counts every aten / fedkernels op dispatched inside the block."""
@@ -470,11 +472,10 @@ def test_fedaware_solver_symmetrises_once_with_the_same_result():
 def test_bench_methods_option(tmp_path):
     """bench/cpu_hostwork.py --methods times only the named methods; an unknown name is refused."""
     import json
-    import subprocess
     import sys
 
     out = tmp_path / "h.json"
-    r = subprocess.run(
+    r = cli_process.run(
         [
             sys.executable,
             "-m",
@@ -492,7 +493,7 @@ def test_bench_methods_option(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert [row["method"] for row in json.loads(out.read_text())["results"]] == ["fedavg", "kuramoto"]
-    r = subprocess.run(
+    r = cli_process.run(
         [sys.executable, "-m", "bench.cpu_hostwork", "--methods", "fedavg,nope", "--out", str(tmp_path / "x.json")],
         capture_output=True,
         text=True,

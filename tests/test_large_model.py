@@ -4,8 +4,9 @@ their floors and the int8 / bf16 ratio; no file left behind."""
 
 import json
 import os
-import subprocess
 import sys
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +29,7 @@ def test_int8_and_bf16_rows_in_one_run(tmp_path):
         "--out",
         str(tmp_path / "r.json"),
     ]
-    r = subprocess.run(
+    r = cli_process.run(
         cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600
     )
     assert r.returncode == 0, r.stderr[-3000:]

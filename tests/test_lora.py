@@ -18,6 +18,8 @@ from torch import nn
 
 from fedkernels.lora import LoraAggregator, LoraSpec
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 U32 = 2.0**-24
 F64 = 1e-10
 
@@ -463,7 +465,6 @@ def test_peft_bad_models():
 def test_example_lora_digits_runs_two_rounds():
     import json
     import os
-    import subprocess
     import sys
 
     pytest.importorskip("peft")
@@ -480,7 +481,7 @@ def test_example_lora_digits_runs_two_rounds():
         "--local-steps",
         "5",
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    p = cli_process.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     final = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("final "))[len("final ") :])
     assert set(final) == {"naive", "exact", "fold"}
@@ -490,5 +491,5 @@ def test_example_lora_digits_runs_two_rounds():
     assert final["exact"]["relative_error"] <= final["exact"]["naive_relative_error"] * (1 + 1e-6)
     assert final["naive"]["relative_error"] == final["naive"]["naive_relative_error"] > 0
     assert all(0 <= r[k] <= 1 for r in final.values() for k in ("acc_new", "acc_all"))
-    bad = subprocess.run(cmd[:2] + ["--rank", "0"], capture_output=True, text=True, env=env, timeout=600)
+    bad = cli_process.run(cmd[:2] + ["--rank", "0"], capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode == 2 and "--rank must be >= 1" in bad.stderr

@@ -7,11 +7,12 @@ rounding of the stored factors; fold's residual makes base + product the true av
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytest.importorskip("peft")
 
@@ -23,7 +24,7 @@ U32 = 2.0**-24
 def fk(*args, cwd, env_extra=None, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.update(env_extra or {})
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 

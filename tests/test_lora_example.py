@@ -5,10 +5,11 @@ no farther from it than naive's rank-r product."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 pytest.importorskip("peft")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,7 @@ def test_lora_fmnist_quick(tmp_path):
     except (FileNotFoundError, ValueError):
         pytest.skip("Fashion-MNIST is not installed (Debian's dataset-fashion-mnist)")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run(
+    p = cli_process.run(
         [sys.executable, os.path.join(ROOT, "examples", "lora_fmnist.py"), "--quick", "--out", str(tmp_path)],
         env=env,
         capture_output=True,

@@ -15,11 +15,12 @@ import glob
 import os
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = (
@@ -101,7 +102,7 @@ def test_doc_block_runs(doc, line, code, why, tmp_path):
         OMP_NUM_THREADS="1",
         FEDKERNELS_CACHE="off",
     )
-    r = subprocess.run(
+    r = cli_process.run(
         [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
     )
     if r.returncode != 0:

@@ -14,6 +14,8 @@ import tarfile
 
 import pytest
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "results", "scripts")
 sys.path.insert(0, SCRIPTS)
@@ -150,7 +152,7 @@ def test_pack_keeps_archived_runs_and_unpack_never_overwrites(tmp_path):
 
 
 def _cli(script, *args, cwd=REPO, env=None):
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, os.path.join(SCRIPTS, script), *args],
         cwd=cwd,
         capture_output=True,
@@ -205,7 +207,7 @@ def test_analyze_reads_archives_byte_identical_to_directories(tmp_path):
                 for p in ("fedaware/fmnist", "gcfed/digits")
                 for n in os.listdir(os.path.join(root, p))
             )
-        r = subprocess.run(
+        r = cli_process.run(
             [sys.executable, os.path.join(REPO, "results", "analyze.py")],
             cwd=REPO,
             env=env,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -24,6 +23,8 @@ import torch
 from fedkernels import algorithms, ops
 from fedkernels.errors import BadUpdateError
 from fedkernels.sources import ChunkedUpdates, TensorSource
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS32 = 2.0**-23
@@ -462,7 +463,7 @@ def test_no_attack_keeps_config_hash():
 
 def _cli(*args, cwd):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(
+    return cli_process.run(
         [sys.executable, "-m", "fedkernels.sim.cli", *args],
         cwd=cwd,
         env=env,

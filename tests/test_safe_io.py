@@ -13,6 +13,8 @@ import torch
 from fedkernels import safe_io
 from fedkernels.safe_io import CheckpointError, ConfigError, load_checkpoint, load_config, save_checkpoint
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 
 class _Evil:
     """Unpickling this would create the marker file (a classic __reduce__ gadget)."""
@@ -103,7 +105,7 @@ def test_atomic_save_keeps_old_file_when_killed_mid_write(tmp_path):
         "os.fsync = die\n"
         f"ck.save({str(p)!r}, {{'v': 2, 'w': torch.ones(10**6)}})\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    r = cli_process.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == -9
     assert load_checkpoint(p)["v"] == 1
 

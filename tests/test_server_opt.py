@@ -15,6 +15,8 @@ from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
 from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 RULES = ["adam", "yogi", "adagrad"]
 OPTS = {
@@ -518,7 +520,6 @@ def test_server_opt_bad_values_are_one_line(spec, match):
 def test_cli_reaches_server_opt(tmp_path):
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -536,7 +537,7 @@ def test_cli_reaches_server_opt(tmp_path):
         "--no-progress",
         "--quiet",
     ]
-    p = subprocess.run(
+    p = cli_process.run(
         base + ["algorithm.options.server_opt=yogi"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-2000:]
@@ -544,7 +545,7 @@ def test_cli_reaches_server_opt(tmp_path):
     with open(tmp_path / run_dir / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["agg"]["server_opt"]["t"] for r in rows] == [1, 2]
-    p = subprocess.run(
+    p = cli_process.run(
         base + ["algorithm.name=fedadam", "algorithm.options.beta_1=1.5"],
         cwd=tmp_path,
         env=env,

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--preset", "smoke", "rounds=4", "checkpoint_every=1", "plots=false", "threads=1", "--no-progress"]
 
@@ -107,7 +109,7 @@ def test_lost_rank_stops_the_other_with_one_line_and_resume_is_bit_identical(tmp
     r = _torchrun(tmp_path, "none", "--resume", "runs/cut", "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    ref = subprocess.run(
+    ref = cli_process.run(
         [sys.executable, "-m", "fedkernels", "run", *ARGS, "--name", "ref"],
         cwd=tmp_path,
         env=env,

@@ -20,6 +20,8 @@ from fedkernels.streaming import (
     streamed_weighted_sum,
 )
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 K, D = 5, 1001  # odd d: chunk widths that do not divide it
 
 
@@ -218,7 +220,6 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     """bench/large_model.py as a user runs it: a tiny round from a file, its JSON, no file left behind;
     a run that cannot fit on the disk is refused (exit 2) before anything is written."""
     import json
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,7 +240,7 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
         "--out",
         str(tmp_path / "r.json"),
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    r = cli_process.run(cmd, capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     row, aware = res["methods"]
@@ -251,7 +252,7 @@ def test_large_model_bench_runs_and_cleans_up(tmp_path):
     assert all(len(m["loadavg_before"]) == 3 and m["top_calls_own_s"] for m in (row, aware))
     assert row["read_mode"] == res["read_path"]["read_mode"] == "buffered"  # (a small file: cached reads)
     assert os.listdir(work) == []
-    r = subprocess.run(
+    r = cli_process.run(
         cmd[:-2] + ["--margin-gb", "1e9", "--out", str(tmp_path / "s.json")], capture_output=True, text=True, cwd=root
     )
     assert r.returncode == 2 and "GB free" in r.stderr and "lower --d" in r.stderr

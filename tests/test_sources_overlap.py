@@ -17,6 +17,8 @@ from fedkernels import algorithms, ops, sources
 from fedkernels.sources import chunked
 from fedkernels.sources import ChunkedUpdates, RawFileSource, TensorSource, overlapped
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 K, D = 5, 1001
 
 
@@ -221,11 +223,10 @@ def test_half_sources_under_a_model_of_their_dtype_or_wider(tmp_path, src_dtype,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_bench_case_refuses_without_cuda():
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(
+    r = cli_process.run(
         [sys.executable, "-c", "from bench.large_model import gpu_overlap; gpu_overlap()"],
         capture_output=True,
         text=True,

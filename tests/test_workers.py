@@ -28,6 +28,8 @@ from fedkernels.sim.client_errors import BadClientError
 from fedkernels.sim.simulation import Simulation
 from fedkernels.sim.workers import WorkerPool, default_threads
 
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
+
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork"), reason="workers=N starts its workers from a fork server (POSIX)"
 )
@@ -237,7 +239,7 @@ def test_workers_die_with_the_main_process(tmp_path):
 
 def test_cli_run_with_workers(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run(
+    r = cli_process.run(
         [
             sys.executable,
             "-m",
@@ -257,7 +259,7 @@ def test_cli_run_with_workers(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "round    2/2" in r.stdout
-    bad = subprocess.run(
+    bad = cli_process.run(
         [sys.executable, "-m", "fedkernels", "run", "--preset", "smoke", "workers=0", f"out_dir={tmp_path}"],
         capture_output=True,
         text=True,
@@ -369,7 +371,8 @@ def _cli(tmp_path, *args, sitecustomize=None):
         (tmp_path / "site" / "sitecustomize.py").write_text(sitecustomize)
         path.insert(0, str(tmp_path / "site"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    return subprocess.run(
+    run = cli_process.run if sitecustomize is None else subprocess.run  # sitecustomize acts at start: fresh
+    return run(
         [
             sys.executable,
             "-m",

@@ -4,7 +4,6 @@ method on the explicitly clipped matrix (fp64 reference bounds), state, options,
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,8 @@ from fedkernels.algorithms import wrappers
 from fedkernels.algorithms.base import AggResult, Aggregator, BadUpdateError, RoundInput, RowScaled
 from fedkernels.algorithms.wrappers import MethodWrapper, NormBound, wrap
 from fedkernels.sources import ChunkedUpdates, TensorSource
+
+import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
 F64 = torch.float64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -335,7 +336,7 @@ def test_cli_reaches_norm_bound(tmp_path):
         "--no-progress",
         "--quiet",
     ]
-    p = subprocess.run(
+    p = cli_process.run(
         base + ["algorithm.options.norm_bound=0.01"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert p.returncode == 0, p.stderr[-2000:]
@@ -343,7 +344,7 @@ def test_cli_reaches_norm_bound(tmp_path):
     with open(tmp_path / run_dir / "metrics.jsonl") as f:
         row = json.loads(f.readline())
     assert row["agg"]["norm_clipped"] == row["num_updates"] > 0
-    p = subprocess.run(
+    p = cli_process.run(
         base + ["algorithm.options.norm_bound=-1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     lines = [x for x in p.stderr.splitlines() if x.strip()]
