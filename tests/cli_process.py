@@ -64,7 +64,7 @@ PRELOAD = (
     "torch",
     "fedkernels",
     "fedkernels.sim.cli",
-    "fedkernels.sim.server",
+    "fedkernels.sim.simulation",
     "fedkernels.sim.checkpoint",
     "fedkernels.sim.data",
     "fedkernels.sim.workers",
