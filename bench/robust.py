@@ -207,7 +207,8 @@ def krum_parts(K: int, d: int, repeats: int) -> List[Dict[str, Any]]:
     rounds, the Gram and the floor (wall and CPU time per call; ``--threads 1`` for load-independent CPU
     times): the screened Gram pass, the runner's screen of the global model, the host scoring on the
     K x K distances and the final sum over the m picked rows into a new model (``result_vector``)."""
-    from fedkernels.algorithms.robust.common import krum_scores, new_vector, sq_distances
+    from fedkernels._memory import new_vector
+    from fedkernels.algorithms.robust.common import krum_scores, sq_distances
 
     g = torch.Generator().manual_seed(K)
     U = torch.randn(K, d, generator=g) * 1e-3

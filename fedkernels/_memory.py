@@ -14,16 +14,20 @@ memory of the machine; torch would then fail late (or the OOM killer would end t
   unused) by PyTorch's allocator, which it can reuse.
 
 Set ``FEDKERNELS_MEMORY_GUARD=0`` to disable the guard (e.g. when overcommit is intended).
+
+``new_vector``: a new [n] tensor, on the CPU backed by transparent huge pages from 4 MB up (a fresh
+model-sized result takes one page fault per 2 MB instead of one per 4 KB).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Optional
 
 import torch
 
-__all__ = ["available_bytes", "check_alloc", "InsufficientMemoryError", "format_bytes"]
+__all__ = ["available_bytes", "check_alloc", "InsufficientMemoryError", "format_bytes", "new_vector"]
 
 # fraction of the available memory one allocation may take (the rest is left for the model,
 # activations and temporaries)
@@ -135,3 +139,24 @@ def check_alloc(nbytes: int, what: str, device=None, hint: str = "", fraction: f
             msg += " " + hint
         msg += " Set FEDKERNELS_MEMORY_GUARD=0 to skip this check."
         raise InsufficientMemoryError(msg)
+
+
+# from this size up a new vector on the CPU is backed by transparent huge pages (``new_vector``)
+HUGE_PAGE_MIN_BYTES = 4 << 20
+_HUGE_PAGES = all(hasattr(mmap, a) for a in ("MADV_HUGEPAGE", "MAP_PRIVATE", "MAP_ANONYMOUS"))
+
+
+def new_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(n, dtype=dtype, device=device)``, except that on the CPU from HUGE_PAGE_MIN_BYTES up
+    it is a private anonymous mapping advised MADV_HUGEPAGE (as NumPy does for its large arrays; torch's
+    allocator does only with THP_MEM_ALLOC_ENABLE=1): the pass that first writes it takes one page fault
+    per 2 MB instead of one per 4 KB (n = 11.2M fp32: 22 faults instead of 11k, measured 26 -> 8 ms of
+    CPU time to allocate and write it). The tensor owns the mapping (unmapped with its storage). Under
+    torch.compile tracing: ``torch.empty``."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    small = n * esize < max(HUGE_PAGE_MIN_BYTES, 1)
+    if torch.device(device).type != "cpu" or not _HUGE_PAGES or small or torch.compiler.is_compiling():
+        return torch.empty(n, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, n * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype, count=n)

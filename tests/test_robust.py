@@ -577,23 +577,23 @@ def test_norm_bound_wrapper_clips_before_the_rule(name, opts):
     ],
 )
 def test_result_vector_on_huge_pages_and_into_out_is_the_same_model(monkeypatch, name, opts):
-    """The new model written into a huge-page mapping (common.result_vector; the size threshold lowered
+    """The new model written into a huge-page mapping (common.result_vector -> _memory.new_vector; the size threshold lowered
     so a small d takes that path) and into the caller's ``out`` is bitwise the model of a plain
     allocation; the mapped tensor owns its memory and shares like any."""
-    from fedkernels.algorithms.robust import common
+    from fedkernels import _memory
 
     U, n = _data(K=11, d=1001)
     x = torch.randn(U.size(1))
-    monkeypatch.setattr(common, "HUGE_PAGE_MIN_BYTES", 1 << 62)
+    monkeypatch.setattr(_memory, "HUGE_PAGE_MIN_BYTES", 1 << 62)
     plain = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n).params
-    monkeypatch.setattr(common, "HUGE_PAGE_MIN_BYTES", 0)
+    monkeypatch.setattr(_memory, "HUGE_PAGE_MIN_BYTES", 0)
     mapped = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n).params
     out = torch.full_like(x, float("nan"))
     into = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n, out=out)
     assert into.params is out
     for got in (mapped, out):
         assert got.dtype == x.dtype and got.shape == x.shape and torch.equal(got, plain)
-    if common._HUGE_PAGES:
+    if _memory._HUGE_PAGES:
         assert mapped.untyped_storage().nbytes() == x.numel() * 4
     mapped.add_(1.0)  # writable, and its own memory
     assert torch.equal(mapped, plain + 1.0) and not torch.equal(plain, mapped)

@@ -989,7 +989,9 @@ _REGISTRY: Dict[str, Callable[..., Aggregator]] = {}
 
 _AggT = TypeVar("_AggT", bound=Type[Aggregator])
 # the class whose options ``build`` has just checked (signature.check_options), while it constructs it
-_CHECKED_BY_BUILD: "contextvars.ContextVar[Optional[object]]" = contextvars.ContextVar("_checked_by_build", default=None)
+_CHECKED_BY_BUILD: "contextvars.ContextVar[Optional[object]]" = contextvars.ContextVar(
+    "_checked_by_build", default=None
+)
 
 
 def register(name: str, *aliases: str) -> Callable[[_AggT], _AggT]:

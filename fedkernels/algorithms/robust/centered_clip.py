@@ -23,7 +23,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..base import AggResult, Aggregator, RoundInput, register
-from .common import check_int, check_positive, new_vector, result_vector, row_dots
+from ..._memory import new_vector
+from .common import check_int, check_positive, result_vector, row_dots
 
 
 @register("centered_clip")

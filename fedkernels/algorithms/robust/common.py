@@ -4,21 +4,17 @@ and the rows' distances to a point for the iterative rules."""
 
 from __future__ import annotations
 
-import mmap
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
 from ... import ops
-from ...ops._checks import tracing
+from ..._memory import new_vector
 from ..base import RoundInput, RowScaled
 
 # bytes of the reused [K + 1, w] stack buffer of ``row_dots`` (a column chunk of U and of the vector): few
 # chunks, since each is a native call and a parallel region (4 MB chunks measured 2.8x slower at K = 100)
 ROW_STACK_BYTES = 64 << 20
-# from this size up a new result vector on the CPU is backed by transparent huge pages (``result_vector``)
-HUGE_PAGE_MIN_BYTES = 4 << 20
-_HUGE_PAGES = all(hasattr(mmap, a) for a in ("MADV_HUGEPAGE", "MAP_PRIVATE", "MAP_ANONYMOUS"))
 
 
 def check_int(method: str, option: str, value: int, least: int) -> int:
@@ -65,25 +61,9 @@ def select_pass(
     return res
 
 
-def new_vector(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty(n, dtype=dtype, device=device)``, except that on the CPU from HUGE_PAGE_MIN_BYTES up
-    it is a private anonymous mapping advised MADV_HUGEPAGE (as NumPy does for its large arrays; torch's
-    allocator does only with THP_MEM_ALLOC_ENABLE=1): the pass that first writes it takes one page fault
-    per 2 MB instead of one per 4 KB (n = 11.2M fp32: 22 faults instead of 11k, measured 26 -> 8 ms of
-    CPU time to allocate and write it). The tensor owns the mapping (unmapped with its storage). Under
-    torch.compile tracing: ``torch.empty``."""
-    esize = torch.empty(0, dtype=dtype).element_size()
-    small = n * esize < max(HUGE_PAGE_MIN_BYTES, 1)
-    if torch.device(device).type != "cpu" or not _HUGE_PAGES or small or tracing():
-        return torch.empty(n, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, n * esize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype, count=n)
-
-
 def result_vector(rin: RoundInput) -> torch.Tensor:
     """The [d] tensor (the global model's dtype and device) that a method's result pass writes the new
-    model into: the caller's ``out`` when it gave one (``rin.take_out``), else ``new_vector``."""
+    model into: the caller's ``out`` when it gave one (``rin.take_out``), else ``fedkernels._memory.new_vector``."""
     out = rin.take_out()
     if out is not None:
         return out
