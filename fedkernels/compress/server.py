@@ -35,7 +35,7 @@ def check_method(method: Union[str, Aggregator], kind: str) -> None:
     what = agg.reads_beyond_weighted_sum
     if what is None:
         return
-    name, why = (method, "") if isinstance(method, str) else (method.name, "")
+    name, why = method if isinstance(method, str) else method.name, ""
     w = agg
     while isinstance(w, MethodWrapper) and not why:  # the wrapper whose own declaration refuses, if any
         why = f" with {w.option}" if "reads_beyond_weighted_sum" in vars(type(w)) else ""
