@@ -565,3 +565,15 @@ def test_block_code_file_bad_row_is_excluded_by_the_runner(tmp_path):
     ]
     with pytest.raises(ValueError, match=r"client 6 \(row 1\): compressed update contains NaN/Inf"):
         algorithms.build("fedavg").aggregate(g, f, n, ids)
+
+
+def test_weighted_sum_methods_constant_reads_the_declarations():
+    """``compress.WEIGHTED_SUM_METHODS`` (the public name) is ``weighted_sum_methods()`` as a tuple: the
+    methods that declared they read U only through weighted sums, the FedAvg family and SCAFFOLD among them,
+    and no method that reads more."""
+    from fedkernels import compress
+
+    names = compress.WEIGHTED_SUM_METHODS
+    assert names == tuple(compress.weighted_sum_methods())
+    assert {"fedavg", "fedprox", "fedavgm", "fednova", "scaffold", "scaffold_partial", "fedpvr"} <= set(names)
+    assert not {"kuramoto", "fedaware", "fedecado", "krum", "median"} & set(names)

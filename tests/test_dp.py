@@ -228,3 +228,12 @@ def test_a_model_with_batchnorm_buffers_is_refused():
         agg.setup(spec, num_clients=10)
     ok = FlatSpec.from_module(nn.Sequential(nn.Linear(4, 3), nn.GroupNorm(1, 3)))
     algorithms.build("fedavg", dp={"kind": "central", "clip": 1.0, "noise_multiplier": 1.0}).setup(ok, num_clients=10)
+
+
+def test_verdicts_constant_reads_the_declarations():
+    """``dp.VERDICTS`` (the public name) is ``verdicts()``: each registered method's own ``dp_verdict``."""
+    from fedkernels.algorithms import dp
+
+    assert dp.VERDICTS == dp.verdicts()
+    assert dp.VERDICTS["fedavg"] == "private" and dp.VERDICTS["fedadam"] == "private"
+    assert all(dp.VERDICTS[m] != "private" for m in ("scaffold", "fedaware", "kuramoto", "krum", "median"))

@@ -16,3 +16,11 @@ __all__ = [
     "check_method",
     "weighted_sum_methods",
 ]
+
+
+def __getattr__(name: str):
+    if name == "WEIGHTED_SUM_METHODS":  # computed when read (compress.server)
+        from . import server
+
+        return server.WEIGHTED_SUM_METHODS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

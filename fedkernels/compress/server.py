@@ -28,6 +28,13 @@ def weighted_sum_methods() -> List[str]:
     return sorted(n for n, cls in _REGISTRY.items() if cls.reads_beyond_weighted_sum is None)
 
 
+def __getattr__(name: str) -> Any:
+    # WEIGHTED_SUM_METHODS: weighted_sum_methods() as a tuple, read from the methods' declarations when asked
+    if name == "WEIGHTED_SUM_METHODS":
+        return tuple(weighted_sum_methods())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def check_method(method: Union[str, Aggregator], kind: str) -> None:
     """One-line ValueError unless ``method`` (a built aggregator, wrappers included, or a registered name) reads
     the updates only through weighted sums."""
