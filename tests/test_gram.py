@@ -324,7 +324,7 @@ def test_gram_empty(dev):
 def test_bad_args_gram(dev):
     U, F = randn(dev, 5, 257, seed=53), torch.ops.fedkernels
     one_line(ValueError, r"gram: U must be a 2-D \[K, d\] tensor, got shape \(5, 257, 1\)", ops.gram, U[..., None])
-    one_line(RuntimeError, r"gram: U must be 2-D \[K, d\], got 3-D", F.gram, U[..., None], None)
+    one_line(ValueError, r"gram: U must be a 2-D \[K, d\] tensor, got shape \(5, 257, 1\)", F.gram, U[..., None], None)
     one_line(ValueError, r"gram: rows must lie in \[0, 5\), got min -1 max 2", ops.gram, U, rows=[2, -1])
     one_line(RuntimeError, r"gram: rows( entry|\[1\] =) 5 out of range \[0, 5\)", F.gram, U, torch.tensor([1, 5]))
     one_line(
