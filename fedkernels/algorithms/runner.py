@@ -277,7 +277,8 @@ class _Round:
             raise BadUpdateError(
                 f"{m.name}.aggregate: updates has {shape.d} columns, expected d={d} (len(global_flat))"
             )
-        # the tensor rules of the op wrappers (ops._checks), checked here before any state is touched
+        # aggregate's contract: the updates are the global model's (its dtype and device, a float
+        # dtype), checked before any state is touched; the ops check their own tensors natively
         _like(shape, f"{m.name}.aggregate", "updates", global_flat, "global_flat")
         _float_dtype(shape, f"{m.name}.aggregate", "updates")
         # Counts, ids and payloads: whole-round conversions and checks (no Python call per client)

@@ -1,18 +1,23 @@
-"""Argument checks shared by every op wrapper (private).
+"""Argument checks shared by the op wrappers (private).
 
-One rule for the whole package: the Python wrapper validates each argument once, before any work,
-and raises ``TypeError`` (not a tensor) or ``ValueError`` with one line naming the op, the argument,
-the value and what was expected. The native ops keep only cheap ``TORCH_CHECK``s as a last line.
+Each thing is checked in one place. The native op checks its tensor arguments (shape, dtype, device,
+layout) in C++ (``csrc/<op>_checks.h``) for every caller, raising a one-line ``ValueError`` that names
+the op, the argument, the value and what was expected. The Python wrapper checks what only Python
+sees, before any work: argument types (``TypeError`` for a non-tensor), Python scalars and options,
+and values (row indices in range, finite coefficients), each a one-line ``ValueError`` of the same
+form; it also copies a U without unit column stride once (:func:`_matrix`). The rules here that
+read a tensor's dtype or device (:func:`_like`, :func:`_float_dtype`) serve the functions that have
+no native op behind them and the round runner's contract check (updates against global_flat).
 
 Host-side index and coefficient checks: ``rows`` and the small per-client vectors
 (``coef``, FedECADO's thetas) are checked and handed to the native op as HOST (CPU) tensors for
 every device of ``U``: a CUDA ``rows``/``coef`` is copied to the host once; the CUDA glue moves
 them to the device. So a bad index is a ValueError here and never a device assert.
 
-Under ``torch.compile`` tracing (``tracing()``) and torch.func transforms, the checks that need a tensor's *values* (ranges,
-finiteness) are skipped: shapes, dtypes and devices are still checked, and the CPU kernels keep
-their own range checks, so a bad index still raises (a RuntimeError from the kernel) instead of
-reading out of bounds.
+Under ``torch.compile`` tracing (``tracing()``) and torch.func transforms, the checks that need a
+tensor's *values* (ranges, finiteness) are skipped; the native op still checks the tensors when the
+graph runs, and the CPU kernels keep their own range checks, so a bad index still raises (a
+RuntimeError from the kernel) instead of reading out of bounds.
 """
 
 from __future__ import annotations
