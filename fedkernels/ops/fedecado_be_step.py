@@ -60,10 +60,12 @@ def fedecado_be_step(
 class BEStepWindow:
     """:func:`fedecado_be_step` over the attempts of one integration window (FedECADO's
     ``central_round``): what stays fixed (xc0, U, Ik, S_off, L, the start state (xc, Icur), default
-    (xc0, Ik)) is checked once here, with :func:`fedecado_be_step`'s rules and messages; the attempts
-    write into output pairs that the window owns (allocated on first use, or ``out`` as pair 0: checked
-    once), so :meth:`step` checks only its own arguments (the host vectors, dt, which state it reads and
-    which pair it writes). Same op, same results as calling :func:`fedecado_be_step` per attempt."""
+    (xc0, Ik)) is checked once here in Python (types, L, the layout copy, the outputs' storage), with
+    :func:`fedecado_be_step`'s rules and messages; the attempts write into output pairs that the window
+    owns (allocated on first use, or ``out`` as pair 0), so :meth:`step` checks only its own arguments
+    (the host vectors, dt, which state it reads and which pair it writes). The tensors' shapes, dtypes
+    and devices are the native op's checks (a few comparisons per attempt): a bad one raises at the
+    first step. Same op, same results as calling :func:`fedecado_be_step` per attempt."""
 
     def __init__(
         self,
