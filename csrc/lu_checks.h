@@ -29,8 +29,9 @@ inline int64_t lu_factor_args(const at::Tensor& A) {
 }
 
 // LU: [n, n] or [B, n, n] float; pivots: int32/int64 of LU's shape less the last dim; R: [n, m] or
-// [B, n, m] float32/float64 with unit column stride; all on one device. The wrapper's messages (op
-// lu_solve, for lu_solve_out too), in its order.
+// [B, n, m] float32/float64 with unit column stride; all on one device (pivots may also be on the
+// host: the CUDA glue checks their range there). The wrapper's messages (op lu_solve, for
+// lu_solve_out too), in its order.
 struct LuSolveShape {
   bool batched;
   int64_t B, n, m;
@@ -56,7 +57,7 @@ inline LuSolveShape lu_solve_args(const at::Tensor& LU, const at::Tensor& piv, c
                     ", got shape ", py_shape(R.sizes()));
   TORCH_CHECK_VALUE(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble, op,
                     ": R must be float32 or float64, got ", py_dtype(R.scalar_type()));
-  TORCH_CHECK_VALUE(LU.device() == R.device() && piv.device() == R.device(), op,
+  TORCH_CHECK_VALUE(LU.device() == R.device() && (piv.device() == R.device() || piv.device().is_cpu()), op,
                     ": LU, pivots and R must be on one device, got ", LU.device(), ", ", piv.device(), ", ", R.device());
   TORCH_CHECK_VALUE(R.size(-1) <= 1 || R.stride(-1) == 1, op, ": R must have unit column stride, got strides ",
                     py_shape(R.strides()), " (the fedkernels.ops wrapper copies it once)");
