@@ -188,7 +188,7 @@ def _host_vector(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) 
     the native op to raise its length or dtype error (csrc/fedecado_be_step_checks.h)."""
     t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
     if t.dim() != 1 or t.size(0) != K or not t.dtype.is_floating_point:
-        return t.detach()
+        return t.detach().cpu()  # (on the host, as every host vector: the op's device is U's)
     return _host_coef(t, K, op, name, nonneg)
 
 
