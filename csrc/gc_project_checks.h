@@ -1,25 +1,32 @@
 // Argument rules of gc_project_ / gc_project, written once for its CPU kernel (csrc/cpu/gc_project.cpp) and its
-// CUDA glue (csrc/cuda/gc_project_glue.cpp): cheap last-line checks (the Python wrapper validates first),
-// and the row view of a tensor that both backends use.
+// CUDA glue (csrc/cuda/gc_project_glue.cpp): the one check of the tensors' dtypes and devices (the Python
+// wrapper checks the types and options first), and the row view of a tensor that both backends use.
 #pragma once
+
+#include <string>
 
 #include "checks.h"
 
 namespace fedkernels {
 namespace checks {
 
-// Returns center (vector_policy == "center"). Every tensor defined, float16/bfloat16/float32/float64, on dev.
-inline bool gc_args(at::TensorList tensors, c10::string_view policy, int64_t min_fanin, c10::Device dev) {
-  TORCH_CHECK(policy == "skip" || policy == "center", "gc_project: vector_policy must be 'skip' or 'center', got '",
+// Returns center (vector_policy == "center"). `op` is "gc_project_" or "gc_project". Every tensor
+// defined and float16/bfloat16/float32/float64, then all on one device (tensors[0]'s): one-line
+// ValueErrors worded as the Python wrapper (fedkernels/ops/gc_project.py) words its other errors.
+inline bool gc_args(at::TensorList tensors, c10::string_view policy, int64_t min_fanin, const char* op) {
+  TORCH_CHECK(policy == "skip" || policy == "center", op, ": vector_policy must be 'skip' or 'center', got '",
               std::string(policy), "'");
-  TORCH_CHECK(min_fanin >= 1, "gc_project: min_fanin must be >= 1, got ", min_fanin);
+  TORCH_CHECK(min_fanin >= 1, op, ": min_fanin must be an int >= 1, got ", min_fanin);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    TORCH_CHECK(t.defined(), "gc_project: tensors[", i, "] is undefined");
-    TORCH_CHECK(t.device() == dev, "gc_project: tensors[", i, "] is on ", t.device(), ", expected ", dev);
-    TORCH_CHECK(is_float4(t.scalar_type()), "gc_project: tensors[", i,
-                "] must be float16, bfloat16, float32 or float64, got ", t.scalar_type());
+    const std::string name = "tensors[" + std::to_string(i) + "]";
+    TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+    float_dtype(t, op, name.c_str());
   }
+  for (size_t i = 1; i < tensors.size(); ++i)
+    TORCH_CHECK_VALUE(tensors[i].device() == tensors[0].device(), op,
+                      ": all tensors must be on one device; tensors[0] is on ", tensors[0].device(), ", tensors[", i,
+                      "] on ", tensors[i].device());
   return policy == "center";
 }
 

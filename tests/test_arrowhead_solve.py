@@ -1,10 +1,12 @@
 """arrowhead_solve: spec fedecado.md section 9 (U2, U5d, U9), the dense LU path and the float64
 reference, general coefficients, non-contiguous inputs, opcheck, bad inputs."""
 
+import re
+
 import pytest
 import torch
 
-from devices import DEVICES, gen  # tests/devices.py: every case on cpu and cuda
+from devices import DEV, DEVICES, gen, one_line  # tests/devices.py: every case on cpu and cuda
 from fedkernels import ops, reference
 import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
@@ -125,3 +127,48 @@ def test_arrowhead_column_matches_reference(harness, K, m):
     xc, Ic = torch.ops.fedkernels.arrowhead_solve(a, b, c, alpha, r0, R)  # the CPU op: same order
     torch.testing.assert_close(x, xc, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(I, Ic, rtol=1e-14, atol=1e-14)
+
+
+# ---- tensor properties: checked once, by the native op, for the wrapper and a direct call alike ----
+def _bad_arrowhead_cases(dev):
+    """(a, b, c, r0, R, the message after "arrowhead_solve: ") around K = 3, m = 5, fp64."""
+    f64 = dict(dtype=torch.float64)
+    a, b, c = torch.full((3,), 2.0, **f64), torch.full((3,), -0.1, **f64), torch.full((3,), 0.5, **f64)
+    r0, R = torch.ones(5, device=dev, **f64), torch.ones(3, 5, device=dev, **f64)
+    dv = "cuda:0" if dev == DEV else "cpu"
+    cases = [
+        (a, b, c, r0, R[0], "R must be a 2-D [K, m] tensor, got shape (5,)"),
+        (a, b, c, r0, R[None], "R must be a 2-D [K, m] tensor, got shape (1, 3, 5)"),
+        (a, b, c, r0, R.long(), "R must be float32 or float64, got torch.int64"),
+        (a, b, c, r0, R.half(), "R must be float32 or float64, got torch.float16"),
+        (a[:2], b, c, r0, R, "a must be a scalar or a length-3 vector, got shape (2,)"),
+        (a, b[None], c, r0, R, "b must be a scalar or a length-3 vector, got shape (1, 3)"),
+        (a, b, torch.ones(4, **f64), r0, R, "c must be a scalar or a length-3 vector, got shape (4,)"),
+        (a, b, c, r0[:4], R, "r0 must be a 1-D tensor of length 5, got shape (4,)"),
+        (a, b, c, r0.float(), R, "r0 must have dtype torch.float64 (the dtype of U), got torch.float32"),
+    ]
+    if dev == DEV:
+        cases.append((a, b, c, r0.cpu(), R, f"r0 is on cpu but U is on {dv}"))
+    return cases
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(10))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    cases = _bad_arrowhead_cases(dev)
+    if case >= len(cases):
+        pytest.skip("a device mismatch needs a second device")
+    a, b, c, r0, R, msg = cases[case]
+    for fn in (ops.arrowhead_solve, torch.ops.fedkernels.arrowhead_solve):
+        one_line(ValueError, "^" + re.escape("arrowhead_solve: " + msg) + "$", fn, a, b, c, 1.0, r0, R)
+
+
+def test_the_native_solve_takes_scalar_coefficients_as_the_wrapper_does():
+    R, r0 = (
+        torch.randn(3, 7, generator=gen(70), dtype=torch.float64),
+        torch.randn(7, generator=gen(71), dtype=torch.float64),
+    )
+    x, I = ops.arrowhead_solve(2.0, -0.1, 0.5, 1.0, r0, R)
+    s = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    xn, In = torch.ops.fedkernels.arrowhead_solve(s(2.0), s(-0.1), s(0.5), 1.0, r0, R)
+    assert torch.equal(x, xn) and torch.equal(I, In)

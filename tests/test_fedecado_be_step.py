@@ -4,6 +4,7 @@ fedecado.be_step, spec §9 U2/U5d numbers, out buffers, NaN -> reject, opcheck, 
 wiring into central_round / the FedECADO aggregator."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -618,8 +619,8 @@ def test_bad_args_fedecado_be_step(dev):
         *with_(1, args[1][:3]),
     )
     one_line(
-        RuntimeError,
-        r"fedecado_be_step: Icur must be \[K, d\] = \[4, 333\], got \[3, 333\]",
+        ValueError,
+        r"fedecado_be_step: Icur must have shape \[K, d\] = \[4, 333\] \(the shape of U\), got \(3, 333\)",
         F.fedecado_be_step,
         *with_(1, args[1][:3]),
     )
@@ -748,3 +749,71 @@ def test_be_step_smem_plan(harness):
     assert harness("besmem", 400, 8, budget)[0] == "32"  # 204800 bytes: beyond 96 KB, within the budget
     assert harness("besmem", 460, 8, budget) == ["0", "0"]  # recomputing pass
     assert harness("besmem", 900, 4, budget)[0] == "32" and harness("besmem", 910, 4, budget)[0] == "0"
+
+
+# ---- tensor properties: checked once, by the native op, for the wrapper and a direct call alike ----
+def _bad_be_cases(dev):
+    """(argument index or output name, the bad value, the message after "fedecado_be_step: ") with K = 3, d = 5, fp64."""
+    on = lambda t: t.to(dev)  # noqa: E731
+    d64 = torch.float64
+    dv = "cuda:0" if dev == DEV else "cpu"
+    floats = "(float16, bfloat16, float32, float64)"
+    return [
+        (3, on(torch.zeros(5, dtype=d64)), "U must be a 2-D [K, d] tensor, got shape (5,)"),
+        (3, on(torch.zeros(3, 5, dtype=torch.int64)), f"U must have a floating dtype {floats}, got torch.int64"),
+        (3, on(torch.zeros(3, 5, dtype=torch.float16)), "U must be float32 or float64, got torch.float16"),
+        (1, on(torch.zeros(2, 5, dtype=d64)), "Icur must have shape [K, d] = [3, 5] (the shape of U), got (2, 5)"),
+        (4, on(torch.zeros(5, dtype=d64)), "Ik must be a 2-D [K, d] tensor, got shape (5,)"),
+        (4, on(torch.zeros(3, 5, dtype=torch.bool)), f"Ik must have a floating dtype {floats}, got torch.bool"),
+        (4, on(torch.zeros(3, 5)), f"Ik must have U's dtype torch.float64 and device {dv}, got torch.float32 on {dv}"),
+        (0, on(torch.zeros(4, dtype=d64)), "xc must be a 1-D tensor of length 5, got shape (4,)"),
+        (2, on(torch.zeros(5)), "xc0 must have dtype torch.float64 (the dtype of U), got torch.float32"),
+        (5, on(torch.zeros(1, 5, dtype=d64)), "S_off must be a 1-D tensor of length 5, got shape (1, 5)"),
+        (
+            6,
+            torch.ones(2, dtype=d64),
+            "theta_new must be a 1-D sequence of length K = 3 (one per client), got shape (2,)",
+        ),
+        (8, torch.zeros(3, dtype=torch.int64), "inv_g must be a float tensor, got torch.int64"),
+        (
+            "xc_out",
+            on(torch.zeros(4, dtype=d64)),
+            f"xc_out must be a contiguous torch.float64 tensor of shape [5] on {dv}, got (4,) torch.float64 on {dv}",
+        ),
+        (
+            "I_out",
+            on(torch.zeros(3, 5)),
+            f"I_out must be a contiguous torch.float64 tensor of shape [3, 5] on {dv}, got (3, 5) torch.float32 on {dv}",
+        ),
+        (
+            "I_out",
+            on(torch.zeros(5, 3, dtype=d64)).T,
+            f"I_out must be a contiguous torch.float64 tensor of shape [3, 5] on {dv}, got (3, 5) torch.float64 on {dv}",
+        ),
+        ("lte", on(torch.zeros(2)), f"lte_out must be a contiguous float64 tensor of shape [2] on {dv}"),
+        ("lte", on(torch.zeros(3, dtype=d64)), f"lte_out must be a contiguous float64 tensor of shape [2] on {dv}"),
+    ]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(17))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    where, bad, msg = _bad_be_cases(dev)[case]
+    args = _be_inputs(dev, 3, 5, torch.float64, seed=58)
+    outs = {
+        "xc_out": torch.empty(5, dtype=torch.float64, device=dev),
+        "I_out": torch.empty(3, 5, dtype=torch.float64, device=dev),
+        "lte": torch.empty(2, dtype=torch.float64, device=dev),
+    }
+    if isinstance(where, int):
+        args[where] = bad
+    else:
+        outs[where] = bad
+    calls = [
+        lambda: ops.fedecado_be_step(*args, out=(outs["xc_out"], outs["I_out"]), lte_out=outs["lte"]),
+        lambda: torch.ops.fedkernels.fedecado_be_step_out(*args, outs["xc_out"], outs["I_out"], outs["lte"]),
+    ]
+    if isinstance(where, int):  # the functional op and the wrapper's own outputs
+        calls += [lambda: ops.fedecado_be_step(*args), lambda: torch.ops.fedkernels.fedecado_be_step(*args)]
+    for fn in calls:
+        one_line(ValueError, "^" + re.escape("fedecado_be_step: " + msg) + "$", fn)

@@ -1,6 +1,8 @@
 """fused_sgd_step_ / corrected_sgd_step_ / gc_sgd_step_: the fused local steps against the float64
 reference, torch.optim.SGD, and the GC-Fed spec §9 T5/T6 vectors."""
 
+import re
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -246,7 +248,7 @@ def test_bad_inputs():
         ops.corrected_sgd_step_([p], [g], [g], lr=0.1, subset=[3])
     with pytest.raises(ValueError, match="None for a parameter"):
         ops.corrected_sgd_step_([p], [g], [None], lr=0.1)
-    with pytest.raises(RuntimeError, match="momentum_bufs"):  # the native op checks too
+    with pytest.raises(ValueError, match="momentum_bufs"):  # the native op checks too
         torch.ops.fedkernels.fused_sgd_step_([p], [g], [], [], [], [], 0.1, 0.9, 0.0, False, "skip", 2)
 
 
@@ -312,8 +314,8 @@ def test_bad_args_fused_sgd_step(dev):
         ValueError, r"fused_sgd_step_: lr must be a finite number, got nan", ops.fused_sgd_step_, p, g, lr=float("nan")
     )
     one_line(
-        RuntimeError,
-        r"fused_sgd_step_: grads has 2 tensors, expected 3",
+        ValueError,
+        r"fused_sgd_step_: grads must have one entry per parameter \(3\), got 2",
         F.fused_sgd_step_,
         p,
         g[:2],
@@ -329,9 +331,9 @@ def test_bad_args_fused_sgd_step(dev):
         2,
     )
     one_line(
-        RuntimeError,
-        r"fused_sgd_step_: grads\[2\] has shape \[9, 4\], expected the shape of params\[2\] "
-        r"\[4, 9\]",
+        ValueError,
+        r"fused_sgd_step_: grads\[2\] must match params\[2\] \(shape \(4, 9\), torch.float32, \w+(:0)?\), "
+        r"got shape \(9, 4\), torch.float32",
         F.fused_sgd_step_,
         p,
         g[:2] + [g[2].T.contiguous()],
@@ -367,3 +369,68 @@ def test_bad_args_fused_sgd_step(dev):
     settle(dev)
     for x, y in zip(p + buf, rp + rb):
         torch.testing.assert_close(x.cpu().double(), y.double(), rtol=1e-5, atol=1e-6)
+
+
+# ---- tensor properties: checked once, by the native op, for the wrapper and a direct call alike ----
+def _native_step(p, g, bufs=(), c_add=(), c_sub=(), momentum=0.0):
+    return lambda: torch.ops.fedkernels.fused_sgd_step_(
+        list(p), list(g), list(bufs), list(c_add), list(c_sub), [], 0.1, momentum, 0.0, False, "skip", 2
+    )
+
+
+def _wrapped_step(p, g, bufs=None, c_add=None, c_sub=None, momentum=0.0):
+    return lambda: ops.fused_sgd_step_(p, g, bufs, lr=0.1, momentum=momentum, c_add=c_add, c_sub=c_sub)
+
+
+def _bad_step_cases(dev):
+    """(name, wrapper/native keyword arguments, the whole message) with params of shapes (4, 9), (5,)."""
+    p = [randn(dev, 4, 9, seed=1), randn(dev, 5, seed=2)]
+    g = [randn(dev, 4, 9, seed=3), randn(dev, 5, seed=4)]
+    d = "cuda:0" if dev == DEV else "cpu"
+    like = f"must match params[1] (shape (5,), torch.float32, {d}), got shape"
+    return [
+        ("grads dtype", dict(p=p, g=[g[0], g[1].double()]), f"grads[1] {like} (5,), torch.float64, {d}"),
+        ("grads shape", dict(p=p, g=[g[0], g[0][0]]), f"grads[1] {like} (9,), torch.float32, {d}"),
+        ("grads int", dict(p=p, g=[g[0], g[1].long()]), f"grads[1] {like} (5,), torch.int64, {d}"),
+        ("grads length", dict(p=p, g=g[:1]), "grads must have one entry per parameter (2), got 1"),
+        ("grads with no params", dict(p=[], g=g[:1]), "grads must have one entry per parameter (0), got 1"),
+        (
+            "params int",
+            dict(p=[p[0], p[1].int()], g=g),
+            "params[1] must have a floating dtype (float16, bfloat16, float32, float64), got torch.int32",
+        ),
+        (
+            "momentum_bufs length",
+            dict(p=p, g=g, bufs=[g[0]], momentum=0.9),
+            "momentum_bufs must have one entry per parameter (2), got 1",
+        ),
+        (
+            "momentum_bufs dtype",
+            dict(p=p, g=g, bufs=[g[0], g[1].half()], momentum=0.9),
+            f"momentum_bufs[1] {like} (5,), torch.float16, {d}",
+        ),
+        ("c_add shape", dict(p=p, g=g, c_add=[None, g[0]]), f"c_add[1] {like} (4, 9), torch.float32, {d}"),
+        ("c_sub length", dict(p=p, g=g, c_sub=[g[0]]), "c_sub must have one entry per parameter (2), got 1"),
+    ]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(10))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    name, kw, msg = _bad_step_cases(dev)[case]
+    for fn in (_wrapped_step(**kw), _native_step(**{k: v for k, v in kw.items() if v is not None})):
+        one_line(ValueError, "^" + re.escape("fused_sgd_step_: " + msg) + "$", fn)
+
+
+def test_the_native_step_refuses_non_contiguous_tensors():
+    """The wrapper copies them (and writes params and buffers back); a direct call must pass contiguous ones."""
+    p, g = torch.randn(4, 6), torch.randn(6, 4).T
+    one_line(
+        ValueError,
+        r"^fused_sgd_step_: grads\[0\] must be contiguous \(the fedkernels.ops wrapper copies it once\)$",
+        _native_step([p], [g]),
+    )
+    want = p.clone()
+    _native_step([want], [g.contiguous()])()
+    ops.fused_sgd_step_([p], [g], lr=0.1)
+    assert torch.equal(p, want)  # the same kernel on the same values

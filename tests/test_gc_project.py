@@ -2,6 +2,7 @@
 reference and the GC-Fed spec §9 vectors."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -355,7 +356,7 @@ def test_bad_inputs():
     # the native op itself also refuses bad arguments
     with pytest.raises(RuntimeError, match="min_fanin"):
         torch.ops.fedkernels.gc_project_([torch.zeros(2, 3)], "skip", 0)
-    with pytest.raises(RuntimeError, match="float16, bfloat16, float32 or float64"):
+    with pytest.raises(ValueError, match=r"float16, bfloat16, float32, float64\), got torch.int32"):
         torch.ops.fedkernels.gc_project([torch.zeros(2, 3, dtype=torch.int32)], "skip", 2)
 
 
@@ -417,7 +418,7 @@ def test_bad_args_gc_project(dev):
     ts = [randn(dev, 8, 3, 3, 3, seed=55), randn(dev, 8, seed=56)]
     F = torch.ops.fedkernels
     one_line(ValueError, r"gc_project_: min_fanin must be an int >= 1, got 0", ops.gc_project_, ts, min_fanin=0)
-    one_line(RuntimeError, r"gc_project: min_fanin must be >= 1, got -7", F.gc_project_, ts, "skip", -7)
+    one_line(RuntimeError, r"gc_project_: min_fanin must be an int >= 1, got -7", F.gc_project_, ts, "skip", -7)
     one_line(
         ValueError,
         r"gc_project_: tensors\[1\] must have a floating dtype .*got torch.int64",
@@ -480,3 +481,35 @@ def test_gc_plan_covers_every_row_once(harness):
         if rows and cols:
             want_items += -(-rows // 64) if path == 0 else rows
     assert items == want_items
+
+
+# ---- tensor properties: checked once, by the native op, for the wrapper and a direct call alike ----
+def _bad_gc_cases(dev):
+    """(tensors, the message after "<op>: ")."""
+    x = randn(dev, 4, 3, seed=5)
+    floats = "must have a floating dtype (float16, bfloat16, float32, float64), got"
+    cases = [
+        ([x, torch.zeros(4, 3, dtype=torch.long, device=dev)], f"tensors[1] {floats} torch.int64"),
+        ([torch.zeros(3, dtype=torch.int32, device=dev)], f"tensors[0] {floats} torch.int32"),
+        ([x, torch.zeros(2, 2, dtype=torch.bool, device=dev), x], f"tensors[1] {floats} torch.bool"),
+        ([x, torch.zeros(2, dtype=torch.complex64, device=dev)], f"tensors[1] {floats} torch.complex64"),
+        ([x, x.T, torch.zeros(4, 3, dtype=torch.uint8, device=dev)[:, ::2]], f"tensors[2] {floats} torch.uint8"),
+    ]
+    if dev == DEV:
+        cases.append(
+            ([x, torch.zeros(4, 3)], "all tensors must be on one device; tensors[0] is on cuda:0, tensors[1] on cpu")
+        )
+    return cases
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("op", ["gc_project_", "gc_project"])
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case, op):
+    cases = _bad_gc_cases(dev)
+    if case >= len(cases):
+        pytest.skip("a device mismatch needs a second device")
+    tensors, msg = cases[case]
+    native = getattr(torch.ops.fedkernels, op)
+    for fn in (lambda: getattr(ops, op)(tensors), lambda: native(tensors, "skip", 2)):
+        one_line(ValueError, "^" + re.escape(f"{op}: {msg}") + "$", fn)

@@ -2,6 +2,7 @@
 torch.linalg agreement, float64 reference, odd and non-contiguous shapes, opcheck, bad inputs."""
 
 import math
+import re
 import numpy as np
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_one_size_limit_for_python_and_native():
     assert torch.equal(LU, torch.eye(n, dtype=torch.float64))
     with pytest.raises(ValueError, match=rf"lu_factor: n must be in \[1, {n}\]"):
         ops.lu_factor(torch.eye(n + 1))
-    with pytest.raises(RuntimeError, match=rf"lu_factor: n must be in \[1, {n}\]"):
+    with pytest.raises(ValueError, match=rf"lu_factor: n must be in \[1, {n}\]"):
         torch.ops.fedkernels.lu_factor(torch.eye(n + 1))
 
 
@@ -302,8 +303,8 @@ def test_bad_args_lu(dev):
         A[..., :5],
     )
     one_line(
-        RuntimeError,
-        r"lu_factor: n must be in \[1, 64\] \(small systems\), got 70",
+        ValueError,
+        r"lu_factor: n must be in \[1, 64\] \(small systems; use torch.linalg for larger\), got 70",
         F.lu_factor,
         torch.zeros(70, 70, dtype=torch.float64, device=dev),
     )
@@ -316,8 +317,8 @@ def test_bad_args_lu(dev):
         ValueError, r"lu_solve: pivots must be int32 or int64, got torch.float32", ops.lu_solve, LU, piv.float(), R
     )
     one_line(
-        RuntimeError,
-        r"lu_solve: pivots must be \[n\] \(or \[B, n\]\), got \[3, 5\]",
+        ValueError,
+        r"lu_solve: pivots must have shape \(3, 6\), got \(3, 5\)",
         F.lu_solve,
         LU,
         piv[:, :5].contiguous(),
@@ -423,3 +424,71 @@ def test_lu_solve_column_matches_reference(harness, n):
         bad[n - 1] = n + 1  # out of range: NaN columns, no assert
         ans = harness("lusolve", n, m, LU, bad, R)
         assert ans[0] == "0" and all(math.isnan(hexf(s)) for s in ans[1:])
+
+
+# ---- tensor properties: checked once, by the native op, for the wrappers and a direct call alike ----
+def _bad_factor_cases(dev):
+    """(A, the message after "lu_factor: ")."""
+    z = lambda *s, dt=torch.float64: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+    square = "A must be a square [n, n] or batched [B, n, n] matrix, got shape"
+    n_range = "n must be in [1, 64] (small systems; use torch.linalg for larger), got"
+    return [
+        (z(3), f"{square} (3,)"),
+        (z(3, 4), f"{square} (3, 4)"),
+        (z(2, 2, 3, 3), f"{square} (2, 2, 3, 3)"),
+        (z(3, 3, dt=torch.int64), "A must be float32 or float64, got torch.int64"),
+        (z(2, 3, 3, dt=torch.float16), "A must be float32 or float64, got torch.float16"),
+        (z(70, 70), f"{n_range} 70"),
+        (z(2, 0, 0), f"{n_range} 0"),
+    ]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(7))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    A, msg = _bad_factor_cases(dev)[case]
+    for fn in (ops.lu_factor, torch.ops.fedkernels.lu_factor):
+        one_line(ValueError, "^" + re.escape("lu_factor: " + msg) + "$", fn, A)
+    one_line(ValueError, "^" + re.escape("lu_factor_ex: " + msg) + "$", ops.lu_factor_ex, A)  # (its own name)
+
+
+def _bad_solve_cases(dev):
+    """(LU, pivots, R, out, the message after "lu_solve: ") around a batch of 3 systems of n = 6, fp64."""
+    A = (torch.randn(3, 6, 6, generator=gen(60), dtype=torch.float64) + 6 * torch.eye(6, dtype=torch.float64)).to(dev)
+    LU, piv = ops.lu_factor(A)
+    R = torch.randn(3, 6, 40, generator=gen(61), dtype=torch.float64).to(dev)
+    out = torch.empty_like(R)
+    dv = "cuda:0" if dev == DEV else "cpu"
+    want_out = f"out must be a contiguous torch.float64 tensor of shape (3, 6, 40) on {dv}"
+    return [
+        (LU[0, 0], piv, R, out, "LU must be [n, n] or [B, n, n], got shape (6,)"),
+        (LU[..., :5], piv, R, out, "LU must be [n, n] or [B, n, n], got shape (3, 6, 5)"),
+        (LU.long(), piv, R, out, "LU must have a floating dtype, got torch.int64"),
+        (LU, piv.float(), R, out, "pivots must be int32 or int64, got torch.float32"),
+        (LU, piv.short(), R, out, "pivots must be int32 or int64, got torch.int16"),
+        (LU, piv[:, :5], R, out, "pivots must have shape (3, 6), got (3, 5)"),
+        (LU, piv[0], R, out, "pivots must have shape (3, 6), got (6,)"),
+        (LU, piv, R[:, :5], out, "R must be [3, 6, m], got shape (3, 5, 40)"),
+        (LU, piv, R[0], out, "R must be [3, 6, m], got shape (6, 40)"),
+        (LU[0], piv[0], R, out, "R must be [6, m], got shape (3, 6, 40)"),
+        (LU, piv, R.float(), out, want_out.replace("float64", "float32")),  # (R is fine: out is not R's dtype)
+        (LU, piv, R.to(torch.int32), out, "R must be float32 or float64, got torch.int32"),
+        (LU, piv, R, out.float(), want_out),
+        (LU, piv, R, out[:, :5], want_out),
+        (LU, piv, R, torch.empty(3, 40, 6, dtype=torch.float64, device=dev).transpose(1, 2), want_out),
+    ]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(15))
+def test_bad_tensor_args_same_from_wrapper_and_native_solve(dev, case):
+    LU, piv, R, out, msg = _bad_solve_cases(dev)[case]
+    if not msg.startswith("out "):
+        for fn in (lambda: ops.lu_solve(LU, piv, R), lambda: torch.ops.fedkernels.lu_solve(LU, piv, R)):
+            one_line(ValueError, "^" + re.escape("lu_solve: " + msg) + "$", fn)
+    with torch.no_grad():
+        for fn in (
+            lambda: ops.lu_solve(LU, piv, R, out=out),
+            lambda: torch.ops.fedkernels.lu_solve_out(LU, piv, R, out),
+        ):
+            one_line(ValueError, "^" + re.escape("lu_solve: " + msg) + "$", fn)

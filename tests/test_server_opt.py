@@ -4,6 +4,7 @@ with bad options, the bad-row policy, a chunked source and a resume from state_d
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from fedkernels import algorithms, ops, reference as ref
 from fuzz_oracle import server_opt_expected  # tests/fuzz_oracle.py: the recomputation and its bound
 from fedkernels.algorithms.server_opt import ServerOptimizer
 from fedkernels.sources import ChunkedUpdates, TensorSource
-from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES, one_line  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 import cli_process  # tests/cli_process.py: the command in a child forked from a pre-imported interpreter
 
@@ -187,6 +188,74 @@ def _bad_call(**over):
 def test_op_bad_arguments_name_them(over, match):
     with pytest.raises(ValueError, match=match):
         _bad_call(**over)
+
+
+# ---- tensor properties: checked once, by the native op, for the wrapper and a direct call alike ----
+_F32, _F64 = torch.float32, torch.float64
+BAD_TENSOR_ARGS = [  # (tensors replaced in a float32 call with d = 8, the message after "server_opt_step_: ")
+    (dict(io=torch.zeros(9)), "io must be a 1-D tensor of length d=8 (len(x)), got shape (9,)"),
+    (dict(m=torch.zeros(2, 4)), "m must be a 1-D tensor of length d=8 (len(x)), got shape (2, 4)"),
+    (dict(v=torch.zeros(())), "v must be a 1-D tensor of length d=8 (len(x)), got shape ()"),
+    (dict(x=torch.zeros(2, 4)), "x must be a 1-D [d] tensor, got shape (2, 4)"),
+    (
+        dict(x=torch.zeros(8, dtype=torch.int64)),
+        "x must have a floating dtype (float16, bfloat16, float32, float64), got torch.int64",
+    ),
+    (dict(io=torch.zeros(8, dtype=_F64)), "io must have dtype torch.float32 (the dtype of x), got torch.float64"),
+    (dict(io=torch.zeros(8, dtype=torch.int32)), "io must have dtype torch.float32 (the dtype of x), got torch.int32"),
+    (
+        dict(m=torch.zeros(8, dtype=torch.float16)),
+        "m and v must both be float32 or both float64, got torch.float16 and torch.float32",
+    ),
+    (
+        dict(v=torch.zeros(8, dtype=_F64)),
+        "m and v must both be float32 or both float64, got torch.float32 and torch.float64",
+    ),
+    (
+        dict(x=torch.zeros(8, dtype=_F64), io=torch.zeros(8, dtype=_F64)),
+        "m and v must be float64 for a float64 model, got torch.float32",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(case):
+    over, msg = BAD_TENSOR_ARGS[case]
+    x, g, m, v = _inputs(8, _F32, _F32)
+    a = {**dict(io=g, m=m, v=v, x=x), **over}
+    t = (a["io"], a["m"], a["v"], a["x"])
+    for fn in (
+        lambda: ops.server_opt_step_(*t, rule="adam", lr=0.1, beta_1=0.9, beta_2=0.99),
+        lambda: torch.ops.fedkernels.server_opt_step_(*t, "adam", 0.1, 0.9, 0.99, 1e-9, False),
+    ):
+        one_line(ValueError, "^" + re.escape("server_opt_step_: " + msg) + "$", fn)
+
+
+def test_the_native_step_refuses_non_contiguous_state():
+    """The wrapper copies it in and back; a direct call must pass contiguous tensors."""
+    x, g, m, v = _inputs(8, _F32, _F32)
+    m2 = torch.zeros(16)[::2]
+    m2.copy_(m)
+    one_line(
+        ValueError,
+        r"^server_opt_step_: m must be contiguous \(the fedkernels.ops wrapper copies it once\)$",
+        torch.ops.fedkernels.server_opt_step_,
+        g.clone(),
+        m2,
+        v.clone(),
+        x,
+        "adam",
+        0.1,
+        0.9,
+        0.99,
+        1e-9,
+        False,
+    )
+    io_a, io_b = g.clone(), g.clone()
+    ops.server_opt_step_(io_a, m2, v.clone(), x, rule="adam", lr=0.1, beta_1=0.9, beta_2=0.99)
+    m_b = m.clone()
+    torch.ops.fedkernels.server_opt_step_(io_b, m_b, v.clone(), x, "adam", 0.1, 0.9, 0.99, 1e-9, False)
+    assert torch.equal(io_a, io_b) and torch.equal(m2, m_b)  # the same kernel on the same values
 
 
 def test_op_refuses_shared_memory_and_tensors_that_need_grad():

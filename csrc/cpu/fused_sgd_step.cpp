@@ -10,7 +10,8 @@
 // Bytes per element: read p, g (+ c, c_i) (+ buf), write p (+ buf): 5 N s for the Local GC + momentum
 // step, 7 N s for the SCAFFOLD step with c and c_i, against 13-17 N s for the _foreach composition.
 // Arithmetic in fp32 (fp64 for fp64 parameters); every tensor in a group (p, g, buf, c, c_i) has the
-// parameter's dtype and shape and is contiguous (the Python wrapper makes it so). Work is split into
+// parameter's dtype and shape and is contiguous (the Python wrapper makes it so; checked once in
+// csrc/fused_sgd_step_checks.h). Work is split into
 // items of whole rows (GC tensors) or element chunks over all tensors of the list.
 #include "common.h"
 #include "../fused_sgd_step_checks.h"
@@ -129,7 +130,8 @@ void fused_sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
                         const c10::List<c10::optional<at::Tensor>>& c_sub, const c10::List<bool>& gc_mask, double lr,
                         double momentum, double weight_decay, bool first_step, c10::string_view vector_policy,
                         int64_t min_fanin) {
-  checks::fused_step_args(params, grads, momentum_bufs, c_add, c_sub, gc_mask, momentum, vector_policy, min_fanin);
+  checks::fused_step_args(params, grads, momentum_bufs, c_add, c_sub, gc_mask, momentum, vector_policy, min_fanin,
+                          params.empty() ? c10::Device(at::kCPU) : params[0].device());
   const size_t n = params.size();
   const bool mom = momentum != 0.0;
   const bool center = vector_policy == "center";
@@ -139,16 +141,12 @@ void fused_sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     const auto& p = params[i];
-    checks::fused_param(p, i, at::kCPU);
+    TORCH_CHECK(p.device().is_cpu(), "fused_sgd_step_: params[", i, "] must be on cpu here, got ", p.device());
     const auto st = p.scalar_type();
-    checks::fused_like(grads[i], p, "grads", i);
     StepJob jb{p.data_ptr(), grads[i].data_ptr(), nullptr, nullptr, nullptr, 1, p.numel(), false, st};
-    if (mom) {
-      checks::fused_like(momentum_bufs[i], p, "momentum_bufs", i);
-      jb.buf = momentum_bufs[i].data_ptr();
-    }
-    if (auto c = checks::fused_control(c_add, i, p, "c_add")) jb.cadd = c->data_ptr();
-    if (auto c = checks::fused_control(c_sub, i, p, "c_sub")) jb.csub = c->data_ptr();
+    if (mom) jb.buf = momentum_bufs[i].data_ptr();
+    if (auto c = checks::fused_control(c_add, i)) jb.cadd = c->data_ptr();
+    if (auto c = checks::fused_control(c_sub, i)) jb.csub = c->data_ptr();
     if (gc_mask.size() && gc_mask.get(i) && p.dim() >= 1 && p.numel() > 0 && (p.dim() >= 2 || center)) {
       const int64_t rows = p.dim() == 1 ? 1 : p.size(0);
       const int64_t M = p.numel() / rows;

@@ -108,7 +108,7 @@ void run_jobs(const std::vector<Job>& jobs) {
 }
 
 void gc_project_inplace_cpu(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, at::kCPU);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, "gc_project_");
   std::vector<Job> jobs;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (target, contiguous work copy)
   jobs.reserve(tensors.size());
@@ -128,7 +128,7 @@ void gc_project_inplace_cpu(at::TensorList tensors, c10::string_view vector_poli
 }
 
 std::vector<at::Tensor> gc_project_cpu(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, at::kCPU);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, "gc_project");
   std::vector<at::Tensor> outs;
   outs.reserve(tensors.size());
   std::vector<Job> jobs;

@@ -153,6 +153,7 @@ at::Tensor lu_solve_cpu(const at::Tensor& LU, const at::Tensor& piv, const at::T
 }
 
 void lu_solve_out_cpu(const at::Tensor& LU, const at::Tensor& piv, const at::Tensor& R, at::Tensor out) {
+  checks::lu_solve_args(LU, piv, R);  // (the inputs' rules first, as the wrapper orders them)
   checks::lu_solve_out_args(out, R);
   lu_solve_into(LU, piv, R, out);
 }

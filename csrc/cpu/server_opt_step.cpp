@@ -74,7 +74,7 @@ void run(at::Tensor& io, at::Tensor& m, at::Tensor& v, const at::Tensor& x, int 
 void server_opt_step_cpu(at::Tensor& io, at::Tensor& m, at::Tensor& v, const at::Tensor& x, c10::string_view rule,
                          double lr, double beta_1, double beta_2, double tau, bool from_model) {
   const int r = checks::server_opt_rule(rule);
-  checks::server_opt_args(io, m, v, x, at::kCPU);
+  checks::server_opt_args(io, m, v, x);
   if (io.numel() == 0) return;
   const double coef[6] = {beta_1, 1.0 - beta_1, beta_2, 1.0 - beta_2, lr, tau};
   const bool s64 = m.scalar_type() == at::kDouble;

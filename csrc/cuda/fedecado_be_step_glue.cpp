@@ -24,9 +24,8 @@ void be_step_out_cuda(const at::Tensor& xc, const at::Tensor& Icur, const at::Te
                       const at::Tensor& Ik, const c10::optional<at::Tensor>& S_off, const at::Tensor& theta_new,
                       const at::Tensor& theta_old, const at::Tensor& inv_g, double dt, double L, at::Tensor xc_out,
                       at::Tensor I_out, at::Tensor lte) {
-  TORCH_CHECK(U.dim() == 2 && U.is_cuda(), "fedecado_be_step: U must be a 2-D CUDA tensor here, got ", U.dim(),
-              "-D on ", U.device());
   checks::be_step_args(xc, Icur, xc0, U, Ik, S_off, xc_out, I_out, lte, U.device());
+  TORCH_CHECK(U.is_cuda(), "fedecado_be_step: U must be a CUDA tensor here, got ", U.device());
   const int64_t K = U.size(0), d = U.size(1);
   for (const at::Tensor* t : {&theta_new, &theta_old, &inv_g})
     check_host_or_device(*t, U, "fedecado_be_step", "theta_new/theta_old/inv_g");

@@ -31,18 +31,16 @@ void fused_sgd_step_cuda(at::TensorList params, at::TensorList grads, at::Tensor
                          const c10::List<c10::optional<at::Tensor>>& c_sub, const c10::List<bool>& gc_mask, double lr,
                          double momentum, double weight_decay, bool first_step, c10::string_view vector_policy,
                          int64_t min_fanin) {
-  checks::fused_step_args(params, grads, momentum_bufs, c_add, c_sub, gc_mask, momentum, vector_policy, min_fanin);
+  const c10::Device dev = params.empty() ? c10::Device(at::kCPU) : params[0].device();
+  checks::fused_step_args(params, grads, momentum_bufs, c_add, c_sub, gc_mask, momentum, vector_policy, min_fanin, dev);
   const size_t n = params.size();
   const bool mom = momentum != 0.0;
   if (n == 0) return;
-  const c10::Device dev = params[0].device();
+  TORCH_CHECK(dev.is_cuda(), "fused_sgd_step_: params[0] must be on a CUDA device here, got ", dev);
   std::vector<at::Tensor> P, G, Pgc, Ggc, Pother, Gother, bufs;
   std::vector<size_t> gc_idx, other_idx;
   for (size_t i = 0; i < n; ++i) {
     const auto& p = params[i];
-    checks::fused_param(p, i, dev);
-    checks::fused_like(grads[i], p, "grads", i);
-    if (mom) checks::fused_like(momentum_bufs[i], p, "momentum_bufs", i);
     if (gc_mask.size() && gc_mask.get(i)) {
       gc_idx.push_back(i);
       Pgc.push_back(p);
@@ -70,11 +68,11 @@ void fused_sgd_step_cuda(at::TensorList params, at::TensorList grads, at::Tensor
     for (size_t q = 0; q < other_idx.size(); ++q) D[other_idx[q]] = Do[q];
   }
   for (size_t i = 0; i < n; ++i) {
-    if (auto c = checks::fused_control(c_add, i, params[i], "c_add")) {
+    if (auto c = checks::fused_control(c_add, i)) {
       ca_d.push_back(D[i]);
       ca_t.push_back(*c);
     }
-    if (auto c = checks::fused_control(c_sub, i, params[i], "c_sub")) {
+    if (auto c = checks::fused_control(c_sub, i)) {
       cs_d.push_back(D[i]);
       cs_t.push_back(*c);
     }

@@ -20,10 +20,8 @@ using namespace glue;
 //          gc_project(Tensor[] tensors, str vector_policy="skip", int min_fanin=2) -> Tensor[]
 // Same rules as csrc/cpu/gc_project.cpp: dim >= 2 -> rows = size(0), M = numel / rows; 1-D ->
 // one row with "center", unchanged with "skip"; 0-D, empty and M < min_fanin unchanged. Tensors
-// whose rows are not dense spans go through a contiguous copy. One launch per dtype.
-bool check_gc_args(at::TensorList tensors, c10::string_view policy, int64_t min_fanin) {
-  return checks::gc_args(tensors, policy, min_fanin, tensors.empty() ? c10::Device(at::kCPU) : tensors[0].device());
-}
+// whose rows are not dense spans go through a contiguous copy. One launch per dtype. Arguments:
+// checks::gc_args (csrc/gc_project_checks.h).
 
 // Launches the planned jobs: one work table and one launch per dtype.
 void run_gc(const std::vector<std::pair<fk::DType, fk::GcTensor>>& jobs, c10::Device dev) {
@@ -43,7 +41,7 @@ void run_gc(const std::vector<std::pair<fk::DType, fk::GcTensor>>& jobs, c10::De
 }
 
 void gc_project_inplace_cuda(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  const bool center = check_gc_args(tensors, vector_policy, min_fanin);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, "gc_project_");
   if (tensors.empty()) return;
   c10::cuda::CUDAGuard guard(tensors[0].device());
   std::vector<std::pair<fk::DType, fk::GcTensor>> jobs;
@@ -65,7 +63,7 @@ void gc_project_inplace_cuda(at::TensorList tensors, c10::string_view vector_pol
 }
 
 std::vector<at::Tensor> gc_project_cuda(at::TensorList tensors, c10::string_view vector_policy, int64_t min_fanin) {
-  const bool center = check_gc_args(tensors, vector_policy, min_fanin);
+  const bool center = checks::gc_args(tensors, vector_policy, min_fanin, "gc_project");
   std::vector<at::Tensor> outs;
   if (tensors.empty()) return outs;
   c10::cuda::CUDAGuard guard(tensors[0].device());

@@ -68,15 +68,16 @@ at::Tensor lu_solve_cuda(const at::Tensor& LU, const at::Tensor& pivots, const a
 
 // out may be R itself (each column is read completely before it is written).
 void lu_solve_out_cuda(const at::Tensor& LU, const at::Tensor& pivots, const at::Tensor& R, at::Tensor out) {
+  checks::lu_solve_args(LU, pivots, R);  // (the inputs' rules first, as the wrapper orders them)
   checks::lu_solve_out_args(out, R);
   lu_solve_into(LU, pivots, R, out);
 }
 
 std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                                                         double alpha, const at::Tensor& r0, const at::Tensor& R) {
-  check_cuda(r0, R, "arrowhead_solve", "r0");
   for (const at::Tensor* t : {&a, &b, &c}) check_host_or_device(*t, R, "arrowhead_solve", "a/b/c");
   const checks::Arrowhead h = checks::arrowhead_args(a, b, c, alpha, r0, R);
+  check_cuda(r0, R, "arrowhead_solve", "r0");
   const int64_t K = R.size(0), m = R.size(1);
   std::vector<double> coef(std::max<int64_t>(3 * K, 1));  // the table of the arrowhead_solve launcher (lu.cuh)
   for (int64_t i = 0; i < K; ++i) {

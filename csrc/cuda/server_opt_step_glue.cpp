@@ -12,8 +12,8 @@ using namespace glue;
 void server_opt_step_cuda(at::Tensor& io, at::Tensor& m, at::Tensor& v, const at::Tensor& x, c10::string_view rule,
                           double lr, double beta_1, double beta_2, double tau, bool from_model) {
   const int r = checks::server_opt_rule(rule);
-  TORCH_CHECK(io.is_cuda(), "server_opt_step_: io must be a CUDA tensor here, got ", io.device());
-  checks::server_opt_args(io, m, v, x, io.device());
+  checks::server_opt_args(io, m, v, x);
+  TORCH_CHECK(x.is_cuda(), "server_opt_step_: x must be a CUDA tensor here, got ", x.device());
   c10::cuda::CUDAGuard guard(io.device());
   if (io.numel() == 0) return;
   const double coef[6] = {beta_1, 1.0 - beta_1, beta_2, 1.0 - beta_2, lr, tau};

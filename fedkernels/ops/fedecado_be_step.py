@@ -14,7 +14,7 @@ import torch
 
 from .._types import CoefLike
 from . import _autograd as _ag
-from ._checks import _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor, _vector
+from ._checks import _host_coef, _needs_kernel, _no_grad_through, _same_storage, _tensor
 
 __all__ = ["fedecado_be_step", "BEStepWindow"]
 
@@ -60,10 +60,12 @@ def fedecado_be_step(
 class BEStepWindow:
     """:func:`fedecado_be_step` over the attempts of one integration window (FedECADO's
     ``central_round``): what stays fixed (xc0, U, Ik, S_off, L, the start state (xc, Icur), default
-    (xc0, Ik)) is checked once here, with :func:`fedecado_be_step`'s rules and messages; the attempts
-    write into output pairs that the window owns (allocated on first use, or ``out`` as pair 0: checked
-    once), so :meth:`step` checks only its own arguments (the host vectors, dt, which state it reads and
-    which pair it writes). Same op, same results as calling :func:`fedecado_be_step` per attempt."""
+    (xc0, Ik)) is checked once here in Python (types, L, the layout copy, the outputs' storage), with
+    :func:`fedecado_be_step`'s rules and messages; the attempts write into output pairs that the window
+    owns (allocated on first use, or ``out`` as pair 0), so :meth:`step` checks only its own arguments
+    (the host vectors, dt, which state it reads and which pair it writes). The tensors' shapes, dtypes
+    and devices are the native op's checks (a few comparisons per attempt): a bad one raises at the
+    first step. Same op, same results as calling :func:`fedecado_be_step` per attempt."""
 
     def __init__(
         self,
@@ -79,28 +81,17 @@ class BEStepWindow:
         lte_out: Optional[torch.Tensor] = None,
     ) -> None:
         op = "fedecado_be_step"
-        U = _matrix(U, op, "U")
-        if U.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{op}: U must be float32 or float64, got {U.dtype}")
-        K, d = U.shape
-        mats: Dict[str, torch.Tensor] = {}
-        for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik)):
-            M = _matrix(M, op, name)
-            if tuple(M.shape) != (K, d):
-                raise ValueError(
-                    f"{op}: {name} must have shape [K, d] = [{K}, {d}] (the shape of U), got {tuple(M.shape)}"
-                )
-            if M.dtype != U.dtype or M.device != U.device:
-                raise ValueError(
-                    f"{op}: {name} must have U's dtype {U.dtype} and device {U.device}, got {M.dtype} on {M.device}"
-                )
-            mats[name] = M
+        # types and layouts here; shapes, dtypes and devices: the native op (csrc/fedecado_be_step_checks.h)
+        U = _rowmajor(_tensor(U, op, "U"))
+        mats = {
+            name: _rowmajor(_tensor(M, op, name)) for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik))
+        }
         vecs: Dict[str, Optional[torch.Tensor]] = {}
         for name, v in (("xc", xc0 if xc is None else xc), ("xc0", xc0), ("S_off", S_off)):
-            if v is None and name == "S_off":
-                vecs[name] = None
-                continue
-            vecs[name] = _vector(v, op, name, d, U).contiguous()
+            vecs[name] = None if v is None and name == "S_off" else _tensor(v, op, name).contiguous()
+        # K and d, read only from a U of the right rank (else the native op raises U's shape error
+        # before the host vectors' lengths are checked against them)
+        K, d = (U.size(0), U.size(1)) if U.dim() == 2 else (0, 0)
         self._pre: Optional[Tuple[Any, ...]] = None
         if theta is not None:  # (a single call: its vectors and dt checked in fedecado_be_step's order)
             self._pre = theta[:3] + (self._coefs(K, *theta[:3]),)
@@ -117,32 +108,20 @@ class BEStepWindow:
         )
         if lte_out is None:
             lte_out = torch.empty(2, dtype=torch.float64, device=U.device)
-        elif (
-            not isinstance(lte_out, torch.Tensor)
-            or lte_out.shape != (2,)
-            or lte_out.dtype != torch.float64
-            or lte_out.device != U.device
-            or not lte_out.is_contiguous()
-        ):
+        elif not isinstance(lte_out, torch.Tensor):
             raise ValueError(f"{op}: lte_out must be a contiguous float64 tensor of shape [2] on {U.device}")
         self.pairs: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None, None]
         if out is not None:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise ValueError(f"{op}: out must be a pair (xc_out [d], I_out [K, d])")
-            xo, Io = out
-            for name, t, shape in (("xc_out", xo, (d,)), ("I_out", Io, (K, d))):
-                t = _tensor(t, op, name)
-                if tuple(t.shape) != shape or t.dtype != U.dtype or t.device != U.device or not t.is_contiguous():
-                    raise ValueError(
-                        f"{op}: {name} must be a contiguous {U.dtype} tensor of shape {list(shape)} on "
-                        f"{U.device}, got {tuple(t.shape)} {t.dtype} on {t.device}"
-                    )
+            xo, Io = (_tensor(t, op, name) for t, name in zip(out, ("xc_out", "I_out")))
             ins = [U, mats["Icur"], mats["Ik"]] + [v for v in vecs.values() if v is not None]
             for name, t in (("xc_out", xo), ("I_out", Io)):
                 if any(_same_storage(t, x) for x in ins) or (name == "I_out" and _same_storage(xo, Io)):
                     raise ValueError(f"{op}: {name} must not share storage with an input or the other output")
             self.pairs[0] = (xo, Io)
         self.U, self.Ik, self.xc0, self.S_off = U, mats["Ik"], vecs["xc0"], vecs["S_off"]
+        self.K, self.d = K, d
         self.start = (vecs["xc"], mats["Icur"])
         self.L, self.lte = float(L), lte_out
 
@@ -151,9 +130,9 @@ class BEStepWindow:
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         op = "fedecado_be_step"
         return (
-            _host_coef(theta_new, K, op, "theta_new"),
-            _host_coef(theta_old, K, op, "theta_old"),
-            _host_coef(inv_g, K, op, "inv_g", nonneg=True),
+            _host_vector(theta_new, K, op, "theta_new"),
+            _host_vector(theta_old, K, op, "theta_old"),
+            _host_vector(inv_g, K, op, "inv_g", nonneg=True),
         )
 
     def pair(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +141,8 @@ class BEStepWindow:
         if p is None:
             U = self.U
             p = self.pairs[i] = (
-                torch.empty(U.size(1), dtype=U.dtype, device=U.device),
-                torch.empty(U.shape, dtype=U.dtype, device=U.device),
+                torch.empty(self.d, dtype=U.dtype, device=U.device),
+                torch.empty(self.K, self.d, dtype=U.dtype, device=U.device),
             )
         return p
 
@@ -184,7 +163,7 @@ class BEStepWindow:
         if pre is not None and pre[0] is theta_new and pre[1] is theta_old and pre[2] is inv_g:
             thn, tho, ig = pre[3]  # (checked by the constructor of a single call)
         else:
-            thn, tho, ig = self._coefs(self.U.size(0), theta_new, theta_old, inv_g)
+            thn, tho, ig = self._coefs(self.K, theta_new, theta_old, inv_g)
         _positive(dt, op, "dt")
         _no_grad_through(op, theta_new, theta_old, inv_g)
         xo, Io = self.pair(dst)
@@ -192,6 +171,25 @@ class BEStepWindow:
             xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig, float(dt), self.L, xo, Io, self.lte
         )
         return xo, Io, self.lte
+
+
+def _rowmajor(M: torch.Tensor) -> torch.Tensor:
+    """The layout part of ``_checks._matrix``: a 2-D tensor without unit column stride or with
+    overlapping rows is copied once (the kernels read rows in place); any other tensor is returned
+    as it is (its shape and dtype are the native op's checks)."""
+    if M.dim() == 2 and ((M.size(1) > 1 and M.stride(1) != 1) or (M.size(0) > 1 and M.stride(0) < M.size(1))):
+        return M.contiguous()
+    return M
+
+
+def _host_vector(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
+    """A per-client host vector as ``_checks._host_coef`` makes it (float64 on the host, values
+    checked) when it has the length and dtype the native op takes; otherwise handed on as it is, for
+    the native op to raise its length or dtype error (csrc/fedecado_be_step_checks.h)."""
+    t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
+    if t.dim() != 1 or t.size(0) != K or not t.dtype.is_floating_point:
+        return t.detach().cpu()  # (on the host, as every host vector: the op's device is U's)
+    return _host_coef(t, K, op, name, nonneg)
 
 
 def _positive(x: object, op: str, name: str) -> None:

@@ -7,12 +7,12 @@ One native pass per local step (``csrc/cpu/fused_sgd_step.cpp``); float64 oracle
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, cast
+from typing import Any, List, Optional, Sequence, cast
 
 import torch
 
 from .._types import GcMask, TensorsOrNone
-from ._checks import _finite_number, _float_dtype, _needs_kernel, _no_grad_through, _tensor, _tensor_list
+from ._checks import _finite_number, _needs_kernel, _no_grad_through
 from .gc_project import GC_VECTOR_POLICIES
 
 __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
@@ -23,6 +23,19 @@ __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 #     _foreach correction + torch._fused_sgd_);
 #   Local GC + momentum SGD: 2.1-2.6x over gc_project_ + _foreach (1.1-1.3x over gc_project_ +
 #     torch._fused_sgd_). Current numbers: bench/results/cpu-gc.json.
+
+
+def _tensor_entries(xs: object, op: str, name: str, optional_entries: bool = False) -> List[Any]:
+    """``xs`` as a list whose entries are tensors (or None with ``optional_entries``): the types only.
+    Their lengths, shapes, dtypes and devices are the native op's checks
+    (csrc/fused_sgd_step_checks.h, the wording of ``_checks._tensor_list``)."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got {type(xs).__name__}")
+    xs = list(xs)
+    for i, x in enumerate(xs):
+        if not (isinstance(x, torch.Tensor) or (x is None and optional_entries)):
+            raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    return xs
 
 
 def fused_sgd_step_(
@@ -57,14 +70,9 @@ def fused_sgd_step_(
     Returns ``params``.
     """
     op = "fused_sgd_step_"
-    if isinstance(params, torch.Tensor) or not isinstance(params, (list, tuple)):
-        raise TypeError(f"{op}: params must be a list or tuple of tensors, got {type(params).__name__}")
-    params = list(params)
+    params = _tensor_entries(params, op, "params")
     n = len(params)
-    for i, p in enumerate(params):
-        _tensor(p, op, f"params[{i}]")
-        _float_dtype(p, op, f"params[{i}]")
-    grads = _tensor_list(grads, n, op, "grads", params)
+    grads = _tensor_entries(grads, op, "grads")
     lr = _finite_number(lr, op, "lr")
     momentum = _finite_number(momentum, op, "momentum")
     weight_decay = _finite_number(weight_decay, op, "weight_decay")
@@ -73,11 +81,16 @@ def fused_sgd_step_(
     if momentum != 0:
         if momentum_bufs is None:
             raise ValueError(f"{op}: momentum_bufs are required when momentum != 0")
-        bufs = _tensor_list(momentum_bufs, n, op, "momentum_bufs", params)
+        bufs = _tensor_entries(momentum_bufs, op, "momentum_bufs")
     else:
         bufs = []
-    ca = [] if c_add is None else _tensor_list(c_add, n, op, "c_add", params, optional_entries=True)
-    cs = [] if c_sub is None else _tensor_list(c_sub, n, op, "c_sub", params, optional_entries=True)
+    ca = [] if c_add is None else _tensor_entries(c_add, op, "c_add", optional_entries=True)
+    cs = [] if c_sub is None else _tensor_entries(c_sub, op, "c_sub", optional_entries=True)
+    for name, given, lst in (("c_add", c_add, ca), ("c_sub", c_sub, cs)):
+        # (the native op reads an empty list as "no correction", the wrapper's is None; and it cannot
+        # be called with no tensor at all: the length of a list without a tensor is checked here)
+        if given is not None and len(lst) != n and all(t is None for t in lst):
+            raise ValueError(f"{op}: {name} must have one entry per parameter ({n}), got {len(lst)}")
     if gc_mask is None or gc_mask is False:
         mask = []
     elif gc_mask is True:
@@ -90,9 +103,12 @@ def fused_sgd_step_(
         raise ValueError(f"{op}: vector_policy must be 'skip' or 'center', got {vector_policy!r}")
     if isinstance(min_fanin, bool) or not isinstance(min_fanin, int) or min_fanin < 1:
         raise ValueError(f"{op}: min_fanin must be an int >= 1, got {min_fanin!r}")
-    if n == 0:
+    # (shapes, dtypes, devices and list lengths: the native op checks them; with no parameters it is
+    # called only when another list is not empty, to raise that list's length error)
+    tensors = [t for t in (*grads, *bufs, *ca, *cs) if t is not None]
+    if n == 0 and not tensors:
         return params
-    _needs_kernel("fused_sgd_step_", params[0].device, op)
+    _needs_kernel("fused_sgd_step_", (params or tensors)[0].device, op)
     _no_grad_through(op, *params, *bufs)
     # non-contiguous tensors: read-only ones are copied in; mutated ones are copied in and back
     write_back = []

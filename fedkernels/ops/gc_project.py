@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from . import _autograd as _ag
-from ._checks import FLOAT_DTYPES, _needs_kernel, _no_grad_through, _tensor, tracing
+from ._checks import _needs_kernel, _no_grad_through, _tensor, tracing
 
 __all__ = ["gc_project_", "gc_project", "gc_project_flat_", "GC_VECTOR_POLICIES"]
 
@@ -55,18 +55,9 @@ def _gc_args(tensors: object, vector_policy: object, min_fanin: object, op: str)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{op}: tensors[{i}] must have a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}"
-            )
+    # (dtypes and devices: the native op checks them, csrc/gc_project_checks.h)
     if tensors:
-        dev = tensors[0].device
-        for i, t in enumerate(tensors):
-            if t.device != dev:
-                raise ValueError(
-                    f"{op}: all tensors must be on one device; tensors[0] is on {dev}, tensors[{i}] on {t.device}"
-                )
-        _needs_kernel(op.rstrip("_") if op == "gc_project" else "gc_project_", dev, op)
+        _needs_kernel(op.rstrip("_") if op == "gc_project" else "gc_project_", tensors[0].device, op)
     return tensors
 
 

@@ -17,7 +17,7 @@ import torch
 from .. import _native
 from .._types import ScalarOrCoef
 from . import _autograd as _ag
-from ._checks import HOST, _needs_kernel, _no_grad_through, _tensor, _vector, tracing
+from ._checks import HOST, _needs_kernel, _no_grad_through, _tensor, tracing
 
 __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "LU_MAX_N"]
 
@@ -26,15 +26,11 @@ LU_MAX_N: int = int(_native._C.build_info()["lu_max_n"])  # defined once: csrc/l
 
 def _lu_input(A: object, op: str) -> torch.Tensor:
     A = _tensor(A, op, "A")
-    if A.dim() not in (2, 3) or A.size(-1) != A.size(-2):
-        raise ValueError(f"{op}: A must be a square [n, n] or batched [B, n, n] matrix, got shape {tuple(A.shape)}")
-    if A.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{op}: A must be float32 or float64, got {A.dtype}")
-    n = A.size(-1)
-    if not 1 <= n <= LU_MAX_N:
-        raise ValueError(f"{op}: n must be in [1, {LU_MAX_N}] (small systems; use torch.linalg for larger), got {n}")
-    if not tracing() and not bool(torch.isfinite(A).all()):
-        raise ValueError(f"{op}: A must be finite (got NaN or Inf entries)")
+    # (shape, dtype and n: the native op checks them, csrc/lu_checks.h; the values only of an A it takes)
+    takes = A.dim() in (2, 3) and A.size(-1) == A.size(-2) and 1 <= A.size(-1) <= LU_MAX_N
+    if takes and A.dtype in (torch.float32, torch.float64) and not tracing():
+        if not bool(torch.isfinite(A).all()):
+            raise ValueError(f"{op}: A must be finite (got NaN or Inf entries)")
     return A.contiguous()
 
 
@@ -48,7 +44,14 @@ def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
     """
     A = _lu_input(A, "lu_factor_ex")
     _needs_kernel("lu_factor", A.device, "lu_factor_ex")
-    return _ag.no_derivative("lu_factor", _ag.call(torch.ops.fedkernels.lu_factor, A.detach()), A)
+    try:
+        res = _ag.call(torch.ops.fedkernels.lu_factor, A.detach())
+    except ValueError as e:  # the native op's argument error, named after this wrapper as before
+        msg = str(e)
+        if not msg.startswith("lu_factor: "):
+            raise
+        raise ValueError("lu_factor_ex: " + msg[len("lu_factor: ") :]) from None
+    return _ag.no_derivative("lu_factor", res, A)
 
 
 def lu_factor(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -77,24 +80,9 @@ def lu_solve(
     LU = _tensor(LU, op, "LU")
     pivots = _tensor(pivots, op, "pivots")
     R = _tensor(R, op, "R")
-    if LU.dim() not in (2, 3) or LU.size(-1) != LU.size(-2):
-        raise ValueError(f"{op}: LU must be [n, n] or [B, n, n], got shape {tuple(LU.shape)}")
-    n = LU.size(-1)
-    if not LU.dtype.is_floating_point:
-        raise ValueError(f"{op}: LU must have a floating dtype, got {LU.dtype}")
-    if pivots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: pivots must be int32 or int64, got {pivots.dtype}")
-    if pivots.shape != LU.shape[:-1]:
-        raise ValueError(f"{op}: pivots must have shape {tuple(LU.shape[:-1])}, got {tuple(pivots.shape)}")
-    if R.dim() != LU.dim() or R.size(-2) != n or (LU.dim() == 3 and R.size(0) != LU.size(0)):
-        want = f"[{LU.size(0)}, {n}, m]" if LU.dim() == 3 else f"[{n}, m]"
-        raise ValueError(f"{op}: R must be {want}, got shape {tuple(R.shape)}")
-    if R.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
-    if LU.device != R.device or pivots.device != R.device:
-        raise ValueError(f"{op}: LU, pivots and R must be on one device, got {LU.device}, {pivots.device}, {R.device}")
+    # (shapes, dtypes and devices: the native op checks them, csrc/lu_checks.h)
     _needs_kernel("lu_solve" if out is None else "lu_solve_out", R.device, op)
-    if R.size(-1) > 1 and R.stride(-1) != 1:
+    if R.dim() >= 1 and R.size(-1) > 1 and R.stride(-1) != 1:
         R = R.contiguous()
     if out is None:
         return _ag.no_derivative(
@@ -104,8 +92,6 @@ def lu_solve(
             R,
         )
     out = _tensor(out, op, "out")
-    if out.shape != R.shape or out.dtype != R.dtype or not out.is_contiguous() or out.device != R.device:
-        raise ValueError(f"{op}: out must be a contiguous {R.dtype} tensor of shape {tuple(R.shape)} on {R.device}")
     _no_grad_through("lu_solve(out=...)", LU, R, out)
     torch.ops.fedkernels.lu_solve_out(LU.contiguous(), pivots.contiguous(), R, out)
     return out
@@ -121,36 +107,36 @@ def arrowhead_solve(
     """
     op = "arrowhead_solve"
     R = _tensor(R, op, "R")
-    if R.dim() != 2:
-        raise ValueError(f"{op}: R must be a 2-D [K, m] tensor, got shape {tuple(R.shape)}")
-    if R.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{op}: R must be float32 or float64, got {R.dtype}")
-    K, m = R.shape
+    # (shapes, dtypes and devices: the native op checks them, csrc/lu_checks.h; K is read only from
+    # an R of the right rank, else the native op raises R's shape error before a, b and c are checked)
+    K = R.size(0) if R.dim() == 2 else None
     coefs = []
-    for name, v in (("a", a), ("b", b), ("c", c)):
+    for v in (a, b, c):
         v = (
             v.to(device=HOST, dtype=torch.float64)
             if isinstance(v, torch.Tensor)
             else torch.as_tensor(v, dtype=torch.float64)
         )  # not detached: a backward through the op raises
-        if v.dim() == 0:
+        if K is not None and v.dim() == 0:
             v = v.expand(K)
-        if v.dim() != 1 or v.size(0) != K:
-            raise ValueError(f"{op}: {name} must be a scalar or a length-{K} vector, got shape {tuple(v.shape)}")
-        if not tracing() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"{op}: {name} must be finite")
         coefs.append(v.contiguous())
+    # (the values only of coefficients of the right length: the native op checks the lengths)
+    shaped = K is not None and all(v.dim() == 1 and v.size(0) == K for v in coefs)
+    if shaped and not tracing():
+        for name, v in zip("abc", coefs):
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{op}: {name} must be finite")
     if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
-    if not tracing():
+    if shaped and not tracing():
         if bool((coefs[0].detach() == 0).any()):
             raise ValueError(f"{op}: a must be nonzero (the diagonal block is diag(a))")
         den = float(alpha) - float((coefs[1] * coefs[2] / coefs[0]).detach().sum())
         if den == 0.0:
             raise ValueError(f"{op}: singular system (Schur complement alpha - sum b c / a = 0)")
-    r0 = _vector(r0, op, "r0", m, R)
+    r0 = _tensor(r0, op, "r0")
     _needs_kernel("arrowhead_solve", R.device, op)
-    if m > 1 and R.stride(1) != 1:
+    if K is not None and R.size(1) > 1 and R.stride(1) != 1:
         R = R.contiguous()
     res = _ag.call(
         torch.ops.fedkernels.arrowhead_solve,

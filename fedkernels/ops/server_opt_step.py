@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import _finite_number, _float_dtype, _needs_kernel, _no_grad_through, _same_storage, _tensor, tracing
+from ._checks import _finite_number, _needs_kernel, _no_grad_through, _same_storage, _tensor, tracing
 
 __all__ = ["server_opt_step_", "SERVER_OPT_RULES"]
 
 SERVER_OPT_RULES = ("adam", "yogi", "adagrad")
-_STATE_DTYPES = (torch.float32, torch.float64)
 
 
 def server_opt_step_(
@@ -63,21 +62,7 @@ def server_opt_step_(
             raise ValueError(f"{op}: {name} must lie in [0, 1], got {beta}")
     if not isinstance(from_model, bool):
         raise ValueError(f"{op}: from_model must be a bool, got {from_model!r}")
-    if x.dim() != 1:
-        raise ValueError(f"{op}: x must be a 1-D [d] tensor, got shape {tuple(x.shape)}")
-    _float_dtype(x, op, "x")
-    d = x.numel()
-    for name, t in (("io", io), ("m", m), ("v", v)):
-        if t.dim() != 1 or t.numel() != d:
-            raise ValueError(f"{op}: {name} must be a 1-D tensor of length d={d} (len(x)), got shape {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
-    if io.dtype != x.dtype:
-        raise ValueError(f"{op}: io must have dtype {x.dtype} (the dtype of x), got {io.dtype}")
-    if m.dtype not in _STATE_DTYPES or v.dtype != m.dtype:
-        raise ValueError(f"{op}: m and v must both be float32 or both float64, got {m.dtype} and {v.dtype}")
-    if x.dtype == torch.float64 and m.dtype != torch.float64:
-        raise ValueError(f"{op}: m and v must be float64 for a float64 model, got {m.dtype}")
+    # (shapes, dtypes, devices and layouts: the native op checks them, csrc/server_opt_step_checks.h)
     named = (("io", io), ("m", m), ("v", v), ("x", x))
     for i, (na, ta) in enumerate(named):
         for nb, tb in named[i + 1 :]:
