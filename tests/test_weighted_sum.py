@@ -517,8 +517,8 @@ def test_bad_args_weighted_sum(dev):
         coef[:3],
     )
     one_line(
-        RuntimeError,
-        r"weighted_sum: coef must be 1-D of length 4 .*got shape \[3\]",
+        ValueError,
+        r"weighted_sum: coef must be a 1-D tensor of length 4 .*got shape \(3,\)",
         F.weighted_sum,
         U,
         coef[:3],
@@ -570,8 +570,8 @@ def test_bad_args_weighted_sum(dev):
             base=torch.zeros(301),
         )
         one_line(
-            RuntimeError,
-            r"weighted_sum: .*base.* must be on cuda.*got cpu",
+            ValueError,
+            r"weighted_sum: base is on cpu but U is on cuda",
             F.weighted_sum,
             U,
             coef,
