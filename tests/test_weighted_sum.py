@@ -671,6 +671,15 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, op, case):
         one_line(ValueError, want, getattr(F, op + "_out"), U, coef, base, 1.0, rows, out)
 
 
+@pytest.mark.parametrize("case", ["U 1-D", "U int", "base length", "out strided"])
+def test_bad_tensor_args_under_compile_raise_when_the_graph_runs(case):
+    """The fake kernels trace any shape; the native op's check raises its ValueError when the graph runs."""
+    kw, msg = _wsum_bad("cpu")[case]
+    torch._dynamo.reset()
+    f = torch.compile(lambda kw: ops.weighted_sum(**kw), backend="eager")
+    one_line(ValueError, "^" + re.escape(f"weighted_sum: {msg}") + "$", f, kw)
+
+
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/weighted_sum.cpp) ------
 @pytest.fixture(scope="module")
 def harness():

@@ -19,7 +19,7 @@ import torch
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
 from ._checks import _needs_kernel, _tensor
-from .weighted_sum import _fake_devices, _host_rows_coef, _rowmajor
+from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _rowmajor
 
 __all__ = ["dequant_weighted_sum", "CODE_DTYPES", "RESULT_DTYPES"]
 
@@ -94,8 +94,9 @@ def _dequant_fake(
     _fake_devices("dequant_weighted_sum", Q, "Q is on", scales=scales)
     _fake_devices("dequant_weighted_sum", Q, "the rows are on", base=base)
     odt = base.dtype if base is not None else (out_dtype or torch.float32)
-    n = Q.size(0) if rows is None else rows.size(0)
-    return Q.new_empty((Q.size(1),), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
+    K, d = _fake_shape(Q)
+    n = K if rows is None else rows.size(0)
+    return Q.new_empty((d,), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
 
 
 _ag.no_derivative_op(

@@ -25,7 +25,7 @@ from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
 from ._checks import _needs_kernel, _no_grad_through, _tensor
 from .reductions import active_reducer
-from .weighted_sum import _fake_devices, _host_rows_coef, _result_args, _rowmajor
+from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _result_args, _rowmajor
 
 __all__ = ["add_gaussian_noise_", "weighted_sum_noised", "philox_normal", "MAX_COUNTER"]
 
@@ -118,7 +118,7 @@ def _wsn_fake(
     offset: int = 0,
 ) -> torch.Tensor:
     _fake_devices("weighted_sum_noised", U, "U is on", base=base)
-    return U.new_empty((U.size(1),), dtype=base.dtype if base is not None else U.dtype)
+    return U.new_empty((_fake_shape(U)[1],), dtype=base.dtype if base is not None else U.dtype)
 
 
 @torch.library.register_fake("fedkernels::philox_normal")

@@ -218,6 +218,12 @@ def _fake_devices(op: str, like: torch.Tensor, but: str, **tensors: Optional[tor
             raise ValueError(f"{op}: {name} is on {t.device} but {but} {like.device}")
 
 
+def _fake_shape(U: torch.Tensor) -> Tuple[int, int]:
+    """(K, d) of a 2-D ``U`` in the fake kernels, (0, 0) for any other: the trace goes on, and the native op
+    raises U's shape error when the graph runs."""
+    return (U.size(0), U.size(1)) if U.dim() == 2 else (0, 0)
+
+
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _wsum_fake(
     U: torch.Tensor,
@@ -227,7 +233,7 @@ def _wsum_fake(
     rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     _fake_devices("weighted_sum", U, "U is on", base=base)
-    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype)
+    return U.new_empty((_fake_shape(U)[1],), dtype=U.dtype if base is None else base.dtype)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
@@ -252,8 +258,9 @@ def _wsum_screened_fake(
     rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _fake_devices("weighted_sum_screened", U, "U is on", base=base)
-    n = U.size(0) if rows is None else rows.size(0)
-    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
+    K, d = _fake_shape(U)
+    n = K if rows is None else rows.size(0)
+    return U.new_empty((d,), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_screened_out")
@@ -266,7 +273,7 @@ def _wsum_screened_out_fake(
     out: torch.Tensor,
 ) -> torch.Tensor:
     _fake_devices("weighted_sum_screened", U, "U is on", out=out, base=base)
-    return U.new_empty((U.size(0) if rows is None else rows.size(0),), dtype=torch.bool)
+    return U.new_empty((_fake_shape(U)[0] if rows is None else rows.size(0),), dtype=torch.bool)
 
 
 # ---- derivative (``g`` = gradient of the output): dU[rows_i] += alpha coef_i g,
