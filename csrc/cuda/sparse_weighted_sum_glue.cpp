@@ -27,8 +27,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_weighted_sum_cuda(const at::Tensor& id
   const int64_t K = args.K;
   std::vector<int64_t> r;
   if (rows.has_value()) {
-    auto h = rows->to(at::kCPU, at::kLong).contiguous();
-    TORCH_CHECK(h.dim() == 1, op, ": rows must be 1-D");
+    auto h = rows->to(at::kCPU, at::kLong).contiguous();  // 1-D: checked above
     r.assign(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
     for (int64_t x : r) TORCH_CHECK(x >= 0 && x < K, op, ": rows entry ", x, " out of range [0, ", K, ")");
   } else {
