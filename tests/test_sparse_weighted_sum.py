@@ -198,6 +198,10 @@ def _sparse_bad(dev):
 
     return {
         "idx 2-D": (dict(idx=idx.view(3, 2)), "idx must be a 1-D int32/int64 tensor, got shape (3, 2) torch.int64"),
+        "idx 2-D, lists of its rows": (
+            dict(idx=idx.view(2, 3), offsets=[0, 1, 2]),
+            "idx must be a 1-D int32/int64 tensor, got shape (2, 3) torch.int64",
+        ),
         "idx float": (dict(idx=idx.float()), "idx must be a 1-D int32/int64 tensor, got shape (6,) torch.float32"),
         "val length": (dict(val=val[:5]), "val must be a 1-D tensor of idx's length 6, got shape (5,)"),
         "val 2-D": (dict(val=val.view(2, 3)), "val must be a 1-D tensor of idx's length 6, got shape (2, 3)"),

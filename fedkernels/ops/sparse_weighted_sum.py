@@ -18,11 +18,12 @@ from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
 from ._checks import HOST, _coef, _needs_kernel, _rows, _tensor, _batched, tracing
 from .dequant_weighted_sum import _alpha, _float_base
-from .weighted_sum import _fake_devices
+from .weighted_sum import _NO_COEF, _fake_devices
 
 __all__ = ["sparse_weighted_sum", "stack_lists"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+_NO_LISTS = torch.zeros(1, dtype=torch.int64)
 
 
 def _offsets(offsets: object, nnz: int, op: str) -> torch.Tensor:
@@ -94,13 +95,14 @@ def sparse_weighted_sum(
     if isinstance(d, bool) or not isinstance(d, int) or d < 0:
         raise ValueError(f"{op}: d must be an int >= 0 (the dense length), got {d!r}")
     _needs_kernel(op, idx.device, op)
-    o = _offsets(offsets, idx.numel(), op)
-    K = o.numel() - 1
-    idx, val = idx.contiguous(), val.contiguous()
     if idx.dim() == 1 and idx.dtype in INDEX_DTYPES:
+        o = _offsets(offsets, idx.numel(), op)
+        idx, val = idx.contiguous(), val.contiguous()
         _check_indices(idx, o, d, op)
-    r = _rows(rows, K, op)
-    c = _coef(coef, K if r is None else r.numel(), op)
+        r = _rows(rows, o.numel() - 1, op)
+        c = _coef(coef, o.numel() - 1 if r is None else r.numel(), op)
+    else:  # these rules read idx as index lists: the native op raises idx's error first
+        o, r, c = _NO_LISTS, None, _NO_COEF
     a = _alpha(alpha, op)
     base = _float_base(op, base, out_dtype)
     return _ag.call(torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r, out_dtype)
