@@ -52,6 +52,18 @@ def test_philox_known_answers_native_and_reference(ctr, key, want):
 
 
 @pytest.mark.parametrize(
+    "ctr,got",
+    [
+        (torch.zeros(3, 3, dtype=torch.int64), "(3, 3) and dtype torch.int64"),
+        (torch.zeros(2, 4), "(2, 4) and dtype torch.float32"),
+    ],
+)
+def test_philox_counters_are_int64_rows_of_four(ctr, got):
+    want = f"philox4x32_10: ctr must be an int64 tensor of shape (n, 4), got shape {got}"
+    one_line(ValueError, "^" + re.escape(want) + "$", torch.ops.fedkernels.philox4x32_10, ctr, 1, 2)
+
+
+@pytest.mark.parametrize(
     "n,seed,counter,j0",
     [
         (1, 0, 0, 0),
