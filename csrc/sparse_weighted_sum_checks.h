@@ -1,43 +1,51 @@
-// Argument rules of sparse_weighted_sum, written once for its CPU kernel (csrc/cpu/sparse_weighted_sum.cpp)
-// and its CUDA glue (csrc/cuda/sparse_weighted_sum_glue.cpp): cheap last-line checks (the Python wrapper
-// validates first, including the index values, and names the argument).
+// Tensor rules of sparse_weighted_sum, written once for its CPU kernel (csrc/cpu/sparse_weighted_sum.cpp) and its
+// CUDA glue (csrc/cuda/sparse_weighted_sum_glue.cpp): shapes, dtypes, devices and layouts, each a one-line
+// ValueError in the Python wrapper's words (fedkernels/ops/sparse_weighted_sum.py checks types and values,
+// including the index values, first). The offsets' values are read here too: the kernels index with them.
 #pragma once
 
 #include "checks.h"
+#include "dequant_weighted_sum_checks.h"
+#include "weighted_sum_checks.h"
 
 namespace fedkernels {
 namespace checks {
 
-// The result's dtype: base's when given (then out_dtype, if given, must agree), else out_dtype, else float64
-// for float64 values and float32 otherwise.
-inline at::ScalarType sparse_out_dtype(const at::Tensor& val, const c10::optional<at::Tensor>& base,
-                                       c10::optional<at::ScalarType> out_dtype, const char* op) {
-  const at::ScalarType dflt = val.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::ScalarType st = base.has_value() ? base->scalar_type() : out_dtype.value_or(dflt);
-  TORCH_CHECK(st == at::kFloat || st == at::kDouble, op, ": the result must be Float or Double, got ", st);
-  TORCH_CHECK(!out_dtype.has_value() || *out_dtype == st, op, ": out_dtype ", *out_dtype, " differs from base's ", st);
-  return st;
-}
+struct SparseArgs {
+  int64_t K;               // number of lists (offsets has K + 1 entries)
+  int64_t n;               // number of selected lists
+  at::ScalarType result;   // the result's dtype
+};
 
-// idx: contiguous 1-D Int/Long [nnz]; val: contiguous 1-D float [nnz]; offsets: 1-D Long [K + 1] on the host,
-// non-decreasing from 0 to nnz (list k is idx/val[offsets[k]:offsets[k + 1]]); coef: 1-D float [n]; d >= 0;
-// base: contiguous [d]. Returns K.
-inline int64_t sparse_weighted_sum_args(const at::Tensor& idx, const at::Tensor& val, const at::Tensor& offsets,
-                                        const at::Tensor& coef, int64_t d, const c10::optional<at::Tensor>& base,
-                                        c10::Device dev) {
+// idx: contiguous 1-D int32/int64 [nnz]; val: contiguous 1-D float [nnz] on idx's device; d >= 0; offsets: 1-D
+// int64 [K + 1] on the host, non-decreasing from 0 to nnz (list k is idx/val[offsets[k]:offsets[k + 1]]); rows:
+// optional 1-D indices; coef: one float per selected list; base / out_dtype: float_result (default: float64 for
+// float64 values, else float32). Checked in the wrapper's order.
+inline SparseArgs sparse_weighted_sum_args(const at::Tensor& idx, const at::Tensor& val, const at::Tensor& offsets,
+                                           const at::Tensor& coef, int64_t d, const c10::optional<at::Tensor>& base,
+                                           const c10::optional<at::Tensor>& rows,
+                                           c10::optional<at::ScalarType> out_dtype, c10::Device dev) {
   const char* op = "sparse_weighted_sum";
-  TORCH_CHECK(idx.dim() == 1 && idx.is_contiguous(), op, ": idx must be a contiguous 1-D tensor, got shape ", idx.sizes());
-  TORCH_CHECK(idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong, op, ": idx must be Int or Long, got ",
-              idx.scalar_type());
-  TORCH_CHECK(val.dim() == 1 && val.is_contiguous() && val.numel() == idx.numel(), op,
-              ": val must be a contiguous 1-D tensor of idx's length ", idx.numel(), ", got shape ", val.sizes());
-  TORCH_CHECK(is_float4(val.scalar_type()), op, ": val must be float16, bfloat16, float32 or float64, got ",
-              val.scalar_type());
-  on_device(idx, dev, op, "idx");
-  on_device(val, dev, op, "val");
-  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1 && offsets.scalar_type() == at::kLong && offsets.device().is_cpu(),
-              op, ": offsets must be a 1-D Long host tensor of length K + 1, got ", offsets.sizes(), " ",
-              offsets.scalar_type(), " on ", offsets.device());
+  const auto ist = idx.scalar_type();
+  TORCH_CHECK_VALUE(idx.dim() == 1 && (ist == at::kInt || ist == at::kLong), op,
+                    ": idx must be a 1-D int32/int64 tensor, got shape ", py_shape(idx.sizes()), " ", py_dtype(ist));
+  TORCH_CHECK_VALUE(val.dim() == 1 && val.numel() == idx.numel(), op, ": val must be a 1-D tensor of idx's length ",
+                    idx.numel(), ", got shape ", py_shape(val.sizes()));
+  float_dtype(val, op, "val");
+  on_device(idx, dev, op, "idx", "idx");
+  on_device(val, dev, op, "val", "idx");
+  TORCH_CHECK_VALUE(d >= 0, op, ": d must be an int >= 0 (the dense length), got ", d);
+  TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.numel() >= 1, op,
+                    ": offsets must be a 1-D sequence of K + 1 list starts, got shape ", py_shape(offsets.sizes()));
+  const auto ost = offsets.scalar_type();
+  TORCH_CHECK_VALUE(!(at::isFloatingType(ost) || at::isComplexType(ost) || ost == at::kBool), op,
+                    ": offsets must hold integers, got ", py_dtype(ost));
+  TORCH_CHECK_VALUE(ost == at::kLong, op, ": offsets must hold int64 list starts (the fedkernels.ops wrapper converts "
+                    "them), got ", py_dtype(ost));
+  TORCH_CHECK_VALUE(offsets.device().is_cpu(), op, ": offsets must be on the host (cpu; the fedkernels.ops wrapper "
+                    "copies them there), got ", offsets.device());
+  TORCH_CHECK_VALUE(idx.is_contiguous(), op, ": idx must be contiguous (the fedkernels.ops wrapper copies it once)");
+  TORCH_CHECK_VALUE(val.is_contiguous(), op, ": val must be contiguous (the fedkernels.ops wrapper copies it once)");
   auto off = offsets.contiguous();
   const int64_t* o = off.data_ptr<int64_t>();
   const int64_t K = off.numel() - 1;
@@ -45,15 +53,11 @@ inline int64_t sparse_weighted_sum_args(const at::Tensor& idx, const at::Tensor&
               " .. ", o[K]);
   for (int64_t k = 0; k < K; ++k)
     TORCH_CHECK(o[k] <= o[k + 1], op, ": offsets must be non-decreasing, got offsets[", k, "] = ", o[k], " > ", o[k + 1]);
-  TORCH_CHECK(d >= 0, op, ": d must be >= 0, got ", d);
-  TORCH_CHECK(coef.dim() == 1 && coef.is_floating_point(), op, ": coef must be a 1-D float tensor, got ", coef.sizes(), " ",
-              coef.scalar_type());
-  if (base.has_value()) {
-    TORCH_CHECK(base->dim() == 1 && base->size(0) == d && base->is_contiguous(), op,
-                ": base must be a contiguous 1-D tensor of length ", d, ", got shape ", base->sizes());
-    on_device(*base, dev, op, "base");
-  }
-  return K;
+  index_rows(rows, dev, op, "idx");
+  const int64_t n = rows.has_value() ? rows->numel() : K;
+  coef_vector(coef, n, dev, op, "idx");
+  const auto dflt = val.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return {K, n, float_result(base, out_dtype, dflt, d, dev, op)};
 }
 
 }  // namespace checks

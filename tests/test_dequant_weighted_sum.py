@@ -2,11 +2,13 @@
 dequantised copy, against the float64 reference (a bound from the arithmetic: one rounding of each weight, one
 fma per code), the flags, thread counts, strides, bad inputs; CUDA cases skip without a GPU."""
 
+import re
+
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES, one_line  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 CODES = [torch.int8, torch.float8_e4m3fn]
 # (K, d, block): one column, blocks that do not divide d (a short last block), a block wider than d, one
@@ -226,3 +228,62 @@ int main() {{
     assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
     assert [int(x) for x in out[256:267]] == [0, 0, 1, 1, 4, 4, 4, 4, 5, 5, 6]
     assert [int(x) for x in out[267:]] == [1, 1, 0, 0, 1, 1]
+
+
+# ---- bad tensors: one ValueError, the same words from the wrapper and from the native op ------------------------
+def _dequant_bad(dev):
+    """{case: (arguments with one bad tensor, the message after "dequant_weighted_sum: ")}."""
+    Q, S, c = _codes(3, 10, torch.int8).to(dev), _scales(3, 4).to(dev), [1.0, -0.5, 2.0]
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+
+    return {
+        "Q 1-D": (dict(Q=Q[0]), "Q must be a 2-D [K, d] tensor of codes, got shape (10,)"),
+        "Q float": (dict(Q=Q.float()), "Q must hold int8 or float8_e4m3fn codes, got torch.float32"),
+        "scales shape": (
+            dict(block=4),
+            "scales must be [K, ceil(d / block)] = [3, 3] (one per row and block of 4), got shape (3, 4)",
+        ),
+        "scales 1-D": (
+            dict(scales=S[0]),
+            "scales must be [K, ceil(d / block)] = [3, 4] (one per row and block of 3), got shape (4,)",
+        ),
+        "scales dtype": (dict(scales=S.double()), "scales must be float32, got torch.float64"),
+        "coef length": (
+            dict(coef=c[:2]),
+            "coef must be a 1-D tensor of length 3 (one per selected row), got shape (2,)",
+        ),
+        "rows 2-D": (dict(coef=c[:2], rows=[[0, 1]]), "rows must be a 1-D sequence of row indices, got shape (1, 2)"),
+        "base length": (dict(base=z(9)), "base must be a 1-D tensor of length 10, got shape (9,)"),
+        "base half": (
+            dict(base=z(10, dtype=torch.float16)),
+            "base must be float32 or float64 (the result's dtype), got torch.float16",
+        ),
+        "base int": (
+            dict(base=z(10, dtype=torch.int64)),
+            "base must be float32 or float64 (the result's dtype), got torch.int64",
+        ),
+        "out_dtype not base's": (
+            dict(base=z(10), out_dtype=torch.float64),
+            "out_dtype torch.float64 differs from base's dtype torch.float32",
+        ),
+        "scales elsewhere": (dict(scales=S.cpu()), "scales is on cpu but Q is on cuda:0"),
+        "base elsewhere": (dict(base=torch.zeros(10)), "base is on cpu but the rows are on cuda:0"),
+    }, dict(Q=Q, scales=S, coef=c, block=3)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", list(_dequant_bad("cpu")[0]))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    if case.endswith("elsewhere") and dev == "cpu":
+        pytest.skip("a second device needs a GPU")
+    cases, good = _dequant_bad(dev)
+    kw, msg = cases[case]
+    a = good | kw
+    want = "^" + re.escape(f"dequant_weighted_sum: {msg}") + "$"
+    one_line(ValueError, want, ops.dequant_weighted_sum, **a)
+    coef = torch.tensor(a["coef"], dtype=torch.float64)  # the host vectors the wrapper passes
+    rows = None if a.get("rows") is None else torch.as_tensor(a["rows"])
+    args = (a["Q"], a["scales"], coef, a["block"], a.get("base"), 1.0, rows, a.get("out_dtype"))
+    one_line(ValueError, want, torch.ops.fedkernels.dequant_weighted_sum, *args)

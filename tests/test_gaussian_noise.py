@@ -4,12 +4,13 @@ the rounding rule of the noised write (exact), independence from thread count, c
 odd shapes/strides/dtypes, opcheck, bad arguments."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES, one_line  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -48,6 +49,18 @@ def test_philox_known_answers_native_and_reference(ctr, key, want):
     got = torch.ops.fedkernels.philox4x32_10(torch.tensor([ctr], dtype=torch.int64), key[0], key[1])
     assert tuple(got[0].tolist()) == want
     assert tuple(int(w[0]) for w in ref.philox4x32_10([torch.tensor([c]) for c in ctr], key)) == want
+
+
+@pytest.mark.parametrize(
+    "ctr,got",
+    [
+        (torch.zeros(3, 3, dtype=torch.int64), "(3, 3) and dtype torch.int64"),
+        (torch.zeros(2, 4), "(2, 4) and dtype torch.float32"),
+    ],
+)
+def test_philox_counters_are_int64_rows_of_four(ctr, got):
+    want = f"philox4x32_10: ctr must be an int64 tensor of shape (n, 4), got shape {got}"
+    one_line(ValueError, "^" + re.escape(want) + "$", torch.ops.fedkernels.philox4x32_10, ctr, 1, 2)
 
 
 @pytest.mark.parametrize(
@@ -242,3 +255,64 @@ def test_bad_tensors():
         ops.weighted_sum_noised(torch.zeros(2, 4), [1.0], sigma=1.0, seed=1, counter=1)
     with pytest.raises(RuntimeError, match="no derivative"):
         ops.add_gaussian_noise_(torch.zeros(4, requires_grad=True), 1.0, 1, 1)
+
+
+# ---- bad tensors: one ValueError, the same words from the wrapper and from the native op ------------------------
+def _noise_bad(dev):
+    """{case: (op, its arguments with one bad tensor, the message after "<op>: ")}."""
+    U, c = torch.randn(4, 10, device=dev), [0.5, -1.0, 2.0, 0.25]
+    floating = "must have a floating dtype (float16, bfloat16, float32, float64), got"
+    wider = " or a wider torch.float32 / torch.float64"
+    x, ws = "add_gaussian_noise_", "weighted_sum_noised"
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+
+    return {
+        "x int": (x, dict(x=z(4, dtype=torch.int32)), f"x {floating} torch.int32"),
+        "x strided": (x, dict(x=z(4, 4).T), "x must be contiguous (it is written in place)"),
+        "U 1-D": (ws, dict(U=U[0], coef=c), "U must be a 2-D [K, d] tensor, got shape (10,)"),
+        "U int": (ws, dict(U=z(4, 10, dtype=torch.int64), coef=c), f"U {floating} torch.int64"),
+        "coef length": (
+            ws,
+            dict(U=U, coef=c[:3]),
+            "coef must be a 1-D tensor of length 4 (one per selected row), got shape (3,)",
+        ),
+        "rows float": (
+            ws,
+            dict(U=U, coef=c[:2], rows=torch.tensor([0.0, 1.0])),
+            "rows must hold integer row indices, got dtype torch.float32",
+        ),
+        "base length": (ws, dict(U=U, coef=c, base=z(9)), "base must be a 1-D tensor of length 10, got shape (9,)"),
+        "base dtype": (
+            ws,
+            dict(U=U, coef=c, base=z(10, dtype=torch.float64)),
+            "base must have dtype torch.float32 (the dtype of U), got torch.float64",
+        ),
+        "base narrower": (
+            ws,
+            dict(U=U.bfloat16(), coef=c, base=z(10, dtype=torch.float16)),
+            f"base must have dtype torch.bfloat16 (the dtype of U){wider}, got torch.float16",
+        ),
+        "base elsewhere": (ws, dict(U=U, coef=c, base=torch.zeros(10)), "base is on cpu but U is on cuda:0"),
+    }
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", list(_noise_bad("cpu")))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    if case.endswith("elsewhere") and dev == "cpu":
+        pytest.skip("a second device needs a GPU")
+    op, kw, msg = _noise_bad(dev)[case]
+    want = "^" + re.escape(f"{op}: {msg}") + "$"
+    noise = dict(sigma=1.0, seed=1, counter=2, offset=0)
+    F = torch.ops.fedkernels
+    if op == "add_gaussian_noise_":
+        one_line(ValueError, want, ops.add_gaussian_noise_, kw["x"], **noise)
+        one_line(ValueError, want, F.add_gaussian_noise_, kw["x"], *noise.values())
+        return
+    one_line(ValueError, want, ops.weighted_sum_noised, **kw, **noise)
+    coef = torch.tensor(kw["coef"], dtype=torch.float64)  # the host vectors the wrapper passes
+    one_line(
+        ValueError, want, F.weighted_sum_noised, kw["U"], coef, kw.get("base"), 1.0, kw.get("rows"), *noise.values()
+    )

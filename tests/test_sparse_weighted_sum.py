@@ -2,11 +2,13 @@
 float64 reference (the lists densified by index_add_) with a bound from the arithmetic, duplicates, empty lists,
 the flags, thread counts, bad inputs; CUDA cases skip without a GPU."""
 
+import re
+
 import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
+from devices import DEVICES, one_line  # tests/devices.py: the cuda case skips without a GPU and the CUDA build
 
 VALS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -182,3 +184,74 @@ def test_opcheck_and_no_derivative():
     out, _ = torch.ops.fedkernels.sparse_weighted_sum(idx, vg, off, torch.ones(4, dtype=torch.float64), 500)
     with pytest.raises(RuntimeError, match="fedkernels.sparse_weighted_sum has no derivative"):
         out.sum().backward()
+
+
+# ---- bad tensors: one ValueError, the same words from the wrapper and from the native op ------------------------
+def _sparse_bad(dev):
+    """{case: (arguments with one bad tensor, the message after "sparse_weighted_sum: ")}."""
+    idx = torch.tensor([0, 2, 5, 1, 3, 3], device=dev)
+    val = torch.randn(6, generator=torch.Generator().manual_seed(3)).to(dev)
+    good = dict(idx=idx, val=val, offsets=[0, 3, 6], coef=[1.0, -0.5], d=8)
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+
+    return {
+        "idx 2-D": (dict(idx=idx.view(3, 2)), "idx must be a 1-D int32/int64 tensor, got shape (3, 2) torch.int64"),
+        "idx 2-D, lists of its rows": (
+            dict(idx=idx.view(2, 3), offsets=[0, 1, 2]),
+            "idx must be a 1-D int32/int64 tensor, got shape (2, 3) torch.int64",
+        ),
+        "idx float": (dict(idx=idx.float()), "idx must be a 1-D int32/int64 tensor, got shape (6,) torch.float32"),
+        "val length": (dict(val=val[:5]), "val must be a 1-D tensor of idx's length 6, got shape (5,)"),
+        "val 2-D": (dict(val=val.view(2, 3)), "val must be a 1-D tensor of idx's length 6, got shape (2, 3)"),
+        "val int": (
+            dict(val=val.long()),
+            "val must have a floating dtype (float16, bfloat16, float32, float64), got torch.int64",
+        ),
+        "offsets 2-D": (
+            dict(offsets=[[0, 3, 6]]),
+            "offsets must be a 1-D sequence of K + 1 list starts, got shape (1, 3)",
+        ),
+        "offsets empty": (
+            dict(offsets=torch.zeros(0, dtype=torch.int64)),
+            "offsets must be a 1-D sequence of K + 1 list starts, got shape (0,)",
+        ),
+        "offsets float": (dict(offsets=torch.tensor([0.0, 3.0, 6.0])), "offsets must hold integers, got torch.float32"),
+        "coef length": (
+            dict(coef=[1.0]),
+            "coef must be a 1-D tensor of length 2 (one per selected row), got shape (1,)",
+        ),
+        "rows float": (
+            dict(rows=torch.tensor([0.0, 1.0])),
+            "rows must hold integer row indices, got dtype torch.float32",
+        ),
+        "base length": (dict(base=z(9)), "base must be a 1-D tensor of length 8, got shape (9,)"),
+        "base half": (
+            dict(base=z(8, dtype=torch.float16)),
+            "base must be float32 or float64 (the result's dtype), got torch.float16",
+        ),
+        "out_dtype not base's": (
+            dict(base=z(8, dtype=torch.float64), out_dtype=torch.float32),
+            "out_dtype torch.float32 differs from base's dtype torch.float64",
+        ),
+        "val elsewhere": (dict(val=val.cpu()), "val is on cpu but idx is on cuda:0"),
+        "base elsewhere": (dict(base=torch.zeros(8)), "base is on cpu but the rows are on cuda:0"),
+    }, good
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", list(_sparse_bad("cpu")[0]))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    if case.endswith("elsewhere") and dev == "cpu":
+        pytest.skip("a second device needs a GPU")
+    cases, good = _sparse_bad(dev)
+    kw, msg = cases[case]
+    a = good | kw
+    want = "^" + re.escape(f"sparse_weighted_sum: {msg}") + "$"
+    one_line(ValueError, want, ops.sparse_weighted_sum, **a)
+    offsets = torch.as_tensor(a["offsets"])  # the host vectors the wrapper passes
+    coef = torch.tensor(a["coef"], dtype=torch.float64)
+    rows = a.get("rows")
+    args = (a["idx"], a["val"], offsets, coef, a["d"], a.get("base"), 1.0, rows, a.get("out_dtype"))
+    one_line(ValueError, want, torch.ops.fedkernels.sparse_weighted_sum, *args)

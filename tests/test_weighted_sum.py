@@ -1,6 +1,8 @@
 """weighted_sum: the native op against the float64 reference (shapes, rows, out=, layouts, bad inputs)."""
 
 import math
+import re
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -517,8 +519,8 @@ def test_bad_args_weighted_sum(dev):
         coef[:3],
     )
     one_line(
-        RuntimeError,
-        r"weighted_sum: coef must be 1-D of length 4 .*got shape \[3\]",
+        ValueError,
+        r"weighted_sum: coef must be a 1-D tensor of length 4 .*got shape \(3,\)",
         F.weighted_sum,
         U,
         coef[:3],
@@ -570,8 +572,8 @@ def test_bad_args_weighted_sum(dev):
             base=torch.zeros(301),
         )
         one_line(
-            RuntimeError,
-            r"weighted_sum: .*base.* must be on cuda.*got cpu",
+            ValueError,
+            r"weighted_sum: base is on cpu but U is on cuda",
             F.weighted_sum,
             U,
             coef,
@@ -585,6 +587,97 @@ def test_bad_args_weighted_sum(dev):
     torch.testing.assert_close(
         out.double(), ref.weighted_sum(U, coef, base=base, alpha=0.5, rows=[3, 0, 0, 2]), rtol=1e-5, atol=1e-5
     )
+
+
+# ---- bad tensors: one ValueError, the same words from the wrapper and from the native op ------------------------
+def _wsum_bad(dev):
+    """{case: (arguments of a weighted sum with one bad tensor, the message after "<op>: ")}."""
+    U, c = randn(dev, 4, 10, seed=61), [0.5, -1.0, 2.0, 0.25]
+    Ub = U.bfloat16()
+
+    def z(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=dev)
+
+    floating = "must have a floating dtype (float16, bfloat16, float32, float64), got"
+    wider = " or a wider torch.float32 / torch.float64"
+    return {
+        "U 3-D": (dict(U=U[..., None], coef=c), "U must be a 2-D [K, d] tensor, got shape (4, 10, 1)"),
+        "U 1-D": (dict(U=U[0], coef=c), "U must be a 2-D [K, d] tensor, got shape (10,)"),
+        "U int": (dict(U=z(4, 10, dtype=torch.int64), coef=c), f"U {floating} torch.int64"),
+        "coef length": (
+            dict(U=U, coef=c[:3]),
+            "coef must be a 1-D tensor of length 4 (one per selected row), got shape (3,)",
+        ),
+        "rows 2-D": (
+            dict(U=U, coef=c, rows=[[0, 1], [2, 3]]),
+            "rows must be a 1-D sequence of row indices, got shape (2, 2)",
+        ),
+        "rows float": (
+            dict(U=U, coef=c[:2], rows=torch.tensor([0.0, 1.0])),
+            "rows must hold integer row indices, got dtype torch.float32",
+        ),
+        "base length": (dict(U=U, coef=c, base=z(9)), "base must be a 1-D tensor of length 10, got shape (9,)"),
+        "base 2-D": (dict(U=U, coef=c, base=z(1, 10)), "base must be a 1-D tensor of length 10, got shape (1, 10)"),
+        "base dtype": (
+            dict(U=U, coef=c, base=z(10, dtype=torch.float64)),
+            "base must have dtype torch.float32 (the dtype of U), got torch.float64",
+        ),
+        "base int": (
+            dict(U=U, coef=c, base=z(10, dtype=torch.int64)),
+            "base must have dtype torch.float32 (the dtype of U), got torch.int64",
+        ),
+        "base narrower": (
+            dict(U=Ub, coef=c, base=z(10, dtype=torch.float16)),
+            f"base must have dtype torch.bfloat16 (the dtype of U){wider}, got torch.float16",
+        ),
+        "out length": (dict(U=U, coef=c, out=z(11)), "out must be a 1-D tensor of length 10, got shape (11,)"),
+        "out dtype": (
+            dict(U=U, coef=c, out=z(10, dtype=torch.float64)),
+            "out must have dtype torch.float32 (the dtype of U), got torch.float64",
+        ),
+        "out narrower": (
+            dict(U=Ub, coef=c, out=z(10, dtype=torch.float16)),
+            f"out must have dtype torch.bfloat16 (the dtype of U){wider}, got torch.float16",
+        ),
+        "out strided": (dict(U=U, coef=c, out=z(20)[::2]), "out must be contiguous"),
+        "base not out's": (
+            dict(U=Ub, coef=c, base=z(10, dtype=torch.float64), out=z(10)),
+            "base must have dtype torch.float32 (the dtype of out), got torch.float64",
+        ),
+        "base elsewhere": (dict(U=U, coef=c, base=torch.zeros(10)), "base is on cpu but U is on cuda:0"),
+        "out elsewhere": (dict(U=U, coef=c, out=torch.zeros(10)), "out is on cpu but U is on cuda:0"),
+    }
+
+
+WSUM_BAD = list(_wsum_bad("cpu"))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("op", ["weighted_sum", "weighted_sum_screened"])
+@pytest.mark.parametrize("case", WSUM_BAD)
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, op, case):
+    if case.endswith("elsewhere") and dev == "cpu":
+        pytest.skip("a second device needs a GPU")
+    kw, msg = _wsum_bad(dev)[case]
+    want = "^" + re.escape(f"{op}: {msg}") + "$"
+    one_line(ValueError, want, getattr(ops, op), **kw)
+    U, coef, base, rows, out = (kw.get(k) for k in ("U", "coef", "base", "rows", "out"))
+    coef = torch.tensor(coef, dtype=torch.float64)  # the host vectors the wrapper passes
+    rows = None if rows is None else torch.as_tensor(rows)
+    F = torch.ops.fedkernels
+    if out is None:
+        one_line(ValueError, want, getattr(F, op), U, coef, base, 1.0, rows)
+    else:
+        one_line(ValueError, want, getattr(F, op + "_out"), U, coef, base, 1.0, rows, out)
+
+
+@pytest.mark.parametrize("case", ["U 1-D", "U int", "base length", "out strided"])
+def test_bad_tensor_args_under_compile_raise_when_the_graph_runs(case):
+    """The fake kernels trace any shape; the native op's check raises its ValueError when the graph runs."""
+    kw, msg = _wsum_bad("cpu")[case]
+    torch._dynamo.reset()
+    f = torch.compile(lambda kw: ops.weighted_sum(**kw), backend="eager")
+    one_line(ValueError, "^" + re.escape(f"weighted_sum: {msg}") + "$", f, kw)
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/weighted_sum.cpp) ------

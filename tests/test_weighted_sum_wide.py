@@ -166,23 +166,26 @@ def test_other_dtype_pairs_are_one_clear_error():
         r"got torch.float64$",
     ):  # fp32 U is not widened
         ops.weighted_sum(torch.randn(4, 10), c, out=torch.empty(10, dtype=torch.float64))
-    # the native ops' last line (the C++ checks shared by the CPU kernel and the CUDA glue)
+    # the same words from the native ops (the C++ checks shared by the CPU kernel and the CUDA glue)
     cc = torch.ones(4, dtype=torch.float64)
     with pytest.raises(
-        RuntimeError, match="out must have dtype BFloat16 .U's. or, for a Half/BFloat16 U, Float or Double; got Half"
+        ValueError, match=r"^weighted_sum: out must have dtype torch.bfloat16 \(the dtype of U\)" + wider
     ):
         torch.ops.fedkernels.weighted_sum_out(Ub, cc, None, 1.0, None, torch.empty(10, dtype=torch.float16))
     with pytest.raises(
-        RuntimeError, match="out must have dtype Float .U's. or, for a Half/BFloat16 U, Float or Double; got Double"
+        ValueError,
+        match=r"^weighted_sum_screened: out must have dtype torch.float32 \(the dtype of U\), got torch.float64$",
     ):
         torch.ops.fedkernels.weighted_sum_screened_out(
             torch.randn(4, 10), cc, None, 1.0, None, torch.empty(10, dtype=torch.float64)
         )
     with pytest.raises(
-        RuntimeError, match="base must have dtype BFloat16 .U's. or, for a Half/BFloat16 U, Float or Double; got Half"
+        ValueError, match=r"^weighted_sum: base must have dtype torch.bfloat16 \(the dtype of U\)" + wider
     ):
         torch.ops.fedkernels.weighted_sum(Ub, cc, torch.zeros(10, dtype=torch.float16), 1.0, None)
-    with pytest.raises(RuntimeError, match="base must be a contiguous 1-D tensor of length 10 and dtype Float .out's."):
+    with pytest.raises(
+        ValueError, match=r"^weighted_sum: base must have dtype torch.float32 \(the dtype of out\), got torch.float64$"
+    ):
         torch.ops.fedkernels.weighted_sum_out(Ub, cc, torch.zeros(10, dtype=torch.float64), 1.0, None, torch.empty(10))
 
 

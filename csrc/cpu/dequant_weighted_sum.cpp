@@ -175,12 +175,10 @@ std::tuple<at::Tensor, at::Tensor> dequant_weighted_sum_cpu(const at::Tensor& Q,
                                                             const c10::optional<at::Tensor>& rows,
                                                             c10::optional<at::ScalarType> out_dtype) {
   const char* op = "dequant_weighted_sum";
-  TORCH_CHECK(Q.dim() == 2, op, ": Q must be 2-D [K, d], got ", Q.dim(), "-D");
+  const auto args = checks::dequant_weighted_sum_args(Q, scales, coef, block, base, rows, out_dtype, at::kCPU);
+  const int64_t n = args.n;
+  const at::ScalarType ost = args.result;
   auto r = row_list(rows, Q.size(0), op);
-  const int64_t n = (int64_t)r.size();
-  checks::dequant_weighted_sum_args(Q, scales, coef, block, n, base, at::kCPU);
-  checks::on_device(coef, at::kCPU, op, "coef");
-  const auto ost = checks::dequant_out_dtype(base, out_dtype, op);
   const int64_t d = Q.size(1);
   auto out = at::empty({d}, Q.options().dtype(ost));
   auto ok = at::ones({n}, Q.options().dtype(at::kBool));

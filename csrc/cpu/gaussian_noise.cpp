@@ -64,6 +64,7 @@ void add_gaussian_noise_cpu(at::Tensor x, double sigma, int64_t seed, int64_t co
 at::Tensor weighted_sum_noised_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                                    double alpha, const c10::optional<at::Tensor>& rows, double sigma, int64_t seed,
                                    int64_t counter, int64_t offset) {
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, at::kCPU, "weighted_sum_noised");
   checks::noise_args(sigma, seed, counter, offset, "weighted_sum_noised");
   auto out = checks::weighted_sum_output(U, base);
   weighted_sum_noised_out_cpu_impl(U, coef, base, alpha, rows, sigma, (uint64_t)seed, (uint64_t)counter,
@@ -84,8 +85,7 @@ at::Tensor philox_normal_cpu(int64_t n, int64_t seed, int64_t counter, int64_t j
 // Raw Philox4x32-10 words of counters ctr [n, 4] (int64 holding uint32) with key (k0, k1): [n, 4] int64 on
 // the host (a test hook: Random123's known answers).
 at::Tensor philox4x32_10_cpu(const at::Tensor& ctr, int64_t k0, int64_t k1) {
-  TORCH_CHECK(ctr.dim() == 2 && ctr.size(1) == 4 && ctr.scalar_type() == at::kLong,
-              "philox4x32_10: ctr must be int64 of shape [n, 4], got ", ctr.scalar_type(), " ", ctr.sizes());
+  checks::philox_counters(ctr);
   auto c = ctr.cpu().contiguous();
   auto out = at::empty_like(c);
   const int64_t* p = c.data_ptr<int64_t>();

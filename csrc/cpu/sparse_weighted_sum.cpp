@@ -87,12 +87,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_weighted_sum_cpu(const at::Tensor& idx
                                                            const c10::optional<at::Tensor>& rows,
                                                            c10::optional<at::ScalarType> out_dtype) {
   const char* op = "sparse_weighted_sum";
-  const int64_t K = checks::sparse_weighted_sum_args(idx, val, offsets, coef, d, base, at::kCPU);
-  auto r = row_list(rows, K, op);
-  const int64_t n = (int64_t)r.size();
-  TORCH_CHECK(coef.numel() == n, op, ": coef must have length ", n, " (one per selected list), got ", coef.numel());
-  checks::on_device(coef, at::kCPU, op, "coef");
-  const auto ost = checks::sparse_out_dtype(val, base, out_dtype, op);
+  const auto args = checks::sparse_weighted_sum_args(idx, val, offsets, coef, d, base, rows, out_dtype, at::kCPU);
+  auto r = row_list(rows, args.K, op);
+  const int64_t n = args.n;
+  const at::ScalarType ost = args.result;
   auto out = at::empty({d}, val.options().dtype(ost));
   auto ok = at::ones({n}, val.options().dtype(at::kBool));
   // the values of the lists that meet no chunk (d = 0) are screened here

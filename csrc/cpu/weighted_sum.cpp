@@ -149,12 +149,11 @@ void wsum_impl(const at::Tensor& U, const std::vector<double>& coef, const std::
     }
 }
 
+// The pass, after the entry point checked the arguments (checks::weighted_sum_args).
 void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-              double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok,
+              double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok, const char* op,
               const Noise* nz = nullptr) {
-  auto r = row_list(rows, U.dim() == 2 ? U.size(0) : 0, "weighted_sum");
-  checks::weighted_sum_args(U, coef, (int64_t)r.size(), base, out, at::kCPU);
-  checks::on_device(coef, at::kCPU, "weighted_sum", "coef");
+  auto r = row_list(rows, U.size(0), op);
   if (ok) *ok = at::ones({(int64_t)r.size()}, U.options().dtype(at::kBool));
   if (U.size(1) == 0) return;
   bool* okp = ok ? ok->data_ptr<bool>() : nullptr;
@@ -162,7 +161,7 @@ void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<a
   const at::Tensor* bp = base.has_value() ? &base.value() : nullptr;
   bool fits_float = true;
   for (double c : cv) fits_float = fits_float && std::abs(alpha * c) <= 3.0e38;
-  // out's dtype is U's, or fp32/fp64 for fp16/bf16 U (checked above): O = out's element type.
+  // out's dtype is U's, or fp32/fp64 for fp16/bf16 U (checked by the caller): O = out's element type.
   const auto run = [&](auto u_tag, auto o_tag) {
     using T = typename decltype(u_tag)::type;
     using O = typename decltype(o_tag)::type;
@@ -182,40 +181,46 @@ void wsum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<a
 
 void weighted_sum_out_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                           double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
-  wsum_cpu(U, coef, base, alpha, rows, out, nullptr);
+  checks::weighted_sum_args(U, coef, base, rows, &out, at::kCPU, "weighted_sum");
+  wsum_cpu(U, coef, base, alpha, rows, out, nullptr, "weighted_sum");
 }
 
 at::Tensor weighted_sum_cpu(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                             double alpha, const c10::optional<at::Tensor>& rows) {
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, at::kCPU, "weighted_sum");
   auto out = checks::weighted_sum_output(U, base);
-  weighted_sum_out_cpu(U, coef, base, alpha, rows, out);
+  wsum_cpu(U, coef, base, alpha, rows, out, nullptr, "weighted_sum");
   return out;
 }
 
 at::Tensor weighted_sum_screened_out_cpu(const at::Tensor& U, const at::Tensor& coef,
                                          const c10::optional<at::Tensor>& base, double alpha,
                                          const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  checks::weighted_sum_args(U, coef, base, rows, &out, at::kCPU, "weighted_sum_screened");
   at::Tensor ok;
-  wsum_cpu(U, coef, base, alpha, rows, out, &ok);
+  wsum_cpu(U, coef, base, alpha, rows, out, &ok, "weighted_sum_screened");
   return ok;
 }
 
 std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cpu(const at::Tensor& U, const at::Tensor& coef,
                                                              const c10::optional<at::Tensor>& base, double alpha,
                                                              const c10::optional<at::Tensor>& rows) {
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, at::kCPU, "weighted_sum_screened");
   auto out = checks::weighted_sum_output(U, base);
-  auto ok = weighted_sum_screened_out_cpu(U, coef, base, alpha, rows, out);
+  at::Tensor ok;
+  wsum_cpu(U, coef, base, alpha, rows, out, &ok, "weighted_sum_screened");
   return {out, ok};
 }
 
 }  // namespace
 
-// weighted_sum_noised's pass (its schema and wrapper: csrc/cpu/gaussian_noise.cpp); sigma = 0: weighted_sum.
+// weighted_sum_noised's pass (its schema, wrapper and argument checks: csrc/cpu/gaussian_noise.cpp); sigma = 0:
+// weighted_sum.
 void weighted_sum_noised_out_cpu_impl(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                                       double alpha, const c10::optional<at::Tensor>& rows, double sigma, uint64_t seed,
                                       uint64_t counter, uint64_t offset, at::Tensor& out) {
   const Noise nz{sigma, seed, counter, offset};
-  wsum_cpu(U, coef, base, alpha, rows, out, nullptr, sigma != 0 ? &nz : nullptr);
+  wsum_cpu(U, coef, base, alpha, rows, out, nullptr, "weighted_sum_noised", sigma != 0 ? &nz : nullptr);
 }
 
 TORCH_LIBRARY_FRAGMENT(fedkernels, m) {

@@ -20,15 +20,14 @@ std::tuple<at::Tensor, at::Tensor> dequant_weighted_sum_cuda(const at::Tensor& Q
                                                              const c10::optional<at::Tensor>& rows,
                                                              c10::optional<at::ScalarType> out_dtype) {
   const char* op = "dequant_weighted_sum";
-  check_rowmajor(Q, op);
+  const auto args = checks::dequant_weighted_sum_args(Q, scales, coef, block, base, rows, out_dtype, Q.device());
+  const int64_t n = args.n;
+  const at::ScalarType ost = args.result;
+  checks::rows_apart(Q, op, "Q");  // the kernel reads whole rows
   c10::cuda::CUDAGuard guard(Q.device());
   const int64_t K = Q.size(0), d = Q.size(1);
   at::Tensor r;
   if (rows.has_value()) r = rows_to_device(*rows, Q, op);
-  const int64_t n = rows.has_value() ? rows->numel() : K;
-  checks::dequant_weighted_sum_args(Q, scales, coef, block, n, base, Q.device());
-  check_host_or_device(coef, Q, op, "coef");
-  const auto ost = checks::dequant_out_dtype(base, out_dtype, op);
   auto out = at::empty({d}, Q.options().dtype(ost));
   auto ok = at::ones({n}, Q.options().dtype(at::kBool));
   if (d == 0) return {out, ok};

@@ -23,19 +23,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_weighted_sum_cuda(const at::Tensor& id
                                                             c10::optional<at::ScalarType> out_dtype) {
   const char* op = "sparse_weighted_sum";
   c10::cuda::CUDAGuard guard(idx.device());
-  const int64_t K = checks::sparse_weighted_sum_args(idx, val, offsets, coef, d, base, idx.device());
+  const auto args = checks::sparse_weighted_sum_args(idx, val, offsets, coef, d, base, rows, out_dtype, idx.device());
+  const int64_t K = args.K;
   std::vector<int64_t> r;
   if (rows.has_value()) {
-    auto h = rows->to(at::kCPU, at::kLong).contiguous();
-    TORCH_CHECK(h.dim() == 1, op, ": rows must be 1-D");
+    auto h = rows->to(at::kCPU, at::kLong).contiguous();  // 1-D: checked above
     r.assign(h.data_ptr<int64_t>(), h.data_ptr<int64_t>() + h.numel());
     for (int64_t x : r) TORCH_CHECK(x >= 0 && x < K, op, ": rows entry ", x, " out of range [0, ", K, ")");
   } else {
     for (int64_t k = 0; k < K; ++k) r.push_back(k);
   }
-  const int64_t n = (int64_t)r.size();
-  TORCH_CHECK(coef.numel() == n, op, ": coef must have length ", n, " (one per selected list), got ", coef.numel());
-  const auto ost = checks::sparse_out_dtype(val, base, out_dtype, op);
+  const int64_t n = args.n;
+  const at::ScalarType ost = args.result;
   auto out = at::empty({d}, val.options().dtype(ost));
   auto ok = at::ones({n}, val.options().dtype(at::kBool));
   if (d == 0) {   // no tile: the lists' values are screened here

@@ -2,7 +2,8 @@
 // coef and rows may be host tensors (the Python wrappers pass them so: no host->device->host round
 // trip) or on U's device. Host coef: the accumulation type (float unless some |alpha*coef| > 3e38,
 // the CPU op's rule) is decided here; device coef: by the kernel. out (and base) have U's dtype, or
-// fp32/fp64 for an fp16/bf16 U (csrc/weighted_sum_checks.h); the functional forms take base's dtype.
+// fp32/fp64 for an fp16/bf16 U; the functional forms take base's dtype. Each entry point checks its
+// arguments first (csrc/weighted_sum_checks.h), then runs the one pass.
 #include <cmath>
 #include <tuple>
 
@@ -18,18 +19,17 @@ namespace {
 
 using namespace glue;
 
-// sigma > 0: weighted_sum_noised (its schema: csrc/cpu/gaussian_noise.cpp), the noise in the output write.
+// The pass, after the entry point checked the arguments (checks::weighted_sum_args); sigma > 0:
+// weighted_sum_noised (its schema: csrc/cpu/gaussian_noise.cpp), the noise in the output write.
 void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
-               double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok,
+               double alpha, const c10::optional<at::Tensor>& rows, at::Tensor& out, at::Tensor* ok, const char* op,
                double sigma = 0.0, int64_t seed = 0, int64_t counter = 0, int64_t offset = 0) {
-  check_rowmajor(U, "weighted_sum");
+  checks::rows_apart(U, op);  // the kernel reads whole rows
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   const int64_t n = rows.has_value() ? rows->numel() : K;
-  checks::weighted_sum_args(U, coef, n, base, out, U.device());
-  check_host_or_device(coef, U, "weighted_sum", "coef");
   at::Tensor r;
-  if (rows.has_value()) r = rows_to_device(*rows, U, "weighted_sum");
+  if (rows.has_value()) r = rows_to_device(*rows, U, op);
   if (ok) *ok = at::ones({n}, U.options().dtype(at::kBool));
   if (d == 0) return;
   int wide = -1;
@@ -43,51 +43,56 @@ void wsum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<
   } else {
     c = coef.to(at::kDouble).contiguous();
   }
-  C10_CUDA_CHECK(fk::weighted_sum(U.data_ptr(), to_dtype(U.scalar_type(), "weighted_sum", "U"), K, d, row_stride(U),
+  C10_CUDA_CHECK(fk::weighted_sum(U.data_ptr(), to_dtype(U.scalar_type(), op, "U"), K, d, row_stride(U),
                                   c.data_ptr<double>(), rows.has_value() ? r.data_ptr<int64_t>() : nullptr, n,
                                   base.has_value() ? base->data_ptr() : nullptr, alpha, wide, out.data_ptr(),
-                                  to_dtype(out.scalar_type(), "weighted_sum", "out"),
-                                  ok ? ok->data_ptr<bool>() : nullptr, stream(), sigma, (uint64_t)seed,
-                                  (uint64_t)counter, (uint64_t)offset));
+                                  to_dtype(out.scalar_type(), op, "out"), ok ? ok->data_ptr<bool>() : nullptr,
+                                  stream(), sigma, (uint64_t)seed, (uint64_t)counter, (uint64_t)offset));
 }
 
 void weighted_sum_out_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                            double alpha, const c10::optional<at::Tensor>& rows, at::Tensor out) {
-  wsum_cuda(U, coef, base, alpha, rows, out, nullptr);
+  checks::weighted_sum_args(U, coef, base, rows, &out, U.device(), "weighted_sum");
+  wsum_cuda(U, coef, base, alpha, rows, out, nullptr, "weighted_sum");
 }
 
 at::Tensor weighted_sum_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                              double alpha, const c10::optional<at::Tensor>& rows) {
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, U.device(), "weighted_sum");
   c10::cuda::CUDAGuard guard(U.device());
   auto out = checks::weighted_sum_output(U, base);
-  weighted_sum_out_cuda(U, coef, base, alpha, rows, out);
+  wsum_cuda(U, coef, base, alpha, rows, out, nullptr, "weighted_sum");
   return out;
 }
 
 at::Tensor weighted_sum_screened_out_cuda(const at::Tensor& U, const at::Tensor& coef,
                                           const c10::optional<at::Tensor>& base, double alpha,
                                           const c10::optional<at::Tensor>& rows, at::Tensor out) {
+  checks::weighted_sum_args(U, coef, base, rows, &out, U.device(), "weighted_sum_screened");
   at::Tensor ok;
-  wsum_cuda(U, coef, base, alpha, rows, out, &ok);
+  wsum_cuda(U, coef, base, alpha, rows, out, &ok, "weighted_sum_screened");
   return ok;
 }
 
 std::tuple<at::Tensor, at::Tensor> weighted_sum_screened_cuda(const at::Tensor& U, const at::Tensor& coef,
                                                               const c10::optional<at::Tensor>& base, double alpha,
                                                               const c10::optional<at::Tensor>& rows) {
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, U.device(), "weighted_sum_screened");
   c10::cuda::CUDAGuard guard(U.device());
   auto out = checks::weighted_sum_output(U, base);
-  auto ok = weighted_sum_screened_out_cuda(U, coef, base, alpha, rows, out);
+  at::Tensor ok;
+  wsum_cuda(U, coef, base, alpha, rows, out, &ok, "weighted_sum_screened");
   return {out, ok};
 }
 
 at::Tensor weighted_sum_noised_cuda(const at::Tensor& U, const at::Tensor& coef, const c10::optional<at::Tensor>& base,
                                     double alpha, const c10::optional<at::Tensor>& rows, double sigma, int64_t seed,
                                     int64_t counter, int64_t offset) {
-  c10::cuda::CUDAGuard guard(U.device());
+  checks::weighted_sum_args(U, coef, base, rows, nullptr, U.device(), "weighted_sum_noised");
   checks::noise_args(sigma, seed, counter, offset, "weighted_sum_noised");
+  c10::cuda::CUDAGuard guard(U.device());
   auto out = checks::weighted_sum_output(U, base);
-  wsum_cuda(U, coef, base, alpha, rows, out, nullptr, sigma, seed, counter, offset);
+  wsum_cuda(U, coef, base, alpha, rows, out, nullptr, "weighted_sum_noised", sigma, seed, counter, offset);
   return out;
 }
 

@@ -18,7 +18,8 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import _coef, _needs_kernel, _rows, _tensor
+from ._checks import _needs_kernel, _tensor
+from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _rowmajor
 
 __all__ = ["dequant_weighted_sum", "CODE_DTYPES", "RESULT_DTYPES"]
 
@@ -26,29 +27,13 @@ CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 RESULT_DTYPES = (torch.float32, torch.float64)
 
 
-def _result_dtype(
-    op: str,
-    base: Optional[torch.Tensor],
-    out_dtype: Optional[torch.dtype],
-    default: torch.dtype,
-    d: int,
-    device: torch.device,
-) -> Tuple[Optional[torch.Tensor], torch.dtype]:
-    """(base, the result's dtype): base's (1-D [d], float32/float64, on ``device``), else out_dtype, else default."""
+def _float_base(op: str, base: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """base (a tensor, ``TypeError`` otherwise; a non-contiguous one copied once) after the ``out_dtype``
+    option's check. The result's dtype (base's, else out_dtype, else the op's default), base's length,
+    dtype and device, and out_dtype's agreement with base are the native op's to check."""
     if out_dtype is not None and out_dtype not in RESULT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be torch.float32 or torch.float64, got {out_dtype!r}")
-    if base is None:
-        return None, out_dtype or default
-    base = _tensor(base, op, "base")
-    if base.dim() != 1 or base.size(0) != d:
-        raise ValueError(f"{op}: base must be a 1-D tensor of length {d}, got shape {tuple(base.shape)}")
-    if base.dtype not in RESULT_DTYPES:
-        raise ValueError(f"{op}: base must be float32 or float64 (the result's dtype), got {base.dtype}")
-    if out_dtype is not None and out_dtype != base.dtype:
-        raise ValueError(f"{op}: out_dtype {out_dtype} differs from base's dtype {base.dtype}")
-    if base.device != device:
-        raise ValueError(f"{op}: base is on {base.device} but the rows are on {device}")
-    return base.contiguous(), base.dtype
+    return None if base is None else _tensor(base, op, "base").contiguous()
 
 
 def _alpha(alpha: object, op: str) -> float:
@@ -85,36 +70,14 @@ def dequant_weighted_sum(
     given: the same bits with any thread count. Not differentiable.
     """
     op = "dequant_weighted_sum"
-    Q = _tensor(Q, op, "Q")
-    if Q.dim() != 2:
-        raise ValueError(f"{op}: Q must be a 2-D [K, d] tensor of codes, got shape {tuple(Q.shape)}")
-    if Q.dtype not in CODE_DTYPES:
-        raise ValueError(f"{op}: Q must hold int8 or float8_e4m3fn codes, got {Q.dtype}")
-    K, d = Q.shape
-    if Q.size(1) > 1 and Q.stride(1) != 1 or Q.size(0) > 1 and Q.stride(0) < d:
-        Q = Q.contiguous()
+    Q = _rowmajor(Q, op, "Q")  # its shape, dtype and device: the native op's (csrc/dequant_weighted_sum_checks.h)
     _needs_kernel(op, Q.device, op)
     block = _block(block, op)
-    nb = -(-d // block)
-    scales = _tensor(scales, op, "scales")
-    if scales.dim() != 2 or tuple(scales.shape) != (K, nb):
-        raise ValueError(
-            f"{op}: scales must be [K, ceil(d / block)] = [{K}, {nb}] (one per row and block of "
-            f"{block}), got shape {tuple(scales.shape)}"
-        )
-    if scales.dtype != torch.float32:
-        raise ValueError(f"{op}: scales must be float32, got {scales.dtype}")
-    if scales.device != Q.device:
-        raise ValueError(f"{op}: scales is on {scales.device} but Q is on {Q.device}")
-    if scales.size(1) > 1 and scales.stride(1) != 1 or scales.size(0) > 1 and scales.stride(0) < nb:
-        scales = scales.contiguous()
-    r = _rows(rows, K, op)
-    c = _coef(coef, K if r is None else r.numel(), op)
+    scales = _rowmajor(scales, op, "scales")
+    r, c = _host_rows_coef(Q, rows, coef, op)
     a = _alpha(alpha, op)
-    base, odt = _result_dtype(op, base, out_dtype, torch.float32, d, Q.device)
-    return _ag.call(
-        torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r, None if base is not None else odt
-    )
+    base = _float_base(op, base, out_dtype)
+    return _ag.call(torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r, out_dtype)
 
 
 @torch.library.register_fake("fedkernels::dequant_weighted_sum")
@@ -128,9 +91,12 @@ def _dequant_fake(
     rows: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    _fake_devices("dequant_weighted_sum", Q, "Q is on", scales=scales)
+    _fake_devices("dequant_weighted_sum", Q, "the rows are on", base=base)
     odt = base.dtype if base is not None else (out_dtype or torch.float32)
-    n = Q.size(0) if rows is None else rows.size(0)
-    return Q.new_empty((Q.size(1),), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
+    K, d = _fake_shape(Q)
+    n = K if rows is None else rows.size(0)
+    return Q.new_empty((d,), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
 
 
 _ag.no_derivative_op(

@@ -23,9 +23,9 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import _coef, _float_dtype, _matrix, _needs_kernel, _no_grad_through, _rows, _tensor
+from ._checks import _needs_kernel, _no_grad_through, _tensor
 from .reductions import active_reducer
-from .weighted_sum import _result_vector
+from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _result_args, _rowmajor
 
 __all__ = ["add_gaussian_noise_", "weighted_sum_noised", "philox_normal", "MAX_COUNTER"]
 
@@ -52,10 +52,7 @@ def add_gaussian_noise_(x: torch.Tensor, sigma: float, seed: int, counter: int, 
     column of x[0] when x is a block of a longer vector (the noise of a vector does not depend on how it
     is cut). ``sigma = 0`` leaves x unchanged. Not differentiable."""
     op = "add_gaussian_noise_"
-    x = _tensor(x, op, "x")
-    _float_dtype(x, op, "x")
-    if not x.is_contiguous():
-        raise ValueError(f"{op}: x must be contiguous (it is written in place)")
+    x = _tensor(x, op, "x")  # its dtype and contiguity: the native op's (csrc/gaussian_noise_checks.h)
     s = _noise_args(op, sigma, seed, counter, offset)
     _needs_kernel("add_gaussian_noise_", x.device, op)
     _no_grad_through(op, x)
@@ -81,18 +78,13 @@ def weighted_sum_noised(
     central-DP aggregate of DP-FedAvg: ``coef`` = the clip factors / m, ``sigma`` = z C / m. Not
     differentiable."""
     op = "weighted_sum_noised"
-    U = _matrix(U, op)
+    U = _rowmajor(U, op)
     _needs_kernel(op, U.device, op)
-    K, d = U.shape
-    r = _rows(rows, K, op)
-    c = _coef(coef, K if r is None else r.numel(), op)
+    r, c = _host_rows_coef(U, rows, coef, op)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
     s = _noise_args(op, sigma, seed, counter, offset)
-    if base is not None:
-        base = _result_vector(base, op, "base", d, U)
-        if not base.is_contiguous():
-            base = base.contiguous()
+    _, base = _result_args(None, base, op)
     _no_grad_through(op, U, c, base)
     return torch.ops.fedkernels.weighted_sum_noised(U, c, base, float(alpha), r, s, seed, counter, offset)
 
@@ -125,7 +117,8 @@ def _wsn_fake(
     counter: int,
     offset: int = 0,
 ) -> torch.Tensor:
-    return U.new_empty((U.size(1),), dtype=base.dtype if base is not None else U.dtype)
+    _fake_devices("weighted_sum_noised", U, "U is on", base=base)
+    return U.new_empty((_fake_shape(U)[1],), dtype=base.dtype if base is not None else U.dtype)
 
 
 @torch.library.register_fake("fedkernels::philox_normal")

@@ -16,12 +16,14 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import FLOAT_DTYPES, HOST, _coef, _needs_kernel, _rows, _tensor, _batched, tracing
-from .dequant_weighted_sum import _alpha, _result_dtype
+from ._checks import HOST, _coef, _needs_kernel, _rows, _tensor, _batched, tracing
+from .dequant_weighted_sum import _alpha, _float_base
+from .weighted_sum import _NO_COEF, _fake_devices
 
 __all__ = ["sparse_weighted_sum", "stack_lists"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+_NO_LISTS = torch.zeros(1, dtype=torch.int64)
 
 
 def _offsets(offsets: object, nnz: int, op: str) -> torch.Tensor:
@@ -88,30 +90,22 @@ def sparse_weighted_sum(
     in float64 when some |alpha coef_i| exceeds float32's range). Not differentiable.
     """
     op = "sparse_weighted_sum"
+    # idx's and val's shapes, dtypes, devices: the native op's (csrc/sparse_weighted_sum_checks.h)
     idx, val = _tensor(idx, op, "idx"), _tensor(val, op, "val")
-    if idx.dim() != 1 or idx.dtype not in INDEX_DTYPES:
-        raise ValueError(f"{op}: idx must be a 1-D int32/int64 tensor, got shape {tuple(idx.shape)} {idx.dtype}")
-    if val.dim() != 1 or val.numel() != idx.numel():
-        raise ValueError(f"{op}: val must be a 1-D tensor of idx's length {idx.numel()}, got shape {tuple(val.shape)}")
-    if val.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{op}: val must have a floating dtype (float16, bfloat16, float32, float64), got {val.dtype}")
-    if val.device != idx.device:
-        raise ValueError(f"{op}: val is on {val.device} but idx is on {idx.device}")
     if isinstance(d, bool) or not isinstance(d, int) or d < 0:
         raise ValueError(f"{op}: d must be an int >= 0 (the dense length), got {d!r}")
     _needs_kernel(op, idx.device, op)
-    o = _offsets(offsets, idx.numel(), op)
-    K = o.numel() - 1
-    idx, val = idx.contiguous(), val.contiguous()
-    _check_indices(idx, o, d, op)
-    r = _rows(rows, K, op)
-    c = _coef(coef, K if r is None else r.numel(), op)
+    if idx.dim() == 1 and idx.dtype in INDEX_DTYPES:
+        o = _offsets(offsets, idx.numel(), op)
+        idx, val = idx.contiguous(), val.contiguous()
+        _check_indices(idx, o, d, op)
+        r = _rows(rows, o.numel() - 1, op)
+        c = _coef(coef, o.numel() - 1 if r is None else r.numel(), op)
+    else:  # these rules read idx as index lists: the native op raises idx's error first
+        o, r, c = _NO_LISTS, None, _NO_COEF
     a = _alpha(alpha, op)
-    dflt = torch.float64 if val.dtype == torch.float64 else torch.float32
-    base, odt = _result_dtype(op, base, out_dtype, dflt, d, idx.device)
-    return _ag.call(
-        torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r, None if base is not None else odt
-    )
+    base = _float_base(op, base, out_dtype)
+    return _ag.call(torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r, out_dtype)
 
 
 def stack_lists(
@@ -144,6 +138,8 @@ def _sparse_fake(
     rows: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    _fake_devices("sparse_weighted_sum", idx, "idx is on", val=val)
+    _fake_devices("sparse_weighted_sum", idx, "the rows are on", base=base)
     dflt = torch.float64 if val.dtype == torch.float64 else torch.float32
     odt = base.dtype if base is not None else (out_dtype or dflt)
     n = offsets.size(0) - 1 if rows is None else rows.size(0)

@@ -26,7 +26,6 @@ from ._checks import (
     FLOAT_DTYPES,
     _coef,
     _float_dtype,
-    _matrix,
     _needs_kernel,
     _no_grad_through,
     _rows,
@@ -47,24 +46,46 @@ def out_dtypes(dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
     return (dtype,) + _WIDER.get(dtype, ())
 
 
-def _result_vector(
-    v: object, op: str, name: str, d: int, U: torch.Tensor, dtype: Optional[torch.dtype] = None
-) -> torch.Tensor:
-    """``out`` / ``base``: 1-D of length d on U's device, of one of ``out_dtypes(U.dtype)`` (or exactly
-    ``dtype``: base must have out's)."""
-    v = _tensor(v, op, name)
-    if v.dim() != 1 or v.size(0) != d:
-        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {d}, got shape {tuple(v.shape)}")
-    if v.device != U.device:
-        raise ValueError(f"{op}: {name} is on {v.device} but U is on {U.device}")
-    if dtype is not None:
-        if v.dtype != dtype:
-            raise ValueError(f"{op}: {name} must have dtype {dtype} (the dtype of out), got {v.dtype}")
-    elif v.dtype not in out_dtypes(U.dtype):
-        wider = _WIDER.get(U.dtype, ())
-        also = f" or a wider {' / '.join(map(str, wider))}" if wider else ""
-        raise ValueError(f"{op}: {name} must have dtype {U.dtype} (the dtype of U){also}, got {v.dtype}")
-    return v
+def _rowmajor(U: object, op: str, name: str = "U") -> torch.Tensor:
+    """``U`` as the kernels read it: a tensor (``TypeError`` otherwise); a 2-D one without unit column stride
+    or with overlapping rows is copied once. Its shape, dtype and device are the native op's to check
+    (``csrc/weighted_sum_checks.h``)."""
+    U = _tensor(U, op, name)
+    if U.dim() == 2 and (U.size(1) > 1 and U.stride(1) != 1 or U.size(0) > 1 and U.stride(0) < U.size(1)):
+        U = U.contiguous()
+    return U
+
+
+_NO_COEF = torch.empty(0, dtype=torch.float64)
+
+
+def _host_rows_coef(
+    U: torch.Tensor, rows: RowsLike, coef: CoefLike, op: str
+) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(rows, coef) as host tensors, the rows in [0, K) and the coefficients finite (``_checks``). Both rules
+    read K = U.size(0): for a U that is not 2-D nothing is read, and the native op raises U's shape error."""
+    if U.dim() != 2:
+        return None, _NO_COEF
+    r = _rows(rows, U.size(0), op)
+    return r, _coef(coef, U.size(0) if r is None else r.numel(), op)
+
+
+def _alpha(alpha: object, op: str) -> float:
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    return float(alpha)
+
+
+def _result_args(
+    out: Optional[torch.Tensor], base: Optional[torch.Tensor], op: str
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(out, base): tensors (``TypeError`` otherwise), a non-contiguous base copied once; their length, dtype
+    (:func:`out_dtypes`), device and out's contiguity are the native op's to check."""
+    if out is not None:
+        out = _tensor(out, op, "out")
+    if base is not None:
+        base = _tensor(base, op, "base").contiguous()
+    return out, base
 
 
 def weighted_sum(
@@ -85,23 +106,11 @@ def weighted_sum(
     ``base`` (without ``out``).
     """
     op = "weighted_sum"
-    U = _matrix(U, op)
+    U = _rowmajor(U, op)
     _needs_kernel("weighted_sum" if out is None else "weighted_sum_out", U.device, op)
-    K, d = U.shape
-    r = _rows(rows, K, op)
-    n = K if r is None else r.numel()
-    c = _coef(coef, n, op)
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
-    alpha = float(alpha)
-    if out is not None:
-        out = _result_vector(out, op, "out", d, U)
-        if not out.is_contiguous():
-            raise ValueError(f"{op}: out must be contiguous")
-    if base is not None:
-        base = _result_vector(base, op, "base", d, U, None if out is None else out.dtype)
-        if not base.is_contiguous():
-            base = base.contiguous()
+    r, c = _host_rows_coef(U, rows, coef, op)
+    alpha = _alpha(alpha, op)
+    out, base = _result_args(out, base, op)
     if out is None:
         if _ag.needs_grad(U, c, base):
             return _WeightedSum.apply(U, c, base, alpha, r)
@@ -125,27 +134,17 @@ def weighted_sum_screened(
     be ``base``; returned as the sum; the result's dtype as there: a bf16/fp16 U summed into an fp32/fp64
     out screens and widens in one pass); not differentiable (a screen, not a formula)."""
     op = "weighted_sum_screened"
-    U = _matrix(U, op)
+    U = _rowmajor(U, op)
     _needs_kernel(op if out is None else "weighted_sum_screened_out", U.device, op)
-    K, d = U.shape
-    r = _rows(rows, K, op)
-    c = _coef(coef, K if r is None else r.numel(), op)
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
-    if out is not None:
-        out = _result_vector(out, op, "out", d, U)
-        if not out.is_contiguous():
-            raise ValueError(f"{op}: out must be contiguous")
-    if base is not None:
-        base = _result_vector(base, op, "base", d, U, None if out is None else out.dtype)
-        if not base.is_contiguous():
-            base = base.contiguous()
+    r, c = _host_rows_coef(U, rows, coef, op)
+    a = _alpha(alpha, op)
+    out, base = _result_args(out, base, op)
     if out is None:
         _no_grad_through(op, U, c, base)
-        out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, float(alpha), r)
+        out, ok = torch.ops.fedkernels.weighted_sum_screened(U, c, base, a, r)
         return out, shard_and(ok)
     _no_grad_through(op, U, c, base, out)
-    ok = torch.ops.fedkernels.weighted_sum_screened_out(U, c, base, float(alpha), r, out)
+    ok = torch.ops.fedkernels.weighted_sum_screened_out(U, c, base, a, r, out)
     return out, shard_and(ok)
 
 
@@ -176,8 +175,7 @@ def weighted_sum_chunked(
         raise ValueError(f"{op}: chunk_cols must be an int >= 1, got {chunk_cols!r}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype!r}")
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    _alpha(alpha, op)
     if base is not None:
         base = _tensor(base, op, "base")
     dev = torch.device(device) if device is not None else (base.device if base is not None else M.device)
@@ -211,6 +209,21 @@ def weighted_sum_chunked(
 
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
+def _fake_devices(op: str, like: torch.Tensor, but: str, **tensors: Optional[torch.Tensor]) -> None:
+    """The native op's device rule, in the fake kernels: a meta tensor among the arguments sends the call to
+    the fake, where the C++ checks cannot run, so a mix of devices is refused here in their words
+    ("base is on meta but U is on cpu"; ``but``: "U is on")."""
+    for name, t in tensors.items():
+        if t is not None and t.device != like.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {but} {like.device}")
+
+
+def _fake_shape(U: torch.Tensor) -> Tuple[int, int]:
+    """(K, d) of a 2-D ``U`` in the fake kernels, (0, 0) for any other: the trace goes on, and the native op
+    raises U's shape error when the graph runs."""
+    return (U.size(0), U.size(1)) if U.dim() == 2 else (0, 0)
+
+
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _wsum_fake(
     U: torch.Tensor,
@@ -219,7 +232,8 @@ def _wsum_fake(
     alpha: float = 1.0,
     rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype)
+    _fake_devices("weighted_sum", U, "U is on", base=base)
+    return U.new_empty((_fake_shape(U)[1],), dtype=U.dtype if base is None else base.dtype)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
@@ -231,6 +245,7 @@ def _wsum_out_fake(
     rows: Optional[torch.Tensor],
     out: torch.Tensor,
 ) -> None:
+    _fake_devices("weighted_sum", U, "U is on", out=out, base=base)
     return None
 
 
@@ -242,8 +257,10 @@ def _wsum_screened_fake(
     alpha: float = 1.0,
     rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    n = U.size(0) if rows is None else rows.size(0)
-    return U.new_empty((U.size(1),), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
+    _fake_devices("weighted_sum_screened", U, "U is on", base=base)
+    K, d = _fake_shape(U)
+    n = K if rows is None else rows.size(0)
+    return U.new_empty((d,), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_screened_out")
@@ -255,7 +272,8 @@ def _wsum_screened_out_fake(
     rows: Optional[torch.Tensor],
     out: torch.Tensor,
 ) -> torch.Tensor:
-    return U.new_empty((U.size(0) if rows is None else rows.size(0),), dtype=torch.bool)
+    _fake_devices("weighted_sum_screened", U, "U is on", out=out, base=base)
+    return U.new_empty((_fake_shape(U)[0] if rows is None else rows.size(0),), dtype=torch.bool)
 
 
 # ---- derivative (``g`` = gradient of the output): dU[rows_i] += alpha coef_i g,
