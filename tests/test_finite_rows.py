@@ -1,5 +1,7 @@
 """finite_rows: the native op against the float64 reference."""
 
+import re
+
 import pytest
 import torch
 
@@ -71,7 +73,12 @@ def test_finite_rows_on_every_device(dev, K, d, dtype):
 def test_bad_args_finite_rows(dev):
     U = randn(dev, 6, 1001, seed=54)
     one_line(ValueError, r"finite_rows: U must be a 2-D \[K, d\] tensor, got shape \(1001,\)", ops.finite_rows, U[0])
-    one_line(RuntimeError, r"finite_rows: U must be 2-D \[K, d\], got 1-D", torch.ops.fedkernels.finite_rows, U[0])
+    one_line(
+        ValueError,
+        r"finite_rows: U must be a 2-D \[K, d\] tensor, got shape \(1001,\)",
+        torch.ops.fedkernels.finite_rows,
+        U[0],
+    )
     one_line(
         ValueError,
         r"finite_rows: U must have a floating dtype .*got torch.int32",
@@ -83,6 +90,47 @@ def test_bad_args_finite_rows(dev):
     settle(dev)
     assert ok.device.type == dev and torch.equal(ok.cpu(), ref.finite_rows(U.cpu()))
     assert ok.tolist() == [True, True, True, True, False, True]
+
+
+# ---- U's shape, dtype and layout: checked once, by the native op, for the wrapper and a direct call alike ----
+BAD_TENSOR_ARGS = [  # (U on dev, the whole message)
+    (lambda dev: torch.zeros(7, device=dev), "finite_rows: U must be a 2-D [K, d] tensor, got shape (7,)"),
+    (lambda dev: torch.zeros(2, 3, 4, device=dev), "finite_rows: U must be a 2-D [K, d] tensor, got shape (2, 3, 4)"),
+    (lambda dev: torch.zeros((), device=dev), "finite_rows: U must be a 2-D [K, d] tensor, got shape ()"),
+    (
+        lambda dev: torch.zeros(3, 4, dtype=torch.int32, device=dev),
+        "finite_rows: U must have a floating dtype (float16, bfloat16, float32, float64), got torch.int32",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, dtype=torch.bool, device=dev)[:, ::2],
+        "finite_rows: U must have a floating dtype (float16, bfloat16, float32, float64), got torch.bool",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, dtype=torch.complex64, device=dev),
+        "finite_rows: U must have a floating dtype (float16, bfloat16, float32, float64), got torch.complex64",
+    ),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    make, msg = BAD_TENSOR_ARGS[case]
+    U = make(dev)
+    for fn in (ops.finite_rows, torch.ops.fedkernels.finite_rows):
+        one_line(ValueError, "^" + re.escape(msg) + "$", fn, U)
+
+
+def test_the_native_op_refuses_a_matrix_without_unit_column_stride():
+    """The wrapper copies such a U once; a direct call must pass one the kernel reads."""
+    U = torch.randn(4, 6)[:, ::2]
+    assert torch.equal(ops.finite_rows(U), ref.finite_rows(U))
+    one_line(
+        ValueError,
+        r"^finite_rows: U must have unit column stride, got strides \(6, 2\) \(the fedkernels.ops wrapper copies it once\)$",
+        torch.ops.fedkernels.finite_rows,
+        U,
+    )
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/finite_rows.cpp) -------

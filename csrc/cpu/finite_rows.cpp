@@ -30,7 +30,7 @@ void finite_impl(const at::Tensor& U, bool* ok) {
 }
 
 at::Tensor finite_rows_cpu(const at::Tensor& U) {
-  check_rowmajor(U, "finite_rows", "U");
+  checks::matrix(U, at::kCPU, "finite_rows");
   auto ok = at::empty({U.size(0)}, U.options().dtype(at::kBool));
   if (U.size(0) == 0) return ok;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, U.scalar_type(), "finite_rows_cpu", [&] {

@@ -54,14 +54,21 @@ inline void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* 
 
 // A small vector argument: on the op's device or on the host.
 inline void check_host_or_device(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() || t.device() == like.device(), op, ": ", name, " must be on the host (cpu) or on ",
-              like.device(), ", got ", t.device());
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device() == like.device(), op, ": ", name,
+                    " must be on the host (cpu) or on ", like.device(), ", got ", t.device());
 }
 
-// checks.h's rule plus non-overlapping rows (the vector paths read whole rows).
+// Rows that do not overlap (the vector paths read whole rows; the fedkernels.ops wrappers copy a
+// matrix with overlapping rows, e.g. an expanded one, once).
+inline void check_rows_disjoint(const at::Tensor& U, const char* op, const char* name = "U") {
+  TORCH_CHECK_VALUE(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": ", name, " rows must not overlap, got strides ",
+                    checks::py_shape(U.strides()), " (the fedkernels.ops wrapper copies it once)");
+}
+
+// checks.h's rule plus non-overlapping rows.
 inline void check_rowmajor(const at::Tensor& U, const char* op) {
   fedkernels::check_rowmajor(U, op, "U");
-  TORCH_CHECK(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": U rows must not overlap");
+  check_rows_disjoint(U, op);
 }
 
 inline int64_t row_stride(const at::Tensor& U) { return U.size(0) > 1 ? U.stride(0) : U.size(1); }
