@@ -1,6 +1,7 @@
 """gram: the native op against the float64 reference (shapes, rows, layouts, determinism, bad inputs)."""
 
 import math
+import re
 import sys
 
 import pytest
@@ -167,18 +168,17 @@ def test_gram_screened_fp64_overflow_is_flagged():
 def test_gram_screened_checks_its_arguments_once(monkeypatch):
     """One metadata check per call: gram_screened does not re-run gram's checks."""
     import importlib
-    from fedkernels.ops import _checks
 
     gram_mod = importlib.import_module("fedkernels.ops.gram")  # (ops.gram is the function)
     calls = []
-    for name in ("_matrix", "_needs_kernel"):
-        real = getattr(_checks, name)
+    for name in ("rowmajor", "_needs_kernel"):
+        real = getattr(gram_mod, name)
         monkeypatch.setattr(
             gram_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
         )
     U = torch.randn(4, 10)
     G, ok = ops.gram_screened(U)
-    assert calls == ["_matrix", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
+    assert calls == ["rowmajor", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
     with pytest.raises(ValueError, match=r"gram_screened: U must be a 2-D \[K, d\] tensor"):
         ops.gram_screened(torch.zeros(3))
 
@@ -337,6 +337,61 @@ def test_bad_args_gram(dev):
     G = ops.gram(U, rows=[4, 1])
     settle(dev)
     torch.testing.assert_close(G, ref.gram(U, rows=[4, 1]), rtol=1e-11, atol=1e-11 * 257)
+
+
+# ---- U's and rows' shapes, dtypes and layout: checked once, by the native op, for the wrappers and a direct call
+FLOATING = "must have a floating dtype (float16, bfloat16, float32, float64)"
+BAD_TENSOR_ARGS = [  # (U on dev, rows (host), the whole message of gram)
+    (lambda dev: torch.zeros(7, device=dev), None, "gram: U must be a 2-D [K, d] tensor, got shape (7,)"),
+    (lambda dev: torch.zeros(2, 3, 4, device=dev), None, "gram: U must be a 2-D [K, d] tensor, got shape (2, 3, 4)"),
+    (lambda dev: torch.zeros(4, device=dev), torch.tensor([0]), "gram: U must be a 2-D [K, d] tensor, got shape (4,)"),
+    (lambda dev: torch.zeros(3, 4, dtype=torch.int64, device=dev), None, f"gram: U {FLOATING}, got torch.int64"),
+    (lambda dev: torch.zeros(3, 4, dtype=torch.bool, device=dev)[:, ::2], None, f"gram: U {FLOATING}, got torch.bool"),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([[0, 1]]),
+        "gram: rows must be a 1-D sequence of row indices, got shape (1, 2)",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor(1),
+        "gram: rows must be a 1-D sequence of row indices, got shape ()",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([1.0]),
+        "gram: rows must hold integer row indices, got dtype torch.float32",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([True]),
+        "gram: rows must hold integer row indices, got dtype torch.bool",
+    ),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    make, rows, msg = BAD_TENSOR_ARGS[case]
+    U = make(dev)
+    one_line(ValueError, "^" + re.escape(msg) + "$", ops.gram, U, rows=rows)
+    one_line(ValueError, "^" + re.escape(msg) + "$", torch.ops.fedkernels.gram, U, rows)
+    if rows is None:  # gram_screened calls the native gram and says its own name
+        one_line(ValueError, "^" + re.escape(msg.replace("gram:", "gram_screened:", 1)) + "$", ops.gram_screened, U)
+
+
+def test_the_native_op_refuses_a_matrix_without_unit_column_stride():
+    """The wrappers copy such a U once; a direct call must pass one the kernel reads."""
+    U = torch.randn(4, 6, dtype=torch.float64)[:, ::2]
+    assert_close(ops.gram(U), ref.gram(U), rtol=1e-12, atol=1e-12)
+    one_line(
+        ValueError,
+        r"^gram: U must have unit column stride, got strides \(6, 2\) \(the fedkernels.ops wrapper copies it once\)$",
+        torch.ops.fedkernels.gram,
+        U,
+        None,
+    )
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/gram.cpp) --------------

@@ -34,6 +34,7 @@
 // (nparts - 1) m x K partial sums written and read back. Column vectors: K (+ k with rows=) rows read
 // per sub-chunk, nparts kp x Kp partials zeroed, summed into, and read back.
 #include "common.h"
+#include "../gram_checks.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -533,7 +534,7 @@ bool use_bcast(int64_t K, int64_t d) {
 }
 
 at::Tensor gram_cpu(const at::Tensor& U, const c10::optional<at::Tensor>& rows) {
-  check_rowmajor(U, "gram", "U");
+  checks::gram_args(U, rows, at::kCPU);
   const int64_t K = U.size(0);
   const bool symmetric = !rows.has_value();
   auto r = row_list(rows, K, "gram");

@@ -3,6 +3,7 @@
 
 #include "glue.h"
 #include "gram.cuh"
+#include "../gram_checks.h"
 
 namespace fedkernels {
 namespace {
@@ -10,7 +11,8 @@ namespace {
 using namespace glue;
 
 at::Tensor gram_cuda(const at::Tensor& U, const c10::optional<at::Tensor>& rows) {
-  check_rowmajor(U, "gram");
+  checks::gram_args(U, rows, U.device());
+  check_rows_disjoint(U, "gram");
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   at::Tensor r;

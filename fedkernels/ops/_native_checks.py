@@ -9,11 +9,12 @@ another name (``gram_screened`` calls ``gram``) raises its errors under its own 
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from ._checks import _tensor, tracing
+from .._types import RowsLike
+from ._checks import HOST, _batched, _tensor, tracing
 
 R = TypeVar("R")
 
@@ -26,6 +27,31 @@ def rowmajor(U: object, op: str, name: str = "U") -> torch.Tensor:
     if U.dim() == 2 and ((U.size(1) > 1 and U.stride(1) != 1) or (U.size(0) > 1 and U.stride(0) < U.size(1))):
         U = U.contiguous()
     return U
+
+
+def matrix_rows(U: torch.Tensor) -> Optional[int]:
+    """K = U.size(0) for a value check that needs it, or None when U is not 2-D (then the native op raises
+    U's shape error, which a check against a wrong K must not pre-empt)."""
+    return U.size(0) if U.dim() == 2 else None
+
+
+def host_rows(rows: RowsLike, K: Optional[int], op: str) -> Optional[torch.Tensor]:
+    """Row indices as a contiguous int64 HOST tensor (a device tensor is copied to the host once), each in
+    [0, K) (checked on the host for every device; not when K is None). Rows that are not a 1-D sequence of
+    integers are passed on as given (on the host): the native op names what is wrong with them."""
+    if rows is None:
+        return None
+    r = rows.detach() if isinstance(rows, torch.Tensor) else torch.as_tensor(rows)
+    if r.device.type != "cpu":
+        r = r.to(HOST)
+    if r.dim() != 1 or (r.numel() and (r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool)):
+        return r
+    r = r.to(torch.long)
+    if K is not None and r.numel() and not tracing() and not _batched(r):
+        lo, hi = int(r.min()), int(r.max())
+        if lo < 0 or hi >= K:
+            raise ValueError(f"{op}: rows must lie in [0, {K}), got min {lo} max {hi}")
+    return r.contiguous()
 
 
 def as_op(op: str, native: str, fn: Callable[..., R], *args: Any) -> R:

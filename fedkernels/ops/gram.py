@@ -15,7 +15,8 @@ import torch
 
 from .._types import RowsLike
 from . import _autograd as _ag
-from ._checks import _matrix, _needs_kernel, _no_grad_through, _rows
+from ._checks import _needs_kernel, _no_grad_through
+from ._native_checks import as_op, host_rows, matrix_rows, rowmajor
 from .reductions import shard_sum
 
 __all__ = ["gram", "gram_screened"]
@@ -28,13 +29,13 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     of threads. For models larger than memory, sum ``gram(U[:, a:b])`` over column chunks.
     Differentiable w.r.t. ``U``.
     """
-    U = _matrix(U, "gram")
+    U = rowmajor(U, "gram")
     _needs_kernel("gram", U.device, "gram")
-    return _gram(U, _rows(rows, U.size(0), "gram"))
+    return _gram(U, host_rows(rows, matrix_rows(U), "gram"))
 
 
 def _gram(U: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-    """The native call of :func:`gram` and :func:`gram_screened` on arguments they have checked (once)."""
+    """The native call of :func:`gram` and :func:`gram_screened` (it checks the tensors' properties)."""
     G = _Gram.apply(U, rows) if _ag.needs_grad(U) else _ag.call(torch.ops.fedkernels.gram, U, rows)
     return shard_sum(G)
 
@@ -46,10 +47,10 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     cannot overflow it), so the flags are exact for those dtypes. A finite float64 row whose
     squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
     (the aggregators do). Not differentiable."""
-    U = _matrix(U, "gram_screened")
+    U = rowmajor(U, "gram_screened")
     _needs_kernel("gram", U.device, "gram_screened")
     _no_grad_through("gram_screened", U)
-    G = _gram(U, None)
+    G = as_op("gram_screened", "gram", _gram, U, None)
     return G, torch.isfinite(torch.diagonal(G)).to(U.device)
 
 

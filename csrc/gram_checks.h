@@ -1,0 +1,19 @@
+// Argument rules of gram, written once for its CPU kernel (csrc/cpu/gram.cpp) and its CUDA glue
+// (csrc/cuda/gram_glue.cpp): the one check of its tensors' shapes, dtypes, devices and layout, as
+// one-line ValueErrors in the words of the Python wrapper (fedkernels/ops/gram.py).
+#pragma once
+
+#include "checks.h"
+#include "rows_checks.h"
+
+namespace fedkernels {
+namespace checks {
+
+// U: [K, d] float with unit column stride on `dev`; rows: absent or 1-D integer indices.
+inline void gram_args(const at::Tensor& U, const c10::optional<at::Tensor>& rows, c10::Device dev) {
+  matrix(U, dev, "gram");
+  rows_arg(rows, "gram");
+}
+
+}  // namespace checks
+}  // namespace fedkernels
