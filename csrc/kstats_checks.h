@@ -1,5 +1,7 @@
 // Argument rules of kstats, written once for its CPU kernel (csrc/cpu/kstats.cpp) and its CUDA glue
-// (csrc/cuda/kstats_glue.cpp): cheap last-line checks (the Python wrapper validates first).
+// (csrc/cuda/kstats_glue.cpp): the one check of its tensors' shapes, dtypes, devices and layout, as
+// one-line ValueErrors in the words of the Python wrapper (fedkernels/ops/kstats.py). p's device is
+// each backend's rule (CPU: the host; CUDA: the host or U's device).
 #pragma once
 
 #include "checks.h"
@@ -7,15 +9,12 @@
 namespace fedkernels {
 namespace checks {
 
-// U: [K, d] with unit column stride on `dev`; p: 1-D float of length K (one weight per row).
+// U: [K, d] float with unit column stride on `dev`; p: 1-D float of length K (one weight per row).
 inline void kstats_args(const at::Tensor& U, const at::Tensor& p, c10::Device dev) {
-  check_rowmajor(U, "kstats", "U");
-  on_device(U, dev, "kstats", "U");
-  TORCH_CHECK(is_float4(U.scalar_type()), "kstats: U must be float16, bfloat16, float32 or float64, got ",
-              U.scalar_type());
-  TORCH_CHECK(p.dim() == 1 && p.numel() == U.size(0), "kstats: p must be 1-D of length K=", U.size(0),
-              " (one weight per row), got shape ", p.sizes());
-  TORCH_CHECK(p.is_floating_point(), "kstats: p must be a float tensor, got ", p.scalar_type());
+  matrix(U, dev, "kstats");
+  TORCH_CHECK_VALUE(p.dim() == 1 && p.size(0) == U.size(0), "kstats: p must be a 1-D tensor of length ", U.size(0),
+                    " (one per selected row), got shape ", py_shape(p.sizes()));
+  float_dtype(p, "kstats", "p");
 }
 
 }  // namespace checks

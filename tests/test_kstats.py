@@ -2,6 +2,7 @@
 the rows against it) and the Gram route (dot = G p, nsq = diag G, nbar = p'G p); shapes, strides, dtypes,
 thread counts, the flags, edge cases, bad inputs."""
 
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from fedkernels import ops, reference as ref
-from devices import DEVICES, FLOATS, gen, randn  # tests/devices.py: every case on cpu and cuda
+from devices import DEVICES, FLOATS, gen, one_line, randn  # tests/devices.py: every case on cpu and cuda
 import host_harness  # tests/host_harness.py: the CUDA kernels' per-thread logic on the host
 from host_harness import hexf
 
@@ -238,6 +239,55 @@ def test_kstats_flags_exact(dev):
 def test_kstats_empty(dev):
     dot, nsq, nbar, ok = ops.kstats(torch.empty(3, 0, device=dev), torch.full((3,), 1 / 3, dtype=torch.float64))
     assert float(dot.abs().sum() + nsq.sum() + nbar) == 0.0 and ok.all() and dot.device.type == dev
+
+
+# ---- U's and p's shapes, dtypes and layout: checked once, by the native op, for the wrapper and a direct call
+FLOATING = "must have a floating dtype (float16, bfloat16, float32, float64)"
+HALF = torch.full((2,), 0.5, dtype=torch.float64)
+BAD_TENSOR_ARGS = [  # (U on dev, p (host), the whole message)
+    (lambda dev: torch.zeros(2, device=dev), HALF, "kstats: U must be a 2-D [K, d] tensor, got shape (2,)"),
+    (lambda dev: torch.zeros(2, 3, 1, device=dev), HALF, "kstats: U must be a 2-D [K, d] tensor, got shape (2, 3, 1)"),
+    (lambda dev: torch.zeros(2, 3, dtype=torch.int64, device=dev), HALF, f"kstats: U {FLOATING}, got torch.int64"),
+    (lambda dev: torch.zeros(2, 3, dtype=torch.bool, device=dev), HALF, f"kstats: U {FLOATING}, got torch.bool"),
+    (
+        lambda dev: torch.zeros(4, 3, device=dev),
+        HALF,
+        "kstats: p must be a 1-D tensor of length 4 (one per selected row), got shape (2,)",
+    ),
+    (  # p's shape is wrong: its shape is the error, not its NaN
+        lambda dev: torch.zeros(3, 5, device=dev),
+        torch.tensor([float("nan"), 1.0], dtype=torch.float64),
+        "kstats: p must be a 1-D tensor of length 3 (one per selected row), got shape (2,)",
+    ),
+    (
+        lambda dev: torch.zeros(2, 3, device=dev),
+        HALF[:, None],
+        "kstats: p must be a 1-D tensor of length 2 (one per selected row), got shape (2, 1)",
+    ),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    make, p, msg = BAD_TENSOR_ARGS[case]
+    U = make(dev)
+    for fn in (ops.kstats, torch.ops.fedkernels.kstats):
+        one_line(ValueError, "^" + re.escape(msg) + "$", fn, U, p)
+
+
+def test_the_native_op_takes_what_the_wrapper_makes():
+    """The wrapper copies a U without unit column stride once and reads integer weights as float64; a
+    direct call must pass what the kernel reads."""
+    U, F = torch.randn(3, 8, dtype=torch.float64)[:, ::2], torch.ops.fedkernels
+    p = torch.tensor([1, 0, 2])
+    got, want = ops.kstats(U, p), F.kstats(U.contiguous(), p.double())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    msg = (
+        r"^kstats: U must have unit column stride, got strides \(8, 2\) \(the fedkernels.ops wrapper copies it once\)$"
+    )
+    one_line(ValueError, msg, F.kstats, U, p.double())
+    one_line(ValueError, f"^kstats: p {re.escape(FLOATING)}, got torch.int64$", F.kstats, U.contiguous(), p)
 
 
 # ---- the CUDA kernel's per-thread logic on the host (tests/host_harness.py, tests/cuda_host/kstats.cpp) ------------

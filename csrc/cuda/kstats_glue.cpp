@@ -15,9 +15,9 @@ namespace {
 using namespace glue;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kstats_cuda(const at::Tensor& U, const at::Tensor& p) {
-  check_rowmajor(U, "kstats");
-  c10::cuda::CUDAGuard guard(U.device());
   checks::kstats_args(U, p, U.device());
+  check_rows_disjoint(U, "kstats");
+  c10::cuda::CUDAGuard guard(U.device());
   check_host_or_device(p, U, "kstats", "p");
   const int64_t K = U.size(0), d = U.size(1);
   const auto f64 = U.options().dtype(at::kDouble);

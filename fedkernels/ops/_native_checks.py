@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from .._types import RowsLike
-from ._checks import HOST, _batched, _tensor, tracing
+from .._types import CoefLike, RowsLike
+from ._checks import HOST, _batched, _finite_range, _tensor, tracing
 
 R = TypeVar("R")
 
@@ -52,6 +52,22 @@ def host_rows(rows: RowsLike, K: Optional[int], op: str) -> Optional[torch.Tenso
         if lo < 0 or hi >= K:
             raise ValueError(f"{op}: rows must lie in [0, {K}), got min {lo} max {hi}")
     return r.contiguous()
+
+
+def host_coef(coef: CoefLike, n: Optional[int], op: str, name: str) -> torch.Tensor:
+    """Per-row float coefficients as a HOST tensor (a sequence is read as float64, an integer tensor
+    converted to float64, a device tensor copied to the host once: a differentiable copy), finite in
+    eager mode when they are ``n`` of them (not when n is None). Their shape is the native op's rule:
+    coefficients that are not 1-D of length n are passed on, and the native op names what is wrong."""
+    c = coef if isinstance(coef, torch.Tensor) else torch.as_tensor(coef, dtype=torch.float64)
+    if not c.dtype.is_floating_point:
+        c = c.to(torch.float64)
+    if c.device.type != "cpu":
+        c = c.to(HOST)
+    right = n is not None and c.dim() == 1 and c.size(0) == n
+    if right and not tracing() and not _batched(c) and not _finite_range(c):
+        raise ValueError(f"{op}: {name} must be finite, got {c.tolist() if c.numel() <= 16 else 'non-finite entries'}")
+    return c
 
 
 def as_op(op: str, native: str, fn: Callable[..., R], *args: Any) -> R:

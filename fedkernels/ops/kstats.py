@@ -17,7 +17,8 @@ import torch
 
 from .._types import CoefLike
 from . import _autograd as _ag
-from ._checks import _coef, _matrix, _needs_kernel
+from ._checks import _needs_kernel
+from ._native_checks import host_coef, matrix_rows, rowmajor
 from .reductions import active_reducer, shard_and, shard_sum
 
 __all__ = ["kstats"]
@@ -34,9 +35,9 @@ def kstats(U: torch.Tensor, p: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, to
     and so every dot and nbar, NaN: drop it (``ok``) and call again. K = 0 or d = 0: zeros and all-True
     flags. Not differentiable.
     """
-    U = _matrix(U, "kstats")
+    U = rowmajor(U, "kstats")
     _needs_kernel("kstats", U.device, "kstats")
-    c = _coef(p, U.size(0), "kstats", "p")
+    c = host_coef(p, matrix_rows(U), "kstats", "p")
     dot, nsq, nbar, ok = _ag.call(torch.ops.fedkernels.kstats, U, c)
     if active_reducer() is None:
         return dot, nsq, nbar, ok
