@@ -1,19 +1,19 @@
 // Argument rules of the selection ops order_mean and closest_mean, written once for their CPU kernel
-// (csrc/cpu/select.cpp) and their CUDA glue (csrc/cuda/select_glue.cpp): cheap last-line checks (the
-// Python wrapper validates first and names the argument).
+// (csrc/cpu/select.cpp) and their CUDA glue (csrc/cuda/select_glue.cpp): the one check of their tensors'
+// shapes, dtypes, devices and layout, as one-line ValueErrors in the words of the Python wrappers
+// (fedkernels/ops/select.py); lo, hi and beta are checked by the wrappers, and here again as a last line.
 #pragma once
 
 #include "checks.h"
+#include "rows_checks.h"
 
 namespace fedkernels {
 namespace checks {
 
-// U: [K, d] with unit column stride on `dev`, one of the four float dtypes; k = the number of selected rows.
-inline void select_matrix(const at::Tensor& U, c10::Device dev, const char* op) {
-  check_rowmajor(U, op, "U");
-  on_device(U, dev, op, "U");
-  TORCH_CHECK(is_float4(U.scalar_type()), op, ": U must be float16, bfloat16, float32 or float64, got ",
-              U.scalar_type());
+// U: [K, d] float with unit column stride on `dev`; rows: absent or 1-D integer indices.
+inline void select_args(const at::Tensor& U, const c10::optional<at::Tensor>& rows, c10::Device dev, const char* op) {
+  matrix(U, dev, op);
+  rows_arg(rows, op);
 }
 
 // order_mean: the sorted positions lo..hi-1 of k values: 0 <= lo < hi <= k.

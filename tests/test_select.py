@@ -322,6 +322,68 @@ def test_bad_inputs_are_one_line_value_errors():
         assert "\n" not in str(e.value)
 
 
+# ---- U's and rows' shapes, dtypes and layout: checked once, by the native op, for the wrappers and a direct call
+FLOATING = "must have a floating dtype (float16, bfloat16, float32, float64)"
+BAD_TENSOR_ARGS = [  # (U on dev, rows (host), the whole message after "<op>: ")
+    (lambda dev: torch.zeros(7, device=dev), None, "U must be a 2-D [K, d] tensor, got shape (7,)"),
+    (lambda dev: torch.zeros(2, 3, 4, device=dev), None, "U must be a 2-D [K, d] tensor, got shape (2, 3, 4)"),
+    (lambda dev: torch.zeros(9, device=dev), torch.tensor([0, 5]), "U must be a 2-D [K, d] tensor, got shape (9,)"),
+    (lambda dev: torch.zeros(3, 4, dtype=torch.int64, device=dev), None, f"U {FLOATING}, got torch.int64"),
+    (lambda dev: torch.zeros(3, 4, dtype=torch.bool, device=dev)[:, ::2], None, f"U {FLOATING}, got torch.bool"),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([[0, 1, 2]]),
+        "rows must be a 1-D sequence of row indices, got shape (1, 3)",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([0.0, 2.0]),
+        "rows must hold integer row indices, got dtype torch.float32",
+    ),
+    (
+        lambda dev: torch.zeros(3, 4, device=dev),
+        torch.tensor([True]),
+        "rows must hold integer row indices, got dtype torch.bool",
+    ),
+]
+SELECT_CALLS = [  # (the wrapper, the native op, their int arguments: valid for every U above)
+    ("order_mean", "order_mean", (0, 1)),
+    ("order_mean_screened", "order_mean", (0, 1)),
+    ("closest_mean", "closest_mean", (1,)),
+    ("closest_mean_screened", "closest_mean", (1,)),
+]
+
+
+@pytest.mark.parametrize("op,native,ints", SELECT_CALLS)
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case, op, native, ints):
+    make, rows, msg = BAD_TENSOR_ARGS[case]
+    U = make(dev)
+    wrapper, raw = getattr(ops, op), getattr(torch.ops.fedkernels, native)
+    for name, call in ((op, lambda: wrapper(U, *ints, rows=rows)), (native, lambda: raw(U, *ints, rows))):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"{name}: {msg}"  # one line, the same words (each under its own op's name)
+
+
+def test_a_shape_error_is_not_reported_as_a_range_error():
+    """lo, hi, beta and rows are range-checked against k only when U and rows have the right shape."""
+    with pytest.raises(ValueError, match=r"^order_mean: U must be a 2-D \[K, d\] tensor, got shape \(2, 5, 4\)$"):
+        ops.order_mean(torch.zeros(2, 5, 4), 0, 3, rows=[4])  # k would be 2 (rows: 1), rows would be out of range
+    with pytest.raises(ValueError, match=r"^closest_mean_screened: rows must be a 1-D sequence of row indices"):
+        ops.closest_mean_screened(torch.zeros(4, 3), 3, rows=[[0, 1]])  # beta = 3 > the 2 entries
+
+
+def test_the_native_ops_refuse_a_matrix_without_unit_column_stride():
+    """The wrappers copy such a U once; a direct call must pass one the kernel reads."""
+    U = torch.randn(5, 8, dtype=torch.float64)[:, ::2]
+    assert torch.equal(ops.order_mean(U, 1, 4), ops.order_mean(U.contiguous(), 1, 4))
+    for fn, ints in ((torch.ops.fedkernels.order_mean, (1, 4)), (torch.ops.fedkernels.closest_mean, (2,))):
+        with pytest.raises(ValueError, match=r"U must have unit column stride, got strides \(8, 2\) \(the") as e:
+            fn(U, *ints, None)
+        assert "\n" not in str(e.value)
+
+
 def test_no_derivative():
     U = torch.randn(5, 8, requires_grad=True)
     with pytest.raises(RuntimeError, match="fedkernels.order_mean has no derivative"):

@@ -567,7 +567,7 @@ void select_impl(const at::Tensor& U, const std::vector<int64_t>& rows, int64_t 
 template <Mode mode>
 std::tuple<at::Tensor, at::Tensor> select_cpu(const at::Tensor& U, int64_t lo, int64_t hi, int64_t beta,
                                               const c10::optional<at::Tensor>& rows, const char* op) {
-  checks::select_matrix(U, at::kCPU, op);
+  checks::select_args(U, rows, at::kCPU, op);
   if (rows.has_value()) checks::on_device(*rows, at::kCPU, op, "rows");
   const auto r = row_list(rows, U.size(0), op);
   const int64_t k = (int64_t)r.size();

@@ -36,7 +36,8 @@ import torch
 
 from .._types import RowsLike
 from . import _autograd as _ag
-from ._checks import _matrix, _needs_kernel, _rows
+from ._checks import _needs_kernel
+from ._native_checks import as_op, host_rows, matrix_rows, rowmajor
 from .reductions import shard_and
 
 __all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds", "trim_bounds"]
@@ -60,11 +61,17 @@ def _int(x: object, op: str, name: str) -> int:
     return int(x)
 
 
-def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Optional[torch.Tensor], int]:
-    U = _matrix(U, op)
-    _needs_kernel(op, U.device, op)
-    r = _rows(rows, U.size(0), op)
-    return U, r, U.size(0) if r is None else r.numel()
+def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[int]]:
+    """U in the kernels' layout, rows as a host int64 tensor and k, the number of selected rows: None when
+    U or rows has the wrong shape or dtype (the native op raises that error; a range check against a wrong
+    k must not pre-empt it)."""
+    U = rowmajor(U, op)
+    _needs_kernel(op.removesuffix("_screened"), U.device, op)  # the native op of op and op_screened
+    K = matrix_rows(U)
+    r = host_rows(rows, K, op)
+    if K is None or (r is not None and (r.dim() != 1 or r.dtype != torch.long)):
+        return U, r, None
+    return U, r, K if r is None else r.numel()
 
 
 def _order_args(
@@ -72,6 +79,8 @@ def _order_args(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int, int]:
     U, r, k = _prepare(U, rows, op)
     lo, hi = _int(lo, op, "lo"), _int(hi, op, "hi")
+    if k is None:
+        return U, r, lo, hi
     if not 0 <= lo < k:
         raise ValueError(f"{op}: lo must be in [0, k) = [0, {k}) (k = the number of selected rows), got lo={lo}")
     if not lo < hi <= k:
@@ -84,7 +93,7 @@ def _closest_args(
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], int]:
     U, r, k = _prepare(U, rows, op)
     beta = _int(beta, op, "beta")
-    if not 1 <= beta <= k:
+    if k is not None and not 1 <= beta <= k:
         raise ValueError(f"{op}: beta must be in [1, k] = [1, {k}] (k = the number of selected rows), got beta={beta}")
     return U, r, beta
 
@@ -93,7 +102,7 @@ def order_mean_screened(U: torch.Tensor, lo: int, hi: int, rows: RowsLike = None
     """``(order_mean(U, lo, hi, rows), ok)``: ok[i] = all(isfinite(U[rows[i]])) ([k] bool on U's device)
     from the same pass over U."""
     U, r, lo, hi = _order_args(U, lo, hi, rows, "order_mean_screened")
-    out, ok = _ag.call(torch.ops.fedkernels.order_mean, U, lo, hi, r)
+    out, ok = as_op("order_mean_screened", "order_mean", _ag.call, torch.ops.fedkernels.order_mean, U, lo, hi, r)
     return _ag.no_derivative("order_mean", out, U), shard_and(ok)
 
 
@@ -113,7 +122,7 @@ def closest_mean_screened(U: torch.Tensor, beta: int, rows: RowsLike = None) -> 
     """``(closest_mean(U, beta, rows), ok)``: ok[i] = all(isfinite(U[rows[i]])) ([k] bool on U's device)
     from the same pass over U."""
     U, r, beta = _closest_args(U, beta, rows, "closest_mean_screened")
-    out, ok = _ag.call(torch.ops.fedkernels.closest_mean, U, beta, r)
+    out, ok = as_op("closest_mean_screened", "closest_mean", _ag.call, torch.ops.fedkernels.closest_mean, U, beta, r)
     return _ag.no_derivative("closest_mean", out, U), shard_and(ok)
 
 
