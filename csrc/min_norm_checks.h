@@ -1,5 +1,7 @@
-// Argument rules of min_norm, written once for its CPU kernel (csrc/cpu/min_norm.cpp) and its
-// CUDA glue (csrc/cuda/min_norm_glue.cpp): cheap last-line checks (the Python wrapper validates first).
+// Argument rules of min_norm, written once for its CPU kernel (csrc/cpu/min_norm.cpp) and its CUDA
+// glue (csrc/cuda/min_norm_glue.cpp): the one check of its tensors' shapes and dtypes, as one-line
+// ValueErrors in the words of the Python wrapper (fedkernels/ops/min_norm.py), then the options as a
+// last line (the wrapper checks them first). G's finiteness is checked by the CPU solve in its one read of G.
 #pragma once
 
 #include "checks.h"
@@ -11,21 +13,21 @@ namespace checks {
 inline int64_t min_norm_args(const at::Tensor& G, int64_t max_iter, double tol_rel, double tol_abs,
                              c10::string_view init, const c10::optional<at::Tensor>& lam0,
                              const c10::optional<at::Tensor>& scale) {
-  TORCH_CHECK(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] matrix, got shape ",
-              G.sizes());
-  TORCH_CHECK(at::isFloatingType(G.scalar_type()), "min_norm: G must have a floating dtype, got ", G.scalar_type());
+  TORCH_CHECK_VALUE(G.dim() == 2 && G.size(0) == G.size(1), "min_norm: G must be a square [K, K] Gram matrix, got shape ",
+                    py_shape(G.sizes()));
+  float_dtype(G, "min_norm", "G");
   const int64_t K = G.size(0);
-  TORCH_CHECK(K >= 1, "min_norm: G must be at least 1 x 1");
+  TORCH_CHECK_VALUE(K >= 1, "min_norm: G must be at least 1 x 1 (K >= 1 vectors), got shape ", py_shape(G.sizes()));
+  if (lam0.has_value())
+    TORCH_CHECK_VALUE(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
+                      ", got shape ", py_shape(lam0->sizes()));
+  if (scale.has_value())
+    TORCH_CHECK_VALUE(scale->dim() == 1 && scale->size(0) == K, "min_norm: scale must be a 1-D tensor of length ", K,
+                      ", got shape ", py_shape(scale->sizes()));
   TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
   TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
   TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",
               std::string(init), "'");
-  if (lam0.has_value())
-    TORCH_CHECK(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
-                ", got shape ", lam0->sizes());
-  if (scale.has_value())
-    TORCH_CHECK(scale->dim() == 1 && scale->size(0) == K, "min_norm: scale must be a 1-D tensor of length ", K,
-                ", got shape ", scale->sizes());
   return K;
 }
 

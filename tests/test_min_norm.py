@@ -2,6 +2,7 @@
 agreement, properties and bad inputs."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -527,8 +528,8 @@ def test_bad_args_min_norm(dev):
         ValueError, r"min_norm: G must be a square \[K, K\] Gram matrix, got shape \(7, 6\)", ops.min_norm, G[:, :6]
     )
     one_line(
-        RuntimeError,
-        r"min_norm: G must be a square \[K, K\] matrix, got shape \[7, 6\]",
+        ValueError,
+        r"min_norm: G must be a square \[K, K\] Gram matrix, got shape \(7, 6\)",
         F.min_norm,
         G[:, :6].contiguous(),
         100,
@@ -569,6 +570,81 @@ def test_bad_args_min_norm(dev):
     Gc = G.cpu()
     assert lam.device.type == dev
     assert abs(float(lam.cpu() @ Gc @ lam.cpu()) - float(lam_r @ Gc @ lam_r)) <= 1e-9
+
+
+# ---- G's, lam0's and scale's shapes and G's dtype: checked once, by the native op, for the wrapper and a direct call
+EYE3 = torch.eye(3, dtype=torch.float64)
+BAD_TENSOR_ARGS = [  # (G on dev, lam0, scale (host), the whole message)
+    (
+        lambda dev: torch.ones(7, device=dev),
+        None,
+        None,
+        "min_norm: G must be a square [K, K] Gram matrix, got shape (7,)",
+    ),
+    (
+        lambda dev: torch.ones(7, 6, device=dev),
+        None,
+        None,
+        "min_norm: G must be a square [K, K] Gram matrix, got shape (7, 6)",
+    ),
+    (
+        lambda dev: torch.ones(2, 3, 3, device=dev),
+        None,
+        None,
+        "min_norm: G must be a square [K, K] Gram matrix, got shape (2, 3, 3)",
+    ),
+    (
+        lambda dev: torch.eye(3, dtype=torch.int64, device=dev),
+        None,
+        None,
+        "min_norm: G must have a floating dtype (float16, bfloat16, float32, float64), got torch.int64",
+    ),
+    (
+        lambda dev: torch.ones(0, 0, device=dev),
+        torch.ones(0, dtype=torch.float64),  # (its sum is not positive: the error is G's)
+        None,
+        "min_norm: G must be at least 1 x 1 (K >= 1 vectors), got shape (0, 0)",
+    ),
+    (
+        lambda dev: EYE3.to(dev),
+        torch.ones(2, dtype=torch.float64),
+        None,
+        "min_norm: lam0 must be a 1-D tensor of length 3, got shape (2,)",
+    ),
+    (  # lam0's shape is wrong: its shape is the error, not its negative entries
+        lambda dev: EYE3.to(dev),
+        -torch.ones(3, 1, dtype=torch.float64),
+        None,
+        "min_norm: lam0 must be a 1-D tensor of length 3, got shape (3, 1)",
+    ),
+    (
+        lambda dev: EYE3.to(dev),
+        None,
+        torch.ones(4, dtype=torch.float64),
+        "min_norm: scale must be a 1-D tensor of length 3, got shape (4,)",
+    ),
+]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("case", range(len(BAD_TENSOR_ARGS)))
+def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
+    make, lam0, scale, msg = BAD_TENSOR_ARGS[case]
+    G, exact = make(dev), "^" + re.escape(msg) + "$"
+    one_line(ValueError, exact, ops.min_norm, G, polish=False, lam0=lam0, scale=scale)
+    one_line(
+        ValueError, exact, torch.ops.fedkernels.min_norm, G, 100, 1e-12, 1e-15, "away", "best_pair", False, lam0, scale
+    )
+
+
+def test_the_wrapper_reads_any_float_dtype_as_float64():
+    """G's dtype is kept up to the native op, which reads it as float64 (exactly): the same result."""
+    G = _min_norm_G(6)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        Gd = G.to(dt)
+        lam, it, gap = ops.min_norm(Gd)
+        lam64, it64, gap64 = ops.min_norm(Gd.to(torch.float64))
+        assert torch.equal(lam, lam64) and it == it64 and gap == gap64
 
 
 # ---- the device cases above are ones the solver converges on ------------------------------------------

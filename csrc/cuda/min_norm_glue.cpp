@@ -13,14 +13,15 @@ namespace {
 
 using namespace glue;
 
-// Schema (csrc/fedkernels.cpp): min_norm(Tensor G, int max_iter, float tol_rel, float tol_abs,
+// Schema (csrc/cpu/min_norm.cpp): min_norm(Tensor G, int max_iter, float tol_rel, float tol_abs,
 // str method, str init, bool polish, Tensor? lam0, Tensor? scale) -> (lam [K] f64, iterations i64 [], gap f64 [])
 // scale (host or G's device): the kernel gets s_i s_j (G + G^T)/2, made here by ATen ops on the device
 // (exactly symmetric: s_i s_j = s_j s_i, so the kernel's own (G + G^T)/2 leaves it unchanged); the same bits
 // as the CPU solver's scaled symmetrising pass.
 // On CUDA: methods fw, away, pairwise; polish=True is rejected for away/pairwise (the face polish
 // is host-only) and code_compat is host-only. Outputs stay on the device (no sync); G finiteness
-// and lam0 validity are not checked here (that would need a sync): ops.min_norm checks them.
+// and lam0 validity are not checked here (that would need a sync): ops.min_norm solves on the host,
+// where the CPU solve checks G and the wrapper lam0.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G, int64_t max_iter, double tol_rel,
                                                              double tol_abs, c10::string_view method,
                                                              c10::string_view init, bool polish,

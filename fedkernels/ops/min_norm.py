@@ -12,7 +12,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _autograd as _ag
-from ._checks import HOST, _float_dtype, _tensor, tracing
+from ._checks import HOST, _tensor, tracing
 
 __all__ = ["min_norm", "MIN_NORM_METHODS", "MIN_NORM_INITS"]
 
@@ -60,11 +60,6 @@ def min_norm(
     """
     op = "min_norm"
     G = _tensor(G, op, "G")
-    if G.dim() != 2 or G.size(0) != G.size(1):
-        raise ValueError(f"{op}: G must be a square [K, K] Gram matrix, got shape {tuple(G.shape)}")
-    _float_dtype(G, op, "G")
-    if G.size(0) == 0:
-        raise ValueError(f"{op}: G must be at least 1 x 1 (K >= 1 vectors), got shape {tuple(G.shape)}")
     if method not in MIN_NORM_METHODS:
         raise ValueError(f"{op}: method must be one of {MIN_NORM_METHODS}, got {method!r}")
     if init not in MIN_NORM_INITS:
@@ -74,25 +69,29 @@ def min_norm(
     for name, t in (("tol", tol), ("tol_abs", tol_abs)):
         if not isinstance(t, (int, float)) or not (0.0 <= float(t) < float("inf")):
             raise ValueError(f"{op}: {name} must be a finite number >= 0, got {t!r}")
-    G64 = G.to(device=HOST, dtype=torch.float64).contiguous()  # not detached: backward raises (no derivative)
+    # G's, lam0's and scale's shapes and G's dtype: checked by the native op (read as float64 there).
+    # K for lam0's value check only when G has the right shape, so that a wrong G is reported as such.
+    K = G.size(0) if G.dim() == 2 and G.size(0) == G.size(1) and G.size(0) >= 1 else None
+    Gh = G.to(HOST)  # not detached: backward raises (no derivative)
     # G's finiteness: checked by the native solve in its symmetrising pass (the one read of G; a ValueError
     # naming the first bad entry), not by a scan of its own (0.3 ms at K = 1000)
     l0 = None
     if lam0 is not None:
         l0 = _tensor(lam0, op, "lam0").detach().to(device=HOST, dtype=torch.float64).contiguous()
-        if l0.dim() != 1 or l0.size(0) != G.size(0):
-            raise ValueError(f"{op}: lam0 must be a 1-D tensor of length {G.size(0)}, got shape {tuple(l0.shape)}")
-        if not tracing() and (not bool(torch.isfinite(l0).all()) or bool((l0 < 0).any()) or not float(l0.sum()) > 0.0):
+        right = K is not None and l0.dim() == 1 and l0.size(0) == K
+        if (
+            right
+            and not tracing()
+            and (not bool(torch.isfinite(l0).all()) or bool((l0 < 0).any()) or not float(l0.sum()) > 0.0)
+        ):
             raise ValueError(f"{op}: lam0 must be finite, >= 0 and have a positive sum")
     s64 = None
     if scale is not None:
         s64 = _tensor(scale, op, "scale").detach().to(device=HOST, dtype=torch.float64).contiguous()
-        if s64.dim() != 1 or s64.size(0) != G.size(0):
-            raise ValueError(f"{op}: scale must be a 1-D tensor of length {G.size(0)}, got shape {tuple(s64.shape)}")
         # finite and > 0: checked by the native solve before its symmetrising pass (a ValueError naming the entry)
     lam, iters, gap = _ag.call(
         torch.ops.fedkernels.min_norm,
-        G64.detach(),
+        Gh.detach(),
         max_iter,
         float(tol),
         float(tol_abs),
@@ -102,7 +101,7 @@ def min_norm(
         l0,
         s64,
     )
-    lam = _ag.no_derivative("min_norm", lam, G64)
+    lam = _ag.no_derivative("min_norm", lam, Gh)
     if tracing():  # torch.compile: no host sync; iterations and gap stay 0-d tensors
         return lam.to(G.device), iters, gap
     return lam.to(G.device), int(iters), float(gap)
