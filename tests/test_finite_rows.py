@@ -121,6 +121,13 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
         one_line(ValueError, "^" + re.escape(msg) + "$", fn, U)
 
 
+def test_compiled_bad_U_raises_the_native_error():
+    """Under torch.compile the fake kernel does not stop tracing on a 0-d U; the native op refuses it."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda U: ops.finite_rows(U), fullgraph=True)
+    one_line(ValueError, r"^finite_rows: U must be a 2-D \[K, d\] tensor, got shape \(\)$", f, torch.zeros(()))
+
+
 def test_the_native_op_refuses_a_matrix_without_unit_column_stride():
     """The wrapper copies such a U once; a direct call must pass one the kernel reads."""
     U = torch.randn(4, 6)[:, ::2]

@@ -381,6 +381,14 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
         one_line(ValueError, "^" + re.escape(msg.replace("gram:", "gram_screened:", 1)) + "$", ops.gram_screened, U)
 
 
+def test_compiled_bad_rows_raise_the_native_error():
+    """Under torch.compile the fake kernel does not stop tracing on 0-d rows; the native op refuses them."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda U, r: ops.gram(U, rows=r), fullgraph=True)
+    msg = r"^gram: rows must be a 1-D sequence of row indices, got shape \(\)$"
+    one_line(ValueError, msg, f, torch.zeros(3, 4), torch.tensor(1))
+
+
 def test_the_native_op_refuses_a_matrix_without_unit_column_stride():
     """The wrappers copy such a U once; a direct call must pass one the kernel reads."""
     U = torch.randn(4, 6, dtype=torch.float64)[:, ::2]

@@ -276,6 +276,13 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
         one_line(ValueError, "^" + re.escape(msg) + "$", fn, U, p)
 
 
+def test_compiled_bad_U_raises_the_native_error():
+    """Under torch.compile the fake kernel does not stop tracing on a 0-d U; the native op refuses it."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda U, p: ops.kstats(U, p), fullgraph=True)
+    one_line(ValueError, r"^kstats: U must be a 2-D \[K, d\] tensor, got shape \(\)$", f, torch.zeros(()), HALF)
+
+
 def test_the_native_op_takes_what_the_wrapper_makes():
     """The wrapper copies a U without unit column stride once and reads integer weights as float64; a
     direct call must pass what the kernel reads."""

@@ -637,6 +637,13 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, case):
     )
 
 
+def test_compiled_bad_G_raises_the_native_error():
+    """Under torch.compile the fake kernel does not stop tracing on a 0-d G; the native op refuses it."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda G: ops.min_norm(G), fullgraph=True)
+    one_line(ValueError, r"^min_norm: G must be a square \[K, K\] Gram matrix, got shape \(\)$", f, torch.zeros(()))
+
+
 def test_the_wrapper_reads_any_float_dtype_as_float64():
     """G's dtype is kept up to the native op, which reads it as float64 (exactly): the same result."""
     G = _min_norm_G(6)

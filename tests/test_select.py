@@ -366,6 +366,14 @@ def test_bad_tensor_args_same_from_wrapper_and_native(dev, case, op, native, int
         assert str(e.value) == f"{name}: {msg}"  # one line, the same words (each under its own op's name)
 
 
+def test_compiled_bad_U_raises_the_native_error():
+    """Under torch.compile the fake kernel does not stop tracing on a 1-D U; the native op refuses it."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda U: ops.order_mean(U, 0, 1), fullgraph=True)
+    with pytest.raises(ValueError, match=r"^order_mean: U must be a 2-D \[K, d\] tensor, got shape \(5,\)$"):
+        f(torch.zeros(5))
+
+
 def test_a_shape_error_is_not_reported_as_a_range_error():
     """lo, hi, beta and rows are range-checked against k only when U and rows have the right shape."""
     with pytest.raises(ValueError, match=r"^order_mean: U must be a 2-D \[K, d\] tensor, got shape \(2, 5, 4\)$"):

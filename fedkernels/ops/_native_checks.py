@@ -70,6 +70,12 @@ def host_coef(coef: CoefLike, n: Optional[int], op: str, name: str) -> torch.Ten
     return c
 
 
+def fake_size(t: torch.Tensor, i: int) -> int:
+    """``t.size(i)`` for a fake kernel's output shape, 0 when t has no dimension i: the native op refuses
+    such a tensor when the compiled graph runs, and tracing must not stop first on an IndexError."""
+    return t.size(i) if t.dim() > i else 0
+
+
 def as_op(op: str, native: str, fn: Callable[..., R], *args: Any) -> R:
     """``fn(*args)``, a call of ``fedkernels::<native>`` made for the wrapper ``op``: the native op's
     ValueError (``"<native>: ..."``) is raised as ``"<op>: ..."``, the wrapper's name. (Under tracing the

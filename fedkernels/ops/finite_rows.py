@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import _needs_kernel
-from ._native_checks import rowmajor
+from ._native_checks import fake_size, rowmajor
 from .reductions import shard_and
 
 __all__ = ["finite_rows"]
@@ -28,4 +28,4 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
 @torch.library.register_fake("fedkernels::finite_rows")
 def _finite_rows_fake(U: torch.Tensor) -> torch.Tensor:
-    return U.new_empty((U.size(0),), dtype=torch.bool)
+    return U.new_empty((fake_size(U, 0),), dtype=torch.bool)

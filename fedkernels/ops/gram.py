@@ -16,7 +16,7 @@ import torch
 from .._types import RowsLike
 from . import _autograd as _ag
 from ._checks import _needs_kernel, _no_grad_through
-from ._native_checks import as_op, host_rows, matrix_rows, rowmajor
+from ._native_checks import as_op, fake_size, host_rows, matrix_rows, rowmajor
 from .reductions import shard_sum
 
 __all__ = ["gram", "gram_screened"]
@@ -57,8 +57,9 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
 @torch.library.register_fake("fedkernels::gram")
 def _gram_fake(U: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    k = U.size(0) if rows is None else rows.size(0)
-    return U.new_empty((k, U.size(0)), dtype=torch.float64)
+    K = fake_size(U, 0)
+    k = K if rows is None else fake_size(rows, 0)
+    return U.new_empty((k, K), dtype=torch.float64)
 
 
 # ---- derivative (``gG`` = gradient of G): dU = gG^T U[rows] plus gG U scattered into rows

@@ -18,7 +18,7 @@ import torch
 from .._types import CoefLike
 from . import _autograd as _ag
 from ._checks import _needs_kernel
-from ._native_checks import host_coef, matrix_rows, rowmajor
+from ._native_checks import fake_size, host_coef, matrix_rows, rowmajor
 from .reductions import active_reducer, shard_and, shard_sum
 
 __all__ = ["kstats"]
@@ -49,7 +49,7 @@ def kstats(U: torch.Tensor, p: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, to
 # ---- fake (meta) kernel, so the op works under torch.compile / opcheck -----------------------------
 @torch.library.register_fake("fedkernels::kstats")
 def _kstats_fake(U: torch.Tensor, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    K = U.size(0)
+    K = fake_size(U, 0)
     f = U.new_empty((K,), dtype=torch.float64)
     return f, torch.empty_like(f), U.new_empty((), dtype=torch.float64), U.new_empty((K,), dtype=torch.bool)
 

@@ -13,6 +13,7 @@ import torch
 
 from . import _autograd as _ag
 from ._checks import HOST, _tensor, tracing
+from ._native_checks import fake_size
 
 __all__ = ["min_norm", "MIN_NORM_METHODS", "MIN_NORM_INITS"]
 
@@ -120,7 +121,7 @@ def _min_norm_fake(
     scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
-        G.new_empty((G.size(0),), dtype=torch.float64),
+        G.new_empty((fake_size(G, 0),), dtype=torch.float64),
         G.new_empty((), dtype=torch.long),
         G.new_empty((), dtype=torch.float64),
     )

@@ -37,7 +37,7 @@ import torch
 from .._types import RowsLike
 from . import _autograd as _ag
 from ._checks import _needs_kernel
-from ._native_checks import as_op, host_rows, matrix_rows, rowmajor
+from ._native_checks import as_op, fake_size, host_rows, matrix_rows, rowmajor
 from .reductions import shard_and
 
 __all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds", "trim_bounds"]
@@ -140,9 +140,9 @@ def closest_mean(U: torch.Tensor, beta: int, rows: RowsLike = None) -> torch.Ten
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ----------------------------
 def _fake(U: torch.Tensor, rows: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    k = U.size(0) if rows is None else rows.size(0)
+    k = fake_size(U, 0) if rows is None else fake_size(rows, 0)
     dt = torch.float64 if U.dtype == torch.float64 else torch.float32
-    return U.new_empty((U.size(1),), dtype=dt), U.new_empty((k,), dtype=torch.bool)
+    return U.new_empty((fake_size(U, 1),), dtype=dt), U.new_empty((k,), dtype=torch.bool)
 
 
 @torch.library.register_fake("fedkernels::order_mean")
