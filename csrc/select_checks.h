@@ -5,15 +5,15 @@
 #pragma once
 
 #include "checks.h"
-#include "rows_checks.h"
+#include "weighted_sum_checks.h"  // index_rows: the rows rule of every op that takes rows
 
 namespace fedkernels {
 namespace checks {
 
-// U: [K, d] float with unit column stride on `dev`; rows: absent or 1-D integer indices.
+// U: [K, d] float with unit column stride on `dev`; rows: absent or 1-D integer indices on the host or `dev`.
 inline void select_args(const at::Tensor& U, const c10::optional<at::Tensor>& rows, c10::Device dev, const char* op) {
   matrix(U, dev, op);
-  rows_arg(rows, op);
+  index_rows(rows, dev, op);
 }
 
 // order_mean: the sorted positions lo..hi-1 of k values: 0 <= lo < hi <= k.

@@ -568,7 +568,6 @@ template <Mode mode>
 std::tuple<at::Tensor, at::Tensor> select_cpu(const at::Tensor& U, int64_t lo, int64_t hi, int64_t beta,
                                               const c10::optional<at::Tensor>& rows, const char* op) {
   checks::select_args(U, rows, at::kCPU, op);
-  if (rows.has_value()) checks::on_device(*rows, at::kCPU, op, "rows");
   const auto r = row_list(rows, U.size(0), op);
   const int64_t k = (int64_t)r.size();
   if (mode == Mode::Order) checks::order_mean_args(k, lo, hi);
