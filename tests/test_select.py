@@ -374,6 +374,21 @@ def test_compiled_bad_U_raises_the_native_error():
         f(torch.zeros(5))
 
 
+def test_screened_forms_ask_for_the_native_ops_kernel(monkeypatch):
+    """order_mean_screened / closest_mean_screened call the native order_mean / closest_mean: the build
+    must have a kernel for those (there is no fedkernels::order_mean_screened to ask about)."""
+    import importlib
+
+    select_mod = importlib.import_module("fedkernels.ops.select")
+    asked = []
+    real = select_mod._needs_kernel
+    monkeypatch.setattr(select_mod, "_needs_kernel", lambda native, *a: asked.append(native) or real(native, *a))
+    U = torch.randn(5, 3)
+    ops.order_mean_screened(U, 1, 3)
+    ops.closest_mean_screened(U, 2)
+    assert asked == ["order_mean", "closest_mean"]
+
+
 def test_a_shape_error_is_not_reported_as_a_range_error():
     """lo, hi, beta and rows are range-checked against k only when U and rows have the right shape."""
     with pytest.raises(ValueError, match=r"^order_mean: U must be a 2-D \[K, d\] tensor, got shape \(2, 5, 4\)$"):
