@@ -5,6 +5,7 @@
 #pragma once
 
 #include "checks.h"
+#include "weighted_sum_checks.h"  // host_or_on: the device rule of a small host vector
 
 namespace fedkernels {
 namespace checks {
@@ -18,12 +19,16 @@ inline int64_t min_norm_args(const at::Tensor& G, int64_t max_iter, double tol_r
   float_dtype(G, "min_norm", "G");
   const int64_t K = G.size(0);
   TORCH_CHECK_VALUE(K >= 1, "min_norm: G must be at least 1 x 1 (K >= 1 vectors), got shape ", py_shape(G.sizes()));
-  if (lam0.has_value())
+  if (lam0.has_value()) {
     TORCH_CHECK_VALUE(lam0->dim() == 1 && lam0->size(0) == K, "min_norm: lam0 must be a 1-D tensor of length ", K,
                       ", got shape ", py_shape(lam0->sizes()));
-  if (scale.has_value())
+    host_or_on(*lam0, G.device(), "min_norm", "lam0", "G");
+  }
+  if (scale.has_value()) {
     TORCH_CHECK_VALUE(scale->dim() == 1 && scale->size(0) == K, "min_norm: scale must be a 1-D tensor of length ", K,
                       ", got shape ", py_shape(scale->sizes()));
+    host_or_on(*scale, G.device(), "min_norm", "scale", "G");
+  }
   TORCH_CHECK(max_iter >= 0, "min_norm: max_iter must be >= 0, got ", max_iter);
   TORCH_CHECK(tol_rel >= 0.0 && tol_abs >= 0.0, "min_norm: tolerances must be >= 0");
   TORCH_CHECK(init == "best_pair" || init == "min_diag", "min_norm: init must be 'best_pair' or 'min_diag', got '",

@@ -18,7 +18,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kstats_cuda(const at:
   checks::kstats_args(U, p, U.device());
   check_rows_disjoint(U, "kstats");
   c10::cuda::CUDAGuard guard(U.device());
-  check_host_or_device(p, U, "kstats", "p");
   const int64_t K = U.size(0), d = U.size(1);
   const auto f64 = U.options().dtype(at::kDouble);
   auto dot = at::zeros({K}, f64), nsq = at::zeros({K}, f64), nbar = at::zeros({}, f64);

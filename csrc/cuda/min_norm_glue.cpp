@@ -39,13 +39,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> min_norm_cuda(const at::Tensor& G
   c10::cuda::CUDAGuard guard(G.device());
   auto g = G.to(at::kDouble).contiguous();
   if (scale.has_value()) {
-    check_host_or_device(*scale, G, "min_norm", "scale");
     auto s = small_to_device(*scale, at::kDouble, G.device());
     g = g.add(g.t()).mul_(0.5).mul_(at::outer(s, s)).contiguous();
   }
   at::Tensor l0;
   if (lam0.has_value()) {
-    check_host_or_device(*lam0, G, "min_norm", "lam0");
     l0 = small_to_device(*lam0, at::kDouble, G.device());
   }
   auto opts = G.options().dtype(at::kDouble);
