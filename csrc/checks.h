@@ -108,6 +108,42 @@ inline void vector_like(const at::Tensor& v, int64_t length, const at::Tensor& l
   on_device(v, dev, op, name, like_name);
 }
 
+// A small vector (rows, coef, per-client scalars) is on the host or on `dev` (the CUDA glue moves a host
+// one there).
+inline void host_or_on(const at::Tensor& t, c10::Device dev, const char* op, const char* name, const char* like_name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device() == dev, op, ": ", name, " is on ", t.device(), " but ",
+                    like_name, " is on ", dev);
+}
+
+// rows (optional): 1-D integer row indices (their range is checked where they are read: row_list,
+// rows_to_device).
+inline void index_rows(const c10::optional<at::Tensor>& rows, c10::Device dev, const char* op,
+                       const char* like_name = "U") {
+  if (!rows.has_value()) return;
+  TORCH_CHECK_VALUE(rows->dim() == 1, op, ": rows must be a 1-D sequence of row indices, got shape ",
+                    py_shape(rows->sizes()));
+  const auto st = rows->scalar_type();
+  TORCH_CHECK_VALUE(rows->numel() == 0 || !(at::isFloatingType(st) || at::isComplexType(st) || st == at::kBool), op,
+                    ": rows must hold integer row indices, got dtype ", py_dtype(st));
+  host_or_on(*rows, dev, op, "rows", like_name);
+}
+
+// coef: n float coefficients, one per selected row.
+inline void coef_vector(const at::Tensor& coef, int64_t n, c10::Device dev, const char* op,
+                        const char* like_name = "U") {
+  TORCH_CHECK_VALUE(coef.dim() == 1 && coef.size(0) == n, op, ": coef must be a 1-D tensor of length ", n,
+                    " (one per selected row), got shape ", py_shape(coef.sizes()));
+  float_dtype(coef, op, "coef");
+  host_or_on(coef, dev, op, "coef", like_name);
+}
+
+// The CUDA kernels read whole rows: a matrix's rows must not overlap (the wrappers copy an expanded
+// matrix once).
+inline void rows_apart(const at::Tensor& U, const char* op, const char* name = "U") {
+  TORCH_CHECK_VALUE(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": ", name, " rows must not overlap, got strides ",
+                    py_shape(U.strides()), " (the fedkernels.ops wrapper copies it once)");
+}
+
 // A small 1-D float tensor (on the host or a device) read as float64 on the host (exact widening).
 inline std::vector<double> host_doubles(const at::Tensor& t) {
   auto h = t.to(at::kCPU, at::kDouble).contiguous();

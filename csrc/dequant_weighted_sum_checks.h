@@ -5,7 +5,6 @@
 #pragma once
 
 #include "checks.h"
-#include "weighted_sum_checks.h"
 
 namespace fedkernels {
 namespace checks {

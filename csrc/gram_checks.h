@@ -4,7 +4,6 @@
 #pragma once
 
 #include "checks.h"
-#include "weighted_sum_checks.h"  // index_rows: the rows rule of every op that takes rows
 
 namespace fedkernels {
 namespace checks {

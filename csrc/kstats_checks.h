@@ -4,7 +4,6 @@
 #pragma once
 
 #include "checks.h"
-#include "weighted_sum_checks.h"  // host_or_on: the device rule of a small host vector
 
 namespace fedkernels {
 namespace checks {

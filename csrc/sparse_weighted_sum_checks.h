@@ -6,7 +6,6 @@
 
 #include "checks.h"
 #include "dequant_weighted_sum_checks.h"
-#include "weighted_sum_checks.h"
 
 namespace fedkernels {
 namespace checks {

@@ -171,14 +171,14 @@ def test_gram_screened_checks_its_arguments_once(monkeypatch):
 
     gram_mod = importlib.import_module("fedkernels.ops.gram")  # (ops.gram is the function)
     calls = []
-    for name in ("rowmajor", "_needs_kernel"):
+    for name in ("_matrix", "_needs_kernel"):
         real = getattr(gram_mod, name)
         monkeypatch.setattr(
             gram_mod, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
         )
     U = torch.randn(4, 10)
     G, ok = ops.gram_screened(U)
-    assert calls == ["rowmajor", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
+    assert calls == ["_matrix", "_needs_kernel"] and ok.all() and torch.equal(G, ops.gram(U))
     with pytest.raises(ValueError, match=r"gram_screened: U must be a 2-D \[K, d\] tensor"):
         ops.gram_screened(torch.zeros(3))
 

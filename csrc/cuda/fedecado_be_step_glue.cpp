@@ -28,7 +28,7 @@ void be_step_out_cuda(const at::Tensor& xc, const at::Tensor& Icur, const at::Te
   TORCH_CHECK(U.is_cuda(), "fedecado_be_step: U must be a CUDA tensor here, got ", U.device());
   const int64_t K = U.size(0), d = U.size(1);
   for (const at::Tensor* t : {&theta_new, &theta_old, &inv_g})
-    check_host_or_device(*t, U, "fedecado_be_step", "theta_new/theta_old/inv_g");
+    checks::host_or_on(*t, U.device(), "fedecado_be_step", "theta_new/theta_old/inv_g", "U");
   const checks::BeCoefs cf = checks::be_step_coefs(theta_new, theta_old, inv_g, K, dt, L);
   std::vector<double> h(std::max<int64_t>(4 * K, 1));  // the table of the fedecado_be_step launcher (fedecado_be_step.cuh)
   for (int64_t i = 0; i < K; ++i) {

@@ -9,7 +9,7 @@ using namespace glue;
 
 at::Tensor finite_rows_cuda(const at::Tensor& U) {
   checks::matrix(U, U.device(), "finite_rows");
-  check_rows_disjoint(U, "finite_rows");
+  checks::rows_apart(U, "finite_rows");
   c10::cuda::CUDAGuard guard(U.device());
   auto ok = at::empty({U.size(0)}, U.options().dtype(at::kBool));
   if (U.size(0) == 0) return ok;

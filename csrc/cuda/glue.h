@@ -7,9 +7,9 @@
 // build (setup.py). Includes only c10/cuda/CUDAStream.h for the stream: ATen/cuda/CUDAContext.h
 // would pull in the cuBLAS/cuSPARSE/cuSOLVER headers that a minimal toolkit lacks.
 //
-// Division of work: the Python wrappers (fedkernels.ops) validate values and name the argument;
-// the glue keeps cheap TORCH_CHECKs (shapes, dtypes, devices, host-resident indices) as a last line
-// of defence, written once for both backends in csrc/<op>_checks.h, and never synchronises the host
+// Division of work: the op's tensor rules (shapes, dtypes, devices, layouts) are in csrc/<op>_checks.h,
+// called by the glue and the CPU kernel alike; the Python wrappers (fedkernels.ops) check types and
+// values. The glue range-checks host-resident indices as it uploads them, and never synchronises the host
 // (small vectors given on the device are read with checks::host_doubles: a device-to-host copy;
 // the Python wrappers pass them on the host). Small per-client vectors (coef, rows, FedECADO's
 // per-client scalars) may come as host (CPU) tensors or as tensors on the op's device; host ones
@@ -47,30 +47,6 @@ inline fk::DType to_dtype(at::ScalarType s, const char* op, const char* name) {
   }
 }
 
-inline void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), op, ": ", name, " must be on ", like.device(), ", got ",
-              t.device());
-}
-
-// A small vector argument: on the op's device or on the host.
-inline void check_host_or_device(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device() == like.device(), op, ": ", name,
-                    " must be on the host (cpu) or on ", like.device(), ", got ", t.device());
-}
-
-// Rows that do not overlap (the vector paths read whole rows; the fedkernels.ops wrappers copy a
-// matrix with overlapping rows, e.g. an expanded one, once).
-inline void check_rows_disjoint(const at::Tensor& U, const char* op, const char* name = "U") {
-  TORCH_CHECK_VALUE(U.size(0) <= 1 || U.stride(0) >= U.size(1), op, ": ", name, " rows must not overlap, got strides ",
-                    checks::py_shape(U.strides()), " (the fedkernels.ops wrapper copies it once)");
-}
-
-// checks.h's rule plus non-overlapping rows.
-inline void check_rowmajor(const at::Tensor& U, const char* op) {
-  fedkernels::check_rowmajor(U, op, "U");
-  check_rows_disjoint(U, op);
-}
-
 inline int64_t row_stride(const at::Tensor& U) { return U.size(0) > 1 ? U.stride(0) : U.size(1); }
 
 // Host bytes -> a fresh 16-byte aligned device buffer (stream-ordered, capture-safe).
@@ -91,13 +67,10 @@ inline at::Tensor small_to_device(const at::Tensor& t, at::ScalarType st, c10::D
   return buf.view(st).narrow(0, 0, n);
 }
 
-// rows: 1-D integer indices; host-resident ones are range-checked here (device ones cannot be
-// without a sync: the kernels turn an out-of-range entry into NaN, and the Python wrapper checks).
+// rows (after checks::index_rows: 1-D integer indices on the host or U's device): host-resident ones
+// are range-checked here (device ones cannot be without a sync: the kernels turn an out-of-range
+// entry into NaN, and the Python wrapper checks).
 inline at::Tensor rows_to_device(const at::Tensor& rows, const at::Tensor& U, const char* op) {
-  TORCH_CHECK(rows.dim() == 1, op, ": rows must be 1-D, got ", rows.dim(), "-D");
-  TORCH_CHECK(!rows.is_floating_point() && rows.scalar_type() != at::kBool && !rows.is_complex(), op,
-              ": rows must hold integer indices, got ", rows.scalar_type());
-  check_host_or_device(rows, U, op, "rows");
   if (rows.device().is_cpu()) {
     auto h = rows.to(at::kLong).contiguous();
     const int64_t* p = h.data_ptr<int64_t>();

@@ -12,7 +12,7 @@ using namespace glue;
 
 at::Tensor gram_cuda(const at::Tensor& U, const c10::optional<at::Tensor>& rows) {
   checks::gram_args(U, rows, U.device());
-  check_rows_disjoint(U, "gram");
+  checks::rows_apart(U, "gram");
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   at::Tensor r;

@@ -16,7 +16,7 @@ using namespace glue;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kstats_cuda(const at::Tensor& U, const at::Tensor& p) {
   checks::kstats_args(U, p, U.device());
-  check_rows_disjoint(U, "kstats");
+  checks::rows_apart(U, "kstats");
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   const auto f64 = U.options().dtype(at::kDouble);

@@ -39,9 +39,7 @@ void lu_solve_into(const at::Tensor& LU, const at::Tensor& pivots, const at::Ten
   const checks::LuSolveShape sh = checks::lu_solve_args(LU, pivots, R);
   const int64_t n = sh.n, B = sh.B, m = sh.m;
   TORCH_CHECK(n >= 1 && n <= kLuMaxN, "lu_solve: n must be in [1, ", kLuMaxN, "] on CUDA, got ", n);
-  check_cuda(R, LU, "lu_solve", "R");
-  check_cuda(X, LU, "lu_solve", "out");
-  check_host_or_device(pivots, LU, "lu_solve", "pivots");
+  checks::host_or_on(pivots, LU.device(), "lu_solve", "pivots", "LU");
   c10::cuda::CUDAGuard guard(LU.device());
   if (pivots.device().is_cpu()) {
     auto h = pivots.to(at::kInt).contiguous();
@@ -75,9 +73,8 @@ void lu_solve_out_cuda(const at::Tensor& LU, const at::Tensor& pivots, const at:
 
 std::tuple<at::Tensor, at::Tensor> arrowhead_solve_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
                                                         double alpha, const at::Tensor& r0, const at::Tensor& R) {
-  for (const at::Tensor* t : {&a, &b, &c}) check_host_or_device(*t, R, "arrowhead_solve", "a/b/c");
+  for (const at::Tensor* t : {&a, &b, &c}) checks::host_or_on(*t, R.device(), "arrowhead_solve", "a/b/c", "R");
   const checks::Arrowhead h = checks::arrowhead_args(a, b, c, alpha, r0, R);
-  check_cuda(r0, R, "arrowhead_solve", "r0");
   const int64_t K = R.size(0), m = R.size(1);
   std::vector<double> coef(std::max<int64_t>(3 * K, 1));  // the table of the arrowhead_solve launcher (lu.cuh)
   for (int64_t i = 0; i < K; ++i) {

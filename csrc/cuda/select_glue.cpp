@@ -17,7 +17,7 @@ template <bool closest>
 std::tuple<at::Tensor, at::Tensor> select_cuda(const at::Tensor& U, int64_t lo, int64_t hi,
                                                const c10::optional<at::Tensor>& rows, const char* op) {
   checks::select_args(U, rows, U.device(), op);
-  check_rows_disjoint(U, op);
+  checks::rows_apart(U, op);
   c10::cuda::CUDAGuard guard(U.device());
   const int64_t K = U.size(0), d = U.size(1);
   const int64_t k = rows.has_value() ? rows->numel() : K;

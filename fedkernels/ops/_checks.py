@@ -23,7 +23,7 @@ RuntimeError from the kernel) instead of reading out of bounds.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Literal, Optional, Protocol, Sequence, Union, overload
+from typing import Any, Callable, Optional, Protocol, Sequence, TypeVar, Union, overload
 
 import torch
 
@@ -31,6 +31,7 @@ from .._types import CoefLike, RowsLike
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HOST = torch.device("cpu")
+R = TypeVar("R")
 
 
 class Typed(Protocol):
@@ -75,16 +76,19 @@ def _finite_number(x: object, op: str, name: str) -> float:
 
 
 def _matrix(U: object, op: str, name: str = "U") -> torch.Tensor:
-    """A 2-D float matrix with unit column stride (copied once if it has none)."""
+    """``U`` as the kernels read it: a tensor (``TypeError`` otherwise); a 2-D one without unit column
+    stride, or with overlapping rows (expanded), is copied once. Its shape, dtype and device are the
+    native op's to check."""
     U = _tensor(U, op, name)
-    if U.dim() != 2:
-        raise ValueError(f"{op}: {name} must be a 2-D [K, d] tensor, got shape {tuple(U.shape)}")
-    _float_dtype(U, op, name)
-    if U.size(1) > 1 and U.stride(1) != 1:
-        U = U.contiguous()
-    if U.size(0) > 1 and U.stride(0) < U.size(1):  # e.g. expanded or overlapping rows
+    if U.dim() == 2 and ((U.size(1) > 1 and U.stride(1) != 1) or (U.size(0) > 1 and U.stride(0) < U.size(1))):
         U = U.contiguous()
     return U
+
+
+def _matrix_rows(U: torch.Tensor) -> Optional[int]:
+    """K = U.size(0) for a value check that needs it, or None when U is not 2-D: then the native op
+    raises U's shape error, which a check against a wrong K must not pre-empt."""
+    return U.size(0) if U.dim() == 2 else None
 
 
 def _like(v: Typed, op: str, name: str, like: Typed, like_name: str = "U") -> None:
@@ -96,54 +100,53 @@ def _like(v: Typed, op: str, name: str, like: Typed, like_name: str = "U") -> No
         raise ValueError(f"{op}: {name} is on {v.device} but {like_name} is on {like.device}")
 
 
-def _vector(v: object, op: str, name: str, length: int, like: torch.Tensor) -> torch.Tensor:
-    v = _tensor(v, op, name)
-    if v.dim() != 1 or v.size(0) != length:
-        raise ValueError(f"{op}: {name} must be a 1-D tensor of length {length}, got shape {tuple(v.shape)}")
-    _like(v, op, name, like)
-    return v
+@overload
+def _rows(rows: None, K: Optional[int], op: str, shape: bool = ...) -> None: ...
 
 
 @overload
-def _rows(rows: None, K: int, op: str) -> None: ...
+def _rows(rows: Union[torch.Tensor, Sequence[int]], K: Optional[int], op: str, shape: bool = ...) -> torch.Tensor: ...
 
 
 @overload
-def _rows(rows: Union[torch.Tensor, Sequence[int]], K: int, op: str) -> torch.Tensor: ...
+def _rows(rows: RowsLike, K: Optional[int], op: str, shape: bool = ...) -> Optional[torch.Tensor]: ...
 
 
-@overload
-def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]: ...
-
-
-def _rows(rows: RowsLike, K: int, op: str) -> Optional[torch.Tensor]:
-    """Row indices as a contiguous int64 HOST tensor, each in [0, K) (checked on the host for every
-    device: a device tensor is copied to the host once)."""
+def _rows(rows: RowsLike, K: Optional[int], op: str, shape: bool = False) -> Optional[torch.Tensor]:
+    """Row indices as a contiguous int64 HOST tensor (a device tensor is copied to the host once), each
+    in [0, K) (checked on the host for every device; not when K is None). Rows that are not a 1-D
+    sequence of integers are passed on as given (on the host), for the native op to name what is
+    wrong with them; with ``shape`` (a function with no native op behind it) that is raised here."""
     if rows is None:
         return None
-    if isinstance(rows, torch.Tensor):
-        r = rows.detach()
-        if r.device.type != "cpu":
-            r = r.to(HOST)
-    else:
-        r = torch.as_tensor(rows)
-    if r.dim() != 1:
+    r = rows.detach() if isinstance(rows, torch.Tensor) else torch.as_tensor(rows)
+    if r.device.type != "cpu":
+        r = r.to(HOST)
+    bad_shape = r.dim() != 1
+    bad_dtype = r.numel() > 0 and (r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool)
+    if shape and bad_shape:
         raise ValueError(f"{op}: rows must be a 1-D sequence of row indices, got shape {tuple(r.shape)}")
-    if r.numel() and (r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool):
+    if shape and bad_dtype:
         raise ValueError(f"{op}: rows must hold integer row indices, got dtype {r.dtype}")
+    if bad_shape or bad_dtype:
+        return r
     r = r.to(torch.long)
-    if r.numel() and not tracing() and not _batched(r):
+    if K is not None and r.numel() and not tracing() and not _batched(r):
         lo, hi = int(r.min()), int(r.max())
         if lo < 0 or hi >= K:
             raise ValueError(f"{op}: rows must lie in [0, {K}), got min {lo} max {hi}")
     return r.contiguous()
 
 
-def _coef(coef: CoefLike, n: int, op: str, name: str = "coef") -> torch.Tensor:
-    """``n`` float coefficients as a HOST tensor (a device tensor is copied to the host once; the
-    copy is differentiable, so autograd still reaches a device ``coef``); finite in eager mode."""
+def _coef(coef: CoefLike, n: Optional[int], op: str, name: str = "coef", shape: bool = False) -> torch.Tensor:
+    """Per-row float coefficients as a HOST tensor (a sequence is read as float64, an integer tensor
+    converted to float64, a device tensor copied to the host once: a differentiable copy, so autograd
+    still reaches a device ``coef``), finite in eager mode when they are ``n`` of them (not when n is
+    None). Coefficients that are not 1-D of length n are passed on, for the native op to name what is
+    wrong; with ``shape`` (a function with no native op behind it) that is raised here."""
     c = coef if isinstance(coef, torch.Tensor) else torch.as_tensor(coef, dtype=torch.float64)
-    if c.dim() != 1 or c.size(0) != n:
+    right = n is not None and c.dim() == 1 and c.size(0) == n
+    if shape and not right:
         raise ValueError(
             f"{op}: {name} must be a 1-D tensor of length {n} (one per selected row), got shape {tuple(c.shape)}"
         )
@@ -151,8 +154,8 @@ def _coef(coef: CoefLike, n: int, op: str, name: str = "coef") -> torch.Tensor:
         c = c.to(torch.float64)
     if c.device.type != "cpu":
         c = c.to(HOST)
-    if not tracing() and not _batched(c) and not _finite_range(c):
-        raise ValueError(f"{op}: {name} must be finite, got {c.tolist() if n <= 16 else 'non-finite entries'}")
+    if right and not tracing() and not _batched(c) and not _finite_range(c):
+        raise ValueError(f"{op}: {name} must be finite, got {c.tolist() if c.numel() <= 16 else 'non-finite entries'}")
     return c
 
 
@@ -195,44 +198,6 @@ def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) ->
     return t
 
 
-@overload
-def _tensor_list(
-    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: Literal[False] = ...
-) -> List[torch.Tensor]: ...
-
-
-@overload
-def _tensor_list(
-    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: Literal[True]
-) -> List[Optional[torch.Tensor]]: ...
-
-
-def _tensor_list(
-    xs: object, n: int, op: str, name: str, params: Sequence[torch.Tensor], optional_entries: bool = False
-) -> List[Any]:
-    """``n`` tensors, each matching ``params[i]`` in shape, dtype and device (None allowed with
-    ``optional_entries``)."""
-    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got {type(xs).__name__}")
-    xs = list(xs)
-    if len(xs) != n:
-        raise ValueError(f"{op}: {name} must have one entry per parameter ({n}), got {len(xs)}")
-    out: List[Optional[torch.Tensor]] = []
-    for i, (x, p) in enumerate(zip(xs, params)):
-        if x is None and optional_entries:
-            out.append(None)
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op}: {name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
-        if x.shape != p.shape or x.dtype != p.dtype or x.device != p.device:
-            raise ValueError(
-                f"{op}: {name}[{i}] must match params[{i}] (shape {tuple(p.shape)}, {p.dtype}, "
-                f"{p.device}), got shape {tuple(x.shape)}, {x.dtype}, {x.device}"
-            )
-        out.append(x)
-    return out
-
-
 def _no_grad_through(op: str, *tensors: Any) -> None:
     """Mutating / out= variants have no derivative: refuse inputs that would need one."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -267,3 +232,34 @@ def _needs_kernel(native: str, device: torch.device, op: str) -> None:
             f"{op}: this build of fedkernels has no {device.type} kernel for fedkernels::{native}; "
             f"pass CPU tensors (got {device})"
         )
+
+
+def as_op(op: str, native: str, fn: Callable[..., R], *args: Any) -> R:
+    """``fn(*args)``, a call of ``fedkernels::<native>`` made for the wrapper ``op``: the native op's
+    ValueError (``"<native>: ..."``) is raised as ``"<op>: ..."``, the wrapper's name. (Under tracing the
+    call is made as is: the compiled graph runs the native op with its own name.)"""
+    if tracing():
+        return fn(*args)
+    try:
+        return fn(*args)
+    except ValueError as e:
+        msg = str(e)
+        if not msg.startswith(native + ": "):
+            raise
+        raise ValueError(op + msg[len(native) :]) from None
+
+
+# ---- what the fake kernels need (torch.compile, opcheck) -------------------------------------------
+def fake_size(t: torch.Tensor, i: int) -> int:
+    """``t.size(i)`` for a fake kernel's output shape, 0 when t has no dimension i: the native op refuses
+    such a tensor when the compiled graph runs, and tracing must not stop first on an IndexError."""
+    return t.size(i) if t.dim() > i else 0
+
+
+def fake_devices(op: str, like: torch.Tensor, but: str, **tensors: Optional[torch.Tensor]) -> None:
+    """The native op's device rule, in the fake kernels: a meta tensor among the arguments sends the call
+    to the fake, where the C++ checks cannot run, so a mix of devices is refused here in their words
+    ("base is on meta but U is on cpu"; ``but``: "U is on", "the rows are on")."""
+    for name, t in tensors.items():
+        if t is not None and t.device != like.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {but} {like.device}")

@@ -18,8 +18,8 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import _needs_kernel, _tensor
-from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _rowmajor
+from ._checks import fake_devices, fake_size, _matrix, _needs_kernel, _tensor
+from .weighted_sum import _host_rows_coef
 
 __all__ = ["dequant_weighted_sum", "CODE_DTYPES", "RESULT_DTYPES"]
 
@@ -70,10 +70,10 @@ def dequant_weighted_sum(
     given: the same bits with any thread count. Not differentiable.
     """
     op = "dequant_weighted_sum"
-    Q = _rowmajor(Q, op, "Q")  # its shape, dtype and device: the native op's (csrc/dequant_weighted_sum_checks.h)
+    Q = _matrix(Q, op, "Q")  # its shape, dtype and device: the native op's (csrc/dequant_weighted_sum_checks.h)
     _needs_kernel(op, Q.device, op)
     block = _block(block, op)
-    scales = _rowmajor(scales, op, "scales")
+    scales = _matrix(scales, op, "scales")
     r, c = _host_rows_coef(Q, rows, coef, op)
     a = _alpha(alpha, op)
     base = _float_base(op, base, out_dtype)
@@ -91,10 +91,10 @@ def _dequant_fake(
     rows: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _fake_devices("dequant_weighted_sum", Q, "Q is on", scales=scales)
-    _fake_devices("dequant_weighted_sum", Q, "the rows are on", base=base)
+    fake_devices("dequant_weighted_sum", Q, "Q is on", scales=scales)
+    fake_devices("dequant_weighted_sum", Q, "the rows are on", base=base)
     odt = base.dtype if base is not None else (out_dtype or torch.float32)
-    K, d = _fake_shape(Q)
+    K, d = fake_size(Q, 0), fake_size(Q, 1)
     n = K if rows is None else rows.size(0)
     return Q.new_empty((d,), dtype=odt), Q.new_empty((n,), dtype=torch.bool)
 

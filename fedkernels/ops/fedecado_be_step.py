@@ -14,7 +14,7 @@ import torch
 
 from .._types import CoefLike
 from . import _autograd as _ag
-from ._checks import _host_coef, _needs_kernel, _no_grad_through, _same_storage, _tensor
+from ._checks import _host_coef, _matrix, _needs_kernel, _no_grad_through, _same_storage, _tensor
 
 __all__ = ["fedecado_be_step", "BEStepWindow"]
 
@@ -82,10 +82,8 @@ class BEStepWindow:
     ) -> None:
         op = "fedecado_be_step"
         # types and layouts here; shapes, dtypes and devices: the native op (csrc/fedecado_be_step_checks.h)
-        U = _rowmajor(_tensor(U, op, "U"))
-        mats = {
-            name: _rowmajor(_tensor(M, op, name)) for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik))
-        }
+        U = _matrix(U, op, "U")
+        mats = {name: _matrix(M, op, name) for name, M in (("Icur", Ik if Icur is None else Icur), ("Ik", Ik))}
         vecs: Dict[str, Optional[torch.Tensor]] = {}
         for name, v in (("xc", xc0 if xc is None else xc), ("xc0", xc0), ("S_off", S_off)):
             vecs[name] = None if v is None and name == "S_off" else _tensor(v, op, name).contiguous()
@@ -171,15 +169,6 @@ class BEStepWindow:
             xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig, float(dt), self.L, xo, Io, self.lte
         )
         return xo, Io, self.lte
-
-
-def _rowmajor(M: torch.Tensor) -> torch.Tensor:
-    """The layout part of ``_checks._matrix``: a 2-D tensor without unit column stride or with
-    overlapping rows is copied once (the kernels read rows in place); any other tensor is returned
-    as it is (its shape and dtype are the native op's checks)."""
-    if M.dim() == 2 and ((M.size(1) > 1 and M.stride(1) != 1) or (M.size(0) > 1 and M.stride(0) < M.size(1))):
-        return M.contiguous()
-    return M
 
 
 def _host_vector(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import _needs_kernel
-from ._native_checks import fake_size, rowmajor
+from ._checks import fake_size, _matrix, _needs_kernel
 from .reductions import shard_and
 
 __all__ = ["finite_rows"]
@@ -20,7 +19,7 @@ def finite_rows(U: torch.Tensor) -> torch.Tensor:
     """[K] bool: True where row k of U holds only finite values. One read of U, no K x d temporary.
 
     U: [K, d] float16/bfloat16/float32/float64 (any row stride; the native op checks it)."""
-    U = rowmajor(U, "finite_rows")
+    U = _matrix(U, "finite_rows")
     _needs_kernel("finite_rows", U.device, "finite_rows")
     return shard_and(torch.ops.fedkernels.finite_rows(U))
 

@@ -28,7 +28,7 @@ __all__ = ["fused_sgd_step_", "corrected_sgd_step_", "gc_sgd_step_"]
 def _tensor_entries(xs: object, op: str, name: str, optional_entries: bool = False) -> List[Any]:
     """``xs`` as a list whose entries are tensors (or None with ``optional_entries``): the types only.
     Their lengths, shapes, dtypes and devices are the native op's checks
-    (csrc/fused_sgd_step_checks.h, the wording of ``_checks._tensor_list``)."""
+    (csrc/fused_sgd_step_checks.h)."""
     if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
         raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got {type(xs).__name__}")
     xs = list(xs)

@@ -23,9 +23,9 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import _needs_kernel, _no_grad_through, _tensor
+from ._checks import fake_devices, fake_size, _matrix, _needs_kernel, _no_grad_through, _tensor
 from .reductions import active_reducer
-from .weighted_sum import _fake_devices, _fake_shape, _host_rows_coef, _result_args, _rowmajor
+from .weighted_sum import _host_rows_coef, _result_args
 
 __all__ = ["add_gaussian_noise_", "weighted_sum_noised", "philox_normal", "MAX_COUNTER"]
 
@@ -78,7 +78,7 @@ def weighted_sum_noised(
     central-DP aggregate of DP-FedAvg: ``coef`` = the clip factors / m, ``sigma`` = z C / m. Not
     differentiable."""
     op = "weighted_sum_noised"
-    U = _rowmajor(U, op)
+    U = _matrix(U, op)
     _needs_kernel(op, U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
@@ -117,8 +117,8 @@ def _wsn_fake(
     counter: int,
     offset: int = 0,
 ) -> torch.Tensor:
-    _fake_devices("weighted_sum_noised", U, "U is on", base=base)
-    return U.new_empty((_fake_shape(U)[1],), dtype=base.dtype if base is not None else U.dtype)
+    fake_devices("weighted_sum_noised", U, "U is on", base=base)
+    return U.new_empty((fake_size(U, 1),), dtype=base.dtype if base is not None else U.dtype)
 
 
 @torch.library.register_fake("fedkernels::philox_normal")

@@ -15,8 +15,7 @@ import torch
 
 from .._types import RowsLike
 from . import _autograd as _ag
-from ._checks import _needs_kernel, _no_grad_through
-from ._native_checks import as_op, fake_size, host_rows, matrix_rows, rowmajor
+from ._checks import as_op, fake_size, _matrix, _matrix_rows, _needs_kernel, _no_grad_through, _rows
 from .reductions import shard_sum
 
 __all__ = ["gram", "gram_screened"]
@@ -29,9 +28,9 @@ def gram(U: torch.Tensor, rows: RowsLike = None) -> torch.Tensor:
     of threads. For models larger than memory, sum ``gram(U[:, a:b])`` over column chunks.
     Differentiable w.r.t. ``U``.
     """
-    U = rowmajor(U, "gram")
+    U = _matrix(U, "gram")
     _needs_kernel("gram", U.device, "gram")
-    return _gram(U, host_rows(rows, matrix_rows(U), "gram"))
+    return _gram(U, _rows(rows, _matrix_rows(U), "gram"))
 
 
 def _gram(U: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
@@ -47,7 +46,7 @@ def gram_screened(U: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     cannot overflow it), so the flags are exact for those dtypes. A finite float64 row whose
     squared norm overflows is flagged too: check flagged float64 rows with :func:`finite_rows`
     (the aggregators do). Not differentiable."""
-    U = rowmajor(U, "gram_screened")
+    U = _matrix(U, "gram_screened")
     _needs_kernel("gram", U.device, "gram_screened")
     _no_grad_through("gram_screened", U)
     G = as_op("gram_screened", "gram", _gram, U, None)

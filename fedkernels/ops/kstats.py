@@ -17,8 +17,7 @@ import torch
 
 from .._types import CoefLike
 from . import _autograd as _ag
-from ._checks import _needs_kernel
-from ._native_checks import fake_size, host_coef, matrix_rows, rowmajor
+from ._checks import _coef, fake_size, _matrix, _matrix_rows, _needs_kernel
 from .reductions import active_reducer, shard_and, shard_sum
 
 __all__ = ["kstats"]
@@ -35,9 +34,9 @@ def kstats(U: torch.Tensor, p: CoefLike) -> Tuple[torch.Tensor, torch.Tensor, to
     and so every dot and nbar, NaN: drop it (``ok``) and call again. K = 0 or d = 0: zeros and all-True
     flags. Not differentiable.
     """
-    U = rowmajor(U, "kstats")
+    U = _matrix(U, "kstats")
     _needs_kernel("kstats", U.device, "kstats")
-    c = host_coef(p, matrix_rows(U), "kstats", "p")
+    c = _coef(p, _matrix_rows(U), "kstats", "p")
     dot, nsq, nbar, ok = _ag.call(torch.ops.fedkernels.kstats, U, c)
     if active_reducer() is None:
         return dot, nsq, nbar, ok

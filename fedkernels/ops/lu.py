@@ -17,7 +17,7 @@ import torch
 from .. import _native
 from .._types import ScalarOrCoef
 from . import _autograd as _ag
-from ._checks import HOST, _needs_kernel, _no_grad_through, _tensor, tracing
+from ._checks import HOST, _needs_kernel, as_op, _no_grad_through, _tensor, tracing
 
 __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "LU_MAX_N"]
 
@@ -44,13 +44,7 @@ def lu_factor_ex(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
     """
     A = _lu_input(A, "lu_factor_ex")
     _needs_kernel("lu_factor", A.device, "lu_factor_ex")
-    try:
-        res = _ag.call(torch.ops.fedkernels.lu_factor, A.detach())
-    except ValueError as e:  # the native op's argument error, named after this wrapper as before
-        msg = str(e)
-        if not msg.startswith("lu_factor: "):
-            raise
-        raise ValueError("lu_factor_ex: " + msg[len("lu_factor: ") :]) from None
+    res = as_op("lu_factor_ex", "lu_factor", _ag.call, torch.ops.fedkernels.lu_factor, A.detach())
     return _ag.no_derivative("lu_factor", res, A)
 
 

@@ -12,8 +12,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _autograd as _ag
-from ._checks import HOST, _tensor, tracing
-from ._native_checks import fake_size
+from ._checks import fake_size, HOST, _tensor, tracing
 
 __all__ = ["min_norm", "MIN_NORM_METHODS", "MIN_NORM_INITS"]
 

@@ -36,8 +36,7 @@ import torch
 
 from .._types import RowsLike
 from . import _autograd as _ag
-from ._checks import _needs_kernel
-from ._native_checks import as_op, fake_size, host_rows, matrix_rows, rowmajor
+from ._checks import as_op, fake_size, _matrix, _matrix_rows, _needs_kernel, _rows
 from .reductions import shard_and
 
 __all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds", "trim_bounds"]
@@ -65,10 +64,10 @@ def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Op
     """U in the kernels' layout, rows as a host int64 tensor and k, the number of selected rows: None when
     U or rows has the wrong shape or dtype (the native op raises that error; a range check against a wrong
     k must not pre-empt it)."""
-    U = rowmajor(U, op)
+    U = _matrix(U, op)
     _needs_kernel(op.removesuffix("_screened"), U.device, op)  # the native op of op and op_screened
-    K = matrix_rows(U)
-    r = host_rows(rows, K, op)
+    K = _matrix_rows(U)
+    r = _rows(rows, K, op)
     if K is None or (r is not None and (r.dim() != 1 or r.dtype != torch.long)):
         return U, r, None
     return U, r, K if r is None else r.numel()

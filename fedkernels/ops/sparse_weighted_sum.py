@@ -16,9 +16,9 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import HOST, _coef, _needs_kernel, _rows, _tensor, _batched, tracing
+from ._checks import _batched, _coef, fake_devices, HOST, _needs_kernel, _rows, _tensor, tracing
 from .dequant_weighted_sum import _alpha, _float_base
-from .weighted_sum import _NO_COEF, _fake_devices
+from .weighted_sum import _NO_COEF
 
 __all__ = ["sparse_weighted_sum", "stack_lists"]
 
@@ -138,8 +138,8 @@ def _sparse_fake(
     rows: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _fake_devices("sparse_weighted_sum", idx, "idx is on", val=val)
-    _fake_devices("sparse_weighted_sum", idx, "the rows are on", base=base)
+    fake_devices("sparse_weighted_sum", idx, "idx is on", val=val)
+    fake_devices("sparse_weighted_sum", idx, "the rows are on", base=base)
     dflt = torch.float64 if val.dtype == torch.float64 else torch.float32
     odt = base.dtype if base is not None else (out_dtype or dflt)
     n = offsets.size(0) - 1 if rows is None else rows.size(0)

@@ -26,10 +26,13 @@ from ._checks import (
     FLOAT_DTYPES,
     _coef,
     _float_dtype,
+    _matrix,
     _needs_kernel,
     _no_grad_through,
     _rows,
     _tensor,
+    fake_devices,
+    fake_size,
     has_kernel,
 )
 from .reductions import shard_and
@@ -44,16 +47,6 @@ def out_dtypes(dtype: torch.dtype) -> Tuple[torch.dtype, ...]:
     """The dtypes the weighted sum of a U of ``dtype`` can be written in (``out``, ``base``): ``dtype``,
     and float32/float64 for float16/bfloat16 (accumulated in that dtype)."""
     return (dtype,) + _WIDER.get(dtype, ())
-
-
-def _rowmajor(U: object, op: str, name: str = "U") -> torch.Tensor:
-    """``U`` as the kernels read it: a tensor (``TypeError`` otherwise); a 2-D one without unit column stride
-    or with overlapping rows is copied once. Its shape, dtype and device are the native op's to check
-    (``csrc/weighted_sum_checks.h``)."""
-    U = _tensor(U, op, name)
-    if U.dim() == 2 and (U.size(1) > 1 and U.stride(1) != 1 or U.size(0) > 1 and U.stride(0) < U.size(1)):
-        U = U.contiguous()
-    return U
 
 
 _NO_COEF = torch.empty(0, dtype=torch.float64)
@@ -106,7 +99,7 @@ def weighted_sum(
     ``base`` (without ``out``).
     """
     op = "weighted_sum"
-    U = _rowmajor(U, op)
+    U = _matrix(U, op)
     _needs_kernel("weighted_sum" if out is None else "weighted_sum_out", U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
     alpha = _alpha(alpha, op)
@@ -134,7 +127,7 @@ def weighted_sum_screened(
     be ``base``; returned as the sum; the result's dtype as there: a bf16/fp16 U summed into an fp32/fp64
     out screens and widens in one pass); not differentiable (a screen, not a formula)."""
     op = "weighted_sum_screened"
-    U = _rowmajor(U, op)
+    U = _matrix(U, op)
     _needs_kernel(op if out is None else "weighted_sum_screened_out", U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
     a = _alpha(alpha, op)
@@ -188,8 +181,8 @@ def weighted_sum_chunked(
             raise ValueError(
                 f"{op}: base must have the result's dtype {odt} and device {dev}, got {base.dtype} on {base.device}"
             )
-    r = torch.arange(K) if rows is None else _rows(rows, K, op)
-    c64 = _coef(coef, r.numel(), op).to(torch.float64)
+    r = torch.arange(K) if rows is None else _rows(rows, K, op, shape=True)
+    c64 = _coef(coef, r.numel(), op, shape=True).to(torch.float64)
     out = torch.empty(d, dtype=odt, device=dev)
     if (
         M.device == dev
@@ -209,21 +202,6 @@ def weighted_sum_chunked(
 
 
 # ---- fake (meta) kernels, so the ops work under torch.compile / opcheck ------------------------
-def _fake_devices(op: str, like: torch.Tensor, but: str, **tensors: Optional[torch.Tensor]) -> None:
-    """The native op's device rule, in the fake kernels: a meta tensor among the arguments sends the call to
-    the fake, where the C++ checks cannot run, so a mix of devices is refused here in their words
-    ("base is on meta but U is on cpu"; ``but``: "U is on")."""
-    for name, t in tensors.items():
-        if t is not None and t.device != like.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but {but} {like.device}")
-
-
-def _fake_shape(U: torch.Tensor) -> Tuple[int, int]:
-    """(K, d) of a 2-D ``U`` in the fake kernels, (0, 0) for any other: the trace goes on, and the native op
-    raises U's shape error when the graph runs."""
-    return (U.size(0), U.size(1)) if U.dim() == 2 else (0, 0)
-
-
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _wsum_fake(
     U: torch.Tensor,
@@ -232,8 +210,8 @@ def _wsum_fake(
     alpha: float = 1.0,
     rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    _fake_devices("weighted_sum", U, "U is on", base=base)
-    return U.new_empty((_fake_shape(U)[1],), dtype=U.dtype if base is None else base.dtype)
+    fake_devices("weighted_sum", U, "U is on", base=base)
+    return U.new_empty((fake_size(U, 1),), dtype=U.dtype if base is None else base.dtype)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_out")
@@ -245,7 +223,7 @@ def _wsum_out_fake(
     rows: Optional[torch.Tensor],
     out: torch.Tensor,
 ) -> None:
-    _fake_devices("weighted_sum", U, "U is on", out=out, base=base)
+    fake_devices("weighted_sum", U, "U is on", out=out, base=base)
     return None
 
 
@@ -257,8 +235,8 @@ def _wsum_screened_fake(
     alpha: float = 1.0,
     rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _fake_devices("weighted_sum_screened", U, "U is on", base=base)
-    K, d = _fake_shape(U)
+    fake_devices("weighted_sum_screened", U, "U is on", base=base)
+    K, d = fake_size(U, 0), fake_size(U, 1)
     n = K if rows is None else rows.size(0)
     return U.new_empty((d,), dtype=U.dtype if base is None else base.dtype), U.new_empty((n,), dtype=torch.bool)
 
@@ -272,8 +250,8 @@ def _wsum_screened_out_fake(
     rows: Optional[torch.Tensor],
     out: torch.Tensor,
 ) -> torch.Tensor:
-    _fake_devices("weighted_sum_screened", U, "U is on", out=out, base=base)
-    return U.new_empty((_fake_shape(U)[0] if rows is None else rows.size(0),), dtype=torch.bool)
+    fake_devices("weighted_sum_screened", U, "U is on", out=out, base=base)
+    return U.new_empty((fake_size(U, 0) if rows is None else rows.size(0),), dtype=torch.bool)
 
 
 # ---- derivative (``g`` = gradient of the output): dU[rows_i] += alpha coef_i g,
