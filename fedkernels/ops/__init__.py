@@ -25,8 +25,11 @@ named like the op:
                       own derivative, or a clear error on backward, beside its wrapper)
 ====================  ==========================================================================
 
-Every function checks its arguments once, before any work, and raises ValueError (TypeError for
-non-tensors) naming the argument and what was expected (``_checks``). Non-contiguous inputs are
+Every argument is checked once, before any work, with a one-line ValueError (TypeError for
+non-tensors) naming the op, the argument, the value and what was expected: a tensor's shape, dtype,
+device and layout by the native op (``csrc/<op>_checks.h``, for every caller: the wrapper, a direct
+``torch.ops.fedkernels`` call, a compiled graph), types and values by the wrapper (``_checks``:
+row indices in range, finite coefficients, options). Non-contiguous inputs are
 accepted: a matrix only needs a unit column stride (a column chunk ``U[:, a:b]`` of a contiguous
 buffer is used without a copy); anything else is copied once. Small per-client vectors (``coef``,
 ``rows``, FedECADO's scalars) are validated on the host and passed to the native op as host
@@ -38,8 +41,9 @@ Screening is explicit and cheap: ``finite_rows(U)`` reads U once and says which 
 and ``weighted_sum_screened`` / ``gram_screened`` return the same flags from the op's own pass (no
 extra read); the aggregators use them to reject or exclude bad clients (see ``Aggregator.aggregate``).
 
-torch.compile: the wrappers trace with ``fullgraph=True``; checks that need tensor values are
-skipped while tracing (the kernels keep their own last-line checks), the others still raise.
+torch.compile: the wrappers trace with ``fullgraph=True``; the checks that need tensor values are
+skipped while tracing (the kernels keep their own range checks), and the native op checks the
+tensors when the graph runs.
 """
 
 from __future__ import annotations

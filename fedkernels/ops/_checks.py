@@ -177,14 +177,12 @@ def _finite_range(t: torch.Tensor) -> bool:
 
 
 def _host_coef(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
-    """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K."""
+    """Per-client scalars (FedECADO) as a contiguous float64 HOST tensor of length K, finite (and >= 0
+    with ``nonneg``) in eager mode. A vector that is not 1-D float of length K is handed on as it is,
+    on the host, for the native op to name its length or dtype error."""
     t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
-    if t.dim() != 1 or t.size(0) != K:
-        raise ValueError(
-            f"{op}: {name} must be a 1-D sequence of length K = {K} (one per client), got shape {tuple(t.shape)}"
-        )
-    if not t.dtype.is_floating_point:
-        raise ValueError(f"{op}: {name} must be a float tensor, got {t.dtype}")
+    if t.dim() != 1 or t.size(0) != K or not t.dtype.is_floating_point:
+        return t.detach().cpu()  # (on the host, as every host vector: the op's device is U's)
     t = t.detach().to(device=HOST, dtype=torch.float64).contiguous()
     if not tracing() and K:
         lo, hi = host_range(t)

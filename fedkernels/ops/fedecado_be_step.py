@@ -128,9 +128,9 @@ class BEStepWindow:
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         op = "fedecado_be_step"
         return (
-            _host_vector(theta_new, K, op, "theta_new"),
-            _host_vector(theta_old, K, op, "theta_old"),
-            _host_vector(inv_g, K, op, "inv_g", nonneg=True),
+            _host_coef(theta_new, K, op, "theta_new"),
+            _host_coef(theta_old, K, op, "theta_old"),
+            _host_coef(inv_g, K, op, "inv_g", nonneg=True),
         )
 
     def pair(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -169,16 +169,6 @@ class BEStepWindow:
             xc, Icur, self.xc0, self.U, self.Ik, self.S_off, thn, tho, ig, float(dt), self.L, xo, Io, self.lte
         )
         return xo, Io, self.lte
-
-
-def _host_vector(v: CoefLike, K: int, op: str, name: str, nonneg: bool = False) -> torch.Tensor:
-    """A per-client host vector as ``_checks._host_coef`` makes it (float64 on the host, values
-    checked) when it has the length and dtype the native op takes; otherwise handed on as it is, for
-    the native op to raise its length or dtype error (csrc/fedecado_be_step_checks.h)."""
-    t = torch.as_tensor(v, dtype=torch.float64) if not isinstance(v, torch.Tensor) else v
-    if t.dim() != 1 or t.size(0) != K or not t.dtype.is_floating_point:
-        return t.detach().cpu()  # (on the host, as every host vector: the op's device is U's)
-    return _host_coef(t, K, op, name, nonneg)
 
 
 def _positive(x: object, op: str, name: str) -> None:
