@@ -19,8 +19,8 @@ inline void fused_len(size_t got, size_t n, const char* name) {
   TORCH_CHECK_VALUE(got == n, "fused_sgd_step_: ", name, " must have one entry per parameter (", n, "), got ", got);
 }
 
-// name[i] has params[i]'s shape, dtype and device (the rule of fedkernels.ops._checks._tensor_list),
-// and is contiguous (the wrapper copies a non-contiguous one).
+// name[i] has params[i]'s shape, dtype and device, and is contiguous (the wrapper copies a
+// non-contiguous one).
 inline void fused_like(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
   TORCH_CHECK_VALUE(t.defined(), "fused_sgd_step_: ", name, "[", i, "] is undefined");
   TORCH_CHECK_VALUE(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() && t.device() == p.device(),
