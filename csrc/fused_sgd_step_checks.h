@@ -42,11 +42,14 @@ inline void fused_step_args(at::TensorList params, at::TensorList grads, at::Ten
   const size_t n = params.size();
   for (size_t i = 0; i < n; ++i) {
     const auto& p = params[i];
-    const std::string name = fused_entry("params", i);
-    TORCH_CHECK_VALUE(p.defined(), op, ": ", name, " is undefined");
-    float_dtype(p, op, name.c_str());
-    on_device(p, dev, op, name.c_str(), "params[0]");
-    TORCH_CHECK_VALUE(p.is_contiguous(), op, ": ", name, " must be contiguous (the fedkernels.ops wrapper copies it once)");
+    TORCH_CHECK_VALUE(p.defined(), op, ": params[", i, "] is undefined");
+    if (!is_float4(p.scalar_type()) || p.device() != dev) {  // (the entry's name is built only to report it)
+      const std::string name = fused_entry("params", i);
+      float_dtype(p, op, name.c_str());
+      on_device(p, dev, op, name.c_str(), "params[0]");
+    }
+    TORCH_CHECK_VALUE(p.is_contiguous(), op, ": params[", i,
+                      "] must be contiguous (the fedkernels.ops wrapper copies it once)");
   }
   fused_len(grads.size(), n, "grads");
   for (size_t i = 0; i < n; ++i) fused_like(grads[i], params[i], "grads", i);

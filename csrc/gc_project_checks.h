@@ -19,9 +19,8 @@ inline bool gc_args(at::TensorList tensors, c10::string_view policy, int64_t min
   TORCH_CHECK(min_fanin >= 1, op, ": min_fanin must be an int >= 1, got ", min_fanin);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    const std::string name = "tensors[" + std::to_string(i) + "]";
-    TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
-    float_dtype(t, op, name.c_str());
+    TORCH_CHECK_VALUE(t.defined(), op, ": tensors[", i, "] is undefined");
+    if (!is_float4(t.scalar_type())) float_dtype(t, op, ("tensors[" + std::to_string(i) + "]").c_str());
   }
   for (size_t i = 1; i < tensors.size(); ++i)
     TORCH_CHECK_VALUE(tensors[i].device() == tensors[0].device(), op,
