@@ -138,6 +138,17 @@ def _rows(rows: RowsLike, K: Optional[int], op: str, shape: bool = False) -> Opt
     return r.contiguous()
 
 
+def _selected_rows(U: torch.Tensor, rows: RowsLike, op: str) -> "tuple[Optional[torch.Tensor], Optional[int]]":
+    """(rows as :func:`_rows` gives them, checked against K = U.size(0); k = the number of selected rows).
+    k is None when U is not 2-D or the rows are not 1-D integers: the native op raises that error, and a
+    value check against a wrong k must not pre-empt it."""
+    K = _matrix_rows(U)
+    r = _rows(rows, K, op)
+    if K is None or (r is not None and (r.dim() != 1 or r.dtype != torch.long)):
+        return r, None
+    return r, K if r is None else r.numel()
+
+
 def _coef(coef: CoefLike, n: Optional[int], op: str, name: str = "coef", shape: bool = False) -> torch.Tensor:
     """Per-row float coefficients as a HOST tensor (a sequence is read as float64, an integer tensor
     converted to float64, a device tensor copied to the host once: a differentiable copy, so autograd

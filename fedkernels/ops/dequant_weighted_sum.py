@@ -11,14 +11,13 @@ No dequantised copy of ``Q`` is made: an int8 row is read as a quarter of an fp3
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import fake_devices, fake_size, _matrix, _needs_kernel, _tensor
+from ._checks import fake_devices, fake_size, _finite_number, _matrix, _needs_kernel, _tensor
 from .weighted_sum import _host_rows_coef
 
 __all__ = ["dequant_weighted_sum", "CODE_DTYPES", "RESULT_DTYPES"]
@@ -34,12 +33,6 @@ def _float_base(op: str, base: Optional[torch.Tensor], out_dtype: Optional[torch
     if out_dtype is not None and out_dtype not in RESULT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be torch.float32 or torch.float64, got {out_dtype!r}")
     return None if base is None else _tensor(base, op, "base").contiguous()
-
-
-def _alpha(alpha: object, op: str) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
-    return float(alpha)
 
 
 def _block(block: object, op: str) -> int:
@@ -75,7 +68,7 @@ def dequant_weighted_sum(
     block = _block(block, op)
     scales = _matrix(scales, op, "scales")
     r, c = _host_rows_coef(Q, rows, coef, op)
-    a = _alpha(alpha, op)
+    a = _finite_number(alpha, op, "alpha")
     base = _float_base(op, base, out_dtype)
     return _ag.call(torch.ops.fedkernels.dequant_weighted_sum, Q, scales, c, block, base, a, r, out_dtype)
 

@@ -23,7 +23,7 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import fake_devices, fake_size, _matrix, _needs_kernel, _no_grad_through, _tensor
+from ._checks import fake_devices, fake_size, _finite_number, _matrix, _needs_kernel, _no_grad_through, _tensor
 from .reductions import active_reducer
 from .weighted_sum import _host_rows_coef, _result_args
 
@@ -81,12 +81,11 @@ def weighted_sum_noised(
     U = _matrix(U, op)
     _needs_kernel(op, U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    a = _finite_number(alpha, op, "alpha")
     s = _noise_args(op, sigma, seed, counter, offset)
     _, base = _result_args(None, base, op)
     _no_grad_through(op, U, c, base)
-    return torch.ops.fedkernels.weighted_sum_noised(U, c, base, float(alpha), r, s, seed, counter, offset)
+    return torch.ops.fedkernels.weighted_sum_noised(U, c, base, a, r, s, seed, counter, offset)
 
 
 def philox_normal(n: int, seed: int, counter: int, j0: int = 0) -> torch.Tensor:

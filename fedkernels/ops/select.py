@@ -36,7 +36,7 @@ import torch
 
 from .._types import RowsLike
 from . import _autograd as _ag
-from ._checks import as_op, fake_size, _matrix, _matrix_rows, _needs_kernel, _rows
+from ._checks import as_op, fake_size, _matrix, _needs_kernel, _selected_rows
 from .reductions import shard_and
 
 __all__ = ["order_mean", "order_mean_screened", "closest_mean", "closest_mean_screened", "median_bounds", "trim_bounds"]
@@ -66,11 +66,8 @@ def _prepare(U: torch.Tensor, rows: RowsLike, op: str) -> Tuple[torch.Tensor, Op
     k must not pre-empt it)."""
     U = _matrix(U, op)
     _needs_kernel(op.removesuffix("_screened"), U.device, op)  # the native op of op and op_screened
-    K = _matrix_rows(U)
-    r = _rows(rows, K, op)
-    if K is None or (r is not None and (r.dim() != 1 or r.dtype != torch.long)):
-        return U, r, None
-    return U, r, K if r is None else r.numel()
+    r, k = _selected_rows(U, rows, op)
+    return U, r, k
 
 
 def _order_args(

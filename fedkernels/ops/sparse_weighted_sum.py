@@ -16,8 +16,8 @@ import torch
 
 from .._types import CoefLike, RowsLike
 from . import _autograd as _ag
-from ._checks import _batched, _coef, fake_devices, HOST, _needs_kernel, _rows, _tensor, tracing
-from .dequant_weighted_sum import _alpha, _float_base
+from ._checks import _batched, _coef, fake_devices, _finite_number, HOST, _needs_kernel, _rows, _tensor, tracing
+from .dequant_weighted_sum import _float_base
 from .weighted_sum import _NO_COEF
 
 __all__ = ["sparse_weighted_sum", "stack_lists"]
@@ -103,7 +103,7 @@ def sparse_weighted_sum(
         c = _coef(coef, o.numel() - 1 if r is None else r.numel(), op)
     else:  # these rules read idx as index lists: the native op raises idx's error first
         o, r, c = _NO_LISTS, None, _NO_COEF
-    a = _alpha(alpha, op)
+    a = _finite_number(alpha, op, "alpha")
     base = _float_base(op, base, out_dtype)
     return _ag.call(torch.ops.fedkernels.sparse_weighted_sum, idx, val, o, c, d, base, a, r, out_dtype)
 

@@ -15,7 +15,6 @@ dtype (``U``'s without ``base``); ``out=`` names it.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
@@ -25,11 +24,13 @@ from . import _autograd as _ag
 from ._checks import (
     FLOAT_DTYPES,
     _coef,
+    _finite_number,
     _float_dtype,
     _matrix,
     _needs_kernel,
     _no_grad_through,
     _rows,
+    _selected_rows,
     _tensor,
     fake_devices,
     fake_size,
@@ -55,18 +56,12 @@ _NO_COEF = torch.empty(0, dtype=torch.float64)
 def _host_rows_coef(
     U: torch.Tensor, rows: RowsLike, coef: CoefLike, op: str
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """(rows, coef) as host tensors, the rows in [0, K) and the coefficients finite (``_checks``). Both rules
-    read K = U.size(0): for a U that is not 2-D nothing is read, and the native op raises U's shape error."""
+    """(rows, coef) as host tensors, the rows in [0, K) and the coefficients finite (``_checks``). For a U
+    that is not 2-D nothing is read, and the native op raises U's shape error."""
     if U.dim() != 2:
         return None, _NO_COEF
-    r = _rows(rows, U.size(0), op)
-    return r, _coef(coef, U.size(0) if r is None else r.numel(), op)
-
-
-def _alpha(alpha: object, op: str) -> float:
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
-    return float(alpha)
+    r, n = _selected_rows(U, rows, op)
+    return r, _coef(coef, n, op)
 
 
 def _result_args(
@@ -102,7 +97,7 @@ def weighted_sum(
     U = _matrix(U, op)
     _needs_kernel("weighted_sum" if out is None else "weighted_sum_out", U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
-    alpha = _alpha(alpha, op)
+    alpha = _finite_number(alpha, op, "alpha")
     out, base = _result_args(out, base, op)
     if out is None:
         if _ag.needs_grad(U, c, base):
@@ -130,7 +125,7 @@ def weighted_sum_screened(
     U = _matrix(U, op)
     _needs_kernel(op if out is None else "weighted_sum_screened_out", U.device, op)
     r, c = _host_rows_coef(U, rows, coef, op)
-    a = _alpha(alpha, op)
+    a = _finite_number(alpha, op, "alpha")
     out, base = _result_args(out, base, op)
     if out is None:
         _no_grad_through(op, U, c, base)
@@ -168,7 +163,7 @@ def weighted_sum_chunked(
         raise ValueError(f"{op}: chunk_cols must be an int >= 1, got {chunk_cols!r}")
     if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype!r}")
-    _alpha(alpha, op)
+    _finite_number(alpha, op, "alpha")
     if base is not None:
         base = _tensor(base, op, "base")
     dev = torch.device(device) if device is not None else (base.device if base is not None else M.device)
