@@ -315,6 +315,34 @@ def test_needs_a_process_group(monkeypatch):
         DistributedSimulation(presets.get("smoke"))
 
 
+def test_own_group_destroyed_at_exit():
+    """A process group that `init_from_env` made is destroyed at exit while the interpreter is still
+    whole: a gloo group left to interpreter finalisation can abort a finished rank (SIGABRT,
+    "terminate called without an active exception"), and torchrun then reports the run failed. A
+    group the caller made is the caller's: it is left alone."""
+    import subprocess
+    import sys
+
+    code = r"""
+import atexit, sys
+import torch.distributed as dist
+from fedkernels.sim.distributed_sim import init_from_env
+caller = sys.argv[1] == "caller"
+if caller:
+    dist.init_process_group("gloo")
+    atexit.register(dist.destroy_process_group)  # the caller's own teardown, after the check below
+# atexit runs its handlers last-in first-out: this one runs after any that init_from_env registers
+atexit.register(lambda: print("initialised at exit:", dist.is_initialized(), flush=True))
+assert init_from_env("cpu") is not caller
+"""
+    for who, expect in (("own", False), ("caller", True)):
+        env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env["PYTHONPATH"] = os.getcwd()
+        p = subprocess.run([sys.executable, "-c", code, who], capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert f"initialised at exit: {expect}" in p.stdout, (who, p.stdout, p.stderr[-2000:])
+
+
 def test_torchrun_cli(tmp_path):
     """`torchrun --nproc_per_node 2 -m fedkernels run --preset smoke --distributed`: rank 0 alone
     writes the run directory and prints; the final model is the single-process one."""

@@ -44,6 +44,7 @@ single-process run and by a distributed run of any world size (``--resume`` re-s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -114,7 +115,19 @@ def init_from_env(device: str = "cpu") -> bool:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
+    atexit.register(_destroy_own_group)
     return True
+
+
+def _destroy_own_group() -> None:
+    """At exit: destroys the default group :func:`init_from_env` made, while the interpreter is still
+    whole. A gloo group left to interpreter finalisation is torn down with its worker threads still
+    holding work whose tensors need the GIL, which can abort the process (``terminate called without
+    an active exception``, SIGABRT) after the run finished: a finished rank would then exit -6, and
+    torchrun would report the whole run failed. Destroying the group is local (no collective), so it
+    cannot hang on a rank that is gone."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def assign_positions(K: int, world: int) -> List[Tuple[int, int]]:
