@@ -103,7 +103,7 @@ def test_output_modes_and_timeout(tmp_path):
             [PY, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
             capture_output=True,
             text=True,
-            timeout=1,
+            timeout=5,  # long enough for a loaded machine to print the pid before the timeout
         )
     with pytest.raises(ProcessLookupError):  # killed and reaped, not left running
         os.kill(int(e.value.output), 0)

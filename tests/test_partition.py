@@ -1,6 +1,5 @@
 """Client partitions: covers, disjointness, label structure, seeding, Dirichlet conventions."""
 
-import time
 import warnings
 
 import numpy as np
@@ -181,7 +180,6 @@ def test_dirichlet_per_client_fixed_sizes():
 
 def test_dirichlet_unreachable_min_warns_and_terminates():
     y = balanced_labels(per_class=30)  # 300 samples
-    t0 = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="unreachable"):
         parts = partition(y, 50, "dirichlet", seed=0, alpha=0.01, min_size=10)
     _assert_cover(parts, 300, 50)
@@ -191,7 +189,6 @@ def test_dirichlet_unreachable_min_warns_and_terminates():
         parts = partition(y, 20, "dirichlet", seed=0, alpha=0.001, min_size=12, max_retries=50)
     _assert_cover(parts, 300, 20)
     assert min(len(p) for p in parts) >= 12
-    assert time.perf_counter() - t0 < 20.0  # generous; the point is that it returns
 
 
 def test_dirichlet_reachable_min_does_not_warn():
