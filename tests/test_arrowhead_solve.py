@@ -90,6 +90,9 @@ def test_arrowhead_bad_inputs():
         ops.arrowhead_solve(torch.ones(2), 1.0, 1.0, 1.0, torch.zeros(4), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="length-2"):
         ops.arrowhead_solve(torch.ones(3), 1.0, 1.0, 1.0, torch.zeros(3), torch.zeros(2, 3))
+    for alpha in (float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(ValueError, match=r"^arrowhead_solve: alpha must be a finite number, got "):
+            ops.arrowhead_solve(torch.ones(2), 1.0, 1.0, alpha, torch.zeros(3), torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -9,7 +9,6 @@ these ops has a derivative: a backward through them raises.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from .. import _native
 from .._types import ScalarOrCoef
 from . import _autograd as _ag
-from ._checks import HOST, _needs_kernel, as_op, _no_grad_through, _tensor, tracing
+from ._checks import HOST, _finite_number, _needs_kernel, as_op, _no_grad_through, _tensor, tracing
 
 __all__ = ["lu_factor", "lu_factor_ex", "lu_solve", "arrowhead_solve", "LU_MAX_N"]
 
@@ -120,8 +119,7 @@ def arrowhead_solve(
         for name, v in zip("abc", coefs):
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"{op}: {name} must be finite")
-    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{op}: alpha must be a finite number, got {alpha!r}")
+    alpha = _finite_number(alpha, op, "alpha")
     if shaped and not tracing():
         if bool((coefs[0].detach() == 0).any()):
             raise ValueError(f"{op}: a must be nonzero (the diagonal block is diag(a))")
