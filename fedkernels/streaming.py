@@ -25,6 +25,7 @@ nothing is published (the temporary is removed) and the global model is never mo
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
@@ -209,18 +210,28 @@ def momentum_file(path: Union[str, os.PathLike], N: int, d: int, dtype: torch.dt
 
 
 # ---- op-level passes -------------------------------------------------------------------------------------
-def streamed_gram(src, rows=None, with_finite: bool = False):
+def _renamed(what: str, old: str, value: Optional[bool], screen: bool) -> bool:
+    """``screen``, or the value given under its former name ``old`` (with a DeprecationWarning)."""
+    if value is None:
+        return bool(screen)
+    warnings.warn(f"{what}: {old}= is now called screen=", DeprecationWarning, stacklevel=3)
+    return bool(value)
+
+
+def streamed_gram(src, rows=None, screen: bool = False, *, with_finite: Optional[bool] = None):
     """``ops.gram`` of the whole matrix, summed over column chunks in order (fp64 [K, K] on the CPU);
-    with ``with_finite`` also the [K] finite flags from the same pass. Both accumulate on the
-    chunks' device and come to the host once, at the end."""
+    with ``screen`` also the [K] finite flags (the NaN/Inf screen) from the same pass over the
+    source. Both accumulate on the chunks' device and come to the host once, at the end.
+    ``with_finite``: the former name of ``screen``."""
+    screen = _renamed("streamed_gram", "with_finite", with_finite, screen)
     src = _as_chunked(src)
     G = torch.zeros(src.K if rows is None else len(rows), src.K, dtype=torch.float64, device=src.device)
     fin = torch.ones(src.K, dtype=torch.bool, device=src.device)
     for _, _, c in src.chunks():
         G.add_(ops.gram(c, rows=rows))
-        if with_finite:
+        if screen:
             fin &= ops.finite_rows(c)
-    return (G.cpu(), fin.cpu()) if with_finite else G.cpu()
+    return (G.cpu(), fin.cpu()) if screen else G.cpu()
 
 
 def streamed_finite_rows(src) -> torch.Tensor:
@@ -239,13 +250,17 @@ def streamed_weighted_sum(
     alpha: float = 1.0,
     rows=None,
     out: OutLike = None,
-    check_finite: bool = False,
+    screen: bool = False,
+    *,
+    check_finite: Optional[bool] = None,
 ):
     """``base + alpha * sum_i coef_i U[rows_i]`` one chunk at a time ([d], base's dtype, else float32
-    for a bf16/fp16 source). ``out`` as above. With ``check_finite`` also returns the [K] finite
-    flags (the caller decides)."""
-    src = _as_chunked(src)
+    for a bf16/fp16 source). ``out`` as above. With ``screen`` also returns the [K] finite flags
+    (the NaN/Inf screen, from the sum's own read of each chunk where a kernel does both; the caller
+    decides). ``check_finite``: the former name of ``screen``."""
     what = "streamed_weighted_sum"
+    screen = _renamed(what, "check_finite", check_finite, screen)
+    src = _as_chunked(src)
     if base is not None:
         _check_vec(base, "base", what, src.d)
     odt = (
@@ -263,8 +278,8 @@ def streamed_weighted_sum(
             else torch.empty(src.d, dtype=odt, device=src.device)
         )
         for a, b, c in src.chunks():
-            if check_finite:
-                fin &= ops.finite_rows(c)
-            weighted_sum_block(c, c64, None if base is None else base[a:b], alpha, new[a:b], rows=r)
+            ok = weighted_sum_block(c, c64, None if base is None else base[a:b], alpha, new[a:b], rows=r, screen=screen)
+            if screen:
+                fin &= ok.to(fin.device)
         new = dst.publish(new.cpu())
-    return (new, fin.cpu()) if check_finite else new
+    return (new, fin.cpu()) if screen else new

@@ -47,12 +47,49 @@ def test_gram_and_sums_match_in_memory(data, tmp_path, chunk):
     ref = ops.weighted_sum(U, p, base=x, alpha=0.7)
     for name, s in _sources(U, tmp_path).items():
         src = ChunkedUpdates(s, K=K, d=D, chunk_cols=chunk)
-        G, fin = streamed_gram(src, with_finite=True)
+        G, fin = streamed_gram(src, screen=True)
         torch.testing.assert_close(G, G_ref, rtol=1e-13, atol=1e-13, msg=name)
         assert bool(fin.all())
         got = streamed_weighted_sum(src, p, base=x, alpha=0.7)
         assert torch.equal(got, ref), name  # per-coordinate: bitwise
         torch.testing.assert_close(streamed_gram(src, rows=[1, 4]), G_ref[[1, 4]], rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screen_flags_the_bad_rows_from_the_pass(data, dtype):
+    """``screen=True``: the [K] finite flags of the whole source with the Gram / the sum, the sum's
+    bits unchanged; the former names ``with_finite`` / ``check_finite`` still work, with a
+    DeprecationWarning."""
+
+    def same(a, b):  # the same values, NaN where NaN
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+    U, x, n = data
+    U = U.to(dtype)
+    U[2, 700] = float("nan")
+    U[4, 3] = float("-inf")
+    want = torch.tensor([k not in (2, 4) for k in range(K)])
+    p = torch.tensor(n, dtype=torch.float64)
+    p = p / p.sum()
+    src = ChunkedUpdates(U, chunk_cols=256)
+    G, fin = streamed_gram(src, screen=True)
+    assert torch.equal(fin, want)
+    same(G, streamed_gram(src))
+    new, fin = streamed_weighted_sum(src, p, base=x, alpha=0.7, screen=True)
+    assert torch.equal(fin, want)
+    same(new, streamed_weighted_sum(src, p, base=x, alpha=0.7))
+    ok = U.isfinite().all(1)
+    sel = torch.tensor([0, 1, 3, 5])
+    new_sel, fin = streamed_weighted_sum(src, p[sel], base=x, alpha=0.7, rows=sel, screen=True)
+    assert torch.equal(fin, want) and bool(new_sel.isfinite().all()) and bool(ok[sel].all())
+    with pytest.warns(DeprecationWarning, match=r"streamed_gram: with_finite= is now called screen="):
+        G_old, fin_old = streamed_gram(src, with_finite=True)
+    assert torch.equal(fin_old, want)
+    same(G_old, G)
+    with pytest.warns(DeprecationWarning, match=r"streamed_weighted_sum: check_finite= is now called screen="):
+        new_old, fin_old = streamed_weighted_sum(src, p, base=x, alpha=0.7, check_finite=True)
+    assert torch.equal(fin_old, want)
+    same(new_old, new)
 
 
 def test_fedavg_and_kuramoto_match_aggregators(data, tmp_path):
