@@ -577,7 +577,7 @@ def test_norm_bound_wrapper_clips_before_the_rule(name, opts):
     ],
 )
 def test_result_vector_on_huge_pages_and_into_out_is_the_same_model(monkeypatch, name, opts):
-    """The new model written into a huge-page mapping (common.result_vector -> _memory.new_vector; the size threshold lowered
+    """The new model written into a huge-page mapping (RoundInput.result_vector -> _memory.new_vector; the size threshold lowered
     so a small d takes that path) and into the caller's ``out`` is bitwise the model of a plain
     allocation; the mapped tensor owns its memory and shares like any."""
     from fedkernels import _memory

@@ -94,3 +94,63 @@ def test_payloads_keep_the_callers_dicts():
     pl = [{"a": 1}, {"b": 2}]
     rin = algorithms.build("fedavg").validate(x, U, n, payloads=pl)
     assert isinstance(rin.payloads, Payloads) and rin.payloads[0] is pl[0] and rin.payloads[1] is pl[1]
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("fedavg", {}),
+        ("kuramoto", {}),
+        ("kuramoto", {"mode": "P"}),
+        ("geometric_median", {}),
+        ("fedadam", {}),
+    ],
+)
+def test_the_result_pass_writes_into_out_with_the_same_bits(monkeypatch, name, opts):
+    """A dense round's result pass (a weighted sum on the global model) writes straight into the
+    caller's ``out``, not into a new vector copied there afterwards (FedAdam's result is not such a
+    pass: copied in): bitwise the model without ``out``. With a bad row and ``exclude``, the first
+    pass has written into ``out`` before the re-run: the re-run's model replaces it."""
+    from fedkernels import ops
+
+    x, U, n = _data(K=6, d=1001)
+    plain = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n).params
+    outs = []
+    for op in ("weighted_sum", "weighted_sum_screened"):
+        f = getattr(ops, op)
+
+        def spy(*a, _f=f, **kw):
+            outs.append(kw.get("out"))
+            return _f(*a, **kw)
+
+        monkeypatch.setattr(ops, op, spy)
+    out = torch.full_like(x, float("nan"))
+    into = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U, n, out=out)
+    assert into.params is out and torch.equal(out, plain)
+    assert any(o is out for o in outs) == (name != "fedadam"), outs
+    bad = U.clone()
+    bad[2, 500] = float("inf")
+    keep = [0, 1, 3, 4, 5]
+    ref = algorithms.build(name, server_lr=0.7, **opts).aggregate(x, U[keep], [n[k] for k in keep]).params
+    out = torch.full_like(x, float("nan"))
+    res = algorithms.build(name, server_lr=0.7, on_bad_update="exclude", **opts).aggregate(x, bad, n, out=out)
+    assert res.params is out and torch.equal(out, ref) and [e["client_id"] for e in res.info["excluded"]] == [2]
+
+
+def test_a_differentiable_result_pass_is_an_ordinary_op_call():
+    """With a gradient through the updates (rows screened before the method's pass, so its sum is the
+    differentiable op) the result pass stays the op's autograd form, never ``out=``: the same model,
+    and the gradient reaches U."""
+
+    class Plain(Counting):
+        name = "plain"
+        screen_in_pass = False
+
+    x, U, n = _data(K=4, d=37)
+    ref = Plain().aggregate(x, U, n).params
+    U = U.clone().requires_grad_(True)
+    got = Plain().aggregate(x, U, n).params
+    assert torch.equal(got.detach(), ref)
+    got.sum().backward()
+    p = torch.tensor(n, dtype=F64) / sum(n)
+    torch.testing.assert_close(U.grad, p.to(U.dtype).unsqueeze(1).expand_as(U), rtol=0, atol=0)

@@ -24,7 +24,7 @@ import torch
 
 from ..base import AggResult, Aggregator, RoundInput, register
 from ..._memory import new_vector
-from .common import check_int, check_positive, result_vector, row_dots
+from .common import check_int, check_positive, row_dots
 
 
 @register("centered_clip")
@@ -69,7 +69,7 @@ class CenteredClip(Aggregator):
         v = rin.weighted_sum(c, base=base)
         self.center = v
         new = (
-            torch.add(g, v, alpha=self.server_lr, out=result_vector(rin))
+            torch.add(g, v, alpha=self.server_lr, out=rin.result_vector())
             if v.dtype == g.dtype
             else g.add(v, alpha=self.server_lr)
         )

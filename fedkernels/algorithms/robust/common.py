@@ -9,7 +9,6 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 from ... import ops
-from ..._memory import new_vector
 from ..base import RoundInput, RowScaled
 
 # bytes of the reused [K + 1, w] stack buffer of ``row_dots`` (a column chunk of U and of the vector): few
@@ -61,27 +60,17 @@ def select_pass(
     return res
 
 
-def result_vector(rin: RoundInput) -> torch.Tensor:
-    """The [d] tensor (the global model's dtype and device) that a method's result pass writes the new
-    model into: the caller's ``out`` when it gave one (``rin.take_out``), else ``fedkernels._memory.new_vector``."""
-    out = rin.take_out()
-    if out is not None:
-        return out
-    g = rin.global_flat
-    return new_vector(rin.d, g.dtype, g.device)
-
-
 def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """The new model ``global + alpha * sum_i w[i] U[rows[i]]``: on a tensor whose rows are already
     screened (after the method's Gram pass) one ``ops.weighted_sum`` over the selected rows only (m rows
     read, not K; taken in ascending row order, the order of the full sum, whose zero terms add nothing)
-    into ``result_vector``; otherwise (a source, a row-scaled input, unscreened rows) ``rin.weighted_sum``
+    into ``rin.result_vector()``; otherwise (a source, a row-scaled input, unscreened rows) ``rin.weighted_sum``
     with zero weights on the other rows."""
     idx, order = torch.sort(torch.as_tensor(rows, dtype=torch.int64).reshape(-1).cpu())
     wv = torch.as_tensor(w, dtype=torch.float64).reshape(-1).cpu()[order]
     g = rin.global_flat
     if rin.src is None and not isinstance(rin, RowScaled) and not rin.unscreened:
-        return ops.weighted_sum(rin.U, wv, base=g, alpha=alpha, rows=idx, out=result_vector(rin))
+        return ops.weighted_sum(rin.U, wv, base=g, alpha=alpha, rows=idx, out=rin.result_vector())
     coef = torch.zeros(rin.K, dtype=torch.float64)
     coef[idx] = wv
     return rin.weighted_sum(coef, base=g, alpha=alpha)
@@ -89,12 +78,12 @@ def rows_sum(rin: RoundInput, rows: torch.Tensor, w: torch.Tensor, alpha: float 
 
 def step_from(rin: RoundInput, agg: torch.Tensor, lr: float) -> torch.Tensor:
     """The new global model ``global + lr * agg`` in the global model's dtype (``agg``: [d] fp32/fp64);
-    for an fp32/fp64 model one add into ``result_vector``."""
+    for an fp32/fp64 model one add into ``rin.result_vector()``."""
     g = rin.global_flat
     acc = torch.float64 if g.dtype == torch.float64 else torch.float32
     agg = agg.to(device=g.device, dtype=acc)
     if g.dtype == acc:
-        return torch.add(g, agg, alpha=lr, out=result_vector(rin))
+        return torch.add(g, agg, alpha=lr, out=rin.result_vector())
     return g.to(acc).add(agg, alpha=lr).to(g.dtype)
 
 
