@@ -62,10 +62,10 @@ def run(quick: bool = False, clients: int | None = None):
     agg = algorithms.build("fedavg")
     t_ours = timeit(lambda: agg.aggregate(x, U, n), repeats=rep)
     t_base = timeit(lambda: perlayer_fedavg(layers, p), repeats=max(2, rep // 2))
-    floor = (K + 2) * 4 * d
-    rows.append(
-        {
-            "method": "fedavg",
+
+    def row(method: str, t_ours: float, t_base: float, floor: float) -> dict:
+        return {
+            "method": method,
             "K": K,
             "d": d,
             "t_ours_s": t_ours,
@@ -74,23 +74,12 @@ def run(quick: bool = False, clients: int | None = None):
             "floor_s": floor / bw,
             "pct_of_floor": 100 * floor / bw / t_ours,
         }
-    )
 
+    floor = (K + 2) * 4 * d
+    rows.append(row("fedavg", t_ours, t_base, floor))
     # the same round into a caller's reused buffer: the result pass writes there (no fresh [d] vector)
     buf = torch.empty_like(x)
-    t_out = timeit(lambda: agg.aggregate(x, U, n, out=buf), repeats=rep)
-    rows.append(
-        {
-            "method": "fedavg out=",
-            "K": K,
-            "d": d,
-            "t_ours_s": t_out,
-            "t_perlayer_s": t_base,
-            "x_vs_perlayer": t_base / t_out,
-            "floor_s": floor / bw,
-            "pct_of_floor": 100 * floor / bw / t_out,
-        }
-    )
+    rows.append(row("fedavg out=", timeit(lambda: agg.aggregate(x, U, n, out=buf), repeats=rep), t_base, floor))
 
     fa = algorithms.build("fedaware", num_clients=K, elud=False)
     fa.setup(spec, num_clients=K, global_flat=x)
@@ -101,18 +90,7 @@ def run(quick: bool = False, clients: int | None = None):
     t_base = timeit(lambda: perlayer_fedaware(M_layers, layers, p, 0.5, ops.min_norm), repeats=2, warmup=1)
     # minimal traffic: EMA (read M_S, U_S, write M_S) + Gram (read M) + apply (read M_supp, x; write x)
     floor = 4 * d * (3 * K + K + K + 2)
-    rows.append(
-        {
-            "method": "fedaware",
-            "K": K,
-            "d": d,
-            "t_ours_s": t_ours,
-            "t_perlayer_s": t_base,
-            "x_vs_perlayer": t_base / t_ours,
-            "floor_s": floor / bw,
-            "pct_of_floor": 100 * floor / bw / t_ours,
-        }
-    )
+    rows.append(row("fedaware", t_ours, t_base, floor))
     return rows
 
 
