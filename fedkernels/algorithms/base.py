@@ -689,7 +689,8 @@ class Aggregator(abc.ABC):
           K empty dicts. Methods that need an entry say which when it is missing.
         * ``out``: optional [d] contiguous tensor of ``global_flat``'s dtype and device, not sharing
           memory with it, that receives the new model (``params`` is then ``out``). The method's result
-          pass (``RoundInput.result_vector``) writes into it: on a source each chunk as it is computed
+          pass (a ``RoundInput.weighted_sum`` on global_flat, or a write into
+          ``RoundInput.result_vector()``) writes into it: on a source each chunk as it is computed
           (no second [d] vector; a file mapping such as ``fedkernels.streaming``'s temporary output
           fills while the pass runs); a method whose result is not such a pass has it copied in. If
           ``aggregate`` raises, ``out``'s contents are undefined (``fedkernels.streaming`` publishes its
